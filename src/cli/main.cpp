@@ -1,0 +1,162 @@
+// sppo: the command line. Each subcommand fills an options struct and calls the library;
+// a bad option or input ends with one "[component] message" line and exit status 2.
+#include <CLI/CLI.hpp>
+#include <omp.h>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+
+#include "core/check.h"
+#include "train/bench.h"
+#include "train/trainer.h"
+
+namespace {
+
+using namespace sppo;
+
+// Model, data and layout options shared by `train` and `grads`.
+struct StepFlags {
+  std::string model = "small";
+  int vocab = 0, hidden = 0, layers = 0, heads = 0;
+  std::string seq_len = "2048";
+  std::string device_memory;
+};
+
+void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
+  std::string presets;
+  for (const auto& p : preset_names()) presets += (presets.empty() ? "" : ", ") + p;
+  cmd->add_option("--model", f.model, "Model preset: " + presets)->capture_default_str();
+  cmd->add_option("--vocab", f.vocab, "Vocabulary size V (overrides the preset)");
+  cmd->add_option("--hidden", f.hidden, "Hidden size H (overrides the preset)");
+  cmd->add_option("--layers", f.layers, "Number of blocks L (overrides the preset)");
+  cmd->add_option("--heads", f.heads, "Attention heads Z; H/Z must be even (overrides the preset)");
+  cmd->add_option("--seq-len", f.seq_len, "Tokens per step S; K and M suffixes allowed (64K, 1M)")
+      ->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the initial weights and the built-in task")->capture_default_str();
+  cmd->add_option("--data", o.data,
+                  "Training data: empty for the built-in repeat task, a text file (bytes), raw "
+                  "tokens (.u16/.u32), or a Megatron .bin/.idx prefix");
+  cmd->add_option("--data-dtype", o.data_dtype, "Read --data as raw tokens of this type (u16, u32)");
+  cmd->add_option("--threads", o.threads, "Compute threads (0: all cores)")->capture_default_str();
+  cmd->add_option("--subseqs", o.subseqs, "Subsequences N per sequence, or 'auto'")->capture_default_str();
+  cmd->add_option("--partition", o.partition,
+                  "How to cut the sequence: length (equal lengths), flops (equal FLOPs), adaptive")
+      ->capture_default_str();
+  cmd->add_option("--offload", o.offload,
+                  "Activation offload: none, full, adaptive (sized to hide behind compute and "
+                  "fit --device-memory), or a ratio in [0, 1]")
+      ->capture_default_str();
+  cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
+  cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
+  cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
+}
+
+void resolve_step_options(const StepFlags& f, StepOptions& o) {
+  o.model = preset(f.model);
+  o.model_name = f.model;
+  const bool custom = f.vocab || f.hidden || f.layers || f.heads;
+  auto positive = [](int v, const char* name) {
+    SPPO_CHECK(v > 0, "options") << name << " must be a positive integer (got " << v << ")";
+    return v;
+  };
+  // CLI11 leaves 0 when not given; an explicit 0 or negative is refused below.
+  if (f.vocab) o.model.vocab = positive(f.vocab, "--vocab");
+  if (f.hidden) o.model.hidden = positive(f.hidden, "--hidden");
+  if (f.layers) o.model.layers = positive(f.layers, "--layers");
+  if (f.heads) o.model.heads = positive(f.heads, "--heads");
+  if (custom) o.model_name = f.model + " (custom)";
+  o.seq_len = parse_count(f.seq_len, "--seq-len");
+  if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
+  o.model.validate();
+}
+
+void print_bench_layer(const nlohmann::json& j) {
+  std::printf("one block, forward + backward (fp32, %d threads, OpenBLAS core %s)\n",
+              j["threads"].get<int>(), j["blas_core"].get<std::string>().c_str());
+  std::printf("| H | heads | S | step s | tokens/s | model GFLOP/s | SGEMM peak GFLOP/s | fraction of peak | peak memory |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| %d | %d | %lld | %.3f | %.0f | %.1f | %.1f | %.3f | %s |\n", j["hidden"].get<int>(),
+              j["heads"].get<int>(), (long long)j["seq_len"].get<i64>(), j["step_time_s"].get<double>(),
+              j["tokens_per_s"].get<double>(), j["model_flops_per_s"].get<double>() / 1e9,
+              j["gemm_peak_flops_per_s"].get<double>() / 1e9, j["fraction_of_peak"].get<double>(),
+              format_bytes(j["peak_memory_bytes"].get<double>()).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"sppo: long-sequence transformer training with sequence pipeline parallel offloading"};
+  app.require_subcommand(1);
+
+  // train
+  TrainOptions train;
+  StepFlags train_flags;
+  auto* cmd_train = app.add_subcommand("train", "Train a GPT model on long sequences");
+  add_step_options(cmd_train, train_flags, train.step);
+  cmd_train->add_option("--steps", train.steps, "Optimizer steps")->capture_default_str();
+  cmd_train->add_option("--lr", train.lr, "Peak learning rate (warm-up, then cosine decay)")->capture_default_str();
+  cmd_train->add_option("--warmup", train.warmup, "Warm-up steps")->capture_default_str();
+  cmd_train->add_option("--weight-decay", train.weight_decay, "AdamW weight decay of matrices")->capture_default_str();
+  cmd_train->add_option("--clip", train.clip, "Gradient-norm clip (0: off)")->capture_default_str();
+  cmd_train->add_option("--metrics", train.metrics_path, "Write one JSON object per step to this .jsonl file");
+  cmd_train->add_option("--save", train.save_dir, "Checkpoint directory (written atomically)");
+  cmd_train->add_option("--save-every", train.save_every, "Also checkpoint every K steps");
+  cmd_train->add_option("--resume", train.resume_dir, "Continue from this checkpoint directory");
+  cmd_train->add_option("--trace", train.trace_path, "Chrome trace JSON of the last step (Perfetto)");
+  cmd_train->add_flag("--quiet", train.quiet, "No progress output");
+
+  // grads
+  StepOptions grads;
+  StepFlags grads_flags;
+  std::string grads_out, grads_init;
+  auto* cmd_grads = app.add_subcommand("grads", "Run one forward/backward and export weights, gradients and loss");
+  add_step_options(cmd_grads, grads_flags, grads);
+  cmd_grads->add_option("--out", grads_out, "Output directory")->required();
+  cmd_grads->add_option("--init", grads_init, "Take the weights from this checkpoint directory");
+
+  // bench
+  auto* cmd_bench = app.add_subcommand("bench", "Benchmarks that print a table, or JSON with --json");
+  cmd_bench->require_subcommand(1);
+  int bl_hidden = 1024, bl_heads = 16, bl_reps = 3, bl_threads = 0;
+  std::string bl_seq = "8192";
+  bool bl_json = false;
+  auto* cmd_bench_layer = cmd_bench->add_subcommand("layer", "One block's forward+backward vs this machine's SGEMM peak");
+  cmd_bench_layer->add_option("--hidden", bl_hidden, "Hidden size")->capture_default_str();
+  cmd_bench_layer->add_option("--heads", bl_heads, "Heads")->capture_default_str();
+  cmd_bench_layer->add_option("--seq-len", bl_seq, "Tokens")->capture_default_str();
+  cmd_bench_layer->add_option("--reps", bl_reps, "Timed repetitions (median)")->capture_default_str();
+  cmd_bench_layer->add_option("--threads", bl_threads, "Compute threads (0: all cores)");
+  cmd_bench_layer->add_flag("--json", bl_json, "Print one JSON object");
+
+
+
+  try {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return app.exit(e) == 0 ? 0 : 2;
+    }
+    if (*cmd_train) {
+      resolve_step_options(train_flags, train.step);
+      return run_train(train);
+    }
+    if (*cmd_grads) {
+      resolve_step_options(grads_flags, grads);
+      return run_grads(grads, grads_out, grads_init);
+    }
+    if (*cmd_bench_layer) {
+      if (bl_threads > 0) omp_set_num_threads(bl_threads);
+      const i64 S = parse_count(bl_seq, "--seq-len");
+      SPPO_CHECK(S >= 2, "options") << "--seq-len must be at least 2";
+      const auto j = bench_layer(bl_hidden, bl_heads, S, bl_reps);
+      if (bl_json) std::printf("%s\n", j.dump(2).c_str());
+      else print_bench_layer(j);
+      return 0;
+    }
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "sppo: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,62 @@
+// Layout tables (STYLE.md 3): every parameter and every activation that backward needs is
+// described once, here, as a TensorSpec list built from the config. The runtime carves its
+// buffers from these lists and the planner sums the same lists, so a plan and a run cannot
+// disagree on bytes.
+//
+// Saved activations of one block on one subsequence of T tokens (DESIGN.md 4):
+//   skeletal    k, v [T, H] (after RoPE): kept on the device for the whole step (KV cache)
+//   offloadable everything else below: the unit U(l, i) that offloading moves to the host
+// The LM head's backward runs right after the forward of a subsequence (its loss gradient
+// is known then), so only head_grad [T, H], the gradient reaching the last block's output,
+// is saved: one more offloadable tensor per subsequence.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/dims.h"
+
+namespace sppo {
+
+enum class DType { F32, BF16, I32 };
+enum class Tier { Device, Host };
+enum class Role { Skeletal, Offloadable, Parameter, Workspace };
+
+int dtype_bytes(DType t);
+const char* dtype_name(DType t);  // safetensors names: "F32", "BF16", "I32"
+
+struct TensorSpec {
+  std::string name;
+  std::vector<i64> shape;
+  DType dtype = DType::F32;
+  Role role = Role::Offloadable;
+
+  i64 numel() const;
+  i64 bytes() const { return numel() * dtype_bytes(dtype); }
+};
+
+i64 total_bytes(const std::vector<TensorSpec>& specs);
+
+// Parameters in checkpoint order, with the exact names of the export format:
+// embed.weight, blocks.{l}.ln1.weight, ..., ln_f.weight, ln_f.bias.
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c);
+
+// Precision of activations: fp32 on the CPU backend; bf16 on GPUs, where LayerNorm
+// statistics and the attention LSE stay fp32.
+enum class ActPrecision { F32, BF16 };
+
+// What one block saves for backward on T tokens (names without the "blocks.{l}." prefix).
+std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p);
+// What the LM head saves for a subsequence of T tokens (head_grad).
+std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p);
+// Scratch one block needs while it runs forward or backward on T tokens (freed after).
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p);
+// Scratch of the head: logits are computed in row chunks of at most `chunk` tokens.
+std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p);
+
+// Convenience sums.
+i64 skeletal_bytes_per_token(const ModelConfig& c, ActPrecision p);     // per block
+i64 offloadable_bytes_per_token(const ModelConfig& c, ActPrecision p);  // per block
+
+}  // namespace sppo

@@ -1,0 +1,49 @@
+// Causal flash attention on the CPU (fp32), the kernel the whole engine is built around.
+//
+// One call computes attention of a block of queries against ONE block of keys/values,
+// each at its own global position offset. Subsequences call it with their KV cache;
+// ring attention calls it once per ring step with the block that just arrived and merges
+// the partial results by log-sum-exp. No Tq x Tk score matrix is ever materialised:
+// scores live in cache-sized tiles, fully masked tiles are skipped, softmax is fused.
+//
+// Layout: row t of q holds Z heads of A dims at columns z*A .. z*A+A-1 (row stride ldq);
+// likewise k, v, out (strides ldk, ldv, ldo). lse is [Z, Tq] (head-major, dense).
+// Query row t has global position q_pos0 + t, key row s has k_pos0 + s; key s is visible to
+// query t iff k_pos0 + s <= q_pos0 + t. Scores are scaled by 1/sqrt(A).
+#pragma once
+
+#include "core/dims.h"
+
+namespace sppo::cpu {
+
+struct AttnDims {
+  int Tq = 0;      // query rows
+  int Tk = 0;      // key/value rows
+  int Z = 0;       // heads
+  int A = 0;       // head size
+  i64 q_pos0 = 0;  // global position of query row 0
+  i64 k_pos0 = 0;  // global position of key row 0
+  int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides (0 means Z*A)
+};
+
+// merge == false: out[Tq, Z*A] and lse[Z, Tq] are overwritten with this block's result.
+//   A query row that sees no key gets out = 0 and lse = -inf.
+// merge == true: out/lse already hold the result over other key blocks; the result over the
+//   union (the existing blocks and this one) replaces them, combined by log-sum-exp.
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       const AttnDims& d, bool merge);
+
+// delta[Z, Tq] = rowsum(dout * out) per head: computed once per query block, shared by every
+// key block's backward call.
+void attention_backward_delta(float* delta, const float* dout, const float* out,
+                              const AttnDims& d);
+
+// Backward of one (query block, key block) pair, given the FINAL out's lse and delta
+// (over all key blocks). dq[Tq, .] (stride ldq), dk[Tk, .] (stride ldk), dv[Tk, .] (stride
+// ldv) all ACCUMULATE (+=), so a query block's dq sums over its key blocks and a key block's
+// dk/dv sum over the query blocks that see it. dout has stride ldo.
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                        const float* k, const float* v, const float* lse, const float* delta,
+                        const AttnDims& d);
+
+}  // namespace sppo::cpu

@@ -1,0 +1,74 @@
+// CPU fp32 kernels of the GPT block, except attention (kernels/attention.h).
+//
+// Argument order (llm.c): outputs, saved-for-backward, inputs, weights, dims.
+// Accumulation rule: parameter gradients (dw, db, dembed) are ACCUMULATED (+=); activation
+// gradients are WRITTEN (=) unless the comment says "accumulates" (layernorm's dx does,
+// because it feeds the residual stream). Every buffer comment names its shape with the
+// letters of core/dims.h. All kernels are multi-threaded with OpenMP; GEMMs go to OpenBLAS.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dims.h"
+
+namespace sppo::cpu {
+
+// ---- GEMM -----------------------------------------------------------------------------
+// c[M, N] = alpha * op(a) @ op(b) + beta * c, row-major, op = transpose when trans_*.
+// lda/ldb/ldc are row strides of the stored matrices.
+void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* a, int lda,
+          const float* b, int ldb, float beta, float* c, int ldc);
+
+// Linear layer, PyTorch convention: w is [O, I].
+// out[T, O] = in[T, I] @ w^T + b   (b may be null). ld_* are row strides (0 means dense).
+void linear_forward(float* out, const float* in, const float* w, const float* b, int T, int I,
+                    int O, int ld_out = 0, int ld_in = 0);
+// din[T, I] = dout @ w (din may be null: skipped); dw[O, I] += dout^T @ in; db[O] += sum_t dout.
+void linear_backward(float* din, float* dw, float* db, const float* dout, const float* in,
+                     const float* w, int T, int I, int O, int ld_dout = 0, int ld_in = 0);
+
+// ---- embedding ------------------------------------------------------------------------
+// out[T, H] = embed[ids[t]]
+void embedding_forward(float* out, const std::int32_t* ids, const float* embed, int T, int H);
+// dembed[V, H] += scatter of dout[T, H] by ids (deterministic: same result for any thread count)
+void embedding_backward(float* dembed, const float* dout, const std::int32_t* ids, int T, int H,
+                        int V);
+
+// ---- LayerNorm (eps inside the sqrt, biased variance) ----------------------------------
+// out[T, H], mean[T], rstd[T] <- x[T, H], w[H], b[H]
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
+                       const float* b, int T, int H, float eps);
+// dx[T, H] accumulates; dw[H], db[H] accumulate.
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
+                        const float* w, const float* mean, const float* rstd, int T, int H);
+
+// ---- GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -----------------
+void gelu_forward(float* out, const float* in, i64 n);
+// din = dout * gelu'(in); din may alias dout.
+void gelu_backward(float* din, const float* dout, const float* in, i64 n);
+
+// ---- RoPE, rotate-half form, in place -------------------------------------------------
+// x: T rows of stride ld; each row holds Z heads of A dims in its first Z*A columns.
+// Row t has global position pos0 + t. For j < A/2, angle = pos * theta^(-2j/A):
+//   (x_j, x_{j+A/2}) -> (x_j cos - x_{j+A/2} sin, x_{j+A/2} cos + x_j sin).
+void rope_forward(float* x, int T, int Z, int A, i64 pos0, float theta, int ld);
+// The transpose (inverse) rotation, applied to a gradient in place.
+void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld);
+
+// ---- softmax cross-entropy, fused with its gradient --------------------------------------
+// logits[T, V] is overwritten by dlogits = (softmax(logits) - onehot(targets)) * grad_scale.
+// losses[T] receives -log softmax(logits)[target] per row. Returns the sum of losses (double).
+double xent_forward_backward(float* logits, float* losses, const std::int32_t* targets, int T,
+                             int V, float grad_scale);
+
+// ---- optimizer ------------------------------------------------------------------------
+// Sum of squares of g[n], accumulated in double, deterministic for any thread count.
+double sum_squares(const float* g, i64 n);
+void scale_inplace(float* x, i64 n, float s);
+// AdamW (decoupled weight decay), step t >= 1 (bias correction uses t):
+//   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//   p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + lr * wd * p
+void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int t);
+
+}  // namespace sppo::cpu

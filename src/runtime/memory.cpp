@@ -1,0 +1,90 @@
+#include "runtime/memory.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "core/check.h"
+#include "core/config.h"
+
+namespace sppo {
+
+namespace {
+constexpr std::size_t kAlignBytes = 64;  // one cache line; AVX-512 loads stay aligned
+}
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    tier_ = o.tier_;
+    data_ = o.data_;
+    bytes_ = o.bytes_;
+    o.tier_ = nullptr;
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void Buffer::reset() {
+  if (data_) tier_->release(data_, bytes_);
+  tier_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+MemoryTier::MemoryTier(Tier tier, i64 budget) : tier_(tier), budget_(budget) {}
+
+MemoryTier::~MemoryTier() { SPPO_ASSERT_MSG(stats_.current == 0, "memory tier destroyed with " << stats_.current << " bytes still allocated"); }
+
+Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
+  SPPO_ASSERT(bytes >= 0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPPO_CHECK(budget_ == 0 || stats_.current + bytes <= budget_, "memory")
+        << (tier_ == Tier::Device ? "device" : "host") << " memory budget exceeded: "
+        << what << " asks " << format_bytes(double(bytes)) << " (" << bytes << " B) with "
+        << format_bytes(double(stats_.current)) << " in use of a budget of "
+        << format_bytes(double(budget_))
+        << "; use more subsequences (--subseqs), offload more (--offload full), or a larger "
+           "--device-memory";
+    stats_.current += bytes;
+    if (stats_.current > stats_.peak) stats_.peak = stats_.current;
+  }
+  const std::size_t rounded = (std::size_t(bytes) + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
+  void* p = std::aligned_alloc(kAlignBytes, rounded == 0 ? kAlignBytes : rounded);
+  if (!p) {
+    release(nullptr, bytes);
+    SPPO_CHECK(false, "memory") << "out of host memory allocating " << format_bytes(double(bytes))
+                                << " for " << what;
+  }
+  Buffer b;
+  b.tier_ = this;
+  b.data_ = p;
+  b.bytes_ = bytes;
+  return b;
+}
+
+Buffer MemoryTier::alloc_zeroed(i64 bytes, const std::string& what) {
+  Buffer b = alloc(bytes, what);
+  std::memset(b.data(), 0, std::size_t(bytes));
+  return b;
+}
+
+void MemoryTier::release(void* p, i64 bytes) {
+  std::free(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.current -= bytes;
+  SPPO_ASSERT(stats_.current >= 0);
+}
+
+MemoryStats MemoryTier::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void MemoryTier::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak = stats_.current;
+}
+
+}  // namespace sppo

@@ -1,0 +1,78 @@
+// Memory tiers with exact byte accounting (DESIGN.md 4, STYLE.md 4).
+//
+// Contract: every byte the runtime holds for a step lives in a Buffer allocated from a
+// MemoryTier. The device tier has a hard budget: an allocation that would exceed it throws
+// sppo::Error naming the bytes asked, the bytes in use and the budget. Accounting counts
+// the bytes asked for (what the layout tables and the planner count), current and peak,
+// and is thread-safe: copy streams free device memory when an offload completes.
+// On the CPU backend both tiers are host memory; the device tier is the budgeted arena
+// that stands for a GPU's memory.
+#pragma once
+
+#include <cstddef>
+#include <mutex>
+#include <string>
+
+#include "core/dims.h"
+#include "core/layout.h"
+
+namespace sppo {
+
+class MemoryTier;
+
+// Owning handle of one allocation; move-only, frees on destruction.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { reset(); }
+
+  void reset();
+  float* f32() const { return static_cast<float*>(data_); }
+  void* data() const { return data_; }
+  i64 bytes() const { return bytes_; }
+  explicit operator bool() const { return data_ != nullptr; }
+
+ private:
+  friend class MemoryTier;
+  MemoryTier* tier_ = nullptr;
+  void* data_ = nullptr;
+  i64 bytes_ = 0;
+};
+
+struct MemoryStats {
+  i64 current = 0;
+  i64 peak = 0;
+};
+
+class MemoryTier {
+ public:
+  // budget 0 means unlimited.
+  MemoryTier(Tier tier, i64 budget);
+  MemoryTier(const MemoryTier&) = delete;
+  MemoryTier& operator=(const MemoryTier&) = delete;
+  ~MemoryTier();
+
+  // `what` names the tensor in the over-budget error.
+  Buffer alloc(i64 bytes, const std::string& what);
+  Buffer alloc_zeroed(i64 bytes, const std::string& what);
+
+  MemoryStats stats() const;
+  void reset_peak();
+  i64 budget() const { return budget_; }
+  Tier tier() const { return tier_; }
+
+ private:
+  friend class Buffer;
+  void release(void* p, i64 bytes);
+
+  Tier tier_;
+  i64 budget_;
+  mutable std::mutex mu_;
+  MemoryStats stats_;
+};
+
+}  // namespace sppo

@@ -1,0 +1,89 @@
+// The schedule IR (DESIGN.md 7, STYLE.md 1): for every rank an ordered list of ops.
+// Builders (schedule/builders.h) turn a plan into a Schedule; two executors interpret it:
+// the runtime (runtime/executor.h) with real tensors and copies, and the simulator
+// (sim/) with a cost model. Both switch over OpKind, so adding a kind breaks the build
+// of every executor until it handles it.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/dims.h"
+
+namespace sppo::sched {
+
+enum class OpKind {
+  Forward,       // F: forward of layers [layer_begin, layer_end) on (subseq, piece)
+  Backward,      // B: backward of the same
+  Offload,       // O: start copying `fraction` of the offloadable unit of (subseq) to host;
+                 //    its device memory is released when the copy completes
+  Prefetch,      // P: start copying the host part of (subseq) back to the device
+  WaitOffload,   // wait until the offload of (subseq) has completed
+  WaitPrefetch,  // wait until the prefetch of (subseq) has completed
+  Send,          // send `payload` of (subseq, piece) to rank `peer`
+  Recv,          // receive `payload` of (subseq, piece) from rank `peer`
+  RingStep,      // one ring-attention step `step` of (layer range, subseq, piece) with `peer`
+  AllReduce,     // all-reduce of the weight gradients across `group`
+};
+
+// What a Send/Recv/RingStep moves.
+// KV / KVGrad are held rows (a piece's K and V gathered to its stage's owner, and the
+// owner's accumulated dK/dV rows returned to a piece's rank before its backward);
+// KVStream / KVGradStream are transient: earlier positions' K and V streamed to an MSP
+// piece in chunks, and the piece's partial dK/dV of those positions streamed back.
+enum class Payload { None, Hidden, HiddenGrad, KV, KVGrad, Weights, WeightGrads, KVStream, KVGradStream };
+
+struct Op {
+  OpKind kind = OpKind::Forward;
+  int layer_begin = 0;   // stage layers [layer_begin, layer_end)
+  int layer_end = 0;
+  int subseq = 0;        // i
+  int piece = 0;         // MSP / SP piece index within the subsequence
+  int pieces = 1;        // number of pieces the subsequence is split into
+  int peer = -1;         // Send/Recv partner rank; RingStep: the rank sent to
+  int recv_peer = -1;    // RingStep: the rank received from
+  int step = 0;          // RingStep index
+  i64 tokens = 0;        // Send/Recv/RingStep: tokens whose payload moves (0: the whole piece)
+  Payload payload = Payload::None;
+  double fraction = 0;   // Offload/Prefetch: alpha_i, the fraction of the unit moved
+  std::vector<int> group;  // AllReduce ranks; RingStep: the ring's ranks in ring order
+
+  bool operator==(const Op&) const = default;
+};
+
+struct Schedule {
+  int ranks = 1;
+  int replicas = 1;                     // DP replicas, each training its own sequence
+  int layers = 0;
+  std::vector<i64> lengths;             // l_i of every subsequence
+  std::vector<std::vector<Op>> ops;     // ops[rank] in program order
+  // Layers whose weights, gradients and optimizer state each rank owns, [begin, end);
+  // empty means every rank owns all layers. The embedding lives with layer 0 and, tied,
+  // again with layer L-1 when that is another rank.
+  std::vector<std::pair<int, int>> owned;
+
+  i64 offset(int i) const;              // o_i = l_0 + ... + l_{i-1}
+  i64 seq_len() const;                  // S
+};
+
+// The identity a receive matches a send by (an MPI tag): payload, subsequence, piece,
+// layers and tokens; ring steps match by step and ring (every piece sends its own block).
+// Messages with equal keys between two ranks are received in the order sent.
+struct MessageKey {
+  Payload payload = Payload::None;
+  int subseq = 0, piece = 0, pieces = 1, layer_begin = 0, layer_end = 0, step = 0;
+  i64 tokens = 0;
+  bool operator==(const MessageKey&) const = default;
+};
+MessageKey message_key(const Op& op);
+
+// Canonical one-line text form of an op, e.g. "F L0-3 s2", "O s1 0.5", "send hidden s2 -> r1".
+// Layer ranges print inclusive ("L0-3" is [0, 4)); pieces print as "p1/4" when pieces > 1.
+std::string to_string(const Op& op);
+// Canonical text of a whole schedule: one "rank R:" header per rank, then one op per line.
+std::string to_string(const Schedule& s);
+const char* to_string(OpKind k);
+const char* to_string(Payload p);
+
+}  // namespace sppo::sched

@@ -1,0 +1,45 @@
+// Everything that shapes a training run or one exported step, as the CLI fills it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/config.h"
+
+namespace sppo {
+
+struct StepOptions {
+  ModelConfig model;
+  std::string model_name = "small";   // preset, or "custom" when sizes were given
+  i64 seq_len = 4096;                 // S
+  std::uint64_t seed = 1234;
+  std::string data;                   // "" = the built-in repeat task
+  std::string data_dtype;             // "u16" / "u32" for raw token files with other names
+  int threads = 0;                    // 0 = OpenMP default
+  // SPPO on one process
+  std::string subseqs = "1";          // N, or "auto"
+  std::string partition = "length";   // length | flops | adaptive
+  std::string offload = "none";       // none | full | adaptive | <ratio in [0, 1]>
+  i64 device_memory = 0;              // bytes; 0 = unlimited
+  bool recompute = false;             // full activation recomputation baseline
+  std::string hardware;               // profile used by adaptive choices ("" = measured here)
+};
+
+struct TrainOptions {
+  StepOptions step;
+  int steps = 200;
+  float lr = 3e-3f;
+  float min_lr_ratio = 0.1f;          // cosine decays to lr * min_lr_ratio
+  int warmup = 20;
+  float weight_decay = 0.1f;
+  float beta1 = 0.9f, beta2 = 0.95f, adam_eps = 1e-8f;
+  float clip = 1.0f;                  // global gradient-norm clip; 0 = off
+  std::string save_dir;
+  int save_every = 0;
+  std::string resume_dir;
+  std::string metrics_path;
+  std::string trace_path;
+  bool quiet = false;
+};
+
+}  // namespace sppo

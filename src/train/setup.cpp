@@ -1,0 +1,88 @@
+#include "train/setup.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "core/check.h"
+#include "schedule/builders.h"
+#include "train/partition.h"
+
+namespace sppo {
+
+namespace {
+
+int resolve_subseqs(const StepOptions& o, i64 S) {
+  if (o.subseqs == "auto") return int(std::max<i64>(1, std::min<i64>(S, (S + 8191) / 8192)));
+  i64 n = 0;
+  try {
+    n = parse_count(o.subseqs, "--subseqs");
+  } catch (const Error&) {
+    SPPO_CHECK(false, "options") << "--subseqs '" << o.subseqs
+                                 << "' is not a count; give a positive integer or 'auto'";
+  }
+  SPPO_CHECK(n >= 1 && n <= S, "options")
+      << "--subseqs " << n << " must be between 1 and --seq-len (" << S << ")";
+  return int(n);
+}
+
+}  // namespace
+
+double mean_loss(const std::vector<float>& losses, i64 begin, i64 end) {
+  double s = 0;
+  for (i64 t = begin; t < end; ++t) s += losses[std::size_t(t)];
+  return end > begin ? s / double(end - begin) : 0.0;
+}
+
+void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const float std_w = 0.02f, std_resid = 0.02f / std::sqrt(2.0f * float(c.layers));
+  float* p = params;
+  for (const auto& spec : parameter_specs(c)) {
+    const i64 n = spec.numel();
+    const std::string& name = spec.name;
+    auto ends_with = [&](const char* suf) {
+      const std::string s(suf);
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (spec.shape.size() == 2) {
+      const bool resid = ends_with("attn.out.weight") || ends_with("mlp.proj.weight");
+      const float sd = resid ? std_resid : std_w;
+      for (i64 k = 0; k < n; ++k) p[k] = sd * normal(rng);
+    } else {
+      const float fill = (ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("ln_f.weight")) ? 1.0f : 0.0f;
+      std::fill(p, p + n, fill);
+    }
+    p += n;
+  }
+}
+
+StepSetup make_setup(const StepOptions& o) {
+  StepSetup s;
+  s.config = o.model;
+  s.config.validate();
+  SPPO_CHECK(o.seq_len >= 2, "options") << "--seq-len " << o.seq_len << " is too short; use at least 2";
+  const i64 S = o.seq_len;
+
+  s.data = io::open_data(o.data, s.config.vocab, o.seed, io::DataOptions{0, o.data_dtype});
+  s.data->check_vocab(s.config.vocab);
+  s.repeat_task = o.data.empty() || o.data == "repeat";
+
+  const int N = resolve_subseqs(o, S);
+  SPPO_CHECK(!o.recompute || N == 1, "options")
+      << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
+  s.lengths = choose_partition(o.partition, s.config, S, N);
+
+  // TODO(planner): adaptive alpha from the cost model.
+  s.alpha = choose_alpha(o.offload, s.config, s.lengths, o.device_memory);
+  s.schedule = sched::build_single(s.config.layers, s.lengths, s.alpha);
+
+  RuntimeOptions ro;
+  ro.device_budget = o.device_memory;
+  ro.recompute = o.recompute;
+  s.runtime = std::make_unique<Runtime>(s.config, ro);
+  return s;
+}
+
+}  // namespace sppo

@@ -1,0 +1,40 @@
+// Turning options into a ready step: model config, data, runtime, partition, alpha and the
+// schedule. Shared by `sppo train`, `sppo grads` and the benchmarks, so every mode that
+// trains can also be exported and measured. Everything is validated here, before any work.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/data.h"
+#include "runtime/executor.h"
+#include "schedule/ir.h"
+#include "train/options.h"
+
+namespace sppo {
+
+struct StepSetup {
+  ModelConfig config;
+  std::unique_ptr<io::TokenSource> data;
+  std::unique_ptr<Runtime> runtime;
+  std::vector<i64> lengths;     // l_i
+  std::vector<double> alpha;    // alpha_i
+  sched::Schedule schedule;
+  i64 predicted_peak_bytes = 0; // the memory model's prediction for this schedule
+  bool repeat_task = false;     // the built-in task: report both halves' losses
+};
+
+// Resolves the model (preset or sizes), opens and checks the data, picks N, the lengths and
+// alpha, checks the budget, builds the schedule and the runtime. Throws sppo::Error with a
+// message naming the option and what would work.
+StepSetup make_setup(const StepOptions& o);
+
+// GPT-2 style initialisation from `seed`: N(0, 0.02) matrices, residual projections scaled
+// by 1/sqrt(2L), zero biases, unit LayerNorm gains. Deterministic for any thread count.
+void init_params(const ModelConfig& c, float* params, std::uint64_t seed);
+
+// Mean loss over target positions [begin, end) of a step's per-position losses.
+double mean_loss(const std::vector<float>& losses, i64 begin, i64 end);
+
+}  // namespace sppo
