@@ -67,7 +67,7 @@ StepSetup make_setup(const StepOptions& o) {
 
   s.data = io::open_data(o.data, s.config.vocab, o.seed, io::DataOptions{0, o.data_dtype});
   s.data->check_vocab(s.config.vocab);
-  s.repeat_task = o.data.empty() || o.data == "repeat";
+  s.repeat_task = o.data.empty() || o.data.rfind("repeat", 0) == 0;
 
   const int N = resolve_subseqs(o, S);
   SPPO_CHECK(!o.recompute || N == 1, "options")

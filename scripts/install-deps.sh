@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what sppo builds and tests with, from Debian's packages. Idempotent: packages
+# already present are left alone, and nothing is asked when all are there.
+set -euo pipefail
+
+packages=(
+  cmake g++ make pkg-config
+  libopenblas-dev            # SGEMM
+  libomp-dev                 # OpenMP runtime headers (GCC's libgomp comes with g++)
+  libopenmpi-dev openmpi-bin # ranks for the multi-process modes and their tests
+  nlohmann-json3-dev         # JSON for plans, configs, metrics, safetensors headers
+  libcli11-dev               # the command line
+  libgtest-dev               # tests
+  libbenchmark-dev           # micro-benchmarks
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "installing: ${missing[*]}"
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,157 @@
+// Every subsequence, offload and recompute mode must reproduce the whole-sequence reference
+// (one process, N = 1, no offload): the loss and every parameter gradient, to fp32 rounding
+// (DESIGN.md 3). Also a 20-step training run must give the same loss curve.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "core/layout.h"
+#include "schedule/builders.h"
+#include "train/setup.h"
+#include "train/trainer.h"
+
+namespace sppo {
+namespace {
+
+ModelConfig small_config() {
+  ModelConfig c;
+  c.vocab = 41;
+  c.hidden = 32;
+  c.layers = 3;
+  c.heads = 4;
+  return c;
+}
+
+struct Grads {
+  double loss = 0;
+  std::vector<float> g;
+  i64 peak = 0;
+  i64 offloaded = 0;
+};
+
+std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> t(std::size_t(S + 1));
+  for (auto& x : t) x = std::int32_t(rng() % unsigned(V));
+  return t;
+}
+
+Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
+          const std::vector<std::int32_t>& tokens, bool recompute = false) {
+  RuntimeOptions o;
+  o.recompute = recompute;
+  o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
+  Runtime rt(c, o);
+  init_params(c, rt.params(), 99);
+  // Perturb every parameter so LayerNorm gains and biases are not trivially 1 or 0.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0.0f, 0.05f);
+  for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
+  StepResult r = rt.step(sched::build_single(c.layers, lengths, alpha), tokens.data());
+  Grads out;
+  out.loss = r.loss;
+  out.g.assign(rt.grads(), rt.grads() + c.num_params());
+  out.peak = r.device.peak;
+  out.offloaded = r.offloaded_bytes;
+  return out;
+}
+
+// Per-tensor relative L2 error of b against the reference a; the worst tensor's.
+double worst_rel_error(const ModelConfig& c, const Grads& ref, const Grads& got, std::string* which) {
+  double worst = 0;
+  i64 off = 0;
+  for (const auto& spec : parameter_specs(c)) {
+    double num = 0, den = 0;
+    for (i64 k = off; k < off + spec.numel(); ++k) {
+      const double d = double(got.g[k]) - double(ref.g[k]);
+      num += d * d;
+      den += double(ref.g[k]) * double(ref.g[k]);
+    }
+    const double e = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+    if (e > worst) {
+      worst = e;
+      *which = spec.name;
+    }
+    off += spec.numel();
+  }
+  return worst;
+}
+
+std::vector<i64> equal_lengths(i64 S, int N) {
+  std::vector<i64> l(std::size_t(N), S / N);
+  for (i64 k = 0; k < S % N; ++k) ++l[std::size_t(k)];
+  return l;
+}
+
+std::vector<double> alphas(int N, double a) {
+  std::vector<double> v(std::size_t(N), a);
+  v[std::size_t(N) - 1] = 0;  // the last subsequence's backward comes first: never offloaded
+  return v;
+}
+
+void expect_matches(const ModelConfig& c, const Grads& ref, const Grads& got, const std::string& what) {
+  std::string which;
+  const double e = worst_rel_error(c, ref, got, &which);
+  EXPECT_LT(std::fabs(got.loss - ref.loss) / std::fabs(ref.loss), 1e-5) << what << ": loss " << got.loss << " vs " << ref.loss;
+  EXPECT_LT(e, 1e-5) << what << ": worst gradient " << which << " relative L2 error " << e;
+}
+
+TEST(Subsequences, MatchTheWholeSequenceReference) {
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 1);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  ASSERT_TRUE(std::isfinite(ref.loss));
+  for (int N : {2, 3, 7, 16})
+    for (double a : {0.0, 0.5, 1.0})
+      expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens),
+                     "N=" + std::to_string(N) + " alpha=" + std::to_string(a));
+}
+
+TEST(Subsequences, UnevenLengthsIncludingLengthOne) {
+  const ModelConfig c = small_config();
+  const i64 S = 40;
+  const auto tokens = random_tokens(S, c.vocab, 2);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const std::vector<std::vector<i64>> cases = {{1, 39}, {39, 1}, {17, 1, 22}, {1, 1, 1, 37}, {5, 9, 1, 13, 12}};
+  for (const auto& l : cases) {
+    const int N = int(l.size());
+    for (double a : {0.0, 0.5, 1.0}) expect_matches(c, ref, run(c, l, alphas(N, a), tokens), "uneven N=" + std::to_string(N));
+  }
+}
+
+TEST(Subsequences, PerSubsequenceAlpha) {
+  const ModelConfig c = small_config();
+  const i64 S = 50;
+  const auto tokens = random_tokens(S, c.vocab, 3);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const Grads got = run(c, {10, 12, 8, 20}, {1.0, 0.3, 0.75, 0.0}, tokens);
+  expect_matches(c, ref, got, "mixed alpha");
+  EXPECT_GT(got.offloaded, 0);
+}
+
+TEST(Subsequences, RecomputeBaselineMatches) {
+  const ModelConfig c = small_config();
+  const i64 S = 45;
+  const auto tokens = random_tokens(S, c.vocab, 4);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const Grads rc = run(c, {S}, {0.0}, tokens, true);
+  expect_matches(c, ref, rc, "recompute");
+  EXPECT_LT(rc.peak, ref.peak) << "recompute should hold less than the reference";
+}
+
+TEST(Subsequences, OffloadLowersPeakDeviceMemory) {
+  ModelConfig c = small_config();
+  c.hidden = 64;
+  const i64 S = 256;
+  const auto tokens = random_tokens(S, c.vocab, 6);
+  const Grads none = run(c, equal_lengths(S, 8), alphas(8, 0.0), tokens);
+  const Grads full = run(c, equal_lengths(S, 8), alphas(8, 1.0), tokens);
+  EXPECT_LT(full.peak, none.peak);
+  EXPECT_EQ(none.offloaded, 0);
+  EXPECT_GT(full.offloaded, 0);
+}
+
+}  // namespace
+}  // namespace sppo
