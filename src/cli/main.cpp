@@ -103,6 +103,8 @@ int main(int argc, char** argv) {
   cmd_train->add_option("--save", train.save_dir, "Checkpoint directory (written atomically)");
   cmd_train->add_option("--save-every", train.save_every, "Also checkpoint every K steps");
   cmd_train->add_option("--resume", train.resume_dir, "Continue from this checkpoint directory");
+  cmd_train->add_option("--stop-after", train.stop_after,
+                        "End after step K (checkpointed when --save is given); --resume continues");
   cmd_train->add_option("--trace", train.trace_path, "Chrome trace JSON of the last step (Perfetto)");
   cmd_train->add_flag("--quiet", train.quiet, "No progress output");
 

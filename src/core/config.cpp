@@ -18,7 +18,7 @@ struct Preset {
 // Small presets train here in seconds; the gpt-* shapes are the paper's Table 2.
 const Preset kPresets[] = {
     {"tiny", {64, 64, 2, 4, 4, 10000.0f, 1e-5f}},
-    {"small", {256, 128, 4, 4, 4, 10000.0f, 1e-5f}},
+    {"small", {64, 128, 2, 4, 4, 10000.0f, 1e-5f}},
     {"medium", {256, 256, 4, 4, 4, 10000.0f, 1e-5f}},
     {"bench", {256, 1024, 4, 16, 4, 10000.0f, 1e-5f}},
     {"gpt-7b", {50304, 4096, 32, 32, 4, 10000.0f, 1e-5f}},

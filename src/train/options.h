@@ -37,6 +37,8 @@ struct TrainOptions {
   std::string save_dir;
   int save_every = 0;
   std::string resume_dir;
+  int stop_after = 0;                 // end this process after step K (0: run to --steps),
+                                      // e.g. to fit a job's time slot; resume continues it
   std::string metrics_path;
   std::string trace_path;
   bool quiet = false;

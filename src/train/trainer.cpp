@@ -178,11 +178,15 @@ int run_train(const TrainOptions& o) {
       SPPO_CHECK(f.good(), "io") << "cannot write --trace " << o.trace_path;
       f << chrome_trace_json(r.trace);
     }
-    if (!o.save_dir.empty() && ((o.save_every > 0 && done % o.save_every == 0) || done == o.steps))
+    const bool stopping = o.stop_after > 0 && done == o.stop_after && done < o.steps;
+    if (!o.save_dir.empty() &&
+        ((o.save_every > 0 && done % o.save_every == 0) || done == o.steps || stopping))
       save(done);
+    if (stopping) break;
   }
   if (!o.quiet)
-    std::fprintf(stderr, "done: %d steps, last step %.3f s\n", o.steps - start_step, last_step_s);
+    std::fprintf(stderr, "done: %d steps, last step %.3f s\n",
+                 (o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps) - start_step, last_step_s);
   return 0;
 }
 
@@ -194,9 +198,11 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
   const ModelConfig& c = s.config;
   const i64 S = o.seq_len;
   if (!init_from.empty()) {
+    // A checkpoint is loaded whole (its optimizer state lands in the unused moments).
     auto weights = tensors_of(c, rt.params(), "");
-    std::vector<io::CheckpointTensor> none;
-    io::load_checkpoint(init_from, weights, none);
+    auto opt_state = tensors_of(c, rt.adam_m(), ".m");
+    for (auto& t : tensors_of(c, rt.adam_v(), ".v")) opt_state.push_back(t);
+    io::load_checkpoint(init_from, weights, opt_state);
   } else {
     init_params(c, rt.params(), o.seed);
   }

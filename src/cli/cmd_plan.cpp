@@ -1,0 +1,259 @@
+#include "cli/cmd_plan.h"
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "planner/profile.h"
+#include "sim/solver.h"
+
+namespace sppo::cli {
+
+namespace {
+
+std::optional<int> g_result;
+
+sim::PlanRequest request_of(const PlanOptions& o) {
+  sim::PlanRequest r;
+  r.model_name = o.model;
+  r.model = preset(o.model);
+  r.seq_len = parse_count(o.seq_len, "--seq-len");
+  SPPO_CHECK(o.gpus >= 1, "options") << "--gpus must be at least 1";
+  SPPO_CHECK(o.gpus_per_node >= 1, "options") << "--gpus-per-node must be at least 1";
+  r.gpus = o.gpus;
+  r.gpus_per_node = o.gpus_per_node;
+  r.hardware = o.hardware;
+  r.hw = plan::load_profile(o.hardware);
+  r.system = o.system;
+  SPPO_CHECK(o.system == "sppo" || o.system == "megatron" || o.system == "deepspeed", "options")
+      << "--system must be sppo, megatron or deepspeed (got '" << o.system << "')";
+  r.offload = sim::parse_offload(o.offload);
+  SPPO_CHECK(o.msp == "auto" || o.msp == "on" || o.msp == "off", "options")
+      << "--msp must be on, off or auto (got '" << o.msp << "')";
+  r.msp = o.msp == "on" ? 1 : o.msp == "off" ? 0 : -1;
+  r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
+  return r;
+}
+
+void print_error_json(const std::string& error) {
+  std::cout << nlohmann::json{{"error", error}}.dump() << std::endl;
+}
+
+std::string layout_text(const plan::Plan& p) {
+  std::ostringstream os;
+  if (p.system == "megatron") os << "tp " << p.tp << " cp " << p.sp;
+  else if (p.system == "deepspeed") os << "ulysses " << p.sp;
+  else os << "sp " << p.sp;
+  os << " pp " << p.pp << " dp " << p.dp;
+  if (p.system != "megatron") os << " N " << p.subseqs;
+  if (p.msp) os << " msp";
+  return os.str();
+}
+
+void print_plan(const plan::Plan& p) {
+  std::printf("system      %s\n", p.system.c_str());
+  std::printf("model       %s (L %d, H %d, Z %d, %.2fB parameters)\n", p.model_name.c_str(), p.model.layers,
+              p.model.hidden, p.model.heads, double(p.model.num_params()) / 1e9);
+  std::printf("sequence    %lld tokens on %d devices (%d per node), %s\n", (long long)p.seq_len, p.gpus,
+              p.gpus_per_node, p.hardware.c_str());
+  std::printf("layout      %s\n", layout_text(p).c_str());
+  if (!p.stage_layers.empty()) {
+    std::printf("stages      ");
+    for (size_t k = 0; k < p.stage_layers.size(); ++k) std::printf("%s%d", k ? "," : "", p.stage_layers[k]);
+    std::printf(" layers\n");
+  }
+  if (p.system == "sppo") {
+    std::printf("lengths     %lld .. %lld tokens (FLOPs-balanced)\n", (long long)p.lengths.front(),
+                (long long)p.lengths.back());
+    double mx = 0, sum = 0;
+    for (double a : p.alpha) {
+      mx = std::max(mx, a);
+      sum += a;
+    }
+    std::printf("alpha       mean %.3f, max %.3f (%s)\n", p.alpha.empty() ? 0.0 : sum / p.alpha.size(), mx,
+                p.alpha_rule.c_str());
+  }
+  std::printf("step        %.4g s\n", p.predicted.step_time_s);
+  std::printf("throughput  %.1f tokens/GPU/s\n", p.predicted.tokens_per_gpu_per_s);
+  std::printf("bubble      %.4f\n", p.predicted.bubble_ratio);
+  std::printf("exposed     %.4g s of copies\n", p.predicted.exposed_copy_s);
+  std::printf("peak        %s per device (budget %s)\n", format_bytes(double(p.predicted.peak_device_bytes)).c_str(),
+              format_bytes(double(p.budget)).c_str());
+  for (const auto& n : p.notes) std::printf("note        %s\n", n.c_str());
+}
+
+template <typename F>
+int guarded(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    std::cerr << e.what() << std::endl;
+    return 2;
+  }
+}
+
+}  // namespace
+
+int run_plan(const PlanOptions& o) {
+  if (o.table) return run_plan_table(o);
+  return guarded([&] {
+    const sim::PlanRequest req = request_of(o);
+    const sim::PlanOutcome out = sim::solve_plan(req);
+    if (!out.ok) {
+      print_error_json(out.error);
+      if (!o.json) std::cerr << "[planner] " << out.error << std::endl;
+      return 3;
+    }
+    const nlohmann::json j = plan::to_json(out.plan);
+    if (!o.out.empty()) {
+      std::ofstream f(o.out);
+      SPPO_CHECK(f.good(), "planner") << "cannot write " << o.out;
+      f << j.dump(2) << "\n";
+    }
+    if (o.json) std::cout << j.dump() << std::endl;
+    else print_plan(out.plan);
+    return 0;
+  });
+}
+
+int run_plan_table(const PlanOptions& o) {
+  return guarded([&] {
+    struct Row {
+      const char* model;
+      const char* seq;
+      int gpus;
+    };
+    const Row rows[] = {{"gpt-7b", "1M", 32},    {"gpt-7b", "2M", 64},    {"gpt-7b", "4M", 128},
+                        {"gpt-13b", "512K", 32}, {"gpt-13b", "768K", 48}, {"gpt-13b", "1024K", 64},
+                        {"gpt-13b", "1280K", 80}, {"gpt-65b", "512K", 64}, {"gpt-65b", "768K", 96},
+                        {"gpt-65b", "1024K", 128}};
+    nlohmann::json all = nlohmann::json::array();
+    if (!o.json)
+      std::printf("%-8s %6s %5s | %-10s %-28s %10s %10s\n", "model", "seq", "gpus", "system", "plan", "tok/GPU/s",
+                  "peak");
+    for (const Row& r : rows) {
+      for (const char* system : {"sppo", "megatron", "deepspeed"}) {
+        PlanOptions p = o;
+        p.model = r.model;
+        p.seq_len = r.seq;
+        p.gpus = r.gpus;
+        p.system = system;
+        const auto t0 = std::chrono::steady_clock::now();
+        const sim::PlanOutcome out = sim::solve_plan(request_of(p));
+        const double solve_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        nlohmann::json j = {{"model", r.model}, {"seq_len", r.seq}, {"gpus", r.gpus}, {"system", system}};
+        if (out.ok) {
+          j["plan"] = layout_text(out.plan);
+          j["tokens_per_gpu_per_s"] = out.plan.predicted.tokens_per_gpu_per_s;
+          j["peak_device_bytes"] = out.plan.predicted.peak_device_bytes;
+          j["step_time_s"] = out.plan.predicted.step_time_s;
+          j["bubble_ratio"] = out.plan.predicted.bubble_ratio;
+        } else {
+          j["error"] = out.error;
+        }
+        j["solve_s"] = solve_s;
+        if (!o.json) {
+          if (out.ok)
+            std::printf("%-8s %6s %5d | %-10s %-28s %10.1f %10s\n", r.model, r.seq, r.gpus, system,
+                        layout_text(out.plan).c_str(), out.plan.predicted.tokens_per_gpu_per_s,
+                        format_bytes(double(out.plan.predicted.peak_device_bytes)).c_str());
+          else
+            std::printf("%-8s %6s %5d | %-10s %-28s %10s %10s\n", r.model, r.seq, r.gpus, system, "-", "OOM", "-");
+          std::fflush(stdout);
+        }
+        all.push_back(j);
+      }
+    }
+    if (o.json) std::cout << all.dump(1) << std::endl;
+    return 0;
+  });
+}
+
+int run_simulate(const SimulateOptions& o) {
+  return guarded([&] {
+    std::ifstream in(o.plan);
+    SPPO_CHECK(in.good(), "sim") << "cannot open plan " << o.plan;
+    nlohmann::json j;
+    try {
+      in >> j;
+    } catch (const nlohmann::json::exception& e) {
+      SPPO_CHECK(false, "sim") << o.plan << " is not valid JSON: " << e.what();
+    }
+    const plan::Plan p = plan::plan_from_json(j);
+    const plan::HardwareProfile hw = plan::load_profile(o.hardware.empty() ? p.hardware : o.hardware);
+    sim::SimOptions so;
+    so.record = !o.trace.empty() || !o.svg.empty();
+    const auto t0 = std::chrono::steady_clock::now();
+    const sim::SimResult r = sim::simulate_plan(p, hw, so);
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!o.trace.empty()) {
+      std::ofstream f(o.trace);
+      SPPO_CHECK(f.good(), "sim") << "cannot write " << o.trace;
+      f << sim::chrome_trace(r);
+    }
+    if (!o.svg.empty()) {
+      std::ofstream f(o.svg);
+      SPPO_CHECK(f.good(), "sim") << "cannot write " << o.svg;
+      f << sim::svg_timeline(r, p.system + " " + p.model_name + " " + std::to_string(p.seq_len) + " tokens, " +
+                                    layout_text(p));
+    }
+    const nlohmann::json out = {{"step_time_s", r.step_time_s},
+                                {"tokens_per_gpu_per_s", r.tokens_per_device_per_s},
+                                {"bubble_ratio", r.bubble_ratio},
+                                {"exposed_copy_s", r.exposed_copy_s},
+                                {"peak_device_bytes", r.peak_device_bytes},
+                                {"peak_bytes_per_rank", r.peak_bytes},
+                                {"simulate_wall_s", wall}};
+    if (o.json) {
+      std::cout << out.dump() << std::endl;
+    } else {
+      std::printf("step        %.4g s\nthroughput  %.1f tokens/GPU/s\nbubble      %.4f\nexposed     %.4g s\n"
+                  "peak        %s per device\nsimulated   in %.3f s\n",
+                  r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.exposed_copy_s,
+                  format_bytes(double(r.peak_device_bytes)).c_str(), wall);
+    }
+    return 0;
+  });
+}
+
+void add_plan_commands(CLI::App& app) {
+  static PlanOptions plan;
+  static SimulateOptions simulate;
+  auto* p = app.add_subcommand("plan", "Choose SP, PP, N, alpha and MSP for a model on a cluster and predict the step");
+  std::string presets;
+  for (const auto& n : preset_names()) presets += (presets.empty() ? "" : ", ") + n;
+  p->add_option("--model", plan.model, "Model preset: " + presets)->capture_default_str();
+  p->add_option("--seq-len", plan.seq_len, "Tokens per sequence; K and M suffixes (1M = 1048576)")->capture_default_str();
+  p->add_option("--gpus", plan.gpus, "Devices in the cluster")->capture_default_str();
+  p->add_option("--gpus-per-node", plan.gpus_per_node, "Devices per node")->capture_default_str();
+  std::string profiles;
+  for (const auto& n : plan::profile_names()) profiles += (profiles.empty() ? "" : ", ") + n;
+  p->add_option("--hardware", plan.hardware, "Hardware profile (" + profiles + ") or a profile JSON file")
+      ->capture_default_str();
+  p->add_option("--system", plan.system, "sppo, megatron or deepspeed")->capture_default_str();
+  p->add_option("--offload", plan.offload, "none, full or adaptive")->capture_default_str();
+  p->add_option("--msp", plan.msp, "Multiplexed sequence partitioning: on, off or auto")->capture_default_str();
+  p->add_option("--budget", plan.budget, "Device memory per device, e.g. 70GiB (default: the profile's usable memory)");
+  p->add_option("--out", plan.out, "Also write the plan JSON to this file (for `sppo simulate`)");
+  p->add_flag("--json", plan.json, "Print one JSON object");
+  p->add_flag("--table", plan.table, "Print the sppo/megatron/deepspeed comparison table for gpt-7b/13b/65b");
+  p->callback([] { g_result = run_plan(plan); });
+
+  auto* s = app.add_subcommand("simulate", "Simulate a plan's step: time, bubbles, copies, memory; trace and SVG");
+  s->add_option("plan", simulate.plan, "PLAN.json written by `sppo plan --out` or `--json`")->required();
+  s->add_option("--hardware", simulate.hardware, "Profile to simulate on (default: the plan's)");
+  s->add_option("--trace", simulate.trace, "Write a Chrome trace (chrome://tracing, Perfetto)");
+  s->add_option("--svg", simulate.svg, "Write an SVG timeline");
+  s->add_flag("--json", simulate.json, "Print one JSON object");
+  s->callback([] { g_result = run_simulate(simulate); });
+}
+
+std::optional<int> plan_command_result() { return g_result; }
+
+}  // namespace sppo::cli

@@ -1,0 +1,46 @@
+// `sppo plan` and `sppo simulate`: the planner and the simulator from the command line.
+#pragma once
+
+#include <optional>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace sppo::cli {
+
+struct PlanOptions {
+  std::string model = "gpt-7b";
+  std::string seq_len = "1M";
+  int gpus = 8;
+  int gpus_per_node = 8;
+  std::string hardware = "a100-80gb";
+  std::string system = "sppo";      // sppo | megatron | deepspeed
+  std::string offload = "adaptive"; // none | full | adaptive
+  std::string msp = "auto";         // auto | on | off
+  std::string budget;               // bytes per device; empty: the profile's usable memory
+  std::string out;                  // also write the plan JSON here
+  bool json = false;
+  bool table = false;               // the comparison table of issue 4 instead of one plan
+};
+
+struct SimulateOptions {
+  std::string plan;      // PLAN.json
+  std::string hardware;  // overrides the plan's profile
+  std::string trace;     // Chrome trace JSON output
+  std::string svg;       // SVG timeline output
+  bool json = false;
+};
+
+// Exit status: 0 ok, 2 bad input, 3 nothing fits (prints {"error": "..."}).
+int run_plan(const PlanOptions& o);
+int run_plan_table(const PlanOptions& o);
+int run_simulate(const SimulateOptions& o);
+
+// Registers `plan` and `simulate`; their callbacks run during app.parse(). After parsing,
+// main returns plan_command_result() when it holds a value.
+void add_plan_commands(CLI::App& app);
+std::optional<int> plan_command_result();
+
+}  // namespace sppo::cli
