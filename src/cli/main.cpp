@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "train/bench.h"
+#include "train/profile_machine.h"
 #include "train/trainer.h"
 
 namespace {
@@ -19,7 +20,7 @@ using namespace sppo;
 struct StepFlags {
   std::string model = "small";
   int vocab = 0, hidden = 0, layers = 0, heads = 0;
-  std::string seq_len = "2048";
+  std::string seq_len = "1024";
   std::string device_memory;
 };
 
@@ -133,6 +134,13 @@ int main(int argc, char** argv) {
 
 
 
+  // profile
+  std::string profile_out = "profiles/cpu-local.json";
+  bool profile_quick = false;
+  auto* cmd_profile = app.add_subcommand("profile", "Measure this machine (GEMM, attention, copies) as a hardware profile");
+  cmd_profile->add_option("--out", profile_out, "Where to write the profile JSON")->capture_default_str();
+  cmd_profile->add_flag("--quick", profile_quick, "Smaller shapes, about a second");
+
   try {
     try {
       app.parse(argc, argv);
@@ -146,6 +154,13 @@ int main(int argc, char** argv) {
     if (*cmd_grads) {
       resolve_step_options(grads_flags, grads);
       return run_grads(grads, grads_out, grads_init);
+    }
+    if (*cmd_profile) {
+      const auto p = measure_cpu_profile(profile_quick);
+      plan::save_profile(p, profile_out);
+      std::printf("%s\n", plan::to_json(p).dump(2).c_str());
+      std::fprintf(stderr, "wrote %s; use it with --hardware %s\n", profile_out.c_str(), profile_out.c_str());
+      return 0;
     }
     if (*cmd_bench_layer) {
       if (bl_threads > 0) omp_set_num_threads(bl_threads);

@@ -28,7 +28,7 @@ struct StepOptions {
 struct TrainOptions {
   StepOptions step;
   int steps = 200;
-  float lr = 3e-3f;
+  float lr = 5e-3f;
   float min_lr_ratio = 0.1f;          // cosine decays to lr * min_lr_ratio
   int warmup = 20;
   float weight_decay = 0.1f;

@@ -3,35 +3,101 @@
 #include <cstdlib>
 
 #include "core/check.h"
+#include "planner/partition.h"
+#include "schedule/builders.h"
+#include "sim/simulator.h"
+#include "sim/solver.h"
 
 namespace sppo {
 
-std::vector<i64> choose_partition(const std::string& mode, const ModelConfig& c, i64 S, int N) {
-  SPPO_CHECK(mode == "length" || mode == "flops" || mode == "adaptive", "options")
-      << "--partition '" << mode << "' is unknown; use length, flops or adaptive";
-  std::vector<i64> lengths(std::size_t(N), S / N);
-  for (i64 k = 0; k < S % N; ++k) ++lengths[std::size_t(k)];
-  return lengths;
+namespace {
+
+std::vector<i64> lengths_for(const std::string& mode, const ModelConfig& c, i64 S, int N) {
+  if (mode == "flops") return plan::partition_flops(c, S, N);
+  return plan::partition_length(S, N);
 }
 
-std::vector<double> choose_alpha(const std::string& mode, const ModelConfig& c,
-                                 const std::vector<i64>& lengths, i64 device_budget) {
-  const std::size_t N = lengths.size();
-  std::vector<double> alpha(N, 0.0);
+// alpha for a fixed --offload ratio (full = 1), last subsequence 0.
+bool fixed_ratio(const std::string& mode, double* ratio) {
+  if (mode == "none") return *ratio = 0, true;
+  if (mode == "full") return *ratio = 1, true;
+  if (mode == "adaptive") return false;
+  char* end = nullptr;
+  *ratio = std::strtod(mode.c_str(), &end);
+  SPPO_CHECK(end != mode.c_str() && *end == '\0' && *ratio >= 0 && *ratio <= 1, "options")
+      << "--offload '" << mode << "' is unknown; use none, full, adaptive or a ratio in [0, 1]";
+  return true;
+}
+
+SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offload,
+                      const ModelConfig& c, i64 budget, const plan::HardwareProfile& hw) {
+  SubseqChoice ch;
+  ch.lengths = lengths;
   double ratio = 0;
-  if (mode == "none") return alpha;
-  if (mode == "full") {
-    ratio = 1;
-  } else if (mode == "adaptive") {
-    ratio = 1;
-  } else {
-    char* end = nullptr;
-    ratio = std::strtod(mode.c_str(), &end);
-    SPPO_CHECK(end != mode.c_str() && *end == '\0' && ratio >= 0 && ratio <= 1, "options")
-        << "--offload '" << mode << "' is unknown; use none, full, adaptive or a ratio in [0, 1]";
+  if (fixed_ratio(offload, &ratio)) {
+    ch.alpha.assign(lengths.size(), ratio);
+    ch.alpha.back() = 0;
+    ch.alpha_rule = offload;
+    const plan::CostModel cost(hw, c, ActPrecision::F32);
+    const auto r = sim::simulate(sched::build_single(c.layers, lengths, ch.alpha), cost,
+                                 sim::memory_rules(c, ActPrecision::F32));
+    ch.predicted_peak_bytes = r.peak_device_bytes;
+    ch.predicted_step_s = r.step_time_s;
+    ch.predicted_exposed_copy_s = r.exposed_copy_s;
+    return ch;
   }
-  for (std::size_t i = 0; i + 1 < N; ++i) alpha[i] = ratio;
-  return alpha;
+  // Without a budget, adaptive offload still sizes alpha to hide behind compute (the paper's
+  // rule); with one, the solver offloads only what the budget demands.
+  const auto r = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32,
+                                         budget > 0 ? budget : hw.device_memory,
+                                         budget > 0 ? sim::OffloadMode::Adaptive : sim::OffloadMode::Adaptive);
+  ch.alpha = r.alpha;
+  ch.alpha_rule = r.rule;
+  ch.predicted_peak_bytes = r.peak_device_bytes;
+  ch.predicted_step_s = r.step_time_s;
+  ch.predicted_exposed_copy_s = r.exposed_copy_s;
+  return ch;
+}
+
+}  // namespace
+
+SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
+                            const ModelConfig& c, i64 S, int N, i64 budget,
+                            const plan::HardwareProfile& hw) {
+  SPPO_CHECK(partition == "length" || partition == "flops" || partition == "adaptive", "options")
+      << "--partition '" << partition << "' is unknown; use length, flops or adaptive";
+  double ratio = 0;
+  (void)fixed_ratio(offload, &ratio);  // validates the spelling before any work
+
+  SubseqChoice ch;
+  if (partition == "adaptive") {
+    SubseqChoice a = evaluate(lengths_for("length", c, S, N), offload, c, budget, hw);
+    SubseqChoice b = evaluate(lengths_for("flops", c, S, N), offload, c, budget, hw);
+    const bool a_fits = budget == 0 || a.predicted_peak_bytes <= budget;
+    const bool b_fits = budget == 0 || b.predicted_peak_bytes <= budget;
+    ch = (b_fits && (!a_fits || b.predicted_step_s <= a.predicted_step_s)) ? b : a;
+  } else {
+    ch = evaluate(lengths_for(partition, c, S, N), offload, c, budget, hw);
+  }
+
+  if (budget > 0 && ch.predicted_peak_bytes > budget) {
+    const auto fit = sim::smallest_fitting_n(c, S, hw, ActPrecision::F32, budget, partition != "length",
+                                             1, int(std::min<i64>(S, 4096)));
+    std::string hint;
+    if (fit.found)
+      hint = "the smallest that fits is --subseqs " + std::to_string(fit.subseqs) +
+             " --offload adaptive (predicted peak " + format_bytes(double(fit.alpha.peak_device_bytes)) + ")";
+    else
+      hint = "nothing fits: the least any N and offload needs is " +
+             format_bytes(double(fit.least_peak_bytes)) + " (at --subseqs " +
+             std::to_string(fit.least_peak_subseqs) + " with full offload); " + fit.reason;
+    SPPO_CHECK(false, "memory") << "--subseqs " << N << " --offload " << offload << " needs "
+                                << format_bytes(double(ch.predicted_peak_bytes)) << " ("
+                                << ch.predicted_peak_bytes << " B) of device memory, over the "
+                                << "--device-memory budget of " << format_bytes(double(budget))
+                                << "; " << hint;
+  }
+  return ch;
 }
 
 }  // namespace sppo

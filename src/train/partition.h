@@ -1,18 +1,33 @@
-// The CLI's --partition and --offload choices, resolved through the planner.
+// The CLI's --partition and --offload choices for one process, resolved through the
+// planner (partitions) and the simulator (adaptive alpha, the budget check).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "core/config.h"
+#include "planner/profile.h"
 
 namespace sppo {
 
-// --partition length|flops|adaptive into N lengths summing to S.
-std::vector<i64> choose_partition(const std::string& mode, const ModelConfig& c, i64 S, int N);
+struct SubseqChoice {
+  std::vector<i64> lengths;        // l_i
+  std::vector<double> alpha;       // alpha_i, last 0
+  i64 predicted_peak_bytes = 0;    // simulated with the runtime's memory rules
+  double predicted_step_s = 0;     // simulated on the profile
+  double predicted_exposed_copy_s = 0;
+  std::string alpha_rule;          // how alpha was chosen
+};
 
-// --offload none|full|adaptive|<ratio>: alpha per subsequence; the last is always 0.
-std::vector<double> choose_alpha(const std::string& mode, const ModelConfig& c,
-                                 const std::vector<i64>& lengths, i64 device_budget);
+// --partition length|flops|adaptive, --offload none|full|adaptive|<ratio>, for N
+// subsequences of S tokens under `budget` bytes (0: none) on profile `hw`.
+// `adaptive` partition: whichever of length and flops the simulator predicts faster (with
+// its best alpha). `adaptive` offload: the solver's alpha (sim/solver.h Note [Alpha under a
+// budget]): nothing when everything fits, else the least that fits, hidden behind compute
+// where possible. A budget that cannot hold the choice throws sppo::Error naming the bytes
+// needed and the smallest N and offload that would fit, or that nothing does.
+SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
+                            const ModelConfig& c, i64 S, int N, i64 budget,
+                            const plan::HardwareProfile& hw);
 
 }  // namespace sppo

@@ -7,6 +7,7 @@
 #include "core/check.h"
 #include "schedule/builders.h"
 #include "train/partition.h"
+#include "train/profile_machine.h"
 
 namespace sppo {
 
@@ -72,10 +73,16 @@ StepSetup make_setup(const StepOptions& o) {
   const int N = resolve_subseqs(o, S);
   SPPO_CHECK(!o.recompute || N == 1, "options")
       << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
-  s.lengths = choose_partition(o.partition, s.config, S, N);
-
-  // TODO(planner): adaptive alpha from the cost model.
-  s.alpha = choose_alpha(o.offload, s.config, s.lengths, o.device_memory);
+  // Timing matters only to adaptive choices; a budget check needs the memory model alone.
+  const bool adaptive = o.partition == "adaptive" || o.offload == "adaptive";
+  const plan::HardwareProfile hw =
+      adaptive || !o.hardware.empty() ? resolve_cpu_profile(o.hardware) : nominal_cpu_profile();
+  SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N, o.device_memory, hw);
+  s.lengths = choice.lengths;
+  s.alpha = choice.alpha;
+  s.predicted_peak_bytes = choice.predicted_peak_bytes;
+  s.predicted_step_s = choice.predicted_step_s;
+  s.profile = hw;
   s.schedule = sched::build_single(s.config.layers, s.lengths, s.alpha);
 
   RuntimeOptions ro;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "io/data.h"
+#include "planner/profile.h"
 #include "runtime/executor.h"
 #include "schedule/ir.h"
 #include "train/options.h"
@@ -21,7 +22,9 @@ struct StepSetup {
   std::vector<i64> lengths;     // l_i
   std::vector<double> alpha;    // alpha_i
   sched::Schedule schedule;
-  i64 predicted_peak_bytes = 0; // the memory model's prediction for this schedule
+  i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule
+  double predicted_step_s = 0;  // on `profile`
+  plan::HardwareProfile profile;  // this machine's (measured, loaded, or nominal)
   bool repeat_task = false;     // the built-in task: report both halves' losses
 };
 

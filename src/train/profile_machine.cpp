@@ -1,0 +1,159 @@
+#include "train/profile_machine.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/ops.h"
+#include "model/gpt.h"
+#include "train/bench.h"
+
+namespace sppo {
+
+namespace {
+
+template <typename F>
+double median_seconds(int reps, F&& f) {
+  f();  // warm-up: page faults, caches, thread pools
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+std::vector<float> randn(i64 n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+}  // namespace
+
+plan::HardwareProfile measure_cpu_profile(bool quick) {
+  plan::HardwareProfile p;
+  p.name = "cpu-local";
+  p.precision = "f32";
+  const int reps = quick ? 3 : 7;
+
+  // GEMM on a transformer-layer shape: [T, H] x [H, 4H].
+  const int T = quick ? 1024 : 4096, H = 512, F = 4 * H;
+  {
+    auto a = randn(i64(T) * H, 1), b = randn(i64(F) * H, 2);
+    std::vector<float> c(std::size_t(T) * F);
+    const double s = median_seconds(reps, [&] {
+      cpu::gemm(false, true, T, F, H, 1.0f, a.data(), H, b.data(), H, 0.0f, c.data(), F);
+    });
+    p.gemm_flops = 2.0 * T * F * H / s;
+  }
+  // Causal attention forward + backward, head size 64.
+  {
+    const int Ta = quick ? 1024 : 2048, Z = 8, A = 64, D = Z * A;
+    auto q = randn(i64(Ta) * D, 3), k = randn(i64(Ta) * D, 4), v = randn(i64(Ta) * D, 5),
+         dout = randn(i64(Ta) * D, 6);
+    std::vector<float> out(q.size()), lse(std::size_t(Z) * Ta), delta(lse.size()), dq(q.size()),
+        dk(q.size()), dv(q.size());
+    cpu::AttnDims d;
+    d.Tq = d.Tk = Ta;
+    d.Z = Z;
+    d.A = A;
+    const double s = median_seconds(reps, [&] {
+      cpu::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), d, false);
+      cpu::attention_backward_delta(delta.data(), dout.data(), out.data(), d);
+      cpu::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
+                              v.data(), lse.data(), delta.data(), d);
+    });
+    const double fwd = 4.0 * A * Z * (double(Ta) * (Ta + 1) / 2);
+    p.attention_efficiency = (3.5 * fwd / s) / p.gemm_flops;  // forward + 2.5x backward
+  }
+  // Elementwise: a LayerNorm forward reads and writes [T, H].
+  {
+    const int Te = quick ? 4096 : 16384, He = 1024;
+    auto x = randn(i64(Te) * He, 7);
+    std::vector<float> y(x.size()), mean(static_cast<std::size_t>(Te)), rstd(static_cast<std::size_t>(Te)),
+        w(static_cast<std::size_t>(He), 1.0f), b(static_cast<std::size_t>(He), 0.0f);
+    const double s = median_seconds(reps, [&] {
+      cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), Te, He, 1e-5f);
+    });
+    p.elementwise_bw = 2.0 * double(x.size()) * sizeof(float) / s;
+  }
+  // Copies: one thread's memcpy (the copy stream), alone and with a second one running.
+  {
+    const std::size_t n = std::size_t(quick ? 32 : 128) << 20;
+    std::vector<char> src(n, 1), dst(n, 0), src2(n, 2), dst2(n, 0);
+    const double alone = median_seconds(reps, [&] { std::memcpy(dst.data(), src.data(), n); });
+    const double both = median_seconds(reps, [&] {
+      std::thread t([&] { std::memcpy(dst2.data(), src2.data(), n); });
+      std::memcpy(dst.data(), src.data(), n);
+      t.join();
+    });
+    p.d2h_bw = p.h2d_bw = double(n) / alone;
+    p.duplex_factor = std::min(1.0, alone / both);
+    p.intra_node_bw = p.inter_node_bw = p.d2h_bw;
+    p.intra_node_latency = p.inter_node_latency = 2e-6;
+  }
+  // Fixed cost per layer: a block on very few tokens is all overhead.
+  {
+    ModelConfig c;
+    c.vocab = 64;
+    c.hidden = 64;
+    c.heads = 2;
+    c.layers = 1;
+    const int Tt = 8;
+    std::vector<float> params(std::size_t(c.num_params()), 0.01f);
+    ParamView pv = param_view(c, params.data());
+    std::vector<std::vector<float>> saved, ws;
+    std::vector<float*> sp, wp;
+    for (const auto& s : block_saved_specs(c, Tt, ActPrecision::F32)) saved.emplace_back(std::size_t(s.numel()), 0.5f);
+    for (const auto& s : block_workspace_specs(c, Tt, ActPrecision::F32)) ws.emplace_back(std::size_t(s.numel()), 0.0f);
+    for (auto& b : saved) sp.push_back(b.data());
+    for (auto& b : ws) wp.push_back(b.data());
+    std::vector<float> out(std::size_t(Tt) * c.hidden);
+    BlockSaved bs = block_saved_from(sp);
+    const BlockWorkspace w = block_workspace_from(wp);
+    p.layer_overhead = median_seconds(reps * 5, [&] {
+      block_forward(out.data(), bs, pv.blocks[0], w, KVBlocks{}, c, Subseq{0, Tt});
+    });
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  p.device_memory = i64(pages) * i64(page);
+  p.devices_per_node = 1;
+  p.description = "measured on this machine (" + std::to_string(omp_get_max_threads()) +
+                  " threads, OpenBLAS core " + measure_gemm_peak(256, 1).blas_core + ")";
+  return p;
+}
+
+plan::HardwareProfile nominal_cpu_profile() {
+  plan::HardwareProfile p;
+  p.name = "cpu-nominal";
+  p.description = "round CPU-like rates, for memory predictions";
+  p.precision = "f32";
+  p.gemm_flops = 200e9;
+  p.attention_efficiency = 0.5;
+  p.elementwise_bw = 20e9;
+  p.d2h_bw = p.h2d_bw = p.intra_node_bw = p.inter_node_bw = 20e9;
+  p.duplex_factor = 0.6;
+  p.intra_node_latency = p.inter_node_latency = 2e-6;
+  p.device_memory = i64(1) << 40;
+  p.devices_per_node = 1;
+  return p;
+}
+
+plan::HardwareProfile resolve_cpu_profile(const std::string& hardware) {
+  if (hardware.empty()) return measure_cpu_profile(true);
+  return plan::load_profile(hardware);
+}
+
+}  // namespace sppo
