@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "train/bench.h"
+#include "train/bench_sppo.h"
 #include "train/profile_machine.h"
 #include "train/trainer.h"
 
@@ -134,6 +135,26 @@ int main(int argc, char** argv) {
 
 
 
+  // bench memory / bench offload
+  std::string bm_model = "bench-memory", bm_budget = "", bo_model = "bench-memory", bo_seq = "8192",
+              bo_budget = "", bm_hardware, bo_hardware;
+  int bo_subseqs = 8, bm_reps = 1, bo_reps = 2;
+  bool bm_json = false, bo_json = false;
+  auto* cmd_bench_memory = cmd_bench->add_subcommand("memory", "Longest sequence per mode under a device budget");
+  cmd_bench_memory->add_option("--model", bm_model, "Model preset")->capture_default_str();
+  cmd_bench_memory->add_option("--device-memory", bm_budget, "Device budget (default 64MiB)");
+  cmd_bench_memory->add_option("--reps", bm_reps, "Timed steps per point")->capture_default_str();
+  cmd_bench_memory->add_option("--hardware", bm_hardware, "Profile for adaptive choices (default: measured now)");
+  cmd_bench_memory->add_flag("--json", bm_json, "Print one JSON object");
+  auto* cmd_bench_offload = cmd_bench->add_subcommand("offload", "Offload none / full / adaptive at one length");
+  cmd_bench_offload->add_option("--model", bo_model, "Model preset")->capture_default_str();
+  cmd_bench_offload->add_option("--seq-len", bo_seq, "Tokens")->capture_default_str();
+  cmd_bench_offload->add_option("--subseqs", bo_subseqs, "Subsequences N")->capture_default_str();
+  cmd_bench_offload->add_option("--device-memory", bo_budget, "Budget for adaptive (default: halfway between full and none)");
+  cmd_bench_offload->add_option("--reps", bo_reps, "Timed steps per mode")->capture_default_str();
+  cmd_bench_offload->add_option("--hardware", bo_hardware, "Profile for adaptive choices (default: measured now)");
+  cmd_bench_offload->add_flag("--json", bo_json, "Print one JSON object");
+
   // profile
   std::string profile_out = "profiles/cpu-local.json";
   bool profile_quick = false;
@@ -154,6 +175,25 @@ int main(int argc, char** argv) {
     if (*cmd_grads) {
       resolve_step_options(grads_flags, grads);
       return run_grads(grads, grads_out, grads_init);
+    }
+    if (*cmd_bench_memory || *cmd_bench_offload) {
+      const bool mem = bool(*cmd_bench_memory);
+      BenchModelOptions b;
+      b.model_name = mem ? bm_model : bo_model;
+      b.model = preset(b.model_name);
+      b.reps = mem ? bm_reps : bo_reps;
+      b.hardware = mem ? bm_hardware : bo_hardware;
+      const std::string budget = mem ? (bm_budget.empty() ? "64MiB" : bm_budget) : bo_budget;
+      if (!budget.empty()) b.budget = parse_bytes(budget, "--device-memory");
+      if (!mem) {
+        b.seq_len = parse_count(bo_seq, "--seq-len");
+        b.subseqs = bo_subseqs;
+      }
+      const auto j = mem ? bench_memory(b) : bench_offload(b);
+      if (mem ? bm_json : bo_json) std::printf("%s\n", j.dump(2).c_str());
+      else if (mem) print_bench_memory(j);
+      else print_bench_offload(j);
+      return 0;
     }
     if (*cmd_profile) {
       const auto p = measure_cpu_profile(profile_quick);

@@ -1,0 +1,240 @@
+#include "train/bench_sppo.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "core/check.h"
+#include "train/profile_machine.h"
+#include "train/setup.h"
+
+namespace sppo {
+
+namespace {
+
+struct Mode {
+  const char* name;
+  bool recompute;
+  std::string offload;  // none | adaptive
+};
+
+const Mode kModes[] = {
+    {"reference", false, "none"},
+    {"recompute", true, "none"},
+    {"sppo_none", false, "none"},
+    {"sppo_adaptive", false, "adaptive"},
+};
+
+struct Point {
+  bool ok = false;
+  std::string error;
+  int subseqs = 1;
+  double step_s = 0;
+  i64 peak = 0, predicted_peak = 0, offloaded = 0;
+  double exposed = 0;
+  std::vector<double> alpha;
+};
+
+constexpr int kSubseqCandidates[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+constexpr i64 kLengthQuantum = 256;  // the searches step sequence lengths in these units
+
+StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget,
+                         const std::string& partition) {
+  StepOptions o;
+  o.model = b.model;
+  o.model_name = b.model_name;
+  o.seq_len = S;
+  o.data = "repeat";
+  o.subseqs = std::to_string(N);
+  o.partition = partition;
+  o.offload = m.offload;
+  o.recompute = m.recompute;
+  o.device_memory = budget;
+  o.hardware = b.hardware;
+  return o;
+}
+
+// One configuration: set up (the planner refuses what it predicts will not fit), then real
+// steps under the budget (the arena refuses what does not).
+Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget, int reps,
+                const std::string& partition = "flops") {
+  Point p;
+  p.subseqs = N;
+  try {
+    StepSetup s = make_setup(step_options(b, m, S, N, budget, partition));
+    std::vector<std::int32_t> tokens(std::size_t(S + 1));
+    s.data->next(tokens.data(), S + 1);
+    init_params(s.config, s.runtime->params(), 1);
+    std::vector<double> times;
+    for (int r = 0; r < reps + 1; ++r) {
+      StepResult res = s.runtime->step(s.schedule, tokens.data());
+      if (r == 0) continue;
+      times.push_back(res.step_s);
+      p.peak = std::max(p.peak, res.device.peak);
+      p.offloaded = res.offloaded_bytes;
+      p.exposed = res.exposed_copy_s;
+    }
+    std::sort(times.begin(), times.end());
+    p.step_s = times[times.size() / 2];
+    p.predicted_peak = s.predicted_peak_bytes;
+    p.alpha = s.alpha;
+    p.ok = true;
+  } catch (const Error& e) {
+    p.error = e.what();
+  }
+  return p;
+}
+
+// The mode at length S with the fewest subsequences that fit (the planner's prediction
+// picks N; the real step confirms).
+Point fit_at(const BenchModelOptions& b, const Mode& m, i64 S, i64 budget, int reps) {
+  if (m.name == std::string("reference") || m.recompute) return run_point(b, m, S, 1, budget, reps);
+  Point last;
+  for (int N : kSubseqCandidates) {
+    if (N > S) break;
+    last = run_point(b, m, S, N, budget, reps);
+    if (last.ok) return last;
+  }
+  return last;
+}
+
+// Longest S (in kLengthQuantum steps) at which the mode trains under the budget: doubling,
+// then bisection, each probe a real step.
+std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 budget) {
+  i64 lo = 0, hi = kLengthQuantum;
+  Point best;
+  for (;;) {
+    Point p = fit_at(b, m, hi, budget, 0);
+    if (!p.ok) break;
+    lo = hi;
+    best = p;
+    hi *= 2;
+    SPPO_CHECK(hi <= (i64(1) << 24), "bench") << "the budget holds more than 16M tokens; give a smaller --device-memory";
+  }
+  while (hi - lo > kLengthQuantum) {
+    const i64 mid = (lo + hi) / 2 / kLengthQuantum * kLengthQuantum;
+    Point p = fit_at(b, m, mid, budget, 0);
+    if (p.ok) {
+      lo = mid;
+      best = p;
+    } else {
+      hi = mid;
+    }
+  }
+  return {lo, best};
+}
+
+nlohmann::json point_json(const Point& p) {
+  nlohmann::json j = {{"subseqs", p.subseqs}, {"step_time_s", p.step_s}, {"peak_device_bytes", p.peak},
+                      {"predicted_peak_device_bytes", p.predicted_peak}, {"offloaded_bytes", p.offloaded},
+                      {"exposed_copy_s", p.exposed}};
+  if (!p.ok) j["error"] = p.error;
+  return j;
+}
+
+}  // namespace
+
+nlohmann::json bench_memory(const BenchModelOptions& b) {
+  SPPO_CHECK(b.budget > 0, "bench") << "bench memory needs a device budget (--device-memory)";
+  nlohmann::json modes = nlohmann::json::object();
+  std::vector<i64> max_len;
+  for (const Mode& m : kModes) {
+    auto [S, probe] = longest(b, m, b.budget);
+    // Time the longest length properly (the probes ran one step each).
+    Point p = S > 0 ? run_point(b, m, S, probe.subseqs, b.budget, b.reps) : Point{};
+    max_len.push_back(S);
+    nlohmann::json j = {{"max_seq_len", S}, {"step_time_s", p.ok ? nlohmann::json(p.step_s) : nlohmann::json(nullptr)},
+                        {"at_max", point_json(p)}};
+    modes[m.name] = j;
+  }
+  // Every mode at recompute's longest length; modes that do not fit the budget there run
+  // without it (marked), so the speed comparison still exists.
+  const i64 S_rc = max_len[1];
+  for (const Mode& m : kModes) {
+    Point p = fit_at(b, m, S_rc, b.budget, b.reps);
+    bool over = false;
+    if (!p.ok) {
+      p = fit_at(b, m, S_rc, 0, b.reps);
+      over = true;
+    }
+    modes[m.name]["step_time_at_recompute_max_s"] = p.ok ? nlohmann::json(p.step_s) : nlohmann::json(nullptr);
+    modes[m.name]["at_recompute_max"] = point_json(p);
+    modes[m.name]["at_recompute_max"]["over_budget"] = over;
+  }
+  const double ref = modes["reference"]["max_seq_len"].get<double>();
+  nlohmann::json j = {{"model", b.model_name},
+                      {"config", to_json(b.model)},
+                      {"budget_bytes", b.budget},
+                      {"recompute_max_seq_len", S_rc},
+                      {"modes", modes}};
+  if (ref > 0) j["sppo_adaptive_over_reference_length"] = modes["sppo_adaptive"]["max_seq_len"].get<double>() / ref;
+  const auto rc_t = modes["recompute"]["step_time_at_recompute_max_s"], sp_t = modes["sppo_adaptive"]["step_time_at_recompute_max_s"];
+  if (rc_t.is_number() && sp_t.is_number()) j["sppo_adaptive_speedup_over_recompute"] = rc_t.get<double>() / sp_t.get<double>();
+  return j;
+}
+
+nlohmann::json bench_offload(const BenchModelOptions& b) {
+  const i64 S = b.seq_len;
+  const int N = b.subseqs;
+  SPPO_CHECK(S >= 2 && N >= 2 && N <= S, "bench") << "bench offload needs --seq-len >= 2 and 2 <= --subseqs <= S";
+  const Mode none{"none", false, "none"}, full{"full", false, "full"};
+  const Point p_none = run_point(b, none, S, N, 0, b.reps);
+  const Point p_full = run_point(b, full, S, N, 0, b.reps);
+  SPPO_CHECK(p_none.ok && p_full.ok, "bench") << (p_none.ok ? p_full.error : p_none.error);
+  // Adaptive needs a reason to offload: a budget halfway between full's and none's peaks.
+  const i64 budget = b.budget > 0 ? b.budget : (p_none.peak + p_full.peak) / 2;
+  const Mode adaptive{"adaptive", false, "adaptive"};
+  const Point p_ad = run_point(b, adaptive, S, N, budget, b.reps);
+  SPPO_CHECK(p_ad.ok, "bench") << p_ad.error;
+  nlohmann::json modes = {{"none", point_json(p_none)}, {"full", point_json(p_full)}, {"adaptive", point_json(p_ad)}};
+  modes["adaptive"]["alpha"] = p_ad.alpha;
+  return {{"model", b.model_name},
+          {"config", to_json(b.model)},
+          {"seq_len", S},
+          {"subseqs", N},
+          {"adaptive_budget_bytes", budget},
+          {"adaptive_over_none_step_time", p_ad.step_s / p_none.step_s},
+          {"modes", modes}};
+}
+
+void print_bench_memory(const nlohmann::json& j) {
+  std::printf("longest sequence under a %s device budget (%s)\n",
+              format_bytes(j["budget_bytes"].get<double>()).c_str(), j["model"].get<std::string>().c_str());
+  std::printf("| mode | max seq len | N | step s | peak (measured) | peak (predicted) | step s at S=%lld |\n",
+              (long long)j["recompute_max_seq_len"].get<i64>());
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const char* m : {"reference", "recompute", "sppo_none", "sppo_adaptive"}) {
+    const auto& r = j["modes"][m];
+    const auto& a = r["at_max"];
+    const auto& rc = r["at_recompute_max"];
+    std::printf("| %s | %lld | %d | %.3f | %s | %s | %s%s |\n", m, (long long)r["max_seq_len"].get<i64>(),
+                a["subseqs"].get<int>(), a["step_time_s"].get<double>(),
+                format_bytes(a["peak_device_bytes"].get<double>()).c_str(),
+                format_bytes(a["predicted_peak_device_bytes"].get<double>()).c_str(),
+                rc.contains("error") ? "-" : (std::to_string(rc["step_time_s"].get<double>()).substr(0, 6)).c_str(),
+                rc["over_budget"].get<bool>() ? " (over budget)" : "");
+  }
+  if (j.contains("sppo_adaptive_over_reference_length"))
+    std::printf("sppo adaptive trains %.2fx the reference's length\n", j["sppo_adaptive_over_reference_length"].get<double>());
+  if (j.contains("sppo_adaptive_speedup_over_recompute"))
+    std::printf("at recompute's longest length, sppo adaptive is %.2fx faster than recompute\n",
+                j["sppo_adaptive_speedup_over_recompute"].get<double>());
+}
+
+void print_bench_offload(const nlohmann::json& j) {
+  std::printf("offload modes at S = %lld, N = %d (%s; adaptive under a %s budget)\n", (long long)j["seq_len"].get<i64>(),
+              j["subseqs"].get<int>(), j["model"].get<std::string>().c_str(),
+              format_bytes(j["adaptive_budget_bytes"].get<double>()).c_str());
+  std::printf("| offload | step s | peak (measured) | peak (predicted) | error | offloaded | exposed copy s |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (const char* m : {"none", "full", "adaptive"}) {
+    const auto& r = j["modes"][m];
+    const double peak = r["peak_device_bytes"].get<double>(), pred = r["predicted_peak_device_bytes"].get<double>();
+    std::printf("| %s | %.3f | %s | %s | %+.1f%% | %s | %.3f |\n", m, r["step_time_s"].get<double>(),
+                format_bytes(peak).c_str(), format_bytes(pred).c_str(), 100.0 * (pred - peak) / peak,
+                format_bytes(r["offloaded_bytes"].get<double>()).c_str(), r["exposed_copy_s"].get<double>());
+  }
+  std::printf("adaptive / none step time: %.3f\n", j["adaptive_over_none_step_time"].get<double>());
+}
+
+}  // namespace sppo

@@ -1,0 +1,33 @@
+// `sppo bench memory` and `sppo bench offload` (the SPPO single-process benchmarks):
+// real steps under a real device budget, measured by the arena's high-water mark, beside
+// the simulator's prediction of the same schedule.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "train/options.h"
+
+namespace sppo {
+
+struct BenchModelOptions {
+  ModelConfig model;
+  std::string model_name;
+  i64 budget = 0;        // bench memory: the device budget every mode must fit
+  i64 seq_len = 0;       // bench offload: the length
+  int subseqs = 0;       // bench offload: N
+  int reps = 2;          // timed steps per point (median), after one warm-up
+  std::string hardware;  // profile for adaptive choices ("" = measured now)
+};
+
+// The longest sequence each mode trains under the budget (reference, recompute, sppo_none,
+// sppo_adaptive), its step time, and every mode's step time at recompute's longest length.
+nlohmann::json bench_memory(const BenchModelOptions& o);
+
+// At one S and N: offload none / full / adaptive, step time, measured and predicted peak,
+// exposed copy time.
+nlohmann::json bench_offload(const BenchModelOptions& o);
+
+void print_bench_memory(const nlohmann::json& j);
+void print_bench_offload(const nlohmann::json& j);
+
+}  // namespace sppo
