@@ -294,7 +294,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
         if (st.prefetch_last[i]) {
           const double waited = st.prefetch_last[i]->wait();
           result.exposed_copy_s += waited;
-          if (waited > 0) span("wait P" + std::to_string(i), "compute", t0, now_s());
+          if (waited > 1e-4) span("wait P" + std::to_string(i), "compute", t0, now_s());
         }
         break;
       case sched::OpKind::Send:
