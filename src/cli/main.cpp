@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 
+#include "cli/cmd_plan.h"
 #include "core/check.h"
 #include "train/bench.h"
 #include "train/bench_sppo.h"
@@ -52,6 +53,7 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
+  cmd->add_option("--plan", o.plan_path, "Take the subsequence lengths and alpha from this plan (sppo plan --gpus 1 --json)");
 }
 
 void resolve_step_options(const StepFlags& f, StepOptions& o) {
@@ -135,6 +137,8 @@ int main(int argc, char** argv) {
 
 
 
+  cli::add_plan_commands(app);
+
   // bench memory / bench offload
   std::string bm_model = "bench-memory", bm_budget = "", bo_model = "bench-memory", bo_seq = "8192",
               bo_budget = "", bm_hardware, bo_hardware;
@@ -168,6 +172,7 @@ int main(int argc, char** argv) {
     } catch (const CLI::ParseError& e) {
       return app.exit(e) == 0 ? 0 : 2;
     }
+    if (auto rc = cli::plan_command_result()) return *rc;
     if (*cmd_train) {
       resolve_step_options(train_flags, train.step);
       return run_train(train);

@@ -10,6 +10,12 @@
 // likewise k, v, out (strides ldk, ldv, ldo). lse is [Z, Tq] (head-major, dense).
 // Query row t has global position q_pos0 + t, key row s has k_pos0 + s; key s is visible to
 // query t iff k_pos0 + s <= q_pos0 + t. Scores are scaled by 1/sqrt(A).
+//
+// Threads: every call runs on omp_get_max_threads() OpenMP threads (one, when called inside a
+// parallel region). Results are bit-identical from run to run at a given thread count; the
+// forward's do not depend on the thread count at all. Scratch is allocated per call: about
+// 230 KiB per thread in the forward (A = 64), and 3 * Tq * A floats per thread in the backward
+// (more with fewer heads than 4 * threads: Note [Deterministic backward] in attention.cpp).
 #pragma once
 
 #include "core/dims.h"

@@ -23,6 +23,7 @@ struct StepOptions {
   i64 device_memory = 0;              // bytes; 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
+  std::string plan_path;              // --plan PLAN.json: lengths and alpha from a plan
 };
 
 struct TrainOptions {

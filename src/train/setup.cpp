@@ -2,10 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "core/check.h"
+#include "planner/plan.h"
 #include "schedule/builders.h"
+#include "sim/simulator.h"
+#include "sim/solver.h"
 #include "train/partition.h"
 #include "train/profile_machine.h"
 
@@ -59,6 +64,43 @@ void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
   }
 }
 
+namespace {
+
+// --plan: a plan for one device fixes the lengths and alpha; the model and S must agree.
+void apply_plan(const StepOptions& o, StepSetup* s) {
+  std::ifstream f(o.plan_path);
+  SPPO_CHECK(f.good(), "options") << "cannot read --plan " << o.plan_path;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    SPPO_CHECK(false, "options") << "--plan " << o.plan_path << " is not JSON: " << e.what();
+  }
+  const plan::Plan p = plan::plan_from_json(j);
+  SPPO_CHECK(p.system == "sppo" && p.sp == 1 && p.pp == 1 && p.dp == 1, "options")
+      << "--plan " << o.plan_path << " is a " << p.system << " plan with sp " << p.sp << ", pp " << p.pp
+      << ", dp " << p.dp << "; this runtime runs one process: plan with --gpus 1";
+  SPPO_CHECK(p.seq_len == o.seq_len, "options")
+      << "--plan " << o.plan_path << " is for --seq-len " << p.seq_len << ", not " << o.seq_len;
+  SPPO_CHECK(to_json(p.model) == to_json(s->config), "options")
+      << "--plan " << o.plan_path << " is for the model " << to_json(p.model).dump()
+      << ", not " << to_json(s->config).dump() << "; pass the same model options";
+  s->lengths = p.lengths;
+  s->alpha = p.alpha;
+  s->profile_measured = true;
+  s->profile = resolve_cpu_profile(o.hardware);
+  const plan::CostModel cost(s->profile, s->config, ActPrecision::F32);
+  const auto r = sim::simulate(sched::build_single(s->config.layers, s->lengths, s->alpha), cost,
+                               sim::memory_rules(s->config, ActPrecision::F32));
+  s->predicted_peak_bytes = r.peak_device_bytes;
+  s->predicted_step_s = r.step_time_s;
+  SPPO_CHECK(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")
+      << "--plan " << o.plan_path << " needs " << format_bytes(double(r.peak_device_bytes))
+      << " of device memory, over the --device-memory budget of " << format_bytes(double(o.device_memory));
+}
+
+}  // namespace
+
 StepSetup make_setup(const StepOptions& o) {
   StepSetup s;
   s.config = o.model;
@@ -70,19 +112,23 @@ StepSetup make_setup(const StepOptions& o) {
   s.data->check_vocab(s.config.vocab);
   s.repeat_task = o.data.empty() || o.data.rfind("repeat", 0) == 0;
 
-  const int N = resolve_subseqs(o, S);
-  SPPO_CHECK(!o.recompute || N == 1, "options")
-      << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
-  // Timing matters only to adaptive choices; a budget check needs the memory model alone.
-  const bool adaptive = o.partition == "adaptive" || o.offload == "adaptive";
-  const plan::HardwareProfile hw =
-      adaptive || !o.hardware.empty() ? resolve_cpu_profile(o.hardware) : nominal_cpu_profile();
-  SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N, o.device_memory, hw);
-  s.lengths = choice.lengths;
-  s.alpha = choice.alpha;
-  s.predicted_peak_bytes = choice.predicted_peak_bytes;
-  s.predicted_step_s = choice.predicted_step_s;
-  s.profile = hw;
+  if (!o.plan_path.empty()) {
+    apply_plan(o, &s);
+  } else {
+    const int N = resolve_subseqs(o, S);
+    SPPO_CHECK(!o.recompute || N == 1, "options")
+        << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
+    // Timing matters only to adaptive choices; a budget check needs the memory model alone.
+    const bool adaptive = o.partition == "adaptive" || o.offload == "adaptive";
+    s.profile_measured = adaptive || !o.hardware.empty();
+    const plan::HardwareProfile hw = s.profile_measured ? resolve_cpu_profile(o.hardware) : nominal_cpu_profile();
+    SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N, o.device_memory, hw);
+    s.lengths = choice.lengths;
+    s.alpha = choice.alpha;
+    s.predicted_peak_bytes = choice.predicted_peak_bytes;
+    s.predicted_step_s = choice.predicted_step_s;
+    s.profile = hw;
+  }
   s.schedule = sched::build_single(s.config.layers, s.lengths, s.alpha);
 
   RuntimeOptions ro;

@@ -24,7 +24,8 @@ struct StepSetup {
   sched::Schedule schedule;
   i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule
   double predicted_step_s = 0;  // on `profile`
-  plan::HardwareProfile profile;  // this machine's (measured, loaded, or nominal)
+  plan::HardwareProfile profile;  // this machine's (measured or loaded), else nominal
+  bool profile_measured = false;  // profile prices time (not only memory)
   bool repeat_task = false;     // the built-in task: report both halves' losses
 };
 

@@ -3,6 +3,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -124,7 +125,7 @@ int run_train(const TrainOptions& o) {
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
   const i64 half = io::repeat_start(S);
   const auto t_run = std::chrono::steady_clock::now();
-  double last_step_s = 0;
+  std::vector<double> step_times;
   for (int step = start_step; step < o.steps; ++step) {
     s.data->next(tokens.data(), S + 1);
     StepResult r = rt.step(s.schedule, tokens.data());
@@ -142,7 +143,7 @@ int run_train(const TrainOptions& o) {
                       n, lr, o.beta1, o.beta2, o.adam_eps, wd, step + 1);
       off += n;
     }
-    last_step_s = r.step_s;
+    step_times.push_back(r.step_s);
     const int done = step + 1;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
     const double eta = elapsed / double(done - start_step) * double(o.steps - done);
@@ -184,9 +185,28 @@ int run_train(const TrainOptions& o) {
       save(done);
     if (stopping) break;
   }
-  if (!o.quiet)
-    std::fprintf(stderr, "done: %d steps, last step %.3f s\n",
-                 (o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps) - start_step, last_step_s);
+  // Summary: the measured step time (median, the first step excluded as warm-up) beside the
+  // simulator's prediction of the same schedule on this machine's profile.
+  std::sort(step_times.begin() + (step_times.size() > 1 ? 1 : 0), step_times.end());
+  const std::size_t skip = step_times.size() > 1 ? 1 : 0;
+  const double measured = step_times.empty() ? 0 : step_times[skip + (step_times.size() - skip) / 2];
+  nlohmann::json summary = {{"summary", true},
+                            {"step", start_step + int(step_times.size())},
+                            {"measured_step_time_s", measured},
+                            {"predicted_peak_device_bytes", s.predicted_peak_bytes},
+                            {"measured_peak_device_bytes", rt.device().stats().peak}};
+  if (s.profile_measured) {
+    summary["simulated_step_time_s"] = s.predicted_step_s;
+    summary["profile"] = s.profile.name;
+  }
+  if (metrics) metrics->write(summary);
+  if (!o.quiet) {
+    std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)",
+                 int(step_times.size()), measured);
+    if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", s.predicted_step_s, s.profile.name.c_str());
+    std::fprintf(stderr, "; peak device memory %s measured, %s predicted\n",
+                 format_bytes(double(rt.device().stats().peak)).c_str(), format_bytes(double(s.predicted_peak_bytes)).c_str());
+  }
   return 0;
 }
 

@@ -40,6 +40,7 @@ std::vector<std::string> loss_curve(const std::string& path) {
   std::ifstream f(path);
   for (std::string l; std::getline(f, l);) {
     const auto j = nlohmann::json::parse(l);
+    if (j.contains("summary")) continue;
     out.push_back(nlohmann::json{{"step", j["step"]}, {"loss", j["loss"]}, {"grad_norm", j["grad_norm"]}}.dump());
   }
   return out;

@@ -1,0 +1,72 @@
+// Checkpoints: one directory per checkpoint, replaced atomically.
+//
+//   DIR/model.safetensors      weights, by parameter name (F32)
+//   DIR/optimizer.safetensors  AdamW state, by convention "<param>.m" and "<param>.v" (F32)
+//   DIR/state.json             whatever the trainer passes: step, data position, RNG state,
+//                              config, ...
+//   DIR/manifest.json          written LAST: {"format": "sppo-checkpoint", "version": 1,
+//                              "files": {"<name>": {"size": bytes, "xxh64": "<16 hex>"}}}
+//
+// Loading verifies the manifest first (every file present, sizes and checksums equal) and
+// then that the caller's tensor lists match the files exactly (names, shapes, F32) before
+// a single byte lands in a caller buffer, so a refused checkpoint leaves the buffers as
+// they were. Every refusal names the file and what mismatched.
+//
+// Note [Checkpoint crash windows]
+// save_checkpoint(DIR) writes every file into DIR.tmp-<pid> (fsynced, manifest last), then:
+//   (1) rename DIR -> DIR.old-<pid>      (only if DIR exists)
+//   (2) rename DIR.tmp-<pid> -> DIR
+//   (3) fsync the parent; remove DIR.old-<pid>, other DIR.old-*, and DIR.tmp-* left by
+//       processes that no longer run.
+// A crash before (1) leaves DIR intact plus a stray DIR.tmp-<pid>, which loading ignores.
+// A crash between (1) and (2) leaves no DIR, but a complete DIR.old-<pid>: loading DIR then
+// falls back to the newest verified DIR.old-* and says so through `loaded_from`. (The new
+// DIR.tmp-<pid> is complete too, but it is not trusted: it was never published.)
+// A crash during (3) leaves DIR complete plus leftovers that the next save removes.
+// If DIR exists but is not a checkpoint (no manifest.json, or files a checkpoint does not
+// have), saving refuses instead of moving it aside and deleting it.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace sppo::io {
+
+// A tensor in caller memory: numel(shape) contiguous floats at `data`. Save reads it;
+// load writes it.
+struct CheckpointTensor {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  float* data = nullptr;
+};
+
+inline constexpr const char* kCheckpointModelFile = "model.safetensors";
+inline constexpr const char* kCheckpointOptimizerFile = "optimizer.safetensors";
+inline constexpr const char* kCheckpointStateFile = "state.json";
+inline constexpr const char* kCheckpointManifestFile = "manifest.json";
+
+void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
+                     const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state);
+
+// Fills the caller's buffers and returns the saved state. Names and shapes must match the
+// checkpoint exactly: a tensor missing from either side is an error. `loaded_from`, when
+// given, receives the directory actually read (differs from `dir` after a fallback to a
+// DIR.old-* left by an interrupted save).
+nlohmann::json load_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
+                               const std::vector<CheckpointTensor>& optimizer,
+                               std::string* loaded_from = nullptr);
+
+// Verifies the manifest and returns state.json without touching tensors: what a trainer
+// reads first to rebuild its model and optimizer from the saved config.
+nlohmann::json read_checkpoint_state(const std::string& dir, std::string* loaded_from = nullptr);
+
+// Throws unless every file of the checkpoint is present with the size and checksum its
+// manifest lists. Returns the directory verified (see `loaded_from`).
+std::string verify_checkpoint(const std::string& dir);
+
+// True if DIR (or a fallback DIR.old-*) holds a manifest. Cheap: checksums are not read.
+bool checkpoint_exists(const std::string& dir);
+
+}  // namespace sppo::io

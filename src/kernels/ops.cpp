@@ -1,0 +1,488 @@
+// CPU fp32 kernels of the GPT block (contract in kernels/ops.h).
+//
+// Most of these are memory-bound passes over [T, H] or [T, V] buffers, so each one reads
+// and writes its operands once where it can: row-local work (LayerNorm, softmax) runs in
+// two or three passes over a row that is still in cache, never over the whole buffer.
+// Reductions across rows follow Note [Deterministic reductions]; transcendental functions
+// in hot loops follow Note [Vectorised exp].
+#include "kernels/ops.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/check.h"
+
+namespace sppo::cpu {
+
+// Note [Deterministic reductions]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every sum over rows (bias and LayerNorm parameter gradients, sum of squares, the total
+// loss) is cut into blocks of a FIXED size, independent of the thread count. Each block
+// is summed in order into its own double partial; the partials are then added in block
+// order. The result is therefore bitwise identical for any number of threads, which keeps
+// runs reproducible and lets tests compare layouts bit for bit. Sums into a gradient that
+// is indexed by data (the embedding) are parallelised over columns instead: each element
+// is owned by one thread and accumulated in token order, again independent of threads.
+// Floating-point atomics are never used.
+
+namespace {
+
+// Rows per block of a cross-row reduction (Note [Deterministic reductions]).
+constexpr int kRowBlock = 256;
+// Elements per block of sum_squares (Note [Deterministic reductions]).
+constexpr i64 kSumBlock = i64{1} << 16;
+// Element-wise loops shorter than this run on one thread: a parallel region costs more.
+constexpr i64 kSerialElems = i64{1} << 15;
+// Rows of the RoPE angle table (Note [RoPE angles]).
+constexpr int kRopeBlock = 16;
+// Elements per task of an element-wise kernel.
+constexpr i64 kChunk = i64{1} << 14;
+
+std::size_t idx(i64 row, i64 ld, i64 col) { return static_cast<std::size_t>(row * ld + col); }
+
+// Note [Vectorised exp]
+// ~~~~~~~~~~~~~~~~~~~~~
+// glibc's vector expf (libmvec) is only declared under -ffast-math, which the project
+// does not use, so std::exp in a loop runs one element at a time. GeLU (T x 4H elements)
+// and softmax (T x V elements) would then be bound by expf, not by memory. exp_f32 is
+// Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial, and the
+// exponent written into the bits; within about 1 ulp of exp on its domain (checked
+// exhaustively against double), branch-free, so the compiler can vectorise the loops that
+// call it. Inputs are clamped to the normal range:
+// exp_f32(x) for x < -87.3 is about 1e-38 (not 0), and for x > 88.37 about 3.4e38 (not
+// inf); the callers below are written so that neither matters.
+inline float exp_f32(float x) {
+  x = std::min(std::max(x, -87.3365f), 88.3762626f);
+  // Round x / ln2 to nearest with the 1.5 * 2^23 trick (vectorises, no rounding mode).
+  const float shifter = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+// Runs body(begin, end) over [0, n) in chunks of kChunk, spread over the threads. The body's
+// loop carries `#pragma omp simd`; GCC 12 compiles the GeLU loops several times slower
+// under a combined `omp parallel for simd`.
+template <typename Body>
+void parallel_chunks(i64 n, const Body& body) {
+  const i64 num_chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (num_chunks > 2)
+  for (i64 c = 0; c < num_chunks; ++c) body(c * kChunk, std::min(n, (c + 1) * kChunk));
+}
+
+// dst[c] += sum over blocks b, in order, of partials[b * C + c].
+void add_block_partials(float* dst, const double* partials, int num_blocks, int C) {
+#pragma omp parallel for schedule(static) if (i64{num_blocks} * C > kSerialElems)
+  for (int c = 0; c < C; ++c) {
+    double s = 0.0;
+    for (int b = 0; b < num_blocks; ++b) s += partials[idx(b, C, c)];
+    dst[c] += static_cast<float>(s);
+  }
+}
+
+// dst[c] += sum over rows t of x[t * ld + c], for every c < C, summed by fixed row blocks
+// (Note [Deterministic reductions]).
+void accumulate_column_sums(float* dst, const float* x, int T, int C, int ld) {
+  const int num_blocks = (T + kRowBlock - 1) / kRowBlock;
+  std::vector<double> partials(static_cast<std::size_t>(num_blocks) * C, 0.0);
+#pragma omp parallel for schedule(static) if (i64{T} * C > kSerialElems)
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    double* part = partials.data() + idx(blk, C, 0);
+    const int t_end = std::min(T, (blk + 1) * kRowBlock);
+    for (int t = blk * kRowBlock; t < t_end; ++t) {
+      const float* row = x + idx(t, ld, 0);
+#pragma omp simd
+      for (int c = 0; c < C; ++c) part[c] += row[c];
+    }
+  }
+  add_block_partials(dst, partials.data(), num_blocks, C);
+}
+
+}  // namespace
+
+// ---- GEMM -----------------------------------------------------------------------------
+
+void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* a, int lda,
+          const float* b, int ldb, float beta, float* c, int ldc) {
+  SPPO_ASSERT_MSG(M >= 0 && N >= 0 && K >= 0, "gemm: M=" << M << " N=" << N << " K=" << K);
+  // OpenBLAS reports bad strides on stderr and returns, leaving c unchanged: check first.
+  SPPO_ASSERT_MSG(lda >= std::max(1, trans_a ? M : K) && ldb >= std::max(1, trans_b ? K : N) &&
+                      ldc >= std::max(1, N),
+                  "gemm: strides lda=" << lda << " ldb=" << ldb << " ldc=" << ldc << " for M=" << M
+                                       << " N=" << N << " K=" << K);
+  if (M == 0 || N == 0) return;
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void linear_forward(float* out, const float* in, const float* w, const float* b, int T, int I,
+                    int O, int ld_out, int ld_in) {
+  if (ld_out == 0) ld_out = O;
+  if (ld_in == 0) ld_in = I;
+  if (T == 0) return;
+  float beta = 0.0f;
+  if (b != nullptr) {
+    // Pre-filling out with the bias and letting the GEMM add to it costs one write pass,
+    // where adding the bias afterwards would cost a read and a write.
+#pragma omp parallel for schedule(static) if (i64{T} * O > kSerialElems)
+    for (int t = 0; t < T; ++t) std::copy(b, b + O, out + idx(t, ld_out, 0));
+    beta = 1.0f;
+  }
+  gemm(false, true, T, O, I, 1.0f, in, ld_in, w, I, beta, out, ld_out);
+}
+
+void linear_backward(float* din, float* dw, float* db, const float* dout, const float* in,
+                     const float* w, int T, int I, int O, int ld_dout, int ld_in) {
+  if (ld_dout == 0) ld_dout = O;
+  if (ld_in == 0) ld_in = I;
+  if (T == 0) return;
+  if (din != nullptr) gemm(false, false, T, I, O, 1.0f, dout, ld_dout, w, I, 0.0f, din, I);
+  gemm(true, false, O, I, T, 1.0f, dout, ld_dout, in, ld_in, 1.0f, dw, I);
+  if (db != nullptr) accumulate_column_sums(db, dout, T, O, ld_dout);
+}
+
+// ---- embedding ------------------------------------------------------------------------
+
+namespace {
+
+void check_ids(const std::int32_t* ids, int T, int V, const char* component) {
+  for (int t = 0; t < T; ++t) {
+    SPPO_CHECK(ids[t] >= 0 && ids[t] < V, component)
+        << "token id " << ids[t] << " at position " << t << " is outside the vocabulary [0, "
+        << V << "); check that the data was tokenised with this model's vocabulary";
+  }
+}
+
+}  // namespace
+
+void embedding_forward(float* out, const std::int32_t* ids, const float* embed, int T, int H) {
+#pragma omp parallel for schedule(static) if (i64{T} * H > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    const float* src = embed + idx(ids[t], H, 0);
+    std::copy(src, src + H, out + idx(t, H, 0));
+  }
+}
+
+void embedding_backward(float* dembed, const float* dout, const std::int32_t* ids, int T, int H,
+                        int V) {
+  check_ids(ids, T, V, "embedding");
+  // Each thread owns a band of columns of dembed and walks the tokens in order, so every
+  // element sees the same additions in the same order for any thread count.
+  const int threads = (i64{T} * H > kSerialElems) ? omp_get_max_threads() : 1;
+  const int per_thread = (H + threads - 1) / threads;
+  const int band = std::max(16, (per_thread + 15) / 16 * 16);
+  const int num_bands = (H + band - 1) / band;
+#pragma omp parallel for schedule(static) if (num_bands > 1)
+  for (int k = 0; k < num_bands; ++k) {
+    const int h0 = k * band;
+    const int h1 = std::min(H, h0 + band);
+    for (int t = 0; t < T; ++t) {
+      float* dst = dembed + idx(ids[t], H, 0);
+      const float* src = dout + idx(t, H, 0);
+#pragma omp simd
+      for (int h = h0; h < h1; ++h) dst[h] += src[h];
+    }
+  }
+}
+
+// ---- LayerNorm ------------------------------------------------------------------------
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
+                       const float* b, int T, int H, float eps) {
+#pragma omp parallel for schedule(static) if (i64{T} * H > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    const float* xr = x + idx(t, H, 0);
+    float* outr = out + idx(t, H, 0);
+    // Two passes over a row in cache: the mean, then the squared deviations (no
+    // cancellation as with E[x^2] - E[x]^2), both accumulated in double.
+    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+    for (int h = 0; h < H; ++h) sum += xr[h];
+    const double mu = sum / H;
+    double ssq = 0.0;
+#pragma omp simd reduction(+ : ssq)
+    for (int h = 0; h < H; ++h) {
+      const double d = xr[h] - mu;
+      ssq += d * d;
+    }
+    const double rs = 1.0 / std::sqrt(ssq / H + eps);
+    const float m = static_cast<float>(mu);
+    const float r = static_cast<float>(rs);
+#pragma omp simd
+    for (int h = 0; h < H; ++h) outr[h] = (xr[h] - m) * r * w[h] + b[h];
+    mean[t] = m;
+    rstd[t] = r;
+  }
+}
+
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
+                        const float* w, const float* mean, const float* rstd, int T, int H) {
+  // With xhat = (x - mean) rstd and g = dout * w:
+  //   dx = rstd (g - mean_h(g) - xhat mean_h(g xhat)),  dw = sum_t dout xhat,  db = sum_t dout.
+  // One sweep over the rows: dx row by row, dw/db into per-block partials (Note
+  // [Deterministic reductions]).
+  const int num_blocks = (T + kRowBlock - 1) / kRowBlock;
+  std::vector<double> dw_part(static_cast<std::size_t>(num_blocks) * H, 0.0);
+  std::vector<double> db_part(static_cast<std::size_t>(num_blocks) * H, 0.0);
+#pragma omp parallel for schedule(static) if (i64{T} * H > kSerialElems)
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    double* dwp = dw_part.data() + idx(blk, H, 0);
+    double* dbp = db_part.data() + idx(blk, H, 0);
+    const int t_end = std::min(T, (blk + 1) * kRowBlock);
+    for (int t = blk * kRowBlock; t < t_end; ++t) {
+      const float* xr = x + idx(t, H, 0);
+      const float* dr = dout + idx(t, H, 0);
+      float* dxr = dx + idx(t, H, 0);
+      const float m = mean[t];
+      const float r = rstd[t];
+      double sum_g = 0.0;
+      double sum_gx = 0.0;
+#pragma omp simd reduction(+ : sum_g, sum_gx)
+      for (int h = 0; h < H; ++h) {
+        const float g = dr[h] * w[h];
+        const float xhat = (xr[h] - m) * r;
+        sum_g += g;
+        sum_gx += g * xhat;
+      }
+      const float mean_g = static_cast<float>(sum_g / H);
+      const float mean_gx = static_cast<float>(sum_gx / H);
+#pragma omp simd
+      for (int h = 0; h < H; ++h) {
+        const float xhat = (xr[h] - m) * r;
+        dxr[h] += r * (dr[h] * w[h] - mean_g - xhat * mean_gx);
+        dwp[h] += dr[h] * xhat;
+        dbp[h] += dr[h];
+      }
+    }
+  }
+  add_block_partials(dw, dw_part.data(), num_blocks, H);
+  add_block_partials(db, db_part.data(), num_blocks, H);
+}
+
+// ---- GeLU -----------------------------------------------------------------------------
+// 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). The sigmoid form
+// needs one exp and no tanh, and stays accurate where 1 + tanh(u) would cancel (x << 0).
+
+namespace {
+
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+
+}  // namespace
+
+void gelu_forward(float* out, const float* in, i64 n) {
+  parallel_chunks(n, [=](i64 begin, i64 end) {
+#pragma omp simd
+    for (i64 i = begin; i < end; ++i) {
+      const float x = in[i];
+      const float u = kGeluK * (x + kGeluC * x * x * x);
+      out[i] = x / (1.0f + exp_f32(-2.0f * u));
+    }
+  });
+}
+
+void gelu_backward(float* din, const float* dout, const float* in, i64 n) {
+  // s = sigmoid(2u): gelu' = s + x * 2 s (1 - s) * du/dx, with 1 - s = e s (e = exp(-2u)),
+  // which has no cancellation where s is close to 1.
+  parallel_chunks(n, [=](i64 begin, i64 end) {
+#pragma omp simd
+    for (i64 i = begin; i < end; ++i) {
+      const float x = in[i];
+      const float u = kGeluK * (x + kGeluC * x * x * x);
+      const float e = exp_f32(-2.0f * u);
+      const float s = 1.0f / (1.0f + e);
+      const float du = kGeluK * (1.0f + 3.0f * kGeluC * x * x);
+      din[i] = dout[i] * (s + 2.0f * x * s * (e * s) * du);
+    }
+  });
+}
+
+// ---- RoPE -----------------------------------------------------------------------------
+
+// Note [RoPE angles]
+// ~~~~~~~~~~~~~~~~~~
+// Positions reach 10^6 and more; in fp32, pos * freq has an absolute error of about
+// pos * 6e-8 radians (0.06 at 10^6), so angles are formed in double. One double sincos per
+// (row, frequency) would cost more than the rotation itself, so positions are split as
+// p = base + k with base a multiple of kRopeBlock: sincos(base * f) is computed once per
+// block of rows, sincos(k * f) comes from a table built once per call, and the two are
+// combined by the angle-addition formulas in double (a few ulp of double). The split depends
+// only on p, never on pos0 or on the thread count, so a row gets bitwise the same rotation
+// whether its sequence is processed whole or in subsequences.
+
+namespace {
+
+void rope_apply(float* x, int T, int Z, int A, i64 pos0, float theta, int ld, float sign) {
+  SPPO_ASSERT_MSG(A > 0 && A % 2 == 0, "rope: head size " << A << " must be even");
+  SPPO_ASSERT_MSG(pos0 >= 0 && ld >= Z * A, "rope: pos0=" << pos0 << " ld=" << ld);
+  if (T == 0) return;
+  const int half = A / 2;
+  std::vector<double> inv_freq(static_cast<std::size_t>(half));
+  for (int j = 0; j < half; ++j) {
+    inv_freq[j] = std::pow(static_cast<double>(theta), -2.0 * j / A);
+  }
+  std::vector<double> step_cos(static_cast<std::size_t>(kRopeBlock) * half);
+  std::vector<double> step_sin(static_cast<std::size_t>(kRopeBlock) * half);
+  for (int k = 0; k < kRopeBlock; ++k) {
+    for (int j = 0; j < half; ++j) {
+      step_cos[idx(k, half, j)] = std::cos(k * inv_freq[j]);
+      step_sin[idx(k, half, j)] = std::sin(k * inv_freq[j]);
+    }
+  }
+  const i64 first_block = pos0 / kRopeBlock;
+  const i64 last_block = (pos0 + T - 1) / kRopeBlock;
+  const i64 num_blocks = last_block - first_block + 1;
+#pragma omp parallel if (i64{T} * Z * A > kSerialElems)
+  {
+    std::vector<double> base_cos(static_cast<std::size_t>(half));
+    std::vector<double> base_sin(static_cast<std::size_t>(half));
+    std::vector<float> c(static_cast<std::size_t>(half));
+    std::vector<float> s(static_cast<std::size_t>(half));
+#pragma omp for schedule(static)
+    for (i64 blk = 0; blk < num_blocks; ++blk) {
+      const i64 base = (first_block + blk) * kRopeBlock;
+      for (int j = 0; j < half; ++j) {
+        const double angle = static_cast<double>(base) * inv_freq[j];
+        base_cos[j] = std::cos(angle);
+        base_sin[j] = std::sin(angle);
+      }
+      const i64 p_begin = std::max(base, pos0);
+      const i64 p_end = std::min(base + kRopeBlock, pos0 + T);
+      for (i64 p = p_begin; p < p_end; ++p) {
+        const double* sc = step_cos.data() + idx(p - base, half, 0);
+        const double* ss = step_sin.data() + idx(p - base, half, 0);
+#pragma omp simd
+        for (int j = 0; j < half; ++j) {
+          c[j] = static_cast<float>(base_cos[j] * sc[j] - base_sin[j] * ss[j]);
+          s[j] = sign * static_cast<float>(base_sin[j] * sc[j] + base_cos[j] * ss[j]);
+        }
+        float* row = x + idx(p - pos0, ld, 0);
+        for (int z = 0; z < Z; ++z) {
+          float* lo = row + idx(z, A, 0);
+          float* hi = lo + half;
+#pragma omp simd
+          for (int j = 0; j < half; ++j) {
+            const float a = lo[j];
+            const float b = hi[j];
+            lo[j] = a * c[j] - b * s[j];
+            hi[j] = b * c[j] + a * s[j];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rope_forward(float* x, int T, int Z, int A, i64 pos0, float theta, int ld) {
+  rope_apply(x, T, Z, A, pos0, theta, ld, 1.0f);
+}
+
+void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld) {
+  rope_apply(dx, T, Z, A, pos0, theta, ld, -1.0f);
+}
+
+// ---- softmax cross-entropy ------------------------------------------------------------
+
+double xent_forward_backward(float* logits, float* losses, const std::int32_t* targets, int T,
+                             int V, float grad_scale) {
+  check_ids(targets, T, V, "loss");
+  std::vector<double> row_loss(static_cast<std::size_t>(T));
+  // Passes over a row that stays in cache: max; exp(x - max) written in place; its sum in
+  // double; scale to the gradient.
+#pragma omp parallel for schedule(static) if (i64{T} * V > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    float* row = logits + idx(t, V, 0);
+    const int target = targets[t];
+    const float target_logit = row[target];
+    float mx = row[0];
+    // A ternary, not std::max: GCC does not vectorise this reduction with std::max.
+#pragma omp simd reduction(max : mx)
+    for (int v = 0; v < V; ++v) mx = row[v] > mx ? row[v] : mx;
+    // Arguments are <= 0, so exp_f32's clamp only turns exp(< -87) into 1e-38: a
+    // probability far below what fp32 resolves next to the others. Two loops, not one:
+    // GCC 12 does not vectorise exp_f32 fused with a double reduction.
+    for (int v = 0; v < V; ++v) row[v] = exp_f32(row[v] - mx);
+    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+    for (int v = 0; v < V; ++v) sum += row[v];
+    const float scale = static_cast<float>(grad_scale / sum);
+#pragma omp simd
+    for (int v = 0; v < V; ++v) row[v] *= scale;
+    row[target] -= grad_scale;
+    const double loss = std::log(sum) + static_cast<double>(mx) - target_logit;
+    row_loss[t] = loss;
+    losses[t] = static_cast<float>(loss);
+  }
+  double total = 0.0;
+  for (int t = 0; t < T; ++t) total += row_loss[t];
+  return total;
+}
+
+// ---- optimizer ------------------------------------------------------------------------
+
+double sum_squares(const float* g, i64 n) {
+  const i64 num_blocks = (n + kSumBlock - 1) / kSumBlock;
+  std::vector<double> partials(static_cast<std::size_t>(num_blocks));
+#pragma omp parallel for schedule(static) if (num_blocks > 1)
+  for (i64 blk = 0; blk < num_blocks; ++blk) {
+    const i64 end = std::min(n, (blk + 1) * kSumBlock);
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (i64 i = blk * kSumBlock; i < end; ++i) s += static_cast<double>(g[i]) * g[i];
+    partials[blk] = s;
+  }
+  double total = 0.0;
+  for (double p : partials) total += p;
+  return total;
+}
+
+void scale_inplace(float* x, i64 n, float s) {
+  parallel_chunks(n, [=](i64 begin, i64 end) {
+#pragma omp simd
+    for (i64 i = begin; i < end; ++i) x[i] *= s;
+  });
+}
+
+void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int t) {
+  SPPO_ASSERT_MSG(t >= 1, "adamw: step " << t << " must be >= 1");
+  // Bias corrections folded into two scalars: lr / (1 - b1^t) and 1 / sqrt(1 - b2^t).
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), t);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), t);
+  const float step = static_cast<float>(lr / bc1);
+  const float rsqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const float decay = lr * weight_decay;
+  // Without -fno-math-errno GCC keeps std::sqrt, and so this loop, scalar; at 28 bytes of
+  // traffic per element it is close to memory-bound all the same.
+  parallel_chunks(n, [=](i64 begin, i64 end) {
+#pragma omp simd
+    for (i64 i = begin; i < end; ++i) {
+      const float gi = g[i];
+      const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+      const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+      m[i] = mi;
+      v[i] = vi;
+      const float pi = p[i];
+      p[i] = pi - step * mi / (std::sqrt(vi) * rsqrt_bc2 + eps) - decay * pi;
+    }
+  });
+}
+
+}  // namespace sppo::cpu

@@ -1,0 +1,120 @@
+#include "planner/cost.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace sppo::plan {
+
+using sched::Op;
+using sched::OpKind;
+using sched::Payload;
+using sched::Schedule;
+
+CostModel::CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPrecision precision)
+    : hw_(hw), model_(model), precision_(precision) {
+  act_bytes_ = precision == ActPrecision::F32 ? 4 : 2;
+  kv_per_token_ = skeletal_bytes_per_token(model, precision);
+}
+
+double CostModel::gemm_flops(i64 tokens) const {
+  const double H = model_.hidden, F = model_.ffn();
+  return double(tokens) * (8 * H * H + 4 * F * H);
+}
+
+double CostModel::attention_flops(i64 o, i64 b, i64 e) const {
+  // sum over q in [b, e) of (o + q + 1)
+  const double n = double(e - b);
+  const double sum = n * double(o) + (double(e) * double(e + 1) - double(b) * double(b + 1)) / 2;
+  return 4.0 * model_.hidden * sum;
+}
+
+double CostModel::head_flops(i64 tokens) const { return 6.0 * double(tokens) * model_.hidden * model_.vocab; }
+
+double CostModel::attention_share(i64 o, i64 l, i64 b, i64 e, int pieces) const {
+  if (pieces <= 1) return attention_flops(o, b, e);
+  return attention_flops(o, 0, l) / pieces;
+}
+
+double CostModel::layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
+  const i64 T = e - b;
+  double t = gemm_flops(T) / hw_.gemm_flops + attention_share(o, l, b, e, pieces) / hw_.attention_flops();
+  if (hw_.elementwise_bw > 0)
+    t += kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
+  return t + hw_.layer_overhead;
+}
+
+double CostModel::layer_backward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
+  const i64 T = e - b;
+  double t = 2 * gemm_flops(T) / hw_.gemm_flops + 2.5 * attention_share(o, l, b, e, pieces) / hw_.attention_flops();
+  if (hw_.elementwise_bw > 0)
+    t += 2 * kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
+  return t + hw_.layer_overhead;
+}
+
+double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
+  const i64 l = s.lengths.at(op.subseq);
+  auto [b, e] = sched::piece_range(l, op.piece, op.pieces);
+  double t = (op.layer_end - op.layer_begin) * layer_forward_s(o, l, b, e, op.pieces);
+  if (op.layer_end == s.layers) t += head_flops(e - b) / hw_.gemm_flops;
+  return t;
+}
+
+double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
+  const i64 l = s.lengths.at(op.subseq);
+  auto [b, e] = sched::piece_range(l, op.piece, op.pieces);
+  return (op.layer_end - op.layer_begin) * layer_backward_s(o, l, b, e, op.pieces);
+}
+
+double CostModel::d2h_s(i64 bytes, bool duplex) const {
+  return double(bytes) / (hw_.d2h_bw * (duplex ? hw_.duplex_factor : 1.0));
+}
+
+double CostModel::h2d_s(i64 bytes, bool duplex) const {
+  return double(bytes) / (hw_.h2d_bw * (duplex ? hw_.duplex_factor : 1.0));
+}
+
+double CostModel::message_s(i64 bytes, int src, int dst) const {
+  if (same_node(src, dst)) return hw_.intra_node_latency + double(bytes) / hw_.intra_node_bw;
+  return hw_.inter_node_latency + double(bytes) / hw_.inter_node_bw;
+}
+
+double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group) const {
+  const int g = int(group.size());
+  if (g <= 1) return 0;
+  bool intra = true;
+  for (int r : group) intra &= same_node(r, group.front());
+  const double bw = intra ? hw_.intra_node_bw : hw_.inter_node_bw;
+  const double lat = intra ? hw_.intra_node_latency : hw_.inter_node_latency;
+  return 2.0 * (g - 1) / g * double(bytes) / bw + 2.0 * (g - 1) * lat;
+}
+
+i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
+  const i64 H = model_.hidden;
+  const int n = std::max(1, op.layer_end - op.layer_begin);
+  i64 tokens = op.tokens;
+  if (tokens == 0) {
+    auto [b, e] = sched::piece_range(s.lengths.at(op.subseq), op.piece, op.pieces);
+    tokens = e - b;
+  }
+  switch (op.payload) {
+    case Payload::None: return 0;
+    case Payload::Hidden:
+    case Payload::HiddenGrad: return tokens * H * act_bytes_;
+    case Payload::KV:
+    case Payload::KVStream: return tokens * kv_per_token_ * n;
+    // K, V travel with their fp32 dK, dV accumulators.
+    case Payload::KVGrad: return tokens * (kv_per_token_ + 2 * H * 4) * n;
+    case Payload::KVGradStream: return tokens * 2 * H * 4 * n;
+    case Payload::Weights:
+      return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
+                                op.layer_end == s.layers) * act_bytes_;
+    case Payload::WeightGrads:
+      return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
+                                op.layer_end == s.layers) * 4;
+  }
+  SPPO_ASSERT(false);
+  return 0;
+}
+
+}  // namespace sppo::plan

@@ -1,0 +1,76 @@
+// The cost model: seconds of every op of the IR on a hardware profile.
+//
+// Compute (DESIGN.md 3), per layer on T tokens of subsequence i at offset o:
+//   GEMMs      24 T H^2 (generally 8 T H^2 + 4 T F H) FLOPs forward, 2x in backward
+//   attention  4 H * sum over the T query positions q of (q + 1) FLOPs forward
+//              (= 4 T H (o + (T + 1) / 2) for a whole subsequence), 2.5x in backward
+//   elementwise  kElementwiseWordsPerToken * H words per token read or written
+//              (LayerNorm, GeLU, residuals, RoPE, bias) over elementwise_bw, 2x in backward
+//   overhead   layer_overhead per layer (kernel launches and synchronisation)
+// The LM head runs its backward right after its forward (the loss gradient is known), so a
+// forward that ends at the last layer also pays 6 T H V FLOPs of head GEMMs.
+// Pieces of one subsequence (SP ranks, MSP pieces) each do 1/pieces of its attention:
+// ring attention uses the load-balanced zigzag layout (DESIGN.md 6), so every piece pays
+// the same share of the causal triangle.
+// Copies: bytes over d2h_bw / h2d_bw, times duplex_factor while the other direction runs.
+// Messages: latency + bytes / bandwidth, intra- or inter-node by the ranks' nodes
+// (rank r is device r; devices_per_node consecutive devices form a node).
+#pragma once
+
+#include "core/config.h"
+#include "core/layout.h"
+#include "schedule/ir.h"
+#include "schedule/memory.h"
+#include "planner/profile.h"
+
+namespace sppo::plan {
+
+// Elementwise traffic per token per layer, in activation words (forward): LayerNorm in
+// and out twice (4H), residual adds (4H), RoPE on q, k (4H), GeLU in and out (8F/4 = 8H
+// for F = 4H), bias adds and softmax statistics (about 4H more).
+inline constexpr double kElementwiseWordsPerToken = 24;
+
+class CostModel {
+ public:
+  CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPrecision precision);
+
+  const HardwareProfile& hw() const { return hw_; }
+  const ModelConfig& model() const { return model_; }
+  ActPrecision precision() const { return precision_; }
+
+  // FLOPs of one layer on the tokens [b, e) of a subsequence at offset o (forward).
+  double gemm_flops(i64 tokens) const;
+  double attention_flops(i64 o, i64 b, i64 e) const;
+  double head_flops(i64 tokens) const;  // forward + backward of the LM head
+
+  // Seconds of a Forward / Backward op of schedule `s`; `o` is the offset of its subsequence.
+  double forward_s(const sched::Op& op, const sched::Schedule& s, i64 o) const;
+  double backward_s(const sched::Op& op, const sched::Schedule& s, i64 o) const;
+  double forward_s(const sched::Op& op, const sched::Schedule& s) const { return forward_s(op, s, s.offset(op.subseq)); }
+  double backward_s(const sched::Op& op, const sched::Schedule& s) const { return backward_s(op, s, s.offset(op.subseq)); }
+  // Seconds of one layer's forward (backward) of tokens [b, e) at offset o; with
+  // `pieces` > 1 the attention is the 1/pieces share of the whole subsequence of length l.
+  double layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const;
+  double layer_backward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const;
+
+  double d2h_s(i64 bytes, bool duplex) const;
+  double h2d_s(i64 bytes, bool duplex) const;
+  double message_s(i64 bytes, int src, int dst) const;
+  bool same_node(int a, int b) const { return a / hw_.devices_per_node == b / hw_.devices_per_node; }
+  // Ring all-reduce over `group` of `bytes` per rank.
+  double allreduce_s(i64 bytes, const std::vector<int>& group) const;
+
+  // Bytes a Send/Recv/RingStep moves.
+  i64 message_bytes(const sched::Op& op, const sched::Schedule& s) const;
+
+ private:
+  double attention_share(i64 o, i64 l, i64 b, i64 e, int pieces) const;
+
+  HardwareProfile hw_;
+  ModelConfig model_;
+  ActPrecision precision_;
+  int act_bytes_;
+  i64 kv_per_token_;
+};
+
+}  // namespace sppo::plan

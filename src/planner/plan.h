@@ -1,0 +1,47 @@
+// A plan: everything needed to build and run one training step's schedule, and what the
+// simulator predicts for it. Read and written as JSON a user can edit (DESIGN.md 5).
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/dims.h"
+
+namespace sppo::plan {
+
+struct Prediction {
+  double step_time_s = 0;
+  double tokens_per_gpu_per_s = 0;
+  double bubble_ratio = 0;
+  i64 peak_device_bytes = 0;
+  double exposed_copy_s = 0;
+};
+
+struct Plan {
+  std::string system = "sppo";    // sppo | megatron | deepspeed
+  std::string model_name;         // preset name, or "custom"
+  ModelConfig model;
+  std::string hardware;           // profile name or path
+  i64 seq_len = 0;                // S per replica
+  int gpus = 1;
+  int gpus_per_node = 1;
+  int sp = 1, pp = 1, dp = 1, tp = 1;  // tp: megatron only
+  int subseqs = 1;                // N (megatron: 1; deepspeed: FPDT chunks)
+  std::vector<i64> lengths;
+  std::vector<double> alpha;
+  bool msp = false;
+  std::vector<int> stage_layers;  // layers per pipeline stage
+  std::string offload = "adaptive";  // none | full | adaptive
+  std::string alpha_rule;         // how alpha was chosen
+  i64 budget = 0;                 // device bytes the plan must fit
+  Prediction predicted;
+  std::vector<std::string> notes;
+};
+
+nlohmann::json to_json(const Plan& p);
+// Throws sppo::Error naming the missing or inconsistent field.
+Plan plan_from_json(const nlohmann::json& j);
+
+}  // namespace sppo::plan

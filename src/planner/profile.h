@@ -1,0 +1,53 @@
+// Hardware profiles (DESIGN.md 5): the rates the cost model divides by, as JSON files a
+// user can edit (profiles/<name>.json). Files store friendly units (TFLOP/s, GB/s, us);
+// the struct holds SI units (FLOP/s, B/s, s). `sppo profile` measures this machine and
+// fills the same struct.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/dims.h"
+
+namespace sppo::plan {
+
+struct HardwareProfile {
+  std::string name;
+  std::string description;
+  std::string precision = "bf16";     // activations: "bf16" on GPUs, "f32" on the CPU
+  double gemm_flops = 0;              // achieved dense GEMM rate, FLOP/s
+  double attention_efficiency = 0;    // attention kernel rate / gemm_flops
+  double elementwise_bw = 0;          // device memory bandwidth for elementwise ops, B/s (0: free)
+  double d2h_bw = 0;                  // device -> host copy, B/s
+  double h2d_bw = 0;                  // host -> device copy, B/s
+  double duplex_factor = 1;           // share of each direction's bandwidth when both run
+  double intra_node_bw = 0;           // device <-> device in a node, B/s per direction
+  double intra_node_latency = 0;      // s
+  double inter_node_bw = 0;           // per device across nodes, B/s
+  double inter_node_latency = 0;      // s
+  i64 device_memory = 0;              // bytes per device
+  i64 memory_reserve = 0;             // bytes the framework and allocator keep (not usable)
+  i64 host_memory = 0;                // pinned host bytes available per device (0: unlimited)
+  int devices_per_node = 1;
+  double layer_overhead = 0;          // fixed seconds per layer of a forward or backward op
+
+  double attention_flops() const { return gemm_flops * attention_efficiency; }
+  i64 usable_memory() const { return device_memory - memory_reserve; }
+};
+
+// Names of the built-in profiles (also compiled in, so any working directory works).
+std::vector<std::string> profile_names();
+
+// Loads `name_or_path`: the path as given, then "<exe dir>/../profiles/<name>.json",
+// then "profiles/<name>.json" under the working directory, then the compiled-in preset.
+// Throws sppo::Error naming the missing field or the profiles that exist.
+HardwareProfile load_profile(const std::string& name_or_path);
+void save_profile(const HardwareProfile& p, const std::string& path);
+
+nlohmann::json to_json(const HardwareProfile& p);
+// `where` names the source in error messages. Every field is required except
+// description, elementwise_gbps, memory_reserve_bytes, host_memory_bytes, layer_overhead_us.
+HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& where);
+
+}  // namespace sppo::plan

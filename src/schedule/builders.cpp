@@ -1,0 +1,398 @@
+#include "schedule/builders.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "core/check.h"
+#include "schedule/memory.h"
+#include "schedule/msp.h"
+
+namespace sppo::sched {
+
+namespace {
+
+Op make(OpKind kind, int subseq) {
+  Op op;
+  op.kind = kind;
+  op.subseq = subseq;
+  return op;
+}
+
+}  // namespace
+
+Schedule build_single(int layers, const std::vector<i64>& lengths, const std::vector<double>& alpha) {
+  const int N = int(lengths.size());
+  SPPO_CHECK(layers >= 1, "schedule") << "layers must be at least 1 (got " << layers << ")";
+  SPPO_CHECK(N >= 1, "schedule") << "at least one subsequence is needed";
+  SPPO_CHECK(int(alpha.size()) == N, "schedule")
+      << "alpha has " << alpha.size() << " entries but there are " << N << " subsequences";
+  for (int i = 0; i < N; ++i) {
+    SPPO_CHECK(lengths[i] >= 1, "schedule") << "subsequence " << i << " has length " << lengths[i];
+    SPPO_CHECK(alpha[i] >= 0 && alpha[i] <= 1, "schedule")
+        << "alpha[" << i << "] = " << alpha[i] << " is outside [0, 1]";
+  }
+  SPPO_CHECK(alpha.back() == 0, "schedule")
+      << "alpha of the last subsequence must be 0 (its backward runs first), got " << alpha.back();
+
+  Schedule s;
+  s.ranks = 1;
+  s.layers = layers;
+  s.lengths = lengths;
+  s.ops.resize(1);
+  auto& ops = s.ops[0];
+  auto push = [&](OpKind kind, int i, double fraction = 0) {
+    Op op = make(kind, i);
+    op.fraction = fraction;
+    if (kind == OpKind::Forward || kind == OpKind::Backward) {
+      op.layer_begin = 0;
+      op.layer_end = layers;
+    }
+    ops.push_back(op);
+  };
+  for (int i = 0; i < N; ++i) {
+    push(OpKind::Forward, i);
+    if (i >= 1 && alpha[i - 1] > 0) push(OpKind::WaitOffload, i - 1);
+    if (alpha[i] > 0) push(OpKind::Offload, i, alpha[i]);
+  }
+  for (int i = N - 1; i >= 0; --i) {
+    if (i >= 1 && alpha[i - 1] > 0) push(OpKind::Prefetch, i - 1, alpha[i - 1]);
+    push(OpKind::Backward, i);
+    if (i >= 1 && alpha[i - 1] > 0) push(OpKind::WaitPrefetch, i - 1);
+  }
+  return s;
+}
+
+
+// ---------------------------------------------------------------------------------------
+// The sequence pipeline.
+//
+// Note [Pipeline as tasks]: a task is the forward or backward of one stage's layers on one
+// subsequence, run by one or more pieces (SP ranks of the stage; with MSP, the SP ranks of
+// every stage group the subsequence is split over). Tasks are ordered by a global key,
+// forward (stage i, subsequence k) in slot i + k, backward in slot (N + P - 1) + (P-1-i) +
+// (N-1-k), stage breaking ties; every rank runs its tasks in that order. Every message goes
+// from a task to a later one, or inside one task, so the schedule cannot deadlock.
+// Messages match by identity (payload, subsequence, piece, layers, tokens), FIFO among
+// equal identities, as MPI tags do.
+//
+// Data of a split (MSP) piece on a helper group (not the stage's own group):
+//  - the stage's weights come from the owner twice, for the helper's forwards of that stage
+//    (sent at the start) and again for its backwards (sent when the owner starts its
+//    backwards): Left pieces run at both ends of the step, so the copy is not held through
+//    the middle, where memory peaks. The weight gradients go back after the helper's last
+//    backward of that stage (Send WeightGrads);
+//  - forward: K, V of earlier positions stream from the owner (KVStream); after the
+//    forward the piece's K, V go to the owner (KV), which keeps the stage's whole KV cache;
+//  - backward: earlier K, V stream again; the owner returns the piece's accumulated dK, dV
+//    rows with its K, V (KVGrad, which frees them on the owner); after the backward the
+//    piece's partial dK, dV of earlier positions go to the owner (KVGradStream).
+// A helper piece pairs SP rank r of its group with SP rank r of the owner group.
+namespace {
+
+struct Piece {
+  int rank;
+  i64 b, e;  // token range inside the subsequence
+  int piece, pieces;
+  bool helper;  // runs on a group other than the stage's own
+};
+
+struct Task {
+  bool forward;
+  int stage, subseq, d;
+  int slot;
+  std::vector<Piece> pieces;
+};
+
+}  // namespace
+
+std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec) {
+  SPPO_CHECK(spec.pp >= 1 && spec.pp <= spec.layers, "schedule")
+      << "pipeline stages " << spec.pp << " must be in [1, layers = " << spec.layers << "]";
+  std::vector<int> n = spec.stage_layers;
+  if (n.empty()) {
+    for (int p = 0; p < spec.pp; ++p) n.push_back(spec.layers / spec.pp + (p < spec.layers % spec.pp ? 1 : 0));
+  }
+  SPPO_CHECK(int(n.size()) == spec.pp, "schedule")
+      << "layer split has " << n.size() << " stages but pp = " << spec.pp;
+  std::vector<std::pair<int, int>> r;
+  int b = 0;
+  for (int p = 0; p < spec.pp; ++p) {
+    SPPO_CHECK(n[p] >= 1, "schedule") << "stage " << p << " has no layers";
+    r.push_back({b, b + n[p]});
+    b += n[p];
+  }
+  SPPO_CHECK(b == spec.layers, "schedule") << "layer split sums to " << b << ", not " << spec.layers;
+  return r;
+}
+
+Schedule build_pipeline(const PipelineSpec& spec) {
+  const int P = spec.pp, R = spec.sp, D = spec.dp;
+  const int N = int(spec.lengths.size());
+  SPPO_CHECK(R >= 1 && D >= 1, "schedule") << "sp and dp must be at least 1";
+  SPPO_CHECK(N >= 1, "schedule") << "at least one subsequence is needed";
+  std::vector<double> alpha = spec.alpha.empty() ? std::vector<double>(N, 0.0) : spec.alpha;
+  SPPO_CHECK(int(alpha.size()) == N, "schedule") << "alpha has " << alpha.size() << " entries for " << N
+                                                 << " subsequences";
+  SPPO_CHECK(alpha.back() == 0, "schedule") << "alpha of the last subsequence must be 0";
+  for (int i = 0; i < N; ++i) {
+    SPPO_CHECK(spec.lengths[i] >= R * (spec.msp ? P : 1), "schedule")
+        << "subsequence " << i << " of " << spec.lengths[i] << " tokens is shorter than its pieces";
+    SPPO_CHECK(alpha[i] >= 0 && alpha[i] <= 1, "schedule") << "alpha[" << i << "] outside [0, 1]";
+  }
+  const bool msp = spec.msp && P > 1;
+  SPPO_CHECK(!msp || N >= P, "schedule") << "MSP needs N >= P (N = " << N << ", P = " << P << ")";
+  const auto ranges = stage_ranges(spec);
+
+  Schedule s;
+  s.ranks = spec.ranks();
+  s.replicas = D;
+  s.layers = spec.layers;
+  s.lengths = spec.lengths;
+  s.ops.resize(s.ranks);
+  s.owned.resize(s.ranks);
+  for (int d = 0; d < D; ++d)
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < R; ++r) s.owned[spec.rank_of(d, p, r)] = ranges[p];
+
+  // Stage groups that run task (stage, k).
+  auto groups_of = [&](int stage, int k) {
+    if (!msp) return std::vector<int>{stage};
+    const MspPhases m = msp_phases(P, N, stage);
+    for (int x : m.left)
+      if (x == k) return m.left_gpus;
+    for (int x : m.right)
+      if (x == k) return m.right_gpus;
+    return std::vector<int>{stage};
+  };
+
+  std::vector<Task> tasks;
+  for (int d = 0; d < D; ++d)
+    for (int i = 0; i < P; ++i)
+      for (int k = 0; k < N; ++k)
+        for (bool fwd : {true, false}) {
+          Task t{fwd, i, k, d, fwd ? i + k : (N + P - 1) + (P - 1 - i) + (N - 1 - k), {}};
+          const std::vector<int> g = groups_of(i, k);
+          const int pieces = int(g.size()) * R;
+          for (size_t h = 0; h < g.size(); ++h)
+            for (int r = 0; r < R; ++r) {
+              const int piece = int(h) * R + r;
+              auto [b, e] = piece_range(spec.lengths[k], piece, pieces);
+              t.pieces.push_back({spec.rank_of(d, g[h], r), b, e, piece, pieces, g[h] != i});
+            }
+          tasks.push_back(std::move(t));
+        }
+  {
+    std::vector<size_t> order(tasks.size());
+    for (size_t t = 0; t < order.size(); ++t) order[t] = t;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return std::tie(tasks[a].d, tasks[a].slot, tasks[a].stage) < std::tie(tasks[b].d, tasks[b].slot, tasks[b].stage);
+    });
+    std::vector<Task> sorted;
+    sorted.reserve(tasks.size());
+    for (size_t t : order) sorted.push_back(std::move(tasks[t]));
+    tasks = std::move(sorted);
+  }
+  for (auto& ops : s.ops) ops.reserve(size_t(N) * (R > 1 ? 2 * R + 6 : 8));
+
+  // Index of task (d, stage, k, forward) in the sorted list.
+  std::vector<size_t> index(tasks.size());
+  auto slot_of = [&](int d, int stage, int k, bool fwd) { return ((size_t(d) * P + stage) * N + k) * 2 + (fwd ? 0 : 1); };
+  for (size_t t = 0; t < tasks.size(); ++t)
+    index[slot_of(tasks[t].d, tasks[t].stage, tasks[t].subseq, tasks[t].forward)] = t;
+
+  // Last backward task of each (helper rank, stage): where its weight gradients go home.
+  std::map<std::pair<int, int>, size_t> last_helper_task;
+  std::set<std::tuple<int, int, bool>> borrowed;  // (helper rank, stage, forward) leases begun
+  std::set<int> owner_backward_started;           // stages whose owners sent the backward lease
+  for (size_t t = 0; t < tasks.size(); ++t)
+    for (const Piece& pc : tasks[t].pieces)
+      if (pc.helper) last_helper_task[{pc.rank, tasks[t].stage}] = t;
+
+  auto owner_of = [&](const Task& t, const Piece& pc) {
+    return spec.rank_of(t.d, t.stage, pc.piece % R);
+  };
+  auto with_layers = [&](Op op, int stage) {
+    op.layer_begin = ranges[stage].first;
+    op.layer_end = ranges[stage].second;
+    return op;
+  };
+  auto msg = [&](OpKind kind, Payload payload, int subseq, int stage, int peer, i64 tokens, const Piece& pc) {
+    Op op = with_layers(make(kind, subseq), stage);
+    op.payload = payload;
+    op.peer = peer;
+    op.tokens = tokens;
+    op.piece = pc.piece;
+    op.pieces = pc.pieces;
+    return op;
+  };
+
+  // Weights for helpers go out first.
+  for (const auto& [key, t] : last_helper_task) {
+    const auto [rank, stage] = key;
+    const int d = rank / (P * R), r = rank % R;
+    Piece whole{rank, 0, 0, 0, 1, true};
+    s.ops[spec.rank_of(d, stage, r)].push_back(msg(OpKind::Send, Payload::Weights, 0, stage, rank, 0, whole));
+  }
+
+  std::vector<i64> offsets(N, 0);
+  for (int k = 1; k < N; ++k) offsets[k] = offsets[k - 1] + spec.lengths[k - 1];
+
+  // Offload bookkeeping per rank (own-stage, unsplit subsequences only).
+  std::vector<int> pending_wait(s.ranks, -1);
+  std::vector<std::vector<int>> offloaded(s.ranks);
+  std::vector<std::set<int>> prefetched(s.ranks);
+
+  for (size_t ti = 0; ti < tasks.size(); ++ti) {
+    const Task& t = tasks[ti];
+    const int i = t.stage, k = t.subseq;
+    const i64 o = offsets[k];
+    const bool split = t.pieces.size() > size_t(R);
+    // Producer pieces of this task's input: F(i-1, k) or B(i+1, k).
+    const int src_stage = t.forward ? i - 1 : i + 1;
+    const Task* src =
+        src_stage >= 0 && src_stage < P ? &tasks[index[slot_of(t.d, src_stage, k, t.forward)]] : nullptr;
+    const Payload act = t.forward ? Payload::Hidden : Payload::HiddenGrad;
+
+    for (const Piece& pc : t.pieces) {
+      auto& ops = s.ops[pc.rank];
+      const int owner = owner_of(t, pc);
+      if (pc.helper && borrowed.insert({pc.rank, i, t.forward}).second) {
+        Piece whole{pc.rank, 0, 0, 0, 1, true};
+        ops.push_back(msg(OpKind::Recv, Payload::Weights, 0, i, owner, 0, whole));
+      }
+      // The owner sends the backward lease of its helpers when its own backwards begin.
+      if (!t.forward && !pc.helper && owner_backward_started.insert(pc.rank * P + i).second)
+        for (const auto& [key, last] : last_helper_task)
+          if (key.second == i && (key.first / (P * R)) == t.d && key.first % R == pc.rank % R) {
+            Piece whole{key.first, 0, 0, 0, 1, true};
+            ops.push_back(msg(OpKind::Send, Payload::Weights, 0, i, key.first, 0, whole));
+          }
+      // Owner side of a split task: stream earlier K, V (and return held dK, dV rows).
+      if (!pc.helper && split)
+        for (const Piece& h : t.pieces)
+          if (h.helper && owner_of(t, h) == pc.rank) {
+            if (!t.forward) ops.push_back(msg(OpKind::Send, Payload::KVGrad, k, i, h.rank, h.e - h.b, h));
+            ops.push_back(msg(OpKind::Send, Payload::KVStream, k, i, h.rank, o + h.b, h));
+          }
+      if (pc.helper) {
+        if (!t.forward) ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, pc.e - pc.b, pc));
+        ops.push_back(msg(OpKind::Recv, Payload::KVStream, k, i, owner, o + pc.b, pc));
+      }
+      // Input activations (or their gradients) from the producer pieces that overlap.
+      if (src)
+        for (const Piece& q : src->pieces) {
+          const i64 ov = std::min(q.e, pc.e) - std::max(q.b, pc.b);
+          if (ov > 0 && q.rank != pc.rank) ops.push_back(msg(OpKind::Recv, act, k, i, q.rank, ov, pc));
+        }
+      // Backward of an offloaded unit: prefetch the next one down while this one runs.
+      int prefetch = -1;
+      if (!t.forward && !pc.helper) {
+        if (pending_wait[pc.rank] >= 0) {
+          ops.push_back(make(OpKind::WaitOffload, pending_wait[pc.rank]));
+          pending_wait[pc.rank] = -1;
+        }
+        // Offloaded subsequences of this rank, ascending; the top is the next to need its
+        // unit. One not prefetched behind an earlier backward comes back now, exposed.
+        auto& stack = offloaded[pc.rank];
+        if (!stack.empty() && stack.back() == k) {
+          if (!prefetched[pc.rank].count(k)) {
+            Op p = make(OpKind::Prefetch, k);
+            p.fraction = alpha[k];
+            ops.push_back(p);
+            ops.push_back(make(OpKind::WaitPrefetch, k));
+          }
+          stack.pop_back();
+        }
+        if (!stack.empty() && stack.back() < k && !prefetched[pc.rank].count(stack.back())) prefetch = stack.back();
+        if (prefetch >= 0) {
+          prefetched[pc.rank].insert(prefetch);
+          Op p = make(OpKind::Prefetch, prefetch);
+          p.fraction = alpha[prefetch];
+          ops.push_back(p);
+        }
+      }
+      // Ring attention inside the stage group: R-1 steps move K, V in forward; R steps
+      // move K, V with dK, dV in backward (the last brings dK, dV home).
+      if (R > 1) {
+        const int steps = t.forward ? R - 1 : R;
+        const int base = pc.rank - pc.piece % R;
+        for (int st = 1; st <= steps; ++st) {
+          Op ring = with_layers(make(OpKind::RingStep, k), i);
+          ring.payload = t.forward ? Payload::KV : Payload::KVGrad;
+          ring.step = st;
+          ring.piece = pc.piece;
+          ring.pieces = pc.pieces;
+          ring.tokens = pc.e - pc.b;
+          ring.peer = base + (pc.piece % R + 1) % R;
+          ring.recv_peer = base + (pc.piece % R + R - 1) % R;
+          ops.push_back(ring);
+        }
+      }
+      Op c = with_layers(make(t.forward ? OpKind::Forward : OpKind::Backward, k), i);
+      c.piece = pc.piece;
+      c.pieces = pc.pieces;
+      ops.push_back(c);
+      if (prefetch >= 0) ops.push_back(make(OpKind::WaitPrefetch, prefetch));
+      // Owner side after a split task: gather the pieces' K, V or partial dK, dV.
+      if (!pc.helper && split)
+        for (const Piece& h : t.pieces)
+          if (h.helper && owner_of(t, h) == pc.rank)
+            ops.push_back(t.forward ? msg(OpKind::Recv, Payload::KV, k, i, h.rank, h.e - h.b, h)
+                                    : msg(OpKind::Recv, Payload::KVGradStream, k, i, h.rank, o + h.b, h));
+      if (pc.helper)
+        ops.push_back(t.forward ? msg(OpKind::Send, Payload::KV, k, i, owner, pc.e - pc.b, pc)
+                                : msg(OpKind::Send, Payload::KVGradStream, k, i, owner, o + pc.b, pc));
+      // Offload after an own-stage forward: wait for the previous one, start this one.
+      if (t.forward && !pc.helper) {
+        if (pending_wait[pc.rank] >= 0) {
+          ops.push_back(make(OpKind::WaitOffload, pending_wait[pc.rank]));
+          pending_wait[pc.rank] = -1;
+        }
+        if (!split && alpha[k] > 0) {
+          Op off = make(OpKind::Offload, k);
+          off.fraction = alpha[k];
+          ops.push_back(off);
+          pending_wait[pc.rank] = k;
+          offloaded[pc.rank].push_back(k);
+        }
+      }
+      if (pc.helper && !t.forward && last_helper_task[{pc.rank, i}] == ti) {
+        Piece whole{pc.rank, 0, 0, 0, 1, true};
+        ops.push_back(msg(OpKind::Send, Payload::WeightGrads, 0, i, owner, 0, whole));
+      }
+    }
+    // Outputs to the consumer pieces: F(i+1, k) or B(i-1, k).
+    const int dst_stage = t.forward ? i + 1 : i - 1;
+    if (dst_stage >= 0 && dst_stage < P)
+      for (const Piece& pc : t.pieces)
+        for (const Piece& q : tasks[index[slot_of(t.d, dst_stage, k, t.forward)]].pieces) {
+          const i64 ov = std::min(q.e, pc.e) - std::max(q.b, pc.b);
+          if (ov > 0 && q.rank != pc.rank) s.ops[pc.rank].push_back(msg(OpKind::Send, act, k, dst_stage, q.rank, ov, q));
+        }
+  }
+
+  // Weight gradients of helpers come home; then replicas and SP ranks all-reduce.
+  for (const auto& [key, t] : last_helper_task) {
+    const auto [rank, stage] = key;
+    const int d = rank / (P * R), r = rank % R;
+    Piece whole{rank, 0, 0, 0, 1, true};
+    s.ops[spec.rank_of(d, stage, r)].push_back(msg(OpKind::Recv, Payload::WeightGrads, 0, stage, rank, 0, whole));
+  }
+  if (R * D > 1)
+    for (int p = 0; p < P; ++p) {
+      std::vector<int> group;
+      for (int d = 0; d < D; ++d)
+        for (int r = 0; r < R; ++r) group.push_back(spec.rank_of(d, p, r));
+      for (int rank : group) {
+        Op ar = with_layers(make(OpKind::AllReduce, 0), p);
+        ar.payload = Payload::WeightGrads;
+        ar.group = group;
+        s.ops[rank].push_back(ar);
+      }
+    }
+  return s;
+}
+
+}  // namespace sppo::sched

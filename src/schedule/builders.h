@@ -1,0 +1,48 @@
+// Schedule builders: pure functions from a plan's shape to a Schedule (STYLE.md 1). They
+// print nothing and keep no state; passes that need a cost model live in sim/.
+#pragma once
+
+#include <vector>
+
+#include "core/dims.h"
+#include "schedule/ir.h"
+
+namespace sppo::sched {
+
+// The single-process SPPO schedule (DESIGN.md 4), one rank, layers [0, layers):
+//   F s0, O s0 a0, F s1, WO s0, O s1 a1, F s2, WO s1, ..., F s(N-1), WO s(N-2),
+//   P s(N-2), B s(N-1), WP s(N-2), P s(N-3), B s(N-2), WP s(N-3), ..., B s0.
+// The offload of i hides behind the forward of i+1; the prefetch of i behind the backward
+// of i+1. Offload/prefetch/wait ops of a subsequence with alpha 0 are omitted.
+// Requires alpha.size() == lengths.size(), every alpha in [0, 1] and alpha.back() == 0.
+Schedule build_single(int layers, const std::vector<i64>& lengths, const std::vector<double>& alpha);
+
+// The shape of a multi-rank SPPO schedule. Ranks are numbered
+//   rank = (d * pp + p) * sp + r      (DP replica d, pipeline stage p, SP rank r)
+// so an SP group is contiguous (one node) and a pipeline's stages are consecutive groups.
+struct PipelineSpec {
+  int layers = 0;                  // L
+  std::vector<i64> lengths;        // l_i, N = lengths.size()
+  std::vector<double> alpha;       // per subsequence; empty means no offload
+  int pp = 1;                      // P stages
+  int sp = 1;                      // R: ring-attention degree inside a stage
+  int dp = 1;                      // replicas; an all-reduce of weight gradients at the end
+  bool msp = false;                // multiplexed sequence partitioning (DESIGN.md 6)
+  std::vector<int> stage_layers;   // layers per stage; empty means as even as possible
+
+  int ranks() const { return pp * sp * dp; }
+  int rank_of(int d, int p, int r) const { return (d * pp + p) * sp + r; }
+};
+
+// Layer split [begin, end) per stage: `stage_layers` when given, else L/P each with the
+// remainder on the first stages.
+std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec);
+
+// The sequence pipeline (DESIGN.md 6): stage p runs F(0..N-1) then B(N-1..0) over its
+// layer block; Send/Recv Hidden after each F to p+1 and HiddenGrad after each B to p-1;
+// with sp > 1 every F and B is preceded by its ring-attention steps; with msp the
+// bubble-adjacent subsequences run in pieces on the idle stages; with dp > 1 the step
+// ends in an all-reduce of each stage's weight gradients across replicas.
+Schedule build_pipeline(const PipelineSpec& spec);
+
+}  // namespace sppo::sched

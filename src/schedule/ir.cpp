@@ -1,0 +1,147 @@
+#include "schedule/ir.h"
+
+#include <cstdio>
+#include <ostream>
+#include <sstream>
+
+#include "core/check.h"
+
+namespace sppo::sched {
+
+i64 Schedule::offset(int i) const {
+  SPPO_ASSERT(i >= 0 && i <= int(lengths.size()));
+  i64 o = 0;
+  for (int j = 0; j < i; ++j) o += lengths[j];
+  return o;
+}
+
+i64 Schedule::seq_len() const { return offset(int(lengths.size())); }
+
+MessageKey message_key(const Op& op) {
+  MessageKey m{op.payload, op.subseq, op.piece, op.pieces, op.layer_begin, op.layer_end, 0, op.tokens};
+  if (op.kind == OpKind::RingStep) {
+    m.piece = -1;
+    m.tokens = 0;
+    m.step = op.step;
+  }
+  return m;
+}
+
+const char* to_string(OpKind k) {
+  switch (k) {
+    case OpKind::Forward: return "F";
+    case OpKind::Backward: return "B";
+    case OpKind::Offload: return "O";
+    case OpKind::Prefetch: return "P";
+    case OpKind::WaitOffload: return "WO";
+    case OpKind::WaitPrefetch: return "WP";
+    case OpKind::Send: return "send";
+    case OpKind::Recv: return "recv";
+    case OpKind::RingStep: return "ring";
+    case OpKind::AllReduce: return "allreduce";
+  }
+  SPPO_ASSERT(false);
+  return "";
+}
+
+const char* to_string(Payload p) {
+  switch (p) {
+    case Payload::None: return "none";
+    case Payload::Hidden: return "hidden";
+    case Payload::HiddenGrad: return "hidden_grad";
+    case Payload::KV: return "kv";
+    case Payload::KVGrad: return "kv_grad";
+    case Payload::Weights: return "weights";
+    case Payload::WeightGrads: return "weight_grads";
+    case Payload::KVStream: return "kv_stream";
+    case Payload::KVGradStream: return "kv_grad_stream";
+  }
+  SPPO_ASSERT(false);
+  return "";
+}
+
+namespace {
+
+// Streams are used throughout: GCC 12 warns falsely (-Wrestrict) on chains of
+// std::string operator+ with literals.
+void put_layers(std::ostream& os, const Op& op) {
+  os << 'L' << op.layer_begin << '-' << op.layer_end - 1;
+}
+
+void put_subseq(std::ostream& os, const Op& op) {
+  os << 's' << op.subseq;
+  if (op.pieces > 1) os << " p" << op.piece << '/' << op.pieces;
+}
+
+void put_tokens(std::ostream& os, const Op& op) {
+  if (op.tokens > 0) os << " t" << op.tokens;
+}
+
+void put_fraction(std::ostream& os, double f) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", f);
+  os << buf;
+}
+
+}  // namespace
+
+std::string to_string(const Op& op) {
+  std::ostringstream os;
+  os << to_string(op.kind) << ' ';
+  switch (op.kind) {
+    case OpKind::Forward:
+    case OpKind::Backward:
+      put_layers(os, op);
+      os << ' ';
+      put_subseq(os, op);
+      break;
+    case OpKind::Offload:
+    case OpKind::Prefetch:
+      put_subseq(os, op);
+      os << ' ';
+      put_fraction(os, op.fraction);
+      break;
+    case OpKind::WaitOffload:
+    case OpKind::WaitPrefetch:
+      put_subseq(os, op);
+      break;
+    case OpKind::Send:
+    case OpKind::Recv:
+      os << to_string(op.payload) << ' ';
+      put_subseq(os, op);
+      put_tokens(os, op);
+      os << (op.kind == OpKind::Send ? " -> r" : " <- r") << op.peer;
+      break;
+    case OpKind::RingStep:
+      os << to_string(op.payload) << ' ';
+      put_layers(os, op);
+      os << ' ';
+      put_subseq(os, op);
+      os << " step" << op.step;
+      put_tokens(os, op);
+      os << " -> r" << op.peer << " <- r" << op.recv_peer;
+      break;
+    case OpKind::AllReduce:
+      os << to_string(op.payload) << ' ';
+      put_layers(os, op);
+      os << " [";
+      for (size_t k = 0; k < op.group.size(); ++k) os << (k ? "," : "") << op.group[k];
+      os << ']';
+      break;
+  }
+  return os.str();
+}
+
+std::string to_string(const Schedule& s) {
+  std::ostringstream os;
+  os << "schedule ranks=" << s.ranks << " layers=" << s.layers << " lengths=";
+  for (size_t i = 0; i < s.lengths.size(); ++i) os << (i ? "," : "") << s.lengths[i];
+  os << '\n';
+  for (size_t r = 0; r < s.ops.size(); ++r) {
+    os << "rank " << r << ":\n";
+    for (const Op& op : s.ops[r]) os << "  " << to_string(op) << '\n';
+  }
+  return os.str();
+}
+
+}  // namespace sppo::sched

@@ -1,0 +1,198 @@
+#include "schedule/memory.h"
+
+#include <cmath>
+
+#include "core/check.h"
+
+namespace sppo::sched {
+
+std::pair<i64, i64> piece_range(i64 l, int piece, int pieces) {
+  SPPO_ASSERT(pieces >= 1 && piece >= 0 && piece < pieces);
+  const i64 base = l / pieces, rem = l % pieces;
+  const i64 b = piece * base + std::min<i64>(piece, rem);
+  return {b, b + base + (piece < rem ? 1 : 0)};
+}
+
+i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head) {
+  const i64 H = c.hidden, F = c.ffn();
+  const i64 per_layer = 2 * H + (3 * H * H + 3 * H) + (H * H + H) + 2 * H + (F * H + F) + (H * F + H);
+  i64 n = i64(e - b) * per_layer;
+  if (embed) n += i64(c.vocab) * H;
+  if (head) n += 2 * H + (embed ? 0 : i64(c.vocab) * H);
+  return n;
+}
+
+RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
+    : rules_(rules), s_(s), rank_(rank) {
+  const ModelConfig& c = rules.model;
+  const ActPrecision p = rules.precision;
+  kv_pt_ = skeletal_bytes_per_token(c, p);
+  unit_pt_ = offloadable_bytes_per_token(c, p);
+  ws_pt_ = total_bytes(block_workspace_specs(c, 1, p));
+  head_pt_ = total_bytes(head_saved_specs(c, 1, p));
+  acc_pt_ = 2 * i64(c.hidden) * rules.accum_bytes;
+  weight_work_pp_ = rules.act_bytes() + 4;
+
+  const int L = s.layers;
+  int ob = 0, oe = L;
+  if (!s.owned.empty()) std::tie(ob, oe) = s.owned.at(rank);
+  own_ = {ob, oe};
+  if (oe > ob) fixed_ = param_count(c, ob, oe, ob == 0, oe == L) * rules.param_state_bytes;
+
+  // Leases of borrowed weights: each Recv Weights of a layer range that a later one of the
+  // same range follows ends at the last F/B on that range before the later one.
+  {
+    const auto& ops = s.ops.at(rank);
+    std::map<std::pair<int, int>, std::vector<size_t>> leases;
+    for (size_t k = 0; k < ops.size(); ++k)
+      if (ops[k].kind == OpKind::Recv && ops[k].payload == Payload::Weights)
+        leases[{ops[k].layer_begin, ops[k].layer_end}].push_back(k);
+    for (const auto& [range, starts] : leases)
+      for (size_t n = 0; n + 1 < starts.size(); ++n) {
+        size_t last = starts[n];
+        for (size_t k = starts[n]; k < starts[n + 1]; ++k)
+          if ((ops[k].kind == OpKind::Forward || ops[k].kind == OpKind::Backward) &&
+              ops[k].layer_begin == range.first && ops[k].layer_end == range.second)
+            last = k;
+        release_after_[last] += param_count(c, range.first, range.second, range.first == 0, range.second == L) *
+                                rules.act_bytes();
+      }
+  }
+  acc_tokens_.assign(L, 0);
+  acc_live_.assign(L, false);
+  for (const Op& op : s.ops.at(rank)) {
+    if (op.kind == OpKind::Forward) {
+      const i64 T = tokens_of(op);
+      for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += T;
+      // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
+      if (op.layer_begin >= ob && op.layer_end <= oe)
+        unit_of_[op.subseq] += i64(op.layer_end - op.layer_begin) * unit_pt_ * T +
+                               (op.layer_end == L ? head_pt_ * T : 0);
+    } else if (op.kind == OpKind::Recv && op.payload == Payload::KV) {
+      for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += op.tokens;
+    }
+  }
+}
+
+i64 RankMemory::tokens_of(const Op& op) const {
+  auto [b, e] = piece_range(s_.lengths.at(op.subseq), op.piece, op.pieces);
+  return e - b;
+}
+
+i64 RankMemory::head_ws(i64 T) const {
+  return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision));
+}
+
+i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
+  return op.pieces > 1 ? 2 * kv_pt_ * T : 0;
+}
+
+i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
+  return op.pieces > 1 ? 2 * (kv_pt_ + acc_pt_) * T : 0;
+}
+
+void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta) {
+  live_ += delta;
+  out->push_back({at, delta});
+}
+
+i64 RankMemory::offload_bytes(const Op& op) const {
+  auto it = unit_of_.find(op.subseq);
+  const i64 unit = it == unit_of_.end() ? 0 : it->second;
+  return std::llround(op.fraction * double(unit));
+}
+
+i64 RankMemory::prefetch_bytes(const Op& op) const {
+  auto it = offloaded_.find(op.subseq);
+  return it == offloaded_.end() ? 0 : it->second;
+}
+
+void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
+  const int L = s_.layers;
+  const int n = op.layer_end - op.layer_begin;
+  const size_t index = next_++;
+  SPPO_ASSERT_MSG(index < s_.ops[rank_].size() && &op == &s_.ops[rank_][index],
+                  "RankMemory::events must see every op of its rank in program order");
+  auto borrowed_params = [&] {
+    return param_count(rules_.model, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == L);
+  };
+  if (op.kind == OpKind::Backward && !(op.layer_begin >= own_.first && op.layer_end <= own_.second) &&
+      borrowed_grads_.insert({op.layer_begin, op.layer_end}).second)
+    emit(out, 0.0, borrowed_params() * 4);
+  switch (op.kind) {
+    case OpKind::Forward: {
+      const i64 T = tokens_of(op);
+      const i64 ws = ws_pt_ * T + piece_fwd_extra(op, T);
+      for (int k = 0; k < n; ++k) {
+        emit(out, double(k) / n, ws);
+        emit(out, double(k) / n, (kv_pt_ + unit_pt_) * T);
+        emit(out, double(k + 1) / n, -ws);
+      }
+      if (op.layer_end == L) {
+        const i64 hws = head_ws(T);
+        emit(out, 1.0, head_pt_ * T);
+        emit(out, 1.0, hws);
+        emit(out, 1.0, -hws);
+      }
+      break;
+    }
+    case OpKind::Backward: {
+      const i64 T = tokens_of(op);
+      const i64 ws = ws_pt_ * T + piece_bwd_extra(op, T);
+      if (op.layer_end == L) emit(out, 0.0, -head_pt_ * T);
+      for (int k = 0; k < n; ++k) {
+        const int l = op.layer_end - 1 - k;
+        emit(out, double(k) / n, ws);
+        if (!acc_live_[l]) {
+          acc_live_[l] = true;
+          emit(out, double(k) / n, acc_pt_ * acc_tokens_[l]);
+        }
+        emit(out, double(k + 1) / n, -((kv_pt_ + acc_pt_ + unit_pt_) * T + ws));
+      }
+      break;
+    }
+    case OpKind::Offload: {
+      const i64 bytes = offload_bytes(op);
+      offloaded_[op.subseq] += bytes;
+      host_ += bytes;
+      emit(out, 1.0, -bytes);
+      break;
+    }
+    case OpKind::Prefetch: {
+      const i64 bytes = prefetch_bytes(op);
+      offloaded_[op.subseq] = 0;
+      host_ -= bytes;
+      emit(out, 0.0, bytes);
+      break;
+    }
+    case OpKind::Recv:
+      if (op.payload == Payload::KV) {
+        emit(out, 1.0, kv_pt_ * op.tokens * n);
+      } else if (op.payload == Payload::Weights) {
+        emit(out, 0.0, borrowed_params() * rules_.act_bytes());
+      } else if (op.payload == Payload::KVGrad || op.payload == Payload::KVGradStream) {
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {
+          if (acc_live_[l]) continue;
+          acc_live_[l] = true;
+          emit(out, 0.0, acc_pt_ * acc_tokens_[l]);
+        }
+      }
+      break;
+    case OpKind::Send:
+      if (op.payload == Payload::WeightGrads) {
+        borrowed_grads_.erase({op.layer_begin, op.layer_end});
+        emit(out, 1.0, -borrowed_params() * weight_work_pp_);
+      } else if (op.payload == Payload::KVGrad) {
+        emit(out, 1.0, -(kv_pt_ + acc_pt_) * op.tokens * n);
+      }
+      break;
+    case OpKind::WaitOffload:
+    case OpKind::WaitPrefetch:
+    case OpKind::RingStep:
+    case OpKind::AllReduce:
+      break;
+  }
+  if (auto it = release_after_.find(index); it != release_after_.end()) emit(out, 1.0, -it->second);
+}
+
+}  // namespace sppo::sched

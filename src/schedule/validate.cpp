@@ -1,0 +1,243 @@
+#include "schedule/validate.h"
+
+#include <deque>
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+
+namespace sppo::sched {
+
+std::string Validation::message() const {
+  std::string m;
+  for (const auto& e : errors) m += (m.empty() ? "" : "\n") + e;
+  return m;
+}
+
+namespace {
+
+constexpr size_t kMaxErrors = 20;
+
+struct Errors {
+  std::vector<std::string>* out;
+  void add(int rank, size_t index, const Op& op, const std::string& what) {
+    if (out->size() >= kMaxErrors) return;
+    std::ostringstream os;
+    os << "rank " << rank << " op " << index << " '" << to_string(op) << "': " << what;
+    out->push_back(os.str());
+  }
+};
+
+using Compute = std::tuple<int, int, int, int, int>;  // layer_begin, layer_end, subseq, piece, pieces
+
+Compute key(const Op& op) { return {op.layer_begin, op.layer_end, op.subseq, op.piece, op.pieces}; }
+
+// Per-rank order checks: forward/backward pairing and the offload state machine.
+void check_order(const Schedule& s, int r, Errors& err) {
+  std::set<Compute> forwarded, backwarded;
+  std::set<int> fwd_subseq;
+  // Offload state of a subsequence: 0 none, 1 offloading, 2 offloaded, 3 prefetching, 4 back.
+  std::map<int, int> state;
+  // Offloads move units of the rank's own layers; pieces of other stages are not offloaded.
+  const std::pair<int, int> own = s.owned.empty() ? std::make_pair(0, s.layers) : s.owned[r];
+  const auto& ops = s.ops[r];
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const Op& op = ops[k];
+    const int N = int(s.lengths.size());
+    if (op.subseq < 0 || op.subseq >= N) {
+      err.add(r, k, op, "subsequence out of range");
+      continue;
+    }
+    if (op.pieces < 1 || op.piece < 0 || op.piece >= op.pieces) err.add(r, k, op, "bad piece index");
+    switch (op.kind) {
+      case OpKind::Forward:
+        if (op.layer_begin < 0 || op.layer_end > s.layers || op.layer_begin >= op.layer_end)
+          err.add(r, k, op, "bad layer range");
+        if (!forwarded.insert(key(op)).second) err.add(r, k, op, "forward repeated");
+        fwd_subseq.insert(op.subseq);
+        break;
+      case OpKind::Backward:
+        if (!forwarded.count(key(op))) err.add(r, k, op, "backward before its forward");
+        if (!backwarded.insert(key(op)).second) err.add(r, k, op, "backward repeated");
+        if (op.layer_begin >= own.first && op.layer_end <= own.second &&
+            (state[op.subseq] == 1 || state[op.subseq] == 2 || state[op.subseq] == 3))
+          err.add(r, k, op, "backward while its unit is not back on the device");
+        break;
+      case OpKind::Offload:
+        if (!fwd_subseq.count(op.subseq)) err.add(r, k, op, "offload before the forward");
+        if (state[op.subseq] != 0) err.add(r, k, op, "offload repeated");
+        if (!(op.fraction > 0 && op.fraction <= 1)) err.add(r, k, op, "fraction outside (0, 1]");
+        state[op.subseq] = 1;
+        break;
+      case OpKind::WaitOffload:
+        if (state[op.subseq] != 1) err.add(r, k, op, "wait without a running offload");
+        else state[op.subseq] = 2;
+        break;
+      case OpKind::Prefetch:
+        if (state[op.subseq] != 2) err.add(r, k, op, "prefetch before the offload completed");
+        else state[op.subseq] = 3;
+        break;
+      case OpKind::WaitPrefetch:
+        if (state[op.subseq] != 3) err.add(r, k, op, "wait without a running prefetch");
+        else state[op.subseq] = 4;
+        break;
+      case OpKind::Send:
+      case OpKind::Recv:
+      case OpKind::RingStep:
+        if (op.peer < 0 || op.peer >= s.ranks || op.peer == r) err.add(r, k, op, "bad peer");
+        if (op.kind == OpKind::RingStep && (op.recv_peer < 0 || op.recv_peer >= s.ranks))
+          err.add(r, k, op, "bad ring source");
+        break;
+      case OpKind::AllReduce:
+        break;
+    }
+  }
+  for (const auto& f : forwarded)
+    if (!backwarded.count(f)) {
+      Op op;
+      std::tie(op.layer_begin, op.layer_end, op.subseq, op.piece, op.pieces) = f;
+      err.add(r, ops.size(), op, "forward without a backward");
+    }
+  for (const auto& [i, st] : state)
+    if (st != 0 && st != 4) {
+      Op op;
+      op.kind = OpKind::Offload;
+      op.subseq = i;
+      err.add(r, ops.size(), op, "offload never prefetched back and waited for");
+    }
+}
+
+// Removes the first message equal to `key`; false when none has been sent yet.
+bool take(std::deque<MessageKey>& q, const MessageKey& key) {
+  for (auto it = q.begin(); it != q.end(); ++it)
+    if (*it == key) {
+      q.erase(it);
+      return true;
+    }
+  return false;
+}
+
+// Executes the communication: sends are buffered, receives and ring steps wait for their
+// message, all-reduces wait for their whole group. No progress with ops left = deadlock.
+void check_matching(const Schedule& s, Errors& err) {
+  const int R = s.ranks;
+  std::vector<size_t> pc(R, 0);
+  std::map<std::pair<int, int>, std::deque<MessageKey>> channel;  // (src, dst)
+  // (group, how many all-reduces of that group a rank passed before) -> ranks arrived
+  std::map<std::pair<std::vector<int>, int>, std::set<int>> arrived;
+  std::vector<std::map<std::vector<int>, int>> passed(R);
+  std::vector<bool> ring_posted(R, false);  // the send half of the current ring step is out
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int r = 0; r < R; ++r) {
+      const auto& ops = s.ops[r];
+      while (pc[r] < ops.size()) {
+        const Op& op = ops[pc[r]];
+        if (op.kind == OpKind::Send) {
+          channel[{r, op.peer}].push_back(message_key(op));
+        } else if (op.kind == OpKind::RingStep) {
+          if (!ring_posted[r]) {
+            channel[{r, op.peer}].push_back(message_key(op));
+            ring_posted[r] = true;
+            progress = true;
+          }
+          if (!take(channel[{op.recv_peer, r}], message_key(op))) break;
+          ring_posted[r] = false;
+        } else if (op.kind == OpKind::Recv) {
+          if (!take(channel[{op.peer, r}], message_key(op))) break;
+        } else if (op.kind == OpKind::AllReduce) {
+          bool member = false;
+          for (int g : op.group) member |= g == r;
+          if (!member) {
+            err.add(r, pc[r], op, "all-reduce group does not contain its rank");
+            return;
+          }
+          auto& there = arrived[{op.group, passed[r][op.group]}];
+          there.insert(r);
+          if (there.size() < op.group.size()) break;
+          ++passed[r][op.group];
+        }
+        ++pc[r];
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    if (pc[r] < s.ops[r].size()) {
+      err.add(r, pc[r], s.ops[r][pc[r]], "blocked forever (deadlock or unmatched communication)");
+      return;
+    }
+  for (const auto& [ch, q] : channel)
+    if (!q.empty()) {
+      std::ostringstream os;
+      os << "message from rank " << ch.first << " to rank " << ch.second << " never received";
+      err.out->push_back(os.str());
+      return;
+    }
+}
+
+void check_memory(const Schedule& s, const ValidateOptions& o, Validation& v, Errors& err) {
+  v.peak_bytes.assign(s.ranks, 0);
+  for (int r = 0; r < s.ranks; ++r) {
+    RankMemory mem(*o.memory, s, r);
+    i64 cur = mem.fixed_bytes(), peak = cur;
+    std::map<int, i64> pending;  // offload bytes released at its wait
+    std::vector<MemEvent> ev;
+    bool over = false;
+    const auto& ops = s.ops[r];
+    for (size_t k = 0; k < ops.size(); ++k) {
+      const Op& op = ops[k];
+      ev.clear();
+      mem.events(op, &ev);
+      if (op.kind == OpKind::Offload) {
+        for (const auto& e : ev) pending[op.subseq] += -e.delta;
+        continue;
+      }
+      if (op.kind == OpKind::WaitOffload) {
+        cur -= pending[op.subseq];
+        pending[op.subseq] = 0;
+      }
+      for (const auto& e : ev) {
+        cur += e.delta;
+        if (cur > peak) peak = cur;
+      }
+      if (o.budget > 0 && peak > o.budget && !over) {
+        over = true;
+        std::ostringstream os;
+        os << "device memory " << peak << " B exceeds the budget of " << o.budget << " B";
+        err.add(r, k, op, os.str());
+      }
+    }
+    v.peak_bytes[r] = peak;
+    if (mem.live_bytes() != 0) {
+      std::ostringstream os;
+      os << "rank " << r << ": " << mem.live_bytes() << " device bytes of activations left at the end";
+      err.out->push_back(os.str());
+    }
+    if (mem.host_bytes() != 0) {
+      std::ostringstream os;
+      os << "rank " << r << ": " << mem.host_bytes() << " host bytes left at the end";
+      err.out->push_back(os.str());
+    }
+  }
+}
+
+}  // namespace
+
+Validation validate(const Schedule& s, const ValidateOptions& o) {
+  Validation v;
+  Errors err{&v.errors};
+  if (int(s.ops.size()) != s.ranks) {
+    v.errors.push_back("schedule has " + std::to_string(s.ops.size()) + " op lists for " +
+                       std::to_string(s.ranks) + " ranks");
+    return v;
+  }
+  if (!s.owned.empty() && int(s.owned.size()) != s.ranks) v.errors.push_back("owned layers not given per rank");
+  for (int r = 0; r < s.ranks; ++r) check_order(s, r, err);
+  check_matching(s, err);
+  if (o.memory && v.errors.empty()) check_memory(s, o, v, err);
+  return v;
+}
+
+}  // namespace sppo::sched

@@ -1,0 +1,730 @@
+// Numerics of the CPU kernels of kernels/ops.h (STYLE.md 7): every kernel against a
+// deliberately naive float64 reference written here, element-wise
+// |got - ref| <= atol + rtol |ref| plus a norm-relative bound, on fresh random inputs and
+// odd shapes; backward kernels also against central finite differences of a float64
+// forward; accumulation (+=) and overwrite (=) semantics checked from non-zero starts;
+// reductions checked for the same bits under different thread counts.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/ops.h"
+
+namespace sppo::cpu {
+namespace {
+
+using Vec = std::vector<float>;
+using DVec = std::vector<double>;
+using Ids = std::vector<std::int32_t>;
+
+constexpr double kRtol = 1e-5;   // fp32 element-wise
+constexpr double kNormTol = 1e-5;  // fp32 norm-relative
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+Vec randn(std::size_t n, std::mt19937& rng, float scale = 1.0f, float shift = 0.0f) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  Vec v(n);
+  for (float& x : v) x = shift + scale * dist(rng);
+  return v;
+}
+
+Ids rand_ids(std::size_t n, int V, std::mt19937& rng) {
+  std::uniform_int_distribution<std::int32_t> dist(0, V - 1);
+  Ids ids(n);
+  for (auto& id : ids) id = dist(rng);
+  return ids;
+}
+
+DVec to_double(const Vec& v) { return DVec(v.begin(), v.end()); }
+
+// |got - ref| <= atol + rtol |ref| element-wise, and ||got - ref|| <= norm_tol ||ref||.
+void expect_close(const Vec& got, const DVec& ref, double atol, double rtol,
+                  const std::string& what, double norm_tol = kNormTol) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  std::size_t bad = 0;
+  double err2 = 0.0, ref2 = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - ref[i];
+    err2 += d * d;
+    ref2 += ref[i] * ref[i];
+    if (!(std::fabs(d) <= atol + rtol * std::fabs(ref[i]))) {
+      if (bad < 5) ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << ref[i];
+      ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " out of tolerance";
+  if (ref2 > 0.0) {
+    EXPECT_LT(std::sqrt(err2 / ref2), norm_tol) << what;
+  }
+}
+
+// Sets the OpenMP thread count for a scope.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~ThreadCount() { omp_set_num_threads(saved_); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+
+ private:
+  int saved_;
+};
+
+// d/dx_i of f at x, central differences in double.
+DVec finite_diff(const std::function<double(const DVec&)>& f, DVec x, double h) {
+  DVec grad(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double x0 = x[i];
+    x[i] = x0 + h;
+    const double fp = f(x);
+    x[i] = x0 - h;
+    const double fm = f(x);
+    x[i] = x0;
+    grad[i] = (fp - fm) / (2.0 * h);
+  }
+  return grad;
+}
+
+double dot(const DVec& a, const DVec& b) {
+  double s = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// ---- GEMM -----------------------------------------------------------------------------
+
+TEST(Gemm, AllTransposesWithRowStrides) {
+  std::mt19937 rng(101);
+  struct Shape { int M, N, K; };
+  for (Shape sh : {Shape{5, 7, 9}, Shape{1, 3, 1}, Shape{37, 41, 131}}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        const int M = sh.M, N = sh.N, K = sh.K;
+        const int a_rows = ta ? K : M, a_cols = ta ? M : K;
+        const int b_rows = tb ? N : K, b_cols = tb ? K : N;
+        const int lda = a_cols + 3, ldb = b_cols + 2, ldc = N + 5;
+        const Vec a = randn(static_cast<std::size_t>(a_rows) * lda, rng);
+        const Vec b = randn(static_cast<std::size_t>(b_rows) * ldb, rng);
+        Vec c = randn(static_cast<std::size_t>(M) * ldc, rng);
+        const float alpha = 0.75f, beta = -0.5f;
+        DVec ref = to_double(c);  // the padding columns must stay as they are
+        for (int i = 0; i < M; ++i) {
+          for (int j = 0; j < N; ++j) {
+            double s = 0.0;
+            for (int k = 0; k < K; ++k) {
+              const double aik = ta ? a[k * lda + i] : a[i * lda + k];
+              const double bkj = tb ? b[j * ldb + k] : b[k * ldb + j];
+              s += aik * bkj;
+            }
+            ref[i * ldc + j] = alpha * s + beta * static_cast<double>(c[i * ldc + j]);
+          }
+        }
+        gemm(ta, tb, M, N, K, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+        expect_close(c, ref, 2e-6 * std::sqrt(K), kRtol,
+                     "gemm ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
+                         " K=" + std::to_string(K));
+      }
+    }
+  }
+}
+
+// ---- linear ---------------------------------------------------------------------------
+
+TEST(Linear, ForwardWithAndWithoutBiasAndStrides) {
+  std::mt19937 rng(102);
+  const int I = 24, O = 40;
+  for (int T : {1, 3, 17}) {
+    for (bool bias : {false, true}) {
+      for (bool strided : {false, true}) {
+        const int ld_in = strided ? I + 8 : I, ld_out = strided ? O + 3 : O;
+        const Vec in = randn(static_cast<std::size_t>(T) * ld_in, rng);
+        const Vec w = randn(static_cast<std::size_t>(O) * I, rng);
+        const Vec b = randn(O, rng);
+        // Garbage in the output (overwritten) and a sentinel in its padding (untouched).
+        Vec out(static_cast<std::size_t>(T) * ld_out, 7.25f);
+        for (int t = 0; t < T; ++t)
+          for (int o = 0; o < O; ++o) out[t * ld_out + o] = kNaN;
+        DVec ref = to_double(out);
+        for (int t = 0; t < T; ++t) {
+          for (int o = 0; o < O; ++o) {
+            double s = bias ? b[o] : 0.0;
+            for (int i = 0; i < I; ++i) s += static_cast<double>(in[t * ld_in + i]) * w[o * I + i];
+            ref[t * ld_out + o] = s;
+          }
+        }
+        linear_forward(out.data(), in.data(), w.data(), bias ? b.data() : nullptr, T, I, O,
+                       strided ? ld_out : 0, strided ? ld_in : 0);
+        expect_close(out, ref, 1e-5, kRtol,
+                     "linear_forward T=" + std::to_string(T) + " bias=" + std::to_string(bias) +
+                         " strided=" + std::to_string(strided));
+      }
+    }
+  }
+}
+
+struct LinearGrads {
+  Vec din, dw, db;
+};
+
+LinearGrads run_linear_backward(const Vec& dout, const Vec& in, const Vec& w, const Vec& dw0,
+                                const Vec& db0, int T, int I, int O, int ld_dout, int ld_in) {
+  LinearGrads g{Vec(static_cast<std::size_t>(T) * I, kNaN), dw0, db0};
+  linear_backward(g.din.data(), g.dw.data(), g.db.data(), dout.data(), in.data(), w.data(), T, I,
+                  O, ld_dout, ld_in);
+  return g;
+}
+
+TEST(Linear, BackwardOverwritesDinAccumulatesDwDb) {
+  std::mt19937 rng(103);
+  const int I = 24, O = 40;
+  for (int T : {1, 3, 300}) {  // 300 rows: more than one block of the bias reduction
+    const int ld_dout = O + 7, ld_in = I + 3;
+    const Vec dout = randn(static_cast<std::size_t>(T) * ld_dout, rng);
+    const Vec in = randn(static_cast<std::size_t>(T) * ld_in, rng);
+    const Vec w = randn(static_cast<std::size_t>(O) * I, rng);
+    const Vec dw0 = randn(static_cast<std::size_t>(O) * I, rng);
+    const Vec db0 = randn(O, rng);
+    DVec din_ref(static_cast<std::size_t>(T) * I), dw_ref = to_double(dw0), db_ref = to_double(db0);
+    for (int t = 0; t < T; ++t) {
+      for (int i = 0; i < I; ++i) {
+        double s = 0.0;
+        for (int o = 0; o < O; ++o) s += static_cast<double>(dout[t * ld_dout + o]) * w[o * I + i];
+        din_ref[t * I + i] = s;
+      }
+    }
+    for (int o = 0; o < O; ++o) {
+      for (int t = 0; t < T; ++t) {
+        db_ref[o] += dout[t * ld_dout + o];
+        for (int i = 0; i < I; ++i)
+          dw_ref[o * I + i] += static_cast<double>(dout[t * ld_dout + o]) * in[t * ld_in + i];
+      }
+    }
+    const std::string name = "linear_backward T=" + std::to_string(T);
+    const double atol = 2e-6 * std::sqrt(T);
+    const LinearGrads g = run_linear_backward(dout, in, w, dw0, db0, T, I, O, ld_dout, ld_in);
+    expect_close(g.din, din_ref, 1e-5, kRtol, name + " din");
+    expect_close(g.dw, dw_ref, atol, kRtol, name + " dw");
+    expect_close(g.db, db_ref, atol, kRtol, name + " db");
+
+    // din == nullptr skips the input gradient only.
+    Vec dw = dw0, db = db0;
+    linear_backward(nullptr, dw.data(), db.data(), dout.data(), in.data(), w.data(), T, I, O,
+                    ld_dout, ld_in);
+    expect_close(dw, dw_ref, atol, kRtol, name + " dw (no din)");
+    expect_close(db, db_ref, atol, kRtol, name + " db (no din)");
+  }
+}
+
+TEST(Linear, BiasGradientSameBitsForAnyThreadCount) {
+  std::mt19937 rng(104);
+  const int T = 1000, I = 16, O = 40;
+  const Vec dout = randn(static_cast<std::size_t>(T) * O, rng);
+  const Vec in = randn(static_cast<std::size_t>(T) * I, rng);
+  const Vec w = randn(static_cast<std::size_t>(O) * I, rng);
+  const Vec dw0 = randn(static_cast<std::size_t>(O) * I, rng);
+  const Vec db0 = randn(O, rng);
+  LinearGrads one, two;
+  {
+    ThreadCount tc(1);
+    one = run_linear_backward(dout, in, w, dw0, db0, T, I, O, 0, 0);
+  }
+  {
+    ThreadCount tc(2);
+    two = run_linear_backward(dout, in, w, dw0, db0, T, I, O, 0, 0);
+  }
+  EXPECT_EQ(one.db, two.db);
+}
+
+// ---- embedding ------------------------------------------------------------------------
+
+TEST(Embedding, ForwardGathersBackwardScatterAccumulates) {
+  std::mt19937 rng(105);
+  const int V = 11;
+  for (int H : {24, 40}) {
+    for (int T : {1, 3, 37}) {  // 37 tokens over 11 ids: repeated ids
+      const Ids ids = rand_ids(T, V, rng);
+      const Vec embed = randn(static_cast<std::size_t>(V) * H, rng);
+      Vec out(static_cast<std::size_t>(T) * H, kNaN);
+      embedding_forward(out.data(), ids.data(), embed.data(), T, H);
+      DVec out_ref(out.size());
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) out_ref[t * H + h] = embed[ids[t] * H + h];
+      const std::string name = "embedding H=" + std::to_string(H) + " T=" + std::to_string(T);
+      expect_close(out, out_ref, 0.0, 0.0, name + " forward");
+
+      const Vec dout = randn(static_cast<std::size_t>(T) * H, rng);
+      Vec dembed = randn(static_cast<std::size_t>(V) * H, rng);
+      DVec ref = to_double(dembed);
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) ref[ids[t] * H + h] += dout[t * H + h];
+      embedding_backward(dembed.data(), dout.data(), ids.data(), T, H, V);
+      expect_close(dembed, ref, 1e-6, kRtol, name + " backward");
+    }
+  }
+}
+
+TEST(Embedding, BackwardSameBitsForAnyThreadCount) {
+  std::mt19937 rng(106);
+  const int V = 7, H = 40, T = 3000;
+  const Ids ids = rand_ids(T, V, rng);
+  const Vec dout = randn(static_cast<std::size_t>(T) * H, rng);
+  const Vec dembed0 = randn(static_cast<std::size_t>(V) * H, rng);
+  Vec one = dembed0, two = dembed0;
+  {
+    ThreadCount tc(1);
+    embedding_backward(one.data(), dout.data(), ids.data(), T, H, V);
+  }
+  {
+    ThreadCount tc(2);
+    embedding_backward(two.data(), dout.data(), ids.data(), T, H, V);
+  }
+  EXPECT_EQ(one, two);
+  EXPECT_NE(one, dembed0);
+}
+
+TEST(Embedding, BackwardRejectsIdsOutsideVocabulary) {
+  const int V = 5, H = 8;
+  Vec dembed(static_cast<std::size_t>(V) * H, 0.0f);
+  const Vec dout(2 * H, 1.0f);
+  for (std::int32_t bad : {-1, V}) {
+    const Ids ids = {0, bad};
+    EXPECT_THROW(embedding_backward(dembed.data(), dout.data(), ids.data(), 2, H, V), Error);
+  }
+}
+
+// ---- LayerNorm ------------------------------------------------------------------------
+
+struct LnRef {
+  DVec out, mean, rstd;
+};
+
+LnRef layernorm_ref(const DVec& x, const DVec& w, const DVec& b, int T, int H, double eps) {
+  LnRef r{DVec(x.size()), DVec(T), DVec(T)};
+  for (int t = 0; t < T; ++t) {
+    double mu = 0.0;
+    for (int h = 0; h < H; ++h) mu += x[t * H + h];
+    mu /= H;
+    double var = 0.0;
+    for (int h = 0; h < H; ++h) var += (x[t * H + h] - mu) * (x[t * H + h] - mu);
+    var /= H;
+    const double rs = 1.0 / std::sqrt(var + eps);
+    for (int h = 0; h < H; ++h) r.out[t * H + h] = (x[t * H + h] - mu) * rs * w[h] + b[h];
+    r.mean[t] = mu;
+    r.rstd[t] = rs;
+  }
+  return r;
+}
+
+struct LnCase {
+  Vec x, w, b, dout, dx0, dw0, db0;
+};
+
+LnCase make_ln_case(int T, int H, std::mt19937& rng) {
+  const auto n = static_cast<std::size_t>(T) * H;
+  return {randn(n, rng, 2.0f, 3.0f), randn(H, rng, 0.5f, 1.0f), randn(H, rng),
+          randn(n, rng),             randn(n, rng),             randn(H, rng),
+          randn(H, rng)};
+}
+
+TEST(LayerNorm, ForwardMatchesFloat64) {
+  std::mt19937 rng(107);
+  const float eps = 1e-5f;
+  for (int H : {24, 40}) {
+    for (int T : {1, 3, 33}) {
+      const LnCase c = make_ln_case(T, H, rng);
+      Vec out(c.x.size(), kNaN), mean(T, kNaN), rstd(T, kNaN);
+      layernorm_forward(out.data(), mean.data(), rstd.data(), c.x.data(), c.w.data(), c.b.data(),
+                        T, H, eps);
+      const LnRef r = layernorm_ref(to_double(c.x), to_double(c.w), to_double(c.b), T, H, eps);
+      const std::string name = "layernorm H=" + std::to_string(H) + " T=" + std::to_string(T);
+      expect_close(out, r.out, 1e-5, kRtol, name + " out");
+      expect_close(mean, r.mean, 1e-6, kRtol, name + " mean");
+      expect_close(rstd, r.rstd, 0.0, kRtol, name + " rstd");
+    }
+  }
+}
+
+TEST(LayerNorm, BackwardAccumulatesAndMatchesFloat64) {
+  std::mt19937 rng(108);
+  const float eps = 1e-5f;
+  for (int H : {24, 40}) {
+    for (int T : {1, 3, 300}) {  // 300 rows: more than one block of the dw/db reduction
+      const LnCase c = make_ln_case(T, H, rng);
+      Vec out(c.x.size()), mean(T), rstd(T);
+      layernorm_forward(out.data(), mean.data(), rstd.data(), c.x.data(), c.w.data(), c.b.data(),
+                        T, H, eps);
+      Vec dx = c.dx0, dw = c.dw0, db = c.db0;
+      layernorm_backward(dx.data(), dw.data(), db.data(), c.dout.data(), c.x.data(), c.w.data(),
+                         mean.data(), rstd.data(), T, H);
+
+      const LnRef r = layernorm_ref(to_double(c.x), to_double(c.w), to_double(c.b), T, H, eps);
+      DVec dx_ref = to_double(c.dx0), dw_ref = to_double(c.dw0), db_ref = to_double(c.db0);
+      for (int t = 0; t < T; ++t) {
+        double mean_g = 0.0, mean_gx = 0.0;
+        for (int h = 0; h < H; ++h) {
+          const double xhat = (c.x[t * H + h] - r.mean[t]) * r.rstd[t];
+          const double g = static_cast<double>(c.dout[t * H + h]) * c.w[h];
+          mean_g += g / H;
+          mean_gx += g * xhat / H;
+          dw_ref[h] += c.dout[t * H + h] * xhat;
+          db_ref[h] += c.dout[t * H + h];
+        }
+        for (int h = 0; h < H; ++h) {
+          const double xhat = (c.x[t * H + h] - r.mean[t]) * r.rstd[t];
+          const double g = static_cast<double>(c.dout[t * H + h]) * c.w[h];
+          dx_ref[t * H + h] += r.rstd[t] * (g - mean_g - xhat * mean_gx);
+        }
+      }
+      const std::string name = "layernorm H=" + std::to_string(H) + " T=" + std::to_string(T);
+      const double atol = 2e-6 * std::sqrt(T);
+      expect_close(dx, dx_ref, 1e-5, kRtol, name + " dx");
+      expect_close(dw, dw_ref, atol, kRtol, name + " dw");
+      expect_close(db, db_ref, atol, kRtol, name + " db");
+    }
+  }
+}
+
+TEST(LayerNorm, BackwardMatchesFiniteDifferences) {
+  std::mt19937 rng(109);
+  const int T = 3, H = 24;
+  const float eps = 1e-5f;
+  const LnCase c = make_ln_case(T, H, rng);
+  Vec out(c.x.size()), mean(T), rstd(T);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), c.x.data(), c.w.data(), c.b.data(), T,
+                    H, eps);
+  Vec dx(c.x.size(), 0.0f), dw(H, 0.0f), db(H, 0.0f);
+  layernorm_backward(dx.data(), dw.data(), db.data(), c.dout.data(), c.x.data(), c.w.data(),
+                     mean.data(), rstd.data(), T, H);
+
+  // L = sum(dout * layernorm(x, w, b)), differenced in each argument.
+  const DVec x = to_double(c.x), w = to_double(c.w), b = to_double(c.b), g = to_double(c.dout);
+  const auto loss = [&](const DVec& xx, const DVec& ww, const DVec& bb) {
+    return dot(layernorm_ref(xx, ww, bb, T, H, eps).out, g);
+  };
+  const double h = 1e-6;
+  expect_close(dx, finite_diff([&](const DVec& v) { return loss(v, w, b); }, x, h), 1e-5, 1e-4,
+               "layernorm dx vs finite differences", 1e-4);
+  expect_close(dw, finite_diff([&](const DVec& v) { return loss(x, v, b); }, w, h), 1e-5, 1e-4,
+               "layernorm dw vs finite differences", 1e-4);
+  expect_close(db, finite_diff([&](const DVec& v) { return loss(x, w, v); }, b, h), 1e-5, 1e-4,
+               "layernorm db vs finite differences", 1e-4);
+}
+
+TEST(LayerNorm, ParameterGradientsSameBitsForAnyThreadCount) {
+  std::mt19937 rng(110);
+  const int T = 1000, H = 40;
+  const LnCase c = make_ln_case(T, H, rng);
+  Vec out(c.x.size()), mean(T), rstd(T);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), c.x.data(), c.w.data(), c.b.data(), T,
+                    H, 1e-5f);
+  auto run = [&](int threads) {
+    ThreadCount tc(threads);
+    LnCase r = c;
+    layernorm_backward(r.dx0.data(), r.dw0.data(), r.db0.data(), c.dout.data(), c.x.data(),
+                       c.w.data(), mean.data(), rstd.data(), T, H);
+    return r;
+  };
+  const LnCase one = run(1), two = run(2);
+  EXPECT_EQ(one.dw0, two.dw0);
+  EXPECT_EQ(one.db0, two.db0);
+  EXPECT_EQ(one.dx0, two.dx0);
+}
+
+// ---- GeLU -----------------------------------------------------------------------------
+
+double gelu_ref(double x) {
+  const double k = std::sqrt(2.0 / M_PI);
+  return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
+}
+
+double gelu_grad_ref(double x) {
+  const double k = std::sqrt(2.0 / M_PI);
+  const double th = std::tanh(k * (x + 0.044715 * x * x * x));
+  return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * k * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+Vec gelu_inputs(std::size_t n, std::mt19937& rng) {
+  Vec x = randn(n, rng, 3.0f);
+  const float extremes[] = {-30.0f, -12.0f, -5.0f, -1e-3f, 1e-3f, 5.0f, 12.0f, 30.0f};
+  for (std::size_t i = 0; i < std::size(extremes) && i < n; ++i) x[i] = extremes[i];
+  return x;
+}
+
+TEST(Gelu, ForwardAndBackwardMatchFloat64) {
+  std::mt19937 rng(111);
+  for (std::size_t n : {std::size_t{1}, std::size_t{1003}, std::size_t{70001}}) {
+    const Vec x = gelu_inputs(n, rng);
+    const Vec dout = randn(n, rng);
+    DVec y_ref(n), dx_ref(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      y_ref[i] = gelu_ref(x[i]);
+      dx_ref[i] = dout[i] * gelu_grad_ref(x[i]);
+    }
+    const std::string name = "gelu n=" + std::to_string(n);
+    Vec y(n, kNaN);
+    gelu_forward(y.data(), x.data(), static_cast<i64>(n));
+    expect_close(y, y_ref, 1e-6, kRtol, name + " forward");
+
+    Vec dx(n, kNaN);
+    gelu_backward(dx.data(), dout.data(), x.data(), static_cast<i64>(n));
+    expect_close(dx, dx_ref, 1e-6, kRtol, name + " backward");
+
+    Vec inplace = dout;
+    gelu_backward(inplace.data(), inplace.data(), x.data(), static_cast<i64>(n));
+    expect_close(inplace, dx_ref, 1e-6, kRtol, name + " backward in place");
+  }
+}
+
+TEST(Gelu, BackwardMatchesFiniteDifferences) {
+  std::mt19937 rng(112);
+  const std::size_t n = 200;
+  const Vec x = gelu_inputs(n, rng);
+  const Vec dout = randn(n, rng);
+  Vec dx(n);
+  gelu_backward(dx.data(), dout.data(), x.data(), static_cast<i64>(n));
+  const DVec g = to_double(dout);
+  const auto loss = [&](const DVec& v) {
+    double s = 0.0;
+    for (std::size_t i = 0; i < n; ++i) s += g[i] * gelu_ref(v[i]);
+    return s;
+  };
+  expect_close(dx, finite_diff(loss, to_double(x), 1e-6), 1e-5, 1e-4,
+               "gelu backward vs finite differences", 1e-4);
+}
+
+// ---- RoPE -----------------------------------------------------------------------------
+
+// Rotates the first Z*A columns of each row of x (stride ld) by +angle (sign 1) or -angle.
+DVec rope_ref(DVec x, int T, int Z, int A, i64 pos0, double theta, int ld, double sign) {
+  const int half = A / 2;
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < half; ++j) {
+      const double angle = static_cast<double>(pos0 + t) * std::pow(theta, -2.0 * j / A);
+      const double c = std::cos(angle), s = sign * std::sin(angle);
+      for (int z = 0; z < Z; ++z) {
+        const std::size_t lo = static_cast<std::size_t>(t) * ld + z * A + j;
+        const std::size_t hi = lo + half;
+        const double a = x[lo], b = x[hi];
+        x[lo] = a * c - b * s;
+        x[hi] = b * c + a * s;
+      }
+    }
+  }
+  return x;
+}
+
+struct RopeCase {
+  int T, Z, A;
+  i64 pos0;
+};
+
+const RopeCase kRopeCases[] = {
+    {3, 2, 8, 0}, {1, 1, 2, 7}, {37, 3, 16, 1'000'000 - 5}, {40, 4, 64, 123'457}, {5, 2, 24, 1'000'000}};
+
+TEST(Rope, ForwardAndBackwardMatchFloat64InsideQkvRows) {
+  std::mt19937 rng(113);
+  const float theta = 10000.0f;
+  for (const RopeCase& rc : kRopeCases) {
+    const int ld = 3 * rc.Z * rc.A;  // q (or k) inside a [T, 3H] qkv buffer
+    const std::string name = "rope T=" + std::to_string(rc.T) + " Z=" + std::to_string(rc.Z) +
+                             " A=" + std::to_string(rc.A) + " pos0=" + std::to_string(rc.pos0);
+    const Vec x0 = randn(static_cast<std::size_t>(rc.T) * ld, rng);
+    Vec x = x0;
+    rope_forward(x.data(), rc.T, rc.Z, rc.A, rc.pos0, theta, ld);
+    expect_close(x, rope_ref(to_double(x0), rc.T, rc.Z, rc.A, rc.pos0, theta, ld, 1.0), 1e-6, kRtol,
+                 name + " forward");
+
+    rope_backward(x.data(), rc.T, rc.Z, rc.A, rc.pos0, theta, ld);
+    expect_close(x, to_double(x0), 1e-6, kRtol, name + " backward(forward(x)) == x");
+
+    const Vec dy = randn(x0.size(), rng);
+    Vec dx = dy;
+    rope_backward(dx.data(), rc.T, rc.Z, rc.A, rc.pos0, theta, ld);
+    expect_close(dx, rope_ref(to_double(dy), rc.T, rc.Z, rc.A, rc.pos0, theta, ld, -1.0), 1e-6,
+                 kRtol, name + " backward");
+  }
+}
+
+TEST(Rope, BackwardIsTheTransposeByFiniteDifferences) {
+  std::mt19937 rng(114);
+  const int T = 3, Z = 2, A = 8, ld = 3 * Z * A;
+  const i64 pos0 = 999'999;
+  const float theta = 10000.0f;
+  const Vec x = randn(static_cast<std::size_t>(T) * ld, rng);
+  const Vec g = randn(x.size(), rng);
+  Vec dx = g;
+  rope_backward(dx.data(), T, Z, A, pos0, theta, ld);
+  // The columns rope does not touch pass dout through: their gradient is dout itself.
+  const DVec gd = to_double(g);
+  const auto loss = [&](const DVec& v) { return dot(rope_ref(v, T, Z, A, pos0, theta, ld, 1.0), gd); };
+  expect_close(dx, finite_diff(loss, to_double(x), 1e-3), 1e-5, 1e-4,
+               "rope backward vs finite differences", 1e-4);
+}
+
+TEST(Rope, SameBitsWhetherTheSequenceIsSplitOrWhole) {
+  std::mt19937 rng(115);
+  const int T = 53, Z = 2, A = 16, ld = Z * A + 5;
+  const i64 pos0 = 1'000'003;
+  const float theta = 500000.0f;
+  const Vec x0 = randn(static_cast<std::size_t>(T) * ld, rng);
+  Vec whole = x0, split = x0;
+  rope_forward(whole.data(), T, Z, A, pos0, theta, ld);
+  const int T1 = 21;
+  rope_forward(split.data(), T1, Z, A, pos0, theta, ld);
+  rope_forward(split.data() + static_cast<std::size_t>(T1) * ld, T - T1, Z, A, pos0 + T1, theta,
+               ld);
+  EXPECT_EQ(whole, split);
+  EXPECT_NE(whole, x0);
+}
+
+// ---- softmax cross-entropy ------------------------------------------------------------
+
+struct XentRef {
+  DVec dlogits, losses;
+  double total = 0.0;
+};
+
+XentRef xent_ref(const DVec& logits, const Ids& targets, int T, int V, double grad_scale) {
+  XentRef r{DVec(logits.size()), DVec(T), 0.0};
+  for (int t = 0; t < T; ++t) {
+    double mx = -std::numeric_limits<double>::infinity();
+    for (int v = 0; v < V; ++v) mx = std::max(mx, logits[t * V + v]);
+    double sum = 0.0;
+    for (int v = 0; v < V; ++v) sum += std::exp(logits[t * V + v] - mx);
+    const double lse = mx + std::log(sum);
+    for (int v = 0; v < V; ++v) {
+      r.dlogits[t * V + v] =
+          (std::exp(logits[t * V + v] - lse) - (v == targets[t] ? 1.0 : 0.0)) * grad_scale;
+    }
+    r.losses[t] = lse - logits[t * V + targets[t]];
+    r.total += r.losses[t];
+  }
+  return r;
+}
+
+TEST(Xent, MatchesFloat64IncludingLargeLogits) {
+  std::mt19937 rng(116);
+  struct Case { int T, V; float scale; };
+  for (Case c : {Case{1, 7, 1.0f}, Case{3, 50, 50.0f}, Case{9, 1001, 50.0f}, Case{17, 333, 1.0f},
+                 Case{4, 40000, 3.0f}}) {
+    const std::string name = "xent T=" + std::to_string(c.T) + " V=" + std::to_string(c.V) +
+                             " scale=" + std::to_string(c.scale);
+    Vec logits = randn(static_cast<std::size_t>(c.T) * c.V, rng, c.scale);
+    const Ids targets = rand_ids(c.T, c.V, rng);
+    const float grad_scale = 1.0f / (3.0f * c.T);
+    const XentRef r = xent_ref(to_double(logits), targets, c.T, c.V, grad_scale);
+    Vec losses(c.T, kNaN);
+    const double total =
+        xent_forward_backward(logits.data(), losses.data(), targets.data(), c.T, c.V, grad_scale);
+    expect_close(logits, r.dlogits, 1e-7 * grad_scale, kRtol, name + " dlogits");
+    expect_close(losses, r.losses, 1e-6, kRtol, name + " losses");
+    EXPECT_NEAR(total, r.total, 1e-6 + 1e-6 * std::fabs(r.total)) << name << " total";
+  }
+}
+
+TEST(Xent, GradientMatchesFiniteDifferences) {
+  std::mt19937 rng(117);
+  const int T = 2, V = 5;
+  const float grad_scale = 0.25f;
+  Vec logits = randn(static_cast<std::size_t>(T) * V, rng, 2.0f);
+  const Ids targets = rand_ids(T, V, rng);
+  const DVec x = to_double(logits);
+  Vec losses(T);
+  xent_forward_backward(logits.data(), losses.data(), targets.data(), T, V, grad_scale);
+  const auto loss = [&](const DVec& v) { return grad_scale * xent_ref(v, targets, T, V, 1.0).total; };
+  expect_close(logits, finite_diff(loss, x, 1e-6), 1e-6, 1e-4, "xent vs finite differences", 1e-4);
+}
+
+TEST(Xent, RejectsTargetsOutsideVocabulary) {
+  const int T = 2, V = 5;
+  Vec logits(static_cast<std::size_t>(T) * V, 0.5f);
+  Vec losses(T);
+  for (std::int32_t bad : {-1, V}) {
+    const Ids targets = {1, bad};
+    EXPECT_THROW(xent_forward_backward(logits.data(), losses.data(), targets.data(), T, V, 1.0f),
+                 Error);
+  }
+}
+
+// ---- optimizer ------------------------------------------------------------------------
+
+TEST(SumSquares, MatchesFloat64) {
+  std::mt19937 rng(118);
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{37}, std::size_t{(1 << 20) + 3}}) {
+    const Vec g = randn(n, rng, 0.1f);
+    double ref = 0.0;
+    for (float x : g) ref += static_cast<double>(x) * x;
+    EXPECT_NEAR(sum_squares(g.data(), static_cast<i64>(n)), ref, 1e-12 * ref) << "n=" << n;
+  }
+}
+
+TEST(SumSquares, SameBitsForAnyThreadCount) {
+  std::mt19937 rng(119);
+  const std::size_t n = (std::size_t{1} << 21) + 12345;
+  const Vec g = randn(n, rng, 1.0f, 0.3f);
+  double by_threads[3];
+  for (int threads : {1, 2, 3}) {
+    ThreadCount tc(threads);
+    by_threads[threads - 1] = sum_squares(g.data(), static_cast<i64>(n));
+  }
+  EXPECT_EQ(by_threads[0], by_threads[1]);
+  EXPECT_EQ(by_threads[0], by_threads[2]);
+}
+
+TEST(ScaleInplace, MatchesFloat64) {
+  std::mt19937 rng(120);
+  for (std::size_t n : {std::size_t{1}, std::size_t{1001}, std::size_t{100003}}) {
+    Vec x = randn(n, rng);
+    const float s = -0.37f;
+    DVec ref = to_double(x);
+    for (double& r : ref) r *= s;
+    scale_inplace(x.data(), static_cast<i64>(n), s);
+    // One fp32 rounding of the exact product.
+    expect_close(x, ref, 0.0, 6e-8, "scale_inplace n=" + std::to_string(n));
+  }
+}
+
+TEST(AdamW, ThreeStepsMatchFloat64) {
+  std::mt19937 rng(121);
+  const float lr = 0.05f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, wd = 0.1f;
+  for (std::size_t n : {std::size_t{1}, std::size_t{1003}, std::size_t{100003}}) {
+    // From a fresh state (steps 1-3) and from a resumed one (steps 10-12).
+    for (int first_step : {1, 10}) {
+      Vec p = randn(n, rng);
+      Vec m(n, 0.0f), v(n, 0.0f);
+      if (first_step > 1) {
+        m = randn(n, rng, 0.01f);
+        v = randn(n, rng, 0.01f);
+        for (float& x : v) x = x * x;
+      }
+      DVec pr = to_double(p), mr = to_double(m), vr = to_double(v);
+      for (int t = first_step; t < first_step + 3; ++t) {
+        const Vec g = randn(n, rng, 0.01f);
+        const double bc1 = 1.0 - std::pow(double{beta1}, t), bc2 = 1.0 - std::pow(double{beta2}, t);
+        for (std::size_t i = 0; i < n; ++i) {
+          mr[i] = beta1 * mr[i] + (1.0 - beta1) * g[i];
+          vr[i] = beta2 * vr[i] + (1.0 - beta2) * static_cast<double>(g[i]) * g[i];
+          pr[i] -= lr * (mr[i] / bc1) / (std::sqrt(vr[i] / bc2) + eps) + double{lr} * wd * pr[i];
+        }
+        adamw_step(p.data(), m.data(), v.data(), g.data(), static_cast<i64>(n), lr, beta1, beta2,
+                   eps, wd, t);
+        const std::string name = "adamw n=" + std::to_string(n) + " t=" + std::to_string(t);
+        expect_close(p, pr, 1e-6, kRtol, name + " p");
+        expect_close(m, mr, 1e-9, kRtol, name + " m");
+        expect_close(v, vr, 1e-12, kRtol, name + " v");
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sppo::cpu

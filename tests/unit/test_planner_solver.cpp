@@ -1,0 +1,151 @@
+// The planner: partitions, alpha under a budget, the smallest N that fits, whole-cluster
+// plans for SPPO and the baselines, and plan JSON.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "core/check.h"
+#include "planner/partition.h"
+#include "planner/plan.h"
+#include "planner/profile.h"
+#include "sim/solver.h"
+
+namespace sppo::plan {
+namespace {
+
+i64 sum(const std::vector<i64>& v) { return std::accumulate(v.begin(), v.end(), i64(0)); }
+
+TEST(Partition, Length) {
+  for (i64 S : {7, 64, 1000})
+    for (int N : {1, 3, 7}) {
+      const auto l = partition_length(S, N);
+      EXPECT_EQ(sum(l), S);
+      EXPECT_LE(*std::max_element(l.begin(), l.end()) - *std::min_element(l.begin(), l.end()), 1);
+    }
+  EXPECT_THROW(partition_length(3, 4), Error);
+}
+
+TEST(Partition, FlopsBalanced) {
+  const ModelConfig c = preset("gpt-7b");
+  for (i64 S : {i64(65536), i64(1) << 20})
+    for (int N : {2, 8, 32}) {
+      const auto l = partition_flops(c, S, N);
+      ASSERT_EQ(int(l.size()), N);
+      EXPECT_EQ(sum(l), S);
+      i64 o = 0;
+      double lo = 1e300, hi = 0;
+      for (int i = 0; i < N; ++i) {
+        if (i) {
+          EXPECT_LE(l[i], l[i - 1]) << "later subsequences are not shorter";
+        }
+        const double f = subseq_flops(c, o, l[i]);
+        lo = std::min(lo, f);
+        hi = std::max(hi, f);
+        o += l[i];
+      }
+      // Boundaries round to whole tokens: up to half a token at each end of a subsequence,
+      // one subsequence over and another under.
+      EXPECT_LT((hi - lo) / hi, 2.0 / double(l.back())) << "S " << S << " N " << N;
+    }
+  const auto tiny = partition_flops(preset("tiny"), 5, 5);
+  EXPECT_EQ(tiny, std::vector<i64>(5, 1));
+}
+
+TEST(Alpha, ZeroWhenItFitsMoreWhenTheBudgetDemands) {
+  const ModelConfig c = preset("medium");
+  const HardwareProfile hw = load_profile("a100-80gb");
+  const auto lengths = partition_flops(c, 16384, 8);
+  const auto roomy = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32, i64(1) << 40);
+  ASSERT_TRUE(roomy.fits);
+  for (double a : roomy.alpha) EXPECT_EQ(a, 0);
+  // A budget between the full-offload peak and the no-offload peak.
+  const auto full = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32, i64(1) << 40, sim::OffloadMode::Full);
+  const i64 budget = (full.peak_device_bytes + roomy.peak_device_bytes) / 2;
+  const auto tight = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32, budget);
+  ASSERT_TRUE(tight.fits) << tight.reason;
+  EXPECT_LE(tight.peak_device_bytes, budget);
+  EXPECT_GT(*std::max_element(tight.alpha.begin(), tight.alpha.end()), 0);
+  EXPECT_EQ(tight.alpha.back(), 0);
+  const auto none = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32, full.peak_device_bytes - 1);
+  EXPECT_FALSE(none.fits);
+  EXPECT_NE(none.reason.find("budget"), std::string::npos) << none.reason;
+}
+
+TEST(Alpha, SmallestFittingN) {
+  const ModelConfig c = preset("medium");
+  const HardwareProfile hw = load_profile("a100-80gb");
+  const i64 S = 16384;
+  const auto one = sim::solve_alpha_single(c, {S}, hw, ActPrecision::F32, i64(1) << 40);
+  const i64 budget = one.peak_device_bytes * 6 / 10;
+  const auto f = sim::smallest_fitting_n(c, S, hw, ActPrecision::F32, budget, true, 1, 64);
+  ASSERT_TRUE(f.found) << f.reason;
+  EXPECT_GT(f.subseqs, 1);
+  EXPECT_LE(f.alpha.peak_device_bytes, budget);
+  const auto before = sim::solve_alpha_single(c, partition_flops(c, S, f.subseqs - 1), hw, ActPrecision::F32, budget);
+  EXPECT_FALSE(before.fits);
+  const auto never = sim::smallest_fitting_n(c, S, hw, ActPrecision::F32, 1 << 20, true, 1, 8);
+  EXPECT_FALSE(never.found);
+  EXPECT_GT(never.least_peak_bytes, 1 << 20);
+}
+
+sim::PlanRequest request(const char* model, i64 S, int gpus, const char* system) {
+  sim::PlanRequest r;
+  r.model_name = model;
+  r.model = preset(model);
+  r.seq_len = S;
+  r.gpus = gpus;
+  r.gpus_per_node = 8;
+  r.hardware = "a100-80gb";
+  r.hw = load_profile("a100-80gb");
+  r.system = system;
+  return r;
+}
+
+TEST(Solver, SppoPlanFitsAndRoundTrips) {
+  const auto out = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 16, "sppo"));
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_EQ(p.sp * p.pp * p.dp, 16);
+  EXPECT_LE(p.sp, 8);
+  EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
+  EXPECT_GT(p.predicted.tokens_per_gpu_per_s, 0);
+  EXPECT_EQ(sum(p.lengths), p.seq_len);
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(to_json(q), to_json(p));
+  const auto r = sim::simulate_plan(q, load_profile("a100-80gb"));
+  EXPECT_NEAR(r.step_time_s, p.predicted.step_time_s, 1e-9 * p.predicted.step_time_s);
+}
+
+TEST(Solver, SaysWhyNothingFits) {
+  const auto out = sim::solve_plan(request("gpt-65b", i64(1) << 20, 4, "sppo"));
+  ASSERT_FALSE(out.ok);
+  EXPECT_NE(out.error.find("weights"), std::string::npos) << out.error;
+  const auto big = sim::solve_plan(request("gpt-7b", i64(16) << 20, 8, "sppo"));
+  ASSERT_FALSE(big.ok);
+  EXPECT_FALSE(big.error.empty());
+}
+
+TEST(Solver, Baselines) {
+  const auto m = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 16, "megatron"));
+  ASSERT_TRUE(m.ok) << m.error;
+  EXPECT_EQ(m.plan.tp * m.plan.sp * m.plan.pp * m.plan.dp, 16);
+  EXPECT_LE(m.plan.predicted.peak_device_bytes, m.plan.budget);
+  const auto d = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 64, "deepspeed"));
+  ASSERT_TRUE(d.ok) << d.error;
+  EXPECT_LE(d.plan.sp, 32) << "Ulysses degree above the head count";
+  EXPECT_EQ(d.plan.sp * d.plan.dp, 64);
+}
+
+TEST(PlanJson, NamesBadFields) {
+  nlohmann::json j = {{"hardware", "a100-80gb"}, {"seq_len", 10}, {"sp", 1}, {"pp", 1}, {"lengths", {4, 4}},
+                      {"gpus", 1}, {"model", "tiny"}};
+  EXPECT_THROW(plan_from_json(j), Error);  // lengths sum to 8
+  j["lengths"] = {6, 4};
+  EXPECT_NO_THROW(plan_from_json(j));
+  j.erase("sp");
+  EXPECT_THROW(plan_from_json(j), Error);
+}
+
+}  // namespace
+}  // namespace sppo::plan

@@ -1,0 +1,193 @@
+// Builders of the schedule IR: the single-process order, the sequence pipeline, MSP and
+// ring steps, each checked by the one validator over a grid (STYLE.md 2).
+#include <gtest/gtest.h>
+
+#include "core/check.h"
+#include "core/config.h"
+#include "schedule/builders.h"
+#include "schedule/memory.h"
+#include "schedule/msp.h"
+#include "schedule/validate.h"
+
+namespace sppo::sched {
+namespace {
+
+std::vector<std::string> texts(const std::vector<Op>& ops) {
+  std::vector<std::string> t;
+  for (const Op& op : ops) t.push_back(to_string(op));
+  return t;
+}
+
+MemoryRules tiny_rules() {
+  MemoryRules m;
+  m.model = preset("tiny");
+  m.precision = ActPrecision::F32;
+  return m;
+}
+
+TEST(BuildSingle, OrderMatchesTheRuntimeContract) {
+  const Schedule s = build_single(2, {4, 3, 2, 1}, {0.5, 1.0, 0.25, 0.0});
+  const std::vector<std::string> want = {
+      "F L0-1 s0", "O s0 0.5",  "F L0-1 s1", "WO s0", "O s1 1",   "F L0-1 s2",
+      "WO s1",     "O s2 0.25", "F L0-1 s3", "WO s2", "P s2 0.25", "B L0-1 s3",
+      "WP s2",     "P s1 1",    "B L0-1 s2", "WP s1", "P s0 0.5",  "B L0-1 s1",
+      "WP s0",     "B L0-1 s0"};
+  EXPECT_EQ(texts(s.ops[0]), want);
+  EXPECT_EQ(s.seq_len(), 10);
+  EXPECT_EQ(s.offset(2), 7);
+}
+
+TEST(BuildSingle, ZeroAlphaOmitsCopies) {
+  const Schedule s = build_single(1, {2, 2, 2}, {0.0, 0.5, 0.0});
+  const std::vector<std::string> want = {"F L0-0 s0", "F L0-0 s1", "O s1 0.5", "F L0-0 s2", "WO s1",
+                                         "P s1 0.5",  "B L0-0 s2", "WP s1",    "B L0-0 s1", "B L0-0 s0"};
+  EXPECT_EQ(texts(s.ops[0]), want);
+}
+
+TEST(BuildSingle, RejectsBadAlpha) {
+  EXPECT_THROW(build_single(2, {2, 2}, {0.5, 0.5}), Error);
+  EXPECT_THROW(build_single(2, {2, 2}, {0.5}), Error);
+  EXPECT_THROW(build_single(2, {2, 2}, {1.5, 0.0}), Error);
+}
+
+TEST(BuildSingle, ValidAndEmptyAtTheEnd) {
+  const MemoryRules rules = tiny_rules();
+  for (int n = 1; n <= 6; ++n) {
+    std::vector<i64> lengths(n, 8);
+    std::vector<double> alpha(n, 0.75);
+    alpha.back() = 0;
+    const Validation v = validate(build_single(2, lengths, alpha), {&rules, 0});
+    EXPECT_TRUE(v.ok()) << v.message();
+  }
+}
+
+TEST(BuildPipeline, OneStageEqualsSingle) {
+  PipelineSpec spec;
+  spec.layers = 3;
+  spec.lengths = {5, 4, 3};
+  spec.alpha = {0.5, 0.25, 0.0};
+  EXPECT_EQ(build_pipeline(spec).ops, build_single(3, spec.lengths, spec.alpha).ops);
+}
+
+TEST(Msp, ReproducesTable3) {
+  using V = std::vector<int>;
+  const V left[] = {{0, 1, 2}, {0, 1}, {0}, {}};
+  const V steady[] = {{3, 4, 5, 6, 7}, {2, 3, 4, 5, 6}, {1, 2, 3, 4, 5}, {0, 1, 2, 3, 4}};
+  const V right[] = {{}, {7}, {6, 7}, {5, 6, 7}};
+  const V left_gpus[] = {{0, 1, 2, 3}, {1, 2, 3}, {2, 3}, {}};
+  const V right_gpus[] = {{}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}};
+  for (int i = 0; i < 4; ++i) {
+    const MspPhases m = msp_phases(4, 8, i);
+    EXPECT_EQ(m.left, left[i]) << "stage " << i;
+    EXPECT_EQ(m.steady, steady[i]) << "stage " << i;
+    EXPECT_EQ(m.right, right[i]) << "stage " << i;
+    EXPECT_EQ(m.left_gpus, left_gpus[i]) << "stage " << i;
+    EXPECT_EQ(m.right_gpus, right_gpus[i]) << "stage " << i;
+  }
+}
+
+TEST(Msp, GeneralFormulasOverAGrid) {
+  for (int P = 1; P <= 8; ++P)
+    for (int N = P; N <= 12; ++N) {
+      // Every subsequence is in exactly one phase; the phase sets follow DESIGN.md 6.
+      for (int i = 0; i < P; ++i) {
+        const MspPhases m = msp_phases(P, N, i);
+        std::vector<int> all;
+        for (auto* v : {&m.left, &m.steady, &m.right}) all.insert(all.end(), v->begin(), v->end());
+        std::vector<int> want(N);
+        for (int k = 0; k < N; ++k) want[k] = k;
+        EXPECT_EQ(all, want) << "P " << P << " N " << N << " stage " << i;
+        EXPECT_EQ(int(m.left.size()), P - 1 - i);
+        EXPECT_EQ(int(m.right.size()), i);
+        // In forward slot i + k of a Left k, each Left group g is before its own Steady
+        // phase (its own subsequence i + k - g is Left or not started); in the slot of a
+        // Right k, each Right group is past its Steady phase (Right or finished).
+        for (int k : m.left) {
+          EXPECT_EQ(int(m.left_gpus.size()), P - i);
+          for (int g : m.left_gpus) {
+            const int own = i + k - g;
+            EXPECT_TRUE(own < 0 || own <= P - 2 - g) << "left group " << g << " is steady";
+          }
+        }
+        for (int k : m.right) {
+          EXPECT_EQ(int(m.right_gpus.size()), i + 1);
+          for (int g : m.right_gpus) {
+            const int own = i + k - g;
+            EXPECT_TRUE(own >= N - g) << "right group " << g << " is steady";
+          }
+        }
+      }
+    }
+  EXPECT_THROW(msp_phases(4, 3, 0), Error);
+}
+
+TEST(BuildPipeline, GridIsValid) {
+  MemoryRules rules = tiny_rules();
+  rules.model.layers = 4;
+  for (int pp : {1, 2, 3, 4})
+    for (int sp : {1, 2, 3})
+      for (int n : {1, 2, 4, 5, 8})
+        for (bool msp : {false, true})
+          for (int dp : {1, 2}) {
+            if (msp && n < pp) continue;
+            PipelineSpec spec;
+            spec.layers = 4;
+            spec.pp = pp;
+            spec.sp = sp;
+            spec.dp = dp;
+            spec.msp = msp;
+            for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
+            spec.alpha.assign(n, 0.5);
+            spec.alpha.back() = 0;
+            const Schedule s = build_pipeline(spec);
+            ASSERT_EQ(s.ranks, pp * sp * dp);
+            const Validation v = validate(s, {&rules, 0});
+            EXPECT_TRUE(v.ok()) << "pp " << pp << " sp " << sp << " n " << n << " msp " << msp << " dp "
+                                << dp << "\n" << v.message() << "\n" << to_string(s);
+          }
+}
+
+TEST(Validate, CatchesBrokenSchedules) {
+  const MemoryRules rules = tiny_rules();
+  Schedule s = build_single(2, {4, 4}, {0.5, 0.0});
+  {
+    Schedule t = s;  // backward before forward
+    std::swap(t.ops[0].front(), t.ops[0].back());
+    EXPECT_FALSE(validate(t).ok());
+  }
+  {
+    Schedule t = s;  // prefetch never waited for
+    t.ops[0].erase(t.ops[0].end() - 2);
+    EXPECT_FALSE(validate(t).ok());
+  }
+  {
+    Schedule t = s;  // a forward without backward leaves its activations
+    t.ops[0].pop_back();
+    const Validation v = validate(t, {&rules, 0});
+    EXPECT_FALSE(v.ok());
+  }
+  {
+    const Validation v = validate(s, {&rules, 1000});  // over budget
+    EXPECT_FALSE(v.ok());
+    EXPECT_NE(v.message().find("budget"), std::string::npos);
+  }
+  {
+    // Unmatched receive: a deadlock.
+    PipelineSpec spec;
+    spec.layers = 2;
+    spec.pp = 2;
+    spec.lengths = {4, 4};
+    Schedule t = build_pipeline(spec);
+    for (auto it = t.ops[0].begin(); it != t.ops[0].end(); ++it)
+      if (it->kind == OpKind::Send) {
+        t.ops[0].erase(it);
+        break;
+      }
+    const Validation v = validate(t);
+    EXPECT_FALSE(v.ok());
+    EXPECT_NE(v.message().find("blocked"), std::string::npos) << v.message();
+  }
+}
+
+}  // namespace
+}  // namespace sppo::sched

@@ -1,0 +1,59 @@
+// Canonical text of small schedules against files in tests/golden/ (STYLE.md 1). After a
+// deliberate change, rewrite them with SPPO_UPDATE_GOLDEN=1 and review the diff by eye.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "schedule/builders.h"
+
+namespace sppo::sched {
+namespace {
+
+void check_golden(const std::string& name, const Schedule& s) {
+  const std::string path = std::string(SPPO_SOURCE_DIR) + "/tests/golden/" + name + ".txt";
+  const std::string text = to_string(s);
+  if (std::getenv("SPPO_UPDATE_GOLDEN")) {
+    std::ofstream(path) << text;
+    GTEST_SKIP() << "wrote " << path;
+  }
+  std::ifstream in(path);
+  ASSERT_TRUE(in.good()) << "missing golden file " << path << " (run with SPPO_UPDATE_GOLDEN=1)";
+  std::stringstream want;
+  want << in.rdbuf();
+  EXPECT_EQ(text, want.str()) << "schedule text differs from " << path;
+}
+
+TEST(Golden, Single) { check_golden("single_n4", build_single(2, {4, 3, 2, 1}, {0.5, 1.0, 0.25, 0.0})); }
+
+TEST(Golden, Pipeline) {
+  PipelineSpec spec;
+  spec.layers = 4;
+  spec.pp = 2;
+  spec.lengths = {6, 5, 4};
+  spec.alpha = {0.5, 0.5, 0.0};
+  check_golden("pipeline_p2_n3", build_pipeline(spec));
+}
+
+TEST(Golden, RingAndDataParallel) {
+  PipelineSpec spec;
+  spec.layers = 2;
+  spec.pp = 1;
+  spec.sp = 2;
+  spec.dp = 2;
+  spec.lengths = {8, 6};
+  check_golden("ring_sp2_dp2_n2", build_pipeline(spec));
+}
+
+TEST(Golden, Msp) {
+  PipelineSpec spec;
+  spec.layers = 3;
+  spec.pp = 3;
+  spec.msp = true;
+  spec.lengths = {9, 8, 7, 6};
+  check_golden("msp_p3_n4", build_pipeline(spec));
+}
+
+}  // namespace
+}  // namespace sppo::sched

@@ -1,0 +1,175 @@
+// The simulator: bubbles of the sequence pipeline, memory against the validator's rules,
+// copies hidden or exposed, the trace and SVG outputs, and the hardware profiles.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <set>
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "planner/partition.h"
+#include "planner/profile.h"
+#include "schedule/builders.h"
+#include "schedule/validate.h"
+#include "sim/simulator.h"
+#include "sim/solver.h"
+
+namespace sppo::sim {
+namespace {
+
+// Compute only: GEMMs at 1 TFLOP/s, attention free, copies and messages instant.
+HardwareProfile ideal() {
+  HardwareProfile h;
+  h.name = "ideal";
+  h.gemm_flops = 1e12;
+  h.attention_efficiency = 1e12;
+  h.d2h_bw = h.h2d_bw = h.intra_node_bw = h.inter_node_bw = 1e30;
+  h.device_memory = i64(1) << 40;
+  h.devices_per_node = 8;
+  return h;
+}
+
+ModelConfig small() {
+  ModelConfig c = preset("small");
+  c.layers = 8;
+  return c;
+}
+
+TEST(Profiles, PresetsEqualTheFilesAndLoadAnywhere) {
+  for (const auto& name : plan::profile_names()) {
+    const std::string path = std::string(SPPO_SOURCE_DIR) + "/profiles/" + name + ".json";
+    const HardwareProfile file = plan::load_profile(path);
+    const HardwareProfile byname = plan::load_profile(name);
+    EXPECT_EQ(plan::to_json(file), plan::to_json(byname)) << name;
+    EXPECT_GT(file.usable_memory(), 0);
+  }
+  EXPECT_THROW(plan::load_profile("no-such-gpu"), Error);
+}
+
+TEST(Profiles, MissingFieldIsNamedAndSaveRoundTrips) {
+  nlohmann::json j = plan::to_json(plan::load_profile("h100-sxm"));
+  j.erase("d2h_gbps");
+  try {
+    plan::profile_from_json(j, "x.json");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("d2h_gbps"), std::string::npos) << e.what();
+  }
+  const std::string path = std::string(SPPO_BINARY_DIR) + "/test_profile_roundtrip.json";
+  plan::save_profile(plan::load_profile("h200"), path);
+  EXPECT_EQ(plan::to_json(plan::load_profile(path)), plan::to_json(plan::load_profile("h200")));
+}
+
+TEST(Simulator, PipelineBubbleIsPMinusOneOverN) {
+  const ModelConfig c = small();
+  const CostModel cost(ideal(), c, ActPrecision::BF16);
+  const auto rules = memory_rules(c, ActPrecision::BF16);
+  for (int P : {2, 4})
+    for (int N : {4, 8, 16}) {
+      sched::PipelineSpec spec;
+      spec.layers = c.layers;
+      spec.pp = P;
+      spec.lengths = plan::partition_length(1024 * N, N);
+      ASSERT_EQ(c.layers % P, 0);
+      // The LM head adds work to the last stage only; leave it out of the balance by
+      // giving the head nothing to do (vocabulary 2).
+      ModelConfig c2 = c;
+      c2.vocab = 2;
+      const CostModel cost2(ideal(), c2, ActPrecision::BF16);
+      const SimResult r = simulate(sched::build_pipeline(spec), cost2, memory_rules(c2, ActPrecision::BF16));
+      EXPECT_NEAR(r.bubble_ratio, double(P - 1) / N, 1e-3) << "P " << P << " N " << N;
+      spec.msp = true;
+      const SimResult m = simulate(sched::build_pipeline(spec), cost2, memory_rules(c2, ActPrecision::BF16));
+      EXPECT_LT(m.bubble_ratio, r.bubble_ratio) << "MSP does not lower the bubbles, P " << P << " N " << N;
+      EXPECT_LT(m.step_time_s, r.step_time_s);
+    }
+  (void)cost;
+  (void)rules;
+}
+
+TEST(Simulator, PeakMatchesTheRulesWithoutCopies) {
+  const ModelConfig c = small();
+  const auto rules = memory_rules(c, ActPrecision::F32);
+  const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::F32);
+  const auto lengths = plan::partition_flops(c, 4096, 4);
+  const sched::Schedule s = sched::build_single(c.layers, lengths, {0, 0, 0, 0});
+  const sched::Validation v = sched::validate(s, {&rules, 0});
+  ASSERT_TRUE(v.ok()) << v.message();
+  const SimResult r = simulate(s, cost, rules);
+  EXPECT_EQ(r.peak_device_bytes, v.peak_bytes[0]);
+  // By hand: weights + every K/V and unit + the last subsequence's head_grad, then B(N-1)
+  // allocates the first layer's accumulators and workspace: the peak is at its first layer.
+  sched::RankMemory m(rules, s, 0);
+  const i64 S = 4096, T = lengths.back();
+  const i64 kv = m.kv_per_token(), unit = m.unit_per_token(), head = m.head_grad_per_token();
+  const i64 ws = m.ws_per_token(), acc = m.acc_per_token();
+  const i64 at_b = m.fixed_bytes() + c.layers * (kv + unit) * S + head * (S - T) + ws * T + acc * S;
+  EXPECT_EQ(r.peak_device_bytes, std::max(at_b, r.peak_device_bytes));
+  EXPECT_GE(r.peak_device_bytes, at_b);
+}
+
+TEST(Simulator, OffloadLowersPeakAndHidesBehindCompute) {
+  const ModelConfig c = preset("medium");
+  const auto rules = memory_rules(c, ActPrecision::F32);
+  HardwareProfile hw = plan::load_profile("a100-80gb");
+  const CostModel cost(hw, c, ActPrecision::F32);
+  const auto lengths = plan::partition_length(8192, 8);
+  std::vector<double> none(8, 0.0), full(8, 1.0);
+  full.back() = 0;
+  const SimResult a = simulate(sched::build_single(c.layers, lengths, none), cost, rules);
+  const SimResult b = simulate(sched::build_single(c.layers, lengths, full), cost, rules);
+  EXPECT_LT(b.peak_device_bytes, a.peak_device_bytes);
+  EXPECT_EQ(a.exposed_copy_s, 0);
+  // A slow host link exposes the copies.
+  hw.d2h_bw = hw.h2d_bw = 1e6;
+  const SimResult slow = simulate(sched::build_single(c.layers, lengths, full), CostModel(hw, c, ActPrecision::F32), rules);
+  EXPECT_GT(slow.exposed_copy_s, 0);
+  EXPECT_GT(slow.step_time_s, b.step_time_s);
+}
+
+TEST(Simulator, DeadlockIsAnError) {
+  sched::PipelineSpec spec;
+  spec.layers = 2;
+  spec.pp = 2;
+  spec.lengths = {4, 4};
+  sched::Schedule s = sched::build_pipeline(spec);
+  for (auto it = s.ops[0].begin(); it != s.ops[0].end(); ++it)
+    if (it->kind == sched::OpKind::Send) {
+      s.ops[0].erase(it);
+      break;
+    }
+  const ModelConfig c = preset("tiny");
+  EXPECT_THROW(simulate(s, CostModel(ideal(), c, ActPrecision::F32), memory_rules(c, ActPrecision::F32)), Error);
+}
+
+TEST(Simulator, TraceAndSvg) {
+  sched::PipelineSpec spec;
+  spec.layers = 4;
+  spec.pp = 2;
+  spec.sp = 2;
+  spec.lengths = {64, 48, 32};
+  spec.alpha = {0.5, 0.5, 0};
+  const ModelConfig c = preset("tiny");
+  SimOptions o;
+  o.record = true;
+  const SimResult r = simulate(sched::build_pipeline(spec), CostModel(plan::load_profile("h100-sxm"), c, ActPrecision::BF16),
+                               memory_rules(c, ActPrecision::BF16), o);
+  const nlohmann::json t = nlohmann::json::parse(chrome_trace(r));
+  int complete = 0;
+  std::set<int> lanes;
+  for (const auto& e : t["traceEvents"])
+    if (e["ph"] == "X") {
+      ++complete;
+      EXPECT_GE(e["dur"].get<double>(), 0);
+      lanes.insert(e["tid"].get<int>());
+    }
+  EXPECT_GT(complete, 20);
+  EXPECT_TRUE(lanes.count(0) && lanes.count(1) && lanes.count(2) && lanes.count(3));
+  const std::string svg = svg_timeline(r, "test <pipeline>");
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  for (const char* word : {"forward", "backward", "offload", "onload", "communication", "device 3", "&lt;pipeline&gt;"})
+    EXPECT_NE(svg.find(word), std::string::npos) << word;
+}
+
+}  // namespace
+}  // namespace sppo::sim
