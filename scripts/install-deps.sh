@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   cmake g++ make pkg-config
-  libopenblas-dev            # SGEMM
+  libopenblas-openmp-dev     # SGEMM, on the same OpenMP thread pool as the kernels
   libomp-dev                 # OpenMP runtime headers (GCC's libgomp comes with g++)
   libopenmpi-dev openmpi-bin # ranks for the multi-process modes and their tests
   nlohmann-json3-dev         # JSON for plans, configs, metrics, safetensors headers

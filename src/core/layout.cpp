@@ -119,6 +119,20 @@ std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 ch
   };
 }
 
+i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<bool>* take) {
+  i64 total = 0;
+  for (i64 b : sizes) total += b;
+  const double target = fraction * double(total);
+  i64 taken = 0;
+  if (take) take->assign(sizes.size(), false);
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    if (double(taken) + 0.5 * double(sizes[k]) > target) continue;
+    taken += sizes[k];
+    if (take) (*take)[k] = true;
+  }
+  return taken;
+}
+
 i64 skeletal_bytes_per_token(const ModelConfig& c, ActPrecision p) {
   i64 b = 0;
   for (const auto& s : block_saved_specs(c, 1, p))

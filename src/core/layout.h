@@ -55,6 +55,13 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
 // Scratch of the head: logits are computed in row chunks of at most `chunk` tokens.
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p);
 
+// Which tensors an offload of `fraction` moves, from the ordered sizes of a subsequence's
+// offloadable tensors (layers in order, each layer's in table order, head_grad last):
+// walking the list, a tensor is taken while the bytes taken stay within half of it of
+// fraction * total. The runtime and the simulator both call this, so a predicted offload
+// moves exactly the bytes a real one does. Returns the bytes taken; `take` may be null.
+i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<bool>* take);
+
 // Convenience sums.
 i64 skeletal_bytes_per_token(const ModelConfig& c, ActPrecision p);     // per block
 i64 offloadable_bytes_per_token(const ModelConfig& c, ActPrecision p);  // per block

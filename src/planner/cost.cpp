@@ -15,6 +15,7 @@ CostModel::CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPre
     : hw_(hw), model_(model), precision_(precision) {
   act_bytes_ = precision == ActPrecision::F32 ? 4 : 2;
   kv_per_token_ = skeletal_bytes_per_token(model, precision);
+  gemm_rate_ = hw.gemm_rate(model.hidden);
 }
 
 double CostModel::gemm_flops(i64 tokens) const {
@@ -38,7 +39,7 @@ double CostModel::attention_share(i64 o, i64 l, i64 b, i64 e, int pieces) const 
 
 double CostModel::layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
   const i64 T = e - b;
-  double t = gemm_flops(T) / hw_.gemm_flops + attention_share(o, l, b, e, pieces) / hw_.attention_flops();
+  double t = gemm_flops(T) / gemm_rate_ + attention_share(o, l, b, e, pieces) / hw_.attention_flops();
   if (hw_.elementwise_bw > 0)
     t += kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
@@ -46,7 +47,7 @@ double CostModel::layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const 
 
 double CostModel::layer_backward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
   const i64 T = e - b;
-  double t = 2 * gemm_flops(T) / hw_.gemm_flops + 2.5 * attention_share(o, l, b, e, pieces) / hw_.attention_flops();
+  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_share(o, l, b, e, pieces) / hw_.attention_flops();
   if (hw_.elementwise_bw > 0)
     t += 2 * kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
@@ -56,7 +57,7 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   const i64 l = s.lengths.at(op.subseq);
   auto [b, e] = sched::piece_range(l, op.piece, op.pieces);
   double t = (op.layer_end - op.layer_begin) * layer_forward_s(o, l, b, e, op.pieces);
-  if (op.layer_end == s.layers) t += head_flops(e - b) / hw_.gemm_flops;
+  if (op.layer_end == s.layers) t += head_flops(e - b) / gemm_rate_;
   return t;
 }
 

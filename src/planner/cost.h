@@ -35,6 +35,8 @@ class CostModel {
   CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPrecision precision);
 
   const HardwareProfile& hw() const { return hw_; }
+  // GEMM rate of this model's layer shapes (HardwareProfile::gemm_rate of its hidden size).
+  double gemm_rate() const { return gemm_rate_; }
   const ModelConfig& model() const { return model_; }
   ActPrecision precision() const { return precision_; }
 
@@ -71,6 +73,7 @@ class CostModel {
   ActPrecision precision_;
   int act_bytes_;
   i64 kv_per_token_;
+  double gemm_rate_;
 };
 
 }  // namespace sppo::plan

@@ -1,5 +1,7 @@
 #include "planner/profile.h"
 
+#include <cmath>
+
 #include <unistd.h>
 
 #include <filesystem>
@@ -128,6 +130,29 @@ std::vector<std::string> profile_names() {
   return names;
 }
 
+double HardwareProfile::gemm_rate(int hidden) const {
+  const auto& t = gemm_flops_by_hidden;
+  if (t.empty()) return gemm_flops;
+  if (hidden <= t.front().first) return t.front().second;
+  if (hidden >= t.back().first) return t.back().second;
+  for (std::size_t k = 1; k < t.size(); ++k)
+    if (hidden <= t[k].first) {
+      const double x = std::log(double(hidden) / t[k - 1].first) / std::log(double(t[k].first) / t[k - 1].first);
+      return t[k - 1].second * std::pow(t[k].second / t[k - 1].second, x);
+    }
+  return t.back().second;
+}
+
+namespace {
+
+nlohmann::json by_hidden_json(const HardwareProfile& p) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& [h, f] : p.gemm_flops_by_hidden) j.push_back({h, f / kTera});
+  return j;
+}
+
+}  // namespace
+
 nlohmann::json to_json(const HardwareProfile& p) {
   return {
       {"name", p.name},
@@ -148,6 +173,7 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"host_memory_bytes", p.host_memory},
       {"devices_per_node", p.devices_per_node},
       {"layer_overhead_us", p.layer_overhead / kMicro},
+      {"gemm_tflops_by_hidden", by_hidden_json(p)},
   };
 }
 
@@ -176,6 +202,18 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.host_memory = i64(optional(j, "host_memory_bytes", 0, where));
   p.devices_per_node = int(required(j, "devices_per_node", where, "devices per node"));
   p.layer_overhead = optional(j, "layer_overhead_us", 0, where) * kMicro;
+  if (j.contains("gemm_tflops_by_hidden")) {
+    const auto& t = j["gemm_tflops_by_hidden"];
+    SPPO_CHECK(t.is_array(), "profile") << where << ": gemm_tflops_by_hidden must be a list of [hidden, TFLOP/s] pairs";
+    for (const auto& e : t) {
+      SPPO_CHECK(e.is_array() && e.size() == 2 && e[0].is_number_integer() && e[1].is_number() &&
+                     e[0].get<int>() > 0 && e[1].get<double>() > 0, "profile")
+          << where << ": gemm_tflops_by_hidden entries are [hidden, TFLOP/s] with both positive (got " << e.dump() << ")";
+      SPPO_CHECK(p.gemm_flops_by_hidden.empty() || e[0].get<int>() > p.gemm_flops_by_hidden.back().first, "profile")
+          << where << ": gemm_tflops_by_hidden must be sorted by hidden size";
+      p.gemm_flops_by_hidden.emplace_back(e[0].get<int>(), e[1].get<double>() * kTera);
+    }
+  }
   SPPO_CHECK(p.gemm_flops > 0 && p.attention_efficiency > 0, "profile")
       << where << ": gemm_tflops and attention_efficiency must be positive";
   SPPO_CHECK(p.d2h_bw > 0 && p.h2d_bw > 0 && p.intra_node_bw > 0 && p.inter_node_bw > 0, "profile")

@@ -31,6 +31,13 @@ struct HardwareProfile {
   i64 host_memory = 0;                // pinned host bytes available per device (0: unlimited)
   int devices_per_node = 1;
   double layer_overhead = 0;          // fixed seconds per layer of a forward or backward op
+  // Measured rate of a block's four GEMMs (forward and backward together) at hidden sizes H,
+  // ascending: small H runs far below the peak on CPUs. Empty: gemm_flops for every H.
+  std::vector<std::pair<int, double>> gemm_flops_by_hidden;
+
+  // The GEMM rate for a model of hidden size H: log-linear between measured sizes,
+  // clamped at the ends; gemm_flops when nothing was measured.
+  double gemm_rate(int hidden) const;
 
   double attention_flops() const { return gemm_flops * attention_efficiency; }
   i64 usable_memory() const { return device_memory - memory_reserve; }

@@ -178,30 +178,36 @@ void Runtime::backward(StepState& st, int i) {
 void Runtime::offload(StepState& st, int i, double fraction) {
   if (fraction <= 0) return;
   const int L = config_.layers;
-  i64 total = st.head_grad[i].bytes();
+  // The same walk as the simulator's: layers in order (layer 0 is needed last in
+  // backward), each layer's offloadable tensors in table order, head_grad last.
+  std::vector<std::pair<Buffer*, Buffer*>> tensors;
+  std::vector<i64> sizes;
   for (int l = 0; l < L; ++l)
     for (int k = 0; k < kSavedTensors; ++k)
-      if (st.roles[k] == Role::Offloadable) total += st.dev[i][l][k].bytes();
-  const double target = fraction * double(total);
-  i64 taken = 0;
-  auto move_out = [&](Buffer& dev, Buffer& host, const std::string& what) {
-    if (!dev || double(taken) + 0.5 * double(dev.bytes()) > target) return;
-    taken += dev.bytes();
-    host = host_->alloc(dev.bytes(), what);
-    auto ev = st.d2h->submit([&dev, &host] {
-      std::memcpy(host.data(), dev.data(), std::size_t(dev.bytes()));
+      if (st.roles[k] == Role::Offloadable) {
+        tensors.push_back({&st.dev[i][l][k], &st.host[i][l][k]});
+        sizes.push_back(st.dev[i][l][k].bytes());
+      }
+  tensors.push_back({&st.head_grad[i], &st.head_grad_host[i]});
+  sizes.push_back(st.head_grad[i].bytes());
+  std::vector<bool> take;
+  st.result->offloaded_bytes += select_offload(sizes, fraction, &take);
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    if (!take[t]) continue;
+    Buffer& dev = *tensors[t].first;
+    Buffer& host = *tensors[t].second;
+    SPPO_ASSERT(dev);
+    host = host_->alloc(dev.bytes(), "subseq " + std::to_string(i) + " host copy");
+    device_->expect_release(dev.bytes());
+    auto ev = st.d2h->submit([&dev, &host, tier = device_.get()] {
+      const i64 bytes = dev.bytes();
+      std::memcpy(host.data(), dev.data(), std::size_t(bytes));
       dev.reset();  // the device bytes are really released when the copy completes
+      tier->settle(bytes);
     });
     if (!st.offload_first[i]) st.offload_first[i] = ev;
     st.offload_last[i] = ev;
-  };
-  // Layer 0's tensors are needed last in backward, so they go first.
-  for (int l = 0; l < L; ++l)
-    for (int k = 0; k < kSavedTensors; ++k)
-      if (st.roles[k] == Role::Offloadable)
-        move_out(st.dev[i][l][k], st.host[i][l][k], unit_name(l, i) + "host copy");
-  move_out(st.head_grad[i], st.head_grad_host[i], "head_grad host copy");
-  st.result->offloaded_bytes += taken;
+  }
 }
 
 void Runtime::prefetch(StepState& st, int i) {
@@ -308,6 +314,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
   st.d2h->synchronize();
   st.h2d->synchronize();
   result.step_s = now_s() - t_start;
+  result.exposed_copy_s += device_->release_wait_s();
   for (int i = 0; i < N; ++i) {
     if (st.offload_first[i])
       span("O" + std::to_string(i), "copy-out", st.offload_first[i]->start_s(), st.offload_last[i]->end_s());

@@ -1,5 +1,6 @@
 #include "runtime/memory.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -39,7 +40,12 @@ MemoryTier::~MemoryTier() { SPPO_ASSERT_MSG(stats_.current == 0, "memory tier de
 Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
   SPPO_ASSERT(bytes >= 0);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (budget_ > 0 && stats_.current + bytes > budget_ && pending_release_ > 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      released_.wait(lock, [&] { return stats_.current + bytes <= budget_ || pending_release_ == 0; });
+      release_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
     SPPO_CHECK(budget_ == 0 || stats_.current + bytes <= budget_, "memory")
         << (tier_ == Tier::Device ? "device" : "host") << " memory budget exceeded: "
         << what << " asks " << format_bytes(double(bytes)) << " (" << bytes << " B) with "
@@ -72,9 +78,12 @@ Buffer MemoryTier::alloc_zeroed(i64 bytes, const std::string& what) {
 
 void MemoryTier::release(void* p, i64 bytes) {
   std::free(p);
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.current -= bytes;
-  SPPO_ASSERT(stats_.current >= 0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.current -= bytes;
+    SPPO_ASSERT(stats_.current >= 0);
+  }
+  released_.notify_all();
 }
 
 MemoryStats MemoryTier::stats() const {
@@ -85,6 +94,26 @@ MemoryStats MemoryTier::stats() const {
 void MemoryTier::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.peak = stats_.current;
+  release_wait_s_ = 0;
+}
+
+void MemoryTier::expect_release(i64 bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_release_ += bytes;
+}
+
+void MemoryTier::settle(i64 bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_release_ -= bytes;
+    SPPO_ASSERT(pending_release_ >= 0);
+  }
+  released_.notify_all();
+}
+
+double MemoryTier::release_wait_s() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return release_wait_s_;
 }
 
 }  // namespace sppo

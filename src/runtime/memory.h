@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 
@@ -62,6 +63,15 @@ class MemoryTier {
 
   MemoryStats stats() const;
   void reset_peak();
+
+  // Bytes that copies in flight will release (an offload frees its device bytes when its
+  // copy completes). An allocation that would exceed the budget first waits for those
+  // releases, as a GPU allocator synchronises with its streams before giving up; only
+  // when none is pending does it fail. The copy calls settle() after freeing.
+  void expect_release(i64 bytes);
+  void settle(i64 bytes);
+  // Seconds allocations spent waiting for releases since the last reset_peak().
+  double release_wait_s() const;
   i64 budget() const { return budget_; }
   Tier tier() const { return tier_; }
 
@@ -72,7 +82,10 @@ class MemoryTier {
   Tier tier_;
   i64 budget_;
   mutable std::mutex mu_;
+  std::condition_variable released_;
   MemoryStats stats_;
+  i64 pending_release_ = 0;
+  double release_wait_s_ = 0;
 };
 
 }  // namespace sppo

@@ -65,9 +65,14 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
       const i64 T = tokens_of(op);
       for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += T;
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
-      if (op.layer_begin >= ob && op.layer_end <= oe)
-        unit_of_[op.subseq] += i64(op.layer_end - op.layer_begin) * unit_pt_ * T +
-                               (op.layer_end == L ? head_pt_ * T : 0);
+      if (op.layer_begin >= ob && op.layer_end <= oe) {
+        auto& sizes = unit_tensors_[op.subseq];
+        for (int l = op.layer_begin; l < op.layer_end; ++l)
+          for (const auto& t : block_saved_specs(c, T, p))
+            if (t.role == Role::Offloadable) sizes.push_back(t.bytes());
+        if (op.layer_end == L)
+          for (const auto& t : head_saved_specs(c, T, p)) sizes.push_back(t.bytes());
+      }
     } else if (op.kind == OpKind::Recv && op.payload == Payload::KV) {
       for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += op.tokens;
     }
@@ -97,9 +102,8 @@ void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta) {
 }
 
 i64 RankMemory::offload_bytes(const Op& op) const {
-  auto it = unit_of_.find(op.subseq);
-  const i64 unit = it == unit_of_.end() ? 0 : it->second;
-  return std::llround(op.fraction * double(unit));
+  auto it = unit_tensors_.find(op.subseq);
+  return it == unit_tensors_.end() ? 0 : select_offload(it->second, op.fraction, nullptr);
 }
 
 i64 RankMemory::prefetch_bytes(const Op& op) const {
@@ -123,9 +127,14 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::Forward: {
       const i64 T = tokens_of(op);
       const i64 ws = ws_pt_ * T + piece_fwd_extra(op, T);
+      // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
+      // input x (already counted when that layer's unit is), or, after the stage's last
+      // layer, the head's input (or the hidden state sent on), freed once used.
+      const i64 x_bytes = i64(rules_.model.hidden) * rules_.act_bytes() * T;
       for (int k = 0; k < n; ++k) {
+        emit(out, double(k) / n, (kv_pt_ + unit_pt_) * T - (k > 0 ? x_bytes : 0));
         emit(out, double(k) / n, ws);
-        emit(out, double(k) / n, (kv_pt_ + unit_pt_) * T);
+        emit(out, double(k) / n, x_bytes);
         emit(out, double(k + 1) / n, -ws);
       }
       if (op.layer_end == L) {
@@ -134,12 +143,12 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         emit(out, 1.0, hws);
         emit(out, 1.0, -hws);
       }
+      emit(out, 1.0, -x_bytes);
       break;
     }
     case OpKind::Backward: {
       const i64 T = tokens_of(op);
       const i64 ws = ws_pt_ * T + piece_bwd_extra(op, T);
-      if (op.layer_end == L) emit(out, 0.0, -head_pt_ * T);
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
         emit(out, double(k) / n, ws);
@@ -149,6 +158,8 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         }
         emit(out, double(k + 1) / n, -((kv_pt_ + acc_pt_ + unit_pt_) * T + ws));
       }
+      // head_grad carries the residual gradient through every layer: freed at the end.
+      if (op.layer_end == L) emit(out, 1.0, -head_pt_ * T);
       break;
     }
     case OpKind::Offload: {

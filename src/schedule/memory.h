@@ -4,11 +4,15 @@
 //    `param_state_bytes` (16) per parameter; no ZeRO: every SP rank and DP replica of a
 //    stage holds a full copy of that stage's layers.
 //  - F(i), per layer: workspace for the layer's duration; K_i, V_i (skeletal, until B(i)
-//    of that layer) and the unit U(l, i) (offloadable). After the last layer of the model:
-//    the head's workspace transiently and head_grad [T, H] (part of subsequence i's unit).
-//  - O(i) fraction a: round(a * unit bytes of i on this rank) released when the copy ends;
+//    of that layer) and the unit U(l, i) (offloadable); the layer's output [T, H], which is
+//    the next layer's saved input (so part of its unit) or, after the last layer, the
+//    head's input, freed at the end of F. After the last layer of the model: the head's
+//    workspace transiently and head_grad [T, H] (part of subsequence i's unit).
+//  - O(i) fraction a: the tensors select_offload(a) picks (core/layout.h) released when the
+//    copy ends;
 //    P(i) allocates them again at its start.
-//  - B(i): head_grad of i freed at the start; per layer from the last: workspace; on the
+//  - B(i): head_grad of i carries the residual gradient, freed at the end; per layer from
+//    the last: workspace; on the
 //    first backward touching layer l, dK/dV accumulators (fp32) for every position whose
 //    K, V this rank holds for l; at the end of the layer: K_i, V_i, dK/dV rows of i, U(l, i)
 //    and the workspace are freed.
@@ -94,7 +98,8 @@ class RankMemory {
   i64 kv_pt_ = 0, unit_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
   std::vector<i64> acc_tokens_;        // per layer: positions whose K, V this rank holds
   std::vector<bool> acc_live_;         // per layer: accumulators allocated
-  std::map<int, i64> unit_of_;         // subsequence -> offloadable bytes on this rank
+  std::map<int, std::vector<i64>> unit_tensors_;  // subsequence -> its offloadable tensors' bytes
+                                                 // on this rank, in select_offload order
   std::map<int, i64> offloaded_;       // subsequence -> bytes on the host
   std::map<size_t, i64> release_after_;            // op index -> borrowed weight bytes freed at its end
   std::set<std::pair<int, int>> borrowed_grads_;   // borrowed layer ranges with gradients

@@ -41,7 +41,7 @@ std::vector<double> paper_alpha(const std::vector<i64>& lengths, int layers, boo
     const i64 t = (lengths[i] + sp - 1) / sp, t1 = (lengths[i + 1] + sp - 1) / sp;
     const double A = double(t) * (double(layers) * unit_pt + (head ? head_pt : 0));
     double fwd = layers * cost.layer_forward_s(o, lengths[i + 1], 0, t1, sp);
-    if (head) fwd += cost.head_flops(t1) / cost.hw().gemm_flops;
+    if (head) fwd += cost.head_flops(t1) / cost.gemm_rate();
     a[i] = A > 0 ? std::min(1.0, cost.hw().d2h_bw * fwd / A) : 0.0;
   }
   return a;

@@ -48,15 +48,29 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
   p.precision = "f32";
   const int reps = quick ? 3 : 7;
 
-  // GEMM on a transformer-layer shape: [T, H] x [H, 4H].
-  const int T = quick ? 1024 : 4096, H = 512, F = 4 * H;
-  {
-    auto a = randn(i64(T) * H, 1), b = randn(i64(F) * H, 2);
-    std::vector<float> c(std::size_t(T) * F);
-    const double s = median_seconds(reps, [&] {
-      cpu::gemm(false, true, T, F, H, 1.0f, a.data(), H, b.data(), H, 0.0f, c.data(), F);
+  // The SGEMM peak, as `bench layer` measures it: a large square product.
+  const GemmPeak peak = measure_gemm_peak(quick ? 1024 : 2048, reps);
+  p.gemm_flops = peak.flops_per_s;
+  // A block's four GEMMs, forward and backward, at several hidden sizes: CPUs run small
+  // shapes far below the peak, and the cost model prices each model at its own size.
+  for (int Hb : quick ? std::vector<int>{64, 256, 1024} : std::vector<int>{64, 128, 256, 512, 1024, 2048}) {
+    const int Tb = std::max(256, (quick ? 1 << 19 : 1 << 21) / Hb);
+    const int shapes[4][2] = {{Hb, 3 * Hb}, {Hb, Hb}, {Hb, 4 * Hb}, {4 * Hb, Hb}};  // {in, out}
+    std::vector<std::vector<float>> x, w, y, dw;
+    for (const auto& sh : shapes) {
+      x.push_back(randn(i64(Tb) * sh[0], 8));
+      w.push_back(randn(i64(sh[1]) * sh[0], 9));
+      y.emplace_back(static_cast<std::size_t>(i64(Tb) * sh[1]));
+      dw.emplace_back(static_cast<std::size_t>(i64(sh[1]) * sh[0]));
+    }
+    const double sb = median_seconds(reps, [&] {
+      for (int k = 0; k < 4; ++k) {
+        cpu::linear_forward(y[k].data(), x[k].data(), w[k].data(), nullptr, Tb, shapes[k][0], shapes[k][1]);
+        cpu::linear_backward(x[k].data(), dw[k].data(), nullptr, y[k].data(), x[k].data(), w[k].data(), Tb,
+                             shapes[k][0], shapes[k][1]);
+      }
     });
-    p.gemm_flops = 2.0 * T * F * H / s;
+    p.gemm_flops_by_hidden.emplace_back(Hb, 3.0 * 24.0 * Tb * double(Hb) * Hb / sb);
   }
   // Causal attention forward + backward, head size 64.
   {
@@ -131,7 +145,7 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
   p.device_memory = i64(pages) * i64(page);
   p.devices_per_node = 1;
   p.description = "measured on this machine (" + std::to_string(omp_get_max_threads()) +
-                  " threads, OpenBLAS core " + measure_gemm_peak(256, 1).blas_core + ")";
+                  " threads, OpenBLAS core " + peak.blas_core + ")";
   return p;
 }
 
