@@ -159,6 +159,14 @@ int main(int argc, char** argv) {
   cmd_bench_offload->add_option("--hardware", bo_hardware, "Profile for adaptive choices (default: measured now)");
   cmd_bench_offload->add_flag("--json", bo_json, "Print one JSON object");
 
+  std::string bs_hardware;
+  int bs_reps = 3;
+  bool bs_json = false;
+  auto* cmd_bench_sim = cmd_bench->add_subcommand("sim", "Simulated vs measured step time and peak for several configurations");
+  cmd_bench_sim->add_option("--hardware", bs_hardware, "Profile to simulate with (default: measured now)");
+  cmd_bench_sim->add_option("--reps", bs_reps, "Timed steps per configuration")->capture_default_str();
+  cmd_bench_sim->add_flag("--json", bs_json, "Print one JSON object");
+
   // profile
   std::string profile_out = "profiles/cpu-local.json";
   bool profile_quick = false;
@@ -198,6 +206,12 @@ int main(int argc, char** argv) {
       if (mem ? bm_json : bo_json) std::printf("%s\n", j.dump(2).c_str());
       else if (mem) print_bench_memory(j);
       else print_bench_offload(j);
+      return 0;
+    }
+    if (*cmd_bench_sim) {
+      const auto j = bench_sim(bs_hardware, bs_reps);
+      if (bs_json) std::printf("%s\n", j.dump(2).c_str());
+      else print_bench_sim(j);
       return 0;
     }
     if (*cmd_profile) {

@@ -1,10 +1,14 @@
 #include "train/bench_sppo.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
 #include "core/check.h"
+#include "planner/cost.h"
+#include "sim/simulator.h"
+#include "sim/solver.h"
 #include "train/profile_machine.h"
 #include "train/setup.h"
 
@@ -195,6 +199,72 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
           {"adaptive_budget_bytes", budget},
           {"adaptive_over_none_step_time", p_ad.step_s / p_none.step_s},
           {"modes", modes}};
+}
+
+nlohmann::json bench_sim(const std::string& hardware, int reps) {
+  struct Config {
+    const char* model;
+    i64 S;
+    int N;
+    const char* offload;
+  };
+  const Config configs[] = {
+      {"small", 8192, 1, "none"},       {"small", 8192, 8, "0.5"},  {"small", 16384, 16, "full"},
+      {"medium", 4096, 4, "none"},      {"medium", 8192, 8, "full"}, {"bench-memory", 8192, 4, "0.75"},
+  };
+  const plan::HardwareProfile hw = hardware.empty() ? measure_cpu_profile(false) : plan::load_profile(hardware);
+  nlohmann::json rows = nlohmann::json::array();
+  double worst_time = 0, worst_peak = 0;
+  for (const Config& cfg : configs) {
+    StepOptions o;
+    o.model = preset(cfg.model);
+    o.model_name = cfg.model;
+    o.seq_len = cfg.S;
+    o.subseqs = std::to_string(cfg.N);
+    o.partition = "flops";
+    o.offload = cfg.offload;
+    StepSetup s = make_setup(o);
+    const plan::CostModel cost(hw, s.config, ActPrecision::F32);
+    const auto sim_r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, ActPrecision::F32));
+    std::vector<std::int32_t> tokens(std::size_t(cfg.S + 1));
+    s.data->next(tokens.data(), cfg.S + 1);
+    init_params(s.config, s.runtime->params(), 1);
+    std::vector<double> times;
+    i64 peak = 0;
+    for (int r = 0; r < reps + 1; ++r) {
+      const StepResult res = s.runtime->step(s.schedule, tokens.data());
+      if (r == 0) continue;
+      times.push_back(res.step_s);
+      peak = std::max(peak, res.device.peak);
+    }
+    std::sort(times.begin(), times.end());
+    const double measured = times[times.size() / 2];
+    const double time_err = (sim_r.step_time_s - measured) / measured;
+    const double peak_err = double(sim_r.peak_device_bytes - peak) / double(peak);
+    worst_time = std::max(worst_time, std::fabs(time_err));
+    worst_peak = std::max(worst_peak, std::fabs(peak_err));
+    rows.push_back({{"model", cfg.model}, {"seq_len", cfg.S}, {"subseqs", cfg.N}, {"offload", cfg.offload},
+                    {"measured_step_time_s", measured}, {"simulated_step_time_s", sim_r.step_time_s},
+                    {"step_time_error", time_err}, {"measured_peak_device_bytes", peak},
+                    {"simulated_peak_device_bytes", sim_r.peak_device_bytes}, {"peak_error", peak_err}});
+  }
+  return {{"profile", plan::to_json(hw)}, {"configs", rows}, {"worst_step_time_error", worst_time},
+          {"worst_peak_error", worst_peak}};
+}
+
+void print_bench_sim(const nlohmann::json& j) {
+  std::printf("simulator vs runtime on this machine (profile %s)\n", j["profile"]["name"].get<std::string>().c_str());
+  std::printf("| model | S | N | offload | measured s | simulated s | error | measured peak | simulated peak | error |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : j["configs"])
+    std::printf("| %s | %lld | %d | %s | %.3f | %.3f | %+.1f%% | %s | %s | %+.2f%% |\n",
+                r["model"].get<std::string>().c_str(), (long long)r["seq_len"].get<i64>(), r["subseqs"].get<int>(),
+                r["offload"].get<std::string>().c_str(), r["measured_step_time_s"].get<double>(),
+                r["simulated_step_time_s"].get<double>(), 100 * r["step_time_error"].get<double>(),
+                format_bytes(r["measured_peak_device_bytes"].get<double>()).c_str(),
+                format_bytes(r["simulated_peak_device_bytes"].get<double>()).c_str(), 100 * r["peak_error"].get<double>());
+  std::printf("worst step-time error %.1f%%, worst peak error %.2f%%\n", 100 * j["worst_step_time_error"].get<double>(),
+              100 * j["worst_peak_error"].get<double>());
 }
 
 void print_bench_memory(const nlohmann::json& j) {

@@ -27,7 +27,13 @@ nlohmann::json bench_memory(const BenchModelOptions& o);
 // exposed copy time.
 nlohmann::json bench_offload(const BenchModelOptions& o);
 
+// The simulator against the runtime on this machine: for several single-process
+// configurations (N, alpha, model sizes), measured step time and peak beside the
+// simulated ones on a profile measured in the same run (or `hardware`).
+nlohmann::json bench_sim(const std::string& hardware, int reps);
+
 void print_bench_memory(const nlohmann::json& j);
+void print_bench_sim(const nlohmann::json& j);
 void print_bench_offload(const nlohmann::json& j);
 
 }  // namespace sppo

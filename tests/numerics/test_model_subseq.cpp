@@ -11,6 +11,11 @@
 #include "train/setup.h"
 #include "train/trainer.h"
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "io/fileutil.h"
+
 namespace sppo {
 namespace {
 
@@ -151,6 +156,49 @@ TEST(Subsequences, OffloadLowersPeakDeviceMemory) {
   EXPECT_LT(full.peak, none.peak);
   EXPECT_EQ(none.offloaded, 0);
   EXPECT_GT(full.offloaded, 0);
+}
+
+std::vector<double> loss_curve(const std::string& subseqs, const std::string& partition,
+                               const std::string& offload, bool recompute, const std::string& dir) {
+  TrainOptions o;
+  o.step.model = small_config();
+  o.step.model_name = "custom";
+  o.step.seq_len = 120;
+  o.step.data = "repeat:16";
+  o.step.subseqs = subseqs;
+  o.step.partition = partition;
+  o.step.offload = offload;
+  o.step.recompute = recompute;
+  o.steps = 20;
+  o.warmup = 3;
+  o.quiet = true;
+  o.metrics_path = dir + "/" + subseqs + partition + offload + (recompute ? "rc" : "") + ".jsonl";
+  EXPECT_EQ(run_train(o), 0);
+  std::vector<double> losses;
+  std::ifstream f(o.metrics_path);
+  for (std::string l; std::getline(f, l);) {
+    const auto j = nlohmann::json::parse(l);
+    if (!j.contains("summary")) losses.push_back(j["loss"].get<double>());
+  }
+  return losses;
+}
+
+TEST(Subsequences, TwentyStepLossCurveMatchesTheReference) {
+  io::TempDir tmp("sppo-curves");
+  const auto ref = loss_curve("1", "length", "none", false, tmp.path());
+  ASSERT_EQ(ref.size(), 20u);
+  EXPECT_LT(ref.back(), ref.front()) << "the run should learn something in 20 steps";
+  const std::vector<std::vector<double>> others = {
+      loss_curve("3", "flops", "0.5", false, tmp.path()),
+      loss_curve("7", "length", "full", false, tmp.path()),
+      loss_curve("16", "flops", "adaptive", false, tmp.path()),
+      loss_curve("1", "length", "none", true, tmp.path()),
+  };
+  for (const auto& c : others) {
+    ASSERT_EQ(c.size(), ref.size());
+    for (std::size_t k = 0; k < ref.size(); ++k)
+      EXPECT_LT(std::fabs(c[k] - ref[k]) / std::fabs(ref[k]), 1e-5) << "step " << k + 1;
+  }
 }
 
 }  // namespace
