@@ -1,14 +1,19 @@
 // Throughput of the CPU causal flash-attention kernels against the SGEMM rate of this machine.
 //
-// Not built by CMake; build it against the kernels library of a build directory:
+// Not built by CMake; build it against the kernels library of a build directory and the
+// OpenMP build of OpenBLAS, as CMake links it (one thread pool for SGEMM and the kernels):
 //   g++ -std=c++20 -O3 -march=native -fopenmp -Isrc bench/attention_bench.cpp
-//       build/libsppo_kernels.a build/libsppo_core.a -lopenblas -o attention_bench
+//       build/libsppo_kernels.a build/libsppo_core.a
+//       -L$OMPBLAS -Wl,-rpath,$OMPBLAS -lopenblas -o attention_bench
+// with OMPBLAS=/usr/lib/x86_64-linux-gnu/openblas-openmp.
 //   ./attention_bench [Tq Tk Z A q_pos0 k_pos0 rounds]   (default 8192 8192 16 64 0 0 3)
 // Each round times the SGEMM, the forward and the backward once; the best of the rounds is
 // reported, so that a machine shared with other work is sampled alike for all three.
 //
 // FLOPs are causal: forward 4 * A * (visible query-key pairs) per head (two matmuls),
 // backward 2.5x the forward. The SGEMM reference is a 2048^3 cblas_sgemm in the same run.
+// Two rates per line: FLOPs per wall second, and threads * FLOPs per process CPU second,
+// which is the wall rate on an idle machine and stays near it when other work takes cores.
 #include <cblas.h>
 #include <omp.h>
 
