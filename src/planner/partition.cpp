@@ -18,7 +18,7 @@ double subseq_flops(const ModelConfig& c, i64 o, i64 l) {
   return double(l) * (8 * H * H + 4 * F * H) + 4.0 * H * double(l) * (double(o) + (double(l) + 1) / 2);
 }
 
-std::vector<i64> partition_flops(const ModelConfig& c, i64 S, int N) {
+std::vector<i64> partition_flops(const ModelConfig& c, i64 S, int N, i64 quantum) {
   SPPO_CHECK(N >= 1 && S >= N, "planner") << "cannot cut " << S << " tokens into " << N << " subsequences";
   // Prefix cost G(x) = g x + 2 H x (x + 1) = 2H x^2 + (g + 2H) x, g = GEMM FLOPs per token.
   const double H = c.hidden, g = 8 * H * H + 4.0 * c.ffn() * H;
@@ -30,6 +30,8 @@ std::vector<i64> partition_flops(const ModelConfig& c, i64 S, int N) {
     const double target = total * k / N;
     const double x = (-b + std::sqrt(b * b + 4 * a * target)) / (2 * a);
     bound[k] = std::llround(x);
+    // Boundaries on multiples of the kernels' tile keep every tile full.
+    if (quantum > 1 && S / N >= 4 * quantum) bound[k] = std::llround(x / double(quantum)) * quantum;
   }
   // Keep every length >= 1 (only matters when S is close to N).
   for (int k = 1; k <= N; ++k) bound[k] = std::max(bound[k], bound[k - 1] + 1);

@@ -14,7 +14,9 @@ std::vector<i64> partition_length(i64 S, int N);
 // Equal forward FLOPs per subsequence with the per-layer formulas of DESIGN.md 3
 // (GEMMs 24 l H^2, attention 4 l H (o + (l + 1) / 2)): later subsequences are shorter.
 // Boundaries solve the quadratic prefix cost exactly, then round; every length >= 1.
-std::vector<i64> partition_flops(const ModelConfig& c, i64 S, int N);
+// With quantum > 1 (and S / N >= 4 quantum) boundaries fall on multiples of quantum, the
+// attention kernel's tile, at a small cost in balance.
+std::vector<i64> partition_flops(const ModelConfig& c, i64 S, int N, i64 quantum = 1);
 
 // Forward FLOPs of one layer on subsequence [o, o + l).
 double subseq_flops(const ModelConfig& c, i64 o, i64 l);

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <limits>
+#include <malloc.h>
 #include <cstring>
 
 #include "core/check.h"
@@ -33,7 +35,18 @@ void Buffer::reset() {
   bytes_ = 0;
 }
 
-MemoryTier::MemoryTier(Tier tier, i64 budget) : tier_(tier), budget_(budget) {}
+MemoryTier::MemoryTier(Tier tier, i64 budget) : tier_(tier), budget_(budget) {
+  // Every step allocates and frees the same tensors. Left to glibc's defaults, each large
+  // buffer is a fresh mmap whose pages fault in again on first touch every step (and an
+  // offload's host copy pays them inside the copy). Keeping freed memory in the heap lets
+  // the next step reuse it, already mapped.
+  static const bool configured = [] {
+    mallopt(M_MMAP_THRESHOLD, 1 << 30);
+    mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+    return true;
+  }();
+  (void)configured;
+}
 
 MemoryTier::~MemoryTier() { SPPO_ASSERT_MSG(stats_.current == 0, "memory tier destroyed with " << stats_.current << " bytes still allocated"); }
 

@@ -70,9 +70,11 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
     s.data->next(tokens.data(), S + 1);
     init_params(s.config, s.runtime->params(), 1);
     std::vector<double> times;
+    // A probe (reps 0) runs one step and keeps its figures; a timed point discards a
+    // warm-up step first.
     for (int r = 0; r < reps + 1; ++r) {
       StepResult res = s.runtime->step(s.schedule, tokens.data());
-      if (r == 0) continue;
+      if (r == 0 && reps > 0) continue;
       times.push_back(res.step_s);
       p.peak = std::max(p.peak, res.device.peak);
       p.offloaded = res.offloaded_bytes;
@@ -277,10 +279,11 @@ void print_bench_memory(const nlohmann::json& j) {
     const auto& r = j["modes"][m];
     const auto& a = r["at_max"];
     const auto& rc = r["at_recompute_max"];
+    const double predicted = a["predicted_peak_device_bytes"].get<double>();
     std::printf("| %s | %lld | %d | %.3f | %s | %s | %s%s |\n", m, (long long)r["max_seq_len"].get<i64>(),
                 a["subseqs"].get<int>(), a["step_time_s"].get<double>(),
                 format_bytes(a["peak_device_bytes"].get<double>()).c_str(),
-                format_bytes(a["predicted_peak_device_bytes"].get<double>()).c_str(),
+                predicted > 0 ? format_bytes(predicted).c_str() : "not modelled",
                 rc.contains("error") ? "-" : (std::to_string(rc["step_time_s"].get<double>()).substr(0, 6)).c_str(),
                 rc["over_budget"].get<bool>() ? " (over budget)" : "");
   }

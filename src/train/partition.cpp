@@ -12,8 +12,12 @@ namespace sppo {
 
 namespace {
 
+// The CPU attention kernel works in tiles of 128 keys and 256 queries: subsequence
+// boundaries on multiples of 128 waste no partial tiles.
+constexpr i64 kTileTokens = 128;
+
 std::vector<i64> lengths_for(const std::string& mode, const ModelConfig& c, i64 S, int N) {
-  if (mode == "flops") return plan::partition_flops(c, S, N);
+  if (mode == "flops") return plan::partition_flops(c, S, N, kTileTokens);
   return plan::partition_length(S, N);
 }
 

@@ -122,11 +122,15 @@ StepSetup make_setup(const StepOptions& o) {
     const bool adaptive = o.partition == "adaptive" || o.offload == "adaptive";
     s.profile_measured = adaptive || !o.hardware.empty();
     const plan::HardwareProfile hw = s.profile_measured ? resolve_cpu_profile(o.hardware) : nominal_cpu_profile();
-    SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N, o.device_memory, hw);
+    // The simulator does not model recomputation: that baseline is checked by the arena
+    // alone, and has no prediction.
+    SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N,
+                                         o.recompute ? 0 : o.device_memory, hw);
     s.lengths = choice.lengths;
     s.alpha = choice.alpha;
-    s.predicted_peak_bytes = choice.predicted_peak_bytes;
+    s.predicted_peak_bytes = o.recompute ? 0 : choice.predicted_peak_bytes;
     s.predicted_step_s = choice.predicted_step_s;
+    s.profile_measured = s.profile_measured && !o.recompute;
     s.profile = hw;
   }
   s.schedule = sched::build_single(s.config.layers, s.lengths, s.alpha);

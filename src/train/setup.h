@@ -22,7 +22,8 @@ struct StepSetup {
   std::vector<i64> lengths;     // l_i
   std::vector<double> alpha;    // alpha_i
   sched::Schedule schedule;
-  i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule
+  i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule (0: none,
+                                // as for --recompute, which the simulator does not model)
   double predicted_step_s = 0;  // on `profile`
   plan::HardwareProfile profile;  // this machine's (measured or loaded), else nominal
   bool profile_measured = false;  // profile prices time (not only memory)

@@ -204,8 +204,10 @@ int run_train(const TrainOptions& o) {
     std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)",
                  int(step_times.size()), measured);
     if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", s.predicted_step_s, s.profile.name.c_str());
-    std::fprintf(stderr, "; peak device memory %s measured, %s predicted\n",
-                 format_bytes(double(rt.device().stats().peak)).c_str(), format_bytes(double(s.predicted_peak_bytes)).c_str());
+    std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(rt.device().stats().peak)).c_str());
+    if (s.predicted_peak_bytes > 0)
+      std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
+    std::fprintf(stderr, "\n");
   }
   return 0;
 }
