@@ -16,6 +16,7 @@ CostModel::CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPre
   act_bytes_ = precision == ActPrecision::F32 ? 4 : 2;
   kv_per_token_ = skeletal_bytes_per_token(model, precision);
   gemm_rate_ = hw.gemm_rate(model.hidden);
+  attention_rate_ = hw.attention_rate(model.head_size());
 }
 
 double CostModel::gemm_flops(i64 tokens) const {
@@ -39,7 +40,7 @@ double CostModel::attention_share(i64 o, i64 l, i64 b, i64 e, int pieces) const 
 
 double CostModel::layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
   const i64 T = e - b;
-  double t = gemm_flops(T) / gemm_rate_ + attention_share(o, l, b, e, pieces) / hw_.attention_flops();
+  double t = gemm_flops(T) / gemm_rate_ + attention_share(o, l, b, e, pieces) / attention_rate_;
   if (hw_.elementwise_bw > 0)
     t += kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
@@ -47,7 +48,7 @@ double CostModel::layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const 
 
 double CostModel::layer_backward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
   const i64 T = e - b;
-  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_share(o, l, b, e, pieces) / hw_.attention_flops();
+  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_share(o, l, b, e, pieces) / attention_rate_;
   if (hw_.elementwise_bw > 0)
     t += 2 * kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;

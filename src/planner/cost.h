@@ -74,6 +74,7 @@ class CostModel {
   int act_bytes_;
   i64 kv_per_token_;
   double gemm_rate_;
+  double attention_rate_;
 };
 
 }  // namespace sppo::plan

@@ -130,28 +130,53 @@ std::vector<std::string> profile_names() {
   return names;
 }
 
-double HardwareProfile::gemm_rate(int hidden) const {
-  const auto& t = gemm_flops_by_hidden;
-  if (t.empty()) return gemm_flops;
-  if (hidden <= t.front().first) return t.front().second;
-  if (hidden >= t.back().first) return t.back().second;
+namespace {
+
+// Log-linear interpolation in a table of (size, value) sorted by size, clamped at the ends.
+double interpolate(const std::vector<std::pair<int, double>>& t, int size) {
+  if (size <= t.front().first) return t.front().second;
+  if (size >= t.back().first) return t.back().second;
   for (std::size_t k = 1; k < t.size(); ++k)
-    if (hidden <= t[k].first) {
-      const double x = std::log(double(hidden) / t[k - 1].first) / std::log(double(t[k].first) / t[k - 1].first);
+    if (size <= t[k].first) {
+      const double x = std::log(double(size) / t[k - 1].first) / std::log(double(t[k].first) / t[k - 1].first);
       return t[k - 1].second * std::pow(t[k].second / t[k - 1].second, x);
     }
   return t.back().second;
 }
 
-namespace {
-
-nlohmann::json by_hidden_json(const HardwareProfile& p) {
+nlohmann::json table_json(const std::vector<std::pair<int, double>>& t, double unit) {
   nlohmann::json j = nlohmann::json::array();
-  for (const auto& [h, f] : p.gemm_flops_by_hidden) j.push_back({h, f / kTera});
+  for (const auto& [size, v] : t) j.push_back({size, v / unit});
   return j;
 }
 
+std::vector<std::pair<int, double>> table_from_json(const nlohmann::json& j, const char* field,
+                                                    const std::string& where, double unit) {
+  std::vector<std::pair<int, double>> t;
+  if (!j.contains(field)) return t;
+  const auto& a = j[field];
+  SPPO_CHECK(a.is_array(), "profile") << where << ": " << field << " must be a list of [size, value] pairs";
+  for (const auto& e : a) {
+    SPPO_CHECK(e.is_array() && e.size() == 2 && e[0].is_number_integer() && e[1].is_number() &&
+                   e[0].get<int>() > 0 && e[1].get<double>() > 0, "profile")
+        << where << ": " << field << " entries are [size, value] with both positive (got " << e.dump() << ")";
+    SPPO_CHECK(t.empty() || e[0].get<int>() > t.back().first, "profile")
+        << where << ": " << field << " must be sorted by size";
+    t.emplace_back(e[0].get<int>(), e[1].get<double>() * unit);
+  }
+  return t;
+}
+
 }  // namespace
+
+double HardwareProfile::gemm_rate(int hidden) const {
+  return gemm_flops_by_hidden.empty() ? gemm_flops : interpolate(gemm_flops_by_hidden, hidden);
+}
+
+double HardwareProfile::attention_rate(int head_size) const {
+  return gemm_flops * (attention_efficiency_by_head.empty() ? attention_efficiency
+                                                            : interpolate(attention_efficiency_by_head, head_size));
+}
 
 nlohmann::json to_json(const HardwareProfile& p) {
   return {
@@ -173,7 +198,8 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"host_memory_bytes", p.host_memory},
       {"devices_per_node", p.devices_per_node},
       {"layer_overhead_us", p.layer_overhead / kMicro},
-      {"gemm_tflops_by_hidden", by_hidden_json(p)},
+      {"gemm_tflops_by_hidden", table_json(p.gemm_flops_by_hidden, kTera)},
+      {"attention_efficiency_by_head_size", table_json(p.attention_efficiency_by_head, 1.0)},
   };
 }
 
@@ -202,18 +228,8 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.host_memory = i64(optional(j, "host_memory_bytes", 0, where));
   p.devices_per_node = int(required(j, "devices_per_node", where, "devices per node"));
   p.layer_overhead = optional(j, "layer_overhead_us", 0, where) * kMicro;
-  if (j.contains("gemm_tflops_by_hidden")) {
-    const auto& t = j["gemm_tflops_by_hidden"];
-    SPPO_CHECK(t.is_array(), "profile") << where << ": gemm_tflops_by_hidden must be a list of [hidden, TFLOP/s] pairs";
-    for (const auto& e : t) {
-      SPPO_CHECK(e.is_array() && e.size() == 2 && e[0].is_number_integer() && e[1].is_number() &&
-                     e[0].get<int>() > 0 && e[1].get<double>() > 0, "profile")
-          << where << ": gemm_tflops_by_hidden entries are [hidden, TFLOP/s] with both positive (got " << e.dump() << ")";
-      SPPO_CHECK(p.gemm_flops_by_hidden.empty() || e[0].get<int>() > p.gemm_flops_by_hidden.back().first, "profile")
-          << where << ": gemm_tflops_by_hidden must be sorted by hidden size";
-      p.gemm_flops_by_hidden.emplace_back(e[0].get<int>(), e[1].get<double>() * kTera);
-    }
-  }
+  p.gemm_flops_by_hidden = table_from_json(j, "gemm_tflops_by_hidden", where, kTera);
+  p.attention_efficiency_by_head = table_from_json(j, "attention_efficiency_by_head_size", where, 1.0);
   SPPO_CHECK(p.gemm_flops > 0 && p.attention_efficiency > 0, "profile")
       << where << ": gemm_tflops and attention_efficiency must be positive";
   SPPO_CHECK(p.d2h_bw > 0 && p.h2d_bw > 0 && p.intra_node_bw > 0 && p.inter_node_bw > 0, "profile")

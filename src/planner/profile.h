@@ -35,9 +35,15 @@ struct HardwareProfile {
   // ascending: small H runs far below the peak on CPUs. Empty: gemm_flops for every H.
   std::vector<std::pair<int, double>> gemm_flops_by_hidden;
 
+  // Measured attention efficiency (forward + backward rate / gemm_flops) at head sizes A,
+  // ascending. Empty: attention_efficiency for every A.
+  std::vector<std::pair<int, double>> attention_efficiency_by_head;
+
   // The GEMM rate for a model of hidden size H: log-linear between measured sizes,
   // clamped at the ends; gemm_flops when nothing was measured.
   double gemm_rate(int hidden) const;
+  // The attention rate for head size A, likewise from attention_efficiency_by_head.
+  double attention_rate(int head_size) const;
 
   double attention_flops() const { return gemm_flops * attention_efficiency; }
   i64 usable_memory() const { return device_memory - memory_reserve; }

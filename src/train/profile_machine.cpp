@@ -72,9 +72,10 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
     });
     p.gemm_flops_by_hidden.emplace_back(Hb, 3.0 * 24.0 * Tb * double(Hb) * Hb / sb);
   }
-  // Causal attention forward + backward, head size 64.
-  {
-    const int Ta = quick ? 1024 : 2048, Z = 8, A = 64, D = Z * A;
+  // Causal attention forward + backward at several head sizes (the kernel's efficiency
+  // depends on A); attention_efficiency itself is the A = 64 figure.
+  for (int A : quick ? std::vector<int>{32, 64, 128} : std::vector<int>{16, 32, 64, 128}) {
+    const int Ta = quick ? 1024 : 2048, Z = 512 / A, D = Z * A;
     auto q = randn(i64(Ta) * D, 3), k = randn(i64(Ta) * D, 4), v = randn(i64(Ta) * D, 5),
          dout = randn(i64(Ta) * D, 6);
     std::vector<float> out(q.size()), lse(std::size_t(Z) * Ta), delta(lse.size()), dq(q.size()),
@@ -90,7 +91,9 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
                               v.data(), lse.data(), delta.data(), d);
     });
     const double fwd = 4.0 * A * Z * (double(Ta) * (Ta + 1) / 2);
-    p.attention_efficiency = (3.5 * fwd / s) / p.gemm_flops;  // forward + 2.5x backward
+    const double eff = (3.5 * fwd / s) / p.gemm_flops;  // forward + 2.5x backward
+    p.attention_efficiency_by_head.emplace_back(A, eff);
+    if (A == 64) p.attention_efficiency = eff;
   }
   // Elementwise: a LayerNorm forward reads and writes [T, H].
   {
