@@ -50,11 +50,9 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
     ch.predicted_exposed_copy_s = r.exposed_copy_s;
     return ch;
   }
-  // Without a budget, adaptive offload still sizes alpha to hide behind compute (the paper's
-  // rule); with one, the solver offloads only what the budget demands.
+  // The solver offloads only what the budget demands (without one, the machine's memory).
   const auto r = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32,
-                                         budget > 0 ? budget : hw.device_memory,
-                                         budget > 0 ? sim::OffloadMode::Adaptive : sim::OffloadMode::Adaptive);
+                                         budget > 0 ? budget : hw.device_memory, sim::OffloadMode::Adaptive);
   ch.alpha = r.alpha;
   ch.alpha_rule = r.rule;
   ch.predicted_peak_bytes = r.peak_device_bytes;

@@ -8,30 +8,14 @@
 #include "core/check.h"
 #include "io/checkpoint.h"
 #include "io/fileutil.h"
+#include "support/expect_error.h"
 
 namespace sppo::io {
 namespace {
 
+using ::sppo::testing::error_of;
+
 namespace fs = std::filesystem;
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-#define EXPECT_ERROR_WITH(stmt, ...)                                       \
-  do {                                                                     \
-    const std::string msg_ = error_of([&] { stmt; });                      \
-    EXPECT_FALSE(msg_.empty()) << "no sppo::Error from: " #stmt;           \
-    for (const char* part_ : {__VA_ARGS__})                                \
-      EXPECT_NE(msg_.find(part_), std::string::npos)                       \
-          << "message lacks \"" << part_ << "\": " << msg_;                \
-  } while (0)
 
 // A model's tensors in owned memory, described as CheckpointTensors.
 struct Tensors {

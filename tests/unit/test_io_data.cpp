@@ -8,28 +8,12 @@
 #include "core/check.h"
 #include "io/data.h"
 #include "io/fileutil.h"
+#include "support/expect_error.h"
 
 namespace sppo::io {
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-#define EXPECT_ERROR_WITH(stmt, ...)                                       \
-  do {                                                                     \
-    const std::string msg_ = error_of([&] { stmt; });                      \
-    EXPECT_FALSE(msg_.empty()) << "no sppo::Error from: " #stmt;           \
-    for (const char* part_ : {__VA_ARGS__})                                \
-      EXPECT_NE(msg_.find(part_), std::string::npos)                       \
-          << "message lacks \"" << part_ << "\": " << msg_;                \
-  } while (0)
+using ::sppo::testing::error_of;
 
 std::vector<std::int32_t> take(TokenSource& src, std::int64_t count) {
   std::vector<std::int32_t> v(static_cast<std::size_t>(count));

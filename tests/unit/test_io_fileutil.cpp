@@ -8,21 +8,14 @@
 
 #include "core/check.h"
 #include "io/fileutil.h"
+#include "support/expect_error.h"
 
 namespace sppo::io {
 namespace {
 
-namespace fs = std::filesystem;
+using ::sppo::testing::error_of;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+namespace fs = std::filesystem;
 
 std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -8,29 +8,13 @@
 
 #include "core/check.h"
 #include "io/fileutil.h"
+#include "support/expect_error.h"
 #include "io/safetensors.h"
 
 namespace sppo::io {
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-#define EXPECT_ERROR_WITH(stmt, ...)                                       \
-  do {                                                                     \
-    const std::string msg_ = error_of([&] { stmt; });                      \
-    EXPECT_FALSE(msg_.empty()) << "no sppo::Error from: " #stmt;           \
-    for (const char* part_ : {__VA_ARGS__})                                \
-      EXPECT_NE(msg_.find(part_), std::string::npos)                       \
-          << "message lacks \"" << part_ << "\": " << msg_;                \
-  } while (0)
+using ::sppo::testing::error_of;
 
 std::string le64(std::uint64_t v) {
   std::string s;
