@@ -110,6 +110,7 @@ int main(int argc, char** argv) {
   cmd_train->add_option("--stop-after", train.stop_after,
                         "End after step K (checkpointed when --save is given); --resume continues");
   cmd_train->add_option("--trace", train.trace_path, "Chrome trace JSON of the last step (Perfetto)");
+  cmd_train->add_option("--svg", train.svg_path, "SVG timeline of the last step (compute, copies, memory)");
   cmd_train->add_flag("--quiet", train.quiet, "No progress output");
 
   // grads

@@ -1,8 +1,8 @@
 #include "runtime/executor.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "kernels/ops.h"
@@ -272,8 +272,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
   std::memset(grads_.data(), 0, std::size_t(grads_.bytes()));
   device_->reset_peak();
   const double t_start = now_s();
-  auto span = [&](const std::string& name, const std::string& lane, double t0, double t1) {
-    result.trace.push_back({name, lane, t0 - t_start, t1 - t0});
+  if (opts_.record_memory) device_->record_timeline(&now_s);
+  auto span = [&](const std::string& name, sched::OpKind kind, Lane lane, double t0, double t1) {
+    result.trace.push_back({name, kind, lane, t0 - t_start, t1 - t0});
   };
   for (const sched::Op& op : sc.ops.at(0)) {
     const double t0 = now_s();
@@ -281,11 +282,11 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
     switch (op.kind) {
       case sched::OpKind::Forward:
         forward(st, i);
-        span("F" + std::to_string(i), "compute", t0, now_s());
+        span("F" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
       case sched::OpKind::Backward:
         backward(st, i);
-        span("B" + std::to_string(i), "compute", t0, now_s());
+        span("B" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
       case sched::OpKind::Offload:
         offload(st, i, op.fraction);
@@ -300,7 +301,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
         if (st.prefetch_last[i]) {
           const double waited = st.prefetch_last[i]->wait();
           result.exposed_copy_s += waited;
-          if (waited > 1e-4) span("wait P" + std::to_string(i), "compute", t0, now_s());
+          if (waited > 1e-4) span("wait P" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         }
         break;
       case sched::OpKind::Send:
@@ -317,34 +318,25 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
   result.exposed_copy_s += device_->release_wait_s();
   for (int i = 0; i < N; ++i) {
     if (st.offload_first[i])
-      span("O" + std::to_string(i), "copy-out", st.offload_first[i]->start_s(), st.offload_last[i]->end_s());
+      span("O" + std::to_string(i), sched::OpKind::Offload, Lane::CopyOut, st.offload_first[i]->start_s(),
+           st.offload_last[i]->end_s());
     if (st.prefetch_first[i])
-      span("P" + std::to_string(i), "copy-in", st.prefetch_first[i]->start_s(), st.prefetch_last[i]->end_s());
+      span("P" + std::to_string(i), sched::OpKind::Prefetch, Lane::CopyIn, st.prefetch_first[i]->start_s(),
+           st.prefetch_last[i]->end_s());
   }
   for (int i = 0; i < N; ++i)
     for (int l = 0; l < L; ++l)
       for (int k = 0; k < kSavedTensors; ++k)
         SPPO_ASSERT_MSG(!st.dev[i][l][k] && !st.host[i][l][k],
                         "tensor left over after the step: layer " << l << " subseq " << i);
+  if (opts_.record_memory) {
+    result.memory = device_->take_timeline();
+    device_->record_timeline(nullptr);
+    for (auto& [t, bytes] : result.memory) t = std::max(0.0, t - t_start);
+  }
   result.loss = st.loss_sum / double(st.S);
   result.device = device_->stats();
   return result;
-}
-
-std::string chrome_trace_json(const std::vector<TraceSpan>& spans) {
-  nlohmann::json events = nlohmann::json::array();
-  const char* lanes[] = {"compute", "copy-out", "copy-in"};
-  for (int t = 0; t < 3; ++t)
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", t},
-                      {"args", {{"name", lanes[t]}}}});
-  for (const auto& s : spans) {
-    int tid = 0;
-    for (int t = 0; t < 3; ++t)
-      if (s.lane == lanes[t]) tid = t;
-    events.push_back({{"name", s.name}, {"ph", "X"}, {"pid", 0}, {"tid", tid},
-                      {"ts", s.start_s * 1e6}, {"dur", s.dur_s * 1e6}});
-  }
-  return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
 }
 
 }  // namespace sppo

@@ -26,13 +26,16 @@ struct RuntimeOptions {
   i64 device_budget = 0;    // bytes; 0 = unlimited
   bool recompute = false;   // baseline: keep only block inputs, recompute the rest in backward
   int head_chunk = 1024;    // rows of logits computed at once
+  bool record_memory = false;  // keep the device tier's timeline in StepResult::memory
 };
 
-// One span of a Chrome trace: lane is "compute", "copy-out" or "copy-in".
+// One span of the step's timeline: the op that ran, on which lane, when.
+enum class Lane { Compute, CopyOut, CopyIn };
 struct TraceSpan {
-  std::string name;
-  std::string lane;
-  double start_s = 0;
+  std::string name;   // "F3", "O2", "wait P1", ...
+  sched::OpKind kind;
+  Lane lane;
+  double start_s = 0;  // since the step started
   double dur_s = 0;
 };
 
@@ -44,6 +47,7 @@ struct StepResult {
   double exposed_copy_s = 0;      // compute time spent waiting on copies
   double step_s = 0;              // wall time of the step
   std::vector<TraceSpan> trace;
+  std::vector<std::pair<double, i64>> memory;  // (s since step start, device bytes in use)
 };
 
 class Runtime {
@@ -52,6 +56,9 @@ class Runtime {
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
+
+  // Keep the device tier's timeline of the next steps (for traces).
+  void record_memory(bool on) { opts_.record_memory = on; }
 
   const ModelConfig& config() const { return config_; }
   i64 num_params() const { return config_.num_params(); }
@@ -81,7 +88,5 @@ class Runtime {
   ParamView weights_, dweights_;
 };
 
-// Chrome trace JSON (chrome://tracing, Perfetto) of a step's spans.
-std::string chrome_trace_json(const std::vector<TraceSpan>& spans);
 
 }  // namespace sppo

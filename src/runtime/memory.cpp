@@ -68,6 +68,7 @@ Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
            "--device-memory";
     stats_.current += bytes;
     if (stats_.current > stats_.peak) stats_.peak = stats_.current;
+    if (clock_) timeline_.emplace_back(clock_(), stats_.current);
   }
   const std::size_t rounded = (std::size_t(bytes) + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
   void* p = std::aligned_alloc(kAlignBytes, rounded == 0 ? kAlignBytes : rounded);
@@ -95,8 +96,21 @@ void MemoryTier::release(void* p, i64 bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.current -= bytes;
     SPPO_ASSERT(stats_.current >= 0);
+    if (clock_) timeline_.emplace_back(clock_(), stats_.current);
   }
   released_.notify_all();
+}
+
+void MemoryTier::record_timeline(double (*clock)()) {
+  std::lock_guard<std::mutex> lock(mu_);
+  clock_ = clock;
+  timeline_.clear();
+  if (clock_) timeline_.emplace_back(clock_(), stats_.current);
+}
+
+std::vector<std::pair<double, i64>> MemoryTier::take_timeline() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::move(timeline_);
 }
 
 MemoryStats MemoryTier::stats() const {

@@ -13,6 +13,8 @@
 #include <condition_variable>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/dims.h"
 #include "core/layout.h"
@@ -72,6 +74,11 @@ class MemoryTier {
   void settle(i64 bytes);
   // Seconds allocations spent waiting for releases since the last reset_peak().
   double release_wait_s() const;
+
+  // Records (clock(), bytes in use) at every allocation and release until stopped, for
+  // the memory row of a trace. clock null stops recording.
+  void record_timeline(double (*clock)());
+  std::vector<std::pair<double, i64>> take_timeline();
   i64 budget() const { return budget_; }
   Tier tier() const { return tier_; }
 
@@ -85,6 +92,8 @@ class MemoryTier {
   std::condition_variable released_;
   MemoryStats stats_;
   i64 pending_release_ = 0;
+  double (*clock_)() = nullptr;
+  std::vector<std::pair<double, i64>> timeline_;
   double release_wait_s_ = 0;
 };
 

@@ -41,7 +41,8 @@ struct TrainOptions {
   int stop_after = 0;                 // end this process after step K (0: run to --steps),
                                       // e.g. to fit a job's time slot; resume continues it
   std::string metrics_path;
-  std::string trace_path;
+  std::string trace_path;             // Chrome trace JSON of the last step
+  std::string svg_path;               // SVG timeline of the last step
   bool quiet = false;
 };
 

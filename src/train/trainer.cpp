@@ -16,6 +16,7 @@
 #include "io/metrics.h"
 #include "io/safetensors.h"
 #include "kernels/ops.h"
+#include "sim/simulator.h"
 #include "train/setup.h"
 
 namespace sppo {
@@ -68,6 +69,45 @@ void write_json_file(const std::string& path, const nlohmann::json& j) {
   SPPO_CHECK(f.good(), "io") << "error writing " << path;
 }
 
+// The measured step in the simulator's result form, so that the runtime and the simulator
+// write the same Chrome trace and SVG timeline.
+sim::SimResult measured_as_sim(const StepResult& r, i64 tokens) {
+  sim::SimResult m;
+  m.step_time_s = r.step_s;
+  m.tokens_per_device_per_s = double(tokens) / r.step_s;
+  m.exposed_copy_s = r.exposed_copy_s;
+  m.peak_bytes = {r.device.peak};
+  m.peak_device_bytes = r.device.peak;
+  double busy = 0;
+  for (const TraceSpan& t : r.trace) {
+    const sim::Lane lane = t.lane == Lane::Compute ? sim::Lane::Compute
+                           : t.lane == Lane::CopyOut ? sim::Lane::CopyOut
+                                                     : sim::Lane::CopyIn;
+    m.events.push_back({0, lane, t.kind, t.name, t.start_s, t.dur_s});
+    if (t.lane == Lane::Compute && (t.kind == sched::OpKind::Forward || t.kind == sched::OpKind::Backward))
+      busy += t.dur_s;
+  }
+  m.compute_s = busy;
+  m.bubble_ratio = busy > 0 ? (r.step_s - busy) / busy : 0;
+  m.memory = {r.memory};
+  return m;
+}
+
+void write_timelines(const TrainOptions& o, const StepResult& r, i64 S) {
+  if (o.trace_path.empty() && o.svg_path.empty()) return;
+  const sim::SimResult m = measured_as_sim(r, S);
+  if (!o.trace_path.empty()) {
+    std::ofstream f(o.trace_path);
+    SPPO_CHECK(f.good(), "io") << "cannot write --trace " << o.trace_path;
+    f << sim::chrome_trace(m);
+  }
+  if (!o.svg_path.empty()) {
+    std::ofstream f(o.svg_path);
+    SPPO_CHECK(f.good(), "io") << "cannot write --svg " << o.svg_path;
+    f << sim::svg_timeline(m, "measured step: S " + std::to_string(S) + ", " + o.step.model_name);
+  }
+}
+
 }  // namespace
 
 int run_train(const TrainOptions& o) {
@@ -80,6 +120,7 @@ int run_train(const TrainOptions& o) {
   const ModelConfig& c = s.config;
   const i64 S = o.step.seq_len;
   const i64 P = c.num_params();
+  rt.record_memory(!o.trace_path.empty() || !o.svg_path.empty());
 
   int start_step = 0;
   auto weights = tensors_of(c, rt.params(), "");
@@ -174,11 +215,7 @@ int run_train(const TrainOptions& o) {
                    format_bytes(double(r.offloaded_bytes)).c_str(), fmt_duration(eta).c_str(),
                    tty && done < o.steps ? "" : "\n");
     }
-    if (!o.trace_path.empty() && done == o.steps) {
-      std::ofstream f(o.trace_path);
-      SPPO_CHECK(f.good(), "io") << "cannot write --trace " << o.trace_path;
-      f << chrome_trace_json(r.trace);
-    }
+    if (done == o.steps || (o.stop_after > 0 && done == o.stop_after)) write_timelines(o, r, S);
     const bool stopping = o.stop_after > 0 && done == o.stop_after && done < o.steps;
     if (!o.save_dir.empty() &&
         ((o.save_every > 0 && done % o.save_every == 0) || done == o.steps || stopping))
