@@ -224,9 +224,10 @@ int run_train(const TrainOptions& o) {
   }
   // Summary: the measured step time (median, the first step excluded as warm-up) beside the
   // simulator's prediction of the same schedule on this machine's profile.
-  std::sort(step_times.begin() + (step_times.size() > 1 ? 1 : 0), step_times.end());
-  const std::size_t skip = step_times.size() > 1 ? 1 : 0;
-  const double measured = step_times.empty() ? 0 : step_times[skip + (step_times.size() - skip) / 2];
+  const std::size_t warmup = step_times.size() > 1 ? 1 : 0;
+  std::vector<double> timed(step_times.begin() + std::ptrdiff_t(warmup), step_times.end());
+  std::sort(timed.begin(), timed.end());
+  const double measured = timed.empty() ? 0 : timed[timed.size() / 2];
   nlohmann::json summary = {{"summary", true},
                             {"step", start_step + int(step_times.size())},
                             {"measured_step_time_s", measured},
