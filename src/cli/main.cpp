@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
   cmd_bench_offload->add_flag("--json", bo_json, "Print one JSON object");
 
   std::string bs_hardware;
-  int bs_reps = 3;
+  int bs_reps = 5;
   bool bs_json = false;
   auto* cmd_bench_sim = cmd_bench->add_subcommand("sim", "Simulated vs measured step time and peak for several configurations");
   cmd_bench_sim->add_option("--hardware", bs_hardware, "Profile to simulate with (default: measured now)");
