@@ -42,7 +42,7 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "tokens (.u16/.u32), or a Megatron .bin/.idx prefix");
   cmd->add_option("--data-dtype", o.data_dtype, "Read --data as raw tokens of this type (u16, u32)");
   cmd->add_option("--threads", o.threads, "Compute threads (0: all cores)")->capture_default_str();
-  cmd->add_option("--subseqs", o.subseqs, "Subsequences N per sequence, or 'auto'")->capture_default_str();
+  cmd->add_option("--subseqs", o.subseqs, "Subsequences N per sequence, or 'auto' (the fewest that fit --device-memory, else about 8K tokens each)")->capture_default_str();
   cmd->add_option("--partition", o.partition,
                   "How to cut the sequence: length (equal lengths), flops (equal FLOPs), adaptive")
       ->capture_default_str();

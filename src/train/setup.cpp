@@ -19,6 +19,8 @@ namespace sppo {
 namespace {
 
 int resolve_subseqs(const StepOptions& o, i64 S) {
+  // Without a budget, auto aims at about 8K tokens a subsequence (make_setup refines it
+  // under a budget).
   if (o.subseqs == "auto") return int(std::max<i64>(1, std::min<i64>(S, (S + 8191) / 8192)));
   i64 n = 0;
   try {
@@ -115,13 +117,19 @@ StepSetup make_setup(const StepOptions& o) {
   if (!o.plan_path.empty()) {
     apply_plan(o, &s);
   } else {
-    const int N = resolve_subseqs(o, S);
-    SPPO_CHECK(!o.recompute || N == 1, "options")
-        << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
     // Timing matters only to adaptive choices; a budget check needs the memory model alone.
     const bool adaptive = o.partition == "adaptive" || o.offload == "adaptive";
     s.profile_measured = adaptive || !o.hardware.empty();
     const plan::HardwareProfile hw = s.profile_measured ? resolve_cpu_profile(o.hardware) : nominal_cpu_profile();
+    int N = resolve_subseqs(o, S);
+    if (o.subseqs == "auto" && o.device_memory > 0 && !o.recompute) {
+      // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
+      const auto fit = sim::smallest_fitting_n(s.config, S, hw, ActPrecision::F32, o.device_memory,
+                                               o.partition != "length", 1, int(std::min<i64>(S, 4096)));
+      if (fit.found) N = fit.subseqs;
+    }
+    SPPO_CHECK(!o.recompute || N == 1, "options")
+        << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
     // The simulator does not model recomputation: that baseline is checked by the arena
     // alone, and has no prediction.
     SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N,
