@@ -169,8 +169,10 @@ plan::HardwareProfile nominal_cpu_profile() {
 }
 
 plan::HardwareProfile resolve_cpu_profile(const std::string& hardware) {
-  if (hardware.empty()) return measure_cpu_profile(true);
-  return plan::load_profile(hardware);
+  if (!hardware.empty()) return plan::load_profile(hardware);
+  // Measured once per process: benchmarks and tests set up many steps.
+  static const plan::HardwareProfile measured = measure_cpu_profile(true);
+  return measured;
 }
 
 }  // namespace sppo

@@ -12,7 +12,8 @@ namespace sppo {
 // adaptive` when no --hardware profile is given.
 plan::HardwareProfile measure_cpu_profile(bool quick);
 
-// The profile --hardware names (a preset, a file, or "" for a quick measurement here).
+// The profile --hardware names (a preset, a file, or "" for a quick measurement here,
+// taken once per process).
 plan::HardwareProfile resolve_cpu_profile(const std::string& hardware);
 
 // A fixed profile with round CPU-like rates: enough for memory predictions, which do not
