@@ -54,6 +54,7 @@
 #include <limits>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "core/check.h"
 
@@ -510,15 +511,52 @@ void online_softmax(float* st, int kn, int b_lo, int b_hi, float* m, float* l, f
   }
 }
 
-// Queries t0 .. t0+kFwdBq-1 of head z against every key they can see.
-void forward_tile(float* out, float* lse, const float* q, const float* k, const float* v,
+// One key block as the tile loops see it: g is the call's geometry with this block's Tk and
+// k_pos0; dk, dv (backward only) accumulate the block's gradients.
+struct KeySource {
+  const float* k;
+  const float* v;
+  float* dk;
+  float* dv;
+  Geometry g;
+};
+
+// The call's geometry with each block's Tk and k_pos0, blocks checked.
+std::vector<KeySource> key_sources(const std::vector<KVBlock>& blocks, const Geometry& g,
+                                   bool backward) {
+  std::vector<KeySource> src;
+  src.reserve(blocks.size());
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    const KVBlock& kb = blocks[b];
+    SPPO_CHECK(kb.Tk >= 0, "attention") << "block " << b << ": Tk must be >= 0, got " << kb.Tk;
+    SPPO_CHECK(kb.Tk == 0 || (kb.k != nullptr && kb.v != nullptr), "attention")
+        << "block " << b << ": k and v must be set";
+    SPPO_CHECK(!backward || kb.Tk == 0 || (kb.dk != nullptr && kb.dv != nullptr), "attention")
+        << "block " << b << ": dk and dv must be set for the backward";
+    KeySource s{kb.k, kb.v, kb.dk, kb.dv, g};
+    s.g.Tk = kb.Tk;
+    s.g.k_pos0 = kb.k_pos0;
+    src.push_back(s);
+  }
+  return src;
+}
+
+// Queries t0 .. t0+kFwdBq-1 of head z against every key they can see in blocks[0 .. n), one
+// online softmax over all of them.
+void forward_tile(float* out, float* lse, const float* q, const KeySource* blocks, int n,
                   const Geometry& g, bool merge, int z, int t0, ForwardScratch& w) {
   const int A = g.A, Ap = g.Ap;
   const int qn = std::min(kFwdBq, g.Tq - t0);
   const i64 qp_first = g.q_pos0 + t0;
   const i64 qp_last = qp_first + qn - 1;
-  // Keys are in position order, so the keys visible to some query of the tile are a prefix.
-  const i64 keys = std::clamp<i64>(qp_last - g.k_pos0 + 1, 0, g.Tk);
+  // Keys are in position order within a block, so the keys of block b visible to some query of
+  // the tile are a prefix of it.
+  std::vector<i64> keys(n);
+  i64 total = 0;
+  for (int b = 0; b < n; ++b) {
+    keys[b] = std::clamp<i64>(qp_last - blocks[b].g.k_pos0 + 1, 0, blocks[b].g.Tk);
+    total += keys[b];
+  }
   float* m = w.m.get();
   float* l = w.l.get();
   float* o = w.o.get();
@@ -526,7 +564,7 @@ void forward_tile(float* out, float* lse, const float* q, const float* k, const 
     m[i] = -kInf;
     l[i] = 0.0f;
   }
-  if (keys > 0) {
+  if (total > 0) {
     std::memset(o, 0, sizeof(float) * std::size_t(kFwdBq) * Ap);
     // Query columns in blocks of kColBlock; blocks past the last query are never computed.
     const int b_end = (qn + kColBlock - 1) / kColBlock;
@@ -537,33 +575,49 @@ void forward_tile(float* out, float* lse, const float* q, const float* k, const 
 
     float* st = w.st.get();
     RowPrefetcher prefetch;
-    for (i64 s0 = 0; s0 < keys; s0 += kFwdBk) {
-      const int kn = int(std::min<i64>(kFwdBk, keys - s0));
-      const i64 kp_first = g.k_pos0 + s0;
-      // See Note [Prefetching the next tile]: the next key tile's rows, or during the last key
-      // tile the output rows (the tile makes ~90 micro-kernel calls).
-      const i64 s1 = s0 + kFwdBk;
-      if (s1 < keys)
-        prefetch.reset(k + s1 * g.ldk + i64(z) * A, g.ldk, v + s1 * g.ldv + i64(z) * A, g.ldv,
-                       int(std::min<i64>(kFwdBk, keys - s1)), A, 1, false);
-      else
-        prefetch.reset(out + t0 * g.ldo + i64(z) * A, g.ldo, nullptr, 0, qn, A, 3, true);
-      pack_rows(w.k.get(), Ap, k + s0 * g.ldk + i64(z) * A, g.ldk, kn, A);
-      pack_rows(w.v.get(), Ap, v + s0 * g.ldv + i64(z) * A, g.ldv, kn, A);
-      const bool diag = kp_first + kn - 1 > qp_first;
-      // On a diagonal tile the queries before the first key see none of the tile: skip their
-      // column blocks.
-      const int b_lo = diag ? int(std::max<i64>(0, kp_first - qp_first) / kColBlock) : 0;
-      const int col = b_lo * kColBlock, cols = b_end * kColBlock - col;
-      gemm_tile<false>(st + col, kFwdBq, nullptr, w.k.get(), Ap, qt + col, kFwdBq, kn, cols, A,
-                       false, prefetch);
-      if (diag)
-        online_softmax<true>(st, kn, b_lo, b_end, m, l, w.alpha.get(), g.c, kp_first - qp_first);
-      else
-        online_softmax<false>(st, kn, b_lo, b_end, m, l, w.alpha.get(), g.c, 0);
-      // o = o * alpha + P @ V, alpha applied as the micro-kernels load o.
-      gemm_tile<true>(o + i64(col) * Ap, Ap, w.alpha.get() + col, st + col, kFwdBq, w.v.get(), Ap,
-                      qn - col, A, kn, true, prefetch);
+    for (int b = 0; b < n; ++b) {
+      const float* k = blocks[b].k;
+      const float* v = blocks[b].v;
+      const Geometry& gb = blocks[b].g;
+      for (i64 s0 = 0; s0 < keys[b]; s0 += kFwdBk) {
+        const int kn = int(std::min<i64>(kFwdBk, keys[b] - s0));
+        const i64 kp_first = gb.k_pos0 + s0;
+        // See Note [Prefetching the next tile]: the next key tile's rows (in this block or the
+        // next one with visible keys), or during the last key tile the output rows (the tile
+        // makes ~90 micro-kernel calls).
+        const float* nk = nullptr;
+        const float* nv = nullptr;
+        i64 n_rows = 0;
+        if (s0 + kFwdBk < keys[b]) {
+          const i64 s1 = s0 + kFwdBk;
+          nk = k + s1 * gb.ldk, nv = v + s1 * gb.ldv, n_rows = std::min<i64>(kFwdBk, keys[b] - s1);
+        } else {
+          for (int c = b + 1; c < n && nk == nullptr; ++c)
+            if (keys[c] > 0)
+              nk = blocks[c].k, nv = blocks[c].v, n_rows = std::min<i64>(kFwdBk, keys[c]);
+        }
+        if (nk != nullptr)
+          prefetch.reset(nk + i64(z) * A, gb.ldk, nv + i64(z) * A, gb.ldv, int(n_rows), A, 1,
+                         false);
+        else
+          prefetch.reset(out + t0 * g.ldo + i64(z) * A, g.ldo, nullptr, 0, qn, A, 3, true);
+        pack_rows(w.k.get(), Ap, k + s0 * gb.ldk + i64(z) * A, gb.ldk, kn, A);
+        pack_rows(w.v.get(), Ap, v + s0 * gb.ldv + i64(z) * A, gb.ldv, kn, A);
+        const bool diag = kp_first + kn - 1 > qp_first;
+        // On a diagonal tile the queries before the first key see none of the tile: skip their
+        // column blocks.
+        const int b_lo = diag ? int(std::max<i64>(0, kp_first - qp_first) / kColBlock) : 0;
+        const int col = b_lo * kColBlock, cols = b_end * kColBlock - col;
+        gemm_tile<false>(st + col, kFwdBq, nullptr, w.k.get(), Ap, qt + col, kFwdBq, kn, cols, A,
+                         false, prefetch);
+        if (diag)
+          online_softmax<true>(st, kn, b_lo, b_end, m, l, w.alpha.get(), g.c, kp_first - qp_first);
+        else
+          online_softmax<false>(st, kn, b_lo, b_end, m, l, w.alpha.get(), g.c, 0);
+        // o = o * alpha + P @ V, alpha applied as the micro-kernels load o.
+        gemm_tile<true>(o + i64(col) * Ap, Ap, w.alpha.get() + col, st + col, kFwdBq, w.v.get(),
+                        Ap, qn - col, A, kn, true, prefetch);
+      }
     }
   }
 
@@ -572,7 +626,7 @@ void forward_tile(float* out, float* lse, const float* q, const float* k, const 
     float* orow = out + t * g.ldo + i64(z) * A;
     float* lrow = lse + i64(z) * g.Tq + t;
     const float* oi = o + i64(i) * Ap;
-    if (l[i] == 0.0f) {  // no visible key in this block (the max alone contributes 1)
+    if (l[i] == 0.0f) {  // no visible key in these blocks (the max alone contributes 1)
       if (!merge) {
         std::fill(orow, orow + A, 0.0f);
         *lrow = -kInf;
@@ -589,11 +643,11 @@ void forward_tile(float* out, float* lse, const float* q, const float* k, const 
       const double lse_old = *lrow;
       const double mx = std::max(lse_old, lse_new);
       const double w_old = std::exp(lse_old - mx), w_new = std::exp(lse_new - mx);
-      const double total = w_old + w_new;
-      const float f_old = float(w_old / total);
-      const float f_new = float(w_new / total / l[i]);
+      const double total_w = w_old + w_new;
+      const float f_old = float(w_old / total_w);
+      const float f_new = float(w_new / total_w / l[i]);
       for (int a = 0; a < A; ++a) orow[a] = orow[a] * f_old + oi[a] * f_new;
-      *lrow = float(mx + std::log(total));
+      *lrow = float(mx + std::log(total_w));
     }
   }
 }
@@ -711,6 +765,94 @@ void backward_tile(float* dq_z, float* dk, float* dv, const float* k, const floa
   }
 }
 
+
+// The forward over blocks[0 .. n): one task per (head, query tile), each over every block.
+void forward_impl(float* out, float* lse, const float* q, const KeySource* blocks, int n,
+                  const Geometry& g, bool merge) {
+  const int tiles = (g.Tq + kFwdBq - 1) / kFwdBq;
+  const int tasks = tiles * g.Z;
+  if (tasks == 0) return;
+#pragma omp parallel num_threads(std::min(tasks, omp_get_max_threads()))
+  {
+    ForwardScratch w(g);
+    // Later query tiles see more keys: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < tasks; ++task) {
+      const int tile = tiles - 1 - task / g.Z;
+      forward_tile(out, lse, q, blocks, n, g, merge, task % g.Z, tile * kFwdBq, w);
+    }
+  }
+}
+
+// The backward over blocks[0 .. n): one task per (head, group of key tiles of any block), see
+// Note [Deterministic backward]. Key tiles no query sees are left out.
+void backward_impl(float* dq, const float* dout, const float* q, const KeySource* blocks, int n,
+                   const float* lse, const float* delta, const Geometry& g) {
+  struct KeyTile {
+    int block, s0;
+  };
+  std::vector<KeyTile> key_tiles;
+  const i64 qp_last = g.q_pos0 + g.Tq - 1;
+  for (int b = 0; b < n; ++b)
+    for (int s0 = 0; s0 < blocks[b].g.Tk && blocks[b].g.k_pos0 + s0 <= qp_last; s0 += kBwdBk)
+      key_tiles.push_back({b, s0});
+  if (g.Tq == 0 || key_tiles.empty()) return;
+  const int n_tiles = int(key_tiles.size());
+  const int threads = omp_get_max_threads();
+  // Note [Deterministic backward]: G key-tile groups per head.
+  const int groups = (g.Z % threads == 0 || g.Z >= 4 * threads)
+                         ? 1
+                         : std::min(n_tiles, (4 * threads + g.Z - 1) / g.Z);
+  const int tasks = g.Z * groups;
+  const std::size_t part = std::size_t(g.Tq) * g.Ap;  // floats of one [Tq, Ap] dq accumulator
+  // groups == 1: one accumulator per thread, added to dq after each task; otherwise one per
+  // task, added to dq in group order after all tasks.
+  Buffer partial = groups > 1 ? alloc_floats(part * tasks) : Buffer();
+  // dq[t, head z] += acc[t] for t >= t_from.
+  const auto add_to_dq = [&](int z, const float* acc, int t_from) {
+    for (int t = t_from; t < g.Tq; ++t) {
+      float* row = dq + t * g.ldq + i64(z) * g.A;
+      const float* arow = acc + i64(t) * g.Ap;
+#pragma omp simd
+      for (int a = 0; a < g.A; ++a) row[a] += arow[a];
+    }
+  };
+#pragma omp parallel num_threads(std::min(tasks, threads))
+  {
+    BackwardScratch w(g);
+    Buffer own = groups == 1 ? alloc_floats(part) : Buffer();
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < tasks; ++task) {
+      const int z = task / groups, group = task % groups;
+      // Queries before the first key of the task's tiles see none of its keys.
+      i64 first_key = std::numeric_limits<i64>::max();
+      for (int i = group; i < n_tiles; i += groups)
+        first_key = std::min(first_key, blocks[key_tiles[i].block].g.k_pos0 + key_tiles[i].s0);
+      const int t_lo = int(std::clamp<i64>(first_key - g.q_pos0, 0, g.Tq));
+      float* dq_z = groups == 1 ? own.get() : partial.get() + task * part;
+      const int zero_from = groups == 1 ? t_lo : 0;  // partials are summed over all rows
+      std::memset(dq_z + std::size_t(zero_from) * g.Ap, 0,
+                  (part - std::size_t(zero_from) * g.Ap) * sizeof(float));
+      const i64 zA = i64(z) * g.A;
+      pack_rows_ahead(w.q.get() + i64(t_lo) * g.Ap, g.Ap, q + t_lo * g.ldq + zA, g.ldq, g.Tq - t_lo,
+                      g.A);
+      pack_rows_ahead(w.dout.get() + i64(t_lo) * g.Ap, g.Ap, dout + t_lo * g.ldo + zA, g.ldo,
+                      g.Tq - t_lo, g.A);
+      for (int i = group; i < n_tiles; i += groups) {
+        const KeySource& kb = blocks[key_tiles[i].block];
+        backward_tile(dq_z, kb.dk, kb.dv, kb.k, kb.v, lse, delta, kb.g, z, key_tiles[i].s0, w);
+      }
+      if (groups == 1) add_to_dq(z, dq_z, t_lo);
+    }
+  }
+  if (groups > 1) {
+#pragma omp parallel for schedule(static)
+    for (int z = 0; z < g.Z; ++z)
+      for (int group = 0; group < groups; ++group)
+        add_to_dq(z, partial.get() + (std::size_t(z) * groups + group) * part, 0);
+  }
+}
+
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
@@ -723,18 +865,18 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
     std::fill(lse, lse + i64(g.Z) * g.Tq, -kInf);
     return;
   }
-  const int tiles = (g.Tq + kFwdBq - 1) / kFwdBq;
-  const int tasks = tiles * g.Z;
-#pragma omp parallel num_threads(std::min(tasks, omp_get_max_threads()))
-  {
-    ForwardScratch w(g);
-    // Later query tiles see more keys: hand them out first.
-#pragma omp for schedule(dynamic, 1)
-    for (int task = 0; task < tasks; ++task) {
-      const int tile = tiles - 1 - task / g.Z;
-      forward_tile(out, lse, q, k, v, g, merge, task % g.Z, tile * kFwdBq, w);
-    }
-  }
+  const KeySource block{k, v, nullptr, nullptr, g};
+  forward_impl(out, lse, q, &block, 1, g, merge);
+}
+
+void attention_forward_blocks(float* out, float* lse, const float* q,
+                              const std::vector<KVBlock>& blocks, const AttnDims& d) {
+  AttnDims dq = d;
+  dq.Tk = 0;
+  dq.k_pos0 = 0;
+  const Geometry g = resolve(dq);
+  const std::vector<KeySource> src = key_sources(blocks, g, false);
+  forward_impl(out, lse, q, src.data(), int(src.size()), g, false);
 }
 
 void attention_backward_delta(float* delta, const float* dout, const float* out,
@@ -757,55 +899,19 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const AttnDims& d) {
   const Geometry g = resolve(d);
   if (nothing_visible(g)) return;
-  const int key_tiles = (g.Tk + kBwdBk - 1) / kBwdBk;
-  const int threads = omp_get_max_threads();
-  // Note [Deterministic backward]: G key-tile groups per head.
-  const int groups = (g.Z % threads == 0 || g.Z >= 4 * threads)
-                         ? 1
-                         : std::min(key_tiles, (4 * threads + g.Z - 1) / g.Z);
-  const int tasks = g.Z * groups;
-  const std::size_t part = std::size_t(g.Tq) * g.Ap;  // floats of one [Tq, Ap] dq accumulator
-  // groups == 1: one accumulator per thread, added to dq after each task; otherwise one per
-  // task, added to dq in group order after all tasks.
-  Buffer partial = groups > 1 ? alloc_floats(part * tasks) : Buffer();
-  // dq[t, head z] += acc[t] for t >= t_from.
-  const auto add_to_dq = [&](int z, const float* acc, int t_from) {
-    for (int t = t_from; t < g.Tq; ++t) {
-      float* row = dq + t * g.ldq + i64(z) * g.A;
-      const float* arow = acc + i64(t) * g.Ap;
-#pragma omp simd
-      for (int a = 0; a < g.A; ++a) row[a] += arow[a];
-    }
-  };
-#pragma omp parallel num_threads(std::min(tasks, threads))
-  {
-    BackwardScratch w(g);
-    Buffer own = groups == 1 ? alloc_floats(part) : Buffer();
-#pragma omp for schedule(dynamic, 1)
-    for (int task = 0; task < tasks; ++task) {
-      const int z = task / groups, group = task % groups;
-      // Queries before the first key of the task's first tile see none of its keys.
-      const int t_lo = int(std::clamp<i64>(g.k_pos0 + i64(group) * kBwdBk - g.q_pos0, 0, g.Tq));
-      float* dq_z = groups == 1 ? own.get() : partial.get() + task * part;
-      const int zero_from = groups == 1 ? t_lo : 0;  // partials are summed over all rows
-      std::memset(dq_z + std::size_t(zero_from) * g.Ap, 0,
-                  (part - std::size_t(zero_from) * g.Ap) * sizeof(float));
-      const i64 zA = i64(z) * g.A;
-      pack_rows_ahead(w.q.get() + i64(t_lo) * g.Ap, g.Ap, q + t_lo * g.ldq + zA, g.ldq, g.Tq - t_lo,
-                      g.A);
-      pack_rows_ahead(w.dout.get() + i64(t_lo) * g.Ap, g.Ap, dout + t_lo * g.ldo + zA, g.ldo,
-                      g.Tq - t_lo, g.A);
-      for (int tile = group; tile < key_tiles; tile += groups)
-        backward_tile(dq_z, dk, dv, k, v, lse, delta, g, z, tile * kBwdBk, w);
-      if (groups == 1) add_to_dq(z, dq_z, t_lo);
-    }
-  }
-  if (groups > 1) {
-#pragma omp parallel for schedule(static)
-    for (int z = 0; z < g.Z; ++z)
-      for (int group = 0; group < groups; ++group)
-        add_to_dq(z, partial.get() + (std::size_t(z) * groups + group) * part, 0);
-  }
+  const KeySource block{k, v, dk, dv, g};
+  backward_impl(dq, dout, q, &block, 1, lse, delta, g);
+}
+
+void attention_backward_blocks(float* dq, const float* dout, const float* q,
+                               const std::vector<KVBlock>& blocks, const float* lse,
+                               const float* delta, const AttnDims& d) {
+  AttnDims dq_dims = d;
+  dq_dims.Tk = 0;
+  dq_dims.k_pos0 = 0;
+  const Geometry g = resolve(dq_dims);
+  const std::vector<KeySource> src = key_sources(blocks, g, true);
+  backward_impl(dq, dout, q, src.data(), int(src.size()), lse, delta, g);
 }
 
 }  // namespace sppo::cpu

@@ -1,9 +1,10 @@
 // Causal flash attention on the CPU (fp32), the kernel the whole engine is built around.
 //
-// One call computes attention of a block of queries against ONE block of keys/values,
-// each at its own global position offset. Subsequences call it with their KV cache;
-// ring attention calls it once per ring step with the block that just arrived and merges
-// the partial results by log-sum-exp. No Tq x Tk score matrix is ever materialised:
+// One call computes attention of a block of queries against ONE block of keys/values (or, in
+// the _blocks forms, against SEVERAL key/value blocks, each its own buffer), each at its own
+// global position offset. A subsequence calls the _blocks forms once with its KV cache blocks
+// and its own keys; ring attention calls the single-block forms once per ring step with the
+// block that just arrived and merges the partial results by log-sum-exp. No Tq x Tk score matrix is ever materialised:
 // scores live in cache-sized tiles, fully masked tiles are skipped, softmax is fused.
 //
 // Layout: row t of q holds Z heads of A dims at columns z*A .. z*A+A-1 (row stride ldq);
@@ -17,6 +18,8 @@
 // 230 KiB per thread in the forward (A = 64), and 3 * Tq * A floats per thread in the backward
 // (more with fewer heads than 4 * threads: Note [Deterministic backward] in attention.cpp).
 #pragma once
+
+#include <vector>
 
 #include "core/dims.h"
 
@@ -51,5 +54,32 @@ void attention_backward_delta(float* delta, const float* dout, const float* out,
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* lse, const float* delta,
                         const AttnDims& d);
+
+// One key/value block of a multi-block call: rows k[Tk, .] (stride ldk), v[Tk, .] (stride ldv)
+// at global positions k_pos0 .. k_pos0 + Tk - 1; dk, dv (same strides) accumulate (+=) its
+// gradients in the backward and are unused in the forward.
+struct KVBlock {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  int Tk = 0;
+  i64 k_pos0 = 0;
+};
+
+// attention_forward(merge == false) of the queries against the union of `blocks`, in one
+// parallel region and one online softmax per query: no merge pass. d gives Tq, Z, A, q_pos0
+// and the strides (ldk, ldv shared by every block); d.Tk and d.k_pos0 are ignored.
+// The result equals one call over the keys of all blocks.
+void attention_forward_blocks(float* out, float* lse, const float* q,
+                              const std::vector<KVBlock>& blocks, const AttnDims& d);
+
+// attention_backward of the queries against every block at once: dq and each block's dk/dv
+// ACCUMULATE (+=). One parallel region; dk/dv of a key tile are written by the one task that
+// owns it and dq is summed deterministically, as in the single-block backward. d as in
+// attention_forward_blocks.
+void attention_backward_blocks(float* dq, const float* dout, const float* q,
+                               const std::vector<KVBlock>& blocks, const float* lse,
+                               const float* delta, const AttnDims& d);
 
 }  // namespace sppo::cpu

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/check.h"
 #include "kernels/attention.h"
@@ -75,16 +76,28 @@ void put_cols(float* dst, const float* src, int T, int width, int ld_dst, int co
     std::memcpy(dst + i64(t) * ld_dst + col, src + i64(t) * width, sizeof(float) * width);
 }
 
-cpu::AttnDims attn_dims(const ModelConfig& c, const Subseq& q, i64 k_pos0, i64 Tk) {
+cpu::AttnDims attn_dims(const ModelConfig& c, const Subseq& q) {
   cpu::AttnDims d;
   d.Tq = q.T;
-  d.Tk = int(Tk);
   d.Z = c.heads;
   d.A = c.head_size();
   d.q_pos0 = q.offset;
-  d.k_pos0 = k_pos0;
   d.ldq = d.ldk = d.ldv = d.ldo = c.hidden;
   return d;
+}
+
+// The KV blocks a subsequence's queries attend to, in position order: the earlier
+// subsequences' blocks, then its own keys k_self/v_self (gradients dk_self/dv_self).
+std::vector<cpu::KVBlock> kv_blocks(const KVBlocks& past, const float* k_self, const float* v_self,
+                                    float* dk_self, float* dv_self, const Subseq& q) {
+  std::vector<cpu::KVBlock> blocks;
+  blocks.reserve(past.k.size() + 1);
+  for (size_t j = 0; j < past.k.size(); ++j)
+    blocks.push_back({past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr,
+                      j < past.dv.size() ? past.dv[j] : nullptr, int(past.lengths[j]),
+                      past.offsets[j]});
+  blocks.push_back({k_self, v_self, dk_self, dv_self, q.T, q.offset});
+  return blocks;
 }
 
 }  // namespace
@@ -101,11 +114,9 @@ void block_forward(float* x_out, BlockSaved& s, const BlockParams& p, const Bloc
   copy_cols(s.q, w.qkv, T, H, 3 * H, 0);
   copy_cols(s.k, w.qkv, T, H, 3 * H, H);
   copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
-  // The diagonal block first (it initialises out/lse), then every earlier block merged.
-  cpu::attention_forward(s.attn_out, s.lse, s.q, s.k, s.v, attn_dims(c, q, q.offset, T), false);
-  for (size_t j = 0; j < past.k.size(); ++j)
-    cpu::attention_forward(s.attn_out, s.lse, s.q, past.k[j], past.v[j],
-                           attn_dims(c, q, past.offsets[j], past.lengths[j]), true);
+  // Every earlier block and the diagonal one in one call: one online softmax, no merge.
+  cpu::attention_forward_blocks(s.attn_out, s.lse, s.q,
+                                kv_blocks(past, s.k, s.v, nullptr, nullptr, q), attn_dims(c, q));
   cpu::linear_forward(s.x_mid, s.attn_out, p.out_w, p.out_b, T, H, H);
   add_inplace(s.x_mid, s.x, TH);
   // MLP half: x_out = x_mid + proj(gelu(fc(LN2(x_mid))))
@@ -129,7 +140,7 @@ void block_backward(float* d, BlockParams& g, float* dk_self, float* dv_self, co
   cpu::layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H);
   // Attention half. d is now the gradient w.r.t. x_mid = x + out(attn_out).
   cpu::linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, p.out_w, T, H, H);
-  cpu::AttnDims self = attn_dims(c, q, q.offset, T);
+  cpu::AttnDims self = attn_dims(c, q);
   cpu::attention_backward_delta(w.delta, w.d_tmp, s.attn_out, self);
   float* dqkv = w.qkv;  // [T, 3H]: dq accumulates in columns 0..H-1
   for (int t = 0; t < T; ++t) std::memset(dqkv + i64(t) * 3 * H, 0, sizeof(float) * H);
@@ -139,13 +150,8 @@ void block_backward(float* d, BlockParams& g, float* dk_self, float* dv_self, co
   // for both, so run with q copied into the dq columns' layout.
   float* q3 = w.qkv + H;  // columns H..2H-1 are free until dk is written below
   put_cols(q3, s.q, T, H, 3 * H, 0);
-  cpu::attention_backward(dqkv, dk_self, dv_self, w.d_tmp, q3, s.k, s.v, s.lse, w.delta, dq_self);
-  for (size_t j = 0; j < past.k.size(); ++j) {
-    cpu::AttnDims dj = attn_dims(c, q, past.offsets[j], past.lengths[j]);
-    dj.ldq = 3 * H;
-    cpu::attention_backward(dqkv, past.dk[j], past.dv[j], w.d_tmp, q3, past.k[j], past.v[j],
-                            s.lse, w.delta, dj);
-  }
+  cpu::attention_backward_blocks(dqkv, w.d_tmp, q3, kv_blocks(past, s.k, s.v, dk_self, dv_self, q),
+                                 s.lse, w.delta, dq_self);
   // dK/dV of this subsequence are complete: every later subsequence has contributed.
   put_cols(dqkv, dk_self, T, H, 3 * H, H);
   put_cols(dqkv, dv_self, T, H, 3 * H, 2 * H);

@@ -18,6 +18,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/attention.h"
@@ -634,6 +635,219 @@ TEST(Attention, QueryAndKeyBlockGrid) {
   d.ldq = d.ldk = d.ldv = 3 * hidden(d);
   check_split(make_problem(d, rng), 3, 4, rng);
   check_split(make_problem(dims(200, 333, 2, 64, 133, 0), rng), 2, 3, rng);
+}
+
+// ---- several key blocks in one call ------------------------------------------------------
+// The keys of p cut into blocks in position order, each its own buffer (copied out of p, so a
+// read past a block's rows would not find the neighbour's keys); the blocks' gradients go to
+// their own buffers and are copied back into a [Tk, .] layout for the comparisons.
+struct KeyBlocks {
+  std::vector<int> cuts;                      // block b holds keys cuts[b] .. cuts[b+1]-1
+  std::vector<std::vector<float>> k, v;       // [len_b, ldk], [len_b, ldv]
+  std::vector<std::vector<float>> dk, dv;     // [len_b, ldk], [len_b, ldv]
+  std::vector<KVBlock> blocks;
+};
+
+KeyBlocks split_keys(const Problem& p, const std::vector<int>& cuts, float grad_fill = 0.0f) {
+  const AttnDims& d = p.d;
+  KeyBlocks kb;
+  kb.cuts = cuts;
+  const int n = int(cuts.size()) - 1;
+  kb.k.resize(n), kb.v.resize(n), kb.dk.resize(n), kb.dv.resize(n);
+  for (int b = 0; b < n; ++b) {
+    const int s0 = cuts[b], s1 = cuts[b + 1];
+    kb.k[b].assign(p.k.begin() + std::size_t(s0) * ldk(d), p.k.begin() + std::size_t(s1) * ldk(d));
+    kb.v[b].assign(p.v.begin() + std::size_t(s0) * ldv(d), p.v.begin() + std::size_t(s1) * ldv(d));
+    kb.dk[b].assign(std::size_t(s1 - s0) * ldk(d), grad_fill);
+    kb.dv[b].assign(std::size_t(s1 - s0) * ldv(d), grad_fill);
+  }
+  for (int b = 0; b < n; ++b)
+    kb.blocks.push_back({kb.k[b].data(), kb.v[b].data(), kb.dk[b].data(), kb.dv[b].data(),
+                         cuts[b + 1] - cuts[b], d.k_pos0 + cuts[b]});
+  return kb;
+}
+
+Forward run_forward_blocks(const Problem& p, const KeyBlocks& kb) {
+  Forward f;
+  f.out.assign(std::size_t(p.d.Tq) * ldo(p.d), kSentinel);
+  f.lse.assign(std::size_t(p.d.Z) * p.d.Tq, kSentinel);
+  AttnDims d = p.d;
+  d.Tk = -7;  // ignored
+  d.k_pos0 = 123456;
+  attention_forward_blocks(f.out.data(), f.lse.data(), p.q.data(), kb.blocks, d);
+  return f;
+}
+
+// Backward over the blocks from forward f; dq accumulates onto `dq`, the blocks' gradients
+// onto their own buffers. Returns the gradients with dk, dv gathered into [Tk, .].
+Grads run_backward_blocks(const Problem& p, const Forward& f, KeyBlocks& kb,
+                          std::vector<float> dq) {
+  const std::vector<float> delta = run_delta(p, f);
+  attention_backward_blocks(dq.data(), p.dout.data(), p.q.data(), kb.blocks, f.lse.data(),
+                            delta.data(), p.d);
+  Grads g{std::move(dq), {}, {}};
+  for (std::size_t b = 0; b < kb.dk.size(); ++b) {
+    g.dk.insert(g.dk.end(), kb.dk[b].begin(), kb.dk[b].end());
+    g.dv.insert(g.dv.end(), kb.dv[b].begin(), kb.dv[b].end());
+  }
+  return g;
+}
+
+// Keys in `n` blocks against the reference and against one single-block call over all keys.
+void check_blocks(const Problem& p, const std::vector<int>& cuts) {
+  const AttnDims& d = p.d;
+  std::string lens;
+  for (std::size_t b = 0; b + 1 < cuts.size(); ++b)
+    lens += " " + std::to_string(cuts[b + 1] - cuts[b]);
+  SCOPED_TRACE(describe(d) + " key blocks" + lens);
+  std::printf("  %s, key blocks of%s\n", describe(d).c_str(), lens.c_str());
+  const Reference r = reference(p);
+  KeyBlocks kb = split_keys(p, cuts);
+  const Forward f = run_forward_blocks(p, kb);
+  check_forward(p, f, r);
+  const Forward whole = run_forward(p);
+  const std::vector<double> whole_out(whole.out.begin(), whole.out.end());
+  expect_close("out/whole", f.out.data(), ldo(d), whole_out.data(), ldo(d), d.Tq, hidden(d),
+               r.out_mag);
+  expect_lse_close(f.lse, std::vector<double>(whole.lse.begin(), whole.lse.end()));
+
+  // Backward from the single-block forward, so both backward paths see the same lse and delta.
+  const Grads g = run_backward_blocks(p, whole, kb, zero_grads(d).dq);
+  check_backward(p, g, r);
+  Grads whole_g = zero_grads(d);
+  run_backward(p, whole, whole_g);
+  const int H = hidden(d);
+  const std::vector<double> wdq(whole_g.dq.begin(), whole_g.dq.end());
+  const std::vector<double> wdk(whole_g.dk.begin(), whole_g.dk.end());
+  const std::vector<double> wdv(whole_g.dv.begin(), whole_g.dv.end());
+  expect_close("dq/whole", g.dq.data(), ldq(d), wdq.data(), ldq(d), d.Tq, H, r.dq_mag);
+  expect_close("dk/whole", g.dk.data(), ldk(d), wdk.data(), ldk(d), d.Tk, H, r.dk_mag);
+  expect_close("dv/whole", g.dv.data(), ldv(d), wdv.data(), ldv(d), d.Tk, H, r.dv_mag);
+}
+
+// Cut points of `n` blocks of [0, len) with one block of length 1 when n > 1 and len allows.
+std::vector<int> cuts_with_single(int len, int n, std::mt19937& rng) {
+  std::vector<int> c = cuts(len, n, rng);
+  if (n > 1 && len >= n + 1) {
+    const int b = std::uniform_int_distribution<int>(0, n - 1)(rng);
+    // Make block b one key long by moving its end (or, for the last block, its start).
+    if (b + 1 < n && c[b] + 1 < c[b + 2]) c[b + 1] = c[b] + 1;
+    else if (b + 1 == n && c[n] - 1 > c[n - 2]) c[n - 1] = c[n] - 1;
+  }
+  return c;
+}
+
+TEST(AttentionBlocks, KeysInBlocksEqualReferenceAndOneCall) {
+  std::mt19937 rng(16);
+  for (int n : {1, 2, 3, 4, 5}) {
+    // A subsequence against its past (a KV cache from 0) and its own keys.
+    check_blocks(make_problem(dims(257, 700, 2, 64, 443, 0), rng), cuts_with_single(700, n, rng));
+    // Plain causal, keys running past the queries, and a block that no query sees.
+    check_blocks(make_problem(dims(130, 300, 3, 40, 100, 0), rng), cuts_with_single(300, n, rng));
+  }
+  // Blocks of exactly one key each, and tile-sized blocks.
+  check_blocks(make_problem(dims(67, 5, 2, 64, 3, 0), rng), {0, 1, 2, 3, 4, 5});
+  check_blocks(make_problem(dims(300, 556, 2, 64, 256, 0), rng), {0, 128, 256, 300, 556});
+}
+
+TEST(AttentionBlocks, RandomBlocksAndStrides) {
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> length(1, 400), offset(0, 700), head(0, 3), heads(1, 4),
+      nblocks(1, 5);
+  const int head_sizes[] = {16, 40, 64, 72};
+  for (int trial = 0; trial < 16; ++trial) {
+    const int Tq = length(rng), Tk = length(rng) + 5;
+    const i64 q_pos0 = offset(rng);
+    const i64 k_pos0 =
+        std::uniform_int_distribution<i64>(std::max<i64>(0, q_pos0 - Tk - 64), q_pos0 + Tq)(rng);
+    AttnDims d = dims(Tq, Tk, heads(rng), head_sizes[head(rng)], q_pos0, k_pos0);
+    if (trial % 2 == 1) {
+      d.ldq = d.ldk = d.ldv = 3 * hidden(d);
+      d.ldo = hidden(d) + 16;
+    }
+    check_blocks(make_problem(d, rng), cuts_with_single(Tk, nblocks(rng), rng));
+  }
+}
+
+TEST(AttentionBlocks, BackwardAccumulatesAndLeavesPaddingUntouched) {
+  std::mt19937 rng(18);
+  AttnDims d = dims(130, 400, 2, 64, 270, 0);
+  d.ldq = d.ldk = d.ldv = 3 * hidden(d);
+  const Problem p = make_problem(d, rng);
+  const std::vector<int> c = {0, 1, 150, 270, 400};
+  // Forward padding columns stay untouched (check_forward), gradients accumulate.
+  KeyBlocks kb = split_keys(p, c, kSentinel);
+  const Forward f = run_forward_blocks(p, kb);
+  check_forward(p, f, reference(p));
+  const Grads g =
+      run_backward_blocks(p, f, kb, std::vector<float>(std::size_t(d.Tq) * d.ldq, kSentinel));
+  const int H = hidden(d);
+  expect_untouched("dq", g.dq, d.Tq, d.ldq, H, d.ldq, kSentinel);
+  expect_untouched("dk", g.dk, d.Tk, d.ldk, H, d.ldk, kSentinel);
+  expect_untouched("dv", g.dv, d.Tk, d.ldv, H, d.ldv, kSentinel);
+  KeyBlocks zero = split_keys(p, c);
+  const Grads g0 = run_backward_blocks(p, f, zero, zero_grads(d).dq);
+  long bad = 0;
+  for (const auto& [acc, fresh] : {std::pair{&g.dq, &g0.dq}, std::pair{&g.dk, &g0.dk},
+                                   std::pair{&g.dv, &g0.dv}})
+    for (std::size_t i = 0; i < acc->size(); ++i)
+      if (i % (3 * H) < std::size_t(H) && (*acc)[i] != kSentinel + (*fresh)[i]) ++bad;
+  EXPECT_EQ(bad, 0) << "gradients must be added to what the buffers held";
+}
+
+TEST(AttentionBlocks, NoVisibleKeysAndNoBlocks) {
+  std::mt19937 rng(19);
+  const AttnDims d = dims(67, 130, 2, 64, 0, 67);  // every key after the last query
+  const Problem p = make_problem(d, rng);
+  for (const std::vector<int>& c : {std::vector<int>{0, 130}, std::vector<int>{0, 1, 60, 130}}) {
+    KeyBlocks kb = split_keys(p, c);
+    const Forward f = run_forward_blocks(p, kb);
+    for (float x : f.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+    for (int t = 0; t < d.Tq; ++t)
+      for (int col = 0; col < hidden(d); ++col)
+        EXPECT_EQ(f.out[std::size_t(t) * ldo(d) + col], 0.0f);
+    const Grads g = run_backward_blocks(p, f, kb, zero_grads(d).dq);
+    for (const auto* buf : {&g.dq, &g.dk, &g.dv})
+      for (float x : *buf) EXPECT_EQ(x, 0.0f);
+  }
+  KeyBlocks none;
+  const Forward f = run_forward_blocks(p, none);
+  for (float x : f.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+  std::vector<float> dq(std::size_t(d.Tq) * ldq(d), 1.0f);
+  const std::vector<float> delta(std::size_t(d.Z) * d.Tq, 0.0f);
+  attention_backward_blocks(dq.data(), p.dout.data(), p.q.data(), none.blocks, f.lse.data(),
+                            delta.data(), d);
+  for (float x : dq) EXPECT_EQ(x, 1.0f);
+}
+
+// Same inputs, same thread count: bit-identical, both backward layouts of Note [Deterministic
+// backward] included; any thread count matches the reference.
+TEST(AttentionBlocks, RepeatedRunsAreBitIdenticalAtAnyThreadCount) {
+  std::mt19937 rng(20);
+  const int saved = omp_get_max_threads();
+  for (int Z : {1, 2, 3, 6}) {
+    const Problem p = make_problem(dims(333, 900, Z, 64, 567, 0), rng);
+    const std::vector<int> c = cuts_with_single(900, 5, rng);
+    const Reference r = reference(p);
+    for (int threads : {1, 2, 3, 7}) {
+      SCOPED_TRACE("Z " + std::to_string(Z) + " threads " + std::to_string(threads));
+      omp_set_num_threads(threads);
+      KeyBlocks kb1 = split_keys(p, c), kb2 = split_keys(p, c);
+      const Forward f1 = run_forward_blocks(p, kb1), f2 = run_forward_blocks(p, kb2);
+      EXPECT_EQ(0, std::memcmp(f1.out.data(), f2.out.data(), f1.out.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(f1.lse.data(), f2.lse.data(), f1.lse.size() * sizeof(float)));
+      const Grads g1 = run_backward_blocks(p, f1, kb1, zero_grads(p.d).dq);
+      const Grads g2 = run_backward_blocks(p, f1, kb2, zero_grads(p.d).dq);
+      EXPECT_EQ(0, std::memcmp(g1.dq.data(), g2.dq.data(), g1.dq.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(g1.dk.data(), g2.dk.data(), g1.dk.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(g1.dv.data(), g2.dv.data(), g1.dv.size() * sizeof(float)));
+      if (threads == 1 || threads == 7) {
+        check_forward(p, f1, r);
+        check_backward(p, g1, r);
+      }
+    }
+  }
+  omp_set_num_threads(saved);
 }
 
 // ---- nothing visible, merge of empty rows, accumulation ----------------------------------
