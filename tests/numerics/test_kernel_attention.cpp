@@ -338,6 +338,18 @@ void check_backward(const Problem& p, const Grads& g, const Reference& r,
                norm_rtol);
 }
 
+// The gradients of a split computation against those of one whole call (same tolerances
+// as against the reference, scaled by the reference's magnitudes).
+void expect_grads_match(const Grads& g, const Grads& whole_g, const AttnDims& d, const Reference& r) {
+  const int H = hidden(d);
+  const std::vector<double> wdq(whole_g.dq.begin(), whole_g.dq.end());
+  const std::vector<double> wdk(whole_g.dk.begin(), whole_g.dk.end());
+  const std::vector<double> wdv(whole_g.dv.begin(), whole_g.dv.end());
+  expect_close("dq/whole", g.dq.data(), ldq(d), wdq.data(), ldq(d), d.Tq, H, r.dq_mag);
+  expect_close("dk/whole", g.dk.data(), ldk(d), wdk.data(), ldk(d), d.Tk, H, r.dk_mag);
+  expect_close("dv/whole", g.dv.data(), ldv(d), wdv.data(), ldv(d), d.Tk, H, r.dv_mag);
+}
+
 // Forward and backward of one problem against the reference.
 void check_problem(const Problem& p) {
   SCOPED_TRACE(describe(p.d));
@@ -612,13 +624,7 @@ void check_split(const Problem& p, int nq, int nk, std::mt19937& rng) {
     }
   }
   check_backward(p, g, r);
-  const int H = hidden(d);
-  const std::vector<double> wdq(whole_g.dq.begin(), whole_g.dq.end());
-  const std::vector<double> wdk(whole_g.dk.begin(), whole_g.dk.end());
-  const std::vector<double> wdv(whole_g.dv.begin(), whole_g.dv.end());
-  expect_close("dq/whole", g.dq.data(), ldq(d), wdq.data(), ldq(d), d.Tq, H, r.dq_mag);
-  expect_close("dk/whole", g.dk.data(), ldk(d), wdk.data(), ldk(d), d.Tk, H, r.dk_mag);
-  expect_close("dv/whole", g.dv.data(), ldv(d), wdv.data(), ldv(d), d.Tk, H, r.dv_mag);
+  expect_grads_match(g, whole_g, d, r);
 }
 
 TEST(Attention, MergedKeyBlocksEqualOneCall) {
@@ -716,13 +722,7 @@ void check_blocks(const Problem& p, const std::vector<int>& cuts) {
   check_backward(p, g, r);
   Grads whole_g = zero_grads(d);
   run_backward(p, whole, whole_g);
-  const int H = hidden(d);
-  const std::vector<double> wdq(whole_g.dq.begin(), whole_g.dq.end());
-  const std::vector<double> wdk(whole_g.dk.begin(), whole_g.dk.end());
-  const std::vector<double> wdv(whole_g.dv.begin(), whole_g.dv.end());
-  expect_close("dq/whole", g.dq.data(), ldq(d), wdq.data(), ldq(d), d.Tq, H, r.dq_mag);
-  expect_close("dk/whole", g.dk.data(), ldk(d), wdk.data(), ldk(d), d.Tk, H, r.dk_mag);
-  expect_close("dv/whole", g.dv.data(), ldv(d), wdv.data(), ldv(d), d.Tk, H, r.dv_mag);
+  expect_grads_match(g, whole_g, d, r);
 }
 
 // Cut points of `n` blocks of [0, len) with one block of length 1 when n > 1 and len allows.
