@@ -192,17 +192,8 @@ int run_simulate(const SimulateOptions& o) {
     const auto t0 = std::chrono::steady_clock::now();
     const sim::SimResult r = sim::simulate_plan(p, hw, so);
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!o.trace.empty()) {
-      std::ofstream f(o.trace);
-      SPPO_CHECK(f.good(), "sim") << "cannot write " << o.trace;
-      f << sim::chrome_trace(r);
-    }
-    if (!o.svg.empty()) {
-      std::ofstream f(o.svg);
-      SPPO_CHECK(f.good(), "sim") << "cannot write " << o.svg;
-      f << sim::svg_timeline(r, p.system + " " + p.model_name + " " + std::to_string(p.seq_len) + " tokens, " +
-                                    layout_text(p));
-    }
+    sim::write_timelines(r, o.trace, o.svg,
+                         p.system + " " + p.model_name + " " + std::to_string(p.seq_len) + " tokens, " + layout_text(p));
     const nlohmann::json out = {{"step_time_s", r.step_time_s},
                                 {"tokens_per_gpu_per_s", r.tokens_per_device_per_s},
                                 {"bubble_ratio", r.bubble_ratio},

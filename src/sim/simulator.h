@@ -68,4 +68,9 @@ std::string chrome_trace(const SimResult& r);
 // onload, communication), bubbles as gaps, and each device's memory beneath.
 std::string svg_timeline(const SimResult& r, const std::string& title);
 
+// Writes chrome_trace(r) to trace_path and svg_timeline(r, title) to svg_path, each when
+// its path is not empty; throws sppo::Error naming a file that cannot be written.
+void write_timelines(const SimResult& r, const std::string& trace_path, const std::string& svg_path,
+                     const std::string& title);
+
 }  // namespace sppo::sim

@@ -7,6 +7,10 @@
 #include "core/config.h"
 #include "sim/simulator.h"
 
+#include <fstream>
+
+#include "core/check.h"
+
 namespace sppo::sim {
 
 namespace {
@@ -179,6 +183,17 @@ std::string svg_timeline(const SimResult& r, const std::string& title) {
   }
   os << "</svg>\n";
   return os.str();
+}
+
+void write_timelines(const SimResult& r, const std::string& trace_path, const std::string& svg_path,
+                     const std::string& title) {
+  auto write = [](const std::string& path, const std::string& text) {
+    std::ofstream f(path);
+    f << text;
+    SPPO_CHECK(f.good(), "sim") << "cannot write " << path;
+  };
+  if (!trace_path.empty()) write(trace_path, chrome_trace(r));
+  if (!svg_path.empty()) write(svg_path, svg_timeline(r, title));
 }
 
 }  // namespace sppo::sim

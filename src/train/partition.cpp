@@ -38,6 +38,7 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
   SubseqChoice ch;
   ch.lengths = lengths;
   double ratio = 0;
+  double step_s = 0, exposed_s = 0;
   if (fixed_ratio(offload, &ratio)) {
     ch.alpha.assign(lengths.size(), ratio);
     ch.alpha.back() = 0;
@@ -46,18 +47,20 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
     const auto r = sim::simulate(sched::build_single(c.layers, lengths, ch.alpha), cost,
                                  sim::memory_rules(c, ActPrecision::F32));
     ch.predicted_peak_bytes = r.peak_device_bytes;
-    ch.predicted_step_s = r.step_time_s;
-    ch.predicted_exposed_copy_s = r.exposed_copy_s;
-    return ch;
+    step_s = r.step_time_s;
+    exposed_s = r.exposed_copy_s;
+  } else {
+    // The solver offloads only what the budget demands (without one, the machine's memory).
+    const auto r = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32,
+                                           budget > 0 ? budget : hw.device_memory, sim::OffloadMode::Adaptive);
+    ch.alpha = r.alpha;
+    ch.alpha_rule = r.rule;
+    ch.predicted_peak_bytes = r.peak_device_bytes;
+    step_s = r.step_time_s;
+    exposed_s = r.exposed_copy_s;
   }
-  // The solver offloads only what the budget demands (without one, the machine's memory).
-  const auto r = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32,
-                                         budget > 0 ? budget : hw.device_memory, sim::OffloadMode::Adaptive);
-  ch.alpha = r.alpha;
-  ch.alpha_rule = r.rule;
-  ch.predicted_peak_bytes = r.peak_device_bytes;
-  ch.predicted_step_s = r.step_time_s;
-  ch.predicted_exposed_copy_s = r.exposed_copy_s;
+  ch.predicted_step_s = step_s;
+  ch.predicted_exposed_copy_s = exposed_s;
   return ch;
 }
 

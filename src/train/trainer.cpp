@@ -95,17 +95,8 @@ sim::SimResult measured_as_sim(const StepResult& r, i64 tokens) {
 
 void write_timelines(const TrainOptions& o, const StepResult& r, i64 S) {
   if (o.trace_path.empty() && o.svg_path.empty()) return;
-  const sim::SimResult m = measured_as_sim(r, S);
-  if (!o.trace_path.empty()) {
-    std::ofstream f(o.trace_path);
-    SPPO_CHECK(f.good(), "io") << "cannot write --trace " << o.trace_path;
-    f << sim::chrome_trace(m);
-  }
-  if (!o.svg_path.empty()) {
-    std::ofstream f(o.svg_path);
-    SPPO_CHECK(f.good(), "io") << "cannot write --svg " << o.svg_path;
-    f << sim::svg_timeline(m, "measured step: S " + std::to_string(S) + ", " + o.step.model_name);
-  }
+  sim::write_timelines(measured_as_sim(r, S), o.trace_path, o.svg_path,
+                       "measured step: S " + std::to_string(S) + ", " + o.step.model_name);
 }
 
 }  // namespace
