@@ -1,5 +1,7 @@
 #include "core/layout.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 
 namespace sppo {
@@ -36,14 +38,24 @@ i64 total_bytes(const std::vector<TensorSpec>& specs) {
   return b;
 }
 
-std::vector<TensorSpec> parameter_specs(const ModelConfig& c) {
+std::pair<i64, i64> piece_range(i64 n, int piece, int pieces) {
+  SPPO_ASSERT(pieces >= 1 && piece >= 0 && piece < pieces);
+  const i64 base = n / pieces, rem = n % pieces;
+  const i64 b = piece * base + std::min<i64>(piece, rem);
+  return {b, b + base + (piece < rem ? 1 : 0)};
+}
+
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c) { return parameter_specs(c, 0, c.layers); }
+
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end) {
+  SPPO_ASSERT(0 <= begin && begin < end && end <= c.layers);
   const i64 H = c.hidden, F = c.ffn(), V = c.vocab;
   std::vector<TensorSpec> p;
   auto add = [&](std::string name, std::vector<i64> shape) {
     p.push_back({std::move(name), std::move(shape), DType::F32, Role::Parameter});
   };
-  add("embed.weight", {V, H});
-  for (int l = 0; l < c.layers; ++l) {
+  if (begin == 0 || end == c.layers) add("embed.weight", {V, H});
+  for (int l = begin; l < end; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
     add(b + "ln1.weight", {H});
     add(b + "ln1.bias", {H});
@@ -58,8 +70,10 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c) {
     add(b + "mlp.proj.weight", {H, F});
     add(b + "mlp.proj.bias", {H});
   }
-  add("ln_f.weight", {H});
-  add("ln_f.bias", {H});
+  if (end == c.layers) {
+    add("ln_f.weight", {H});
+    add("ln_f.bias", {H});
+  }
   return p;
 }
 
