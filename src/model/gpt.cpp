@@ -10,7 +10,9 @@
 
 namespace sppo {
 
-ParamView param_view(const ModelConfig& c, float* base) {
+ParamView param_view(const ModelConfig& c, float* base) { return param_view(c, base, 0, c.layers); }
+
+ParamView param_view(const ModelConfig& c, float* base, int begin, int end) {
   ParamView v;
   float* p = base;
   auto take = [&](i64 n) {
@@ -19,9 +21,10 @@ ParamView param_view(const ModelConfig& c, float* base) {
     return r;
   };
   const i64 H = c.hidden, F = c.ffn();
-  v.embed = take(i64(c.vocab) * H);
+  if (begin == 0 || end == c.layers) v.embed = take(i64(c.vocab) * H);
   v.blocks.resize(c.layers);
-  for (auto& b : v.blocks) {
+  for (int l = begin; l < end; ++l) {
+    BlockParams& b = v.blocks[l];
     b.ln1_w = take(H);
     b.ln1_b = take(H);
     b.qkv_w = take(3 * H * H);
@@ -35,9 +38,11 @@ ParamView param_view(const ModelConfig& c, float* base) {
     b.proj_w = take(H * F);
     b.proj_b = take(H);
   }
-  v.lnf_w = take(H);
-  v.lnf_b = take(H);
-  SPPO_ASSERT(p - base == c.num_params());
+  if (end == c.layers) {
+    v.lnf_w = take(H);
+    v.lnf_b = take(H);
+  }
+  SPPO_ASSERT(p - base == total_bytes(parameter_specs(c, begin, end)) / i64(sizeof(float)));
   return v;
 }
 

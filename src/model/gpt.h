@@ -36,6 +36,10 @@ struct ParamView {
 
 // Carves views from `base`, which holds total_bytes(parameter_specs(c)) bytes.
 ParamView param_view(const ModelConfig& c, float* base);
+// The views of a stage that owns layers [begin, end): `base` holds
+// parameter_specs(c, begin, end); blocks outside the range and the embedding or final
+// LayerNorm the stage does not own stay null.
+ParamView param_view(const ModelConfig& c, float* base, int begin, int end);
 
 // What one block saves for backward on one subsequence (block_saved_specs order).
 struct BlockSaved {

@@ -52,6 +52,13 @@ MemoryTier::~MemoryTier() { SPPO_ASSERT_MSG(stats_.current == 0, "memory tier de
 
 Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
   SPPO_ASSERT(bytes >= 0);
+  while (reclaim_) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (budget_ == 0 || stats_.current + bytes <= budget_) break;
+    }
+    if (!reclaim_()) break;
+  }
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (budget_ > 0 && stats_.current + bytes > budget_ && pending_release_ > 0) {

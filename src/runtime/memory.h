@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -75,6 +76,11 @@ class MemoryTier {
   // Seconds allocations spent waiting for releases since the last reset_peak().
   double release_wait_s() const;
 
+  // Called (on the allocating thread, without the tier's lock) when an allocation would
+  // exceed the budget: it may wait for something that frees device bytes (a message being
+  // sent) and returns whether it did. Null: none.
+  void set_reclaimer(std::function<bool()> reclaim) { reclaim_ = std::move(reclaim); }
+
   // Records (clock(), bytes in use) at every allocation and release until stopped, for
   // the memory row of a trace. clock null stops recording.
   void record_timeline(double (*clock)());
@@ -95,6 +101,7 @@ class MemoryTier {
   double (*clock_)() = nullptr;
   std::vector<std::pair<double, i64>> timeline_;
   double release_wait_s_ = 0;
+  std::function<bool()> reclaim_;
 };
 
 }  // namespace sppo
