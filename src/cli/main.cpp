@@ -8,6 +8,7 @@
 
 
 #include "cli/cmd_plan.h"
+#include "comm/comm.h"
 #include "core/check.h"
 #include "train/bench.h"
 #include "train/bench_sppo.h"
@@ -53,7 +54,14 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
-  cmd->add_option("--plan", o.plan_path, "Take the subsequence lengths and alpha from this plan (sppo plan --gpus 1 --json)");
+  cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
+  cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
+  cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the data-parallel replicas (ZeRO-1)")
+      ->capture_default_str();
+  cmd->add_option("--batch", o.batch, "Sequences per optimizer step, all replicas together (default: --dp)");
+  cmd->add_option("--comm-timeout", o.comm_timeout_s,
+                  "Seconds a rank waits for a message before ending the job")->capture_default_str();
 }
 
 void resolve_step_options(const StepFlags& f, StepOptions& o) {
@@ -233,7 +241,9 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const Error& e) {
-    std::fprintf(stderr, "sppo: %s\n", e.what());
+    // Errors that reach here are the same on every rank (train and grads agree on them
+    // first), so one rank reports them.
+    if (!comm::launched_by_mpi() || comm::world().rank() == 0) std::fprintf(stderr, "sppo: %s\n", e.what());
     return 2;
   }
 }

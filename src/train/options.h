@@ -23,7 +23,13 @@ struct StepOptions {
   i64 device_memory = 0;              // bytes; 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
-  std::string plan_path;              // --plan PLAN.json: lengths and alpha from a plan
+  std::string plan_path;              // --plan PLAN.json: layout, lengths and alpha from a plan
+  // Several processes (mpirun -np pp * dp): rank = replica * pp + stage
+  int pp = 1;                         // pipeline stages
+  int dp = 1;                         // data-parallel replicas
+  int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
+  int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
+  double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
 };
 
 struct TrainOptions {
