@@ -13,6 +13,7 @@
 #include "train/bench.h"
 #include "train/bench_sppo.h"
 #include "train/profile_machine.h"
+#include "train/parallel.h"
 #include "train/trainer.h"
 
 namespace {
@@ -93,6 +94,24 @@ void print_bench_layer(const nlohmann::json& j) {
               j["tokens_per_s"].get<double>(), j["model_flops_per_s"].get<double>() / 1e9,
               j["gemm_peak_flops_per_s"].get<double>() / 1e9, j["fraction_of_peak"].get<double>(),
               format_bytes(j["peak_memory_bytes"].get<double>()).c_str());
+}
+
+// The command line as {"--option": "value"} (flags: true; positionals by index), for the
+// check that every rank of a job was started with the same options.
+nlohmann::json options_of(int argc, char** argv) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 1; k < argc; ++k) {
+    const std::string a = argv[k];
+    if (a.rfind("--", 0) == 0) {
+      const auto eq = a.find('=');
+      if (eq != std::string::npos) j[a.substr(0, eq)] = a.substr(eq + 1);
+      else if (k + 1 < argc && std::string(argv[k + 1]).rfind("--", 0) != 0) j[a] = argv[++k];
+      else j[a] = true;
+    } else {
+      j["argument " + std::to_string(k)] = a;
+    }
+  }
+  return j;
 }
 
 }  // namespace
@@ -190,6 +209,7 @@ int main(int argc, char** argv) {
       return app.exit(e) == 0 ? 0 : 2;
     }
     if (auto rc = cli::plan_command_result()) return *rc;
+    if (comm::launched_by_mpi() && (*cmd_train || *cmd_grads)) check_same_options(comm::world(), options_of(argc, argv));
     if (*cmd_train) {
       resolve_step_options(train_flags, train.step);
       return run_train(train);

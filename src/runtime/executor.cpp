@@ -10,6 +10,7 @@
 #include "core/check.h"
 #include "kernels/ops.h"
 #include "runtime/copy_stream.h"
+#include "runtime/fault.h"
 
 namespace sppo {
 
@@ -202,6 +203,11 @@ void Runtime::post_receive(StepState& st, const sched::Op& op) {
 void Runtime::send(StepState& st, const sched::Op& op) {
   Buffer& out = (op.payload == sched::Payload::Hidden ? st.out_hidden : st.out_grad)[op.subseq];
   SPPO_ASSERT_MSG(out, "send of " << sched::to_string(op) << " before its data was computed");
+  const FaultPlan& fault = fault_plan();
+  if (fault.kind == FaultPlan::Kind::Drop && fault.rank == opts_.rank && ++sends_ == fault.count) {
+    out.reset();  // the message that never arrives
+    return;
+  }
   SPPO_ASSERT(op.tokens == 0 || out.bytes() == op.tokens * config_.hidden * i64(sizeof(float)));
   const comm::Request req = opts_.comm->isend(out.data(), out.bytes(), op.peer, sched::message_tag(op));
   st.sends.push_back({std::move(out), req, now_s(), sched::to_string(op)});

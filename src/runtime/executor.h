@@ -151,6 +151,7 @@ class Runtime {
   std::vector<ParamBucket> buckets_;
   std::vector<ShardSpan> shard_;
   i64 num_params_ = 0, num_state_ = 0;
+  int sends_ = 0;  // messages sent by this runtime (for runtime/fault.h)
   std::unique_ptr<MemoryTier> device_, host_;
   Buffer params_, grads_, adam_m_, adam_v_;
   ParamView weights_, dweights_;

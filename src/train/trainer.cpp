@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <omp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "io/metrics.h"
 #include "io/safetensors.h"
 #include "kernels/ops.h"
+#include "runtime/fault.h"
 #include "sim/simulator.h"
 #include "train/parallel.h"
 #include "train/setup.h"
@@ -267,6 +269,8 @@ int run_train(const TrainOptions& o) {
   std::vector<double> step_times;
   std::vector<i64> peaks(std::size_t(lay.ranks()), 0);
   for (int step = start_step; step < o.steps; ++step) {
+    const FaultPlan& fault = fault_plan();
+    if (fault.kind == FaultPlan::Kind::Die && fault.rank == world.rank() && fault.count == step + 1) raise(SIGKILL);
     Sequences q;
     on_this_rank(world, [&] { q = run_sequences(s, tokens, nullptr); });
     std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
