@@ -11,6 +11,7 @@
 #include "comm/comm.h"
 #include "core/check.h"
 #include "train/bench.h"
+#include "train/bench_pipeline.h"
 #include "train/bench_sppo.h"
 #include "train/profile_machine.h"
 #include "train/parallel.h"
@@ -187,6 +188,16 @@ int main(int argc, char** argv) {
   cmd_bench_offload->add_option("--hardware", bo_hardware, "Profile for adaptive choices (default: measured now)");
   cmd_bench_offload->add_flag("--json", bo_json, "Print one JSON object");
 
+  BenchPipelineOptions bp;
+  bool bp_json = false;
+  auto* cmd_bench_pipeline = cmd_bench->add_subcommand(
+      "pipeline", "Sequence pipeline and data parallel on 2 ranks: bubble and step time, measured vs simulated");
+  cmd_bench_pipeline->add_option("--model", bp.model, "Model preset")->capture_default_str();
+  cmd_bench_pipeline->add_option("--seq-len", bp.seq_len, "Tokens per sequence")->capture_default_str();
+  cmd_bench_pipeline->add_option("--reps", bp.reps, "Timed steps per configuration")->capture_default_str();
+  cmd_bench_pipeline->add_option("--hardware", bp.hardware, "Profile to simulate with (default: measured now)");
+  cmd_bench_pipeline->add_flag("--json", bp_json, "Print one JSON object");
+
   std::string bs_hardware;
   int bs_reps = 5;
   bool bs_json = false;
@@ -235,6 +246,15 @@ int main(int argc, char** argv) {
       if (mem ? bm_json : bo_json) std::printf("%s\n", j.dump(2).c_str());
       else if (mem) print_bench_memory(j);
       else print_bench_offload(j);
+      return 0;
+    }
+    if (*cmd_bench_pipeline) {
+      if (!comm::launched_by_mpi()) relaunch_under_mpirun(2, argc, argv);
+      const auto j = bench_pipeline(bp, comm::world());
+      if (comm::world().rank() == 0) {
+        if (bp_json) std::printf("%s\n", j.dump(2).c_str());
+        else print_bench_pipeline(j);
+      }
       return 0;
     }
     if (*cmd_bench_sim) {

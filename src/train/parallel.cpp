@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "kernels/ops.h"
+#include "train/setup.h"
 
 namespace sppo {
 
@@ -231,6 +232,12 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     }
   }
   return full;
+}
+
+void init_owned(Runtime& rt, std::uint64_t seed) {
+  std::vector<float> full(std::size_t(rt.config().num_params()));
+  init_params(rt.config(), full.data(), seed);
+  for (const ParamBucket& b : rt.buckets()) copy_floats(rt.params() + b.offset, full.data() + b.full_offset, b.count);
 }
 
 nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from) {

@@ -76,6 +76,10 @@ struct FullState {
 // stage onto rank 0, in the consolidated layout. Every rank must call it.
 FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, bool grads, bool optimizer);
 
+// The initial weights of this rank's parameters: every rank draws the whole model from the
+// seed (init_params) and keeps its own, so that any layout starts where one process does.
+void init_owned(Runtime& rt, std::uint64_t seed);
+
 // Loads a consolidated checkpoint (any layout it was saved from) into this rank's own
 // parameters and AdamW state; returns its state.json. `from` receives the directory read.
 nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from);

@@ -83,15 +83,6 @@ void on_this_rank(comm::Comm& world, F&& f) {
   }
 }
 
-void init_owned(Runtime& rt, std::uint64_t seed) {
-  // Every rank draws the whole model from the seed and keeps its own layers, so that any
-  // layout starts from the weights one process would.
-  std::vector<float> full(std::size_t(rt.config().num_params()));
-  init_params(rt.config(), full.data(), seed);
-  for (const ParamBucket& b : rt.buckets())
-    std::copy(full.begin() + b.full_offset, full.begin() + b.full_offset + b.count, rt.params() + b.offset);
-}
-
 // One optimizer step's sequences: every rank reads all `batch` of them from the stream
 // (so the stream's position stays the same everywhere) and runs the schedule on its
 // replica's share, accumulating gradients; the last one reduces them.
