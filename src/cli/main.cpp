@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 
@@ -15,6 +16,7 @@
 #include "train/bench_sppo.h"
 #include "train/profile_machine.h"
 #include "train/parallel.h"
+#include "train/setup.h"
 #include "train/trainer.h"
 
 namespace {
@@ -27,18 +29,20 @@ struct StepFlags {
   int vocab = 0, hidden = 0, layers = 0, heads = 0;
   std::string seq_len = "1024";
   std::string device_memory;
+  CLI::Option* model_option = nullptr;
+  CLI::Option* seq_len_option = nullptr;
 };
 
 void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   std::string presets;
   for (const auto& p : preset_names()) presets += (presets.empty() ? "" : ", ") + p;
-  cmd->add_option("--model", f.model, "Model preset: " + presets)->capture_default_str();
+  f.model_option = cmd->add_option("--model", f.model, "Model preset: " + presets)->capture_default_str();
   cmd->add_option("--vocab", f.vocab, "Vocabulary size V (overrides the preset)");
   cmd->add_option("--hidden", f.hidden, "Hidden size H (overrides the preset)");
   cmd->add_option("--layers", f.layers, "Number of blocks L (overrides the preset)");
   cmd->add_option("--heads", f.heads, "Attention heads Z; H/Z must be even (overrides the preset)");
-  cmd->add_option("--seq-len", f.seq_len, "Tokens per step S; K and M suffixes allowed (64K, 1M)")
-      ->capture_default_str();
+  f.seq_len_option = cmd->add_option("--seq-len", f.seq_len, "Tokens per step S; K and M suffixes allowed (64K, 1M)")
+                         ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of the initial weights and the built-in task")->capture_default_str();
   cmd->add_option("--data", o.data,
                   "Training data: empty for the built-in repeat task, a text file (bytes), raw "
@@ -70,6 +74,13 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   o.model = preset(f.model);
   o.model_name = f.model;
   const bool custom = f.vocab || f.hidden || f.layers || f.heads;
+  // A plan names its model and sequence length: they are taken from it unless given.
+  std::optional<plan::Plan> from_plan;
+  if (!o.plan_path.empty()) from_plan = read_plan_file(o.plan_path);
+  if (from_plan && !f.model_option->count() && !custom) {
+    o.model = from_plan->model;
+    o.model_name = from_plan->model_name;
+  }
   auto positive = [](int v, const char* name) {
     SPPO_CHECK(v > 0, "options") << name << " must be a positive integer (got " << v << ")";
     return v;
@@ -80,7 +91,7 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (f.layers) o.model.layers = positive(f.layers, "--layers");
   if (f.heads) o.model.heads = positive(f.heads, "--heads");
   if (custom) o.model_name = f.model + " (custom)";
-  o.seq_len = parse_count(f.seq_len, "--seq-len");
+  o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
   if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
   o.model.validate();
 }

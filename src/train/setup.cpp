@@ -17,6 +17,18 @@
 
 namespace sppo {
 
+plan::Plan read_plan_file(const std::string& path) {
+  std::ifstream f(path);
+  SPPO_CHECK(f.good(), "options") << "cannot read --plan " << path;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    SPPO_CHECK(false, "options") << "--plan " << path << " is not JSON: " << e.what();
+  }
+  return plan::plan_from_json(j);
+}
+
 namespace {
 
 int resolve_subseqs(const StepOptions& o, i64 S) {
@@ -71,15 +83,7 @@ namespace {
 
 // --plan: a plan fixes the layout, the lengths and alpha; the model and S must agree.
 plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
-  std::ifstream f(o.plan_path);
-  SPPO_CHECK(f.good(), "options") << "cannot read --plan " << o.plan_path;
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    SPPO_CHECK(false, "options") << "--plan " << o.plan_path << " is not JSON: " << e.what();
-  }
-  const plan::Plan p = plan::plan_from_json(j);
+  const plan::Plan p = read_plan_file(o.plan_path);
   SPPO_CHECK(p.system == "sppo" && p.sp == 1 && p.tp == 1 && !p.msp, "options")
       << "--plan " << o.plan_path << " is a " << p.system << " plan with sp " << p.sp << ", tp " << p.tp
       << ", msp " << (p.msp ? "on" : "off")

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "io/data.h"
+#include "planner/plan.h"
 #include "planner/profile.h"
 #include "runtime/executor.h"
 #include "schedule/ir.h"
@@ -39,6 +40,9 @@ struct StepSetup {
 // and this rank's runtime. `world` null means one process. Throws sppo::Error with a
 // message naming the option and what would work.
 StepSetup make_setup(const StepOptions& o, comm::Comm* world = nullptr);
+
+// Reads a plan written by `sppo plan --out` (throws naming the file and what is wrong).
+plan::Plan read_plan_file(const std::string& path);
 
 // GPT-2 style initialisation from `seed`: N(0, 0.02) matrices, residual projections scaled
 // by 1/sqrt(2L), zero biases, unit LayerNorm gains. Deterministic for any thread count.

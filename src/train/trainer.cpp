@@ -241,7 +241,8 @@ int run_train(const TrainOptions& o) {
   if (!o.quiet && root) {
     std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s | data %s | %d threads%s\n",
                  o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
-                 (long long)S, s.lengths.size(), o.step.offload.c_str(), s.data->describe().c_str(),
+                 (long long)S, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
+                 s.data->describe().c_str(),
                  omp_get_max_threads(), layout_text(lay).c_str());
   }
 
