@@ -29,6 +29,27 @@ i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index)
   return n;
 }
 
+i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
+  const ModelConfig& c = rules.model;
+  const ActPrecision p = rules.precision;
+  const int L = c.layers;
+  const i64 x = i64(c.hidden) * rules.act_bytes() * S;                 // one block's input
+  const i64 saved = total_bytes(block_saved_specs(c, S, p));            // all its saved tensors
+  const i64 ws = total_bytes(block_workspace_specs(c, S, p));
+  const i64 acc = 2 * i64(c.hidden) * rules.accum_bytes * S;            // dK, dV
+  const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p));
+  const i64 fixed = param_count(c, 0, L, true, true) * rules.param_state_bytes;
+  i64 peak = 0;
+  // Forward of layer l: the inputs kept so far, its saved tensors, workspace and output.
+  for (int l = 0; l < L; ++l) peak = std::max(peak, l * x + saved + ws + x);
+  // The head: every input kept, the final hidden state, head_grad and the head's workspace.
+  peak = std::max(peak, L * x + x + x + head_ws);
+  // Backward of layer l: head_grad, the inputs of layers 0..l, dK/dV, workspace, and the
+  // recomputed saved tensors with the recomputed output.
+  for (int l = L - 1; l >= 0; --l) peak = std::max(peak, x + (l + 1) * x + acc + ws + (saved - x) + x);
+  return fixed + peak;
+}
+
 i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers) {
   if (op.payload == Payload::TiedGrads) return i64(c.vocab) * c.hidden * 4;
   return param_count(c, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == layers) * 4;

@@ -63,6 +63,13 @@ i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head);
 // core/layout.h piece_range), as the runtime shards them.
 i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index);
 
+// Peak device bytes of the full-recomputation baseline (one process, the whole sequence
+// of S tokens as one subsequence): the runtime keeps each block's input through forward
+// and, in backward, recomputes one block's saved tensors at a time (runtime/executor.h).
+// The simulator does not run that schedule; this follows its allocations step by step so
+// that a budget is checked before training.
+i64 recompute_peak_bytes(const MemoryRules& rules, i64 S);
+
 // Bytes per rank an AllReduce op sums: fp32 gradients of its layers (with the embedding
 // and final LayerNorm where the layers include the first or last), or of the tied embedding.
 i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers);

@@ -10,6 +10,7 @@
 #include "core/check.h"
 #include "planner/plan.h"
 #include "schedule/builders.h"
+#include "schedule/memory.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
 #include "train/partition.h"
@@ -176,7 +177,15 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   for (int p = 0; p < s.layout.pp; ++p)
     s.layout.stage_layers.push_back(s.schedule.owned.empty() ? std::pair<int, int>{0, s.config.layers}
                                                               : s.schedule.owned.at(std::size_t(p)));
-  if (!o.recompute) {
+  if (o.recompute) {
+    // The simulator does not run the recompute schedule; its memory follows in closed form.
+    s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, ActPrecision::F32), S);
+    s.predicted_peak_per_rank = {s.predicted_peak_bytes};
+    SPPO_CHECK(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
+        << "--recompute needs " << format_bytes(double(s.predicted_peak_bytes)) << " of device memory at --seq-len "
+        << S << ", over the --device-memory budget of " << format_bytes(double(o.device_memory))
+        << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
+  } else {
     const plan::CostModel cost(profile(), s.config, ActPrecision::F32);
     const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, ActPrecision::F32, shape.zero));
     s.predicted_peak_bytes = r.peak_device_bytes;
