@@ -11,6 +11,7 @@
 #include "cli/cmd_plan.h"
 #include "comm/comm.h"
 #include "core/check.h"
+#include "io/checkpoint.h"
 #include "train/bench.h"
 #include "train/bench_pipeline.h"
 #include "train/bench_sppo.h"
@@ -90,7 +91,8 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (f.hidden) o.model.hidden = positive(f.hidden, "--hidden");
   if (f.layers) o.model.layers = positive(f.layers, "--layers");
   if (f.heads) o.model.heads = positive(f.heads, "--heads");
-  if (custom) o.model_name = f.model + " (custom)";
+  o.model_preset = f.model;
+  if (custom && to_json(o.model) != to_json(preset(f.model))) o.model_name = f.model + " (custom)";
   o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
   if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
   o.model.validate();
@@ -151,6 +153,9 @@ int main(int argc, char** argv) {
   cmd_train->add_option("--trace", train.trace_path, "Chrome trace JSON of the last step (Perfetto)");
   cmd_train->add_option("--svg", train.svg_path, "SVG timeline of the last step (compute, copies, memory)");
   cmd_train->add_flag("--quiet", train.quiet, "No progress output");
+  cmd_train->add_option("--max-bad-steps", train.max_bad_steps,
+                        "Skip a step whose loss or gradient is not finite; stop after this many in a row")
+      ->capture_default_str();
 
   // grads
   StepOptions grads;
@@ -233,7 +238,34 @@ int main(int argc, char** argv) {
     if (auto rc = cli::plan_command_result()) return *rc;
     if (comm::launched_by_mpi() && (*cmd_train || *cmd_grads)) check_same_options(comm::world(), options_of(argc, argv));
     if (*cmd_train) {
+      // --resume restores every option that changes the numbers and was not given again.
+      nlohmann::json recorded;
+      if (!train.resume_dir.empty()) {
+        const nlohmann::json state = io::read_checkpoint_state(train.resume_dir);
+        recorded = state.value("options", nlohmann::json::object());
+        std::vector<std::string> args(argv, argv + argc);
+        // Without --steps the run continues to the end its schedule was laid out for.
+        if (cmd_train->get_option("--steps")->count() == 0 && state.contains("schedule_steps"))
+          args.push_back("--steps=" + std::to_string(state["schedule_steps"].get<int>()));
+        for (auto it = recorded.begin(); it != recorded.end(); ++it) {
+          const CLI::Option* opt = cmd_train->get_option_no_throw(it.key());
+          if (!opt || opt->count() > 0) continue;
+          if (it.value().is_boolean()) {
+            if (it.value().get<bool>()) args.push_back(it.key());
+          } else if (!it.value().get<std::string>().empty()) {
+            args.push_back(it.key() + "=" + it.value().get<std::string>());
+          }
+        }
+        std::vector<const char*> restored;
+        for (const auto& a : args) restored.push_back(a.c_str());
+        app.clear();
+        app.parse(int(restored.size()), restored.data());
+      }
       resolve_step_options(train_flags, train.step);
+      const std::string differs = first_difference(numeric_options(train), recorded);
+      SPPO_CHECK(differs.empty(), "checkpoint")
+          << differs << " in " << train.resume_dir << "; drop it to continue the run as it was saved, or start a "
+          << "new run without --resume";
       return run_train(train);
     }
     if (*cmd_grads) {
@@ -293,8 +325,14 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const Error& e) {
     // Errors that reach here are the same on every rank (train and grads agree on them
-    // first), so one rank reports them.
+    // first), so one rank reports them. 3: the run does not fit; 2: bad input.
     if (!comm::launched_by_mpi() || comm::world().rank() == 0) std::fprintf(stderr, "sppo: %s\n", e.what());
+    return dynamic_cast<const DoesNotFit*>(&e) ? 3 : 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "sppo: [memory] this machine ran out of memory; shorten --seq-len or use a smaller model\n");
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sppo: %s\n", e.what());
     return 2;
   }
 }

@@ -15,6 +15,7 @@ const FaultPlan& fault_plan() {
     if (std::sscanf(v, "%15[a-z]:%d:%d", kind, &p.rank, &p.count) == 3) {
       if (std::strcmp(kind, "die") == 0) p.kind = FaultPlan::Kind::Die;
       if (std::strcmp(kind, "drop") == 0) p.kind = FaultPlan::Kind::Drop;
+      if (std::strcmp(kind, "nan") == 0) p.kind = FaultPlan::Kind::Nan;
     }
     return p;
   }();

@@ -11,6 +11,7 @@ namespace sppo {
 struct StepOptions {
   ModelConfig model;
   std::string model_name = "small";   // preset, or "custom" when sizes were given
+  std::string model_preset = "small"; // the preset the sizes started from
   i64 seq_len = 4096;                 // S
   std::uint64_t seed = 1234;
   std::string data;                   // "" = the built-in repeat task
@@ -50,6 +51,7 @@ struct TrainOptions {
   std::string trace_path;             // Chrome trace JSON of the last step
   std::string svg_path;               // SVG timeline of the last step
   bool quiet = false;
+  int max_bad_steps = 3;              // stop after this many non-finite steps in a row
 };
 
 }  // namespace sppo

@@ -49,20 +49,27 @@ ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm
 }
 
 void on_every_rank(comm::Comm& world, const std::function<void()>& f) {
+  // Messages travel with a first character that says whether the run does not fit ('3')
+  // or was given bad input ('2'), so that every rank exits as the failing one would.
   std::string mine;
   try {
     f();
+  } catch (const DoesNotFit& e) {
+    if (world.size() == 1) throw;
+    mine = std::string("3") + e.what();
   } catch (const Error& e) {
-    mine = e.what();
+    if (world.size() == 1) throw;
+    mine = std::string("2") + e.what();
   }
-  if (world.size() == 1) {
-    if (!mine.empty()) throw Error(mine);
-    return;
-  }
+  if (world.size() == 1) return;
   const auto all = comm::allgather_strings(world, mine, "the other ranks' set-up");
   std::map<std::string, std::vector<int>> distinct;
+  bool fits = true;
   for (int r = 0; r < int(all.size()); ++r)
-    if (!all[std::size_t(r)].empty()) distinct[all[std::size_t(r)]].push_back(r);
+    if (!all[std::size_t(r)].empty()) {
+      distinct[all[std::size_t(r)].substr(1)].push_back(r);
+      fits = fits && all[std::size_t(r)][0] == '3';
+    }
   if (distinct.empty()) return;
   std::ostringstream os;
   bool first = true;
@@ -76,6 +83,7 @@ void on_every_rank(comm::Comm& world, const std::function<void()>& f) {
       os << ")";
     }
   }
+  if (fits) throw DoesNotFit(os.str());
   throw Error(os.str());
 }
 

@@ -98,7 +98,7 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
              format_bytes(double(fit.least_peak_bytes)) + " (at --subseqs " +
              std::to_string(fit.least_peak_subseqs) +
              "), since K/V and their gradients stay on the device; shorten --seq-len or raise --device-memory";
-    SPPO_CHECK(false, "memory") << "--subseqs " << N << " --offload " << offload << " needs "
+    SPPO_CHECK_FITS(false, "memory") << "--subseqs " << N << " --offload " << offload << " needs "
                                 << format_bytes(double(ch.predicted_peak_bytes)) << " ("
                                 << ch.predicted_peak_bytes << " B) of device memory, over the "
                                 << "--device-memory budget of " << format_bytes(double(budget))

@@ -1,6 +1,7 @@
 #include "train/setup.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -100,6 +101,17 @@ plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
   return p;
 }
 
+// MemAvailable of /proc/meminfo (0 when unknown).
+i64 available_memory_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  i64 kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
 // The profile adaptive choices price with. Measured timings differ from rank to rank, and
 // every rank must choose the same lengths and alpha, so rank 0 measures for all.
 plan::HardwareProfile agreed_profile(const std::string& hardware, comm::Comm& w) {
@@ -181,7 +193,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     // The simulator does not run the recompute schedule; its memory follows in closed form.
     s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, ActPrecision::F32), S);
     s.predicted_peak_per_rank = {s.predicted_peak_bytes};
-    SPPO_CHECK(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
+    SPPO_CHECK_FITS(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
         << "--recompute needs " << format_bytes(double(s.predicted_peak_bytes)) << " of device memory at --seq-len "
         << S << ", over the --device-memory budget of " << format_bytes(double(o.device_memory))
         << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
@@ -192,10 +204,26 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     s.predicted_peak_per_rank = r.peak_bytes;
     s.predicted_step_s = r.step_time_s;
     s.predicted_bubble = r.bubble_ratio;
-    SPPO_CHECK(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")
+    s.predicted_host_bytes = r.peak_host_bytes;
+    SPPO_CHECK_FITS(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")
         << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " needs "
         << format_bytes(double(r.peak_device_bytes)) << " of device memory on its fullest rank, over the "
         << "--device-memory budget of " << format_bytes(double(o.device_memory));
+  }
+
+  // On the CPU both tiers are this machine's memory: what the step holds on its fullest
+  // rank, times the ranks sharing the machine, must be there before the run starts.
+  {
+    const i64 per_rank = s.predicted_peak_bytes + s.predicted_host_bytes + kProcessAllowanceBytes;
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
+    const i64 available = available_memory_bytes();
+    SPPO_CHECK_FITS(available <= 0 || per_rank <= available / ranks_here, "memory")
+        << "this run needs " << format_bytes(double(per_rank)) << " of memory"
+        << (ranks_here > 1 ? " per rank (" + std::to_string(ranks_here) + " ranks here)" : "") << " (device tier "
+        << format_bytes(double(s.predicted_peak_bytes)) << ", offloaded " << format_bytes(double(s.predicted_host_bytes))
+        << ", " << format_bytes(double(kProcessAllowanceBytes)) << " for the process itself) but this machine has "
+        << format_bytes(double(available)) << " available; shorten --seq-len or use a smaller model";
   }
 
   RuntimeOptions ro;

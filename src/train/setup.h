@@ -30,10 +30,15 @@ struct StepSetup {
   std::vector<i64> predicted_peak_per_rank;
   double predicted_step_s = 0;  // on `profile`
   double predicted_bubble = 0;  // idle over busy compute time, mean over ranks
+  i64 predicted_host_bytes = 0; // offloaded bytes held in host memory at once (fullest rank)
   plan::HardwareProfile profile;  // this machine's (measured or loaded), else nominal
   bool profile_measured = false;  // profile prices time (not only memory)
   bool repeat_task = false;     // the built-in task: report both halves' losses
 };
+
+// Memory a run's process holds besides the two tiers (program, thread stacks, OpenBLAS and
+// MPI buffers), counted when checking that a run fits the machine.
+inline constexpr i64 kProcessAllowanceBytes = i64{256} << 20;
 
 // Resolves the model (preset or sizes), opens and checks the data, picks the layout of
 // ranks, N, the lengths and alpha, checks the budget of every rank, builds the schedule

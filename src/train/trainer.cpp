@@ -13,6 +13,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <unistd.h>
 
 #include "core/check.h"
 #include "io/checkpoint.h"
@@ -28,9 +29,11 @@ namespace sppo {
 
 namespace {
 
-float lr_at(const TrainOptions& o, int step) {  // step counts from 0
+// The learning rate of step `step` (from 0) of a schedule laid out for `planned` steps:
+// linear warm-up, cosine decay to lr * min_lr_ratio at step `planned`, then constant.
+float lr_at(const TrainOptions& o, int step, int planned) {
   if (o.warmup > 0 && step < o.warmup) return o.lr * float(step + 1) / float(o.warmup);
-  const int decay = std::max(1, o.steps - o.warmup);
+  const int decay = std::max(1, planned - o.warmup);
   const double progress = std::min(1.0, double(step - o.warmup) / double(decay));
   const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
   return float(o.lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine));
@@ -71,6 +74,59 @@ void write_json_file(const std::string& path, const nlohmann::json& j) {
   SPPO_CHECK(f.good(), "io") << "error writing " << path;
 }
 
+// A file the run writes (at its end, possibly hours later): checked before any work.
+void check_output_file(const std::string& path, const char* option) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path p(path);
+  SPPO_CHECK(!fs::is_directory(p, ec), "options") << option << " " << path << " is a directory; give a file name";
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  SPPO_CHECK(fs::is_directory(dir, ec), "options")
+      << option << " " << path << ": the directory " << dir.string() << " does not exist; create it first";
+  SPPO_CHECK(::access(dir.c_str(), W_OK) == 0 && (!fs::exists(p, ec) || ::access(p.c_str(), W_OK) == 0), "options")
+      << option << " " << path << " is not writable";
+}
+
+// A directory the run writes: a checkpoint (replaced atomically) or an export.
+void check_output_dir(const std::string& path, const char* option, bool checkpoint) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::exists(p, ec)) {
+    SPPO_CHECK(fs::is_directory(p, ec), "options") << option << " " << path << " is a file, not a directory";
+    SPPO_CHECK(!checkpoint || fs::is_empty(p, ec) || io::checkpoint_exists(path), "options")
+        << option << " " << path << " holds files that are not a checkpoint; saving would not replace them: "
+        << "give a new directory";
+  }
+  // A checkpoint is written beside its directory and renamed into place.
+  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  SPPO_CHECK(fs::is_directory(parent, ec), "options")
+      << option << " " << path << ": the directory " << parent.string() << " does not exist; create it first";
+  SPPO_CHECK(::access(parent.c_str(), W_OK) == 0, "options") << option << " " << path << ": "
+                                                              << parent.string() << " is not writable";
+}
+
+void check_train_options(const TrainOptions& o) {
+  SPPO_CHECK(o.steps >= 1, "options") << "--steps must be at least 1 (got " << o.steps << ")";
+  SPPO_CHECK(o.lr > 0 && std::isfinite(o.lr), "options") << "--lr must be positive (got " << o.lr << ")";
+  SPPO_CHECK(o.warmup >= 0, "options") << "--warmup must be 0 or more steps (got " << o.warmup << ")";
+  SPPO_CHECK(o.weight_decay >= 0, "options") << "--weight-decay must be 0 or more (got " << o.weight_decay << ")";
+  SPPO_CHECK(o.clip >= 0, "options") << "--clip must be 0 (off) or positive (got " << o.clip << ")";
+  SPPO_CHECK(o.save_every >= 0, "options") << "--save-every must be 0 (off) or positive (got " << o.save_every << ")";
+  SPPO_CHECK(o.stop_after >= 0, "options") << "--stop-after must be 0 (off) or positive (got " << o.stop_after << ")";
+  SPPO_CHECK(o.max_bad_steps >= 1, "options") << "--max-bad-steps must be at least 1 (got " << o.max_bad_steps << ")";
+  SPPO_CHECK(o.step.threads >= 0, "options") << "--threads must be 0 (all cores) or positive (got " << o.step.threads
+                                             << ")";
+  SPPO_CHECK(o.step.comm_timeout_s > 0, "options") << "--comm-timeout must be positive";
+  SPPO_CHECK(o.save_every == 0 || !o.save_dir.empty(), "options") << "--save-every needs --save DIR";
+  check_output_dir(o.save_dir, "--save", true);
+  check_output_file(o.metrics_path, "--metrics");
+  check_output_file(o.trace_path, "--trace");
+  check_output_file(o.svg_path, "--svg");
+}
+
 // Work on this rank alone: an error here leaves the other ranks waiting on messages, so
 // with several ranks it ends the whole job at once, naming the rank.
 template <typename F>
@@ -79,7 +135,8 @@ void on_this_rank(comm::Comm& world, F&& f) {
     f();
   } catch (const Error& e) {
     if (world.size() == 1) throw;
-    world.abort(std::string(e.what()) + " (rank " + std::to_string(world.rank()) + ")", 2);
+    world.abort(std::string(e.what()) + " (rank " + std::to_string(world.rank()) + ")",
+                dynamic_cast<const DoesNotFit*>(&e) ? 3 : 2);
   }
 }
 
@@ -199,26 +256,26 @@ std::string layout_text(const ParallelLayout& lay) {
 int run_train(const TrainOptions& o) {
   comm::Comm& world = comm::world();
   world.set_timeout_s(o.step.comm_timeout_s);
-  apply_threads(o.step.threads, world);
   const bool root = world.rank() == 0;
   StepSetup s;
   int start_step = 0;
+  int planned = o.steps;  // the steps the learning-rate schedule is laid out for
+  int updates = 0;        // optimizer updates so far (AdamW's bias correction counts them)
   std::unique_ptr<io::JsonlWriter> metrics;
   on_every_rank(world, [&] {
-    SPPO_CHECK(o.steps >= 1, "options") << "--steps must be at least 1 (got " << o.steps << ")";
-    SPPO_CHECK(o.lr > 0, "options") << "--lr must be positive (got " << o.lr << ")";
-    SPPO_CHECK(o.save_every >= 0, "options") << "--save-every must be >= 0";
-    SPPO_CHECK(o.step.comm_timeout_s > 0, "options") << "--comm-timeout must be positive";
+    check_train_options(o);
+    apply_threads(o.step.threads, world);
     s = make_setup(o.step, &world);
     const ModelConfig& c = s.config;
     if (!o.resume_dir.empty()) {
       std::string from;
       nlohmann::json state = load_owned(*s.runtime, o.resume_dir, &from);
-      SPPO_CHECK(model_config_from_json(state.at("config")).hidden == c.hidden && state.at("config") == to_json(c),
-                 "checkpoint")
+      SPPO_CHECK(state.at("config") == to_json(c), "checkpoint")
           << "checkpoint " << from << " holds a model " << state.at("config").dump() << ", not the requested "
           << to_json(c).dump() << "; pass the same model options";
       start_step = state.at("step").get<int>();
+      planned = state.value("schedule_steps", o.steps);
+      updates = state.value("optimizer_steps", start_step);
       s.data->seek(state.at("data_position"));
       SPPO_CHECK(start_step <= o.steps, "checkpoint")
           << "checkpoint is at step " << start_step << " but --steps is " << o.steps
@@ -252,27 +309,48 @@ int run_train(const TrainOptions& o) {
                             {"config", to_json(c)},
                             {"seed", o.step.seed},
                             {"seq_len", S},
-                            {"batch", lay.batch}};
+                            {"batch", lay.batch},
+                            {"schedule_steps", planned},
+                            {"optimizer_steps", updates},
+                            {"options", numeric_options(o)}};
     save_consolidated(rt, lay, world, o.save_dir, state);
   };
 
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
   const auto t_run = std::chrono::steady_clock::now();
   std::vector<double> step_times;
+  int bad_in_a_row = 0;
   std::vector<i64> peaks(std::size_t(lay.ranks()), 0);
   for (int step = start_step; step < o.steps; ++step) {
     const FaultPlan& fault = fault_plan();
     if (fault.kind == FaultPlan::Kind::Die && fault.rank == world.rank() && fault.count == step + 1) raise(SIGKILL);
     Sequences q;
     on_this_rank(world, [&] { q = run_sequences(s, tokens, nullptr); });
+    if (fault.kind == FaultPlan::Kind::Nan && fault.rank == world.rank() && step + 1 == fault.count)
+      rt.grads()[0] = std::nanf("");  // a poisoned gradient
     std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
     comm::allreduce_sum(world, losses, comm::world_group(world), "the step's loss");
     const double loss = losses[0] / lay.batch;
-    SPPO_CHECK(std::isfinite(loss), "train") << "the loss is not finite at step " << step + 1 << "; lower --lr";
-    const float lr = lr_at(o, step);
+    const float lr = lr_at(o, step, planned);
     AdamWSettings hp{lr, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.clip};
-    const double norm = optimizer_step(rt, lay, world, hp, step + 1);
-    SPPO_CHECK(std::isfinite(norm), "train") << "the gradient is not finite at step " << step + 1 << "; lower --lr";
+    // A step whose loss or gradient is not finite changes nothing (optimizer_step leaves
+    // the weights alone); too many in a row end the run, keeping the last checkpoint.
+    const double norm = std::isfinite(loss) ? optimizer_step(rt, lay, world, hp, updates + 1) : loss;
+    if (!std::isfinite(norm)) {
+      ++bad_in_a_row;
+      if (root && !o.quiet)
+        std::fprintf(stderr, "%sstep %d: the %s is not finite; step skipped (%d in a row, at most --max-bad-steps %d)\n",
+                     tty ? "\r\033[K" : "", step + 1, std::isfinite(loss) ? "gradient" : "loss", bad_in_a_row,
+                     o.max_bad_steps);
+      if (root && metrics) metrics->write({{"step", step + 1}, {"skipped", true}});
+      SPPO_CHECK(bad_in_a_row < o.max_bad_steps, "train")
+          << "--max-bad-steps " << o.max_bad_steps << " reached: step " << step + 1
+          << " is the last of that many in a row with a non-finite loss or gradient; stopped" << (o.save_dir.empty() ? "" : ", keeping the last checkpoint in " + o.save_dir)
+          << "; lower --lr or --clip and resume";
+      continue;
+    }
+    bad_in_a_row = 0;
+    ++updates;
     const std::vector<RankFigures> ranks = all_figures(world, q);
     double step_s = 0, exposed = 0;
     i64 peak = 0, offloaded = 0;
@@ -377,14 +455,49 @@ int run_train(const TrainOptions& o) {
   return 0;
 }
 
+nlohmann::json numeric_options(const TrainOptions& o) {
+  const StepOptions& st = o.step;
+  auto num = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", v);
+    return std::string(buf);
+  };
+  return {{"--model", st.model_preset},
+          {"--vocab", std::to_string(st.model.vocab)},
+          {"--hidden", std::to_string(st.model.hidden)},
+          {"--layers", std::to_string(st.model.layers)},
+          {"--heads", std::to_string(st.model.heads)},
+          {"--seq-len", std::to_string(st.seq_len)},
+          {"--seed", std::to_string(st.seed)},
+          {"--data", st.data},
+          {"--data-dtype", st.data_dtype},
+          {"--subseqs", st.subseqs},
+          {"--partition", st.partition},
+          {"--recompute", st.recompute},
+          {"--batch", std::to_string(st.batch == 0 ? st.dp : st.batch)},
+          {"--lr", num(o.lr)},
+          {"--warmup", std::to_string(o.warmup)},
+          {"--weight-decay", num(o.weight_decay)},
+          {"--clip", num(o.clip)}};
+}
+
+std::string first_difference(const nlohmann::json& given, const nlohmann::json& recorded) {
+  for (auto it = recorded.begin(); it != recorded.end(); ++it)
+    if (given.contains(it.key()) && given[it.key()] != it.value())
+      return it.key() + " " + given[it.key()].dump() + " differs from the checkpoint's " + it.value().dump();
+  return "";
+}
+
 int run_grads(const StepOptions& o, const std::string& out_dir, const std::string& init_from) {
   comm::Comm& world = comm::world();
   world.set_timeout_s(o.comm_timeout_s);
-  apply_threads(o.threads, world);
   const bool root = world.rank() == 0;
   StepSetup s;
   on_every_rank(world, [&] {
     SPPO_CHECK(!out_dir.empty(), "options") << "sppo grads needs --out DIR";
+    SPPO_CHECK(o.threads >= 0, "options") << "--threads must be 0 (all cores) or positive (got " << o.threads << ")";
+    check_output_dir(out_dir, "--out", false);
+    apply_threads(o.threads, world);
     s = make_setup(o, &world);
     if (!init_from.empty()) {
       load_owned(*s.runtime, init_from, nullptr);  // its optimizer state is loaded and unused

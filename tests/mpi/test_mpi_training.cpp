@@ -73,7 +73,7 @@ TEST_F(Training, ResumeAcrossLayouts) {
   expect_same_curve(tail, alone("--steps 20 --resume " + path("ck_pp"), "b.jsonl"), "pp 2 -> 1");
   // One process -> pipeline 2.
   alone("--steps 20 --stop-after 10 --save " + path("ck_one"), "c.jsonl");
-  expect_same_curve(tail, ranks(2, "--steps 20 --pp 2 --subseqs 2 --resume " + path("ck_one"), "d.jsonl"), "1 -> pp 2");
+  expect_same_curve(tail, ranks(2, "--steps 20 --pp 2 --resume " + path("ck_one"), "d.jsonl"), "1 -> pp 2");
   // Data parallel 2 (ZeRO-1) -> one process with two sequences a step, and back.
   const auto batch2 = alone("--steps 20 --batch 2", "e.jsonl");
   const std::vector<double> tail2(batch2.begin() + 10, batch2.end());
