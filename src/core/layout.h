@@ -52,6 +52,16 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c);
 // LayerNorm with the last.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end);
 
+// Scratch memory a kernel (or a block's sequence of kernels) needs for T rows, as an upper
+// bound fixed + bytes_per_token * T that the runtime allocates from the device tier and the
+// memory rules count (kernels/scratch.h). Zero: kernels allocate outside any budget.
+struct KernelScratch {
+  i64 fixed_bytes = 0;
+  i64 bytes_per_token = 0;
+  i64 bytes(i64 T) const { return fixed_bytes + bytes_per_token * T; }
+  bool operator==(const KernelScratch&) const = default;
+};
+
 // Precision of activations: fp32 on the CPU backend; bf16 on GPUs, where LayerNorm
 // statistics and the attention LSE stay fp32.
 enum class ActPrecision { F32, BF16 };

@@ -51,17 +51,34 @@ BlockSaved block_saved_from(const std::vector<float*>& t) {
   return {t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12], t[13]};
 }
 
-BlockWorkspace block_workspace_from(const std::vector<float*>& t) {
+BlockWorkspace block_workspace_from(const std::vector<float*>& t, cpu::Scratch* scratch) {
   SPPO_ASSERT(t.size() == 4);
-  return {t[0], t[1], t[2], t[3]};
+  return {t[0], t[1], t[2], t[3], scratch};
 }
 
-HeadWorkspace head_workspace_from(const std::vector<float*>& t, int chunk) {
+HeadWorkspace head_workspace_from(const std::vector<float*>& t, int chunk, cpu::Scratch* scratch) {
   SPPO_ASSERT(t.size() == 5);
-  return {t[0], t[1], t[2], t[3], t[4], chunk};
+  return {t[0], t[1], t[2], t[3], t[4], chunk, scratch};
+}
+
+KernelScratch block_kernel_scratch(const ModelConfig& c, int threads) {
+  KernelScratch s = cpu::attention_forward_scratch(c.head_size(), threads);
+  s = cpu::max(s, cpu::attention_backward_scratch(c.heads, c.head_size(), threads));
+  s = cpu::max(s, cpu::layernorm_backward_scratch(c.hidden));
+  return cpu::max(s, cpu::linear_backward_scratch(std::max(3 * c.hidden, c.ffn())));
+}
+
+KernelScratch head_kernel_scratch(const ModelConfig& c, int chunk) {
+  return cpu::max(cpu::layernorm_backward_scratch(c.hidden), cpu::xent_scratch(chunk));
 }
 
 namespace {
+
+// The workspace's scratch, emptied for the next kernel (null when there is none).
+cpu::Scratch* fresh(cpu::Scratch* s) {
+  if (s) s->reset();
+  return s;
+}
 
 void add_inplace(float* y, const float* x, i64 n) {
 #pragma omp parallel for simd schedule(static)
@@ -120,8 +137,8 @@ void block_forward(float* x_out, BlockSaved& s, const BlockParams& p, const Bloc
   copy_cols(s.k, w.qkv, T, H, 3 * H, H);
   copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
   // Every earlier block and the diagonal one in one call: one online softmax, no merge.
-  cpu::attention_forward_blocks(s.attn_out, s.lse, s.q,
-                                kv_blocks(past, s.k, s.v, nullptr, nullptr, q), attn_dims(c, q));
+  cpu::attention_forward_blocks(s.attn_out, s.lse, s.q, kv_blocks(past, s.k, s.v, nullptr, nullptr, q),
+                                attn_dims(c, q), fresh(w.scratch));
   cpu::linear_forward(s.x_mid, s.attn_out, p.out_w, p.out_b, T, H, H);
   add_inplace(s.x_mid, s.x, TH);
   // MLP half: x_out = x_mid + proj(gelu(fc(LN2(x_mid))))
@@ -138,13 +155,14 @@ void block_backward(float* d, BlockParams& g, float* dk_self, float* dv_self, co
   const int T = q.T, H = c.hidden, F = c.ffn();
   // MLP half. d is the gradient w.r.t. x_out = x_mid + proj(gelu(fc_pre)).
   cpu::gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);  // recomputed: cheaper than saving it
-  cpu::linear_backward(nullptr, g.proj_w, g.proj_b, d, w.mlp_act, p.proj_w, T, F, H);
+  cpu::linear_backward(nullptr, g.proj_w, g.proj_b, d, w.mlp_act, p.proj_w, T, F, H, 0, 0, fresh(w.scratch));
   cpu::gemm(false, false, T, F, H, 1.0f, d, H, p.proj_w, F, 0.0f, w.mlp_act, F);  // d mlp_act
   cpu::gelu_backward(w.mlp_act, w.mlp_act, s.fc_pre, i64(T) * F);                // d fc_pre
-  cpu::linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, s.ln2_out, p.fc_w, T, H, F);
-  cpu::layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H);
+  cpu::linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, s.ln2_out, p.fc_w, T, H, F, 0, 0, fresh(w.scratch));
+  cpu::layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H,
+                          fresh(w.scratch));
   // Attention half. d is now the gradient w.r.t. x_mid = x + out(attn_out).
-  cpu::linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, p.out_w, T, H, H);
+  cpu::linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, p.out_w, T, H, H, 0, 0, fresh(w.scratch));
   cpu::AttnDims self = attn_dims(c, q);
   cpu::attention_backward_delta(w.delta, w.d_tmp, s.attn_out, self);
   float* dqkv = w.qkv;  // [T, 3H]: dq accumulates in columns 0..H-1
@@ -156,14 +174,15 @@ void block_backward(float* d, BlockParams& g, float* dk_self, float* dv_self, co
   float* q3 = w.qkv + H;  // columns H..2H-1 are free until dk is written below
   put_cols(q3, s.q, T, H, 3 * H, 0);
   cpu::attention_backward_blocks(dqkv, w.d_tmp, q3, kv_blocks(past, s.k, s.v, dk_self, dv_self, q),
-                                 s.lse, w.delta, dq_self);
+                                 s.lse, w.delta, dq_self, fresh(w.scratch));
   // dK/dV of this subsequence are complete: every later subsequence has contributed.
   put_cols(dqkv, dk_self, T, H, 3 * H, H);
   put_cols(dqkv, dv_self, T, H, 3 * H, 2 * H);
   cpu::rope_backward(dqkv, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
   cpu::rope_backward(dqkv + H, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
-  cpu::linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, p.qkv_w, T, H, 3 * H);
-  cpu::layernorm_backward(d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, H);
+  cpu::linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, p.qkv_w, T, H, 3 * H, 0, 0, fresh(w.scratch));
+  cpu::layernorm_backward(d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, H,
+                          fresh(w.scratch));
 }
 
 double head_forward_backward(float* head_grad, const float* x, const std::int32_t* targets,
@@ -179,13 +198,13 @@ double head_forward_backward(float* head_grad, const float* x, const std::int32_
     const int rows = std::min(w.chunk, T - t0);
     float* h = w.ln_f_out + i64(t0) * H;
     cpu::gemm(false, true, rows, V, H, 1.0f, h, H, p.embed, H, 0.0f, w.logits, V);
-    loss += cpu::xent_forward_backward(w.logits, w.losses + t0, targets + t0, rows, V, scale);
+    loss += cpu::xent_forward_backward(w.logits, w.losses + t0, targets + t0, rows, V, scale, fresh(w.scratch));
     cpu::gemm(true, false, V, H, rows, 1.0f, w.logits, V, h, H, 1.0f, g.embed, H);
     cpu::gemm(false, false, rows, H, V, 1.0f, w.logits, V, p.embed, H, 0.0f, h, H);
   }
   std::memset(head_grad, 0, sizeof(float) * i64(T) * H);
   cpu::layernorm_backward(head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean,
-                          w.ln_f_rstd, T, H);
+                          w.ln_f_rstd, T, H, fresh(w.scratch));
   return loss;
 }
 

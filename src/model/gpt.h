@@ -13,6 +13,7 @@
 
 #include "core/config.h"
 #include "core/layout.h"
+#include "kernels/scratch.h"
 
 namespace sppo {
 
@@ -67,8 +68,14 @@ struct BlockWorkspace {
   float* mlp_act;  // [T, F]
   float* d_tmp;    // [T, H]
   float* delta;    // [Z, T]
+  cpu::Scratch* scratch = nullptr;  // the kernels' scratch (block_kernel_scratch); null: their own
 };
-BlockWorkspace block_workspace_from(const std::vector<float*>& ptrs);
+BlockWorkspace block_workspace_from(const std::vector<float*>& ptrs, cpu::Scratch* scratch = nullptr);
+
+// The kernel scratch one block's forward or backward takes on T tokens with `threads`
+// OpenMP threads (one buffer, reused by its kernels in turn), and the head's.
+KernelScratch block_kernel_scratch(const ModelConfig& c, int threads);
+KernelScratch head_kernel_scratch(const ModelConfig& c, int chunk);
 
 // Keys and values of the earlier subsequences j < i of this layer, and (in backward) their
 // gradient accumulators. kv[j] covers positions offsets[j] .. offsets[j] + lengths[j] - 1.
@@ -107,8 +114,9 @@ struct HeadWorkspace {
   float* logits;     // [chunk, V]
   float* losses;     // [T]
   int chunk;
+  cpu::Scratch* scratch = nullptr;  // head_kernel_scratch; null: the kernels' own
 };
-HeadWorkspace head_workspace_from(const std::vector<float*>& ptrs, int chunk);
+HeadWorkspace head_workspace_from(const std::vector<float*>& ptrs, int chunk, cpu::Scratch* scratch = nullptr);
 double head_forward_backward(float* head_grad, const float* x,
                              const std::int32_t* targets, const ParamView& p, ParamView& g,
                              const HeadWorkspace& w, const ModelConfig& c, int T,

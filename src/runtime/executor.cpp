@@ -73,6 +73,23 @@ bool is_hidden_message(const sched::Op& op) {
 
 constexpr std::size_t kNever = std::size_t(-1);
 
+// The kernels' scratch for one layer (or the head), from the device tier; none when the
+// size is zero (the kernels then allocate their own).
+class KernelScratchBuffer {
+ public:
+  KernelScratchBuffer() = default;
+  KernelScratchBuffer(MemoryTier& tier, i64 bytes) {
+    if (bytes <= 0) return;
+    buf_ = tier.alloc(bytes, "kernel scratch");
+    scratch_ = std::make_unique<cpu::Scratch>(buf_.data(), std::size_t(bytes));
+  }
+  cpu::Scratch* get() const { return scratch_.get(); }
+
+ private:
+  Buffer buf_;
+  std::unique_ptr<cpu::Scratch> scratch_;
+};
+
 }  // namespace
 
 struct Runtime::StepState {
@@ -267,6 +284,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
     if (l == 0) cpu::embedding_forward(unit[0].f32(), ids, weights_.embed, T, H);
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, ActPrecision::F32), "workspace ");
+    KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     // The block's output is the next block's saved input, or the stage's output.
     float* x_out;
     if (l + 1 < e) {
@@ -284,9 +302,10 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       past.lengths.push_back(sc.lengths[j]);
     }
     BlockSaved saved = block_saved_from(ptrs(unit));
-    block_forward(x_out, saved, weights_.blocks[l], block_workspace_from(ptrs(ws)), past, config_, q);
+    block_forward(x_out, saved, weights_.blocks[l], block_workspace_from(ptrs(ws), scratch.get()), past, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
+    scratch = {};
     ws.clear();
     poll(st);
   }
@@ -296,7 +315,8 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   }
   auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, ActPrecision::F32),
                              "head workspace ");
-  const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk);
+  KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
+  const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get());
   st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
   st.loss_sum += head_forward_backward(st.head_grad[i].f32(), out.f32(), ids + 1, weights_, dweights_, hw,
                                        config_, T, st.S);
@@ -327,7 +347,8 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
       }
     auto& unit = st.dev[i][l];
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, ActPrecision::F32), "workspace ");
-    const BlockWorkspace w = block_workspace_from(ptrs(ws));
+    KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
+    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     KVBlocks past;
     for (int j = 0; j < i; ++j) {
       past.k.push_back(st.dev[j][l][5].f32());
@@ -353,6 +374,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     for (auto& buf : unit) buf.reset();
     st.dk[l][i].reset();
     st.dv[l][i].reset();
+    scratch = {};
     ws.clear();
     const std::size_t bucket = first_layer_bucket + std::size_t(l - lb_);
     if (st.reduce_op && st.bucket_ready[bucket] == index) start_bucket(st, bucket);

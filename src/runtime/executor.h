@@ -49,6 +49,9 @@ struct RuntimeOptions {
   std::pair<int, int> layers{0, 0};
   int zero_shards = 1;
   int zero_index = 0;
+  // Kernel scratch taken from the device tier with each layer's workspace and the head's
+  // (model/gpt.h block_kernel_scratch, head_kernel_scratch); zero: the kernels' own memory.
+  KernelScratch block_scratch, head_scratch;
 };
 
 // One span of the step's timeline: the op that ran, on which lane, when.

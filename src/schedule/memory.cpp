@@ -35,9 +35,9 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
   const int L = c.layers;
   const i64 x = i64(c.hidden) * rules.act_bytes() * S;                 // one block's input
   const i64 saved = total_bytes(block_saved_specs(c, S, p));            // all its saved tensors
-  const i64 ws = total_bytes(block_workspace_specs(c, S, p));
+  const i64 ws = total_bytes(block_workspace_specs(c, S, p)) + rules.block_scratch.bytes(S);
   const i64 acc = 2 * i64(c.hidden) * rules.accum_bytes * S;            // dK, dV
-  const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p));
+  const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p)) + rules.head_scratch.bytes(S);
   const i64 fixed = param_count(c, 0, L, true, true) * rules.param_state_bytes;
   i64 peak = 0;
   // Forward of layer l: the inputs kept so far, its saved tensors, workspace and output.
@@ -140,7 +140,8 @@ i64 RankMemory::tokens_of(const Op& op) const {
 }
 
 i64 RankMemory::head_ws(i64 T) const {
-  return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision));
+  return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision)) +
+         rules_.head_scratch.bytes(T);
 }
 
 i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
@@ -183,7 +184,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   switch (op.kind) {
     case OpKind::Forward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_pt_ * T + piece_fwd_extra(op, T);
+      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T) + piece_fwd_extra(op, T);
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
       // layer, the head's input, freed once used, or the next stage's input, freed as its
@@ -208,7 +209,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     }
     case OpKind::Backward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_pt_ * T + piece_bwd_extra(op, T);
+      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T) + piece_bwd_extra(op, T);
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
         emit(out, double(k) / n, ws);

@@ -4,7 +4,7 @@
 //    `param_state_bytes` (16) per parameter; every SP rank and DP replica of a stage holds
 //    a full copy of that stage's weights and gradients, and, under ZeRO-1, only its share
 //    of the AdamW state (zero_state_params).
-//  - F(i), per layer: workspace for the layer's duration; K_i, V_i (skeletal, until B(i)
+//  - F(i), per layer: workspace (kernel scratch included) for the layer's duration; K_i, V_i (skeletal, until B(i)
 //    of that layer) and the unit U(l, i) (offloadable); the layer's output [T, H], which is
 //    the next layer's saved input (so part of its unit), or, after the last layer, the
 //    head's input, freed at the end of F, or, after a stage's last layer, the hidden state
@@ -50,6 +50,9 @@ struct MemoryRules {
   int optimizer_bytes = 8;      // of which AdamW m + v
   int accum_bytes = 4;          // dK/dV accumulators are fp32 on every backend
   bool zero = false;            // ZeRO-1: AdamW state sharded over the gradient all-reduce group
+  // Kernel scratch the runtime allocates with each layer's workspace, and with the head's
+  // (the CPU backend's, kernels/scratch.h; zero where kernels bring their own).
+  KernelScratch block_scratch, head_scratch;
 
   int act_bytes() const { return precision == ActPrecision::F32 ? 4 : 2; }
 };

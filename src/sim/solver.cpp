@@ -29,6 +29,13 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero
   return m;
 }
 
+MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape) {
+  MemoryRules m = memory_rules(c, precision, shape.zero);
+  m.block_scratch = shape.block_scratch;
+  m.head_scratch = shape.head_scratch;
+  return m;
+}
+
 sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
                            const StepShape& shape) {
   if (shape.pp * shape.dp == 1) return sched::build_single(c.layers, lengths, alpha);
@@ -137,7 +144,7 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
 AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& lengths, const HardwareProfile& hw,
                                ActPrecision precision, i64 budget, OffloadMode mode, const StepShape& shape) {
   SPPO_CHECK(!lengths.empty(), "planner") << "no subsequences";
-  const MemoryRules rules = memory_rules(c, precision, shape.zero);
+  const MemoryRules rules = memory_rules(c, precision, shape);
   const CostModel cost(hw, c, precision);
   auto build = [&](const std::vector<double>& a) { return build_step(c, lengths, a, shape); };
   sched::PipelineSpec spec;

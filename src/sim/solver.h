@@ -41,6 +41,7 @@ struct StepShape {
   int pp = 1, dp = 1;
   bool zero = false;               // ZeRO-1 over the replicas
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
+  KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
 };
 // The schedule of one step of that shape (build_single for one process).
 sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
@@ -79,6 +80,8 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
 
 // Memory rules of a GPU plan or of this CPU.
 sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero = false);
+// The memory rules of a runtime step of `shape`.
+sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape);
 
 struct PlanRequest {
   std::string model_name;

@@ -46,7 +46,7 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
     ch.alpha_rule = offload;
     const plan::CostModel cost(hw, c, ActPrecision::F32);
     const auto r = sim::simulate(sim::build_step(c, lengths, ch.alpha, shape), cost,
-                                 sim::memory_rules(c, ActPrecision::F32, shape.zero));
+                                 sim::memory_rules(c, ActPrecision::F32, shape));
     ch.predicted_peak_bytes = r.peak_device_bytes;
     step_s = r.step_time_s;
     exposed_s = r.exposed_copy_s;

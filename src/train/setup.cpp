@@ -1,5 +1,7 @@
 #include "train/setup.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
@@ -162,6 +164,9 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.dp = s.layout.dp;
   shape.zero = o.zero == 1;
   if (from_plan) shape.stage_layers = from_plan->stage_layers;
+  // The kernels' scratch comes from the device tier too, sized for this many threads.
+  shape.block_scratch = block_kernel_scratch(s.config, omp_get_max_threads());
+  shape.head_scratch = head_kernel_scratch(s.config, RuntimeOptions{}.head_chunk);
 
   if (from_plan) {
     s.lengths = from_plan->lengths;
@@ -191,7 +196,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
                                                               : s.schedule.owned.at(std::size_t(p)));
   if (o.recompute) {
     // The simulator does not run the recompute schedule; its memory follows in closed form.
-    s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, ActPrecision::F32), S);
+    s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, ActPrecision::F32, shape), S);
     s.predicted_peak_per_rank = {s.predicted_peak_bytes};
     SPPO_CHECK_FITS(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
         << "--recompute needs " << format_bytes(double(s.predicted_peak_bytes)) << " of device memory at --seq-len "
@@ -199,7 +204,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
   } else {
     const plan::CostModel cost(profile(), s.config, ActPrecision::F32);
-    const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, ActPrecision::F32, shape.zero));
+    const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, ActPrecision::F32, shape));
     s.predicted_peak_bytes = r.peak_device_bytes;
     s.predicted_peak_per_rank = r.peak_bytes;
     s.predicted_step_s = r.step_time_s;
@@ -234,6 +239,8 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   ro.layers = s.layout.stage_layers.at(std::size_t(s.layout.stage()));
   ro.zero_shards = o.zero == 1 ? s.layout.dp : 1;
   ro.zero_index = o.zero == 1 ? s.layout.replica() : 0;
+  ro.block_scratch = shape.block_scratch;
+  ro.head_scratch = shape.head_scratch;
   s.runtime = std::make_unique<Runtime>(s.config, ro);
   return s;
 }
