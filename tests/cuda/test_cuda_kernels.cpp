@@ -613,7 +613,8 @@ struct AttnCase {
 std::vector<AttnCase> attn_cases() {
   return {
       {"whole", 197, 0, {{197, 0}}},
-      {"blocks", 150, 204, {{70, 0}, {129, 70}, {5, 199}, {150, 204}, {40, 10000}}, 1.0f, true},
+      // Unequal blocks, an empty one, and one no query sees.
+      {"blocks", 150, 204, {{70, 0}, {129, 70}, {5, 199}, {0, 204}, {150, 204}, {40, 10000}}, 1.0f, true},
       {"one_query", 1, 300, {{300, 0}, {1, 300}}},
       {"prefix", 256, 3000, {{3000, 0}, {256, 3000}}, 1.0f, true},
       {"unseen_rows", 30, 0, {{40, 10}}},

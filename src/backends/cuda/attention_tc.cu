@@ -13,11 +13,13 @@
 //   C, D: 4 floats: c0, c1 = C[g][2q, 2q+1], c2, c3 = C[g+8][2q, 2q+1]
 // Operands come from shared memory tiles with rows of D + 8 bf16 (the 16 bytes of padding put
 // the 8 rows a warp reads at once in different banks):
-//   load_a:        A stored row-major [m][k]: four 32-bit loads.
-//   load_b_nk:     B = X^T with X stored [n][k] (K and Q rows as the B of S = Q K^T): two loads.
+//   load_a:        A stored row-major [m][k] (Q, dO, K, V rows): ldmatrix.x4, which hands lane
+//                  l the pair (M[g][2q], M[g][2q + 1]) of each 8x8 matrix M whose row addresses
+//                  lanes 8i .. 8i+7 give: the four 8x8 quarters of A are a0 .. a3.
+//   load_b_nk_x2:  B = X^T with X stored [n][k] (K rows as the B of S = Q K^T): ldmatrix.x4,
+//                  two n8 tiles per call.
 //   load_b_kn_x2:  B = X stored [k][n] (V as the B of O = P V): ldmatrix.x4.trans, which hands
-//                  lane l the pair (X[k0 + 2q][n0 + g], X[k0 + 2q + 1][n0 + g]) of each 8x8
-//                  matrix whose row addresses lanes 8i .. 8i+7 give; two n8 tiles per call.
+//                  lane l the pair (M[2q][g], M[2q + 1][g]); two n8 tiles per call.
 // A product's C fragments become the next product's A operand without leaving registers: the C
 // fragments of n8 tiles 2kc and 2kc + 1 hold exactly the A fragment of the k16 slice kc
 // (c_to_a). That is how P (and dS) feed O += P V (and dQ += dS K) in FlashAttention-2.
@@ -28,8 +30,8 @@
 //   dq       query tile 64 rows (16 per warp), key tiles of 64 rows, double-buffered.
 //   dkdv     key tile 64 rows (16 per warp), query tiles of 64 (A = 64) or 32 (A = 128) rows
 //            (Q, dO, lse, delta), double-buffered.
-// Every kernel runs at up to 255 registers per thread (ptxas -v: no spills, except 12 bytes in
-// the A = 128 forward); 2 blocks per SM on sm_90 by registers and shared memory.
+// Every kernel runs at up to 255 registers per thread (ptxas -v: no spills, except 4 to 8 bytes
+// in the A = 128 forward and dq on sm_90a); 2 blocks per SM by registers and shared memory.
 #include <cstdint>
 
 #include "backends/cuda/attention_impl.cuh"
@@ -43,20 +45,19 @@ constexpr int kTcThreads = kWarps * 32;
 
 // ---- fragments (Note [mma fragments]) -------------------------------------------------------
 
-// A = tile[r0 .. r0+15][c0 .. c0+15] of a row-major shared tile; p = &tile[r0][c0].
-__device__ __forceinline__ void load_a(std::uint32_t (&a)[4], const bf16* p, int ld, int g,
-                                       int q) {
-  a[0] = lds32(p + g * ld + 2 * q);
-  a[1] = lds32(p + (g + 8) * ld + 2 * q);
-  a[2] = lds32(p + g * ld + 2 * q + 8);
-  a[3] = lds32(p + (g + 8) * ld + 2 * q + 8);
+// A = tile[r0 .. r0+15][c0 .. c0+15] of a row-major shared tile; p = &tile[r0][c0]. Lanes 0-7,
+// 8-15, 16-23, 24-31 address the rows of the 8x8 matrices (rows 0-7, c0), (rows 8-15, c0),
+// (rows 0-7, c0 + 8), (rows 8-15, c0 + 8): a0, a1, a2, a3.
+__device__ __forceinline__ void load_a(std::uint32_t (&a)[4], const bf16* p, int ld, int lane) {
+  ldsm_x4(a, p + (lane & 15) * ld + (lane >> 4) * 8);
 }
 
-// B[k][n] = X[n0 + n][k0 + k] for X stored [n][k]; p = &X[n0][k0].
-__device__ __forceinline__ void load_b_nk(std::uint32_t& b0, std::uint32_t& b1, const bf16* p,
-                                          int ld, int g, int q) {
-  b0 = lds32(p + g * ld + 2 * q);
-  b1 = lds32(p + g * ld + 2 * q + 8);
+// B[k][n] = X[n0 + n][k0 + k] for X stored [n][k], for the n8 tiles at n0 (b[0], b[1]) and
+// n0 + 8 (b[2], b[3]); p = &X[n0][k0]. Lanes 0-7, 8-15, 16-23, 24-31 address the rows of the
+// 8x8 matrices (n0 .. n0+7, k0), (n0 .. n0+7, k0 + 8), (n0+8 .. n0+15, k0), (n0+8 .., k0 + 8).
+__device__ __forceinline__ void load_b_nk_x2(std::uint32_t (&b)[4], const bf16* p, int ld,
+                                             int lane) {
+  ldsm_x4(b, p + ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8);
 }
 
 // B[k][n] = X[k0 + k][n0 + n] for X stored [k][n], for the n8 tiles at n0 (b[0], b[1]) and
@@ -182,13 +183,16 @@ __global__ void __launch_bounds__(kTcThreads) attn_fwd_tc(const AttnParams p, co
     for (int kk = 0; kk < D / 16; ++kk) {
       std::uint32_t a[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) load_a(a[mt], qs + (row0 + mt * 16) * kLd + kk * 16, kLd, g, q4);
+      for (int mt = 0; mt < kMT; ++mt) load_a(a[mt], qs + (row0 + mt * 16) * kLd + kk * 16, kLd, lane);
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        std::uint32_t b0, b1;
-        load_b_nk(b0, b1, kst + nt * 8 * kLd + kk * 16, kLd, g, q4);
+      for (int nt = 0; nt < kNT; nt += 2) {
+        std::uint32_t bb[4];
+        load_b_nk_x2(bb, kst + nt * 8 * kLd + kk * 16, kLd, lane);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) mma_16816(s[mt][nt], a[mt], b0, b1);
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816(s[mt][nt], a[mt], bb[0], bb[1]);
+          mma_16816(s[mt][nt + 1], a[mt], bb[2], bb[3]);
+        }
       }
     }
 
@@ -373,15 +377,17 @@ __global__ void __launch_bounds__(kTcThreads) attn_dq_tc(const AttnParams p, con
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       std::uint32_t aq[4], ado[4];
-      load_a(aq, qs + row0 * kLd + kk * 16, kLd, g, q4);
-      load_a(ado, dos + row0 * kLd + kk * 16, kLd, g, q4);
+      load_a(aq, qs + row0 * kLd + kk * 16, kLd, lane);
+      load_a(ado, dos + row0 * kLd + kk * 16, kLd, lane);
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        std::uint32_t b0, b1;
-        load_b_nk(b0, b1, kst + nt * 8 * kLd + kk * 16, kLd, g, q4);
-        mma_16816(s[nt], aq, b0, b1);
-        load_b_nk(b0, b1, vst + nt * 8 * kLd + kk * 16, kLd, g, q4);
-        mma_16816(dp[nt], ado, b0, b1);
+      for (int nt = 0; nt < kNT; nt += 2) {
+        std::uint32_t bb[4];
+        load_b_nk_x2(bb, kst + nt * 8 * kLd + kk * 16, kLd, lane);
+        mma_16816(s[nt], aq, bb[0], bb[1]);
+        mma_16816(s[nt + 1], aq, bb[2], bb[3]);
+        load_b_nk_x2(bb, vst + nt * 8 * kLd + kk * 16, kLd, lane);
+        mma_16816(dp[nt], ado, bb[0], bb[1]);
+        mma_16816(dp[nt + 1], ado, bb[2], bb[3]);
       }
     }
 
@@ -524,15 +530,17 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       std::uint32_t ak[4], av[4];
-      load_a(ak, ks + row0 * kLd + kk * 16, kLd, g, q4);
-      load_a(av, vs + row0 * kLd + kk * 16, kLd, g, q4);
+      load_a(ak, ks + row0 * kLd + kk * 16, kLd, lane);
+      load_a(av, vs + row0 * kLd + kk * 16, kLd, lane);
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        std::uint32_t b0, b1;
-        load_b_nk(b0, b1, qst + nt * 8 * kLd + kk * 16, kLd, g, q4);
-        mma_16816(st[nt], ak, b0, b1);
-        load_b_nk(b0, b1, dost + nt * 8 * kLd + kk * 16, kLd, g, q4);
-        mma_16816(dpt[nt], av, b0, b1);
+      for (int nt = 0; nt < kNT; nt += 2) {
+        std::uint32_t bb[4];
+        load_b_nk_x2(bb, qst + nt * 8 * kLd + kk * 16, kLd, lane);
+        mma_16816(st[nt], ak, bb[0], bb[1]);
+        mma_16816(st[nt + 1], ak, bb[2], bb[3]);
+        load_b_nk_x2(bb, dost + nt * 8 * kLd + kk * 16, kLd, lane);
+        mma_16816(dpt[nt], av, bb[0], bb[1]);
+        mma_16816(dpt[nt + 1], av, bb[2], bb[3]);
       }
     }
 

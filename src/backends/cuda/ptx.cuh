@@ -38,15 +38,21 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void ldsm_x4_trans(std::uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+// Lanes 8i .. 8i+7 give the row addresses (16 bytes each) of 8x8 matrix i; lane l receives
+// (M_i[g][2q], M_i[g][2q + 1]) in r[i], g = l / 4, q = l % 4 (the low half holds the first).
+__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_u32(p))
                : "memory");
 }
 
-__device__ __forceinline__ std::uint32_t lds32(const bf16* p) {
-  return *reinterpret_cast<const std::uint32_t*>(p);
+// As ldsm_x4, transposed: lane l receives (M_i[2q][g], M_i[2q + 1][g]).
+__device__ __forceinline__ void ldsm_x4_trans(std::uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p))
+               : "memory");
 }
 
 // Two floats rounded to bf16 in one 32-bit register, lo in the low half.

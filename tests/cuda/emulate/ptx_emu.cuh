@@ -90,6 +90,20 @@ inline void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t 
   ::emu::warp_barrier();
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i .. 8i+7 give the row addresses of matrix
+// i; lane l receives (M_i[g][2q], M_i[g][2q + 1]), g = l / 4, q = l % 4.
+inline void ldsm_x4(std::uint32_t (&r)[4], const bf16* p) {
+  emu_ptx::require(reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && emu_ptx::in_smem(p, 16),
+                   "ldmatrix: row address not 16-byte aligned shared memory");
+  const ::emu::Slot* s = ::emu::warp_gather(p);
+  const int l = ::emu::lane_id(), g = l >> 2, q = l & 3;
+  for (int i = 0; i < 4; ++i) {
+    const bf16* row = ::emu::slot_value<const bf16*>(s, 8 * i + g);
+    r[i] = std::uint32_t{row[2 * q].x} | std::uint32_t{row[2 * q + 1].x} << 16;
+  }
+  ::emu::warp_barrier();
+}
+
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8i .. 8i+7 give the row addresses of
 // matrix i; lane l receives (M_i[2q][g], M_i[2q + 1][g]), g = l / 4, q = l % 4.
 inline void ldsm_x4_trans(std::uint32_t (&r)[4], const bf16* p) {
@@ -103,14 +117,6 @@ inline void ldsm_x4_trans(std::uint32_t (&r)[4], const bf16* p) {
     r[i] = std::uint32_t{row0[g].x} | std::uint32_t{row1[g].x} << 16;
   }
   ::emu::warp_barrier();
-}
-
-inline std::uint32_t lds32(const bf16* p) {
-  emu_ptx::require(reinterpret_cast<std::uintptr_t>(p) % 4 == 0 && emu_ptx::in_smem(p, 4),
-                   "lds32: not 4-byte aligned shared memory");
-  std::uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 inline std::uint32_t pack_bf16(float lo, float hi) {
