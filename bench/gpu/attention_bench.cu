@@ -38,15 +38,16 @@
 
 namespace {
 
-using sppo::i64;
 using sppo::DType;
+using sppo::i64;
 namespace cuda = sppo::cuda;
 
 constexpr int kZ = 32, kA = 128, kH = kZ * kA;
 
 // Deterministic pseudo-random bf16 in [-sqrt(3), sqrt(3)) (unit variance) from a hash.
 __global__ void fill_kernel(__nv_bfloat16* x, i64 n, std::uint32_t seed) {
-  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n; i += i64{gridDim.x} * blockDim.x) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
     std::uint32_t h = static_cast<std::uint32_t>(i) * 0x9E3779B1u ^ seed;
     h ^= static_cast<std::uint32_t>(i >> 32) * 0x85EBCA77u;
     h ^= h >> 16;
@@ -88,9 +89,12 @@ struct Tensors {
   std::vector<cuda::KVBlock> kv;
   cuda::AttnDims d;
   explicit Tensors(const Problem& pr)
-      : q(std::size_t(pr.Tq) * kH * 2), out(std::size_t(pr.Tq) * kH * 2),
-        dout(std::size_t(pr.Tq) * kH * 2), dq(std::size_t(pr.Tq) * kH * 2),
-        lse(std::size_t(pr.Tq) * kZ * 4), delta(std::size_t(pr.Tq) * kZ * 4) {
+      : q(std::size_t(pr.Tq) * kH * 2),
+        out(std::size_t(pr.Tq) * kH * 2),
+        dout(std::size_t(pr.Tq) * kH * 2),
+        dq(std::size_t(pr.Tq) * kH * 2),
+        lse(std::size_t(pr.Tq) * kZ * 4),
+        delta(std::size_t(pr.Tq) * kZ * 4) {
     std::uint32_t seed = 1;
     fill(q, i64(pr.Tq) * kH, seed++);
     fill(dout, i64(pr.Tq) * kH, seed++);
@@ -136,7 +140,8 @@ double forward_flops(const Problem& pr) {
 // Columns [0, kA) (head 0) of a [rows, kH] device buffer, as floats on the host.
 std::vector<float> head0_bf16(const void* p, int rows) {
   std::vector<std::uint16_t> raw(std::size_t(rows) * kA);
-  SPPO_CUDA_CHECK(cudaMemcpy2D(raw.data(), kA * 2, p, kH * 2, kA * 2, rows, cudaMemcpyDeviceToHost));
+  SPPO_CUDA_CHECK(
+      cudaMemcpy2D(raw.data(), kA * 2, p, kH * 2, kA * 2, rows, cudaMemcpyDeviceToHost));
   std::vector<float> x(raw.size());
   for (std::size_t i = 0; i < raw.size(); ++i) {
     const std::uint32_t u = std::uint32_t{raw[i]} << 16;
@@ -186,7 +191,8 @@ double check(const Problem& pr, const char* name, cudaStream_t s) {
   cuda::AttnDims d1 = t.d;
   d1.Z = 1;
   d1.ldq = d1.ldk = d1.ldv = d1.ldo = kH;
-  cuda::attention_forward_blocks(out1.p, lse1.f(), t.q.p, kv1, d1, DType::BF16, s, cuda::AttnKernel::Simt);
+  cuda::attention_forward_blocks(out1.p, lse1.f(), t.q.p, kv1, d1, DType::BF16, s,
+                                 cuda::AttnKernel::Simt);
   // lse of head 0 is the first row of the [Z, Tq] lse; delta likewise.
   cuda::attention_backward_blocks(dq1.p, t.dout.p, t.q.p, kv1, t.lse.f(), t.delta.f(), d1,
                                   DType::BF16, s, cuda::AttnKernel::Simt);
@@ -284,10 +290,14 @@ int main(int argc, char** argv) {
 
   const Rates rw = time_problem(whole, iters, s);
   const Rates rp = time_problem(prefix, iters, s);
-  std::printf("whole_32k:             fwd %.1f TFLOP/s (%.2f ms), bwd %.1f, fwd+bwd %.1f TFLOP/s (%.2f ms)\n",
-              rw.fwd_tflops, rw.fwd_s * 1e3, rw.bwd_tflops, rw.fwdbwd_tflops, rw.fwdbwd_s * 1e3);
-  std::printf("prefix_16k_after_112k: fwd %.1f TFLOP/s (%.2f ms), bwd %.1f, fwd+bwd %.1f TFLOP/s (%.2f ms)\n",
-              rp.fwd_tflops, rp.fwd_s * 1e3, rp.bwd_tflops, rp.fwdbwd_tflops, rp.fwdbwd_s * 1e3);
+  std::printf(
+      "whole_32k:             fwd %.1f TFLOP/s (%.2f ms), bwd %.1f, fwd+bwd %.1f TFLOP/s (%.2f "
+      "ms)\n",
+      rw.fwd_tflops, rw.fwd_s * 1e3, rw.bwd_tflops, rw.fwdbwd_tflops, rw.fwdbwd_s * 1e3);
+  std::printf(
+      "prefix_16k_after_112k: fwd %.1f TFLOP/s (%.2f ms), bwd %.1f, fwd+bwd %.1f TFLOP/s (%.2f "
+      "ms)\n",
+      rp.fwd_tflops, rp.fwd_s * 1e3, rp.bwd_tflops, rp.fwdbwd_tflops, rp.fwdbwd_s * 1e3);
   std::printf(
       "{\"whole_32k\": {\"sppo_tflops\": %.1f, \"fwd_tflops\": %.1f, \"bwd_tflops\": %.1f, "
       "\"fwdbwd_s\": %.6f}, \"prefix_16k_after_112k\": {\"sppo_tflops\": %.1f, \"fwd_tflops\": "

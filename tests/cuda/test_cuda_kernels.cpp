@@ -22,9 +22,8 @@
 // atol_i = 1.1 u mag_i (10% for second-order terms) where an intermediate is rounded; fp32
 // tolerances are rtol = 1e-4 with atol_i a small multiple of 2^-24 mag_i or of the largest |ref|,
 // stated at each test.
-#include <gtest/gtest.h>
-
 #include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,7 +48,7 @@ namespace {
 
 using Vec = std::vector<float>;
 
-constexpr double kU = 1.0 / 256.0;        // bf16 unit roundoff
+constexpr double kU = 1.0 / 256.0;         // bf16 unit roundoff
 constexpr double kU32 = 1.0 / 16777216.0;  // fp32 unit roundoff 2^-24
 constexpr double kRtol32 = 1e-4;           // fp32 element-wise relative tolerance (the issue's)
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -174,13 +173,16 @@ void expect_close(const Vec& got, const Vec& ref, double atol, double rtol, cons
       worst_i = i;
     }
     if (!(err <= tol)) {
-      if (bad < 5) ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << r << " (tol " << tol << ")";
+      if (bad < 5)
+        ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << r << " (tol " << tol
+                      << ")";
       ++bad;
     }
   }
   EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements out of tolerance";
   // The margin, for the record: the largest error as a fraction of its tolerance.
-  std::printf("  %-44s worst error %.3g of tolerance (element %zu)\n", what.c_str(), worst, worst_i);
+  std::printf("  %-44s worst error %.3g of tolerance (element %zu)\n", what.c_str(), worst,
+              worst_i);
 }
 
 void expect_equal(const Vec& got, const Vec& ref, const std::string& what) {
@@ -246,7 +248,8 @@ std::vector<double> gemm_mag(bool ta, bool tb, int M, int N, int K, float alpha,
         const double bv = tb ? b[std::size_t(j) * ldb + k] : b[std::size_t(k) * ldb + j];
         s += std::fabs(av * bv);
       }
-      mag[std::size_t(i) * N + j] = std::fabs(alpha) * s + std::fabs(beta) * std::fabs(c[std::size_t(i) * ldc + j]);
+      mag[std::size_t(i) * N + j] =
+          std::fabs(alpha) * s + std::fabs(beta) * std::fabs(c[std::size_t(i) * ldc + j]);
     }
   return mag;
 }
@@ -278,14 +281,16 @@ TEST_F(Cuda, GemmAllTransposesAndTypes) {
       cuda::gemm(blas, ta, tb, M, N, K, alpha, da.get(), lda, db.get(), ldb, beta, dc.get(), ldc,
                  ty.ab, ty.cd, stream_);
       const Vec got = download(dc, c0.size(), ty.cd);
-      const std::string what = std::string("gemm ") + name(ty.ab) + "/" + name(ty.cd) + " ta=" +
-                               std::to_string(ta) + " tb=" + std::to_string(tb);
+      const std::string what = std::string("gemm ") + name(ty.ab) + "/" + name(ty.cd) +
+                               " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb);
       // Columns past N are padding the GEMM must leave alone.
       for (int i = 0; i < M; ++i)
-        for (int j = N; j < ldc; ++j) ASSERT_EQ(got[std::size_t(i) * ldc + j], c0[std::size_t(i) * ldc + j]) << what;
+        for (int j = N; j < ldc; ++j)
+          ASSERT_EQ(got[std::size_t(i) * ldc + j], c0[std::size_t(i) * ldc + j]) << what;
       // Note [Tolerances]: two fp32 sums of K terms, 4 K 2^-24 mag (tensor cores may truncate
       // in their fp32 accumulation), plus one rounding to bf16 of a bf16 result.
-      const std::vector<double> mag = gemm_mag(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c0, ldc);
+      const std::vector<double> mag =
+          gemm_mag(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c0, ldc);
       const double rtol = ty.cd == DType::BF16 ? kU + kRtol32 : kRtol32;
       expect_close(cols(got, M, N, ldc), cols(ref, M, N, ldc), 0.0, rtol, what,
                    scaled(mag, 4.0 * K * kU32));
@@ -305,22 +310,26 @@ TEST_P(CudaLinear, ForwardBackward) {
   const Vec out0 = randn(std::size_t(T) * ld_out, rng_);
   Vec out_ref = out0;
   cpu::linear_forward(out_ref.data(), in.data(), w.data(), bias.data(), T, I, O, ld_out, ld_in);
-  Dev din_ = upload(in, act), dw_ = upload(w, act), db_ = upload(bias, act), dout_ = upload(out0, act);
+  Dev din_ = upload(in, act), dw_ = upload(w, act), db_ = upload(bias, act),
+      dout_ = upload(out0, act);
   cuda::linear_forward(blas, dout_.get(), din_.get(), dw_.get(), db_.get(), T, I, O, act, stream_,
                        ld_out, ld_in);
   const Vec out = download(dout_, out0.size(), act);
   const std::string tag = std::string(name(act)) + (epilogue ? " epilogue" : " prefill");
   {
     Vec zero_c(std::size_t(T) * ld_out, 0.0f);
-    const std::vector<double> mag = gemm_mag(false, true, T, O, I, 1.0f, in, ld_in, w, I, 0.0f, zero_c, ld_out);
+    const std::vector<double> mag =
+        gemm_mag(false, true, T, O, I, 1.0f, in, ld_in, w, I, 0.0f, zero_c, ld_out);
     std::vector<double> atol(mag.size());
-    for (std::size_t i = 0; i < mag.size(); ++i) atol[i] = 4.0 * I * kU32 * (mag[i] + std::fabs(bias[i % O]));
+    for (std::size_t i = 0; i < mag.size(); ++i)
+      atol[i] = 4.0 * I * kU32 * (mag[i] + std::fabs(bias[i % O]));
     const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
     expect_close(cols(out, T, O, ld_out), cols(out_ref, T, O, ld_out), 0.0, rtol,
                  "linear_forward " + tag, atol);
     for (int t = 0; t < T; ++t)
       for (int o = O; o < ld_out; ++o)
-        ASSERT_EQ(out[std::size_t(t) * ld_out + o], rounded({out0[std::size_t(t) * ld_out + o]}, act)[0]);
+        ASSERT_EQ(out[std::size_t(t) * ld_out + o],
+                  rounded({out0[std::size_t(t) * ld_out + o]}, act)[0]);
   }
 
   // Backward: din written, dw and db accumulated into non-zero starts.
@@ -328,8 +337,8 @@ TEST_P(CudaLinear, ForwardBackward) {
   const Vec gout = rounded(randn(std::size_t(T) * ld_dout, rng_), act);
   const Vec dw0 = randn(std::size_t(O) * I, rng_), db0 = randn(O, rng_);
   Vec din_ref(std::size_t(T) * I), dw_ref = dw0, db_ref = db0;
-  cpu::linear_backward(din_ref.data(), dw_ref.data(), db_ref.data(), gout.data(), in.data(), w.data(),
-                       T, I, O, ld_dout, ld_in);
+  cpu::linear_backward(din_ref.data(), dw_ref.data(), db_ref.data(), gout.data(), in.data(),
+                       w.data(), T, I, O, ld_dout, ld_in);
   Dev g_dev = upload(gout, act), gin_dev(std::size_t(T) * I * dtype_bytes(act));
   Dev gw_dev = upload(dw0, DType::F32), gb_dev = upload(db0, DType::F32);
   cuda::linear_backward(blas, gin_dev.get(), gw_dev.as<float>(), gb_dev.as<float>(), g_dev.get(),
@@ -339,13 +348,17 @@ TEST_P(CudaLinear, ForwardBackward) {
   const Vec dbg = download(gb_dev, db_ref.size(), DType::F32);
   {
     const Vec zero_c(std::size_t(T) * I, 0.0f);
-    const std::vector<double> mag = gemm_mag(false, false, T, I, O, 1.0f, gout, ld_dout, w, I, 0.0f, zero_c, I);
+    const std::vector<double> mag =
+        gemm_mag(false, false, T, I, O, 1.0f, gout, ld_dout, w, I, 0.0f, zero_c, I);
     const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
-    expect_close(din, din_ref, 0.0, rtol, "linear_backward din " + tag, scaled(mag, 4.0 * O * kU32));
+    expect_close(din, din_ref, 0.0, rtol, "linear_backward din " + tag,
+                 scaled(mag, 4.0 * O * kU32));
   }
   {
-    const std::vector<double> mag = gemm_mag(true, false, O, I, T, 1.0f, gout, ld_dout, in, ld_in, 1.0f, dw0, I);
-    expect_close(dwg, dw_ref, 0.0, kRtol32, "linear_backward dw " + tag, scaled(mag, 4.0 * T * kU32));
+    const std::vector<double> mag =
+        gemm_mag(true, false, O, I, T, 1.0f, gout, ld_dout, in, ld_in, 1.0f, dw0, I);
+    expect_close(dwg, dw_ref, 0.0, kRtol32, "linear_backward dw " + tag,
+                 scaled(mag, 4.0 * T * kU32));
   }
   // db: sums in double on both sides; only the final fp32 rounding differs.
   expect_close(dbg, db_ref, 1e-6, 1e-6, "linear_backward db " + tag);
@@ -366,10 +379,12 @@ TEST_F(Cuda, ConvertAddCopyColumns) {
   {
     Dev src = upload(x, DType::F32), dst(x.size() * 2);
     cuda::convert(dst.get(), DType::BF16, src.get(), DType::F32, i64(x.size()), stream_);
-    expect_equal(download(dst, x.size(), DType::BF16), rounded(x, DType::BF16), "convert f32->bf16");
+    expect_equal(download(dst, x.size(), DType::BF16), rounded(x, DType::BF16),
+                 "convert f32->bf16");
     Dev back(x.size() * 4);
     cuda::convert(back.get(), DType::F32, dst.get(), DType::BF16, i64(x.size()), stream_);
-    expect_equal(download(back, x.size(), DType::F32), rounded(x, DType::BF16), "convert bf16->f32");
+    expect_equal(download(back, x.size(), DType::F32), rounded(x, DType::BF16),
+                 "convert bf16->f32");
   }
   for (const DType act : {DType::F32, DType::BF16}) {
     const std::string tag = name(act);
@@ -497,10 +512,13 @@ TEST_F(Cuda, Rope) {
       // A rotation: fp32 errors are absolute, a few ulp of the row's largest entry.
       const std::string tag = std::string(name(act)) + " A=" + std::to_string(A);
       const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
-      expect_close(cols(fg, T, Z * A, ld), cols(fwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol, "rope_forward " + tag);
-      expect_close(cols(bg, T, Z * A, ld), cols(bwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol, "rope_backward " + tag);
+      expect_close(cols(fg, T, Z * A, ld), cols(fwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol,
+                   "rope_forward " + tag);
+      expect_close(cols(bg, T, Z * A, ld), cols(bwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol,
+                   "rope_backward " + tag);
       for (int t = 0; t < T; ++t)
-        for (int c = Z * A; c < ld; ++c) ASSERT_EQ(fg[std::size_t(t) * ld + c], x0[std::size_t(t) * ld + c]);
+        for (int c = Z * A; c < ld; ++c)
+          ASSERT_EQ(fg[std::size_t(t) * ld + c], x0[std::size_t(t) * ld + c]);
     }
   }
 }
@@ -519,7 +537,8 @@ TEST_F(Cuda, LayerNorm) {
       x = rounded(x, act);
       const Vec w = randn(H, rng_), b = randn(H, rng_);
       Vec out(x.size()), mean(T), rstd(T);
-      cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), T, H, 1e-5f);
+      cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), T,
+                             H, 1e-5f);
       Dev xd = upload(x, act), wd = upload(w, DType::F32), bd = upload(b, DType::F32);
       Dev od(x.size() * 4), md(T * 4), rd(T * 4);
       cuda::layernorm_forward(od.get(), md.as<float>(), rd.as<float>(), xd.get(), wd.as<float>(),
@@ -528,22 +547,29 @@ TEST_F(Cuda, LayerNorm) {
       expect_close(download(md, T, DType::F32), mean, 0.0, 1e-6, "layernorm mean " + tag);
       expect_close(download(rd, T, DType::F32), rstd, 0.0, 1e-6, "layernorm rstd " + tag);
       const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
-      expect_close(download(od, x.size(), act), out, 1e-5 * max_abs(out), rtol, "layernorm out " + tag);
+      expect_close(download(od, x.size(), act), out, 1e-5 * max_abs(out), rtol,
+                   "layernorm out " + tag);
 
       // Backward: dx, dw, db accumulate into non-zero starts.
       const Vec dout = rounded(randn(x.size(), rng_), act);
-      const Vec dx0 = rounded(randn(x.size(), rng_), act), dw0 = randn(H, rng_), db0 = randn(H, rng_);
+      const Vec dx0 = rounded(randn(x.size(), rng_), act), dw0 = randn(H, rng_),
+                db0 = randn(H, rng_);
       Vec dx = dx0, dw = dw0, db = db0;
       cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(),
                               mean.data(), rstd.data(), T, H);
-      Dev gd = upload(dout, act), dxd = upload(dx0, act), dwd = upload(dw0, DType::F32), dbd = upload(db0, DType::F32);
+      Dev gd = upload(dout, act), dxd = upload(dx0, act), dwd = upload(dw0, DType::F32),
+          dbd = upload(db0, DType::F32);
       Dev meand = upload(mean, DType::F32), rstdd = upload(rstd, DType::F32);
       cuda::layernorm_backward(dxd.get(), dwd.as<float>(), dbd.as<float>(), gd.get(), xd.get(),
-                               wd.as<float>(), meand.as<float>(), rstdd.as<float>(), T, H, act, stream_);
-      expect_close(download(dxd, x.size(), act), dx, 1e-5 * max_abs(dx), rtol, "layernorm dx " + tag);
+                               wd.as<float>(), meand.as<float>(), rstdd.as<float>(), T, H, act,
+                               stream_);
+      expect_close(download(dxd, x.size(), act), dx, 1e-5 * max_abs(dx), rtol,
+                   "layernorm dx " + tag);
       // dw, db: the same partials of 256 rows in double, added in the same order.
-      expect_close(download(dwd, H, DType::F32), dw, 1e-6 * max_abs(dw), 1e-5, "layernorm dw " + tag);
-      expect_close(download(dbd, H, DType::F32), db, 1e-6 * max_abs(db), 1e-5, "layernorm db " + tag);
+      expect_close(download(dwd, H, DType::F32), dw, 1e-6 * max_abs(dw), 1e-5,
+                   "layernorm dw " + tag);
+      expect_close(download(dbd, H, DType::F32), db, 1e-6 * max_abs(db), 1e-5,
+                   "layernorm db " + tag);
     }
   }
 }
@@ -558,7 +584,8 @@ TEST_F(Cuda, Embedding) {
     Vec out(std::size_t(T) * H);
     cpu::embedding_forward(out.data(), ids.data(), embed.data(), T, H);
     Dev od(out.size() * 4);
-    cuda::embedding_forward(od.get(), idd.as<std::int32_t>(), ed.as<float>(), T, H, V, act, stream_);
+    cuda::embedding_forward(od.get(), idd.as<std::int32_t>(), ed.as<float>(), T, H, V, act,
+                            stream_);
     expect_equal(download(od, out.size(), act), rounded(out, act), "embedding_forward " + tag);
 
     // The backward adds each id's rows in token order, as the CPU: the same bits.
@@ -567,19 +594,21 @@ TEST_F(Cuda, Embedding) {
     Vec de = de0;
     cpu::embedding_backward(de.data(), dout.data(), ids.data(), T, H, V);
     Dev dd = upload(dout, act), ded = upload(de0, DType::F32);
-    cuda::embedding_backward(ded.as<float>(), dd.get(), idd.as<std::int32_t>(), T, H, V, act, stream_);
+    cuda::embedding_backward(ded.as<float>(), dd.get(), idd.as<std::int32_t>(), T, H, V, act,
+                             stream_);
     expect_equal(download(ded, de.size(), DType::F32), de, "embedding_backward " + tag);
   }
 }
 
 TEST_F(Cuda, CrossEntropy) {
   const int T = 13, V = 1000;
-  Vec logits = randn(std::size_t(T) * V, rng_, 30.0f);  // large logits
+  Vec logits = randn(std::size_t(T) * V, rng_, 30.0f);                 // large logits
   for (int v = 0; v < V; ++v) logits[std::size_t(5) * V + v] += 1e4f;  // a row far from 0
   const auto targets = rand_ids(T, V, rng_);
   const float scale = 1.0f / 37.0f;
   Vec dref = logits, losses(T);
-  const double sum = cpu::xent_forward_backward(dref.data(), losses.data(), targets.data(), T, V, scale);
+  const double sum =
+      cpu::xent_forward_backward(dref.data(), losses.data(), targets.data(), T, V, scale);
   Dev td = upload_raw(targets);
   for (const DType dt : {DType::F32, DType::BF16}) {
     Dev ld = upload(logits, DType::F32), lossd(T * 4), sumd = upload_raw(std::vector<double>{1.5});
@@ -587,7 +616,8 @@ TEST_F(Cuda, CrossEntropy) {
     void* dlogits = dt == DType::F32 ? ld.get() : sep.get();  // in place in fp32
     cuda::xent_forward_backward(dlogits, dt, lossd.as<float>(), sumd.as<double>(), ld.as<float>(),
                                 td.as<std::int32_t>(), T, V, scale, stream_);
-    const Vec dgot = dt == DType::F32 ? download(ld, dref.size(), DType::F32) : download(sep, dref.size(), DType::BF16);
+    const Vec dgot = dt == DType::F32 ? download(ld, dref.size(), DType::F32)
+                                      : download(sep, dref.size(), DType::BF16);
     const double rtol = dt == DType::BF16 ? kU + kRtol32 : kRtol32;
     // Probabilities far below the largest are tiny in absolute terms: atol 1e-7 grad_scale.
     expect_close(dgot, dref, 1e-7 * scale, rtol, std::string("xent dlogits ") + name(dt));
@@ -614,7 +644,12 @@ std::vector<AttnCase> attn_cases() {
   return {
       {"whole", 197, 0, {{197, 0}}},
       // Unequal blocks, an empty one, and one no query sees.
-      {"blocks", 150, 204, {{70, 0}, {129, 70}, {5, 199}, {0, 204}, {150, 204}, {40, 10000}}, 1.0f, true},
+      {"blocks",
+       150,
+       204,
+       {{70, 0}, {129, 70}, {5, 199}, {0, 204}, {150, 204}, {40, 10000}},
+       1.0f,
+       true},
       {"one_query", 1, 300, {{300, 0}, {1, 300}}},
       {"prefix", 256, 3000, {{3000, 0}, {256, 3000}}, 1.0f, true},
       {"unseen_rows", 30, 0, {{40, 10}}},
@@ -663,7 +698,7 @@ AttnProblem make_problem(const AttnCase& c, int Z, int A, DType act, std::mt1993
 //       dv_full = sum_t P_tj f_tj |dO_t|,
 //     with f = 1 + scale sum |q||k| and D = P (sum |dO||v| + |delta|) f scale.
 struct AttnMagnitudes {
-  std::vector<double> out, dq, out_full, dq_full;       // [Tq, H]
+  std::vector<double> out, dq, out_full, dq_full;             // [Tq, H]
   std::vector<std::vector<double>> dk, dv, dk_full, dv_full;  // per block [Tk, H]
   int max_terms = 0;  // the largest number of keys a query sees, or queries a key sees
 };
@@ -678,7 +713,8 @@ AttnMagnitudes attn_magnitudes(const AttnProblem& p) {
   m.out_full.assign(std::size_t(d.Tq) * H, 0.0);
   m.dq_full.assign(std::size_t(d.Tq) * H, 0.0);
   for (const auto& [Tk, pos] : p.blocks) {
-    for (auto* v : {&m.dk, &m.dv, &m.dk_full, &m.dv_full}) v->emplace_back(std::size_t(Tk) * H, 0.0);
+    for (auto* v : {&m.dk, &m.dv, &m.dk_full, &m.dv_full})
+      v->emplace_back(std::size_t(Tk) * H, 0.0);
   }
   m.max_terms = d.Tq;
   struct Key {
@@ -770,7 +806,9 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
   const cpu::AttnDims& d = p.d;
   const int H = Z * A, nb = int(p.blocks.size());
   const std::string tag = c.name + " " + name(act) + " A=" + std::to_string(A) +
-                          (kernel == cuda::AttnKernel::Simt ? " simt" : kernel == cuda::AttnKernel::TensorCore ? " tc" : " auto");
+                          (kernel == cuda::AttnKernel::Simt         ? " simt"
+                           : kernel == cuda::AttnKernel::TensorCore ? " tc"
+                                                                    : " auto");
   const AttnMagnitudes mag = attn_magnitudes(p);
   const bool bf = act == DType::BF16;
   // Note [Tolerances]: fp32 rtol 1e-4 and the fp32 noise of attn_magnitudes; bf16 adds one
@@ -784,8 +822,10 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
   // ---- forward ----
   std::vector<cpu::KVBlock> cblocks;
   for (int b = 0; b < nb; ++b)
-    cblocks.push_back({p.k[b].data(), p.v[b].data(), nullptr, nullptr, p.blocks[b].first, p.blocks[b].second});
-  const Vec out0 = randn(std::size_t(c.Tq) * d.ldo, rng);  // poison: must be overwritten (or left, past H)
+    cblocks.push_back(
+        {p.k[b].data(), p.v[b].data(), nullptr, nullptr, p.blocks[b].first, p.blocks[b].second});
+  const Vec out0 =
+      randn(std::size_t(c.Tq) * d.ldo, rng);  // poison: must be overwritten (or left, past H)
   Vec out_ref = out0, lse_ref(std::size_t(Z) * c.Tq);
   cpu::attention_forward_blocks(out_ref.data(), lse_ref.data(), p.q.data(), cblocks, d);
 
@@ -814,15 +854,19 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
   gd.ldv = d.ldv;
   gd.ldo = d.ldo;
   gd.lddq = p.lddq;
-  cuda::attention_forward_blocks(outd.get(), lsed.as<float>(), qd.get(), gblocks, gd, act, stream, kernel);
+  cuda::attention_forward_blocks(outd.get(), lsed.as<float>(), qd.get(), gblocks, gd, act, stream,
+                                 kernel);
   const Vec out = download(outd, out0.size(), act);
   expect_close(cols(out, c.Tq, H, d.ldo), cols(out_ref, c.Tq, H, d.ldo), 0.0, rtol, "out " + tag,
                attn_atol(mag.out, bf16_frac, mag.out_full, fp32_frac));
   for (int t = 0; t < c.Tq; ++t)
     for (int col = H; col < d.ldo; ++col)
-      EXPECT_EQ(out[std::size_t(t) * d.ldo + col], rounded({out0[std::size_t(t) * d.ldo + col]}, act)[0]) << "out padding " << tag;
+      EXPECT_EQ(out[std::size_t(t) * d.ldo + col],
+                rounded({out0[std::size_t(t) * d.ldo + col]}, act)[0])
+          << "out padding " << tag;
   // lse is fp32 from fp32 scores: fp32 noise of the scores' size (|scores| up to ~10).
-  expect_close(download(lsed, lse_ref.size(), DType::F32), lse_ref, 1e-5 * (1.0 + c.qk_scale * c.qk_scale), 1e-5, "lse " + tag);
+  expect_close(download(lsed, lse_ref.size(), DType::F32), lse_ref,
+               1e-5 * (1.0 + c.qk_scale * c.qk_scale), 1e-5, "lse " + tag);
 
   // ---- delta, on the CPU's output (rounded as the GPU would hold it) ----
   const Vec out_act = rounded(out_ref, act);
@@ -832,7 +876,8 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
   cuda::attention_backward_delta(deltad.as<float>(), dod.get(), outa.get(), gd, act, stream);
   {
     // Sums in double on both sides: only the final rounding to fp32 differs.
-    expect_close(download(deltad, delta_ref.size(), DType::F32), delta_ref, 1e-6 * max_abs(delta_ref), 1e-6, "delta " + tag);
+    expect_close(download(deltad, delta_ref.size(), DType::F32), delta_ref,
+                 1e-6 * max_abs(delta_ref), 1e-6, "delta " + tag);
   }
 
   // ---- backward, both sides given the CPU's lse and delta; dq, dk, dv from non-zero starts ----
@@ -841,7 +886,8 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
   dc.ldq = p.lddq;
   Vec q_cpu(std::size_t(c.Tq) * p.lddq, 0.0f);
   for (int t = 0; t < c.Tq; ++t)
-    for (int col = 0; col < H; ++col) q_cpu[std::size_t(t) * p.lddq + col] = p.q[std::size_t(t) * d.ldq + col];
+    for (int col = 0; col < H; ++col)
+      q_cpu[std::size_t(t) * p.lddq + col] = p.q[std::size_t(t) * d.ldq + col];
   const Vec dq0 = rounded(randn(std::size_t(c.Tq) * p.lddq, rng), act);
   Vec dq_ref = dq0;
   std::vector<Vec> dk_ref = dk0, dv_ref = dv0;
@@ -849,8 +895,8 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
     cblocks[b].dk = dk_ref[b].data();
     cblocks[b].dv = dv_ref[b].data();
   }
-  cpu::attention_backward_blocks(dq_ref.data(), p.dout.data(), q_cpu.data(), cblocks, lse_ref.data(),
-                                 delta_ref.data(), dc);
+  cpu::attention_backward_blocks(dq_ref.data(), p.dout.data(), q_cpu.data(), cblocks,
+                                 lse_ref.data(), delta_ref.data(), dc);
 
   Dev dqd = upload(dq0, act);
   Dev lse_cpu = upload(lse_ref, DType::F32), delta_cpu = upload(delta_ref, DType::F32);
@@ -866,28 +912,31 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
     g.dv.push_back(download(dvd[b], dv0[b].size(), DType::F32));
     const std::string bt = " block " + std::to_string(b) + " " + tag;
     // dk, dv are fp32 accumulators: no final rounding, only the products' roundings.
-    expect_close(cols(g.dk[b], Tk, H, d.ldk), cols(dk_ref[b], Tk, H, d.ldk), 0.0, kRtol32, "dk" + bt,
-                 attn_atol(mag.dk[b], bf16_frac, mag.dk_full[b], fp32_frac));
-    expect_close(cols(g.dv[b], Tk, H, d.ldv), cols(dv_ref[b], Tk, H, d.ldv), 0.0, kRtol32, "dv" + bt,
-                 attn_atol(mag.dv[b], bf16_frac, mag.dv_full[b], fp32_frac));
+    expect_close(cols(g.dk[b], Tk, H, d.ldk), cols(dk_ref[b], Tk, H, d.ldk), 0.0, kRtol32,
+                 "dk" + bt, attn_atol(mag.dk[b], bf16_frac, mag.dk_full[b], fp32_frac));
+    expect_close(cols(g.dv[b], Tk, H, d.ldv), cols(dv_ref[b], Tk, H, d.ldv), 0.0, kRtol32,
+                 "dv" + bt, attn_atol(mag.dv[b], bf16_frac, mag.dv_full[b], fp32_frac));
   }
   return g;
 }
 
 TEST_F(Cuda, AttentionFp32) {
   for (const AttnCase& c : attn_cases())
-    for (const int A : {16, 64}) check_attention(c, 2, A, DType::F32, cuda::AttnKernel::Auto, rng_, stream_);
+    for (const int A : {16, 64})
+      check_attention(c, 2, A, DType::F32, cuda::AttnKernel::Auto, rng_, stream_);
   // The largest head size the SIMT kernels take.
   check_attention(attn_cases()[1], 1, 256, DType::F32, cuda::AttnKernel::Auto, rng_, stream_);
 }
 
 TEST_F(Cuda, AttentionBf16TensorCores) {
   for (const AttnCase& c : attn_cases())
-    for (const int A : {64, 128}) check_attention(c, 2, A, DType::BF16, cuda::AttnKernel::TensorCore, rng_, stream_);
+    for (const int A : {64, 128})
+      check_attention(c, 2, A, DType::BF16, cuda::AttnKernel::TensorCore, rng_, stream_);
 }
 
 TEST_F(Cuda, AttentionBf16Simt) {
-  for (const AttnCase& c : attn_cases()) check_attention(c, 2, 32, DType::BF16, cuda::AttnKernel::Auto, rng_, stream_);
+  for (const AttnCase& c : attn_cases())
+    check_attention(c, 2, 32, DType::BF16, cuda::AttnKernel::Auto, rng_, stream_);
   // The SIMT kernels on a head size the tensor cores also take.
   check_attention(attn_cases()[1], 2, 64, DType::BF16, cuda::AttnKernel::Simt, rng_, stream_);
 }

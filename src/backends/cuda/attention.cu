@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
 }
 
 // ---- SIMT kernels ----------------------------------------------------------------------
-constexpr int kSimtWarps = 4;      // rows per block (queries, or keys in dkdv), one per warp
+constexpr int kSimtWarps = 4;  // rows per block (queries, or keys in dkdv), one per warp
 constexpr int kSimtThreads = kSimtWarps * 32;
 constexpr int kSimtTile = 32;      // rows of a shared-memory tile: one per lane
 constexpr int kSimtMaxChunks = 8;  // output columns per lane: A <= 8 * 32
@@ -96,19 +96,21 @@ __device__ void load_rows_f32(float* dst, int ldd, const T* x, i64 ld, int z, in
   for (int i = threadIdx.x; i < kSimtTile * A; i += blockDim.x) {
     const int r = i / A, a = i % A;
     float val = 0.0f;
-    if (r0 + r < rows) val = load_f(x + static_cast<i64>(r0 + r) * ld + static_cast<i64>(z) * A + a);
+    if (r0 + r < rows)
+      val = load_f(x + static_cast<i64>(r0 + r) * ld + static_cast<i64>(z) * A + a);
     dst[r * ldd + a] = val;
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kSimtThreads) attn_fwd_simt(const AttnParams p, const KVTable kv) {
+__global__ void __launch_bounds__(kSimtThreads)
+    attn_fwd_simt(const AttnParams p, const KVTable kv) {
   extern __shared__ float smem[];
   const int A = p.A, lda1 = A + 1;
-  float* ks = smem;                     // [32][A + 1]
-  float* vs = ks + kSimtTile * lda1;    // [32][A]
-  float* qs = vs + kSimtTile * A;       // [warps][A]
-  float* ps = qs + kSimtWarps * A;      // [warps][32]
+  float* ks = smem;                   // [32][A + 1]
+  float* vs = ks + kSimtTile * lda1;  // [32][A]
+  float* qs = vs + kSimtTile * A;     // [warps][A]
+  float* ps = qs + kSimtWarps * A;    // [warps][32]
   const int groups = (p.Tq + kSimtWarps - 1) / kSimtWarps;
   const int group = groups - 1 - static_cast<int>(blockIdx.x / p.Z);
   const int z = static_cast<int>(blockIdx.x % p.Z);
@@ -146,7 +148,7 @@ __global__ void __launch_bounds__(kSimtThreads) attn_fwd_simt(const AttnParams p
         s = dot;
       }
       const float m_new = fmaxf(m, warp_max(s));
-      if (m_new == -INFINITY) continue;  // no key seen yet (the whole warp agrees)
+      if (m_new == -INFINITY) continue;                 // no key seen yet (the whole warp agrees)
       const float alpha = expf((m - m_new) * p.scale);  // 0 while m = -inf
       const float pj = s == -INFINITY ? 0.0f : expf((s - m_new) * p.scale);
       l = l * alpha + warp_sum(pj);
@@ -173,18 +175,19 @@ __global__ void __launch_bounds__(kSimtThreads) attn_fwd_simt(const AttnParams p
     const int a = lane + 32 * c;
     if (a < A) store_f(out + a, o[c] * inv);
   }
-  if (lane == 0) p.lse[static_cast<i64>(z) * p.Tq + t] = l > 0.0f ? m * p.scale + logf(l) : -INFINITY;
+  if (lane == 0)
+    p.lse[static_cast<i64>(z) * p.Tq + t] = l > 0.0f ? m * p.scale + logf(l) : -INFINITY;
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kSimtThreads) attn_dq_simt(const AttnParams p, const KVTable kv) {
   extern __shared__ float smem[];
   const int A = p.A, lda1 = A + 1;
-  float* ks = smem;                      // [32][A + 1]
-  float* vs = ks + kSimtTile * lda1;     // [32][A + 1]
-  float* qs = vs + kSimtTile * lda1;     // [warps][A]
-  float* dos = qs + kSimtWarps * A;      // [warps][A]
-  float* dss = dos + kSimtWarps * A;     // [warps][32]
+  float* ks = smem;                   // [32][A + 1]
+  float* vs = ks + kSimtTile * lda1;  // [32][A + 1]
+  float* qs = vs + kSimtTile * lda1;  // [warps][A]
+  float* dos = qs + kSimtWarps * A;   // [warps][A]
+  float* dss = dos + kSimtWarps * A;  // [warps][32]
   const int groups = (p.Tq + kSimtWarps - 1) / kSimtWarps;
   const int group = groups - 1 - static_cast<int>(blockIdx.x / p.Z);
   const int z = static_cast<int>(blockIdx.x % p.Z);
@@ -200,7 +203,8 @@ __global__ void __launch_bounds__(kSimtThreads) attn_dq_simt(const AttnParams p,
   float* dsw = dss + warp * kSimtTile;
   for (int a = lane; a < A; a += 32) {
     qw[a] = row_ok ? load_f(q + static_cast<i64>(t) * p.ldq + static_cast<i64>(z) * A + a) : 0.0f;
-    dow[a] = row_ok ? load_f(dout + static_cast<i64>(t) * p.ldo + static_cast<i64>(z) * A + a) : 0.0f;
+    dow[a] =
+        row_ok ? load_f(dout + static_cast<i64>(t) * p.ldo + static_cast<i64>(z) * A + a) : 0.0f;
   }
   const float lse_t = row_ok ? p.lse[static_cast<i64>(z) * p.Tq + t] : -INFINITY;
   const float delta_t = row_ok ? p.delta[static_cast<i64>(z) * p.Tq + t] : 0.0f;
@@ -263,14 +267,14 @@ __global__ void __launch_bounds__(kSimtThreads)
     attn_dkdv_simt(const AttnParams p, const KVTable kv) {
   extern __shared__ float smem[];
   const int A = p.A, lda1 = A + 1;
-  float* qs = smem;                          // [32][A + 1]
-  float* dos = qs + kSimtTile * lda1;        // [32][A + 1]
-  float* lse_s = dos + kSimtTile * lda1;     // [32]
-  float* delta_s = lse_s + kSimtTile;        // [32]
-  float* kws = delta_s + kSimtTile;          // [warps][A]
-  float* vws = kws + kSimtWarps * A;         // [warps][A]
-  float* pss = vws + kSimtWarps * A;         // [warps][32]
-  float* dss = pss + kSimtWarps * kSimtTile; // [warps][32]
+  float* qs = smem;                           // [32][A + 1]
+  float* dos = qs + kSimtTile * lda1;         // [32][A + 1]
+  float* lse_s = dos + kSimtTile * lda1;      // [32]
+  float* delta_s = lse_s + kSimtTile;         // [32]
+  float* kws = delta_s + kSimtTile;           // [warps][A]
+  float* vws = kws + kSimtWarps * A;          // [warps][A]
+  float* pss = vws + kSimtWarps * A;          // [warps][32]
+  float* dss = pss + kSimtWarps * kSimtTile;  // [warps][32]
   const int x = static_cast<int>(blockIdx.x / p.Z);
   const int z = static_cast<int>(blockIdx.x % p.Z);
   int b = 0;
@@ -357,7 +361,8 @@ __global__ void __launch_bounds__(kSimtThreads)
 
 AttnParams resolve(const AttnDims& d) {
   SPPO_CHECK(d.Tq >= 0, "attention") << "Tq must be >= 0, got " << d.Tq;
-  SPPO_CHECK(d.Z > 0 && d.A > 0, "attention") << "Z and A must be positive, got " << d.Z << ", " << d.A;
+  SPPO_CHECK(d.Z > 0 && d.A > 0, "attention")
+      << "Z and A must be positive, got " << d.Z << ", " << d.A;
   SPPO_CHECK(d.A % 2 == 0 && d.A <= 32 * kSimtMaxChunks, "attention")
       << "head size must be even and at most " << 32 * kSimtMaxChunks << ", got " << d.A;
   AttnParams p;

@@ -37,12 +37,12 @@
 namespace sppo::cuda {
 
 struct AttnDims {
-  int Tq = 0;      // query rows
-  int Z = 0;       // heads
-  int A = 0;       // head size
-  i64 q_pos0 = 0;  // global position of query row 0
+  int Tq = 0;                              // query rows
+  int Z = 0;                               // heads
+  int A = 0;                               // head size
+  i64 q_pos0 = 0;                          // global position of query row 0
   int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides in elements (0 means Z*A)
-  int lddq = 0;    // row stride of dq (0 means ldq)
+  int lddq = 0;                            // row stride of dq (0 means ldq)
 };
 
 // One key/value block: rows k[Tk, .] (stride ldk), v[Tk, .] (stride ldv) at global positions

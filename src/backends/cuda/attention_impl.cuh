@@ -33,8 +33,8 @@ struct AttnParams {
   int Tq = 0, Z = 0, A = 0;
   i64 q_pos0 = 0;
   i64 ldq = 0, ldk = 0, ldv = 0, ldo = 0, lddq = 0;  // resolved strides (elements)
-  float scale = 0.0f;       // 1 / sqrt(A)
-  float scale_log2 = 0.0f;  // scale * log2(e): scores to base-2 exponents
+  float scale = 0.0f;                                // 1 / sqrt(A)
+  float scale_log2 = 0.0f;                           // scale * log2(e): scores to base-2 exponents
 };
 
 constexpr float kLog2e = 1.4426950408889634f;

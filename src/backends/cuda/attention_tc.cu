@@ -139,10 +139,10 @@ __global__ void __launch_bounds__(kTcThreads) attn_fwd_tc(const AttnParams p, co
   load_tile<D, kBq>(qs, static_cast<const bf16*>(p.q) + t0 * p.ldq + zD, p.ldq, qn);
   const auto load_kv = [&](int stage, int b, int s0) {
     const int valid = min(kBk, kv.len[b] - s0);
-    load_tile<D, kBk>(ks + stage * kBk * kLd,
-                      static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zD, p.ldk, valid);
-    load_tile<D, kBk>(vs + stage * kBk * kLd,
-                      static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zD, p.ldv, valid);
+    load_tile<D, kBk>(ks + stage * kBk * kLd, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zD,
+                      p.ldk, valid);
+    load_tile<D, kBk>(vs + stage * kBk * kLd, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zD,
+                      p.ldv, valid);
   };
   int b = 0, s0 = 0;
   settle(kv, qp_last, b, s0);
@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_fwd_tc(const AttnParams p, co
     for (int kk = 0; kk < D / 16; ++kk) {
       std::uint32_t a[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) load_a(a[mt], qs + (row0 + mt * 16) * kLd + kk * 16, kLd, lane);
+      for (int mt = 0; mt < kMT; ++mt)
+        load_a(a[mt], qs + (row0 + mt * 16) * kLd + kk * 16, kLd, lane);
 #pragma unroll
       for (int nt = 0; nt < kNT; nt += 2) {
         std::uint32_t bb[4];
@@ -201,7 +202,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_fwd_tc(const AttnParams p, co
     const i64 kp_first = kv.pos[b] + s0;
     const int kvalid = min(kBk, kv.len[b] - s0);
     if (kvalid < kBk || kp_first + kBk - 1 > qp_first) {
-      const int dmax = clamp_diff(qp_first - kp_first, -kBq, kBk);  // key j sees row i iff j - i <= dmax
+      // Key j is visible to row i iff j - i <= dmax.
+      const int dmax = clamp_diff(qp_first - kp_first, -kBq, kBk);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -221,7 +223,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_fwd_tc(const AttnParams p, co
       for (int h = 0; h < 2; ++h) {
         float mx = m[mt][h];
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        for (int nt = 0; nt < kNT; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
         const float base = mx == -INFINITY ? 0.0f : mx * c;
@@ -286,7 +289,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_fwd_tc(const AttnParams p, co
           *reinterpret_cast<__nv_bfloat162*>(orow + dt * 8) =
               __floats2bfloat162_rn(o[mt][dt][2 * h] * inv, o[mt][dt][2 * h + 1] * inv);
         if (q4 == 0)
-          p.lse[static_cast<i64>(z) * p.Tq + t] = lt > 0.0f ? m[mt][h] * p.scale + logf(lt) : -INFINITY;
+          p.lse[static_cast<i64>(z) * p.Tq + t] =
+              lt > 0.0f ? m[mt][h] * p.scale + logf(lt) : -INFINITY;
       }
     }
   }
@@ -327,10 +331,10 @@ __global__ void __launch_bounds__(kTcThreads) attn_dq_tc(const AttnParams p, con
   load_tile<D, kBq>(dos, static_cast<const bf16*>(p.dout) + t0 * p.ldo + zD, p.ldo, qn);
   const auto load_kv = [&](int stage, int b, int s0) {
     const int valid = min(kBk, kv.len[b] - s0);
-    load_tile<D, kBk>(ks + stage * kBk * kLd,
-                      static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zD, p.ldk, valid);
-    load_tile<D, kBk>(vs + stage * kBk * kLd,
-                      static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zD, p.ldv, valid);
+    load_tile<D, kBk>(ks + stage * kBk * kLd, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zD,
+                      p.ldk, valid);
+    load_tile<D, kBk>(vs + stage * kBk * kLd, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zD,
+                      p.ldv, valid);
   };
   int b = 0, s0 = 0;
   settle(kv, qp_last, b, s0);
@@ -408,7 +412,7 @@ __global__ void __launch_bounds__(kTcThreads) attn_dq_tc(const AttnParams p, con
         s[nt][e] = pv * p.scale * (dp[nt][e] - dlt[h]);
       }
 
-    // dQ += dS K, dS rounded to bf16.
+      // dQ += dS K, dS rounded to bf16.
 #pragma unroll
     for (int kc = 0; kc < kBk / 16; ++kc) {
       std::uint32_t a[4];
@@ -458,12 +462,12 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
   using Cfg = Dkv<D, kBq>;
   constexpr int kBk = Cfg::kBk, kLd = Cfg::kLd, kNT = kBq / 8, kDT = D / 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* ks = reinterpret_cast<bf16*>(smem);  // [kBk][kLd]
-  bf16* vs = ks + kBk * kLd;                 // [kBk][kLd]
-  bf16* qs = vs + kBk * kLd;                 // [2][kBq][kLd]
-  bf16* dos = qs + 2 * kBq * kLd;            // [2][kBq][kLd]
+  bf16* ks = reinterpret_cast<bf16*>(smem);                       // [kBk][kLd]
+  bf16* vs = ks + kBk * kLd;                                      // [kBk][kLd]
+  bf16* qs = vs + kBk * kLd;                                      // [2][kBq][kLd]
+  bf16* dos = qs + 2 * kBq * kLd;                                 // [2][kBq][kLd]
   float* lse2_s = reinterpret_cast<float*>(dos + 2 * kBq * kLd);  // [2][kBq], base 2
-  float* dlt_s = lse2_s + 2 * kBq;                                 // [2][kBq]
+  float* dlt_s = lse2_s + 2 * kBq;                                // [2][kBq]
 
   const int x = static_cast<int>(blockIdx.x / p.Z);
   const int z = static_cast<int>(blockIdx.x % p.Z);
@@ -483,8 +487,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
     const int qn = min(kBq, p.Tq - t0);
     load_tile<D, kBq>(qs + stage * kBq * kLd, static_cast<const bf16*>(p.q) + t0 * p.ldq + zD,
                       p.ldq, qn);
-    load_tile<D, kBq>(dos + stage * kBq * kLd,
-                      static_cast<const bf16*>(p.dout) + t0 * p.ldo + zD, p.ldo, qn);
+    load_tile<D, kBq>(dos + stage * kBq * kLd, static_cast<const bf16*>(p.dout) + t0 * p.ldo + zD,
+                      p.ldo, qn);
     for (int r = threadIdx.x; r < kBq; r += kTcThreads) {
       float L2 = INFINITY, dl = 0.0f;
       if (r < qn) {
@@ -560,7 +564,7 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
         dpt[nt][e] = pv * p.scale * (dpt[nt][e] - dlt[j]);
       }
 
-    // dV += P^T dO and dK += dS^T Q, P and dS rounded to bf16.
+      // dV += P^T dO and dK += dS^T Q, P and dS rounded to bf16.
 #pragma unroll
     for (int qc = 0; qc < kBq / 16; ++qc) {
       std::uint32_t ap[4], ads[4];

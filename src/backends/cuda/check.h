@@ -19,17 +19,17 @@ namespace sppo::cuda::detail {
 
 }  // namespace sppo::cuda::detail
 
-#define SPPO_CUDA_CHECK(call)                                                  \
-  do {                                                                         \
-    const cudaError_t sppo_cuda_err_ = (call);                                 \
-    if (sppo_cuda_err_ != cudaSuccess)                                         \
+#define SPPO_CUDA_CHECK(call)                                                     \
+  do {                                                                            \
+    const cudaError_t sppo_cuda_err_ = (call);                                    \
+    if (sppo_cuda_err_ != cudaSuccess)                                            \
       ::sppo::cuda::detail::cuda_fail(#call, __FILE__, __LINE__, sppo_cuda_err_); \
   } while (0)
 
-#define SPPO_CUBLAS_CHECK(call)                                                     \
-  do {                                                                              \
-    const cublasStatus_t sppo_cublas_status_ = (call);                              \
-    if (sppo_cublas_status_ != CUBLAS_STATUS_SUCCESS)                               \
+#define SPPO_CUBLAS_CHECK(call)                                                          \
+  do {                                                                                   \
+    const cublasStatus_t sppo_cublas_status_ = (call);                                   \
+    if (sppo_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                    \
       ::sppo::cuda::detail::cublas_fail(#call, __FILE__, __LINE__, sppo_cublas_status_); \
   } while (0)
 

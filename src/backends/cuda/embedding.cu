@@ -50,13 +50,13 @@ __global__ void embedding_backward_kernel(float* dembed, const T* dout, const un
 
 }  // namespace
 
-void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H,
-                       int V, DType act, cudaStream_t stream) {
+void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int V,
+                       DType act, cudaStream_t stream) {
   if (T == 0) return;
   dispatch_act(act, "embedding_forward", [&](auto tag) {
     using E = decltype(tag);
-    embedding_forward_kernel<E><<<grid_for(i64{T} * H), kThreads, 0, stream>>>(
-        static_cast<E*>(out), ids, embed, T, H, V);
+    embedding_forward_kernel<E>
+        <<<grid_for(i64{T} * H), kThreads, 0, stream>>>(static_cast<E*>(out), ids, embed, T, H, V);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }
@@ -70,11 +70,10 @@ void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids
   while (end_bit < 31 && (1u << end_bit) < static_cast<unsigned>(V)) ++end_bit;
   const unsigned* keys_in = reinterpret_cast<const unsigned*>(ids);  // ids >= 0: same order
   std::size_t temp_bytes = 0;
-  SPPO_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in,
-                                                  static_cast<unsigned*>(nullptr),
-                                                  static_cast<const std::int32_t*>(nullptr),
-                                                  static_cast<std::int32_t*>(nullptr), T, 0,
-                                                  end_bit, stream));
+  SPPO_CUDA_CHECK(
+      cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, static_cast<unsigned*>(nullptr),
+                                      static_cast<const std::int32_t*>(nullptr),
+                                      static_cast<std::int32_t*>(nullptr), T, 0, end_bit, stream));
   const std::size_t n = static_cast<std::size_t>(T);
   Scratch pairs(sizeof(std::int32_t) * 3 * n, stream);
   unsigned* keys_out = pairs.as<unsigned>();
@@ -89,7 +88,7 @@ void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids
     using E = decltype(tag);
     const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(ceil_div(H, kThreads)));
     embedding_backward_kernel<E><<<grid, kThreads, 0, stream>>>(dembed, static_cast<const E*>(dout),
-                                                             keys_out, values_out, T, H, V);
+                                                                keys_out, values_out, T, H, V);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }

@@ -36,9 +36,9 @@ struct PlanKey {
   DType ab, cd;
   std::uint32_t align_a, align_b, align_c, align_bias;
   bool operator==(const PlanKey& o) const {
-    return trans_a == o.trans_a && trans_b == o.trans_b && bias == o.bias && M == o.M &&
-           N == o.N && K == o.K && lda == o.lda && ldb == o.ldb && ldc == o.ldc && ab == o.ab &&
-           cd == o.cd && align_a == o.align_a && align_b == o.align_b && align_c == o.align_c &&
+    return trans_a == o.trans_a && trans_b == o.trans_b && bias == o.bias && M == o.M && N == o.N &&
+           K == o.K && lda == o.lda && ldb == o.ldb && ldc == o.ldc && ab == o.ab && cd == o.cd &&
+           align_a == o.align_a && align_b == o.align_b && align_c == o.align_c &&
            align_bias == o.align_bias;
   }
 };
@@ -126,10 +126,10 @@ struct Blas::Impl {
                                                        &bias, sizeof bias));
     }
     const cudaDataType_t tab = cuda_type(k.ab), tcd = cuda_type(k.cd);
-    SPPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, tab, k.trans_b ? k.K : k.N,
-                                                 k.trans_b ? k.N : k.K, k.ldb));
-    SPPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, tab, k.trans_a ? k.M : k.K,
-                                                 k.trans_a ? k.K : k.M, k.lda));
+    SPPO_CUBLAS_CHECK(
+        cublasLtMatrixLayoutCreate(&p.a, tab, k.trans_b ? k.K : k.N, k.trans_b ? k.N : k.K, k.ldb));
+    SPPO_CUBLAS_CHECK(
+        cublasLtMatrixLayoutCreate(&p.b, tab, k.trans_a ? k.M : k.K, k.trans_a ? k.K : k.M, k.lda));
     SPPO_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, tcd, k.N, k.M, k.ldc));
 
     cublasLtMatmulPreference_t pref = nullptr;
@@ -157,11 +157,12 @@ struct Blas::Impl {
       p.ok = true;
     } else {
       // Without the epilogue there is no other way: say what was asked.
-      SPPO_CHECK(k.bias, "gemm")
-          << "cuBLASLt has no algorithm for M=" << k.M << " N=" << k.N << " K=" << k.K
-          << " trans_a=" << k.trans_a << " trans_b=" << k.trans_b << " lda=" << k.lda
-          << " ldb=" << k.ldb << " ldc=" << k.ldc << " types " << dtype_name(k.ab) << "/"
-          << dtype_name(k.cd) << " (status " << cublasLtGetStatusName(st) << ")";
+      SPPO_CHECK(k.bias, "gemm") << "cuBLASLt has no algorithm for M=" << k.M << " N=" << k.N
+                                 << " K=" << k.K << " trans_a=" << k.trans_a
+                                 << " trans_b=" << k.trans_b << " lda=" << k.lda << " ldb=" << k.ldb
+                                 << " ldc=" << k.ldc << " types " << dtype_name(k.ab) << "/"
+                                 << dtype_name(k.cd) << " (status " << cublasLtGetStatusName(st)
+                                 << ")";
     }
     return plans.emplace(k, p).first->second;
   }
@@ -224,9 +225,12 @@ bool run_gemm(Blas& blas, bool trans_a, bool trans_b, int M, int N, int K, float
       << dtype_name(ab) << "/" << dtype_name(cd);
   if (M == 0 || N == 0) return true;
   Blas::Impl& im = blas.impl();
-  const PlanKey key{trans_a,          trans_b,          bias != nullptr,  M,   N,  K,  lda,
-                    ldb,              ldc,              ab,               cd,  alignment(a),
-                    alignment(b),     alignment(c),     bias != nullptr ? alignment(bias) : 0u};
+  PlanKey key{};
+  key.trans_a = trans_a, key.trans_b = trans_b, key.bias = bias != nullptr;
+  key.M = M, key.N = N, key.K = K, key.lda = lda, key.ldb = ldb, key.ldc = ldc;
+  key.ab = ab, key.cd = cd;
+  key.align_a = alignment(a), key.align_b = alignment(b), key.align_c = alignment(c);
+  key.align_bias = bias != nullptr ? alignment(bias) : 0u;
   std::lock_guard<std::mutex> lock(im.mu);
   const Plan& p = im.plan(key, bias);
   if (!p.ok) return false;
@@ -235,8 +239,8 @@ bool run_gemm(Blas& blas, bool trans_a, bool trans_b, int M, int N, int K, float
                                                      &bias, sizeof bias));
   void* ws = im.workspace(stream);
   // Note [Row-major GEMM on cuBLASLt]: Lt's A is b, Lt's B is a.
-  SPPO_CUBLAS_CHECK(cublasLtMatmul(im.handle, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c,
-                                   p.c, &p.algo, ws, p.workspace, stream));
+  SPPO_CUBLAS_CHECK(cublasLtMatmul(im.handle, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c,
+                                   &p.algo, ws, p.workspace, stream));
   return true;
 }
 
@@ -270,8 +274,8 @@ void linear_forward(Blas& blas, void* out, const void* in, const void* w, const 
     });
     beta = 1.0f;
   }
-  run_gemm(blas, false, true, T, O, I, 1.0f, in, ld_in, w, I, beta, out, ld_out, act, act,
-           nullptr, stream);
+  run_gemm(blas, false, true, T, O, I, 1.0f, in, ld_in, w, I, beta, out, ld_out, act, act, nullptr,
+           stream);
 }
 
 void linear_backward(Blas& blas, void* din, float* dw, float* db, const void* dout, const void* in,
@@ -289,7 +293,8 @@ void linear_backward(Blas& blas, void* din, float* dw, float* db, const void* do
     Scratch partials(sizeof(double) * static_cast<std::size_t>(num_blocks) * O, stream);
     dispatch_act(act, "linear_backward", [&](auto tag) {
       using E = decltype(tag);
-      const dim3 grid(static_cast<unsigned>(ceil_div(O, kThreads)), static_cast<unsigned>(num_blocks));
+      const dim3 grid(static_cast<unsigned>(ceil_div(O, kThreads)),
+                      static_cast<unsigned>(num_blocks));
       column_partials_kernel<E><<<grid, kThreads, 0, stream>>>(
           partials.as<double>(), static_cast<const E*>(dout), T, O, ld_dout);
       SPPO_CUDA_CHECK_LAUNCH();

@@ -254,8 +254,8 @@ __global__ void __launch_bounds__(kXentThreads)
 
 // *result += sum of x[n] in a fixed order: thread i sums x[i], x[i + 256], ..., then the block
 // adds the 256 sums in a fixed tree.
-__global__ void __launch_bounds__(kThreads) sum_doubles_kernel(double* result, const double* x,
-                                                               i64 n) {
+__global__ void __launch_bounds__(kThreads)
+    sum_doubles_kernel(double* result, const double* x, i64 n) {
   __shared__ double red[kThreads / 32];
   double s = 0.0;
   for (i64 i = threadIdx.x; i < n; i += kThreads) s += x[i];
@@ -304,8 +304,8 @@ __global__ void adamw_kernel(float* p, float* m, float* v, const float* g, i64 n
 void add_block_partials(float* dst, const double* partials, int num_blocks, int C,
                         cudaStream_t stream) {
   if (C == 0) return;
-  add_block_partials_kernel<<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0,
-                              stream>>>(dst, partials, num_blocks, C);
+  add_block_partials_kernel<<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0, stream>>>(
+      dst, partials, num_blocks, C);
   SPPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -317,7 +317,7 @@ void convert(void* dst, DType dst_type, const void* src, DType src_type, i64 n,
       using D = decltype(d);
       using S = decltype(s);
       convert_kernel<D, S><<<grid_for(n), kThreads, 0, stream>>>(static_cast<D*>(dst),
-                                                           static_cast<const S*>(src), n);
+                                                                 static_cast<const S*>(src), n);
       SPPO_CUDA_CHECK_LAUNCH();
     });
   });
@@ -329,8 +329,8 @@ void add_inplace(void* y, DType y_type, const void* x, DType x_type, i64 n, cuda
     dispatch_act(x_type, "add_inplace", [&](auto xt) {
       using Y = decltype(yt);
       using X = decltype(xt);
-      add_kernel<Y, X><<<grid_for(n), kThreads, 0, stream>>>(static_cast<Y*>(y),
-                                                       static_cast<const X*>(x), n);
+      add_kernel<Y, X>
+          <<<grid_for(n), kThreads, 0, stream>>>(static_cast<Y*>(y), static_cast<const X*>(x), n);
       SPPO_CUDA_CHECK_LAUNCH();
     });
   });
@@ -387,9 +387,9 @@ void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const
   if (T == 0) return;
   dispatch_act(act, "layernorm_forward", [&](auto tag) {
     using E = decltype(tag);
-    layernorm_forward_kernel<E><<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0,
-                               stream>>>(static_cast<E*>(out), mean, rstd,
-                                         static_cast<const E*>(x), w, b, T, H, eps);
+    layernorm_forward_kernel<E>
+        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+            static_cast<E*>(out), mean, rstd, static_cast<const E*>(x), w, b, T, H, eps);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }
@@ -406,13 +406,14 @@ void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const 
     using E = decltype(tag);
     const E* dout_e = static_cast<const E*>(dout);
     const E* x_e = static_cast<const E*>(x);
-    layernorm_backward_dx_kernel<E><<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32,
-                                   0, stream>>>(static_cast<E*>(dx), dout_e, x_e, w, mean, rstd,
-                                                T, H);
+    layernorm_backward_dx_kernel<E>
+        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+            static_cast<E*>(dx), dout_e, x_e, w, mean, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
-    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)), static_cast<unsigned>(num_blocks));
-    layernorm_param_partials_kernel<E><<<grid, kThreads, 0, stream>>>(dw_part, db_part, dout_e, x_e,
-                                                                   mean, rstd, T, H);
+    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)),
+                    static_cast<unsigned>(num_blocks));
+    layernorm_param_partials_kernel<E>
+        <<<grid, kThreads, 0, stream>>>(dw_part, db_part, dout_e, x_e, mean, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
   });
   add_block_partials(dw, dw_part, num_blocks, H, stream);
@@ -423,8 +424,8 @@ void gelu_forward(void* out, const void* in, i64 n, DType act, cudaStream_t stre
   if (n == 0) return;
   dispatch_act(act, "gelu_forward", [&](auto tag) {
     using E = decltype(tag);
-    gelu_forward_kernel<E><<<grid_for(n), kThreads, 0, stream>>>(static_cast<E*>(out),
-                                                              static_cast<const E*>(in), n);
+    gelu_forward_kernel<E>
+        <<<grid_for(n), kThreads, 0, stream>>>(static_cast<E*>(out), static_cast<const E*>(in), n);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }
@@ -442,15 +443,15 @@ void gelu_backward(void* din, const void* dout, const void* in, i64 n, DType act
 
 namespace {
 
-void rope_apply(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
-                float sign, cudaStream_t stream) {
+void rope_apply(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act, float sign,
+                cudaStream_t stream) {
   SPPO_ASSERT_MSG(A > 0 && A % 2 == 0, "rope: head size " << A << " must be even");
   SPPO_ASSERT_MSG(pos0 >= 0 && ld >= Z * A, "rope: pos0=" << pos0 << " ld=" << ld);
   if (T == 0) return;
   dispatch_act(act, "rope", [&](auto tag) {
     using E = decltype(tag);
     rope_kernel<E><<<grid_for(i64{T} * (A / 2)), kThreads, 0, stream>>>(static_cast<E*>(x), T, Z, A,
-                                                                       pos0, theta, ld, sign);
+                                                                        pos0, theta, ld, sign);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }
@@ -513,8 +514,7 @@ void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, f
   const float rsqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   const float decay = lr * weight_decay;
   adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, m, v, g, n, beta1, beta2, eps, step,
-                                                     rsqrt_bc2, decay,
-                                                     static_cast<bf16*>(p_bf16));
+                                                     rsqrt_bc2, decay, static_cast<bf16*>(p_bf16));
   SPPO_CUDA_CHECK_LAUNCH();
 }
 

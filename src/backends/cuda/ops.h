@@ -105,8 +105,8 @@ void zero_cols(void* dst, DType type, int T, int width, int ld, int col, cudaStr
 
 // ---- embedding ------------------------------------------------------------------------
 // out[T, H] (act) = embed[ids[t]] (fp32 master weights, [V, H]; V only bounds the ids).
-void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H,
-                       int V, DType act, cudaStream_t stream);
+void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int V,
+                       DType act, cudaStream_t stream);
 // dembed[V, H] += scatter of dout[T, H] by ids. Deterministic: ids are sorted with CUB's stable
 // radix sort, and each id's rows are added into its row of dembed in token order, the order of
 // the CPU kernel. Scratch: 3 * T int32 and CUB's temporary storage.

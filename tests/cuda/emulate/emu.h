@@ -193,8 +193,9 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t smem, cudaS
             }
           }
           if (!released) {
-            std::fprintf(stderr, "emu: deadlock in block (%u, %u, %u): threads wait on different barriers\n",
-                         bx, by, bz);
+            std::fprintf(
+                stderr, "emu: deadlock in block (%u, %u, %u): threads wait on different barriers\n",
+                bx, by, bz);
             std::abort();
           }
         }

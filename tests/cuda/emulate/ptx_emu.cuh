@@ -22,8 +22,12 @@ inline bool in_smem(const void* p, std::size_t n) {
   const auto* c = static_cast<const unsigned char*>(p);
   return c >= ::emu::g_smem && c + n <= ::emu::g_smem + ::emu::kSmemBytes;
 }
-inline float bf16_lo(std::uint32_t w) { return __bfloat162float(__nv_bfloat16{static_cast<std::uint16_t>(w & 0xffffu)}); }
-inline float bf16_hi(std::uint32_t w) { return __bfloat162float(__nv_bfloat16{static_cast<std::uint16_t>(w >> 16)}); }
+inline float bf16_lo(std::uint32_t w) {
+  return __bfloat162float(__nv_bfloat16{static_cast<std::uint16_t>(w & 0xffffu)});
+}
+inline float bf16_hi(std::uint32_t w) {
+  return __bfloat162float(__nv_bfloat16{static_cast<std::uint16_t>(w >> 16)});
+}
 
 }  // namespace emu_ptx
 
@@ -32,7 +36,8 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
                    "cp.async: destination not 16-byte aligned shared memory");
   ::emu::PendingCopy c{dst, {}};
   if (valid) {
-    emu_ptx::require(reinterpret_cast<std::uintptr_t>(src) % 16 == 0, "cp.async: source not 16-byte aligned");
+    emu_ptx::require(reinterpret_cast<std::uintptr_t>(src) % 16 == 0,
+                     "cp.async: source not 16-byte aligned");
     std::memcpy(c.data, src, 16);
   }
   ::emu::g_async[threadIdx.x].open.push_back(c);
@@ -52,7 +57,8 @@ inline void cp_async_wait() {
 }
 
 // D = A B + C for the warp's m16n8k16 fragments, from the fragment layout of the PTX ISA.
-inline void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+inline void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                      std::uint32_t b1) {
   struct Frag {
     std::uint32_t a[4], b[2];
     float c[4];

@@ -28,10 +28,12 @@ void linear_backward(Blas&, void*, float*, float*, const void*, const void*, con
                      int, DType, cudaStream_t, int, int) {
   not_emulated("linear_backward");
 }
-void embedding_forward(void*, const std::int32_t*, const float*, int, int, int, DType, cudaStream_t) {
+void embedding_forward(void*, const std::int32_t*, const float*, int, int, int, DType,
+                       cudaStream_t) {
   not_emulated("embedding_forward");
 }
-void embedding_backward(float*, const void*, const std::int32_t*, int, int, int, DType, cudaStream_t) {
+void embedding_backward(float*, const void*, const std::int32_t*, int, int, int, DType,
+                        cudaStream_t) {
   not_emulated("embedding_backward");
 }
 

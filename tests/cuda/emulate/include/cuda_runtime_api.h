@@ -44,7 +44,9 @@ inline cudaError_t cudaFree(void* p) {
   std::free(p);
   return cudaSuccess;
 }
-inline cudaError_t cudaMallocAsync(void** p, std::size_t n, cudaStream_t) { return cudaMalloc(p, n); }
+inline cudaError_t cudaMallocAsync(void** p, std::size_t n, cudaStream_t) {
+  return cudaMalloc(p, n);
+}
 inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) { return cudaFree(p); }
 inline cudaError_t cudaMemcpy(void* d, const void* s, std::size_t n, cudaMemcpyKind) {
   std::memcpy(d, s, n);
