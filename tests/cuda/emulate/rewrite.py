@@ -9,7 +9,7 @@ src = src.replace("extern __shared__ __align__(16) unsigned char smem[];",
                   "unsigned char* smem = ::emu::g_smem;")
 src = src.replace("extern __shared__ float smem[];",
                   "float* smem = reinterpret_cast<float*>(::emu::g_smem);")
-launch = re.compile(r"([A-Za-z_][A-Za-z0-9_:]*(?:<[^<>;()]*>)?)<<<(.*?)>>>\(", re.S)
+launch = re.compile(r"([A-Za-z_][A-Za-z0-9_:]*(?:<[^<>;()]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
 src, n = launch.subn(lambda m: "::emu::launch(%s, %s, " % (m.group(1), m.group(2)), src)
 if "<<<" in src or "__shared__ __align__" in src:
     sys.exit("rewrite.py: %s: a launch or shared buffer was not rewritten" % sys.argv[1])
