@@ -271,7 +271,11 @@ TEST_F(Cuda, GemmAllTransposesAndTypes) {
                              GemmTypes{DType::BF16, DType::F32}}) {
     for (int tr = 0; tr < 4; ++tr) {
       const bool ta = tr & 1, tb = tr & 2;
-      const int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 2;
+      // Padded strides: 16-byte aligned rows (as the model's) for bf16, odd ones for fp32.
+      const auto pad = [&](int n, int extra) {
+        return ty.ab == DType::F32 && ty.cd == DType::F32 ? n + extra : (n + extra + 7) / 8 * 8;
+      };
+      const int lda = pad(ta ? M : K, 3), ldb = pad(tb ? K : N, 5), ldc = pad(N, 2);
       const Vec a = rounded(randn(std::size_t(ta ? K : M) * lda, rng_), ty.ab);
       const Vec b = rounded(randn(std::size_t(tb ? N : K) * ldb, rng_), ty.ab);
       const Vec c0 = rounded(randn(std::size_t(M) * ldc, rng_), ty.cd);
