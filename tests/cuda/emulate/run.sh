@@ -5,7 +5,9 @@
 # logic, masking, tiling, barriers and fragment layouts without a GPU; it cannot check timing,
 # cuBLASLt or CUB (those tests are filtered out) or the real instructions' rounding.
 #   bash tests/cuda/emulate/run.sh [BUILD_DIR] [--gtest_filter=...]
-# BUILD_DIR (default build/) must hold libsppo_kernels.a and libsppo_core.a.
+# BUILD_DIR (default build/) must hold libsppo_kernels.a and libsppo_core.a. The whole run takes
+# 10 to 20 minutes on two cores, most of it in the attention tests; pass a --gtest_filter to
+# run less.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
