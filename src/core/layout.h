@@ -59,7 +59,6 @@ struct KernelScratch {
   i64 fixed_bytes = 0;
   i64 bytes_per_token = 0;
   i64 bytes(i64 T) const { return fixed_bytes + bytes_per_token * T; }
-  bool operator==(const KernelScratch&) const = default;
 };
 
 // Precision of activations: fp32 on the CPU backend; bf16 on GPUs, where LayerNorm
