@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "core/check.h"
-#include "kernels/attention.h"
-#include "kernels/ops.h"
+#include "backends/cpu/attention.h"
+#include "backends/cpu/ops.h"
 
 namespace sppo {
 

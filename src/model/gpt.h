@@ -13,7 +13,7 @@
 
 #include "core/config.h"
 #include "core/layout.h"
-#include "kernels/scratch.h"
+#include "backends/cpu/scratch.h"
 
 namespace sppo {
 

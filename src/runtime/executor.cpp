@@ -8,7 +8,7 @@
 #include <map>
 
 #include "core/check.h"
-#include "kernels/ops.h"
+#include "backends/cpu/ops.h"
 #include "runtime/copy_stream.h"
 #include "runtime/fault.h"
 

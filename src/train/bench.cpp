@@ -8,7 +8,7 @@
 #include <random>
 
 #include "core/layout.h"
-#include "kernels/ops.h"
+#include "backends/cpu/ops.h"
 #include "model/gpt.h"
 #include "runtime/memory.h"
 

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "core/check.h"
-#include "kernels/ops.h"
+#include "backends/cpu/ops.h"
 #include "train/setup.h"
 
 namespace sppo {

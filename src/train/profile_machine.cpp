@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/attention.h"
-#include "kernels/ops.h"
+#include "backends/cpu/attention.h"
+#include "backends/cpu/ops.h"
 #include "model/gpt.h"
 #include "train/bench.h"
 

@@ -19,7 +19,7 @@
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "io/safetensors.h"
-#include "kernels/ops.h"
+#include "backends/cpu/ops.h"
 #include "runtime/fault.h"
 #include "sim/simulator.h"
 #include "train/parallel.h"

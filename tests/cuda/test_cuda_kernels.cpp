@@ -40,8 +40,8 @@
 #include "backends/cuda/check.h"
 #include "backends/cuda/ops.h"
 #include "core/check.h"
-#include "kernels/attention.h"
-#include "kernels/ops.h"
+#include "backends/cpu/attention.h"
+#include "backends/cpu/ops.h"
 
 namespace sppo {
 namespace {

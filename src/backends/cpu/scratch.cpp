@@ -1,4 +1,4 @@
-#include "kernels/scratch.h"
+#include "backends/cpu/scratch.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -24,7 +24,7 @@
 
 #include "core/dims.h"
 #include "core/layout.h"
-#include "kernels/scratch.h"
+#include "backends/cpu/scratch.h"
 
 namespace sppo::cpu {
 

@@ -41,7 +41,7 @@
 // added to dq in group order after all tasks. Which thread runs a task never changes the
 // arithmetic, so results are bit-identical run to run; G depends on the thread count, so a
 // different thread count may round differently.
-#include "kernels/attention.h"
+#include "backends/cpu/attention.h"
 
 #include <omp.h>
 
@@ -57,7 +57,7 @@
 #include <vector>
 
 #include "core/check.h"
-#include "kernels/scratch.h"
+#include "backends/cpu/scratch.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>

@@ -5,7 +5,7 @@
 // two or three passes over a row that is still in cache, never over the whole buffer.
 // Reductions across rows follow Note [Deterministic reductions]; transcendental functions
 // in hot loops follow Note [Vectorised exp].
-#include "kernels/ops.h"
+#include "backends/cpu/ops.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "core/check.h"
-#include "kernels/scratch.h"
+#include "backends/cpu/scratch.h"
 
 namespace sppo::cpu {
 
