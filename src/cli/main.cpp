@@ -61,6 +61,8 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
+  cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
+  cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");
   cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
   cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x dp; start with mpirun -np)")->capture_default_str();
   cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();

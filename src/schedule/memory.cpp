@@ -38,7 +38,8 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
   const i64 ws = total_bytes(block_workspace_specs(c, S, p)) + rules.block_scratch.bytes(S);
   const i64 acc = 2 * i64(c.hidden) * rules.accum_bytes * S;            // dK, dV
   const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p)) + rules.head_scratch.bytes(S);
-  const i64 fixed = param_count(c, 0, L, true, true) * rules.param_state_bytes;
+  const i64 fixed = param_count(c, 0, L, true, true) * (rules.param_state_bytes + rules.weight_copy_bytes) +
+                    step_input_bytes(S);
   i64 peak = 0;
   // Forward of layer l: the inputs kept so far, its saved tensors, workspace and output.
   for (int l = 0; l < L; ++l) peak = std::max(peak, l * x + saved + ws + x);
@@ -79,8 +80,10 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
           const int index = int(std::find(op.group.begin(), op.group.end(), rank) - op.group.begin());
           state = zero_state_params(c, ob, oe, int(op.group.size()), index);
         }
-    fixed_ = params * (rules.param_state_bytes - rules.optimizer_bytes) + state * rules.optimizer_bytes;
+    fixed_ = params * (rules.param_state_bytes - rules.optimizer_bytes + rules.weight_copy_bytes) +
+             state * rules.optimizer_bytes;
   }
+  fixed_ += step_input_bytes(s.seq_len());
 
   // Leases of borrowed weights: each Recv Weights of a layer range that a later one of the
   // same range follows ends at the last F/B on that range before the later one.

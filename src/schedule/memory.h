@@ -1,6 +1,8 @@
 // Device-memory rules of a schedule (DESIGN.md 4), shared by the validator (program order)
 // and the simulator (timed). They mirror the runtime's arena exactly:
-//  - fixed for the step: weights, gradients and AdamW m, v of the owned layers, fp32,
+//  - fixed for the step: the token ids and the loss sum (step_input_bytes); weights,
+//    their working copy in the activation type (bf16 only), gradients and AdamW m, v of the
+//    owned layers, fp32,
 //    `param_state_bytes` (16) per parameter; every SP rank and DP replica of a stage holds
 //    a full copy of that stage's weights and gradients, and, under ZeRO-1, only its share
 //    of the AdamW state (zero_state_params).
@@ -49,6 +51,7 @@ struct MemoryRules {
   int param_state_bytes = 16;   // fp32 weight + grad + AdamW m + v
   int optimizer_bytes = 8;      // of which AdamW m + v
   int accum_bytes = 4;          // dK/dV accumulators are fp32 on every backend
+  int weight_copy_bytes = 0;    // per parameter: the GEMMs' working copy of the weights (2 in bf16)
   bool zero = false;            // ZeRO-1: AdamW state sharded over the gradient all-reduce group
   // Kernel scratch the runtime allocates with each layer's workspace, and with the head's
   // (the CPU backend's, kernels/scratch.h; zero where kernels bring their own).
@@ -60,6 +63,9 @@ struct MemoryRules {
 // Parameters of layers [b, e) of the model, with the embedding when `embed` and the final
 // LayerNorm (and tied head) when `head`.
 i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head);
+
+// The step's inputs on the device: S + 1 token ids (int32) and the loss sum (a double).
+inline i64 step_input_bytes(i64 S) { return (S + 1) * 4 + 8; }
 
 // Parameters whose AdamW state rank `index` of `shards` keeps under ZeRO-1 for layers
 // [b, e): piece `index` of each bucket (the embedding, each layer, the final LayerNorm;

@@ -26,6 +26,7 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero
   m.model = c;
   m.precision = precision;
   m.zero = zero;
+  m.weight_copy_bytes = precision == ActPrecision::BF16 ? 2 : 0;
   return m;
 }
 
