@@ -99,8 +99,12 @@ void check_output_dir(const std::string& path, const char* option, bool checkpoi
         << option << " " << path << " holds files that are not a checkpoint; saving would not replace them: "
         << "give a new directory";
   }
-  // A checkpoint is written beside its directory and renamed into place.
-  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  // A checkpoint is written beside its directory and renamed into place, so its parent
+  // must exist; an export's missing parents are made, under the nearest that exists.
+  fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!checkpoint)
+    while (!fs::exists(parent, ec) && parent.has_parent_path() && parent != parent.parent_path())
+      parent = parent.parent_path();
   SPPO_CHECK(fs::is_directory(parent, ec), "options")
       << option << " " << path << ": the directory " << parent.string() << " does not exist; create it first";
   SPPO_CHECK(::access(parent.c_str(), W_OK) == 0, "options") << option << " " << path << ": "
