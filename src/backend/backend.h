@@ -96,6 +96,7 @@ class Backend {
   virtual DType act() const = 0;         // the activation type
 
   // ---- memory ---------------------------------------------------------------------------
+  virtual std::size_t device_memory() const = 0;      // bytes the device has in all
   virtual void* device_alloc(std::size_t bytes) = 0;  // 64-byte aligned; null when out of memory
   virtual void device_free(void* p) = 0;
   virtual void* host_alloc(std::size_t bytes) = 0;    // pinned where that matters

@@ -15,6 +15,7 @@
 #include "train/bench.h"
 #include "train/bench_pipeline.h"
 #include "train/bench_sppo.h"
+#include "train/profile_device.h"
 #include "train/profile_machine.h"
 #include "train/parallel.h"
 #include "train/setup.h"
@@ -230,6 +231,9 @@ int main(int argc, char** argv) {
   auto* cmd_profile = app.add_subcommand("profile", "Measure this machine (GEMM, attention, copies) as a hardware profile");
   cmd_profile->add_option("--out", profile_out, "Where to write the profile JSON")->capture_default_str();
   cmd_profile->add_flag("--quick", profile_quick, "Smaller shapes, about a second");
+  std::string profile_backend = "cpu", profile_precision;
+  cmd_profile->add_option("--backend", profile_backend, "cpu, cuda or auto: the device to measure")->capture_default_str();
+  cmd_profile->add_option("--precision", profile_precision, "fp32 or bf16 (default: the backend's)");
 
   try {
     try {
@@ -309,7 +313,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*cmd_profile) {
-      const auto p = measure_cpu_profile(profile_quick);
+      // The CPU is measured with its own kernels; other devices through the backend.
+      const auto be = make_backend(profile_backend, profile_precision);
+      nlohmann::json details;
+      const auto p = std::string(be->name()) == "cpu" ? measure_cpu_profile(profile_quick)
+                                                      : measure_backend_profile(*be, profile_quick, &details);
+      if (!details.empty()) std::fprintf(stderr, "also measured: %s\n", details.dump().c_str());
       plan::save_profile(p, profile_out);
       std::printf("%s\n", plan::to_json(p).dump(2).c_str());
       std::fprintf(stderr, "wrote %s; use it with --hardware %s\n", profile_out.c_str(), profile_out.c_str());

@@ -1,6 +1,7 @@
 #include "backends/cpu/cpu_backend.h"
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -147,6 +148,9 @@ class CpuBackend final : public Backend {
   const char* name() const override { return "cpu"; }
   DType act() const override { return DType::F32; }
 
+  std::size_t device_memory() const override {
+    return std::size_t(sysconf(_SC_PHYS_PAGES)) * std::size_t(sysconf(_SC_PAGE_SIZE));
+  }
   void* device_alloc(std::size_t bytes) override { return aligned(bytes); }
   void device_free(void* p) override { std::free(p); }
   void* host_alloc(std::size_t bytes) override { return aligned(bytes); }

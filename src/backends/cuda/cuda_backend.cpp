@@ -170,6 +170,11 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
   DType act() const override { return act_; }
 
+  std::size_t device_memory() const override {
+    std::size_t free_bytes = 0, total = 0;
+    SPPO_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    return total;
+  }
   void* device_alloc(std::size_t bytes) override { return slab_.alloc(bytes); }
   void device_free(void* p) override { slab_.free(p); }
   void* host_alloc(std::size_t bytes) override {
