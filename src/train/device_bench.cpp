@@ -24,6 +24,16 @@ std::unique_ptr<DeviceBuffer> random_device(Backend& be, i64 n, bool act, unsign
   return out;
 }
 
+double time_gemm_flops(Backend& be, int n, int reps) {
+  const DType act = be.act();
+  auto a = random_device(be, i64(n) * n, true, 1), b = random_device(be, i64(n) * n, true, 2);
+  DeviceBuffer c(be, std::size_t(n) * n * std::size_t(dtype_bytes(act)));
+  const double s = median_seconds(be, reps, [&] {
+    be.gemm(false, true, n, n, n, 1.0f, a->get(), n, b->get(), n, 0.0f, c.get(), n, act, act);
+  });
+  return 2.0 * n * double(n) * n / s;
+}
+
 double time_attention(Backend& be, i64 queries, i64 prefix, int heads, int head_dim, int reps) {
   const i64 T = queries, Tk = prefix + queries, D = i64(heads) * head_dim;
   const std::size_t act = std::size_t(dtype_bytes(be.act()));

@@ -54,6 +54,9 @@ inline double attention_forward_flops(i64 queries, i64 prefix, int heads, int he
   return 4.0 * heads * head_dim * (q * double(prefix) + q * q / 2);
 }
 
+// The GEMM rate (FLOP/s) through the backend on an n x n x n product in the activation type.
+double time_gemm_flops(Backend& be, int n, int reps);
+
 // One causal attention forward + backward through the backend: `queries` queries after
 // `prefix` keys, `heads` heads of `head_dim`; median seconds of `reps`.
 double time_attention(Backend& be, i64 queries, i64 prefix, int heads, int head_dim, int reps);

@@ -20,15 +20,7 @@ plan::HardwareProfile measure_backend_profile(Backend& be, bool quick, nlohmann:
   nlohmann::json more = nlohmann::json::object();
 
   // The GEMM rate on a large square product, in the activation type.
-  {
-    const int n = gpu ? (quick ? 4096 : 8192) : (quick ? 1024 : 2048);
-    auto a = random_device(be, i64(n) * n, true, 1), b = random_device(be, i64(n) * n, true, 2);
-    DeviceBuffer c(be, std::size_t(n) * n * std::size_t(dtype_bytes(act)));
-    const double s = median_seconds(be, reps, [&] {
-      be.gemm(false, true, n, n, n, 1.0f, a->get(), n, b->get(), n, 0.0f, c.get(), n, act, act);
-    });
-    p.gemm_flops = 2.0 * n * double(n) * n / s;
-  }
+  p.gemm_flops = time_gemm_flops(be, gpu ? (quick ? 4096 : 8192) : (quick ? 1024 : 2048), reps);
   // A block's four GEMMs, forward and backward, by hidden size.
   for (int H : gpu ? std::vector<int>{1024, 4096, 8192} : std::vector<int>{256, 1024}) {
     const int T = gpu ? 8192 : 1024;
