@@ -167,6 +167,15 @@ std::vector<std::pair<int, double>> table_from_json(const nlohmann::json& j, con
   return t;
 }
 
+nlohmann::json description_json(const std::string& d) {
+  if (d.find('\n') == std::string::npos) return d;
+  nlohmann::json lines = nlohmann::json::array();
+  size_t b = 0;
+  for (size_t e; (e = d.find('\n', b)) != std::string::npos; b = e + 1) lines.push_back(d.substr(b, e - b));
+  lines.push_back(d.substr(b));
+  return lines;
+}
+
 }  // namespace
 
 double HardwareProfile::gemm_rate(int hidden) const {
@@ -179,9 +188,9 @@ double HardwareProfile::attention_rate(int head_size) const {
 }
 
 nlohmann::json to_json(const HardwareProfile& p) {
-  return {
+  nlohmann::json j = {
       {"name", p.name},
-      {"description", p.description},
+      {"description", description_json(p.description)},
       {"precision", p.precision},
       {"gemm_tflops", p.gemm_flops / kTera},
       {"attention_efficiency", p.attention_efficiency},
@@ -201,13 +210,33 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"gemm_tflops_by_hidden", table_json(p.gemm_flops_by_hidden, kTera)},
       {"attention_efficiency_by_head_size", table_json(p.attention_efficiency_by_head, 1.0)},
   };
+  if (p.gpus_per_pcie_switch > 0) {
+    j["gpus_per_pcie_switch"] = p.gpus_per_pcie_switch;
+    j["pcie_switch_gbps"] = p.pcie_switch_bw / kGiga;
+  }
+  if (p.gpus_per_numa_node > 0) {
+    j["gpus_per_numa_node"] = p.gpus_per_numa_node;
+    j["numa_host_gbps"] = p.numa_host_bw / kGiga;
+  }
+  if (p.gpus_per_nic > 0) {
+    j["gpus_per_nic"] = p.gpus_per_nic;
+    j["nic_gbps"] = p.nic_bw / kGiga;
+  }
+  return j;
 }
 
 HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& where) {
   SPPO_CHECK(j.is_object(), "profile") << where << ": a profile is a JSON object";
   HardwareProfile p;
   p.name = j.value("name", std::filesystem::path(where).stem().string());
-  p.description = j.value("description", "");
+  if (j.contains("description") && j["description"].is_array()) {
+    for (const auto& line : j["description"]) {
+      SPPO_CHECK(line.is_string(), "profile") << where << ": description lines must be strings";
+      p.description += (p.description.empty() ? "" : "\n") + line.get<std::string>();
+    }
+  } else {
+    p.description = j.value("description", "");
+  }
   p.precision = j.value("precision", "");
   SPPO_CHECK(p.precision == "bf16" || p.precision == "f32", "profile")
       << where << ": field 'precision' must be \"bf16\" or \"f32\" (got \"" << p.precision << "\")";
@@ -228,6 +257,17 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.host_memory = i64(optional(j, "host_memory_bytes", 0, where));
   p.devices_per_node = int(required(j, "devices_per_node", where, "devices per node"));
   p.layer_overhead = optional(j, "layer_overhead_us", 0, where) * kMicro;
+  p.gpus_per_pcie_switch = int(optional(j, "gpus_per_pcie_switch", 0, where));
+  p.pcie_switch_bw = optional(j, "pcie_switch_gbps", 0, where) * kGiga;
+  p.gpus_per_numa_node = int(optional(j, "gpus_per_numa_node", 0, where));
+  p.numa_host_bw = optional(j, "numa_host_gbps", 0, where) * kGiga;
+  p.gpus_per_nic = int(optional(j, "gpus_per_nic", 0, where));
+  p.nic_bw = optional(j, "nic_gbps", 0, where) * kGiga;
+  SPPO_CHECK((p.gpus_per_pcie_switch > 0) == (p.pcie_switch_bw > 0) &&
+                 (p.gpus_per_numa_node > 0) == (p.numa_host_bw > 0) && (p.gpus_per_nic > 0) == (p.nic_bw > 0),
+             "profile")
+      << where << ": a shared link needs both its device count and its bandwidth (gpus_per_pcie_switch with "
+      << "pcie_switch_gbps, gpus_per_numa_node with numa_host_gbps, gpus_per_nic with nic_gbps)";
   p.gemm_flops_by_hidden = table_from_json(j, "gemm_tflops_by_hidden", where, kTera);
   p.attention_efficiency_by_head = table_from_json(j, "attention_efficiency_by_head_size", where, 1.0);
   SPPO_CHECK(p.gemm_flops > 0 && p.attention_efficiency > 0, "profile")
