@@ -15,6 +15,7 @@
 #include "train/bench.h"
 #include "train/bench_pipeline.h"
 #include "train/bench_sppo.h"
+#include "train/profile_device.h"
 #include "train/profile_machine.h"
 #include "train/parallel.h"
 #include "train/setup.h"
@@ -61,6 +62,8 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
+  cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
+  cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");
   cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
   cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x dp; start with mpirun -np)")->capture_default_str();
   cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
@@ -228,6 +231,9 @@ int main(int argc, char** argv) {
   auto* cmd_profile = app.add_subcommand("profile", "Measure this machine (GEMM, attention, copies) as a hardware profile");
   cmd_profile->add_option("--out", profile_out, "Where to write the profile JSON")->capture_default_str();
   cmd_profile->add_flag("--quick", profile_quick, "Smaller shapes, about a second");
+  std::string profile_backend = "cpu", profile_precision;
+  cmd_profile->add_option("--backend", profile_backend, "cpu, cuda or auto: the device to measure")->capture_default_str();
+  cmd_profile->add_option("--precision", profile_precision, "fp32 or bf16 (default: the backend's)");
 
   try {
     try {
@@ -307,7 +313,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*cmd_profile) {
-      const auto p = measure_cpu_profile(profile_quick);
+      // The CPU is measured with its own kernels; other devices through the backend.
+      const auto be = make_backend(profile_backend, profile_precision);
+      nlohmann::json details;
+      const auto p = std::string(be->name()) == "cpu" ? measure_cpu_profile(profile_quick)
+                                                      : measure_backend_profile(*be, profile_quick, &details);
+      if (!details.empty()) std::fprintf(stderr, "also measured: %s\n", details.dump().c_str());
       plan::save_profile(p, profile_out);
       std::printf("%s\n", plan::to_json(p).dump(2).c_str());
       std::fprintf(stderr, "wrote %s; use it with --hardware %s\n", profile_out.c_str(), profile_out.c_str());

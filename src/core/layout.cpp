@@ -124,13 +124,17 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p) {
   const i64 H = c.hidden, V = c.vocab;
   const i64 rows = std::min(T, chunk);
-  return {
+  std::vector<TensorSpec> s = {
       {"ln_f_out", {T, H}, act_dtype(p), Role::Workspace},
       {"ln_f_mean", {T}, DType::F32, Role::Workspace},
       {"ln_f_rstd", {T}, DType::F32, Role::Workspace},
       {"logits", {rows, V}, DType::F32, Role::Workspace},
       {"losses", {T}, DType::F32, Role::Workspace},
   };
+  // In bf16 the loss gradient feeds the bf16 GEMMs from a buffer of its own; in fp32 it
+  // overwrites the logits.
+  if (p == ActPrecision::BF16) s.push_back({"dlogits", {rows, V}, DType::BF16, Role::Workspace});
+  return s;
 }
 
 i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<bool>* take) {

@@ -4,12 +4,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
 #include <map>
 
 #include "core/check.h"
-#include "backends/cpu/ops.h"
-#include "runtime/copy_stream.h"
 #include "runtime/fault.h"
 
 namespace sppo {
@@ -25,29 +22,9 @@ double now_s() {
 constexpr int kSavedTensors = 14;      // block_saved_specs() entries
 constexpr double kShownWaitS = 1e-4;   // waits shorter than this stay out of the trace
 
-// The copy engine's memcpy. Offloaded bytes are not read again until backward, so the
-// copy streams them past the caches (non-temporal stores): the compute threads keep their
-// working set in cache, and no read-for-ownership doubles the memory traffic. (glibc only
-// streams copies larger than most of the last-level cache.)
-void stream_copy(void* dst, const void* src, std::size_t bytes) {
-#ifdef __AVX512F__
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-  if ((reinterpret_cast<std::uintptr_t>(d) % 64) == 0 && bytes >= 4096) {
-    const std::size_t body = bytes / 64 * 64;
-    for (std::size_t k = 0; k < body; k += 64)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + k), _mm512_loadu_si512(s + k));
-    _mm_sfence();
-    std::memcpy(d + body, s + body, bytes - body);
-    return;
-  }
-#endif
-  std::memcpy(dst, src, bytes);
-}
-
-std::vector<float*> ptrs(const std::vector<Buffer>& bufs) {
-  std::vector<float*> p;
-  for (const auto& b : bufs) p.push_back(b.f32());
+std::vector<void*> ptrs(const std::vector<Buffer>& bufs) {
+  std::vector<void*> p;
+  for (const auto& b : bufs) p.push_back(b.data());
   return p;
 }
 
@@ -79,15 +56,12 @@ class KernelScratchBuffer {
  public:
   KernelScratchBuffer() = default;
   KernelScratchBuffer(MemoryTier& tier, i64 bytes) {
-    if (bytes <= 0) return;
-    buf_ = tier.alloc(bytes, "kernel scratch");
-    scratch_ = std::make_unique<cpu::Scratch>(buf_.data(), std::size_t(bytes));
+    if (bytes > 0) buf_ = tier.alloc(bytes, "kernel scratch");
   }
-  cpu::Scratch* get() const { return scratch_.get(); }
+  Workspace get() const { return {buf_.data(), std::size_t(buf_.bytes())}; }
 
  private:
   Buffer buf_;
-  std::unique_ptr<cpu::Scratch> scratch_;
 };
 
 }  // namespace
@@ -107,7 +81,8 @@ struct Runtime::StepState {
   std::vector<std::shared_ptr<Event>> offload_first, offload_last;    // [N]
   std::vector<std::shared_ptr<Event>> prefetch_first, prefetch_last;  // [N]
   std::vector<Role> roles;                             // of the saved tensors
-  double loss_sum = 0;
+  Buffer ids;                                          // [S + 1] token ids on the device
+  Buffer loss_sum;                                     // one double on the device
   StepResult* result = nullptr;
   std::unique_ptr<CopyStream> d2h, h2d;
 
@@ -140,8 +115,12 @@ struct Runtime::StepState {
 Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     : config_(c),
       opts_(o),
-      device_(std::make_unique<MemoryTier>(Tier::Device, o.device_budget)),
-      host_(std::make_unique<MemoryTier>(Tier::Host, 0)) {
+      own_backend_(o.backend ? nullptr : make_backend("cpu")),
+      be_(o.backend ? *o.backend : *own_backend_),
+      act_(be_.act()),
+      precision_(act_ == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16),
+      device_(std::make_unique<MemoryTier>(Tier::Device, o.device_budget, &be_)),
+      host_(std::make_unique<MemoryTier>(Tier::Host, 0, &be_)) {
   c.validate();
   SPPO_CHECK(o.head_chunk >= 1, "runtime") << "head chunk must be positive";
   lb_ = o.layers.first;
@@ -187,8 +166,24 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   grads_ = device_->alloc_zeroed(bytes, "gradients");
   adam_m_ = device_->alloc_zeroed(state_bytes, "AdamW first moments");
   adam_v_ = device_->alloc_zeroed(state_bytes, "AdamW second moments");
+  // The GEMMs read the weights in the activation type: the masters themselves in fp32,
+  // else a working copy refreshed after every update.
+  if (act_ != DType::F32) params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
   weights_ = param_view(c, params_.f32(), lb_, le_);
   dweights_ = param_view(c, grads_.f32(), lb_, le_);
+  matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_);
+}
+
+void Runtime::refresh_weights() {
+  if (params_act_) be_.to_act(params_act_.data(), params_.f32(), num_params_);
+}
+
+void Runtime::read_device(float* host, const float* device, i64 n) {
+  be_.to_host(host, device, std::size_t(n) * sizeof(float));
+}
+
+void Runtime::write_device(float* device, const float* host, i64 n) {
+  be_.to_device(device, host, std::size_t(n) * sizeof(float));
 }
 
 Runtime::~Runtime() = default;
@@ -211,7 +206,7 @@ void Runtime::post_receive(StepState& st, const sched::Op& op) {
   const int i = op.subseq;
   auto& in = (op.payload == sched::Payload::Hidden ? st.in_hidden : st.in_grad)[i];
   SPPO_ASSERT_MSG(!in.buf, "a second receive of " << sched::to_string(op) << " before the first was used");
-  const i64 bytes = (op.tokens > 0 ? op.tokens : st.sched->lengths[i]) * config_.hidden * i64(sizeof(float));
+  const i64 bytes = (op.tokens > 0 ? op.tokens : st.sched->lengths[i]) * config_.hidden * dtype_bytes(act_);
   in.buf = device_->alloc(bytes, "received " + std::string(sched::to_string(op.payload)) + " of subseq " +
                                      std::to_string(i));
   in.req = opts_.comm->irecv(in.buf.data(), bytes, op.peer, sched::message_tag(op));
@@ -225,7 +220,7 @@ void Runtime::send(StepState& st, const sched::Op& op) {
     out.reset();  // the message that never arrives
     return;
   }
-  SPPO_ASSERT(op.tokens == 0 || out.bytes() == op.tokens * config_.hidden * i64(sizeof(float)));
+  SPPO_ASSERT(op.tokens == 0 || out.bytes() == op.tokens * config_.hidden * dtype_bytes(act_));
   const comm::Request req = opts_.comm->isend(out.data(), out.bytes(), op.peer, sched::message_tag(op));
   st.sends.push_back({std::move(out), req, now_s(), sched::to_string(op)});
 }
@@ -268,8 +263,8 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const int T = int(sc.lengths[i]), H = config_.hidden, L = config_.layers;
   const i64 o = sc.offset(i);
-  const std::int32_t* ids = st.tokens + o;
-  const auto specs = block_saved_specs(config_, T, ActPrecision::F32);
+  const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data()) + o;
+  const auto specs = block_saved_specs(config_, T, precision_);
   Subseq q{o, T};
   if (b > 0) {  // the previous stage's output is this stage's first saved input
     auto& in = st.in_hidden[i];
@@ -282,27 +277,28 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     auto& unit = st.dev[i][l];
     for (int k = 0; k < kSavedTensors; ++k)
       if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
-    if (l == 0) cpu::embedding_forward(unit[0].f32(), ids, weights_.embed, T, H);
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, ActPrecision::F32), "workspace ");
+    if (l == 0) be_.embedding_forward(unit[0].data(), ids, weights_.embed, T, H, config_.vocab);
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     // The block's output is the next block's saved input, or the stage's output.
-    float* x_out;
+    void* x_out;
     if (l + 1 < e) {
       st.dev[i][l + 1][0] = device_->alloc(specs[0].bytes(), unit_name(l + 1, i) + "x");
-      x_out = st.dev[i][l + 1][0].f32();
+      x_out = st.dev[i][l + 1][0].data();
     } else {
       out = device_->alloc(specs[0].bytes(), e == L ? "final hidden" : "hidden for the next stage");
-      x_out = out.f32();
+      x_out = out.data();
     }
     KVBlocks past;
     for (int j = 0; j < i; ++j) {
-      past.k.push_back(st.dev[j][l][5].f32());
-      past.v.push_back(st.dev[j][l][6].f32());
+      past.k.push_back(st.dev[j][l][5].data());
+      past.v.push_back(st.dev[j][l][6].data());
       past.offsets.push_back(sc.offset(j));
       past.lengths.push_back(sc.lengths[j]);
     }
     BlockSaved saved = block_saved_from(ptrs(unit));
-    block_forward(x_out, saved, weights_.blocks[l], block_workspace_from(ptrs(ws), scratch.get()), past, config_, q);
+    block_forward(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l],
+                  block_workspace_from(ptrs(ws), scratch.get()), past, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
     scratch = {};
@@ -313,14 +309,14 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     st.out_hidden[i] = std::move(out);
     return;
   }
-  auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, ActPrecision::F32),
+  auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, precision_),
                              "head workspace ");
   KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
   const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get());
   st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
-  st.loss_sum += head_forward_backward(st.head_grad[i].f32(), out.f32(), ids + 1, weights_, dweights_, hw,
-                                       config_, T, st.S);
-  std::memcpy(st.result->losses.data() + o, hw.losses, sizeof(float) * T);
+  head_forward_backward(be_, st.head_grad[i].data(), static_cast<double*>(st.loss_sum.data()), out.data(), ids + 1,
+                        weights_, matrices_, dweights_, hw, config_, T, st.S);
+  be_.to_host(st.result->losses.data() + o, hw.losses, sizeof(float) * std::size_t(T));
 }
 
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
@@ -328,13 +324,13 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const int T = int(sc.lengths[i]), H = config_.hidden, L = config_.layers;
   const i64 o = sc.offset(i);
-  const auto specs = block_saved_specs(config_, T, ActPrecision::F32);
+  const auto specs = block_saved_specs(config_, T, precision_);
   Subseq q{o, T};
   // The residual gradient: the head's on the last stage, else the next stage's.
   Buffer d_buf = e == L ? std::move(st.head_grad[i]) : std::move(st.in_grad[i].buf);
   st.in_grad[i] = {};
   SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
-  float* d = d_buf.f32();
+  void* d = d_buf.data();
   const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
 
   for (int l = e - 1; l >= b; --l) {
@@ -346,13 +342,13 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
         st.dv[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dV");
       }
     auto& unit = st.dev[i][l];
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, ActPrecision::F32), "workspace ");
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     KVBlocks past;
     for (int j = 0; j < i; ++j) {
-      past.k.push_back(st.dev[j][l][5].f32());
-      past.v.push_back(st.dev[j][l][6].f32());
+      past.k.push_back(st.dev[j][l][5].data());
+      past.v.push_back(st.dev[j][l][6].data());
       past.dk.push_back(st.dk[l][j].f32());
       past.dv.push_back(st.dv[l][j].f32());
       past.offsets.push_back(sc.offset(j));
@@ -363,14 +359,14 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       Buffer out = device_->alloc(specs[0].bytes(), "recomputed block output");
       BlockSaved s = block_saved_from(ptrs(unit));
-      block_forward(out.f32(), s, weights_.blocks[l], w, past, config_, q);
+      block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, past, config_, q);
     }
     for (int k = 0; k < kSavedTensors; ++k)
       SPPO_ASSERT_MSG(unit[k], "saved tensor " << specs[k].name << " of layer " << l
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));
-    block_backward(d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s,
-                   weights_.blocks[l], w, past, config_, q);
+    block_backward(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
+                   matrices_.blocks[l], w, past, config_, q);
     for (auto& buf : unit) buf.reset();
     st.dk[l][i].reset();
     st.dv[l][i].reset();
@@ -384,7 +380,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     st.out_grad[i] = std::move(d_buf);
     return;
   }
-  cpu::embedding_backward(dweights_.embed, d, st.tokens + o, T, H, config_.vocab);
+  be_.embedding_backward(dweights_.embed, d, static_cast<const std::int32_t*>(st.ids.data()) + o, T, H, config_.vocab);
 }
 
 void Runtime::offload(StepState& st, int i, double fraction) {
@@ -412,10 +408,10 @@ void Runtime::offload(StepState& st, int i, double fraction) {
     SPPO_ASSERT(dev);
     host = host_->alloc(dev.bytes(), "subseq " + std::to_string(i) + " host copy");
     device_->expect_release(dev.bytes());
-    auto ev = st.d2h->submit([&dev, &host, tier = device_.get()] {
+    // The device bytes are really released when the copy completes.
+    auto ev = st.d2h->copy(host.data(), dev.data(), std::size_t(dev.bytes()), [&dev, tier = device_.get()] {
       const i64 bytes = dev.bytes();
-      stream_copy(host.data(), dev.data(), std::size_t(bytes));
-      dev.reset();  // the device bytes are really released when the copy completes
+      dev.reset();
       tier->settle(bytes);
     });
     if (!st.offload_first[i]) st.offload_first[i] = ev;
@@ -427,10 +423,7 @@ void Runtime::prefetch(StepState& st, int i) {
   auto move_in = [&](Buffer& dev, Buffer& host, const std::string& what) {
     if (!host) return;
     dev = device_->alloc(host.bytes(), what);
-    auto ev = st.h2d->submit([&dev, &host] {
-      stream_copy(dev.data(), host.data(), std::size_t(host.bytes()));
-      host.reset();
-    });
+    auto ev = st.h2d->copy(dev.data(), host.data(), std::size_t(host.bytes()), [&host] { host.reset(); });
     if (!st.prefetch_first[i]) st.prefetch_first[i] = ev;
     st.prefetch_last[i] = ev;
   };
@@ -495,13 +488,13 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.in_grad.resize(N);
   st.out_hidden.resize(N);
   st.out_grad.resize(N);
-  for (const auto& s : block_saved_specs(config_, 1, ActPrecision::F32)) st.roles.push_back(s.role);
+  for (const auto& s : block_saved_specs(config_, 1, precision_)) st.roles.push_back(s.role);
   SPPO_ASSERT(int(st.roles.size()) == kSavedTensors);
   st.result = &result;
   result.has_loss = le_ == L;
   result.losses.assign(std::size_t(result.has_loss ? st.S : 0), 0.0f);
-  st.d2h = std::make_unique<CopyStream>(&now_s);
-  st.h2d = std::make_unique<CopyStream>(&now_s);
+  st.d2h = be_.make_copy_stream();
+  st.h2d = be_.make_copy_stream();
 
   // Receives are posted as the compute op before them starts (schedule/memory.h).
   st.posts.assign(ops.size(), {});
@@ -534,7 +527,12 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     }
   }
 
-  if (!control.accumulate) std::memset(grads_.data(), 0, std::size_t(grads_.bytes()));
+  if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
+  // The step's token ids and loss sum live on the device for the step (memory rules:
+  // step_input_bytes).
+  st.ids = device_->alloc(i64(sizeof(std::int32_t)) * (st.S + 1), "token ids");
+  be_.to_device(st.ids.data(), tokens, sizeof(std::int32_t) * std::size_t(st.S + 1));
+  st.loss_sum = device_->alloc_zeroed(i64(sizeof(double)), "loss sum");
   device_->reset_peak();
   // An allocation over the budget first waits for the sends that will free bytes.
   device_->set_reclaimer([&st, this] {
@@ -610,6 +608,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     poll(st);
   }
   device_->set_reclaimer(nullptr);
+  be_.synchronize();
   st.d2h->synchronize();
   st.h2d->synchronize();
   result.step_s = now_s() - t_start;
@@ -635,7 +634,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     device_->record_timeline(nullptr);
     for (auto& [t, bytes] : result.memory) t = std::max(0.0, t - t_start);
   }
-  result.loss = st.loss_sum / double(st.S);
+  double loss_sum = 0;
+  be_.to_host(&loss_sum, st.loss_sum.data(), sizeof loss_sum);
+  result.loss = loss_sum / double(st.S);
   result.device = device_->stats();
   return result;
 }

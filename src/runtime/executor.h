@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "comm/comm.h"
 #include "core/config.h"
 #include "model/gpt.h"
@@ -50,8 +51,9 @@ struct RuntimeOptions {
   int zero_shards = 1;
   int zero_index = 0;
   // Kernel scratch taken from the device tier with each layer's workspace and the head's
-  // (model/gpt.h block_kernel_scratch, head_kernel_scratch); zero: the kernels' own memory.
+  // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;
+  Backend* backend = nullptr;  // null: a CPU backend of the runtime's own
 };
 
 // One span of the step's timeline: the op that ran, on which lane, when.
@@ -121,10 +123,18 @@ class Runtime {
   std::pair<int, int> layers() const { return {lb_, le_}; }
   i64 num_params() const { return num_params_; }
   i64 num_state() const { return num_state_; }  // elements of each AdamW moment
+  // Device arrays (Backend memory): read and write them through read_device /
+  // write_device, or with the backend's kernels.
   float* params() { return params_.f32(); }
   float* grads() { return grads_.f32(); }
   float* adam_m() { return adam_m_.f32(); }
   float* adam_v() { return adam_v_.f32(); }
+  Backend& backend() { return be_; }
+  void read_device(float* host, const float* device, i64 n);
+  void write_device(float* device, const float* host, i64 n);
+  // Copies the updated fp32 weights into the GEMMs' working copy (a no-op in fp32); after
+  // every change to params().
+  void refresh_weights();
   MemoryTier& device() { return *device_; }
   MemoryTier& host() { return *host_; }
   const RuntimeOptions& options() const { return opts_; }
@@ -149,6 +159,10 @@ class Runtime {
 
   ModelConfig config_;
   RuntimeOptions opts_;
+  std::unique_ptr<Backend> own_backend_;
+  Backend& be_;
+  DType act_;                 // activations
+  ActPrecision precision_;    // the layout tables' name for it
   int lb_ = 0, le_ = 0;  // owned layers
   std::vector<TensorSpec> specs_;
   std::vector<ParamBucket> buckets_;
@@ -157,7 +171,9 @@ class Runtime {
   int sends_ = 0;  // messages sent by this runtime (for runtime/fault.h)
   std::unique_ptr<MemoryTier> device_, host_;
   Buffer params_, grads_, adam_m_, adam_v_;
+  Buffer params_act_;         // the weights' working copy in the activation type (bf16)
   ParamView weights_, dweights_;
+  MatrixView matrices_;
 };
 
 }  // namespace sppo

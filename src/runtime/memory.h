@@ -6,7 +6,7 @@
 // the bytes asked for (what the layout tables and the planner count), current and peak,
 // and is thread-safe: copy streams free device memory when an offload completes.
 // On the CPU backend both tiers are host memory; the device tier is the budgeted arena
-// that stands for a GPU's memory.
+// that stands for a GPU's memory. On CUDA the device tier's bytes are the GPU's.
 #pragma once
 
 #include <cstddef>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/dims.h"
+#include "backend/backend.h"
 #include "core/layout.h"
 
 namespace sppo {
@@ -54,8 +55,9 @@ struct MemoryStats {
 
 class MemoryTier {
  public:
-  // budget 0 means unlimited.
-  MemoryTier(Tier tier, i64 budget);
+  // budget 0 means unlimited. The bytes come from the backend's device or host memory
+  // (backend/backend.h); without one, from the heap.
+  MemoryTier(Tier tier, i64 budget, Backend* backend = nullptr);
   MemoryTier(const MemoryTier&) = delete;
   MemoryTier& operator=(const MemoryTier&) = delete;
   ~MemoryTier();
@@ -91,9 +93,12 @@ class MemoryTier {
  private:
   friend class Buffer;
   void release(void* p, i64 bytes);
+  void* raw_alloc(std::size_t bytes);
+  void raw_free(void* p);
 
   Tier tier_;
   i64 budget_;
+  Backend* backend_;
   mutable std::mutex mu_;
   std::condition_variable released_;
   MemoryStats stats_;

@@ -38,7 +38,8 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
   const i64 ws = total_bytes(block_workspace_specs(c, S, p)) + rules.block_scratch.bytes(S);
   const i64 acc = 2 * i64(c.hidden) * rules.accum_bytes * S;            // dK, dV
   const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p)) + rules.head_scratch.bytes(S);
-  const i64 fixed = param_count(c, 0, L, true, true) * rules.param_state_bytes;
+  const i64 fixed = param_count(c, 0, L, true, true) * (rules.param_state_bytes + rules.weight_copy_bytes) +
+                    step_input_bytes(S);
   i64 peak = 0;
   // Forward of layer l: the inputs kept so far, its saved tensors, workspace and output.
   for (int l = 0; l < L; ++l) peak = std::max(peak, l * x + saved + ws + x);
@@ -86,10 +87,12 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
     state_params_ = state;
     const int weight_bytes = rules.param_state_bytes - rules.optimizer_bytes - rules.grad_bytes;
     fixed_terms_[int(MemTerm::Weights)] = params * weight_bytes;
+    fixed_terms_[int(MemTerm::WeightCopy)] = params * rules.weight_copy_bytes;
     fixed_terms_[int(MemTerm::Gradients)] = params * rules.grad_bytes;
     fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
-    fixed_ = params * (rules.param_state_bytes - rules.optimizer_bytes) + state * rules.optimizer_bytes;
   }
+  fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(s.seq_len());
+  for (i64 bytes : fixed_terms_) fixed_ += bytes;
 
   // Leases of borrowed weights: each Recv Weights of a layer range that a later one of the
   // same range follows ends at the last F/B on that range before the later one.
@@ -310,6 +313,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
 const char* to_string(MemTerm t) {
   switch (t) {
     case MemTerm::Weights: return "weights";
+    case MemTerm::WeightCopy: return "weights' working copy";
     case MemTerm::Gradients: return "gradients";
     case MemTerm::Optimizer: return "optimizer state";
     case MemTerm::KVCache: return "K/V cache";
@@ -321,6 +325,7 @@ const char* to_string(MemTerm t) {
     case MemTerm::RingBuffers: return "ring / stream K,V buffers";
     case MemTerm::BorrowedWeights: return "MSP borrowed weights";
     case MemTerm::BorrowedGrads: return "MSP borrowed gradients";
+    case MemTerm::StepInputs: return "token ids and loss sum";
     case MemTerm::kCount: break;
   }
   SPPO_ASSERT(false);

@@ -1,6 +1,8 @@
 // Device-memory rules of a schedule (DESIGN.md 4), shared by the validator (program order)
 // and the simulator (timed). They mirror the runtime's arena exactly:
-//  - fixed for the step: weights, gradients and AdamW m, v of the owned layers, fp32,
+//  - fixed for the step: the token ids and the loss sum (step_input_bytes); weights,
+//    their working copy in the activation type (bf16 only), gradients and AdamW m, v of the
+//    owned layers, fp32,
 //    `param_state_bytes` (16) per parameter; every SP rank and DP replica of a stage holds
 //    a full copy of that stage's weights and gradients, and, under ZeRO-1, only its share
 //    of the AdamW state (zero_state_params).
@@ -51,6 +53,7 @@ struct MemoryRules {
   int optimizer_bytes = 8;      // of which AdamW m + v
   int grad_bytes = 4;           // and the fp32 gradient
   int accum_bytes = 4;          // dK/dV accumulators are fp32 on every backend
+  int weight_copy_bytes = 0;    // per parameter: the GEMMs' working copy of the weights (2 in bf16)
   bool zero = false;            // ZeRO-1: AdamW state sharded over the gradient all-reduce group
   // Under ZeRO-1, shards of the AdamW state: 0 means the size of the rank's WeightGrads
   // all-reduce group (as the runtime shards); the planner, which simulates one replica of
@@ -66,6 +69,9 @@ struct MemoryRules {
 // Parameters of layers [b, e) of the model, with the embedding when `embed` and the final
 // LayerNorm (and tied head) when `head`.
 i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head);
+
+// The step's inputs on the device: S + 1 token ids (int32) and the loss sum (a double).
+inline i64 step_input_bytes(i64 S) { return (S + 1) * 4 + 8; }
 
 // Parameters whose AdamW state rank `index` of `shards` keeps under ZeRO-1 for layers
 // [b, e): piece `index` of each bucket (the embedding, each layer, the final LayerNorm;
@@ -86,6 +92,7 @@ i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers);
 // What device bytes hold, term by term (`sppo plan --explain` prints them at the peak).
 enum class MemTerm {
   Weights,          // fp32 master weights of the owned layers
+  WeightCopy,       // their working copy in the activation type, for the GEMMs (bf16 only)
   Gradients,        // their fp32 gradients
   Optimizer,        // AdamW m, v (under ZeRO-1 only this rank's shard)
   KVCache,          // K, V of every subsequence whose backward has not run (skeletal)
@@ -98,6 +105,7 @@ enum class MemTerm {
   RingBuffers,      // pieces' double-buffered K, V (and dK, dV) chunks of a ring or stream
   BorrowedWeights,  // MSP helpers' working copy of another stage's weights
   BorrowedGrads,    // and its fp32 weight gradients until they go home
+  StepInputs,       // the step's token ids and loss sum
   kCount
 };
 inline constexpr int kMemTerms = int(MemTerm::kCount);
@@ -120,7 +128,8 @@ class RankMemory {
   RankMemory(const MemoryRules& rules, const Schedule& s, int rank);
 
   i64 fixed_bytes() const { return fixed_; }
-  // The fixed bytes by term (Weights, Gradients, Optimizer; the rest zero).
+  // The fixed bytes by term (Weights, WeightCopy, Gradients, Optimizer, StepInputs; the
+  // rest zero).
   const std::array<i64, kMemTerms>& fixed_terms() const { return fixed_terms_; }
   // Parameters of the owned layers, and those whose AdamW state this rank keeps.
   i64 owned_params() const { return owned_params_; }

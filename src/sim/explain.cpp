@@ -29,6 +29,7 @@ const char* to_string(Row r) {
     case Row::Logits: return "logits and loss";
     case Row::CommBuffers: return "communication buffers";
     case Row::Borrowed: return "MSP borrowed weights";
+    case Row::StepInputs: return "token ids and loss sum";
     case Row::kCount: break;
   }
   SPPO_ASSERT(false);
@@ -100,7 +101,11 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const std::string P = num(double(params)) + " parameters of layers " + std::to_string(ob) + "-" +
                         std::to_string(oe - 1) + (ob == 0 ? " + embedding" : "") +
                         (oe == c.layers ? (ob == 0 ? " + final LayerNorm" : " + tied head + final LayerNorm") : "");
-  lines.push_back({Row::Weights, at(sched::MemTerm::Weights), 0, "4 B x P (fp32 master weights), P = " + P});
+  const std::string copy = rules.weight_copy_bytes > 0 ? " + " + std::to_string(rules.weight_copy_bytes) +
+                                                             " B x P (their working copy for the GEMMs)"
+                                                       : "";
+  lines.push_back({Row::Weights, at(sched::MemTerm::Weights) + at(sched::MemTerm::WeightCopy), 0,
+                   "4 B x P (fp32 master weights)" + copy + ", P = " + P});
   lines.push_back({Row::Gradients, at(sched::MemTerm::Gradients), 0, "4 B x P (fp32)"});
   lines.push_back({Row::Optimizer, at(sched::MemTerm::Optimizer), 0,
                    p.zero ? "8 B x " + num(double(state)) + " (AdamW m, v of this rank's ZeRO-1 shard, P / " +
@@ -136,6 +141,8 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                    "all-reduce works in place"});
   lines.push_back({Row::Borrowed, at(sched::MemTerm::BorrowedWeights) + at(sched::MemTerm::BorrowedGrads), 0,
                    "MSP helpers: another stage's weights (e B a parameter) and fp32 gradients"});
+  lines.push_back({Row::StepInputs, at(sched::MemTerm::StepInputs), 0,
+                   "4 B x (S + 1) token ids + 8 B loss sum, S = " + std::to_string(s.seq_len())});
   MemoryExplain m;
   m.system = "sppo";
   m.lines = complete(std::move(lines));

@@ -33,6 +33,7 @@ enum class Row {
   Logits,         // logits and loss
   CommBuffers,    // ring / all-to-all / all-gather / pipeline message buffers
   Borrowed,       // MSP: another stage's weights and gradients on a helper
+  StepInputs,     // the step's token ids and loss sum
   kCount
 };
 const char* to_string(Row r);

@@ -39,6 +39,7 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero
   m.precision = precision;
   m.zero = zero;
   m.zero_shards = zero ? zero_shards : 0;
+  m.weight_copy_bytes = precision == ActPrecision::BF16 ? 2 : 0;
   return m;
 }
 

@@ -45,6 +45,7 @@ struct StepShape {
   bool zero = false;               // ZeRO-1 over the replicas
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
+  ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)
 };
 // The schedule of one step of that shape (build_single for one process).
 sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,

@@ -24,6 +24,8 @@ struct StepOptions {
   i64 device_memory = 0;              // bytes; 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
+  std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
+  std::string precision;              // fp32 | bf16 ("": the backend's default)
   std::string plan_path;              // --plan PLAN.json: layout, lengths and alpha from a plan
   // Several processes (mpirun -np pp * dp): rank = replica * pp + stage
   int pp = 1;                         // pipeline stages

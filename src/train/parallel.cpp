@@ -8,7 +8,6 @@
 #include <sstream>
 
 #include "core/check.h"
-#include "backends/cpu/ops.h"
 #include "train/setup.h"
 
 namespace sppo {
@@ -122,18 +121,19 @@ void check_same_options(comm::Comm& world, const nlohmann::json& options) {
 }
 
 double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const AdamWSettings& hp, int t) {
+  Backend& be = rt.backend();
   float* g = rt.grads();
   const auto& spans = rt.shard();
   const auto& buckets = rt.buckets();
   if (lay.batch > 1)
-    for (const ShardSpan& sp : spans) cpu::scale_inplace(g + sp.offset, sp.count, 1.0f / float(lay.batch));
+    for (const ShardSpan& sp : spans) be.scale(g + sp.offset, sp.count, 1.0f / float(lay.batch));
   // The global norm counts every parameter once: the tied embedding on the first stage
   // only, and replicated gradients (data parallel without ZeRO) on the first replica only.
   double ss = 0;
   const bool tied_copy = lay.pp > 1 && lay.last_stage();
   for (std::size_t k = 0; k < spans.size(); ++k) {
     if (tied_copy && buckets[k].name == "embed") continue;
-    ss += cpu::sum_squares(g + spans[k].offset, spans[k].count);
+    ss += be.sum_squares(g + spans[k].offset, spans[k].count);
   }
   if (lay.zero == 0 && lay.replica() != 0) ss = 0;
   std::vector<double> total{ss};
@@ -141,7 +141,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   const double norm = std::sqrt(total[0]);
   if (!std::isfinite(norm)) return norm;
   if (hp.clip > 0 && norm > hp.clip)
-    for (const ShardSpan& sp : spans) cpu::scale_inplace(g + sp.offset, sp.count, float(hp.clip / norm));
+    for (const ShardSpan& sp : spans) be.scale(g + sp.offset, sp.count, float(hp.clip / norm));
   // AdamW per tensor, over the part of it whose state this rank keeps.
   i64 off = 0;
   for (const TensorSpec& spec : rt.param_specs()) {
@@ -151,8 +151,8 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       const i64 b = std::max(off, sp.offset), e = std::min(off + n, sp.offset + sp.count);
       if (b >= e) continue;
       const i64 s = sp.state_offset + (b - sp.offset);
-      cpu::adamw_step(rt.params() + b, rt.adam_m() + s, rt.adam_v() + s, g + b, e - b, hp.lr, hp.beta1, hp.beta2,
-                      hp.eps, wd, t);
+      be.adamw(rt.params() + b, rt.adam_m() + s, rt.adam_v() + s, g + b, e - b, hp.lr, hp.beta1, hp.beta2, hp.eps, wd,
+               t, nullptr);
     }
     off += n;
   }
@@ -162,6 +162,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     for (const ParamBucket& b : buckets) reqs.push_back(world.iallgather(rt.params() + b.offset, b.count, group));
     for (comm::Request r : reqs) comm::wait(world, r, "the all-gather of the updated weights");
   }
+  rt.refresh_weights();
   return norm;
 }
 
@@ -181,12 +182,17 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   // This stage's arrays, whole: under ZeRO, each replica holds pieces of the AdamW state
   // (and, after the reduce-scatter, of the gradients), so the stage group gathers them.
   std::vector<std::vector<float>> arrays;
-  arrays.emplace_back(rt.params(), rt.params() + n);
-  if (grads) arrays.emplace_back(rt.grads(), rt.grads() + n);
+  auto from_device = [&](const float* p) {
+    std::vector<float> a(std::size_t(n), 0.0f);
+    rt.read_device(a.data(), p, n);
+    return a;
+  };
+  arrays.push_back(from_device(rt.params()));
+  if (grads) arrays.push_back(from_device(rt.grads()));
   if (optimizer)
     for (float* state : {rt.adam_m(), rt.adam_v()}) {
       std::vector<float> a(std::size_t(n), 0.0f);
-      for (const ShardSpan& sp : rt.shard()) copy_floats(a.data() + sp.offset, state + sp.state_offset, sp.count);
+      for (const ShardSpan& sp : rt.shard()) rt.read_device(a.data() + sp.offset, state + sp.state_offset, sp.count);
       arrays.push_back(std::move(a));
     }
   if (lay.zero && lay.dp > 1) {
@@ -245,7 +251,8 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
 void init_owned(Runtime& rt, std::uint64_t seed) {
   std::vector<float> full(std::size_t(rt.config().num_params()));
   init_params(rt.config(), full.data(), seed);
-  for (const ParamBucket& b : rt.buckets()) copy_floats(rt.params() + b.offset, full.data() + b.full_offset, b.count);
+  for (const ParamBucket& b : rt.buckets()) rt.write_device(rt.params() + b.offset, full.data() + b.full_offset, b.count);
+  rt.refresh_weights();
 }
 
 nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from) {
@@ -258,11 +265,12 @@ nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from
   for (std::size_t k = 0; k < rt.buckets().size(); ++k) {
     const ParamBucket& b = rt.buckets()[k];
     const ShardSpan& sp = rt.shard()[k];
-    copy_floats(rt.params() + b.offset, params.data() + b.full_offset, b.count);
+    rt.write_device(rt.params() + b.offset, params.data() + b.full_offset, b.count);
     const i64 src = b.full_offset + (sp.offset - b.offset);
-    copy_floats(rt.adam_m() + sp.state_offset, m.data() + src, sp.count);
-    copy_floats(rt.adam_v() + sp.state_offset, v.data() + src, sp.count);
+    rt.write_device(rt.adam_m() + sp.state_offset, m.data() + src, sp.count);
+    rt.write_device(rt.adam_v() + sp.state_offset, v.data() + src, sp.count);
   }
+  rt.refresh_weights();
   return state;
 }
 

@@ -45,16 +45,16 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
     ch.alpha.assign(lengths.size(), ratio);
     ch.alpha.back() = 0;
     ch.alpha_rule = offload;
-    const plan::CostModel cost(hw, c, ActPrecision::F32);
+    const plan::CostModel cost(hw, c, shape.precision);
     const auto r = sim::simulate(sim::build_step(c, lengths, ch.alpha, shape), cost,
-                                 sim::memory_rules(c, ActPrecision::F32, shape));
+                                 sim::memory_rules(c, shape.precision, shape));
     ch.predicted_peak_bytes = r.peak_device_bytes;
     step_s = r.step_time_s;
     exposed_s = r.exposed_copy_s;
   } else {
     // The solver offloads only what the budget demands (without one, the machine's memory);
     // the paper's rule is sized by this machine's copy and compute rates.
-    const auto r = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32,
+    const auto r = sim::solve_alpha_single(c, lengths, hw, shape.precision,
                                            budget > 0 ? budget : hw.device_memory, sim::parse_offload(offload), shape);
     ch.alpha = r.alpha;
     ch.alpha_rule = r.rule;
@@ -95,7 +95,7 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
   }
 
   if (budget > 0 && ch.predicted_peak_bytes > budget) {
-    const auto fit = sim::smallest_fitting_n(c, S, measured, ActPrecision::F32, budget, partition != "length",
+    const auto fit = sim::smallest_fitting_n(c, S, measured, shape.precision, budget, partition != "length",
                                              1, int(std::min<i64>(S, 4096)), shape);
     std::string hint;
     if (fit.found)

@@ -1,7 +1,5 @@
 #include "train/setup.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
@@ -150,6 +148,11 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       << "--partition '" << o.partition << "' is unknown; use length, flops or adaptive";
   if (w.size() > 1) profile();
 
+  s.backend = make_backend(o.backend, o.precision);
+  const ActPrecision precision = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
+  SPPO_CHECK(std::string(s.backend->name()) == "cpu" || w.size() == 1, "options")
+      << "several ranks on the " << s.backend->name() << " backend need a device communicator (NCCL), which is not "
+      << "built yet; run one process per job, or --backend cpu";
   s.data = io::open_data(o.data, s.config.vocab, o.seed, io::DataOptions{0, o.data_dtype});
   s.data->check_vocab(s.config.vocab);
   s.repeat_task = o.data.empty() || o.data.rfind("repeat", 0) == 0;
@@ -163,10 +166,11 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.pp = s.layout.pp;
   shape.dp = s.layout.dp;
   shape.zero = o.zero == 1;
+  shape.precision = precision;
   if (from_plan) shape.stage_layers = from_plan->stage_layers;
-  // The kernels' scratch comes from the device tier too, sized for this many threads.
-  shape.block_scratch = block_kernel_scratch(s.config, omp_get_max_threads());
-  shape.head_scratch = head_kernel_scratch(s.config, RuntimeOptions{}.head_chunk);
+  // The kernels' scratch comes from the device tier too.
+  shape.block_scratch = s.backend->block_scratch(s.config);
+  shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);
 
   if (from_plan) {
     s.lengths = from_plan->lengths;
@@ -176,7 +180,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     const plan::HardwareProfile& hw = profile();
     if (o.subseqs == "auto" && o.device_memory > 0 && !o.recompute) {
       // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
-      const auto fit = sim::smallest_fitting_n(s.config, S, hw, ActPrecision::F32, o.device_memory,
+      const auto fit = sim::smallest_fitting_n(s.config, S, hw, precision, o.device_memory,
                                                o.partition != "length", 1, int(std::min<i64>(S, 4096)), shape);
       if (fit.found) N = fit.subseqs;
     }
@@ -196,15 +200,15 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
                                                               : s.schedule.owned.at(std::size_t(p)));
   if (o.recompute) {
     // The simulator does not run the recompute schedule; its memory follows in closed form.
-    s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, ActPrecision::F32, shape), S);
+    s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, precision, shape), S);
     s.predicted_peak_per_rank = {s.predicted_peak_bytes};
     SPPO_CHECK_FITS(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
         << "--recompute needs " << format_bytes(double(s.predicted_peak_bytes)) << " of device memory at --seq-len "
         << S << ", over the --device-memory budget of " << format_bytes(double(o.device_memory))
         << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
   } else {
-    const plan::CostModel cost(profile(), s.config, ActPrecision::F32);
-    const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, ActPrecision::F32, shape));
+    const plan::CostModel cost(profile(), s.config, precision);
+    const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, precision, shape));
     s.predicted_peak_bytes = r.peak_device_bytes;
     s.predicted_peak_per_rank = r.peak_bytes;
     s.predicted_step_s = r.step_time_s;
@@ -241,6 +245,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   ro.zero_index = o.zero == 1 ? s.layout.replica() : 0;
   ro.block_scratch = shape.block_scratch;
   ro.head_scratch = shape.head_scratch;
+  ro.backend = s.backend.get();
   s.runtime = std::make_unique<Runtime>(s.config, ro);
   return s;
 }

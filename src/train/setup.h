@@ -20,6 +20,7 @@ namespace sppo {
 struct StepSetup {
   ModelConfig config;
   std::unique_ptr<io::TokenSource> data;
+  std::unique_ptr<Backend> backend;   // before the runtime: it outlives it
   std::unique_ptr<Runtime> runtime;
   std::vector<i64> lengths;     // l_i
   std::vector<double> alpha;    // alpha_i

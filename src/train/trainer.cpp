@@ -19,7 +19,6 @@
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "io/safetensors.h"
-#include "backends/cpu/ops.h"
 #include "runtime/fault.h"
 #include "sim/simulator.h"
 #include "train/parallel.h"
@@ -100,8 +99,12 @@ void check_output_dir(const std::string& path, const char* option, bool checkpoi
         << option << " " << path << " holds files that are not a checkpoint; saving would not replace them: "
         << "give a new directory";
   }
-  // A checkpoint is written beside its directory and renamed into place.
-  const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  // A checkpoint is written beside its directory and renamed into place, so its parent
+  // must exist; an export's missing parents are made, under the nearest that exists.
+  fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!checkpoint)
+    while (!fs::exists(parent, ec) && parent.has_parent_path() && parent != parent.parent_path())
+      parent = parent.parent_path();
   SPPO_CHECK(fs::is_directory(parent, ec), "options")
       << option << " " << path << ": the directory " << parent.string() << " does not exist; create it first";
   SPPO_CHECK(::access(parent.c_str(), W_OK) == 0, "options") << option << " " << path << ": "
@@ -326,8 +329,10 @@ int run_train(const TrainOptions& o) {
     if (fault.kind == FaultPlan::Kind::Die && fault.rank == world.rank() && fault.count == step + 1) raise(SIGKILL);
     Sequences q;
     on_this_rank(world, [&] { q = run_sequences(s, tokens, nullptr); });
-    if (fault.kind == FaultPlan::Kind::Nan && fault.rank == world.rank() && step + 1 == fault.count)
-      rt.grads()[0] = std::nanf("");  // a poisoned gradient
+    if (fault.kind == FaultPlan::Kind::Nan && fault.rank == world.rank() && step + 1 == fault.count) {
+      const float nan = std::nanf("");  // a poisoned gradient
+      rt.write_device(rt.grads(), &nan, 1);
+    }
     std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
     comm::allreduce_sum(world, losses, comm::world_group(world), "the step's loss");
     const double loss = losses[0] / lay.batch;
@@ -516,7 +521,7 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
   std::vector<double> losses{q.loss_sum};
   comm::allreduce_sum(world, losses, comm::world_group(world), "the step's loss");
   if (lay.batch > 1)
-    for (const ShardSpan& sp : rt.shard()) cpu::scale_inplace(rt.grads() + sp.offset, sp.count, 1.0f / float(lay.batch));
+    for (const ShardSpan& sp : rt.shard()) rt.backend().scale(rt.grads() + sp.offset, sp.count, 1.0f / float(lay.batch));
   const FullState full = gather_full(rt, lay, world, true, false);
   const std::vector<RankFigures> ranks = all_figures(world, q);
   if (!root) return 0;

@@ -45,6 +45,7 @@ TEST(MemoryTerms, SppoByHand) {
   const i64 per_layer = 2 * H + (3 * H * H + 3 * H) + (H * H + H) + 2 * H + (F * H + F) + (H * F + H);
   const i64 P = V * H + c.layers * per_layer + 2 * H;
   EXPECT_EQ(term(r, 0, MemTerm::Weights), 4 * P);
+  EXPECT_EQ(term(r, 0, MemTerm::WeightCopy), 2 * P);                            // bf16, for the GEMMs
   EXPECT_EQ(term(r, 0, MemTerm::Gradients), 4 * P);
   EXPECT_EQ(term(r, 0, MemTerm::Optimizer), 8 * P);
   EXPECT_EQ(term(r, 0, MemTerm::KVCache), c.layers * (2 * H * 2) * T);          // K, V in bf16, both layers
@@ -57,6 +58,7 @@ TEST(MemoryTerms, SppoByHand) {
   EXPECT_EQ(term(r, 0, MemTerm::Workspace), (2 * 3 * H + 2 * F + 2 * H + 4 * Z) * T);  // qkv, mlp_act, d_tmp, delta
   EXPECT_EQ(term(r, 0, MemTerm::HeadWorkspace), 0);
   EXPECT_EQ(term(r, 0, MemTerm::RingBuffers), 0);
+  EXPECT_EQ(term(r, 0, MemTerm::StepInputs), (T + 1) * 4 + 8);                  // int32 tokens, double loss
   const auto& t = r.peak_terms[0];
   EXPECT_EQ(std::accumulate(t.begin(), t.end(), i64(0)), r.peak_device_bytes);
   EXPECT_EQ(r.host_at_peak[0], 0);
