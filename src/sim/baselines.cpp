@@ -137,7 +137,6 @@ Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel&
             " (fp32 master + Adam m, v; distributed optimizer)");
     add(&est, Row::Checkpoints, stage_layers * s * H * e / t, 0,
         std::to_string(stage_layers) + " layers x s H e / t, s = S / cp = " + num(s));
-    const double ckpt = stage_layers * s * H * e / t;
     // The layer phase.
     const double recompute = 34 * s * H / t * (e / 2);
     const double fa = 4 * s * H / t;
@@ -164,7 +163,6 @@ Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel&
     if (l.pp > 1) comm += std::string(comm.empty() ? "" : "; ") + "PP send + receive 4 s H / t";
     add(&est, Row::CommBuffers, comm_bytes, 0, comm.empty() ? "none" : comm);
     add(&est, Row::Hidden, at_loss ? s * H * e / t : 0, 0, "the final hidden state [s / t, H] at the loss");
-    (void)ckpt;
     est.where = std::string(first && l.pp > 1 ? "first" : "last") + " stage, " +
                 (at_loss ? "at the loss" : "during the backward of a recomputed layer");
     est.peak = total_device(est);
