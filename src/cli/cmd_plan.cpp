@@ -41,6 +41,8 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(o.zero == "auto" || o.zero == "0" || o.zero == "1", "options")
       << "--zero must be 0, 1 or auto (got '" << o.zero << "')";
   r.zero = o.zero == "1" ? 1 : o.zero == "0" ? 0 : -1;
+  SPPO_CHECK(o.ring_layout == "zigzag" || o.ring_layout == "contiguous", "options")
+      << "--ring-layout must be zigzag or contiguous (got '" << o.ring_layout << "')";
   r.ring_layout = sched::parse_ring_layout(o.ring_layout);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
   return r;
