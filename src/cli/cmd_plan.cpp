@@ -11,6 +11,7 @@
 #include "core/check.h"
 #include "core/config.h"
 #include "planner/profile.h"
+#include "sim/explain.h"
 #include "sim/solver.h"
 
 namespace sppo::cli {
@@ -37,6 +38,12 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(o.msp == "auto" || o.msp == "on" || o.msp == "off", "options")
       << "--msp must be on, off or auto (got '" << o.msp << "')";
   r.msp = o.msp == "on" ? 1 : o.msp == "off" ? 0 : -1;
+  SPPO_CHECK(o.zero == "auto" || o.zero == "0" || o.zero == "1", "options")
+      << "--zero must be 0, 1 or auto (got '" << o.zero << "')";
+  r.zero = o.zero == "1" ? 1 : o.zero == "0" ? 0 : -1;
+  SPPO_CHECK(o.ring_layout == "zigzag" || o.ring_layout == "contiguous", "options")
+      << "--ring-layout must be zigzag or contiguous (got '" << o.ring_layout << "')";
+  r.ring_layout = sched::parse_ring_layout(o.ring_layout);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
   return r;
 }
@@ -53,6 +60,8 @@ std::string layout_text(const plan::Plan& p) {
   os << " pp " << p.pp << " dp " << p.dp;
   if (p.system != "megatron") os << " N " << p.subseqs;
   if (p.msp) os << " msp";
+  if (p.system == "sppo" && p.zero) os << " zero-1";
+  if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;
   return os.str();
 }
 
@@ -115,6 +124,18 @@ int run_plan(const PlanOptions& o) {
       std::ofstream f(o.out);
       SPPO_CHECK(f.good(), "planner") << "cannot write " << o.out;
       f << j.dump(2) << "\n";
+    }
+    if (o.explain) {
+      const sim::MemoryExplain m = sim::explain_memory(out.plan, req.hw);
+      if (o.json) {
+        nlohmann::json both = j;
+        both["memory"] = sim::to_json(m);
+        std::cout << both.dump() << std::endl;
+      } else {
+        print_plan(out.plan);
+        std::printf("\n%s", sim::explain_text(m).c_str());
+      }
+      return 0;
     }
     if (o.json) std::cout << j.dump() << std::endl;
     else print_plan(out.plan);
@@ -228,8 +249,16 @@ void add_plan_commands(CLI::App& app) {
   p->add_option("--hardware", plan.hardware, "Hardware profile (" + profiles + ") or a profile JSON file")
       ->capture_default_str();
   p->add_option("--system", plan.system, "sppo, megatron or deepspeed")->capture_default_str();
-  p->add_option("--offload", plan.offload, "none, full or adaptive")->capture_default_str();
-  p->add_option("--msp", plan.msp, "Multiplexed sequence partitioning: on, off or auto")->capture_default_str();
+  p->add_option("--offload", plan.offload,
+                "none, full, paper (alpha_i A_i = BW x balanced compute) or adaptive (least step time under the budget)")
+      ->capture_default_str();
+  p->add_option("--msp", plan.msp, "Multiplexed sequence partitioning: on, off or auto (the faster in simulation)")
+      ->capture_default_str();
+  p->add_option("--zero", plan.zero, "ZeRO-1 (AdamW state sharded over each stage's SP and DP ranks): 0, 1 or auto")
+      ->capture_default_str();
+  p->add_option("--ring-layout", plan.ring_layout, "How SP ranks split a subsequence: zigzag or contiguous")
+      ->capture_default_str();
+  p->add_flag("--explain", plan.explain, "Also print device and host memory term by term, with formulas");
   p->add_option("--budget", plan.budget, "Device memory per device, e.g. 70GiB (default: the profile's usable memory)");
   p->add_option("--out", plan.out, "Also write the plan JSON to this file (for `sppo simulate`)");
   p->add_flag("--json", plan.json, "Print one JSON object");

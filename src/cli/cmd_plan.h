@@ -17,8 +17,11 @@ struct PlanOptions {
   int gpus_per_node = 8;
   std::string hardware = "a100-80gb";
   std::string system = "sppo";      // sppo | megatron | deepspeed
-  std::string offload = "adaptive"; // none | full | adaptive
+  std::string offload = "adaptive"; // none | full | paper | adaptive
   std::string msp = "auto";         // auto | on | off
+  std::string zero = "auto";        // auto | 0 | 1: ZeRO-1 over each stage's all-reduce group
+  std::string ring_layout = "zigzag";  // zigzag | contiguous
+  bool explain = false;             // also print device memory term by term
   std::string budget;               // bytes per device; empty: the profile's usable memory
   std::string out;                  // also write the plan JSON here
   bool json = false;

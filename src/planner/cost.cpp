@@ -33,39 +33,37 @@ double CostModel::attention_flops(i64 o, i64 b, i64 e) const {
 
 double CostModel::head_flops(i64 tokens) const { return 6.0 * double(tokens) * model_.hidden * model_.vocab; }
 
-double CostModel::attention_share(i64 o, i64 l, i64 b, i64 e, int pieces) const {
-  if (pieces <= 1) return attention_flops(o, b, e);
-  return attention_flops(o, 0, l) / pieces;
+double CostModel::attention_flops(i64 o, const sched::Spans& spans) const {
+  double f = 0;
+  for (const auto& [b, e] : spans) f += attention_flops(o, b, e);
+  return f;
 }
 
-double CostModel::layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
-  const i64 T = e - b;
-  double t = gemm_flops(T) / gemm_rate_ + attention_share(o, l, b, e, pieces) / attention_rate_;
+double CostModel::layer_forward_s(i64 o, const sched::Spans& spans) const {
+  const i64 T = sched::span_tokens(spans);
+  double t = gemm_flops(T) / gemm_rate_ + attention_flops(o, spans) / attention_rate_;
   if (hw_.elementwise_bw > 0)
     t += kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
 }
 
-double CostModel::layer_backward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const {
-  const i64 T = e - b;
-  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_share(o, l, b, e, pieces) / attention_rate_;
+double CostModel::layer_backward_s(i64 o, const sched::Spans& spans) const {
+  const i64 T = sched::span_tokens(spans);
+  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_flops(o, spans) / attention_rate_;
   if (hw_.elementwise_bw > 0)
     t += 2 * kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
 }
 
 double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
-  const i64 l = s.lengths.at(op.subseq);
-  auto [b, e] = piece_range(l, op.piece, op.pieces);
-  double t = (op.layer_end - op.layer_begin) * layer_forward_s(o, l, b, e, op.pieces);
-  if (op.layer_end == s.layers) t += head_flops(e - b) / gemm_rate_;
+  const sched::Spans spans = s.spans(op);
+  double t = (op.layer_end - op.layer_begin) * layer_forward_s(o, spans);
+  if (op.layer_end == s.layers) t += head_flops(sched::span_tokens(spans)) / gemm_rate_;
   return t;
 }
 
 double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
-  const i64 l = s.lengths.at(op.subseq);
-  auto [b, e] = piece_range(l, op.piece, op.pieces);
-  return (op.layer_end - op.layer_begin) * layer_backward_s(o, l, b, e, op.pieces);
+  return (op.layer_end - op.layer_begin) * layer_backward_s(o, s.spans(op));
 }
 
 double CostModel::d2h_s(i64 bytes, bool duplex) const {
@@ -95,10 +93,7 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
   const i64 H = model_.hidden;
   const int n = std::max(1, op.layer_end - op.layer_begin);
   i64 tokens = op.tokens;
-  if (tokens == 0) {
-    auto [b, e] = piece_range(s.lengths.at(op.subseq), op.piece, op.pieces);
-    tokens = e - b;
-  }
+  if (tokens == 0) tokens = sched::span_tokens(s.spans(op));
   switch (op.payload) {
     case Payload::None: return 0;
     case Payload::Hidden:

@@ -9,9 +9,10 @@
 //   overhead   layer_overhead per layer (kernel launches and synchronisation)
 // The LM head runs its backward right after its forward (the loss gradient is known), so a
 // forward that ends at the last layer also pays 6 T H V FLOPs of head GEMMs.
-// Pieces of one subsequence (SP ranks, MSP pieces) each do 1/pieces of its attention:
-// ring attention uses the load-balanced zigzag layout (DESIGN.md 6), so every piece pays
-// the same share of the causal triangle.
+// A piece of a subsequence (an SP rank's part, an MSP piece) pays the attention of exactly
+// the query positions it holds (Schedule::spans: contiguous, or zigzag for ring pieces of
+// a zigzag plan; Note [Ring attention load balance] in schedule/ir.h), so a contiguous ring
+// shows its causal imbalance.
 // Copies: bytes over d2h_bw / h2d_bw, times duplex_factor while the other direction runs.
 // Messages: latency + bytes / bandwidth, intra- or inter-node by the ranks' nodes
 // (rank r is device r; devices_per_node consecutive devices form a node).
@@ -43,6 +44,7 @@ class CostModel {
   // FLOPs of one layer on the tokens [b, e) of a subsequence at offset o (forward).
   double gemm_flops(i64 tokens) const;
   double attention_flops(i64 o, i64 b, i64 e) const;
+  double attention_flops(i64 o, const sched::Spans& spans) const;
   double head_flops(i64 tokens) const;  // forward + backward of the LM head
 
   // Seconds of a Forward / Backward op of schedule `s`; `o` is the offset of its subsequence.
@@ -50,10 +52,12 @@ class CostModel {
   double backward_s(const sched::Op& op, const sched::Schedule& s, i64 o) const;
   double forward_s(const sched::Op& op, const sched::Schedule& s) const { return forward_s(op, s, s.offset(op.subseq)); }
   double backward_s(const sched::Op& op, const sched::Schedule& s) const { return backward_s(op, s, s.offset(op.subseq)); }
-  // Seconds of one layer's forward (backward) of tokens [b, e) at offset o; with
-  // `pieces` > 1 the attention is the 1/pieces share of the whole subsequence of length l.
-  double layer_forward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const;
-  double layer_backward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const;
+  // Seconds of one layer's forward (backward) on the tokens `spans` of a subsequence at
+  // offset o; the second form on a whole subsequence of T tokens.
+  double layer_forward_s(i64 o, const sched::Spans& spans) const;
+  double layer_backward_s(i64 o, const sched::Spans& spans) const;
+  double layer_forward_s(i64 o, i64 T) const { return layer_forward_s(o, sched::Spans{{0, T}}); }
+  double layer_backward_s(i64 o, i64 T) const { return layer_backward_s(o, sched::Spans{{0, T}}); }
 
   double d2h_s(i64 bytes, bool duplex) const;
   double h2d_s(i64 bytes, bool duplex) const;
@@ -66,8 +70,6 @@ class CostModel {
   i64 message_bytes(const sched::Op& op, const sched::Schedule& s) const;
 
  private:
-  double attention_share(i64 o, i64 l, i64 b, i64 e, int pieces) const;
-
   HardwareProfile hw_;
   ModelConfig model_;
   ActPrecision precision_;

@@ -24,6 +24,8 @@ nlohmann::json to_json(const Plan& p) {
       {"lengths", p.lengths},
       {"alpha", p.alpha},
       {"msp", p.msp},
+      {"zero", p.zero},
+      {"ring_layout", p.ring_layout},
       {"stage_layers", p.stage_layers},
       {"offload", p.offload},
       {"alpha_rule", p.alpha_rule},
@@ -59,6 +61,9 @@ Plan plan_from_json(const nlohmann::json& j) {
     p.subseqs = j.value("subseqs", int(p.lengths.size()));
     p.alpha = j.value("alpha", std::vector<double>(p.lengths.size(), 0.0));
     p.msp = j.value("msp", false);
+    // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings.
+    p.zero = j.value("zero", 0);
+    p.ring_layout = j.value("ring_layout", "zigzag");
     p.stage_layers = j.value("stage_layers", std::vector<int>{});
     p.offload = j.value("offload", "adaptive");
     p.alpha_rule = j.value("alpha_rule", "");
@@ -85,6 +90,9 @@ Plan plan_from_json(const nlohmann::json& j) {
   const i64 sum = std::accumulate(p.lengths.begin(), p.lengths.end(), i64(0));
   SPPO_CHECK(sum == p.seq_len, "planner") << "plan: lengths sum to " << sum << ", not seq_len " << p.seq_len;
   SPPO_CHECK(p.sp >= 1 && p.pp >= 1 && p.dp >= 1 && p.tp >= 1, "planner") << "plan: sp, pp, dp, tp must be >= 1";
+  SPPO_CHECK(p.zero == 0 || p.zero == 1, "planner") << "plan: zero must be 0 or 1 (got " << p.zero << ")";
+  SPPO_CHECK(p.ring_layout == "zigzag" || p.ring_layout == "contiguous", "planner")
+      << "plan: ring_layout must be zigzag or contiguous (got '" << p.ring_layout << "')";
   SPPO_CHECK(p.sp * p.pp * p.dp * p.tp == p.gpus, "planner")
       << "plan: sp * pp * dp * tp = " << p.sp * p.pp * p.dp * p.tp << " but gpus = " << p.gpus;
   return p;

@@ -32,8 +32,10 @@ struct Plan {
   std::vector<i64> lengths;
   std::vector<double> alpha;
   bool msp = false;
+  int zero = 0;                   // 1: AdamW state sharded over each stage's all-reduce group (ZeRO-1)
+  std::string ring_layout = "zigzag";  // how SP ranks split a subsequence: zigzag | contiguous
   std::vector<int> stage_layers;  // layers per pipeline stage
-  std::string offload = "adaptive";  // none | full | adaptive
+  std::string offload = "adaptive";  // none | full | paper | adaptive
   std::string alpha_rule;         // how alpha was chosen
   i64 budget = 0;                 // device bytes the plan must fit
   Prediction predicted;

@@ -24,54 +24,118 @@ struct Embedded {
 const Embedded kEmbedded[] = {
     {"a100-80gb", R"json({
   "name": "a100-80gb",
-  "description": "NVIDIA A100-SXM4-80GB, NVLink 3 (8 per node), 4x HDR 200 Gb/s InfiniBand per node pair, PCIe gen4 host link. Rates are achieved, not peak: 312 TFLOP/s bf16 peak GEMM reaches about 200 in large transformer GEMMs.",
+  "description": [
+    "NVIDIA A100-SXM4-80GB, 8 per node (DGX A100): NVLink 3, PCIe gen4 host links, HDR InfiniBand.",
+    "Sources per field. Measured: only on the H200, by PyTorch 2.11 (shared/peers/h200, anchors.json, 2026-12-01); efficiencies measured there are applied to the other GPUs' datasheet figures, an assumption, not a measurement of those GPUs. Assumed: figures marked so, pending a measurement.",
+    "gemm_tflops: 312 TFLOP/s bf16 dense (datasheet) x 0.744, the H200's measured rate on a block's GEMMs (16K x 4096 x 12288/4096/16384 and 16K x 16384 x 4096: 801/715/720/713 TFLOP/s, 736 FLOP-weighted) over its 989 = 232.1.",
+    "attention_efficiency: 0.747 = the H200's measured causal flash attention, forward + backward, S 8K/32K/128K (539/559/551 TFLOP/s) over its GEMM rate. PyTorch reaches only 326 TFLOP/s (0.44) for a subsequence after a cached prefix; a kernel that takes the offset should reach the whole-sequence rate (to be measured by the CUDA backend).",
+    "elementwise_gbps: 2039 GB/s HBM (datasheet) x 0.8 (assumed, not measured).",
+    "d2h_gbps, h2d_gbps: PCIe 31.5 GB/s per direction (datasheet, x16) x 0.88, the H200's measured pinned copies (55.5 / 55.4 GB/s over gen5 x16's 63) = 27.7.",
+    "duplex_factor: 0.916, measured on the H200 (101.6 GB/s both ways at once over 2 x 55.45).",
+    "precision: bf16 activations and GEMMs, fp32 master weights, gradients, optimizer state and dK/dV accumulators (the CUDA backend).",
+    "intra_node_gbps: NVLink 300 GB/s per direction (datasheet) x 0.8 (assumed) = 240. devices_per_node: 8 (the board's GPUs, datasheet).",
+    "inter_node_gbps and nic_gbps: one 200 Gb/s InfiniBand NIC per GPU, gpus_per_nic 1 (datasheet) x 0.9 (assumed) = 22.5 GB/s.",
+    "intra_node_latency_us, inter_node_latency_us: assumed.",
+    "device_memory_bytes: 80 GiB (datasheet). memory_reserve_bytes: 3 GiB (assumed: CUDA context, library workspaces, allocator fragmentation).",
+    "host_memory_bytes: 1 TiB per DGX A100 node / 8 GPUs (datasheet).",
+    "gpus_per_pcie_switch 2, pcie_switch_gbps 27.7: two GPUs share each PCIe switch's x16 uplink to the host, as in the DGX A100 (assumed for the HGX boards), at the same rate as one GPU's link.",
+    "gpus_per_numa_node 4, numa_host_gbps 163.8: 8 channels of DDR4-3200 per AMD EPYC 7742 socket, 204.8 GB/s (datasheet) x 0.8 (assumed), both directions together.",
+    "layer_overhead_us: 40 (assumed: launches and synchronisation of a layer's kernels)."
+  ],
   "precision": "bf16",
-  "gemm_tflops": 200.0,
-  "attention_efficiency": 0.8,
-  "elementwise_gbps": 1600.0,
-  "d2h_gbps": 22.0,
-  "h2d_gbps": 22.0,
-  "duplex_factor": 0.8,
-  "intra_node_gbps": 200.0,
+  "gemm_tflops": 232.1,
+  "attention_efficiency": 0.747,
+  "elementwise_gbps": 1631.2,
+  "d2h_gbps": 27.7,
+  "h2d_gbps": 27.7,
+  "duplex_factor": 0.916,
+  "intra_node_gbps": 240.0,
   "intra_node_latency_us": 10.0,
-  "inter_node_gbps": 22.0,
+  "inter_node_gbps": 22.5,
   "inter_node_latency_us": 20.0,
   "device_memory_bytes": 85899345920,
   "memory_reserve_bytes": 3221225472,
   "host_memory_bytes": 137438953472,
   "devices_per_node": 8,
-  "layer_overhead_us": 40.0
+  "layer_overhead_us": 40.0,
+  "gpus_per_pcie_switch": 2,
+  "pcie_switch_gbps": 27.7,
+  "gpus_per_numa_node": 4,
+  "numa_host_gbps": 163.8,
+  "gpus_per_nic": 1,
+  "nic_gbps": 22.5
 })json"},
     {"h100-sxm", R"json({
   "name": "h100-sxm",
-  "description": "NVIDIA H100 SXM5 80GB, NVLink 4 (8 per node), 400 Gb/s NDR InfiniBand per GPU, PCIe gen5 host link. 989 TFLOP/s bf16 dense peak reaches about 600 in large GEMMs.",
+  "description": [
+    "NVIDIA H100 SXM5 80GB, 8 per node (DGX/HGX H100): NVLink 4, PCIe gen5 host links, NDR InfiniBand.",
+    "Sources per field. Measured: only on the H200, by PyTorch 2.11 (shared/peers/h200, anchors.json, 2026-12-01); efficiencies measured there are applied to the other GPUs' datasheet figures, an assumption, not a measurement of those GPUs. Assumed: figures marked so, pending a measurement.",
+    "gemm_tflops: 989 TFLOP/s bf16 dense (datasheet) x 0.744, the H200's measured rate on a block's GEMMs (16K x 4096 x 12288/4096/16384 and 16K x 16384 x 4096: 801/715/720/713 TFLOP/s, 736 FLOP-weighted) over its 989 = 735.8.",
+    "attention_efficiency: 0.747 = the H200's measured causal flash attention, forward + backward, S 8K/32K/128K (539/559/551 TFLOP/s) over its GEMM rate. PyTorch reaches only 326 TFLOP/s (0.44) for a subsequence after a cached prefix; a kernel that takes the offset should reach the whole-sequence rate (to be measured by the CUDA backend).",
+    "elementwise_gbps: 3350 GB/s HBM (datasheet) x 0.8 (assumed, not measured).",
+    "d2h_gbps, h2d_gbps: PCIe 63 GB/s per direction (datasheet, x16) x 0.88, the H200's measured pinned copies (55.5 / 55.4 GB/s over gen5 x16's 63) = 55.5.",
+    "duplex_factor: 0.916, measured on the H200 (101.6 GB/s both ways at once over 2 x 55.45).",
+    "precision: bf16 activations and GEMMs, fp32 master weights, gradients, optimizer state and dK/dV accumulators (the CUDA backend).",
+    "intra_node_gbps: NVLink 450 GB/s per direction (datasheet) x 0.8 (assumed) = 360. devices_per_node: 8 (the board's GPUs, datasheet).",
+    "inter_node_gbps and nic_gbps: one 400 Gb/s InfiniBand NIC per GPU, gpus_per_nic 1 (datasheet) x 0.9 (assumed) = 45 GB/s.",
+    "intra_node_latency_us, inter_node_latency_us: assumed.",
+    "device_memory_bytes: 80 GiB (datasheet). memory_reserve_bytes: 3 GiB (assumed: CUDA context, library workspaces, allocator fragmentation).",
+    "host_memory_bytes: 2 TiB per DGX H100 node / 8 GPUs (datasheet).",
+    "gpus_per_pcie_switch 2, pcie_switch_gbps 55.5: two GPUs share each PCIe switch's x16 uplink to the host, as in the DGX A100 (assumed for the HGX boards), at the same rate as one GPU's link.",
+    "gpus_per_numa_node 4, numa_host_gbps 245.8: 8 channels of DDR5-4800 per Xeon Platinum 8480C socket, 307.2 GB/s (datasheet) x 0.8 (assumed), both directions together.",
+    "layer_overhead_us: 30 (assumed: launches and synchronisation of a layer's kernels)."
+  ],
   "precision": "bf16",
-  "gemm_tflops": 600.0,
-  "attention_efficiency": 0.75,
-  "elementwise_gbps": 2800.0,
-  "d2h_gbps": 45.0,
-  "h2d_gbps": 45.0,
-  "duplex_factor": 0.8,
+  "gemm_tflops": 735.8,
+  "attention_efficiency": 0.747,
+  "elementwise_gbps": 2680.0,
+  "d2h_gbps": 55.5,
+  "h2d_gbps": 55.5,
+  "duplex_factor": 0.916,
   "intra_node_gbps": 360.0,
   "intra_node_latency_us": 8.0,
   "inter_node_gbps": 45.0,
   "inter_node_latency_us": 15.0,
   "device_memory_bytes": 85899345920,
   "memory_reserve_bytes": 3221225472,
-  "host_memory_bytes": 137438953472,
+  "host_memory_bytes": 274877906944,
   "devices_per_node": 8,
-  "layer_overhead_us": 30.0
+  "layer_overhead_us": 30.0,
+  "gpus_per_pcie_switch": 2,
+  "pcie_switch_gbps": 55.5,
+  "gpus_per_numa_node": 4,
+  "numa_host_gbps": 245.8,
+  "gpus_per_nic": 1,
+  "nic_gbps": 45.0
 })json"},
     {"h200", R"json({
   "name": "h200",
-  "description": "NVIDIA H200 SXM 141GB (143771 MiB), NVLink 4 (8 per node), 400 Gb/s NDR InfiniBand per GPU, PCIe gen5 host link. Same compute as H100; more and faster HBM3e.",
+  "description": [
+    "NVIDIA H200 SXM 141GB, 8 per node (HGX H200): NVLink 4, PCIe gen5 host links, NDR InfiniBand. Same compute as the H100; more and faster HBM3e.",
+    "Sources per field. Measured: only on the H200, by PyTorch 2.11 (shared/peers/h200, anchors.json, 2026-12-01); efficiencies measured there are applied to the other GPUs' datasheet figures, an assumption, not a measurement of those GPUs. Assumed: figures marked so, pending a measurement.",
+    "gemm_tflops: 989 TFLOP/s bf16 dense (datasheet) x 0.744, the H200's measured rate on a block's GEMMs (16K x 4096 x 12288/4096/16384 and 16K x 16384 x 4096: 801/715/720/713 TFLOP/s, 736 FLOP-weighted) over its 989 = 735.8.",
+    "attention_efficiency: 0.747 = the H200's measured causal flash attention, forward + backward, S 8K/32K/128K (539/559/551 TFLOP/s) over its GEMM rate. PyTorch reaches only 326 TFLOP/s (0.44) for a subsequence after a cached prefix; a kernel that takes the offset should reach the whole-sequence rate (to be measured by the CUDA backend).",
+    "elementwise_gbps: 4800 GB/s HBM (datasheet) x 0.8 (assumed, not measured).",
+    "d2h_gbps, h2d_gbps: PCIe 63 GB/s per direction (datasheet, x16) x 0.88, the H200's measured pinned copies (55.5 / 55.4 GB/s over gen5 x16's 63) = 55.5.",
+    "duplex_factor: 0.916, measured on the H200 (101.6 GB/s both ways at once over 2 x 55.45).",
+    "precision: bf16 activations and GEMMs, fp32 master weights, gradients, optimizer state and dK/dV accumulators (the CUDA backend).",
+    "intra_node_gbps: NVLink 450 GB/s per direction (datasheet) x 0.8 (assumed) = 360. devices_per_node: 8 (the board's GPUs, datasheet).",
+    "inter_node_gbps and nic_gbps: one 400 Gb/s InfiniBand NIC per GPU, gpus_per_nic 1 (datasheet) x 0.9 (assumed) = 45 GB/s.",
+    "intra_node_latency_us, inter_node_latency_us: assumed.",
+    "device_memory_bytes: 143771 MiB as the driver reports it on the measured H200 (PyTorch sees 143156 MiB). memory_reserve_bytes: 3 GiB (assumed: CUDA context, library workspaces, allocator fragmentation).",
+    "host_memory_bytes: 2 TiB per HGX H200 node / 8 GPUs (assumed, as the DGX H100).",
+    "gpus_per_pcie_switch 2, pcie_switch_gbps 55.5: two GPUs share each PCIe switch's x16 uplink to the host, as in the DGX A100 (assumed for the HGX boards), at the same rate as one GPU's link.",
+    "gpus_per_numa_node 4, numa_host_gbps 245.8: 8 channels of DDR5-4800 per Xeon Platinum 8480C socket, 307.2 GB/s (datasheet, assumed host) x 0.8 (assumed), both directions together.",
+    "layer_overhead_us: 30 (assumed: launches and synchronisation of a layer's kernels).",
+    "Check against measurement: the cost model with this profile prices PyTorch's one-GPT-block step on the H200 (H 4096, S 16K / 64K / 128K, anchors.json: 42.6 / 343 / 1134 ms) at 43.5 / 342 / 1132 ms (within 2.1%)."
+  ],
   "precision": "bf16",
-  "gemm_tflops": 620.0,
-  "attention_efficiency": 0.75,
-  "elementwise_gbps": 4000.0,
-  "d2h_gbps": 45.0,
-  "h2d_gbps": 45.0,
-  "duplex_factor": 0.8,
+  "gemm_tflops": 735.8,
+  "attention_efficiency": 0.747,
+  "elementwise_gbps": 3840.0,
+  "d2h_gbps": 55.5,
+  "h2d_gbps": 55.5,
+  "duplex_factor": 0.916,
   "intra_node_gbps": 360.0,
   "intra_node_latency_us": 8.0,
   "inter_node_gbps": 45.0,
@@ -80,7 +144,13 @@ const Embedded kEmbedded[] = {
   "memory_reserve_bytes": 3221225472,
   "host_memory_bytes": 274877906944,
   "devices_per_node": 8,
-  "layer_overhead_us": 30.0
+  "layer_overhead_us": 30.0,
+  "gpus_per_pcie_switch": 2,
+  "pcie_switch_gbps": 55.5,
+  "gpus_per_numa_node": 4,
+  "numa_host_gbps": 245.8,
+  "gpus_per_nic": 1,
+  "nic_gbps": 45.0
 })json"},
 };
 
@@ -167,6 +237,15 @@ std::vector<std::pair<int, double>> table_from_json(const nlohmann::json& j, con
   return t;
 }
 
+nlohmann::json description_json(const std::string& d) {
+  if (d.find('\n') == std::string::npos) return d;
+  nlohmann::json lines = nlohmann::json::array();
+  size_t b = 0;
+  for (size_t e; (e = d.find('\n', b)) != std::string::npos; b = e + 1) lines.push_back(d.substr(b, e - b));
+  lines.push_back(d.substr(b));
+  return lines;
+}
+
 }  // namespace
 
 double HardwareProfile::gemm_rate(int hidden) const {
@@ -179,9 +258,9 @@ double HardwareProfile::attention_rate(int head_size) const {
 }
 
 nlohmann::json to_json(const HardwareProfile& p) {
-  return {
+  nlohmann::json j = {
       {"name", p.name},
-      {"description", p.description},
+      {"description", description_json(p.description)},
       {"precision", p.precision},
       {"gemm_tflops", p.gemm_flops / kTera},
       {"attention_efficiency", p.attention_efficiency},
@@ -201,13 +280,33 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"gemm_tflops_by_hidden", table_json(p.gemm_flops_by_hidden, kTera)},
       {"attention_efficiency_by_head_size", table_json(p.attention_efficiency_by_head, 1.0)},
   };
+  if (p.gpus_per_pcie_switch > 0) {
+    j["gpus_per_pcie_switch"] = p.gpus_per_pcie_switch;
+    j["pcie_switch_gbps"] = p.pcie_switch_bw / kGiga;
+  }
+  if (p.gpus_per_numa_node > 0) {
+    j["gpus_per_numa_node"] = p.gpus_per_numa_node;
+    j["numa_host_gbps"] = p.numa_host_bw / kGiga;
+  }
+  if (p.gpus_per_nic > 0) {
+    j["gpus_per_nic"] = p.gpus_per_nic;
+    j["nic_gbps"] = p.nic_bw / kGiga;
+  }
+  return j;
 }
 
 HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& where) {
   SPPO_CHECK(j.is_object(), "profile") << where << ": a profile is a JSON object";
   HardwareProfile p;
   p.name = j.value("name", std::filesystem::path(where).stem().string());
-  p.description = j.value("description", "");
+  if (j.contains("description") && j["description"].is_array()) {
+    for (const auto& line : j["description"]) {
+      SPPO_CHECK(line.is_string(), "profile") << where << ": description lines must be strings";
+      p.description += (p.description.empty() ? "" : "\n") + line.get<std::string>();
+    }
+  } else {
+    p.description = j.value("description", "");
+  }
   p.precision = j.value("precision", "");
   SPPO_CHECK(p.precision == "bf16" || p.precision == "f32", "profile")
       << where << ": field 'precision' must be \"bf16\" or \"f32\" (got \"" << p.precision << "\")";
@@ -228,6 +327,17 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.host_memory = i64(optional(j, "host_memory_bytes", 0, where));
   p.devices_per_node = int(required(j, "devices_per_node", where, "devices per node"));
   p.layer_overhead = optional(j, "layer_overhead_us", 0, where) * kMicro;
+  p.gpus_per_pcie_switch = int(optional(j, "gpus_per_pcie_switch", 0, where));
+  p.pcie_switch_bw = optional(j, "pcie_switch_gbps", 0, where) * kGiga;
+  p.gpus_per_numa_node = int(optional(j, "gpus_per_numa_node", 0, where));
+  p.numa_host_bw = optional(j, "numa_host_gbps", 0, where) * kGiga;
+  p.gpus_per_nic = int(optional(j, "gpus_per_nic", 0, where));
+  p.nic_bw = optional(j, "nic_gbps", 0, where) * kGiga;
+  SPPO_CHECK((p.gpus_per_pcie_switch > 0) == (p.pcie_switch_bw > 0) &&
+                 (p.gpus_per_numa_node > 0) == (p.numa_host_bw > 0) && (p.gpus_per_nic > 0) == (p.nic_bw > 0),
+             "profile")
+      << where << ": a shared link needs both its device count and its bandwidth (gpus_per_pcie_switch with "
+      << "pcie_switch_gbps, gpus_per_numa_node with numa_host_gbps, gpus_per_nic with nic_gbps)";
   p.gemm_flops_by_hidden = table_from_json(j, "gemm_tflops_by_hidden", where, kTera);
   p.attention_efficiency_by_head = table_from_json(j, "attention_efficiency_by_head_size", where, 1.0);
   SPPO_CHECK(p.gemm_flops > 0 && p.attention_efficiency > 0, "profile")

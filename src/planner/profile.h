@@ -30,6 +30,20 @@ struct HardwareProfile {
   i64 memory_reserve = 0;             // bytes the framework and allocator keep (not usable)
   i64 host_memory = 0;                // pinned host bytes available per device (0: unlimited)
   int devices_per_node = 1;
+  // Host links that several devices share (0: not shared). A device's copies to and from
+  // host memory cross its own link (d2h_bw, h2d_bw), then the uplink of its PCIe switch,
+  // shared by gpus_per_pcie_switch devices (pcie_switch_bw per direction), then the host
+  // memory of its NUMA node, shared by gpus_per_numa_node devices (numa_host_bw, both
+  // directions together). Messages between nodes leave through a NIC shared by
+  // gpus_per_nic devices (nic_bw per direction). Devices are numbered in order within a
+  // node: devices 0..k-1 share the first switch, and so on. The simulator shares each link
+  // among the transfers crossing it at the same time (Note [Shared host links]).
+  int gpus_per_pcie_switch = 0;
+  double pcie_switch_bw = 0;          // B/s per direction
+  int gpus_per_numa_node = 0;
+  double numa_host_bw = 0;            // B/s, both directions together
+  int gpus_per_nic = 0;
+  double nic_bw = 0;                  // B/s per direction
   double layer_overhead = 0;          // fixed seconds per layer of a forward or backward op
   // Measured rate of a block's four GEMMs (forward and backward together) at hidden sizes H,
   // ascending: small H runs far below the peak on CPUs. Empty: gemm_flops for every H.
@@ -47,6 +61,11 @@ struct HardwareProfile {
 
   double attention_flops() const { return gemm_flops * attention_efficiency; }
   i64 usable_memory() const { return device_memory - memory_reserve; }
+  // Whether some host link or NIC is shared by several devices.
+  bool shares_links() const {
+    return (gpus_per_pcie_switch > 1 && pcie_switch_bw > 0) || (gpus_per_numa_node > 1 && numa_host_bw > 0) ||
+           (gpus_per_nic > 1 && nic_bw > 0);
+  }
 };
 
 // Names of the built-in profiles (also compiled in, so any working directory works).
@@ -60,7 +79,10 @@ void save_profile(const HardwareProfile& p, const std::string& path);
 
 nlohmann::json to_json(const HardwareProfile& p);
 // `where` names the source in error messages. Every field is required except
-// description, elementwise_gbps, memory_reserve_bytes, host_memory_bytes, layer_overhead_us.
+// description (a string, or a list of strings joined by newlines), elementwise_gbps,
+// memory_reserve_bytes, host_memory_bytes, layer_overhead_us, the tables, and the shared
+// links (gpus_per_pcie_switch with pcie_switch_gbps, gpus_per_numa_node with
+// numa_host_gbps, gpus_per_nic with nic_gbps).
 HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& where);
 
 }  // namespace sppo::plan

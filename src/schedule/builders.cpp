@@ -93,7 +93,7 @@ namespace {
 
 struct Piece {
   int rank;
-  i64 b, e;  // token range inside the subsequence
+  Spans spans;  // token ranges inside the subsequence (one unless a zigzag ring piece)
   int piece, pieces;
   bool helper;  // runs on a group other than the stage's own
 };
@@ -150,6 +150,8 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   s.replicas = D;
   s.layers = spec.layers;
   s.lengths = spec.lengths;
+  s.ring = R;
+  s.ring_layout = spec.ring_layout;
   s.ops.resize(s.ranks);
   s.owned.resize(s.ranks);
   for (int d = 0; d < D; ++d)
@@ -178,8 +180,9 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           for (size_t h = 0; h < g.size(); ++h)
             for (int r = 0; r < R; ++r) {
               const int piece = int(h) * R + r;
-              auto [b, e] = piece_range(spec.lengths[k], piece, pieces);
-              t.pieces.push_back({spec.rank_of(d, g[h], r), b, e, piece, pieces, g[h] != i});
+              const RingLayout layout = pieces == R ? spec.ring_layout : RingLayout::Contiguous;
+              t.pieces.push_back({spec.rank_of(d, g[h], r), piece_spans(spec.lengths[k], piece, pieces, layout),
+                                  piece, pieces, g[h] != i});
             }
           tasks.push_back(std::move(t));
         }
@@ -232,7 +235,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   for (const auto& [key, t] : last_helper_task) {
     const auto [rank, stage] = key;
     const int d = rank / (P * R), r = rank % R;
-    Piece whole{rank, 0, 0, 0, 1, true};
+    Piece whole{rank, {}, 0, 1, true};
     s.ops[spec.rank_of(d, stage, r)].push_back(msg(OpKind::Send, Payload::Weights, 0, stage, rank, 0, whole));
   }
 
@@ -259,31 +262,31 @@ Schedule build_pipeline(const PipelineSpec& spec) {
       auto& ops = s.ops[pc.rank];
       const int owner = owner_of(t, pc);
       if (pc.helper && borrowed.insert({pc.rank, i, t.forward}).second) {
-        Piece whole{pc.rank, 0, 0, 0, 1, true};
+        Piece whole{pc.rank, {}, 0, 1, true};
         ops.push_back(msg(OpKind::Recv, Payload::Weights, 0, i, owner, 0, whole));
       }
       // The owner sends the backward lease of its helpers when its own backwards begin.
       if (!t.forward && !pc.helper && owner_backward_started.insert(pc.rank * P + i).second)
         for (const auto& [key, last] : last_helper_task)
           if (key.second == i && (key.first / (P * R)) == t.d && key.first % R == pc.rank % R) {
-            Piece whole{key.first, 0, 0, 0, 1, true};
+            Piece whole{key.first, {}, 0, 1, true};
             ops.push_back(msg(OpKind::Send, Payload::Weights, 0, i, key.first, 0, whole));
           }
       // Owner side of a split task: stream earlier K, V (and return held dK, dV rows).
       if (!pc.helper && split)
         for (const Piece& h : t.pieces)
           if (h.helper && owner_of(t, h) == pc.rank) {
-            if (!t.forward) ops.push_back(msg(OpKind::Send, Payload::KVGrad, k, i, h.rank, h.e - h.b, h));
-            ops.push_back(msg(OpKind::Send, Payload::KVStream, k, i, h.rank, o + h.b, h));
+            if (!t.forward) ops.push_back(msg(OpKind::Send, Payload::KVGrad, k, i, h.rank, span_tokens(h.spans), h));
+            ops.push_back(msg(OpKind::Send, Payload::KVStream, k, i, h.rank, o + h.spans.front().first, h));
           }
       if (pc.helper) {
-        if (!t.forward) ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, pc.e - pc.b, pc));
-        ops.push_back(msg(OpKind::Recv, Payload::KVStream, k, i, owner, o + pc.b, pc));
+        if (!t.forward) ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, span_tokens(pc.spans), pc));
+        ops.push_back(msg(OpKind::Recv, Payload::KVStream, k, i, owner, o + pc.spans.front().first, pc));
       }
       // Input activations (or their gradients) from the producer pieces that overlap.
       if (src)
         for (const Piece& q : src->pieces) {
-          const i64 ov = std::min(q.e, pc.e) - std::max(q.b, pc.b);
+          const i64 ov = overlap(q.spans, pc.spans);
           if (ov > 0 && q.rank != pc.rank) ops.push_back(msg(OpKind::Recv, act, k, i, q.rank, ov, pc));
         }
       // Backward of an offloaded unit: prefetch the next one down while this one runs.
@@ -324,7 +327,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           ring.step = st;
           ring.piece = pc.piece;
           ring.pieces = pc.pieces;
-          ring.tokens = pc.e - pc.b;
+          ring.tokens = span_tokens(pc.spans);
           ring.peer = base + (pc.piece % R + 1) % R;
           ring.recv_peer = base + (pc.piece % R + R - 1) % R;
           ops.push_back(ring);
@@ -339,11 +342,12 @@ Schedule build_pipeline(const PipelineSpec& spec) {
       if (!pc.helper && split)
         for (const Piece& h : t.pieces)
           if (h.helper && owner_of(t, h) == pc.rank)
-            ops.push_back(t.forward ? msg(OpKind::Recv, Payload::KV, k, i, h.rank, h.e - h.b, h)
-                                    : msg(OpKind::Recv, Payload::KVGradStream, k, i, h.rank, o + h.b, h));
+            ops.push_back(t.forward ? msg(OpKind::Recv, Payload::KV, k, i, h.rank, span_tokens(h.spans), h)
+                                    : msg(OpKind::Recv, Payload::KVGradStream, k, i, h.rank,
+                                          o + h.spans.front().first, h));
       if (pc.helper)
-        ops.push_back(t.forward ? msg(OpKind::Send, Payload::KV, k, i, owner, pc.e - pc.b, pc)
-                                : msg(OpKind::Send, Payload::KVGradStream, k, i, owner, o + pc.b, pc));
+        ops.push_back(t.forward ? msg(OpKind::Send, Payload::KV, k, i, owner, span_tokens(pc.spans), pc)
+                                : msg(OpKind::Send, Payload::KVGradStream, k, i, owner, o + pc.spans.front().first, pc));
       // Offload after an own-stage forward: wait for the previous one, start this one.
       if (t.forward && !pc.helper) {
         if (pending_wait[pc.rank] >= 0) {
@@ -359,7 +363,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
         }
       }
       if (pc.helper && !t.forward && last_helper_task[{pc.rank, i}] == ti) {
-        Piece whole{pc.rank, 0, 0, 0, 1, true};
+        Piece whole{pc.rank, {}, 0, 1, true};
         ops.push_back(msg(OpKind::Send, Payload::WeightGrads, 0, i, owner, 0, whole));
       }
     }
@@ -368,7 +372,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     if (dst_stage >= 0 && dst_stage < P)
       for (const Piece& pc : t.pieces)
         for (const Piece& q : tasks[index[slot_of(t.d, dst_stage, k, t.forward)]].pieces) {
-          const i64 ov = std::min(q.e, pc.e) - std::max(q.b, pc.b);
+          const i64 ov = overlap(q.spans, pc.spans);
           if (ov > 0 && q.rank != pc.rank) s.ops[pc.rank].push_back(msg(OpKind::Send, act, k, dst_stage, q.rank, ov, q));
         }
   }
@@ -377,7 +381,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   for (const auto& [key, t] : last_helper_task) {
     const auto [rank, stage] = key;
     const int d = rank / (P * R), r = rank % R;
-    Piece whole{rank, 0, 0, 0, 1, true};
+    Piece whole{rank, {}, 0, 1, true};
     s.ops[spec.rank_of(d, stage, r)].push_back(msg(OpKind::Recv, Payload::WeightGrads, 0, stage, rank, 0, whole));
   }
   if (R * D > 1)

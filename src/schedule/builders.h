@@ -29,6 +29,7 @@ struct PipelineSpec {
   int dp = 1;                      // replicas; an all-reduce of weight gradients at the end
   bool msp = false;                // multiplexed sequence partitioning (DESIGN.md 6)
   std::vector<int> stage_layers;   // layers per stage; empty means as even as possible
+  RingLayout ring_layout = RingLayout::Contiguous;  // how the sp ranks split a subsequence
 
   int ranks() const { return pp * sp * dp; }
   int rank_of(int d, int p, int r) const { return (d * pp + p) * sp + r; }

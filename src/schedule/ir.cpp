@@ -1,10 +1,12 @@
 #include "schedule/ir.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <ostream>
 #include <sstream>
 
 #include "core/check.h"
+#include "core/layout.h"
 
 namespace sppo::sched {
 
@@ -16,6 +18,45 @@ i64 Schedule::offset(int i) const {
 }
 
 i64 Schedule::seq_len() const { return offset(int(lengths.size())); }
+
+const char* to_string(RingLayout l) { return l == RingLayout::Zigzag ? "zigzag" : "contiguous"; }
+
+RingLayout parse_ring_layout(const std::string& text) {
+  if (text == "zigzag") return RingLayout::Zigzag;
+  if (text == "contiguous") return RingLayout::Contiguous;
+  SPPO_CHECK(false, "schedule") << "ring layout must be zigzag or contiguous (got '" << text << "')";
+  return RingLayout::Contiguous;
+}
+
+i64 span_tokens(const Spans& s) {
+  i64 n = 0;
+  for (const auto& [b, e] : s) n += e - b;
+  return n;
+}
+
+i64 overlap(const Spans& a, const Spans& b) {
+  i64 n = 0;
+  for (const auto& [ab, ae] : a)
+    for (const auto& [bb, be] : b) n += std::max<i64>(0, std::min(ae, be) - std::max(ab, bb));
+  return n;
+}
+
+Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout) {
+  SPPO_ASSERT(piece >= 0 && piece < pieces);
+  if (layout == RingLayout::Contiguous || pieces == 1) return {piece_range(l, piece, pieces)};
+  Spans s;
+  for (int c : {piece, 2 * pieces - 1 - piece}) {
+    const auto r = piece_range(l, c, 2 * pieces);
+    if (r.second > r.first) s.push_back(r);
+  }
+  return s;
+}
+
+Spans Schedule::spans(const Op& op) const {
+  const i64 l = lengths.at(op.subseq);
+  const bool ring_piece = op.pieces > 1 && op.pieces == ring;
+  return piece_spans(l, op.piece, op.pieces, ring_piece ? ring_layout : RingLayout::Contiguous);
+}
 
 MessageKey message_key(const Op& op) {
   MessageKey m{op.payload, op.subseq, op.piece, op.pieces, op.layer_begin, op.layer_end, 0, op.tokens};
@@ -143,6 +184,7 @@ std::string to_string(const Schedule& s) {
   std::ostringstream os;
   os << "schedule ranks=" << s.ranks << " layers=" << s.layers << " lengths=";
   for (size_t i = 0; i < s.lengths.size(); ++i) os << (i ? "," : "") << s.lengths[i];
+  if (s.ring > 1 && s.ring_layout != RingLayout::Contiguous) os << " ring=" << to_string(s.ring_layout);
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {
     os << "rank " << r << ":\n";

@@ -56,11 +56,33 @@ struct Op {
   bool operator==(const Op&) const = default;
 };
 
+// How the R pieces of a ring (the SP ranks of one stage group) hold a subsequence's tokens.
+// Note [Ring attention load balance]: under causal attention a query attends to every
+// position before it, so a contiguous split gives piece r of R about (2r + 1) / R^2 of the
+// subsequence's attention work: the last piece does 2R - 1 times the first's. Zigzag cuts
+// the subsequence into 2R chunks and gives piece r chunks r and 2R - 1 - r, so every piece
+// does the same work to within a chunk's diagonal. Pieces of a subsequence split over
+// several stage groups by MSP are always contiguous (each group's helpers stream the
+// positions before their part).
+enum class RingLayout { Contiguous, Zigzag };
+const char* to_string(RingLayout l);             // "contiguous" | "zigzag"
+RingLayout parse_ring_layout(const std::string& text);  // throws sppo::Error naming the choices
+
+// Token ranges [b, e) of a piece, ascending; one range (contiguous) or two (zigzag).
+using Spans = std::vector<std::pair<i64, i64>>;
+i64 span_tokens(const Spans& s);
+// Tokens two pieces share.
+i64 overlap(const Spans& a, const Spans& b);
+// Piece `piece` of `pieces` of a subsequence of l tokens laid out by `layout`.
+Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout);
+
 struct Schedule {
   int ranks = 1;
   int replicas = 1;                     // DP replicas, each training its own sequence
   int layers = 0;
   std::vector<i64> lengths;             // l_i of every subsequence
+  int ring = 1;                         // R: ops with pieces == R > 1 are ring pieces
+  RingLayout ring_layout = RingLayout::Contiguous;  // how ring pieces hold their tokens
   std::vector<std::vector<Op>> ops;     // ops[rank] in program order
   // Layers whose weights, gradients and optimizer state each rank owns, [begin, end);
   // empty means every rank owns all layers. The embedding lives with layer 0 and, tied,
@@ -69,6 +91,9 @@ struct Schedule {
 
   i64 offset(int i) const;              // o_i = l_0 + ... + l_{i-1}
   i64 seq_len() const;                  // S
+  // The tokens of subsequence `op.subseq` that F/B/RingStep op `op` works on: its piece
+  // under ring_layout when it is a ring piece (pieces == ring), else contiguous.
+  Spans spans(const Op& op) const;
 };
 
 // The identity a receive matches a send by (an MPI tag): payload, subsequence, piece,

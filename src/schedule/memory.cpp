@@ -74,16 +74,25 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
   if (oe > ob) {
     const i64 params = param_count(c, ob, oe, ob == 0, oe == L);
     i64 state = params;
-    if (rules.zero)
+    if (rules.zero && rules.zero_shards > 1) {
+      state = zero_state_params(c, ob, oe, rules.zero_shards, 0);
+    } else if (rules.zero) {
       for (const Op& op : s.ops.at(rank))
         if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) {
           const int index = int(std::find(op.group.begin(), op.group.end(), rank) - op.group.begin());
           state = zero_state_params(c, ob, oe, int(op.group.size()), index);
         }
-    fixed_ = params * (rules.param_state_bytes - rules.optimizer_bytes + rules.weight_copy_bytes) +
-             state * rules.optimizer_bytes;
+    }
+    owned_params_ = params;
+    state_params_ = state;
+    const int weight_bytes = rules.param_state_bytes - rules.optimizer_bytes - rules.grad_bytes;
+    fixed_terms_[int(MemTerm::Weights)] = params * weight_bytes;
+    fixed_terms_[int(MemTerm::WeightCopy)] = params * rules.weight_copy_bytes;
+    fixed_terms_[int(MemTerm::Gradients)] = params * rules.grad_bytes;
+    fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
   }
-  fixed_ += step_input_bytes(s.seq_len());
+  fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(s.seq_len());
+  for (i64 bytes : fixed_terms_) fixed_ += bytes;
 
   // Leases of borrowed weights: each Recv Weights of a layer range that a later one of the
   // same range follows ends at the last F/B on that range before the later one.
@@ -137,10 +146,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
   }
 }
 
-i64 RankMemory::tokens_of(const Op& op) const {
-  auto [b, e] = piece_range(s_.lengths.at(op.subseq), op.piece, op.pieces);
-  return e - b;
-}
+i64 RankMemory::tokens_of(const Op& op) const { return span_tokens(s_.spans(op)); }
 
 i64 RankMemory::head_ws(i64 T) const {
   return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision)) +
@@ -155,9 +161,20 @@ i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
   return op.pieces > 1 ? 2 * (kv_pt_ + acc_pt_) * T : 0;
 }
 
-void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta) {
+void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term) {
   live_ += delta;
-  out->push_back({at, delta});
+  out->push_back({at, delta, term});
+}
+
+void RankMemory::move(std::vector<MemEvent>* out, double at, i64 bytes, MemTerm from, MemTerm to) {
+  if (bytes == 0) return;
+  emit(out, at, -bytes, from);
+  emit(out, at, bytes, to);
+}
+
+std::vector<i64> RankMemory::unit_tensors(int subseq) const {
+  auto it = unit_tensors_.find(subseq);
+  return it == unit_tensors_.end() ? std::vector<i64>{} : it->second;
 }
 
 i64 RankMemory::offload_bytes(const Op& op) const {
@@ -171,6 +188,7 @@ i64 RankMemory::prefetch_bytes(const Op& op) const {
 }
 
 void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
+  using T = MemTerm;
   const int L = s_.layers;
   const int n = op.layer_end - op.layer_begin;
   const size_t index = next_++;
@@ -179,15 +197,16 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   auto borrowed_params = [&] {
     return param_count(rules_.model, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == L);
   };
-  if (auto it = posted_at_.find(index); it != posted_at_.end()) emit(out, 0.0, it->second);
+  if (auto it = posted_at_.find(index); it != posted_at_.end()) emit(out, 0.0, it->second, T::Hidden);
   if (op.kind == OpKind::Backward && !(op.layer_begin >= own_.first && op.layer_end <= own_.second) &&
       borrowed_grads_.insert({op.layer_begin, op.layer_end}).second)
-    emit(out, 0.0, borrowed_params() * 4);
+    emit(out, 0.0, borrowed_params() * 4, T::BorrowedGrads);
   const i64 h_bytes = i64(rules_.model.hidden) * rules_.act_bytes();  // one token's hidden state
   switch (op.kind) {
     case OpKind::Forward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T) + piece_fwd_extra(op, T);
+      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T);
+      const i64 ring = piece_fwd_extra(op, T);
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
       // layer, the head's input, freed once used, or the next stage's input, freed as its
@@ -196,73 +215,89 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       const i64 x_bytes = h_bytes * T;
       const bool input_held = op.layer_begin > 0;
       for (int k = 0; k < n; ++k) {
-        emit(out, double(k) / n, (kv_pt_ + unit_pt_) * T - (k > 0 || input_held ? x_bytes : 0));
-        emit(out, double(k) / n, ws);
-        emit(out, double(k) / n, x_bytes);
-        emit(out, double(k + 1) / n, -ws);
+        const double at = double(k) / n;
+        if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
+        emit(out, at, kv_pt_ * T, T::KVCache);
+        emit(out, at, unit_pt_ * T - (k > 0 || input_held ? x_bytes : 0), T::Units);
+        emit(out, at, ws, T::Workspace);
+        if (ring) emit(out, at, ring, T::RingBuffers);
+        emit(out, at, x_bytes, T::Hidden);
+        if (ring) emit(out, double(k + 1) / n, -ring, T::RingBuffers);
+        emit(out, double(k + 1) / n, -ws, T::Workspace);
       }
       if (op.layer_end == L) {
         const i64 hws = head_ws(T);
-        emit(out, 1.0, head_pt_ * T);
-        emit(out, 1.0, hws);
-        emit(out, 1.0, -hws);
-        emit(out, 1.0, -x_bytes);
+        emit(out, 1.0, head_pt_ * T, T::Units);
+        emit(out, 1.0, hws, T::HeadWorkspace);
+        emit(out, 1.0, -hws, T::HeadWorkspace);
+        emit(out, 1.0, -x_bytes, T::Hidden);
       }
       break;
     }
     case OpKind::Backward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T) + piece_bwd_extra(op, T);
+      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T);
+      const i64 ring = piece_bwd_extra(op, T);
+      // The residual gradient starts as head_grad (part of the unit) on the rank that ran
+      // the head, else as the received gradient.
+      if (op.layer_end == L) move(out, 0.0, head_pt_ * T, T::Units, T::Hidden);
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
-        emit(out, double(k) / n, ws);
+        const double at = double(k) / n, end = double(k + 1) / n;
+        emit(out, at, ws, T::Workspace);
+        if (ring) emit(out, at, ring, T::RingBuffers);
         if (!acc_live_[l]) {
           acc_live_[l] = true;
-          emit(out, double(k) / n, acc_pt_ * acc_tokens_[l]);
+          emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
-        emit(out, double(k + 1) / n, -((kv_pt_ + acc_pt_ + unit_pt_) * T + ws));
+        emit(out, end, -kv_pt_ * T, T::KVCache);
+        emit(out, end, -acc_pt_ * T, T::KVGradAccum);
+        emit(out, end, -unit_pt_ * T, T::Units);
+        if (ring) emit(out, end, -ring, T::RingBuffers);
+        emit(out, end, -ws, T::Workspace);
       }
-      // The residual gradient (head_grad on the last stage, else the received one) runs
-      // through every layer: freed at the end on the first stage, else handed to the sends
-      // towards the previous stage.
-      if (op.layer_begin == 0) emit(out, 1.0, -h_bytes * T);
+      // The residual gradient runs through every layer: freed at the end on the first
+      // stage, else handed to the sends towards the previous stage.
+      if (op.layer_begin == 0) emit(out, 1.0, -h_bytes * T, T::Hidden);
       break;
     }
     case OpKind::Offload: {
       const i64 bytes = offload_bytes(op);
       offloaded_[op.subseq] += bytes;
       host_ += bytes;
-      emit(out, 1.0, -bytes);
+      emit(out, 1.0, -bytes, T::Units);
       break;
     }
     case OpKind::Prefetch: {
       const i64 bytes = prefetch_bytes(op);
       offloaded_[op.subseq] = 0;
       host_ -= bytes;
-      emit(out, 0.0, bytes);
+      emit(out, 0.0, bytes, T::Units);
       break;
     }
     case OpKind::Recv:
       if (op.payload == Payload::KV) {
-        emit(out, 1.0, kv_pt_ * op.tokens * n);
+        emit(out, 1.0, kv_pt_ * op.tokens * n, T::KVCache);
       } else if (op.payload == Payload::Weights) {
-        emit(out, 0.0, borrowed_params() * rules_.act_bytes());
+        emit(out, 0.0, borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
       } else if (op.payload == Payload::KVGrad || op.payload == Payload::KVGradStream) {
         for (int l = op.layer_begin; l < op.layer_end; ++l) {
           if (acc_live_[l]) continue;
           acc_live_[l] = true;
-          emit(out, 0.0, acc_pt_ * acc_tokens_[l]);
+          emit(out, 0.0, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
       }
       break;
     case OpKind::Send:
       if (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad) {
-        emit(out, 1.0, -h_bytes * op.tokens);
+        emit(out, 1.0, -h_bytes * op.tokens, T::Hidden);
       } else if (op.payload == Payload::WeightGrads) {
         borrowed_grads_.erase({op.layer_begin, op.layer_end});
-        emit(out, 1.0, -borrowed_params() * weight_work_pp_);
+        emit(out, 1.0, -borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
+        emit(out, 1.0, -borrowed_params() * (weight_work_pp_ - rules_.act_bytes()), T::BorrowedGrads);
       } else if (op.payload == Payload::KVGrad) {
-        emit(out, 1.0, -(kv_pt_ + acc_pt_) * op.tokens * n);
+        emit(out, 1.0, -kv_pt_ * op.tokens * n, T::KVCache);
+        emit(out, 1.0, -acc_pt_ * op.tokens * n, T::KVGradAccum);
       }
       break;
     case OpKind::WaitOffload:
@@ -271,7 +306,30 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::AllReduce:
       break;
   }
-  if (auto it = release_after_.find(index); it != release_after_.end()) emit(out, 1.0, -it->second);
+  if (auto it = release_after_.find(index); it != release_after_.end())
+    emit(out, 1.0, -it->second, T::BorrowedWeights);
+}
+
+const char* to_string(MemTerm t) {
+  switch (t) {
+    case MemTerm::Weights: return "weights";
+    case MemTerm::WeightCopy: return "weights' working copy";
+    case MemTerm::Gradients: return "gradients";
+    case MemTerm::Optimizer: return "optimizer state";
+    case MemTerm::KVCache: return "K/V cache";
+    case MemTerm::KVGradAccum: return "dK/dV accumulators";
+    case MemTerm::Units: return "activation units on the device";
+    case MemTerm::Hidden: return "hidden states between layers and stages";
+    case MemTerm::Workspace: return "layer workspace";
+    case MemTerm::HeadWorkspace: return "logits and loss workspace";
+    case MemTerm::RingBuffers: return "ring / stream K,V buffers";
+    case MemTerm::BorrowedWeights: return "MSP borrowed weights";
+    case MemTerm::BorrowedGrads: return "MSP borrowed gradients";
+    case MemTerm::StepInputs: return "token ids and loss sum";
+    case MemTerm::kCount: break;
+  }
+  SPPO_ASSERT(false);
+  return "";
 }
 
 }  // namespace sppo::sched

@@ -33,6 +33,7 @@
 // borrowed layers allocates their fp32 gradients; Send WeightGrads releases both.
 #pragma once
 
+#include <array>
 #include <map>
 #include <set>
 #include <utility>
@@ -50,9 +51,14 @@ struct MemoryRules {
   i64 head_chunk = 1024;        // logits rows computed at once
   int param_state_bytes = 16;   // fp32 weight + grad + AdamW m + v
   int optimizer_bytes = 8;      // of which AdamW m + v
+  int grad_bytes = 4;           // and the fp32 gradient
   int accum_bytes = 4;          // dK/dV accumulators are fp32 on every backend
   int weight_copy_bytes = 0;    // per parameter: the GEMMs' working copy of the weights (2 in bf16)
   bool zero = false;            // ZeRO-1: AdamW state sharded over the gradient all-reduce group
+  // Under ZeRO-1, shards of the AdamW state: 0 means the size of the rank's WeightGrads
+  // all-reduce group (as the runtime shards); the planner, which simulates one replica of
+  // a data-parallel layout, gives the whole group's size (its largest shard is counted).
+  int zero_shards = 0;
   // Kernel scratch the runtime allocates with each layer's workspace, and with the head's
   // (the CPU backend's, kernels/scratch.h; zero where kernels bring their own).
   KernelScratch block_scratch, head_scratch;
@@ -83,11 +89,37 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S);
 // and final LayerNorm where the layers include the first or last), or of the tied embedding.
 i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers);
 
+// What device bytes hold, term by term (`sppo plan --explain` prints them at the peak).
+enum class MemTerm {
+  Weights,          // fp32 master weights of the owned layers
+  WeightCopy,       // their working copy in the activation type, for the GEMMs (bf16 only)
+  Gradients,        // their fp32 gradients
+  Optimizer,        // AdamW m, v (under ZeRO-1 only this rank's shard)
+  KVCache,          // K, V of every subsequence whose backward has not run (skeletal)
+  KVGradAccum,      // fp32 dK, dV accumulators of the positions whose K, V this rank holds
+  Units,            // offloadable saved activations on the device (with head_grad)
+  Hidden,           // layer outputs, and hidden states (and gradients) passed between stages,
+                    // including receive buffers posted ahead of their message
+  Workspace,        // one layer's forward or backward scratch and kernel scratch
+  HeadWorkspace,    // logits and loss of the LM head, a chunk of rows at a time
+  RingBuffers,      // pieces' double-buffered K, V (and dK, dV) chunks of a ring or stream
+  BorrowedWeights,  // MSP helpers' working copy of another stage's weights
+  BorrowedGrads,    // and its fp32 weight gradients until they go home
+  StepInputs,       // the step's token ids and loss sum
+  kCount
+};
+inline constexpr int kMemTerms = int(MemTerm::kCount);
+const char* to_string(MemTerm t);
+
 // A device-memory change inside an op: `at` in [0, 1] is the position in the op's duration
-// (per-layer events of F and B); an offload's release is at 1, the end of its copy.
+// (per-layer events of F and B); an offload's release is at 1, the end of its copy. Bytes
+// that change term without being freed (a layer's output becoming the next layer's saved
+// input) are a decrease of one term and an increase of another at the same `at`, the
+// decrease first, so no partial sum exceeds the true one.
 struct MemEvent {
   double at = 0;
   i64 delta = 0;
+  MemTerm term = MemTerm::Units;
 };
 
 // The memory state of one rank while its ops are interpreted in program order.
@@ -96,9 +128,18 @@ class RankMemory {
   RankMemory(const MemoryRules& rules, const Schedule& s, int rank);
 
   i64 fixed_bytes() const { return fixed_; }
+  // The fixed bytes by term (Weights, WeightCopy, Gradients, Optimizer, StepInputs; the
+  // rest zero).
+  const std::array<i64, kMemTerms>& fixed_terms() const { return fixed_terms_; }
+  // Parameters of the owned layers, and those whose AdamW state this rank keeps.
+  i64 owned_params() const { return owned_params_; }
+  i64 state_params() const { return state_params_; }
   // Appends the events of `op` to `out`: every op of this rank, by reference into the
   // schedule, in program order.
   void events(const Op& op, std::vector<MemEvent>* out);
+  // The sizes of subsequence i's offloadable tensors on this rank, in select_offload order
+  // (empty when this rank offloads none of it).
+  std::vector<i64> unit_tensors(int subseq) const;
   // Bytes an Offload op moves (valid after the F ops of its subsequence were seen).
   i64 offload_bytes(const Op& op) const;
   i64 prefetch_bytes(const Op& op) const;
@@ -119,12 +160,16 @@ class RankMemory {
   i64 head_ws(i64 T) const;
   i64 piece_fwd_extra(const Op& op, i64 T) const;
   i64 piece_bwd_extra(const Op& op, i64 T) const;
-  void emit(std::vector<MemEvent>* out, double at, i64 delta);
+  void emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term);
+  // `bytes` change from term `from` to term `to` at `at` (the decrease first).
+  void move(std::vector<MemEvent>* out, double at, i64 bytes, MemTerm from, MemTerm to);
 
   const MemoryRules& rules_;
   const Schedule& s_;
   int rank_;
   i64 fixed_ = 0;
+  std::array<i64, kMemTerms> fixed_terms_{};
+  i64 owned_params_ = 0, state_params_ = 0;
   i64 kv_pt_ = 0, unit_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
   std::vector<i64> acc_tokens_;        // per layer: positions whose K, V this rank holds
   std::vector<bool> acc_live_;         // per layer: accumulators allocated

@@ -1,6 +1,7 @@
 #include "sim/simulator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <map>
 #include <tuple>
@@ -20,6 +21,18 @@ struct MemPoint {
   double t;
   i64 seq;
   i64 delta;
+  int term;   // sched::MemTerm, or -1 for offloaded bytes on the host
+};
+
+// A transfer that may cross shared links: a copy to or from host memory, or a message
+// between nodes. `rate` is what its own link gives it alone; `scale` (from the previous
+// pass) stretches the part of its duration that moves bytes.
+enum class Dir { D2H, H2D, Net };
+
+struct Flow {
+  int rank, peer;
+  Dir dir;
+  double start, bytes, rate;
 };
 
 struct RankState {
@@ -46,13 +59,19 @@ bool take(std::deque<std::pair<sched::MessageKey, double>>& q, const sched::Mess
   return false;
 }
 
-}  // namespace
+// Stretch factor per (rank, op index) of transfers, from the previous pass.
+using Scales = std::map<std::pair<int, size_t>, double>;
 
-SimResult simulate(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules,
-                   const SimOptions& options) {
-  SPPO_CHECK(int(s.ops.size()) == s.ranks, "sim") << "schedule has " << s.ops.size()
-                                                  << " op lists for " << s.ranks << " ranks";
+struct Pass {
+  SimResult res;
+  double copy_s = 0;  // seconds of every host copy together
+  std::vector<std::pair<std::pair<int, size_t>, Flow>> flows;
+};
+
+Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules,
+                   const SimOptions& options, const Scales& scales, bool want_flows) {
   const int R = s.ranks;
+  const HardwareProfile& hw = cost.hw();
   std::vector<RankState> st;
   st.reserve(R);
   for (int r = 0; r < R; ++r) st.emplace_back(rules, s, r);
@@ -60,18 +79,35 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
   std::map<std::pair<std::vector<int>, int>, std::vector<double>> arrived;
   std::map<std::pair<std::vector<int>, int>, double> reduced;  // all-reduce end times
   std::vector<std::map<std::vector<int>, int>> passed(R);
-  SimResult res;
+  Pass pass;
+  SimResult& res = pass.res;
   i64 seq = 0;
   std::vector<i64> offsets(s.lengths.size() + 1, 0);
   for (size_t i = 0; i < s.lengths.size(); ++i) offsets[i + 1] = offsets[i] + s.lengths[i];
+  const bool nic_shared = hw.gpus_per_nic > 1 && hw.nic_bw > 0;
+  res.forward_end.assign(R, std::vector<double>(s.lengths.size(), -1.0));
+  res.backward_start.assign(R, std::vector<double>(s.lengths.size(), -1.0));
 
+  auto scale_of = [&](int r, size_t pc) {
+    auto it = scales.find({r, pc});
+    return it == scales.end() ? 1.0 : it->second;
+  };
   auto record = [&](int r, Lane lane, const Op& op, double start, double end) {
     if (options.record && end > start) res.events.push_back({r, lane, op.kind, to_string(op), start, end - start});
   };
   auto mem_at = [&](RankState& rs, const Op& op, double start, double end) {
     rs.ev.clear();
     rs.mem.events(op, &rs.ev);
-    for (const auto& e : rs.ev) rs.points.push_back({start + e.at * (end - start), seq++, e.delta});
+    for (const auto& e : rs.ev) rs.points.push_back({start + e.at * (end - start), seq++, e.delta, int(e.term)});
+  };
+  // A message's seconds on the network, stretched where it crosses a shared NIC.
+  auto send_s = [&](int r, size_t pc, const Op& op, double start) {
+    const i64 bytes = cost.message_bytes(op, s);
+    const double alone = cost.message_s(bytes, r, op.peer);
+    if (!nic_shared || cost.same_node(r, op.peer) || bytes == 0) return alone;
+    const double lat = hw.inter_node_latency, move = alone - lat;
+    if (want_flows) pass.flows.push_back({{r, pc}, {r, op.peer, Dir::Net, start + lat, double(bytes), bytes / move}});
+    return lat + move * scale_of(r, pc);
   };
 
   bool progress = true;
@@ -98,30 +134,43 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
             rs.ring_steps = 0;
             rs.busy += dur;
             rs.t_compute = end;
+            if (op.kind == OpKind::Forward) res.forward_end[r][op.subseq] = end;
+            else if (res.backward_start[r][op.subseq] < 0) res.backward_start[r][op.subseq] = start;
             record(r, Lane::Compute, op, start, end);
             mem_at(rs, op, start, end);
             break;
           }
           case OpKind::Offload: {
-            rs.ev.clear();
             const i64 bytes = rs.mem.offload_bytes(op);
             const double start = std::max(rs.t_out, rs.t_compute);
-            const double end = start + cost.d2h_s(bytes, rs.t_in > start);
+            const double alone = cost.d2h_s(bytes, rs.t_in > start);
+            const double end = start + alone * scale_of(r, rs.pc);
+            if (want_flows && bytes > 0) pass.flows.push_back({{r, rs.pc}, {r, r, Dir::D2H, start, double(bytes), bytes / alone}});
             rs.t_out = end;
             rs.off_end[op.subseq] = end;
             record(r, Lane::CopyOut, op, start, end);
             mem_at(rs, op, start, end);
+            if (bytes > 0) {
+              rs.points.push_back({end, seq++, bytes, -1});
+              pass.copy_s += end - start;
+            }
             res.peak_host_bytes = std::max(res.peak_host_bytes, rs.mem.host_bytes());
             break;
           }
           case OpKind::Prefetch: {
             const i64 bytes = rs.mem.prefetch_bytes(op);
             const double start = std::max(rs.t_in, rs.t_compute);
-            const double end = start + cost.h2d_s(bytes, rs.t_out > start);
+            const double alone = cost.h2d_s(bytes, rs.t_out > start);
+            const double end = start + alone * scale_of(r, rs.pc);
+            if (want_flows && bytes > 0) pass.flows.push_back({{r, rs.pc}, {r, r, Dir::H2D, start, double(bytes), bytes / alone}});
             rs.t_in = end;
             rs.pre_end[op.subseq] = end;
             record(r, Lane::CopyIn, op, start, end);
             mem_at(rs, op, start, end);
+            if (bytes > 0) {
+              rs.points.push_back({start, seq++, -bytes, -1});
+              pass.copy_s += end - start;
+            }
             break;
           }
           case OpKind::WaitOffload:
@@ -136,7 +185,7 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
           }
           case OpKind::Send: {
             const double start = std::max(rs.t_net, rs.t_compute);
-            const double end = start + cost.message_s(cost.message_bytes(op, s), r, op.peer);
+            const double end = start + send_s(r, rs.pc, op, start);
             rs.t_net = end;
             channel[{r, op.peer}].push_back({sched::message_key(op), end});
             record(r, Lane::Network, op, start, end);
@@ -153,7 +202,7 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
           case OpKind::RingStep: {
             if (!rs.posted) {
               const double start = std::max(rs.t_net, rs.t_compute);
-              const double end = start + cost.message_s(cost.message_bytes(op, s), r, op.peer);
+              const double end = start + send_s(r, rs.pc, op, start);
               rs.t_net = end;
               channel[{r, op.peer}].push_back({sched::message_key(op), end});
               record(r, Lane::Network, op, start, end);
@@ -208,6 +257,9 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
   res.step_time_s = step;
   res.peak_bytes.assign(R, 0);
   res.fixed_bytes.assign(R, 0);
+  res.peak_terms.assign(R, {});
+  res.host_at_peak.assign(R, 0);
+  res.peak_time_s.assign(R, 0);
   if (options.record) res.memory.resize(R);
   double bubble_sum = 0;
   int busy_ranks = 0;
@@ -215,16 +267,31 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
     RankState& rs = st[r];
     std::sort(rs.points.begin(), rs.points.end(),
               [](const MemPoint& a, const MemPoint& b) { return std::tie(a.t, a.seq) < std::tie(b.t, b.seq); });
-    i64 cur = rs.mem.fixed_bytes(), peak = cur;
+    i64 cur = rs.mem.fixed_bytes(), peak = cur, host = 0;
+    std::array<i64, sched::kMemTerms> terms = rs.mem.fixed_terms();
     res.fixed_bytes[r] = cur;
+    res.peak_terms[r] = terms;
     if (options.record) res.memory[r].push_back({0.0, cur});
     for (const auto& p : rs.points) {
+      if (p.term < 0) {
+        host += p.delta;
+        continue;
+      }
       cur += p.delta;
-      peak = std::max(peak, cur);
+      terms[std::size_t(p.term)] += p.delta;
+      if (cur > peak) {
+        peak = cur;
+        res.peak_terms[r] = terms;
+        res.host_at_peak[r] = host;
+        res.peak_time_s[r] = p.t;
+      }
       if (options.record) res.memory[r].push_back({p.t, cur});
     }
     res.peak_bytes[r] = peak;
-    res.peak_device_bytes = std::max(res.peak_device_bytes, peak);
+    if (peak > res.peak_device_bytes) {
+      res.peak_device_bytes = peak;
+      res.peak_rank = r;
+    }
     res.exposed_copy_s = std::max(res.exposed_copy_s, rs.exposed);
     res.compute_s = std::max(res.compute_s, rs.busy);
     if (rs.busy > 0) {
@@ -234,7 +301,153 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
   }
   res.bubble_ratio = busy_ranks ? bubble_sum / busy_ranks : 0;
   if (step > 0) res.tokens_per_device_per_s = double(s.seq_len()) * s.replicas / (double(R) * step);
-  return res;
+  return pass;
+}
+
+// Note [Shared host links]: the replay. Links of one node are numbered: the uplink of each
+// PCIe switch in each direction, the host memory of each NUMA node (both directions), and
+// each NIC in each direction. Between consecutive starts and ends of flows, rates are the
+// max-min fair allocation (progressive filling: raise every unfrozen flow's rate together
+// until a link is full or a flow reaches its own rate; freeze those; repeat).
+Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow>>& flows, const HardwareProfile& hw) {
+  const int per_node = std::max(1, hw.devices_per_node);
+  std::map<std::tuple<int, int, int>, int> link_id;  // (kind, index, dir) -> id
+  std::vector<double> capacity;
+  auto link = [&](int kind, int index, int dir, double cap) {
+    auto [it, fresh] = link_id.emplace(std::make_tuple(kind, index, dir), int(capacity.size()));
+    if (fresh) capacity.push_back(cap);
+    return it->second;
+  };
+  struct F {
+    double start = 0, left = 0, rate_cap = 0, end = 0, rate = 0;
+    std::vector<int> links;
+    bool done = false, active = false;
+  };
+  std::vector<F> fs;
+  fs.reserve(flows.size());
+  for (const auto& [key, f] : flows) {
+    F x;
+    x.start = f.start;
+    x.left = f.bytes;
+    x.rate_cap = f.rate;
+    auto local = [&](int rank, int per) { return (rank / per_node) * 4096 + (rank % per_node) / per; };
+    if (f.dir == Dir::Net) {
+      x.links.push_back(link(2, local(f.rank, hw.gpus_per_nic), 0, hw.nic_bw));
+      x.links.push_back(link(2, local(f.peer, hw.gpus_per_nic), 1, hw.nic_bw));
+    } else {
+      const int dir = f.dir == Dir::D2H ? 0 : 1;
+      if (hw.gpus_per_pcie_switch > 1 && hw.pcie_switch_bw > 0)
+        x.links.push_back(link(0, local(f.rank, hw.gpus_per_pcie_switch), dir, hw.pcie_switch_bw));
+      if (hw.gpus_per_numa_node > 1 && hw.numa_host_bw > 0)
+        x.links.push_back(link(1, local(f.rank, hw.gpus_per_numa_node), 0, hw.numa_host_bw));
+    }
+    fs.push_back(std::move(x));
+  }
+  std::vector<size_t> order(fs.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return fs[a].start < fs[b].start; });
+  size_t next = 0;
+  double t = order.empty() ? 0 : fs[order[0]].start;
+  std::vector<size_t> active;
+  std::vector<double> used(capacity.size());
+  std::vector<int> unfrozen_on(capacity.size());
+  while (next < order.size() || !active.empty()) {
+    while (next < order.size() && fs[order[next]].start <= t) {
+      fs[order[next]].active = true;
+      active.push_back(order[next++]);
+    }
+    if (active.empty()) {
+      t = fs[order[next]].start;
+      continue;
+    }
+    // Progressive filling.
+    std::fill(used.begin(), used.end(), 0.0);
+    for (size_t k : active) fs[k].rate = -1;  // unfrozen
+    for (;;) {
+      std::fill(unfrozen_on.begin(), unfrozen_on.end(), 0);
+      bool any = false;
+      for (size_t k : active)
+        if (fs[k].rate < 0) {
+          any = true;
+          for (int l : fs[k].links) ++unfrozen_on[std::size_t(l)];
+        }
+      if (!any) break;
+      double level = 1e300;
+      for (size_t l = 0; l < capacity.size(); ++l)
+        if (unfrozen_on[l] > 0) level = std::min(level, (capacity[l] - used[l]) / unfrozen_on[l]);
+      for (size_t k : active)
+        if (fs[k].rate < 0) level = std::min(level, fs[k].rate_cap);
+      level = std::max(level, 0.0);
+      // Freeze the flows at their own cap and those on links that are now full.
+      std::vector<bool> full(capacity.size(), false);
+      for (size_t l = 0; l < capacity.size(); ++l)
+        if (unfrozen_on[l] > 0 && capacity[l] - used[l] - level * unfrozen_on[l] <= 1e-9 * capacity[l]) full[l] = true;
+      for (size_t k : active) {
+        if (fs[k].rate >= 0) continue;
+        bool freeze = fs[k].rate_cap <= level * (1 + 1e-12);
+        for (int l : fs[k].links) freeze |= full[std::size_t(l)];
+        if (freeze) {
+          fs[k].rate = level;
+          for (int l : fs[k].links) used[std::size_t(l)] += level;
+        }
+      }
+    }
+    // Advance to the next start or the next completion.
+    double dt = next < order.size() ? fs[order[next]].start - t : 1e300;
+    for (size_t k : active)
+      if (fs[k].rate > 0) dt = std::min(dt, fs[k].left / fs[k].rate);
+    SPPO_ASSERT(dt < 1e299);
+    t += dt;
+    std::vector<size_t> still;
+    for (size_t k : active) {
+      fs[k].left -= fs[k].rate * dt;
+      if (fs[k].left <= 1e-6 * (1 + fs[k].rate_cap * 1e-9)) {
+        fs[k].done = true;
+        fs[k].end = t;
+      } else {
+        still.push_back(k);
+      }
+    }
+    active = std::move(still);
+  }
+  Scales out;
+  for (size_t k = 0; k < fs.size(); ++k) {
+    const Flow& f = flows[k].second;
+    const double alone = f.bytes / f.rate;
+    out[flows[k].first] = alone > 0 ? std::max(1.0, (fs[k].end - f.start) / alone) : 1.0;
+  }
+  return out;
+}
+
+}  // namespace
+
+SimResult simulate(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules,
+                   const SimOptions& options) {
+  SPPO_CHECK(int(s.ops.size()) == s.ranks, "sim") << "schedule has " << s.ops.size()
+                                                  << " op lists for " << s.ranks << " ranks";
+  const bool shared = cost.hw().shares_links();
+  Scales scales;
+  Pass pass = simulate_once(s, cost, rules, options, scales, shared);
+  const double alone_copy_s = pass.copy_s;
+  int passes = 1;
+  while (shared && !pass.flows.empty() && passes < kContentionPasses) {
+    Scales next = contended_scales(pass.flows, cost.hw());
+    // Later passes average with the previous scales, so that two transfers pushing each
+    // other in and out of overlap settle between the two.
+    if (passes > 1)
+      for (auto& [key, v] : next) {
+        auto it = scales.find(key);
+        if (it != scales.end()) v = (v + it->second) / 2;
+      }
+    const double before = pass.res.step_time_s;
+    scales = std::move(next);
+    pass = simulate_once(s, cost, rules, options, scales, true);
+    ++passes;
+    if (std::fabs(pass.res.step_time_s - before) <= 1e-3 * before) break;
+  }
+  pass.res.passes = passes;
+  pass.res.copy_slowdown = alone_copy_s > 0 && passes > 1 ? pass.copy_s / alone_copy_s : 1.0;
+  return std::move(pass.res);
 }
 
 }  // namespace sppo::sim

@@ -12,9 +12,21 @@
 //   RingStep   sends on the network when issued; the following F/B waits for its receive
 //   AllReduce  starts when every member has arrived; holds every member until done
 // Memory events come from schedule/memory.h (the runtime's rules) at their time inside
-// each op; the peak per rank is taken over the time-ordered events.
+// each op; the peak per rank is taken over the time-ordered events, and the bytes of every
+// term (schedule/memory.h MemTerm) at that moment are kept.
+//
+// Note [Shared host links]: a profile may say that several devices share a PCIe switch's
+// uplink, a NUMA node's host memory or a NIC (planner/profile.h). The simulator prices a
+// copy (or a message between nodes) at its own link's rate, records when each transfer
+// ran, then replays the transfers of each node as fluid flows: at every moment each link's
+// capacity is shared max-min fairly among the transfers crossing it, no transfer faster
+// than its own link. Each transfer's duration is stretched by what that replay gives it,
+// and the schedule is simulated again with the stretched durations, until the step time
+// moves by less than 0.1% (at most kContentionPasses simulations). Without shared links,
+// or without transfers that cross one, one simulation is all.
 #pragma once
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -42,6 +54,8 @@ struct SimOptions {
   bool record = false;  // keep trace events and the memory timeline (for trace/SVG output)
 };
 
+inline constexpr int kContentionPasses = 6;
+
 struct SimResult {
   double step_time_s = 0;
   double tokens_per_device_per_s = 0;
@@ -52,6 +66,19 @@ struct SimResult {
   i64 peak_device_bytes = 0;     // max over ranks
   i64 peak_host_bytes = 0;       // max over ranks of offloaded bytes held on the host
   std::vector<i64> fixed_bytes;  // per rank: weights, gradients, optimizer state
+  // Per rank, at the moment of its peak: device bytes by term (they sum to peak_bytes),
+  // offloaded bytes on the host, and the time.
+  std::vector<std::array<i64, sched::kMemTerms>> peak_terms;
+  std::vector<i64> host_at_peak;
+  std::vector<double> peak_time_s;
+  int peak_rank = 0;             // the rank whose peak is peak_device_bytes
+  // Per rank and subsequence: when its last forward op there ends and its first backward
+  // op there starts (-1: none on that rank). An offload of i completes by the end of
+  // F(i+1) and its prefetch starts with B(i+1), so these say which units can be off the
+  // device at a given moment.
+  std::vector<std::vector<double>> forward_end, backward_start;
+  int passes = 1;                // simulations run (more than one: shared links)
+  double copy_slowdown = 1;      // host copies' total time, shared links over alone
   std::vector<TraceEvent> events;                            // with record
   std::vector<std::vector<std::pair<double, i64>>> memory;   // with record: per rank (t, bytes)
   std::vector<std::string> names;  // per rank, as traces label it (empty: "device r")

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <sstream>
 
 #include "core/check.h"
@@ -16,16 +17,28 @@ using sched::Schedule;
 OffloadMode parse_offload(const std::string& text) {
   if (text == "none") return OffloadMode::None;
   if (text == "full") return OffloadMode::Full;
+  if (text == "paper") return OffloadMode::Paper;
   if (text == "adaptive") return OffloadMode::Adaptive;
-  SPPO_CHECK(false, "planner") << "--offload must be none, full or adaptive (got '" << text << "')";
+  SPPO_CHECK(false, "planner") << "--offload must be none, full, paper or adaptive (got '" << text << "')";
   return OffloadMode::Adaptive;
 }
 
-MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero) {
+const char* to_string(OffloadMode m) {
+  switch (m) {
+    case OffloadMode::None: return "none";
+    case OffloadMode::Full: return "full";
+    case OffloadMode::Paper: return "paper";
+    case OffloadMode::Adaptive: return "adaptive";
+  }
+  return "";
+}
+
+MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero, int zero_shards) {
   MemoryRules m;
   m.model = c;
   m.precision = precision;
   m.zero = zero;
+  m.zero_shards = zero ? zero_shards : 0;
   m.weight_copy_bytes = precision == ActPrecision::BF16 ? 2 : 0;
   return m;
 }
@@ -50,21 +63,75 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   return sched::build_pipeline(spec);
 }
 
-std::vector<double> paper_alpha(const std::vector<i64>& lengths, int layers, bool head, int sp,
-                                const CostModel& cost, const MemoryRules& rules) {
-  const int N = int(lengths.size());
+std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost, const MemoryRules& rules) {
+  const int N = int(s.lengths.size());
+  std::vector<UnitProfile> out;
+  for (int r = 0; r < s.ranks; ++r) {
+    UnitProfile u;
+    u.rank = r;
+    u.unit_bytes.assign(N, 0);
+    u.fwd_s.assign(N, 0);
+    u.bwd_s.assign(N, 0);
+    // RankMemory sizes each subsequence's unit from the rank's forward ops.
+    sched::RankMemory mem(rules, s, r);
+    for (int i = 0; i < N; ++i) {
+      u.tensors.push_back(mem.unit_tensors(i));
+      u.unit_bytes[i] = select_offload(u.tensors.back(), 1.0, nullptr);
+    }
+    for (const sched::Op& op : s.ops[r]) {
+      if (op.kind == sched::OpKind::Forward) u.fwd_s[op.subseq] += cost.forward_s(op, s);
+      if (op.kind == sched::OpKind::Backward) u.bwd_s[op.subseq] += cost.backward_s(op, s);
+    }
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
+namespace {
+
+// The rank that offloads the most bytes (the first stage: it holds the most layers).
+const UnitProfile& reference_rank(const std::vector<UnitProfile>& units) {
+  SPPO_ASSERT(!units.empty());
+  size_t best = 0;
+  i64 most = -1;
+  for (size_t r = 0; r < units.size(); ++r) {
+    i64 sum = 0;
+    for (i64 b : units[r].unit_bytes) sum += b;
+    if (sum > most) most = sum, best = r;
+  }
+  return units[best];
+}
+
+// A device's share of host-link bandwidth when every device behind a shared link copies
+// at once: what the fill order prices copies at (the simulator then shares the links as
+// they are really used).
+double shared_rate(const HardwareProfile& hw, double own) {
+  double r = own;
+  if (hw.gpus_per_pcie_switch > 1 && hw.pcie_switch_bw > 0) r = std::min(r, hw.pcie_switch_bw / hw.gpus_per_pcie_switch);
+  if (hw.gpus_per_numa_node > 1 && hw.numa_host_bw > 0) r = std::min(r, hw.numa_host_bw / hw.gpus_per_numa_node);
+  return r;
+}
+
+}  // namespace
+
+// Note [The paper's alpha]: SPPO (§5.2) sizes the offload of subsequence i to take as long
+// as the compute it hides behind, the next subsequence's forward; under a FLOPs-balanced
+// partition that compute is the same for every subsequence, T_bal, so alpha_i A_i =
+// BW_d2h T_bal is the same number of bytes for every i. Here T_bal is the reference rank's
+// total forward time over N (exactly each subsequence's under a balanced partition).
+// alpha is clipped to [0, 1] and made non-increasing (alpha_i <= alpha_{i-1}: an earlier
+// unit stays off the device for longer, so it is never offloaded less than a later one),
+// and alpha_{N-1} = 0: the last subsequence's backward comes first.
+std::vector<double> paper_alpha(const std::vector<UnitProfile>& units, const CostModel& cost) {
+  const UnitProfile& u = reference_rank(units);
+  const int N = int(u.unit_bytes.size());
   std::vector<double> a(N, 0.0);
-  const ModelConfig& c = rules.model;
-  const i64 unit_pt = offloadable_bytes_per_token(c, rules.precision);
-  const i64 head_pt = total_bytes(head_saved_specs(c, 1, rules.precision));
-  i64 o = 0;
+  double total = 0;
+  for (double t : u.fwd_s) total += t;
+  const double bytes = cost.hw().d2h_bw * total / std::max(1, N);
   for (int i = 0; i + 1 < N; ++i) {
-    o += lengths[i];
-    const i64 t = (lengths[i] + sp - 1) / sp, t1 = (lengths[i + 1] + sp - 1) / sp;
-    const double A = double(t) * (double(layers) * unit_pt + (head ? head_pt : 0));
-    double fwd = layers * cost.layer_forward_s(o, lengths[i + 1], 0, t1, sp);
-    if (head) fwd += cost.head_flops(t1) / cost.gemm_rate();
-    a[i] = A > 0 ? std::min(1.0, cost.hw().d2h_bw * fwd / A) : 0.0;
+    a[i] = u.unit_bytes[i] > 0 ? std::clamp(bytes / double(u.unit_bytes[i]), 0.0, 1.0) : 0.0;
+    if (i > 0) a[i] = std::min(a[i], a[i - 1]);
   }
   return a;
 }
@@ -73,20 +140,166 @@ namespace {
 
 std::string bytes_text(i64 b) { return format_bytes(double(b)); }
 
+// Note [Filling alpha]: the cost in step time of offloading x_i bytes of subsequence i is,
+// on one rank, about max(0, x_i / BW_d2h - F_{i+1}) + max(0, x_i / BW_h2d - B_{i+1}): its
+// copy out hides behind the next forward, its copy back behind the next backward. So each
+// alpha_i has up to three segments of rising cost per byte: free up to the smaller of the
+// two breakpoints, then exposed one way, then both. The memory it buys: while F(j) or B(j)
+// runs, the units on the host are those of subsequences 0..j-2 (j-1's copy is in flight,
+// or it is being prefetched), so every memory constraint, wherever the peak falls, is a
+// sum of alpha_i A_i over a prefix of the subsequences. For costs separable like this and
+// prefix constraints, filling segments in order of cost, and within a cost earlier
+// subsequences first, is optimal (an exchange argument: moving a byte of the same cost to
+// an earlier subsequence covers every prefix the later one did, and more); the least
+// fill that fits is then the optimum, up to the bisection's resolution (1/128 of a
+// segment) and the granularity of whole tensors. Breakpoints use every rank's forward
+// and backward times (the tightest) at its share of shared host links. Where the model is
+// rough (MSP pieces, pipeline bubbles that hide exposed copies, contention as it really
+// happens), the simulator judges every candidate, and the result is compared with the
+// paper's rule and full offload.
+struct Segment {
+  int i;
+  double from, to;
+};
+
+std::vector<Segment> fill_order(const std::vector<UnitProfile>& units, const HardwareProfile& hw, int N) {
+  const double out = shared_rate(hw, hw.d2h_bw), in = shared_rate(hw, hw.h2d_bw);
+  std::vector<double> b1(N, 0.0), b2(N, 0.0);
+  for (int i = 0; i + 1 < N; ++i) {
+    double xf = 1, xb = 1;
+    for (const UnitProfile& u : units) {
+      if (u.unit_bytes[i] <= 0) continue;
+      xf = std::min(xf, out * u.fwd_s[i + 1] / double(u.unit_bytes[i]));
+      xb = std::min(xb, in * u.bwd_s[i + 1] / double(u.unit_bytes[i]));
+    }
+    b1[i] = std::min(xf, xb);
+    b2[i] = std::max(xf, xb);
+  }
+  std::vector<Segment> seg;
+  for (int i = 0; i + 1 < N; ++i)
+    if (b1[i] > 0) seg.push_back({i, 0, b1[i]});
+  for (int i = 0; i + 1 < N; ++i)
+    if (b2[i] > b1[i]) seg.push_back({i, b1[i], b2[i]});
+  for (int i = 0; i + 1 < N; ++i)
+    if (b2[i] < 1) seg.push_back({i, b2[i], 1});
+  return seg;
+}
+
+// Note [Filling alpha], directed: from alpha = 0, simulate; at the peak of the fullest
+// rank, the units that can be off the device then are those of the subsequences i whose
+// next forward has ended there and whose next backward has not begun (their offload is
+// complete, their prefetch not started); the peak's excess is taken from those, the
+// cheapest segments first, and the step simulated again, until it fits. This follows the
+// constraints that actually bind, where the plain fill order also spends bytes on
+// subsequences that do not lower the peak.
+struct Directed {
+  bool fits = false;
+  std::vector<double> alpha;
+};
+
+Directed directed_fill(const std::function<Schedule(const std::vector<double>&)>& build,
+                       const std::vector<Segment>& seg, const std::vector<UnitProfile>& units, int N,
+                       const CostModel& cost, const MemoryRules& rules, i64 budget) {
+  Directed d;
+  d.alpha.assign(N, 0.0);
+  for (int it = 0; it < 3 * N + 10; ++it) {
+    const SimResult r = simulate(build(d.alpha), cost, rules);
+    if (r.peak_device_bytes <= budget) {
+      d.fits = true;
+      return d;
+    }
+    const int rank = r.peak_rank;
+    const double t = r.peak_time_s[std::size_t(rank)];
+    const auto& fe = r.forward_end[std::size_t(rank)];
+    const auto& bs = r.backward_start[std::size_t(rank)];
+    const auto& unit = units[std::size_t(rank)].unit_bytes;
+    std::vector<bool> useful(N, false);
+    for (int i = 0; i + 1 < N; ++i)
+      useful[i] = unit[i] > 0 && d.alpha[i] < 1 && fe[i + 1] >= 0 && fe[i + 1] <= t && (bs[i + 1] < 0 || t < bs[i + 1]);
+    // The excess, in whole tensors: alpha_i moves to the tensor boundary that covers it.
+    i64 left = r.peak_device_bytes - budget;
+    bool added = false;
+    for (const Segment& sg : seg) {
+      if (left <= 0) break;
+      if (!useful[sg.i] || d.alpha[sg.i] >= sg.to) continue;
+      const auto& sizes = units[std::size_t(rank)].tensors[std::size_t(sg.i)];
+      const i64 A = unit[sg.i];
+      const i64 now = select_offload(sizes, d.alpha[sg.i], nullptr);
+      const i64 target = std::min<i64>(i64(sg.to * double(A)), std::max<i64>(now, i64(sg.from * double(A))) + left);
+      i64 cum = 0;
+      for (i64 b : sizes) {
+        if (cum >= target) break;
+        cum += b;
+      }
+      if (cum <= now) continue;
+      d.alpha[sg.i] = std::min(1.0, double(cum) / double(A));
+      left -= cum - now;
+      added = true;
+    }
+    if (!added) return d;
+  }
+  return d;
+}
+
+// Takes back, from the subsequences whose alpha is past its free breakpoint (the later
+// first), the whole tensors the fill added that the budget does not need: the least
+// boundary that still fits, by bisection over the tensors of the peak rank's unit.
+void trim(std::vector<double>* alpha, const std::function<Schedule(const std::vector<double>&)>& build,
+          const std::vector<Segment>& seg, const std::vector<UnitProfile>& units, const CostModel& cost,
+          const MemoryRules& rules, i64 budget) {
+  const int N = int(alpha->size());
+  std::vector<double> free_to(N, 0.0);
+  for (const Segment& sg : seg)
+    if (sg.from == 0) free_to[sg.i] = sg.to;
+  const UnitProfile& u = reference_rank(units);
+  for (int i = N - 2; i >= 0; --i) {
+    if ((*alpha)[i] <= free_to[i] || u.unit_bytes[i] <= 0) continue;
+    const auto& sizes = u.tensors[std::size_t(i)];
+    const double A = double(u.unit_bytes[i]);
+    std::vector<double> bound;  // alpha at each tensor boundary above the free part
+    i64 cum = 0;
+    for (i64 b : sizes) {
+      cum += b;
+      const double a = double(cum) / A;
+      if (a > free_to[i] && a < (*alpha)[i]) bound.push_back(a);
+    }
+    // bound ascending; the largest index that fails sits below the answer.
+    int lo = -1, hi = int(bound.size());  // hi: the current alpha (fits)
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      std::vector<double> a = *alpha;
+      a[i] = bound[std::size_t(mid)];
+      if (simulate(build(a), cost, rules).peak_device_bytes <= budget) hi = mid;
+      else lo = mid;
+    }
+    if (hi < int(bound.size())) (*alpha)[i] = bound[std::size_t(hi)];
+  }
+}
+
+// alpha with segments [0, k) applied and segment k to fraction f.
+std::vector<double> filled(const std::vector<Segment>& seg, int N, size_t k, double f) {
+  std::vector<double> a(N, 0.0);
+  for (size_t j = 0; j < seg.size() && j <= k; ++j) {
+    const Segment& s = seg[j];
+    a[s.i] = j < k ? s.to : s.from + f * (s.to - s.from);
+  }
+  return a;
+}
+
 }  // namespace
 
-AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build,
-                        const std::vector<double>& paper, const CostModel& cost, const MemoryRules& rules,
-                        i64 budget, OffloadMode mode) {
-  const int N = int(paper.size());
+AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build, int N,
+                        const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode) {
+  SPPO_CHECK(N >= 1, "planner") << "no subsequences";
   const i64 host_limit = cost.hw().host_memory;
-  auto eval = [&](const std::vector<double>& alpha, const char* rule) {
-    const SimResult r = simulate(build(alpha), cost, rules);
+  auto eval_schedule = [&](const Schedule& s, const std::vector<double>& alpha, const char* rule) {
+    const SimResult r = simulate(s, cost, rules);
     AlphaResult a;
     a.alpha = alpha;
     a.peak_device_bytes = r.peak_device_bytes;
     a.step_time_s = r.step_time_s;
     a.exposed_copy_s = r.exposed_copy_s;
+    a.host_bytes = r.peak_host_bytes;
     a.rule = rule;
     a.fits = r.peak_device_bytes <= budget && (host_limit == 0 || r.peak_host_bytes <= host_limit);
     if (r.peak_device_bytes > budget)
@@ -97,48 +310,88 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
                  bytes_text(host_limit) + " per device";
     return a;
   };
+  auto eval = [&](const std::vector<double>& alpha, const char* rule) {
+    return eval_schedule(build(alpha), alpha, rule);
+  };
   std::vector<double> zeros(N, 0.0), full(N, 1.0);
   full.back() = 0;
   if (mode == OffloadMode::None) return eval(zeros, "none");
   if (mode == OffloadMode::Full) return eval(full, "full");
+  const Schedule s0 = build(zeros);
+  const std::vector<UnitProfile> units = unit_profiles(s0, cost, rules);
+  const std::vector<double> paper = paper_alpha(units, cost);
+  if (mode == OffloadMode::Paper) return eval(paper, "paper");
 
-  // No copies is never slower than the paper's rule (copies only add), so a fitting
-  // alpha = 0 is the optimum.
-  AlphaResult none = eval(zeros, "none");
+  // No copies is never slower (copies only add), so a fitting alpha = 0 is the optimum.
+  AlphaResult none = eval_schedule(s0, zeros, "none");
   if (none.fits) return none;
-  const AlphaResult by_paper = eval(paper, "paper");
-
-  auto mix = [&](double lam, bool beyond) {
-    std::vector<double> a(N);
-    for (int i = 0; i < N; ++i) a[i] = beyond ? paper[i] + lam * (1 - paper[i]) : lam * paper[i];
-    a.back() = 0;
-    return a;
-  };
-  const bool beyond = !by_paper.fits;
-  AlphaResult best;
-  if (beyond) {
-    best = eval(full, "full");
-    if (!best.fits) {
+  AlphaResult best = eval(full, "full");
+  if (!best.fits) {
+    if (best.peak_device_bytes > budget)
       best.reason += " even with alpha = 1 for every subsequence but the last (the KV cache and the "
                      "dK/dV accumulators stay on the device); use more subsequences or devices, or a "
                      "larger budget";
-      return best;
-    }
-  } else {
-    best = by_paper;
+    return best;
   }
-  double lo = 0, hi = 1;  // hi fits, lo does not
-  for (int it = 0; it < 6 && hi - lo > 1.0 / 64; ++it) {
-    const double mid = (lo + hi) / 2;
-    AlphaResult a = eval(mix(mid, beyond), beyond ? "beyond paper" : "scaled paper");
-    if (a.fits) {
-      hi = mid;
-      if (a.step_time_s <= best.step_time_s * (1 + 1e-9) || beyond) best = a;
-    } else {
-      lo = mid;
+  auto better = [](const AlphaResult& a, const AlphaResult& b) {
+    if (!a.fits) return false;
+    if (!b.fits) return true;
+    if (a.step_time_s < b.step_time_s * (1 - 1e-9)) return true;
+    return a.step_time_s <= b.step_time_s * (1 + 1e-9) && a.host_bytes < b.host_bytes;
+  };
+  const AlphaResult by_paper = eval(paper, "paper");
+  if (better(by_paper, best)) best = by_paper;
+
+  // Note [Filling alpha]: the fill directed by the binding peaks, and the least plain fill
+  // that fits.
+  const std::vector<Segment> seg = fill_order(units, cost.hw(), N);
+  {
+    Directed d = directed_fill(build, seg, units, N, cost, rules, budget);
+    if (d.fits) {
+      trim(&d.alpha, build, seg, units, cost, rules, budget);
+      AlphaResult a = eval(d.alpha, "directed");
+      if (better(a, best)) best = a;
     }
   }
-  if (!beyond && by_paper.step_time_s < best.step_time_s) best = by_paper;
+  if (!seg.empty()) {
+    auto rule_of = [&](size_t k) {
+      const Segment& s = seg[k];
+      return s.from == 0 ? "hidden" : "exposed";
+    };
+    // Smallest k whose segment, fully applied, fits (it does at the end: alpha = full).
+    size_t lo = 0, hi = seg.size() - 1;
+    AlphaResult at_hi;
+    bool have_hi = false;
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      AlphaResult a = eval(filled(seg, N, mid, 1.0), rule_of(mid));
+      if (a.fits) {
+        hi = mid;
+        at_hi = std::move(a);
+        have_hi = true;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    if (!have_hi) {
+      at_hi = eval(filled(seg, N, hi, 1.0), rule_of(hi));
+    }
+    if (at_hi.fits) {
+      // The least part of segment hi that fits.
+      double flo = 0, fhi = 1;
+      for (int it = 0; it < 7; ++it) {
+        const double mid = (flo + fhi) / 2;
+        AlphaResult a = eval(filled(seg, N, hi, mid), rule_of(hi));
+        if (a.fits) {
+          fhi = mid;
+          at_hi = std::move(a);
+        } else {
+          flo = mid;
+        }
+      }
+      if (better(at_hi, best)) best = at_hi;
+    }
+  }
   return best;
 }
 
@@ -148,13 +401,7 @@ AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& len
   const MemoryRules rules = memory_rules(c, precision, shape);
   const CostModel cost(hw, c, precision);
   auto build = [&](const std::vector<double>& a) { return build_step(c, lengths, a, shape); };
-  sched::PipelineSpec spec;
-  spec.layers = c.layers;
-  spec.pp = shape.pp;
-  spec.stage_layers = shape.stage_layers;
-  const auto first = sched::stage_ranges(spec).front();
-  return solve_alpha(build, paper_alpha(lengths, first.second - first.first, shape.pp == 1, 1, cost, rules), cost,
-                     rules, budget, mode);
+  return solve_alpha(build, int(lengths.size()), cost, rules, budget, mode);
 }
 
 FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile& hw, ActPrecision precision,
@@ -231,7 +478,20 @@ sched::PipelineSpec spec_of(const plan::Plan& p) {
   s.dp = p.dp;
   s.msp = p.msp;
   s.stage_layers = p.stage_layers;
+  s.ring_layout = sched::parse_ring_layout(p.ring_layout);
   return s;
+}
+
+// The memory rules a plan runs under; `search`: one replica simulated for a layout of
+// p.dp, so ZeRO-1 shards are counted for the whole all-reduce group (sp x dp).
+MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, bool search) {
+  return memory_rules(p.model, prec, p.zero == 1, search ? p.sp * p.dp : 0);
+}
+
+HardwareProfile plan_hardware(const HardwareProfile& hw_in, int gpus_per_node) {
+  HardwareProfile hw = hw_in;
+  hw.devices_per_node = gpus_per_node;
+  return hw;
 }
 
 struct Candidate {
@@ -240,23 +500,24 @@ struct Candidate {
 };
 
 // Evaluates one (sp, pp, dp, N, msp) layout: the best alpha under the budget.
-Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, const MemoryRules& rules,
-                   i64 budget) {
+Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, i64 budget) {
   sched::PipelineSpec spec = spec_of(p);
   spec.dp = 1;  // replicas are identical: the search simulates one, the final check all
-  const auto ranges = sched::stage_ranges(spec);
-  int most = 0;
-  for (auto [b, e] : ranges) most = std::max(most, e - b);
-  const auto paper = paper_alpha(p.lengths, most, p.pp == 1, p.sp, cost, rules);
+  const MemoryRules rules = plan_rules(p, cost.precision(), true);
   auto build = [&](const std::vector<double>& a) {
     sched::PipelineSpec s = spec;
     s.alpha = a;
     return sched::build_pipeline(s);
   };
-  Candidate c{p, solve_alpha(build, paper, cost, rules, budget, req.offload)};
+  Candidate c{p, solve_alpha(build, p.subseqs, cost, rules, budget, req.offload)};
   c.plan.alpha = c.alpha.alpha;
   c.plan.alpha_rule = c.alpha.rule;
   return c;
+}
+
+void predict(plan::Plan* p, const HardwareProfile& hw) {
+  const SimResult r = simulate_plan(*p, hw);
+  p->predicted = {r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes, r.exposed_copy_s};
 }
 
 std::vector<int> divisors(int n) {
@@ -266,10 +527,33 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
+bool msp_possible(const plan::Plan& p) {
+  if (p.pp == 1 || p.subseqs < p.pp) return false;
+  for (i64 l : p.lengths)
+    if (l < i64(p.sp) * p.pp) return false;
+  return true;
+}
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g s", s);
+  return buf;
+}
+
+// Forward (backward) seconds of one layer on the busiest piece of a subsequence [o, o+l)
+// split over `sp` ring ranks laid out by `layout`.
+double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingLayout layout) {
+  double most = 0;
+  for (int r = 0; r < sp; ++r) {
+    const sched::Spans sp_r = sched::piece_spans(l, r, sp, sp > 1 ? layout : sched::RingLayout::Contiguous);
+    most = std::max(most, cost.layer_forward_s(o, sp_r) + cost.layer_backward_s(o, sp_r));
+  }
+  return most;
+}
+
 PlanOutcome solve_sppo(const PlanRequest& req) {
   const ModelConfig& c = req.model;
-  HardwareProfile hw = req.hw;
-  hw.devices_per_node = req.gpus_per_node;
+  const HardwareProfile hw = plan_hardware(req.hw, req.gpus_per_node);
   const ActPrecision prec = precision_of(hw);
   const MemoryRules rules = memory_rules(c, prec);
   const CostModel cost(hw, c, prec);
@@ -278,10 +562,13 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   const int G = req.gpus, gpn = req.gpus_per_node;
   PlanOutcome out;
 
-  // Weights alone: even split over the most stages possible.
+  // Weights alone: even split over the most stages possible, optimizer state sharded over
+  // the rest of the devices when ZeRO-1 may be used.
   const int max_pp = std::min(G, c.layers);
-  const i64 least_weights = sched::param_count(c, 0, (c.layers + max_pp - 1) / max_pp, true, max_pp == 1) *
-                            rules.param_state_bytes;
+  const int most_shards = req.zero == 0 ? 1 : G / max_pp;
+  const i64 least_params = sched::param_count(c, 0, (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
+  const i64 least_weights = least_params * (rules.param_state_bytes - rules.optimizer_bytes) +
+                            least_params * rules.optimizer_bytes / most_shards;
   if (least_weights > budget) {
     out.error = "weights, gradients and optimizer state alone need " + format_bytes(double(least_weights)) +
                 " per device even over " + std::to_string(max_pp) + " pipeline stages, more than the budget of " +
@@ -295,9 +582,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     double layer = 0, head = 0;
     i64 o = 0;
     for (i64 l : lengths) {
-      const i64 t = l / sp;
-      layer += cost.layer_forward_s(o, l, 0, t, sp) + cost.layer_backward_s(o, l, 0, t, sp);
-      head += cost.head_flops(t) / hw.gemm_flops;
+      layer += busiest_piece_s(cost, o, l, sp, req.ring_layout);
+      head += cost.head_flops((l + sp - 1) / sp) / hw.gemm_flops;
       o += l;
     }
     return layer > 0 ? head / layer : 0.0;
@@ -329,11 +615,17 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         p.subseqs = N;
         p.lengths = plan::partition_flops(c, S, N);
         if (p.lengths.back() < sp) continue;
-        p.msp = req.msp == 1 && pp > 1 && N >= pp;
+        p.msp = req.msp == 1 && msp_possible(p);
         if (req.msp == 1 && !p.msp) continue;
-        p.offload = req.offload == OffloadMode::None ? "none" : req.offload == OffloadMode::Full ? "full" : "adaptive";
+        p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
+        p.ring_layout = sched::to_string(req.ring_layout);
+        p.offload = to_string(req.offload);
         p.budget = budget;
         p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(p.lengths, sp));
+        if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
+              return q.sp == p.sp && q.pp == p.pp && q.dp == p.dp && q.subseqs == p.subseqs;
+            }) != layouts.end())
+          continue;
         layouts.push_back(p);
       }
     }
@@ -342,18 +634,20 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   //  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
   //    subsequence and the dK/dV accumulators of every layer, whatever alpha is;
   //  - time: a step takes at least its compute (forward + backward of the stage's layers
-  //    on every subsequence) times 1 + (P-1)/N without MSP.
+  //    on every subsequence, on the busiest ring piece) times 1 + (P-1)/N without MSP.
   // Layouts are tried in order of the time bound, so the second prunes most of the rest.
   const i64 kv_acc_pt = skeletal_bytes_per_token(c, prec) + 2 * i64(c.hidden) * rules.accum_bytes;
   auto bounds = [&](const plan::Plan& p) {
     const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
-    const i64 weights = sched::param_count(c, 0, n_s, true, p.pp == 1) * rules.param_state_bytes;
+    const i64 params = sched::param_count(c, 0, n_s, true, p.pp == 1);
+    const int shards = p.zero == 1 ? p.sp * p.dp : 1;
+    const i64 weights = params * (rules.param_state_bytes - rules.optimizer_bytes) +
+                        params * rules.optimizer_bytes / shards;
     const i64 mem = weights + i64(n_s) * kv_acc_pt * ((S - p.lengths.back()) / p.sp);
     double compute = 0;
     i64 o = 0;
     for (i64 l : p.lengths) {
-      const i64 t = l / p.sp;
-      compute += n_s * (cost.layer_forward_s(o, l, 0, t, p.sp) + cost.layer_backward_s(o, l, 0, t, p.sp));
+      compute += n_s * busiest_piece_s(cost, o, l, p.sp, req.ring_layout);
       o += l;
     }
     const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
@@ -363,29 +657,25 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
             [&](const plan::Plan& a, const plan::Plan& b) { return bounds(a).second > bounds(b).second; });
   double best_tput = 0;
   for (const plan::Plan& p : layouts) {
-    {
-      {
-        const auto [mem_bound, tput_bound] = bounds(p);
-        if (mem_bound > budget) {
-          if (least_peak == 0 || mem_bound < least_peak) {
-            least_peak = mem_bound;
-            last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
-                          format_bytes(double(mem_bound)) + " with " + std::to_string(p.sp) + "-way SP and " +
-                          std::to_string(p.pp) + " stages";
-          }
-          continue;
-        }
-        if (tput_bound <= best_tput) continue;
-        Candidate cand = evaluate(req, p, cost, rules, budget);
-        if (cand.alpha.fits) {
-          best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
-          fits.push_back(std::move(cand));
-        } else if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
-          least_peak = cand.alpha.peak_device_bytes;
-          last_reason = "with " + std::to_string(p.sp) + "-way SP, " + std::to_string(p.pp) + " stages and N = " +
-                        std::to_string(p.subseqs) + ": " + cand.alpha.reason;
-        }
+    const auto [mem_bound, tput_bound] = bounds(p);
+    if (mem_bound > budget) {
+      if (least_peak == 0 || mem_bound < least_peak) {
+        least_peak = mem_bound;
+        last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
+                      format_bytes(double(mem_bound)) + " with " + std::to_string(p.sp) + "-way SP and " +
+                      std::to_string(p.pp) + " stages";
       }
+      continue;
+    }
+    if (tput_bound <= best_tput) continue;
+    Candidate cand = evaluate(req, p, cost, budget);
+    if (cand.alpha.fits) {
+      best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
+      fits.push_back(std::move(cand));
+    } else if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
+      least_peak = cand.alpha.peak_device_bytes;
+      last_reason = "with " + std::to_string(p.sp) + "-way SP, " + std::to_string(p.pp) + " stages and N = " +
+                    std::to_string(p.subseqs) + ": " + cand.alpha.reason;
     }
   }
   if (fits.empty()) {
@@ -395,26 +685,27 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   }
   auto tput = [&](const Candidate& a) { return double(S) * a.plan.dp / (G * a.alpha.step_time_s); };
   std::sort(fits.begin(), fits.end(), [&](const Candidate& a, const Candidate& b) { return tput(a) > tput(b); });
-  // MSP when it pays: try it on the best few pipelined layouts.
-  if (req.msp == -1) {
-    const size_t top = std::min<size_t>(fits.size(), 3);
-    for (size_t k = 0; k < top; ++k) {
-      plan::Plan p = fits[k].plan;
-      if (p.pp == 1 || p.subseqs < p.pp) continue;
-      p.msp = true;
-      bool ok = true;
-      for (i64 l : p.lengths) ok &= l >= i64(p.sp) * p.pp;
-      if (!ok) continue;
-      Candidate cand = evaluate(req, p, cost, rules, budget);
-      if (cand.alpha.fits) fits.push_back(std::move(cand));
+  // MSP when it pays: each of the best few pipelined layouts is simulated with and without
+  // it as a whole plan; the faster that fits stays, and says both figures.
+  std::vector<plan::Plan> finalists;
+  const size_t top = std::min<size_t>(fits.size(), req.msp == -1 ? 3 : 1);
+  for (size_t k = 0; k < top; ++k) {
+    plan::Plan p = fits[k].plan;
+    if (req.msp != 0 && msp_possible(p)) {
+      finalists.push_back(choose_msp(req, p).chosen);
+    } else {
+      predict(&p, hw);
+      if (req.msp == 0) p.notes.push_back("MSP off (--msp off)");
+      finalists.push_back(p);
     }
-    std::sort(fits.begin(), fits.end(), [&](const Candidate& a, const Candidate& b) { return tput(a) > tput(b); });
   }
-  plan::Plan best = fits.front().plan;
-  const SimResult r = simulate_plan(best, hw);
-  best.predicted = {r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes, r.exposed_copy_s};
+  plan::Plan best = *std::max_element(finalists.begin(), finalists.end(), [](const plan::Plan& a, const plan::Plan& b) {
+    return a.predicted.tokens_per_gpu_per_s < b.predicted.tokens_per_gpu_per_s;
+  });
   if (best.sp * best.pp > gpn) best.notes.push_back("pipeline stages span nodes (SP stays inside a node)");
-  if (best.msp) best.notes.push_back("MSP on: it beat the plain sequence pipeline in simulation");
+  if (best.zero == 1)
+    best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
+                         " ranks of each stage's gradient all-reduce");
   out.ok = true;
   out.plan = best;
   return out;
@@ -422,14 +713,57 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
 
 }  // namespace
 
+MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
+  const HardwareProfile hw = plan_hardware(req.hw, req.gpus_per_node);
+  const ActPrecision prec = precision_of(hw);
+  const CostModel cost(hw, layout.model, prec);
+  const i64 budget = layout.budget > 0 ? layout.budget : hw.usable_memory();
+  MspChoice m;
+  plan::Plan off = layout, on = layout;
+  off.msp = false;
+  on.msp = true;
+  Candidate c_off = evaluate(req, off, cost, budget);
+  m.off = c_off.plan;
+  predict(&m.off, hw);
+  m.off_fits = c_off.alpha.fits && m.off.predicted.peak_device_bytes <= budget;
+  if (msp_possible(on)) {
+    Candidate c_on = evaluate(req, on, cost, budget);
+    m.on = c_on.plan;
+    predict(&m.on, hw);
+    m.on_fits = c_on.alpha.fits && m.on.predicted.peak_device_bytes <= budget;
+  }
+  const double t_off = m.off.predicted.step_time_s, t_on = m.on.predicted.step_time_s;
+  const bool use_on = m.on_fits && (req.msp == 1 || !m.off_fits || t_on < t_off);
+  const bool neither = !m.on_fits && !m.off_fits;
+  m.chosen = neither ? (layout.msp && msp_possible(on) ? m.on : m.off) : use_on ? m.on : m.off;
+  std::string note;
+  if (!msp_possible(on))
+    note = "MSP off: it needs N >= P and every subsequence at least sp x P tokens";
+  else if (use_on)
+    note = std::string(req.msp == 1 ? "MSP on (--msp on): " : "MSP on: ") + seconds_text(t_on) + " per step, against " +
+           (m.off_fits ? seconds_text(t_off) + " without it" : "no plan without it that fits (peak " +
+                                                                   format_bytes(double(m.off.predicted.peak_device_bytes)) + ")") +
+           " (both simulated)";
+  else if (m.off_fits)
+    note = "MSP off: " + seconds_text(t_off) + " per step, against " +
+           (m.on_fits ? seconds_text(t_on) + " with it" : "a peak of " +
+                                                              format_bytes(double(m.on.predicted.peak_device_bytes)) +
+                                                              " with it, over the budget") +
+           " (both simulated)";
+  else
+    note = "MSP: neither with it (" + seconds_text(t_on) + ") nor without it (" + seconds_text(t_off) + ") fits";
+  m.note = note;
+  m.chosen.notes.push_back(note);
+  return m;
+}
+
 Schedule plan_schedule(const plan::Plan& p) { return sched::build_pipeline(spec_of(p)); }
 
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw_in, const SimOptions& options) {
   if (p.system != "sppo") return simulate_baseline(p, hw_in, options);
-  HardwareProfile hw = hw_in;
-  hw.devices_per_node = p.gpus_per_node;
+  const HardwareProfile hw = plan_hardware(hw_in, p.gpus_per_node);
   const ActPrecision prec = precision_of(hw);
-  return simulate(plan_schedule(p), CostModel(hw, p.model, prec), memory_rules(p.model, prec), options);
+  return simulate(plan_schedule(p), CostModel(hw, p.model, prec), plan_rules(p, prec, false), options);
 }
 
 PlanOutcome solve_plan(const PlanRequest& req) {

@@ -2,13 +2,14 @@
 // beside the simulator because every candidate is priced by simulating its schedule.
 //
 // Note [Alpha under a budget]: offloading never makes a step faster; it only buys memory.
-// So the solver first simulates alpha = 0, and keeps it when it fits. Otherwise it scales
-// the paper's rule (alpha_i A_i = BW_d2h * T_comp(i+1): the most that hides behind the
-// next subsequence's forward), alpha = lambda * paper, lambda in (0, 1], choosing the least
-// lambda that fits (bisection on the simulated peak); if even the paper's rule does not
-// fit, it raises every alpha_i towards 1, alpha = paper + mu (1 - paper), with the least mu
-// that fits, paying exposed copy time. alpha_{N-1} is always 0. The result is compared
-// with the paper's rule itself and the faster of the two that fit is returned.
+// So the solver first simulates alpha = 0 and keeps it when it fits. Otherwise it fills
+// offload bytes in the order of their cost in step time (Note [Filling alpha] in
+// solver.cpp): first the bytes whose copies hide behind compute (the offload of i behind
+// F(i+1), its prefetch behind B(i+1)), then the bytes whose copy is exposed in one
+// direction, then in both; within a level, earlier subsequences first, since a byte of an
+// earlier unit is off the device at every point where a later one is. The least fill that
+// fits is found by bisection on the simulated peak. The paper's rule and full offload are
+// simulated too, and the fastest of the three that fits is returned.
 #pragma once
 
 #include <functional>
@@ -22,17 +23,19 @@
 
 namespace sppo::sim {
 
-enum class OffloadMode { None, Full, Adaptive };
-OffloadMode parse_offload(const std::string& text);  // none | full | adaptive
+enum class OffloadMode { None, Full, Paper, Adaptive };
+OffloadMode parse_offload(const std::string& text);  // none | full | paper | adaptive
+const char* to_string(OffloadMode m);
 
 struct AlphaResult {
   std::vector<double> alpha;      // per subsequence, alpha.back() == 0
   i64 peak_device_bytes = 0;      // simulated peak (max over ranks)
   double step_time_s = 0;         // simulated step time
   double exposed_copy_s = 0;
+  i64 host_bytes = 0;             // simulated peak of offloaded bytes on the host
   bool fits = false;
   std::string reason;             // why not, when !fits
-  std::string rule;               // "none", "paper", "scaled paper", "beyond paper", "full"
+  std::string rule;               // "none", "paper", "hidden", "exposed", "directed", "full"
 };
 
 // The layout a runtime step runs its subsequences in: one process, or a sequence pipeline
@@ -55,15 +58,29 @@ AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& len
                                ActPrecision precision, i64 budget, OffloadMode mode = OffloadMode::Adaptive,
                                const StepShape& shape = {});
 
-// The same search for any schedule family: `build(alpha)` makes the schedule.
-AlphaResult solve_alpha(const std::function<sched::Schedule(const std::vector<double>&)>& build,
-                        const std::vector<double>& paper, const CostModel& cost,
-                        const sched::MemoryRules& rules, i64 budget, OffloadMode mode);
+// The same search for any schedule family of N subsequences: `build(alpha)` makes the
+// schedule.
+AlphaResult solve_alpha(const std::function<sched::Schedule(const std::vector<double>&)>& build, int subseqs,
+                        const CostModel& cost, const sched::MemoryRules& rules, i64 budget, OffloadMode mode);
 
-// The paper's rule for ranks holding `layers` layers (and the head when `head`) with `sp`
-// ranks sharing each subsequence: alpha_i = min(1, BW_d2h * T_fwd(i+1) / A_i), last 0.
-std::vector<double> paper_alpha(const std::vector<i64>& lengths, int layers, bool head, int sp,
-                                const CostModel& cost, const sched::MemoryRules& rules);
+// What offloading subsequence i means on one rank of a schedule: the bytes of its unit
+// (A_i: every offloadable tensor of its owned layers, head_grad included) and the seconds
+// of its forward and backward ops there.
+struct UnitProfile {
+  int rank = 0;
+  std::vector<i64> unit_bytes;
+  std::vector<std::vector<i64>> tensors;  // per subsequence, its tensors in offload order
+  std::vector<double> fwd_s, bwd_s;
+};
+// Every rank's; `s` built with alpha = 0.
+std::vector<UnitProfile> unit_profiles(const sched::Schedule& s, const CostModel& cost,
+                                       const sched::MemoryRules& rules);
+
+// The paper's rule (Note [The paper's alpha] in solver.cpp) on the rank that offloads the
+// most bytes: alpha_i A_i = BW_d2h * T_bal, where T_bal is that rank's forward seconds per
+// subsequence of a balanced partition (its total forward time over N), clipped to [0, 1],
+// non-increasing in i, alpha_{N-1} = 0.
+std::vector<double> paper_alpha(const std::vector<UnitProfile>& units, const CostModel& cost);
 
 // Smallest N (from `min_n` up to `max_n`) whose best alpha fits `budget` on one device
 // (Note [Searching N]: assumes fitting is monotone in N, as the peak falls with N).
@@ -79,8 +96,9 @@ struct FitSearch {
 FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile& hw, ActPrecision precision,
                              i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape = {});
 
-// Memory rules of a GPU plan or of this CPU.
-sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero = false);
+// Memory rules of a GPU plan or of this CPU. `zero_shards` > 0: the ZeRO-1 shard count to
+// count (MemoryRules::zero_shards).
+sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero = false, int zero_shards = 0);
 // The memory rules of a runtime step of `shape`.
 sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape);
 
@@ -95,6 +113,8 @@ struct PlanRequest {
   std::string system = "sppo";
   OffloadMode offload = OffloadMode::Adaptive;
   int msp = -1;               // -1 auto (when it pays), 0 off, 1 on
+  int zero = -1;              // ZeRO-1: -1 auto (wherever the all-reduce group has 2+ ranks), 0 off, 1 on
+  sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   i64 budget = 0;             // 0: the profile's usable device memory
 };
 
@@ -111,5 +131,17 @@ PlanOutcome solve_plan(const PlanRequest& req);
 // The schedule of an SPPO plan, and its simulation on `hw`.
 sched::Schedule plan_schedule(const plan::Plan& p);
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw, const SimOptions& options = {});
+
+// MSP on and off for one SPPO layout (its sp, pp, dp, N, lengths and stage split), each
+// with its best alpha under the request's budget and offload mode, simulated as whole
+// plans. `chosen` is the faster that fits (the layout's own setting when neither does),
+// with a note that states both figures.
+struct MspChoice {
+  bool off_fits = false, on_fits = false;
+  plan::Plan off, on;              // predicted filled in for both
+  plan::Plan chosen;
+  std::string note;
+};
+MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout);
 
 }  // namespace sppo::sim

@@ -183,16 +183,20 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
   const i64 S = b.seq_len;
   const int N = b.subseqs;
   SPPO_CHECK(S >= 2 && N >= 2 && N <= S, "bench") << "bench offload needs --seq-len >= 2 and 2 <= --subseqs <= S";
-  const Mode none{"none", false, "none"}, full{"full", false, "full"};
+  const Mode none{"none", false, "none"}, full{"full", false, "full"}, paper{"paper", false, "paper"};
   const Point p_none = run_point(b, none, S, N, 0, b.reps);
   const Point p_full = run_point(b, full, S, N, 0, b.reps);
   SPPO_CHECK(p_none.ok && p_full.ok, "bench") << (p_none.ok ? p_full.error : p_none.error);
+  const Point p_paper = run_point(b, paper, S, N, 0, b.reps);
+  SPPO_CHECK(p_paper.ok, "bench") << p_paper.error;
   // Adaptive needs a reason to offload: a budget halfway between full's and none's peaks.
   const i64 budget = b.budget > 0 ? b.budget : (p_none.peak + p_full.peak) / 2;
   const Mode adaptive{"adaptive", false, "adaptive"};
   const Point p_ad = run_point(b, adaptive, S, N, budget, b.reps);
   SPPO_CHECK(p_ad.ok, "bench") << p_ad.error;
-  nlohmann::json modes = {{"none", point_json(p_none)}, {"full", point_json(p_full)}, {"adaptive", point_json(p_ad)}};
+  nlohmann::json modes = {{"none", point_json(p_none)}, {"full", point_json(p_full)}, {"paper", point_json(p_paper)},
+                          {"adaptive", point_json(p_ad)}};
+  modes["paper"]["alpha"] = p_paper.alpha;
   modes["adaptive"]["alpha"] = p_ad.alpha;
   return {{"model", b.model_name},
           {"config", to_json(b.model)},
@@ -300,7 +304,7 @@ void print_bench_offload(const nlohmann::json& j) {
               format_bytes(j["adaptive_budget_bytes"].get<double>()).c_str());
   std::printf("| offload | step s | peak (measured) | peak (predicted) | error | offloaded | exposed copy s |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
-  for (const char* m : {"none", "full", "adaptive"}) {
+  for (const char* m : {"none", "full", "paper", "adaptive"}) {
     const auto& r = j["modes"][m];
     const double peak = r["peak_device_bytes"].get<double>(), pred = r["predicted_peak_device_bytes"].get<double>();
     std::printf("| %s | %.3f | %s | %s | %+.1f%% | %s | %.3f |\n", m, r["step_time_s"].get<double>(),
@@ -308,6 +312,11 @@ void print_bench_offload(const nlohmann::json& j) {
                 format_bytes(r["offloaded_bytes"].get<double>()).c_str(), r["exposed_copy_s"].get<double>());
   }
   std::printf("adaptive / none step time: %.3f\n", j["adaptive_over_none_step_time"].get<double>());
+  for (const char* m : {"paper", "adaptive"}) {
+    std::printf("%s alpha:", m);
+    for (const auto& a : j["modes"][m]["alpha"]) std::printf(" %.3f", a.get<double>());
+    std::printf("\n");
+  }
 }
 
 }  // namespace sppo

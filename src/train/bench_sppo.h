@@ -23,7 +23,7 @@ struct BenchModelOptions {
 // sppo_adaptive), its step time, and every mode's step time at recompute's longest length.
 nlohmann::json bench_memory(const BenchModelOptions& o);
 
-// At one S and N: offload none / full / adaptive, step time, measured and predicted peak,
+// At one S and N: offload none / full / paper / adaptive, step time, measured and predicted peak,
 // exposed copy time.
 nlohmann::json bench_offload(const BenchModelOptions& o);
 

@@ -7,6 +7,7 @@
 #include "schedule/builders.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
+#include "train/profile_machine.h"
 
 namespace sppo {
 
@@ -25,11 +26,11 @@ std::vector<i64> lengths_for(const std::string& mode, const ModelConfig& c, i64 
 bool fixed_ratio(const std::string& mode, double* ratio) {
   if (mode == "none") return *ratio = 0, true;
   if (mode == "full") return *ratio = 1, true;
-  if (mode == "adaptive") return false;
+  if (mode == "adaptive" || mode == "paper") return false;
   char* end = nullptr;
   *ratio = std::strtod(mode.c_str(), &end);
   SPPO_CHECK(end != mode.c_str() && *end == '\0' && *ratio >= 0 && *ratio <= 1, "options")
-      << "--offload '" << mode << "' is unknown; use none, full, adaptive or a ratio in [0, 1]";
+      << "--offload '" << mode << "' is unknown; use none, full, paper, adaptive or a ratio in [0, 1]";
   return true;
 }
 
@@ -51,9 +52,10 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
     step_s = r.step_time_s;
     exposed_s = r.exposed_copy_s;
   } else {
-    // The solver offloads only what the budget demands (without one, the machine's memory).
+    // The solver offloads only what the budget demands (without one, the machine's memory);
+    // the paper's rule is sized by this machine's copy and compute rates.
     const auto r = sim::solve_alpha_single(c, lengths, hw, shape.precision,
-                                           budget > 0 ? budget : hw.device_memory, sim::OffloadMode::Adaptive, shape);
+                                           budget > 0 ? budget : hw.device_memory, sim::parse_offload(offload), shape);
     ch.alpha = r.alpha;
     ch.alpha_rule = r.rule;
     ch.predicted_peak_bytes = r.peak_device_bytes;
@@ -74,20 +76,26 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
       << "--partition '" << partition << "' is unknown; use length, flops or adaptive";
   double ratio = 0;
   (void)fixed_ratio(offload, &ratio);  // validates the spelling before any work
+  // The paper's rule depends on this machine's copy and compute rates. One process given
+  // no --hardware has only round nominal rates here (train/setup.cpp measures the machine
+  // for adaptive choices only); measure them now. Several ranks already agreed on a
+  // measured profile, so each computes the same alpha.
+  const plan::HardwareProfile measured =
+      offload == "paper" && hw.name == nominal_cpu_profile().name ? resolve_cpu_profile("") : hw;
 
   SubseqChoice ch;
   if (partition == "adaptive") {
-    SubseqChoice a = evaluate(lengths_for("length", c, S, N), offload, c, budget, hw, shape);
-    SubseqChoice b = evaluate(lengths_for("flops", c, S, N), offload, c, budget, hw, shape);
+    SubseqChoice a = evaluate(lengths_for("length", c, S, N), offload, c, budget, measured, shape);
+    SubseqChoice b = evaluate(lengths_for("flops", c, S, N), offload, c, budget, measured, shape);
     const bool a_fits = budget == 0 || a.predicted_peak_bytes <= budget;
     const bool b_fits = budget == 0 || b.predicted_peak_bytes <= budget;
     ch = (b_fits && (!a_fits || b.predicted_step_s <= a.predicted_step_s)) ? b : a;
   } else {
-    ch = evaluate(lengths_for(partition, c, S, N), offload, c, budget, hw, shape);
+    ch = evaluate(lengths_for(partition, c, S, N), offload, c, budget, measured, shape);
   }
 
   if (budget > 0 && ch.predicted_peak_bytes > budget) {
-    const auto fit = sim::smallest_fitting_n(c, S, hw, shape.precision, budget, partition != "length",
+    const auto fit = sim::smallest_fitting_n(c, S, measured, shape.precision, budget, partition != "length",
                                              1, int(std::min<i64>(S, 4096)), shape);
     std::string hint;
     if (fit.found)

@@ -20,13 +20,14 @@ struct SubseqChoice {
   std::string alpha_rule;          // how alpha was chosen
 };
 
-// --partition length|flops|adaptive, --offload none|full|adaptive|<ratio>, for N
+// --partition length|flops|adaptive, --offload none|full|paper|adaptive|<ratio>, for N
 // subsequences of S tokens under `budget` bytes per rank (0: none) on profile `hw`, in a
 // step of `shape` (one process, or a pipeline of stages and replicas).
 // `adaptive` partition: whichever of length and flops the simulator predicts faster (with
 // its best alpha). `adaptive` offload: the solver's alpha (sim/solver.h Note [Alpha under a
 // budget]): nothing when everything fits, else the least that fits, hidden behind compute
-// where possible. A budget that cannot hold the choice throws sppo::Error naming the bytes
+// where possible. `paper`: the paper's rule (sim/solver.h paper_alpha), whatever the
+// budget. A budget that cannot hold the choice throws sppo::Error naming the bytes
 // needed and the smallest N and offload that would fit, or that nothing does.
 SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
                             const ModelConfig& c, i64 S, int N, i64 budget,

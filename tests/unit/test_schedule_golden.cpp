@@ -46,6 +46,16 @@ TEST(Golden, RingAndDataParallel) {
   check_golden("ring_sp2_dp2_n2", build_pipeline(spec));
 }
 
+TEST(Golden, ZigzagRingInAPipeline) {
+  PipelineSpec spec;
+  spec.layers = 2;
+  spec.pp = 2;
+  spec.sp = 2;
+  spec.lengths = {12, 8};
+  spec.ring_layout = RingLayout::Zigzag;
+  check_golden("ring_zigzag_sp2_p2_n2", build_pipeline(spec));
+}
+
 TEST(Golden, Msp) {
   PipelineSpec spec;
   spec.layers = 3;

@@ -46,6 +46,20 @@ TEST(Profiles, PresetsEqualTheFilesAndLoadAnywhere) {
   EXPECT_THROW(plan::load_profile("no-such-gpu"), Error);
 }
 
+TEST(Profiles, EveryFieldOfThePresetsStatesItsSource) {
+  for (const auto& name : plan::profile_names()) {
+    const nlohmann::json j = plan::to_json(plan::load_profile(name));
+    ASSERT_TRUE(j["description"].is_array()) << name;
+    std::string text;
+    for (const auto& line : j["description"]) text += line.get<std::string>() + "\n";
+    for (const auto& [key, value] : j.items()) {
+      if (key == "name" || key == "description" || (value.is_array() && value.empty())) continue;
+      EXPECT_NE(text.find(key), std::string::npos) << name << ": no source for " << key;
+    }
+    EXPECT_NE(text.find("Measured"), std::string::npos) << name;
+  }
+}
+
 TEST(Profiles, MissingFieldIsNamedAndSaveRoundTrips) {
   nlohmann::json j = plan::to_json(plan::load_profile("h100-sxm"));
   j.erase("d2h_gbps");

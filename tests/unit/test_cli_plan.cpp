@@ -1,0 +1,97 @@
+// `sppo plan` from the command line: --explain gives every system's memory term by term,
+// summing to the peak the plan predicts; --zero, --ring-layout and --offload paper reach
+// the plan; bad values are refused with exit 2 naming the option.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+
+#include "support/mpi_run.h"
+
+namespace sppo {
+namespace {
+
+const std::string kPlan = " plan --model gpt-7b --seq-len 256K --gpus 16 --hardware a100-80gb ";
+
+nlohmann::json plan_json(const std::string& args) {
+  const auto r = testing::run_command(testing::sppo_binary() + kPlan + args + " --json 2>&1");
+  EXPECT_EQ(r.status, 0) << args << "\n" << r.output;
+  try {
+    return nlohmann::json::parse(r.output);
+  } catch (const nlohmann::json::exception& e) {
+    ADD_FAILURE() << args << ": not one JSON object: " << e.what() << "\n" << r.output;
+    return nlohmann::json::object();
+  }
+}
+
+TEST(PlanCli, ExplainSumsToThePredictedPeakForEverySystem) {
+  std::set<std::string> rows_of_sppo;
+  for (const std::string system : {"sppo", "megatron", "deepspeed"}) {
+    const nlohmann::json j = plan_json("--system " + system + " --explain");
+    ASSERT_TRUE(j.contains("memory")) << system << ": " << j.dump();
+    const nlohmann::json& m = j["memory"];
+    EXPECT_EQ(m["system"], system);
+    EXPECT_EQ(m["device_bytes"].get<long long>(), j["predicted"]["peak_device_bytes"].get<long long>()) << system;
+    long long device = 0, host = 0;
+    std::set<std::string> rows;
+    for (const auto& t : m["terms"]) {
+      rows.insert(t["term"].get<std::string>());
+      device += t["device_bytes"].get<long long>();
+      host += t["host_bytes"].get<long long>();
+      if (t["device_bytes"].get<long long>() > 0 || t["host_bytes"].get<long long>() > 0) {
+        EXPECT_FALSE(t["formula"].get<std::string>().empty()) << system << ": " << t.dump();
+      }
+    }
+    EXPECT_EQ(device, m["device_bytes"].get<long long>()) << system;
+    EXPECT_EQ(host, m["host_bytes"].get<long long>()) << system;
+    EXPECT_LE(m["device_bytes"].get<long long>(), m["budget_bytes"].get<long long>()) << system;
+    for (const char* row : {"weights", "gradients", "optimizer state", "K/V cache", "dK/dV accumulators",
+                            "activation units", "checkpointed inputs", "recompute working set", "logits and loss",
+                            "attention workspace", "communication buffers"})
+      EXPECT_EQ(rows.count(row), 1u) << system << " has no row '" << row << "'";
+    if (system == "sppo") {
+      rows_of_sppo = rows;
+    } else {
+      EXPECT_EQ(rows, rows_of_sppo) << "the systems' tables differ in their rows";
+    }
+  }
+}
+
+TEST(PlanCli, ExplainPrintsTheTableAfterThePlan) {
+  const auto r = testing::run_command(testing::sppo_binary() + kPlan + "--explain 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto plan_at = r.output.find("layout      sp ");
+  const auto table_at = r.output.find("| term | device | host | formula |");
+  ASSERT_NE(plan_at, std::string::npos) << r.output;
+  ASSERT_NE(table_at, std::string::npos) << r.output;
+  EXPECT_LT(plan_at, table_at);
+  for (const char* s : {"| total |", "| framework and allocator reserve |", "| token ids and loss sum |"})
+    EXPECT_NE(r.output.find(s), std::string::npos) << s << "\n" << r.output;
+}
+
+TEST(PlanCli, ZeroRingLayoutAndOffloadReachThePlan) {
+  const nlohmann::json zero0 = plan_json("--zero 0 --ring-layout contiguous --msp off");
+  EXPECT_EQ(zero0["zero"].get<int>(), 0);
+  EXPECT_EQ(zero0["ring_layout"], "contiguous");
+  const nlohmann::json zero1 = plan_json("--zero 1 --msp off");
+  EXPECT_EQ(zero1["zero"].get<int>(), 1);
+  EXPECT_EQ(zero1["ring_layout"], "zigzag");
+  const nlohmann::json paper = plan_json("--offload paper --msp off");
+  EXPECT_EQ(paper["offload"], "paper");
+  const auto alpha = paper["alpha"].get<std::vector<double>>();
+  ASSERT_FALSE(alpha.empty());
+  for (std::size_t i = 1; i < alpha.size(); ++i) EXPECT_LE(alpha[i], alpha[i - 1]) << "at " << i;
+  EXPECT_EQ(alpha.back(), 0.0);
+}
+
+TEST(PlanCli, BadValuesAreRefusedNamingTheOption) {
+  for (const std::string option : {"--zero", "--ring-layout", "--offload", "--msp", "--system"}) {
+    const auto r = testing::run_command(testing::sppo_binary() + kPlan + option + " bogus 2>&1");
+    EXPECT_EQ(r.status, 2) << option << "\n" << r.output;
+    EXPECT_NE(r.output.find(option), std::string::npos) << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace sppo

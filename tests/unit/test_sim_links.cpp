@@ -1,0 +1,164 @@
+// Host links in the simulator: a profile's copy bandwidth moves a copy-bound plan; links
+// that several devices share (PCIe switch, NUMA node, NIC) slow the transfers that cross
+// them at the same time. And the ring layout: the builder and the cost model agree, and a
+// contiguous layout shows its causal imbalance.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "planner/partition.h"
+#include "planner/profile.h"
+#include "schedule/builders.h"
+#include "schedule/validate.h"
+#include "sim/simulator.h"
+#include "sim/solver.h"
+
+namespace sppo::sim {
+namespace {
+
+// A copy-bound step: every unit offloaded over a slow host link.
+SimResult copy_bound(const HardwareProfile& hw, int dp = 1) {
+  const ModelConfig c = preset("medium");
+  const auto lengths = plan::partition_length(8192, 8);
+  std::vector<double> full(8, 1.0);
+  full.back() = 0;
+  sched::PipelineSpec spec;
+  spec.layers = c.layers;
+  spec.lengths = lengths;
+  spec.alpha = full;
+  spec.dp = dp;
+  return simulate(sched::build_pipeline(spec), CostModel(hw, c, ActPrecision::F32), memory_rules(c, ActPrecision::F32));
+}
+
+TEST(HostLinks, ProfileBandwidthMovesACopyBoundPlan) {
+  nlohmann::json j = plan::to_json(plan::load_profile("a100-80gb"));
+  j["d2h_gbps"] = j["h2d_gbps"] = 1.0;
+  const SimResult one = copy_bound(plan::profile_from_json(j, "test"));
+  j["d2h_gbps"] = j["h2d_gbps"] = 2.0;
+  const SimResult two = copy_bound(plan::profile_from_json(j, "test"));
+  EXPECT_GT(one.exposed_copy_s, 0);
+  EXPECT_GT(one.step_time_s, two.step_time_s * 1.3) << "halving the host bandwidth hardly moved a copy-bound step";
+}
+
+TEST(HostLinks, ASharedSwitchSlowsCopiesThatOverlap) {
+  nlohmann::json j = plan::to_json(plan::load_profile("a100-80gb"));
+  j["d2h_gbps"] = j["h2d_gbps"] = 2.0;
+  j.erase("gpus_per_pcie_switch");
+  j.erase("pcie_switch_gbps");
+  j.erase("gpus_per_numa_node");
+  j.erase("numa_host_gbps");
+  j.erase("gpus_per_nic");
+  j.erase("nic_gbps");
+  // Two replicas copy at the same moments.
+  const SimResult alone = copy_bound(plan::profile_from_json(j, "test"), 2);
+  EXPECT_EQ(alone.passes, 1);
+  j["gpus_per_pcie_switch"] = 2;
+  j["pcie_switch_gbps"] = 2.0;  // one device's worth for two
+  const SimResult shared = copy_bound(plan::profile_from_json(j, "test"), 2);
+  EXPECT_GT(shared.passes, 1);
+  EXPECT_GT(shared.copy_slowdown, 1.5);
+  EXPECT_GT(shared.step_time_s, alone.step_time_s * 1.3);
+  j["pcie_switch_gbps"] = 4.0;  // enough for both
+  const SimResult wide = copy_bound(plan::profile_from_json(j, "test"), 2);
+  EXPECT_NEAR(wide.step_time_s, alone.step_time_s, 1e-6 * alone.step_time_s);
+  j["pcie_switch_gbps"] = 3.0;
+  const SimResult between = copy_bound(plan::profile_from_json(j, "test"), 2);
+  EXPECT_LT(between.step_time_s, shared.step_time_s);
+  EXPECT_GT(between.step_time_s, wide.step_time_s);
+  // One device alone behind the switch is not slowed.
+  j["pcie_switch_gbps"] = 2.0;
+  const SimResult one = copy_bound(plan::profile_from_json(j, "test"), 1);
+  j["gpus_per_pcie_switch"] = 0;
+  j["pcie_switch_gbps"] = 0;
+  EXPECT_NEAR(one.step_time_s, copy_bound(plan::profile_from_json(j, "test"), 1).step_time_s, 1e-9);
+  // Host memory shared by a NUMA node counts both directions together.
+  j["gpus_per_numa_node"] = 2;
+  j["numa_host_gbps"] = 2.0;
+  const SimResult numa = copy_bound(plan::profile_from_json(j, "test"), 2);
+  EXPECT_GT(numa.step_time_s, alone.step_time_s * 1.3);
+}
+
+TEST(HostLinks, ASharedNicSlowsMessagesBetweenNodes) {
+  // Two stages of two SP ranks, one node each: both SP ranks of stage 0 send their hidden
+  // states to stage 1 at once, through one NIC when they share it.
+  const ModelConfig c = preset("medium");
+  sched::PipelineSpec spec;
+  spec.layers = c.layers;
+  spec.pp = 2;
+  spec.sp = 2;
+  spec.lengths = plan::partition_length(65536, 4);
+  HardwareProfile hw = plan::load_profile("a100-80gb");
+  hw.devices_per_node = 2;
+  hw.gpus_per_pcie_switch = hw.gpus_per_numa_node = 0;
+  hw.pcie_switch_bw = hw.numa_host_bw = 0;
+  hw.inter_node_bw = 1e8;
+  hw.gpus_per_nic = 1;
+  hw.nic_bw = 1e8;
+  const auto rules = memory_rules(c, ActPrecision::BF16);
+  const sched::Schedule s = sched::build_pipeline(spec);
+  const SimResult own = simulate(s, CostModel(hw, c, ActPrecision::BF16), rules);
+  hw.gpus_per_nic = 2;
+  const SimResult shared = simulate(s, CostModel(hw, c, ActPrecision::BF16), rules);
+  EXPECT_GT(shared.step_time_s, own.step_time_s * 1.05);
+}
+
+TEST(RingLayout, BuilderAndCostModelAgree) {
+  // Zigzag: piece r of R holds chunks r and 2R-1-r of 2R; the messages carry those tokens.
+  sched::PipelineSpec spec;
+  spec.layers = 2;
+  spec.sp = 4;
+  spec.pp = 2;
+  spec.lengths = {800, 640};
+  spec.ring_layout = sched::RingLayout::Zigzag;
+  const sched::Schedule s = sched::build_pipeline(spec);
+  ASSERT_TRUE(sched::validate(s).ok()) << sched::validate(s).message();
+  EXPECT_EQ(s.ring_layout, sched::RingLayout::Zigzag);
+  for (int rank = 0; rank < s.ranks; ++rank)
+    for (const sched::Op& op : s.ops[rank]) {
+      if (op.kind != sched::OpKind::Forward && op.kind != sched::OpKind::RingStep && op.kind != sched::OpKind::Send)
+        continue;
+      if (op.kind == sched::OpKind::Send && op.payload != sched::Payload::Hidden) continue;
+      const sched::Spans sp = s.spans(op);
+      ASSERT_EQ(sp.size(), 2u);
+      const i64 l = s.lengths[op.subseq];
+      EXPECT_EQ(sp[0], piece_range(l, op.piece, 8));
+      EXPECT_EQ(sp[1], piece_range(l, 7 - op.piece, 8));
+      if (op.kind != sched::OpKind::Forward) {
+        EXPECT_EQ(op.tokens, sched::span_tokens(sp)) << to_string(op);
+      }
+    }
+  // The cost of a piece is the attention of its own query positions.
+  const ModelConfig c = preset("tiny");
+  const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
+  const sched::Spans z = sched::piece_spans(800, 1, 4, sched::RingLayout::Zigzag);
+  EXPECT_DOUBLE_EQ(cost.attention_flops(640, z), cost.attention_flops(640, 100, 200) + cost.attention_flops(640, 600, 700));
+}
+
+TEST(RingLayout, ContiguousShowsTheCausalImbalance) {
+  const ModelConfig c = preset("medium");
+  HardwareProfile hw = plan::load_profile("a100-80gb");
+  hw.attention_efficiency = 0.05;  // attention-bound, so the split of the triangle shows
+  const CostModel cost(hw, c, ActPrecision::BF16);
+  const auto rules = memory_rules(c, ActPrecision::BF16);
+  SimResult r[2];
+  for (int k = 0; k < 2; ++k) {
+    sched::PipelineSpec spec;
+    spec.layers = c.layers;
+    spec.sp = 4;
+    spec.lengths = plan::partition_flops(c, 65536, 4);
+    spec.ring_layout = k == 0 ? sched::RingLayout::Contiguous : sched::RingLayout::Zigzag;
+    SimOptions o;
+    o.record = true;
+    r[k] = simulate(sched::build_pipeline(spec), cost, rules, o);
+  }
+  // The pieces of a subsequence all attend to its whole prefix; only its own triangle
+  // splits unevenly (the last of R contiguous pieces does 2R - 1 times the first's).
+  EXPECT_GT(r[0].step_time_s, r[1].step_time_s * 1.15) << "contiguous " << r[0].step_time_s << " s, zigzag "
+                                                       << r[1].step_time_s << " s";
+  EXPECT_GT(r[0].bubble_ratio, r[1].bubble_ratio + 0.1) << r[0].bubble_ratio << " vs " << r[1].bubble_ratio;
+  // Zigzag pieces do nearly the same work.
+  EXPECT_LT(r[1].bubble_ratio, 0.05);
+}
+
+}  // namespace
+}  // namespace sppo::sim
