@@ -81,7 +81,7 @@ if [ $SMOKE = 0 ]; then
   for S in 16384 65536 131072; do
     section "layer_$S" 120 "$SPPO" bench layer "${BF16[@]}" --hidden 4096 --heads 32 --seq-len $S --reps 3 --json
   done
-  section offload 120 "$SPPO" bench offload "${BF16[@]}" --json
+  section offload 120 "$SPPO" bench offload "${BF16[@]}" --model medium --seq-len 32768 --subseqs 8 --json
   section profile 120 "$SPPO" profile "${BACKEND[@]}" --out "$OUT/parts/profile.json"
   section torch 300 "$PY" bench/gpu/torch_peer.py
   torch_max=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['memory']['torch_ckpt_max_seq'])" \

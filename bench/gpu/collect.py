@@ -112,7 +112,7 @@ for S in (16384, 65536, 131072):
                       "torch_tokens_per_s": torch.get("layer_tokens_per_s", {}).get(str(S))}
 result["layer"] = layers
 off = last_json(read(os.path.join(logs, "offload.out"))) or {}
-result["offload"] = {"adaptive_over_none": off.get("adaptive_over_none")}
+result["offload"] = {"adaptive_over_none": off.get("adaptive_over_none_step_time")}
 mem = last_json(read(os.path.join(logs, "memory.out"))) or {}
 tmem = torch.get("memory", {})
 speedup = None

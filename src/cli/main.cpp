@@ -207,11 +207,17 @@ int main(int argc, char** argv) {
   // bench memory / bench offload
   std::string bm_model = "bench-memory", bm_budget = "", bo_model = "bench-memory", bo_seq = "8192",
               bo_budget = "", bm_hardware, bo_hardware;
-  int bo_subseqs = 8, bm_reps = 1, bo_reps = 2;
+  int bo_subseqs = 8, bm_reps = 1, bo_reps = 2, bm_layers = 0;
   bool bm_json = false, bo_json = false;
+  std::string bm_backend = "cpu", bo_backend = "cpu", bm_precision, bo_precision, bm_at;
   auto* cmd_bench_memory = cmd_bench->add_subcommand("memory", "Longest sequence per mode under a device budget");
   cmd_bench_memory->add_option("--model", bm_model, "Model preset")->capture_default_str();
-  cmd_bench_memory->add_option("--device-memory", bm_budget, "Device budget (default 64MiB)");
+  cmd_bench_memory->add_option("--device-memory", bm_budget,
+                               "Device budget (default 64MiB on the CPU; elsewhere the device less 4 GiB)");
+  cmd_bench_memory->add_option("--layers", bm_layers, "Layers (default: the preset's)");
+  cmd_bench_memory->add_option("--at-seq-len", bm_at, "SPPO alone: its longest sequence, and its step time here");
+  cmd_bench_memory->add_option("--backend", bm_backend, "cpu, cuda or auto")->capture_default_str();
+  cmd_bench_memory->add_option("--precision", bm_precision, "fp32 or bf16 (default: the backend's)");
   cmd_bench_memory->add_option("--reps", bm_reps, "Timed steps per point")->capture_default_str();
   cmd_bench_memory->add_option("--hardware", bm_hardware, "Profile for adaptive choices (default: measured now)");
   cmd_bench_memory->add_flag("--json", bm_json, "Print one JSON object");
@@ -222,6 +228,8 @@ int main(int argc, char** argv) {
   cmd_bench_offload->add_option("--device-memory", bo_budget, "Budget for adaptive (default: halfway between full and none)");
   cmd_bench_offload->add_option("--reps", bo_reps, "Timed steps per mode")->capture_default_str();
   cmd_bench_offload->add_option("--hardware", bo_hardware, "Profile for adaptive choices (default: measured now)");
+  cmd_bench_offload->add_option("--backend", bo_backend, "cpu, cuda or auto")->capture_default_str();
+  cmd_bench_offload->add_option("--precision", bo_precision, "fp32 or bf16 (default: the backend's)");
   cmd_bench_offload->add_flag("--json", bo_json, "Print one JSON object");
 
   BenchPipelineOptions bp;
@@ -302,8 +310,16 @@ int main(int argc, char** argv) {
       b.model = preset(b.model_name);
       b.reps = mem ? bm_reps : bo_reps;
       b.hardware = mem ? bm_hardware : bo_hardware;
-      const std::string budget = mem ? (bm_budget.empty() ? "64MiB" : bm_budget) : bo_budget;
+      b.backend = make_backend(mem ? bm_backend : bo_backend, mem ? bm_precision : bo_precision)->name();
+      b.precision = mem ? bm_precision : bo_precision;
+      if (mem && bm_layers) {
+        SPPO_CHECK(bm_layers > 0, "options") << "--layers must be a positive integer (got " << bm_layers << ")";
+        b.model.layers = bm_layers;
+      }
+      if (mem && !bm_at.empty()) b.at_seq_len = parse_count(bm_at, "--at-seq-len");
+      std::string budget = mem ? (bm_budget.empty() && b.backend == "cpu" ? "64MiB" : bm_budget) : bo_budget;
       if (!budget.empty()) b.budget = parse_bytes(budget, "--device-memory");
+      else if (mem) b.budget = i64(make_backend(b.backend)->device_memory()) - (i64{4} << 30);
       if (!mem) {
         b.seq_len = parse_count(bo_seq, "--seq-len");
         b.subseqs = bo_subseqs;

@@ -55,17 +55,25 @@ StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N
   o.recompute = m.recompute;
   o.device_memory = budget;
   o.hardware = b.hardware;
+  o.backend = b.backend;
+  o.precision = b.precision;
   return o;
 }
 
 // One configuration: set up (the planner refuses what it predicts will not fit), then real
-// steps under the budget (the arena refuses what does not).
+// steps under the budget (the arena refuses what does not). reps < 0: set up only.
 Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget, int reps,
                 const std::string& partition = "flops") {
   Point p;
   p.subseqs = N;
   try {
     StepSetup s = make_setup(step_options(b, m, S, N, budget, partition));
+    if (reps < 0) {  // a probe by prediction: setup refuses what would not fit
+      p.predicted_peak = p.peak = s.predicted_peak_bytes;
+      p.alpha = s.alpha;
+      p.ok = true;
+      return p;
+    }
     std::vector<std::int32_t> tokens(std::size_t(S + 1));
     s.data->next(tokens.data(), S + 1);
     init_params(s.config, s.runtime->params(), 1);
@@ -107,10 +115,11 @@ Point fit_at(const BenchModelOptions& b, const Mode& m, i64 S, i64 budget, int r
 // Longest S (in kLengthQuantum steps) at which the mode trains under the budget: doubling,
 // then bisection, each probe a real step.
 std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 budget) {
+  const int probe = b.backend == "cpu" ? 0 : -1;  // a real step, or the prediction (see the header)
   i64 lo = 0, hi = kLengthQuantum;
   Point best;
   for (;;) {
-    Point p = fit_at(b, m, hi, budget, 0);
+    Point p = fit_at(b, m, hi, budget, probe);
     if (!p.ok) break;
     lo = hi;
     best = p;
@@ -119,7 +128,7 @@ std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 bud
   }
   while (hi - lo > kLengthQuantum) {
     const i64 mid = (lo + hi) / 2 / kLengthQuantum * kLengthQuantum;
-    Point p = fit_at(b, m, mid, budget, 0);
+    Point p = fit_at(b, m, mid, budget, probe);
     if (p.ok) {
       lo = mid;
       best = p;
@@ -142,6 +151,22 @@ nlohmann::json point_json(const Point& p) {
 
 nlohmann::json bench_memory(const BenchModelOptions& b) {
   SPPO_CHECK(b.budget > 0, "bench") << "bench memory needs a device budget (--device-memory)";
+  if (b.at_seq_len > 0) {
+    const Mode& m = kModes[3];  // sppo_adaptive
+    const auto [S, probe] = longest(b, m, b.budget);
+    const Point p = fit_at(b, m, b.at_seq_len, b.budget, b.reps);
+    nlohmann::json j = {{"model", b.model_name},
+                        {"config", to_json(b.model)},
+                        {"backend", b.backend},
+                        {"budget_bytes", b.budget},
+                        {"longest_seq", S},
+                        {"longest_by", b.backend == "cpu" ? "real steps" : "predicted peak"},
+                        {"at_longest", point_json(probe)},
+                        {"at_seq_len", b.at_seq_len},
+                        {"step_time_at_seq_s", p.ok ? nlohmann::json(p.step_s) : nlohmann::json(nullptr)},
+                        {"at_seq", point_json(p)}};
+    return j;
+  }
   nlohmann::json modes = nlohmann::json::object();
   std::vector<i64> max_len;
   for (const Mode& m : kModes) {
@@ -202,6 +227,7 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
           {"config", to_json(b.model)},
           {"seq_len", S},
           {"subseqs", N},
+          {"backend", b.backend},
           {"adaptive_budget_bytes", budget},
           {"adaptive_over_none_step_time", p_ad.step_s / p_none.step_s},
           {"modes", modes}};
@@ -276,6 +302,14 @@ void print_bench_sim(const nlohmann::json& j) {
 void print_bench_memory(const nlohmann::json& j) {
   std::printf("longest sequence under a %s device budget (%s)\n",
               format_bytes(j["budget_bytes"].get<double>()).c_str(), j["model"].get<std::string>().c_str());
+  if (j.contains("longest_seq")) {  // --at-seq-len: SPPO adaptive alone
+    const auto& t = j["step_time_at_seq_s"];
+    std::printf("SPPO adaptive: longest %lld tokens (by %s); at %lld tokens one step takes %s\n",
+                (long long)j["longest_seq"].get<i64>(), j["longest_by"].get<std::string>().c_str(),
+                (long long)j["at_seq_len"].get<i64>(),
+                t.is_number() ? (std::to_string(t.get<double>()) + " s").c_str() : "(does not fit)");
+    return;
+  }
   std::printf("| mode | max seq len | N | step s | peak (measured) | peak (predicted) | step s at S=%lld |\n",
               (long long)j["recompute_max_seq_len"].get<i64>());
   std::printf("|---|---|---|---|---|---|---|\n");

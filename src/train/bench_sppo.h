@@ -17,10 +17,16 @@ struct BenchModelOptions {
   int subseqs = 0;       // bench offload: N
   int reps = 2;          // timed steps per point (median), after one warm-up
   std::string hardware;  // profile for adaptive choices ("" = measured now)
+  std::string backend = "cpu", precision;  // as train's --backend / --precision
+  i64 at_seq_len = 0;    // bench memory: SPPO alone, its longest sequence and its step time here
 };
 
 // The longest sequence each mode trains under the budget (reference, recompute, sppo_none,
 // sppo_adaptive), its step time, and every mode's step time at recompute's longest length.
+// With at_seq_len: SPPO adaptive only, `longest_seq` and `step_time_at_seq_s` (the
+// comparison with another system's longest length). Lengths are probed by real steps on
+// the CPU; elsewhere by the predicted peak (equal to the allocator's to the byte), since a
+// real step at a GPU's longest length takes minutes.
 nlohmann::json bench_memory(const BenchModelOptions& o);
 
 // At one S and N: offload none / full / paper / adaptive, step time, measured and predicted peak,
