@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -229,9 +230,46 @@ void check_replaceable(const fs::path& p) {
 
 }  // namespace
 
+CheckpointState parse_checkpoint_state(const nlohmann::json& state, const std::string& file) {
+  SPPO_CHECK(state.is_object(), kComponent)
+      << file << " must hold a JSON object with \"step\", \"config\" and \"data_position\", not "
+      << state.type_name();
+  CheckpointState s;
+  const auto step = state.find("step");
+  SPPO_CHECK(step != state.end(), kComponent) << file << " lacks \"step\" (the steps completed)";
+  constexpr std::uint64_t kMaxStep = std::numeric_limits<int>::max();
+  // Parsed JSON holds non-negative integers as unsigned; a json built in memory from an int
+  // holds a signed one.
+  const bool whole = step->is_number_unsigned() ? step->get<std::uint64_t>() <= kMaxStep
+                     : step->is_number_integer()
+                         ? step->get<std::int64_t>() >= 0 && std::uint64_t(step->get<std::int64_t>()) <= kMaxStep
+                         : false;
+  SPPO_CHECK(whole, kComponent)
+      << file << ": \"step\" is " << step->dump() << "; it must be a whole number of steps in [0, "
+      << kMaxStep << "]";
+  s.step = static_cast<int>(step->get<std::uint64_t>());
+  const auto config = state.find("config");
+  SPPO_CHECK(config != state.end() && config->is_object(), kComponent)
+      << file << (config == state.end() ? " lacks \"config\"" : ": \"config\" is not an object")
+      << "; it must hold the model config {vocab, hidden, layers, heads, ...}";
+  try {
+    s.config = model_config_from_json(*config);
+  } catch (const Error& e) {
+    SPPO_CHECK(false, kComponent) << file << ": \"config\" is not a usable model config: " << e.what();
+  }
+  const auto position = state.find("data_position");
+  SPPO_CHECK(position != state.end() && position->is_object(), kComponent)
+      << file << (position == state.end() ? " lacks \"data_position\"" : ": \"data_position\" is not an object")
+      << "; it must hold where the data stream continues";
+  s.data_position = *position;
+  s.json = state;
+  return s;
+}
+
 void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
                      const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state) {
   const fs::path p = normalize(dir);
+  parse_checkpoint_state(state, (p / kCheckpointStateFile).string());
   const fs::path parent = parent_of(p);
   std::error_code ec;
   fs::create_directories(parent, ec);
@@ -292,7 +330,10 @@ std::string verify_checkpoint(const std::string& dir) {
 nlohmann::json read_checkpoint_state(const std::string& dir, std::string* loaded_from) {
   const std::string d = verify_checkpoint(dir);
   if (loaded_from != nullptr) *loaded_from = d;
-  return parse_json_file(fs::path(d) / kCheckpointStateFile);
+  const fs::path file = fs::path(d) / kCheckpointStateFile;
+  nlohmann::json state = parse_json_file(file);
+  parse_checkpoint_state(state, file.string());
+  return state;
 }
 
 nlohmann::json load_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
@@ -304,6 +345,7 @@ nlohmann::json load_checkpoint(const std::string& dir, const std::vector<Checkpo
   match_tensors(model, weights);
   match_tensors(opt, optimizer);
   nlohmann::json state = parse_json_file(d / kCheckpointStateFile);
+  parse_checkpoint_state(state, (d / kCheckpointStateFile).string());
   // Everything is checked; only now do caller buffers change.
   for (const auto& t : weights) model.read(t.name, t.shape, t.data);
   for (const auto& t : optimizer) opt.read(t.name, t.shape, t.data);

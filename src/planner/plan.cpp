@@ -1,7 +1,8 @@
 #include "planner/plan.h"
 
 #include <nlohmann/json.hpp>
-#include <numeric>
+#include <algorithm>
+#include <string>
 
 #include "core/check.h"
 
@@ -40,7 +41,14 @@ nlohmann::json to_json(const Plan& p) {
 }
 
 Plan plan_from_json(const nlohmann::json& j) {
-  SPPO_CHECK(j.is_object(), "planner") << "a plan is a JSON object";
+  SPPO_CHECK(j.is_object(), "planner") << "a plan is a JSON object, not " << j.type_name();
+  std::string missing;
+  for (const char* field : {"hardware", "seq_len", "sp", "pp", "lengths"})
+    if (!j.contains(field)) missing += std::string(missing.empty() ? "" : ", ") + "\"" + field + "\"";
+  if (!j.contains("model_config") && !j.contains("model"))
+    missing += std::string(missing.empty() ? "" : ", ") + "\"model_config\" (or \"model\" naming a preset)";
+  SPPO_CHECK(missing.empty(), "planner")
+      << "plan: missing field(s) " << missing << "; `sppo plan --json` writes a complete plan";
   Plan p;
   try {
     p.system = j.value("system", "sppo");
@@ -78,15 +86,34 @@ Plan plan_from_json(const nlohmann::json& j) {
   }
   SPPO_CHECK(p.system == "sppo" || p.system == "megatron" || p.system == "deepspeed", "planner")
       << "plan: system must be sppo, megatron or deepspeed (got '" << p.system << "')";
+  SPPO_CHECK(p.seq_len >= 1, "planner") << "plan: seq_len must be positive (got " << p.seq_len << ")";
+  SPPO_CHECK(!p.lengths.empty(), "planner") << "plan: lengths is empty; it lists each subsequence's tokens";
   SPPO_CHECK(int(p.lengths.size()) == p.subseqs, "planner")
       << "plan: subseqs = " << p.subseqs << " but lengths has " << p.lengths.size() << " entries";
   SPPO_CHECK(p.alpha.size() == p.lengths.size(), "planner")
       << "plan: alpha has " << p.alpha.size() << " entries for " << p.lengths.size() << " subsequences";
-  const i64 sum = std::accumulate(p.lengths.begin(), p.lengths.end(), i64(0));
+  i64 sum = 0;
+  for (std::size_t i = 0; i < p.lengths.size(); ++i) {
+    SPPO_CHECK(p.lengths[i] >= 1, "planner")
+        << "plan: lengths[" << i << "] = " << p.lengths[i] << "; every subsequence needs at least one token";
+    SPPO_CHECK(!__builtin_add_overflow(sum, p.lengths[i], &sum), "planner")
+        << "plan: lengths sum past 2^63; seq_len is " << p.seq_len;
+  }
   SPPO_CHECK(sum == p.seq_len, "planner") << "plan: lengths sum to " << sum << ", not seq_len " << p.seq_len;
+  for (std::size_t i = 0; i < p.alpha.size(); ++i)
+    SPPO_CHECK(p.alpha[i] >= 0 && p.alpha[i] <= 1, "planner")
+        << "plan: alpha[" << i << "] = " << p.alpha[i] << " is outside [0, 1]";
   SPPO_CHECK(p.sp >= 1 && p.pp >= 1 && p.dp >= 1 && p.tp >= 1, "planner") << "plan: sp, pp, dp, tp must be >= 1";
-  SPPO_CHECK(p.sp * p.pp * p.dp * p.tp == p.gpus, "planner")
-      << "plan: sp * pp * dp * tp = " << p.sp * p.pp * p.dp * p.tp << " but gpus = " << p.gpus;
+  SPPO_CHECK(p.gpus >= 1 && p.gpus <= kMaxPlanDevices && p.gpus_per_node >= 1, "planner")
+      << "plan: gpus must be in [1, " << kMaxPlanDevices << "] and gpus_per_node at least 1 (got "
+      << p.gpus << ", " << p.gpus_per_node << ")";
+  i64 product = 1;
+  for (int d : {p.sp, p.pp, p.dp, p.tp}) product = std::min<i64>(product * d, i64(kMaxPlanDevices) + 1);
+  SPPO_CHECK(product == p.gpus, "planner")
+      << "plan: sp * pp * dp * tp = " << (product > kMaxPlanDevices ? "more than " + std::to_string(kMaxPlanDevices)
+                                                                     : std::to_string(product))
+      << " but gpus = " << p.gpus;
+  SPPO_CHECK(p.budget >= 0, "planner") << "plan: budget_bytes must not be negative (got " << p.budget << ")";
   return p;
 }
 
