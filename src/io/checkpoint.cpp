@@ -27,6 +27,13 @@ constexpr const char* kFormat = "sppo-checkpoint";
 constexpr int kVersion = 1;
 constexpr std::size_t kMaxNamesListed = 5;  // names quoted in one mismatch message
 
+SaveStepHook g_save_step_hook = nullptr;
+
+// Marks step `k` of a save for the crash-consistency tests (set_save_step_hook).
+void save_step(int k, const char* what) {
+  if (g_save_step_hook != nullptr) g_save_step_hook(k, what);
+}
+
 const char* const kCheckpointFiles[] = {kCheckpointModelFile, kCheckpointOptimizerFile,
                                         kCheckpointStateFile, kCheckpointManifestFile};
 
@@ -279,9 +286,11 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
   const std::string pid = std::to_string(::getpid());
   const fs::path tmp = p.string() + ".tmp-" + pid;
   const fs::path old = p.string() + ".old-" + pid;
+  save_step(0, "start");
   if (fs::exists(tmp, ec)) remove_tree(tmp);
   SPPO_CHECK(fs::create_directory(tmp, ec) && !ec, kComponent)
       << "cannot create " << tmp.string() << ": " << ec.message();
+  save_step(1, "temporary directory created");
 
   try {
     nlohmann::json files = nlohmann::json::object();
@@ -289,11 +298,15 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
       files[name] = {{"size", d.size}, {"xxh64", hex64(d.xxh64)}};
     };
     record(kCheckpointModelFile, write_safetensors((tmp / kCheckpointModelFile).string(), views(weights)));
+    save_step(2, "model written");
     record(kCheckpointOptimizerFile,
            write_safetensors((tmp / kCheckpointOptimizerFile).string(), views(optimizer)));
+    save_step(3, "optimizer written");
     record(kCheckpointStateFile, write_file_atomic((tmp / kCheckpointStateFile).string(), state.dump(2) + "\n"));
+    save_step(4, "state written");
     const nlohmann::json manifest = {{"format", kFormat}, {"version", kVersion}, {"files", files}};
     write_file_atomic((tmp / kCheckpointManifestFile).string(), manifest.dump(2) + "\n");
+    save_step(5, "manifest written");
   } catch (...) {
     std::error_code ignored;
     fs::remove_all(tmp, ignored);
@@ -306,6 +319,7 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
     if (fs::exists(old, ec)) remove_tree(old);  // left by an earlier process with our pid
     rename_checked(p, old);
   }
+  save_step(6, "previous checkpoint moved aside");
   try {
     rename_checked(tmp, p);
   } catch (...) {
@@ -314,12 +328,18 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
     fs::remove_all(tmp, ignored);
     throw;
   }
+  save_step(7, "published");
   fsync_dir(parent.string());
+  save_step(8, "parent directory synced");
 
   for (const auto& [stale, stale_pid] : siblings(p, ".old-")) remove_tree(stale);
+  save_step(9, "previous checkpoints removed");
   for (const auto& [stale, stale_pid] : siblings(p, ".tmp-"))
     if (!process_alive(stale_pid)) remove_tree(stale);
+  save_step(10, "done");
 }
+
+void set_save_step_hook(SaveStepHook hook) { g_save_step_hook = hook; }
 
 std::string verify_checkpoint(const std::string& dir) {
   const fs::path d = locate_or_throw(dir);

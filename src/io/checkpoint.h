@@ -81,6 +81,12 @@ nlohmann::json load_checkpoint(const std::string& dir, const std::vector<Checkpo
 // parse_checkpoint_state.
 nlohmann::json read_checkpoint_state(const std::string& dir, std::string* loaded_from = nullptr);
 
+// For crash-consistency tests: when set, save_checkpoint calls hook(k, what) at each of its
+// steps in order (k = 0, 1, ...; `what` names the step, see Note [Checkpoint crash
+// windows]), so that a test can kill the process at every point of a save. Null: off.
+using SaveStepHook = void (*)(int step, const char* what);
+void set_save_step_hook(SaveStepHook hook);
+
 // Throws unless every file of the checkpoint is present with the size and checksum its
 // manifest lists. Returns the directory verified (see `loaded_from`).
 std::string verify_checkpoint(const std::string& dir);
