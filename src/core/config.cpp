@@ -2,10 +2,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/json_fields.h"
 
 namespace sppo {
 
@@ -55,8 +57,16 @@ void ModelConfig::validate() const {
                                 << ok << ")";
   }
   SPPO_CHECK(ffn_mult >= 1, "config") << "ffn_mult must be at least 1 (got " << ffn_mult << ")";
-  SPPO_CHECK(rope_theta > 0, "config") << "rope_theta must be positive (got " << rope_theta << ")";
-  SPPO_CHECK(ln_eps > 0, "config") << "ln_eps must be positive (got " << ln_eps << ")";
+  SPPO_CHECK(std::isfinite(rope_theta) && rope_theta > 0, "config") << "rope_theta must be positive (got " << rope_theta << ")";
+  SPPO_CHECK(std::isfinite(ln_eps) && ln_eps > 0, "config") << "ln_eps must be positive (got " << ln_eps << ")";
+  // Sizes far beyond any model, so that parameter counts and per-token byte counts stay
+  // inside 64 bits wherever they are computed.
+  SPPO_CHECK(hidden <= kMaxHidden && ffn_mult <= kMaxFfnMult && layers <= kMaxLayers, "config")
+      << "--hidden " << hidden << ", --layers " << layers << ", ffn_mult " << ffn_mult
+      << ": at most " << kMaxHidden << ", " << kMaxLayers << " and " << kMaxFfnMult << " are accepted";
+  const double params = double(vocab) * hidden + double(layers) * (4.0 + 2.0 * ffn_mult) * double(hidden) * hidden;
+  SPPO_CHECK(params <= kMaxParams, "config")
+      << "the model would have about " << params << " parameters; at most " << kMaxParams << " are accepted";
 }
 
 std::vector<std::string> preset_names() {
@@ -82,19 +92,28 @@ nlohmann::json to_json(const ModelConfig& c) {
 
 ModelConfig model_config_from_json(const nlohmann::json& j) {
   SPPO_CHECK(j.is_object(), "config") << "model config must be a JSON object";
+  for (const char* key : {"vocab", "hidden", "layers", "heads"})
+    SPPO_CHECK(j.contains(key), "config")
+        << "model config lacks \"" << key << "\"; expected integer fields vocab, hidden, layers, heads";
+  constexpr i64 kIntMax = std::numeric_limits<int>::max();
+  auto integer = [&](const char* key, int fallback) {
+    return int(json_integer_field(j, key, fallback, std::numeric_limits<int>::min(), kIntMax, "config",
+                                  "model config: "));
+  };
+  auto real = [&](const char* key, float fallback) {
+    const auto it = j.find(key);
+    if (it == j.end()) return fallback;
+    SPPO_CHECK(it->is_number(), "config") << "model config: \"" << key << "\" must be a number (got " << it->dump() << ")";
+    return float(it->get<double>());
+  };
   ModelConfig c;
-  try {
-    c.vocab = j.at("vocab").get<int>();
-    c.hidden = j.at("hidden").get<int>();
-    c.layers = j.at("layers").get<int>();
-    c.heads = j.at("heads").get<int>();
-    c.ffn_mult = j.value("ffn_mult", 4);
-    c.rope_theta = j.value("rope_theta", 10000.0f);
-    c.ln_eps = j.value("ln_eps", 1e-5f);
-  } catch (const nlohmann::json::exception& e) {
-    SPPO_CHECK(false, "config") << "model config: " << e.what()
-                                << "; expected integer fields vocab, hidden, layers, heads";
-  }
+  c.vocab = integer("vocab", 0);
+  c.hidden = integer("hidden", 0);
+  c.layers = integer("layers", 0);
+  c.heads = integer("heads", 0);
+  c.ffn_mult = integer("ffn_mult", 4);
+  c.rope_theta = real("rope_theta", 10000.0f);
+  c.ln_eps = real("ln_eps", 1e-5f);
   c.validate();
   return c;
 }

@@ -10,6 +10,13 @@
 
 namespace sppo {
 
+// Limits ModelConfig::validate() enforces: far beyond any real model, they keep parameter
+// counts and byte counts inside 64 bits.
+inline constexpr int kMaxHidden = 1 << 20;
+inline constexpr int kMaxLayers = 1 << 16;
+inline constexpr int kMaxFfnMult = 64;
+inline constexpr double kMaxParams = 1e15;
+
 struct ModelConfig {
   int vocab = 0;              // V
   int hidden = 0;             // H

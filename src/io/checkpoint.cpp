@@ -86,7 +86,7 @@ nlohmann::json parse_json_file(const fs::path& path) {
   const std::string text = read_file(path.string());
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
     SPPO_CHECK(false, kComponent) << path.string() << " is not valid JSON: " << e.what();
   }
   __builtin_unreachable();
@@ -128,11 +128,12 @@ fs::path locate_or_throw(const std::string& dir) {
 void verify_dir(const fs::path& d) {
   const fs::path manifest_path = d / kCheckpointManifestFile;
   const nlohmann::json manifest = parse_json_file(manifest_path);
-  SPPO_CHECK(manifest.is_object() && manifest.value("format", "") == kFormat, kComponent)
+  SPPO_CHECK(manifest.is_object() && manifest.contains("format") && manifest["format"] == kFormat, kComponent)
       << manifest_path.string() << " is not an sppo checkpoint manifest (\"format\" must be \""
       << kFormat << "\")";
-  SPPO_CHECK(manifest.value("version", -1) == kVersion, kComponent)
-      << manifest_path.string() << ": manifest version " << manifest.value("version", -1)
+  SPPO_CHECK(manifest.contains("version") && manifest["version"] == kVersion, kComponent)
+      << manifest_path.string() << ": manifest version "
+      << (manifest.contains("version") ? manifest["version"].dump() : "(none)")
       << " is not supported (this build reads version " << kVersion << ")";
   SPPO_CHECK(manifest.contains("files") && manifest["files"].is_object(), kComponent)
       << manifest_path.string() << ": missing object \"files\"";

@@ -1,6 +1,8 @@
-// Size and count parsing: exact, checked arithmetic; every refusal names the option and
-// says what works.
+// Size and count parsing (exact, checked arithmetic) and model configs read from JSON:
+// every refusal names the option or field and says what works.
 #include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 
 #include "core/config.h"
 #include "support/expect_error.h"
@@ -59,6 +61,29 @@ TEST(ParseBytes, TooLargeNamesTheLimit) {
   for (const char* big : {"999999999999999999999GiB", "1048577TiB", "9223372036854775807", "18446744073709551616B",
                           "1152921504606846977"})
     EXPECT_ERROR_WITH(parse_bytes(big, "--budget"), "--budget", "too large", "1152921504606846976");
+}
+
+TEST(ModelConfigJson, RefusesWrongTypesAndAbsurdSizes) {
+  const nlohmann::json good = {{"vocab", 64}, {"hidden", 64}, {"layers", 2}, {"heads", 4}};
+  EXPECT_EQ(model_config_from_json(good).hidden, 64);
+  auto with = [&](const char* key, nlohmann::json v) {
+    nlohmann::json j = good;
+    j[key] = std::move(v);
+    return j;
+  };
+  EXPECT_ERROR_WITH(model_config_from_json(with("vocab", 1e300)), "\"vocab\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("hidden", 64.5)), "\"hidden\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("layers", "2")), "\"layers\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("heads", 4294967300LL)), "\"heads\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("rope_theta", "big")), "\"rope_theta\" must be a number");
+  EXPECT_ERROR_WITH(model_config_from_json(with("hidden", 1 << 22)), "at most");
+  nlohmann::json huge = with("hidden", 65536);
+  huge["layers"] = 60000;
+  huge["heads"] = 512;
+  EXPECT_ERROR_WITH(model_config_from_json(huge), "parameters");
+  nlohmann::json missing = good;
+  missing.erase("heads");
+  EXPECT_ERROR_WITH(model_config_from_json(missing), "lacks \"heads\"");
 }
 
 }  // namespace

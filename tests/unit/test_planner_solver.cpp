@@ -171,7 +171,10 @@ TEST(PlanJson, RefusesValuesASimulationCannotUse) {
   EXPECT_ERROR_WITH(plan_from_json(with("alpha", {0.5, 1.5})), "alpha[1]");
   EXPECT_ERROR_WITH(plan_from_json(with("gpus", 0)), "gpus");
   EXPECT_ERROR_WITH(plan_from_json(with("budget_bytes", -1)), "budget_bytes");
-  EXPECT_ERROR_WITH(plan_from_json(with("sp", "two")), "plan JSON");
+  EXPECT_ERROR_WITH(plan_from_json(with("sp", "two")), "\"sp\" must be an integer");
+  EXPECT_ERROR_WITH(plan_from_json(with("gpus", 1e300)), "\"gpus\" must be an integer");
+  EXPECT_ERROR_WITH(plan_from_json(with("lengths", {6.5, 3.5})), "\"lengths\"[0] must be an integer");
+  EXPECT_ERROR_WITH(plan_from_json(with("system", 7)), "\"system\" must be a string");
   EXPECT_ERROR_WITH(plan_from_json(with("lengths", {i64(1) << 62, i64(1) << 62, i64(1) << 62})), "2^63");
   // sp * pp * dp * tp of ints near 2^31 must not overflow on the way to the comparison.
   nlohmann::json big = good;
