@@ -1,5 +1,6 @@
 #include "core/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -43,9 +44,15 @@ void ModelConfig::validate() const {
   SPPO_CHECK(hidden >= 2, "config") << "--hidden must be positive and at least 2 (got " << hidden << ")";
   SPPO_CHECK(layers >= 1, "config") << "--layers must be at least 1 (got " << layers << ")";
   SPPO_CHECK(heads >= 1, "config") << "--heads must be at least 1 (got " << heads << ")";
+  SPPO_CHECK(ffn_mult >= 1, "config") << "ffn_mult must be at least 1 (got " << ffn_mult << ")";
+  // Sizes far beyond any model, so that parameter counts and per-token byte counts stay
+  // inside 64 bits wherever they are computed (and the search for head counts below is short).
+  SPPO_CHECK(hidden <= kMaxHidden && ffn_mult <= kMaxFfnMult && layers <= kMaxLayers, "config")
+      << "--hidden " << hidden << ", --layers " << layers << ", ffn_mult " << ffn_mult
+      << ": at most " << kMaxHidden << ", " << kMaxLayers << " and " << kMaxFfnMult << " are accepted";
   if (hidden % heads != 0 || (hidden / heads) % 2 != 0) {
-    std::string ok;  // head counts that work: divide H with an even head size
-    for (int z = 1, shown = 0; z <= hidden && shown < 4; ++z)
+    std::string ok;  // head counts that work: divide H with an even head size of at most 256
+    for (int z = std::max(1, hidden / 256), shown = 0; z <= hidden && shown < 4; ++z)
       if (hidden % z == 0 && (hidden / z) % 2 == 0 && hidden / z <= 256) {
         ok += (shown++ ? ", " : "") + std::to_string(z);
       }
@@ -56,14 +63,8 @@ void ModelConfig::validate() const {
                                 << " is odd; RoPE rotates pairs of dims, so it must be even (e.g. --heads "
                                 << ok << ")";
   }
-  SPPO_CHECK(ffn_mult >= 1, "config") << "ffn_mult must be at least 1 (got " << ffn_mult << ")";
   SPPO_CHECK(std::isfinite(rope_theta) && rope_theta > 0, "config") << "rope_theta must be positive (got " << rope_theta << ")";
   SPPO_CHECK(std::isfinite(ln_eps) && ln_eps > 0, "config") << "ln_eps must be positive (got " << ln_eps << ")";
-  // Sizes far beyond any model, so that parameter counts and per-token byte counts stay
-  // inside 64 bits wherever they are computed.
-  SPPO_CHECK(hidden <= kMaxHidden && ffn_mult <= kMaxFfnMult && layers <= kMaxLayers, "config")
-      << "--hidden " << hidden << ", --layers " << layers << ", ffn_mult " << ffn_mult
-      << ": at most " << kMaxHidden << ", " << kMaxLayers << " and " << kMaxFfnMult << " are accepted";
   const double params = double(vocab) * hidden + double(layers) * (4.0 + 2.0 * ffn_mult) * double(hidden) * hidden;
   SPPO_CHECK(params <= kMaxParams, "config")
       << "the model would have about " << params << " parameters; at most " << kMaxParams << " are accepted";

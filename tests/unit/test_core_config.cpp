@@ -81,6 +81,11 @@ TEST(ModelConfigJson, RefusesWrongTypesAndAbsurdSizes) {
   huge["layers"] = 60000;
   huge["heads"] = 512;
   EXPECT_ERROR_WITH(model_config_from_json(huge), "parameters");
+  // Once took seconds: the search for head counts that work ran up to H.
+  EXPECT_ERROR_WITH(model_config_from_json(with("hidden", 444444442)), "at most");
+  nlohmann::json odd = with("hidden", 1048574);  // 2 x 524287 (prime): few head counts work
+  odd["heads"] = 3;
+  EXPECT_ERROR_WITH(model_config_from_json(odd), "--heads 524287");
   nlohmann::json missing = good;
   missing.erase("heads");
   EXPECT_ERROR_WITH(model_config_from_json(missing), "lacks \"heads\"");
