@@ -26,7 +26,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/attention.h"
+#include "backends/cpu/attention.h"
 
 namespace {
 

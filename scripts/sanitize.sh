@@ -48,7 +48,7 @@ run_asan() {
 
 run_tsan() {
   local t0=$(date +%s)
-  local tests=(test_runtime_memory test_runtime_copy_stream test_runtime_step)
+  local tests=(test_runtime_memory test_backend_copy_stream test_runtime_step)
   cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSPPO_SANITIZE_THREAD=ON >/dev/null
   nice -n 10 cmake --build build-tsan -j"$jobs" --target "${tests[@]}" >/dev/null
   local t1=$(date +%s)

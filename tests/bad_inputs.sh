@@ -137,7 +137,7 @@ expect "repeat:x" train --model tiny --data repeat:x
 # checkpoints
 expect "/nonexistent/ckpt" train --model tiny --resume /nonexistent/ckpt
 expect "model.safetensors" train --model tiny --seq-len 32 --steps 4 --resume ckpt_corrupt
-expect "another config" train --model tiny --hidden 128 --seq-len 32 --steps 4 --resume ckpt
+expect "--hidden \"128\" differs from the checkpoint's \"64\"" train --model tiny --hidden 128 --seq-len 32 --steps 4 --resume ckpt
 expect "notes.txt" train --model tiny --resume notes.txt
 expect "/nonexistent/init" grads --model tiny --out grads_out --init /nonexistent/init
 expect "--out" grads --model tiny

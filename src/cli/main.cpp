@@ -4,15 +4,22 @@
 #include <omp.h>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 
+#include "backends/cpu/blas_setup.h"
 #include "cli/cmd_plan.h"
+#include "comm/comm.h"
 #include "core/check.h"
-#include "kernels/blas_setup.h"
+#include "io/checkpoint.h"
 #include "train/bench.h"
+#include "train/bench_pipeline.h"
 #include "train/bench_sppo.h"
+#include "train/profile_device.h"
 #include "train/profile_machine.h"
+#include "train/parallel.h"
+#include "train/setup.h"
 #include "train/trainer.h"
 
 namespace {
@@ -25,18 +32,20 @@ struct StepFlags {
   int vocab = 0, hidden = 0, layers = 0, heads = 0;
   std::string seq_len = "1024";
   std::string device_memory;
+  CLI::Option* model_option = nullptr;
+  CLI::Option* seq_len_option = nullptr;
 };
 
 void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   std::string presets;
   for (const auto& p : preset_names()) presets += (presets.empty() ? "" : ", ") + p;
-  cmd->add_option("--model", f.model, "Model preset: " + presets)->capture_default_str();
+  f.model_option = cmd->add_option("--model", f.model, "Model preset: " + presets)->capture_default_str();
   cmd->add_option("--vocab", f.vocab, "Vocabulary size V (overrides the preset)");
   cmd->add_option("--hidden", f.hidden, "Hidden size H (overrides the preset)");
   cmd->add_option("--layers", f.layers, "Number of blocks L (overrides the preset)");
   cmd->add_option("--heads", f.heads, "Attention heads Z; H/Z must be even (overrides the preset)");
-  cmd->add_option("--seq-len", f.seq_len, "Tokens per step S; K and M suffixes allowed (64K, 1M)")
-      ->capture_default_str();
+  f.seq_len_option = cmd->add_option("--seq-len", f.seq_len, "Tokens per step S; K and M suffixes allowed (64K, 1M)")
+                         ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of the initial weights and the built-in task")->capture_default_str();
   cmd->add_option("--data", o.data,
                   "Training data: empty for the built-in repeat task, a text file (bytes), raw "
@@ -54,13 +63,29 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
-  cmd->add_option("--plan", o.plan_path, "Take the subsequence lengths and alpha from this plan (sppo plan --gpus 1 --json)");
+  cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
+  cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");
+  cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
+  cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
+  cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the data-parallel replicas (ZeRO-1)")
+      ->capture_default_str();
+  cmd->add_option("--batch", o.batch, "Sequences per optimizer step, all replicas together (default: --dp)");
+  cmd->add_option("--comm-timeout", o.comm_timeout_s,
+                  "Seconds a rank waits for a message before ending the job")->capture_default_str();
 }
 
 void resolve_step_options(const StepFlags& f, StepOptions& o) {
   o.model = preset(f.model);
   o.model_name = f.model;
   const bool custom = f.vocab || f.hidden || f.layers || f.heads;
+  // A plan names its model and sequence length: they are taken from it unless given.
+  std::optional<plan::Plan> from_plan;
+  if (!o.plan_path.empty()) from_plan = read_plan_file(o.plan_path);
+  if (from_plan && !f.model_option->count() && !custom) {
+    o.model = from_plan->model;
+    o.model_name = from_plan->model_name;
+  }
   auto positive = [](int v, const char* name) {
     SPPO_CHECK(v > 0, "options") << name << " must be a positive integer (got " << v << ")";
     return v;
@@ -70,8 +95,9 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (f.hidden) o.model.hidden = positive(f.hidden, "--hidden");
   if (f.layers) o.model.layers = positive(f.layers, "--layers");
   if (f.heads) o.model.heads = positive(f.heads, "--heads");
-  if (custom) o.model_name = f.model + " (custom)";
-  o.seq_len = parse_count(f.seq_len, "--seq-len");
+  o.model_preset = f.model;
+  if (custom && to_json(o.model) != to_json(preset(f.model))) o.model_name = f.model + " (custom)";
+  o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
   if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
   o.model.validate();
 }
@@ -87,6 +113,24 @@ void print_bench_layer(const nlohmann::json& j) {
               j["cpu_peak_flops_per_s"].get<double>() / 1e9, j["sgemm_flops_per_s"].get<double>() / 1e9,
               j["fraction_of_peak"].get<double>(), j["fraction_of_sgemm"].get<double>(),
               format_bytes(j["peak_memory_bytes"].get<double>()).c_str());
+}
+
+// The command line as {"--option": "value"} (flags: true; positionals by index), for the
+// check that every rank of a job was started with the same options.
+nlohmann::json options_of(int argc, char** argv) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 1; k < argc; ++k) {
+    const std::string a = argv[k];
+    if (a.rfind("--", 0) == 0) {
+      const auto eq = a.find('=');
+      if (eq != std::string::npos) j[a.substr(0, eq)] = a.substr(eq + 1);
+      else if (k + 1 < argc && std::string(argv[k + 1]).rfind("--", 0) != 0) j[a] = argv[++k];
+      else j[a] = true;
+    } else {
+      j["argument " + std::to_string(k)] = a;
+    }
+  }
+  return j;
 }
 
 }  // namespace
@@ -115,6 +159,9 @@ int main(int argc, char** argv) {
   cmd_train->add_option("--trace", train.trace_path, "Chrome trace JSON of the last step (Perfetto)");
   cmd_train->add_option("--svg", train.svg_path, "SVG timeline of the last step (compute, copies, memory)");
   cmd_train->add_flag("--quiet", train.quiet, "No progress output");
+  cmd_train->add_option("--max-bad-steps", train.max_bad_steps,
+                        "Skip a step whose loss or gradient is not finite; stop after this many in a row")
+      ->capture_default_str();
 
   // grads
   StepOptions grads;
@@ -163,6 +210,16 @@ int main(int argc, char** argv) {
   cmd_bench_offload->add_option("--hardware", bo_hardware, "Profile for adaptive choices (default: measured now)");
   cmd_bench_offload->add_flag("--json", bo_json, "Print one JSON object");
 
+  BenchPipelineOptions bp;
+  bool bp_json = false;
+  auto* cmd_bench_pipeline = cmd_bench->add_subcommand(
+      "pipeline", "Sequence pipeline and data parallel on 2 ranks: bubble and step time, measured vs simulated");
+  cmd_bench_pipeline->add_option("--model", bp.model, "Model preset")->capture_default_str();
+  cmd_bench_pipeline->add_option("--seq-len", bp.seq_len, "Tokens per sequence")->capture_default_str();
+  cmd_bench_pipeline->add_option("--reps", bp.reps, "Timed steps per configuration")->capture_default_str();
+  cmd_bench_pipeline->add_option("--hardware", bp.hardware, "Profile to simulate with (default: measured now)");
+  cmd_bench_pipeline->add_flag("--json", bp_json, "Print one JSON object");
+
   std::string bs_hardware;
   int bs_reps = 5;
   bool bs_json = false;
@@ -177,6 +234,9 @@ int main(int argc, char** argv) {
   auto* cmd_profile = app.add_subcommand("profile", "Measure this machine (GEMM, attention, copies) as a hardware profile");
   cmd_profile->add_option("--out", profile_out, "Where to write the profile JSON")->capture_default_str();
   cmd_profile->add_flag("--quick", profile_quick, "Smaller shapes, about a second");
+  std::string profile_backend = "cpu", profile_precision;
+  cmd_profile->add_option("--backend", profile_backend, "cpu, cuda or auto: the device to measure")->capture_default_str();
+  cmd_profile->add_option("--precision", profile_precision, "fp32 or bf16 (default: the backend's)");
 
   try {
     try {
@@ -185,8 +245,36 @@ int main(int argc, char** argv) {
       return app.exit(e) == 0 ? 0 : 2;
     }
     if (auto rc = cli::plan_command_result()) return *rc;
+    if (comm::launched_by_mpi() && (*cmd_train || *cmd_grads)) check_same_options(comm::world(), options_of(argc, argv));
     if (*cmd_train) {
+      // --resume restores every option that changes the numbers and was not given again.
+      nlohmann::json recorded;
+      if (!train.resume_dir.empty()) {
+        const nlohmann::json state = io::read_checkpoint_state(train.resume_dir);
+        recorded = state.value("options", nlohmann::json::object());
+        std::vector<std::string> args(argv, argv + argc);
+        // Without --steps the run continues to the end its schedule was laid out for.
+        if (cmd_train->get_option("--steps")->count() == 0 && state.contains("schedule_steps"))
+          args.push_back("--steps=" + std::to_string(state["schedule_steps"].get<int>()));
+        for (auto it = recorded.begin(); it != recorded.end(); ++it) {
+          const CLI::Option* opt = cmd_train->get_option_no_throw(it.key());
+          if (!opt || opt->count() > 0) continue;
+          if (it.value().is_boolean()) {
+            if (it.value().get<bool>()) args.push_back(it.key());
+          } else if (!it.value().get<std::string>().empty()) {
+            args.push_back(it.key() + "=" + it.value().get<std::string>());
+          }
+        }
+        std::vector<const char*> restored;
+        for (const auto& a : args) restored.push_back(a.c_str());
+        app.clear();
+        app.parse(int(restored.size()), restored.data());
+      }
       resolve_step_options(train_flags, train.step);
+      const std::string differs = first_difference(numeric_options(train), recorded);
+      SPPO_CHECK(differs.empty(), "checkpoint")
+          << differs << " in " << train.resume_dir << "; drop it to continue the run as it was saved, or start a "
+          << "new run without --resume";
       return run_train(train);
     }
     if (*cmd_grads) {
@@ -212,6 +300,15 @@ int main(int argc, char** argv) {
       else print_bench_offload(j);
       return 0;
     }
+    if (*cmd_bench_pipeline) {
+      if (!comm::launched_by_mpi()) relaunch_under_mpirun(2, argc, argv);
+      const auto j = bench_pipeline(bp, comm::world());
+      if (comm::world().rank() == 0) {
+        if (bp_json) std::printf("%s\n", j.dump(2).c_str());
+        else print_bench_pipeline(j);
+      }
+      return 0;
+    }
     if (*cmd_bench_sim) {
       const auto j = bench_sim(bs_hardware, bs_reps);
       if (bs_json) std::printf("%s\n", j.dump(2).c_str());
@@ -219,7 +316,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*cmd_profile) {
-      const auto p = measure_cpu_profile(profile_quick);
+      // The CPU is measured with its own kernels; other devices through the backend.
+      const auto be = make_backend(profile_backend, profile_precision);
+      nlohmann::json details;
+      const auto p = std::string(be->name()) == "cpu" ? measure_cpu_profile(profile_quick)
+                                                      : measure_backend_profile(*be, profile_quick, &details);
+      if (!details.empty()) std::fprintf(stderr, "also measured: %s\n", details.dump().c_str());
       plan::save_profile(p, profile_out);
       std::printf("%s\n", plan::to_json(p).dump(2).c_str());
       std::fprintf(stderr, "wrote %s; use it with --hardware %s\n", profile_out.c_str(), profile_out.c_str());
@@ -236,6 +338,14 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const Error& e) {
+    // Errors that reach here are the same on every rank (train and grads agree on them
+    // first), so one rank reports them. 3: the run does not fit; 2: bad input.
+    if (!comm::launched_by_mpi() || comm::world().rank() == 0) std::fprintf(stderr, "sppo: %s\n", e.what());
+    return dynamic_cast<const DoesNotFit*>(&e) ? 3 : 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "sppo: [memory] this machine ran out of memory; shorten --seq-len or use a smaller model\n");
+    return 3;
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "sppo: %s\n", e.what());
     return 2;
   }

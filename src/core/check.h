@@ -1,6 +1,8 @@
 // Two kinds of check (STYLE.md 6):
 //  - SPPO_CHECK(cond, component) << "message": bad input from a user. Throws sppo::Error
 //    whose text is "[component] message"; the CLI turns it into exit status 2.
+//    SPPO_CHECK_FITS is the same for a run that does not fit its memory (a budget, the
+//    machine): it throws sppo::DoesNotFit, exit status 3.
 //  - SPPO_ASSERT(cond): an invariant of the engine. Aborts with file:line and "bug".
 #pragma once
 
@@ -15,15 +17,23 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+class DoesNotFit : public Error {
+ public:
+  explicit DoesNotFit(const std::string& what) : Error(what) {}
+};
+
 namespace detail {
 
 // Collects the streamed message and throws when it goes out of scope.
 class CheckFailure {
  public:
-  explicit CheckFailure(const char* component) { os_ << '[' << component << "] "; }
+  explicit CheckFailure(const char* component, bool fits = false) : fits_(fits) { os_ << '[' << component << "] "; }
   CheckFailure(const CheckFailure&) = delete;
   CheckFailure& operator=(const CheckFailure&) = delete;
-  [[noreturn]] ~CheckFailure() noexcept(false) { throw Error(os_.str()); }
+  [[noreturn]] ~CheckFailure() noexcept(false) {
+    if (fits_) throw DoesNotFit(os_.str());
+    throw Error(os_.str());
+  }
   template <typename T>
   CheckFailure& operator<<(const T& v) {
     os_ << v;
@@ -32,6 +42,7 @@ class CheckFailure {
 
  private:
   std::ostringstream os_;
+  bool fits_;
 };
 
 [[noreturn]] void assert_fail(const char* expr, const char* file, int line, const std::string& msg);
@@ -43,6 +54,11 @@ class CheckFailure {
   if (cond) {                       \
   } else                            \
     ::sppo::detail::CheckFailure(component)
+
+#define SPPO_CHECK_FITS(cond, component) \
+  if (cond) {                            \
+  } else                                 \
+    ::sppo::detail::CheckFailure(component, true)
 
 #define SPPO_ASSERT(cond)                                                 \
   do {                                                                    \

@@ -1,5 +1,7 @@
 #include "core/layout.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 
 namespace sppo {
@@ -36,14 +38,24 @@ i64 total_bytes(const std::vector<TensorSpec>& specs) {
   return b;
 }
 
-std::vector<TensorSpec> parameter_specs(const ModelConfig& c) {
+std::pair<i64, i64> piece_range(i64 n, int piece, int pieces) {
+  SPPO_ASSERT(pieces >= 1 && piece >= 0 && piece < pieces);
+  const i64 base = n / pieces, rem = n % pieces;
+  const i64 b = piece * base + std::min<i64>(piece, rem);
+  return {b, b + base + (piece < rem ? 1 : 0)};
+}
+
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c) { return parameter_specs(c, 0, c.layers); }
+
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end) {
+  SPPO_ASSERT(0 <= begin && begin < end && end <= c.layers);
   const i64 H = c.hidden, F = c.ffn(), V = c.vocab;
   std::vector<TensorSpec> p;
   auto add = [&](std::string name, std::vector<i64> shape) {
     p.push_back({std::move(name), std::move(shape), DType::F32, Role::Parameter});
   };
-  add("embed.weight", {V, H});
-  for (int l = 0; l < c.layers; ++l) {
+  if (begin == 0 || end == c.layers) add("embed.weight", {V, H});
+  for (int l = begin; l < end; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
     add(b + "ln1.weight", {H});
     add(b + "ln1.bias", {H});
@@ -58,8 +70,10 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c) {
     add(b + "mlp.proj.weight", {H, F});
     add(b + "mlp.proj.bias", {H});
   }
-  add("ln_f.weight", {H});
-  add("ln_f.bias", {H});
+  if (end == c.layers) {
+    add("ln_f.weight", {H});
+    add("ln_f.bias", {H});
+  }
   return p;
 }
 
@@ -110,13 +124,17 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p) {
   const i64 H = c.hidden, V = c.vocab;
   const i64 rows = std::min(T, chunk);
-  return {
+  std::vector<TensorSpec> s = {
       {"ln_f_out", {T, H}, act_dtype(p), Role::Workspace},
       {"ln_f_mean", {T}, DType::F32, Role::Workspace},
       {"ln_f_rstd", {T}, DType::F32, Role::Workspace},
       {"logits", {rows, V}, DType::F32, Role::Workspace},
       {"losses", {T}, DType::F32, Role::Workspace},
   };
+  // In bf16 the loss gradient feeds the bf16 GEMMs from a buffer of its own; in fp32 it
+  // overwrites the logits.
+  if (p == ActPrecision::BF16) s.push_back({"dlogits", {rows, V}, DType::BF16, Role::Workspace});
+  return s;
 }
 
 i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<bool>* take) {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -38,9 +39,27 @@ struct TensorSpec {
 
 i64 total_bytes(const std::vector<TensorSpec>& specs);
 
+// Range [begin, end) of piece p of `pieces` of n items: the first n % pieces pieces get one
+// more. How a subsequence splits into SP or MSP pieces, and a gradient bucket into ZeRO
+// shards.
+std::pair<i64, i64> piece_range(i64 n, int piece, int pieces);
+
 // Parameters in checkpoint order, with the exact names of the export format:
 // embed.weight, blocks.{l}.ln1.weight, ..., ln_f.weight, ln_f.bias.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c);
+// The parameters a pipeline stage holding layers [begin, end) owns, in the same order:
+// the embedding with the first layer and, tied as the LM head, with the last; the final
+// LayerNorm with the last.
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end);
+
+// Scratch memory a kernel (or a block's sequence of kernels) needs for T rows, as an upper
+// bound fixed + bytes_per_token * T that the runtime allocates from the device tier and the
+// memory rules count (kernels/scratch.h). Zero: kernels allocate outside any budget.
+struct KernelScratch {
+  i64 fixed_bytes = 0;
+  i64 bytes_per_token = 0;
+  i64 bytes(i64 T) const { return fixed_bytes + bytes_per_token * T; }
+};
 
 // Precision of activations: fp32 on the CPU backend; bf16 on GPUs, where LayerNorm
 // statistics and the attention LSE stay fp32.

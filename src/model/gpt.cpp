@@ -5,12 +5,12 @@
 #include <vector>
 
 #include "core/check.h"
-#include "kernels/attention.h"
-#include "kernels/ops.h"
 
 namespace sppo {
 
-ParamView param_view(const ModelConfig& c, float* base) {
+ParamView param_view(const ModelConfig& c, float* base) { return param_view(c, base, 0, c.layers); }
+
+ParamView param_view(const ModelConfig& c, float* base, int begin, int end) {
   ParamView v;
   float* p = base;
   auto take = [&](i64 n) {
@@ -19,9 +19,10 @@ ParamView param_view(const ModelConfig& c, float* base) {
     return r;
   };
   const i64 H = c.hidden, F = c.ffn();
-  v.embed = take(i64(c.vocab) * H);
+  if (begin == 0 || end == c.layers) v.embed = take(i64(c.vocab) * H);
   v.blocks.resize(c.layers);
-  for (auto& b : v.blocks) {
+  for (int l = begin; l < end; ++l) {
+    BlockParams& b = v.blocks[l];
     b.ln1_w = take(H);
     b.ln1_b = take(H);
     b.qkv_w = take(3 * H * H);
@@ -35,49 +36,65 @@ ParamView param_view(const ModelConfig& c, float* base) {
     b.proj_w = take(H * F);
     b.proj_b = take(H);
   }
-  v.lnf_w = take(H);
-  v.lnf_b = take(H);
-  SPPO_ASSERT(p - base == c.num_params());
+  if (end == c.layers) {
+    v.lnf_w = take(H);
+    v.lnf_b = take(H);
+  }
+  SPPO_ASSERT(p - base == total_bytes(parameter_specs(c, begin, end)) / i64(sizeof(float)));
   return v;
 }
 
-BlockSaved block_saved_from(const std::vector<float*>& t) {
+MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end) {
+  MatrixView m;
+  i64 off = 0;
+  const i64 H = c.hidden, F = c.ffn();
+  auto at = [&](i64 n) {
+    const void* r = act_at(base, off, t);
+    off += n;
+    return r;
+  };
+  if (begin == 0 || end == c.layers) m.embed = at(i64(c.vocab) * H);
+  m.blocks.resize(c.layers);
+  for (int l = begin; l < end; ++l) {
+    BlockMatrices& b = m.blocks[l];
+    at(2 * H);  // ln1
+    b.qkv_w = at(3 * H * H);
+    b.qkv_b = at(3 * H);
+    b.out_w = at(H * H);
+    b.out_b = at(H);
+    at(2 * H);  // ln2
+    b.fc_w = at(F * H);
+    b.fc_b = at(F);
+    b.proj_w = at(H * F);
+    b.proj_b = at(H);
+  }
+  if (end == c.layers) at(2 * H);
+  SPPO_ASSERT(off == total_bytes(parameter_specs(c, begin, end)) / i64(sizeof(float)));
+  return m;
+}
+
+BlockSaved block_saved_from(const std::vector<void*>& t) {
   SPPO_ASSERT(t.size() == 14);
-  return {t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12], t[13]};
+  auto f = [](void* p) { return static_cast<float*>(p); };
+  return {t[0], f(t[1]), f(t[2]), t[3], t[4], t[5], t[6], t[7], f(t[8]), t[9], f(t[10]), f(t[11]), t[12], t[13]};
 }
 
-BlockWorkspace block_workspace_from(const std::vector<float*>& t) {
+BlockWorkspace block_workspace_from(const std::vector<void*>& t, Workspace scratch) {
   SPPO_ASSERT(t.size() == 4);
-  return {t[0], t[1], t[2], t[3]};
+  return {t[0], t[1], t[2], static_cast<float*>(t[3]), scratch};
 }
 
-HeadWorkspace head_workspace_from(const std::vector<float*>& t, int chunk) {
-  SPPO_ASSERT(t.size() == 5);
-  return {t[0], t[1], t[2], t[3], t[4], chunk};
+HeadWorkspace head_workspace_from(const std::vector<void*>& t, int chunk, Workspace scratch) {
+  // fp32: five buffers, the gradient overwriting the logits; bf16: a sixth for dlogits.
+  SPPO_ASSERT(t.size() == 5 || t.size() == 6);
+  auto f = [](void* p) { return static_cast<float*>(p); };
+  return {t[0], f(t[1]), f(t[2]), f(t[3]), f(t[4]), t.size() == 6 ? t[5] : t[3], chunk, scratch};
 }
 
 namespace {
 
-void add_inplace(float* y, const float* x, i64 n) {
-#pragma omp parallel for simd schedule(static)
-  for (i64 i = 0; i < n; ++i) y[i] += x[i];
-}
-
-// Copies columns [col, col + width) of a [T, ld] buffer into a dense [T, width] one.
-void copy_cols(float* dst, const float* src, int T, int width, int ld_src, int col) {
-#pragma omp parallel for schedule(static)
-  for (int t = 0; t < T; ++t)
-    std::memcpy(dst + i64(t) * width, src + i64(t) * ld_src + col, sizeof(float) * width);
-}
-
-void put_cols(float* dst, const float* src, int T, int width, int ld_dst, int col) {
-#pragma omp parallel for schedule(static)
-  for (int t = 0; t < T; ++t)
-    std::memcpy(dst + i64(t) * ld_dst + col, src + i64(t) * width, sizeof(float) * width);
-}
-
-cpu::AttnDims attn_dims(const ModelConfig& c, const Subseq& q) {
-  cpu::AttnDims d;
+AttnShape attn_shape(const ModelConfig& c, const Subseq& q) {
+  AttnShape d;
   d.Tq = q.T;
   d.Z = c.heads;
   d.A = c.head_size();
@@ -88,100 +105,100 @@ cpu::AttnDims attn_dims(const ModelConfig& c, const Subseq& q) {
 
 // The KV blocks a subsequence's queries attend to, in position order: the earlier
 // subsequences' blocks, then its own keys k_self/v_self (gradients dk_self/dv_self).
-std::vector<cpu::KVBlock> kv_blocks(const KVBlocks& past, const float* k_self, const float* v_self,
-                                    float* dk_self, float* dv_self, const Subseq& q) {
-  std::vector<cpu::KVBlock> blocks;
+std::vector<KVRef> kv_blocks(const KVBlocks& past, const void* k_self, const void* v_self, float* dk_self,
+                             float* dv_self, const Subseq& q) {
+  std::vector<KVRef> blocks;
   blocks.reserve(past.k.size() + 1);
   for (size_t j = 0; j < past.k.size(); ++j)
     blocks.push_back({past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr,
-                      j < past.dv.size() ? past.dv[j] : nullptr, int(past.lengths[j]),
-                      past.offsets[j]});
+                      j < past.dv.size() ? past.dv[j] : nullptr, int(past.lengths[j]), past.offsets[j]});
   blocks.push_back({k_self, v_self, dk_self, dv_self, q.T, q.offset});
   return blocks;
 }
 
 }  // namespace
 
-void block_forward(float* x_out, BlockSaved& s, const BlockParams& p, const BlockWorkspace& w,
-                   const KVBlocks& past, const ModelConfig& c, const Subseq& q) {
+void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
+                   const BlockWorkspace& w, const KVBlocks& past, const ModelConfig& c, const Subseq& q) {
   const int T = q.T, H = c.hidden, F = c.ffn();
   const i64 TH = i64(T) * H;
+  const DType a = be.act();
   // Attention half: x_mid = x + out(attn(rope(qkv(LN1(x)))))
-  cpu::layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T, H, c.ln_eps);
-  cpu::linear_forward(w.qkv, s.ln1_out, p.qkv_w, p.qkv_b, T, H, 3 * H);
-  cpu::rope_forward(w.qkv, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);      // q
-  cpu::rope_forward(w.qkv + H, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);  // k
-  copy_cols(s.q, w.qkv, T, H, 3 * H, 0);
-  copy_cols(s.k, w.qkv, T, H, 3 * H, H);
-  copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
+  be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T, H, c.ln_eps);
+  be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, 3 * H, 0, 0);
+  be.rope_forward(w.qkv, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);                 // q
+  be.rope_forward(act_at(w.qkv, H, a), T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);  // k
+  be.copy_cols(s.q, w.qkv, T, H, 3 * H, 0);
+  be.copy_cols(s.k, w.qkv, T, H, 3 * H, H);
+  be.copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
   // Every earlier block and the diagonal one in one call: one online softmax, no merge.
-  cpu::attention_forward_blocks(s.attn_out, s.lse, s.q,
-                                kv_blocks(past, s.k, s.v, nullptr, nullptr, q), attn_dims(c, q));
-  cpu::linear_forward(s.x_mid, s.attn_out, p.out_w, p.out_b, T, H, H);
-  add_inplace(s.x_mid, s.x, TH);
+  be.attention_forward(s.attn_out, s.lse, s.q, kv_blocks(past, s.k, s.v, nullptr, nullptr, q), attn_shape(c, q),
+                       w.scratch);
+  be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, H, H, 0, 0);
+  be.add_inplace(s.x_mid, s.x, TH);
   // MLP half: x_out = x_mid + proj(gelu(fc(LN2(x_mid))))
-  cpu::layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T, H, c.ln_eps);
-  cpu::linear_forward(s.fc_pre, s.ln2_out, p.fc_w, p.fc_b, T, H, F);
-  cpu::gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);
-  cpu::linear_forward(x_out, w.mlp_act, p.proj_w, p.proj_b, T, F, H);
-  add_inplace(x_out, s.x_mid, TH);
+  be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T, H, c.ln_eps);
+  be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, F, 0, 0);
+  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);
+  be.linear_forward(x_out, w.mlp_act, m.proj_w, m.proj_b, T, F, H, 0, 0);
+  be.add_inplace(x_out, s.x_mid, TH);
 }
 
-void block_backward(float* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
-                    const BlockParams& p, const BlockWorkspace& w, const KVBlocks& past,
+void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
+                    const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, const KVBlocks& past,
                     const ModelConfig& c, const Subseq& q) {
   const int T = q.T, H = c.hidden, F = c.ffn();
+  const DType a = be.act();
   // MLP half. d is the gradient w.r.t. x_out = x_mid + proj(gelu(fc_pre)).
-  cpu::gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);  // recomputed: cheaper than saving it
-  cpu::linear_backward(nullptr, g.proj_w, g.proj_b, d, w.mlp_act, p.proj_w, T, F, H);
-  cpu::gemm(false, false, T, F, H, 1.0f, d, H, p.proj_w, F, 0.0f, w.mlp_act, F);  // d mlp_act
-  cpu::gelu_backward(w.mlp_act, w.mlp_act, s.fc_pre, i64(T) * F);                // d fc_pre
-  cpu::linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, s.ln2_out, p.fc_w, T, H, F);
-  cpu::layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H);
+  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);  // recomputed: cheaper than saving it
+  be.linear_backward(nullptr, g.proj_w, g.proj_b, d, w.mlp_act, m.proj_w, T, F, H, 0, 0, w.scratch);
+  be.gemm(false, false, T, F, H, 1.0f, d, H, m.proj_w, F, 0.0f, w.mlp_act, F, a, a);  // d mlp_act
+  be.gelu_backward(w.mlp_act, w.mlp_act, s.fc_pre, i64(T) * F);                       // d fc_pre
+  be.linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, s.ln2_out, m.fc_w, T, H, F, 0, 0, w.scratch);
+  be.layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H, w.scratch);
   // Attention half. d is now the gradient w.r.t. x_mid = x + out(attn_out).
-  cpu::linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, p.out_w, T, H, H);
-  cpu::AttnDims self = attn_dims(c, q);
-  cpu::attention_backward_delta(w.delta, w.d_tmp, s.attn_out, self);
-  float* dqkv = w.qkv;  // [T, 3H]: dq accumulates in columns 0..H-1
-  for (int t = 0; t < T; ++t) std::memset(dqkv + i64(t) * 3 * H, 0, sizeof(float) * H);
-  cpu::AttnDims dq_self = self;
+  be.linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, m.out_w, T, H, H, 0, 0, w.scratch);
+  const AttnShape self = attn_shape(c, q);
+  be.attention_backward_delta(w.delta, w.d_tmp, s.attn_out, self);
+  void* dqkv = w.qkv;  // [T, 3H]: dq accumulates in columns 0..H-1
+  be.zero_cols(dqkv, T, H, 3 * H, 0);
+  AttnShape dq_self = self;
   dq_self.ldq = 3 * H;
   // Queries read from s.q (stride H); dq written with stride 3H: the kernel takes one ldq
   // for both, so run with q copied into the dq columns' layout.
-  float* q3 = w.qkv + H;  // columns H..2H-1 are free until dk is written below
-  put_cols(q3, s.q, T, H, 3 * H, 0);
-  cpu::attention_backward_blocks(dqkv, w.d_tmp, q3, kv_blocks(past, s.k, s.v, dk_self, dv_self, q),
-                                 s.lse, w.delta, dq_self);
+  void* q3 = act_at(w.qkv, H, a);  // columns H..2H-1 are free until dk is written below
+  be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
+  be.attention_backward(dqkv, w.d_tmp, q3, kv_blocks(past, s.k, s.v, dk_self, dv_self, q), s.lse, w.delta, dq_self,
+                        w.scratch);
   // dK/dV of this subsequence are complete: every later subsequence has contributed.
-  put_cols(dqkv, dk_self, T, H, 3 * H, H);
-  put_cols(dqkv, dv_self, T, H, 3 * H, 2 * H);
-  cpu::rope_backward(dqkv, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
-  cpu::rope_backward(dqkv + H, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
-  cpu::linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, p.qkv_w, T, H, 3 * H);
-  cpu::layernorm_backward(d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, H);
+  be.put_cols(dqkv, dk_self, true, T, H, 3 * H, H);
+  be.put_cols(dqkv, dv_self, true, T, H, 3 * H, 2 * H);
+  be.rope_backward(dqkv, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
+  be.rope_backward(act_at(dqkv, H, a), T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
+  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, m.qkv_w, T, H, 3 * H, 0, 0, w.scratch);
+  be.layernorm_backward(d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, H, w.scratch);
 }
 
-double head_forward_backward(float* head_grad, const float* x, const std::int32_t* targets,
-                             const ParamView& p, ParamView& g, const HeadWorkspace& w,
-                             const ModelConfig& c, int T, i64 total_tokens) {
+void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const void* x, const std::int32_t* targets,
+                           const ParamView& p, const MatrixView& m, ParamView& g, const HeadWorkspace& w,
+                           const ModelConfig& c, int T, i64 total_tokens) {
   const int H = c.hidden, V = c.vocab;
-  cpu::layernorm_forward(w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, T, H, c.ln_eps);
+  const DType a = be.act();
+  be.layernorm_forward(w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, T, H, c.ln_eps);
   const float scale = float(1.0 / double(total_tokens));
-  double loss = 0;
   // Row chunks bound the logits to [chunk, V]. Once a chunk's rows of ln_f_out have fed
   // dembed they are dead, so the chunk's gradient d ln_f_out overwrites them in place.
   for (int t0 = 0; t0 < T; t0 += w.chunk) {
     const int rows = std::min(w.chunk, T - t0);
-    float* h = w.ln_f_out + i64(t0) * H;
-    cpu::gemm(false, true, rows, V, H, 1.0f, h, H, p.embed, H, 0.0f, w.logits, V);
-    loss += cpu::xent_forward_backward(w.logits, w.losses + t0, targets + t0, rows, V, scale);
-    cpu::gemm(true, false, V, H, rows, 1.0f, w.logits, V, h, H, 1.0f, g.embed, H);
-    cpu::gemm(false, false, rows, H, V, 1.0f, w.logits, V, p.embed, H, 0.0f, h, H);
+    void* h = act_at(w.ln_f_out, i64(t0) * H, a);
+    be.gemm(false, true, rows, V, H, 1.0f, h, H, m.embed, H, 0.0f, w.logits, V, a, DType::F32);
+    be.xent(w.dlogits, w.losses + t0, loss_sum, w.logits, targets + t0, rows, V, scale, w.scratch);
+    be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.embed, H, a, DType::F32);
+    be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.embed, H, 0.0f, h, H, a, a);
   }
-  std::memset(head_grad, 0, sizeof(float) * i64(T) * H);
-  cpu::layernorm_backward(head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean,
-                          w.ln_f_rstd, T, H);
-  return loss;
+  be.fill_zero(head_grad, std::size_t(i64(T) * H * dtype_bytes(a)));
+  be.layernorm_backward(head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, T, H,
+                        w.scratch);
 }
 
 }  // namespace sppo

@@ -1,7 +1,13 @@
 // The GPT model of DESIGN.md 2, as forward and backward functions of ONE block (or the
-// head) on ONE subsequence of T tokens at global offset o. The model owns no memory: the
-// runtime allocates every buffer named below from the layout tables (core/layout.h) and
-// decides where each lives (device, host, offloaded). Dimension letters: core/dims.h.
+// head) on ONE subsequence of T tokens at global offset o, written once against the
+// backend interface (backend/backend.h). The model owns no memory: the runtime allocates
+// every buffer named below from the layout tables (core/layout.h) and decides where each
+// lives (device, host, offloaded). Dimension letters: core/dims.h.
+//
+// Types: activations are `void*` of the backend's activation type (be.act()); master
+// weights and their gradients, LayerNorm statistics, the LSE and the dK/dV accumulators
+// are fp32. The GEMMs read the weights' working copy in the activation type (MatrixView;
+// in fp32 the masters themselves).
 //
 // Accumulation rule: parameter gradients ACCUMULATE (+=) across subsequences; the
 // residual-stream gradient `d` is updated IN PLACE (on entry the gradient w.r.t. the
@@ -11,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/config.h"
 #include "core/layout.h"
 
@@ -36,41 +43,67 @@ struct ParamView {
 
 // Carves views from `base`, which holds total_bytes(parameter_specs(c)) bytes.
 ParamView param_view(const ModelConfig& c, float* base);
+// The views of a stage that owns layers [begin, end): `base` holds
+// parameter_specs(c, begin, end); blocks outside the range and the embedding or final
+// LayerNorm the stage does not own stay null.
+ParamView param_view(const ModelConfig& c, float* base, int begin, int end);
+
+// The linear layers' weights and biases the GEMMs read, in the activation type: a copy of
+// the fp32 masters laid out like them (parameter_specs(c, begin, end), every tensor
+// converted), or the masters.
+struct BlockMatrices {
+  const void* qkv_w; const void* qkv_b;    // [3H, H], [3H]
+  const void* out_w; const void* out_b;    // [H, H], [H]
+  const void* fc_w; const void* fc_b;      // [F, H], [F]
+  const void* proj_w; const void* proj_b;  // [H, F], [H]
+};
+struct MatrixView {
+  const void* embed = nullptr;  // [V, H]: the LM head's GEMMs
+  std::vector<BlockMatrices> blocks;
+};
+MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end);
+
+// The element `elems` past an activation pointer of type t.
+inline void* act_at(void* p, i64 elems, DType t) { return static_cast<char*>(p) + elems * dtype_bytes(t); }
+inline const void* act_at(const void* p, i64 elems, DType t) {
+  return static_cast<const char*>(p) + elems * dtype_bytes(t);
+}
 
 // What one block saves for backward on one subsequence (block_saved_specs order).
 struct BlockSaved {
-  float* x;         // [T, H] block input
+  void* x;          // [T, H] block input
   float* ln1_mean;  // [T]
   float* ln1_rstd;  // [T]
-  float* ln1_out;   // [T, H]
-  float* q;         // [T, H] after RoPE
-  float* k;         // [T, H] after RoPE (KV cache block of this subsequence)
-  float* v;         // [T, H]
-  float* attn_out;  // [T, H]
+  void* ln1_out;    // [T, H]
+  void* q;          // [T, H] after RoPE
+  void* k;          // [T, H] after RoPE (KV cache block of this subsequence)
+  void* v;          // [T, H]
+  void* attn_out;   // [T, H]
   float* lse;       // [Z, T]
-  float* x_mid;     // [T, H]
+  void* x_mid;      // [T, H]
   float* ln2_mean;  // [T]
   float* ln2_rstd;  // [T]
-  float* ln2_out;   // [T, H]
-  float* fc_pre;    // [T, F]
+  void* ln2_out;    // [T, H]
+  void* fc_pre;     // [T, F]
 };
 
 // Builds a BlockSaved from pointers in block_saved_specs order.
-BlockSaved block_saved_from(const std::vector<float*>& ptrs);
+BlockSaved block_saved_from(const std::vector<void*>& ptrs);
 
 struct BlockWorkspace {
-  float* qkv;      // [T, 3H]
-  float* mlp_act;  // [T, F]
-  float* d_tmp;    // [T, H]
-  float* delta;    // [Z, T]
+  void* qkv;           // [T, 3H]
+  void* mlp_act;       // [T, F]
+  void* d_tmp;         // [T, H]
+  float* delta;        // [Z, T]
+  Workspace scratch;   // the kernels' (Backend::block_scratch); empty: their own
 };
-BlockWorkspace block_workspace_from(const std::vector<float*>& ptrs);
+BlockWorkspace block_workspace_from(const std::vector<void*>& ptrs, Workspace scratch = {});
 
 // Keys and values of the earlier subsequences j < i of this layer, and (in backward) their
 // gradient accumulators. kv[j] covers positions offsets[j] .. offsets[j] + lengths[j] - 1.
 struct KVBlocks {
-  std::vector<const float*> k, v;  // [l_j, H]
-  std::vector<float*> dk, dv;      // [l_j, H], accumulate (+=); backward only
+  std::vector<const void*> k, v;  // [l_j, H] activations
+  std::vector<float*> dk, dv;     // [l_j, H] fp32, accumulate (+=); backward only
   std::vector<i64> offsets, lengths;
 };
 
@@ -81,33 +114,34 @@ struct Subseq {
 
 // x_out[T, H] = block(s.x). Fills every tensor of `s` (x must already hold the input).
 // `past` holds the KV blocks of j < i; this subsequence's own k/v are s.k, s.v.
-void block_forward(float* x_out, BlockSaved& s, const BlockParams& p, const BlockWorkspace& w,
-                   const KVBlocks& past, const ModelConfig& c, const Subseq& q);
+void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
+                   const BlockWorkspace& w, const KVBlocks& past, const ModelConfig& c, const Subseq& q);
 
 // d[T, H]: in the gradient w.r.t. the block output, out w.r.t. its input. dk_self/dv_self
 // [T, H] are this subsequence's dK/dV accumulators: on entry they hold the contributions of
 // later subsequences (or zeros); on exit they are complete. past.dk/dv accumulate.
-void block_backward(float* d, BlockParams& grads, float* dk_self, float* dv_self,
-                    const BlockSaved& s, const BlockParams& p, const BlockWorkspace& w,
-                    const KVBlocks& past, const ModelConfig& c, const Subseq& q);
+void block_backward(Backend& be, void* d, BlockParams& grads, float* dk_self, float* dv_self, const BlockSaved& s,
+                    const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, const KVBlocks& past,
+                    const ModelConfig& c, const Subseq& q);
 
-// Head forward and backward at once (the loss gradient is known in forward):
-// given x[T, H] (last block output) and targets[T], adds this subsequence's summed loss to
-// the return value, and writes head_grad[T, H] = d loss_mean / d x where loss_mean divides
-// by `total_tokens` (S). dembed/dlnf accumulate. Workspace from head_workspace_specs;
+// Head forward and backward at once (the loss gradient is known in forward): given x[T, H]
+// (last block output) and targets[T], adds this subsequence's summed loss to *loss_sum (a
+// device double), and writes head_grad[T, H] = d loss_mean / d x where loss_mean divides by
+// `total_tokens` (S). dembed/dlnf accumulate. Workspace from head_workspace_specs;
 // afterwards w.losses[T] holds each position's loss.
 struct HeadWorkspace {
-  float* ln_f_out;   // [T, H]
+  void* ln_f_out;    // [T, H]
   float* ln_f_mean;  // [T]
   float* ln_f_rstd;  // [T]
   float* logits;     // [chunk, V]
   float* losses;     // [T]
+  void* dlogits;     // [chunk, V] activations (bf16), or the logits themselves (fp32)
   int chunk;
+  Workspace scratch;  // the kernels' (Backend::head_scratch)
 };
-HeadWorkspace head_workspace_from(const std::vector<float*>& ptrs, int chunk);
-double head_forward_backward(float* head_grad, const float* x,
-                             const std::int32_t* targets, const ParamView& p, ParamView& g,
-                             const HeadWorkspace& w, const ModelConfig& c, int T,
-                             i64 total_tokens);
+HeadWorkspace head_workspace_from(const std::vector<void*>& ptrs, int chunk, Workspace scratch = {});
+void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const void* x, const std::int32_t* targets,
+                           const ParamView& p, const MatrixView& m, ParamView& g, const HeadWorkspace& w,
+                           const ModelConfig& c, int T, i64 total_tokens);
 
 }  // namespace sppo

@@ -56,7 +56,7 @@ double CostModel::layer_backward_s(i64 o, i64 l, i64 b, i64 e, int pieces) const
 
 double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   const i64 l = s.lengths.at(op.subseq);
-  auto [b, e] = sched::piece_range(l, op.piece, op.pieces);
+  auto [b, e] = piece_range(l, op.piece, op.pieces);
   double t = (op.layer_end - op.layer_begin) * layer_forward_s(o, l, b, e, op.pieces);
   if (op.layer_end == s.layers) t += head_flops(e - b) / gemm_rate_;
   return t;
@@ -64,7 +64,7 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
 
 double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   const i64 l = s.lengths.at(op.subseq);
-  auto [b, e] = sched::piece_range(l, op.piece, op.pieces);
+  auto [b, e] = piece_range(l, op.piece, op.pieces);
   return (op.layer_end - op.layer_begin) * layer_backward_s(o, l, b, e, op.pieces);
 }
 
@@ -96,7 +96,7 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
   const int n = std::max(1, op.layer_end - op.layer_begin);
   i64 tokens = op.tokens;
   if (tokens == 0) {
-    auto [b, e] = sched::piece_range(s.lengths.at(op.subseq), op.piece, op.pieces);
+    auto [b, e] = piece_range(s.lengths.at(op.subseq), op.piece, op.pieces);
     tokens = e - b;
   }
   switch (op.payload) {
@@ -112,8 +112,7 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
       return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
                                 op.layer_end == s.layers) * act_bytes_;
     case Payload::WeightGrads:
-      return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
-                                op.layer_end == s.layers) * 4;
+    case Payload::TiedGrads: return sched::allreduce_bytes(op, model_, s.layers);
   }
   SPPO_ASSERT(false);
   return 0;

@@ -4,85 +4,27 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
+#include <map>
 
 #include "core/check.h"
-#include "kernels/ops.h"
-#include "runtime/copy_stream.h"
+#include "runtime/fault.h"
 
 namespace sppo {
 
 namespace {
 
+// Seconds on the steady clock, which every process on a machine shares, so that the
+// spans of several ranks line up in one trace.
 double now_s() {
-  static const auto origin = std::chrono::steady_clock::now();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin).count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-constexpr int kSavedTensors = 14;  // block_saved_specs() entries
+constexpr int kSavedTensors = 14;      // block_saved_specs() entries
+constexpr double kShownWaitS = 1e-4;   // waits shorter than this stay out of the trace
 
-// The copy engine's memcpy. Offloaded bytes are not read again until backward, so the
-// copy streams them past the caches (non-temporal stores): the compute threads keep their
-// working set in cache, and no read-for-ownership doubles the memory traffic. (glibc only
-// streams copies larger than most of the last-level cache.)
-void stream_copy(void* dst, const void* src, std::size_t bytes) {
-#ifdef __AVX512F__
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-  if ((reinterpret_cast<std::uintptr_t>(d) % 64) == 0 && bytes >= 4096) {
-    const std::size_t body = bytes / 64 * 64;
-    for (std::size_t k = 0; k < body; k += 64)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + k), _mm512_loadu_si512(s + k));
-    _mm_sfence();
-    std::memcpy(d + body, s + body, bytes - body);
-    return;
-  }
-#endif
-  std::memcpy(dst, src, bytes);
-}
-
-}  // namespace
-
-struct Runtime::StepState {
-  const sched::Schedule* sched = nullptr;
-  const std::int32_t* tokens = nullptr;
-  i64 S = 0;
-  int N = 0;
-  std::vector<std::vector<std::vector<Buffer>>> dev;   // [N][L][kSavedTensors] device copies
-  std::vector<std::vector<std::vector<Buffer>>> host;  // same shape: offloaded parts
-  std::vector<Buffer> head_grad, head_grad_host;       // [N]
-  std::vector<std::vector<Buffer>> dk, dv;             // [L][N] dK/dV accumulators
-  std::vector<std::shared_ptr<Event>> offload_first, offload_last;    // [N]
-  std::vector<std::shared_ptr<Event>> prefetch_first, prefetch_last;  // [N]
-  std::vector<Role> roles;                             // of the saved tensors
-  double loss_sum = 0;
-  StepResult* result = nullptr;
-  std::unique_ptr<CopyStream> d2h, h2d;
-};
-
-Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
-    : config_(c),
-      opts_(o),
-      device_(std::make_unique<MemoryTier>(Tier::Device, o.device_budget)),
-      host_(std::make_unique<MemoryTier>(Tier::Host, 0)) {
-  c.validate();
-  SPPO_CHECK(o.head_chunk >= 1, "runtime") << "head chunk must be positive";
-  const i64 bytes = c.num_params() * i64(sizeof(float));
-  params_ = device_->alloc_zeroed(bytes, "parameters");
-  grads_ = device_->alloc_zeroed(bytes, "gradients");
-  adam_m_ = device_->alloc_zeroed(bytes, "AdamW first moments");
-  adam_v_ = device_->alloc_zeroed(bytes, "AdamW second moments");
-  weights_ = param_view(c, params_.f32());
-  dweights_ = param_view(c, grads_.f32());
-}
-
-Runtime::~Runtime() = default;
-
-namespace {
-
-std::vector<float*> ptrs(const std::vector<Buffer>& bufs) {
-  std::vector<float*> p;
-  for (const auto& b : bufs) p.push_back(b.f32());
+std::vector<void*> ptrs(const std::vector<Buffer>& bufs) {
+  std::vector<void*> p;
+  for (const auto& b : bufs) p.push_back(b.data());
   return p;
 }
 
@@ -97,80 +39,316 @@ std::string unit_name(int l, int i) {
   return "blocks." + std::to_string(l) + " subseq " + std::to_string(i) + " ";
 }
 
+bool is_compute(const sched::Op& op) {
+  return op.kind == sched::OpKind::Forward || op.kind == sched::OpKind::Backward;
+}
+
+bool is_hidden_message(const sched::Op& op) {
+  return (op.kind == sched::OpKind::Send || op.kind == sched::OpKind::Recv) &&
+         (op.payload == sched::Payload::Hidden || op.payload == sched::Payload::HiddenGrad);
+}
+
+constexpr std::size_t kNever = std::size_t(-1);
+
+// The kernels' scratch for one layer (or the head), from the device tier; none when the
+// size is zero (the kernels then allocate their own).
+class KernelScratchBuffer {
+ public:
+  KernelScratchBuffer() = default;
+  KernelScratchBuffer(MemoryTier& tier, i64 bytes) {
+    if (bytes > 0) buf_ = tier.alloc(bytes, "kernel scratch");
+  }
+  Workspace get() const { return {buf_.data(), std::size_t(buf_.bytes())}; }
+
+ private:
+  Buffer buf_;
+};
+
 }  // namespace
 
-void Runtime::forward(StepState& st, int i) {
-  const auto& sc = *st.sched;
-  const int T = int(sc.lengths[i]), H = config_.hidden, L = config_.layers;
-  const i64 o = sc.offset(i);
-  const std::int32_t* ids = st.tokens + o;
-  const auto specs = block_saved_specs(config_, T, ActPrecision::F32);
-  Subseq q{o, T};
+struct Runtime::StepState {
+  const sched::Schedule* sched = nullptr;
+  const std::vector<sched::Op>* ops = nullptr;
+  const std::int32_t* tokens = nullptr;
+  StepControl control;
+  i64 S = 0;
+  int N = 0;
+  double t_start = 0;
+  std::vector<std::vector<std::vector<Buffer>>> dev;   // [N][L][kSavedTensors] device copies
+  std::vector<std::vector<std::vector<Buffer>>> host;  // same shape: offloaded parts
+  std::vector<Buffer> head_grad, head_grad_host;       // [N]
+  std::vector<std::vector<Buffer>> dk, dv;             // [L][N] dK/dV accumulators
+  std::vector<std::shared_ptr<Event>> offload_first, offload_last;    // [N]
+  std::vector<std::shared_ptr<Event>> prefetch_first, prefetch_last;  // [N]
+  std::vector<Role> roles;                             // of the saved tensors
+  Buffer ids;                                          // [S + 1] token ids on the device
+  Buffer loss_sum;                                     // one double on the device
+  StepResult* result = nullptr;
+  std::unique_ptr<CopyStream> d2h, h2d;
 
-  for (int l = 0; l < L; ++l) {
-    auto& unit = st.dev[i][l];
-    for (int k = 0; k < kSavedTensors; ++k)
-      if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
-    if (l == 0) cpu::embedding_forward(unit[0].f32(), ids, weights_.embed, T, H);
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, ActPrecision::F32), "workspace ");
-    // The block's output is the next block's saved input, or the head's input.
-    Buffer out;
-    float* x_out;
-    if (l + 1 < L) {
-      st.dev[i][l + 1][0] = device_->alloc(specs[0].bytes(), unit_name(l + 1, i) + "x");
-      x_out = st.dev[i][l + 1][0].f32();
+  // Hidden states from the previous stage (gradients from the next), received before
+  // their F (B), and the ones this stage produced, waiting for their Send.
+  struct Incoming {
+    Buffer buf;
+    comm::Request req = comm::kDone;
+  };
+  std::vector<Incoming> in_hidden, in_grad;            // [N]
+  std::vector<Buffer> out_hidden, out_grad;            // [N]
+  struct Outgoing {
+    Buffer buf;
+    comm::Request req;
+    double start;
+    std::string name;
+  };
+  std::vector<Outgoing> sends;
+  std::vector<std::vector<std::size_t>> posts;         // op index -> receives posted as it starts
+
+  // Gradient buckets: the all-reduce (reduce-scatter) op of this rank, when it reduces,
+  // and after which op each bucket's gradient is final.
+  const sched::Op* reduce_op = nullptr;
+  std::vector<std::size_t> bucket_ready;
+  std::vector<comm::Request> bucket_req;
+  std::vector<bool> bucket_started;
+  double reduce_start = -1;
+};
+
+Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
+    : config_(c),
+      opts_(o),
+      own_backend_(o.backend ? nullptr : make_backend("cpu")),
+      be_(o.backend ? *o.backend : *own_backend_),
+      act_(be_.act()),
+      precision_(act_ == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16),
+      device_(std::make_unique<MemoryTier>(Tier::Device, o.device_budget, &be_)),
+      host_(std::make_unique<MemoryTier>(Tier::Host, 0, &be_)) {
+  c.validate();
+  SPPO_CHECK(o.head_chunk >= 1, "runtime") << "head chunk must be positive";
+  lb_ = o.layers.first;
+  le_ = o.layers.second == 0 ? c.layers : o.layers.second;
+  SPPO_CHECK(0 <= lb_ && lb_ < le_ && le_ <= c.layers, "runtime")
+      << "owned layers [" << lb_ << ", " << le_ << ") are not inside the model's " << c.layers << " layers";
+  SPPO_CHECK(o.zero_shards >= 1 && o.zero_index >= 0 && o.zero_index < o.zero_shards, "runtime")
+      << "ZeRO shard " << o.zero_index << " of " << o.zero_shards << " does not exist";
+  specs_ = parameter_specs(c, lb_, le_);
+  for (const auto& s : specs_) num_params_ += s.numel();
+  // Buckets: the embedding, each layer, the final LayerNorm, in parameter order.
+  {
+    std::map<std::string, i64> full_offset;
+    i64 full = 0;
+    for (const auto& spec : parameter_specs(c)) {
+      full_offset[spec.name] = full;
+      full += spec.numel();
+    }
+    i64 off = 0;
+    std::size_t k = 0;
+    auto take = [&](std::string name, auto&& belongs) {
+      ParamBucket b{std::move(name), off, 0, k < specs_.size() ? full_offset.at(specs_[k].name) : 0};
+      while (k < specs_.size() && belongs(specs_[k].name)) b.count += specs_[k++].numel();
+      off += b.count;
+      if (b.count > 0) buckets_.push_back(b);
+    };
+    take("embed", [](const std::string& n) { return n == "embed.weight"; });
+    for (int l = lb_; l < le_; ++l) {
+      const std::string prefix = "blocks." + std::to_string(l) + ".";
+      take("blocks." + std::to_string(l), [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
+    }
+    take("ln_f", [](const std::string& n) { return n.rfind("ln_f.", 0) == 0; });
+    SPPO_ASSERT(off == num_params_ && k == specs_.size());
+  }
+  for (const auto& b : buckets_) {
+    const auto [pb, pe] = piece_range(b.count, o.zero_index, o.zero_shards);
+    shard_.push_back({b.offset + pb, pe - pb, num_state_});
+    num_state_ += pe - pb;
+  }
+  const i64 bytes = num_params_ * i64(sizeof(float));
+  const i64 state_bytes = num_state_ * i64(sizeof(float));
+  params_ = device_->alloc_zeroed(bytes, "parameters");
+  grads_ = device_->alloc_zeroed(bytes, "gradients");
+  adam_m_ = device_->alloc_zeroed(state_bytes, "AdamW first moments");
+  adam_v_ = device_->alloc_zeroed(state_bytes, "AdamW second moments");
+  // The GEMMs read the weights in the activation type: the masters themselves in fp32,
+  // else a working copy refreshed after every update.
+  if (act_ != DType::F32) params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
+  weights_ = param_view(c, params_.f32(), lb_, le_);
+  dweights_ = param_view(c, grads_.f32(), lb_, le_);
+  matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_);
+}
+
+void Runtime::refresh_weights() {
+  if (params_act_) be_.to_act(params_act_.data(), params_.f32(), num_params_);
+}
+
+void Runtime::read_device(float* host, const float* device, i64 n) {
+  be_.to_host(host, device, std::size_t(n) * sizeof(float));
+}
+
+void Runtime::write_device(float* device, const float* host, i64 n) {
+  be_.to_device(device, host, std::size_t(n) * sizeof(float));
+}
+
+Runtime::~Runtime() = default;
+
+void Runtime::poll(StepState& st) {
+  if (!opts_.comm) return;
+  opts_.comm->progress();
+  for (auto it = st.sends.begin(); it != st.sends.end();) {
+    if (opts_.comm->test(it->req)) {
+      const double end = now_s();
+      st.result->trace.push_back({it->name, sched::OpKind::Send, Lane::Network, it->start - st.t_start, end - it->start});
+      it = st.sends.erase(it);  // the buffer is released here, as the send has completed
     } else {
-      out = device_->alloc(specs[0].bytes(), "final hidden");
-      x_out = out.f32();
-    }
-    KVBlocks past;
-    for (int j = 0; j < i; ++j) {
-      past.k.push_back(st.dev[j][l][5].f32());
-      past.v.push_back(st.dev[j][l][6].f32());
-      past.offsets.push_back(sc.offset(j));
-      past.lengths.push_back(sc.lengths[j]);
-    }
-    BlockSaved saved = block_saved_from(ptrs(unit));
-    block_forward(x_out, saved, weights_.blocks[l], block_workspace_from(ptrs(ws)), past, config_, q);
-    if (opts_.recompute)  // keep the block input only; backward recomputes the rest
-      for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
-    if (l + 1 == L) {
-      ws.clear();
-      auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, ActPrecision::F32),
-                                 "head workspace ");
-      const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk);
-      st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
-      st.loss_sum += head_forward_backward(st.head_grad[i].f32(), x_out, ids + 1, weights_, dweights_,
-                                           hw, config_, T, st.S);
-      std::memcpy(st.result->losses.data() + o, hw.losses, sizeof(float) * T);
+      ++it;
     }
   }
 }
 
-void Runtime::backward(StepState& st, int i) {
+void Runtime::post_receive(StepState& st, const sched::Op& op) {
+  const int i = op.subseq;
+  auto& in = (op.payload == sched::Payload::Hidden ? st.in_hidden : st.in_grad)[i];
+  SPPO_ASSERT_MSG(!in.buf, "a second receive of " << sched::to_string(op) << " before the first was used");
+  const i64 bytes = (op.tokens > 0 ? op.tokens : st.sched->lengths[i]) * config_.hidden * dtype_bytes(act_);
+  in.buf = device_->alloc(bytes, "received " + std::string(sched::to_string(op.payload)) + " of subseq " +
+                                     std::to_string(i));
+  in.req = opts_.comm->irecv(in.buf.data(), bytes, op.peer, sched::message_tag(op));
+}
+
+void Runtime::send(StepState& st, const sched::Op& op) {
+  Buffer& out = (op.payload == sched::Payload::Hidden ? st.out_hidden : st.out_grad)[op.subseq];
+  SPPO_ASSERT_MSG(out, "send of " << sched::to_string(op) << " before its data was computed");
+  const FaultPlan& fault = fault_plan();
+  if (fault.kind == FaultPlan::Kind::Drop && fault.rank == opts_.rank && ++sends_ == fault.count) {
+    out.reset();  // the message that never arrives
+    return;
+  }
+  SPPO_ASSERT(op.tokens == 0 || out.bytes() == op.tokens * config_.hidden * dtype_bytes(act_));
+  const comm::Request req = opts_.comm->isend(out.data(), out.bytes(), op.peer, sched::message_tag(op));
+  st.sends.push_back({std::move(out), req, now_s(), sched::to_string(op)});
+}
+
+void Runtime::start_bucket(StepState& st, std::size_t b) {
+  if (st.bucket_started[b]) return;
+  st.bucket_started[b] = true;
+  if (st.reduce_start < 0) st.reduce_start = now_s();
+  const ParamBucket& k = buckets_[b];
+  const comm::Group& g = st.reduce_op->group;
+  float* data = grads_.f32() + k.offset;
+  st.bucket_req[b] = opts_.zero_shards > 1 ? opts_.comm->ireduce_scatter(data, k.count, g)
+                                           : opts_.comm->iallreduce(data, k.count, g);
+}
+
+void Runtime::reduce(StepState& st, const sched::Op& op, std::size_t index) {
+  const double t0 = now_s();
+  const std::string what = "op " + std::to_string(index) + " '" + sched::to_string(op) + "'";
+  double waited = 0;
+  if (op.payload == sched::Payload::TiedGrads) {
+    // The embedding is the first bucket of both stages; under ZeRO both hold the same
+    // piece of it (their positions in their data-parallel groups are equal).
+    SPPO_ASSERT(!buckets_.empty() && buckets_[0].name == "embed");
+    const ShardSpan& piece = shard_[0];
+    waited = comm::wait(*opts_.comm, opts_.comm->iallreduce(grads_.f32() + piece.offset, piece.count, op.group), what);
+    st.result->trace.push_back({sched::to_string(op), op.kind, Lane::Network, t0 - st.t_start, now_s() - t0});
+  } else {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) start_bucket(st, b);
+    for (std::size_t b = 0; b < buckets_.size(); ++b) waited += comm::wait(*opts_.comm, st.bucket_req[b], what);
+    st.result->trace.push_back(
+        {sched::to_string(op), op.kind, Lane::Network, st.reduce_start - st.t_start, now_s() - st.reduce_start});
+  }
+  st.result->comm_wait_s += waited;
+  if (waited > kShownWaitS)
+    st.result->trace.push_back({"wait " + sched::to_string(op), op.kind, Lane::Compute, t0 - st.t_start, now_s() - t0});
+}
+
+void Runtime::forward(StepState& st, const sched::Op& op) {
   const auto& sc = *st.sched;
+  const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const int T = int(sc.lengths[i]), H = config_.hidden, L = config_.layers;
   const i64 o = sc.offset(i);
-  const auto specs = block_saved_specs(config_, T, ActPrecision::F32);
+  const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data()) + o;
+  const auto specs = block_saved_specs(config_, T, precision_);
   Subseq q{o, T};
-  float* d = st.head_grad[i].f32();
-  SPPO_ASSERT_MSG(d, "backward of subsequence " << i << " before its forward");
+  if (b > 0) {  // the previous stage's output is this stage's first saved input
+    auto& in = st.in_hidden[i];
+    SPPO_ASSERT_MSG(in.buf, "forward of layers from " << b << " on subseq " << i << " without its input");
+    st.dev[i][b][0] = std::move(in.buf);
+    in = {};
+  }
+  Buffer out;  // the stage's output
+  for (int l = b; l < e; ++l) {
+    auto& unit = st.dev[i][l];
+    for (int k = 0; k < kSavedTensors; ++k)
+      if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
+    if (l == 0) be_.embedding_forward(unit[0].data(), ids, weights_.embed, T, H, config_.vocab);
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
+    KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
+    // The block's output is the next block's saved input, or the stage's output.
+    void* x_out;
+    if (l + 1 < e) {
+      st.dev[i][l + 1][0] = device_->alloc(specs[0].bytes(), unit_name(l + 1, i) + "x");
+      x_out = st.dev[i][l + 1][0].data();
+    } else {
+      out = device_->alloc(specs[0].bytes(), e == L ? "final hidden" : "hidden for the next stage");
+      x_out = out.data();
+    }
+    KVBlocks past;
+    for (int j = 0; j < i; ++j) {
+      past.k.push_back(st.dev[j][l][5].data());
+      past.v.push_back(st.dev[j][l][6].data());
+      past.offsets.push_back(sc.offset(j));
+      past.lengths.push_back(sc.lengths[j]);
+    }
+    BlockSaved saved = block_saved_from(ptrs(unit));
+    block_forward(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l],
+                  block_workspace_from(ptrs(ws), scratch.get()), past, config_, q);
+    if (opts_.recompute)  // keep the block input only; backward recomputes the rest
+      for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
+    scratch = {};
+    ws.clear();
+    poll(st);
+  }
+  if (e < L) {
+    st.out_hidden[i] = std::move(out);
+    return;
+  }
+  auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, precision_),
+                             "head workspace ");
+  KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
+  const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get());
+  st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
+  head_forward_backward(be_, st.head_grad[i].data(), static_cast<double*>(st.loss_sum.data()), out.data(), ids + 1,
+                        weights_, matrices_, dweights_, hw, config_, T, st.S);
+  be_.to_host(st.result->losses.data() + o, hw.losses, sizeof(float) * std::size_t(T));
+}
 
-  for (int l = L - 1; l >= 0; --l) {
+void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
+  const auto& sc = *st.sched;
+  const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
+  const int T = int(sc.lengths[i]), H = config_.hidden, L = config_.layers;
+  const i64 o = sc.offset(i);
+  const auto specs = block_saved_specs(config_, T, precision_);
+  Subseq q{o, T};
+  // The residual gradient: the head's on the last stage, else the next stage's.
+  Buffer d_buf = e == L ? std::move(st.head_grad[i]) : std::move(st.in_grad[i].buf);
+  st.in_grad[i] = {};
+  SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
+  void* d = d_buf.data();
+  const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
+
+  for (int l = e - 1; l >= b; --l) {
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use.
     for (int j = 0; j <= i; ++j)
       if (!st.dk[l][j]) {
-        const i64 b = sc.lengths[j] * H * i64(sizeof(float));
-        st.dk[l][j] = device_->alloc_zeroed(b, unit_name(l, j) + "dK");
-        st.dv[l][j] = device_->alloc_zeroed(b, unit_name(l, j) + "dV");
+        const i64 bytes = sc.lengths[j] * H * i64(sizeof(float));
+        st.dk[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dK");
+        st.dv[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dV");
       }
     auto& unit = st.dev[i][l];
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, ActPrecision::F32), "workspace ");
-    const BlockWorkspace w = block_workspace_from(ptrs(ws));
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
+    KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
+    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     KVBlocks past;
     for (int j = 0; j < i; ++j) {
-      past.k.push_back(st.dev[j][l][5].f32());
-      past.v.push_back(st.dev[j][l][6].f32());
+      past.k.push_back(st.dev[j][l][5].data());
+      past.v.push_back(st.dev[j][l][6].data());
       past.dk.push_back(st.dk[l][j].f32());
       past.dv.push_back(st.dv[l][j].f32());
       past.offsets.push_back(sc.offset(j));
@@ -181,37 +359,46 @@ void Runtime::backward(StepState& st, int i) {
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       Buffer out = device_->alloc(specs[0].bytes(), "recomputed block output");
       BlockSaved s = block_saved_from(ptrs(unit));
-      block_forward(out.f32(), s, weights_.blocks[l], w, past, config_, q);
+      block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, past, config_, q);
     }
     for (int k = 0; k < kSavedTensors; ++k)
       SPPO_ASSERT_MSG(unit[k], "saved tensor " << specs[k].name << " of layer " << l
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));
-    block_backward(d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s,
-                   weights_.blocks[l], w, past, config_, q);
-    for (auto& b : unit) b.reset();
+    block_backward(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
+                   matrices_.blocks[l], w, past, config_, q);
+    for (auto& buf : unit) buf.reset();
     st.dk[l][i].reset();
     st.dv[l][i].reset();
+    scratch = {};
+    ws.clear();
+    const std::size_t bucket = first_layer_bucket + std::size_t(l - lb_);
+    if (st.reduce_op && st.bucket_ready[bucket] == index) start_bucket(st, bucket);
+    poll(st);
   }
-  cpu::embedding_backward(dweights_.embed, d, st.tokens + o, T, H, config_.vocab);
-  st.head_grad[i].reset();
+  if (b > 0) {
+    st.out_grad[i] = std::move(d_buf);
+    return;
+  }
+  be_.embedding_backward(dweights_.embed, d, static_cast<const std::int32_t*>(st.ids.data()) + o, T, H, config_.vocab);
 }
 
 void Runtime::offload(StepState& st, int i, double fraction) {
   if (fraction <= 0) return;
-  const int L = config_.layers;
-  // The same walk as the simulator's: layers in order (layer 0 is needed last in
-  // backward), each layer's offloadable tensors in table order, head_grad last.
+  // The same walk as the simulator's: the rank's layers in order (the first is needed
+  // last in backward), each layer's offloadable tensors in table order, head_grad last.
   std::vector<std::pair<Buffer*, Buffer*>> tensors;
   std::vector<i64> sizes;
-  for (int l = 0; l < L; ++l)
+  for (int l = lb_; l < le_; ++l)
     for (int k = 0; k < kSavedTensors; ++k)
       if (st.roles[k] == Role::Offloadable) {
         tensors.push_back({&st.dev[i][l][k], &st.host[i][l][k]});
         sizes.push_back(st.dev[i][l][k].bytes());
       }
-  tensors.push_back({&st.head_grad[i], &st.head_grad_host[i]});
-  sizes.push_back(st.head_grad[i].bytes());
+  if (le_ == config_.layers) {
+    tensors.push_back({&st.head_grad[i], &st.head_grad_host[i]});
+    sizes.push_back(st.head_grad[i].bytes());
+  }
   std::vector<bool> take;
   st.result->offloaded_bytes += select_offload(sizes, fraction, &take);
   for (std::size_t t = 0; t < tensors.size(); ++t) {
@@ -221,10 +408,10 @@ void Runtime::offload(StepState& st, int i, double fraction) {
     SPPO_ASSERT(dev);
     host = host_->alloc(dev.bytes(), "subseq " + std::to_string(i) + " host copy");
     device_->expect_release(dev.bytes());
-    auto ev = st.d2h->submit([&dev, &host, tier = device_.get()] {
+    // The device bytes are really released when the copy completes.
+    auto ev = st.d2h->copy(host.data(), dev.data(), std::size_t(dev.bytes()), [&dev, tier = device_.get()] {
       const i64 bytes = dev.bytes();
-      stream_copy(host.data(), dev.data(), std::size_t(bytes));
-      dev.reset();  // the device bytes are really released when the copy completes
+      dev.reset();
       tier->settle(bytes);
     });
     if (!st.offload_first[i]) st.offload_first[i] = ev;
@@ -233,31 +420,44 @@ void Runtime::offload(StepState& st, int i, double fraction) {
 }
 
 void Runtime::prefetch(StepState& st, int i) {
-  const int L = config_.layers;
   auto move_in = [&](Buffer& dev, Buffer& host, const std::string& what) {
     if (!host) return;
     dev = device_->alloc(host.bytes(), what);
-    auto ev = st.h2d->submit([&dev, &host] {
-      stream_copy(dev.data(), host.data(), std::size_t(host.bytes()));
-      host.reset();
-    });
+    auto ev = st.h2d->copy(dev.data(), host.data(), std::size_t(host.bytes()), [&host] { host.reset(); });
     if (!st.prefetch_first[i]) st.prefetch_first[i] = ev;
     st.prefetch_last[i] = ev;
   };
   move_in(st.head_grad[i], st.head_grad_host[i], "head_grad");
-  for (int l = L - 1; l >= 0; --l)
+  for (int l = le_ - 1; l >= lb_; --l)
     for (int k = 0; k < kSavedTensors; ++k) move_in(st.dev[i][l][k], st.host[i][l][k], unit_name(l, i));
 }
 
-StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) {
-  SPPO_CHECK(sc.ranks == 1, "runtime") << "this runtime executes single-rank schedules; got "
-                                      << sc.ranks << " ranks";
+StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, const StepControl& control) {
+  const int ranks = opts_.comm ? opts_.comm->size() : 1;
+  SPPO_CHECK(sc.ranks == ranks, "runtime") << "the schedule has " << sc.ranks << " ranks but the job has "
+                                           << ranks << "; start it with mpirun -np " << sc.ranks;
+  SPPO_CHECK(opts_.rank >= 0 && opts_.rank < sc.ranks, "runtime") << "rank " << opts_.rank << " is not in the schedule";
+  const auto own = sc.owned.empty() ? std::pair<int, int>{0, config_.layers} : sc.owned.at(opts_.rank);
+  SPPO_CHECK(own.first == lb_ && own.second == le_, "runtime")
+      << "rank " << opts_.rank << " holds layers [" << lb_ << ", " << le_ << ") but its schedule gives it ["
+      << own.first << ", " << own.second << ")";
   SPPO_CHECK(!opts_.recompute || sc.lengths.size() == 1, "runtime")
       << "full recomputation runs the whole sequence at once; use --subseqs 1";
+  const auto& ops = sc.ops.at(opts_.rank);
+  for (const sched::Op& op : ops) {
+    const bool message = op.kind == sched::OpKind::Send || op.kind == sched::OpKind::Recv;
+    const bool supported = op.pieces == 1 && op.kind != sched::OpKind::RingStep && (!message || is_hidden_message(op));
+    SPPO_CHECK(supported, "runtime") << "op '" << sched::to_string(op)
+                                     << "' belongs to sequence parallelism or MSP, which the runtime does not run "
+                                        "yet; use a layout with sp 1 and MSP off";
+  }
+
   StepResult result;
   StepState st;
   st.sched = &sc;
+  st.ops = &ops;
   st.tokens = tokens;
+  st.control = control;
   st.S = sc.seq_len();
   st.N = int(sc.lengths.size());
   const int L = config_.layers, N = st.N;
@@ -284,30 +484,86 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
   st.offload_last.resize(N);
   st.prefetch_first.resize(N);
   st.prefetch_last.resize(N);
-  for (const auto& s : block_saved_specs(config_, 1, ActPrecision::F32)) st.roles.push_back(s.role);
+  st.in_hidden.resize(N);
+  st.in_grad.resize(N);
+  st.out_hidden.resize(N);
+  st.out_grad.resize(N);
+  for (const auto& s : block_saved_specs(config_, 1, precision_)) st.roles.push_back(s.role);
   SPPO_ASSERT(int(st.roles.size()) == kSavedTensors);
   st.result = &result;
-  result.losses.assign(std::size_t(st.S), 0.0f);
-  st.d2h = std::make_unique<CopyStream>(&now_s);
-  st.h2d = std::make_unique<CopyStream>(&now_s);
+  result.has_loss = le_ == L;
+  result.losses.assign(std::size_t(result.has_loss ? st.S : 0), 0.0f);
+  st.d2h = be_.make_copy_stream();
+  st.h2d = be_.make_copy_stream();
 
-  std::memset(grads_.data(), 0, std::size_t(grads_.bytes()));
+  // Receives are posted as the compute op before them starts (schedule/memory.h).
+  st.posts.assign(ops.size(), {});
+  {
+    std::size_t post = 0;
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      if (is_compute(ops[k])) post = k;
+      if (ops[k].kind == sched::OpKind::Recv) st.posts[post].push_back(k);
+    }
+  }
+  // Gradient buckets: each starts after the last op that adds to it.
+  for (const sched::Op& op : ops)
+    if (op.kind == sched::OpKind::AllReduce && op.payload == sched::Payload::WeightGrads && control.reduce)
+      st.reduce_op = &op;
+  if (st.reduce_op) {
+    const auto& g = st.reduce_op->group;
+    SPPO_CHECK(opts_.zero_shards == 1 ||
+                   (int(g.size()) == opts_.zero_shards && g[std::size_t(opts_.zero_index)] == opts_.rank),
+               "runtime")
+        << "ZeRO shards the optimizer over " << opts_.zero_shards << " ranks but the gradient group has "
+        << g.size();
+    st.bucket_ready.assign(buckets_.size(), kNever);
+    st.bucket_req.assign(buckets_.size(), comm::kDone);
+    st.bucket_started.assign(buckets_.size(), false);
+    const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      const sched::Op& op = ops[k];
+      if (op.kind == sched::OpKind::Backward)
+        for (int l = op.layer_begin; l < op.layer_end; ++l) st.bucket_ready[first_layer_bucket + std::size_t(l - lb_)] = k;
+    }
+  }
+
+  if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
+  // The step's token ids and loss sum live on the device for the step (memory rules:
+  // step_input_bytes).
+  st.ids = device_->alloc(i64(sizeof(std::int32_t)) * (st.S + 1), "token ids");
+  be_.to_device(st.ids.data(), tokens, sizeof(std::int32_t) * std::size_t(st.S + 1));
+  st.loss_sum = device_->alloc_zeroed(i64(sizeof(double)), "loss sum");
   device_->reset_peak();
+  // An allocation over the budget first waits for the sends that will free bytes.
+  device_->set_reclaimer([&st, this] {
+    if (st.sends.empty()) return false;
+    comm::wait(*opts_.comm, st.sends.front().req, "the send '" + st.sends.front().name + "' to free its memory");
+    st.sends.front().req = comm::kDone;
+    poll(st);
+    return true;
+  });
   const double t_start = now_s();
+  st.t_start = t_start;
+  result.start_s = t_start;
   if (opts_.record_memory) device_->record_timeline(&now_s);
   auto span = [&](const std::string& name, sched::OpKind kind, Lane lane, double t0, double t1) {
     result.trace.push_back({name, kind, lane, t0 - t_start, t1 - t0});
   };
-  for (const sched::Op& op : sc.ops.at(0)) {
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    const sched::Op& op = ops[k];
+    if (opts_.comm) comm::set_activity("op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
+    for (std::size_t j : st.posts[k]) post_receive(st, ops[j]);
     const double t0 = now_s();
     const int i = op.subseq;
     switch (op.kind) {
       case sched::OpKind::Forward:
-        forward(st, i);
+        forward(st, op);
+        result.compute_s += now_s() - t0;
         span("F" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
       case sched::OpKind::Backward:
-        backward(st, i);
+        backward(st, op, k);
+        result.compute_s += now_s() - t0;
         span("B" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
       case sched::OpKind::Offload:
@@ -323,17 +579,36 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
         if (st.prefetch_last[i]) {
           const double waited = st.prefetch_last[i]->wait();
           result.exposed_copy_s += waited;
-          if (waited > 1e-4) span("wait P" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
+          if (waited > kShownWaitS) span("wait P" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         }
         break;
       case sched::OpKind::Send:
-      case sched::OpKind::Recv:
-      case sched::OpKind::RingStep:
+        send(st, op);
+        break;
+      case sched::OpKind::Recv: {
+        auto& in = (op.payload == sched::Payload::Hidden ? st.in_hidden : st.in_grad)[i];
+        const double waited =
+            comm::wait(*opts_.comm, in.req, "op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
+        in.req = comm::kDone;
+        result.comm_wait_s += waited;
+        if (waited > kShownWaitS) span("wait " + sched::to_string(op), op.kind, Lane::Compute, t0, now_s());
+        break;
+      }
       case sched::OpKind::AllReduce:
-        SPPO_CHECK(false, "runtime") << "op '" << sched::to_string(op)
-                                     << "' needs several ranks; this runtime runs one";
+        if (control.reduce) reduce(st, op, k);
+        break;
+      case sched::OpKind::RingStep:
+        SPPO_ASSERT(false);  // refused above
     }
+    poll(st);
   }
+  while (!st.sends.empty()) {
+    comm::wait(*opts_.comm, st.sends.front().req, "the send '" + st.sends.front().name + "' at the end of the step");
+    st.sends.front().req = comm::kDone;
+    poll(st);
+  }
+  device_->set_reclaimer(nullptr);
+  be_.synchronize();
   st.d2h->synchronize();
   st.h2d->synchronize();
   result.step_s = now_s() - t_start;
@@ -346,17 +621,22 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens) 
       span("P" + std::to_string(i), sched::OpKind::Prefetch, Lane::CopyIn, st.prefetch_first[i]->start_s(),
            st.prefetch_last[i]->end_s());
   }
-  for (int i = 0; i < N; ++i)
+  for (int i = 0; i < N; ++i) {
+    SPPO_ASSERT_MSG(!st.in_hidden[i].buf && !st.in_grad[i].buf && !st.out_hidden[i] && !st.out_grad[i],
+                    "a message buffer of subseq " << i << " is left over after the step");
     for (int l = 0; l < L; ++l)
       for (int k = 0; k < kSavedTensors; ++k)
         SPPO_ASSERT_MSG(!st.dev[i][l][k] && !st.host[i][l][k],
                         "tensor left over after the step: layer " << l << " subseq " << i);
+  }
   if (opts_.record_memory) {
     result.memory = device_->take_timeline();
     device_->record_timeline(nullptr);
     for (auto& [t, bytes] : result.memory) t = std::max(0.0, t - t_start);
   }
-  result.loss = st.loss_sum / double(st.S);
+  double loss_sum = 0;
+  be_.to_host(&loss_sum, st.loss_sum.data(), sizeof loss_sum);
+  result.loss = loss_sum / double(st.S);
   result.device = device_->stats();
   return result;
 }

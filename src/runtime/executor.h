@@ -1,20 +1,35 @@
-// The runtime: executes a schedule (schedule/ir.h) with real tensors on the CPU backend.
+// The runtime: executes one rank's op list of a schedule (schedule/ir.h) with real tensors
+// on the CPU backend, and real messages through comm::Comm when the schedule has several
+// ranks (pipeline stages, data-parallel replicas).
 //
-// Memory follows the rules the simulator models (sim/): parameters, gradients and AdamW
-// moments are resident in the device tier; F(i) allocates, per layer, the block's saved
-// tensors (block_saved_specs) and its workspace (freed after the layer), then the head's
-// workspace and head_grad; O(i) moves a fraction of subsequence i's offloadable tensors to
-// the host tier and frees their device bytes when each copy completes; P(i) allocates them
-// again and copies back; B(i) allocates each layer's dK/dV accumulators the first time the
-// backward touches the layer and frees K_i, V_i, dK_i, dV_i and the unit of (l, i) when
-// layer l of subsequence i is done.
+// Memory follows the rules the simulator models (schedule/memory.h): the rank's own
+// parameters, gradients and AdamW moments are resident in the device tier; F(i) allocates,
+// per layer, the block's saved tensors (block_saved_specs) and its workspace (freed after
+// the layer), then, on the last stage, the head's workspace and head_grad; O(i) moves a
+// fraction of subsequence i's offloadable tensors to the host tier and frees their device
+// bytes when each copy completes; P(i) allocates them again and copies back; B(i)
+// allocates each layer's dK/dV accumulators the first time the backward touches the layer
+// and frees K_i, V_i, dK_i, dV_i and the unit of (l, i) when layer l of subsequence i is
+// done.
+//
+// Messages: a Recv of hidden states (or their gradients) is posted, with its buffer from
+// the device tier, when the compute op before it starts, and waited for where the program
+// reaches it; a Send starts when reached, and its buffer is released when it completes.
+// Every wait has the communicator's watchdog. Weight gradients of data-parallel replicas
+// are reduced in buckets (the embedding, each layer, the final LayerNorm), each started
+// as soon as the last backward op that touches it is done; the AllReduce op waits for
+// them. With ZeRO-1 the buckets are reduce-scattered instead: rank k of the group keeps
+// the sum of piece k of every bucket, and holds AdamW state for those pieces only.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "backend/backend.h"
+#include "comm/comm.h"
 #include "core/config.h"
 #include "model/gpt.h"
 #include "runtime/memory.h"
@@ -27,12 +42,24 @@ struct RuntimeOptions {
   bool recompute = false;   // baseline: keep only block inputs, recompute the rest in backward
   int head_chunk = 1024;    // rows of logits computed at once
   bool record_memory = false;  // keep the device tier's timeline in StepResult::memory
+  // Several ranks: which op list this process runs, the layers it owns [begin, end)
+  // ({0, 0}: all), and how the AdamW state is sharded (ZeRO-1 over `zero_shards` ranks of
+  // the data-parallel group; 1: not sharded).
+  int rank = 0;
+  comm::Comm* comm = nullptr;  // null: the schedule must have one rank
+  std::pair<int, int> layers{0, 0};
+  int zero_shards = 1;
+  int zero_index = 0;
+  // Kernel scratch taken from the device tier with each layer's workspace and the head's
+  // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
+  KernelScratch block_scratch, head_scratch;
+  Backend* backend = nullptr;  // null: a CPU backend of the runtime's own
 };
 
 // One span of the step's timeline: the op that ran, on which lane, when.
-enum class Lane { Compute, CopyOut, CopyIn };
+enum class Lane { Compute, CopyOut, CopyIn, Network };
 struct TraceSpan {
-  std::string name;   // "F3", "O2", "wait P1", ...
+  std::string name;   // "F3", "O2", "wait P1", "send hidden s2 -> r1", ...
   sched::OpKind kind;
   Lane lane;
   double start_s = 0;  // since the step started
@@ -40,14 +67,41 @@ struct TraceSpan {
 };
 
 struct StepResult {
-  double loss = 0;                // mean cross-entropy over the S predicted tokens
+  double loss = 0;                // mean cross-entropy over the S predicted tokens (last stage)
+  bool has_loss = false;          // this rank holds the LM head, so loss and losses are set
   std::vector<float> losses;      // [S] per-position losses
   MemoryStats device;             // device tier over the step (peak = high-water mark)
   i64 offloaded_bytes = 0;        // bytes copied to the host tier during the step
   double exposed_copy_s = 0;      // compute time spent waiting on copies
+  double comm_wait_s = 0;         // compute time spent waiting on messages and reductions
+  double compute_s = 0;           // time in F and B ops
   double step_s = 0;              // wall time of the step
+  double start_s = 0;             // steady-clock time the step started (aligns ranks' traces)
   std::vector<TraceSpan> trace;
   std::vector<std::pair<double, i64>> memory;  // (s since step start, device bytes in use)
+};
+
+// How one call of step() fits into an optimizer step of several sequences.
+struct StepControl {
+  bool accumulate = false;  // add to the gradients instead of zeroing them first
+  bool reduce = true;       // run the schedule's AllReduce ops (the last micro-batch only)
+};
+
+// A contiguous run of parameters reduced as one message: the embedding, one layer, or the
+// final LayerNorm, in parameter order.
+struct ParamBucket {
+  std::string name;      // "embed", "blocks.3", "ln_f"
+  i64 offset = 0;        // into the rank's flat parameter array
+  i64 count = 0;
+  i64 full_offset = 0;   // into the whole model's array (parameter_specs(c) order)
+};
+
+// Under ZeRO-1, the part of a bucket whose AdamW state this rank keeps (one per bucket, in
+// bucket order; without ZeRO, the whole bucket).
+struct ShardSpan {
+  i64 offset = 0;        // into the flat parameter / gradient array
+  i64 count = 0;
+  i64 state_offset = 0;  // into the AdamW moments
 };
 
 class Runtime {
@@ -61,32 +115,65 @@ class Runtime {
   void record_memory(bool on) { opts_.record_memory = on; }
 
   const ModelConfig& config() const { return config_; }
-  i64 num_params() const { return config_.num_params(); }
+  // The parameters this rank owns (parameter_specs(c, begin, end)), flat in that order.
+  const std::vector<TensorSpec>& param_specs() const { return specs_; }
+  const std::vector<ParamBucket>& buckets() const { return buckets_; }
+  // The AdamW state this rank keeps: every parameter, or its ZeRO-1 pieces.
+  const std::vector<ShardSpan>& shard() const { return shard_; }
+  std::pair<int, int> layers() const { return {lb_, le_}; }
+  i64 num_params() const { return num_params_; }
+  i64 num_state() const { return num_state_; }  // elements of each AdamW moment
+  // Device arrays (Backend memory): read and write them through read_device /
+  // write_device, or with the backend's kernels.
   float* params() { return params_.f32(); }
   float* grads() { return grads_.f32(); }
   float* adam_m() { return adam_m_.f32(); }
   float* adam_v() { return adam_v_.f32(); }
+  Backend& backend() { return be_; }
+  void read_device(float* host, const float* device, i64 n);
+  void write_device(float* device, const float* host, i64 n);
+  // Copies the updated fp32 weights into the GEMMs' working copy (a no-op in fp32); after
+  // every change to params().
+  void refresh_weights();
   MemoryTier& device() { return *device_; }
   MemoryTier& host() { return *host_; }
+  const RuntimeOptions& options() const { return opts_; }
 
-  // One forward/backward over S + 1 tokens (inputs tokens[0..S), targets tokens[1..S]),
-  // in the order the schedule says. Gradients are zeroed first and hold the gradient of
-  // the mean loss afterwards.
-  StepResult step(const sched::Schedule& s, const std::int32_t* tokens);
+  // One forward/backward of this rank's ops over S + 1 tokens (inputs tokens[0..S),
+  // targets tokens[1..S]). Gradients are zeroed first (unless accumulating) and hold the
+  // gradient of the mean loss of this sequence afterwards, reduced over the schedule's
+  // groups when control.reduce.
+  StepResult step(const sched::Schedule& s, const std::int32_t* tokens, const StepControl& control = {});
 
  private:
   struct StepState;
-  void forward(StepState& st, int i);
-  void backward(StepState& st, int i);
+  void forward(StepState& st, const sched::Op& op);
+  void backward(StepState& st, const sched::Op& op, std::size_t index);
   void offload(StepState& st, int i, double fraction);
   void prefetch(StepState& st, int i);
+  void post_receive(StepState& st, const sched::Op& op);
+  void send(StepState& st, const sched::Op& op);
+  void poll(StepState& st);
+  void start_bucket(StepState& st, std::size_t b);
+  void reduce(StepState& st, const sched::Op& op, std::size_t index);
 
   ModelConfig config_;
   RuntimeOptions opts_;
+  std::unique_ptr<Backend> own_backend_;
+  Backend& be_;
+  DType act_;                 // activations
+  ActPrecision precision_;    // the layout tables' name for it
+  int lb_ = 0, le_ = 0;  // owned layers
+  std::vector<TensorSpec> specs_;
+  std::vector<ParamBucket> buckets_;
+  std::vector<ShardSpan> shard_;
+  i64 num_params_ = 0, num_state_ = 0;
+  int sends_ = 0;  // messages sent by this runtime (for runtime/fault.h)
   std::unique_ptr<MemoryTier> device_, host_;
   Buffer params_, grads_, adam_m_, adam_v_;
+  Buffer params_act_;         // the weights' working copy in the activation type (bf16)
   ParamView weights_, dweights_;
+  MatrixView matrices_;
 };
-
 
 }  // namespace sppo

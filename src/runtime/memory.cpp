@@ -38,7 +38,7 @@ void Buffer::reset() {
   bytes_ = 0;
 }
 
-MemoryTier::MemoryTier(Tier tier, i64 budget) : tier_(tier), budget_(budget) {
+MemoryTier::MemoryTier(Tier tier, i64 budget, Backend* backend) : tier_(tier), budget_(budget), backend_(backend) {
   // Every step allocates and frees the same tensors. Left to glibc's defaults, each large
   // buffer is a fresh mmap whose pages fault in again on first touch every step (and an
   // offload's host copy pays them inside the copy). Keeping freed memory in the heap lets
@@ -55,19 +55,27 @@ MemoryTier::~MemoryTier() { SPPO_ASSERT_MSG(stats_.current == 0, "memory tier de
 
 Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
   SPPO_ASSERT(bytes >= 0);
+  // Written as a difference so that no byte count can overflow: current <= budget always.
+  // Called with mu_ held.
+  auto fits = [&] { return budget_ == 0 || bytes <= budget_ - stats_.current; };
+  while (reclaim_) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (fits()) break;
+    }
+    if (!reclaim_()) break;
+  }
   {
     std::unique_lock<std::mutex> lock(mu_);
-    // Written as a difference so that no byte count can overflow: current <= budget always.
-    auto fits = [&] { return budget_ == 0 || bytes <= budget_ - stats_.current; };
     if (!fits() && pending_release_ > 0) {
       const auto t0 = std::chrono::steady_clock::now();
       released_.wait(lock, [&] { return fits() || pending_release_ == 0; });
       release_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
-    SPPO_CHECK(bytes <= kMaxAllocBytes - stats_.current, "memory")
+    SPPO_CHECK_FITS(bytes <= kMaxAllocBytes - stats_.current, "memory")
         << what << " asks " << bytes << " B with " << stats_.current
         << " B in use, more than this process can address; use a shorter --seq-len or a smaller model";
-    SPPO_CHECK(fits(), "memory")
+    SPPO_CHECK_FITS(fits(), "memory")
         << (tier_ == Tier::Device ? "device" : "host") << " memory budget exceeded: "
         << what << " asks " << format_bytes(double(bytes)) << " (" << bytes << " B) with "
         << format_bytes(double(stats_.current)) << " in use of a budget of "
@@ -78,12 +86,11 @@ Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
     if (stats_.current > stats_.peak) stats_.peak = stats_.current;
     if (clock_) timeline_.emplace_back(clock_(), stats_.current);
   }
-  const std::size_t rounded = (std::size_t(bytes) + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
-  void* p = std::aligned_alloc(kAlignBytes, rounded == 0 ? kAlignBytes : rounded);
+  void* p = raw_alloc(std::size_t(bytes));
   if (!p) {
     release(nullptr, bytes);
-    SPPO_CHECK(false, "memory") << "out of host memory allocating " << format_bytes(double(bytes))
-                                << " for " << what;
+    SPPO_CHECK_FITS(false, "memory") << "out of " << (tier_ == Tier::Device ? "device" : "host") << " memory allocating "
+                                     << format_bytes(double(bytes)) << " for " << what;
   }
   Buffer b;
   b.tier_ = this;
@@ -94,12 +101,26 @@ Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
 
 Buffer MemoryTier::alloc_zeroed(i64 bytes, const std::string& what) {
   Buffer b = alloc(bytes, what);
-  std::memset(b.data(), 0, std::size_t(bytes));
+  if (backend_ && tier_ == Tier::Device) backend_->fill_zero(b.data(), std::size_t(bytes));
+  else std::memset(b.data(), 0, std::size_t(bytes));
   return b;
 }
 
+void* MemoryTier::raw_alloc(std::size_t bytes) {
+  if (backend_) return tier_ == Tier::Device ? backend_->device_alloc(bytes) : backend_->host_alloc(bytes);
+  const std::size_t rounded = (bytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
+  return std::aligned_alloc(kAlignBytes, rounded == 0 ? kAlignBytes : rounded);
+}
+
+void MemoryTier::raw_free(void* p) {
+  if (!p) return;
+  if (!backend_) std::free(p);
+  else if (tier_ == Tier::Device) backend_->device_free(p);
+  else backend_->host_free(p);
+}
+
 void MemoryTier::release(void* p, i64 bytes) {
-  std::free(p);
+  raw_free(p);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.current -= bytes;

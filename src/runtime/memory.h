@@ -6,17 +6,19 @@
 // the bytes asked for (what the layout tables and the planner count), current and peak,
 // and is thread-safe: copy streams free device memory when an offload completes.
 // On the CPU backend both tiers are host memory; the device tier is the budgeted arena
-// that stands for a GPU's memory.
+// that stands for a GPU's memory. On CUDA the device tier's bytes are the GPU's.
 #pragma once
 
 #include <cstddef>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/dims.h"
+#include "backend/backend.h"
 #include "core/layout.h"
 
 namespace sppo {
@@ -53,8 +55,9 @@ struct MemoryStats {
 
 class MemoryTier {
  public:
-  // budget 0 means unlimited.
-  MemoryTier(Tier tier, i64 budget);
+  // budget 0 means unlimited. The bytes come from the backend's device or host memory
+  // (backend/backend.h); without one, from the heap.
+  MemoryTier(Tier tier, i64 budget, Backend* backend = nullptr);
   MemoryTier(const MemoryTier&) = delete;
   MemoryTier& operator=(const MemoryTier&) = delete;
   ~MemoryTier();
@@ -75,6 +78,11 @@ class MemoryTier {
   // Seconds allocations spent waiting for releases since the last reset_peak().
   double release_wait_s() const;
 
+  // Called (on the allocating thread, without the tier's lock) when an allocation would
+  // exceed the budget: it may wait for something that frees device bytes (a message being
+  // sent) and returns whether it did. Null: none.
+  void set_reclaimer(std::function<bool()> reclaim) { reclaim_ = std::move(reclaim); }
+
   // Records (clock(), bytes in use) at every allocation and release until stopped, for
   // the memory row of a trace. clock null stops recording.
   void record_timeline(double (*clock)());
@@ -85,9 +93,12 @@ class MemoryTier {
  private:
   friend class Buffer;
   void release(void* p, i64 bytes);
+  void* raw_alloc(std::size_t bytes);
+  void raw_free(void* p);
 
   Tier tier_;
   i64 budget_;
+  Backend* backend_;
   mutable std::mutex mu_;
   std::condition_variable released_;
   MemoryStats stats_;
@@ -95,6 +106,7 @@ class MemoryTier {
   double (*clock_)() = nullptr;
   std::vector<std::pair<double, i64>> timeline_;
   double release_wait_s_ = 0;
+  std::function<bool()> reclaim_;
 };
 
 }  // namespace sppo

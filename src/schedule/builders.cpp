@@ -392,6 +392,16 @@ Schedule build_pipeline(const PipelineSpec& spec) {
         s.ops[rank].push_back(ar);
       }
     }
+  // The tied embedding: the first stage's input embedding and the last stage's LM head
+  // are one parameter; their gradients are summed between the two.
+  if (P > 1)
+    for (int d = 0; d < D; ++d)
+      for (int r = 0; r < R; ++r) {
+        Op tied = make(OpKind::AllReduce, 0);
+        tied.payload = Payload::TiedGrads;
+        tied.group = {spec.rank_of(d, 0, r), spec.rank_of(d, P - 1, r)};
+        for (int rank : tied.group) s.ops[rank].push_back(tied);
+      }
   return s;
 }
 

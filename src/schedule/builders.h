@@ -42,7 +42,8 @@ std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec);
 // layer block; Send/Recv Hidden after each F to p+1 and HiddenGrad after each B to p-1;
 // with sp > 1 every F and B is preceded by its ring-attention steps; with msp the
 // bubble-adjacent subsequences run in pieces on the idle stages; with dp > 1 the step
-// ends in an all-reduce of each stage's weight gradients across replicas.
+// ends in an all-reduce of each stage's weight gradients across replicas, and with pp > 1
+// in one of the tied embedding's gradient between the first and last stage.
 Schedule build_pipeline(const PipelineSpec& spec);
 
 }  // namespace sppo::sched

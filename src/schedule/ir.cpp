@@ -27,6 +27,12 @@ MessageKey message_key(const Op& op) {
   return m;
 }
 
+int message_tag(const Op& op) {
+  const MessageKey k = message_key(op);
+  const int slot = op.kind == OpKind::RingStep ? k.step : k.piece;
+  return ((int(k.payload) * 4096 + (k.subseq & 4095)) * 64 + (slot & 63)) * 64 + (k.layer_begin & 63);
+}
+
 const char* to_string(OpKind k) {
   switch (k) {
     case OpKind::Forward: return "F";
@@ -55,6 +61,7 @@ const char* to_string(Payload p) {
     case Payload::WeightGrads: return "weight_grads";
     case Payload::KVStream: return "kv_stream";
     case Payload::KVGradStream: return "kv_grad_stream";
+    case Payload::TiedGrads: return "tied_grads";
   }
   SPPO_ASSERT(false);
   return "";
@@ -123,8 +130,8 @@ std::string to_string(const Op& op) {
       break;
     case OpKind::AllReduce:
       os << to_string(op.payload) << ' ';
-      put_layers(os, op);
-      os << " [";
+      if (op.payload != Payload::TiedGrads) put_layers(os, op), os << ' ';
+      os << '[';
       for (size_t k = 0; k < op.group.size(); ++k) os << (k ? "," : "") << op.group[k];
       os << ']';
       break;

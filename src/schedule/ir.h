@@ -24,7 +24,9 @@ enum class OpKind {
   Send,          // send `payload` of (subseq, piece) to rank `peer`
   Recv,          // receive `payload` of (subseq, piece) from rank `peer`
   RingStep,      // one ring-attention step `step` of (layer range, subseq, piece) with `peer`
-  AllReduce,     // all-reduce of the weight gradients across `group`
+  AllReduce,     // all-reduce across `group` of the weight gradients of layers [layer_begin,
+                 //   layer_end) (payload WeightGrads: data-parallel and SP replicas), or of the
+                 //   tied embedding's gradient (payload TiedGrads: first and last stage)
 };
 
 // What a Send/Recv/RingStep moves.
@@ -32,7 +34,9 @@ enum class OpKind {
 // owner's accumulated dK/dV rows returned to a piece's rank before its backward);
 // KVStream / KVGradStream are transient: earlier positions' K and V streamed to an MSP
 // piece in chunks, and the piece's partial dK/dV of those positions streamed back.
-enum class Payload { None, Hidden, HiddenGrad, KV, KVGrad, Weights, WeightGrads, KVStream, KVGradStream };
+// TiedGrads is the embedding's gradient, held by the first stage (input embedding) and the
+// last (LM head) and summed between them, as Megatron-LM does.
+enum class Payload { None, Hidden, HiddenGrad, KV, KVGrad, Weights, WeightGrads, KVStream, KVGradStream, TiedGrads };
 
 struct Op {
   OpKind kind = OpKind::Forward;
@@ -77,6 +81,10 @@ struct MessageKey {
   bool operator==(const MessageKey&) const = default;
 };
 MessageKey message_key(const Op& op);
+// The MPI tag of a message: payload, subsequence, piece (ring step) and first layer packed
+// into 30 bits. Keys that differ only in fields it drops (tokens, pieces, last layer) are
+// never in flight between the same two ranks at once in the schedules the builders make.
+int message_tag(const Op& op);
 
 // Canonical one-line text form of an op, e.g. "F L0-3 s2", "O s1 0.5", "send hidden s2 -> r1".
 // Layer ranges print inclusive ("L0-3" is [0, 4)); pieces print as "p1/4" when pieces > 1.

@@ -1,17 +1,26 @@
 // Device-memory rules of a schedule (DESIGN.md 4), shared by the validator (program order)
 // and the simulator (timed). They mirror the runtime's arena exactly:
-//  - fixed for the step: weights, gradients and AdamW m, v of the owned layers, fp32,
-//    `param_state_bytes` (16) per parameter; no ZeRO: every SP rank and DP replica of a
-//    stage holds a full copy of that stage's layers.
-//  - F(i), per layer: workspace for the layer's duration; K_i, V_i (skeletal, until B(i)
+//  - fixed for the step: the token ids and the loss sum (step_input_bytes); weights,
+//    their working copy in the activation type (bf16 only), gradients and AdamW m, v of the
+//    owned layers, fp32,
+//    `param_state_bytes` (16) per parameter; every SP rank and DP replica of a stage holds
+//    a full copy of that stage's weights and gradients, and, under ZeRO-1, only its share
+//    of the AdamW state (zero_state_params).
+//  - F(i), per layer: workspace (kernel scratch included) for the layer's duration; K_i, V_i (skeletal, until B(i)
 //    of that layer) and the unit U(l, i) (offloadable); the layer's output [T, H], which is
-//    the next layer's saved input (so part of its unit) or, after the last layer, the
-//    head's input, freed at the end of F. After the last layer of the model: the head's
-//    workspace transiently and head_grad [T, H] (part of subsequence i's unit).
+//    the next layer's saved input (so part of its unit), or, after the last layer, the
+//    head's input, freed at the end of F, or, after a stage's last layer, the hidden state
+//    for the next stage, freed as each Send of it ends. After the last layer of the model:
+//    the head's workspace transiently and head_grad [T, H] (part of subsequence i's unit).
+//  - Recv Hidden / HiddenGrad: the receive is posted when the compute op before it starts
+//    (or at the rank's first op), and its [tokens, H] buffer is allocated then. A stage's
+//    F uses the received hidden state as its first layer's saved input; its B uses the
+//    received gradient as the residual gradient.
 //  - O(i) fraction a: the tensors select_offload(a) picks (core/layout.h) released when the
 //    copy ends;
 //    P(i) allocates them again at its start.
-//  - B(i): head_grad of i carries the residual gradient, freed at the end; per layer from
+//  - B(i): head_grad of i (or the received gradient) carries the residual gradient, freed
+//    at the end on the first stage, else as each Send HiddenGrad of it ends; per layer from
 //    the last: workspace; on the
 //    first backward touching layer l, dK/dV accumulators (fp32) for every position whose
 //    K, V this rank holds for l; at the end of the layer: K_i, V_i, dK/dV rows of i, U(l, i)
@@ -40,18 +49,39 @@ struct MemoryRules {
   ActPrecision precision = ActPrecision::BF16;
   i64 head_chunk = 1024;        // logits rows computed at once
   int param_state_bytes = 16;   // fp32 weight + grad + AdamW m + v
+  int optimizer_bytes = 8;      // of which AdamW m + v
   int accum_bytes = 4;          // dK/dV accumulators are fp32 on every backend
+  int weight_copy_bytes = 0;    // per parameter: the GEMMs' working copy of the weights (2 in bf16)
+  bool zero = false;            // ZeRO-1: AdamW state sharded over the gradient all-reduce group
+  // Kernel scratch the runtime allocates with each layer's workspace, and with the head's
+  // (the CPU backend's, kernels/scratch.h; zero where kernels bring their own).
+  KernelScratch block_scratch, head_scratch;
 
   int act_bytes() const { return precision == ActPrecision::F32 ? 4 : 2; }
 };
 
-// Token range [begin, end) of piece p of `pieces` of a subsequence of length l: the first
-// l % pieces pieces get one token more.
-std::pair<i64, i64> piece_range(i64 l, int piece, int pieces);
-
 // Parameters of layers [b, e) of the model, with the embedding when `embed` and the final
 // LayerNorm (and tied head) when `head`.
 i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head);
+
+// The step's inputs on the device: S + 1 token ids (int32) and the loss sum (a double).
+inline i64 step_input_bytes(i64 S) { return (S + 1) * 4 + 8; }
+
+// Parameters whose AdamW state rank `index` of `shards` keeps under ZeRO-1 for layers
+// [b, e): piece `index` of each bucket (the embedding, each layer, the final LayerNorm;
+// core/layout.h piece_range), as the runtime shards them.
+i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index);
+
+// Peak device bytes of the full-recomputation baseline (one process, the whole sequence
+// of S tokens as one subsequence): the runtime keeps each block's input through forward
+// and, in backward, recomputes one block's saved tensors at a time (runtime/executor.h).
+// The simulator does not run that schedule; this follows its allocations step by step so
+// that a budget is checked before training.
+i64 recompute_peak_bytes(const MemoryRules& rules, i64 S);
+
+// Bytes per rank an AllReduce op sums: fp32 gradients of its layers (with the embedding
+// and final LayerNorm where the layers include the first or last), or of the tied embedding.
+i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers);
 
 // A device-memory change inside an op: `at` in [0, 1] is the position in the op's duration
 // (per-layer events of F and B); an offload's release is at 1, the end of its copy.
@@ -102,6 +132,7 @@ class RankMemory {
                                                  // on this rank, in select_offload order
   std::map<int, i64> offloaded_;       // subsequence -> bytes on the host
   std::map<size_t, i64> release_after_;            // op index -> borrowed weight bytes freed at its end
+  std::map<size_t, i64> posted_at_;                // op index -> receive buffers allocated at its start
   std::set<std::pair<int, int>> borrowed_grads_;   // borrowed layer ranges with gradients
   size_t next_ = 0;                                // index of the next op of this rank
   std::pair<int, int> own_;                        // owned layers [begin, end)

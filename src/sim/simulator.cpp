@@ -180,8 +180,7 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
             auto it = reduced.find(key);
             if (it == reduced.end()) {
               const double start = *std::max_element(there.begin(), there.end());
-              const i64 bytes = sched::param_count(cost.model(), op.layer_begin, op.layer_end,
-                                                   op.layer_begin == 0, op.layer_end == s.layers) * 4;
+              const i64 bytes = sched::allreduce_bytes(op, cost.model(), s.layers);
               it = reduced.emplace(key, start + cost.allreduce_s(bytes, op.group)).first;
             }
             const double start = std::max(rs.t_compute, rs.t_net);

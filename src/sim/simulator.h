@@ -54,6 +54,7 @@ struct SimResult {
   std::vector<i64> fixed_bytes;  // per rank: weights, gradients, optimizer state
   std::vector<TraceEvent> events;                            // with record
   std::vector<std::vector<std::pair<double, i64>>> memory;   // with record: per rank (t, bytes)
+  std::vector<std::string> names;  // per rank, as traces label it (empty: "device r")
 };
 
 // Throws sppo::Error when the schedule deadlocks.

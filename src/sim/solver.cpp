@@ -21,11 +21,33 @@ OffloadMode parse_offload(const std::string& text) {
   return OffloadMode::Adaptive;
 }
 
-MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision) {
+MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero) {
   MemoryRules m;
   m.model = c;
   m.precision = precision;
+  m.zero = zero;
+  m.weight_copy_bytes = precision == ActPrecision::BF16 ? 2 : 0;
   return m;
+}
+
+MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape) {
+  MemoryRules m = memory_rules(c, precision, shape.zero);
+  m.block_scratch = shape.block_scratch;
+  m.head_scratch = shape.head_scratch;
+  return m;
+}
+
+sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
+                           const StepShape& shape) {
+  if (shape.pp * shape.dp == 1) return sched::build_single(c.layers, lengths, alpha);
+  sched::PipelineSpec spec;
+  spec.layers = c.layers;
+  spec.lengths = lengths;
+  spec.alpha = alpha;
+  spec.pp = shape.pp;
+  spec.dp = shape.dp;
+  spec.stage_layers = shape.stage_layers;
+  return sched::build_pipeline(spec);
 }
 
 std::vector<double> paper_alpha(const std::vector<i64>& lengths, int layers, bool head, int sp,
@@ -121,16 +143,22 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
 }
 
 AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& lengths, const HardwareProfile& hw,
-                               ActPrecision precision, i64 budget, OffloadMode mode) {
+                               ActPrecision precision, i64 budget, OffloadMode mode, const StepShape& shape) {
   SPPO_CHECK(!lengths.empty(), "planner") << "no subsequences";
-  const MemoryRules rules = memory_rules(c, precision);
+  const MemoryRules rules = memory_rules(c, precision, shape);
   const CostModel cost(hw, c, precision);
-  auto build = [&](const std::vector<double>& a) { return sched::build_single(c.layers, lengths, a); };
-  return solve_alpha(build, paper_alpha(lengths, c.layers, true, 1, cost, rules), cost, rules, budget, mode);
+  auto build = [&](const std::vector<double>& a) { return build_step(c, lengths, a, shape); };
+  sched::PipelineSpec spec;
+  spec.layers = c.layers;
+  spec.pp = shape.pp;
+  spec.stage_layers = shape.stage_layers;
+  const auto first = sched::stage_ranges(spec).front();
+  return solve_alpha(build, paper_alpha(lengths, first.second - first.first, shape.pp == 1, 1, cost, rules), cost,
+                     rules, budget, mode);
 }
 
 FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile& hw, ActPrecision precision,
-                             i64 budget, bool flops_balanced, int min_n, int max_n) {
+                             i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape) {
   // Note [Searching N]: the peak falls roughly as 1/N towards the K/V cache and dK/dV
   // accumulators, which no N removes. N grows by a quarter per try until one fits, then
   // bisection finds the smallest fitting N below it; when the least peak has not improved
@@ -142,7 +170,7 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
     return flops_balanced ? plan::partition_flops(c, S, n) : plan::partition_length(S, n);
   };
   auto solve = [&](int n) {
-    const AlphaResult a = solve_alpha_single(c, lengths_of(n), hw, precision, budget, OffloadMode::Adaptive);
+    const AlphaResult a = solve_alpha_single(c, lengths_of(n), hw, precision, budget, OffloadMode::Adaptive, shape);
     if (f.least_peak_bytes == 0 || a.peak_device_bytes < f.least_peak_bytes) {
       f.least_peak_bytes = a.peak_device_bytes;
       f.least_peak_subseqs = n;

@@ -35,10 +35,25 @@ struct AlphaResult {
   std::string rule;               // "none", "paper", "scaled paper", "beyond paper", "full"
 };
 
-// Single process (the runtime's `--offload adaptive`): alpha for `lengths` on one device
-// of profile `hw` (its GEMM and copy rates), activations in `precision`, peak <= budget.
+// The layout a runtime step runs its subsequences in: one process, or a sequence pipeline
+// of pp stages times dp replicas (no sequence parallelism).
+struct StepShape {
+  int pp = 1, dp = 1;
+  bool zero = false;               // ZeRO-1 over the replicas
+  std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
+  KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
+  ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)
+};
+// The schedule of one step of that shape (build_single for one process).
+sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
+                           const StepShape& shape);
+
+// The runtime's `--offload adaptive`: alpha for `lengths` in a step of `shape` on devices
+// of profile `hw` (its GEMM and copy rates), activations in `precision`, every rank's peak
+// <= budget. The paper's rule is sized for the first stage (it holds the most layers).
 AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& lengths, const HardwareProfile& hw,
-                               ActPrecision precision, i64 budget, OffloadMode mode = OffloadMode::Adaptive);
+                               ActPrecision precision, i64 budget, OffloadMode mode = OffloadMode::Adaptive,
+                               const StepShape& shape = {});
 
 // The same search for any schedule family: `build(alpha)` makes the schedule.
 AlphaResult solve_alpha(const std::function<sched::Schedule(const std::vector<double>&)>& build,
@@ -62,10 +77,12 @@ struct FitSearch {
   std::string reason;
 };
 FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile& hw, ActPrecision precision,
-                             i64 budget, bool flops_balanced, int min_n, int max_n);
+                             i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape = {});
 
 // Memory rules of a GPU plan or of this CPU.
-sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision);
+sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero = false);
+// The memory rules of a runtime step of `shape`.
+sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape);
 
 struct PlanRequest {
   std::string model_name;

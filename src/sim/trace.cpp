@@ -50,6 +50,10 @@ Style style_of(const TraceEvent& e) {
 
 constexpr double kMicros = 1e6;
 
+std::string device_name(const SimResult& r, int d) {
+  return d < int(r.names.size()) ? r.names[std::size_t(d)] : "device " + std::to_string(d);
+}
+
 std::string xml_escape(const std::string& t) {
   std::string o;
   for (char c : t) {
@@ -68,7 +72,7 @@ std::string chrome_trace(const SimResult& r) {
   nlohmann::json events = nlohmann::json::array();
   const int ranks = int(r.peak_bytes.size());
   for (int d = 0; d < ranks; ++d) {
-    events.push_back({{"ph", "M"}, {"pid", d}, {"name", "process_name"}, {"args", {{"name", "device " + std::to_string(d)}}}});
+    events.push_back({{"ph", "M"}, {"pid", d}, {"name", "process_name"}, {"args", {{"name", device_name(r, d)}}}});
     for (Lane l : {Lane::Compute, Lane::CopyOut, Lane::CopyIn, Lane::Network})
       events.push_back({{"ph", "M"}, {"pid", d}, {"tid", int(l)}, {"name", "thread_name"}, {"args", {{"name", lane_name(l)}}}});
   }
@@ -135,8 +139,8 @@ std::string svg_timeline(const SimResult& r, const std::string& title) {
     for (const auto& [t, b] : m) mem_max = std::max(mem_max, b);
   for (int d = 0; d < ranks; ++d) {
     const double y = top + d * (row + mem_row);
-    std::snprintf(buf, sizeof buf, "<text x=\"4\" y=\"%g\">device %d</text>\n<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"#f4f4f4\"/>\n",
-                  y + 14, d, left, y, plot, row);
+    std::snprintf(buf, sizeof buf, "<text x=\"4\" y=\"%g\">%s</text>\n<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"#f4f4f4\"/>\n",
+                  y + 14, xml_escape(device_name(r, d)).c_str(), left, y, plot, row);
     os << buf;
     if (d < int(r.memory.size()) && !r.memory[d].empty()) {
       // Memory over time as a step line beneath the row, scaled to the largest peak.

@@ -12,8 +12,8 @@
 
 #include "core/check.h"
 #include "core/layout.h"
-#include "kernels/blas_setup.h"
-#include "kernels/ops.h"
+#include "backends/cpu/blas_setup.h"
+#include "backends/cpu/ops.h"
 #include "model/gpt.h"
 #include "runtime/memory.h"
 
@@ -187,6 +187,8 @@ nlohmann::json bench_layer(int hidden, int heads, i64 S, int reps) {
   Buffer params = device.alloc(P * 4, "parameters"), grads = device.alloc_zeroed(P * 4, "gradients");
   fill_normal(params.f32(), P, 0.02f, rng);
   ParamView pv = param_view(c, params.f32()), gv = param_view(c, grads.f32());
+  const MatrixView mv = matrix_view(c, params.data(), DType::F32, 0, c.layers);
+  const auto be = make_backend("cpu");
   std::fill(pv.blocks[0].ln1_w, pv.blocks[0].ln1_w + hidden, 1.0f);
   std::fill(pv.blocks[0].ln2_w, pv.blocks[0].ln2_w + hidden, 1.0f);
 
@@ -200,18 +202,19 @@ nlohmann::json bench_layer(int hidden, int heads, i64 S, int reps) {
     Buffer dk = device.alloc_zeroed(i64(T) * hidden * 4, "dK"), dv = device.alloc_zeroed(i64(T) * hidden * 4, "dV");
     const auto t0 = std::chrono::steady_clock::now();
     for (const auto& s : block_workspace_specs(c, T, ActPrecision::F32)) ws.push_back(device.alloc(s.bytes(), s.name));
-    std::vector<float*> sp, wp;
-    for (auto& b : saved) sp.push_back(b.f32());
-    for (auto& b : ws) wp.push_back(b.f32());
+    std::vector<void*> sp, wp;
+    for (auto& b : saved) sp.push_back(b.data());
+    for (auto& b : ws) wp.push_back(b.data());
     BlockSaved bs = block_saved_from(sp);
     const BlockWorkspace w = block_workspace_from(wp);
     const Subseq q{0, T};
-    block_forward(x_out.f32(), bs, pv.blocks[0], w, KVBlocks{}, c, q);
+    block_forward(*be, x_out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, q);
     const double t_fwd = seconds_since(t0);
     // The gradient arriving from above: a random tensor in the output's buffer (untimed).
     fill_normal(x_out.f32(), i64(T) * hidden, 1.0f, rng);
     const auto t1 = std::chrono::steady_clock::now();
-    block_backward(x_out.f32(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], w, KVBlocks{}, c, q);
+    block_backward(*be, x_out.data(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{},
+                   c, q);
     if (r > 0) times.push_back(t_fwd + seconds_since(t1));
   }
   const double t = median(times);

@@ -11,6 +11,7 @@ namespace sppo {
 struct StepOptions {
   ModelConfig model;
   std::string model_name = "small";   // preset, or "custom" when sizes were given
+  std::string model_preset = "small"; // the preset the sizes started from
   i64 seq_len = 4096;                 // S
   std::uint64_t seed = 1234;
   std::string data;                   // "" = the built-in repeat task
@@ -23,7 +24,15 @@ struct StepOptions {
   i64 device_memory = 0;              // bytes; 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
-  std::string plan_path;              // --plan PLAN.json: lengths and alpha from a plan
+  std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
+  std::string precision;              // fp32 | bf16 ("": the backend's default)
+  std::string plan_path;              // --plan PLAN.json: layout, lengths and alpha from a plan
+  // Several processes (mpirun -np pp * dp): rank = replica * pp + stage
+  int pp = 1;                         // pipeline stages
+  int dp = 1;                         // data-parallel replicas
+  int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
+  int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
+  double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
 };
 
 struct TrainOptions {
@@ -44,6 +53,7 @@ struct TrainOptions {
   std::string trace_path;             // Chrome trace JSON of the last step
   std::string svg_path;               // SVG timeline of the last step
   bool quiet = false;
+  int max_bad_steps = 3;              // stop after this many non-finite steps in a row
 };
 
 }  // namespace sppo

@@ -34,7 +34,8 @@ bool fixed_ratio(const std::string& mode, double* ratio) {
 }
 
 SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offload,
-                      const ModelConfig& c, i64 budget, const plan::HardwareProfile& hw) {
+                      const ModelConfig& c, i64 budget, const plan::HardwareProfile& hw,
+                      const sim::StepShape& shape) {
   SubseqChoice ch;
   ch.lengths = lengths;
   double ratio = 0;
@@ -43,16 +44,16 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
     ch.alpha.assign(lengths.size(), ratio);
     ch.alpha.back() = 0;
     ch.alpha_rule = offload;
-    const plan::CostModel cost(hw, c, ActPrecision::F32);
-    const auto r = sim::simulate(sched::build_single(c.layers, lengths, ch.alpha), cost,
-                                 sim::memory_rules(c, ActPrecision::F32));
+    const plan::CostModel cost(hw, c, shape.precision);
+    const auto r = sim::simulate(sim::build_step(c, lengths, ch.alpha, shape), cost,
+                                 sim::memory_rules(c, shape.precision, shape));
     ch.predicted_peak_bytes = r.peak_device_bytes;
     step_s = r.step_time_s;
     exposed_s = r.exposed_copy_s;
   } else {
     // The solver offloads only what the budget demands (without one, the machine's memory).
-    const auto r = sim::solve_alpha_single(c, lengths, hw, ActPrecision::F32,
-                                           budget > 0 ? budget : hw.device_memory, sim::OffloadMode::Adaptive);
+    const auto r = sim::solve_alpha_single(c, lengths, hw, shape.precision,
+                                           budget > 0 ? budget : hw.device_memory, sim::OffloadMode::Adaptive, shape);
     ch.alpha = r.alpha;
     ch.alpha_rule = r.rule;
     ch.predicted_peak_bytes = r.peak_device_bytes;
@@ -68,7 +69,7 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
 
 SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
                             const ModelConfig& c, i64 S, int N, i64 budget,
-                            const plan::HardwareProfile& hw) {
+                            const plan::HardwareProfile& hw, const sim::StepShape& shape) {
   SPPO_CHECK(partition == "length" || partition == "flops" || partition == "adaptive", "options")
       << "--partition '" << partition << "' is unknown; use length, flops or adaptive";
   double ratio = 0;
@@ -76,18 +77,18 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
 
   SubseqChoice ch;
   if (partition == "adaptive") {
-    SubseqChoice a = evaluate(lengths_for("length", c, S, N), offload, c, budget, hw);
-    SubseqChoice b = evaluate(lengths_for("flops", c, S, N), offload, c, budget, hw);
+    SubseqChoice a = evaluate(lengths_for("length", c, S, N), offload, c, budget, hw, shape);
+    SubseqChoice b = evaluate(lengths_for("flops", c, S, N), offload, c, budget, hw, shape);
     const bool a_fits = budget == 0 || a.predicted_peak_bytes <= budget;
     const bool b_fits = budget == 0 || b.predicted_peak_bytes <= budget;
     ch = (b_fits && (!a_fits || b.predicted_step_s <= a.predicted_step_s)) ? b : a;
   } else {
-    ch = evaluate(lengths_for(partition, c, S, N), offload, c, budget, hw);
+    ch = evaluate(lengths_for(partition, c, S, N), offload, c, budget, hw, shape);
   }
 
   if (budget > 0 && ch.predicted_peak_bytes > budget) {
-    const auto fit = sim::smallest_fitting_n(c, S, hw, ActPrecision::F32, budget, partition != "length",
-                                             1, int(std::min<i64>(S, 4096)));
+    const auto fit = sim::smallest_fitting_n(c, S, hw, shape.precision, budget, partition != "length",
+                                             1, int(std::min<i64>(S, 4096)), shape);
     std::string hint;
     if (fit.found)
       hint = "the smallest that fits is --subseqs " + std::to_string(fit.subseqs) +
@@ -97,7 +98,7 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
              format_bytes(double(fit.least_peak_bytes)) + " (at --subseqs " +
              std::to_string(fit.least_peak_subseqs) +
              "), since K/V and their gradients stay on the device; shorten --seq-len or raise --device-memory";
-    SPPO_CHECK(false, "memory") << "--subseqs " << N << " --offload " << offload << " needs "
+    SPPO_CHECK_FITS(false, "memory") << "--subseqs " << N << " --offload " << offload << " needs "
                                 << format_bytes(double(ch.predicted_peak_bytes)) << " ("
                                 << ch.predicted_peak_bytes << " B) of device memory, over the "
                                 << "--device-memory budget of " << format_bytes(double(budget))

@@ -7,6 +7,7 @@
 
 #include "core/config.h"
 #include "planner/profile.h"
+#include "sim/solver.h"
 
 namespace sppo {
 
@@ -20,7 +21,8 @@ struct SubseqChoice {
 };
 
 // --partition length|flops|adaptive, --offload none|full|adaptive|<ratio>, for N
-// subsequences of S tokens under `budget` bytes (0: none) on profile `hw`.
+// subsequences of S tokens under `budget` bytes per rank (0: none) on profile `hw`, in a
+// step of `shape` (one process, or a pipeline of stages and replicas).
 // `adaptive` partition: whichever of length and flops the simulator predicts faster (with
 // its best alpha). `adaptive` offload: the solver's alpha (sim/solver.h Note [Alpha under a
 // budget]): nothing when everything fits, else the least that fits, hidden behind compute
@@ -28,6 +30,6 @@ struct SubseqChoice {
 // needed and the smallest N and offload that would fit, or that nothing does.
 SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
                             const ModelConfig& c, i64 S, int N, i64 budget,
-                            const plan::HardwareProfile& hw);
+                            const plan::HardwareProfile& hw, const sim::StepShape& shape = {});
 
 }  // namespace sppo

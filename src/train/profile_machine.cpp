@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/attention.h"
-#include "kernels/ops.h"
+#include "backends/cpu/attention.h"
+#include "backends/cpu/ops.h"
 #include "model/gpt.h"
 #include "train/bench.h"
 
@@ -131,8 +131,10 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
     const int Tt = 8;
     std::vector<float> params(std::size_t(c.num_params()), 0.01f);
     ParamView pv = param_view(c, params.data());
+    const MatrixView mv = matrix_view(c, params.data(), DType::F32, 0, c.layers);
+    const auto be = make_backend("cpu");
     std::vector<std::vector<float>> saved, ws;
-    std::vector<float*> sp, wp;
+    std::vector<void*> sp, wp;
     for (const auto& s : block_saved_specs(c, Tt, ActPrecision::F32)) saved.emplace_back(std::size_t(s.numel()), 0.5f);
     for (const auto& s : block_workspace_specs(c, Tt, ActPrecision::F32)) ws.emplace_back(std::size_t(s.numel()), 0.0f);
     for (auto& b : saved) sp.push_back(b.data());
@@ -141,7 +143,7 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
     BlockSaved bs = block_saved_from(sp);
     const BlockWorkspace w = block_workspace_from(wp);
     p.layer_overhead = median_seconds(reps * 5, [&] {
-      block_forward(out.data(), bs, pv.blocks[0], w, KVBlocks{}, c, Subseq{0, Tt});
+      block_forward(*be, out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, Subseq{0, Tt});
     });
   }
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);

@@ -1,20 +1,35 @@
 #include "train/setup.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "core/check.h"
 #include "planner/plan.h"
 #include "schedule/builders.h"
+#include "schedule/memory.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
 #include "train/partition.h"
 #include "train/profile_machine.h"
 
 namespace sppo {
+
+plan::Plan read_plan_file(const std::string& path) {
+  std::ifstream f(path);
+  SPPO_CHECK(f.good(), "options") << "cannot read --plan " << path;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    SPPO_CHECK(false, "options") << "--plan " << path << " is not JSON: " << e.what();
+  }
+  return plan::plan_from_json(j);
+}
 
 namespace {
 
@@ -68,64 +83,105 @@ void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
 
 namespace {
 
-// --plan: a plan for one device fixes the lengths and alpha; the model and S must agree.
-void apply_plan(const StepOptions& o, StepSetup* s) {
-  std::ifstream f(o.plan_path);
-  SPPO_CHECK(f.good(), "options") << "cannot read --plan " << o.plan_path;
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    SPPO_CHECK(false, "options") << "--plan " << o.plan_path << " is not JSON: " << e.what();
-  }
-  const plan::Plan p = plan::plan_from_json(j);
-  SPPO_CHECK(p.system == "sppo" && p.sp == 1 && p.pp == 1 && p.dp == 1, "options")
-      << "--plan " << o.plan_path << " is a " << p.system << " plan with sp " << p.sp << ", pp " << p.pp
-      << ", dp " << p.dp << "; this runtime runs one process: plan with --gpus 1";
+// --plan: a plan fixes the layout, the lengths and alpha; the model and S must agree.
+plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
+  const plan::Plan p = read_plan_file(o.plan_path);
+  SPPO_CHECK(p.system == "sppo" && p.sp == 1 && p.tp == 1 && !p.msp, "options")
+      << "--plan " << o.plan_path << " is a " << p.system << " plan with sp " << p.sp << ", tp " << p.tp
+      << ", msp " << (p.msp ? "on" : "off")
+      << "; the runtime runs SPPO plans with pipeline and data parallelism only (sp 1, MSP off)";
+  SPPO_CHECK((o.pp == 1 || o.pp == p.pp) && (o.dp == 1 || o.dp == p.dp), "options")
+      << "--plan " << o.plan_path << " has pp " << p.pp << " and dp " << p.dp << ", but --pp " << o.pp
+      << " --dp " << o.dp << " were given; drop them (the plan sets the layout)";
   SPPO_CHECK(p.seq_len == o.seq_len, "options")
       << "--plan " << o.plan_path << " is for --seq-len " << p.seq_len << ", not " << o.seq_len;
-  SPPO_CHECK(to_json(p.model) == to_json(s->config), "options")
+  SPPO_CHECK(to_json(p.model) == to_json(model), "options")
       << "--plan " << o.plan_path << " is for the model " << to_json(p.model).dump()
-      << ", not " << to_json(s->config).dump() << "; pass the same model options";
-  s->lengths = p.lengths;
-  s->alpha = p.alpha;
-  s->profile_measured = true;
-  s->profile = resolve_cpu_profile(o.hardware);
-  const plan::CostModel cost(s->profile, s->config, ActPrecision::F32);
-  const auto r = sim::simulate(sched::build_single(s->config.layers, s->lengths, s->alpha), cost,
-                               sim::memory_rules(s->config, ActPrecision::F32));
-  s->predicted_peak_bytes = r.peak_device_bytes;
-  s->predicted_step_s = r.step_time_s;
-  SPPO_CHECK(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")
-      << "--plan " << o.plan_path << " needs " << format_bytes(double(r.peak_device_bytes))
-      << " of device memory, over the --device-memory budget of " << format_bytes(double(o.device_memory));
+      << ", not " << to_json(model).dump() << "; pass the same model options";
+  return p;
+}
+
+// MemAvailable of /proc/meminfo (0 when unknown).
+i64 available_memory_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  i64 kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
+// The profile adaptive choices price with. Measured timings differ from rank to rank, and
+// every rank must choose the same lengths and alpha, so rank 0 measures for all.
+plan::HardwareProfile agreed_profile(const std::string& hardware, comm::Comm& w) {
+  if (!hardware.empty() || w.size() == 1) return resolve_cpu_profile(hardware);
+  const std::string mine = w.rank() == 0 ? plan::to_json(resolve_cpu_profile("")).dump() : "";
+  const auto all = comm::allgather_strings(w, mine, "rank 0's measurement of this machine");
+  return plan::profile_from_json(nlohmann::json::parse(all[0]), "rank 0's measurement");
 }
 
 }  // namespace
 
-StepSetup make_setup(const StepOptions& o) {
+StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   StepSetup s;
   s.config = o.model;
   s.config.validate();
   SPPO_CHECK(o.seq_len >= 2, "options") << "--seq-len " << o.seq_len << " is too short; use at least 2";
   const i64 S = o.seq_len;
+  static const std::unique_ptr<comm::Comm> alone = comm::make_solo();
+  comm::Comm& w = world ? *world : *alone;
+  // Timing matters to plans and adaptive choices only; a budget check needs the memory
+  // model alone. With several ranks the profile comes first: it is a collective, and
+  // nothing that can fail on one rank alone may run before it. One process measures it
+  // only once the options and data have been checked.
+  s.profile_measured = !o.plan_path.empty() || o.partition == "adaptive" || o.offload == "adaptive" ||
+                       !o.hardware.empty();
+  s.profile = nominal_cpu_profile();
+  bool profiled = false;
+  auto profile = [&]() -> const plan::HardwareProfile& {
+    if (s.profile_measured && !profiled) s.profile = agreed_profile(o.hardware, w);
+    profiled = true;
+    return s.profile;
+  };
+  SPPO_CHECK(o.partition == "length" || o.partition == "flops" || o.partition == "adaptive", "options")
+      << "--partition '" << o.partition << "' is unknown; use length, flops or adaptive";
+  if (w.size() > 1) profile();
 
+  s.backend = make_backend(o.backend, o.precision);
+  const ActPrecision precision = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
+  SPPO_CHECK(std::string(s.backend->name()) == "cpu" || w.size() == 1, "options")
+      << "several ranks on the " << s.backend->name() << " backend need a device communicator (NCCL), which is not "
+      << "built yet; run one process per job, or --backend cpu";
   s.data = io::open_data(o.data, s.config.vocab, o.seed, io::DataOptions{0, o.data_dtype});
   s.data->check_vocab(s.config.vocab);
   s.repeat_task = o.data.empty() || o.data.rfind("repeat", 0) == 0;
 
-  if (!o.plan_path.empty()) {
-    apply_plan(o, &s);
+  std::optional<plan::Plan> from_plan;
+  if (!o.plan_path.empty()) from_plan = read_plan(o, s.config);
+  s.layout = make_layout(from_plan ? from_plan->pp : o.pp, from_plan ? from_plan->dp : o.dp, o.zero, o.batch, w);
+  SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")
+      << "--recompute is the one-process baseline; drop --pp and --dp";
+  sim::StepShape shape;
+  shape.pp = s.layout.pp;
+  shape.dp = s.layout.dp;
+  shape.zero = o.zero == 1;
+  shape.precision = precision;
+  if (from_plan) shape.stage_layers = from_plan->stage_layers;
+  // The kernels' scratch comes from the device tier too.
+  shape.block_scratch = s.backend->block_scratch(s.config);
+  shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);
+
+  if (from_plan) {
+    s.lengths = from_plan->lengths;
+    s.alpha = from_plan->alpha;
   } else {
-    // Timing matters only to adaptive choices; a budget check needs the memory model alone.
-    const bool adaptive = o.partition == "adaptive" || o.offload == "adaptive";
-    s.profile_measured = adaptive || !o.hardware.empty();
-    const plan::HardwareProfile hw = s.profile_measured ? resolve_cpu_profile(o.hardware) : nominal_cpu_profile();
     int N = resolve_subseqs(o, S);
+    const plan::HardwareProfile& hw = profile();
     if (o.subseqs == "auto" && o.device_memory > 0 && !o.recompute) {
       // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
-      const auto fit = sim::smallest_fitting_n(s.config, S, hw, ActPrecision::F32, o.device_memory,
-                                               o.partition != "length", 1, int(std::min<i64>(S, 4096)));
+      const auto fit = sim::smallest_fitting_n(s.config, S, hw, precision, o.device_memory,
+                                               o.partition != "length", 1, int(std::min<i64>(S, 4096)), shape);
       if (fit.found) N = fit.subseqs;
     }
     SPPO_CHECK(!o.recompute || N == 1, "options")
@@ -133,19 +189,63 @@ StepSetup make_setup(const StepOptions& o) {
     // The simulator does not model recomputation: that baseline is checked by the arena
     // alone, and has no prediction.
     SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N,
-                                         o.recompute ? 0 : o.device_memory, hw);
+                                         o.recompute ? 0 : o.device_memory, hw, shape);
     s.lengths = choice.lengths;
     s.alpha = choice.alpha;
-    s.predicted_peak_bytes = o.recompute ? 0 : choice.predicted_peak_bytes;
-    s.predicted_step_s = choice.predicted_step_s;
     s.profile_measured = s.profile_measured && !o.recompute;
-    s.profile = hw;
   }
-  s.schedule = sched::build_single(s.config.layers, s.lengths, s.alpha);
+  s.schedule = sim::build_step(s.config, s.lengths, s.alpha, shape);
+  for (int p = 0; p < s.layout.pp; ++p)
+    s.layout.stage_layers.push_back(s.schedule.owned.empty() ? std::pair<int, int>{0, s.config.layers}
+                                                              : s.schedule.owned.at(std::size_t(p)));
+  if (o.recompute) {
+    // The simulator does not run the recompute schedule; its memory follows in closed form.
+    s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, precision, shape), S);
+    s.predicted_peak_per_rank = {s.predicted_peak_bytes};
+    SPPO_CHECK_FITS(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
+        << "--recompute needs " << format_bytes(double(s.predicted_peak_bytes)) << " of device memory at --seq-len "
+        << S << ", over the --device-memory budget of " << format_bytes(double(o.device_memory))
+        << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
+  } else {
+    const plan::CostModel cost(profile(), s.config, precision);
+    const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, precision, shape));
+    s.predicted_peak_bytes = r.peak_device_bytes;
+    s.predicted_peak_per_rank = r.peak_bytes;
+    s.predicted_step_s = r.step_time_s;
+    s.predicted_bubble = r.bubble_ratio;
+    s.predicted_host_bytes = r.peak_host_bytes;
+    SPPO_CHECK_FITS(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")
+        << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " needs "
+        << format_bytes(double(r.peak_device_bytes)) << " of device memory on its fullest rank, over the "
+        << "--device-memory budget of " << format_bytes(double(o.device_memory));
+  }
+
+  // On the CPU both tiers are this machine's memory: what the step holds on its fullest
+  // rank, times the ranks sharing the machine, must be there before the run starts.
+  {
+    const i64 per_rank = s.predicted_peak_bytes + s.predicted_host_bytes + kProcessAllowanceBytes;
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
+    const i64 available = available_memory_bytes();
+    SPPO_CHECK_FITS(available <= 0 || per_rank <= available / ranks_here, "memory")
+        << "this run needs " << format_bytes(double(per_rank)) << " of memory"
+        << (ranks_here > 1 ? " per rank (" + std::to_string(ranks_here) + " ranks here)" : "") << " (device tier "
+        << format_bytes(double(s.predicted_peak_bytes)) << ", offloaded " << format_bytes(double(s.predicted_host_bytes))
+        << ", " << format_bytes(double(kProcessAllowanceBytes)) << " for the process itself) but this machine has "
+        << format_bytes(double(available)) << " available; shorten --seq-len or use a smaller model";
+  }
 
   RuntimeOptions ro;
   ro.device_budget = o.device_memory;
   ro.recompute = o.recompute;
+  ro.rank = s.layout.rank;
+  ro.comm = s.layout.ranks() > 1 ? &w : nullptr;
+  ro.layers = s.layout.stage_layers.at(std::size_t(s.layout.stage()));
+  ro.zero_shards = o.zero == 1 ? s.layout.dp : 1;
+  ro.zero_index = o.zero == 1 ? s.layout.replica() : 0;
+  ro.block_scratch = shape.block_scratch;
+  ro.head_scratch = shape.head_scratch;
+  ro.backend = s.backend.get();
   s.runtime = std::make_unique<Runtime>(s.config, ro);
   return s;
 }

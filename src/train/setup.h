@@ -8,32 +8,47 @@
 #include <vector>
 
 #include "io/data.h"
+#include "planner/plan.h"
 #include "planner/profile.h"
 #include "runtime/executor.h"
 #include "schedule/ir.h"
 #include "train/options.h"
+#include "train/parallel.h"
 
 namespace sppo {
 
 struct StepSetup {
   ModelConfig config;
   std::unique_ptr<io::TokenSource> data;
+  std::unique_ptr<Backend> backend;   // before the runtime: it outlives it
   std::unique_ptr<Runtime> runtime;
   std::vector<i64> lengths;     // l_i
   std::vector<double> alpha;    // alpha_i
-  sched::Schedule schedule;
-  i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule (0: none,
-                                // as for --recompute, which the simulator does not model)
+  sched::Schedule schedule;     // every rank's ops; this process runs layout.rank's
+  ParallelLayout layout;
+  i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule, max over
+                                // ranks (0: none, as for --recompute, which it does not model)
+  std::vector<i64> predicted_peak_per_rank;
   double predicted_step_s = 0;  // on `profile`
+  double predicted_bubble = 0;  // idle over busy compute time, mean over ranks
+  i64 predicted_host_bytes = 0; // offloaded bytes held in host memory at once (fullest rank)
   plan::HardwareProfile profile;  // this machine's (measured or loaded), else nominal
   bool profile_measured = false;  // profile prices time (not only memory)
   bool repeat_task = false;     // the built-in task: report both halves' losses
 };
 
-// Resolves the model (preset or sizes), opens and checks the data, picks N, the lengths and
-// alpha, checks the budget, builds the schedule and the runtime. Throws sppo::Error with a
+// Memory a run's process holds besides the two tiers (program, thread stacks, OpenBLAS and
+// MPI buffers), counted when checking that a run fits the machine.
+inline constexpr i64 kProcessAllowanceBytes = i64{256} << 20;
+
+// Resolves the model (preset or sizes), opens and checks the data, picks the layout of
+// ranks, N, the lengths and alpha, checks the budget of every rank, builds the schedule
+// and this rank's runtime. `world` null means one process. Throws sppo::Error with a
 // message naming the option and what would work.
-StepSetup make_setup(const StepOptions& o);
+StepSetup make_setup(const StepOptions& o, comm::Comm* world = nullptr);
+
+// Reads a plan written by `sppo plan --out` (throws naming the file and what is wrong).
+plan::Plan read_plan_file(const std::string& path);
 
 // GPT-2 style initialisation from `seed`: N(0, 0.02) matrices, residual projections scaled
 // by 1/sqrt(2L), zero biases, unit LayerNorm gains. Deterministic for any thread count.

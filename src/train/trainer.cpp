@@ -1,31 +1,38 @@
 #include "train/trainer.h"
 
 #include <omp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
+#include <unistd.h>
 
 #include "core/check.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "io/safetensors.h"
-#include "kernels/ops.h"
+#include "runtime/fault.h"
 #include "sim/simulator.h"
+#include "train/parallel.h"
 #include "train/setup.h"
 
 namespace sppo {
 
 namespace {
 
-float lr_at(const TrainOptions& o, int step) {  // step counts from 0
+// The learning rate of step `step` (from 0) of a schedule laid out for `planned` steps:
+// linear warm-up, cosine decay to lr * min_lr_ratio at step `planned`, then constant.
+float lr_at(const TrainOptions& o, int step, int planned) {
   if (o.warmup > 0 && step < o.warmup) return o.lr * float(step + 1) / float(o.warmup);
-  const int decay = std::max(1, o.steps - o.warmup);
+  const int decay = std::max(1, planned - o.warmup);
   const double progress = std::min(1.0, double(step - o.warmup) / double(decay));
   const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
   return float(o.lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine));
@@ -48,18 +55,15 @@ std::string fmt_rate(double r) {
   return buf;
 }
 
-std::vector<io::CheckpointTensor> tensors_of(const ModelConfig& c, float* base, const char* suffix) {
-  std::vector<io::CheckpointTensor> t;
-  float* p = base;
-  for (const auto& s : parameter_specs(c)) {
-    t.push_back({s.name + suffix, s.shape, p});
-    p += s.numel();
+// Threads per rank: as asked, else the cores shared by the ranks on this machine.
+void apply_threads(int threads, const comm::Comm& world) {
+  if (threads > 0) {
+    omp_set_num_threads(threads);
+  } else if (world.size() > 1) {
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int ranks_here = local ? std::max(1, std::atoi(local)) : world.size();
+    omp_set_num_threads(std::max(1, int(std::thread::hardware_concurrency()) / ranks_here));
   }
-  return t;
-}
-
-void apply_threads(int threads) {
-  if (threads > 0) omp_set_num_threads(threads);
 }
 
 void write_json_file(const std::string& path, const nlohmann::json& j) {
@@ -69,80 +73,237 @@ void write_json_file(const std::string& path, const nlohmann::json& j) {
   SPPO_CHECK(f.good(), "io") << "error writing " << path;
 }
 
-// The measured step in the simulator's result form, so that the runtime and the simulator
-// write the same Chrome trace and SVG timeline.
-sim::SimResult measured_as_sim(const StepResult& r, i64 tokens) {
-  sim::SimResult m;
-  m.step_time_s = r.step_s;
-  m.tokens_per_device_per_s = double(tokens) / r.step_s;
-  m.exposed_copy_s = r.exposed_copy_s;
-  m.peak_bytes = {r.device.peak};
-  m.peak_device_bytes = r.device.peak;
-  double busy = 0;
-  for (const TraceSpan& t : r.trace) {
-    const sim::Lane lane = t.lane == Lane::Compute ? sim::Lane::Compute
-                           : t.lane == Lane::CopyOut ? sim::Lane::CopyOut
-                                                     : sim::Lane::CopyIn;
-    m.events.push_back({0, lane, t.kind, t.name, t.start_s, t.dur_s});
-    if (t.lane == Lane::Compute && (t.kind == sched::OpKind::Forward || t.kind == sched::OpKind::Backward))
-      busy += t.dur_s;
+// A file the run writes (at its end, possibly hours later): checked before any work.
+void check_output_file(const std::string& path, const char* option) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path p(path);
+  SPPO_CHECK(!fs::is_directory(p, ec), "options") << option << " " << path << " is a directory; give a file name";
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  SPPO_CHECK(fs::is_directory(dir, ec), "options")
+      << option << " " << path << ": the directory " << dir.string() << " does not exist; create it first";
+  SPPO_CHECK(::access(dir.c_str(), W_OK) == 0 && (!fs::exists(p, ec) || ::access(p.c_str(), W_OK) == 0), "options")
+      << option << " " << path << " is not writable";
+}
+
+// A directory the run writes: a checkpoint (replaced atomically) or an export.
+void check_output_dir(const std::string& path, const char* option, bool checkpoint) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::exists(p, ec)) {
+    SPPO_CHECK(fs::is_directory(p, ec), "options") << option << " " << path << " is a file, not a directory";
+    SPPO_CHECK(!checkpoint || fs::is_empty(p, ec) || io::checkpoint_exists(path), "options")
+        << option << " " << path << " holds files that are not a checkpoint; saving would not replace them: "
+        << "give a new directory";
   }
+  // A checkpoint is written beside its directory and renamed into place, so its parent
+  // must exist; an export's missing parents are made, under the nearest that exists.
+  fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!checkpoint)
+    while (!fs::exists(parent, ec) && parent.has_parent_path() && parent != parent.parent_path())
+      parent = parent.parent_path();
+  SPPO_CHECK(fs::is_directory(parent, ec), "options")
+      << option << " " << path << ": the directory " << parent.string() << " does not exist; create it first";
+  SPPO_CHECK(::access(parent.c_str(), W_OK) == 0, "options") << option << " " << path << ": "
+                                                              << parent.string() << " is not writable";
+}
+
+void check_train_options(const TrainOptions& o) {
+  SPPO_CHECK(o.steps >= 1, "options") << "--steps must be at least 1 (got " << o.steps << ")";
+  SPPO_CHECK(o.lr > 0 && std::isfinite(o.lr), "options") << "--lr must be positive (got " << o.lr << ")";
+  SPPO_CHECK(o.warmup >= 0, "options") << "--warmup must be 0 or more steps (got " << o.warmup << ")";
+  SPPO_CHECK(o.weight_decay >= 0, "options") << "--weight-decay must be 0 or more (got " << o.weight_decay << ")";
+  SPPO_CHECK(o.clip >= 0, "options") << "--clip must be 0 (off) or positive (got " << o.clip << ")";
+  SPPO_CHECK(o.save_every >= 0, "options") << "--save-every must be 0 (off) or positive (got " << o.save_every << ")";
+  SPPO_CHECK(o.stop_after >= 0, "options") << "--stop-after must be 0 (off) or positive (got " << o.stop_after << ")";
+  SPPO_CHECK(o.max_bad_steps >= 1, "options") << "--max-bad-steps must be at least 1 (got " << o.max_bad_steps << ")";
+  SPPO_CHECK(o.step.threads >= 0, "options") << "--threads must be 0 (all cores) or positive (got " << o.step.threads
+                                             << ")";
+  SPPO_CHECK(o.step.comm_timeout_s > 0, "options") << "--comm-timeout must be positive";
+  SPPO_CHECK(o.save_every == 0 || !o.save_dir.empty(), "options") << "--save-every needs --save DIR";
+  check_output_dir(o.save_dir, "--save", true);
+  check_output_file(o.metrics_path, "--metrics");
+  check_output_file(o.trace_path, "--trace");
+  check_output_file(o.svg_path, "--svg");
+}
+
+// Work on this rank alone: an error here leaves the other ranks waiting on messages, so
+// with several ranks it ends the whole job at once, naming the rank.
+template <typename F>
+void on_this_rank(comm::Comm& world, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (world.size() == 1) throw;
+    world.abort(std::string(e.what()) + " (rank " + std::to_string(world.rank()) + ")",
+                dynamic_cast<const DoesNotFit*>(&e) ? 3 : 2);
+  }
+}
+
+// One optimizer step's sequences: every rank reads all `batch` of them from the stream
+// (so the stream's position stays the same everywhere) and runs the schedule on its
+// replica's share, accumulating gradients; the last one reduces them.
+struct Sequences {
+  double loss_sum = 0, first_sum = 0, second_sum = 0;  // over this rank's sequences (last stage)
+  double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
+  i64 peak = 0, offloaded = 0;
+  StepResult last;
+};
+
+Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::vector<std::int32_t>* all_tokens) {
+  const ParallelLayout& lay = s.layout;
+  const i64 S = s.schedule.seq_len(), half = io::repeat_start(S);
+  Sequences q;
+  for (int k = 0; k < lay.batch; ++k) {
+    s.data->next(tokens.data(), S + 1);
+    if (all_tokens) all_tokens->insert(all_tokens->end(), tokens.begin(), tokens.end());
+    const int j = k - lay.replica() * lay.per_replica();
+    if (j < 0 || j >= lay.per_replica()) continue;  // another replica's sequence
+    StepResult r = s.runtime->step(s.schedule, tokens.data(), {j > 0, j + 1 == lay.per_replica()});
+    if (r.has_loss) {
+      q.loss_sum += r.loss;
+      q.first_sum += mean_loss(r.losses, 0, half);
+      q.second_sum += mean_loss(r.losses, half, S);
+    }
+    q.step_s += r.step_s;
+    q.compute_s += r.compute_s;
+    q.comm_wait_s += r.comm_wait_s;
+    q.exposed_s += r.exposed_copy_s;
+    q.peak = std::max(q.peak, r.device.peak);
+    q.offloaded += r.offloaded_bytes;
+    q.last = std::move(r);
+  }
+  return q;
+}
+
+// Figures of every rank for one step, on every rank.
+struct RankFigures {
+  int rank = 0;
+  double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
+  i64 peak = 0, offloaded = 0;
+  double bubble() const { return compute_s > 0 ? (step_s - compute_s) / compute_s : 0; }
+};
+
+std::vector<RankFigures> all_figures(comm::Comm& world, const Sequences& q) {
+  constexpr int kFields = 6;
+  std::vector<double> v(std::size_t(world.size()) * kFields, 0.0);
+  double* mine = v.data() + std::size_t(world.rank()) * kFields;
+  mine[0] = q.step_s, mine[1] = q.compute_s, mine[2] = q.comm_wait_s, mine[3] = q.exposed_s;
+  mine[4] = double(q.peak), mine[5] = double(q.offloaded);
+  comm::allreduce_sum(world, v, comm::world_group(world), "every rank's step figures");
+  std::vector<RankFigures> f(std::size_t(world.size()));
+  for (int r = 0; r < world.size(); ++r) {
+    const double* x = v.data() + std::size_t(r) * kFields;
+    f[std::size_t(r)] = {r, x[0], x[1], x[2], x[3], i64(x[4]), i64(x[5])};
+  }
+  return f;
+}
+
+// The measured step of every rank as one timeline in the simulator's result form, so
+// that the runtime and the simulator write the same Chrome trace and SVG.
+sim::SimResult measured_timeline(comm::Comm& world, const StepResult& mine, const ParallelLayout& lay, i64 tokens) {
+  nlohmann::json j = {{"start", mine.start_s}, {"step", mine.step_s}, {"peak", mine.device.peak},
+                      {"compute", mine.compute_s}, {"exposed", mine.exposed_copy_s}};
+  nlohmann::json spans = nlohmann::json::array(), memory = nlohmann::json::array();
+  for (const TraceSpan& t : mine.trace) spans.push_back({t.name, int(t.kind), int(t.lane), t.start_s, t.dur_s});
+  for (const auto& [t, b] : mine.memory) memory.push_back({t, b});
+  j["spans"] = std::move(spans);
+  j["memory"] = std::move(memory);
+  const auto all = comm::allgather_strings(world, j.dump(), "every rank's trace");
+  std::vector<nlohmann::json> ranks;
+  double t0 = 1e300, t1 = 0;
+  for (const auto& text : all) {
+    ranks.push_back(nlohmann::json::parse(text));
+    t0 = std::min(t0, ranks.back()["start"].get<double>());
+  }
+  sim::SimResult m;
+  double busy = 0, bubble_sum = 0;
+  for (int r = 0; r < int(ranks.size()); ++r) {
+    const auto& x = ranks[std::size_t(r)];
+    const double shift = x["start"].get<double>() - t0;
+    t1 = std::max(t1, shift + x["step"].get<double>());
+    m.peak_bytes.push_back(x["peak"].get<i64>());
+    m.peak_device_bytes = std::max(m.peak_device_bytes, m.peak_bytes.back());
+    m.exposed_copy_s = std::max(m.exposed_copy_s, x["exposed"].get<double>());
+    const double compute = x["compute"].get<double>();
+    busy = std::max(busy, compute);
+    if (compute > 0) bubble_sum += (x["step"].get<double>() - compute) / compute;
+    for (const auto& sp : x["spans"])
+      m.events.push_back({r, sim::Lane(sp[2].get<int>()), sched::OpKind(sp[1].get<int>()), sp[0].get<std::string>(),
+                          shift + sp[3].get<double>(), sp[4].get<double>()});
+    std::vector<std::pair<double, i64>> mem;
+    for (const auto& p : x["memory"]) mem.push_back({shift + p[0].get<double>(), p[1].get<i64>()});
+    m.memory.push_back(std::move(mem));
+    m.names.push_back(lay.ranks() > 1 ? "rank " + std::to_string(r) + " (stage " + std::to_string(r % lay.pp) + ")"
+                                      : "device 0");
+  }
+  m.step_time_s = t1;
+  m.tokens_per_device_per_s = double(tokens) / (t1 * double(ranks.size()));
   m.compute_s = busy;
-  m.bubble_ratio = busy > 0 ? (r.step_s - busy) / busy : 0;
-  m.memory = {r.memory};
+  m.bubble_ratio = bubble_sum / double(ranks.size());
   return m;
 }
 
-void write_timelines(const TrainOptions& o, const StepResult& r, i64 S) {
-  if (o.trace_path.empty() && o.svg_path.empty()) return;
-  sim::write_timelines(measured_as_sim(r, S), o.trace_path, o.svg_path,
-                       "measured step: S " + std::to_string(S) + ", " + o.step.model_name);
+std::string layout_text(const ParallelLayout& lay) {
+  if (lay.ranks() == 1) return "";
+  std::string t = " | pp " + std::to_string(lay.pp) + " dp " + std::to_string(lay.dp);
+  if (lay.zero) t += " zero 1";
+  return t + " (" + std::to_string(lay.ranks()) + " ranks)";
 }
 
 }  // namespace
 
 int run_train(const TrainOptions& o) {
-  apply_threads(o.step.threads);
-  SPPO_CHECK(o.steps >= 1, "options") << "--steps must be at least 1 (got " << o.steps << ")";
-  SPPO_CHECK(o.lr > 0, "options") << "--lr must be positive (got " << o.lr << ")";
-  SPPO_CHECK(o.save_every >= 0, "options") << "--save-every must be >= 0";
-  StepSetup s = make_setup(o.step);
+  comm::Comm& world = comm::world();
+  world.set_timeout_s(o.step.comm_timeout_s);
+  const bool root = world.rank() == 0;
+  StepSetup s;
+  int start_step = 0;
+  int planned = o.steps;  // the steps the learning-rate schedule is laid out for
+  int updates = 0;        // optimizer updates so far (AdamW's bias correction counts them)
+  std::unique_ptr<io::JsonlWriter> metrics;
+  on_every_rank(world, [&] {
+    check_train_options(o);
+    apply_threads(o.step.threads, world);
+    s = make_setup(o.step, &world);
+    const ModelConfig& c = s.config;
+    if (!o.resume_dir.empty()) {
+      std::string from;
+      nlohmann::json state = load_owned(*s.runtime, o.resume_dir, &from);
+      SPPO_CHECK(state.at("config") == to_json(c), "checkpoint")
+          << "checkpoint " << from << " holds a model " << state.at("config").dump() << ", not the requested "
+          << to_json(c).dump() << "; pass the same model options";
+      start_step = state.at("step").get<int>();
+      planned = state.value("schedule_steps", o.steps);
+      updates = state.value("optimizer_steps", start_step);
+      s.data->seek(state.at("data_position"));
+      SPPO_CHECK(start_step <= o.steps, "checkpoint")
+          << "checkpoint is at step " << start_step << " but --steps is " << o.steps
+          << "; raise --steps to continue training";
+    } else {
+      init_owned(*s.runtime, o.step.seed);
+    }
+    if (root && !o.metrics_path.empty())
+      metrics = std::make_unique<io::JsonlWriter>(
+          o.metrics_path, start_step > 0 ? io::JsonlWriter::Mode::Append : io::JsonlWriter::Mode::Truncate);
+  });
   Runtime& rt = *s.runtime;
   const ModelConfig& c = s.config;
+  const ParallelLayout& lay = s.layout;
   const i64 S = o.step.seq_len;
-  const i64 P = c.num_params();
+  prepare_groups(world, s.schedule);
   rt.record_memory(!o.trace_path.empty() || !o.svg_path.empty());
 
-  int start_step = 0;
-  auto weights = tensors_of(c, rt.params(), "");
-  std::vector<io::CheckpointTensor> opt_state = tensors_of(c, rt.adam_m(), ".m");
-  for (auto& t : tensors_of(c, rt.adam_v(), ".v")) opt_state.push_back(t);
-  if (!o.resume_dir.empty()) {
-    std::string from;
-    nlohmann::json state = io::load_checkpoint(o.resume_dir, weights, opt_state, &from);
-    SPPO_CHECK(model_config_from_json(state.at("config")).hidden == c.hidden &&
-                   state.at("config") == to_json(c), "checkpoint")
-        << "checkpoint " << from << " holds a model " << state.at("config").dump()
-        << ", not the requested " << to_json(c).dump() << "; pass the same model options";
-    start_step = state.at("step").get<int>();
-    s.data->seek(state.at("data_position"));
-    SPPO_CHECK(start_step <= o.steps, "checkpoint")
-        << "checkpoint is at step " << start_step << " but --steps is " << o.steps
-        << "; raise --steps to continue training";
-  } else {
-    init_params(c, rt.params(), o.step.seed);
-  }
-
-  std::unique_ptr<io::JsonlWriter> metrics;
-  if (!o.metrics_path.empty())
-    metrics = std::make_unique<io::JsonlWriter>(
-        o.metrics_path, start_step > 0 ? io::JsonlWriter::Mode::Append : io::JsonlWriter::Mode::Truncate);
   const bool tty = isatty(STDERR_FILENO);
-  if (!o.quiet) {
-    std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s | data %s | %d threads\n",
-                 o.step.model_name.c_str(), double(P) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
-                 (long long)S, s.lengths.size(), o.step.offload.c_str(), s.data->describe().c_str(),
-                 omp_get_max_threads());
+  if (!o.quiet && root) {
+    std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s | data %s | %d threads%s\n",
+                 o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
+                 (long long)S, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
+                 s.data->describe().c_str(),
+                 omp_get_max_threads(), layout_text(lay).c_str());
   }
 
   auto save = [&](int step_done) {
@@ -150,67 +311,118 @@ int run_train(const TrainOptions& o) {
                             {"data_position", s.data->position()},
                             {"config", to_json(c)},
                             {"seed", o.step.seed},
-                            {"seq_len", S}};
-    io::save_checkpoint(o.save_dir, weights, opt_state, state);
+                            {"seq_len", S},
+                            {"batch", lay.batch},
+                            {"schedule_steps", planned},
+                            {"optimizer_steps", updates},
+                            {"options", numeric_options(o)}};
+    save_consolidated(rt, lay, world, o.save_dir, state);
   };
 
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
-  const i64 half = io::repeat_start(S);
   const auto t_run = std::chrono::steady_clock::now();
   std::vector<double> step_times;
+  int bad_in_a_row = 0;
+  std::vector<i64> peaks(std::size_t(lay.ranks()), 0);
   for (int step = start_step; step < o.steps; ++step) {
-    s.data->next(tokens.data(), S + 1);
-    StepResult r = rt.step(s.schedule, tokens.data());
-    // Optimizer: clip the global norm, then AdamW per tensor (no decay on vectors).
-    const double norm = std::sqrt(cpu::sum_squares(rt.grads(), P));
-    SPPO_CHECK(std::isfinite(r.loss) && std::isfinite(norm), "train")
-        << "loss or gradient is not finite at step " << step + 1 << "; lower --lr";
-    if (o.clip > 0 && norm > o.clip) cpu::scale_inplace(rt.grads(), P, float(o.clip / norm));
-    const float lr = lr_at(o, step);
-    i64 off = 0;
-    for (const auto& spec : parameter_specs(c)) {
-      const i64 n = spec.numel();
-      const float wd = spec.shape.size() == 2 ? o.weight_decay : 0.0f;
-      cpu::adamw_step(rt.params() + off, rt.adam_m() + off, rt.adam_v() + off, rt.grads() + off,
-                      n, lr, o.beta1, o.beta2, o.adam_eps, wd, step + 1);
-      off += n;
+    const FaultPlan& fault = fault_plan();
+    if (fault.kind == FaultPlan::Kind::Die && fault.rank == world.rank() && fault.count == step + 1) raise(SIGKILL);
+    Sequences q;
+    on_this_rank(world, [&] { q = run_sequences(s, tokens, nullptr); });
+    if (fault.kind == FaultPlan::Kind::Nan && fault.rank == world.rank() && step + 1 == fault.count) {
+      const float nan = std::nanf("");  // a poisoned gradient
+      rt.write_device(rt.grads(), &nan, 1);
     }
-    step_times.push_back(r.step_s);
+    std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
+    comm::allreduce_sum(world, losses, comm::world_group(world), "the step's loss");
+    const double loss = losses[0] / lay.batch;
+    const float lr = lr_at(o, step, planned);
+    AdamWSettings hp{lr, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.clip};
+    // A step whose loss or gradient is not finite changes nothing (optimizer_step leaves
+    // the weights alone); too many in a row end the run, keeping the last checkpoint.
+    const double norm = std::isfinite(loss) ? optimizer_step(rt, lay, world, hp, updates + 1) : loss;
+    if (!std::isfinite(norm)) {
+      ++bad_in_a_row;
+      if (root && !o.quiet)
+        std::fprintf(stderr, "%sstep %d: the %s is not finite; step skipped (%d in a row, at most --max-bad-steps %d)\n",
+                     tty ? "\r\033[K" : "", step + 1, std::isfinite(loss) ? "gradient" : "loss", bad_in_a_row,
+                     o.max_bad_steps);
+      if (root && metrics) metrics->write({{"step", step + 1}, {"skipped", true}});
+      SPPO_CHECK(bad_in_a_row < o.max_bad_steps, "train")
+          << "--max-bad-steps " << o.max_bad_steps << " reached: step " << step + 1
+          << " is the last of that many in a row with a non-finite loss or gradient; stopped" << (o.save_dir.empty() ? "" : ", keeping the last checkpoint in " + o.save_dir)
+          << "; lower --lr or --clip and resume";
+      continue;
+    }
+    bad_in_a_row = 0;
+    ++updates;
+    const std::vector<RankFigures> ranks = all_figures(world, q);
+    double step_s = 0, exposed = 0;
+    i64 peak = 0, offloaded = 0;
+    for (const RankFigures& f : ranks) {
+      step_s = std::max(step_s, f.step_s);
+      exposed = std::max(exposed, f.exposed_s);
+      peak = std::max(peak, f.peak);
+      offloaded += f.offloaded;
+      peaks[std::size_t(f.rank)] = std::max(peaks[std::size_t(f.rank)], f.peak);
+    }
+    step_times.push_back(step_s);
     const int done = step + 1;
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
-    const double eta = elapsed / double(done - start_step) * double(o.steps - done);
-    const double tps = double(S) / r.step_s;
-    nlohmann::json m = {{"step", done},
-                        {"loss", r.loss},
-                        {"lr", lr},
-                        {"grad_norm", norm},
-                        {"step_time_s", r.step_s},
-                        {"tokens_per_s", tps},
-                        {"peak_device_bytes", r.device.peak},
-                        {"offloaded_bytes", r.offloaded_bytes},
-                        {"exposed_copy_s", r.exposed_copy_s}};
-    std::string halves;
-    if (s.repeat_task) {
-      const double first = mean_loss(r.losses, 0, half), second = mean_loss(r.losses, half, S);
-      m["loss_first_half"] = first;
-      m["loss_second_half"] = second;
-      char buf[64];
-      std::snprintf(buf, sizeof buf, " (1st half %.3f, 2nd %.3f)", first, second);
-      halves = buf;
+    if (root) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
+      const double eta = elapsed / double(done - start_step) * double(o.steps - done);
+      const double tps = double(S) * lay.batch / step_s;
+      nlohmann::json m = {{"step", done},
+                          {"loss", loss},
+                          {"lr", lr},
+                          {"grad_norm", norm},
+                          {"step_time_s", step_s},
+                          {"tokens_per_s", tps},
+                          {"peak_device_bytes", peak},
+                          {"offloaded_bytes", offloaded},
+                          {"exposed_copy_s", exposed}};
+      std::string halves;
+      if (s.repeat_task) {
+        const double first = losses[1] / lay.batch, second = losses[2] / lay.batch;
+        m["loss_first_half"] = first;
+        m["loss_second_half"] = second;
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " (1st half %.3f, 2nd %.3f)", first, second);
+        halves = buf;
+      }
+      if (lay.ranks() > 1) {
+        nlohmann::json per = nlohmann::json::array();
+        for (const RankFigures& f : ranks)
+          per.push_back({{"rank", f.rank},
+                         {"stage", f.rank % lay.pp},
+                         {"replica", f.rank / lay.pp},
+                         {"step_time_s", f.step_s},
+                         {"compute_s", f.compute_s},
+                         {"bubble", f.bubble()},
+                         {"comm_wait_s", f.comm_wait_s},
+                         {"peak_device_bytes", f.peak}});
+        m["ranks"] = std::move(per);
+      }
+      if (metrics) metrics->write(m);
+      if (!o.quiet) {
+        std::fprintf(stderr, "%sstep %d/%d | loss %.4f%s | %s tok/s | peak %s | offloaded %s | ETA %s%s",
+                     tty ? "\r\033[K" : "", done, o.steps, loss, halves.c_str(), fmt_rate(tps).c_str(),
+                     format_bytes(double(peak)).c_str(), format_bytes(double(offloaded)).c_str(),
+                     fmt_duration(eta).c_str(), tty && done < o.steps ? "" : "\n");
+      }
     }
-    if (metrics) metrics->write(m);
-    if (!o.quiet) {
-      std::fprintf(stderr, "%sstep %d/%d | loss %.4f%s | %s tok/s | peak %s | offloaded %s | ETA %s%s",
-                   tty ? "\r\033[K" : "", done, o.steps, r.loss, halves.c_str(), fmt_rate(tps).c_str(),
-                   format_bytes(double(r.device.peak)).c_str(),
-                   format_bytes(double(r.offloaded_bytes)).c_str(), fmt_duration(eta).c_str(),
-                   tty && done < o.steps ? "" : "\n");
-    }
-    if (done == o.steps || (o.stop_after > 0 && done == o.stop_after)) write_timelines(o, r, S);
     const bool stopping = o.stop_after > 0 && done == o.stop_after && done < o.steps;
+    if (done == o.steps || stopping) {
+      if (!o.trace_path.empty() || !o.svg_path.empty()) {
+        const sim::SimResult m = measured_timeline(world, q.last, lay, S * lay.batch);
+        if (root)
+          sim::write_timelines(m, o.trace_path, o.svg_path,
+                               "measured step: S " + std::to_string(S) + ", " + o.step.model_name + layout_text(lay));
+      }
+    }
     if (!o.save_dir.empty() &&
         ((o.save_every > 0 && done % o.save_every == 0) || done == o.steps || stopping))
-      save(done);
+      on_this_rank(world, [&] { save(done); });
     if (stopping) break;
   }
   // Summary: the measured step time (median, the first step excluded as warm-up) beside the
@@ -219,74 +431,139 @@ int run_train(const TrainOptions& o) {
   std::vector<double> timed(step_times.begin() + std::ptrdiff_t(warmup), step_times.end());
   std::sort(timed.begin(), timed.end());
   const double measured = timed.empty() ? 0 : timed[timed.size() / 2];
+  const i64 measured_peak = *std::max_element(peaks.begin(), peaks.end());
+  if (!root) return 0;
   nlohmann::json summary = {{"summary", true},
                             {"step", start_step + int(step_times.size())},
                             {"measured_step_time_s", measured},
                             {"predicted_peak_device_bytes", s.predicted_peak_bytes},
-                            {"measured_peak_device_bytes", rt.device().stats().peak}};
+                            {"measured_peak_device_bytes", measured_peak}};
+  if (lay.ranks() > 1) {
+    summary["measured_peak_device_bytes_per_rank"] = peaks;
+    summary["predicted_peak_device_bytes_per_rank"] = s.predicted_peak_per_rank;
+    summary["simulated_bubble"] = s.predicted_bubble;
+  }
   if (s.profile_measured) {
     summary["simulated_step_time_s"] = s.predicted_step_s;
     summary["profile"] = s.profile.name;
   }
   if (metrics) metrics->write(summary);
   if (!o.quiet) {
-    std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)",
-                 int(step_times.size()), measured);
+    std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)", int(step_times.size()), measured);
     if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", s.predicted_step_s, s.profile.name.c_str());
-    std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(rt.device().stats().peak)).c_str());
+    std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(measured_peak)).c_str());
     if (s.predicted_peak_bytes > 0)
       std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
+    if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
     std::fprintf(stderr, "\n");
   }
   return 0;
 }
 
+nlohmann::json numeric_options(const TrainOptions& o) {
+  const StepOptions& st = o.step;
+  auto num = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.9g", v);
+    return std::string(buf);
+  };
+  return {{"--model", st.model_preset},
+          {"--vocab", std::to_string(st.model.vocab)},
+          {"--hidden", std::to_string(st.model.hidden)},
+          {"--layers", std::to_string(st.model.layers)},
+          {"--heads", std::to_string(st.model.heads)},
+          {"--seq-len", std::to_string(st.seq_len)},
+          {"--seed", std::to_string(st.seed)},
+          {"--data", st.data},
+          {"--data-dtype", st.data_dtype},
+          {"--subseqs", st.subseqs},
+          {"--partition", st.partition},
+          {"--recompute", st.recompute},
+          {"--batch", std::to_string(st.batch == 0 ? st.dp : st.batch)},
+          {"--lr", num(o.lr)},
+          {"--warmup", std::to_string(o.warmup)},
+          {"--weight-decay", num(o.weight_decay)},
+          {"--clip", num(o.clip)}};
+}
+
+std::string first_difference(const nlohmann::json& given, const nlohmann::json& recorded) {
+  for (auto it = recorded.begin(); it != recorded.end(); ++it)
+    if (given.contains(it.key()) && given[it.key()] != it.value())
+      return it.key() + " " + given[it.key()].dump() + " differs from the checkpoint's " + it.value().dump();
+  return "";
+}
+
 int run_grads(const StepOptions& o, const std::string& out_dir, const std::string& init_from) {
-  apply_threads(o.threads);
-  SPPO_CHECK(!out_dir.empty(), "options") << "sppo grads needs --out DIR";
-  StepSetup s = make_setup(o);
+  comm::Comm& world = comm::world();
+  world.set_timeout_s(o.comm_timeout_s);
+  const bool root = world.rank() == 0;
+  StepSetup s;
+  on_every_rank(world, [&] {
+    SPPO_CHECK(!out_dir.empty(), "options") << "sppo grads needs --out DIR";
+    SPPO_CHECK(o.threads >= 0, "options") << "--threads must be 0 (all cores) or positive (got " << o.threads << ")";
+    check_output_dir(out_dir, "--out", false);
+    apply_threads(o.threads, world);
+    s = make_setup(o, &world);
+    if (!init_from.empty()) {
+      load_owned(*s.runtime, init_from, nullptr);  // its optimizer state is loaded and unused
+    } else {
+      init_owned(*s.runtime, o.seed);
+    }
+  });
   Runtime& rt = *s.runtime;
   const ModelConfig& c = s.config;
+  const ParallelLayout& lay = s.layout;
   const i64 S = o.seq_len;
-  if (!init_from.empty()) {
-    // A checkpoint is loaded whole (its optimizer state lands in the unused moments).
-    auto weights = tensors_of(c, rt.params(), "");
-    auto opt_state = tensors_of(c, rt.adam_m(), ".m");
-    for (auto& t : tensors_of(c, rt.adam_v(), ".v")) opt_state.push_back(t);
-    io::load_checkpoint(init_from, weights, opt_state);
-  } else {
-    init_params(c, rt.params(), o.seed);
+  prepare_groups(world, s.schedule);
+  std::vector<std::int32_t> tokens(std::size_t(S + 1)), all_tokens;
+  Sequences q;
+  on_this_rank(world, [&] { q = run_sequences(s, tokens, &all_tokens); });
+  std::vector<double> losses{q.loss_sum};
+  comm::allreduce_sum(world, losses, comm::world_group(world), "the step's loss");
+  if (lay.batch > 1)
+    for (const ShardSpan& sp : rt.shard()) rt.backend().scale(rt.grads() + sp.offset, sp.count, 1.0f / float(lay.batch));
+  const FullState full = gather_full(rt, lay, world, true, false);
+  const std::vector<RankFigures> ranks = all_figures(world, q);
+  if (!root) return 0;
+  i64 peak = 0, offloaded = 0;
+  double step_s = 0;
+  for (const RankFigures& f : ranks) {
+    peak = std::max(peak, f.peak);
+    offloaded += f.offloaded;
+    step_s = std::max(step_s, f.step_s);
   }
-  std::vector<std::int32_t> tokens(std::size_t(S + 1));
-  s.data->next(tokens.data(), S + 1);
-  StepResult r = rt.step(s.schedule, tokens.data());
-
   std::filesystem::create_directories(out_dir);
   write_json_file(out_dir + "/config.json", to_json(c));
   {
-    std::vector<std::uint32_t> u(tokens.begin(), tokens.end());
+    std::vector<std::uint32_t> u(all_tokens.begin(), all_tokens.end());
     std::ofstream f(out_dir + "/tokens.u32", std::ios::binary);
     f.write(reinterpret_cast<const char*>(u.data()), std::streamsize(u.size() * 4));
     SPPO_CHECK(f.good(), "io") << "error writing " << out_dir << "/tokens.u32";
   }
-  auto views = [&](float* base) {
+  auto views = [&](const std::vector<float>& base) {
     std::vector<io::TensorView> v;
-    for (const auto& t : tensors_of(c, base, "")) v.push_back({t.name, io::DType::F32, t.shape, t.data});
+    for (const auto& t : full_tensors(c, const_cast<float*>(base.data()), ""))
+      v.push_back({t.name, io::DType::F32, t.shape, t.data});
     return v;
   };
-  io::write_safetensors(out_dir + "/weights.safetensors", views(rt.params()));
-  io::write_safetensors(out_dir + "/grads.safetensors", views(rt.grads()));
-  nlohmann::json result = {{"loss", r.loss},
+  io::write_safetensors(out_dir + "/weights.safetensors", views(full.params));
+  io::write_safetensors(out_dir + "/grads.safetensors", views(full.grads));
+  const double loss = losses[0] / lay.batch;
+  nlohmann::json result = {{"loss", loss},
                            {"seq_len", S},
+                           {"batch", lay.batch},
                            {"subseqs", s.lengths.size()},
                            {"lengths", s.lengths},
                            {"alpha", s.alpha},
                            {"recompute", o.recompute},
-                           {"peak_device_bytes", r.device.peak},
-                           {"offloaded_bytes", r.offloaded_bytes},
-                           {"step_time_s", r.step_s}};
+                           {"pp", lay.pp},
+                           {"dp", lay.dp},
+                           {"zero", lay.zero},
+                           {"peak_device_bytes", peak},
+                           {"offloaded_bytes", offloaded},
+                           {"step_time_s", step_s}};
   write_json_file(out_dir + "/result.json", result);
-  std::printf("loss %.6f -> %s\n", r.loss, out_dir.c_str());
+  std::printf("loss %.6f -> %s\n", loss, out_dir.c_str());
   return 0;
 }
 

@@ -1,6 +1,7 @@
 // `sppo train` and `sppo grads`.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "train/options.h"
@@ -10,6 +11,16 @@ namespace sppo {
 // Trains for o.steps steps (resuming from o.resume_dir when given), printing a progress
 // line, writing metrics, checkpoints and a trace as asked. Returns the process exit status.
 int run_train(const TrainOptions& o);
+
+// The options that change a run's numbers, as command-line flags and canonical values
+// ({"--seq-len": "65536", "--recompute": false, ...}). A checkpoint records them, and
+// `train --resume DIR` restores every one not given again and refuses one given with
+// another value. The model is recorded as its preset and every size.
+nlohmann::json numeric_options(const TrainOptions& o);
+
+// Names the first option of `given` (numeric_options of the command line) whose value
+// differs from `recorded` (a checkpoint's), or returns "" when they agree.
+std::string first_difference(const nlohmann::json& given, const nlohmann::json& recorded);
 
 // One forward/backward, exported to `out_dir` (config.json, tokens.u32,
 // weights.safetensors, grads.safetensors, result.json). Weights come from `init_from`

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/attention.h"
+#include "backends/cpu/attention.h"
 
 namespace sppo::cpu {
 namespace {

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "core/check.h"
-#include "kernels/ops.h"
+#include "backends/cpu/ops.h"
 
 namespace sppo::cpu {
 namespace {

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "kernels/blas_setup.h"
+#include "backends/cpu/blas_setup.h"
 
 namespace {
 

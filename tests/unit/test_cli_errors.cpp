@@ -27,9 +27,10 @@ Outcome run(const std::string& args) {
   return o;
 }
 
-void expect_refused(const std::string& args, const std::string& must_mention) {
+// Exit status 2: bad input; 3: the run does not fit its memory.
+void expect_refused(const std::string& args, const std::string& must_mention, int status = 2) {
   const Outcome o = run("train " + args + " --steps 1 --quiet");
-  EXPECT_EQ(o.status, 2) << args << "\n" << o.output;
+  EXPECT_EQ(o.status, status) << args << "\n" << o.output;
   EXPECT_NE(o.output.find(must_mention), std::string::npos) << args << ": message lacks '" << must_mention << "':\n" << o.output;
   EXPECT_EQ(o.output.find("step 1/"), std::string::npos) << args << ": work started before the refusal";
 }
@@ -51,7 +52,10 @@ TEST(CliErrors, BadLengthsAndSizes) {
   expect_refused("--offload sometimes", "--offload");
   expect_refused("--partition random", "--partition");
   expect_refused("--recompute --subseqs 4", "--recompute");
-  expect_refused("--seq-len 4096 --subseqs 4 --device-memory 1MiB", "--device-memory");
+  expect_refused("--seq-len 4096 --subseqs 4 --device-memory 1MiB", "--device-memory", 3);
+  expect_refused("--backend metal", "--backend");
+  expect_refused("--precision fp8", "--precision");
+  expect_refused("--precision bf16 --backend cpu", "fp32");
 }
 
 TEST(CliErrors, BadData) {

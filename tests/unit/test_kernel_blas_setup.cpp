@@ -2,7 +2,7 @@
 // processor's instruction set.
 #include <gtest/gtest.h>
 
-#include "kernels/blas_setup.h"
+#include "backends/cpu/blas_setup.h"
 
 namespace sppo::cpu {
 namespace {

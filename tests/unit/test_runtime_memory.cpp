@@ -1,12 +1,17 @@
 // Memory tiers (runtime/memory.h): exact accounting {current, peak}, the budget error, and
-// allocations that wait for releases still in flight under a tight budget.
+// allocations that wait for releases still in flight under a tight budget. Each test runs
+// on a tier whose bytes come from the heap and on one whose bytes come from the CPU
+// backend (as the runtime makes them): the accounting must not depend on where they live.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <string>
 #include <thread>
 
+#include "backend/backend.h"
 #include "runtime/memory.h"
 #include "support/expect_error.h"
 
@@ -15,8 +20,20 @@ namespace {
 
 using namespace std::chrono_literals;
 
-TEST(MemoryTier, CountsCurrentAndPeak) {
-  MemoryTier tier(Tier::Device, 0);
+// The parameter names where a tier's bytes come from: "heap" (no backend) or a backend.
+class MemoryTierTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() != "heap") be_ = make_backend(GetParam());
+  }
+  Backend* backend() { return be_.get(); }
+
+ private:
+  std::unique_ptr<Backend> be_;
+};
+
+TEST_P(MemoryTierTest, CountsCurrentAndPeak) {
+  MemoryTier tier(Tier::Device, 0, backend());
   EXPECT_EQ(tier.stats().current, 0);
   {
     Buffer a = tier.alloc(1000, "a");
@@ -36,8 +53,8 @@ TEST(MemoryTier, CountsCurrentAndPeak) {
   EXPECT_EQ(tier.stats().current, 0) << "buffers free their bytes when they go";
 }
 
-TEST(MemoryTier, BuffersMoveWithoutDoubleFreeing) {
-  MemoryTier tier(Tier::Host, 0);
+TEST_P(MemoryTierTest, BuffersMoveWithoutDoubleFreeing) {
+  MemoryTier tier(Tier::Host, 0, backend());
   Buffer a = tier.alloc(64, "a");
   float* p = a.f32();
   Buffer b = std::move(a);
@@ -50,8 +67,8 @@ TEST(MemoryTier, BuffersMoveWithoutDoubleFreeing) {
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(c.data()) % 64, 0u) << "aligned to a cache line";
 }
 
-TEST(MemoryTier, ZeroedAndEmptyAllocations) {
-  MemoryTier tier(Tier::Device, 0);
+TEST_P(MemoryTierTest, ZeroedAndEmptyAllocations) {
+  MemoryTier tier(Tier::Device, 0, backend());
   Buffer z = tier.alloc_zeroed(4096, "z");
   for (int k = 0; k < 1024; ++k) ASSERT_EQ(z.f32()[k], 0.0f);
   Buffer e = tier.alloc(0, "empty");
@@ -59,8 +76,8 @@ TEST(MemoryTier, ZeroedAndEmptyAllocations) {
   EXPECT_EQ(tier.stats().current, 4096);
 }
 
-TEST(MemoryTier, OverBudgetNamesTheBytesAskedInUseAndTheBudget) {
-  MemoryTier tier(Tier::Device, 1000);
+TEST_P(MemoryTierTest, OverBudgetNamesTheBytesAskedInUseAndTheBudget) {
+  MemoryTier tier(Tier::Device, 1000, backend());
   Buffer a = tier.alloc(600, "first");
   EXPECT_ERROR_WITH(tier.alloc(401, "blocks.3 subseq 2 q"), "[memory]", "device memory budget exceeded",
                     "blocks.3 subseq 2 q asks 401 B (401 B)", "with 600 B in use", "budget of 1000 B",
@@ -71,19 +88,19 @@ TEST(MemoryTier, OverBudgetNamesTheBytesAskedInUseAndTheBudget) {
   EXPECT_EQ(tier.stats().peak, 1000);
 }
 
-TEST(MemoryTier, HugeRequestsDoNotOverflowTheAccounting) {
-  MemoryTier budgeted(Tier::Device, 1 << 20);
+TEST_P(MemoryTierTest, HugeRequestsDoNotOverflowTheAccounting) {
+  MemoryTier budgeted(Tier::Device, 1 << 20, backend());
   Buffer a = budgeted.alloc(1000, "a");
   const i64 huge = std::numeric_limits<i64>::max() - 10;
   EXPECT_ERROR_WITH(budgeted.alloc(huge, "huge"), "huge asks");
-  MemoryTier unlimited(Tier::Host, 0);
+  MemoryTier unlimited(Tier::Host, 0, backend());
   Buffer b = unlimited.alloc(1000, "b");
   EXPECT_ERROR_WITH(unlimited.alloc(huge, "huge"), "huge asks", "more than this process can address");
   EXPECT_EQ(unlimited.stats().current, 1000);
 }
 
-TEST(MemoryTier, AllocationWaitsForAnInFlightRelease) {
-  MemoryTier tier(Tier::Device, 1000);
+TEST_P(MemoryTierTest, AllocationWaitsForAnInFlightRelease) {
+  MemoryTier tier(Tier::Device, 1000, backend());
   Buffer held = tier.alloc(800, "offloading");
   // A copy stream has taken these bytes to the host and will free them when it completes.
   tier.expect_release(800);
@@ -103,8 +120,8 @@ TEST(MemoryTier, AllocationWaitsForAnInFlightRelease) {
   EXPECT_EQ(tier.stats().peak, 800) << "the wait kept the tier within its budget";
 }
 
-TEST(MemoryTier, WaitingEndsInAnErrorWhenTheReleaseIsNotEnough) {
-  MemoryTier tier(Tier::Device, 1000);
+TEST_P(MemoryTierTest, WaitingEndsInAnErrorWhenTheReleaseIsNotEnough) {
+  MemoryTier tier(Tier::Device, 1000, backend());
   Buffer stays = tier.alloc(700, "K/V cache");
   Buffer going = tier.alloc(200, "offloading");
   tier.expect_release(200);
@@ -118,8 +135,8 @@ TEST(MemoryTier, WaitingEndsInAnErrorWhenTheReleaseIsNotEnough) {
   EXPECT_EQ(tier.stats().current, 700);
 }
 
-TEST(MemoryTier, NothingPendingFailsAtOnce) {
-  MemoryTier tier(Tier::Device, 1000);
+TEST_P(MemoryTierTest, NothingPendingFailsAtOnce) {
+  MemoryTier tier(Tier::Device, 1000, backend());
   Buffer a = tier.alloc(800, "a");
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_ERROR_WITH(tier.alloc(500, "b"), "b asks");
@@ -132,8 +149,8 @@ double fake_clock() {
   return t += 1.0;
 }
 
-TEST(MemoryTier, TimelineRecordsEveryChange) {
-  MemoryTier tier(Tier::Device, 0);
+TEST_P(MemoryTierTest, TimelineRecordsEveryChange) {
+  MemoryTier tier(Tier::Device, 0, backend());
   Buffer before = tier.alloc(10, "before");
   tier.record_timeline(fake_clock);
   {
@@ -153,6 +170,9 @@ TEST(MemoryTier, TimelineRecordsEveryChange) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Sources, MemoryTierTest, ::testing::Values("heap", "cpu"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace sppo

@@ -8,6 +8,7 @@
 
 #include "io/fileutil.h"
 #include "runtime/executor.h"
+#include "train/parallel.h"
 #include "train/profile_machine.h"
 #include "train/setup.h"
 
@@ -41,7 +42,7 @@ StepOptions step_options(const std::string& model, i64 S, const std::string& sub
 
 // One step of `s` from the seed's weights and the first sequence of its data.
 StepResult run_step(StepSetup& s, i64 S) {
-  init_params(s.config, s.runtime->params(), 1234);
+  init_owned(*s.runtime, 1234);
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
   s.data->next(tokens.data(), S + 1);
   return s.runtime->step(s.schedule, tokens.data());

@@ -1,6 +1,9 @@
 // CPU fp32 kernels of the GPT block, except attention (kernels/attention.h).
 //
 // Argument order (llm.c): outputs, saved-for-backward, inputs, weights, dims.
+// Scratch: kernels that need some take it from the caller's Scratch (kernels/scratch.h) when
+// given one, sized by their *_scratch function, and allocate their own otherwise.
+//
 // Accumulation rule: parameter gradients (dw, db, dembed) are ACCUMULATED (+=); activation
 // gradients are WRITTEN (=) unless the comment says "accumulates" (layernorm's dx does,
 // because it feeds the residual stream). Every buffer comment names its shape with the
@@ -10,6 +13,8 @@
 #include <cstdint>
 
 #include "core/dims.h"
+#include "core/layout.h"
+#include "backends/cpu/scratch.h"
 
 namespace sppo::cpu {
 
@@ -24,8 +29,11 @@ void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const fl
 void linear_forward(float* out, const float* in, const float* w, const float* b, int T, int I,
                     int O, int ld_out = 0, int ld_in = 0);
 // din[T, I] = dout @ w (din may be null: skipped); dw[O, I] += dout^T @ in; db[O] += sum_t dout.
+// Scratch: linear_backward_scratch(O) (the bias sum's block partials).
 void linear_backward(float* din, float* dw, float* db, const float* dout, const float* in,
-                     const float* w, int T, int I, int O, int ld_dout = 0, int ld_in = 0);
+                     const float* w, int T, int I, int O, int ld_dout = 0, int ld_in = 0,
+                     Scratch* scratch = nullptr);
+KernelScratch linear_backward_scratch(int O);
 
 // ---- embedding ------------------------------------------------------------------------
 // out[T, H] = embed[ids[t]]
@@ -38,9 +46,11 @@ void embedding_backward(float* dembed, const float* dout, const std::int32_t* id
 // out[T, H], mean[T], rstd[T] <- x[T, H], w[H], b[H]
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
                        const float* b, int T, int H, float eps);
-// dx[T, H] accumulates; dw[H], db[H] accumulate.
+// dx[T, H] accumulates; dw[H], db[H] accumulate. Scratch: layernorm_backward_scratch(H).
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
-                        const float* w, const float* mean, const float* rstd, int T, int H);
+                        const float* w, const float* mean, const float* rstd, int T, int H,
+                        Scratch* scratch = nullptr);
+KernelScratch layernorm_backward_scratch(int H);
 
 // ---- GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -----------------
 void gelu_forward(float* out, const float* in, i64 n);
@@ -58,8 +68,10 @@ void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld
 // ---- softmax cross-entropy, fused with its gradient --------------------------------------
 // logits[T, V] is overwritten by dlogits = (softmax(logits) - onehot(targets)) * grad_scale.
 // losses[T] receives -log softmax(logits)[target] per row. Returns the sum of losses (double).
+// Scratch: xent_scratch(T).
 double xent_forward_backward(float* logits, float* losses, const std::int32_t* targets, int T,
-                             int V, float grad_scale);
+                             int V, float grad_scale, Scratch* scratch = nullptr);
+KernelScratch xent_scratch(int rows);
 
 // ---- optimizer ------------------------------------------------------------------------
 // Sum of squares of g[n], accumulated in double, deterministic for any thread count.

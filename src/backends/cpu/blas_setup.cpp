@@ -1,4 +1,4 @@
-#include "kernels/blas_setup.h"
+#include "backends/cpu/blas_setup.h"
 
 #include <cblas.h>
 #include <unistd.h>

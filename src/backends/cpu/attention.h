@@ -14,14 +14,17 @@
 //
 // Threads: every call runs on omp_get_max_threads() OpenMP threads (one, when called inside a
 // parallel region). Results are bit-identical from run to run at a given thread count; the
-// forward's do not depend on the thread count at all. Scratch is allocated per call: about
-// 230 KiB per thread in the forward (A = 64), and 3 * Tq * A floats per thread in the backward
-// (more with fewer heads than 4 * threads: Note [Deterministic backward] in attention.cpp).
+// forward's do not depend on the thread count at all. Scratch: about 230 KiB per thread in the
+// forward (A = 64), and 3 * Tq * A floats per thread in the backward (more with fewer heads than
+// 4 * threads: Note [Deterministic backward] in attention.cpp), taken from the caller's Scratch
+// when given (its size from the *_scratch functions), else allocated per call.
 #pragma once
 
 #include <vector>
 
 #include "core/dims.h"
+#include "core/layout.h"
+#include "backends/cpu/scratch.h"
 
 namespace sppo::cpu {
 
@@ -40,7 +43,7 @@ struct AttnDims {
 // merge == true: out/lse already hold the result over other key blocks; the result over the
 //   union (the existing blocks and this one) replaces them, combined by log-sum-exp.
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       const AttnDims& d, bool merge);
+                       const AttnDims& d, bool merge, Scratch* scratch = nullptr);
 
 // delta[Z, Tq] = rowsum(dout * out) per head: computed once per query block, shared by every
 // key block's backward call.
@@ -53,7 +56,7 @@ void attention_backward_delta(float* delta, const float* dout, const float* out,
 // dk/dv sum over the query blocks that see it. dout has stride ldo.
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* lse, const float* delta,
-                        const AttnDims& d);
+                        const AttnDims& d, Scratch* scratch = nullptr);
 
 // One key/value block of a multi-block call: rows k[Tk, .] (stride ldk), v[Tk, .] (stride ldv)
 // at global positions k_pos0 .. k_pos0 + Tk - 1; dk, dv (same strides) accumulate (+=) its
@@ -72,7 +75,8 @@ struct KVBlock {
 // and the strides (ldk, ldv shared by every block); d.Tk and d.k_pos0 are ignored.
 // The result equals one call over the keys of all blocks.
 void attention_forward_blocks(float* out, float* lse, const float* q,
-                              const std::vector<KVBlock>& blocks, const AttnDims& d);
+                              const std::vector<KVBlock>& blocks, const AttnDims& d,
+                              Scratch* scratch = nullptr);
 
 // attention_backward of the queries against every block at once: dq and each block's dk/dv
 // ACCUMULATE (+=). One parallel region; dk/dv of a key tile are written by the one task that
@@ -80,6 +84,11 @@ void attention_forward_blocks(float* out, float* lse, const float* q,
 // attention_forward_blocks.
 void attention_backward_blocks(float* dq, const float* dout, const float* q,
                                const std::vector<KVBlock>& blocks, const float* lse,
-                               const float* delta, const AttnDims& d);
+                               const float* delta, const AttnDims& d, Scratch* scratch = nullptr);
+
+// The scratch the calls above take on `threads` OpenMP threads, as bounds in the query rows
+// Tq (kernels/scratch.h); a call given a Scratch takes every buffer from it.
+KernelScratch attention_forward_scratch(int A, int threads);
+KernelScratch attention_backward_scratch(int Z, int A, int threads);
 
 }  // namespace sppo::cpu

@@ -41,7 +41,7 @@
 // added to dq in group order after all tasks. Which thread runs a task never changes the
 // arithmetic, so results are bit-identical run to run; G depends on the thread count, so a
 // different thread count may round differently.
-#include "kernels/attention.h"
+#include "backends/cpu/attention.h"
 
 #include <omp.h>
 
@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "backends/cpu/scratch.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -340,13 +341,17 @@ void gemm_tile(float* c, i64 ldc, const float* c_scale, const float* x, i64 ldx,
 
 // ---- buffers and geometry ---------------------------------------------------------------
 struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
+  bool owned = true;  // false: the caller's scratch, released with it
+  void operator()(float* p) const {
+    if (owned) std::free(p);
+  }
 };
 using Buffer = std::unique_ptr<float[], FreeDeleter>;
 
-// 64-byte aligned, uninitialised.
-Buffer alloc_floats(std::size_t n) {
-  const std::size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
+// 64-byte aligned, uninitialised: from the caller's scratch when there is one.
+Buffer alloc_floats(std::size_t n, Scratch* scratch) {
+  if (scratch) return Buffer(scratch->floats(n), FreeDeleter{false});
+  const std::size_t bytes = Scratch::cost(n * sizeof(float));
   auto* p = static_cast<float*>(std::aligned_alloc(64, std::max<std::size_t>(bytes, 64)));
   SPPO_ASSERT(p != nullptr);
   return Buffer(p);
@@ -441,15 +446,21 @@ void transpose(float* __restrict dst, i64 ldd, const float* __restrict src, i64 
 
 // ---- forward ----------------------------------------------------------------------------
 struct ForwardScratch {
-  explicit ForwardScratch(const Geometry& g)
-      : qt(alloc_floats(std::size_t(g.A) * kFwdBq)),
-        k(alloc_floats(std::size_t(kFwdBk) * g.Ap)),
-        v(alloc_floats(std::size_t(kFwdBk) * g.Ap)),
-        st(alloc_floats(std::size_t(kFwdBk) * kFwdBq)),
-        o(alloc_floats(std::size_t(kFwdBq) * g.Ap)),
-        m(alloc_floats(kFwdBq)),
-        l(alloc_floats(kFwdBq)),
-        alpha(alloc_floats(kFwdBq)) {}
+  ForwardScratch(const Geometry& g, Scratch* s)
+      : qt(alloc_floats(std::size_t(g.A) * kFwdBq, s)),
+        k(alloc_floats(std::size_t(kFwdBk) * g.Ap, s)),
+        v(alloc_floats(std::size_t(kFwdBk) * g.Ap, s)),
+        st(alloc_floats(std::size_t(kFwdBk) * kFwdBq, s)),
+        o(alloc_floats(std::size_t(kFwdBq) * g.Ap, s)),
+        m(alloc_floats(kFwdBq, s)),
+        l(alloc_floats(kFwdBq, s)),
+        alpha(alloc_floats(kFwdBq, s)) {}
+  // Bytes one thread takes (the size function's count of the allocations above).
+  static std::size_t bytes(int A, int Ap) {
+    const auto f = [](std::size_t n) { return Scratch::cost(n * sizeof(float)); };
+    return f(std::size_t(A) * kFwdBq) + 2 * f(std::size_t(kFwdBk) * Ap) + f(std::size_t(kFwdBk) * kFwdBq) +
+           f(std::size_t(kFwdBq) * Ap) + 3 * f(kFwdBq);
+  }
   Buffer qt;     // [A, kFwdBq] the task's queries, transposed, zero past the last row
   Buffer k;      // [kFwdBk, Ap] keys of the key tile
   Buffer v;      // [kFwdBk, Ap] values of the key tile
@@ -654,16 +665,21 @@ void forward_tile(float* out, float* lse, const float* q, const KeySource* block
 
 // ---- backward ---------------------------------------------------------------------------
 struct BackwardScratch {
-  explicit BackwardScratch(const Geometry& g)
-      : q(alloc_floats(std::size_t(g.Tq) * g.Ap)),
-        dout(alloc_floats(std::size_t(g.Tq) * g.Ap)),
-        kt(alloc_floats(std::size_t(g.A) * kBwdBk)),
-        vt(alloc_floats(std::size_t(g.A) * kBwdBk)),
-        k(alloc_floats(std::size_t(kBwdBk) * g.Ap)),
-        s(alloc_floats(std::size_t(kBwdBq) * kBwdBk)),
-        dp(alloc_floats(std::size_t(kBwdBq) * kBwdBk)),
-        dk(alloc_floats(std::size_t(kBwdBk) * g.Ap)),
-        dv(alloc_floats(std::size_t(kBwdBk) * g.Ap)) {}
+  BackwardScratch(const Geometry& g, Scratch* sc)
+      : q(alloc_floats(std::size_t(g.Tq) * g.Ap, sc)),
+        dout(alloc_floats(std::size_t(g.Tq) * g.Ap, sc)),
+        kt(alloc_floats(std::size_t(g.A) * kBwdBk, sc)),
+        vt(alloc_floats(std::size_t(g.A) * kBwdBk, sc)),
+        k(alloc_floats(std::size_t(kBwdBk) * g.Ap, sc)),
+        s(alloc_floats(std::size_t(kBwdBq) * kBwdBk, sc)),
+        dp(alloc_floats(std::size_t(kBwdBq) * kBwdBk, sc)),
+        dk(alloc_floats(std::size_t(kBwdBk) * g.Ap, sc)),
+        dv(alloc_floats(std::size_t(kBwdBk) * g.Ap, sc)) {}
+  // Bytes one thread takes besides q and dout (which grow with Tq).
+  static std::size_t tile_bytes(int A, int Ap) {
+    const auto f = [](std::size_t n) { return Scratch::cost(n * sizeof(float)); };
+    return 2 * f(std::size_t(A) * kBwdBk) + 3 * f(std::size_t(kBwdBk) * Ap) + 2 * f(std::size_t(kBwdBq) * kBwdBk);
+  }
   // The task's head, packed once per task: every key tile reads these rows again.
   Buffer q;     // [Tq, Ap] queries of head z
   Buffer dout;  // [Tq, Ap] dout of head z
@@ -768,13 +784,13 @@ void backward_tile(float* dq_z, float* dk, float* dv, const float* k, const floa
 
 // The forward over blocks[0 .. n): one task per (head, query tile), each over every block.
 void forward_impl(float* out, float* lse, const float* q, const KeySource* blocks, int n,
-                  const Geometry& g, bool merge) {
+                  const Geometry& g, bool merge, Scratch* scratch) {
   const int tiles = (g.Tq + kFwdBq - 1) / kFwdBq;
   const int tasks = tiles * g.Z;
   if (tasks == 0) return;
 #pragma omp parallel num_threads(std::min(tasks, omp_get_max_threads()))
   {
-    ForwardScratch w(g);
+    ForwardScratch w(g, scratch);
     // Later query tiles see more keys: hand them out first.
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < tasks; ++task) {
@@ -786,8 +802,13 @@ void forward_impl(float* out, float* lse, const float* q, const KeySource* block
 
 // The backward over blocks[0 .. n): one task per (head, group of key tiles of any block), see
 // Note [Deterministic backward]. Key tiles no query sees are left out.
+// Tasks per head of the backward (Note [Deterministic backward]): key-tile groups.
+int backward_groups(int Z, int threads, int n_tiles) {
+  return (Z % threads == 0 || Z >= 4 * threads) ? 1 : std::min(n_tiles, (4 * threads + Z - 1) / Z);
+}
+
 void backward_impl(float* dq, const float* dout, const float* q, const KeySource* blocks, int n,
-                   const float* lse, const float* delta, const Geometry& g) {
+                   const float* lse, const float* delta, const Geometry& g, Scratch* scratch) {
   struct KeyTile {
     int block, s0;
   };
@@ -800,14 +821,12 @@ void backward_impl(float* dq, const float* dout, const float* q, const KeySource
   const int n_tiles = int(key_tiles.size());
   const int threads = omp_get_max_threads();
   // Note [Deterministic backward]: G key-tile groups per head.
-  const int groups = (g.Z % threads == 0 || g.Z >= 4 * threads)
-                         ? 1
-                         : std::min(n_tiles, (4 * threads + g.Z - 1) / g.Z);
+  const int groups = backward_groups(g.Z, threads, n_tiles);
   const int tasks = g.Z * groups;
   const std::size_t part = std::size_t(g.Tq) * g.Ap;  // floats of one [Tq, Ap] dq accumulator
   // groups == 1: one accumulator per thread, added to dq after each task; otherwise one per
   // task, added to dq in group order after all tasks.
-  Buffer partial = groups > 1 ? alloc_floats(part * tasks) : Buffer();
+  Buffer partial = groups > 1 ? alloc_floats(part * tasks, scratch) : Buffer();
   // dq[t, head z] += acc[t] for t >= t_from.
   const auto add_to_dq = [&](int z, const float* acc, int t_from) {
     for (int t = t_from; t < g.Tq; ++t) {
@@ -819,8 +838,8 @@ void backward_impl(float* dq, const float* dout, const float* q, const KeySource
   };
 #pragma omp parallel num_threads(std::min(tasks, threads))
   {
-    BackwardScratch w(g);
-    Buffer own = groups == 1 ? alloc_floats(part) : Buffer();
+    BackwardScratch w(g, scratch);
+    Buffer own = groups == 1 ? alloc_floats(part, scratch) : Buffer();
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < tasks; ++task) {
       const int z = task / groups, group = task % groups;
@@ -856,7 +875,7 @@ void backward_impl(float* dq, const float* dout, const float* q, const KeySource
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       const AttnDims& d, bool merge) {
+                       const AttnDims& d, bool merge, Scratch* scratch) {
   const Geometry g = resolve(d);
   if (nothing_visible(g)) {
     if (merge) return;
@@ -866,17 +885,17 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
     return;
   }
   const KeySource block{k, v, nullptr, nullptr, g};
-  forward_impl(out, lse, q, &block, 1, g, merge);
+  forward_impl(out, lse, q, &block, 1, g, merge, scratch);
 }
 
 void attention_forward_blocks(float* out, float* lse, const float* q,
-                              const std::vector<KVBlock>& blocks, const AttnDims& d) {
+                              const std::vector<KVBlock>& blocks, const AttnDims& d, Scratch* scratch) {
   AttnDims dq = d;
   dq.Tk = 0;
   dq.k_pos0 = 0;
   const Geometry g = resolve(dq);
   const std::vector<KeySource> src = key_sources(blocks, g, false);
-  forward_impl(out, lse, q, src.data(), int(src.size()), g, false);
+  forward_impl(out, lse, q, src.data(), int(src.size()), g, false, scratch);
 }
 
 void attention_backward_delta(float* delta, const float* dout, const float* out,
@@ -896,22 +915,41 @@ void attention_backward_delta(float* delta, const float* dout, const float* out,
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* lse, const float* delta,
-                        const AttnDims& d) {
+                        const AttnDims& d, Scratch* scratch) {
   const Geometry g = resolve(d);
   if (nothing_visible(g)) return;
   const KeySource block{k, v, dk, dv, g};
-  backward_impl(dq, dout, q, &block, 1, lse, delta, g);
+  backward_impl(dq, dout, q, &block, 1, lse, delta, g, scratch);
 }
 
 void attention_backward_blocks(float* dq, const float* dout, const float* q,
                                const std::vector<KVBlock>& blocks, const float* lse,
-                               const float* delta, const AttnDims& d) {
+                               const float* delta, const AttnDims& d, Scratch* scratch) {
   AttnDims dq_dims = d;
   dq_dims.Tk = 0;
   dq_dims.k_pos0 = 0;
   const Geometry g = resolve(dq_dims);
   const std::vector<KeySource> src = key_sources(blocks, g, true);
-  backward_impl(dq, dout, q, src.data(), int(src.size()), lse, delta, g);
+  backward_impl(dq, dout, q, src.data(), int(src.size()), lse, delta, g, scratch);
+}
+
+KernelScratch attention_forward_scratch(int A, int threads) {
+  const int Ap = round_up(A, kLanes);
+  return {i64(threads) * i64(ForwardScratch::bytes(A, Ap)), 0};
+}
+
+KernelScratch attention_backward_scratch(int Z, int A, int threads) {
+  const i64 Ap = round_up(A, kLanes), row = Ap * i64(sizeof(float));
+  // Per thread: q, dout and its own dq accumulator of [Tq, Ap], and the tiles; with key-tile
+  // groups, [Tq, Ap] partials for every task instead (counted as well: an upper bound).
+  const int gmax = backward_groups(Z, threads, std::numeric_limits<int>::max());
+  const i64 align = i64(Scratch::kAlign);
+  KernelScratch s{i64(threads) * (i64(BackwardScratch::tile_bytes(A, int(Ap))) + 3 * align), i64(threads) * 3 * row};
+  if (gmax > 1) {
+    s.fixed_bytes += align;
+    s.bytes_per_token += i64(Z) * gmax * row;
+  }
+  return s;
 }
 
 }  // namespace sppo::cpu

@@ -5,7 +5,7 @@
 // two or three passes over a row that is still in cache, never over the whole buffer.
 // Reductions across rows follow Note [Deterministic reductions]; transcendental functions
 // in hot loops follow Note [Vectorised exp].
-#include "kernels/ops.h"
+#include "backends/cpu/ops.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "backends/cpu/scratch.h"
 
 namespace sppo::cpu {
 
@@ -97,9 +98,22 @@ void add_block_partials(float* dst, const double* partials, int num_blocks, int 
 
 // dst[c] += sum over rows t of x[t * ld + c], for every c < C, summed by fixed row blocks
 // (Note [Deterministic reductions]).
-void accumulate_column_sums(float* dst, const float* x, int T, int C, int ld) {
+// Doubles for block partials: from the caller's scratch when there is one, zeroed.
+class Partials {
+ public:
+  Partials(std::size_t n, Scratch* scratch) : own_(scratch ? 0 : n), p_(scratch ? scratch->doubles(n) : own_.data()) {
+    if (scratch) std::fill(p_, p_ + n, 0.0);
+  }
+  double* data() { return p_; }
+
+ private:
+  std::vector<double> own_;
+  double* p_;
+};
+
+void accumulate_column_sums(float* dst, const float* x, int T, int C, int ld, Scratch* scratch) {
   const int num_blocks = (T + kRowBlock - 1) / kRowBlock;
-  std::vector<double> partials(static_cast<std::size_t>(num_blocks) * C, 0.0);
+  Partials partials(static_cast<std::size_t>(num_blocks) * C, scratch);
 #pragma omp parallel for schedule(static) if (i64{T} * C > kSerialElems)
   for (int blk = 0; blk < num_blocks; ++blk) {
     double* part = partials.data() + idx(blk, C, 0);
@@ -147,13 +161,13 @@ void linear_forward(float* out, const float* in, const float* w, const float* b,
 }
 
 void linear_backward(float* din, float* dw, float* db, const float* dout, const float* in,
-                     const float* w, int T, int I, int O, int ld_dout, int ld_in) {
+                     const float* w, int T, int I, int O, int ld_dout, int ld_in, Scratch* scratch) {
   if (ld_dout == 0) ld_dout = O;
   if (ld_in == 0) ld_in = I;
   if (T == 0) return;
   if (din != nullptr) gemm(false, false, T, I, O, 1.0f, dout, ld_dout, w, I, 0.0f, din, I);
   gemm(true, false, O, I, T, 1.0f, dout, ld_dout, in, ld_in, 1.0f, dw, I);
-  if (db != nullptr) accumulate_column_sums(db, dout, T, O, ld_dout);
+  if (db != nullptr) accumulate_column_sums(db, dout, T, O, ld_dout, scratch);
 }
 
 // ---- embedding ------------------------------------------------------------------------
@@ -231,14 +245,15 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, con
 }
 
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
-                        const float* w, const float* mean, const float* rstd, int T, int H) {
+                        const float* w, const float* mean, const float* rstd, int T, int H,
+                        Scratch* scratch) {
   // With xhat = (x - mean) rstd and g = dout * w:
   //   dx = rstd (g - mean_h(g) - xhat mean_h(g xhat)),  dw = sum_t dout xhat,  db = sum_t dout.
   // One sweep over the rows: dx row by row, dw/db into per-block partials (Note
   // [Deterministic reductions]).
   const int num_blocks = (T + kRowBlock - 1) / kRowBlock;
-  std::vector<double> dw_part(static_cast<std::size_t>(num_blocks) * H, 0.0);
-  std::vector<double> db_part(static_cast<std::size_t>(num_blocks) * H, 0.0);
+  Partials dw_part(static_cast<std::size_t>(num_blocks) * H, scratch);
+  Partials db_part(static_cast<std::size_t>(num_blocks) * H, scratch);
 #pragma omp parallel for schedule(static) if (i64{T} * H > kSerialElems)
   for (int blk = 0; blk < num_blocks; ++blk) {
     double* dwp = dw_part.data() + idx(blk, H, 0);
@@ -401,9 +416,10 @@ void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld
 // ---- softmax cross-entropy ------------------------------------------------------------
 
 double xent_forward_backward(float* logits, float* losses, const std::int32_t* targets, int T,
-                             int V, float grad_scale) {
+                             int V, float grad_scale, Scratch* scratch) {
   check_ids(targets, T, V, "loss");
-  std::vector<double> row_loss(static_cast<std::size_t>(T));
+  Partials row_loss_buf(static_cast<std::size_t>(T), scratch);
+  double* row_loss = row_loss_buf.data();
   // Passes over a row that stays in cache: max; exp(x - max) written in place; its sum in
   // double; scale to the gradient.
 #pragma omp parallel for schedule(static) if (i64{T} * V > kSerialElems)
@@ -484,5 +500,15 @@ void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, f
     }
   });
 }
+
+// Block partials of ceil(T / kRowBlock) rows of C doubles, as a bound in T.
+KernelScratch partials_scratch(i64 C, int copies) {
+  const i64 per_token = (copies * C * i64(sizeof(double)) + kRowBlock - 1) / kRowBlock;
+  return {copies * (C * i64(sizeof(double)) + i64(Scratch::kAlign)), per_token};
+}
+
+KernelScratch linear_backward_scratch(int O) { return partials_scratch(O, 1); }
+KernelScratch layernorm_backward_scratch(int H) { return partials_scratch(H, 2); }
+KernelScratch xent_scratch(int rows) { return {i64(Scratch::cost(std::size_t(rows) * sizeof(double))), 0}; }
 
 }  // namespace sppo::cpu

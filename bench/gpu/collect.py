@@ -1,0 +1,127 @@
+"""Turns what bench/gpu/check.sh left in OUT into OUT/check.json: the correctness verdicts
+and the benchmark figures beside PyTorch's, with the keys bench/results/<gpu>-<date>.json
+keeps. Standard library only (the GPU machine's python has no project packages)."""
+import array, datetime, json, math, os, struct, subprocess, sys
+
+out_dir, smoke, commit = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+logs = os.path.join(out_dir, "logs")
+
+
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def last_json(text):
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = info["data_offsets"]
+        a = array.array("f")
+        a.frombytes(data[b:e])
+        tensors[name] = a
+    return tensors
+
+
+def grad_error(ref_dir, dir_):
+    """Worst per-tensor relative L2 error of the gradients, and the loss's relative error."""
+    try:
+        a, b = safetensors(os.path.join(ref_dir, "grads.safetensors")), safetensors(os.path.join(dir_, "grads.safetensors"))
+        worst, where = 0.0, ""
+        for name, x in a.items():
+            y = b[name]
+            num = sum((p - q) ** 2 for p, q in zip(x, y))
+            den = sum(p * p for p in x) or 1e-30
+            e = math.sqrt(num / den)
+            if e > worst:
+                worst, where = e, name
+        la = json.load(open(os.path.join(ref_dir, "result.json")))["loss"]
+        lb = json.load(open(os.path.join(dir_, "result.json")))["loss"]
+        return {"worst_grad_rel": worst, "worst_tensor": where, "loss_rel": abs(la - lb) / abs(la)}
+    except Exception as e:  # a missing export is a failed check
+        return {"error": repr(e)[:200]}
+
+
+def curve(path):
+    try:
+        return [json.loads(l)["loss"] for l in open(path) if '"loss"' in l and '"summary"' not in l]
+    except OSError:
+        return []
+
+
+result = {"date": datetime.date.today().isoformat(), "commit": commit, "smoke": smoke}
+try:
+    result["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True).stdout.strip() or "none"
+except OSError:
+    result["gpu"] = "none"
+result["sections"] = [json.loads(l) for l in read(os.path.join(out_dir, "parts", "sections.jsonl")).splitlines() if l]
+
+checks = {}
+kernels = last_json(read(os.path.join(out_dir, "parts", "kernels.json")))
+if kernels:
+    checks["kernels"] = {"tests": kernels.get("tests"), "failures": kernels.get("failures"),
+                         "pass": kernels.get("failures") == 0}
+g = os.path.join(out_dir, "grads")
+vs_cpu = grad_error(os.path.join(g, "cpu"), os.path.join(g, "whole"))
+vs_cpu["pass"] = vs_cpu.get("worst_grad_rel", 1) < 1e-4 and vs_cpu.get("loss_rel", 1) < 1e-4
+checks["fp32_step_vs_cpu"] = vs_cpu
+modes = {}
+for k in range(4):
+    e = grad_error(os.path.join(g, "whole"), os.path.join(g, "mode%d" % k))
+    e["pass"] = e.get("worst_grad_rel", 1) < 1e-5 and e.get("loss_rel", 1) < 1e-5
+    modes["mode%d" % k] = e
+checks["fp32_modes_vs_whole"] = modes
+cw, cs = curve(os.path.join(out_dir, "parts", "curve_whole.jsonl")), curve(os.path.join(out_dir, "parts", "curve_sppo.jsonl"))
+dev = max((abs(a - b) / a for a, b in zip(cw, cs)), default=1.0) if cw and len(cw) == len(cs) else 1.0
+checks["bf16_curve"] = {"steps": len(cw), "max_rel_diff": dev, "pass": dev < 0.01}
+rc = {s["section"]: s["rc"] for s in result["sections"]}
+checks["budget"] = {"exact_fits": rc.get("budget_exact") == 0, "one_byte_less_refused": rc.get("budget_less") == 3}
+checks["budget"]["pass"] = checks["budget"]["exact_fits"] and checks["budget"]["one_byte_less_refused"]
+result["checks"] = checks
+
+torch = last_json(read(os.path.join(logs, "torch.out"))) or {}
+attn = last_json(read(os.path.join(logs, "attention.out"))) or {}
+tattn = torch.get("attention", {})
+result["attention"] = {k: {"sppo_tflops": (attn.get(k) or {}).get("sppo_tflops"), "torch_tflops": tattn.get(k)}
+                       for k in ("whole_32k", "prefix_16k_after_112k")}
+layers = {}
+for S in (16384, 65536, 131072):
+    j = last_json(read(os.path.join(logs, "layer_%d.out" % S))) or {}
+    layers[str(S)] = {"sppo_tokens_per_s": j.get("tokens_per_s"),
+                      "torch_tokens_per_s": torch.get("layer_tokens_per_s", {}).get(str(S))}
+result["layer"] = layers
+off = last_json(read(os.path.join(logs, "offload.out"))) or {}
+result["offload"] = {"adaptive_over_none": off.get("adaptive_over_none")}
+mem = last_json(read(os.path.join(logs, "memory.out"))) or {}
+tmem = torch.get("memory", {})
+speedup = None
+if mem.get("step_time_at_seq_s") and tmem.get("torch_ckpt_step_s"):
+    speedup = tmem["torch_ckpt_step_s"] / mem["step_time_at_seq_s"]
+result["memory"] = {"sppo_max_seq": mem.get("longest_seq"), "torch_ckpt_max_seq": tmem.get("torch_ckpt_max_seq"),
+                    "speedup_at_torch_max": speedup}
+result["torch"] = torch
+
+with open(os.path.join(out_dir, "check.json"), "w") as f:
+    json.dump(result, f, indent=1)
+print(json.dumps({"checks": {k: v.get("pass") if isinstance(v, dict) and "pass" in v else v for k, v in checks.items()}}))

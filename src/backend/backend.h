@@ -1,0 +1,173 @@
+// The backend interface (DESIGN.md 8): what model/ and runtime/ are written against, in the
+// spirit of ggml-backend and MLX. One implementation per folder below src/backends; a
+// program picks one at start-up (make_backend), and nothing above this header includes a
+// backend's own headers or tests for one with #ifdef.
+//
+// Contract:
+//  - Memory: the device tier's raw bytes come from device_alloc (the runtime's MemoryTier
+//    keeps the budget and the byte accounting on top), the host tier's from host_alloc
+//    (pinned on CUDA). Device memory is not addressable by the host except through the
+//    copy functions (on the CPU backend it is, but callers do not rely on it).
+//  - Kernels run in order on one compute stream and may return before they finish; the
+//    copy streams run concurrently with it. synchronize() waits for the compute stream.
+//  - Activations are `void*` of the backend's activation type (act(): F32, or BF16 on
+//    CUDA); master weights, weight gradients, AdamW state, LayerNorm statistics, the
+//    attention LSE and delta, and dK/dV accumulators are fp32 everywhere.
+//  - Every kernel's semantics are those of the CPU kernels (backends/cpu/ops.h,
+//    attention.h): same formulas, same accumulate-vs-overwrite rules, same argument order
+//    (outputs, saved, inputs, weights, dims). Row strides are in elements; 0 means dense.
+//  - Scratch: kernels that need scratch memory take it from the Workspace passed in,
+//    carved from the device tier and sized by block_scratch / head_scratch, so that the
+//    device budget covers every byte a step allocates.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <condition_variable>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/dims.h"
+#include "core/layout.h"
+
+namespace sppo {
+
+// Completion of work submitted to a stream, with when it ran (for traces and for
+// exposed-time accounting). Signalled by the backend from the host once the work is done.
+// Times are seconds on std::chrono::steady_clock since its epoch, a clock every process of
+// a machine shares, so that several ranks' traces line up.
+class Event {
+ public:
+  // Blocks until the work has run; returns the seconds spent waiting.
+  double wait();
+  bool done() const;
+  double start_s() const { return start_s_; }  // on the backend's clock
+  double end_s() const { return end_s_; }
+  // For backends: the work ran from start to end (seconds on the clock).
+  void signal(double start_s, double end_s);
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  double start_s_ = 0, end_s_ = 0;
+};
+
+// An ordered queue of copies that runs beside the compute stream (a CUDA stream on a copy
+// engine; a worker thread on the CPU).
+class CopyStream {
+ public:
+  virtual ~CopyStream() = default;
+  // Copies `bytes` from src to dst once everything submitted before has; `then` (may be
+  // empty) runs on the host after the copy, e.g. to release the source's memory.
+  virtual std::shared_ptr<Event> copy(void* dst, const void* src, std::size_t bytes, std::function<void()> then) = 0;
+  virtual void synchronize() = 0;
+};
+
+// Scratch memory handed to one kernel call (see the contract above).
+struct Workspace {
+  void* base = nullptr;
+  std::size_t bytes = 0;
+};
+
+// Attention of a block of queries against several key/value blocks (backends/cpu/attention.h).
+struct AttnShape {
+  int Tq = 0, Z = 0, A = 0;
+  i64 q_pos0 = 0;
+  int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides of q (and dq), k, v, out (and dout)
+};
+struct KVRef {
+  const void* k = nullptr;  // [Tk, ldk] activations
+  const void* v = nullptr;
+  float* dk = nullptr;      // [Tk, ldk] fp32 accumulators (backward only)
+  float* dv = nullptr;
+  int Tk = 0;
+  i64 k_pos0 = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;  // "cpu", "cuda"
+  virtual DType act() const = 0;         // the activation type
+
+  // ---- memory ---------------------------------------------------------------------------
+  virtual std::size_t device_memory() const = 0;      // bytes the device has in all
+  virtual void* device_alloc(std::size_t bytes) = 0;  // 64-byte aligned; null when out of memory
+  virtual void device_free(void* p) = 0;
+  virtual void* host_alloc(std::size_t bytes) = 0;    // pinned where that matters
+  virtual void host_free(void* p) = 0;
+  virtual std::unique_ptr<CopyStream> make_copy_stream() = 0;
+  // Blocking copies between host memory and device memory (after the compute stream's work).
+  virtual void to_host(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual void to_device(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual void fill_zero(void* p, std::size_t bytes) = 0;  // on the compute stream
+  virtual void synchronize() = 0;
+
+  // Scratch bounds of one block's kernels on T rows, and of the head's (chunked logits).
+  virtual KernelScratch block_scratch(const ModelConfig& c) const = 0;
+  virtual KernelScratch head_scratch(const ModelConfig& c, int chunk) const = 0;
+
+  // ---- kernels (on the compute stream) ---------------------------------------------------
+  // c[M, N] = alpha op(a) op(b) + beta c, row-major; a, b of type ab, c of type cd.
+  virtual void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const void* a, int lda, const void* b,
+                    int ldb, float beta, void* c, int ldc, DType ab, DType cd) = 0;
+  // out[T, O] = in[T, I] w^T + b (w [O, I] and b [O], or null, from the weights' working
+  // copy in the activation type).
+  virtual void linear_forward(void* out, const void* in, const void* w, const void* b, int T, int I, int O,
+                              int ld_out, int ld_in) = 0;
+  // din = dout w (null: skipped); dw += dout^T in; db += column sums of dout (null: skipped).
+  virtual void linear_backward(void* din, float* dw, float* db, const void* dout, const void* in, const void* w,
+                               int T, int I, int O, int ld_dout, int ld_in, const Workspace& ws) = 0;
+  virtual void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int V) = 0;
+  virtual void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int V) = 0;
+  virtual void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w,
+                                 const float* b, int T, int H, float eps) = 0;
+  virtual void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
+                                  const float* mean, const float* rstd, int T, int H, const Workspace& ws) = 0;
+  virtual void gelu_forward(void* out, const void* in, i64 n) = 0;
+  virtual void gelu_backward(void* din, const void* dout, const void* in, i64 n) = 0;
+  virtual void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld) = 0;
+  virtual void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld) = 0;
+  // y[n] += x[n], both activations.
+  virtual void add_inplace(void* y, const void* x, i64 n) = 0;
+  // Columns [col, col + width) of src [T, ld_src] -> dense dst [T, width] (activations).
+  virtual void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) = 0;
+  // Dense src [T, width] (activations, or fp32 when src_f32) -> columns of dst [T, ld_dst].
+  virtual void put_cols(void* dst, const void* src, bool src_f32, int T, int width, int ld_dst, int col) = 0;
+  virtual void zero_cols(void* dst, int T, int width, int ld, int col) = 0;
+  virtual void attention_forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks,
+                                 const AttnShape& d, const Workspace& ws) = 0;
+  virtual void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnShape& d) = 0;
+  // dq [Tq, ldq] (activations) and every block's dk/dv accumulate.
+  virtual void attention_backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
+                                  const float* lse, const float* delta, const AttnShape& d, const Workspace& ws) = 0;
+  // logits [T, V] fp32 are overwritten by (softmax - onehot(targets)) * grad_scale in
+  // dlogits (activations; it may be logits itself when act() is F32); losses[T] per row;
+  // *loss_sum (device double) ACCUMULATES their sum.
+  virtual void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T,
+                    int V, float grad_scale, const Workspace& ws) = 0;
+
+  // ---- optimizer (fp32 device arrays) ----------------------------------------------------
+  virtual double sum_squares(const float* g, i64 n) = 0;  // synchronises
+  virtual void scale(float* x, i64 n, float s) = 0;
+  // AdamW as backends/cpu/ops.h adamw_step; p_act (may be null): the activation-typed
+  // working copy of p, refreshed.
+  virtual void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
+                     float weight_decay, int t, void* p_act) = 0;
+  // dst[n] = src[n] converted from fp32 to the activation type (the weights' working copy).
+  virtual void to_act(void* dst, const float* src, i64 n) = 0;
+};
+
+// The backends this program was built with: "cpu" always; "cuda" when built with it
+// (SPPO_CUDA) and a GPU is visible.
+std::vector<std::string> available_backends();
+// `name`: cpu | cuda | auto (cuda when available, else cpu); `precision`: fp32 | bf16
+// ("" : the backend's default, bf16 on CUDA). Throws sppo::Error naming what is missing.
+std::unique_ptr<Backend> make_backend(const std::string& name, const std::string& precision = "");
+
+}  // namespace sppo

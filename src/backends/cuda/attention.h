@@ -1,0 +1,83 @@
+// Causal flash attention on CUDA: the contract of cpu::attention_forward_blocks,
+// attention_backward_delta and attention_backward_blocks (kernels/attention.h), for fp32 or bf16
+// activations.
+//
+// One call computes attention of a block of queries at global positions [q_pos0, q_pos0 + Tq)
+// against SEVERAL key/value blocks, each its own buffer at its own global position. Query row t
+// sees key row s of a block iff k_pos0 + s <= q_pos0 + t: causal, aligned bottom-right, so a
+// subsequence at offset o attends to keys [0, o + T) given the earlier subsequences' blocks and
+// its own. Scores are scaled by 1/sqrt(A). No Tq x Tk matrix is ever stored: an online softmax
+// runs over key tiles, and tiles no query of a query tile sees are skipped.
+//
+// Layout: row t of q holds Z heads of A dims at columns z*A .. z*A+A-1 (row stride ldq); likewise
+// every block's k, v (strides ldk, ldv, shared by all blocks), out and dout (stride ldo), dq
+// (stride lddq). lse and delta are [Z, Tq], head-major, dense, fp32. q, k, v, out, dout, dq have
+// the activation type `act` (F32 or BF16); lse, delta and the dk/dv accumulators are fp32.
+//
+// Two implementations (Note [Attention kernels] in attention.cu):
+//   TensorCore  bf16 only, A = 64 or 128, every pointer 16-byte aligned and every stride a
+//               multiple of 8: FlashAttention-2's partition with mma.sync m16n8k16 (bf16 in,
+//               fp32 accumulate), on sm_80 and sm_90.
+//   Simt        any even A <= 256, fp32 or bf16: plain fp32 FMA, one warp per query (or key)
+//               row. The exact path for fp32 comparisons with the CPU.
+// AttnKernel::Auto takes TensorCore where it applies, else Simt.
+//
+// Determinism: no floating-point atomics. The backward runs two kernels: one per (key tile,
+// head) that owns its tile's dk/dv, and one per (query tile, head) that owns its rows of dq
+// (Note [Deterministic backward] in attention.cu). Results are the same bits on every run.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+#include "core/dims.h"
+#include "core/layout.h"
+
+namespace sppo::cuda {
+
+struct AttnDims {
+  int Tq = 0;                              // query rows
+  int Z = 0;                               // heads
+  int A = 0;                               // head size
+  i64 q_pos0 = 0;                          // global position of query row 0
+  int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides in elements (0 means Z*A)
+  int lddq = 0;                            // row stride of dq (0 means ldq)
+};
+
+// One key/value block: rows k[Tk, .] (stride ldk), v[Tk, .] (stride ldv) at global positions
+// k_pos0 .. k_pos0 + Tk - 1, in the activation type; dk, dv (fp32, same strides as k and v)
+// accumulate (+=) its gradients in the backward and are unused in the forward.
+struct KVBlock {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  int Tk = 0;
+  i64 k_pos0 = 0;
+};
+
+// Blocks per call: the block table travels in the kernels' parameters.
+constexpr int kMaxKVBlocks = 256;
+
+enum class AttnKernel { Auto, TensorCore, Simt };
+
+// out[Tq, .] and lse[Z, Tq] are overwritten with the attention of the queries over the union of
+// `blocks`. A query row that sees no key gets out = 0 and lse = -inf.
+void attention_forward_blocks(void* out, float* lse, const void* q,
+                              const std::vector<KVBlock>& blocks, const AttnDims& d, DType act,
+                              cudaStream_t stream, AttnKernel kernel = AttnKernel::Auto);
+
+// delta[Z, Tq] = rowsum(dout * out) per head (summed in double), once per query block.
+void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnDims& d,
+                              DType act, cudaStream_t stream);
+
+// The backward of attention_forward_blocks given the FINAL lse and delta: dq[Tq, .] (act, stride
+// lddq) and every block's dk, dv ACCUMULATE (+=). Each dq element is read, added to once and
+// written once (one rounding in bf16).
+void attention_backward_blocks(void* dq, const void* dout, const void* q,
+                               const std::vector<KVBlock>& blocks, const float* lse,
+                               const float* delta, const AttnDims& d, DType act,
+                               cudaStream_t stream, AttnKernel kernel = AttnKernel::Auto);
+
+}  // namespace sppo::cuda

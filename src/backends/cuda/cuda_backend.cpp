@@ -1,0 +1,322 @@
+#include "backends/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "backends/cuda/attention.h"
+#include "backends/cuda/check.h"
+#include "backends/cuda/ops.h"
+#include "core/check.h"
+
+namespace sppo {
+
+namespace {
+
+double steady_now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Note [One slab]: the device tier's memory is one cudaMalloc'd slab, carved first-fit
+// with 256-byte alignment and coalesced on free, so that allocation costs no CUDA call and
+// no synchronisation, and a block freed from a copy stream's host callback (an offload's
+// release) is bookkeeping only (no CUDA call may run there). The runtime's MemoryTier keeps
+// the budget and the byte counts above it; the slab only has to be large enough.
+class Slab {
+ public:
+  static constexpr std::size_t kAlign = 256;
+
+  ~Slab() {
+    if (base_) cudaFree(base_);
+  }
+
+  void* alloc(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!base_) reserve();
+    const std::size_t need = std::max<std::size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < need) continue;
+      const std::size_t at = it->first, left = it->second - need;
+      free_.erase(it);
+      if (left > 0) free_[at + need] = left;
+      used_[at] = need;
+      return base_ + at;
+    }
+    return nullptr;
+  }
+
+  void free(void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::size_t at = std::size_t(static_cast<char*>(p) - base_);
+    auto u = used_.find(at);
+    SPPO_ASSERT_MSG(u != used_.end(), "free of a device pointer the slab did not give out");
+    std::size_t size = u->second;
+    used_.erase(u);
+    auto next = free_.lower_bound(at);
+    if (next != free_.end() && next->first == at + size) {
+      size += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == at) {
+        prev->second += size;
+        return;
+      }
+    }
+    free_[at] = size;
+  }
+
+ private:
+  // All the memory the device has free, less a reserve for cuBLASLt's workspaces, the
+  // kernels' stream-ordered scratch and the CUDA context.
+  void reserve() {
+    std::size_t free_bytes = 0, total = 0;
+    SPPO_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    constexpr std::size_t kReserve = std::size_t{2} << 30;
+    SPPO_CHECK(free_bytes > kReserve, "backend") << "the GPU has only " << free_bytes << " bytes free";
+    const std::size_t bytes = (free_bytes - kReserve) / kAlign * kAlign;
+    void* p = nullptr;
+    SPPO_CUDA_CHECK(cudaMalloc(&p, bytes));
+    base_ = static_cast<char*>(p);
+    free_[0] = bytes;
+  }
+
+  std::mutex mu_;
+  char* base_ = nullptr;
+  std::map<std::size_t, std::size_t> free_, used_;  // offset -> bytes
+};
+
+// A copy stream: a CUDA stream that first waits for the compute stream's work submitted so
+// far (the data to copy out exists; a reused destination is no longer read), then copies;
+// host functions before and after record when it ran and run the caller's `then`.
+class CudaCopyStream final : public CopyStream {
+ public:
+  explicit CudaCopyStream(cudaStream_t compute) : compute_(compute) {
+    SPPO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~CudaCopyStream() override {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::shared_ptr<Event> copy(void* dst, const void* src, std::size_t bytes, std::function<void()> then) override {
+    auto* task = new Task{std::move(then), std::make_shared<Event>(), 0};
+    cudaEvent_t ready;
+    SPPO_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    SPPO_CUDA_CHECK(cudaEventRecord(ready, compute_));
+    SPPO_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready, 0));
+    SPPO_CUDA_CHECK(cudaEventDestroy(ready));  // released once the wait has happened
+    SPPO_CUDA_CHECK(cudaLaunchHostFunc(stream_, &CudaCopyStream::started, task));
+    SPPO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    SPPO_CUDA_CHECK(cudaLaunchHostFunc(stream_, &CudaCopyStream::finished, task));
+    return task->done;
+  }
+
+  void synchronize() override { SPPO_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  struct Task {
+    std::function<void()> then;
+    std::shared_ptr<Event> done;
+    double start_s;
+  };
+  static void started(void* p) { static_cast<Task*>(p)->start_s = steady_now_s(); }
+  static void finished(void* p) {
+    Task* t = static_cast<Task*>(p);
+    if (t->then) t->then();
+    t->done->signal(t->start_s, steady_now_s());
+    delete t;
+  }
+
+  cudaStream_t compute_;
+  cudaStream_t stream_;
+};
+
+cuda::AttnDims dims_of(const AttnShape& s) {
+  cuda::AttnDims d;
+  d.Tq = s.Tq;
+  d.Z = s.Z;
+  d.A = s.A;
+  d.q_pos0 = s.q_pos0;
+  d.ldq = s.ldq, d.ldk = s.ldk, d.ldv = s.ldv, d.ldo = s.ldo;
+  return d;
+}
+
+std::vector<cuda::KVBlock> blocks_of(const std::vector<KVRef>& refs) {
+  std::vector<cuda::KVBlock> b;
+  b.reserve(refs.size());
+  for (const KVRef& r : refs) b.push_back({r.k, r.v, r.dk, r.dv, r.Tk, r.k_pos0});
+  return b;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(DType act) : act_(act) {
+    SPPO_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
+    blas_ = std::make_unique<cuda::Blas>();
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(compute_);
+    flush_host_frees();
+    blas_.reset();
+    cudaStreamDestroy(compute_);
+  }
+
+  const char* name() const override { return "cuda"; }
+  DType act() const override { return act_; }
+
+  std::size_t device_memory() const override {
+    std::size_t free_bytes = 0, total = 0;
+    SPPO_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    return total;
+  }
+  void* device_alloc(std::size_t bytes) override { return slab_.alloc(bytes); }
+  void device_free(void* p) override { slab_.free(p); }
+  void* host_alloc(std::size_t bytes) override {
+    flush_host_frees();
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, std::max<std::size_t>(bytes, 64), cudaHostAllocDefault) != cudaSuccess) return nullptr;
+    return p;
+  }
+  // May run in a copy stream's host callback, where no CUDA call is allowed: the pinned
+  // block is freed by the next call from the main thread.
+  void host_free(void* p) override {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    pending_host_frees_.push_back(p);
+  }
+  std::unique_ptr<CopyStream> make_copy_stream() override { return std::make_unique<CudaCopyStream>(compute_); }
+  void to_host(void* dst, const void* src, std::size_t bytes) override {
+    SPPO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_));
+    SPPO_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  }
+  void to_device(void* dst, const void* src, std::size_t bytes) override {
+    SPPO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_));
+    SPPO_CUDA_CHECK(cudaStreamSynchronize(compute_));  // the host source may go away
+  }
+  void fill_zero(void* p, std::size_t bytes) override { SPPO_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, compute_)); }
+  void synchronize() override {
+    SPPO_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    flush_host_frees();
+  }
+
+  // The CUDA kernels take their small scratch (row-block partials, the loss and norm
+  // reductions, the embedding sort) from CUDA's stream-ordered pool, outside the budget.
+  KernelScratch block_scratch(const ModelConfig&) const override { return {}; }
+  KernelScratch head_scratch(const ModelConfig&, int) const override { return {}; }
+
+  void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const void* a, int lda, const void* b, int ldb,
+            float beta, void* c, int ldc, DType ab, DType cd) override {
+    cuda::gemm(*blas_, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc, ab, cd, compute_);
+  }
+  void linear_forward(void* out, const void* in, const void* w, const void* b, int T, int I, int O, int ld_out,
+                      int ld_in) override {
+    cuda::linear_forward(*blas_, out, in, w, b, T, I, O, act_, compute_, ld_out, ld_in);
+  }
+  void linear_backward(void* din, float* dw, float* db, const void* dout, const void* in, const void* w, int T, int I,
+                       int O, int ld_dout, int ld_in, const Workspace&) override {
+    cuda::linear_backward(*blas_, din, dw, db, dout, in, w, T, I, O, act_, compute_, ld_dout, ld_in);
+  }
+  void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int V) override {
+    cuda::embedding_forward(out, ids, embed, T, H, V, act_, compute_);
+  }
+  void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int V) override {
+    cuda::embedding_backward(dembed, dout, ids, T, H, V, act_, compute_);
+  }
+  void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w, const float* b, int T,
+                         int H, float eps) override {
+    cuda::layernorm_forward(out, mean, rstd, x, w, b, T, H, eps, act_, compute_);
+  }
+  void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
+                          const float* mean, const float* rstd, int T, int H, const Workspace&) override {
+    cuda::layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, H, act_, compute_);
+  }
+  void gelu_forward(void* out, const void* in, i64 n) override { cuda::gelu_forward(out, in, n, act_, compute_); }
+  void gelu_backward(void* din, const void* dout, const void* in, i64 n) override {
+    cuda::gelu_backward(din, dout, in, n, act_, compute_);
+  }
+  void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld) override {
+    cuda::rope_forward(x, T, Z, A, pos0, theta, ld, act_, compute_);
+  }
+  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld) override {
+    cuda::rope_backward(dx, T, Z, A, pos0, theta, ld, act_, compute_);
+  }
+  void add_inplace(void* y, const void* x, i64 n) override { cuda::add_inplace(y, act_, x, act_, n, compute_); }
+  void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) override {
+    cuda::copy_cols(dst, act_, src, act_, T, width, ld_src, col, compute_);
+  }
+  void put_cols(void* dst, const void* src, bool src_f32, int T, int width, int ld_dst, int col) override {
+    cuda::put_cols(dst, act_, src, src_f32 ? DType::F32 : act_, T, width, ld_dst, col, compute_);
+  }
+  void zero_cols(void* dst, int T, int width, int ld, int col) override {
+    cuda::zero_cols(dst, act_, T, width, ld, col, compute_);
+  }
+  void attention_forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks, const AttnShape& d,
+                         const Workspace&) override {
+    cuda::attention_forward_blocks(out, lse, q, blocks_of(blocks), dims_of(d), act_, compute_);
+  }
+  void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnShape& d) override {
+    cuda::attention_backward_delta(delta, dout, out, dims_of(d), act_, compute_);
+  }
+  void attention_backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
+                          const float* lse, const float* delta, const AttnShape& d, const Workspace&) override {
+    cuda::attention_backward_blocks(dq, dout, q, blocks_of(blocks), lse, delta, dims_of(d), act_, compute_);
+  }
+  void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T, int V,
+            float grad_scale, const Workspace&) override {
+    cuda::xent_forward_backward(dlogits, act_, losses, loss_sum, logits, targets, T, V, grad_scale, compute_);
+  }
+  double sum_squares(const float* g, i64 n) override {
+    double* d = nullptr;
+    SPPO_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), sizeof(double), compute_));
+    SPPO_CUDA_CHECK(cudaMemsetAsync(d, 0, sizeof(double), compute_));
+    cuda::sum_squares(d, g, n, compute_);
+    double result = 0;
+    SPPO_CUDA_CHECK(cudaMemcpyAsync(&result, d, sizeof result, cudaMemcpyDeviceToHost, compute_));
+    SPPO_CUDA_CHECK(cudaFreeAsync(d, compute_));
+    SPPO_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    return result;
+  }
+  void scale(float* x, i64 n, float s) override { cuda::scale_inplace(x, n, s, compute_); }
+  void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
+             float weight_decay, int t, void* p_act) override {
+    cuda::adamw_step(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t, compute_, p_act);
+  }
+  void to_act(void* dst, const float* src, i64 n) override {
+    if (dst != src) cuda::convert(dst, act_, src, DType::F32, n, compute_);
+  }
+
+ private:
+  void flush_host_frees() {
+    std::vector<void*> frees;
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      frees.swap(pending_host_frees_);
+    }
+    for (void* p : frees) SPPO_CUDA_CHECK(cudaFreeHost(p));
+  }
+
+  DType act_;
+  cudaStream_t compute_ = nullptr;
+  std::unique_ptr<cuda::Blas> blas_;
+  Slab slab_;
+  std::mutex pending_mu_;
+  std::vector<void*> pending_host_frees_;
+};
+
+}  // namespace
+
+bool cuda_device_visible() { return cuda::device_available(); }
+
+std::unique_ptr<Backend> make_cuda_backend(DType act) {
+  SPPO_CHECK(cuda::device_available(), "backend")
+      << "--backend cuda: no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)";
+  SPPO_CHECK(act == DType::F32 || act == DType::BF16, "backend") << "activations are fp32 or bf16";
+  return std::make_unique<CudaBackend>(act);
+}
+
+}  // namespace sppo

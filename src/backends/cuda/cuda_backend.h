@@ -1,0 +1,20 @@
+// The CUDA backend (backend/backend.h) over the kernels of this folder: device memory is
+// one cudaMalloc'd slab per process that the runtime's arena carves (so budgets and
+// predicted peaks agree with the CPU's rules to the byte), the host tier is pinned memory,
+// and the compute and copy streams are CUDA streams. A program built without CUDA links a
+// stand-in (backends/cuda_stub.cpp) whose make_cuda_backend says so.
+#pragma once
+
+#include <memory>
+
+#include "backend/backend.h"
+
+namespace sppo {
+
+// True when this program was built with CUDA and a GPU is visible.
+bool cuda_device_visible();
+// act: F32 (fp32 everywhere, TF32 off: for exact comparisons with the CPU) or BF16.
+// Throws sppo::Error when CUDA is not built in or no GPU is visible.
+std::unique_ptr<Backend> make_cuda_backend(DType act);
+
+}  // namespace sppo

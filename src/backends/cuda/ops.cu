@@ -1,0 +1,521 @@
+// CUDA kernels of the GPT block except GEMM, embedding and attention (contract in
+// backends/cuda/ops.h). Each mirrors its CPU kernel in kernels/ops.cpp formula for formula,
+// so that fp32 mode agrees with the CPU to a few fp32 roundings; where the CPU sums in double,
+// so does the GPU.
+//
+// Most of these are memory-bound passes. Row-local work (LayerNorm, softmax) gives a row to a
+// warp or a block and walks it two or three times (the row stays in L1/L2); cross-row sums
+// (LayerNorm's dw/db) go through per-block partials (common.cuh).
+#include <cmath>
+
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/ops.h"
+
+namespace sppo::cuda {
+
+bool device_available() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+namespace {
+
+// ---- block partials -----------------------------------------------------------------------
+
+__global__ void add_block_partials_kernel(float* dst, const double* partials, int num_blocks,
+                                          int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  double s = 0.0;
+  for (int b = 0; b < num_blocks; ++b) s += partials[static_cast<i64>(b) * C + c];
+  dst[c] += static_cast<float>(s);
+}
+
+// ---- element-wise -------------------------------------------------------------------------
+
+template <typename D, typename S>
+__global__ void convert_kernel(D* dst, const S* src, i64 n) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n; i += i64{gridDim.x} * blockDim.x)
+    store_f(dst + i, load_f(src + i));
+}
+
+template <typename Y, typename X>
+__global__ void add_kernel(Y* y, const X* x, i64 n) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n; i += i64{gridDim.x} * blockDim.x)
+    store_f(y + i, load_f(y + i) + load_f(x + i));
+}
+
+// dst[t * ld_dst + c] = src[t * ld_src + c] for t < T, c < width (converted).
+template <typename D, typename S>
+__global__ void copy_2d_kernel(D* dst, i64 ld_dst, const S* src, i64 ld_src, int T, int width) {
+  const i64 n = static_cast<i64>(T) * width;
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const i64 t = i / width, c = i % width;
+    store_f(dst + t * ld_dst + c, load_f(src + t * ld_src + c));
+  }
+}
+
+template <typename T>
+__global__ void zero_2d_kernel(T* dst, i64 ld, int rows, int width) {
+  const i64 n = static_cast<i64>(rows) * width;
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const i64 t = i / width, c = i % width;
+    store_f(dst + t * ld + c, 0.0f);
+  }
+}
+
+__global__ void scale_kernel(float* x, i64 n, float s) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n; i += i64{gridDim.x} * blockDim.x)
+    x[i] *= s;
+}
+
+// ---- GeLU ---------------------------------------------------------------------------------
+// 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), as on the CPU. The
+// exponent is clamped to the CPU's exp_f32 range: exp(-2u) stays finite for x << 0, so the
+// backward's e * s is 1, not inf * 0.
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+
+__device__ __forceinline__ float exp_clamped(float x) {
+  return expf(fminf(fmaxf(x, -87.3365f), 88.3762626f));
+}
+
+template <typename T>
+__global__ void gelu_forward_kernel(T* out, const T* in, i64 n) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const float x = load_f(in + i);
+    const float u = kGeluK * (x + kGeluC * x * x * x);
+    store_f(out + i, x / (1.0f + exp_clamped(-2.0f * u)));
+  }
+}
+
+template <typename T>
+__global__ void gelu_backward_kernel(T* din, const T* dout, const T* in, i64 n) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const float x = load_f(in + i);
+    const float u = kGeluK * (x + kGeluC * x * x * x);
+    const float e = exp_clamped(-2.0f * u);
+    const float s = 1.0f / (1.0f + e);
+    const float du = kGeluK * (1.0f + 3.0f * kGeluC * x * x);
+    store_f(din + i, load_f(dout + i) * (s + 2.0f * x * s * (e * s) * du));
+  }
+}
+
+// ---- LayerNorm ----------------------------------------------------------------------------
+constexpr int kLnWarps = 8;  // rows per block: one warp per row
+
+template <typename T>
+__global__ void __launch_bounds__(kLnWarps * 32)
+    layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* x, const float* w,
+                             const float* b, int rows, int H, float eps) {
+  const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const T* xr = x + static_cast<i64>(row) * H;
+  T* outr = out + static_cast<i64>(row) * H;
+  // Two passes in double, as the CPU: the mean, then the squared deviations.
+  double sum = 0.0;
+  for (int h = lane; h < H; h += 32) sum += load_f(xr + h);
+  const double mu = warp_sum(sum) / H;
+  double ssq = 0.0;
+  for (int h = lane; h < H; h += 32) {
+    const double d = load_f(xr + h) - mu;
+    ssq += d * d;
+  }
+  const double rs = 1.0 / sqrt(warp_sum(ssq) / H + eps);
+  const float m = static_cast<float>(mu);
+  const float r = static_cast<float>(rs);
+  for (int h = lane; h < H; h += 32) store_f(outr + h, (load_f(xr + h) - m) * r * w[h] + b[h]);
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = r;
+  }
+}
+
+// dx row by row (one warp per row), accumulating:
+//   dx += rstd (g - mean_h(g) - xhat mean_h(g xhat)),  g = dout * w, xhat = (x - mean) rstd.
+template <typename T>
+__global__ void __launch_bounds__(kLnWarps * 32)
+    layernorm_backward_dx_kernel(T* dx, const T* dout, const T* x, const float* w,
+                                 const float* mean, const float* rstd, int rows, int H) {
+  const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const i64 base = static_cast<i64>(row) * H;
+  const float m = mean[row], r = rstd[row];
+  double sum_g = 0.0, sum_gx = 0.0;
+  for (int h = lane; h < H; h += 32) {
+    const float g = load_f(dout + base + h) * w[h];
+    const float xhat = (load_f(x + base + h) - m) * r;
+    sum_g += g;
+    sum_gx += g * xhat;
+  }
+  const float mean_g = static_cast<float>(warp_sum(sum_g) / H);
+  const float mean_gx = static_cast<float>(warp_sum(sum_gx) / H);
+  for (int h = lane; h < H; h += 32) {
+    const float xhat = (load_f(x + base + h) - m) * r;
+    const float d = r * (load_f(dout + base + h) * w[h] - mean_g - xhat * mean_gx);
+    store_f(dx + base + h, load_f(dx + base + h) + d);
+  }
+}
+
+// Per row block (kRowBlock rows) and column: dw_part = sum_t dout xhat, db_part = sum_t dout,
+// in double, rows in order. partials: [num_blocks, H] each.
+template <typename T>
+__global__ void layernorm_param_partials_kernel(double* dw_part, double* db_part, const T* dout,
+                                                const T* x, const float* mean, const float* rstd,
+                                                int rows, int H) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int blk = blockIdx.y;
+  if (c >= H) return;
+  const int t_end = min(rows, (blk + 1) * kRowBlock);
+  double dw = 0.0, db = 0.0;
+  for (int t = blk * kRowBlock; t < t_end; ++t) {
+    const i64 i = static_cast<i64>(t) * H + c;
+    const float d = load_f(dout + i);
+    const float xhat = (load_f(x + i) - mean[t]) * rstd[t];
+    dw += d * xhat;
+    db += d;
+  }
+  dw_part[static_cast<i64>(blk) * H + c] = dw;
+  db_part[static_cast<i64>(blk) * H + c] = db;
+}
+
+// ---- RoPE ---------------------------------------------------------------------------------
+// One thread per (row, frequency j); it rotates that pair in every head. The angle is formed
+// and its sine and cosine taken in double (Note [RoPE angles] in kernels/ops.cpp: positions
+// reach 10^6 and more), then rounded to float, as the CPU does.
+template <typename T>
+__global__ void rope_kernel(T* x, int rows, int Z, int A, i64 pos0, float theta, i64 ld,
+                            float sign) {
+  const int half = A / 2;
+  const i64 n = static_cast<i64>(rows) * half;
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const i64 t = i / half;
+    const int j = static_cast<int>(i % half);
+    const double inv_freq = pow(static_cast<double>(theta), -2.0 * j / A);
+    const double angle = static_cast<double>(pos0 + t) * inv_freq;
+    double sd, cd;
+    sincos(angle, &sd, &cd);
+    const float c = static_cast<float>(cd);
+    const float s = sign * static_cast<float>(sd);
+    T* row = x + t * ld;
+    for (int z = 0; z < Z; ++z) {
+      T* lo = row + static_cast<i64>(z) * A + j;
+      T* hi = lo + half;
+      const float a = load_f(lo), b = load_f(hi);
+      store_f(lo, a * c - b * s);
+      store_f(hi, b * c + a * s);
+    }
+  }
+}
+
+// ---- softmax cross-entropy ----------------------------------------------------------------
+constexpr int kXentThreads = 512;  // one block per row of V logits
+
+template <typename D>
+__global__ void __launch_bounds__(kXentThreads)
+    xent_kernel(D* dlogits, float* losses, double* row_loss, const float* logits,
+                const std::int32_t* targets, int V, float grad_scale) {
+  __shared__ double red[kXentThreads / 32];
+  __shared__ float redf[kXentThreads / 32];
+  const int row = blockIdx.x;
+  const float* lr = logits + static_cast<i64>(row) * V;
+  D* dr = dlogits + static_cast<i64>(row) * V;
+  const int target = targets[row];
+  if (target < 0 || target >= V) __trap();
+  // Read before any thread overwrites the row (dlogits may be logits); block_max's barriers
+  // order it before the writes below.
+  const float target_logit = lr[target];
+  float mx = -INFINITY;
+  for (int v = threadIdx.x; v < V; v += kXentThreads) mx = fmaxf(mx, lr[v]);
+  mx = block_max<kXentThreads>(mx, redf);
+  double sum = 0.0;
+  for (int v = threadIdx.x; v < V; v += kXentThreads) sum += expf(lr[v] - mx);
+  sum = block_sum<kXentThreads>(sum, red);
+  if (threadIdx.x == 0) red[0] = sum;
+  __syncthreads();
+  sum = red[0];
+  const float scale = static_cast<float>(grad_scale / sum);
+  for (int v = threadIdx.x; v < V; v += kXentThreads) {
+    float d = expf(lr[v] - mx) * scale;
+    if (v == target) d -= grad_scale;
+    store_f(dr + v, d);
+  }
+  if (threadIdx.x == 0) {
+    const double loss = log(sum) + static_cast<double>(mx) - target_logit;
+    row_loss[row] = loss;
+    losses[row] = static_cast<float>(loss);
+  }
+}
+
+// *result += sum of x[n] in a fixed order: thread i sums x[i], x[i + 256], ..., then the block
+// adds the 256 sums in a fixed tree.
+__global__ void __launch_bounds__(kThreads)
+    sum_doubles_kernel(double* result, const double* x, i64 n) {
+  __shared__ double red[kThreads / 32];
+  double s = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += kThreads) s += x[i];
+  s = block_sum<kThreads>(s, red);
+  if (threadIdx.x == 0) *result += s;
+}
+
+// ---- optimizer ----------------------------------------------------------------------------
+constexpr i64 kSumBlock = i64{1} << 16;  // elements per partial of sum_squares, as on the CPU
+
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_partials_kernel(double* partials, const float* g, i64 n) {
+  __shared__ double red[kThreads / 32];
+  const i64 begin = blockIdx.x * kSumBlock;
+  const i64 end = min(n, begin + kSumBlock);
+  double s = 0.0;
+  for (i64 i = begin + threadIdx.x; i < end; i += kThreads) {
+    const double x = g[i];
+    s += x * x;
+  }
+  s = block_sum<kThreads>(s, red);
+  if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+__global__ void adamw_kernel(float* p, float* m, float* v, const float* g, i64 n, float beta1,
+                             float beta2, float eps, float step, float rsqrt_bc2, float decay,
+                             bf16* p_bf16) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const float gi = g[i];
+    const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float pi = p[i];
+    const float pn = pi - step * mi / (sqrtf(vi) * rsqrt_bc2 + eps) - decay * pi;
+    p[i] = pn;
+    if (p_bf16 != nullptr) p_bf16[i] = __float2bfloat16_rn(pn);
+  }
+}
+
+}  // namespace
+
+// ---- host wrappers ------------------------------------------------------------------------
+
+void add_block_partials(float* dst, const double* partials, int num_blocks, int C,
+                        cudaStream_t stream) {
+  if (C == 0) return;
+  add_block_partials_kernel<<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0, stream>>>(
+      dst, partials, num_blocks, C);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void convert(void* dst, DType dst_type, const void* src, DType src_type, i64 n,
+             cudaStream_t stream) {
+  if (n == 0) return;
+  dispatch_act(dst_type, "convert", [&](auto d) {
+    dispatch_act(src_type, "convert", [&](auto s) {
+      using D = decltype(d);
+      using S = decltype(s);
+      convert_kernel<D, S><<<grid_for(n), kThreads, 0, stream>>>(static_cast<D*>(dst),
+                                                                 static_cast<const S*>(src), n);
+      SPPO_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void add_inplace(void* y, DType y_type, const void* x, DType x_type, i64 n, cudaStream_t stream) {
+  if (n == 0) return;
+  dispatch_act(y_type, "add_inplace", [&](auto yt) {
+    dispatch_act(x_type, "add_inplace", [&](auto xt) {
+      using Y = decltype(yt);
+      using X = decltype(xt);
+      add_kernel<Y, X>
+          <<<grid_for(n), kThreads, 0, stream>>>(static_cast<Y*>(y), static_cast<const X*>(x), n);
+      SPPO_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+namespace {
+
+void copy_2d(void* dst, DType dst_type, i64 ld_dst, const void* src, DType src_type, i64 ld_src,
+             int T, int width, cudaStream_t stream) {
+  if (T == 0 || width == 0) return;
+  dispatch_act(dst_type, "copy_cols", [&](auto d) {
+    dispatch_act(src_type, "copy_cols", [&](auto s) {
+      using D = decltype(d);
+      using S = decltype(s);
+      copy_2d_kernel<D, S><<<grid_for(i64{T} * width), kThreads, 0, stream>>>(
+          static_cast<D*>(dst), ld_dst, static_cast<const S*>(src), ld_src, T, width);
+      SPPO_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+}  // namespace
+
+void copy_cols(void* dst, DType dst_type, const void* src, DType src_type, int T, int width,
+               int ld_src, int col, cudaStream_t stream) {
+  SPPO_ASSERT_MSG(col >= 0 && col + width <= ld_src,
+                  "copy_cols: columns [" << col << ", " << col + width << ") of ld " << ld_src);
+  const char* s = static_cast<const char*>(src) + static_cast<i64>(col) * dtype_bytes(src_type);
+  copy_2d(dst, dst_type, width, s, src_type, ld_src, T, width, stream);
+}
+
+void put_cols(void* dst, DType dst_type, const void* src, DType src_type, int T, int width,
+              int ld_dst, int col, cudaStream_t stream) {
+  SPPO_ASSERT_MSG(col >= 0 && col + width <= ld_dst,
+                  "put_cols: columns [" << col << ", " << col + width << ") of ld " << ld_dst);
+  char* d = static_cast<char*>(dst) + static_cast<i64>(col) * dtype_bytes(dst_type);
+  copy_2d(d, dst_type, ld_dst, src, src_type, width, T, width, stream);
+}
+
+void zero_cols(void* dst, DType type, int T, int width, int ld, int col, cudaStream_t stream) {
+  SPPO_ASSERT_MSG(col >= 0 && col + width <= ld,
+                  "zero_cols: columns [" << col << ", " << col + width << ") of ld " << ld);
+  if (T == 0 || width == 0) return;
+  dispatch_act(type, "zero_cols", [&](auto tag) {
+    using T_ = decltype(tag);
+    zero_2d_kernel<T_><<<grid_for(i64{T} * width), kThreads, 0, stream>>>(
+        static_cast<T_*>(dst) + col, ld, T, width);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w,
+                       const float* b, int T, int H, float eps, DType act, cudaStream_t stream) {
+  if (T == 0) return;
+  dispatch_act(act, "layernorm_forward", [&](auto tag) {
+    using E = decltype(tag);
+    layernorm_forward_kernel<E>
+        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+            static_cast<E*>(out), mean, rstd, static_cast<const E*>(x), w, b, T, H, eps);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x,
+                        const float* w, const float* mean, const float* rstd, int T, int H,
+                        DType act, cudaStream_t stream) {
+  if (T == 0) return;
+  const int num_blocks = static_cast<int>(ceil_div(T, kRowBlock));
+  Scratch partials(sizeof(double) * 2 * static_cast<std::size_t>(num_blocks) * H, stream);
+  double* dw_part = partials.as<double>();
+  double* db_part = dw_part + static_cast<i64>(num_blocks) * H;
+  dispatch_act(act, "layernorm_backward", [&](auto tag) {
+    using E = decltype(tag);
+    const E* dout_e = static_cast<const E*>(dout);
+    const E* x_e = static_cast<const E*>(x);
+    layernorm_backward_dx_kernel<E>
+        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+            static_cast<E*>(dx), dout_e, x_e, w, mean, rstd, T, H);
+    SPPO_CUDA_CHECK_LAUNCH();
+    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)),
+                    static_cast<unsigned>(num_blocks));
+    layernorm_param_partials_kernel<E>
+        <<<grid, kThreads, 0, stream>>>(dw_part, db_part, dout_e, x_e, mean, rstd, T, H);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+  add_block_partials(dw, dw_part, num_blocks, H, stream);
+  add_block_partials(db, db_part, num_blocks, H, stream);
+}
+
+void gelu_forward(void* out, const void* in, i64 n, DType act, cudaStream_t stream) {
+  if (n == 0) return;
+  dispatch_act(act, "gelu_forward", [&](auto tag) {
+    using E = decltype(tag);
+    gelu_forward_kernel<E>
+        <<<grid_for(n), kThreads, 0, stream>>>(static_cast<E*>(out), static_cast<const E*>(in), n);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void gelu_backward(void* din, const void* dout, const void* in, i64 n, DType act,
+                   cudaStream_t stream) {
+  if (n == 0) return;
+  dispatch_act(act, "gelu_backward", [&](auto tag) {
+    using E = decltype(tag);
+    gelu_backward_kernel<E><<<grid_for(n), kThreads, 0, stream>>>(
+        static_cast<E*>(din), static_cast<const E*>(dout), static_cast<const E*>(in), n);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+namespace {
+
+void rope_apply(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act, float sign,
+                cudaStream_t stream) {
+  SPPO_ASSERT_MSG(A > 0 && A % 2 == 0, "rope: head size " << A << " must be even");
+  SPPO_ASSERT_MSG(pos0 >= 0 && ld >= Z * A, "rope: pos0=" << pos0 << " ld=" << ld);
+  if (T == 0) return;
+  dispatch_act(act, "rope", [&](auto tag) {
+    using E = decltype(tag);
+    rope_kernel<E><<<grid_for(i64{T} * (A / 2)), kThreads, 0, stream>>>(static_cast<E*>(x), T, Z, A,
+                                                                        pos0, theta, ld, sign);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace
+
+void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+                  cudaStream_t stream) {
+  rope_apply(x, T, Z, A, pos0, theta, ld, act, 1.0f, stream);
+}
+
+void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+                   cudaStream_t stream) {
+  rope_apply(dx, T, Z, A, pos0, theta, ld, act, -1.0f, stream);
+}
+
+void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, double* loss_sum,
+                           const float* logits, const std::int32_t* targets, int T, int V,
+                           float grad_scale, cudaStream_t stream) {
+  SPPO_CHECK(dlogits_type == DType::F32 || dlogits != static_cast<const void*>(logits), "loss")
+      << "a BF16 gradient cannot overwrite the F32 logits in place; pass a separate buffer";
+  if (T == 0) return;
+  Scratch row_loss(sizeof(double) * static_cast<std::size_t>(T), stream);
+  dispatch_act(dlogits_type, "xent_forward_backward", [&](auto tag) {
+    using E = decltype(tag);
+    xent_kernel<E><<<static_cast<unsigned>(T), kXentThreads, 0, stream>>>(
+        static_cast<E*>(dlogits), losses, row_loss.as<double>(), logits, targets, V, grad_scale);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+  sum_doubles_kernel<<<1, kThreads, 0, stream>>>(loss_sum, row_loss.as<double>(), T);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void sum_squares(double* result, const float* g, i64 n, cudaStream_t stream) {
+  if (n == 0) return;
+  const i64 num_blocks = ceil_div(n, kSumBlock);
+  Scratch partials(sizeof(double) * static_cast<std::size_t>(num_blocks), stream);
+  sum_squares_partials_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
+      partials.as<double>(), g, n);
+  SPPO_CUDA_CHECK_LAUNCH();
+  sum_doubles_kernel<<<1, kThreads, 0, stream>>>(result, partials.as<double>(), num_blocks);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void scale_inplace(float* x, i64 n, float s, cudaStream_t stream) {
+  if (n == 0) return;
+  scale_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, s);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int t, cudaStream_t stream,
+                void* p_bf16) {
+  SPPO_ASSERT_MSG(t >= 1, "adamw: step " << t << " must be >= 1");
+  if (n == 0) return;
+  // The CPU's scalars, computed the same way: lr / (1 - b1^t) and 1 / sqrt(1 - b2^t).
+  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), t);
+  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), t);
+  const float step = static_cast<float>(lr / bc1);
+  const float rsqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const float decay = lr * weight_decay;
+  adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, m, v, g, n, beta1, beta2, eps, step,
+                                                     rsqrt_bc2, decay, static_cast<bf16*>(p_bf16));
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sppo::cuda

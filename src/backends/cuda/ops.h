@@ -1,0 +1,164 @@
+// CUDA kernels of the GPT block, except attention (backends/cuda/attention.h). The same
+// contracts as the CPU kernels of kernels/ops.h: same formulas, same accumulate-vs-overwrite
+// rules, same argument order (llm.c: outputs, saved-for-backward, inputs, weights, dims), then
+// the element type of the activations and the stream the kernel runs on.
+//
+// Precision. Activations (x, out, dout, din, dx, logits gradients) are either F32 or BF16, given
+// by `act`; they are passed as void* and read or written as that type. Everything else is fp32:
+// master weights, LayerNorm weights and statistics, weight gradients, AdamW state, dK/dV
+// accumulators; the GEMM inputs take the activation type (in bf16 mode the bf16 working copy of
+// the weights, made by convert()). Arithmetic is fp32 everywhere (reductions over rows in double,
+// as on the CPU), and a BF16 result is rounded once, to nearest even, when it is stored.
+//
+// Accumulation rule: parameter gradients (dw, db, dembed) are ACCUMULATED (+=); activation
+// gradients are WRITTEN (=) unless the comment says "accumulates" (layernorm's dx does, because
+// it feeds the residual stream). Buffers are row-major, shapes in the letters of core/dims.h.
+//
+// Determinism: every kernel gives the same bits for the same inputs on the same GPU model; no
+// floating-point atomics. Reductions across rows use fixed blocks of rows and add the partials
+// in a fixed order (Note [Deterministic reductions] in kernels/ops.cpp).
+//
+// Asynchrony: every function only enqueues work on `stream` and returns. Kernels that need
+// scratch (embedding backward, the row-block partials of LayerNorm and bias gradients, the
+// loss and sum-of-squares reductions) take it from CUDA's stream-ordered pool
+// (cudaMallocAsync / cudaFreeAsync on `stream`); sizes are noted per kernel. Device scalars
+// (loss sums, sums of squares) are double and accumulate, so several calls can sum into one
+// without a synchronisation.
+//
+// Token ids must lie in [0, V): the caller checks them on the host, where the data loader has
+// them. A kernel that meets one outside traps (the CUDA context reports an error at the next
+// checked call) instead of reading or writing out of bounds.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "core/dims.h"
+#include "core/layout.h"
+
+namespace sppo::cuda {
+
+// True when a CUDA device is visible (cudaGetDeviceCount succeeds and finds at least one).
+bool device_available();
+
+// ---- GEMM -----------------------------------------------------------------------------
+// cuBLASLt state shared by the GEMMs of one device: the handle, one workspace per stream that
+// has run a GEMM (kWorkspaceBytes each, allocated on first use), and a cache of matmul
+// descriptors, layouts and the heuristic's algorithm, keyed by shape, strides, types, epilogue
+// and pointer alignments. Thread-safe. Destroy it only when its streams are idle.
+class Blas {
+ public:
+  static constexpr std::size_t kWorkspaceBytes = std::size_t{32} << 20;  // cuBLASLt on Hopper
+  // bias_epilogue: add linear_forward's bias in cuBLASLt's epilogue; when false (or when the
+  // heuristic has no such algorithm) the output is first filled with the bias and the GEMM
+  // adds to it, as the CPU kernel does. Same result either way; tests run both.
+  explicit Blas(bool bias_epilogue = true);
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// c[M, N] = alpha * op(a) @ op(b) + beta * c, row-major, op = transpose when trans_*, as
+// cpu::gemm. lda/ldb/ldc are row strides of the stored matrices (elements).
+// Types (ab for a and b, cd for c): F32/F32 (fp32 compute, TF32 off), BF16/BF16 or BF16/F32
+// (bf16 inputs, fp32 compute; an F32 c with beta = 1 accumulates weight gradients in fp32).
+void gemm(Blas& blas, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const void* a,
+          int lda, const void* b, int ldb, float beta, void* c, int ldc, DType ab, DType cd,
+          cudaStream_t stream);
+
+// Linear layer, PyTorch convention: w is [O, I], all of out, in, w, b in `act`.
+// out[T, O] = in[T, I] @ w^T + b   (b may be null). ld_* are row strides (0 means dense).
+void linear_forward(Blas& blas, void* out, const void* in, const void* w, const void* b, int T,
+                    int I, int O, DType act, cudaStream_t stream, int ld_out = 0, int ld_in = 0);
+// din[T, I] = dout @ w (act; din may be null: skipped); dw[O, I] += dout^T @ in (fp32);
+// db[O] += sum_t dout (fp32, may be null; scratch: ceil(T/256) * O doubles).
+void linear_backward(Blas& blas, void* din, float* dw, float* db, const void* dout, const void* in,
+                     const void* w, int T, int I, int O, DType act, cudaStream_t stream,
+                     int ld_dout = 0, int ld_in = 0);
+
+// ---- conversion, copies, residual -----------------------------------------------------
+// dst[n] = src[n] converted (F32 <-> BF16, or a plain copy); e.g. the bf16 working copy of
+// the fp32 master weights.
+void convert(void* dst, DType dst_type, const void* src, DType src_type, i64 n,
+             cudaStream_t stream);
+// y[n] += x[n]: the residual add (both act), or adding a gradient into an fp32 accumulator
+// (y F32, x either type).
+void add_inplace(void* y, DType y_type, const void* x, DType x_type, i64 n, cudaStream_t stream);
+// Columns [col, col + width) of the [T, ld_src] buffer src -> the dense [T, width] buffer dst.
+void copy_cols(void* dst, DType dst_type, const void* src, DType src_type, int T, int width,
+               int ld_src, int col, cudaStream_t stream);
+// The dense [T, width] buffer src -> columns [col, col + width) of the [T, ld_dst] buffer dst:
+// e.g. the fp32 dK/dV accumulators into the bf16 dqkv gradient.
+void put_cols(void* dst, DType dst_type, const void* src, DType src_type, int T, int width,
+              int ld_dst, int col, cudaStream_t stream);
+// Columns [col, col + width) of the [T, ld] buffer dst = 0 (the dq columns before attention's
+// backward accumulates into them).
+void zero_cols(void* dst, DType type, int T, int width, int ld, int col, cudaStream_t stream);
+
+// ---- embedding ------------------------------------------------------------------------
+// out[T, H] (act) = embed[ids[t]] (fp32 master weights, [V, H]; V only bounds the ids).
+void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int V,
+                       DType act, cudaStream_t stream);
+// dembed[V, H] += scatter of dout[T, H] by ids. Deterministic: ids are sorted with CUB's stable
+// radix sort, and each id's rows are added into its row of dembed in token order, the order of
+// the CPU kernel. Scratch: 3 * T int32 and CUB's temporary storage.
+void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H,
+                        int V, DType act, cudaStream_t stream);
+
+// ---- LayerNorm (eps inside the sqrt, biased variance) ----------------------------------
+// out[T, H] (act), mean[T], rstd[T] <- x[T, H] (act), w[H], b[H] (fp32).
+void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w,
+                       const float* b, int T, int H, float eps, DType act, cudaStream_t stream);
+// dx[T, H] (act) accumulates; dw[H], db[H] accumulate (scratch: 2 * ceil(T/256) * H doubles).
+void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x,
+                        const float* w, const float* mean, const float* rstd, int T, int H,
+                        DType act, cudaStream_t stream);
+
+// ---- GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -----------------
+void gelu_forward(void* out, const void* in, i64 n, DType act, cudaStream_t stream);
+// din = dout * gelu'(in); din may alias dout.
+void gelu_backward(void* din, const void* dout, const void* in, i64 n, DType act,
+                   cudaStream_t stream);
+
+// ---- RoPE, rotate-half form, in place -------------------------------------------------
+// x: T rows of stride ld; each row holds Z heads of A dims in its first Z*A columns.
+// Row t has global position pos0 + t. For j < A/2, angle = pos * theta^(-2j/A) (in double):
+//   (x_j, x_{j+A/2}) -> (x_j cos - x_{j+A/2} sin, x_{j+A/2} cos + x_j sin).
+void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+                  cudaStream_t stream);
+// The transpose (inverse) rotation, applied to a gradient in place.
+void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+                   cudaStream_t stream);
+
+// ---- softmax cross-entropy, fused with its gradient ------------------------------------
+// logits[T, V] (fp32, a chunk of rows) -> dlogits[T, V] = (softmax(logits) - onehot(targets))
+// * grad_scale in dlogits_type (F32: dlogits may be logits itself, overwritten in place; BF16:
+// a separate buffer, the input of the bf16 GEMMs that follow). losses[T] receives
+// -log softmax(logits)[target] per row, and *loss_sum (one double on the device) ACCUMULATES
+// their sum, added in a fixed order (scratch: T doubles).
+void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, double* loss_sum,
+                           const float* logits, const std::int32_t* targets, int T, int V,
+                           float grad_scale, cudaStream_t stream);
+
+// ---- optimizer ------------------------------------------------------------------------
+// *result (one double on the device) ACCUMULATES the sum of squares of g[n], summed in double
+// in fixed blocks and added in a fixed order (scratch: ceil(n / 2^16) doubles).
+void sum_squares(double* result, const float* g, i64 n, cudaStream_t stream);
+void scale_inplace(float* x, i64 n, float s, cudaStream_t stream);
+// AdamW (decoupled weight decay), step t >= 1, as cpu::adamw_step:
+//   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//   p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + lr * wd * p
+// p_bf16 (may be null): also writes the updated p rounded to bf16 (the working copy).
+void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int t, cudaStream_t stream,
+                void* p_bf16 = nullptr);
+
+}  // namespace sppo::cuda

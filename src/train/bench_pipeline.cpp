@@ -1,0 +1,205 @@
+#include "train/bench_pipeline.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include "core/check.h"
+#include "planner/profile.h"
+#include "train/parallel.h"
+#include "train/profile_machine.h"
+#include "train/setup.h"
+
+namespace sppo {
+
+namespace {
+
+constexpr int kRanks = 2;
+constexpr int kBubbleSubseqs[] = {2, 4, 8, 16};
+
+struct Row {
+  double measured_s = 0, simulated_s = 0;
+  double measured_bubble = 0, simulated_bubble = 0;
+  std::vector<i64> measured_peak, predicted_peak;
+  i64 offloaded = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Timed steps of one layout: the step time is the slowest rank's, the bubble the mean
+// over ranks of idle over busy compute time.
+Row run(const StepOptions& so, int reps, comm::Comm& world) {
+  StepSetup s;
+  on_every_rank(world, [&] { s = make_setup(so, &world); });
+  prepare_groups(world, s.schedule);
+  init_owned(*s.runtime, so.seed);
+  const i64 S = so.seq_len;
+  std::vector<std::int32_t> tokens(std::size_t(S + 1));
+  s.data->next(tokens.data(), S + 1);
+  Row row;
+  row.simulated_s = s.predicted_step_s;
+  row.simulated_bubble = s.predicted_bubble;
+  row.predicted_peak = s.predicted_peak_per_rank;
+  row.measured_peak.assign(std::size_t(world.size()), 0);
+  std::vector<double> times, bubbles;
+  for (int r = 0; r < reps + 1; ++r) {
+    const StepResult res = s.runtime->step(s.schedule, tokens.data());
+    std::vector<double> v(std::size_t(world.size()) * 4, 0.0);
+    double* mine = v.data() + std::size_t(world.rank()) * 4;
+    mine[0] = res.step_s, mine[1] = res.compute_s, mine[2] = double(res.device.peak), mine[3] = double(res.offloaded_bytes);
+    comm::allreduce_sum(world, v, comm::world_group(world), "the benchmark's step figures");
+    if (r == 0) continue;  // warm-up
+    double step = 0, bubble = 0;
+    for (int k = 0; k < world.size(); ++k) {
+      const double* x = v.data() + std::size_t(k) * 4;
+      step = std::max(step, x[0]);
+      bubble += x[1] > 0 ? (x[0] - x[1]) / x[1] / world.size() : 0;
+      row.measured_peak[std::size_t(k)] = std::max(row.measured_peak[std::size_t(k)], i64(x[2]));
+      row.offloaded = std::max(row.offloaded, i64(x[3]));
+    }
+    times.push_back(step);
+    bubbles.push_back(bubble);
+  }
+  row.measured_s = median(times);
+  row.measured_bubble = median(bubbles);
+  return row;
+}
+
+nlohmann::json row_json(const Row& r) {
+  return {{"measured_step_time_s", r.measured_s},
+          {"simulated_step_time_s", r.simulated_s},
+          {"simulated_over_measured", r.measured_s > 0 ? r.simulated_s / r.measured_s : 0},
+          {"measured_bubble", r.measured_bubble},
+          {"simulated_bubble", r.simulated_bubble},
+          {"measured_peak_device_bytes_per_rank", r.measured_peak},
+          {"predicted_peak_device_bytes_per_rank", r.predicted_peak},
+          {"offloaded_bytes", r.offloaded}};
+}
+
+}  // namespace
+
+nlohmann::json bench_pipeline(const BenchPipelineOptions& o, comm::Comm& world) {
+  SPPO_CHECK(world.size() == kRanks, "bench")
+      << "bench pipeline runs on " << kRanks << " ranks, not " << world.size()
+      << "; start it without mpirun (it starts its own ranks) or with mpirun -np " << kRanks;
+  SPPO_CHECK(o.reps >= 1, "options") << "--reps must be at least 1 (got " << o.reps << ")";
+  omp_set_num_threads(1);
+  StepOptions base;
+  base.model = preset(o.model);
+  base.model_name = o.model;
+  base.seq_len = parse_count(o.seq_len, "--seq-len");
+  base.data = "repeat";
+  base.threads = 1;
+  base.partition = "flops";
+  // The profile every prediction uses: both ranks measure at once, one thread each, as
+  // they will compute at once; rank 0's is used, through a file each rank writes.
+  std::string profile_path = o.hardware;
+  std::string profile_name = o.hardware;
+  if (o.hardware.empty()) {
+    const plan::HardwareProfile mine = measure_cpu_profile(true);
+    const auto all = comm::allgather_strings(world, plan::to_json(mine).dump(), "rank 0's profile");
+    const plan::HardwareProfile hw = plan::profile_from_json(nlohmann::json::parse(all[0]), "rank 0's profile");
+    profile_path = (std::filesystem::temp_directory_path() / ("sppo-bench-profile-" + std::to_string(getpid()) + ".json")).string();
+    plan::save_profile(hw, profile_path);
+    profile_name = hw.name + " (" + hw.description + ", one thread a rank)";
+  }
+  base.hardware = profile_path;
+  auto layout = [&](int pp, int dp, int n, const std::string& offload, i64 budget) {
+    StepOptions so = base;
+    so.pp = pp;
+    so.dp = dp;
+    so.subseqs = std::to_string(n);
+    so.offload = offload;
+    so.device_memory = budget;
+    return so;
+  };
+
+  nlohmann::json out = {{"ranks", kRanks},
+                        {"threads_per_rank", 1},
+                        {"model", o.model},
+                        {"seq_len", base.seq_len},
+                        {"reps", o.reps},
+                        {"profile", profile_name}};
+  nlohmann::json bubble = nlohmann::json::array();
+  for (int n : kBubbleSubseqs) {
+    nlohmann::json j = row_json(run(layout(2, 1, n, "none", 0), o.reps, world));
+    j["subseqs"] = n;
+    j["paper_bubble"] = 1.0 / n;  // (P - 1) / N with P = 2
+    bubble.push_back(std::move(j));
+  }
+  out["bubble"] = std::move(bubble);
+
+  nlohmann::json steps = nlohmann::json::array();
+  auto add = [&](const std::string& name, const StepOptions& so) {
+    nlohmann::json j = row_json(run(so, o.reps, world));
+    j["layout"] = name;
+    j["subseqs"] = std::stoi(so.subseqs);
+    steps.push_back(std::move(j));
+  };
+  add("pp 2", layout(2, 1, 8, "none", 0));
+  add("dp 2", layout(1, 2, 4, "none", 0));
+  // A budget halfway between no offload's and full offload's predicted peaks, so that
+  // adaptive has to offload.
+  i64 none_peak = 0, full_peak = 0;
+  on_every_rank(world, [&] {
+    none_peak = make_setup(layout(2, 1, 8, "none", 0), &world).predicted_peak_bytes;
+    full_peak = make_setup(layout(2, 1, 8, "full", 0), &world).predicted_peak_bytes;
+  });
+  const i64 budget = (none_peak + full_peak) / 2;
+  add("pp 2, adaptive offload", layout(2, 1, 8, "adaptive", budget));
+  steps.back()["device_memory_bytes"] = budget;
+  out["step_time"] = std::move(steps);
+  if (o.hardware.empty()) std::filesystem::remove(profile_path);
+  return out;
+}
+
+void print_bench_pipeline(const nlohmann::json& j) {
+  std::printf("sequence pipeline on %d ranks, one thread each: %s, S %lld, profile %s\n", j["ranks"].get<int>(),
+              j["model"].get<std::string>().c_str(), (long long)j["seq_len"].get<i64>(),
+              j["profile"].get<std::string>().c_str());
+  std::printf("\nbubble, pipeline of 2 stages (idle over busy compute time)\n");
+  std::printf("| N | measured | simulated | (P-1)/N | step s measured | step s simulated |\n|---|---|---|---|---|---|\n");
+  for (const auto& b : j["bubble"])
+    std::printf("| %d | %.3f | %.3f | %.3f | %.3f | %.3f |\n", b["subseqs"].get<int>(), b["measured_bubble"].get<double>(),
+                b["simulated_bubble"].get<double>(), b["paper_bubble"].get<double>(),
+                b["measured_step_time_s"].get<double>(), b["simulated_step_time_s"].get<double>());
+  std::printf("\nstep time, simulated vs measured\n");
+  std::printf("| layout | N | measured s | simulated s | simulated / measured | offloaded |\n|---|---|---|---|---|---|\n");
+  for (const auto& s : j["step_time"])
+    std::printf("| %s | %d | %.3f | %.3f | %.3f | %s |\n", s["layout"].get<std::string>().c_str(), s["subseqs"].get<int>(),
+                s["measured_step_time_s"].get<double>(), s["simulated_step_time_s"].get<double>(),
+                s["simulated_over_measured"].get<double>(), format_bytes(double(s["offloaded_bytes"].get<i64>())).c_str());
+}
+
+void relaunch_under_mpirun(int ranks, int argc, char** argv) {
+  if (getuid() == 0) {  // OpenMPI refuses root without consent; this is the user's own job
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 0);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 0);
+  }
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::vector<std::string> args = {"mpirun", "--oversubscribe", "--bind-to",
+                                   std::thread::hardware_concurrency() >= unsigned(ranks) ? "core" : "none",
+                                   "-np", std::to_string(ranks), self};
+  for (int k = 1; k < argc; ++k) args.push_back(argv[k]);
+  std::vector<char*> c;
+  for (auto& a : args) c.push_back(a.data());
+  c.push_back(nullptr);
+  std::fprintf(stderr, "starting %d ranks: mpirun -np %d %s ...\n", ranks, ranks, self.c_str());
+  execvp("mpirun", c.data());
+  SPPO_CHECK(false, "bench") << "cannot start mpirun (" << std::strerror(errno)
+                             << "); install OpenMPI (openmpi-bin) or start the benchmark with mpirun -np " << ranks;
+}
+
+}  // namespace sppo

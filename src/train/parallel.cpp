@@ -1,0 +1,287 @@
+#include "train/parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/check.h"
+#include "train/setup.h"
+
+namespace sppo {
+
+namespace {
+
+// Tags of the messages outside a step's schedule, above every sched::message_tag.
+constexpr int kGatherTag = 1 << 30;
+
+void copy_floats(float* dst, const float* src, i64 n) { std::memcpy(dst, src, std::size_t(n) * sizeof(float)); }
+
+}  // namespace
+
+comm::Group ParallelLayout::stage_group() const {
+  comm::Group g;
+  for (int d = 0; d < dp; ++d) g.push_back(rank_of(d, stage()));
+  return g;
+}
+
+ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world) {
+  SPPO_CHECK(pp >= 1, "options") << "--pp must be at least 1 (got " << pp << ")";
+  SPPO_CHECK(dp >= 1, "options") << "--dp must be at least 1 (got " << dp << ")";
+  SPPO_CHECK(zero == 0 || zero == 1, "options") << "--zero must be 0 or 1 (got " << zero << ")";
+  SPPO_CHECK(pp * dp == world.size(), "options")
+      << "--pp " << pp << " x --dp " << dp << " = " << pp * dp << " ranks, but the job has " << world.size()
+      << (world.size() == 1 ? " (started without mpirun)" : " (mpirun -np " + std::to_string(world.size()) + ")")
+      << "; start it with mpirun -np " << pp * dp << " or change --pp / --dp";
+  ParallelLayout l;
+  l.pp = pp;
+  l.dp = dp;
+  l.zero = zero;
+  l.batch = batch == 0 ? dp : batch;
+  SPPO_CHECK(l.batch >= 1 && l.batch % dp == 0, "options")
+      << "--batch " << l.batch << " is not a positive multiple of --dp " << dp
+      << " (every replica trains the same number of sequences a step)";
+  l.rank = world.rank();
+  return l;
+}
+
+void on_every_rank(comm::Comm& world, const std::function<void()>& f) {
+  // Messages travel with a first character that says whether the run does not fit ('3')
+  // or was given bad input ('2'), so that every rank exits as the failing one would.
+  std::string mine;
+  try {
+    f();
+  } catch (const DoesNotFit& e) {
+    if (world.size() == 1) throw;
+    mine = std::string("3") + e.what();
+  } catch (const Error& e) {
+    if (world.size() == 1) throw;
+    mine = std::string("2") + e.what();
+  }
+  if (world.size() == 1) return;
+  const auto all = comm::allgather_strings(world, mine, "the other ranks' set-up");
+  std::map<std::string, std::vector<int>> distinct;
+  bool fits = true;
+  for (int r = 0; r < int(all.size()); ++r)
+    if (!all[std::size_t(r)].empty()) {
+      distinct[all[std::size_t(r)].substr(1)].push_back(r);
+      fits = fits && all[std::size_t(r)][0] == '3';
+    }
+  if (distinct.empty()) return;
+  std::ostringstream os;
+  bool first = true;
+  for (const auto& [message, ranks] : distinct) {
+    if (!first) os << "\n";
+    first = false;
+    os << message;
+    if (int(ranks.size()) < world.size()) {
+      os << " (rank" << (ranks.size() > 1 ? "s " : " ");
+      for (std::size_t k = 0; k < ranks.size(); ++k) os << (k ? ", " : "") << ranks[k];
+      os << ")";
+    }
+  }
+  if (fits) throw DoesNotFit(os.str());
+  throw Error(os.str());
+}
+
+void prepare_groups(comm::Comm& world, const sched::Schedule& s) {
+  std::vector<comm::Group> groups;
+  for (const auto& ops : s.ops)
+    for (const sched::Op& op : ops)
+      if (op.kind == sched::OpKind::AllReduce && std::find(groups.begin(), groups.end(), op.group) == groups.end())
+        groups.push_back(op.group);
+  world.prepare_groups(groups);
+}
+
+void check_same_options(comm::Comm& world, const nlohmann::json& options) {
+  if (world.size() == 1) return;
+  const auto all = comm::allgather_strings(world, options.dump(), "the other ranks' options");
+  const nlohmann::json ref = nlohmann::json::parse(all[0]);
+  std::ostringstream os;
+  for (int r = 1; r < int(all.size()); ++r) {
+    const nlohmann::json other = nlohmann::json::parse(all[std::size_t(r)]);
+    if (other == ref) continue;
+    std::vector<std::string> keys;
+    for (auto it = ref.begin(); it != ref.end(); ++it) keys.push_back(it.key());
+    for (auto it = other.begin(); it != other.end(); ++it)
+      if (!ref.contains(it.key())) keys.push_back(it.key());
+    for (const auto& k : keys) {
+      const std::string a = ref.contains(k) ? ref[k].dump() : "(unset)";
+      const std::string b = other.contains(k) ? other[k].dump() : "(unset)";
+      if (a == b) continue;
+      if (os.tellp() > 0) os << ", ";
+      os << "rank " << r << " has " << k << " " << b << " where rank 0 has " << a;
+    }
+  }
+  if (os.tellp() == 0) return;
+  throw Error("[comm] the ranks were started with different options: " + os.str() +
+              "; start every rank with the same command line");
+}
+
+double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const AdamWSettings& hp, int t) {
+  Backend& be = rt.backend();
+  float* g = rt.grads();
+  const auto& spans = rt.shard();
+  const auto& buckets = rt.buckets();
+  if (lay.batch > 1)
+    for (const ShardSpan& sp : spans) be.scale(g + sp.offset, sp.count, 1.0f / float(lay.batch));
+  // The global norm counts every parameter once: the tied embedding on the first stage
+  // only, and replicated gradients (data parallel without ZeRO) on the first replica only.
+  double ss = 0;
+  const bool tied_copy = lay.pp > 1 && lay.last_stage();
+  for (std::size_t k = 0; k < spans.size(); ++k) {
+    if (tied_copy && buckets[k].name == "embed") continue;
+    ss += be.sum_squares(g + spans[k].offset, spans[k].count);
+  }
+  if (lay.zero == 0 && lay.replica() != 0) ss = 0;
+  std::vector<double> total{ss};
+  comm::allreduce_sum(world, total, comm::world_group(world), "the gradient norm");
+  const double norm = std::sqrt(total[0]);
+  if (!std::isfinite(norm)) return norm;
+  if (hp.clip > 0 && norm > hp.clip)
+    for (const ShardSpan& sp : spans) be.scale(g + sp.offset, sp.count, float(hp.clip / norm));
+  // AdamW per tensor, over the part of it whose state this rank keeps.
+  i64 off = 0;
+  for (const TensorSpec& spec : rt.param_specs()) {
+    const i64 n = spec.numel();
+    const float wd = spec.shape.size() == 2 ? hp.weight_decay : 0.0f;
+    for (const ShardSpan& sp : spans) {
+      const i64 b = std::max(off, sp.offset), e = std::min(off + n, sp.offset + sp.count);
+      if (b >= e) continue;
+      const i64 s = sp.state_offset + (b - sp.offset);
+      be.adamw(rt.params() + b, rt.adam_m() + s, rt.adam_v() + s, g + b, e - b, hp.lr, hp.beta1, hp.beta2, hp.eps, wd,
+               t, nullptr);
+    }
+    off += n;
+  }
+  if (lay.zero && lay.dp > 1) {
+    const comm::Group group = lay.stage_group();
+    std::vector<comm::Request> reqs;
+    for (const ParamBucket& b : buckets) reqs.push_back(world.iallgather(rt.params() + b.offset, b.count, group));
+    for (comm::Request r : reqs) comm::wait(world, r, "the all-gather of the updated weights");
+  }
+  rt.refresh_weights();
+  return norm;
+}
+
+std::vector<io::CheckpointTensor> full_tensors(const ModelConfig& c, float* base, const char* suffix) {
+  std::vector<io::CheckpointTensor> t;
+  float* p = base;
+  for (const auto& s : parameter_specs(c)) {
+    t.push_back({s.name + suffix, s.shape, p});
+    p += s.numel();
+  }
+  return t;
+}
+
+FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, bool grads, bool optimizer) {
+  const ModelConfig& c = rt.config();
+  const i64 n = rt.num_params();
+  // This stage's arrays, whole: under ZeRO, each replica holds pieces of the AdamW state
+  // (and, after the reduce-scatter, of the gradients), so the stage group gathers them.
+  std::vector<std::vector<float>> arrays;
+  auto from_device = [&](const float* p) {
+    std::vector<float> a(std::size_t(n), 0.0f);
+    rt.read_device(a.data(), p, n);
+    return a;
+  };
+  arrays.push_back(from_device(rt.params()));
+  if (grads) arrays.push_back(from_device(rt.grads()));
+  if (optimizer)
+    for (float* state : {rt.adam_m(), rt.adam_v()}) {
+      std::vector<float> a(std::size_t(n), 0.0f);
+      for (const ShardSpan& sp : rt.shard()) rt.read_device(a.data() + sp.offset, state + sp.state_offset, sp.count);
+      arrays.push_back(std::move(a));
+    }
+  if (lay.zero && lay.dp > 1) {
+    const comm::Group group = lay.stage_group();
+    for (std::size_t a = 1; a < arrays.size(); ++a)  // the weights are whole on every replica
+      for (const ParamBucket& b : rt.buckets())
+        comm::wait(world, world.iallgather(arrays[a].data() + b.offset, b.count, group),
+                   "the gathering of the sharded optimizer state");
+  }
+  FullState full;
+  if (lay.rank != 0 && lay.replica() != 0) return full;
+  // Stage owners of replica 0 send their arrays to rank 0, which places them by name.
+  if (lay.rank != 0) {
+    for (std::size_t a = 0; a < arrays.size(); ++a)
+      comm::wait(world, world.isend(arrays[a].data(), n * i64(sizeof(float)), 0, kGatherTag + int(a)),
+                 "rank 0 to take this stage's tensors");
+    return full;
+  }
+  const i64 total = c.num_params();
+  std::vector<std::vector<float>*> outs{&full.params};
+  if (grads) outs.push_back(&full.grads);
+  if (optimizer) outs.push_back(&full.m), outs.push_back(&full.v);
+  for (auto* o : outs) o->assign(std::size_t(total), 0.0f);
+  std::map<std::string, i64> full_offset;
+  {
+    i64 off = 0;
+    for (const auto& s : parameter_specs(c)) full_offset[s.name] = off, off += s.numel();
+  }
+  for (int p = 0; p < lay.pp; ++p) {
+    const auto [b, e] = lay.stage_layers.at(std::size_t(p));
+    const auto specs = parameter_specs(c, b, e);
+    i64 count = 0;
+    for (const auto& s : specs) count += s.numel();
+    std::vector<std::vector<float>> got;
+    if (p == 0) {
+      got = arrays;
+    } else {
+      for (std::size_t a = 0; a < outs.size(); ++a) {
+        got.emplace_back(std::size_t(count));
+        comm::wait(world, world.irecv(got.back().data(), count * i64(sizeof(float)), lay.rank_of(0, p), kGatherTag + int(a)),
+                   "stage " + std::to_string(p) + "'s tensors");
+      }
+    }
+    i64 off = 0;
+    for (const auto& s : specs) {
+      // The tied embedding is taken from the first stage (the last holds the same values).
+      if (!(p > 0 && s.name == "embed.weight"))
+        for (std::size_t a = 0; a < outs.size(); ++a)
+          copy_floats(outs[a]->data() + full_offset.at(s.name), got[a].data() + off, s.numel());
+      off += s.numel();
+    }
+  }
+  return full;
+}
+
+void init_owned(Runtime& rt, std::uint64_t seed) {
+  std::vector<float> full(std::size_t(rt.config().num_params()));
+  init_params(rt.config(), full.data(), seed);
+  for (const ParamBucket& b : rt.buckets()) rt.write_device(rt.params() + b.offset, full.data() + b.full_offset, b.count);
+  rt.refresh_weights();
+}
+
+nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from) {
+  const ModelConfig& c = rt.config();
+  const std::size_t total = std::size_t(c.num_params());
+  std::vector<float> params(total, 0.0f), m(total, 0.0f), v(total, 0.0f);
+  auto opt = full_tensors(c, m.data(), ".m");
+  for (auto& t : full_tensors(c, v.data(), ".v")) opt.push_back(t);
+  nlohmann::json state = io::load_checkpoint(dir, full_tensors(c, params.data(), ""), opt, from);
+  for (std::size_t k = 0; k < rt.buckets().size(); ++k) {
+    const ParamBucket& b = rt.buckets()[k];
+    const ShardSpan& sp = rt.shard()[k];
+    rt.write_device(rt.params() + b.offset, params.data() + b.full_offset, b.count);
+    const i64 src = b.full_offset + (sp.offset - b.offset);
+    rt.write_device(rt.adam_m() + sp.state_offset, m.data() + src, sp.count);
+    rt.write_device(rt.adam_v() + sp.state_offset, v.data() + src, sp.count);
+  }
+  rt.refresh_weights();
+  return state;
+}
+
+void save_consolidated(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const std::string& dir,
+                       const nlohmann::json& state) {
+  FullState full = gather_full(rt, lay, world, false, true);
+  if (lay.rank != 0) return;
+  const ModelConfig& c = rt.config();
+  auto opt = full_tensors(c, full.m.data(), ".m");
+  for (auto& t : full_tensors(c, full.v.data(), ".v")) opt.push_back(t);
+  io::save_checkpoint(dir, full_tensors(c, full.params.data(), ""), opt, state);
+}
+
+}  // namespace sppo

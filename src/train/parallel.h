@@ -1,0 +1,94 @@
+// How a job's ranks share one training step (DESIGN.md 6), and the parts of a step that
+// live outside the schedule: which sequences each replica trains, the optimizer over each
+// rank's own (or ZeRO-sharded) parameters, consolidated checkpoints and exports, and
+// errors that every rank must agree on.
+//
+// Ranks: rank = replica * pp + stage (the schedule builders' numbering with sp = 1), so a
+// replica's stages are consecutive ranks and rank 0 is stage 0 of replica 0.
+// Data: an optimizer step trains `batch` sequences, drawn from the data stream in order;
+// replica d trains sequences [d * batch / dp, (d + 1) * batch / dp) of them, so dp
+// replicas see exactly the tokens one process sees with --batch dp.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "core/config.h"
+#include "io/checkpoint.h"
+#include "runtime/executor.h"
+
+namespace sppo {
+
+struct ParallelLayout {
+  int pp = 1, dp = 1;
+  int zero = 0;    // 1: AdamW state sharded over the stage's replicas
+  int batch = 1;   // sequences per optimizer step, all replicas together
+  int rank = 0;
+  std::vector<std::pair<int, int>> stage_layers;  // [begin, end) of each stage (set with the schedule)
+
+  int ranks() const { return pp * dp; }
+  int stage() const { return rank % pp; }
+  int replica() const { return rank / pp; }
+  int per_replica() const { return batch / dp; }
+  bool first_stage() const { return stage() == 0; }
+  bool last_stage() const { return stage() == pp - 1; }
+  int rank_of(int replica, int stage) const { return replica * pp + stage; }
+  // The ranks that hold the same layers (one per replica).
+  comm::Group stage_group() const;
+};
+
+// Checks pp, dp, zero and batch against each other and against the job's rank count;
+// throws sppo::Error naming the numbers and the mpirun -np that would work.
+ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world);
+
+// Runs f on every rank; if it throws sppo::Error on any, every rank throws one Error
+// holding the distinct messages (naming the ranks when they differ), so that a bad option
+// ends the whole job with one message and exit 2 instead of leaving ranks waiting.
+void on_every_rank(comm::Comm& world, const std::function<void()>& f);
+
+// Makes the communicators of every all-reduce group of the schedule (collective).
+void prepare_groups(comm::Comm& world, const sched::Schedule& s);
+
+// Ends the job when the ranks were started with different options: names the ranks and
+// the options that differ. `options` is a flat JSON object of this rank's settings.
+void check_same_options(comm::Comm& world, const nlohmann::json& options);
+
+struct AdamWSettings {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  float clip = 0;  // global gradient-norm clip; 0: off
+};
+
+// The optimizer step after the schedule has reduced the gradients: scales them by
+// 1 / batch (the mean over the step's sequences), computes the global norm over every
+// parameter once (the tied embedding counted on the first stage only), clips, updates
+// this rank's AdamW state (no decay on vectors), and under ZeRO all-gathers the updated
+// weights. Returns the norm before clipping; a non-finite norm leaves the weights alone.
+double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const AdamWSettings& hp,
+                      int t);
+
+// Full-model arrays in parameter_specs(c) order, on rank 0 only.
+struct FullState {
+  std::vector<float> params, grads, m, v;
+};
+// Collects this step's parameters (and gradients / AdamW state when asked) from every
+// stage onto rank 0, in the consolidated layout. Every rank must call it.
+FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, bool grads, bool optimizer);
+
+// The initial weights of this rank's parameters: every rank draws the whole model from the
+// seed (init_params) and keeps its own, so that any layout starts where one process does.
+void init_owned(Runtime& rt, std::uint64_t seed);
+
+// Loads a consolidated checkpoint (any layout it was saved from) into this rank's own
+// parameters and AdamW state; returns its state.json. `from` receives the directory read.
+nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from);
+
+// Saves a consolidated checkpoint: rank 0 writes what gather_full collects.
+void save_consolidated(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const std::string& dir,
+                       const nlohmann::json& state);
+
+// The io tensor list of a full-model array (names from parameter_specs, "<name><suffix>").
+std::vector<io::CheckpointTensor> full_tensors(const ModelConfig& c, float* base, const char* suffix);
+
+}  // namespace sppo

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs tests/cuda/test_cuda_kernels.cpp on the CPU, with the CUDA kernels of src/backends/cuda
+# compiled by the host compiler against emu.h (fibers for threads, warp collectives and the
+# tensor-core instructions emulated from the PTX ISA's definitions). It checks the kernels' index
+# logic, masking, tiling, barriers and fragment layouts without a GPU; it cannot check timing,
+# cuBLASLt or CUB (those tests are filtered out) or the real instructions' rounding.
+#   bash tests/cuda/emulate/run.sh [BUILD_DIR] [--gtest_filter=...]
+# BUILD_DIR (default build/) must hold libsppo_kernels.a and libsppo_core.a. The whole run takes
+# 10 to 20 minutes on two cores, most of it in the attention tests; pass a --gtest_filter to
+# run less.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../../.." && pwd)
+build=${1:-$root/build}
+shift || true
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+mkdir -p "$out/backends/cuda"
+src=$root/src/backends/cuda
+for f in common.cuh check.h attention.h attention_impl.cuh ops.h; do cp "$src/$f" "$out/backends/cuda/"; done
+cp "$here/ptx_emu.cuh" "$out/backends/cuda/ptx.cuh"
+cxx=(g++ -std=c++20 -O2 -g -fno-strict-aliasing -w -I"$out" -I"$here/include" -I"$root/src")
+objs=() pids=()
+for f in ops attention attention_tc; do
+  python3 "$here/rewrite.py" "$src/$f.cu" "$out/$f.cpp"
+  "${cxx[@]}" -include "$here/emu.h" -c "$out/$f.cpp" -o "$out/$f.o" & pids+=($!)
+  objs+=("$out/$f.o")
+done
+"${cxx[@]}" -c "$src/check.cpp" -o "$out/check.o" & pids+=($!)
+"${cxx[@]}" -c "$here/stubs.cpp" -o "$out/stubs.o" & pids+=($!)
+"${cxx[@]}" -c "$root/tests/cuda/test_cuda_kernels.cpp" -o "$out/test.o" & pids+=($!)
+for p in "${pids[@]}"; do wait "$p"; done
+ompblas=/usr/lib/$(gcc -print-multiarch)/openblas-openmp
+g++ -o "$out/test_cuda_kernels_emulated" "$out/test.o" "${objs[@]}" "$out/check.o" "$out/stubs.o" \
+  "$build/libsppo_kernels.a" "$build/libsppo_core.a" -L"$ompblas" -Wl,-rpath,"$ompblas" -lopenblas \
+  -lgtest -lgtest_main -fopenmp -pthread
+"$out/test_cuda_kernels_emulated" --gtest_filter='-*Gemm*:*Linear*:*Embedding*' "$@"

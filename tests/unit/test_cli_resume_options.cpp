@@ -1,0 +1,88 @@
+// What the README says of resuming, exactly: "`train --resume DIR` restores every option
+// that changes the numbers and continues the run bit-identically to the end it was planned
+// for; `--steps M` extends it, the steps past the original `--steps` training at the
+// schedule's final learning rate; an option given again with a different value is
+// refused." And a step whose loss or gradient is not finite is skipped; --max-bad-steps in
+// a row stop the run, keeping the last good checkpoint.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+
+#include "io/fileutil.h"
+#include "support/mpi_run.h"
+
+namespace sppo {
+namespace {
+
+using testing::read_json;
+using testing::read_jsonl;
+using testing::run_command;
+
+std::string sppo() { return testing::sppo_binary(); }
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+class Resume : public ::testing::Test {
+ protected:
+  void SetUp() override { tmp_ = std::make_unique<io::TempDir>("sppo-resume"); }
+  std::string path(const std::string& name) const { return tmp_->path() + "/" + name; }
+  std::unique_ptr<io::TempDir> tmp_;
+};
+
+const std::string kRun = " train --model tiny --seq-len 64 --seed 5 --warmup 2 --steps 6 --quiet";
+
+TEST_F(Resume, AloneRestoresTheRunBitIdentically) {
+  ASSERT_EQ(run_command(sppo() + kRun + " --save " + path("straight")).status, 0);
+  ASSERT_EQ(run_command(sppo() + kRun + " --stop-after 3 --save " + path("ck")).status, 0);
+  const auto r = run_command(sppo() + " train --resume " + path("ck") + " --quiet --save " + path("resumed"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(read_json(path("resumed/state.json"))["step"].get<int>(), 6);
+  EXPECT_EQ(file_bytes(path("resumed/model.safetensors")), file_bytes(path("straight/model.safetensors")));
+  EXPECT_EQ(file_bytes(path("resumed/optimizer.safetensors")), file_bytes(path("straight/optimizer.safetensors")));
+}
+
+TEST_F(Resume, StepsExtendAtTheFinalLearningRate) {
+  ASSERT_EQ(run_command(sppo() + kRun + " --lr 0.004 --save " + path("ck")).status, 0);
+  const auto r = run_command(sppo() + " train --resume " + path("ck") + " --steps 8 --quiet --metrics " + path("m.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto m = read_jsonl(path("m.jsonl"));
+  ASSERT_EQ(m.size(), 3u);  // steps 7, 8 and the summary
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(m[k]["step"].get<int>(), 7 + k);
+    EXPECT_FLOAT_EQ(m[k]["lr"].get<float>(), 0.004f * 0.1f);  // lr x the cosine's floor, min_lr_ratio
+  }
+}
+
+TEST_F(Resume, AnOptionGivenAgainDifferentlyIsRefused) {
+  ASSERT_EQ(run_command(sppo() + kRun + " --stop-after 2 --save " + path("ck")).status, 0);
+  const std::string before = file_bytes(path("ck/model.safetensors"));
+  for (const char* changed : {"--seq-len 128", "--model small", "--lr 0.1", "--seed 6", "--subseqs 2", "--batch 2"}) {
+    const auto r = run_command(sppo() + " train --resume " + path("ck") + " " + changed + " --save " + path("ck"));
+    EXPECT_EQ(r.status, 2) << changed << "\n" << r.output;
+    const std::string flag = std::string(changed).substr(0, std::string(changed).find(' '));
+    EXPECT_NE(r.output.find("[checkpoint] " + flag), std::string::npos) << r.output;
+  }
+  EXPECT_EQ(file_bytes(path("ck/model.safetensors")), before) << "a refused resume must not touch the checkpoint";
+  // The same values given again are fine.
+  EXPECT_EQ(run_command(sppo() + " train --resume " + path("ck") + " --seq-len 64 --model tiny --quiet").status, 0);
+}
+
+TEST_F(Resume, NonFiniteStepsAreSkippedThenStopTheRun) {
+  auto r = run_command("SPPO_FAULT=nan:0:3 " + sppo() + kRun + " --metrics " + path("a.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto m = read_jsonl(path("a.jsonl"));
+  ASSERT_EQ(m.size(), 7u);
+  EXPECT_TRUE(m[2].value("skipped", false)) << m[2].dump();
+  for (int k : {0, 1, 3, 4, 5}) EXPECT_TRUE(std::isfinite(m[std::size_t(k)]["loss"].get<double>()));
+  r = run_command("SPPO_FAULT=nan:0:4 " + sppo() + kRun + " --max-bad-steps 1 --save-every 1 --save " + path("ck"));
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("non-finite"), std::string::npos) << r.output;
+  EXPECT_EQ(read_json(path("ck/state.json"))["step"].get<int>(), 3) << "the last good checkpoint stays";
+}
+
+}  // namespace
+}  // namespace sppo
