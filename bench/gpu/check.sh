@@ -76,7 +76,8 @@ section budget_less 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" --subseqs 4 -
 
 # ---- benchmarks, beside PyTorch in the same run ------------------------------------------------
 if [ $SMOKE = 0 ]; then
-  section attention 180 build/gpu_attention_bench
+  section attention 180 "$SPPO" bench attention "${BF16[@]}" --json
+  section attention_kernels 120 build/gpu_attention_bench  # each tile kernel against the SIMT one
   for S in 16384 65536 131072; do
     section "layer_$S" 120 "$SPPO" bench layer "${BF16[@]}" --hidden 4096 --heads 32 --seq-len $S --reps 3 --json
   done
@@ -87,6 +88,8 @@ if [ $SMOKE = 0 ]; then
     "$OUT/logs/torch.out" 2>/dev/null || echo 0)
   section memory 300 "$SPPO" bench memory "${BF16[@]}" --model gpt-7b --layers 8 --at-seq-len "$torch_max" --json
 else
+  section attention 60 "$SPPO" bench attention "${BACKEND[@]}" --seq-len 256 --queries 64 --prefix 192 --heads 2 \
+    --reps 1 --json
   section layer_smoke 60 "$SPPO" bench layer "${BACKEND[@]}" --hidden 64 --heads 4 --seq-len 256 --reps 1 --json
   section offload 120 "$SPPO" bench offload "${BACKEND[@]}" --model tiny --seq-len 512 --subseqs 4 --reps 1 --json
 fi

@@ -14,6 +14,7 @@
 #include "core/check.h"
 #include "io/checkpoint.h"
 #include "train/bench.h"
+#include "train/bench_attention.h"
 #include "train/bench_pipeline.h"
 #include "train/bench_sppo.h"
 #include "train/profile_device.h"
@@ -186,6 +187,22 @@ int main(int argc, char** argv) {
   cmd_bench_layer->add_option("--threads", bl_threads, "Compute threads (0: all cores)");
   cmd_bench_layer->add_flag("--json", bl_json, "Print one JSON object");
 
+  // bench attention: the GPU's shapes by default (a CPU's are 16 times shorter, 4 heads).
+  std::string ba_backend = "auto", ba_precision, ba_seq, ba_queries, ba_prefix;
+  int ba_heads = 0, ba_head_dim = 0, ba_reps = 3;
+  bool ba_json = false;
+  auto* cmd_bench_attention = cmd_bench->add_subcommand(
+      "attention", "Causal attention forward+backward: a whole sequence, and a subsequence after a prefix");
+  cmd_bench_attention->add_option("--backend", ba_backend, "cpu, cuda or auto")->capture_default_str();
+  cmd_bench_attention->add_option("--precision", ba_precision, "fp32 or bf16 (default: the backend's)");
+  cmd_bench_attention->add_option("--seq-len", ba_seq, "Whole-sequence length (default 32K; 2K on the CPU)");
+  cmd_bench_attention->add_option("--queries", ba_queries, "Subsequence queries (default 16K; 1K on the CPU)");
+  cmd_bench_attention->add_option("--prefix", ba_prefix, "Tokens before the subsequence (default 112K; 7K on the CPU)");
+  cmd_bench_attention->add_option("--heads", ba_heads, "Heads (default 32; 4 on the CPU)");
+  cmd_bench_attention->add_option("--head-dim", ba_head_dim, "Head size (default 128)");
+  cmd_bench_attention->add_option("--reps", ba_reps, "Timed repetitions (median)")->capture_default_str();
+  cmd_bench_attention->add_flag("--json", ba_json, "Print one JSON object");
+
 
 
   cli::add_plan_commands(app);
@@ -325,6 +342,20 @@ int main(int argc, char** argv) {
       plan::save_profile(p, profile_out);
       std::printf("%s\n", plan::to_json(p).dump(2).c_str());
       std::fprintf(stderr, "wrote %s; use it with --hardware %s\n", profile_out.c_str(), profile_out.c_str());
+      return 0;
+    }
+    if (*cmd_bench_attention) {
+      const auto be = make_backend(ba_backend, ba_precision);
+      BenchAttentionOptions o = default_attention_shapes(*be);
+      if (!ba_seq.empty()) o.seq_len = parse_count(ba_seq, "--seq-len");
+      if (!ba_queries.empty()) o.queries = parse_count(ba_queries, "--queries");
+      if (!ba_prefix.empty()) o.prefix = parse_count(ba_prefix, "--prefix");
+      if (ba_heads) o.heads = ba_heads;
+      if (ba_head_dim) o.head_dim = ba_head_dim;
+      o.reps = ba_reps;
+      const auto j = bench_attention(*be, o);
+      if (ba_json) std::printf("%s\n", j.dump(2).c_str());
+      else print_bench_attention(j);
       return 0;
     }
     if (*cmd_bench_layer) {

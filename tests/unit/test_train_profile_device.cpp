@@ -5,6 +5,9 @@
 
 #include <cmath>
 
+#include "core/check.h"
+
+#include "train/bench_attention.h"
 #include "train/profile_device.h"
 
 namespace sppo {
@@ -24,6 +27,23 @@ TEST(ProfileDevice, EveryRateIsMeasured) {
   EXPECT_TRUE(details.contains("attention_after_prefix_flops_per_s")) << details.dump();
   // The profile is a valid one: it survives the JSON round trip the planner reads.
   EXPECT_NO_THROW(plan::profile_from_json(plan::to_json(p), "measured"));
+}
+
+// `sppo bench attention` names its shapes the way bench/gpu/collect.py reads them
+// (whole_32k, prefix_16k_after_112k for the GPU's defaults).
+TEST(BenchAttention, NamesEachShapeByItsLengths) {
+  const auto be = make_backend("cpu");
+  EXPECT_EQ(default_attention_shapes(*be).heads, 4);
+  BenchAttentionOptions o;
+  o.seq_len = 1024, o.queries = 512, o.prefix = 3072, o.heads = 2, o.head_dim = 32, o.reps = 1;
+  const auto j = bench_attention(*be, o);
+  for (const char* name : {"whole_1k", "prefix_512_after_3k"}) {
+    ASSERT_TRUE(j.contains(name)) << j.dump();
+    EXPECT_GT(j[name]["sppo_tflops"].get<double>(), 0);
+  }
+  EXPECT_EQ(j["prefix_512_after_3k"]["prefix"], 3072);
+  o.head_dim = 512;
+  EXPECT_THROW(bench_attention(*be, o), Error);
 }
 
 }  // namespace

@@ -1,0 +1,61 @@
+// What the benchmarks that run through the backend interface share (`sppo profile
+// --backend`, `sppo bench attention`): device buffers freed on scope exit, random inputs
+// made on the host and copied over, and timing with the backend synchronised around.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace sppo {
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer(Backend& be, std::size_t bytes);  // refuses (SPPO_CHECK) when the device is full
+  ~DeviceBuffer() { be_.device_free(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return p_; }
+  float* f32() const { return static_cast<float*>(p_); }
+
+ private:
+  Backend& be_;
+  void* p_;
+};
+
+// n standard-normal values on the device, in the activation type (act) or fp32.
+std::unique_ptr<DeviceBuffer> random_device(Backend& be, i64 n, bool act, unsigned seed);
+
+// The median of `reps` timed runs of f after one warm-up, the backend synchronised around each.
+template <typename F>
+double median_seconds(Backend& be, int reps, F&& f) {
+  using clock = std::chrono::steady_clock;
+  f();
+  be.synchronize();
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = clock::now();
+    f();
+    be.synchronize();
+    t.push_back(std::chrono::duration<double>(clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Causal attention forward FLOPs of `queries` queries that follow `prefix` earlier tokens
+// (4 Z A per query-key pair, the diagonal block half), the count PyTorch's figures use;
+// forward + backward is 3.5 times it.
+inline double attention_forward_flops(i64 queries, i64 prefix, int heads, int head_dim) {
+  const double q = double(queries);
+  return 4.0 * heads * head_dim * (q * double(prefix) + q * q / 2);
+}
+
+// One causal attention forward + backward through the backend: `queries` queries after
+// `prefix` keys, `heads` heads of `head_dim`; median seconds of `reps`.
+double time_attention(Backend& be, i64 queries, i64 prefix, int heads, int head_dim, int reps);
+
+}  // namespace sppo
