@@ -173,18 +173,17 @@ expect "--device-memory" bench memory --device-memory 0
 expect "--seq-len" bench offload --seq-len 0
 expect "--subseqs" bench offload --subseqs 0
 
-# ---- needs the trainer's up-front validation --------------------------------------------
-# Refused today only after work has started, or not at all; to be enabled with that change.
-# expect "--seq-len" train --model tiny --seq-len 999999999999
-# expect "notes.txt" grads --model tiny --seq-len 32 --out notes.txt
-# expect "notes.txt" train --model tiny --seq-len 32 --steps 2 --save notes.txt
-# expect "/nonexistent/t.json" train --model tiny --seq-len 32 --steps 2 --trace /nonexistent/t.json
-# expect "/nonexistent/t.svg" train --model tiny --seq-len 32 --steps 2 --svg /nonexistent/t.svg
-# expect "/nonexistent/m.jsonl" train --model tiny --seq-len 32 --steps 2 --metrics /nonexistent/m.jsonl
-# expect "--seq-len" train --model tiny --seq-len 64 --steps 4 --resume ckpt
-# expect "--threads" train --model tiny --seq-len 32 --steps 1 --threads -3
-# expect "--warmup" train --model tiny --seq-len 32 --steps 1 --warmup -5
-# expect "--recompute" train --model tiny --seq-len 4096 --recompute --device-memory 8MiB
+# ---- the trainer's up-front checks ---------------------------------------------------
+expect "shorten --seq-len" train --model tiny --seq-len 999999999999
+expect "--out notes.txt is a file" grads --model tiny --seq-len 32 --out notes.txt
+expect "--save notes.txt is a file" train --model tiny --seq-len 32 --steps 2 --save notes.txt
+expect "--trace /nonexistent/t.json" train --model tiny --seq-len 32 --steps 2 --trace /nonexistent/t.json
+expect "--svg /nonexistent/t.svg" train --model tiny --seq-len 32 --steps 2 --svg /nonexistent/t.svg
+expect "--metrics /nonexistent/m.jsonl" train --model tiny --seq-len 32 --steps 2 --metrics /nonexistent/m.jsonl
+expect "--seq-len \"64\" differs from the checkpoint's \"32\"" train --model tiny --seq-len 64 --steps 4 --resume ckpt
+expect "--threads" train --model tiny --seq-len 32 --steps 1 --threads -3
+expect "--warmup" train --model tiny --seq-len 32 --steps 1 --warmup -5
+expect "--recompute needs" train --model tiny --seq-len 4096 --recompute --device-memory 8MiB
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
