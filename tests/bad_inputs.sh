@@ -45,10 +45,17 @@ sed 's/"sp":1/"sp":2147483647/; s/"pp":1/"pp":2147483647/' plan_tiny.json >plan_
 "$sppo" train --model tiny --seq-len 32 --steps 2 --save ckpt --quiet
 model_config='{"vocab":64,"hidden":64,"layers":2,"heads":4}'
 position='{"kind":"repeat","alphabet":32,"seed":1234,"sequence":2}'
-for bad in no_config step_two step_negative; do cp -r ckpt "ckpt_$bad"; done
+base_state="\"config\":$model_config,\"data_position\":$position"
+for bad in no_config step_two step_negative schedule_text updates_ahead option_number option_save; do
+  cp -r ckpt "ckpt_$bad"
+done
 "$rewrite_state" ckpt_no_config "{\"step\":2,\"data_position\":$position}"
-"$rewrite_state" ckpt_step_two "{\"step\":\"two\",\"config\":$model_config,\"data_position\":$position}"
-"$rewrite_state" ckpt_step_negative "{\"step\":-5,\"config\":$model_config,\"data_position\":$position}"
+"$rewrite_state" ckpt_step_two "{\"step\":\"two\",$base_state}"
+"$rewrite_state" ckpt_step_negative "{\"step\":-5,$base_state}"
+"$rewrite_state" ckpt_schedule_text "{\"step\":2,$base_state,\"schedule_steps\":\"ten\"}"
+"$rewrite_state" ckpt_updates_ahead "{\"step\":2,$base_state,\"optimizer_steps\":5}"
+"$rewrite_state" ckpt_option_number "{\"step\":2,$base_state,\"options\":{\"--seq-len\":32}}"
+"$rewrite_state" ckpt_option_save "{\"step\":2,$base_state,\"options\":{\"--save\":\"elsewhere\"}}"
 cp -r ckpt ckpt_corrupt
 printf '\x55' | dd of=ckpt_corrupt/model.safetensors bs=1 seek=300 conv=notrunc status=none
 echo "keep me" >notes.txt
@@ -95,6 +102,10 @@ expect "--seq-len 999999999999" bench layer --seq-len 999999999999
 expect "state.json lacks \"config\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_no_config
 expect "state.json: \"step\" is \"two\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_step_two
 expect "state.json: \"step\" is -5" train --model tiny --seq-len 32 --steps 4 --resume ckpt_step_negative
+expect "state.json: \"schedule_steps\" must be an integer" train --model tiny --resume ckpt_schedule_text
+expect "state.json: \"optimizer_steps\" must be an integer in [0, 2]" train --model tiny --resume ckpt_updates_ahead
+expect "state.json: \"options\" holds --seq-len = 32" train --model tiny --resume ckpt_option_number
+expect "records the option '--save'" train --model tiny --resume ckpt_option_save
 
 # ---- more of the same kind ------------------------------------------------------------
 # model shapes

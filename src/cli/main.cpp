@@ -267,13 +267,19 @@ int main(int argc, char** argv) {
       // --resume restores every option that changes the numbers and was not given again.
       nlohmann::json recorded;
       if (!train.resume_dir.empty()) {
-        const nlohmann::json state = io::read_checkpoint_state(train.resume_dir);
+        std::string from;
+        const nlohmann::json state = io::read_checkpoint_state(train.resume_dir, &from);  // types checked
         recorded = state.value("options", nlohmann::json::object());
         std::vector<std::string> args(argv, argv + argc);
         // Without --steps the run continues to the end its schedule was laid out for.
         if (cmd_train->get_option("--steps")->count() == 0 && state.contains("schedule_steps"))
           args.push_back("--steps=" + std::to_string(state["schedule_steps"].get<int>()));
+        const nlohmann::json numeric = numeric_options(train);
         for (auto it = recorded.begin(); it != recorded.end(); ++it) {
+          // An edited state.json must not redirect outputs or inputs (--save, --resume).
+          SPPO_CHECK(numeric.contains(it.key()), "checkpoint")
+              << from << "/state.json records the option '" << it.key() << "', which resuming does not "
+              << "restore (only the options that change the numbers); remove it from \"options\"";
           const CLI::Option* opt = cmd_train->get_option_no_throw(it.key());
           if (!opt || opt->count() > 0) continue;
           if (it.value().is_boolean()) {

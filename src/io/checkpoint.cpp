@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "core/json_fields.h"
 #include "io/fileutil.h"
 #include "io/safetensors.h"
 
@@ -270,6 +271,21 @@ CheckpointState parse_checkpoint_state(const nlohmann::json& state, const std::s
       << file << (position == state.end() ? " lacks \"data_position\"" : ": \"data_position\" is not an object")
       << "; it must hold where the data stream continues";
   s.data_position = *position;
+  // What the trainer records besides (train/trainer.cpp), checked where present so that
+  // resuming reads them without surprises: the learning-rate schedule's length, the
+  // optimizer updates so far (skipped steps make fewer than `step`), and the options
+  // that change the numbers, as flag -> value.
+  const std::string where = file + ": ";
+  json_integer_field(state, "schedule_steps", 1, 1, kMaxStep, kComponent, where);
+  json_integer_field(state, "optimizer_steps", 0, 0, s.step, kComponent, where);
+  if (const auto options = state.find("options"); options != state.end()) {
+    SPPO_CHECK(options->is_object(), kComponent)
+        << file << ": \"options\" is not an object; it must map flags to their values";
+    for (auto it = options->begin(); it != options->end(); ++it)
+      SPPO_CHECK(it.value().is_string() || it.value().is_boolean(), kComponent)
+          << file << ": \"options\" holds " << it.key() << " = " << it.value().dump()
+          << "; every value must be a string or true/false";
+  }
   s.json = state;
   return s;
 }

@@ -5,7 +5,9 @@
 //   DIR/state.json             a JSON object: "step" (completed steps, an integer in
 //                              [0, 2^31)), "config" (the model config, core/config.h),
 //                              "data_position" (an object, io/data.h), and whatever else the
-//                              trainer records
+//                              trainer records; of that, "schedule_steps" (>= 1),
+//                              "optimizer_steps" (<= step) and "options" ({flag: string or
+//                              true/false}) are checked where present
 //   DIR/manifest.json          written LAST: {"format": "sppo-checkpoint", "version": 1,
 //                              "files": {"<name>": {"size": bytes, "xxh64": "<16 hex>"}}}
 //

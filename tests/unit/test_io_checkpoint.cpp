@@ -63,7 +63,10 @@ Model make_model(std::uint64_t seed) {
   m.state = {{"step", seed * 100},
              {"data_position", {{"kind", "repeat"}, {"sequence", 17}}},
              {"rng", "12345 67890"},
-             {"config", {{"vocab", 64}, {"hidden", 16}, {"layers", 1}, {"heads", 2}}}};
+             {"config", {{"vocab", 64}, {"hidden", 16}, {"layers", 1}, {"heads", 2}}},
+             {"schedule_steps", 200},
+             {"optimizer_steps", seed * 100 - 1},
+             {"options", {{"--seq-len", "4096"}, {"--recompute", false}}}};
   return m;
 }
 
@@ -305,6 +308,12 @@ TEST_F(IoCheckpoint, StateWithBadFieldsIsRefusedNamingFileAndField) {
       {with("config", {{"vocab", 64}, {"hidden", 15}, {"layers", 1}, {"heads", 2}}), "\"config\""},
       {with("data_position", 3), "\"data_position\" is not an object"},
       {nlohmann::json::array({1, 2}), "must hold a JSON object"},
+      {with("schedule_steps", "two hundred"), "\"schedule_steps\" must be an integer in [1, "},
+      {with("schedule_steps", 0), "\"schedule_steps\" must be an integer in [1, "},
+      {with("optimizer_steps", 101), "\"optimizer_steps\" must be an integer in [0, 100] (got 101)"},
+      {with("optimizer_steps", -1), "\"optimizer_steps\" must be an integer in [0, 100]"},
+      {with("options", "--seq-len 4096"), "\"options\" is not an object"},
+      {with("options", {{"--seq-len", 4096}}), "\"options\" holds --seq-len = 4096"},
   };
   for (const Case& c : cases) {
     rewrite_state(dir, c.state.dump());
@@ -321,9 +330,10 @@ TEST_F(IoCheckpoint, ParsedStateHasTheFields) {
   EXPECT_EQ(s.config.hidden, 16);
   EXPECT_EQ(s.data_position["sequence"], 17);
   EXPECT_EQ(s.json, model.state);
-  // A state built in memory holds a signed step; it is accepted as well.
+  // A state built in memory holds signed integers; they are accepted as well.
   nlohmann::json signed_step = model.state;
   signed_step["step"] = int{7};
+  signed_step["optimizer_steps"] = int{6};
   EXPECT_EQ(parse_checkpoint_state(signed_step, "state.json").step, 7);
 }
 
