@@ -183,6 +183,14 @@ expect "nope" bench memory --model nope
 expect "--device-memory" bench memory --device-memory 0
 expect "--seq-len" bench offload --seq-len 0
 expect "--subseqs" bench offload --subseqs 0
+expect "--reps" bench attention --backend cpu --reps 0
+expect "--heads" bench attention --backend cpu --heads -1
+# backends
+expect "--backend 'nope'" train --model tiny --backend nope
+expect "--precision 'fp64'" train --model tiny --precision fp64
+expect "--precision bf16" train --model tiny --backend cpu --precision bf16
+expect "--backend 'nope'" bench attention --backend nope
+expect "--backend 'gpu'" profile --backend gpu --out profile_out.json
 
 # ---- the trainer's up-front checks ---------------------------------------------------
 expect "shorten --seq-len" train --model tiny --seq-len 999999999999
