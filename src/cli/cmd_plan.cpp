@@ -230,6 +230,14 @@ int run_simulate(const SimulateOptions& o) {
                   r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.exposed_copy_s,
                   format_bytes(double(r.peak_device_bytes)).c_str(), wall);
     }
+    if (p.budget > 0 && r.peak_device_bytes > p.budget) {
+      std::cerr << "[sim] " << o.plan << ": the simulated peak of " << format_bytes(double(r.peak_device_bytes))
+                << " per device is over the plan's budget_bytes of " << format_bytes(double(p.budget))
+                << "; this plan does not fit (re-plan with `sppo plan`, or raise budget_bytes if the devices have "
+                   "that memory)"
+                << std::endl;
+      return 3;
+    }
     return 0;
   });
 }

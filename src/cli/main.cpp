@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 
+#include "backends/cpu/blas_setup.h"
 #include "cli/cmd_plan.h"
 #include "comm/comm.h"
 #include "core/check.h"
@@ -103,14 +104,27 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
 }
 
 void print_bench_layer(const nlohmann::json& j) {
-  std::printf("one block, forward + backward (fp32, %d threads, OpenBLAS core %s)\n",
-              j["threads"].get<int>(), j["blas_core"].get<std::string>().c_str());
-  std::printf("| H | heads | S | step s | tokens/s | model GFLOP/s | SGEMM peak GFLOP/s | fraction of peak | peak memory |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
-  std::printf("| %d | %d | %lld | %.3f | %.0f | %.1f | %.1f | %.3f | %s |\n", j["hidden"].get<int>(),
+  if (j["backend"] != "cpu") {
+    std::printf("one block, forward + backward (%s, %s)\n", j["backend"].get<std::string>().c_str(),
+                j["precision"].get<std::string>().c_str());
+    std::printf("| H | heads | S | step s | tokens/s | model TFLOP/s | GEMM TFLOP/s | fraction of GEMM | peak memory |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|\n");
+    std::printf("| %d | %d | %lld | %.3f | %.0f | %.1f | %.1f | %.3f | %s |\n", j["hidden"].get<int>(),
+                j["heads"].get<int>(), (long long)j["seq_len"].get<i64>(), j["step_time_s"].get<double>(),
+                j["tokens_per_s"].get<double>(), j["model_flops_per_s"].get<double>() / 1e12,
+                j["gemm_peak_flops_per_s"].get<double>() / 1e12, j["fraction_of_peak"].get<double>(),
+                format_bytes(j["peak_memory_bytes"].get<double>()).c_str());
+    return;
+  }
+  std::printf("one block, forward + backward (fp32, %d threads, %s)\n", j["threads"].get<int>(),
+              j["blas_core_description"].get<std::string>().c_str());
+  std::printf("| H | heads | S | step s | tokens/s | model GFLOP/s | CPU peak GFLOP/s | SGEMM GFLOP/s | fraction of peak | of SGEMM | peak memory |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| %d | %d | %lld | %.3f | %.0f | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", j["hidden"].get<int>(),
               j["heads"].get<int>(), (long long)j["seq_len"].get<i64>(), j["step_time_s"].get<double>(),
               j["tokens_per_s"].get<double>(), j["model_flops_per_s"].get<double>() / 1e9,
-              j["gemm_peak_flops_per_s"].get<double>() / 1e9, j["fraction_of_peak"].get<double>(),
+              j["cpu_peak_flops_per_s"].get<double>() / 1e9, j["sgemm_flops_per_s"].get<double>() / 1e9,
+              j["fraction_of_peak"].get<double>(), j["fraction_of_sgemm"].get<double>(),
               format_bytes(j["peak_memory_bytes"].get<double>()).c_str());
 }
 
@@ -135,6 +149,7 @@ nlohmann::json options_of(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  cpu::select_blas_core(argv);  // first: OpenBLAS reads OPENBLAS_CORETYPE only when it loads
   CLI::App app{"sppo: long-sequence transformer training with sequence pipeline parallel offloading"};
   app.require_subcommand(1);
 
@@ -176,13 +191,16 @@ int main(int argc, char** argv) {
   int bl_hidden = 1024, bl_heads = 16, bl_reps = 3, bl_threads = 0;
   std::string bl_seq = "8192";
   bool bl_json = false;
-  auto* cmd_bench_layer = cmd_bench->add_subcommand("layer", "One block's forward+backward vs this machine's SGEMM peak");
+  auto* cmd_bench_layer = cmd_bench->add_subcommand("layer", "One block's forward+backward vs this machine's FMA peak and SGEMM rate");
   cmd_bench_layer->add_option("--hidden", bl_hidden, "Hidden size")->capture_default_str();
   cmd_bench_layer->add_option("--heads", bl_heads, "Heads")->capture_default_str();
   cmd_bench_layer->add_option("--seq-len", bl_seq, "Tokens")->capture_default_str();
   cmd_bench_layer->add_option("--reps", bl_reps, "Timed repetitions (median)")->capture_default_str();
   cmd_bench_layer->add_option("--threads", bl_threads, "Compute threads (0: all cores)");
   cmd_bench_layer->add_flag("--json", bl_json, "Print one JSON object");
+  std::string bl_backend = "cpu", bl_precision;
+  cmd_bench_layer->add_option("--backend", bl_backend, "cpu, cuda or auto")->capture_default_str();
+  cmd_bench_layer->add_option("--precision", bl_precision, "fp32 or bf16 (default: the backend's)");
 
   // bench attention: the GPU's shapes by default (a CPU's are 16 times shorter, 4 heads).
   std::string ba_backend = "auto", ba_precision, ba_seq, ba_queries, ba_prefix;
@@ -272,13 +290,19 @@ int main(int argc, char** argv) {
       // --resume restores every option that changes the numbers and was not given again.
       nlohmann::json recorded;
       if (!train.resume_dir.empty()) {
-        const nlohmann::json state = io::read_checkpoint_state(train.resume_dir);
+        std::string from;
+        const nlohmann::json state = io::read_checkpoint_state(train.resume_dir, &from);  // types checked
         recorded = state.value("options", nlohmann::json::object());
         std::vector<std::string> args(argv, argv + argc);
         // Without --steps the run continues to the end its schedule was laid out for.
         if (cmd_train->get_option("--steps")->count() == 0 && state.contains("schedule_steps"))
           args.push_back("--steps=" + std::to_string(state["schedule_steps"].get<int>()));
+        const nlohmann::json numeric = numeric_options(train);
         for (auto it = recorded.begin(); it != recorded.end(); ++it) {
+          // An edited state.json must not redirect outputs or inputs (--save, --resume).
+          SPPO_CHECK(numeric.contains(it.key()), "checkpoint")
+              << from << "/state.json records the option '" << it.key() << "', which resuming does not "
+              << "restore (only the options that change the numbers); remove it from \"options\"";
           const CLI::Option* opt = cmd_train->get_option_no_throw(it.key());
           if (!opt || opt->count() > 0) continue;
           if (it.value().is_boolean()) {
@@ -374,8 +398,7 @@ int main(int argc, char** argv) {
     if (*cmd_bench_layer) {
       if (bl_threads > 0) omp_set_num_threads(bl_threads);
       const i64 S = parse_count(bl_seq, "--seq-len");
-      SPPO_CHECK(S >= 2, "options") << "--seq-len must be at least 2";
-      const auto j = bench_layer(bl_hidden, bl_heads, S, bl_reps);
+      const auto j = bench_layer(*make_backend(bl_backend, bl_precision), bl_hidden, bl_heads, S, bl_reps);
       if (bl_json) std::printf("%s\n", j.dump(2).c_str());
       else print_bench_layer(j);
       return 0;

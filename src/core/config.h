@@ -10,6 +10,13 @@
 
 namespace sppo {
 
+// Limits ModelConfig::validate() enforces: far beyond any real model, they keep parameter
+// counts and byte counts inside 64 bits.
+inline constexpr int kMaxHidden = 1 << 20;
+inline constexpr int kMaxLayers = 1 << 16;
+inline constexpr int kMaxFfnMult = 64;
+inline constexpr double kMaxParams = 1e15;
+
 struct ModelConfig {
   int vocab = 0;              // V
   int hidden = 0;             // H
@@ -35,10 +42,20 @@ ModelConfig preset(const std::string& name);
 nlohmann::json to_json(const ModelConfig& c);
 ModelConfig model_config_from_json(const nlohmann::json& j);
 
-// Parses "65536", "64K", "1M" (K = 1024, M = 1048576), and for bytes "512MiB", "2GiB",
-// "1.5GB" (B, KiB/KB, MiB/MB, GiB/GB; KB = 1000 B). `what` names the option in errors.
+// Parses "65536", "64K", "1M", "1.5K" (K = 1024, M = 1048576, G = 2^30; the result must be
+// whole), and for bytes "512MiB", "2GiB", "1.5GB" (B, KiB/KB, MiB/MB, GiB/GB, TiB/TB;
+// KB = 1000 B; fractions of a byte are dropped). Arithmetic is exact and checked: a value
+// above the limit below is refused as too large, naming the limit. `what` names the option
+// in errors.
 i64 parse_count(const std::string& text, const char* what);
 i64 parse_bytes(const std::string& text, const char* what);
+
+// Largest count parse_count accepts: 2^40 (1024G). Sizes derived from a count (S * H * 8
+// bytes, S * Z * 4, ...) stay far inside 64 bits.
+inline constexpr i64 kMaxCount = i64{1} << 40;
+// Largest size parse_bytes accepts: 2^60 bytes (1048576 TiB); sums of a few such sizes
+// still fit 64 bits.
+inline constexpr i64 kMaxBytes = i64{1} << 60;
 std::string format_bytes(double bytes);  // "1.50 GiB"
 
 }  // namespace sppo

@@ -7,11 +7,13 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
 
 #include "core/check.h"
+#include "core/json_fields.h"
 #include "io/fileutil.h"
 #include "io/safetensors.h"
 
@@ -25,6 +27,13 @@ constexpr const char* kComponent = "checkpoint";
 constexpr const char* kFormat = "sppo-checkpoint";
 constexpr int kVersion = 1;
 constexpr std::size_t kMaxNamesListed = 5;  // names quoted in one mismatch message
+
+SaveStepHook g_save_step_hook = nullptr;
+
+// Marks step `k` of a save for the crash-consistency tests (set_save_step_hook).
+void save_step(int k, const char* what) {
+  if (g_save_step_hook != nullptr) g_save_step_hook(k, what);
+}
 
 const char* const kCheckpointFiles[] = {kCheckpointModelFile, kCheckpointOptimizerFile,
                                         kCheckpointStateFile, kCheckpointManifestFile};
@@ -78,7 +87,7 @@ nlohmann::json parse_json_file(const fs::path& path) {
   const std::string text = read_file(path.string());
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
     SPPO_CHECK(false, kComponent) << path.string() << " is not valid JSON: " << e.what();
   }
   __builtin_unreachable();
@@ -120,11 +129,12 @@ fs::path locate_or_throw(const std::string& dir) {
 void verify_dir(const fs::path& d) {
   const fs::path manifest_path = d / kCheckpointManifestFile;
   const nlohmann::json manifest = parse_json_file(manifest_path);
-  SPPO_CHECK(manifest.is_object() && manifest.value("format", "") == kFormat, kComponent)
+  SPPO_CHECK(manifest.is_object() && manifest.contains("format") && manifest["format"] == kFormat, kComponent)
       << manifest_path.string() << " is not an sppo checkpoint manifest (\"format\" must be \""
       << kFormat << "\")";
-  SPPO_CHECK(manifest.value("version", -1) == kVersion, kComponent)
-      << manifest_path.string() << ": manifest version " << manifest.value("version", -1)
+  SPPO_CHECK(manifest.contains("version") && manifest["version"] == kVersion, kComponent)
+      << manifest_path.string() << ": manifest version "
+      << (manifest.contains("version") ? manifest["version"].dump() : "(none)")
       << " is not supported (this build reads version " << kVersion << ")";
   SPPO_CHECK(manifest.contains("files") && manifest["files"].is_object(), kComponent)
       << manifest_path.string() << ": missing object \"files\"";
@@ -229,9 +239,61 @@ void check_replaceable(const fs::path& p) {
 
 }  // namespace
 
+CheckpointState parse_checkpoint_state(const nlohmann::json& state, const std::string& file) {
+  SPPO_CHECK(state.is_object(), kComponent)
+      << file << " must hold a JSON object with \"step\", \"config\" and \"data_position\", not "
+      << state.type_name();
+  CheckpointState s;
+  const auto step = state.find("step");
+  SPPO_CHECK(step != state.end(), kComponent) << file << " lacks \"step\" (the steps completed)";
+  constexpr std::uint64_t kMaxStep = std::numeric_limits<int>::max();
+  // Parsed JSON holds non-negative integers as unsigned; a json built in memory from an int
+  // holds a signed one.
+  const bool whole = step->is_number_unsigned() ? step->get<std::uint64_t>() <= kMaxStep
+                     : step->is_number_integer()
+                         ? step->get<std::int64_t>() >= 0 && std::uint64_t(step->get<std::int64_t>()) <= kMaxStep
+                         : false;
+  SPPO_CHECK(whole, kComponent)
+      << file << ": \"step\" is " << step->dump() << "; it must be a whole number of steps in [0, "
+      << kMaxStep << "]";
+  s.step = static_cast<int>(step->get<std::uint64_t>());
+  const auto config = state.find("config");
+  SPPO_CHECK(config != state.end() && config->is_object(), kComponent)
+      << file << (config == state.end() ? " lacks \"config\"" : ": \"config\" is not an object")
+      << "; it must hold the model config {vocab, hidden, layers, heads, ...}";
+  try {
+    s.config = model_config_from_json(*config);
+  } catch (const Error& e) {
+    SPPO_CHECK(false, kComponent) << file << ": \"config\" is not a usable model config: " << e.what();
+  }
+  const auto position = state.find("data_position");
+  SPPO_CHECK(position != state.end() && position->is_object(), kComponent)
+      << file << (position == state.end() ? " lacks \"data_position\"" : ": \"data_position\" is not an object")
+      << "; it must hold where the data stream continues";
+  s.data_position = *position;
+  // What the trainer records besides (train/trainer.cpp), checked where present so that
+  // resuming reads them without surprises: the learning-rate schedule's length, the
+  // optimizer updates so far (skipped steps make fewer than `step`), and the options
+  // that change the numbers, as flag -> value.
+  const std::string where = file + ": ";
+  json_integer_field(state, "schedule_steps", 1, 1, kMaxStep, kComponent, where);
+  json_integer_field(state, "optimizer_steps", 0, 0, s.step, kComponent, where);
+  if (const auto options = state.find("options"); options != state.end()) {
+    SPPO_CHECK(options->is_object(), kComponent)
+        << file << ": \"options\" is not an object; it must map flags to their values";
+    for (auto it = options->begin(); it != options->end(); ++it)
+      SPPO_CHECK(it.value().is_string() || it.value().is_boolean(), kComponent)
+          << file << ": \"options\" holds " << it.key() << " = " << it.value().dump()
+          << "; every value must be a string or true/false";
+  }
+  s.json = state;
+  return s;
+}
+
 void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
                      const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state) {
   const fs::path p = normalize(dir);
+  parse_checkpoint_state(state, (p / kCheckpointStateFile).string());
   const fs::path parent = parent_of(p);
   std::error_code ec;
   fs::create_directories(parent, ec);
@@ -241,9 +303,11 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
   const std::string pid = std::to_string(::getpid());
   const fs::path tmp = p.string() + ".tmp-" + pid;
   const fs::path old = p.string() + ".old-" + pid;
+  save_step(0, "start");
   if (fs::exists(tmp, ec)) remove_tree(tmp);
   SPPO_CHECK(fs::create_directory(tmp, ec) && !ec, kComponent)
       << "cannot create " << tmp.string() << ": " << ec.message();
+  save_step(1, "temporary directory created");
 
   try {
     nlohmann::json files = nlohmann::json::object();
@@ -251,11 +315,15 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
       files[name] = {{"size", d.size}, {"xxh64", hex64(d.xxh64)}};
     };
     record(kCheckpointModelFile, write_safetensors((tmp / kCheckpointModelFile).string(), views(weights)));
+    save_step(2, "model written");
     record(kCheckpointOptimizerFile,
            write_safetensors((tmp / kCheckpointOptimizerFile).string(), views(optimizer)));
+    save_step(3, "optimizer written");
     record(kCheckpointStateFile, write_file_atomic((tmp / kCheckpointStateFile).string(), state.dump(2) + "\n"));
+    save_step(4, "state written");
     const nlohmann::json manifest = {{"format", kFormat}, {"version", kVersion}, {"files", files}};
     write_file_atomic((tmp / kCheckpointManifestFile).string(), manifest.dump(2) + "\n");
+    save_step(5, "manifest written");
   } catch (...) {
     std::error_code ignored;
     fs::remove_all(tmp, ignored);
@@ -268,6 +336,7 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
     if (fs::exists(old, ec)) remove_tree(old);  // left by an earlier process with our pid
     rename_checked(p, old);
   }
+  save_step(6, "previous checkpoint moved aside");
   try {
     rename_checked(tmp, p);
   } catch (...) {
@@ -276,12 +345,18 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
     fs::remove_all(tmp, ignored);
     throw;
   }
+  save_step(7, "published");
   fsync_dir(parent.string());
+  save_step(8, "parent directory synced");
 
   for (const auto& [stale, stale_pid] : siblings(p, ".old-")) remove_tree(stale);
+  save_step(9, "previous checkpoints removed");
   for (const auto& [stale, stale_pid] : siblings(p, ".tmp-"))
     if (!process_alive(stale_pid)) remove_tree(stale);
+  save_step(10, "done");
 }
+
+void set_save_step_hook(SaveStepHook hook) { g_save_step_hook = hook; }
 
 std::string verify_checkpoint(const std::string& dir) {
   const fs::path d = locate_or_throw(dir);
@@ -292,7 +367,10 @@ std::string verify_checkpoint(const std::string& dir) {
 nlohmann::json read_checkpoint_state(const std::string& dir, std::string* loaded_from) {
   const std::string d = verify_checkpoint(dir);
   if (loaded_from != nullptr) *loaded_from = d;
-  return parse_json_file(fs::path(d) / kCheckpointStateFile);
+  const fs::path file = fs::path(d) / kCheckpointStateFile;
+  nlohmann::json state = parse_json_file(file);
+  parse_checkpoint_state(state, file.string());
+  return state;
 }
 
 nlohmann::json load_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
@@ -304,6 +382,7 @@ nlohmann::json load_checkpoint(const std::string& dir, const std::vector<Checkpo
   match_tensors(model, weights);
   match_tensors(opt, optimizer);
   nlohmann::json state = parse_json_file(d / kCheckpointStateFile);
+  parse_checkpoint_state(state, (d / kCheckpointStateFile).string());
   // Everything is checked; only now do caller buffers change.
   for (const auto& t : weights) model.read(t.name, t.shape, t.data);
   for (const auto& t : optimizer) opt.read(t.name, t.shape, t.data);

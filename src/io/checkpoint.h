@@ -2,8 +2,12 @@
 //
 //   DIR/model.safetensors      weights, by parameter name (F32)
 //   DIR/optimizer.safetensors  AdamW state, by convention "<param>.m" and "<param>.v" (F32)
-//   DIR/state.json             whatever the trainer passes: step, data position, RNG state,
-//                              config, ...
+//   DIR/state.json             a JSON object: "step" (completed steps, an integer in
+//                              [0, 2^31)), "config" (the model config, core/config.h),
+//                              "data_position" (an object, io/data.h), and whatever else the
+//                              trainer records; of that, "schedule_steps" (>= 1),
+//                              "optimizer_steps" (<= step) and "options" ({flag: string or
+//                              true/false}) are checked where present
 //   DIR/manifest.json          written LAST: {"format": "sppo-checkpoint", "version": 1,
 //                              "files": {"<name>": {"size": bytes, "xxh64": "<16 hex>"}}}
 //
@@ -32,6 +36,8 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"
+
 namespace sppo::io {
 
 // A tensor in caller memory: numel(shape) contiguous floats at `data`. Save reads it;
@@ -47,6 +53,20 @@ inline constexpr const char* kCheckpointOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kCheckpointStateFile = "state.json";
 inline constexpr const char* kCheckpointManifestFile = "manifest.json";
 
+// The fields of state.json every checkpoint has, read and checked.
+struct CheckpointState {
+  int step = 0;                  // optimizer steps completed
+  ModelConfig config;            // validated (ModelConfig::validate)
+  nlohmann::json data_position;  // an object; the data source's seek() checks the rest
+  nlohmann::json json;           // the whole state.json, other fields included
+};
+
+// Checks `state` as state.json of a checkpoint (see the layout above) and returns its
+// fields. Throws sppo::Error naming `file` and the field at fault. load_checkpoint and
+// read_checkpoint_state call it, and save_checkpoint refuses a state it would reject.
+CheckpointState parse_checkpoint_state(const nlohmann::json& state, const std::string& file);
+
+// `state` must pass parse_checkpoint_state.
 void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
                      const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state);
 
@@ -59,8 +79,15 @@ nlohmann::json load_checkpoint(const std::string& dir, const std::vector<Checkpo
                                std::string* loaded_from = nullptr);
 
 // Verifies the manifest and returns state.json without touching tensors: what a trainer
-// reads first to rebuild its model and optimizer from the saved config.
+// reads first to rebuild its model and optimizer from the saved config. The state passed
+// parse_checkpoint_state.
 nlohmann::json read_checkpoint_state(const std::string& dir, std::string* loaded_from = nullptr);
+
+// For crash-consistency tests: when set, save_checkpoint calls hook(k, what) at each of its
+// steps in order (k = 0, 1, ...; `what` names the step, see Note [Checkpoint crash
+// windows]), so that a test can kill the process at every point of a save. Null: off.
+using SaveStepHook = void (*)(int step, const char* what);
+void set_save_step_hook(SaveStepHook hook);
 
 // Throws unless every file of the checkpoint is present with the size and checksum its
 // manifest lists. Returns the directory verified (see `loaded_from`).

@@ -122,6 +122,7 @@ class WindowedTokens final : public TokenSource {
 
   void next(std::int32_t* out, std::int64_t count) override {
     SPPO_CHECK(count >= 2, kComponent) << "a sequence needs at least 2 tokens (S + 1), got " << count;
+    check_length(count);
     std::int64_t g = offset_;
     for (std::int64_t done = 0; done < count;) {
       const Segment& s = segment_of(g);
@@ -175,6 +176,13 @@ class WindowedTokens final : public TokenSource {
     SPPO_CHECK(vocab > 0, kComponent) << "vocabulary size must be positive, got " << vocab;
     if (max_ && *max_ < vocab) return;
     scan(std::min(vocab, kInt32Limit));
+  }
+
+  void check_length(std::int64_t count) const override {
+    SPPO_CHECK(count <= total_, kComponent)
+        << description_ << " holds " << total_ << " tokens, fewer than the " << count
+        << " one sequence needs (--seq-len + 1); use --seq-len " << total_ - 1
+        << " or less, or more data";
   }
 
  private:
@@ -296,17 +304,29 @@ nlohmann::json RepeatTask::position() const {
 }
 
 void RepeatTask::seek(const nlohmann::json& pos) {
-  SPPO_CHECK(pos.is_object() && pos.value("kind", "") == "repeat" && pos.contains("sequence"), kComponent)
+  // Field by field with explicit types: a position comes from a file a user may have edited.
+  auto field = [&](const char* key) -> const nlohmann::json* {
+    if (!pos.is_object()) return nullptr;
+    const auto it = pos.find(key);
+    return it == pos.end() ? nullptr : &*it;
+  };
+  const nlohmann::json* kind = field("kind");
+  const nlohmann::json* sequence = field("sequence");
+  SPPO_CHECK(kind != nullptr && *kind == "repeat" && sequence != nullptr, kComponent)
       << "data position " << pos.dump() << " is not a repeat-task position; this source is "
       << describe();
-  SPPO_CHECK(pos.value("alphabet", std::int64_t{-1}) == alphabet_ &&
-                 pos.value("seed", std::uint64_t{0}) == seed_ && pos.contains("seed"),
-             kComponent)
+  const nlohmann::json* alphabet = field("alphabet");
+  const nlohmann::json* seed = field("seed");
+  SPPO_CHECK(alphabet != nullptr && *alphabet == alphabet_ && seed != nullptr && *seed == seed_, kComponent)
       << "data position " << pos.dump() << " was saved with another alphabet or seed; this source is "
       << describe() << " (resume with the seed the run started with)";
-  SPPO_CHECK(pos["sequence"].is_number_integer() && pos["sequence"].get<std::int64_t>() >= 0, kComponent)
-      << "data position sequence " << pos["sequence"].dump() << " must be a non-negative integer";
-  sequence_ = pos["sequence"].get<std::int64_t>();
+  // Parsed JSON holds a non-negative integer as unsigned; one built in memory, as signed.
+  const bool whole = sequence->is_number_unsigned()
+                         ? sequence->get<std::uint64_t>() <= std::uint64_t(std::numeric_limits<std::int64_t>::max())
+                         : sequence->is_number_integer() && sequence->get<std::int64_t>() >= 0;
+  SPPO_CHECK(whole, kComponent) << "data position sequence " << sequence->dump()
+                                << " must be a non-negative integer";
+  sequence_ = sequence->get<std::int64_t>();
 }
 
 std::string RepeatTask::describe() const {
@@ -449,6 +469,10 @@ std::unique_ptr<TokenSource> open_data(const std::string& spec, std::int64_t voc
                  kComponent)
           << "data spec \"" << spec << "\": the alphabet after \"repeat:\" must be a positive integer";
       alphabet = std::stoll(arg);
+      SPPO_CHECK(alphabet >= 1, kComponent)
+          << "data spec \"" << spec << "\": the alphabet must be at least 1; e.g. \"repeat:"
+          << (vocab > 0 ? std::min(vocab, kDefaultRepeatAlphabet) : kDefaultRepeatAlphabet)
+          << "\", or \"repeat\" for min(vocabulary, " << kDefaultRepeatAlphabet << ") symbols";
     }
     if (alphabet <= 0) {
       SPPO_CHECK(vocab > 0, kComponent)
@@ -456,7 +480,8 @@ std::unique_ptr<TokenSource> open_data(const std::string& spec, std::int64_t voc
       alphabet = std::min(vocab, kDefaultRepeatAlphabet);
     }
     SPPO_CHECK(vocab <= 0 || alphabet <= vocab, kComponent)
-        << "repeat task alphabet " << alphabet << " exceeds the vocabulary size " << vocab;
+        << "repeat task alphabet " << alphabet << " exceeds the vocabulary size " << vocab
+        << "; use repeat:" << vocab << " or less";
     return std::make_unique<RepeatTask>(alphabet, seed);
   }
 

@@ -47,6 +47,10 @@ class TokenSource {
   // Full scan: throws naming the first id outside [0, vocab) with its offset and value, so
   // that a run can be refused before it starts.
   virtual void check_vocab(std::int64_t vocab) const = 0;
+  // Throws unless the source holds at least `count` (= S + 1) tokens: a window longer than
+  // the data would repeat it within one sequence. next() checks it too; calling it first
+  // refuses a run before it starts.
+  virtual void check_length(std::int64_t count) const = 0;
 };
 
 // Number of random symbols in a RepeatTask sequence of `count` tokens: ceil(count / 2).
@@ -64,6 +68,7 @@ class RepeatTask final : public TokenSource {
   std::string describe() const override;
   std::int64_t max_token() const override { return alphabet_ - 1; }
   void check_vocab(std::int64_t vocab) const override;
+  void check_length(std::int64_t) const override {}  // generates any length
 
   std::int64_t alphabet() const { return alphabet_; }
   std::uint64_t seed() const { return seed_; }
@@ -94,7 +99,7 @@ struct DataOptions {
 inline constexpr std::int64_t kDefaultRepeatAlphabet = 32;
 
 // spec:
-//   "" | "repeat" | "repeat:<alphabet>"   RepeatTask
+//   "" | "repeat" | "repeat:<alphabet>"   RepeatTask (alphabet in [1, vocab])
 //   PATH.idx | PATH.bin | PATH            Megatron, when PATH.idx and PATH.bin both exist
 //   PATH.u16 | PATH.u32                   raw tokens (options.token_dtype overrides; it is
 //                                         required for a .bin without its .idx)

@@ -153,7 +153,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : file_(path) {
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text, on_event);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
     SPPO_CHECK(false, kComponent) << path << ": header is not valid JSON (" << e.what()
                                   << "); the file is corrupted or not safetensors";
   }

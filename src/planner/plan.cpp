@@ -1,9 +1,12 @@
 #include "planner/plan.h"
 
 #include <nlohmann/json.hpp>
-#include <numeric>
+#include <algorithm>
+#include <limits>
+#include <string>
 
 #include "core/check.h"
+#include "core/json_fields.h"
 
 namespace sppo::plan {
 
@@ -42,59 +45,103 @@ nlohmann::json to_json(const Plan& p) {
 }
 
 Plan plan_from_json(const nlohmann::json& j) {
-  SPPO_CHECK(j.is_object(), "planner") << "a plan is a JSON object";
+  SPPO_CHECK(j.is_object(), "planner") << "a plan is a JSON object, not " << j.type_name();
+  std::string missing;
+  for (const char* field : {"hardware", "seq_len", "sp", "pp", "lengths"})
+    if (!j.contains(field)) missing += std::string(missing.empty() ? "" : ", ") + "\"" + field + "\"";
+  if (!j.contains("model_config") && !j.contains("model"))
+    missing += std::string(missing.empty() ? "" : ", ") + "\"model_config\" (or \"model\" naming a preset)";
+  SPPO_CHECK(missing.empty(), "planner")
+      << "plan: missing field(s) " << missing << "; `sppo plan --json` writes a complete plan";
   Plan p;
+  // Integers are read with their ranges checked (core/json_fields.h): nlohmann's get<int>()
+  // of 1e300 is undefined behaviour.
+  constexpr const char* kWhere = "plan: ";
+  constexpr i64 kIntMax = std::numeric_limits<int>::max();
+  auto integer = [&](const nlohmann::json& obj, const char* key, i64 fallback, i64 lo, i64 hi) {
+    return json_integer_field(obj, key, fallback, lo, hi, "planner", kWhere);
+  };
+  auto integers = [&](const char* key, i64 lo, i64 hi) {
+    std::vector<i64> out;
+    const auto it = j.find(key);
+    if (it == j.end()) return out;
+    SPPO_CHECK(it->is_array(), "planner") << kWhere << "\"" << key << "\" must be a list of integers";
+    for (std::size_t k = 0; k < it->size(); ++k)
+      out.push_back(json_integer((*it)[k], lo, hi, "planner",
+                                 std::string(kWhere) + "\"" + key + "\"[" + std::to_string(k) + "]"));
+    return out;
+  };
+  p.system = json_string_field(j, "system", "sppo", "planner", kWhere);
+  p.model_name = json_string_field(j, "model", "custom", "planner", kWhere);
+  if (j.contains("model_config")) p.model = model_config_from_json(j.at("model_config"));
+  else p.model = preset(p.model_name);
+  p.hardware = json_string_field(j, "hardware", "", "planner", kWhere);
+  p.seq_len = integer(j, "seq_len", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
+  p.gpus = int(integer(j, "gpus", 1, -kIntMax, kIntMax));
+  p.gpus_per_node = int(integer(j, "gpus_per_node", 8, -kIntMax, kIntMax));
+  p.sp = int(integer(j, "sp", 1, -kIntMax, kIntMax));
+  p.pp = int(integer(j, "pp", 1, -kIntMax, kIntMax));
+  p.dp = int(integer(j, "dp", 1, -kIntMax, kIntMax));
+  p.tp = int(integer(j, "tp", 1, -kIntMax, kIntMax));
+  p.lengths = integers("lengths", std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
+  p.subseqs = int(integer(j, "subseqs", i64(p.lengths.size()), -kIntMax, kIntMax));
+  for (const i64 n : integers("stage_layers", -kIntMax, kIntMax)) p.stage_layers.push_back(int(n));
+  p.offload = json_string_field(j, "offload", "adaptive", "planner", kWhere);
+  p.alpha_rule = json_string_field(j, "alpha_rule", "", "planner", kWhere);
+  // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings.
+  p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
+  p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
+  p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
   try {
-    p.system = j.value("system", "sppo");
-    p.model_name = j.value("model", "custom");
-    if (j.contains("model_config")) p.model = model_config_from_json(j.at("model_config"));
-    else p.model = preset(p.model_name);
-    p.hardware = j.at("hardware").get<std::string>();
-    p.seq_len = j.at("seq_len").get<i64>();
-    p.gpus = j.value("gpus", 1);
-    p.gpus_per_node = j.value("gpus_per_node", 8);
-    p.sp = j.at("sp").get<int>();
-    p.pp = j.at("pp").get<int>();
-    p.dp = j.value("dp", 1);
-    p.tp = j.value("tp", 1);
-    p.lengths = j.at("lengths").get<std::vector<i64>>();
-    p.subseqs = j.value("subseqs", int(p.lengths.size()));
     p.alpha = j.value("alpha", std::vector<double>(p.lengths.size(), 0.0));
     p.msp = j.value("msp", false);
-    // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings.
-    p.zero = j.value("zero", 0);
-    p.ring_layout = j.value("ring_layout", "zigzag");
-    p.stage_layers = j.value("stage_layers", std::vector<int>{});
-    p.offload = j.value("offload", "adaptive");
-    p.alpha_rule = j.value("alpha_rule", "");
-    p.budget = j.value("budget_bytes", i64(0));
     if (j.contains("predicted")) {
       const auto& q = j.at("predicted");
+      SPPO_CHECK(q.is_object(), "planner") << kWhere << "\"predicted\" must be an object";
       p.predicted.step_time_s = q.value("step_time_s", 0.0);
       p.predicted.tokens_per_gpu_per_s = q.value("tokens_per_gpu_per_s", 0.0);
       p.predicted.bubble_ratio = q.value("bubble_ratio", 0.0);
-      p.predicted.peak_device_bytes = q.value("peak_device_bytes", i64(0));
+      p.predicted.peak_device_bytes = integer(q, "peak_device_bytes", 0, 0, std::numeric_limits<i64>::max());
       p.predicted.exposed_copy_s = q.value("exposed_copy_s", 0.0);
     }
     p.notes = j.value("notes", std::vector<std::string>{});
   } catch (const nlohmann::json::exception& e) {
     SPPO_CHECK(false, "planner") << "plan JSON: " << e.what()
-                                 << " (required: hardware, seq_len, sp, pp, lengths)";
+                                 << " (alpha: a list of numbers, msp: true or false, notes: a list of strings)";
   }
   SPPO_CHECK(p.system == "sppo" || p.system == "megatron" || p.system == "deepspeed", "planner")
       << "plan: system must be sppo, megatron or deepspeed (got '" << p.system << "')";
+  SPPO_CHECK(p.seq_len >= 1, "planner") << "plan: seq_len must be positive (got " << p.seq_len << ")";
+  SPPO_CHECK(!p.lengths.empty(), "planner") << "plan: lengths is empty; it lists each subsequence's tokens";
   SPPO_CHECK(int(p.lengths.size()) == p.subseqs, "planner")
       << "plan: subseqs = " << p.subseqs << " but lengths has " << p.lengths.size() << " entries";
   SPPO_CHECK(p.alpha.size() == p.lengths.size(), "planner")
       << "plan: alpha has " << p.alpha.size() << " entries for " << p.lengths.size() << " subsequences";
-  const i64 sum = std::accumulate(p.lengths.begin(), p.lengths.end(), i64(0));
+  i64 sum = 0;
+  for (std::size_t i = 0; i < p.lengths.size(); ++i) {
+    SPPO_CHECK(p.lengths[i] >= 1, "planner")
+        << "plan: lengths[" << i << "] = " << p.lengths[i] << "; every subsequence needs at least one token";
+    SPPO_CHECK(!__builtin_add_overflow(sum, p.lengths[i], &sum), "planner")
+        << "plan: lengths sum past 2^63; seq_len is " << p.seq_len;
+  }
   SPPO_CHECK(sum == p.seq_len, "planner") << "plan: lengths sum to " << sum << ", not seq_len " << p.seq_len;
+  for (std::size_t i = 0; i < p.alpha.size(); ++i)
+    SPPO_CHECK(p.alpha[i] >= 0 && p.alpha[i] <= 1, "planner")
+        << "plan: alpha[" << i << "] = " << p.alpha[i] << " is outside [0, 1]";
   SPPO_CHECK(p.sp >= 1 && p.pp >= 1 && p.dp >= 1 && p.tp >= 1, "planner") << "plan: sp, pp, dp, tp must be >= 1";
   SPPO_CHECK(p.zero == 0 || p.zero == 1, "planner") << "plan: zero must be 0 or 1 (got " << p.zero << ")";
   SPPO_CHECK(p.ring_layout == "zigzag" || p.ring_layout == "contiguous", "planner")
       << "plan: ring_layout must be zigzag or contiguous (got '" << p.ring_layout << "')";
-  SPPO_CHECK(p.sp * p.pp * p.dp * p.tp == p.gpus, "planner")
-      << "plan: sp * pp * dp * tp = " << p.sp * p.pp * p.dp * p.tp << " but gpus = " << p.gpus;
+  SPPO_CHECK(p.gpus >= 1 && p.gpus <= kMaxPlanDevices && p.gpus_per_node >= 1, "planner")
+      << "plan: gpus must be in [1, " << kMaxPlanDevices << "] and gpus_per_node at least 1 (got "
+      << p.gpus << ", " << p.gpus_per_node << ")";
+  i64 product = 1;
+  for (int d : {p.sp, p.pp, p.dp, p.tp}) product = std::min<i64>(product * d, i64(kMaxPlanDevices) + 1);
+  SPPO_CHECK(product == p.gpus, "planner")
+      << "plan: sp * pp * dp * tp = " << (product > kMaxPlanDevices ? "more than " + std::to_string(kMaxPlanDevices)
+                                                                     : std::to_string(product))
+      << " but gpus = " << p.gpus;
+  SPPO_CHECK(p.budget >= 0, "planner") << "plan: budget_bytes must not be negative (got " << p.budget << ")";
   return p;
 }
 

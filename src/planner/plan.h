@@ -42,6 +42,10 @@ struct Plan {
   std::vector<std::string> notes;
 };
 
+// Devices a plan may name; more would be a corrupted file, and simulating it would build a
+// schedule per device.
+inline constexpr int kMaxPlanDevices = 1 << 20;
+
 nlohmann::json to_json(const Plan& p);
 // Throws sppo::Error naming the missing or inconsistent field.
 Plan plan_from_json(const nlohmann::json& j);

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "core/json_fields.h"
 
 namespace sppo::plan {
 
@@ -298,16 +299,17 @@ nlohmann::json to_json(const HardwareProfile& p) {
 HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& where) {
   SPPO_CHECK(j.is_object(), "profile") << where << ": a profile is a JSON object";
   HardwareProfile p;
-  p.name = j.value("name", std::filesystem::path(where).stem().string());
-  if (j.contains("description") && j["description"].is_array()) {
+  const std::string at = where + ": field ";
+  p.name = json_string_field(j, "name", std::filesystem::path(where).stem().string(), "profile", at);
+  if (j.contains("description") && j["description"].is_array()) {  // one line per element
     for (const auto& line : j["description"]) {
       SPPO_CHECK(line.is_string(), "profile") << where << ": description lines must be strings";
       p.description += (p.description.empty() ? "" : "\n") + line.get<std::string>();
     }
   } else {
-    p.description = j.value("description", "");
+    p.description = json_string_field(j, "description", "", "profile", at);
   }
-  p.precision = j.value("precision", "");
+  p.precision = json_string_field(j, "precision", "", "profile", at);
   SPPO_CHECK(p.precision == "bf16" || p.precision == "f32", "profile")
       << where << ": field 'precision' must be \"bf16\" or \"f32\" (got \"" << p.precision << "\")";
   p.gemm_flops = required(j, "gemm_tflops", where, "achieved dense GEMM rate, TFLOP/s") * kTera;
@@ -322,10 +324,20 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.intra_node_latency = required(j, "intra_node_latency_us", where, "latency in a node, us") * kMicro;
   p.inter_node_bw = required(j, "inter_node_gbps", where, "per-device bandwidth across nodes, GB/s") * kGiga;
   p.inter_node_latency = required(j, "inter_node_latency_us", where, "latency across nodes, us") * kMicro;
-  p.device_memory = i64(required(j, "device_memory_bytes", where, "device memory, bytes"));
-  p.memory_reserve = i64(optional(j, "memory_reserve_bytes", 0, where));
-  p.host_memory = i64(optional(j, "host_memory_bytes", 0, where));
-  p.devices_per_node = int(required(j, "devices_per_node", where, "devices per node"));
+  // Counts are converted only within range (a double beyond it converts with undefined
+  // behaviour).
+  auto count = [&](double v, const char* key, double limit) {
+    SPPO_CHECK(v <= limit, "profile") << where << ": field '" << key << "' is " << v << "; at most " << limit
+                                      << " is accepted";
+    return v;
+  };
+  constexpr double kMaxBytes = 1e18, kMaxDevices = 1 << 20;
+  p.device_memory = i64(count(required(j, "device_memory_bytes", where, "device memory, bytes"),
+                              "device_memory_bytes", kMaxBytes));
+  p.memory_reserve = i64(count(optional(j, "memory_reserve_bytes", 0, where), "memory_reserve_bytes", kMaxBytes));
+  p.host_memory = i64(count(optional(j, "host_memory_bytes", 0, where), "host_memory_bytes", kMaxBytes));
+  p.devices_per_node =
+      int(count(required(j, "devices_per_node", where, "devices per node"), "devices_per_node", kMaxDevices));
   p.layer_overhead = optional(j, "layer_overhead_us", 0, where) * kMicro;
   p.gpus_per_pcie_switch = int(optional(j, "gpus_per_pcie_switch", 0, where));
   p.pcie_switch_bw = optional(j, "pcie_switch_gbps", 0, where) * kGiga;

@@ -13,6 +13,9 @@ namespace sppo {
 
 namespace {
 constexpr std::size_t kAlignBytes = 64;  // one cache line; AVX-512 loads stay aligned
+// Bytes in use never exceed this, so the rounding below and the sums of stats cannot
+// overflow (2^62: far beyond any host's memory).
+constexpr i64 kMaxAllocBytes = i64{1} << 62;
 }
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
@@ -52,21 +55,27 @@ MemoryTier::~MemoryTier() { SPPO_ASSERT_MSG(stats_.current == 0, "memory tier de
 
 Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
   SPPO_ASSERT(bytes >= 0);
+  // Written as a difference so that no byte count can overflow: current <= budget always.
+  // Called with mu_ held.
+  auto fits = [&] { return budget_ == 0 || bytes <= budget_ - stats_.current; };
   while (reclaim_) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (budget_ == 0 || stats_.current + bytes <= budget_) break;
+      if (fits()) break;
     }
     if (!reclaim_()) break;
   }
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (budget_ > 0 && stats_.current + bytes > budget_ && pending_release_ > 0) {
+    if (!fits() && pending_release_ > 0) {
       const auto t0 = std::chrono::steady_clock::now();
-      released_.wait(lock, [&] { return stats_.current + bytes <= budget_ || pending_release_ == 0; });
+      released_.wait(lock, [&] { return fits() || pending_release_ == 0; });
       release_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
-    SPPO_CHECK_FITS(budget_ == 0 || stats_.current + bytes <= budget_, "memory")
+    SPPO_CHECK_FITS(bytes <= kMaxAllocBytes - stats_.current, "memory")
+        << what << " asks " << bytes << " B with " << stats_.current
+        << " B in use, more than this process can address; use a shorter --seq-len or a smaller model";
+    SPPO_CHECK_FITS(fits(), "memory")
         << (tier_ == Tier::Device ? "device" : "host") << " memory budget exceeded: "
         << what << " asks " << format_bytes(double(bytes)) << " (" << bytes << " B) with "
         << format_bytes(double(stats_.current)) << " in use of a budget of "

@@ -464,6 +464,11 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
 
 namespace {
 
+// The search's reach (solve_sppo): subsequences per sequence, and the longest subsequence
+// share per device it starts from (it also tries 8K, 4K and 2K).
+constexpr i64 kMaxPlanSubseqs = 4096;
+constexpr i64 kMaxTokensPerSubseq = 16384;
+
 ActPrecision precision_of(const HardwareProfile& hw) {
   return hw.precision == "f32" ? ActPrecision::F32 : ActPrecision::BF16;
 }
@@ -597,9 +602,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     for (int dp : divisors(G / sp)) {
       const int pp = G / sp / dp;
       if (pp > c.layers) continue;
-      for (i64 per_device : {16384, 8192, 4096, 2048}) {
+      for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
         const i64 n64 = std::max<i64>(1, S / (i64(sp) * per_device));
-        if (n64 > 4096 || n64 * sp > S) continue;
+        if (n64 > kMaxPlanSubseqs || n64 * sp > S) continue;
         const int N = int(n64);
         plan::Plan p;
         p.system = "sppo";
@@ -677,6 +682,19 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       last_reason = "with " + std::to_string(p.sp) + "-way SP, " + std::to_string(p.pp) + " stages and N = " +
                     std::to_string(p.subseqs) + ": " + cand.alpha.reason;
     }
+  }
+  if (layouts.empty()) {
+    // Every layout needs more subsequences than the search allows (or has subsequences
+    // shorter than its SP degree): say which lengths it covers.
+    i64 longest = 0;
+    for (int sp : divisors(std::min(G, gpn)))
+      if (G % sp == 0) longest = std::max(longest, (kMaxPlanSubseqs + 1) * kMaxTokensPerSubseq * sp - 1);
+    out.error = "no layout of " + std::to_string(G) + " devices was tried for " + std::to_string(S) +
+                " tokens: the planner cuts a sequence into at most " + std::to_string(kMaxPlanSubseqs) +
+                " subsequences of about " + std::to_string(kMaxTokensPerSubseq) +
+                " tokens per device at the longest, so the longest sequence it plans on " + std::to_string(G) +
+                " devices is " + std::to_string(longest) + " tokens; use a shorter --seq-len or more --gpus";
+    return out;
   }
   if (fits.empty()) {
     out.error = "no layout of " + std::to_string(G) + " devices fits " + std::to_string(S) +

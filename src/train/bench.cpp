@@ -1,20 +1,81 @@
 #include "train/bench.h"
 
 #include <cblas.h>
+#include <immintrin.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <random>
 
+#include "core/check.h"
 #include "core/layout.h"
+#include "backends/cpu/blas_setup.h"
 #include "backends/cpu/ops.h"
 #include "model/gpt.h"
 #include "runtime/memory.h"
+#include "train/device_bench.h"
 
 namespace sppo {
 
 namespace {
+
+// Note [FMA peak loop]
+// Each iteration updates kChains independent accumulators, acc = acc * m + a, all in
+// registers. Chains hide the FMA latency: a core retiring two FMAs a cycle with a 4-5
+// cycle latency needs 8-10 chains in flight; 12 (16 for AVX-512, which has 32 registers)
+// leave a margin. acc converges to a / (1 - m), so values stay normal and finite.
+// Each function is compiled for its instruction set whatever the build flags, and chosen
+// at run time from cpuid.
+constexpr float kFmaMul = 0.999999f, kFmaAdd = 1e-7f;
+
+__attribute__((target("avx512f"))) float fma_loop_avx512(i64 iters) {
+  constexpr int kChains = 16;
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(float(c));
+  const __m512 m = _mm512_set1_ps(kFmaMul), a = _mm512_set1_ps(kFmaAdd);
+  for (i64 k = 0; k < iters; ++k)
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], m, a);
+  __m512 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  float r = 0;
+  for (float x : lanes) r += x;
+  return r;
+}
+
+__attribute__((target("avx2,fma"))) float fma_loop_avx2(i64 iters) {
+  constexpr int kChains = 12;
+  __m256 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(float(c));
+  const __m256 m = _mm256_set1_ps(kFmaMul), a = _mm256_set1_ps(kFmaAdd);
+  for (i64 k = 0; k < iters; ++k)
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], m, a);
+  __m256 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[c]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float r = 0;
+  for (float x : lanes) r += x;
+  return r;
+}
+
+float fma_loop_sse(i64 iters) {  // no FMA: a multiply and an add, two FLOPs as well
+  constexpr int kChains = 12;
+  __m128 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm_set1_ps(float(c));
+  const __m128 m = _mm_set1_ps(kFmaMul), a = _mm_set1_ps(kFmaAdd);
+  for (i64 k = 0; k < iters; ++k)
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm_add_ps(_mm_mul_ps(acc[c], m), a);
+  __m128 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm_add_ps(sum, acc[c]);
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, sum);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -49,68 +110,174 @@ GemmPeak measure_gemm_peak(int n, int reps) {
   return g;
 }
 
-nlohmann::json bench_layer(int hidden, int heads, i64 S, int reps) {
+FmaPeak measure_fma_peak(double seconds) {
+  const cpu::CpuFeatures f = cpu::cpu_features();
+  FmaPeak p;
+  float (*loop)(i64) = fma_loop_sse;
+  double flops_per_iter = 12 * 4 * 2;
+  p.isa = "sse";
+  if (f.avx512f) {
+    loop = fma_loop_avx512, flops_per_iter = 16 * 16 * 2, p.isa = "avx512";
+  } else if (f.avx2 && f.fma) {
+    loop = fma_loop_avx2, flops_per_iter = 12 * 8 * 2, p.isa = "avx2+fma";
+  }
+  // Every thread runs `iters` iterations between two barriers; the rate is all their
+  // FLOPs over the wall time between the barriers.
+  auto run = [&](i64 iters) {
+    double wall = 0;
+    int threads = 1;
+    float sink = 0;
+#pragma omp parallel reduction(+ : sink)
+    {
+#pragma omp single
+      threads = omp_get_num_threads();
+#pragma omp barrier
+      const auto t0 = std::chrono::steady_clock::now();
+      sink += loop(iters);
+#pragma omp barrier
+#pragma omp master
+      wall = seconds_since(t0);
+    }
+    SPPO_ASSERT(sink == sink);  // keeps the loops' results alive
+    p.threads = threads;
+    return double(threads) * double(iters) * flops_per_iter / wall;
+  };
+  i64 iters = 1 << 14;
+  while (true) {  // calibrate: long enough to time, and to lift the clock to its running rate
+    const auto t0 = std::chrono::steady_clock::now();
+    run(iters);
+    if (seconds_since(t0) > seconds / 4 || iters > (i64{1} << 40)) break;
+    iters *= 2;
+  }
+  iters *= 4;
+  for (int r = 0; r < 3; ++r) p.flops_per_s = std::max(p.flops_per_s, run(iters));
+  return p;
+}
+
+nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) {
   ModelConfig c;
   c.vocab = 256;
   c.hidden = hidden;
   c.heads = heads;
   c.layers = 1;
   c.validate();
+  SPPO_CHECK(reps >= 1, "options") << "--reps must be at least 1 (got " << reps << ")";
+  SPPO_CHECK(S >= 2 && S <= INT_MAX, "options")
+      << "--seq-len " << S << " is outside [2, " << INT_MAX << "]: the kernels index tokens with 32-bit ints";
+  const bool cpu = std::string(be.name()) == "cpu";
+  const DType act = be.act();
+  const ActPrecision prec = act == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
+  const i64 ab = dtype_bytes(act);
+  {
+    // What the benchmark holds at once, in doubles so that nothing overflows: the block's
+    // saved tensors and workspace, output, dK, dV, parameters, their working copy and gradients.
+    const double H = hidden, bytes_per_token = double(total_bytes(block_saved_specs(c, 1, prec)) +
+                                                      total_bytes(block_workspace_specs(c, 1, prec))) +
+                                               H * double(ab + 8);
+    const double need = double(S) * bytes_per_token + double(c.num_params()) * double(8 + ab);
+    const double have = double(be.device_memory());
+    SPPO_CHECK(have <= 0 || need <= have, "options")
+        << "bench layer at --seq-len " << S << " with --hidden " << hidden << " needs about " << format_bytes(need)
+        << " of device memory, more than the " << format_bytes(have) << " the " << be.name()
+        << " backend has; use --seq-len " << i64(double(S) * have / need * 0.8) << " or less";
+  }
   const int T = int(S);
-  const GemmPeak peak = measure_gemm_peak();
+  // The rates the block is measured against, in the same run: on the CPU the FMA peak and
+  // OpenBLAS's SGEMM; elsewhere the backend's own GEMM in the activation type.
+  FmaPeak fma;
+  GemmPeak peak;
+  if (cpu) {
+    fma = measure_fma_peak();
+    peak = measure_gemm_peak();
+  } else {
+    peak.flops_per_s = time_gemm_flops(be, 8192, 5);
+  }
 
-  MemoryTier device(Tier::Device, 0);
+  MemoryTier device(Tier::Device, 0, &be);
   std::mt19937_64 rng(11);
   const i64 P = c.num_params();
   Buffer params = device.alloc(P * 4, "parameters"), grads = device.alloc_zeroed(P * 4, "gradients");
-  fill_normal(params.f32(), P, 0.02f, rng);
+  {
+    std::vector<float> host(std::size_t(P), 0.0f);
+    fill_normal(host.data(), P, 0.02f, rng);
+    const ParamView hv = param_view(c, host.data());
+    std::fill(hv.blocks[0].ln1_w, hv.blocks[0].ln1_w + hidden, 1.0f);
+    std::fill(hv.blocks[0].ln2_w, hv.blocks[0].ln2_w + hidden, 1.0f);
+    be.to_device(params.data(), host.data(), std::size_t(P) * 4);
+  }
+  // The matrices' working copy in the activation type (fp32: the weights themselves).
+  Buffer matrices;
+  if (act != DType::F32) {
+    matrices = device.alloc(P * ab, "weight copy");
+    be.to_act(matrices.data(), params.f32(), P);
+  }
   ParamView pv = param_view(c, params.f32()), gv = param_view(c, grads.f32());
-  const MatrixView mv = matrix_view(c, params.data(), DType::F32, 0, c.layers);
-  const auto be = make_backend("cpu");
-  std::fill(pv.blocks[0].ln1_w, pv.blocks[0].ln1_w + hidden, 1.0f);
-  std::fill(pv.blocks[0].ln2_w, pv.blocks[0].ln2_w + hidden, 1.0f);
+  const MatrixView mv = matrix_view(c, act == DType::F32 ? params.data() : matrices.data(), act, 0, c.layers);
+  // Random activations: drawn on the host, converted on the device (untimed, outside the tier).
+  DeviceBuffer staging(be, std::size_t(T) * hidden * sizeof(float));
+  std::vector<float> host(std::size_t(T) * hidden);
+  auto random_activations = [&](void* dst) {
+    fill_normal(host.data(), i64(host.size()), 1.0f, rng);
+    be.to_device(staging.get(), host.data(), host.size() * sizeof(float));
+    be.to_act(dst, staging.f32(), i64(host.size()));
+    be.synchronize();
+  };
 
   std::vector<double> times;
   device.reset_peak();
   for (int r = 0; r < reps + 1; ++r) {
     std::vector<Buffer> saved, ws;
-    for (const auto& s : block_saved_specs(c, T, ActPrecision::F32)) saved.push_back(device.alloc(s.bytes(), s.name));
-    Buffer x_out = device.alloc(i64(T) * hidden * 4, "block output");
-    fill_normal(saved[0].f32(), i64(T) * hidden, 1.0f, rng);
+    for (const auto& s : block_saved_specs(c, T, prec)) saved.push_back(device.alloc(s.bytes(), s.name));
+    Buffer x_out = device.alloc(i64(T) * hidden * ab, "block output");
+    random_activations(saved[0].data());
     Buffer dk = device.alloc_zeroed(i64(T) * hidden * 4, "dK"), dv = device.alloc_zeroed(i64(T) * hidden * 4, "dV");
+    be.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
-    for (const auto& s : block_workspace_specs(c, T, ActPrecision::F32)) ws.push_back(device.alloc(s.bytes(), s.name));
+    for (const auto& s : block_workspace_specs(c, T, prec)) ws.push_back(device.alloc(s.bytes(), s.name));
     std::vector<void*> sp, wp;
     for (auto& b : saved) sp.push_back(b.data());
     for (auto& b : ws) wp.push_back(b.data());
     BlockSaved bs = block_saved_from(sp);
     const BlockWorkspace w = block_workspace_from(wp);
     const Subseq q{0, T};
-    block_forward(*be, x_out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, q);
+    block_forward(be, x_out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, q);
+    be.synchronize();
     const double t_fwd = seconds_since(t0);
     // The gradient arriving from above: a random tensor in the output's buffer (untimed).
-    fill_normal(x_out.f32(), i64(T) * hidden, 1.0f, rng);
+    random_activations(x_out.data());
     const auto t1 = std::chrono::steady_clock::now();
-    block_backward(*be, x_out.data(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{},
+    block_backward(be, x_out.data(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{},
                    c, q);
+    be.synchronize();
     if (r > 0) times.push_back(t_fwd + seconds_since(t1));
   }
   const double t = median(times);
   const double H = hidden, Sd = double(S);
   const double fwd = 24.0 * Sd * H * H + 4.0 * Sd * H * (Sd + 1.0) / 2.0;
   const double model_flops = 3.0 * fwd;
-  nlohmann::json j = {{"hidden", hidden},
+  nlohmann::json j = {{"backend", be.name()},
+                      {"precision", act == DType::F32 ? "fp32" : "bf16"},
+                      {"hidden", hidden},
                       {"heads", heads},
                       {"seq_len", S},
-                      {"threads", omp_get_max_threads()},
-                      {"blas_core", peak.blas_core},
                       {"step_time_s", t},
                       {"tokens_per_s", Sd / t},
                       {"model_flops", model_flops},
                       {"model_flops_per_s", model_flops / t},
                       {"gemm_peak_flops_per_s", peak.flops_per_s},
-                      {"fraction_of_peak", model_flops / t / peak.flops_per_s},
                       {"peak_memory_bytes", device.stats().peak}};
+  if (cpu) {
+    j["threads"] = omp_get_max_threads();
+    j["blas_core"] = peak.blas_core;
+    j["blas_core_description"] = cpu::blas_core_description();
+    j["cpu_peak_flops_per_s"] = fma.flops_per_s;
+    j["cpu_peak_isa"] = fma.isa;
+    j["sgemm_flops_per_s"] = peak.flops_per_s;
+    j["fraction_of_peak"] = model_flops / t / fma.flops_per_s;
+    j["fraction_of_sgemm"] = model_flops / t / peak.flops_per_s;
+  } else {
+    j["fraction_of_peak"] = model_flops / t / peak.flops_per_s;  // of the GEMM rate measured here
+  }
   return j;
 }
 

@@ -272,14 +272,16 @@ int run_train(const TrainOptions& o) {
     const ModelConfig& c = s.config;
     if (!o.resume_dir.empty()) {
       std::string from;
-      nlohmann::json state = load_owned(*s.runtime, o.resume_dir, &from);
-      SPPO_CHECK(state.at("config") == to_json(c), "checkpoint")
-          << "checkpoint " << from << " holds a model " << state.at("config").dump() << ", not the requested "
+      // Checked on loading; sizes left out of the config are the defaults.
+      const io::CheckpointState state = io::parse_checkpoint_state(load_owned(*s.runtime, o.resume_dir, &from),
+                                                                   from + "/" + io::kCheckpointStateFile);
+      SPPO_CHECK(to_json(state.config) == to_json(c), "checkpoint")
+          << "checkpoint " << from << " holds a model " << to_json(state.config).dump() << ", not the requested "
           << to_json(c).dump() << "; pass the same model options";
-      start_step = state.at("step").get<int>();
-      planned = state.value("schedule_steps", o.steps);
-      updates = state.value("optimizer_steps", start_step);
-      s.data->seek(state.at("data_position"));
+      start_step = state.step;
+      planned = state.json.value("schedule_steps", o.steps);
+      updates = state.json.value("optimizer_steps", start_step);
+      s.data->seek(state.data_position);
       SPPO_CHECK(start_step <= o.steps, "checkpoint")
           << "checkpoint is at step " << start_step << " but --steps is " << o.steps
           << "; raise --steps to continue training";

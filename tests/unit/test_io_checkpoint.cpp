@@ -61,9 +61,12 @@ Model make_model(std::uint64_t seed) {
     m.optimizer.add(m.weights.names[i] + ".v", m.weights.shapes[i], rng);
   }
   m.state = {{"step", seed * 100},
-             {"data", {{"kind", "repeat"}, {"sequence", 17}}},
+             {"data_position", {{"kind", "repeat"}, {"sequence", 17}}},
              {"rng", "12345 67890"},
-             {"config", {{"hidden", 16}, {"layers", 1}}}};
+             {"config", {{"vocab", 64}, {"hidden", 16}, {"layers", 1}, {"heads", 2}}},
+             {"schedule_steps", 200},
+             {"optimizer_steps", seed * 100 - 1},
+             {"options", {{"--seq-len", "4096"}, {"--recompute", false}}}};
   return m;
 }
 
@@ -262,6 +265,83 @@ TEST_F(IoCheckpoint, FailedSaveLeavesThePreviousCheckpoint) {
   EXPECT_ERROR_WITH(save(dir, bad), "twice");
   expect_loads_as(dir, model);
   EXPECT_EQ(std::distance(fs::directory_iterator(tmp.file("run")), fs::directory_iterator()), 1);
+}
+
+// state.json whose checksums match but whose content is wrong: rewritten with a manifest
+// that lists the new size and checksum, as a user editing a checkpoint would leave it.
+void rewrite_state(const std::string& dir, const std::string& text) {
+  const std::string path = dir + "/" + kCheckpointStateFile;
+  write_file_atomic(path, text);
+  nlohmann::json manifest = nlohmann::json::parse(read_file(dir + "/" + kCheckpointManifestFile));
+  const FileDigest d = digest_file(path);
+  manifest["files"][kCheckpointStateFile] = {{"size", d.size}, {"xxh64", hex64(d.xxh64)}};
+  write_file_atomic(dir + "/" + kCheckpointManifestFile, manifest.dump(2));
+}
+
+TEST_F(IoCheckpoint, StateWithBadFieldsIsRefusedNamingFileAndField) {
+  save(dir, model);
+  struct Case {
+    nlohmann::json state;
+    const char* field;
+  };
+  nlohmann::json no_config = model.state;
+  no_config.erase("config");
+  nlohmann::json no_position = model.state;
+  no_position.erase("data_position");
+  nlohmann::json no_step = model.state;
+  no_step.erase("step");
+  auto with = [&](const char* key, nlohmann::json v) {
+    nlohmann::json j = model.state;
+    j[key] = std::move(v);
+    return j;
+  };
+  const Case cases[] = {
+      {no_config, "lacks \"config\""},
+      {no_position, "lacks \"data_position\""},
+      {no_step, "lacks \"step\""},
+      {with("step", "two"), "\"step\" is \"two\""},
+      {with("step", -5), "\"step\" is -5"},
+      {with("step", 2.5), "\"step\" is 2.5"},
+      {with("step", 4294967296LL), "\"step\" is 4294967296"},
+      {with("config", "tiny"), "\"config\" is not an object"},
+      {with("config", {{"hidden", 16}}), "\"config\" is not a usable model config"},
+      {with("config", {{"vocab", 64}, {"hidden", 15}, {"layers", 1}, {"heads", 2}}), "\"config\""},
+      {with("data_position", 3), "\"data_position\" is not an object"},
+      {nlohmann::json::array({1, 2}), "must hold a JSON object"},
+      {with("schedule_steps", "two hundred"), "\"schedule_steps\" must be an integer in [1, "},
+      {with("schedule_steps", 0), "\"schedule_steps\" must be an integer in [1, "},
+      {with("optimizer_steps", 101), "\"optimizer_steps\" must be an integer in [0, 100] (got 101)"},
+      {with("optimizer_steps", -1), "\"optimizer_steps\" must be an integer in [0, 100]"},
+      {with("options", "--seq-len 4096"), "\"options\" is not an object"},
+      {with("options", {{"--seq-len", 4096}}), "\"options\" holds --seq-len = 4096"},
+  };
+  for (const Case& c : cases) {
+    rewrite_state(dir, c.state.dump());
+    expect_refused(dir, model, {"state.json", c.field});
+    EXPECT_ERROR_WITH(read_checkpoint_state(dir), "state.json", c.field);
+  }
+  rewrite_state(dir, model.state.dump());
+  expect_loads_as(dir, model);
+}
+
+TEST_F(IoCheckpoint, ParsedStateHasTheFields) {
+  const CheckpointState s = parse_checkpoint_state(model.state, "state.json");
+  EXPECT_EQ(s.step, 100);
+  EXPECT_EQ(s.config.hidden, 16);
+  EXPECT_EQ(s.data_position["sequence"], 17);
+  EXPECT_EQ(s.json, model.state);
+  // A state built in memory holds signed integers; they are accepted as well.
+  nlohmann::json signed_step = model.state;
+  signed_step["step"] = int{7};
+  signed_step["optimizer_steps"] = int{6};
+  EXPECT_EQ(parse_checkpoint_state(signed_step, "state.json").step, 7);
+}
+
+TEST_F(IoCheckpoint, SavingAStateItCouldNotLoadIsRefused) {
+  Model bad = make_model(6);
+  bad.state.erase("config");
+  EXPECT_ERROR_WITH(save(dir, bad), "state.json", "lacks \"config\"");
+  EXPECT_FALSE(fs::exists(dir));
 }
 
 }  // namespace

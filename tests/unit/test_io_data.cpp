@@ -304,5 +304,42 @@ TEST_F(IoDataFiles, FactoryDispatchAndErrors) {
   EXPECT_ERROR_WITH(take(*open_data(tmp.file("notes.md"), 256, 0), 1), "at least 2");
 }
 
+TEST_F(IoDataFiles, DataShorterThanOneSequenceIsRefused) {
+  std::vector<std::uint32_t> toks = {1, 2, 3};
+  write_file_atomic(tmp.file("t3.u32"), le_bytes(toks));
+  auto src = open_data(tmp.file("t3.u32"), 16, 0);
+  EXPECT_ERROR_WITH(src->check_length(33), "t3.u32", "holds 3 tokens", "33", "--seq-len 2 or less");
+  EXPECT_ERROR_WITH(take(*src, 33), "t3.u32", "holds 3 tokens", "33");
+  src->check_length(3);
+  EXPECT_EQ(take(*src, 3), (std::vector<std::int32_t>{1, 2, 3}));
+  open_data("repeat", 16, 0)->check_length(std::int64_t{1} << 40);  // the built-in task has no end
+}
+
+TEST(IoDataSpec, RepeatAlphabetZeroIsRefused) {
+  EXPECT_ERROR_WITH(open_data("repeat:0", 64, 7), "repeat:0", "at least 1", "repeat:32");
+  EXPECT_ERROR_WITH(open_data("repeat:0", 16, 7), "repeat:16");
+  EXPECT_EQ(open_data("repeat:1", 64, 7)->vocab_hint(), 1);
+}
+
+TEST(IoRepeatTask, SeekRefusesMalformedPositions) {
+  RepeatTask task(8, 3);
+  take(task, 9);
+  const nlohmann::json good = task.position();
+  for (const char* key : {"kind", "alphabet", "seed", "sequence"}) {
+    for (const nlohmann::json& v : {nlohmann::json("x"), nlohmann::json(-1), nlohmann::json::array(),
+                                    nlohmann::json(nullptr), nlohmann::json(1.5)}) {
+      nlohmann::json bad = good;
+      bad[key] = v;
+      EXPECT_ERROR_WITH(task.seek(bad), "data position");
+    }
+    nlohmann::json missing = good;
+    missing.erase(key);
+    EXPECT_ERROR_WITH(task.seek(missing), "data position");
+  }
+  EXPECT_ERROR_WITH(task.seek(nlohmann::json("repeat")), "data position");
+  task.seek(nlohmann::json::parse(good.dump()));  // as read back from state.json
+  EXPECT_EQ(task.sequence_index(), 1);
+}
+
 }  // namespace
 }  // namespace sppo::io

@@ -10,6 +10,7 @@
 #include "planner/plan.h"
 #include "planner/profile.h"
 #include "sim/solver.h"
+#include "support/expect_error.h"
 
 namespace sppo::plan {
 namespace {
@@ -145,6 +146,47 @@ TEST(PlanJson, NamesBadFields) {
   EXPECT_NO_THROW(plan_from_json(j));
   j.erase("sp");
   EXPECT_THROW(plan_from_json(j), Error);
+}
+
+TEST(PlanJson, EmptyPlanNamesEveryMissingField) {
+  const std::string msg = sppo::testing::error_of([] { plan_from_json(nlohmann::json::object()); });
+  for (const char* field : {"\"hardware\"", "\"seq_len\"", "\"sp\"", "\"pp\"", "\"lengths\"", "\"model_config\""})
+    EXPECT_NE(msg.find(field), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("custom"), std::string::npos) << "blames a preset the plan never named: " << msg;
+  EXPECT_ERROR_WITH(plan_from_json(nlohmann::json::array()), "JSON object");
+}
+
+TEST(PlanJson, RefusesValuesASimulationCannotUse) {
+  const nlohmann::json good = {{"hardware", "a100-80gb"}, {"seq_len", 10}, {"sp", 1}, {"pp", 1},
+                               {"lengths", {6, 4}},       {"gpus", 1},      {"model", "tiny"}};
+  EXPECT_NO_THROW(plan_from_json(good));
+  auto with = [&](const char* key, nlohmann::json v) {
+    nlohmann::json j = good;
+    j[key] = std::move(v);
+    return j;
+  };
+  EXPECT_ERROR_WITH(plan_from_json(with("lengths", {12, -2})), "lengths[1] = -2");
+  EXPECT_ERROR_WITH(plan_from_json(with("lengths", nlohmann::json::array())), "lengths is empty");
+  EXPECT_ERROR_WITH(plan_from_json(with("seq_len", -10)), "seq_len");
+  EXPECT_ERROR_WITH(plan_from_json(with("alpha", {0.5, 1.5})), "alpha[1]");
+  EXPECT_ERROR_WITH(plan_from_json(with("gpus", 0)), "gpus");
+  EXPECT_ERROR_WITH(plan_from_json(with("budget_bytes", -1)), "budget_bytes");
+  EXPECT_ERROR_WITH(plan_from_json(with("sp", "two")), "\"sp\" must be an integer");
+  EXPECT_ERROR_WITH(plan_from_json(with("gpus", 1e300)), "\"gpus\" must be an integer");
+  EXPECT_ERROR_WITH(plan_from_json(with("lengths", {6.5, 3.5})), "\"lengths\"[0] must be an integer");
+  EXPECT_ERROR_WITH(plan_from_json(with("system", 7)), "\"system\" must be a string");
+  EXPECT_ERROR_WITH(plan_from_json(with("lengths", {i64(1) << 62, i64(1) << 62, i64(1) << 62})), "2^63");
+  // sp * pp * dp * tp of ints near 2^31 must not overflow on the way to the comparison.
+  nlohmann::json big = good;
+  for (const char* k : {"sp", "pp", "dp", "tp"}) big[k] = 2147483647;
+  EXPECT_ERROR_WITH(plan_from_json(big), "sp * pp * dp * tp = more than");
+}
+
+TEST(Solver, SequenceBeyondTheSearchSaysHowLongItCanGo) {
+  const auto out = sim::solve_plan(request("gpt-7b", 999999999999, 8, "sppo"));
+  ASSERT_FALSE(out.ok);
+  EXPECT_EQ(out.error.find("the closest: \n"), std::string::npos);
+  EXPECT_NE(out.error.find("the longest sequence it plans on 8 devices is"), std::string::npos) << out.error;
 }
 
 }  // namespace

@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# Bad inputs, as a tired user types them, against the command line. Each must:
+#   - exit 2 (bad input) or 3 (does not fit): no crash, no uncaught exception;
+#   - print a message naming the option, value or file at fault;
+#   - start no work (no training step, no benchmark table);
+#   - overwrite no file (every file in the working directory is unchanged, none is added).
+# Prints "N passed, M failed" and exits 1 when any failed.
+#
+#   bash tests/bad_inputs.sh [path/to/sppo] [path/to/rewrite_state]
+# (defaults: build/sppo and build/tests/rewrite_state; ctest passes both.)
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+sppo=$(realpath "${1:-$root/build/sppo}")
+rewrite_state=$(realpath "${2:-$root/build/tests/rewrite_state}")
+[ -x "$sppo" ] || { echo "no sppo at $sppo; build it first (bash scripts/build.sh)"; exit 2; }
+[ -x "$rewrite_state" ] || { echo "no rewrite_state at $rewrite_state; build the tests first"; exit 2; }
+
+meta=$(mktemp -d "${TMPDIR:-/tmp}/sppo-bad-inputs-XXXXXX")
+work=$meta/work
+mkdir -p "$work"
+trap 'rm -rf "$meta"' EXIT
+cd "$work"
+
+# ---- fixtures -------------------------------------------------------------------------
+le32() { for v in "$@"; do printf "$(printf '\\x%02x\\x%02x\\x%02x\\x%02x' $((v & 255)) $((v >> 8 & 255)) $((v >> 16 & 255)) $((v >> 24 & 255)))"; done; }
+le16() { for v in "$@"; do printf "$(printf '\\x%02x\\x%02x' $((v & 255)) $((v >> 8 & 255)))"; done; }
+le32 1 2 3 >t3.u32                       # 3 tokens
+le16 1 2 3 500 4 5 6 7 >big_ids.u16      # id 500, beyond the tiny model's vocabulary of 64
+printf '0123456789' >odd.u32             # 10 bytes: not whole uint32 tokens
+: >empty.u16
+le32 1 2 3 4 >raw.bin                    # a .bin without its .idx
+printf 'MMIDIDX\0\0' >lonely.idx         # an .idx without its .bin
+mkdir -p corpus_dir
+printf 'not json {' >garbage.json
+echo '{}' >empty.json
+echo '[1, 2, 3]' >array.json
+echo '{"name": "x"}' >bad_profile.json
+"$sppo" plan --model tiny --seq-len 4096 --gpus 1 --gpus-per-node 1 --hardware a100-80gb --json >plan_tiny.json
+"$sppo" plan --model gpt-7b --seq-len 64K --gpus 8 --json >plan_7b.json
+sed 's/"budget_bytes":[0-9]*/"budget_bytes":1073741824/' plan_7b.json >plan_over_budget.json
+sed 's/"lengths":\[4096\]/"lengths":[4000]/' plan_tiny.json >plan_bad_lengths.json
+sed 's/"lengths":\[4096\]/"lengths":[5000,-904]/; s/"alpha":\[0.0\]/"alpha":[0.0,0.0]/; s/"subseqs":1/"subseqs":2/' \
+  plan_tiny.json >plan_negative_length.json
+sed 's/"sp":1/"sp":2147483647/; s/"pp":1/"pp":2147483647/' plan_tiny.json >plan_overflow.json
+"$sppo" train --model tiny --seq-len 32 --steps 2 --save ckpt --quiet
+model_config='{"vocab":64,"hidden":64,"layers":2,"heads":4}'
+position='{"kind":"repeat","alphabet":32,"seed":1234,"sequence":2}'
+base_state="\"config\":$model_config,\"data_position\":$position"
+for bad in no_config step_two step_negative schedule_text updates_ahead option_number option_save; do
+  cp -r ckpt "ckpt_$bad"
+done
+"$rewrite_state" ckpt_no_config "{\"step\":2,\"data_position\":$position}"
+"$rewrite_state" ckpt_step_two "{\"step\":\"two\",$base_state}"
+"$rewrite_state" ckpt_step_negative "{\"step\":-5,$base_state}"
+"$rewrite_state" ckpt_schedule_text "{\"step\":2,$base_state,\"schedule_steps\":\"ten\"}"
+"$rewrite_state" ckpt_updates_ahead "{\"step\":2,$base_state,\"optimizer_steps\":5}"
+"$rewrite_state" ckpt_option_number "{\"step\":2,$base_state,\"options\":{\"--seq-len\":32}}"
+"$rewrite_state" ckpt_option_save "{\"step\":2,$base_state,\"options\":{\"--save\":\"elsewhere\"}}"
+cp -r ckpt ckpt_corrupt
+printf '\x55' | dd of=ckpt_corrupt/model.safetensors bs=1 seek=300 conv=notrunc status=none
+echo "keep me" >notes.txt
+
+# ---- the check ------------------------------------------------------------------------
+passed=0 failed=0
+snapshot() { (cd "$work" && find . -printf '%p %s %T@\n' | sort && find . -type f -exec md5sum {} + | sort); }
+
+# expect WHAT_IT_MUST_NAME sppo-arguments...
+expect() {
+  local must=$1
+  shift
+  snapshot >"$meta/before"
+  local out rc
+  out=$(timeout 300 "$sppo" "$@" 2>&1)
+  rc=$?
+  snapshot >"$meta/after"
+  local why=""
+  if [ "$rc" -ne 2 ] && [ "$rc" -ne 3 ]; then why="exit status $rc, not 2 or 3"
+  elif ! grep -qF -- "$must" <<<"$out"; then why="the message does not name '$must'"
+  elif grep -qE '^step [0-9]+/|^done: |^loss [0-9]|^\| [0-9]' <<<"$out"; then why="work started before the refusal"
+  elif ! cmp -s "$meta/before" "$meta/after"; then why="files changed: $(diff "$meta/before" "$meta/after" | grep '^[<>]' | head -3 | tr '\n' ' ')"
+  fi
+  if [ -z "$why" ]; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+    echo "FAILED: sppo $*"
+    echo "  $why"
+    sed 's/^/  | /' <<<"$out" | tail -n 5
+  fi
+}
+
+# ---- the issue's cases that io/, core/, the planner and plan/simulate fix --------------
+expect "t3.u32 (3 tokens) holds 3 tokens, fewer than the 33" train --model tiny --seq-len 32 --steps 1 --data t3.u32
+expect "repeat:0" train --model tiny --seq-len 32 --steps 1 --data repeat:0
+expect "--seq-len '9223372036854775807' is too large; the largest accepted is" train --model tiny --seq-len 9223372036854775807
+expect "--device-memory '999999999999999999999GiB' is too large" train --model tiny --device-memory 999999999999999999999GiB
+expect "--budget '99999999999999999999TB' is too large" plan --budget 99999999999999999999TB
+expect "missing field(s) \"hardware\"" simulate empty.json
+expect "the longest sequence it plans on 8 devices is" plan --seq-len 999999999999
+expect "plan_over_budget.json: the simulated peak" simulate plan_over_budget.json
+expect "--seq-len 999999999999" bench layer --seq-len 999999999999
+expect "state.json lacks \"config\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_no_config
+expect "state.json: \"step\" is \"two\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_step_two
+expect "state.json: \"step\" is -5" train --model tiny --seq-len 32 --steps 4 --resume ckpt_step_negative
+expect "state.json: \"schedule_steps\" must be an integer" train --model tiny --resume ckpt_schedule_text
+expect "state.json: \"optimizer_steps\" must be an integer in [0, 2]" train --model tiny --resume ckpt_updates_ahead
+expect "state.json: \"options\" holds --seq-len = 32" train --model tiny --resume ckpt_option_number
+expect "records the option '--save'" train --model tiny --resume ckpt_option_save
+
+# ---- more of the same kind ------------------------------------------------------------
+# model shapes
+expect "nope" train --model nope
+expect "--heads" train --model tiny --hidden 30 --heads 4
+expect "even" train --model tiny --hidden 24 --heads 8
+expect "--layers" train --model tiny --layers -3
+expect "--vocab" train --model tiny --vocab -1
+# counts and sizes
+expect "--seq-len" train --model tiny --seq-len 1
+expect "--seq-len '12Q'" train --model tiny --seq-len 12Q
+expect "--seq-len '-5' is negative" train --model tiny --seq-len -5
+expect "--seq-len '1.3K' is not a whole number" train --model tiny --seq-len 1.3K
+expect "--subseqs" train --model tiny --seq-len 64 --subseqs 0
+expect "--subseqs" train --model tiny --seq-len 64 --subseqs 65
+expect "--subseqs 'many'" train --model tiny --seq-len 64 --subseqs many
+expect "--device-memory 'lots'" train --model tiny --device-memory lots
+expect "--device-memory '0'" train --model tiny --device-memory 0
+expect "--device-memory '-1GiB'" train --model tiny --device-memory -1GiB
+expect "--device-memory" train --model tiny --seq-len 4096 --subseqs 4 --device-memory 1MiB
+expect "--offload 'sometimes'" train --model tiny --offload sometimes
+expect "--offload '1.5'" train --model tiny --offload 1.5
+expect "--partition" train --model tiny --partition random
+expect "--recompute" train --model tiny --recompute --subseqs 4
+expect "--steps" train --model tiny --steps 0
+expect "--steps" train --model tiny --steps abc
+expect "--lr" train --model tiny --lr -1
+expect "--bogus" train --model tiny --bogus
+# data
+expect "/nonexistent/corpus.u16" train --model tiny --data /nonexistent/corpus.u16
+expect "corpus_dir" train --model tiny --data corpus_dir
+expect "odd.u32" train --model tiny --data odd.u32
+expect "token id 500" train --model tiny --seq-len 4 --data big_ids.u16
+expect "empty.u16" train --model tiny --data empty.u16
+expect "raw.bin" train --model tiny --data raw.bin
+expect "lonely.idx" train --model tiny --data lonely.idx
+expect "f32" train --model tiny --data t3.u32 --data-dtype f32
+expect "alphabet 99" train --model tiny --data repeat:99
+expect "repeat:x" train --model tiny --data repeat:x
+# checkpoints
+expect "/nonexistent/ckpt" train --model tiny --resume /nonexistent/ckpt
+expect "model.safetensors" train --model tiny --seq-len 32 --steps 4 --resume ckpt_corrupt
+expect "--hidden \"128\" differs from the checkpoint's \"64\"" train --model tiny --hidden 128 --seq-len 32 --steps 4 --resume ckpt
+expect "notes.txt" train --model tiny --resume notes.txt
+expect "/nonexistent/init" grads --model tiny --out grads_out --init /nonexistent/init
+expect "--out" grads --model tiny
+# plans and profiles
+expect "--plan /nonexistent/plan.json" train --model tiny --plan /nonexistent/plan.json
+expect "garbage.json" train --model tiny --plan garbage.json
+expect "--seq-len" train --model tiny --seq-len 2048 --plan plan_tiny.json
+expect "/nonexistent/profile.json" train --model tiny --hardware /nonexistent/profile.json --offload adaptive
+expect "bad_profile.json" train --model tiny --hardware bad_profile.json --offload adaptive
+expect "/nonexistent/plan.json" simulate /nonexistent/plan.json
+expect "garbage.json" simulate garbage.json
+expect "JSON object" simulate array.json
+expect "lengths sum to 4000" simulate plan_bad_lengths.json
+expect "lengths[1] = -904" simulate plan_negative_length.json
+expect "sp * pp * dp * tp" simulate plan_overflow.json
+expect "nope" simulate plan_tiny.json --hardware nope
+expect "/nonexistent/dir/x.svg" simulate plan_tiny.json --svg /nonexistent/dir/x.svg
+expect "nope" plan --model nope
+expect "--gpus" plan --gpus 0
+expect "--gpus 12" plan --gpus 12 --gpus-per-node 8
+expect "--system" plan --system other
+expect "--offload" plan --offload sometimes
+expect "--msp" plan --msp maybe
+expect "nope" plan --hardware nope
+expect "--budget 'lots'" plan --budget lots
+expect "budget" plan --model gpt-65b --seq-len 1M --gpus 4
+# benchmarks
+expect "--heads" bench layer --hidden 30 --heads 4
+expect "--reps" bench layer --reps 0
+expect "--seq-len" bench layer --seq-len 1
+expect "nope" bench memory --model nope
+expect "--device-memory" bench memory --device-memory 0
+expect "--seq-len" bench offload --seq-len 0
+expect "--subseqs" bench offload --subseqs 0
+expect "--reps" bench attention --backend cpu --reps 0
+expect "--heads" bench attention --backend cpu --heads -1
+# backends
+expect "--backend 'nope'" train --model tiny --backend nope
+expect "--precision 'fp64'" train --model tiny --precision fp64
+expect "--precision bf16" train --model tiny --backend cpu --precision bf16
+expect "--backend 'nope'" bench attention --backend nope
+expect "--backend 'gpu'" profile --backend gpu --out profile_out.json
+
+# ---- the trainer's up-front checks ---------------------------------------------------
+expect "shorten --seq-len" train --model tiny --seq-len 999999999999
+expect "--out notes.txt is a file" grads --model tiny --seq-len 32 --out notes.txt
+expect "--save notes.txt is a file" train --model tiny --seq-len 32 --steps 2 --save notes.txt
+expect "--trace /nonexistent/t.json" train --model tiny --seq-len 32 --steps 2 --trace /nonexistent/t.json
+expect "--svg /nonexistent/t.svg" train --model tiny --seq-len 32 --steps 2 --svg /nonexistent/t.svg
+expect "--metrics /nonexistent/m.jsonl" train --model tiny --seq-len 32 --steps 2 --metrics /nonexistent/m.jsonl
+expect "--seq-len \"64\" differs from the checkpoint's \"32\"" train --model tiny --seq-len 64 --steps 4 --resume ckpt
+expect "--threads" train --model tiny --seq-len 32 --steps 1 --threads -3
+expect "--warmup" train --model tiny --seq-len 32 --steps 1 --warmup -5
+expect "--recompute needs" train --model tiny --seq-len 4096 --recompute --device-memory 8MiB
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

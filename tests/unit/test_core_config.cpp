@@ -1,0 +1,95 @@
+// Size and count parsing (exact, checked arithmetic) and model configs read from JSON:
+// every refusal names the option or field and says what works.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "support/expect_error.h"
+
+namespace sppo {
+namespace {
+
+TEST(ParseCount, AcceptsWholeNumbersWithSuffixes) {
+  EXPECT_EQ(parse_count("65536", "--seq-len"), 65536);
+  EXPECT_EQ(parse_count("64K", "--seq-len"), 65536);
+  EXPECT_EQ(parse_count("64k", "--seq-len"), 65536);
+  EXPECT_EQ(parse_count("1M", "--seq-len"), 1048576);
+  EXPECT_EQ(parse_count("2G", "--seq-len"), i64{2} << 30);
+  EXPECT_EQ(parse_count("1.5K", "--seq-len"), 1536);
+  EXPECT_EQ(parse_count("0.25M", "--seq-len"), 262144);
+  EXPECT_EQ(parse_count("0", "--seq-len"), 0);
+  EXPECT_EQ(parse_count("7.000", "--seq-len"), 7);
+  EXPECT_EQ(parse_count("1024G", "--seq-len"), kMaxCount);
+  EXPECT_EQ(parse_count("1099511627776", "--seq-len"), kMaxCount);
+}
+
+TEST(ParseCount, RefusesWhatIsNotAWholeNumber) {
+  for (const char* bad : {"", "abc", "12Q", "1e3", "1.3K", "0.5", "K", ".", "64KiB", " 64", "0x10", "inf", "nan"})
+    EXPECT_ERROR_WITH(parse_count(bad, "--seq-len"), "--seq-len", "not a whole number", "64K");
+  EXPECT_ERROR_WITH(parse_count("-5", "--seq-len"), "--seq-len '-5' is negative");
+  EXPECT_ERROR_WITH(parse_count("-1K", "--subseqs"), "--subseqs", "negative");
+}
+
+TEST(ParseCount, TooLargeNamesTheLimit) {
+  for (const char* big : {"9223372036854775807", "1099511627777", "1025G", "999999999999999999999G",
+                          "18446744073709551616", "99999999999999999999999999999999999999999999"})
+    EXPECT_ERROR_WITH(parse_count(big, "--seq-len"), "--seq-len", "too large", "1099511627776");
+}
+
+TEST(ParseBytes, AcceptsSizes) {
+  EXPECT_EQ(parse_bytes("512MiB", "--device-memory"), i64{512} << 20);
+  EXPECT_EQ(parse_bytes("512M", "--device-memory"), i64{512} << 20);
+  EXPECT_EQ(parse_bytes("2GiB", "--device-memory"), i64{2} << 30);
+  EXPECT_EQ(parse_bytes("1.5GB", "--device-memory"), 1500000000);
+  EXPECT_EQ(parse_bytes("1.5KiB", "--device-memory"), 1536);
+  EXPECT_EQ(parse_bytes("100", "--device-memory"), 100);
+  EXPECT_EQ(parse_bytes("100B", "--device-memory"), 100);
+  EXPECT_EQ(parse_bytes("1.9B", "--device-memory"), 1);  // fractions of a byte are dropped
+  EXPECT_EQ(parse_bytes("3TB", "--device-memory"), 3000000000000);
+  EXPECT_EQ(parse_bytes("1048576TiB", "--device-memory"), kMaxBytes);
+  EXPECT_EQ(parse_bytes("0.000000000001TB", "--device-memory"), 1);
+}
+
+TEST(ParseBytes, RefusesWhatIsNotAPositiveSize) {
+  for (const char* bad : {"", "lots", "0", "0B", "0.1B", "-1GiB", "-0", "12XB", "1e9", "GiB",
+                          "0.000000000000000001TB", "0.0000000000000000001TB"})
+    EXPECT_ERROR_WITH(parse_bytes(bad, "--device-memory"), "--device-memory", "not a positive size", "512MiB");
+}
+
+TEST(ParseBytes, TooLargeNamesTheLimit) {
+  for (const char* big : {"999999999999999999999GiB", "1048577TiB", "9223372036854775807", "18446744073709551616B",
+                          "1152921504606846977"})
+    EXPECT_ERROR_WITH(parse_bytes(big, "--budget"), "--budget", "too large", "1152921504606846976");
+}
+
+TEST(ModelConfigJson, RefusesWrongTypesAndAbsurdSizes) {
+  const nlohmann::json good = {{"vocab", 64}, {"hidden", 64}, {"layers", 2}, {"heads", 4}};
+  EXPECT_EQ(model_config_from_json(good).hidden, 64);
+  auto with = [&](const char* key, nlohmann::json v) {
+    nlohmann::json j = good;
+    j[key] = std::move(v);
+    return j;
+  };
+  EXPECT_ERROR_WITH(model_config_from_json(with("vocab", 1e300)), "\"vocab\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("hidden", 64.5)), "\"hidden\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("layers", "2")), "\"layers\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("heads", 4294967300LL)), "\"heads\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("rope_theta", "big")), "\"rope_theta\" must be a number");
+  EXPECT_ERROR_WITH(model_config_from_json(with("hidden", 1 << 22)), "at most");
+  nlohmann::json huge = with("hidden", 65536);
+  huge["layers"] = 60000;
+  huge["heads"] = 512;
+  EXPECT_ERROR_WITH(model_config_from_json(huge), "parameters");
+  // Once took seconds: the search for head counts that work ran up to H.
+  EXPECT_ERROR_WITH(model_config_from_json(with("hidden", 444444442)), "at most");
+  nlohmann::json odd = with("hidden", 1048574);  // 2 x 524287 (prime): few head counts work
+  odd["heads"] = 3;
+  EXPECT_ERROR_WITH(model_config_from_json(odd), "--heads 524287");
+  nlohmann::json missing = good;
+  missing.erase("heads");
+  EXPECT_ERROR_WITH(model_config_from_json(missing), "lacks \"heads\"");
+}
+
+}  // namespace
+}  // namespace sppo
