@@ -16,15 +16,22 @@ def read(path):
 
 
 def last_json(text):
+    """The output's JSON object: the whole text when it is one (pretty-printed), else its last
+    line that is an object (a log with progress lines before it)."""
+    try:
+        whole = json.loads(text)
+        if isinstance(whole, dict):
+            return whole
+    except ValueError:
+        pass
     for line in reversed(text.strip().splitlines()):
         try:
-            return json.loads(line)
+            j = json.loads(line)
         except ValueError:
             continue
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+        if isinstance(j, dict):
+            return j
+    return None
 
 
 def safetensors(path):
