@@ -25,6 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+bash scripts/install-deps.sh
 mode=${1:-all}
 [ $# -gt 0 ] && shift
 jobs=${SANITIZE_JOBS:-$(nproc)}
