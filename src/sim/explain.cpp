@@ -70,7 +70,7 @@ std::string layout_of(const plan::Plan& p) {
 
 // Lines in Row order: every row present once.
 std::vector<MemoryLine> complete(std::vector<MemoryLine> given) {
-  std::vector<MemoryLine> out(int(Row::kCount));
+  std::vector<MemoryLine> out(static_cast<std::size_t>(Row::kCount));
   for (int r = 0; r < int(Row::kCount); ++r) out[r].row = Row(r);
   for (auto& l : given) {
     MemoryLine& o = out[int(l.row)];
