@@ -12,6 +12,7 @@ packages=(
   libcli11-dev               # the command line
   libgtest-dev               # tests
   libbenchmark-dev           # micro-benchmarks
+  python3                    # the CUDA kernels' CPU emulation (tests/cuda/emulate) rewrites sources
 )
 
 missing=()

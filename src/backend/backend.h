@@ -74,6 +74,9 @@ struct Workspace {
   std::size_t bytes = 0;
 };
 
+// A position whose token is not predicted (xent).
+inline constexpr std::int32_t kNoTarget = -1;
+
 // Attention of a block of queries against several key/value blocks (backends/cpu/attention.h).
 struct AttnShape {
   int Tq = 0, Z = 0, A = 0;
@@ -142,15 +145,29 @@ class Backend {
   virtual void zero_cols(void* dst, int T, int width, int ld, int col) = 0;
   virtual void attention_forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks,
                                  const AttnShape& d, const Workspace& ws) = 0;
+  // Joins a partial result over other keys (part_out [Tq, ldo], part_lse [Z, Tq], from a
+  // disjoint key set) into out/lse by log-sum-exp: lse = log(e^lse + e^part_lse) and out the
+  // two weighted by e^(their lse - lse). A row -inf in both stays out = 0, lse = -inf.
+  virtual void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse,
+                               const AttnShape& d) = 0;
   virtual void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnShape& d) = 0;
   // dq [Tq, ldq] (activations) and every block's dk/dv accumulate.
   virtual void attention_backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
                                   const float* lse, const float* delta, const AttnShape& d, const Workspace& ws) = 0;
   // logits [T, V] fp32 are overwritten by (softmax - onehot(targets)) * grad_scale in
   // dlogits (activations; it may be logits itself when act() is F32); losses[T] per row;
-  // *loss_sum (device double) ACCUMULATES their sum.
+  // *loss_sum (device double) ACCUMULATES their sum. A target of kNoTarget (-1) is not
+  // predicted (masked-token training leaves most positions so): its row's loss and gradient
+  // are 0.
   virtual void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T,
                     int V, float grad_scale, const Workspace& ws) = 0;
+
+  // ---- softmax over rows of materialised scores (fp32; the two-pass ring, runtime/ring.h) --
+  // forward: x[rows, cols] becomes softmax(x) per row and lse[rows] its log-sum-exp;
+  // with_lse: x becomes exp(x - lse) from a given lse (the softmax again, in backward).
+  virtual void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse) = 0;
+  // dx[rows, cols] (on entry d softmax) becomes d scores = p * (dx - rowsum(dx * p)).
+  virtual void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols) = 0;
 
   // ---- optimizer (fp32 device arrays) ----------------------------------------------------
   virtual double sum_squares(const float* g, i64 n) = 0;  // synchronises

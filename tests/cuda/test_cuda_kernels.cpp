@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backends/cuda/attention.h"
 #include "backends/cuda/check.h"
 #include "backends/cuda/ops.h"
@@ -608,7 +609,8 @@ TEST_F(Cuda, CrossEntropy) {
   const int T = 13, V = 1000;
   Vec logits = randn(std::size_t(T) * V, rng_, 30.0f);                 // large logits
   for (int v = 0; v < V; ++v) logits[std::size_t(5) * V + v] += 1e4f;  // a row far from 0
-  const auto targets = rand_ids(T, V, rng_);
+  auto targets = rand_ids(T, V, rng_);
+  targets[3] = sppo::kNoTarget;  // a position that is not predicted: no loss, no gradient
   const float scale = 1.0f / 37.0f;
   Vec dref = logits, losses(T);
   const double sum =
@@ -628,6 +630,59 @@ TEST_F(Cuda, CrossEntropy) {
     // Losses: log(sum) + max - target, summed in double: fp32 noise of the logits' size.
     expect_close(download(lossd, T, DType::F32), losses, 1e-5, 1e-5, "xent losses");
     EXPECT_NEAR(download_double(sumd), 1.5 + sum, 1e-5 * (1.5 + std::fabs(sum)));
+  }
+}
+
+TEST_F(Cuda, SoftmaxRows) {
+  const i64 rows = 37;
+  const int cols = 1000;
+  const Vec x = randn(std::size_t(rows) * cols, rng_, 8.0f);
+  Vec p = x, lse(rows);
+  cpu::softmax_rows(p.data(), lse.data(), rows, cols, false);
+  Dev xd = upload(x, DType::F32), lsed(std::size_t(rows) * 4);
+  cuda::softmax_rows(xd.as<float>(), lsed.as<float>(), rows, cols, false, stream_);
+  expect_close(download(xd, p.size(), DType::F32), p, 1e-7, 1e-5, "softmax_rows");
+  expect_close(download(lsed, std::size_t(rows), DType::F32), lse, 1e-5, 1e-6, "softmax_rows lse");
+  // From the LSE again (the backward's recomputation).
+  Dev again = upload(x, DType::F32);
+  cuda::softmax_rows(again.as<float>(), lsed.as<float>(), rows, cols, true, stream_);
+  expect_close(download(again, p.size(), DType::F32), p, 1e-7, 1e-4, "softmax_rows from the LSE");
+  // Backward: dx = p (dx - rowsum(dx p)).
+  const Vec dx = randn(p.size(), rng_);
+  Vec ref = dx;
+  cpu::softmax_backward_rows(ref.data(), p.data(), rows, cols);
+  Dev dxd = upload(dx, DType::F32), pd = upload(p, DType::F32);
+  cuda::softmax_backward_rows(dxd.as<float>(), pd.as<float>(), rows, cols, stream_);
+  expect_close(download(dxd, ref.size(), DType::F32), ref, 1e-7, 1e-5, "softmax_backward_rows");
+}
+
+TEST_F(Cuda, AttentionMerge) {
+  const int Tq = 29, Z = 3, A = 40, ld = Z * A + 8;
+  cpu::AttnDims d;
+  d.Tq = Tq;
+  d.Z = Z;
+  d.A = A;
+  d.ldq = d.ldk = d.ldv = d.ldo = ld;
+  for (const DType dt : {DType::F32, DType::BF16}) {
+    const Vec out = rounded(randn(std::size_t(Tq) * ld, rng_), dt), part = rounded(randn(out.size(), rng_), dt);
+    Vec lse = randn(std::size_t(Z) * Tq, rng_, 3.0f), part_lse = randn(lse.size(), rng_, 3.0f);
+    // Rows that see no key on one side, and on both.
+    lse[1] = -std::numeric_limits<float>::infinity();
+    part_lse[2] = -std::numeric_limits<float>::infinity();
+    lse[4] = part_lse[4] = -std::numeric_limits<float>::infinity();
+    Vec out_ref = out, lse_ref = lse;
+    cpu::attention_merge(out_ref.data(), lse_ref.data(), part.data(), part_lse.data(), d);
+    cuda::AttnDims gd;
+    gd.Tq = Tq;
+    gd.Z = Z;
+    gd.A = A;
+    gd.ldq = gd.ldk = gd.ldv = gd.ldo = ld;
+    Dev od = upload(out, dt), pd = upload(part, dt), lsed = upload(lse, DType::F32), plsed = upload(part_lse, DType::F32);
+    cuda::attention_merge(od.get(), lsed.as<float>(), pd.get(), plsed.as<float>(), gd, dt, stream_);
+    const double rtol = dt == DType::BF16 ? kU + kRtol32 : kRtol32;
+    expect_close(download(od, out.size(), dt), rounded(out_ref, dt), 1e-6, rtol,
+                 std::string("attention_merge out ") + name(dt));
+    expect_close(download(lsed, lse.size(), DType::F32), lse_ref, 1e-6, 1e-6, "attention_merge lse");
   }
 }
 

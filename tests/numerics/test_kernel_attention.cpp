@@ -635,6 +635,37 @@ TEST(Attention, MergedKeyBlocksEqualOneCall) {
   check_split(make_problem(dims(130, 300, 2, 64, 100, 50), rng), 1, 4, rng);
 }
 
+// Ring attention's form: each key block's result computed on its own (as another rank
+// would), then joined by attention_merge in block order. Rows that see no key of a block
+// (-inf on that side) and blocks entirely after the queries are part of the cases.
+void check_separate_merge(const Problem& p, int nk, std::mt19937& rng) {
+  const AttnDims& d = p.d;
+  SCOPED_TRACE(describe(d) + " merged from " + std::to_string(nk) + " separate key blocks");
+  const std::vector<int> kc = cuts(d.Tk, nk, rng);
+  const Reference r = reference(p);
+  Forward f;
+  for (int bk = 0; bk < nk; ++bk) {
+    const Block b = block(d, 0, d.Tq, kc[bk], kc[bk + 1]);
+    Forward part;
+    part.out.assign(std::size_t(d.Tq) * ldo(d), kSentinel);
+    part.lse.assign(std::size_t(d.Z) * d.Tq, kSentinel);
+    attention_forward(part.out.data(), part.lse.data(), p.q.data(), p.k.data() + b.k_off * ldk(d),
+                      p.v.data() + b.k_off * ldv(d), b.d, /*merge=*/false);
+    if (bk == 0)
+      f = part;
+    else
+      attention_merge(f.out.data(), f.lse.data(), part.out.data(), part.lse.data(), d);
+  }
+  check_forward(p, f, r);
+}
+
+TEST(Attention, SeparateBlocksMergedEqualOneCall) {
+  std::mt19937 rng(21);
+  for (int nk : {2, 3, 5}) check_separate_merge(make_problem(dims(257, 257, 2, 64, 0, 0), rng), nk, rng);
+  check_separate_merge(make_problem(dims(130, 300, 2, 64, 100, 50), rng), 4, rng);
+  check_separate_merge(make_problem(dims(64, 512, 3, 32, 200, 0), rng), 6, rng);
+}
+
 TEST(Attention, QueryAndKeyBlockGrid) {
   std::mt19937 rng(9);
   AttnDims d = dims(300, 300, 3, 64, 1000, 1000);

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/check.h"
 #include "backends/cpu/ops.h"
 
@@ -648,10 +649,67 @@ TEST(Xent, RejectsTargetsOutsideVocabulary) {
   const int T = 2, V = 5;
   Vec logits(static_cast<std::size_t>(T) * V, 0.5f);
   Vec losses(T);
-  for (std::int32_t bad : {-1, V}) {
+  for (std::int32_t bad : {-2, V}) {
     const Ids targets = {1, bad};
     EXPECT_THROW(xent_forward_backward(logits.data(), losses.data(), targets.data(), T, V, 1.0f),
                  Error);
+  }
+}
+
+// kNoTarget (-1): the row is not predicted (masked-token training); the other rows are as
+// if it were not there.
+TEST(Xent, NoTargetRowsHaveNoLossAndNoGradient) {
+  const int T = 3, V = 7;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  Vec logits(static_cast<std::size_t>(T) * V);
+  for (float& x : logits) x = normal(rng);
+  Vec only_last(logits.begin() + 2 * V, logits.end()), losses(T), loss1(1);
+  const Ids targets = {3, kNoTarget, 6};
+  const Ids last = {6};
+  Vec all = logits;
+  const double sum = xent_forward_backward(all.data(), losses.data(), targets.data(), T, V, 0.5f);
+  const double sum1 = xent_forward_backward(only_last.data(), loss1.data(), last.data(), 1, V, 0.5f);
+  EXPECT_EQ(losses[1], 0.0f);
+  for (int v = 0; v < V; ++v) EXPECT_EQ(all[std::size_t(V) + v], 0.0f) << v;
+  for (int v = 0; v < V; ++v) EXPECT_EQ(all[std::size_t(2 * V) + v], only_last[std::size_t(v)]) << v;
+  EXPECT_GT(losses[0], 0.0f);
+  EXPECT_NEAR(sum, double(losses[0]) + sum1, 1e-6 * sum);
+}
+
+// ---- softmax over rows (the two-pass ring's scores) ---------------------------------------
+
+TEST(SoftmaxRows, MatchFloat64) {
+  const i64 rows = 9;
+  const int cols = 301;
+  std::mt19937 rng(17);
+  const Vec x = randn(std::size_t(rows) * cols, rng, 6.0f, 40.0f);  // far from 0: max subtraction matters
+  Vec p = x, lse(rows);
+  softmax_rows(p.data(), lse.data(), rows, cols, false);
+  Vec again = x;
+  softmax_rows(again.data(), lse.data(), rows, cols, true);
+  const Vec dx = randn(p.size(), rng);
+  Vec ds = dx;
+  softmax_backward_rows(ds.data(), p.data(), rows, cols);
+  for (i64 r = 0; r < rows; ++r) {
+    double mx = -1e300, sum = 0, dot = 0;
+    for (int c = 0; c < cols; ++c) mx = std::max(mx, double(x[r * cols + c]));
+    for (int c = 0; c < cols; ++c) sum += std::exp(double(x[r * cols + c]) - mx);
+    const double l = mx + std::log(sum);
+    EXPECT_NEAR(lse[r], l, 1e-5 * std::fabs(l)) << r;
+    std::vector<double> pr(cols);
+    for (int c = 0; c < cols; ++c) {
+      pr[c] = std::exp(double(x[r * cols + c]) - l);
+      dot += pr[c] * dx[r * cols + c];
+    }
+    for (int c = 0; c < cols; ++c) {
+      const std::size_t i = std::size_t(r * cols + c);
+      EXPECT_NEAR(p[i], pr[c], 1e-6 * pr[c] + 1e-9) << r << " " << c;
+      EXPECT_NEAR(again[i], pr[c], 1e-4 * pr[c] + 1e-9) << r << " " << c;
+      const double want = pr[c] * (dx[i] - dot);
+      // fp32 rounding of dx - rowsum (a cancellation) bounds the error, not |want|.
+      EXPECT_NEAR(ds[i], want, 1e-6 * pr[c] * (std::fabs(dx[i]) + std::fabs(dot)) + 1e-12) << r << " " << c;
+    }
   }
 }
 

@@ -898,6 +898,24 @@ void attention_forward_blocks(float* out, float* lse, const float* q,
   forward_impl(out, lse, q, src.data(), int(src.size()), g, false, scratch);
 }
 
+void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, const AttnDims& d) {
+  const Geometry g = resolve(d);
+#pragma omp parallel for schedule(static)
+  for (int t = 0; t < g.Tq; ++t) {
+    for (int z = 0; z < g.Z; ++z) {
+      float& l = lse[i64(z) * g.Tq + t];
+      const float a = l, b = part_lse[i64(z) * g.Tq + t];
+      const float m = std::max(a, b);
+      if (!(m > -kInf)) continue;  // neither side sees a key: out stays 0
+      const float wa = std::exp(a - m), wb = std::exp(b - m), sum = wa + wb;
+      float* orow = out + t * g.ldo + i64(z) * g.A;
+      const float* prow = part_out + t * g.ldo + i64(z) * g.A;
+      for (int k = 0; k < g.A; ++k) orow[k] = (wa * orow[k] + wb * prow[k]) / sum;
+      l = m + std::log(sum);
+    }
+  }
+}
+
 void attention_backward_delta(float* delta, const float* dout, const float* out,
                               const AttnDims& d) {
   const Geometry g = resolve(d);

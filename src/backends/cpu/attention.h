@@ -45,6 +45,11 @@ struct AttnDims {
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        const AttnDims& d, bool merge, Scratch* scratch = nullptr);
 
+// out/lse (over some keys) and part_out/part_lse (the same queries over other keys) ->
+// out/lse over the union, by log-sum-exp (the merge step of ring attention). Rows that see
+// no key on either side stay out = 0, lse = -inf.
+void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, const AttnDims& d);
+
 // delta[Z, Tq] = rowsum(dout * out) per head: computed once per query block, shared by every
 // key block's backward call.
 void attention_backward_delta(float* delta, const float* dout, const float* out,

@@ -238,6 +238,10 @@ class CpuBackend final : public Backend {
     ScratchOf s(ws);
     cpu::attention_forward_blocks(f(out), lse, f(q), blocks_of(blocks), dims_of(d), s.get());
   }
+  void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse,
+                       const AttnShape& d) override {
+    cpu::attention_merge(f(out), lse, f(part_out), part_lse, dims_of(d));
+  }
   void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnShape& d) override {
     cpu::attention_backward_delta(delta, f(dout), f(out), dims_of(d));
   }
@@ -251,6 +255,12 @@ class CpuBackend final : public Backend {
     SPPO_ASSERT(dlogits == logits);  // fp32: the gradient overwrites the logits
     ScratchOf s(ws);
     *loss_sum += cpu::xent_forward_backward(logits, losses, targets, T, V, grad_scale, s.get());
+  }
+  void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse) override {
+    cpu::softmax_rows(x, lse, rows, cols, with_lse);
+  }
+  void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols) override {
+    cpu::softmax_backward_rows(dx, p, rows, cols);
   }
   double sum_squares(const float* g, i64 n) override { return cpu::sum_squares(g, n); }
   void scale(float* x, i64 n, float s) override { cpu::scale_inplace(x, n, s); }

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/check.h"
 #include "backends/cpu/scratch.h"
 
@@ -413,11 +414,46 @@ void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld
   rope_apply(dx, T, Z, A, pos0, theta, ld, -1.0f);
 }
 
+// ---- softmax over rows ----------------------------------------------------------------
+
+void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse) {
+#pragma omp parallel for schedule(static) if (rows * cols > kSerialElems)
+  for (i64 r = 0; r < rows; ++r) {
+    float* row = x + r * cols;
+    if (with_lse) {
+      for (int c = 0; c < cols; ++c) row[c] = std::exp(row[c] - lse[r]);
+      continue;
+    }
+    float mx = row[0];
+    for (int c = 1; c < cols; ++c) mx = row[c] > mx ? row[c] : mx;
+    double sum = 0.0;
+    for (int c = 0; c < cols; ++c) sum += (row[c] = std::exp(row[c] - mx));
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int c = 0; c < cols; ++c) row[c] *= inv;
+    lse[r] = mx + static_cast<float>(std::log(sum));
+  }
+}
+
+void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols) {
+#pragma omp parallel for schedule(static) if (rows * cols > kSerialElems)
+  for (i64 r = 0; r < rows; ++r) {
+    float* d = dx + r * cols;
+    const float* pr = p + r * cols;
+    double dot = 0.0;
+    for (int c = 0; c < cols; ++c) dot += double(d[c]) * pr[c];
+    const float dotf = static_cast<float>(dot);
+    for (int c = 0; c < cols; ++c) d[c] = pr[c] * (d[c] - dotf);
+  }
+}
+
 // ---- softmax cross-entropy ------------------------------------------------------------
 
 double xent_forward_backward(float* logits, float* losses, const std::int32_t* targets, int T,
                              int V, float grad_scale, Scratch* scratch) {
-  check_ids(targets, T, V, "loss");
+  for (int t = 0; t < T; ++t)
+    SPPO_CHECK(targets[t] == kNoTarget || (targets[t] >= 0 && targets[t] < V), "loss")
+        << "target id " << targets[t] << " at position " << t << " is outside the vocabulary [0, " << V
+        << "); check that the data was tokenised with this model's vocabulary";
   Partials row_loss_buf(static_cast<std::size_t>(T), scratch);
   double* row_loss = row_loss_buf.data();
   // Passes over a row that stays in cache: max; exp(x - max) written in place; its sum in
@@ -426,6 +462,12 @@ double xent_forward_backward(float* logits, float* losses, const std::int32_t* t
   for (int t = 0; t < T; ++t) {
     float* row = logits + idx(t, V, 0);
     const int target = targets[t];
+    if (target == kNoTarget) {  // not predicted: no loss, no gradient
+      std::fill(row, row + V, 0.0f);
+      row_loss[t] = 0.0;
+      losses[t] = 0.0f;
+      continue;
+    }
     const float target_logit = row[target];
     float mx = row[0];
     // A ternary, not std::max: GCC does not vectorise this reduction with std::max.

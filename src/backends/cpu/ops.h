@@ -65,9 +65,17 @@ void rope_forward(float* x, int T, int Z, int A, i64 pos0, float theta, int ld);
 // The transpose (inverse) rotation, applied to a gradient in place.
 void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld);
 
+// ---- softmax over rows (the two-pass ring attention's materialised scores) ----------------
+// with_lse false: x[rows, cols] becomes softmax(x) per row, lse[rows] its log-sum-exp (sum in
+// double); true: x becomes exp(x - lse) from the given lse.
+void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse);
+// dx = p * (dx - rowsum(dx * p)) per row (the softmax's backward; rowsum in double).
+void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols);
+
 // ---- softmax cross-entropy, fused with its gradient --------------------------------------
 // logits[T, V] is overwritten by dlogits = (softmax(logits) - onehot(targets)) * grad_scale.
 // losses[T] receives -log softmax(logits)[target] per row. Returns the sum of losses (double).
+// A row whose target is -1 (kNoTarget, backend/backend.h) gets loss 0 and gradient 0.
 // Scratch: xent_scratch(T).
 double xent_forward_backward(float* logits, float* losses, const std::int32_t* targets, int T,
                              int V, float grad_scale, Scratch* scratch = nullptr);

@@ -69,6 +69,28 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
   if (lane == 0) delta[static_cast<i64>(z) * Tq + t] = static_cast<float>(sum);
 }
 
+// One warp per (query row, head): the two results' weights from their LSEs, then the
+// row's A outputs.
+template <typename T>
+__global__ void __launch_bounds__(kDeltaWarps * 32)
+    merge_kernel(T* out, float* lse, const T* part_out, const float* part_lse, int Tq, int Z, int A, i64 ldo) {
+  const i64 pair = static_cast<i64>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (pair >= static_cast<i64>(Tq) * Z) return;
+  const i64 t = pair / Z;
+  const int z = static_cast<int>(pair % Z);
+  const i64 li = static_cast<i64>(z) * Tq + t;
+  const float a = lse[li], b = part_lse[li];
+  const float m = fmaxf(a, b);
+  if (m == -INFINITY) return;  // neither side sees a key: out stays 0
+  const float wa = expf(a - m), wb = expf(b - m), sum = wa + wb;
+  T* orow = out + t * ldo + static_cast<i64>(z) * A;
+  const T* prow = part_out + t * ldo + static_cast<i64>(z) * A;
+  for (int k = lane; k < A; k += 32) store_f(orow + k, (wa * load_f(orow + k) + wb * load_f(prow + k)) / sum);
+  __syncwarp();
+  if (lane == 0) lse[li] = m + logf(sum);
+}
+
 // ---- SIMT kernels ----------------------------------------------------------------------
 constexpr int kSimtWarps = 4;  // rows per block (queries, or keys in dkdv), one per warp
 constexpr int kSimtThreads = kSimtWarps * 32;
@@ -463,6 +485,19 @@ void attention_forward_blocks(void* out, float* lse, const void* q,
     set_smem(attn_fwd_simt<E>, smem);
     const i64 grid = ceil_div(p.Tq, kSimtWarps) * p.Z;
     attn_fwd_simt<E><<<static_cast<unsigned>(grid), kSimtThreads, smem, stream>>>(p, kv);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse, const AttnDims& d,
+                     DType act, cudaStream_t stream) {
+  const AttnParams p = resolve(d);
+  if (p.Tq == 0) return;
+  dispatch_act(act, "attention_merge", [&](auto tag) {
+    using E = decltype(tag);
+    const i64 grid = ceil_div(static_cast<i64>(p.Tq) * p.Z, kDeltaWarps);
+    merge_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
+        static_cast<E*>(out), lse, static_cast<const E*>(part_out), part_lse, p.Tq, p.Z, p.A, p.ldo);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }

@@ -68,6 +68,11 @@ void attention_forward_blocks(void* out, float* lse, const void* q,
                               const std::vector<KVBlock>& blocks, const AttnDims& d, DType act,
                               cudaStream_t stream, AttnKernel kernel = AttnKernel::Auto);
 
+// out/lse joined with part_out/part_lse (the same queries over a disjoint key set) by
+// log-sum-exp, as the CPU kernel (backends/cpu/attention.h).
+void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse, const AttnDims& d,
+                     DType act, cudaStream_t stream);
+
 // delta[Z, Tq] = rowsum(dout * out) per head (summed in double), once per query block.
 void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnDims& d,
                               DType act, cudaStream_t stream);

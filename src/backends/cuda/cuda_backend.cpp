@@ -259,6 +259,10 @@ class CudaBackend final : public Backend {
                          const Workspace&) override {
     cuda::attention_forward_blocks(out, lse, q, blocks_of(blocks), dims_of(d), act_, compute_);
   }
+  void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse,
+                       const AttnShape& d) override {
+    cuda::attention_merge(out, lse, part_out, part_lse, dims_of(d), act_, compute_);
+  }
   void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnShape& d) override {
     cuda::attention_backward_delta(delta, dout, out, dims_of(d), act_, compute_);
   }
@@ -282,6 +286,12 @@ class CudaBackend final : public Backend {
     return result;
   }
   void scale(float* x, i64 n, float s) override { cuda::scale_inplace(x, n, s, compute_); }
+  void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse) override {
+    cuda::softmax_rows(x, lse, rows, cols, with_lse, compute_);
+  }
+  void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols) override {
+    cuda::softmax_backward_rows(dx, p, rows, cols, compute_);
+  }
   void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t, void* p_act) override {
     cuda::adamw_step(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t, compute_, p_act);

@@ -226,6 +226,14 @@ __global__ void __launch_bounds__(kXentThreads)
   const float* lr = logits + static_cast<i64>(row) * V;
   D* dr = dlogits + static_cast<i64>(row) * V;
   const int target = targets[row];
+  if (target == -1) {  // kNoTarget: not predicted, no loss and no gradient
+    for (int v = threadIdx.x; v < V; v += kXentThreads) store_f(dr + v, 0.0f);
+    if (threadIdx.x == 0) {
+      row_loss[row] = 0.0;
+      losses[row] = 0.0f;
+    }
+    return;
+  }
   if (target < 0 || target >= V) __trap();
   // Read before any thread overwrites the row (dlogits may be logits); block_max's barriers
   // order it before the writes below.
@@ -250,6 +258,45 @@ __global__ void __launch_bounds__(kXentThreads)
     row_loss[row] = loss;
     losses[row] = static_cast<float>(loss);
   }
+}
+
+// ---- softmax over rows: one block a row ----------------------------------------------------
+__global__ void __launch_bounds__(kXentThreads)
+    softmax_rows_kernel(float* x, float* lse, int cols, bool with_lse) {
+  __shared__ double red[kXentThreads / 32];
+  __shared__ float redf[kXentThreads / 32];
+  float* row = x + static_cast<i64>(blockIdx.x) * cols;
+  if (with_lse) {
+    const float l = lse[blockIdx.x];
+    for (int c = threadIdx.x; c < cols; c += kXentThreads) row[c] = expf(row[c] - l);
+    return;
+  }
+  float mx = -INFINITY;
+  for (int c = threadIdx.x; c < cols; c += kXentThreads) mx = fmaxf(mx, row[c]);
+  mx = block_max<kXentThreads>(mx, redf);
+  double sum = 0.0;
+  for (int c = threadIdx.x; c < cols; c += kXentThreads) sum += expf(row[c] - mx);
+  sum = block_sum<kXentThreads>(sum, red);
+  if (threadIdx.x == 0) red[0] = sum;
+  __syncthreads();
+  sum = red[0];
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int c = threadIdx.x; c < cols; c += kXentThreads) row[c] = expf(row[c] - mx) * inv;
+  if (threadIdx.x == 0) lse[blockIdx.x] = mx + static_cast<float>(log(sum));
+}
+
+__global__ void __launch_bounds__(kXentThreads)
+    softmax_backward_rows_kernel(float* dx, const float* p, int cols) {
+  __shared__ double red[kXentThreads / 32];
+  float* d = dx + static_cast<i64>(blockIdx.x) * cols;
+  const float* pr = p + static_cast<i64>(blockIdx.x) * cols;
+  double dot = 0.0;
+  for (int c = threadIdx.x; c < cols; c += kXentThreads) dot += static_cast<double>(d[c]) * pr[c];
+  dot = block_sum<kXentThreads>(dot, red);
+  if (threadIdx.x == 0) red[0] = dot;
+  __syncthreads();
+  const float dotf = static_cast<float>(red[0]);
+  for (int c = threadIdx.x; c < cols; c += kXentThreads) d[c] = pr[c] * (d[c] - dotf);
 }
 
 // *result += sum of x[n] in a fixed order: thread i sums x[i], x[i + 256], ..., then the block
@@ -493,6 +540,18 @@ void sum_squares(double* result, const float* g, i64 n, cudaStream_t stream) {
       partials.as<double>(), g, n);
   SPPO_CUDA_CHECK_LAUNCH();
   sum_doubles_kernel<<<1, kThreads, 0, stream>>>(result, partials.as<double>(), num_blocks);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse, cudaStream_t stream) {
+  if (rows == 0) return;
+  softmax_rows_kernel<<<static_cast<unsigned>(rows), kXentThreads, 0, stream>>>(x, lse, cols, with_lse);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols, cudaStream_t stream) {
+  if (rows == 0) return;
+  softmax_backward_rows_kernel<<<static_cast<unsigned>(rows), kXentThreads, 0, stream>>>(dx, p, cols);
   SPPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -148,6 +148,10 @@ void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, dou
                            const float* logits, const std::int32_t* targets, int T, int V,
                            float grad_scale, cudaStream_t stream);
 
+// ---- softmax over rows (as cpu::softmax_rows, softmax_backward_rows) ------------------------
+void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse, cudaStream_t stream);
+void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols, cudaStream_t stream);
+
 // ---- optimizer ------------------------------------------------------------------------
 // *result (one double on the device) ACCUMULATES the sum of squares of g[n], summed in double
 // in fixed blocks and added in a fixed order (scratch: ceil(n / 2^16) doubles).

@@ -5,7 +5,7 @@
 # logic, masking, tiling, barriers and fragment layouts without a GPU; it cannot check timing,
 # cuBLASLt or CUB (those tests are filtered out) or the real instructions' rounding.
 #   bash tests/cuda/emulate/run.sh [BUILD_DIR] [--gtest_filter=...]
-# BUILD_DIR (default build/) must hold libsppo_kernels.a and libsppo_core.a. The whole run takes
+# BUILD_DIR (default build/) must hold libsppo_cpu.a, libsppo_backend.a and libsppo_core.a. The whole run takes
 # 10 to 20 minutes on two cores, most of it in the attention tests; pass a --gtest_filter to
 # run less.
 set -euo pipefail
@@ -32,6 +32,6 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 ompblas=/usr/lib/$(gcc -print-multiarch)/openblas-openmp
 g++ -o "$out/test_cuda_kernels_emulated" "$out/test.o" "${objs[@]}" "$out/check.o" "$out/stubs.o" \
-  "$build/libsppo_kernels.a" "$build/libsppo_core.a" -L"$ompblas" -Wl,-rpath,"$ompblas" -lopenblas \
+  "$build/libsppo_cpu.a" "$build/libsppo_backend.a" "$build/libsppo_core.a" -L"$ompblas" -Wl,-rpath,"$ompblas" -lopenblas \
   -lgtest -lgtest_main -fopenmp -pthread
 "$out/test_cuda_kernels_emulated" --gtest_filter='-*Gemm*:*Linear*:*Embedding*' "$@"
