@@ -203,6 +203,16 @@ expect "--seq-len \"64\" differs from the checkpoint's \"32\"" train --model tin
 expect "--threads" train --model tiny --seq-len 32 --steps 1 --threads -3
 expect "--warmup" train --model tiny --seq-len 32 --steps 1 --warmup -5
 expect "--recompute needs" train --model tiny --seq-len 4096 --recompute --device-memory 8MiB
+# Sequence parallelism and bidirectional models.
+expect "--cp 2 x --dp 1 = 2 ranks" train --model tiny --seq-len 32 --steps 1 --cp 2
+expect "--cp must be 1 to 8" train --model tiny --seq-len 32 --steps 1 --cp 0
+expect "--ring 'spiral'" train --model tiny --seq-len 32 --steps 1 --ring spiral
+expect "--ring rsa is the two-pass" train --model tiny --seq-len 32 --steps 1 --ring rsa
+expect "--attention 'sideways'" train --model tiny --seq-len 32 --steps 1 --attention sideways
+expect "--objective 'cloze'" train --model tiny --seq-len 32 --steps 1 --objective cloze
+expect "--attention bidirectional sees the next token" train --model tiny --seq-len 32 --steps 1 --attention bidirectional
+expect "--objective mlm trains a bidirectional model" train --model tiny --seq-len 32 --steps 1 --objective mlm
+expect "--attention bidirectional sees the whole sequence" train --model tiny --seq-len 32 --steps 1 --attention bidirectional --objective mlm --subseqs 4
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

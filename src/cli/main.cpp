@@ -30,6 +30,7 @@ using namespace sppo;
 // Model, data and layout options shared by `train` and `grads`.
 struct StepFlags {
   std::string model = "small";
+  std::string attention = "causal";
   int vocab = 0, hidden = 0, layers = 0, heads = 0;
   std::string seq_len = "1024";
   std::string device_memory;
@@ -41,6 +42,13 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   std::string presets;
   for (const auto& p : preset_names()) presets += (presets.empty() ? "" : ", ") + p;
   f.model_option = cmd->add_option("--model", f.model, "Model preset: " + presets)->capture_default_str();
+  cmd->add_option("--attention", f.attention,
+                  "causal, or bidirectional (every position sees every other; trains with --objective mlm)")
+      ->capture_default_str();
+  cmd->add_option("--objective", o.objective,
+                  "lm (next token), or mlm (masked tokens: 15% of positions, 80/10/10 mask/random/keep, the last "
+                  "vocabulary id as the mask; for --attention bidirectional)")
+      ->capture_default_str();
   cmd->add_option("--vocab", f.vocab, "Vocabulary size V (overrides the preset)");
   cmd->add_option("--hidden", f.hidden, "Hidden size H (overrides the preset)");
   cmd->add_option("--layers", f.layers, "Number of blocks L (overrides the preset)");
@@ -67,9 +75,16 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
   cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");
   cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
-  cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x cp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--cp", o.cp, "Context parallel: ranks of a ring attention that split every subsequence")
+      ->capture_default_str();
+  cmd->add_option("--ring", o.ring,
+                  "Ring attention with --cp: its layout, zigzag (balances causal work) or contiguous, and its "
+                  "algorithm, flash (one pass, LSE merge) or rsa (two-pass Ring Self-Attention, bidirectional models); e.g. "
+                  "'contiguous' or 'rsa,zigzag'")
+      ->capture_default_str();
   cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
-  cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the data-parallel replicas (ZeRO-1)")
+  cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1)")
       ->capture_default_str();
   cmd->add_option("--batch", o.batch, "Sequences per optimizer step, all replicas together (default: --dp)");
   cmd->add_option("--comm-timeout", o.comm_timeout_s,
@@ -96,6 +111,14 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (f.hidden) o.model.hidden = positive(f.hidden, "--hidden");
   if (f.layers) o.model.layers = positive(f.layers, "--layers");
   if (f.heads) o.model.heads = positive(f.heads, "--heads");
+  SPPO_CHECK(f.attention == "causal" || f.attention == "bidirectional", "options")
+      << "--attention '" << f.attention << "' is unknown; use causal or bidirectional";
+  o.model.causal = f.attention == "causal";
+  SPPO_CHECK(o.objective == "lm" || o.objective == "mlm", "options")
+      << "--objective '" << o.objective << "' is unknown; use lm (next token) or mlm (masked tokens)";
+  SPPO_CHECK(o.model.causal == (o.objective == "lm"), "options")
+      << (o.model.causal ? "--objective mlm trains a bidirectional model; add --attention bidirectional"
+                         : "--attention bidirectional sees the next token, so it trains with --objective mlm");
   o.model_preset = f.model;
   if (custom && to_json(o.model) != to_json(preset(f.model))) o.model_name = f.model + " (custom)";
   o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
@@ -260,6 +283,18 @@ int main(int argc, char** argv) {
   cmd_bench_pipeline->add_option("--hardware", bp.hardware, "Profile to simulate with (default: measured now)");
   cmd_bench_pipeline->add_flag("--json", bp_json, "Print one JSON object");
 
+  BenchPipelineOptions bsp;
+  bsp.seq_len = "1024";
+  bool bsp_json = false;
+  auto* cmd_bench_sp = cmd_bench->add_subcommand(
+      "sp", "Ring attention (context parallel) on 2 ranks vs one: step time, causal balance, memory, vs simulated");
+  cmd_bench_sp->add_option("--model", bsp.model, "Model preset")->capture_default_str();
+  cmd_bench_sp->add_option("--seq-len", bsp.seq_len, "Tokens per sequence (the last row runs twice as many)")
+      ->capture_default_str();
+  cmd_bench_sp->add_option("--reps", bsp.reps, "Timed steps per configuration")->capture_default_str();
+  cmd_bench_sp->add_option("--hardware", bsp.hardware, "Profile to simulate with (default: measured now)");
+  cmd_bench_sp->add_flag("--json", bsp_json, "Print one JSON object");
+
   std::string bs_hardware;
   int bs_reps = 5;
   bool bs_json = false;
@@ -360,6 +395,15 @@ int main(int argc, char** argv) {
       if (comm::world().rank() == 0) {
         if (bp_json) std::printf("%s\n", j.dump(2).c_str());
         else print_bench_pipeline(j);
+      }
+      return 0;
+    }
+    if (*cmd_bench_sp) {
+      if (!comm::launched_by_mpi()) relaunch_under_mpirun(2, argc, argv);
+      const auto j = bench_sp(bsp, comm::world());
+      if (comm::world().rank() == 0) {
+        if (bsp_json) std::printf("%s\n", j.dump(2).c_str());
+        else print_bench_sp(j);
       }
       return 0;
     }

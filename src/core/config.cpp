@@ -86,9 +86,11 @@ ModelConfig preset(const std::string& name) {
 }
 
 nlohmann::json to_json(const ModelConfig& c) {
-  return {{"vocab", c.vocab},          {"hidden", c.hidden},         {"layers", c.layers},
-          {"heads", c.heads},          {"ffn_mult", c.ffn_mult},     {"rope_theta", c.rope_theta},
-          {"ln_eps", c.ln_eps}};
+  nlohmann::json j = {{"vocab", c.vocab},          {"hidden", c.hidden},         {"layers", c.layers},
+                      {"heads", c.heads},          {"ffn_mult", c.ffn_mult},     {"rope_theta", c.rope_theta},
+                      {"ln_eps", c.ln_eps}};
+  if (!c.causal) j["attention"] = "bidirectional";
+  return j;
 }
 
 ModelConfig model_config_from_json(const nlohmann::json& j) {
@@ -115,6 +117,10 @@ ModelConfig model_config_from_json(const nlohmann::json& j) {
   c.ffn_mult = integer("ffn_mult", 4);
   c.rope_theta = real("rope_theta", 10000.0f);
   c.ln_eps = real("ln_eps", 1e-5f);
+  const std::string attention = json_string_field(j, "attention", "causal", "config", "model config: ");
+  SPPO_CHECK(attention == "causal" || attention == "bidirectional", "config")
+      << "model config: \"attention\" must be causal or bidirectional (got '" << attention << "')";
+  c.causal = attention == "causal";
   c.validate();
   return c;
 }

@@ -25,6 +25,7 @@ struct ModelConfig {
   int ffn_mult = 4;           // F = ffn_mult * H
   float rope_theta = 10000.0f;
   float ln_eps = 1e-5f;
+  bool causal = true;         // false: bidirectional attention (every query sees every key)
 
   int head_size() const { return hidden / heads; }  // A
   int ffn() const { return ffn_mult * hidden; }     // F
@@ -38,7 +39,8 @@ std::vector<std::string> preset_names();
 // Throws sppo::Error listing the presets when the name is unknown.
 ModelConfig preset(const std::string& name);
 
-// The `sppo grads` config.json fields: vocab, hidden, layers, heads, ffn_mult, rope_theta, ln_eps.
+// The `sppo grads` config.json fields: vocab, hidden, layers, heads, ffn_mult, rope_theta, ln_eps,
+// and "attention": "bidirectional" for a bidirectional model (absent: causal).
 nlohmann::json to_json(const ModelConfig& c);
 ModelConfig model_config_from_json(const nlohmann::json& j);
 

@@ -91,49 +91,101 @@ HeadWorkspace head_workspace_from(const std::vector<void*>& t, int chunk, Worksp
   return {t[0], f(t[1]), f(t[2]), f(t[3]), f(t[4]), t.size() == 6 ? t[5] : t[3], chunk, scratch};
 }
 
-namespace {
+std::vector<PosSpan> Subseq::parts() const {
+  if (spans.empty()) return {{offset, T, 0}};
+  return spans;
+}
 
-AttnShape attn_shape(const ModelConfig& c, const Subseq& q) {
+AttnShape span_shape(const ModelConfig& c, const PosSpan& p) {
   AttnShape d;
-  d.Tq = q.T;
+  d.Tq = p.rows;
   d.Z = c.heads;
   d.A = c.head_size();
-  d.q_pos0 = q.offset;
+  d.q_pos0 = c.causal ? p.pos0 : kAfterEveryKey;
   d.ldq = d.ldk = d.ldv = d.ldo = c.hidden;
   return d;
 }
 
-// The KV blocks a subsequence's queries attend to, in position order: the earlier
-// subsequences' blocks, then its own keys k_self/v_self (gradients dk_self/dv_self).
+namespace {
+
+// The KV blocks a span of queries attends to, in position order: the earlier subsequences'
+// blocks, then the block's own keys (k_self/v_self, gradients dk_self/dv_self), one block
+// per own span that starts at or before the queries' last position.
 std::vector<KVRef> kv_blocks(const KVBlocks& past, const void* k_self, const void* v_self, float* dk_self,
-                             float* dv_self, const Subseq& q) {
+                             float* dv_self, const Subseq& q, const PosSpan& queries, const ModelConfig& c,
+                             DType a) {
   std::vector<KVRef> blocks;
-  blocks.reserve(past.k.size() + 1);
+  blocks.reserve(past.k.size() + 2);
   for (size_t j = 0; j < past.k.size(); ++j)
     blocks.push_back({past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr,
                       j < past.dv.size() ? past.dv[j] : nullptr, int(past.lengths[j]), past.offsets[j]});
-  blocks.push_back({k_self, v_self, dk_self, dv_self, q.T, q.offset});
+  const i64 H = c.hidden;
+  for (const PosSpan& own : q.parts()) {
+    if (own.pos0 > last_seen(c, queries)) continue;  // entirely after the queries
+    const i64 at = i64(own.row0) * H;
+    blocks.push_back({act_at(k_self, at, a), act_at(v_self, at, a), dk_self ? dk_self + at : nullptr,
+                      dv_self ? dv_self + at : nullptr, own.rows, own.pos0});
+  }
   return blocks;
 }
 
 }  // namespace
 
+void LocalAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q,
+                             const Workspace& scratch) {
+  const DType a = be.act();
+  const i64 H = c.hidden;
+  // Every earlier block and the diagonal one in one call per span: one online softmax, no merge.
+  for (const PosSpan& part : q.parts()) {
+    const i64 at = i64(part.row0) * H;
+    be.attention_forward(act_at(s.attn_out, at, a), s.lse + i64(c.heads) * part.row0, act_at(s.q, at, a),
+                         kv_blocks(past_, s.k, s.v, nullptr, nullptr, q, part, c, a), span_shape(c, part), scratch);
+  }
+}
+
+void LocalAttention::backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s,
+                              float* dk_self, float* dv_self, const ModelConfig& c, const Subseq& q,
+                              const Workspace& scratch) {
+  const DType a = be.act();
+  const int T = q.T, H = c.hidden;
+  be.zero_cols(dqkv, T, H, 3 * H, 0);
+  // Queries read from s.q (stride H); dq written with stride 3H: the kernel takes one ldq
+  // for both, so run with q copied into the dq columns' layout.
+  void* q3 = act_at(dqkv, H, a);  // columns H..2H-1 are free until dk is written
+  be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
+  for (const PosSpan& part : q.parts()) {
+    AttnShape d = span_shape(c, part);
+    d.ldq = 3 * H;
+    const i64 row3 = i64(part.row0) * 3 * H, z0 = i64(c.heads) * part.row0;
+    be.attention_backward(act_at(dqkv, row3, a), act_at(dout, i64(part.row0) * H, a), act_at(q3, row3, a),
+                          kv_blocks(past_, s.k, s.v, dk_self, dv_self, q, part, c, a), s.lse + z0, delta + z0, d,
+                          scratch);
+  }
+}
+
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, const KVBlocks& past, const ModelConfig& c, const Subseq& q) {
+  LocalAttention attn(past);
+  block_forward(be, x_out, s, p, m, w, attn, c, q);
+}
+
+void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
+                   const BlockWorkspace& w, BlockAttention& attn, const ModelConfig& c, const Subseq& q) {
   const int T = q.T, H = c.hidden, F = c.ffn();
   const i64 TH = i64(T) * H;
   const DType a = be.act();
   // Attention half: x_mid = x + out(attn(rope(qkv(LN1(x)))))
   be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T, H, c.ln_eps);
   be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, 3 * H, 0, 0);
-  be.rope_forward(w.qkv, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);                 // q
-  be.rope_forward(act_at(w.qkv, H, a), T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);  // k
+  for (const PosSpan& part : q.parts()) {
+    void* rows = act_at(w.qkv, i64(part.row0) * 3 * H, a);
+    be.rope_forward(rows, part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);                 // q
+    be.rope_forward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);  // k
+  }
   be.copy_cols(s.q, w.qkv, T, H, 3 * H, 0);
   be.copy_cols(s.k, w.qkv, T, H, 3 * H, H);
   be.copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
-  // Every earlier block and the diagonal one in one call: one online softmax, no merge.
-  be.attention_forward(s.attn_out, s.lse, s.q, kv_blocks(past, s.k, s.v, nullptr, nullptr, q), attn_shape(c, q),
-                       w.scratch);
+  attn.forward(be, s, c, q, w.scratch);
   be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, H, H, 0, 0);
   be.add_inplace(s.x_mid, s.x, TH);
   // MLP half: x_out = x_mid + proj(gelu(fc(LN2(x_mid))))
@@ -147,6 +199,13 @@ void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p
 void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
                     const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, const KVBlocks& past,
                     const ModelConfig& c, const Subseq& q) {
+  LocalAttention attn(past);
+  block_backward(be, d, g, dk_self, dv_self, s, p, m, w, attn, c, q);
+}
+
+void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
+                    const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
+                    const ModelConfig& c, const Subseq& q) {
   const int T = q.T, H = c.hidden, F = c.ffn();
   const DType a = be.act();
   // MLP half. d is the gradient w.r.t. x_out = x_mid + proj(gelu(fc_pre)).
@@ -158,23 +217,21 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
   be.layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H, w.scratch);
   // Attention half. d is now the gradient w.r.t. x_mid = x + out(attn_out).
   be.linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, m.out_w, T, H, H, 0, 0, w.scratch);
-  const AttnShape self = attn_shape(c, q);
-  be.attention_backward_delta(w.delta, w.d_tmp, s.attn_out, self);
-  void* dqkv = w.qkv;  // [T, 3H]: dq accumulates in columns 0..H-1
-  be.zero_cols(dqkv, T, H, 3 * H, 0);
-  AttnShape dq_self = self;
-  dq_self.ldq = 3 * H;
-  // Queries read from s.q (stride H); dq written with stride 3H: the kernel takes one ldq
-  // for both, so run with q copied into the dq columns' layout.
-  void* q3 = act_at(w.qkv, H, a);  // columns H..2H-1 are free until dk is written below
-  be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
-  be.attention_backward(dqkv, w.d_tmp, q3, kv_blocks(past, s.k, s.v, dk_self, dv_self, q), s.lse, w.delta, dq_self,
-                        w.scratch);
+  for (const PosSpan& part : q.parts()) {
+    const i64 at = i64(part.row0) * H;
+    be.attention_backward_delta(w.delta + i64(c.heads) * part.row0, act_at(w.d_tmp, at, a),
+                                act_at(s.attn_out, at, a), span_shape(c, part));
+  }
+  void* dqkv = w.qkv;  // [T, 3H]
+  attn.backward(be, dqkv, w.d_tmp, w.delta, s, dk_self, dv_self, c, q, w.scratch);
   // dK/dV of this subsequence are complete: every later subsequence has contributed.
   be.put_cols(dqkv, dk_self, true, T, H, 3 * H, H);
   be.put_cols(dqkv, dv_self, true, T, H, 3 * H, 2 * H);
-  be.rope_backward(dqkv, T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
-  be.rope_backward(act_at(dqkv, H, a), T, c.heads, c.head_size(), q.offset, c.rope_theta, 3 * H);
+  for (const PosSpan& part : q.parts()) {
+    void* rows = act_at(dqkv, i64(part.row0) * 3 * H, a);
+    be.rope_backward(rows, part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
+    be.rope_backward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
+  }
   be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, m.qkv_w, T, H, 3 * H, 0, 0, w.scratch);
   be.layernorm_backward(d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, H, w.scratch);
 }

@@ -107,19 +107,83 @@ struct KVBlocks {
   std::vector<i64> offsets, lengths;
 };
 
-struct Subseq {
-  i64 offset = 0;  // o
-  int T = 0;       // tokens in this subsequence
+// A run of consecutive positions: rows [row0, row0 + rows) of a block hold positions
+// pos0 .. pos0 + rows - 1.
+struct PosSpan {
+  i64 pos0 = 0;
+  int rows = 0;
+  int row0 = 0;
 };
 
+// The tokens one block call works on: a subsequence (or a contiguous ring piece) of T
+// tokens from position `offset`, or, when `spans` is set, several runs of positions (a
+// zigzag ring piece: chunks r and 2R-1-r), their rows in span order. Per-token work runs
+// over all T rows at once; RoPE and attention run per span. The LSE and delta of a block
+// are laid out per span: span j's [Z, rows_j] starts at Z * row0_j.
+struct Subseq {
+  Subseq() = default;
+  Subseq(i64 o, int t) : offset(o), T(t) {}
+  i64 offset = 0;  // o: position of row 0
+  int T = 0;       // tokens in this subsequence (or piece)
+  std::vector<PosSpan> spans;  // empty: one span {offset, T, 0}
+  std::vector<PosSpan> parts() const;
+};
+
+// How a block's queries reach the keys they attend to. The block computes its own q, k, v
+// and hands them to forward(); block_backward hands the gradient of attn_out to backward().
+// LocalAttention is the one-process case (the earlier subsequences' KV blocks are on this
+// device); ring attention (runtime/ring.h) reaches the keys of other ranks.
+class BlockAttention {
+ public:
+  virtual ~BlockAttention() = default;
+  // s.attn_out and s.lse of the queries s.q over every key they see (s.k, s.v: this block's own).
+  virtual void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) = 0;
+  // dq into columns [0, H) of dqkv [T, 3H] (overwritten; columns [H, 3H) are free scratch
+  // until the caller writes dK, dV there), from dout [T, H] = d attn_out and delta (laid out
+  // as the LSE). dk_self, dv_self [T, H] and every earlier block's accumulators accumulate;
+  // this block's are complete on return.
+  virtual void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s,
+                        float* dk_self, float* dv_self, const ModelConfig& c, const Subseq& q,
+                        const Workspace& scratch) = 0;
+};
+
+class LocalAttention final : public BlockAttention {
+ public:
+  explicit LocalAttention(const KVBlocks& past) : past_(past) {}
+  void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override;
+  void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s, float* dk_self,
+                float* dv_self, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override;
+
+ private:
+  const KVBlocks& past_;
+};
+
+// The attention kernels mask by position (a key is seen by queries at or after it). A
+// bidirectional model's queries are placed after every key for the kernels, so that every
+// key is seen; RoPE still uses the true positions.
+inline constexpr i64 kAfterEveryKey = i64{1} << 40;
+// The last key position that the queries of span p see.
+inline i64 last_seen(const ModelConfig& c, const PosSpan& p) {
+  return c.causal ? p.pos0 + p.rows - 1 : kAfterEveryKey;
+}
+
+// The AttnShape of one span of a block's queries (strides H).
+AttnShape span_shape(const ModelConfig& c, const PosSpan& p);
+
 // x_out[T, H] = block(s.x). Fills every tensor of `s` (x must already hold the input).
-// `past` holds the KV blocks of j < i; this subsequence's own k/v are s.k, s.v.
+// `attn` reaches the keys; the KVBlocks form attends to `past` (the KV blocks of j < i) and
+// this subsequence's own k/v (s.k, s.v) on this device.
+void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
+                   const BlockWorkspace& w, BlockAttention& attn, const ModelConfig& c, const Subseq& q);
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, const KVBlocks& past, const ModelConfig& c, const Subseq& q);
 
 // d[T, H]: in the gradient w.r.t. the block output, out w.r.t. its input. dk_self/dv_self
 // [T, H] are this subsequence's dK/dV accumulators: on entry they hold the contributions of
 // later subsequences (or zeros); on exit they are complete. past.dk/dv accumulate.
+void block_backward(Backend& be, void* d, BlockParams& grads, float* dk_self, float* dv_self, const BlockSaved& s,
+                    const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
+                    const ModelConfig& c, const Subseq& q);
 void block_backward(Backend& be, void* d, BlockParams& grads, float* dk_self, float* dv_self, const BlockSaved& s,
                     const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, const KVBlocks& past,
                     const ModelConfig& c, const Subseq& q);

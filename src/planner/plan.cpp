@@ -10,6 +10,11 @@
 
 namespace sppo::plan {
 
+std::string sp_kind(const Plan& p) {
+  if (p.system == "deepspeed") return "ulysses";
+  return "ring";
+}
+
 nlohmann::json to_json(const Plan& p) {
   nlohmann::json j = {
       {"system", p.system},
@@ -20,6 +25,7 @@ nlohmann::json to_json(const Plan& p) {
       {"gpus", p.gpus},
       {"gpus_per_node", p.gpus_per_node},
       {"sp", p.sp},
+      {"sp_kind", sp_kind(p)},
       {"pp", p.pp},
       {"dp", p.dp},
       {"tp", p.tp},

@@ -27,7 +27,7 @@ struct Plan {
   i64 seq_len = 0;                // S per replica
   int gpus = 1;
   int gpus_per_node = 1;
-  int sp = 1, pp = 1, dp = 1, tp = 1;  // tp: megatron only
+  int sp = 1, pp = 1, dp = 1, tp = 1;  // tp: megatron only; sp: of the kind sp_kind() names
   int subseqs = 1;                // N (megatron: 1; deepspeed: FPDT chunks)
   std::vector<i64> lengths;
   std::vector<double> alpha;
@@ -46,6 +46,11 @@ struct Plan {
 // schedule per device.
 inline constexpr int kMaxPlanDevices = 1 << 20;
 
+// What a plan's `sp` is (the plan JSON's "sp_kind"): "ring" for SPPO and Megatron-LM,
+// context parallelism with ring attention (SPPO's runs as `train --cp`, weights replicated
+// over the ring); "ulysses" for DeepSpeed, all-to-all between sequence and head splits.
+// Megatron-LM's tensor parallelism with sequence-parallel regions is its `tp`.
+std::string sp_kind(const Plan& p);
 nlohmann::json to_json(const Plan& p);
 // Throws sppo::Error naming the missing or inconsistent field.
 Plan plan_from_json(const nlohmann::json& j);

@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "runtime/fault.h"
+#include "runtime/ring.h"
 
 namespace sppo {
 
@@ -50,6 +51,19 @@ bool is_hidden_message(const sched::Op& op) {
 
 constexpr std::size_t kNever = std::size_t(-1);
 
+// The rows of subsequence i that `piece` of `pieces` holds, at their global positions.
+Subseq rows_of(const sched::Schedule& sc, int i, int piece, int pieces) {
+  const i64 o = sc.offset(i);
+  if (pieces == 1) return Subseq{o, int(sc.lengths[i])};
+  Subseq q;
+  for (const auto& [b, e] : sched::piece_spans(sc.lengths[i], piece, pieces, sc.ring_layout)) {
+    q.spans.push_back({o + b, int(e - b), q.T});
+    q.T += int(e - b);
+  }
+  q.offset = q.spans.front().pos0;
+  return q;
+}
+
 // The kernels' scratch for one layer (or the head), from the device tier; none when the
 // size is zero (the kernels then allocate their own).
 class KernelScratchBuffer {
@@ -72,6 +86,8 @@ struct Runtime::StepState {
   const std::int32_t* tokens = nullptr;
   StepControl control;
   i64 S = 0;
+  i64 predicted = 0;                   // positions whose token is predicted (the loss's mean)
+  const std::int32_t* targets = nullptr;  // on the device: [S] target of every position
   int N = 0;
   double t_start = 0;
   std::vector<std::vector<std::vector<Buffer>>> dev;   // [N][L][kSavedTensors] device copies
@@ -85,6 +101,9 @@ struct Runtime::StepState {
   Buffer loss_sum;                                     // one double on the device
   StepResult* result = nullptr;
   std::unique_ptr<CopyStream> d2h, h2d;
+  // The rows this rank holds of each subsequence: the whole of it, or its ring piece.
+  std::vector<Subseq> rows;                            // [N]
+  int ring_piece = 0;                                  // this rank's piece of every subsequence (ring > 1)
 
   // Hidden states from the previous stage (gradients from the next), received before
   // their F (B), and the ones this stage produced, waiting for their Send.
@@ -258,14 +277,55 @@ void Runtime::reduce(StepState& st, const sched::Op& op, std::size_t index) {
     st.result->trace.push_back({"wait " + sched::to_string(op), op.kind, Lane::Compute, t0 - st.t_start, now_s() - t0});
 }
 
-void Runtime::forward(StepState& st, const sched::Op& op) {
+KVBlocks Runtime::past_blocks(StepState& st, int l, int i, bool grads) {
+  KVBlocks past;
+  const i64 H = config_.hidden;
+  for (int j = 0; j < i; ++j)
+    for (const PosSpan& part : st.rows[j].parts()) {
+      const i64 at = i64(part.row0) * H;
+      past.k.push_back(act_at(st.dev[j][l][5].data(), at, act_));
+      past.v.push_back(act_at(st.dev[j][l][6].data(), at, act_));
+      if (grads) {
+        past.dk.push_back(st.dk[l][j].f32() + at);
+        past.dv.push_back(st.dv[l][j].f32() + at);
+      }
+      past.offsets.push_back(part.pos0);
+      past.lengths.push_back(part.rows);
+    }
+  return past;
+}
+
+std::unique_ptr<BlockAttention> Runtime::attention(StepState& st, const sched::Op& op, int l, const KVBlocks& past) {
+  if (op.pieces == 1) return std::make_unique<LocalAttention>(past);
+  // A ring piece: the ring's members are consecutive ranks in piece order
+  // (sched::PipelineSpec::rank_of).
   const auto& sc = *st.sched;
+  const int R = op.pieces, i = op.subseq;
+  RingContext ctx;
+  ctx.comm = opts_.comm;
+  for (int h = 0; h < R; ++h) {
+    ctx.members.push_back(opts_.rank - op.piece + h);
+    ctx.spans.push_back(rows_of(sc, i, h, R).parts());
+    i64 first = rows_of(sc, i, h, R).parts().front().pos0;
+    for (int j = 0; j < i; ++j) first = std::min(first, rows_of(sc, j, h, R).parts().front().pos0);
+    ctx.first_key.push_back(first);
+  }
+  ctx.me = op.piece;
+  ctx.subseq = i;
+  ctx.layer = l;
+  ctx.causal = config_.causal;
+  ctx.device = device_.get();
+  ctx.waited_s = &st.result->ring_wait_s;
+  if (opts_.ring_rsa) return std::make_unique<RsaAttention>(ctx);
+  return std::make_unique<RingAttention>(ctx, past);
+}
+
+void Runtime::forward(StepState& st, const sched::Op& op) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
-  const int T = int(sc.lengths[i]), H = config_.hidden, L = config_.layers;
-  const i64 o = sc.offset(i);
-  const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data()) + o;
+  const Subseq& q = st.rows[i];
+  const int T = q.T, H = config_.hidden, L = config_.layers;
+  const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
   const auto specs = block_saved_specs(config_, T, precision_);
-  Subseq q{o, T};
   if (b > 0) {  // the previous stage's output is this stage's first saved input
     auto& in = st.in_hidden[i];
     SPPO_ASSERT_MSG(in.buf, "forward of layers from " << b << " on subseq " << i << " without its input");
@@ -277,7 +337,10 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     auto& unit = st.dev[i][l];
     for (int k = 0; k < kSavedTensors; ++k)
       if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
-    if (l == 0) be_.embedding_forward(unit[0].data(), ids, weights_.embed, T, H, config_.vocab);
+    if (l == 0)
+      for (const PosSpan& part : q.parts())
+        be_.embedding_forward(act_at(unit[0].data(), i64(part.row0) * H, act_), ids + part.pos0, weights_.embed,
+                              part.rows, H, config_.vocab);
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     // The block's output is the next block's saved input, or the stage's output.
@@ -289,16 +352,11 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       out = device_->alloc(specs[0].bytes(), e == L ? "final hidden" : "hidden for the next stage");
       x_out = out.data();
     }
-    KVBlocks past;
-    for (int j = 0; j < i; ++j) {
-      past.k.push_back(st.dev[j][l][5].data());
-      past.v.push_back(st.dev[j][l][6].data());
-      past.offsets.push_back(sc.offset(j));
-      past.lengths.push_back(sc.lengths[j]);
-    }
+    const KVBlocks past = past_blocks(st, l, i, false);
+    const auto attn = attention(st, op, l, past);
     BlockSaved saved = block_saved_from(ptrs(unit));
     block_forward(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l],
-                  block_workspace_from(ptrs(ws), scratch.get()), past, config_, q);
+                  block_workspace_from(ptrs(ws), scratch.get()), *attn, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
     scratch = {};
@@ -314,18 +372,20 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
   const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get());
   st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
-  head_forward_backward(be_, st.head_grad[i].data(), static_cast<double*>(st.loss_sum.data()), out.data(), ids + 1,
-                        weights_, matrices_, dweights_, hw, config_, T, st.S);
-  be_.to_host(st.result->losses.data() + o, hw.losses, sizeof(float) * std::size_t(T));
+  for (const PosSpan& part : q.parts()) {
+    const i64 at = i64(part.row0) * H;
+    head_forward_backward(be_, act_at(st.head_grad[i].data(), at, act_), static_cast<double*>(st.loss_sum.data()),
+                          act_at(out.data(), at, act_), st.targets + part.pos0, weights_, matrices_, dweights_, hw,
+                          config_, part.rows, st.predicted);
+    be_.to_host(st.result->losses.data() + part.pos0, hw.losses, sizeof(float) * std::size_t(part.rows));
+  }
 }
 
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
-  const auto& sc = *st.sched;
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
-  const int T = int(sc.lengths[i]), H = config_.hidden, L = config_.layers;
-  const i64 o = sc.offset(i);
+  const Subseq& q = st.rows[i];
+  const int T = q.T, H = config_.hidden, L = config_.layers;
   const auto specs = block_saved_specs(config_, T, precision_);
-  Subseq q{o, T};
   // The residual gradient: the head's on the last stage, else the next stage's.
   Buffer d_buf = e == L ? std::move(st.head_grad[i]) : std::move(st.in_grad[i].buf);
   st.in_grad[i] = {};
@@ -337,7 +397,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use.
     for (int j = 0; j <= i; ++j)
       if (!st.dk[l][j]) {
-        const i64 bytes = sc.lengths[j] * H * i64(sizeof(float));
+        const i64 bytes = i64(st.rows[j].T) * H * i64(sizeof(float));
         st.dk[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dK");
         st.dv[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dV");
       }
@@ -345,28 +405,21 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
-    KVBlocks past;
-    for (int j = 0; j < i; ++j) {
-      past.k.push_back(st.dev[j][l][5].data());
-      past.v.push_back(st.dev[j][l][6].data());
-      past.dk.push_back(st.dk[l][j].f32());
-      past.dv.push_back(st.dv[l][j].f32());
-      past.offsets.push_back(sc.offset(j));
-      past.lengths.push_back(sc.lengths[j]);
-    }
+    const KVBlocks past = past_blocks(st, l, i, true);
+    const auto attn = attention(st, op, l, past);
     if (opts_.recompute) {
       for (int k = 1; k < kSavedTensors; ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       Buffer out = device_->alloc(specs[0].bytes(), "recomputed block output");
       BlockSaved s = block_saved_from(ptrs(unit));
-      block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, past, config_, q);
+      block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, *attn, config_, q);
     }
     for (int k = 0; k < kSavedTensors; ++k)
       SPPO_ASSERT_MSG(unit[k], "saved tensor " << specs[k].name << " of layer " << l
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));
     block_backward(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
-                   matrices_.blocks[l], w, past, config_, q);
+                   matrices_.blocks[l], w, *attn, config_, q);
     for (auto& buf : unit) buf.reset();
     st.dk[l][i].reset();
     st.dv[l][i].reset();
@@ -380,7 +433,10 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     st.out_grad[i] = std::move(d_buf);
     return;
   }
-  be_.embedding_backward(dweights_.embed, d, static_cast<const std::int32_t*>(st.ids.data()) + o, T, H, config_.vocab);
+  const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());
+  for (const PosSpan& part : q.parts())
+    be_.embedding_backward(dweights_.embed, act_at(d, i64(part.row0) * H, act_), ids + part.pos0, part.rows, H,
+                           config_.vocab);
 }
 
 void Runtime::offload(StepState& st, int i, double fraction) {
@@ -444,12 +500,22 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   SPPO_CHECK(!opts_.recompute || sc.lengths.size() == 1, "runtime")
       << "full recomputation runs the whole sequence at once; use --subseqs 1";
   const auto& ops = sc.ops.at(opts_.rank);
+  SPPO_CHECK(config_.causal || sc.lengths.size() == 1, "runtime")
+      << "a bidirectional model attends to later positions, which subsequences computed one after another cannot "
+         "give; use --subseqs 1";
+  SPPO_CHECK(!opts_.ring_rsa || (!config_.causal && act_ == DType::F32), "runtime")
+      << "the two-pass RSA ring is for bidirectional models in fp32; use --ring flash";
+  SPPO_CHECK(sc.ring == 1 || (opts_.comm && !opts_.recompute), "runtime")
+      << "ring attention needs its ranks (mpirun) and cannot recompute";
   for (const sched::Op& op : ops) {
     const bool message = op.kind == sched::OpKind::Send || op.kind == sched::OpKind::Recv;
-    const bool supported = op.pieces == 1 && op.kind != sched::OpKind::RingStep && (!message || is_hidden_message(op));
+    // Ring pieces run (one per ring member); pieces of a subsequence split over several
+    // stage groups (MSP) do not yet.
+    const bool piece_ok = op.pieces == 1 || (op.pieces == sc.ring && op.piece < sc.ring);
+    const bool supported = piece_ok && (!message || is_hidden_message(op));
     SPPO_CHECK(supported, "runtime") << "op '" << sched::to_string(op)
-                                     << "' belongs to sequence parallelism or MSP, which the runtime does not run "
-                                        "yet; use a layout with sp 1 and MSP off";
+                                     << "' belongs to multiplexed sequence partitioning (MSP), which the runtime "
+                                        "does not run yet; use --msp off";
   }
 
   StepResult result;
@@ -490,6 +556,10 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.out_grad.resize(N);
   for (const auto& s : block_saved_specs(config_, 1, precision_)) st.roles.push_back(s.role);
   SPPO_ASSERT(int(st.roles.size()) == kSavedTensors);
+  st.rows.resize(N);
+  for (int i = 0; i < N; ++i) st.rows[i] = rows_of(sc, i, 0, 1);
+  for (const sched::Op& op : ops)
+    if (op.kind == sched::OpKind::Forward) st.rows[op.subseq] = rows_of(sc, op.subseq, op.piece, op.pieces);
   st.result = &result;
   result.has_loss = le_ == L;
   result.losses.assign(std::size_t(result.has_loss ? st.S : 0), 0.0f);
@@ -530,8 +600,22 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
   // The step's token ids and loss sum live on the device for the step (memory rules:
   // step_input_bytes).
-  st.ids = device_->alloc(i64(sizeof(std::int32_t)) * (st.S + 1), "token ids");
-  be_.to_device(st.ids.data(), tokens, sizeof(std::int32_t) * std::size_t(st.S + 1));
+  // A causal model's targets are its inputs shifted by one; a bidirectional model's
+  // (masked tokens) come beside them.
+  SPPO_CHECK(config_.causal == (control.targets == nullptr), "runtime")
+      << (config_.causal ? "a causal model predicts the next token; masked-token targets need --attention bidirectional"
+                         : "a bidirectional model trains on masked tokens (--objective mlm), which need targets");
+  const i64 ids_count = config_.causal ? st.S + 1 : 2 * st.S;
+  st.ids = device_->alloc(i64(sizeof(std::int32_t)) * ids_count, "token ids");
+  be_.to_device(st.ids.data(), tokens, sizeof(std::int32_t) * std::size_t(config_.causal ? st.S + 1 : st.S));
+  st.targets = static_cast<const std::int32_t*>(st.ids.data()) + (config_.causal ? 1 : st.S);
+  st.predicted = st.S;
+  if (control.targets) {
+    be_.to_device(static_cast<std::int32_t*>(st.ids.data()) + st.S, control.targets,
+                  sizeof(std::int32_t) * std::size_t(st.S));
+    st.predicted = std::count_if(control.targets, control.targets + st.S, [](std::int32_t t) { return t != kNoTarget; });
+    SPPO_CHECK(st.predicted > 0, "runtime") << "no position of the sequence is predicted (every target is masked out)";
+  }
   st.loss_sum = device_->alloc_zeroed(i64(sizeof(double)), "loss sum");
   device_->reset_peak();
   // An allocation over the budget first waits for the sends that will free bytes.
@@ -598,7 +682,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         if (control.reduce) reduce(st, op, k);
         break;
       case sched::OpKind::RingStep:
-        SPPO_ASSERT(false);  // refused above
+        break;  // ring attention runs inside each layer of F and B (runtime/ring.h)
     }
     poll(st);
   }
@@ -613,6 +697,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.h2d->synchronize();
   result.step_s = now_s() - t_start;
   result.exposed_copy_s += device_->release_wait_s();
+  result.comm_wait_s += result.ring_wait_s;
   for (int i = 0; i < N; ++i) {
     if (st.offload_first[i])
       span("O" + std::to_string(i), sched::OpKind::Offload, Lane::CopyOut, st.offload_first[i]->start_s(),
@@ -636,7 +721,8 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   double loss_sum = 0;
   be_.to_host(&loss_sum, st.loss_sum.data(), sizeof loss_sum);
-  result.loss = loss_sum / double(st.S);
+  result.loss = loss_sum / double(st.predicted);
+  result.predicted = st.predicted;
   result.device = device_->stats();
   return result;
 }

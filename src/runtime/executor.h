@@ -12,6 +12,12 @@
 // and frees K_i, V_i, dK_i, dV_i and the unit of (l, i) when layer l of subsequence i is
 // done.
 //
+// Ring attention (context parallelism): in a schedule with ring > 1, each F/B op of a ring
+// piece works on this rank's rows of the subsequence (contiguous or zigzag spans), and each
+// layer's attention runs round the ring (runtime/ring.h); the RingStep ops that the
+// simulator prices are the steps taken inside those layers, so the runtime passes over
+// them.
+//
 // Messages: a Recv of hidden states (or their gradients) is posted, with its buffer from
 // the device tier, when the compute op before it starts, and waited for where the program
 // reaches it; a Send starts when reached, and its buffer is released when it completes.
@@ -54,6 +60,9 @@ struct RuntimeOptions {
   // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;
   Backend* backend = nullptr;  // null: a CPU backend of the runtime's own
+  // Ring pieces attend by the two-pass Ring Self-Attention (RsaAttention; bidirectional
+  // models) instead of the one-pass ring.
+  bool ring_rsa = false;
 };
 
 // One span of the step's timeline: the op that ran, on which lane, when.
@@ -67,13 +76,15 @@ struct TraceSpan {
 };
 
 struct StepResult {
-  double loss = 0;                // mean cross-entropy over the S predicted tokens (last stage)
+  double loss = 0;                // mean cross-entropy over the predicted tokens (last stage)
+  i64 predicted = 0;              // how many: S, or the masked positions of a masked-token step
   bool has_loss = false;          // this rank holds the LM head, so loss and losses are set
   std::vector<float> losses;      // [S] per-position losses
   MemoryStats device;             // device tier over the step (peak = high-water mark)
   i64 offloaded_bytes = 0;        // bytes copied to the host tier during the step
   double exposed_copy_s = 0;      // compute time spent waiting on copies
   double comm_wait_s = 0;         // compute time spent waiting on messages and reductions
+  double ring_wait_s = 0;         // the part of it inside F and B ops, on ring attention's messages
   double compute_s = 0;           // time in F and B ops
   double step_s = 0;              // wall time of the step
   double start_s = 0;             // steady-clock time the step started (aligns ranks' traces)
@@ -85,6 +96,10 @@ struct StepResult {
 struct StepControl {
   bool accumulate = false;  // add to the gradients instead of zeroing them first
   bool reduce = true;       // run the schedule's AllReduce ops (the last micro-batch only)
+  // A bidirectional model's masked-token targets [S] for the inputs tokens[0..S) (kNoTarget
+  // where a position is not predicted); null for a causal model, whose targets are the
+  // next tokens.
+  const std::int32_t* targets = nullptr;
 };
 
 // A contiguous run of parameters reduced as one message: the embedding, one layer, or the
@@ -140,13 +155,19 @@ class Runtime {
   const RuntimeOptions& options() const { return opts_; }
 
   // One forward/backward of this rank's ops over S + 1 tokens (inputs tokens[0..S),
-  // targets tokens[1..S]). Gradients are zeroed first (unless accumulating) and hold the
+  // targets tokens[1..S]), or, for a bidirectional model, inputs tokens[0..S) and
+  // control.targets. Gradients are zeroed first (unless accumulating) and hold the
   // gradient of the mean loss of this sequence afterwards, reduced over the schedule's
   // groups when control.reduce.
   StepResult step(const sched::Schedule& s, const std::int32_t* tokens, const StepControl& control = {});
 
  private:
   struct StepState;
+  // The KV blocks of this rank's rows of subsequences j < i at layer l (with their dK/dV
+  // accumulators when grads), one per span.
+  KVBlocks past_blocks(StepState& st, int l, int i, bool grads);
+  // How F/B op's queries reach their keys at layer l: on this rank, or round its ring.
+  std::unique_ptr<BlockAttention> attention(StepState& st, const sched::Op& op, int l, const KVBlocks& past);
   void forward(StepState& st, const sched::Op& op);
   void backward(StepState& st, const sched::Op& op, std::size_t index);
   void offload(StepState& st, int i, double fraction);

@@ -39,7 +39,7 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
   const i64 acc = 2 * i64(c.hidden) * rules.accum_bytes * S;            // dK, dV
   const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p)) + rules.head_scratch.bytes(S);
   const i64 fixed = param_count(c, 0, L, true, true) * (rules.param_state_bytes + rules.weight_copy_bytes) +
-                    step_input_bytes(S);
+                    step_input_bytes(c, S);
   i64 peak = 0;
   // Forward of layer l: the inputs kept so far, its saved tensors, workspace and output.
   for (int l = 0; l < L; ++l) peak = std::max(peak, l * x + saved + ws + x);
@@ -91,7 +91,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
     fixed_terms_[int(MemTerm::Gradients)] = params * rules.grad_bytes;
     fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
   }
-  fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(s.seq_len());
+  fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(rules.model, s.seq_len());
   for (i64 bytes : fixed_terms_) fixed_ += bytes;
 
   // Leases of borrowed weights: each Recv Weights of a layer range that a later one of the
@@ -153,12 +153,33 @@ i64 RankMemory::head_ws(i64 T) const {
          rules_.head_scratch.bytes(T);
 }
 
+// Ring pieces: the ring attention's buffers (runtime/ring.h), bounded as if every member
+// held keys that every span sees. Forward: the R - 1 other pieces' queries, the partial
+// outputs and LSEs received for this piece's rows and those sent for theirs. Backward: their
+// queries, output gradients, LSEs and deltas, partial dq both ways, and this piece's dq.
+// Other pieces are counted at the largest piece's size. MSP pieces (split over several
+// stage groups) hold streamed K, V instead.
+i64 RankMemory::ring_piece_max(const Op& op) const {
+  i64 most = 0;
+  for (int h = 0; h < op.pieces; ++h)
+    most = std::max(most, span_tokens(piece_spans(s_.lengths[op.subseq], h, op.pieces, s_.ring_layout)));
+  return most;
+}
+
 i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
-  return op.pieces > 1 ? 2 * kv_pt_ * T : 0;
+  if (op.pieces <= 1) return 0;
+  if (op.pieces != s_.ring) return 2 * kv_pt_ * T;
+  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(rules_.model.hidden) * rules_.act_bytes(),
+            stats = i64(rules_.model.heads) * i64(sizeof(float));
+  return (R - 1) * (Tm * row + T * (row + stats) + Tm * (row + stats));
 }
 
 i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
-  return op.pieces > 1 ? 2 * (kv_pt_ + acc_pt_) * T : 0;
+  if (op.pieces <= 1) return 0;
+  if (op.pieces != s_.ring) return 2 * (kv_pt_ + acc_pt_) * T;
+  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(rules_.model.hidden) * rules_.act_bytes(),
+            stats = i64(rules_.model.heads) * i64(sizeof(float));
+  return (R - 1) * (Tm * 2 * (row + stats) + T * row + Tm * row) + T * row;
 }
 
 void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term) {

@@ -70,8 +70,10 @@ struct MemoryRules {
 // LayerNorm (and tied head) when `head`.
 i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head);
 
-// The step's inputs on the device: S + 1 token ids (int32) and the loss sum (a double).
-inline i64 step_input_bytes(i64 S) { return (S + 1) * 4 + 8; }
+// The step's inputs on the device: S + 1 token ids (int32; a causal model's targets are its
+// inputs shifted by one), or S inputs and S targets (a bidirectional model's masked-token
+// objective), and the loss sum (a double).
+inline i64 step_input_bytes(const ModelConfig& c, i64 S) { return (c.causal ? S + 1 : 2 * S) * 4 + 8; }
 
 // Parameters whose AdamW state rank `index` of `shards` keeps under ZeRO-1 for layers
 // [b, e): piece `index` of each bucket (the embedding, each layer, the final LayerNorm;
@@ -158,6 +160,7 @@ class RankMemory {
  private:
   i64 tokens_of(const Op& op) const;
   i64 head_ws(i64 T) const;
+  i64 ring_piece_max(const Op& op) const;
   i64 piece_fwd_extra(const Op& op, i64 T) const;
   i64 piece_bwd_extra(const Op& op, i64 T) const;
   void emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term);

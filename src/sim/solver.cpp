@@ -52,13 +52,15 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const Ste
 
 sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
                            const StepShape& shape) {
-  if (shape.pp * shape.dp == 1) return sched::build_single(c.layers, lengths, alpha);
+  if (shape.pp * shape.dp * shape.sp == 1) return sched::build_single(c.layers, lengths, alpha);
   sched::PipelineSpec spec;
   spec.layers = c.layers;
   spec.lengths = lengths;
   spec.alpha = alpha;
   spec.pp = shape.pp;
   spec.dp = shape.dp;
+  spec.sp = shape.sp;
+  spec.ring_layout = shape.ring_layout;
   spec.stage_layers = shape.stage_layers;
   return sched::build_pipeline(spec);
 }

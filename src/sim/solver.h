@@ -42,6 +42,8 @@ struct AlphaResult {
 // of pp stages times dp replicas (no sequence parallelism).
 struct StepShape {
   int pp = 1, dp = 1;
+  int sp = 1;                      // ring attention (context parallel) ranks a stage
+  sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   bool zero = false;               // ZeRO-1 over the replicas
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)

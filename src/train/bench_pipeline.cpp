@@ -30,6 +30,7 @@ struct Row {
   double measured_s = 0, simulated_s = 0;
   double measured_bubble = 0, simulated_bubble = 0;
   std::vector<i64> measured_peak, predicted_peak;
+  std::vector<double> compute_s;  // per rank (median), less waits for ring attention's messages
   i64 offloaded = 0;
 };
 
@@ -40,25 +41,36 @@ double median(std::vector<double> v) {
 
 // Timed steps of one layout: the step time is the slowest rank's, the bubble the mean
 // over ranks of idle over busy compute time.
-Row run(const StepOptions& so, int reps, comm::Comm& world) {
+// `alone`: every rank runs the layout as a one-process job of its own, all at once (the
+// baseline that shares the machine as the ranks do).
+Row run(const StepOptions& so, int reps, comm::Comm& world, bool alone = false) {
   StepSetup s;
-  on_every_rank(world, [&] { s = make_setup(so, &world); });
-  prepare_groups(world, s.schedule);
+  on_every_rank(world, [&] { s = make_setup(so, alone ? nullptr : &world); });
+  if (!alone) prepare_groups(world, s.schedule);
   init_owned(*s.runtime, so.seed);
   const i64 S = so.seq_len;
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
   s.data->next(tokens.data(), S + 1);
+  StepControl control;
+  std::vector<std::int32_t> targets;
+  if (!s.config.causal) {
+    targets = mask_tokens(tokens.data(), S, s.config.vocab, so.seed);
+    control.targets = targets.data();
+  }
   Row row;
   row.simulated_s = s.predicted_step_s;
   row.simulated_bubble = s.predicted_bubble;
   row.predicted_peak = s.predicted_peak_per_rank;
+  if (alone) row.predicted_peak.assign(std::size_t(world.size()), s.predicted_peak_bytes);
   row.measured_peak.assign(std::size_t(world.size()), 0);
+  row.compute_s.assign(std::size_t(world.size()), 0);
   std::vector<double> times, bubbles;
+  std::vector<std::vector<double>> computes(std::size_t(world.size()));
   for (int r = 0; r < reps + 1; ++r) {
-    const StepResult res = s.runtime->step(s.schedule, tokens.data());
+    const StepResult res = s.runtime->step(s.schedule, tokens.data(), control);
     std::vector<double> v(std::size_t(world.size()) * 4, 0.0);
     double* mine = v.data() + std::size_t(world.rank()) * 4;
-    mine[0] = res.step_s, mine[1] = res.compute_s, mine[2] = double(res.device.peak), mine[3] = double(res.offloaded_bytes);
+    mine[0] = res.step_s, mine[1] = res.compute_s - res.ring_wait_s, mine[2] = double(res.device.peak), mine[3] = double(res.offloaded_bytes);
     comm::allreduce_sum(world, v, comm::world_group(world), "the benchmark's step figures");
     if (r == 0) continue;  // warm-up
     double step = 0, bubble = 0;
@@ -68,12 +80,14 @@ Row run(const StepOptions& so, int reps, comm::Comm& world) {
       bubble += x[1] > 0 ? (x[0] - x[1]) / x[1] / world.size() : 0;
       row.measured_peak[std::size_t(k)] = std::max(row.measured_peak[std::size_t(k)], i64(x[2]));
       row.offloaded = std::max(row.offloaded, i64(x[3]));
+      computes[std::size_t(k)].push_back(x[1]);
     }
     times.push_back(step);
     bubbles.push_back(bubble);
   }
   row.measured_s = median(times);
   row.measured_bubble = median(bubbles);
+  for (std::size_t k = 0; k < computes.size(); ++k) row.compute_s[k] = median(computes[k]);
   return row;
 }
 
@@ -163,6 +177,104 @@ nlohmann::json bench_pipeline(const BenchPipelineOptions& o, comm::Comm& world) 
   out["step_time"] = std::move(steps);
   if (o.hardware.empty()) std::filesystem::remove(profile_path);
   return out;
+}
+
+nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
+  SPPO_CHECK(world.size() == kRanks, "bench")
+      << "bench sp runs on " << kRanks << " ranks, not " << world.size()
+      << "; start it without mpirun (it starts its own ranks) or with mpirun -np " << kRanks;
+  SPPO_CHECK(o.reps >= 1, "options") << "--reps must be at least 1 (got " << o.reps << ")";
+  omp_set_num_threads(1);
+  StepOptions base;
+  base.model = preset(o.model);
+  base.model_name = o.model;
+  base.seq_len = parse_count(o.seq_len, "--seq-len");
+  base.data = "repeat";
+  base.threads = 1;
+  base.subseqs = "1";
+  base.offload = "none";
+  std::string profile_path = o.hardware, profile_name = o.hardware;
+  if (o.hardware.empty()) {
+    const plan::HardwareProfile mine = measure_cpu_profile(true);
+    const auto all = comm::allgather_strings(world, plan::to_json(mine).dump(), "rank 0's profile");
+    const plan::HardwareProfile hw = plan::profile_from_json(nlohmann::json::parse(all[0]), "rank 0's profile");
+    profile_path = (std::filesystem::temp_directory_path() / ("sppo-bench-profile-" + std::to_string(getpid()) + ".json")).string();
+    plan::save_profile(hw, profile_path);
+    profile_name = hw.name + " (" + hw.description + ", one thread a rank)";
+  }
+  base.hardware = profile_path;
+  const i64 S = base.seq_len;
+  nlohmann::json out = {{"ranks", kRanks},
+                        {"threads_per_rank", 1},
+                        {"model", o.model},
+                        {"seq_len", S},
+                        {"reps", o.reps},
+                        {"profile", profile_name},
+                        {"kind", "ring (context parallel, one-pass with LSE merge)"}};
+  nlohmann::json rows = nlohmann::json::array();
+  auto add = [&](const std::string& name, i64 seq_len, int cp, const std::string& ring, bool alone,
+                 bool bidirectional = false) {
+    StepOptions so = base;
+    so.seq_len = seq_len;
+    so.cp = cp;
+    so.ring = ring;
+    if (bidirectional) {
+      so.model.causal = false;
+      so.objective = "mlm";
+    }
+    const Row r = run(so, o.reps, world, alone);
+    nlohmann::json j = row_json(r);
+    j["layout"] = name;
+    j["seq_len"] = seq_len;
+    j["tokens_per_rank"] = seq_len / cp;
+    j["compute_s_per_rank"] = r.compute_s;
+    const auto [lo, hi] = std::minmax_element(r.compute_s.begin(), r.compute_s.end());
+    j["compute_imbalance"] = *lo > 0 ? *hi / *lo : 0.0;
+    j["tokens_per_s_per_rank"] = r.measured_s > 0 ? double(seq_len / cp) / r.measured_s : 0.0;
+    rows.push_back(std::move(j));
+  };
+  add("one rank (each rank alone)", S, 1, "zigzag", true);
+  add("cp 2, contiguous", S, 2, "contiguous", false);
+  add("cp 2, zigzag", S, 2, "zigzag", false);
+  add("cp 2, zigzag, 2S (equal tokens per rank)", 2 * S, 2, "zigzag", false);
+  add("bidirectional, cp 2, one-pass ring", S, 2, "flash,contiguous", false, true);
+  add("bidirectional, cp 2, RSA (two-pass)", S, 2, "rsa,contiguous", false, true);
+  const double one = rows[0]["measured_step_time_s"].get<double>();
+  out["speedup_cp2_zigzag_over_one"] = one / rows[2]["measured_step_time_s"].get<double>();
+  out["speedup_cp2_contiguous_over_one"] = one / rows[1]["measured_step_time_s"].get<double>();
+  out["zigzag_over_contiguous_step_time"] =
+      rows[2]["measured_step_time_s"].get<double>() / rows[1]["measured_step_time_s"].get<double>();
+  out["tokens_per_s_per_rank_2S_over_one"] =
+      rows[3]["tokens_per_s_per_rank"].get<double>() / rows[0]["tokens_per_s_per_rank"].get<double>();
+  out["rsa_over_one_pass_step_time"] =
+      rows[5]["measured_step_time_s"].get<double>() / rows[4]["measured_step_time_s"].get<double>();
+  out["rsa_over_one_pass_peak"] = double(rows[5]["measured_peak_device_bytes_per_rank"][0].get<i64>()) /
+                                  double(rows[4]["measured_peak_device_bytes_per_rank"][0].get<i64>());
+  out["ring"] = std::move(rows);
+  if (o.hardware.empty()) std::filesystem::remove(profile_path);
+  return out;
+}
+
+void print_bench_sp(const nlohmann::json& j) {
+  std::printf("sequence parallelism on %d ranks, one thread each: %s, S %lld, profile %s\n%s\n", j["ranks"].get<int>(),
+              j["model"].get<std::string>().c_str(), (long long)j["seq_len"].get<i64>(),
+              j["profile"].get<std::string>().c_str(), j["kind"].get<std::string>().c_str());
+  std::printf("\n| layout | S | tokens a rank | measured s | simulated s | compute max/min | tokens/s a rank | peak a "
+              "rank (measured / predicted) |\n|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : j["ring"])
+    std::printf("| %s | %lld | %lld | %.3f | %.3f | %.2f | %.0f | %s / %s |\n", r["layout"].get<std::string>().c_str(),
+                (long long)r["seq_len"].get<i64>(), (long long)r["tokens_per_rank"].get<i64>(),
+                r["measured_step_time_s"].get<double>(), r["simulated_step_time_s"].get<double>(),
+                r["compute_imbalance"].get<double>(), r["tokens_per_s_per_rank"].get<double>(),
+                format_bytes(double(r["measured_peak_device_bytes_per_rank"][0].get<i64>())).c_str(),
+                format_bytes(double(r["predicted_peak_device_bytes_per_rank"][0].get<i64>())).c_str());
+  std::printf("\nspeedup over one rank at S: cp 2 zigzag %.2fx, cp 2 contiguous %.2fx; zigzag / contiguous step time "
+              "%.3f; tokens/s a rank at 2S over one rank at S: %.3f\n",
+              j["speedup_cp2_zigzag_over_one"].get<double>(), j["speedup_cp2_contiguous_over_one"].get<double>(),
+              j["zigzag_over_contiguous_step_time"].get<double>(), j["tokens_per_s_per_rank_2S_over_one"].get<double>());
+  std::printf("bidirectional, RSA over the one-pass ring: step time %.2fx, peak memory a rank %.2fx (the RSA row's "
+              "prediction leaves out its score rows)\n",
+              j["rsa_over_one_pass_step_time"].get<double>(), j["rsa_over_one_pass_peak"].get<double>());
 }
 
 void print_bench_pipeline(const nlohmann::json& j) {

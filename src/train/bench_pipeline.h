@@ -27,6 +27,15 @@ struct BenchPipelineOptions {
 nlohmann::json bench_pipeline(const BenchPipelineOptions& o, comm::Comm& world);
 void print_bench_pipeline(const nlohmann::json& j);
 
+// `sppo bench sp`: ring attention (context parallelism) on two ranks with one thread each:
+// one rank at S (each rank running alone, at once), cp 2 contiguous and zigzag at S, and
+// cp 2 zigzag at 2S (the same tokens a rank as one rank at S); measured step time (median)
+// beside the simulator's, each rank's compute time (the causal imbalance a contiguous
+// split leaves), and peak memory a rank measured and predicted; and, for a bidirectional
+// model (masked tokens), the two-pass RSA ring beside the one-pass ring at cp 2.
+nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world);
+void print_bench_sp(const nlohmann::json& j);
+
 // Replaces this process with `mpirun -np <ranks> <this program> <args...>` (the consent
 // variables set when running as root); returns only if that cannot start.
 void relaunch_under_mpirun(int ranks, int argc, char** argv);

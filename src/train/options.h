@@ -18,6 +18,7 @@ struct StepOptions {
   std::string data_dtype;             // "u16" / "u32" for raw token files with other names
   int threads = 0;                    // 0 = OpenMP default
   // SPPO on one process
+  std::string objective = "lm";       // lm (next token) | mlm (masked tokens; bidirectional models)
   std::string subseqs = "1";          // N, or "auto"
   std::string partition = "length";   // length | flops | adaptive
   std::string offload = "none";       // none | full | adaptive | <ratio in [0, 1]>
@@ -27,9 +28,11 @@ struct StepOptions {
   std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
   std::string precision;              // fp32 | bf16 ("": the backend's default)
   std::string plan_path;              // --plan PLAN.json: layout, lengths and alpha from a plan
-  // Several processes (mpirun -np pp * dp): rank = replica * pp + stage
+  // Several processes (mpirun -np pp * cp * dp): rank = (replica * pp + stage) * cp + ring
   int pp = 1;                         // pipeline stages
   int dp = 1;                         // data-parallel replicas
+  int cp = 1;                         // context parallel: ring attention over cp ranks a stage
+  std::string ring = "flash,zigzag";  // --ring: the ring's algorithm and its layout
   int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job

@@ -23,20 +23,25 @@ void copy_floats(float* dst, const float* src, i64 n) { std::memcpy(dst, src, st
 
 comm::Group ParallelLayout::stage_group() const {
   comm::Group g;
-  for (int d = 0; d < dp; ++d) g.push_back(rank_of(d, stage()));
+  for (int d = 0; d < dp; ++d)
+    for (int r = 0; r < cp; ++r) g.push_back(rank_of(d, stage(), r));
   return g;
 }
 
-ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world) {
+ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world, int cp) {
   SPPO_CHECK(pp >= 1, "options") << "--pp must be at least 1 (got " << pp << ")";
   SPPO_CHECK(dp >= 1, "options") << "--dp must be at least 1 (got " << dp << ")";
+  SPPO_CHECK(cp >= 1 && cp <= 8, "options") << "--cp must be 1 to 8 (got " << cp << ")";
   SPPO_CHECK(zero == 0 || zero == 1, "options") << "--zero must be 0 or 1 (got " << zero << ")";
-  SPPO_CHECK(pp * dp == world.size(), "options")
-      << "--pp " << pp << " x --dp " << dp << " = " << pp * dp << " ranks, but the job has " << world.size()
+  const int ranks = pp * cp * dp;
+  SPPO_CHECK(ranks == world.size(), "options")
+      << "--pp " << pp << (cp > 1 ? " x --cp " + std::to_string(cp) : std::string()) << " x --dp " << dp << " = "
+      << ranks << " ranks, but the job has " << world.size()
       << (world.size() == 1 ? " (started without mpirun)" : " (mpirun -np " + std::to_string(world.size()) + ")")
-      << "; start it with mpirun -np " << pp * dp << " or change --pp / --dp";
+      << "; start it with mpirun -np " << ranks << " or change --pp / --cp / --dp";
   ParallelLayout l;
   l.pp = pp;
+  l.cp = cp;
   l.dp = dp;
   l.zero = zero;
   l.batch = batch == 0 ? dp : batch;
@@ -135,7 +140,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     if (tied_copy && buckets[k].name == "embed") continue;
     ss += be.sum_squares(g + spans[k].offset, spans[k].count);
   }
-  if (lay.zero == 0 && lay.replica() != 0) ss = 0;
+  if (lay.zero == 0 && (lay.replica() != 0 || lay.ring() != 0)) ss = 0;
   std::vector<double> total{ss};
   comm::allreduce_sum(world, total, comm::world_group(world), "the gradient norm");
   const double norm = std::sqrt(total[0]);
@@ -156,7 +161,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     }
     off += n;
   }
-  if (lay.zero && lay.dp > 1) {
+  if (lay.zero && lay.dp * lay.cp > 1) {
     const comm::Group group = lay.stage_group();
     std::vector<comm::Request> reqs;
     for (const ParamBucket& b : buckets) reqs.push_back(world.iallgather(rt.params() + b.offset, b.count, group));
@@ -195,7 +200,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       for (const ShardSpan& sp : rt.shard()) rt.read_device(a.data() + sp.offset, state + sp.state_offset, sp.count);
       arrays.push_back(std::move(a));
     }
-  if (lay.zero && lay.dp > 1) {
+  if (lay.zero && lay.dp * lay.cp > 1) {
     const comm::Group group = lay.stage_group();
     for (std::size_t a = 1; a < arrays.size(); ++a)  // the weights are whole on every replica
       for (const ParamBucket& b : rt.buckets())
@@ -203,7 +208,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
                    "the gathering of the sharded optimizer state");
   }
   FullState full;
-  if (lay.rank != 0 && lay.replica() != 0) return full;
+  if (lay.rank != 0 && (lay.replica() != 0 || lay.ring() != 0)) return full;
   // Stage owners of replica 0 send their arrays to rank 0, which places them by name.
   if (lay.rank != 0) {
     for (std::size_t a = 0; a < arrays.size(); ++a)

@@ -57,6 +57,42 @@ double mean_loss(const std::vector<float>& losses, i64 begin, i64 end) {
   return end > begin ? s / double(end - begin) : 0.0;
 }
 
+double mean_loss(const std::vector<float>& losses, const std::vector<std::int32_t>& targets, i64 begin, i64 end) {
+  double s = 0;
+  i64 n = 0;
+  for (i64 t = begin; t < end; ++t)
+    if (targets[std::size_t(t)] != kNoTarget) {
+      s += losses[std::size_t(t)];
+      ++n;
+    }
+  return n > 0 ? s / double(n) : 0.0;
+}
+
+std::vector<std::int32_t> mask_tokens(std::int32_t* tokens, i64 S, int vocab, std::uint64_t seed) {
+  std::uint64_t h = 1469598103934665603ull ^ seed;  // FNV-1a over the tokens
+  for (i64 t = 0; t < S; ++t) {
+    h ^= std::uint32_t(tokens[t]);
+    h *= 1099511628211ull;
+  }
+  std::mt19937_64 rng(h);
+  const i64 picked = std::max<i64>(1, std::llround(0.15 * double(S)));
+  std::vector<i64> order(static_cast<std::size_t>(S));
+  for (i64 t = 0; t < S; ++t) order[std::size_t(t)] = t;
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(S), kNoTarget);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::uniform_int_distribution<std::int32_t> any(0, vocab - 1);
+  for (i64 k = 0; k < picked; ++k) {
+    std::uniform_int_distribution<i64> pick(k, S - 1);
+    std::swap(order[std::size_t(k)], order[std::size_t(pick(rng))]);
+    const i64 t = order[std::size_t(k)];
+    targets[std::size_t(t)] = tokens[t];
+    const double r = u(rng);
+    if (r < 0.8) tokens[t] = vocab - 1;
+    else if (r < 0.9) tokens[t] = any(rng);
+  }
+  return targets;
+}
+
 void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -81,18 +117,38 @@ void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
   }
 }
 
+RingChoice parse_ring(const std::string& text) {
+  RingChoice r;
+  std::size_t b = 0;
+  while (b <= text.size()) {
+    const std::size_t e = std::min(text.find(',', b), text.size());
+    const std::string word = text.substr(b, e - b);
+    if (word == "zigzag" || word == "contiguous") {
+      r.layout = sched::parse_ring_layout(word);
+    } else if (word == "flash" || word == "rsa") {
+      r.algorithm = word;
+    } else {
+      SPPO_CHECK(false, "options") << "--ring '" << text << "': '" << word
+                                   << "' is not a ring layout (zigzag, contiguous) or algorithm (flash, rsa); e.g. "
+                                      "--ring zigzag or --ring rsa,contiguous";
+    }
+    b = e + 1;
+  }
+  return r;
+}
+
 namespace {
 
 // --plan: a plan fixes the layout, the lengths and alpha; the model and S must agree.
 plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
   const plan::Plan p = read_plan_file(o.plan_path);
-  SPPO_CHECK(p.system == "sppo" && p.sp == 1 && p.tp == 1 && !p.msp, "options")
-      << "--plan " << o.plan_path << " is a " << p.system << " plan with sp " << p.sp << ", tp " << p.tp
-      << ", msp " << (p.msp ? "on" : "off")
-      << "; the runtime runs SPPO plans with pipeline and data parallelism only (sp 1, MSP off)";
-  SPPO_CHECK((o.pp == 1 || o.pp == p.pp) && (o.dp == 1 || o.dp == p.dp), "options")
-      << "--plan " << o.plan_path << " has pp " << p.pp << " and dp " << p.dp << ", but --pp " << o.pp
-      << " --dp " << o.dp << " were given; drop them (the plan sets the layout)";
+  SPPO_CHECK(p.system == "sppo" && p.tp == 1 && !p.msp, "options")
+      << "--plan " << o.plan_path << " is a " << p.system << " plan with tp " << p.tp << ", msp "
+      << (p.msp ? "on" : "off")
+      << "; the runtime runs SPPO plans with pipeline, ring (sp) and data parallelism (tp 1, MSP off)";
+  SPPO_CHECK((o.pp == 1 || o.pp == p.pp) && (o.dp == 1 || o.dp == p.dp) && (o.cp == 1 || o.cp == p.sp), "options")
+      << "--plan " << o.plan_path << " has pp " << p.pp << ", sp " << p.sp << " and dp " << p.dp << ", but --pp "
+      << o.pp << " --cp " << o.cp << " --dp " << o.dp << " were given; drop them (the plan sets the layout)";
   SPPO_CHECK(p.seq_len == o.seq_len, "options")
       << "--plan " << o.plan_path << " is for --seq-len " << p.seq_len << ", not " << o.seq_len;
   SPPO_CHECK(to_json(p.model) == to_json(model), "options")
@@ -126,6 +182,7 @@ plan::HardwareProfile agreed_profile(const std::string& hardware, comm::Comm& w)
 StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   StepSetup s;
   s.config = o.model;
+  s.seed = o.seed;
   s.config.validate();
   SPPO_CHECK(o.seq_len >= 2, "options") << "--seq-len " << o.seq_len << " is too short; use at least 2";
   const i64 S = o.seq_len;
@@ -159,12 +216,16 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
 
   std::optional<plan::Plan> from_plan;
   if (!o.plan_path.empty()) from_plan = read_plan(o, s.config);
-  s.layout = make_layout(from_plan ? from_plan->pp : o.pp, from_plan ? from_plan->dp : o.dp, o.zero, o.batch, w);
+  const RingChoice ring = parse_ring(o.ring);
+  s.layout = make_layout(from_plan ? from_plan->pp : o.pp, from_plan ? from_plan->dp : o.dp, o.zero, o.batch, w,
+                         from_plan ? from_plan->sp : o.cp);
   SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")
       << "--recompute is the one-process baseline; drop --pp and --dp";
   sim::StepShape shape;
   shape.pp = s.layout.pp;
   shape.dp = s.layout.dp;
+  shape.sp = s.layout.cp;
+  shape.ring_layout = from_plan ? sched::parse_ring_layout(from_plan->ring_layout) : ring.layout;
   shape.zero = o.zero == 1;
   shape.precision = precision;
   if (from_plan) shape.stage_layers = from_plan->stage_layers;
@@ -186,6 +247,13 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     }
     SPPO_CHECK(!o.recompute || N == 1, "options")
         << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
+    if (!s.config.causal) {
+      // Subsequences run one after another, so a position cannot see later ones.
+      SPPO_CHECK(o.subseqs == "1" || o.subseqs == "auto" || N == 1, "options")
+          << "--attention bidirectional sees the whole sequence at once, which subsequences run one after another "
+             "cannot; use --subseqs 1 (ring attention, --cp, splits it over ranks instead)";
+      N = 1;
+    }
     // The simulator does not model recomputation: that baseline is checked by the arena
     // alone, and has no prediction.
     SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N,
@@ -197,7 +265,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   s.schedule = sim::build_step(s.config, s.lengths, s.alpha, shape);
   for (int p = 0; p < s.layout.pp; ++p)
     s.layout.stage_layers.push_back(s.schedule.owned.empty() ? std::pair<int, int>{0, s.config.layers}
-                                                              : s.schedule.owned.at(std::size_t(p)));
+                                                              : s.schedule.owned.at(std::size_t(s.layout.rank_of(0, p))));
   if (o.recompute) {
     // The simulator does not run the recompute schedule; its memory follows in closed form.
     s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, precision, shape), S);
@@ -241,11 +309,15 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   ro.rank = s.layout.rank;
   ro.comm = s.layout.ranks() > 1 ? &w : nullptr;
   ro.layers = s.layout.stage_layers.at(std::size_t(s.layout.stage()));
-  ro.zero_shards = o.zero == 1 ? s.layout.dp : 1;
-  ro.zero_index = o.zero == 1 ? s.layout.replica() : 0;
+  ro.zero_shards = o.zero == 1 ? s.layout.dp * s.layout.cp : 1;
+  ro.zero_index = o.zero == 1 ? s.layout.stage_index() : 0;
   ro.block_scratch = shape.block_scratch;
   ro.head_scratch = shape.head_scratch;
   ro.backend = s.backend.get();
+  ro.ring_rsa = ring.algorithm == "rsa";
+  SPPO_CHECK(!ro.ring_rsa || (!s.config.causal && s.backend->act() == DType::F32), "options")
+      << "--ring rsa is the two-pass Ring Self-Attention of bidirectional models (--attention bidirectional), in "
+         "fp32; a causal model uses --ring flash";
   s.runtime = std::make_unique<Runtime>(s.config, ro);
   return s;
 }

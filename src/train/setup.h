@@ -35,6 +35,7 @@ struct StepSetup {
   plan::HardwareProfile profile;  // this machine's (measured or loaded), else nominal
   bool profile_measured = false;  // profile prices time (not only memory)
   bool repeat_task = false;     // the built-in task: report both halves' losses
+  std::uint64_t seed = 0;       // --seed (masked-token training draws its masks from it)
 };
 
 // Memory a run's process holds besides the two tiers (program, thread stacks, OpenBLAS and
@@ -47,6 +48,14 @@ inline constexpr i64 kProcessAllowanceBytes = i64{256} << 20;
 // message naming the option and what would work.
 StepSetup make_setup(const StepOptions& o, comm::Comm* world = nullptr);
 
+// --ring: a comma-separated list of a layout (zigzag, contiguous) and an algorithm (flash:
+// one pass with LSE merge; rsa: the two-pass Ring Self-Attention of bidirectional models).
+struct RingChoice {
+  sched::RingLayout layout = sched::RingLayout::Zigzag;
+  std::string algorithm = "flash";
+};
+RingChoice parse_ring(const std::string& text);
+
 // Reads a plan written by `sppo plan --out` (throws naming the file and what is wrong).
 plan::Plan read_plan_file(const std::string& path);
 
@@ -54,7 +63,17 @@ plan::Plan read_plan_file(const std::string& path);
 // by 1/sqrt(2L), zero biases, unit LayerNorm gains. Deterministic for any thread count.
 void init_params(const ModelConfig& c, float* params, std::uint64_t seed);
 
-// Mean loss over target positions [begin, end) of a step's per-position losses.
+// Mean loss over target positions [begin, end) of a step's per-position losses; with
+// `targets` (masked-token training), over the positions in it that are predicted.
 double mean_loss(const std::vector<float>& losses, i64 begin, i64 end);
+double mean_loss(const std::vector<float>& losses, const std::vector<std::int32_t>& targets, i64 begin, i64 end);
+
+// Masked-token training (--objective mlm, BERT's recipe): picks round(0.15 S) positions of
+// tokens[0..S) (at least one), drawn from a hash of `seed` and the tokens themselves, so that
+// every rank, layout and resumed run masks the same ones; each becomes the mask id (the last
+// of the vocabulary, V - 1) with probability 0.8, a random id with 0.1, and stays with 0.1.
+// Rewrites tokens in place and returns the targets [S]: the original token at the picked
+// positions, kNoTarget elsewhere.
+std::vector<std::int32_t> mask_tokens(std::int32_t* tokens, i64 S, int vocab, std::uint64_t seed);
 
 }  // namespace sppo

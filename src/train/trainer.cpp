@@ -162,11 +162,14 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     if (all_tokens) all_tokens->insert(all_tokens->end(), tokens.begin(), tokens.end());
     const int j = k - lay.replica() * lay.per_replica();
     if (j < 0 || j >= lay.per_replica()) continue;  // another replica's sequence
-    StepResult r = s.runtime->step(s.schedule, tokens.data(), {j > 0, j + 1 == lay.per_replica()});
+    std::vector<std::int32_t> targets;
+    if (!s.config.causal) targets = mask_tokens(tokens.data(), S, s.config.vocab, s.seed);
+    StepControl control{j > 0, j + 1 == lay.per_replica(), targets.empty() ? nullptr : targets.data()};
+    StepResult r = s.runtime->step(s.schedule, tokens.data(), control);
     if (r.has_loss) {
       q.loss_sum += r.loss;
-      q.first_sum += mean_loss(r.losses, 0, half);
-      q.second_sum += mean_loss(r.losses, half, S);
+      q.first_sum += targets.empty() ? mean_loss(r.losses, 0, half) : mean_loss(r.losses, targets, 0, half);
+      q.second_sum += targets.empty() ? mean_loss(r.losses, half, S) : mean_loss(r.losses, targets, half, S);
     }
     q.step_s += r.step_s;
     q.compute_s += r.compute_s;
@@ -237,7 +240,7 @@ sim::SimResult measured_timeline(comm::Comm& world, const StepResult& mine, cons
     std::vector<std::pair<double, i64>> mem;
     for (const auto& p : x["memory"]) mem.push_back({shift + p[0].get<double>(), p[1].get<i64>()});
     m.memory.push_back(std::move(mem));
-    m.names.push_back(lay.ranks() > 1 ? "rank " + std::to_string(r) + " (stage " + std::to_string(r % lay.pp) + ")"
+    m.names.push_back(lay.ranks() > 1 ? "rank " + std::to_string(r) + " (stage " + std::to_string(lay.stage_of(r)) + ")"
                                       : "device 0");
   }
   m.step_time_s = t1;
@@ -249,7 +252,8 @@ sim::SimResult measured_timeline(comm::Comm& world, const StepResult& mine, cons
 
 std::string layout_text(const ParallelLayout& lay) {
   if (lay.ranks() == 1) return "";
-  std::string t = " | pp " + std::to_string(lay.pp) + " dp " + std::to_string(lay.dp);
+  std::string t = " | pp " + std::to_string(lay.pp) + (lay.cp > 1 ? " cp " + std::to_string(lay.cp) : "") + " dp " +
+                  std::to_string(lay.dp);
   if (lay.zero) t += " zero 1";
   return t + " (" + std::to_string(lay.ranks()) + " ranks)";
 }
@@ -396,8 +400,8 @@ int run_train(const TrainOptions& o) {
         nlohmann::json per = nlohmann::json::array();
         for (const RankFigures& f : ranks)
           per.push_back({{"rank", f.rank},
-                         {"stage", f.rank % lay.pp},
-                         {"replica", f.rank / lay.pp},
+                         {"stage", lay.stage_of(f.rank)},
+                         {"replica", lay.replica_of(f.rank)},
                          {"step_time_s", f.step_s},
                          {"compute_s", f.compute_s},
                          {"bubble", f.bubble()},
@@ -560,6 +564,7 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
                            {"recompute", o.recompute},
                            {"pp", lay.pp},
                            {"dp", lay.dp},
+                           {"cp", lay.cp},
                            {"zero", lay.zero},
                            {"peak_device_bytes", peak},
                            {"offloaded_bytes", offloaded},

@@ -2,7 +2,8 @@
 // loss and every gradient within relative 1e-5, through `sppo grads` exports made under a
 // real mpirun with one thread a rank. Pipelines of 2 and 4 stages with 1, 4 and 7
 // subsequences and offload none, full and adaptive (under a budget that makes it offload);
-// data parallelism against one process training the same two sequences; ZeRO-1.
+// data parallelism against one process training the same two sequences; ZeRO-1; ring
+// attention over 2 and 4 ranks, contiguous and zigzag, alone and with the others.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -16,6 +17,7 @@ using testing::read_json;
 
 constexpr double kTolerance = 1e-5;
 const std::string kModel = "--model tiny --layers 4 --seq-len 96 --seed 3 --threads 1";
+const std::string kBidirectional = "--attention bidirectional --objective mlm";
 
 ModelConfig model() {
   ModelConfig c = preset("tiny");
@@ -29,7 +31,9 @@ class Layouts : public ::testing::Test {
     tmp_ = new io::TempDir("sppo-mpi-layouts");
     // The references: one process started without a launcher, the whole sequence; and one
     // process with two sequences a step (what two data-parallel replicas train together).
-    for (const auto& [dir, extra] : {std::pair<std::string, std::string>{"ref1", ""}, {"ref2", " --batch 2"}}) {
+    for (const auto& [dir, extra] : {std::pair<std::string, std::string>{"ref1", ""},
+                                     {"ref2", " --batch 2"},
+                                     {"refb", " " + kBidirectional}}) {
       const auto r = testing::run_command(testing::sppo_binary() + " grads " + kModel + extra + " --out " +
                                           tmp_->path() + "/" + dir);
       ASSERT_EQ(r.status, 0) << r.output;
@@ -91,6 +95,32 @@ TEST_F(Layouts, DataParallel) {
 TEST_F(Layouts, PipelineTimesDataParallel) {
   check(4, "--pp 2 --dp 2 --subseqs 3", "ref2");
   check(4, "--pp 2 --dp 2 --zero 1 --subseqs 4 --offload 0.5", "ref2");
+}
+
+// Ring attention (context parallelism): both layouts, 2 and 4 ranks, with subsequences
+// (queries of later subsequences meet the keys of earlier ones on every rank) and offload.
+TEST_F(Layouts, ContextParallel) {
+  for (const std::string ring : {"contiguous", "zigzag"}) {
+    check(2, "--cp 2 --ring " + ring, "ref1");
+    check(4, "--cp 4 --ring " + ring, "ref1");
+    check(2, "--cp 2 --subseqs 4 --offload full --ring " + ring, "ref1");
+  }
+  check(4, "--cp 4 --subseqs 3 --offload 0.5", "ref1");
+}
+
+// A bidirectional model (masked tokens): every query sees keys on every rank of the ring;
+// the one-pass ring and the two-pass Ring Self-Attention (rsa).
+TEST_F(Layouts, ContextParallelBidirectional) {
+  for (const std::string ring : {"contiguous", "zigzag", "rsa,contiguous", "rsa,zigzag"}) {
+    check(2, kBidirectional + " --cp 2 --ring " + ring, "refb");
+    check(4, kBidirectional + " --cp 4 --ring " + ring, "refb");
+  }
+  check(4, kBidirectional + " --pp 2 --cp 2", "refb");
+}
+
+TEST_F(Layouts, ContextTimesPipelineAndData) {
+  check(4, "--pp 2 --cp 2 --subseqs 3", "ref1");
+  check(4, "--cp 2 --dp 2 --zero 1 --subseqs 2", "ref2");
 }
 
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {

@@ -63,6 +63,15 @@ TEST_F(Training, LossCurvesEqualOneProcess) {
   expect_same_curve(batch2, ranks(2, "--steps 20 --dp 2", "dp2.jsonl"), "dp 2");
   expect_same_curve(batch2, ranks(2, "--steps 20 --dp 2 --zero 1", "zero.jsonl"), "dp 2 zero 1");
   expect_same_curve(batch2, ranks(4, "--steps 20 --pp 2 --dp 2 --subseqs 2", "pp2dp2.jsonl"), "pp 2 x dp 2");
+  expect_same_curve(one, ranks(4, "--steps 20 --cp 4 --subseqs 2", "cp4.jsonl"), "cp 4 (zigzag)");
+  // The ring's buffers are predicted as a bound (every span assumed visible to every rank).
+  const auto cp = read_jsonl(path("cp4.jsonl")).back();
+  for (std::size_t r = 0; r < 4; ++r) {
+    const i64 measured = cp["measured_peak_device_bytes_per_rank"][r].get<i64>();
+    const i64 predicted = cp["predicted_peak_device_bytes_per_rank"][r].get<i64>();
+    EXPECT_LE(measured, predicted) << "rank " << r;
+    EXPECT_GT(double(measured), 0.9 * double(predicted)) << "rank " << r;
+  }
 }
 
 TEST_F(Training, ResumeAcrossLayouts) {

@@ -36,11 +36,14 @@ using Vec = std::vector<double>;
 struct Dims {
   i64 V, H, L, Z, A, F;
   double theta, eps;
+  bool causal = true;  // false: every position attends to every other
+  // The keys query s attends to: 0..s, or all S.
+  i64 keys(i64 s, i64 S) const { return causal ? s + 1 : S; }
 };
 
 inline Dims dims_of(const ModelConfig& c) {
   return Dims{c.vocab, c.hidden, c.layers, c.heads, c.hidden / c.heads, i64(c.ffn_mult) * c.hidden,
-              double(c.rope_theta), double(c.ln_eps)};
+              double(c.rope_theta), double(c.ln_eps), c.causal};
 }
 
 struct Tensor {
@@ -217,11 +220,12 @@ struct Cache {
   Vec probs;                   // [S, V] softmax of the logits
 };
 
-// Mean cross-entropy of tokens[1..S] given tokens[0..S). `pos` are the RoPE positions of the
+// Mean cross-entropy of tokens[1..S] given tokens[0..S), or, with `targets` (masked-token
+// training), of targets[s] at every s where it is not -1. `pos` are the RoPE positions of the
 // S inputs; empty means the global indices 0..S-1 (the model's definition; tests pass other
 // positions only to show that a wrong choice is detectable). Fills `cache` when non-null.
 inline double forward(const Dims& d, const double* p, const std::int32_t* tokens, i64 S,
-                      Cache* cache = nullptr, std::vector<i64> pos = {}) {
+                      Cache* cache = nullptr, std::vector<i64> pos = {}, const std::int32_t* targets = nullptr) {
   const Layout lay = layout_of(d);
   const i64 H = d.H, A = d.A, F = d.F, V = d.V;
   if (pos.empty())
@@ -260,18 +264,18 @@ inline double forward(const Dims& d, const double* p, const std::int32_t* tokens
       for (i64 s = 0; s < S; ++s) {
         double* pr = &b.probs[(z * S + s) * S];
         double mx = -std::numeric_limits<double>::infinity();
-        for (i64 t = 0; t <= s; ++t) {
+        for (i64 t = 0; t < d.keys(s, S); ++t) {
           double dot = 0.0;
           for (i64 a = 0; a < A; ++a) dot += b.q[s * H + z * A + a] * b.k[t * H + z * A + a];
           pr[t] = dot * scale;
           mx = std::max(mx, pr[t]);
         }
         double sum = 0.0;
-        for (i64 t = 0; t <= s; ++t) sum += (pr[t] = std::exp(pr[t] - mx));
-        for (i64 t = 0; t <= s; ++t) pr[t] /= sum;
+        for (i64 t = 0; t < d.keys(s, S); ++t) sum += (pr[t] = std::exp(pr[t] - mx));
+        for (i64 t = 0; t < d.keys(s, S); ++t) pr[t] /= sum;
         for (i64 a = 0; a < A; ++a) {
           double acc = 0.0;
-          for (i64 t = 0; t <= s; ++t) acc += pr[t] * b.v[t * H + z * A + a];
+          for (i64 t = 0; t < d.keys(s, S); ++t) acc += pr[t] * b.v[t * H + z * A + a];
           b.attn[s * H + z * A + a] = acc;
         }
       }
@@ -292,6 +296,7 @@ inline double forward(const Dims& d, const double* p, const std::int32_t* tokens
   layer_norm(c.lnf_out, c.lnf_xhat, c.lnf_rstd, x, p + lay.lnf_w, p + lay.lnf_b, S, H, d.eps);
   c.probs.assign(S * V, 0.0);
   double loss = 0.0;
+  i64 counted = 0;
   for (i64 s = 0; s < S; ++s) {
     double* pr = &c.probs[s * V];
     double mx = -std::numeric_limits<double>::infinity();
@@ -303,27 +308,35 @@ inline double forward(const Dims& d, const double* p, const std::int32_t* tokens
     }
     double sum = 0.0;
     for (i64 v = 0; v < V; ++v) sum += std::exp(pr[v] - mx);
-    loss += mx + std::log(sum) - pr[tokens[s + 1]];
+    const i64 target = targets ? targets[s] : tokens[s + 1];
+    if (target >= 0) {
+      loss += mx + std::log(sum) - pr[target];
+      ++counted;
+    }
     for (i64 v = 0; v < V; ++v) pr[v] = std::exp(pr[v] - mx) / sum;
   }
-  return loss / double(S);
+  return loss / double(counted);
 }
 
 // Gradient of forward()'s mean loss w.r.t. every parameter, from a filled cache. `grad`
 // (lay.total doubles) is overwritten.
 inline void backward(const Dims& d, const double* p, const std::int32_t* tokens, i64 S, const Cache& c,
-                     double* grad, std::vector<i64> pos = {}) {
+                     double* grad, std::vector<i64> pos = {}, const std::int32_t* targets = nullptr) {
   const Layout lay = layout_of(d);
   const i64 H = d.H, A = d.A, F = d.F, V = d.V;
   if (pos.empty())
     for (i64 s = 0; s < S; ++s) pos.push_back(s);
   for (i64 i = 0; i < lay.total; ++i) grad[i] = 0.0;
 
-  // LM head: dlogits = (softmax - onehot) / S; logits = lnf_out embed^T.
+  // LM head: dlogits = (softmax - onehot) / (positions predicted); logits = lnf_out embed^T.
+  auto target = [&](i64 s) -> i64 { return targets ? targets[s] : tokens[s + 1]; };
+  i64 counted = 0;
+  for (i64 s = 0; s < S; ++s) counted += target(s) >= 0;
   Vec dlnf(S * H, 0.0);
   for (i64 s = 0; s < S; ++s)
     for (i64 v = 0; v < V; ++v) {
-      const double g = (c.probs[s * V + v] - (v == tokens[s + 1] ? 1.0 : 0.0)) / double(S);
+      if (target(s) < 0) break;
+      const double g = (c.probs[s * V + v] - (v == target(s) ? 1.0 : 0.0)) / double(counted);
       for (i64 h = 0; h < H; ++h) {
         dlnf[s * H + h] += g * p[lay.embed + v * H + h];
         grad[lay.embed + v * H + h] += g * c.lnf_out[s * H + h];
@@ -352,16 +365,16 @@ inline void backward(const Dims& d, const double* p, const std::int32_t* tokens,
     for (i64 z = 0; z < d.Z; ++z)
       for (i64 s = 0; s < S; ++s) {
         const double* pr = &b.probs[(z * S + s) * S];
-        Vec dp(s + 1, 0.0);
+        Vec dp(d.keys(s, S), 0.0);
         double pdp = 0.0;
-        for (i64 t = 0; t <= s; ++t) {
+        for (i64 t = 0; t < d.keys(s, S); ++t) {
           for (i64 a = 0; a < A; ++a) {
             dp[t] += dattn[s * H + z * A + a] * b.v[t * H + z * A + a];
             dv[t * H + z * A + a] += pr[t] * dattn[s * H + z * A + a];
           }
           pdp += pr[t] * dp[t];
         }
-        for (i64 t = 0; t <= s; ++t) {
+        for (i64 t = 0; t < d.keys(s, S); ++t) {
           const double ds = pr[t] * (dp[t] - pdp) * scale;
           for (i64 a = 0; a < A; ++a) {
             dq[s * H + z * A + a] += ds * b.k[t * H + z * A + a];
