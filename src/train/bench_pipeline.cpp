@@ -102,34 +102,53 @@ nlohmann::json row_json(const Row& r) {
           {"offloaded_bytes", r.offloaded}};
 }
 
+// What both benchmarks start from: two ranks of one thread, the model and S, the built-in
+// task, and the profile every prediction uses. Without `hardware`, both ranks measure it at
+// once, one thread each, as they will compute at once; rank 0's is used, through a file
+// each rank writes and the destructor removes.
+struct BenchBase {
+  StepOptions options;
+  std::string profile_name;
+  std::string own_profile;  // the measured profile's file, removed at the end
+
+  BenchBase(const char* command, const BenchPipelineOptions& o, comm::Comm& world) {
+    SPPO_CHECK(world.size() == kRanks, "bench")
+        << "bench " << command << " runs on " << kRanks << " ranks, not " << world.size()
+        << "; start it without mpirun (it starts its own ranks) or with mpirun -np " << kRanks;
+    SPPO_CHECK(o.reps >= 1, "options") << "--reps must be at least 1 (got " << o.reps << ")";
+    omp_set_num_threads(1);
+    options.model = preset(o.model);
+    options.model_name = o.model;
+    options.seq_len = parse_count(o.seq_len, "--seq-len");
+    options.data = "repeat";
+    options.threads = 1;
+    options.hardware = profile_name = o.hardware;
+    if (o.hardware.empty()) {
+      const plan::HardwareProfile mine = measure_cpu_profile(true);
+      const auto all = comm::allgather_strings(world, plan::to_json(mine).dump(), "rank 0's profile");
+      const plan::HardwareProfile hw = plan::profile_from_json(nlohmann::json::parse(all[0]), "rank 0's profile");
+      own_profile = (std::filesystem::temp_directory_path() /
+                     ("sppo-bench-profile-" + std::to_string(getpid()) + ".json"))
+                        .string();
+      plan::save_profile(hw, own_profile);
+      options.hardware = own_profile;
+      profile_name = hw.name + " (" + hw.description + ", one thread a rank)";
+    }
+  }
+  ~BenchBase() {
+    if (!own_profile.empty()) std::filesystem::remove(own_profile);
+  }
+  BenchBase(const BenchBase&) = delete;
+  BenchBase& operator=(const BenchBase&) = delete;
+};
+
 }  // namespace
 
 nlohmann::json bench_pipeline(const BenchPipelineOptions& o, comm::Comm& world) {
-  SPPO_CHECK(world.size() == kRanks, "bench")
-      << "bench pipeline runs on " << kRanks << " ranks, not " << world.size()
-      << "; start it without mpirun (it starts its own ranks) or with mpirun -np " << kRanks;
-  SPPO_CHECK(o.reps >= 1, "options") << "--reps must be at least 1 (got " << o.reps << ")";
-  omp_set_num_threads(1);
-  StepOptions base;
-  base.model = preset(o.model);
-  base.model_name = o.model;
-  base.seq_len = parse_count(o.seq_len, "--seq-len");
-  base.data = "repeat";
-  base.threads = 1;
+  const BenchBase bench("pipeline", o, world);
+  StepOptions base = bench.options;
   base.partition = "flops";
-  // The profile every prediction uses: both ranks measure at once, one thread each, as
-  // they will compute at once; rank 0's is used, through a file each rank writes.
-  std::string profile_path = o.hardware;
-  std::string profile_name = o.hardware;
-  if (o.hardware.empty()) {
-    const plan::HardwareProfile mine = measure_cpu_profile(true);
-    const auto all = comm::allgather_strings(world, plan::to_json(mine).dump(), "rank 0's profile");
-    const plan::HardwareProfile hw = plan::profile_from_json(nlohmann::json::parse(all[0]), "rank 0's profile");
-    profile_path = (std::filesystem::temp_directory_path() / ("sppo-bench-profile-" + std::to_string(getpid()) + ".json")).string();
-    plan::save_profile(hw, profile_path);
-    profile_name = hw.name + " (" + hw.description + ", one thread a rank)";
-  }
-  base.hardware = profile_path;
+  const std::string& profile_name = bench.profile_name;
   auto layout = [&](int pp, int dp, int n, const std::string& offload, i64 budget) {
     StepOptions so = base;
     so.pp = pp;
@@ -175,34 +194,15 @@ nlohmann::json bench_pipeline(const BenchPipelineOptions& o, comm::Comm& world) 
   add("pp 2, adaptive offload", layout(2, 1, 8, "adaptive", budget));
   steps.back()["device_memory_bytes"] = budget;
   out["step_time"] = std::move(steps);
-  if (o.hardware.empty()) std::filesystem::remove(profile_path);
   return out;
 }
 
 nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
-  SPPO_CHECK(world.size() == kRanks, "bench")
-      << "bench sp runs on " << kRanks << " ranks, not " << world.size()
-      << "; start it without mpirun (it starts its own ranks) or with mpirun -np " << kRanks;
-  SPPO_CHECK(o.reps >= 1, "options") << "--reps must be at least 1 (got " << o.reps << ")";
-  omp_set_num_threads(1);
-  StepOptions base;
-  base.model = preset(o.model);
-  base.model_name = o.model;
-  base.seq_len = parse_count(o.seq_len, "--seq-len");
-  base.data = "repeat";
-  base.threads = 1;
+  const BenchBase bench("sp", o, world);
+  StepOptions base = bench.options;
   base.subseqs = "1";
   base.offload = "none";
-  std::string profile_path = o.hardware, profile_name = o.hardware;
-  if (o.hardware.empty()) {
-    const plan::HardwareProfile mine = measure_cpu_profile(true);
-    const auto all = comm::allgather_strings(world, plan::to_json(mine).dump(), "rank 0's profile");
-    const plan::HardwareProfile hw = plan::profile_from_json(nlohmann::json::parse(all[0]), "rank 0's profile");
-    profile_path = (std::filesystem::temp_directory_path() / ("sppo-bench-profile-" + std::to_string(getpid()) + ".json")).string();
-    plan::save_profile(hw, profile_path);
-    profile_name = hw.name + " (" + hw.description + ", one thread a rank)";
-  }
-  base.hardware = profile_path;
+  const std::string& profile_name = bench.profile_name;
   const i64 S = base.seq_len;
   nlohmann::json out = {{"ranks", kRanks},
                         {"threads_per_rank", 1},
@@ -251,7 +251,6 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
   out["rsa_over_one_pass_peak"] = double(rows[5]["measured_peak_device_bytes_per_rank"][0].get<i64>()) /
                                   double(rows[4]["measured_peak_device_bytes_per_rank"][0].get<i64>());
   out["ring"] = std::move(rows);
-  if (o.hardware.empty()) std::filesystem::remove(profile_path);
   return out;
 }
 
