@@ -128,6 +128,12 @@ class Backend {
                                int T, int I, int O, int ld_dout, int ld_in, const Workspace& ws) = 0;
   virtual void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int V) = 0;
   virtual void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int V) = 0;
+  // Vocabulary-parallel embedding (tensor parallelism): this rank holds rows [v0, v0 + Vr)
+  // of the table, embed [Vr, H]. out[T, H] (activations) = embed[ids[t] - v0] for ids in
+  // that range and zeros for every other row, so that the sum over the ranks is the lookup.
+  virtual void embedding_shard_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int v0, int Vr) = 0;
+  // dembed[Vr, H] += the rows of dout [T, H] whose ids are in [v0, v0 + Vr); others are skipped.
+  virtual void embedding_shard_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int v0, int Vr) = 0;
   virtual void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w,
                                  const float* b, int T, int H, float eps) = 0;
   virtual void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
@@ -161,6 +167,19 @@ class Backend {
   // are 0.
   virtual void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T,
                     int V, float grad_scale, const Workspace& ws) = 0;
+  // lse[T] = log sum_v exp(logits[t, v]) over the V columns of fp32 logits [T, V] (read only).
+  virtual void row_logsumexp(float* lse, const float* logits, int T, int V) = 0;
+  // Cross-entropy over a vocabulary split across `parts` ranks, this one holding columns
+  // [v0, v0 + V) as logits [T, V] fp32. lse_parts [parts, T]: every rank's row_logsumexp
+  // (part p's T values contiguous); the row's lse is their log-sum-exp. Then
+  // dlogits[t, :] = (exp(logits[t, :] - lse) - onehot(targets[t] - v0)) * grad_scale
+  // (the onehot only when targets[t] is in [v0, v0 + V)); losses[t] = lse - logits[t, targets[t] - v0]
+  // when the target is in this rank's range, else 0, so that the ranks' losses sum to the
+  // row's loss; *loss_sum (device double) ACCUMULATES the sum of this rank's losses. A
+  // target of kNoTarget: loss 0 and a zero gradient row. dlogits may be logits itself
+  // when act() is F32 (as in xent); else it is an activation-typed [T, V] buffer.
+  virtual void xent_shard(void* dlogits, float* losses, double* loss_sum, float* logits, const float* lse_parts, int parts,
+                          const std::int32_t* targets, int T, int V, int v0, float grad_scale, const Workspace& ws) = 0;
 
   // ---- softmax over rows of materialised scores (fp32; the two-pass ring, runtime/ring.h) --
   // forward: x[rows, cols] becomes softmax(x) per row and lse[rows] its log-sum-exp;

@@ -12,12 +12,14 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "core/check.h"
+#include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/ops.h"
 
 namespace sppo::cpu {
@@ -300,6 +302,78 @@ TEST(Embedding, BackwardRejectsIdsOutsideVocabulary) {
     const Ids ids = {0, bad};
     EXPECT_THROW(embedding_backward(dembed.data(), dout.data(), ids.data(), 2, H, V), Error);
   }
+}
+
+// ---- vocabulary-parallel embedding ----------------------------------------------------
+
+// Starts of `parts` shards of a V-row vocabulary, and V: shard p is [s[p], s[p + 1]), uneven
+// when parts does not divide V (37 over 3: 13, 12, 12; over 2: 19, 18).
+std::vector<int> shard_starts(int V, int parts) {
+  std::vector<int> s(static_cast<std::size_t>(parts) + 1);
+  for (int p = 0; p <= parts; ++p) s[p] = (p * V + parts - 1) / parts;
+  return s;
+}
+
+TEST(EmbeddingShard, ForwardsSumToTheLookupBackwardsAreTheFullRows) {
+  std::mt19937 rng(121);
+  const int V = 37, H = 24;
+  for (int parts : {2, 3}) {
+    const std::vector<int> starts = shard_starts(V, parts);
+    for (int T : {7, 61, 2000}) {  // 2000 x 24: the multi-threaded column bands
+      const std::string name = "embedding shard parts=" + std::to_string(parts) + " T=" + std::to_string(T);
+      // Every shard's first and last row, a repeated id, the rest random (and repeated).
+      Ids ids = rand_ids(T, V, rng);
+      for (int p = 0; p < parts; ++p) {
+        ids[2 * p] = starts[p];
+        ids[2 * p + 1] = starts[p + 1] - 1;
+      }
+      ids[T - 1] = ids[1];
+      const Vec embed = randn(static_cast<std::size_t>(V) * H, rng);
+      const Vec dout = randn(static_cast<std::size_t>(T) * H, rng);
+      const Vec dembed0 = randn(static_cast<std::size_t>(V) * H, rng);
+      DVec lookup(static_cast<std::size_t>(T) * H);
+      DVec full_ref = to_double(dembed0);  // the full backward, from a non-zero start
+      for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < H; ++h) {
+          lookup[t * H + h] = embed[ids[t] * H + h];
+          full_ref[ids[t] * H + h] += dout[t * H + h];
+        }
+      }
+      Vec full = dembed0;
+      embedding_backward(full.data(), dout.data(), ids.data(), T, H, V);
+      DVec sum(static_cast<std::size_t>(T) * H, 0.0);
+      for (int p = 0; p < parts; ++p) {
+        const int v0 = starts[p], Vr = starts[p + 1] - starts[p];
+        const std::string pn = name + " shard " + std::to_string(p);
+        const Vec shard_embed(embed.begin() + v0 * H, embed.begin() + (v0 + Vr) * H);
+        Vec out(static_cast<std::size_t>(T) * H, kNaN);
+        embedding_shard_forward(out.data(), ids.data(), shard_embed.data(), T, H, v0, Vr);
+        DVec out_ref(out.size(), 0.0);
+        for (int t = 0; t < T; ++t) {
+          if (ids[t] < v0 || ids[t] >= v0 + Vr) continue;
+          for (int h = 0; h < H; ++h) out_ref[t * H + h] = embed[ids[t] * H + h];
+        }
+        expect_close(out, out_ref, 0.0, 0.0, pn + " forward");
+        for (std::size_t i = 0; i < out.size(); ++i) sum[i] += out[i];
+
+        Vec dembed(dembed0.begin() + v0 * H, dembed0.begin() + (v0 + Vr) * H);
+        embedding_shard_backward(dembed.data(), dout.data(), ids.data(), T, H, v0, Vr);
+        const DVec rows_ref(full_ref.begin() + v0 * H, full_ref.begin() + (v0 + Vr) * H);
+        expect_close(dembed, rows_ref, 1e-6, kRtol, pn + " backward");
+        // The same additions in the same order as the full kernel: the same bits.
+        EXPECT_EQ(dembed, Vec(full.begin() + v0 * H, full.begin() + (v0 + Vr) * H)) << pn;
+      }
+      expect_close(Vec(sum.begin(), sum.end()), lookup, 0.0, 0.0, name + " sum of the shards' forwards");
+    }
+  }
+}
+
+TEST(EmbeddingShard, BackwardRejectsNegativeIds) {
+  const int H = 8;
+  Vec dembed(static_cast<std::size_t>(4) * H, 0.0f);
+  const Vec dout(2 * H, 1.0f);
+  const Ids ids = {5, -1};
+  EXPECT_THROW(embedding_shard_backward(dembed.data(), dout.data(), ids.data(), 2, H, 4, 4), Error);
 }
 
 // ---- LayerNorm ------------------------------------------------------------------------
@@ -597,6 +671,7 @@ struct XentRef {
 XentRef xent_ref(const DVec& logits, const Ids& targets, int T, int V, double grad_scale) {
   XentRef r{DVec(logits.size()), DVec(T), 0.0};
   for (int t = 0; t < T; ++t) {
+    if (targets[t] == kNoTarget) continue;  // loss 0, gradient 0
     double mx = -std::numeric_limits<double>::infinity();
     for (int v = 0; v < V; ++v) mx = std::max(mx, logits[t * V + v]);
     double sum = 0.0;
@@ -675,6 +750,109 @@ TEST(Xent, NoTargetRowsHaveNoLossAndNoGradient) {
   for (int v = 0; v < V; ++v) EXPECT_EQ(all[std::size_t(2 * V) + v], only_last[std::size_t(v)]) << v;
   EXPECT_GT(losses[0], 0.0f);
   EXPECT_NEAR(sum, double(losses[0]) + sum1, 1e-6 * sum);
+}
+
+// ---- vocabulary-parallel cross-entropy -------------------------------------------------
+
+TEST(RowLogsumexp, MatchesFloat64IncludingLargeLogits) {
+  std::mt19937 rng(122);
+  const int T = 5;
+  for (int V : {1, 37, 333, 1001}) {
+    const std::string name = "row_logsumexp V=" + std::to_string(V);
+    Vec logits = randn(static_cast<std::size_t>(T) * V, rng, 3.0f);
+    // Row 1 around 80 to 100 (exp overflows fp32 above 88.7 without the max); row 3 around -90.
+    const Vec big = randn(V, rng, 5.0f, 90.0f), small = randn(V, rng, 5.0f, -90.0f);
+    std::copy(big.begin(), big.end(), logits.begin() + V);
+    std::copy(small.begin(), small.end(), logits.begin() + 3 * V);
+    const Vec saved = logits;
+    Vec lse(T, kNaN);
+    row_logsumexp(lse.data(), logits.data(), T, V);
+    DVec ref(T);
+    for (int t = 0; t < T; ++t) {
+      double mx = -std::numeric_limits<double>::infinity(), sum = 0.0;
+      for (int v = 0; v < V; ++v) mx = std::max(mx, double(logits[t * V + v]));
+      for (int v = 0; v < V; ++v) sum += std::exp(double(logits[t * V + v]) - mx);
+      ref[t] = mx + std::log(sum);
+    }
+    expect_close(lse, ref, 1e-6, kRtol, name);
+    EXPECT_EQ(logits, saved) << name << ": the logits are read only";
+  }
+}
+
+// Three uneven shards (13, 12, 12 columns of V = 37) against the full float64 cross-entropy,
+// through the CPU backend with a Workspace of the head's bound (xent_scratch), the gradient both
+// in place and into a separate buffer.
+TEST(XentShard, ThreeUnevenShardsMatchTheFullFloat64Xent) {
+  std::mt19937 rng(123);
+  const int V = 37, T = 9, parts = 3;
+  const std::vector<int> starts = shard_starts(V, parts);
+  Vec logits = randn(static_cast<std::size_t>(T) * V, rng, 3.0f);
+  const Vec big = randn(V, rng, 5.0f, 90.0f), small = randn(V, rng, 5.0f, -90.0f);
+  std::copy(big.begin(), big.end(), logits.begin() + 4 * V);  // row 4 around 80 to 100
+  std::copy(small.begin(), small.end(), logits.begin() + 6 * V);  // row 6 around -90
+  Ids targets = rand_ids(T, V, rng);
+  targets[0] = starts[0];          // every shard's first and last column
+  targets[1] = starts[1] - 1;
+  targets[3] = starts[1];
+  targets[4] = starts[2] - 1;      // the large row's target in the middle shard
+  targets[5] = starts[2];
+  targets[6] = V - 1;
+  targets[2] = kNoTarget;
+  const float grad_scale = 1.0f / (3.0f * T);
+  const XentRef r = xent_ref(to_double(logits), targets, T, V, grad_scale);
+
+  const std::unique_ptr<Backend> be = make_cpu_backend();
+  // Scratch of exactly the bound head_scratch reserves for T rows (Scratch aborts past it).
+  const std::size_t ws_bytes = static_cast<std::size_t>(xent_scratch(T).bytes(T));
+  std::vector<unsigned char> ws_mem(ws_bytes + Scratch::kAlign);
+  void* ws_base = ws_mem.data() + (Scratch::kAlign - reinterpret_cast<std::uintptr_t>(ws_mem.data()) % Scratch::kAlign);
+  for (bool in_place : {true, false}) {
+    const std::string name = std::string("xent_shard ") + (in_place ? "in place" : "separate dlogits");
+    std::vector<Vec> shard(parts);
+    Vec lse_parts(static_cast<std::size_t>(parts) * T, kNaN);
+    for (int p = 0; p < parts; ++p) {
+      const int Vp = starts[p + 1] - starts[p];
+      shard[p].resize(static_cast<std::size_t>(T) * Vp);
+      for (int t = 0; t < T; ++t)
+        for (int v = 0; v < Vp; ++v) shard[p][t * Vp + v] = logits[t * V + starts[p] + v];
+      be->row_logsumexp(lse_parts.data() + p * T, shard[p].data(), T, Vp);
+    }
+    Vec dlogits(static_cast<std::size_t>(T) * V, kNaN);  // the shards' gradients side by side
+    DVec loss_rows(T, 0.0);
+    double total = 0.0;
+    for (int p = 0; p < parts; ++p) {
+      const int v0 = starts[p], Vp = starts[p + 1] - starts[p];
+      const Vec saved = shard[p];
+      Vec sep(shard[p].size(), kNaN);
+      Vec losses(T, kNaN);
+      double loss_sum = 0.5;  // accumulates
+      const Workspace ws{ws_base, ws_bytes};
+      be->xent_shard(in_place ? static_cast<void*>(shard[p].data()) : sep.data(), losses.data(), &loss_sum,
+                     shard[p].data(), lse_parts.data(), parts, targets.data(), T, Vp, v0, grad_scale, ws);
+      const Vec& d = in_place ? shard[p] : sep;
+      if (!in_place) {
+        EXPECT_EQ(shard[p], saved) << name << ": a separate dlogits leaves the logits";
+      }
+      for (int t = 0; t < T; ++t)
+        for (int v = 0; v < Vp; ++v) dlogits[t * V + v0 + v] = d[t * Vp + v];
+      double own = 0.0;
+      for (int t = 0; t < T; ++t) {
+        const bool mine = targets[t] >= v0 && targets[t] < v0 + Vp;
+        if (!mine) {
+          EXPECT_EQ(losses[t], 0.0f) << name << " shard " << p << " row " << t;
+        }
+        loss_rows[t] += losses[t];
+        own += losses[t];
+      }
+      EXPECT_NEAR(loss_sum - 0.5, own, 1e-5) << name << " shard " << p << ": loss_sum";
+      total += loss_sum - 0.5;
+    }
+    // fp32 lse of rows around 90 carries ~4e-6 of rounding into exp(x - lse) and the losses.
+    expect_close(dlogits, r.dlogits, 1e-7 * grad_scale, 2e-5, name + " dlogits", 2e-5);
+    for (int v = 0; v < V; ++v) EXPECT_EQ(dlogits[2 * V + v], 0.0f) << name << " kNoTarget row, column " << v;
+    expect_close(Vec(loss_rows.begin(), loss_rows.end()), r.losses, 2e-5, kRtol, name + " losses");
+    EXPECT_NEAR(total, r.total, 1e-4) << name << " total";
+  }
 }
 
 // ---- softmax over rows (the two-pass ring's scores) ---------------------------------------

@@ -192,6 +192,14 @@ class CpuBackend final : public Backend {
   void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int V) override {
     cpu::embedding_backward(dembed, f(dout), ids, T, H, V);
   }
+  void embedding_shard_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int v0,
+                               int Vr) override {
+    cpu::embedding_shard_forward(f(out), ids, embed, T, H, v0, Vr);
+  }
+  void embedding_shard_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int v0,
+                                int Vr) override {
+    cpu::embedding_shard_backward(dembed, f(dout), ids, T, H, v0, Vr);
+  }
   void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w, const float* b, int T,
                          int H, float eps) override {
     cpu::layernorm_forward(f(out), mean, rstd, f(x), w, b, T, H, eps);
@@ -255,6 +263,13 @@ class CpuBackend final : public Backend {
     SPPO_ASSERT(dlogits == logits);  // fp32: the gradient overwrites the logits
     ScratchOf s(ws);
     *loss_sum += cpu::xent_forward_backward(logits, losses, targets, T, V, grad_scale, s.get());
+  }
+  void row_logsumexp(float* lse, const float* logits, int T, int V) override { cpu::row_logsumexp(lse, logits, T, V); }
+  // Within head_scratch: xent_shard takes xent_scratch(T) (the rows' double losses), as xent.
+  void xent_shard(void* dlogits, float* losses, double* loss_sum, float* logits, const float* lse_parts, int parts,
+                  const std::int32_t* targets, int T, int V, int v0, float grad_scale, const Workspace& ws) override {
+    ScratchOf s(ws);
+    *loss_sum += cpu::xent_shard(f(dlogits), losses, logits, lse_parts, parts, targets, T, V, v0, grad_scale, s.get());
   }
   void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse) override {
     cpu::softmax_rows(x, lse, rows, cols, with_lse);

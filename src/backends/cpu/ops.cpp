@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "backend/backend.h"
@@ -208,6 +209,51 @@ void embedding_backward(float* dembed, const float* dout, const std::int32_t* id
     const int h1 = std::min(H, h0 + band);
     for (int t = 0; t < T; ++t) {
       float* dst = dembed + idx(ids[t], H, 0);
+      const float* src = dout + idx(t, H, 0);
+#pragma omp simd
+      for (int h = h0; h < h1; ++h) dst[h] += src[h];
+    }
+  }
+}
+
+void embedding_shard_forward(float* out, const std::int32_t* ids, const float* embed, int T,
+                             int H, int v0, int Vr) {
+  SPPO_ASSERT_MSG(v0 >= 0 && Vr >= 0, "embedding_shard_forward: v0=" << v0 << " Vr=" << Vr);
+#pragma omp parallel for schedule(static) if (i64{T} * H > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    float* dst = out + idx(t, H, 0);
+    const i64 row = i64{ids[t]} - v0;
+    if (row >= 0 && row < Vr) {
+      const float* src = embed + idx(row, H, 0);
+      std::copy(src, src + H, dst);
+    } else {
+      std::fill(dst, dst + H, 0.0f);  // another shard's row
+    }
+  }
+}
+
+void embedding_shard_backward(float* dembed, const float* dout, const std::int32_t* ids, int T,
+                              int H, int v0, int Vr) {
+  SPPO_ASSERT_MSG(v0 >= 0 && Vr >= 0, "embedding_shard_backward: v0=" << v0 << " Vr=" << Vr);
+  for (int t = 0; t < T; ++t) {
+    SPPO_CHECK(ids[t] >= 0, "embedding")
+        << "token id " << ids[t] << " at position " << t
+        << " is negative; check that the data was tokenised with this model's vocabulary";
+  }
+  // As embedding_backward: each thread owns a band of columns and walks the tokens in order,
+  // skipping the tokens of other shards.
+  const int threads = (i64{T} * H > kSerialElems) ? omp_get_max_threads() : 1;
+  const int per_thread = (H + threads - 1) / threads;
+  const int band = std::max(16, (per_thread + 15) / 16 * 16);
+  const int num_bands = (H + band - 1) / band;
+#pragma omp parallel for schedule(static) if (num_bands > 1)
+  for (int k = 0; k < num_bands; ++k) {
+    const int h0 = k * band;
+    const int h1 = std::min(H, h0 + band);
+    for (int t = 0; t < T; ++t) {
+      const i64 row = i64{ids[t]} - v0;
+      if (row < 0 || row >= Vr) continue;
+      float* dst = dembed + idx(row, H, 0);
       const float* src = dout + idx(t, H, 0);
 #pragma omp simd
       for (int h = h0; h < h1; ++h) dst[h] += src[h];
@@ -485,6 +531,92 @@ double xent_forward_backward(float* logits, float* losses, const std::int32_t* t
     for (int v = 0; v < V; ++v) row[v] *= scale;
     row[target] -= grad_scale;
     const double loss = std::log(sum) + static_cast<double>(mx) - target_logit;
+    row_loss[t] = loss;
+    losses[t] = static_cast<float>(loss);
+  }
+  double total = 0.0;
+  for (int t = 0; t < T; ++t) total += row_loss[t];
+  return total;
+}
+
+// ---- vocabulary-parallel cross-entropy ------------------------------------------------
+
+namespace {
+
+// Columns per tile of row_logsumexp's exp pass: the exps go to a small buffer on the stack, so
+// that exp_f32 and the double sum each vectorise (GCC 12 fuses neither) with the logits read only.
+constexpr int kExpTile = 256;
+
+}  // namespace
+
+void row_logsumexp(float* lse, const float* logits, int T, int V) {
+#pragma omp parallel for schedule(static) if (i64{T} * V > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    if (V == 0) {
+      lse[t] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const float* row = logits + idx(t, V, 0);
+    float mx = row[0];
+#pragma omp simd reduction(max : mx)
+    for (int v = 0; v < V; ++v) mx = row[v] > mx ? row[v] : mx;
+    // Arguments <= 0: exp_f32's clamp only turns exp(< -87) into 1e-38 (as in xent).
+    double sum = 0.0;
+    float tile[kExpTile];
+    for (int c0 = 0; c0 < V; c0 += kExpTile) {
+      const int n = std::min(kExpTile, V - c0);
+#pragma omp simd
+      for (int j = 0; j < n; ++j) tile[j] = exp_f32(row[c0 + j] - mx);
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; ++j) sum += tile[j];
+    }
+    lse[t] = static_cast<float>(static_cast<double>(mx) + std::log(sum));
+  }
+}
+
+double xent_shard(float* dlogits, float* losses, const float* logits, const float* lse_parts,
+                  int parts, const std::int32_t* targets, int T, int V, int v0, float grad_scale,
+                  Scratch* scratch) {
+  SPPO_ASSERT_MSG(parts >= 1 && V >= 0 && v0 >= 0,
+                  "xent_shard: parts=" << parts << " V=" << V << " v0=" << v0);
+  for (int t = 0; t < T; ++t)
+    SPPO_CHECK(targets[t] == kNoTarget || targets[t] >= 0, "loss")
+        << "target id " << targets[t] << " at position " << t
+        << " is negative; check that the data was tokenised with this model's vocabulary";
+  Partials row_loss_buf(static_cast<std::size_t>(T), scratch);
+  double* row_loss = row_loss_buf.data();
+#pragma omp parallel for schedule(static) if (i64{T} * V > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    const float* in = logits + idx(t, V, 0);
+    float* out = dlogits + idx(t, V, 0);  // may be `in`
+    const int target = targets[t];
+    if (target == kNoTarget) {  // not predicted: no loss, no gradient
+      std::fill(out, out + V, 0.0f);
+      row_loss[t] = 0.0;
+      losses[t] = 0.0f;
+      continue;
+    }
+    // The row's lse over every shard, in double: log sum_p exp(lse_p).
+    double m = -std::numeric_limits<double>::infinity();
+    for (int p = 0; p < parts; ++p) m = std::max(m, static_cast<double>(lse_parts[idx(p, T, t)]));
+    double s = 0.0;
+    for (int p = 0; p < parts; ++p) s += std::exp(static_cast<double>(lse_parts[idx(p, T, t)]) - m);
+    const double lse = m + std::log(s);
+    const i64 local = i64{target} - v0;
+    const bool mine = local >= 0 && local < V;
+    const double target_logit = mine ? in[local] : 0.0;  // read before the row is overwritten
+    if (V > 0) {
+      // exp(x - lse) = exp(x - mx) exp(mx - lse), mx the shard's row max: the fp32 argument is
+      // exact and <= 0, and exp(mx - lse) <= 1 comes from double (as xent's grad_scale / sum).
+      float mx = in[0];
+#pragma omp simd reduction(max : mx)
+      for (int v = 0; v < V; ++v) mx = in[v] > mx ? in[v] : mx;
+      const float scale = static_cast<float>(grad_scale * std::exp(static_cast<double>(mx) - lse));
+#pragma omp simd
+      for (int v = 0; v < V; ++v) out[v] = exp_f32(in[v] - mx) * scale;
+      if (mine) out[local] -= grad_scale;
+    }
+    const double loss = mine ? lse - target_logit : 0.0;
     row_loss[t] = loss;
     losses[t] = static_cast<float>(loss);
   }

@@ -41,6 +41,15 @@ void embedding_forward(float* out, const std::int32_t* ids, const float* embed, 
 // dembed[V, H] += scatter of dout[T, H] by ids (deterministic: same result for any thread count)
 void embedding_backward(float* dembed, const float* dout, const std::int32_t* ids, int T, int H,
                         int V);
+// Vocabulary-parallel (one shard of the table): embed [Vr, H] holds rows [v0, v0 + Vr).
+// out[T, H] = embed[ids[t] - v0] for ids in that range, 0 for every other row (the sum over
+// the shards is embedding_forward over the whole table).
+void embedding_shard_forward(float* out, const std::int32_t* ids, const float* embed, int T,
+                             int H, int v0, int Vr);
+// dembed[Vr, H] += scatter of the rows of dout[T, H] whose ids are in [v0, v0 + Vr); the other
+// rows are skipped (deterministic as embedding_backward). Ids must be >= 0.
+void embedding_shard_backward(float* dembed, const float* dout, const std::int32_t* ids, int T,
+                              int H, int v0, int Vr);
 
 // ---- LayerNorm (eps inside the sqrt, biased variance) ----------------------------------
 // out[T, H], mean[T], rstd[T] <- x[T, H], w[H], b[H]
@@ -80,6 +89,21 @@ void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols);
 double xent_forward_backward(float* logits, float* losses, const std::int32_t* targets, int T,
                              int V, float grad_scale, Scratch* scratch = nullptr);
 KernelScratch xent_scratch(int rows);
+
+// ---- vocabulary-parallel cross-entropy (the vocabulary split over `parts` shards) ----------
+// lse[T] = log sum_v exp(logits[t, v]) over the V columns of logits [T, V] (read only; the sum
+// in double after the row max; -inf when V is 0).
+void row_logsumexp(float* lse, const float* logits, int T, int V);
+// This shard holds vocabulary columns [v0, v0 + V) as logits [T, V]; lse_parts [parts, T] holds
+// every shard's row_logsumexp (part p's T values contiguous), whose log-sum-exp is the row's lse.
+// dlogits[T, V] = (exp(logits - lse) - onehot(targets - v0)) * grad_scale, the onehot only for a
+// target in [v0, v0 + V); dlogits may be logits itself. losses[t] = lse - logits[t, target - v0]
+// for a target in this shard, else 0 (the shards' losses sum to the row's). Returns the sum of
+// losses (double). A target of kNoTarget: loss 0 and a zero gradient row; other targets must be
+// >= 0. Scratch: xent_scratch(T).
+double xent_shard(float* dlogits, float* losses, const float* logits, const float* lse_parts,
+                  int parts, const std::int32_t* targets, int T, int V, int v0, float grad_scale,
+                  Scratch* scratch = nullptr);
 
 // ---- optimizer ------------------------------------------------------------------------
 // Sum of squares of g[n], accumulated in double, deterministic for any thread count.

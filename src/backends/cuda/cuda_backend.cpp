@@ -227,6 +227,14 @@ class CudaBackend final : public Backend {
   void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int V) override {
     cuda::embedding_backward(dembed, dout, ids, T, H, V, act_, compute_);
   }
+  void embedding_shard_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int v0,
+                               int Vr) override {
+    cuda::embedding_shard_forward(out, ids, embed, T, H, v0, Vr, act_, compute_);
+  }
+  void embedding_shard_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int v0,
+                                int Vr) override {
+    cuda::embedding_shard_backward(dembed, dout, ids, T, H, v0, Vr, act_, compute_);
+  }
   void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w, const float* b, int T,
                          int H, float eps) override {
     cuda::layernorm_forward(out, mean, rstd, x, w, b, T, H, eps, act_, compute_);
@@ -273,6 +281,14 @@ class CudaBackend final : public Backend {
   void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T, int V,
             float grad_scale, const Workspace&) override {
     cuda::xent_forward_backward(dlogits, act_, losses, loss_sum, logits, targets, T, V, grad_scale, compute_);
+  }
+  void row_logsumexp(float* lse, const float* logits, int T, int V) override {
+    cuda::row_logsumexp(lse, logits, T, V, compute_);
+  }
+  void xent_shard(void* dlogits, float* losses, double* loss_sum, float* logits, const float* lse_parts, int parts,
+                  const std::int32_t* targets, int T, int V, int v0, float grad_scale, const Workspace&) override {
+    cuda::xent_shard(dlogits, act_, losses, loss_sum, logits, lse_parts, parts, targets, T, V, v0, grad_scale,
+                     compute_);
   }
   double sum_squares(const float* g, i64 n) override {
     double* d = nullptr;

@@ -260,6 +260,71 @@ __global__ void __launch_bounds__(kXentThreads)
   }
 }
 
+// ---- vocabulary-parallel cross-entropy: one block a row -------------------------------------
+// lse = max + log(sum exp(x - max)), the sum in double (as the CPU); -inf for V = 0.
+__global__ void __launch_bounds__(kXentThreads)
+    row_logsumexp_kernel(float* lse, const float* logits, int V) {
+  __shared__ double red[kXentThreads / 32];
+  __shared__ float redf[kXentThreads / 32];
+  const float* row = logits + static_cast<i64>(blockIdx.x) * V;
+  float mx = -INFINITY;
+  for (int v = threadIdx.x; v < V; v += kXentThreads) mx = fmaxf(mx, row[v]);
+  mx = block_max<kXentThreads>(mx, redf);
+  double sum = 0.0;
+  for (int v = threadIdx.x; v < V; v += kXentThreads) sum += expf(row[v] - mx);
+  sum = block_sum<kXentThreads>(sum, red);
+  if (threadIdx.x == 0)
+    lse[blockIdx.x] = V == 0 ? -INFINITY : static_cast<float>(static_cast<double>(mx) + log(sum));
+}
+
+// As cpu::xent_shard: the row's lse is the log-sum-exp of the parts' (in double); the gradient
+// is exp(x - mx) * (grad_scale exp(mx - lse)), mx this shard's row max.
+template <typename D>
+__global__ void __launch_bounds__(kXentThreads)
+    xent_shard_kernel(D* dlogits, float* losses, double* row_loss, const float* logits,
+                      const float* lse_parts, int parts, const std::int32_t* targets, int T, int V,
+                      int v0, float grad_scale) {
+  __shared__ float redf[kXentThreads / 32];
+  const int row = blockIdx.x;
+  const float* lr = logits + static_cast<i64>(row) * V;
+  D* dr = dlogits + static_cast<i64>(row) * V;
+  const int target = targets[row];
+  if (target == -1) {  // kNoTarget: not predicted, no loss and no gradient
+    for (int v = threadIdx.x; v < V; v += kXentThreads) store_f(dr + v, 0.0f);
+    if (threadIdx.x == 0) {
+      row_loss[row] = 0.0;
+      losses[row] = 0.0f;
+    }
+    return;
+  }
+  if (target < 0) __trap();
+  const float* part = lse_parts + row;  // part p's lse of this row: part[p * T]
+  double m = -INFINITY;
+  for (int p = 0; p < parts; ++p) m = fmax(m, static_cast<double>(part[static_cast<i64>(p) * T]));
+  double s = 0.0;
+  for (int p = 0; p < parts; ++p) s += exp(static_cast<double>(part[static_cast<i64>(p) * T]) - m);
+  const double lse = m + log(s);
+  const i64 local = static_cast<i64>(target) - v0;
+  const bool mine = local >= 0 && local < V;
+  // Read before any thread overwrites the row (dlogits may be logits); block_max's barriers
+  // order it before the writes below.
+  const float target_logit = mine ? lr[local] : 0.0f;
+  float mx = -INFINITY;
+  for (int v = threadIdx.x; v < V; v += kXentThreads) mx = fmaxf(mx, lr[v]);
+  mx = block_max<kXentThreads>(mx, redf);
+  const float scale = static_cast<float>(grad_scale * exp(static_cast<double>(mx) - lse));
+  for (int v = threadIdx.x; v < V; v += kXentThreads) {
+    float d = expf(lr[v] - mx) * scale;
+    if (mine && v == local) d -= grad_scale;
+    store_f(dr + v, d);
+  }
+  if (threadIdx.x == 0) {
+    const double loss = mine ? lse - static_cast<double>(target_logit) : 0.0;
+    row_loss[row] = loss;
+    losses[row] = static_cast<float>(loss);
+  }
+}
+
 // ---- softmax over rows: one block a row ----------------------------------------------------
 __global__ void __launch_bounds__(kXentThreads)
     softmax_rows_kernel(float* x, float* lse, int cols, bool with_lse) {
@@ -526,6 +591,33 @@ void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, dou
     using E = decltype(tag);
     xent_kernel<E><<<static_cast<unsigned>(T), kXentThreads, 0, stream>>>(
         static_cast<E*>(dlogits), losses, row_loss.as<double>(), logits, targets, V, grad_scale);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+  sum_doubles_kernel<<<1, kThreads, 0, stream>>>(loss_sum, row_loss.as<double>(), T);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void row_logsumexp(float* lse, const float* logits, int T, int V, cudaStream_t stream) {
+  SPPO_ASSERT_MSG(V >= 0, "row_logsumexp: V=" << V);
+  if (T == 0) return;
+  row_logsumexp_kernel<<<static_cast<unsigned>(T), kXentThreads, 0, stream>>>(lse, logits, V);
+  SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void xent_shard(void* dlogits, DType dlogits_type, float* losses, double* loss_sum,
+                const float* logits, const float* lse_parts, int parts, const std::int32_t* targets,
+                int T, int V, int v0, float grad_scale, cudaStream_t stream) {
+  SPPO_CHECK(dlogits_type == DType::F32 || dlogits != static_cast<const void*>(logits), "loss")
+      << "a BF16 gradient cannot overwrite the F32 logits in place; pass a separate buffer";
+  SPPO_ASSERT_MSG(parts >= 1 && V >= 0 && v0 >= 0,
+                  "xent_shard: parts=" << parts << " V=" << V << " v0=" << v0);
+  if (T == 0) return;
+  Scratch row_loss(sizeof(double) * static_cast<std::size_t>(T), stream);
+  dispatch_act(dlogits_type, "xent_shard", [&](auto tag) {
+    using E = decltype(tag);
+    xent_shard_kernel<E><<<static_cast<unsigned>(T), kXentThreads, 0, stream>>>(
+        static_cast<E*>(dlogits), losses, row_loss.as<double>(), logits, lse_parts, parts, targets,
+        T, V, v0, grad_scale);
     SPPO_CUDA_CHECK_LAUNCH();
   });
   sum_doubles_kernel<<<1, kThreads, 0, stream>>>(loss_sum, row_loss.as<double>(), T);

@@ -112,6 +112,15 @@ void embedding_forward(void* out, const std::int32_t* ids, const float* embed, i
 // the CPU kernel. Scratch: 3 * T int32 and CUB's temporary storage.
 void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H,
                         int V, DType act, cudaStream_t stream);
+// Vocabulary-parallel, as cpu::embedding_shard_forward: embed [Vr, H] holds rows [v0, v0 + Vr);
+// out[T, H] (act) = embed[ids[t] - v0] for ids in that range, 0 for the others. Ids must be >= 0.
+void embedding_shard_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H,
+                             int v0, int Vr, DType act, cudaStream_t stream);
+// dembed[Vr, H] += scatter of the rows of dout[T, H] whose ids are in [v0, v0 + Vr); the others
+// are skipped. Deterministic as embedding_backward (ids of other shards sort last and are
+// skipped). Scratch: 4 * T int32 and CUB's temporary storage.
+void embedding_shard_backward(float* dembed, const void* dout, const std::int32_t* ids, int T,
+                              int H, int v0, int Vr, DType act, cudaStream_t stream);
 
 // ---- LayerNorm (eps inside the sqrt, biased variance) ----------------------------------
 // out[T, H] (act), mean[T], rstd[T] <- x[T, H] (act), w[H], b[H] (fp32).
@@ -147,6 +156,19 @@ void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld,
 void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, double* loss_sum,
                            const float* logits, const std::int32_t* targets, int T, int V,
                            float grad_scale, cudaStream_t stream);
+
+// ---- vocabulary-parallel cross-entropy (as cpu::row_logsumexp, cpu::xent_shard) -------------
+// lse[T] = log sum_v exp(logits[t, v]) over the V columns of fp32 logits [T, V] (read only).
+void row_logsumexp(float* lse, const float* logits, int T, int V, cudaStream_t stream);
+// This rank holds vocabulary columns [v0, v0 + V) as logits [T, V] (fp32); lse_parts [parts, T]
+// every rank's row_logsumexp. dlogits (dlogits_type; F32 may be logits itself) =
+// (exp(logits - lse) - onehot(targets - v0)) * grad_scale with lse the log-sum-exp of the parts;
+// losses[t] = lse - logits[t, target - v0] for a target in this rank's range, else 0;
+// *loss_sum ACCUMULATES their sum in a fixed order (scratch: T doubles). kNoTarget rows: loss
+// 0, gradient 0.
+void xent_shard(void* dlogits, DType dlogits_type, float* losses, double* loss_sum,
+                const float* logits, const float* lse_parts, int parts, const std::int32_t* targets,
+                int T, int V, int v0, float grad_scale, cudaStream_t stream);
 
 // ---- softmax over rows (as cpu::softmax_rows, softmax_backward_rows) ------------------------
 void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse, cudaStream_t stream);
