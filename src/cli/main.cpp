@@ -75,7 +75,11 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
   cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");
   cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
-  cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x cp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x tp x cp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--tp", o.tp,
+                  "Tensor parallel with sequence-parallel regions (the SPPO paper's SP, Megatron-LM's): ranks that "
+                  "split every layer's heads, MLP and vocabulary, and the LayerNorm regions' tokens")
+      ->capture_default_str();
   cmd->add_option("--cp", o.cp, "Context parallel: ranks of a ring attention that split every subsequence")
       ->capture_default_str();
   cmd->add_option("--ring", o.ring,

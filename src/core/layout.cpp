@@ -1,6 +1,7 @@
 #include "core/layout.h"
 
 #include <algorithm>
+#include <map>
 
 #include "core/check.h"
 
@@ -48,26 +49,34 @@ std::pair<i64, i64> piece_range(i64 n, int piece, int pieces) {
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c) { return parameter_specs(c, 0, c.layers); }
 
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end) {
+  return parameter_specs(c, begin, end, TpShard{});
+}
+
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end, const TpShard& tp) {
   SPPO_ASSERT(0 <= begin && begin < end && end <= c.layers);
-  const i64 H = c.hidden, F = c.ffn(), V = c.vocab;
+  const i64 H = c.hidden;
+  const i64 Hr = tp.local_hidden(c);
+  const auto [f0, f1] = tp.ffn(c);
+  const auto [v0, v1] = tp.vocab(c);
+  const i64 Fr = f1 - f0, Vr = v1 - v0;
   std::vector<TensorSpec> p;
   auto add = [&](std::string name, std::vector<i64> shape) {
     p.push_back({std::move(name), std::move(shape), DType::F32, Role::Parameter});
   };
-  if (begin == 0 || end == c.layers) add("embed.weight", {V, H});
+  if (begin == 0 || end == c.layers) add("embed.weight", {Vr, H});
   for (int l = begin; l < end; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
     add(b + "ln1.weight", {H});
     add(b + "ln1.bias", {H});
-    add(b + "attn.qkv.weight", {3 * H, H});
-    add(b + "attn.qkv.bias", {3 * H});
-    add(b + "attn.out.weight", {H, H});
+    add(b + "attn.qkv.weight", {3 * Hr, H});
+    add(b + "attn.qkv.bias", {3 * Hr});
+    add(b + "attn.out.weight", {H, Hr});
     add(b + "attn.out.bias", {H});
     add(b + "ln2.weight", {H});
     add(b + "ln2.bias", {H});
-    add(b + "mlp.fc.weight", {F, H});
-    add(b + "mlp.fc.bias", {F});
-    add(b + "mlp.proj.weight", {H, F});
+    add(b + "mlp.fc.weight", {Fr, H});
+    add(b + "mlp.fc.bias", {Fr});
+    add(b + "mlp.proj.weight", {H, Fr});
     add(b + "mlp.proj.bias", {H});
   }
   if (end == c.layers) {
@@ -77,63 +86,161 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end
   return p;
 }
 
+ModelConfig attention_view(const ModelConfig& c, const TpShard& tp) {
+  ModelConfig a = c;
+  a.heads = tp.local_heads(c);
+  a.hidden = tp.local_hidden(c);
+  return a;
+}
+
+bool tp_replicated(const std::string& name) {
+  auto ends = [&](const char* suffix) {
+    const std::string s(suffix);
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  return name.rfind("ln_f.", 0) == 0 || ends(".ln1.weight") || ends(".ln1.bias") || ends(".ln2.weight") ||
+         ends(".ln2.bias") || ends("attn.out.bias") || ends("mlp.proj.bias");
+}
+
+std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, const TpShard& tp) {
+  std::map<std::string, i64> full_offset;
+  {
+    i64 off = 0;
+    for (const auto& s : parameter_specs(c)) full_offset[s.name] = off, off += s.numel();
+  }
+  const i64 H = c.hidden, F = c.ffn(), A = c.head_size();
+  const auto [z0, z1] = tp.heads(c);
+  const auto [f0, f1] = tp.ffn(c);
+  const auto [v0, v1] = tp.vocab(c);
+  const i64 c0 = z0 * A, Hr = (z1 - z0) * A;
+  std::vector<ParamSlice> out;
+  i64 local = 0;
+  for (const auto& s : parameter_specs(c, begin, end, tp)) {
+    const i64 full = full_offset.at(s.name);
+    auto take = [&](i64 from, i64 count, bool replicated = false) {
+      out.push_back({local, full + from, count, replicated});
+      local += count;
+    };
+    auto ends = [&](const char* suffix) {
+      const std::string x(suffix);
+      return s.name.size() >= x.size() && s.name.compare(s.name.size() - x.size(), x.size(), x) == 0;
+    };
+    if (tp_replicated(s.name)) {
+      take(0, s.numel(), true);
+    } else if (s.name == "embed.weight") {
+      take(v0 * H, (v1 - v0) * H);
+    } else if (ends("attn.qkv.weight")) {
+      for (int j = 0; j < 3; ++j) take((j * H + c0) * H, Hr * H);  // the q, k, v rows of its heads
+    } else if (ends("attn.qkv.bias")) {
+      for (int j = 0; j < 3; ++j) take(j * H + c0, Hr);
+    } else if (ends("attn.out.weight")) {
+      for (i64 r = 0; r < H; ++r) take(r * H + c0, Hr);  // its heads' columns of every row
+    } else if (ends("mlp.fc.weight")) {
+      take(f0 * H, (f1 - f0) * H);
+    } else if (ends("mlp.fc.bias")) {
+      take(f0, f1 - f0);
+    } else if (ends("mlp.proj.weight")) {
+      for (i64 r = 0; r < H; ++r) take(r * F + f0, f1 - f0);
+    } else {
+      SPPO_ASSERT_MSG(false, "no tensor-parallel split for parameter " << s.name);
+    }
+  }
+  SPPO_ASSERT(local == total_bytes(parameter_specs(c, begin, end, tp)) / i64(sizeof(float)));
+  return out;
+}
+
 namespace {
 DType act_dtype(ActPrecision p) { return p == ActPrecision::F32 ? DType::F32 : DType::BF16; }
 }  // namespace
 
 std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p) {
-  const i64 H = c.hidden, F = c.ffn(), Z = c.heads;
+  return block_saved_specs(c, T, p, TpShard{});
+}
+
+std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp) {
+  const i64 H = c.hidden, Hr = tp.local_hidden(c), Zr = tp.local_heads(c);
+  const auto [f0, f1] = tp.ffn(c);
+  const i64 Fr = f1 - f0;
+  const i64 Ts = tp.row_count(T);  // this member's rows of the LayerNorm / residual regions
   const DType a = act_dtype(p);
   using R = Role;
   return {
-      {"x", {T, H}, a, R::Offloadable},            // block input = LN1 input
-      {"ln1_mean", {T}, DType::F32, R::Offloadable},
-      {"ln1_rstd", {T}, DType::F32, R::Offloadable},
-      {"ln1_out", {T, H}, a, R::Offloadable},      // input of the qkv projection
-      {"q", {T, H}, a, R::Offloadable},            // queries after RoPE
-      {"k", {T, H}, a, R::Skeletal},               // keys after RoPE (KV cache)
-      {"v", {T, H}, a, R::Skeletal},               // values (KV cache)
-      {"attn_out", {T, H}, a, R::Offloadable},     // attention output before projection
-      {"lse", {Z, T}, DType::F32, R::Offloadable}, // per-row log-sum-exp of the scores
-      {"x_mid", {T, H}, a, R::Offloadable},        // residual after attention = LN2 input
-      {"ln2_mean", {T}, DType::F32, R::Offloadable},
-      {"ln2_rstd", {T}, DType::F32, R::Offloadable},
-      {"ln2_out", {T, H}, a, R::Offloadable},      // input of the fc projection
-      {"fc_pre", {T, F}, a, R::Offloadable},       // fc output before GeLU
+      {"x", {Ts, H}, a, R::Offloadable},            // block input = LN1 input
+      {"ln1_mean", {Ts}, DType::F32, R::Offloadable},
+      {"ln1_rstd", {Ts}, DType::F32, R::Offloadable},
+      {"ln1_out", {Ts, H}, a, R::Offloadable},      // input of the qkv projection (gathered again in backward)
+      {"q", {T, Hr}, a, R::Offloadable},            // queries after RoPE
+      {"k", {T, Hr}, a, R::Skeletal},               // keys after RoPE (KV cache)
+      {"v", {T, Hr}, a, R::Skeletal},               // values (KV cache)
+      {"attn_out", {T, Hr}, a, R::Offloadable},     // attention output before projection
+      {"lse", {Zr, T}, DType::F32, R::Offloadable}, // per-row log-sum-exp of the scores
+      {"x_mid", {Ts, H}, a, R::Offloadable},        // residual after attention = LN2 input
+      {"ln2_mean", {Ts}, DType::F32, R::Offloadable},
+      {"ln2_rstd", {Ts}, DType::F32, R::Offloadable},
+      {"ln2_out", {Ts, H}, a, R::Offloadable},      // input of the fc projection
+      {"fc_pre", {T, Fr}, a, R::Offloadable},       // fc output before GeLU
   };
 }
 
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p) {
-  return {{"head_grad", {T, i64(c.hidden)}, act_dtype(p), Role::Offloadable}};
+  return head_saved_specs(c, T, p, TpShard{});
+}
+
+std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp) {
+  return {{"head_grad", {tp.row_count(T), i64(c.hidden)}, act_dtype(p), Role::Offloadable}};
 }
 
 std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p) {
-  const i64 H = c.hidden, F = c.ffn(), Z = c.heads;
+  return block_workspace_specs(c, T, p, TpShard{});
+}
+
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp) {
+  const i64 H = c.hidden, Hr = tp.local_hidden(c), Zr = tp.local_heads(c);
+  const auto [f0, f1] = tp.ffn(c);
   const DType a = act_dtype(p);
   using R = Role;
   // Forward needs qkv and the MLP activation; backward reuses them for their gradients
   // (the residual gradient runs in place in head_grad) plus one [T, H] gradient and delta.
-  return {
-      {"qkv", {T, 3 * H}, a, R::Workspace},
-      {"mlp_act", {T, F}, a, R::Workspace},
+  std::vector<TensorSpec> s = {
+      {"qkv", {T, 3 * Hr}, a, R::Workspace},
+      {"mlp_act", {T, f1 - f0}, a, R::Workspace},
       {"d_tmp", {T, H}, a, R::Workspace},
-      {"delta", {Z, T}, DType::F32, R::Workspace},
+      {"delta", {Zr, T}, DType::F32, R::Workspace},
   };
+  if (tp.on()) {
+    s.push_back({"tp_full", {T, H}, a, R::Workspace});
+    s.push_back({"tp_pad", {tp.padded_rows(T), H}, a, R::Workspace});
+    s.push_back({"tp_rows", {tp.row_count(T), H}, a, R::Workspace});
+  }
+  return s;
 }
 
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p) {
-  const i64 H = c.hidden, V = c.vocab;
+  return head_workspace_specs(c, T, chunk, p, TpShard{});
+}
+
+std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p,
+                                             const TpShard& tp) {
+  const i64 H = c.hidden;
+  const auto [v0, v1] = tp.vocab(c);
+  const i64 V = v1 - v0;
   const i64 rows = std::min(T, chunk);
+  const i64 Ts = tp.row_count(T);
   std::vector<TensorSpec> s = {
-      {"ln_f_out", {T, H}, act_dtype(p), Role::Workspace},
-      {"ln_f_mean", {T}, DType::F32, Role::Workspace},
-      {"ln_f_rstd", {T}, DType::F32, Role::Workspace},
+      {"ln_f_out", {Ts, H}, act_dtype(p), Role::Workspace},
+      {"ln_f_mean", {Ts}, DType::F32, Role::Workspace},
+      {"ln_f_rstd", {Ts}, DType::F32, Role::Workspace},
       {"logits", {rows, V}, DType::F32, Role::Workspace},
       {"losses", {T}, DType::F32, Role::Workspace},
   };
   // In bf16 the loss gradient feeds the bf16 GEMMs from a buffer of its own; in fp32 it
   // overwrites the logits.
   if (p == ActPrecision::BF16) s.push_back({"dlogits", {rows, V}, DType::BF16, Role::Workspace});
+  if (tp.on()) {
+    s.push_back({"tp_full", {T, H}, act_dtype(p), Role::Workspace});
+    s.push_back({"tp_pad", {tp.padded_rows(T), H}, act_dtype(p), Role::Workspace});
+    s.push_back({"lse_parts", {i64(tp.size), rows}, DType::F32, Role::Workspace});
+  }
   return s;
 }
 

@@ -44,6 +44,34 @@ i64 total_bytes(const std::vector<TensorSpec>& specs);
 // shards.
 std::pair<i64, i64> piece_range(i64 n, int piece, int pieces);
 
+// Tensor parallelism with sequence-parallel regions (Megatron-LM's; DESIGN.md 6, --tp).
+// Member `index` of a group of `size` ranks holds heads piece_range(Z, index, size) of the
+// attention (their rows of the q, k and v projections, their columns of the output
+// projection, their part of the K/V cache), columns piece_range(F, ...) of the MLP (rows of
+// fc, columns of proj), rows piece_range(V, ...) of the embedding (vocabulary-parallel
+// embedding and cross-entropy), and, in the LayerNorm / residual regions, rows
+// piece_range(T, index, size) of every subsequence. LayerNorm weights and the biases of the
+// two row-parallel projections are whole on every member.
+struct TpShard {
+  int index = 0;
+  int size = 1;
+  bool on() const { return size > 1; }
+  std::pair<i64, i64> heads(const ModelConfig& c) const { return piece_range(c.heads, index, size); }
+  std::pair<i64, i64> ffn(const ModelConfig& c) const { return piece_range(c.ffn(), index, size); }
+  std::pair<i64, i64> vocab(const ModelConfig& c) const { return piece_range(c.vocab, index, size); }
+  std::pair<i64, i64> rows(i64 T) const { return piece_range(T, index, size); }
+  i64 row_count(i64 T) const { const auto [b, e] = rows(T); return e - b; }
+  // Rows of the padded buffer the collectives move: size slots of ceil(T / size) rows.
+  i64 padded_rows(i64 T) const { return i64(size) * ((T + size - 1) / size); }
+  // This member's share of the attention: its heads, and their width (heads x A).
+  int local_heads(const ModelConfig& c) const { const auto [b, e] = heads(c); return int(e - b); }
+  int local_hidden(const ModelConfig& c) const { return local_heads(c) * c.head_size(); }
+};
+
+// The model as one tensor-parallel member's attention sees it: its heads only, so hidden
+// is their width (the kernels' row strides and the K/V cache's width).
+ModelConfig attention_view(const ModelConfig& c, const TpShard& tp);
+
 // Parameters in checkpoint order, with the exact names of the export format:
 // embed.weight, blocks.{l}.ln1.weight, ..., ln_f.weight, ln_f.bias.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c);
@@ -51,6 +79,20 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c);
 // the embedding with the first layer and, tied as the LM head, with the last; the final
 // LayerNorm with the last.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end);
+// The same, as tensor-parallel member tp holds them: the same names, its shards' shapes.
+std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end, const TpShard& tp);
+
+// Where a member's parameters sit in the whole model's: run `count` elements from
+// `local` in its flat array (parameter_specs(c, begin, end, tp) order) are elements
+// `full` onwards of the whole model's (parameter_specs(c) order). `replicated`: the
+// tensor is whole on every member (LayerNorm weights, row-parallel biases).
+struct ParamSlice {
+  i64 local = 0, full = 0, count = 0;
+  bool replicated = false;
+};
+std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, const TpShard& tp);
+// Whether a parameter (by name) is whole on every tensor-parallel member.
+bool tp_replicated(const std::string& name);
 
 // Scratch memory a kernel (or a block's sequence of kernels) needs for T rows, as an upper
 // bound fixed + bytes_per_token * T that the runtime allocates from the device tier and the
@@ -67,12 +109,24 @@ enum class ActPrecision { F32, BF16 };
 
 // What one block saves for backward on T tokens (names without the "blocks.{l}." prefix).
 std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p);
+// As tensor-parallel member tp holds them for a subsequence of T tokens: rows
+// tp.rows(T) of the LayerNorm / residual tensors, every row of its heads' q, k, v,
+// attention output and LSE and of its fc columns (the same names and order).
+std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp);
 // What the LM head saves for a subsequence of T tokens (head_grad).
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p);
+std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp);
 // Scratch one block needs while it runs forward or backward on T tokens (freed after).
 std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p);
+// Under tensor parallelism two more: "tp_full" [T, H], a gathered input or a partial sum
+// before its reduce-scatter, and "tp_pad" [tp.padded_rows(T), H], the collectives' buffer.
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp);
 // Scratch of the head: logits are computed in row chunks of at most `chunk` tokens.
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p);
+// Under tensor parallelism: ln_f_out of this member's rows, logits of its vocabulary
+// columns, and "tp_full" [T, H], "tp_pad" [tp.padded_rows(T), H], "lse_parts" [tp, chunk].
+std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p,
+                                             const TpShard& tp);
 
 // Which tensors an offload of `fraction` moves, from the ordered sizes of a subsequence's
 // offloadable tensors (layers in order, each layer's in table order, head_grad last):

@@ -11,6 +11,10 @@ namespace sppo {
 ParamView param_view(const ModelConfig& c, float* base) { return param_view(c, base, 0, c.layers); }
 
 ParamView param_view(const ModelConfig& c, float* base, int begin, int end) {
+  return param_view(c, base, begin, end, TpShard{});
+}
+
+ParamView param_view(const ModelConfig& c, float* base, int begin, int end, const TpShard& tp) {
   ParamView v;
   float* p = base;
   auto take = [&](i64 n) {
@@ -18,16 +22,19 @@ ParamView param_view(const ModelConfig& c, float* base, int begin, int end) {
     p += n;
     return r;
   };
-  const i64 H = c.hidden, F = c.ffn();
-  if (begin == 0 || end == c.layers) v.embed = take(i64(c.vocab) * H);
+  const i64 H = c.hidden, Hr = tp.local_hidden(c);
+  const auto [f0, f1] = tp.ffn(c);
+  const auto [v0, v1] = tp.vocab(c);
+  const i64 F = f1 - f0;
+  if (begin == 0 || end == c.layers) v.embed = take((v1 - v0) * H);
   v.blocks.resize(c.layers);
   for (int l = begin; l < end; ++l) {
     BlockParams& b = v.blocks[l];
     b.ln1_w = take(H);
     b.ln1_b = take(H);
-    b.qkv_w = take(3 * H * H);
-    b.qkv_b = take(3 * H);
-    b.out_w = take(H * H);
+    b.qkv_w = take(3 * Hr * H);
+    b.qkv_b = take(3 * Hr);
+    b.out_w = take(H * Hr);
     b.out_b = take(H);
     b.ln2_w = take(H);
     b.ln2_b = take(H);
@@ -40,27 +47,34 @@ ParamView param_view(const ModelConfig& c, float* base, int begin, int end) {
     v.lnf_w = take(H);
     v.lnf_b = take(H);
   }
-  SPPO_ASSERT(p - base == total_bytes(parameter_specs(c, begin, end)) / i64(sizeof(float)));
+  SPPO_ASSERT(p - base == total_bytes(parameter_specs(c, begin, end, tp)) / i64(sizeof(float)));
   return v;
 }
 
 MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end) {
+  return matrix_view(c, base, t, begin, end, TpShard{});
+}
+
+MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end, const TpShard& tp) {
   MatrixView m;
   i64 off = 0;
-  const i64 H = c.hidden, F = c.ffn();
+  const i64 H = c.hidden, Hr = tp.local_hidden(c);
+  const auto [f0, f1] = tp.ffn(c);
+  const auto [v0, v1] = tp.vocab(c);
+  const i64 F = f1 - f0;
   auto at = [&](i64 n) {
     const void* r = act_at(base, off, t);
     off += n;
     return r;
   };
-  if (begin == 0 || end == c.layers) m.embed = at(i64(c.vocab) * H);
+  if (begin == 0 || end == c.layers) m.embed = at((v1 - v0) * H);
   m.blocks.resize(c.layers);
   for (int l = begin; l < end; ++l) {
     BlockMatrices& b = m.blocks[l];
     at(2 * H);  // ln1
-    b.qkv_w = at(3 * H * H);
-    b.qkv_b = at(3 * H);
-    b.out_w = at(H * H);
+    b.qkv_w = at(3 * Hr * H);
+    b.qkv_b = at(3 * Hr);
+    b.out_w = at(H * Hr);
     b.out_b = at(H);
     at(2 * H);  // ln2
     b.fc_w = at(F * H);
@@ -69,7 +83,7 @@ MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begi
     b.proj_b = at(H);
   }
   if (end == c.layers) at(2 * H);
-  SPPO_ASSERT(off == total_bytes(parameter_specs(c, begin, end)) / i64(sizeof(float)));
+  SPPO_ASSERT(off == total_bytes(parameter_specs(c, begin, end, tp)) / i64(sizeof(float)));
   return m;
 }
 
@@ -80,15 +94,29 @@ BlockSaved block_saved_from(const std::vector<void*>& t) {
 }
 
 BlockWorkspace block_workspace_from(const std::vector<void*>& t, Workspace scratch) {
-  SPPO_ASSERT(t.size() == 4);
-  return {t[0], t[1], t[2], static_cast<float*>(t[3]), scratch};
+  SPPO_ASSERT(t.size() == 4 || t.size() == 7);
+  BlockWorkspace w{t[0], t[1], t[2], static_cast<float*>(t[3]), scratch};
+  if (t.size() == 7) {
+    w.tp_full = t[4];
+    w.tp_pad = t[5];
+    w.tp_rows = t[6];
+  }
+  return w;
 }
 
-HeadWorkspace head_workspace_from(const std::vector<void*>& t, int chunk, Workspace scratch) {
-  // fp32: five buffers, the gradient overwriting the logits; bf16: a sixth for dlogits.
-  SPPO_ASSERT(t.size() == 5 || t.size() == 6);
+HeadWorkspace head_workspace_from(const std::vector<void*>& t, int chunk, Workspace scratch, bool tp) {
+  // fp32: five buffers, the gradient overwriting the logits; bf16: a sixth for dlogits;
+  // tensor parallel: three more at the end.
+  const std::size_t base = t.size() - (tp ? 3 : 0);
+  SPPO_ASSERT(base == 5 || base == 6);
   auto f = [](void* p) { return static_cast<float*>(p); };
-  return {t[0], f(t[1]), f(t[2]), f(t[3]), f(t[4]), t.size() == 6 ? t[5] : t[3], chunk, scratch};
+  HeadWorkspace w{t[0], f(t[1]), f(t[2]), f(t[3]), f(t[4]), base == 6 ? t[5] : t[3], chunk, scratch};
+  if (tp) {
+    w.tp_full = t[base];
+    w.tp_pad = t[base + 1];
+    w.lse_parts = f(t[base + 2]);
+  }
+  return w;
 }
 
 std::vector<PosSpan> Subseq::parts() const {

@@ -47,6 +47,8 @@ ParamView param_view(const ModelConfig& c, float* base);
 // parameter_specs(c, begin, end); blocks outside the range and the embedding or final
 // LayerNorm the stage does not own stay null.
 ParamView param_view(const ModelConfig& c, float* base, int begin, int end);
+// A tensor-parallel member's views (parameter_specs(c, begin, end, tp)): its shards.
+ParamView param_view(const ModelConfig& c, float* base, int begin, int end, const TpShard& tp);
 
 // The linear layers' weights and biases the GEMMs read, in the activation type: a copy of
 // the fp32 masters laid out like them (parameter_specs(c, begin, end), every tensor
@@ -62,6 +64,7 @@ struct MatrixView {
   std::vector<BlockMatrices> blocks;
 };
 MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end);
+MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end, const TpShard& tp);
 
 // The element `elems` past an activation pointer of type t.
 inline void* act_at(void* p, i64 elems, DType t) { return static_cast<char*>(p) + elems * dtype_bytes(t); }
@@ -96,6 +99,11 @@ struct BlockWorkspace {
   void* d_tmp;         // [T, H]
   float* delta;        // [Z, T]
   Workspace scratch;   // the kernels' (Backend::block_scratch); empty: their own
+  // Tensor parallel only (block_workspace_specs with a TpShard): a gathered input or a
+  // partial sum [T, H], the collectives' padded buffer, and this member's rows [Ts, H].
+  void* tp_full = nullptr;
+  void* tp_pad = nullptr;
+  void* tp_rows = nullptr;
 };
 BlockWorkspace block_workspace_from(const std::vector<void*>& ptrs, Workspace scratch = {});
 
@@ -202,8 +210,12 @@ struct HeadWorkspace {
   void* dlogits;     // [chunk, V] activations (bf16), or the logits themselves (fp32)
   int chunk;
   Workspace scratch;  // the kernels' (Backend::head_scratch)
+  // Tensor parallel only: [T, H] gathered ln_f_out, the padded buffer, lse_parts [tp, chunk].
+  void* tp_full = nullptr;
+  void* tp_pad = nullptr;
+  float* lse_parts = nullptr;
 };
-HeadWorkspace head_workspace_from(const std::vector<void*>& ptrs, int chunk, Workspace scratch = {});
+HeadWorkspace head_workspace_from(const std::vector<void*>& ptrs, int chunk, Workspace scratch = {}, bool tp = false);
 void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const void* x, const std::int32_t* targets,
                            const ParamView& p, const MatrixView& m, ParamView& g, const HeadWorkspace& w,
                            const ModelConfig& c, int T, i64 total_tokens);

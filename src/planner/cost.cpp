@@ -55,15 +55,38 @@ double CostModel::layer_backward_s(i64 o, const sched::Spans& spans) const {
   return t + hw_.layer_overhead;
 }
 
+double CostModel::tp_collective_s(i64 T, int tp) const {
+  if (tp <= 1) return 0;
+  // A ring all-gather or reduce-scatter of [T, H]: each member sends and receives (g-1)/g
+  // of it; the group is tp consecutive devices (one node when tp <= devices_per_node).
+  const bool intra = tp <= hw_.devices_per_node;
+  const double bw = intra ? hw_.intra_node_bw : hw_.inter_node_bw;
+  const double lat = intra ? hw_.intra_node_latency : hw_.inter_node_latency;
+  const double bytes = double(T) * model_.hidden * act_bytes_;
+  return double(tp - 1) / tp * bytes / bw + (tp - 1) * lat;
+}
+
 double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   const sched::Spans spans = s.spans(op);
-  double t = (op.layer_end - op.layer_begin) * layer_forward_s(o, spans);
-  if (op.layer_end == s.layers) t += head_flops(sched::span_tokens(spans)) / gemm_rate_;
+  const int n = op.layer_end - op.layer_begin, tp = s.tp;
+  const i64 T = sched::span_tokens(spans);
+  // Tensor parallel: every FLOP and element divides over the group; each layer gathers
+  // twice and reduce-scatters twice (model/tensor_parallel.h), the embedding once more,
+  // and the head gathers its input and reduce-scatters its gradient.
+  double t = n * (layer_forward_s(o, spans) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  if (op.layer_end == s.layers) t += head_flops(T) / gemm_rate_ / tp;
+  if (tp > 1)
+    t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (op.layer_end == s.layers ? 2 : 0));
   return t;
 }
 
 double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
-  return (op.layer_end - op.layer_begin) * layer_backward_s(o, s.spans(op));
+  const sched::Spans spans = s.spans(op);
+  const int n = op.layer_end - op.layer_begin, tp = s.tp;
+  double t = n * (layer_backward_s(o, spans) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  // Backward gathers four times and reduce-scatters twice a layer, the embedding once.
+  if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
+  return t;
 }
 
 double CostModel::d2h_s(i64 bytes, bool duplex) const {
@@ -107,7 +130,7 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
       return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
                                 op.layer_end == s.layers) * act_bytes_;
     case Payload::WeightGrads:
-    case Payload::TiedGrads: return sched::allreduce_bytes(op, model_, s.layers);
+    case Payload::TiedGrads: return sched::allreduce_bytes(op, model_, s.layers, TpShard{0, s.tp});
   }
   SPPO_ASSERT(false);
   return 0;

@@ -13,6 +13,9 @@
 // the query positions it holds (Schedule::spans: contiguous, or zigzag for ring pieces of
 // a zigzag plan; Note [Ring attention load balance] in schedule/ir.h), so a contiguous ring
 // shows its causal imbalance.
+// Tensor parallelism (Schedule::tp): compute divides by tp, and every layer adds the
+// sequence-parallel regions' all-gathers and reduce-scatters of [T, H] (tp_collective_s),
+// four in forward and six in backward, run between the kernels.
 // Copies: bytes over d2h_bw / h2d_bw, times duplex_factor while the other direction runs.
 // Messages: latency + bytes / bandwidth, intra- or inter-node by the ranks' nodes
 // (rank r is device r; devices_per_node consecutive devices form a node).
@@ -58,6 +61,10 @@ class CostModel {
   double layer_backward_s(i64 o, const sched::Spans& spans) const;
   double layer_forward_s(i64 o, i64 T) const { return layer_forward_s(o, sched::Spans{{0, T}}); }
   double layer_backward_s(i64 o, i64 T) const { return layer_backward_s(o, sched::Spans{{0, T}}); }
+
+  // One all-gather (or reduce-scatter) of [T, H] activations over a tensor-parallel group
+  // of tp consecutive devices.
+  double tp_collective_s(i64 T, int tp) const;
 
   double d2h_s(i64 bytes, bool duplex) const;
   double h2d_s(i64 bytes, bool duplex) const;

@@ -27,7 +27,7 @@ struct Plan {
   i64 seq_len = 0;                // S per replica
   int gpus = 1;
   int gpus_per_node = 1;
-  int sp = 1, pp = 1, dp = 1, tp = 1;  // tp: megatron only; sp: of the kind sp_kind() names
+  int sp = 1, pp = 1, dp = 1, tp = 1;  // tp: tensor parallel (megatron; sppo: train --tp); sp: of the kind sp_kind() names
   int subseqs = 1;                // N (megatron: 1; deepspeed: FPDT chunks)
   std::vector<i64> lengths;
   std::vector<double> alpha;
@@ -49,7 +49,8 @@ inline constexpr int kMaxPlanDevices = 1 << 20;
 // What a plan's `sp` is (the plan JSON's "sp_kind"): "ring" for SPPO and Megatron-LM,
 // context parallelism with ring attention (SPPO's runs as `train --cp`, weights replicated
 // over the ring); "ulysses" for DeepSpeed, all-to-all between sequence and head splits.
-// Megatron-LM's tensor parallelism with sequence-parallel regions is its `tp`.
+// Tensor parallelism with sequence-parallel regions (Megatron-LM's; the SPPO paper's SP) is
+// `tp`, for Megatron-LM and for SPPO (runs as `train --tp`).
 std::string sp_kind(const Plan& p);
 nlohmann::json to_json(const Plan& p);
 // Throws sppo::Error naming the missing or inconsistent field.

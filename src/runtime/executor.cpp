@@ -9,6 +9,8 @@
 #include "core/check.h"
 #include "runtime/fault.h"
 #include "runtime/ring.h"
+#include "runtime/tensor_parallel.h"
+#include "model/tensor_parallel.h"
 
 namespace sppo {
 
@@ -103,6 +105,7 @@ struct Runtime::StepState {
   std::unique_ptr<CopyStream> d2h, h2d;
   // The rows this rank holds of each subsequence: the whole of it, or its ring piece.
   std::vector<Subseq> rows;                            // [N]
+  std::unique_ptr<TpGroup> tp;                         // the tensor-parallel group (tp > 1)
   int ring_piece = 0;                                  // this rank's piece of every subsequence (ring > 1)
 
   // Hidden states from the previous stage (gradients from the next), received before
@@ -148,20 +151,16 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       << "owned layers [" << lb_ << ", " << le_ << ") are not inside the model's " << c.layers << " layers";
   SPPO_CHECK(o.zero_shards >= 1 && o.zero_index >= 0 && o.zero_index < o.zero_shards, "runtime")
       << "ZeRO shard " << o.zero_index << " of " << o.zero_shards << " does not exist";
-  specs_ = parameter_specs(c, lb_, le_);
+  SPPO_CHECK(o.tp.size >= 1 && o.tp.index >= 0 && o.tp.index < o.tp.size, "runtime")
+      << "tensor-parallel member " << o.tp.index << " of " << o.tp.size << " does not exist";
+  specs_ = parameter_specs(c, lb_, le_, o.tp);
   for (const auto& s : specs_) num_params_ += s.numel();
   // Buckets: the embedding, each layer, the final LayerNorm, in parameter order.
   {
-    std::map<std::string, i64> full_offset;
-    i64 full = 0;
-    for (const auto& spec : parameter_specs(c)) {
-      full_offset[spec.name] = full;
-      full += spec.numel();
-    }
     i64 off = 0;
     std::size_t k = 0;
     auto take = [&](std::string name, auto&& belongs) {
-      ParamBucket b{std::move(name), off, 0, k < specs_.size() ? full_offset.at(specs_[k].name) : 0};
+      ParamBucket b{std::move(name), off, 0};
       while (k < specs_.size() && belongs(specs_[k].name)) b.count += specs_[k++].numel();
       off += b.count;
       if (b.count > 0) buckets_.push_back(b);
@@ -188,9 +187,9 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   // The GEMMs read the weights in the activation type: the masters themselves in fp32,
   // else a working copy refreshed after every update.
   if (act_ != DType::F32) params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
-  weights_ = param_view(c, params_.f32(), lb_, le_);
-  dweights_ = param_view(c, grads_.f32(), lb_, le_);
-  matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_);
+  weights_ = param_view(c, params_.f32(), lb_, le_, o.tp);
+  dweights_ = param_view(c, grads_.f32(), lb_, le_, o.tp);
+  matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_, o.tp);
 }
 
 void Runtime::refresh_weights() {
@@ -279,7 +278,7 @@ void Runtime::reduce(StepState& st, const sched::Op& op, std::size_t index) {
 
 KVBlocks Runtime::past_blocks(StepState& st, int l, int i, bool grads) {
   KVBlocks past;
-  const i64 H = config_.hidden;
+  const i64 H = opts_.tp.local_hidden(config_);  // the K/V cache's width
   for (int j = 0; j < i; ++j)
     for (const PosSpan& part : st.rows[j].parts()) {
       const i64 at = i64(part.row0) * H;
@@ -325,7 +324,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   const Subseq& q = st.rows[i];
   const int T = q.T, H = config_.hidden, L = config_.layers;
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
-  const auto specs = block_saved_specs(config_, T, precision_);
+  const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   if (b > 0) {  // the previous stage's output is this stage's first saved input
     auto& in = st.in_hidden[i];
     SPPO_ASSERT_MSG(in.buf, "forward of layers from " << b << " on subseq " << i << " without its input");
@@ -337,11 +336,15 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     auto& unit = st.dev[i][l];
     for (int k = 0; k < kSavedTensors; ++k)
       if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
-    if (l == 0)
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
+    const BlockWorkspace w_ptrs = block_workspace_from(ptrs(ws));
+    if (l == 0 && st.tp)
+      embedding_forward_tp(be_, unit[0].data(), ids + q.offset, weights_.embed, w_ptrs.tp_full, w_ptrs.tp_pad, *st.tp,
+                           config_, T);
+    else if (l == 0)
       for (const PosSpan& part : q.parts())
         be_.embedding_forward(act_at(unit[0].data(), i64(part.row0) * H, act_), ids + part.pos0, weights_.embed,
                               part.rows, H, config_.vocab);
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     // The block's output is the next block's saved input, or the stage's output.
     void* x_out;
@@ -355,8 +358,11 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     const KVBlocks past = past_blocks(st, l, i, false);
     const auto attn = attention(st, op, l, past);
     BlockSaved saved = block_saved_from(ptrs(unit));
-    block_forward(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l],
-                  block_workspace_from(ptrs(ws), scratch.get()), *attn, config_, q);
+    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
+    if (st.tp)
+      block_forward_tp(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l], w, *attn, *st.tp, config_, q);
+    else
+      block_forward(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l], w, *attn, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
     scratch = {};
@@ -367,11 +373,20 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     st.out_hidden[i] = std::move(out);
     return;
   }
-  auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, precision_),
+  auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, precision_, opts_.tp),
                              "head workspace ");
   KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
-  const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get());
+  const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get(), opts_.tp.on());
   st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
+  if (st.tp) {
+    head_forward_backward_tp(be_, st.head_grad[i].data(), static_cast<double*>(st.loss_sum.data()), out.data(),
+                             st.targets + q.offset, weights_, matrices_, dweights_, hw, *st.tp, config_, T,
+                             st.predicted);
+    be_.synchronize();
+    st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
+    be_.to_host(st.result->losses.data() + q.offset, hw.losses, sizeof(float) * std::size_t(T));
+    return;
+  }
   for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H;
     head_forward_backward(be_, act_at(st.head_grad[i].data(), at, act_), static_cast<double*>(st.loss_sum.data()),
@@ -384,8 +399,9 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq& q = st.rows[i];
-  const int T = q.T, H = config_.hidden, L = config_.layers;
-  const auto specs = block_saved_specs(config_, T, precision_);
+  const int T = q.T, L = config_.layers;
+  const int H = config_.hidden, kv_width = opts_.tp.local_hidden(config_);
+  const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   // The residual gradient: the head's on the last stage, else the next stage's.
   Buffer d_buf = e == L ? std::move(st.head_grad[i]) : std::move(st.in_grad[i].buf);
   st.in_grad[i] = {};
@@ -397,12 +413,12 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use.
     for (int j = 0; j <= i; ++j)
       if (!st.dk[l][j]) {
-        const i64 bytes = i64(st.rows[j].T) * H * i64(sizeof(float));
+        const i64 bytes = i64(st.rows[j].T) * kv_width * i64(sizeof(float));
         st.dk[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dK");
         st.dv[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dV");
       }
     auto& unit = st.dev[i][l];
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_), "workspace ");
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     const KVBlocks past = past_blocks(st, l, i, true);
@@ -418,8 +434,16 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
       SPPO_ASSERT_MSG(unit[k], "saved tensor " << specs[k].name << " of layer " << l
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));
-    block_backward(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
-                   matrices_.blocks[l], w, *attn, config_, q);
+    if (st.tp) {
+      block_backward_tp(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
+                        matrices_.blocks[l], w, *attn, *st.tp, config_, q);
+      if (l == 0)  // while the layer's workspace is there to gather into
+        embedding_backward_tp(be_, dweights_.embed, d, static_cast<const std::int32_t*>(st.ids.data()) + q.offset,
+                              w.tp_full, w.tp_pad, *st.tp, config_, T);
+    } else {
+      block_backward(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
+                     matrices_.blocks[l], w, *attn, config_, q);
+    }
     for (auto& buf : unit) buf.reset();
     st.dk[l][i].reset();
     st.dv[l][i].reset();
@@ -433,6 +457,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     st.out_grad[i] = std::move(d_buf);
     return;
   }
+  if (st.tp) return;  // the embedding's gradient came with layer 0
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());
   for (const PosSpan& part : q.parts())
     be_.embedding_backward(dweights_.embed, act_at(d, i64(part.row0) * H, act_), ids + part.pos0, part.rows, H,
@@ -507,6 +532,18 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
       << "the two-pass RSA ring is for bidirectional models in fp32; use --ring flash";
   SPPO_CHECK(sc.ring == 1 || (opts_.comm && !opts_.recompute), "runtime")
       << "ring attention needs its ranks (mpirun) and cannot recompute";
+  SPPO_CHECK(sc.tp == opts_.tp.size, "runtime")
+      << "the schedule is tensor parallel over " << sc.tp << " ranks but this runtime holds shards of "
+      << opts_.tp.size;
+  if (sc.tp > 1) {
+    SPPO_CHECK(opts_.comm && !opts_.recompute && act_ == DType::F32, "runtime")
+        << "tensor parallelism needs its ranks (mpirun), fp32 activations, and no --recompute";
+    SPPO_CHECK(sc.ring == 1, "runtime")
+        << "tensor parallelism (--tp) with ring attention (--cp) is not supported yet; use one of them";
+    for (i64 l : sc.lengths)
+      SPPO_CHECK(l >= sc.tp, "runtime") << "a subsequence of " << l << " tokens cannot be split over " << sc.tp
+                                        << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";
+  }
   for (const sched::Op& op : ops) {
     const bool message = op.kind == sched::OpKind::Send || op.kind == sched::OpKind::Recv;
     // Ring pieces run (one per ring member); pieces of a subsequence split over several
@@ -560,6 +597,8 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   for (int i = 0; i < N; ++i) st.rows[i] = rows_of(sc, i, 0, 1);
   for (const sched::Op& op : ops)
     if (op.kind == sched::OpKind::Forward) st.rows[op.subseq] = rows_of(sc, op.subseq, op.piece, op.pieces);
+  if (sc.tp > 1) st.tp = std::make_unique<TpGroup>(*opts_.comm, opts_.rank - opts_.tp.index, opts_.tp,
+                                                   &result.comm_wait_s);
   st.result = &result;
   result.has_loss = le_ == L;
   result.losses.assign(std::size_t(result.has_loss ? st.S : 0), 0.0f);
@@ -691,6 +730,19 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     st.sends.front().req = comm::kDone;
     poll(st);
   }
+  if (st.tp && control.reduce) {
+    // Each member's LayerNorm gradients come from its own rows (Note [Sequence-parallel
+    // regions]): the sum over the group is the whole gradient. Sums commute, so this may
+    // follow the data-parallel reduction.
+    be_.synchronize();
+    i64 off = 0;
+    for (const TensorSpec& spec : specs_) {
+      const bool layernorm = spec.name.rfind("ln_f.", 0) == 0 || spec.name.find(".ln") != std::string::npos;
+      if (layernorm)
+        st.tp->all_reduce(grads_.f32() + off, spec.numel(), spec.name);
+      off += spec.numel();
+    }
+  }
   device_->set_reclaimer(nullptr);
   be_.synchronize();
   st.d2h->synchronize();
@@ -721,6 +773,11 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   double loss_sum = 0;
   be_.to_host(&loss_sum, st.loss_sum.data(), sizeof loss_sum);
+  if (st.tp && result.has_loss) {
+    std::vector<double> parts{loss_sum};
+    comm::allreduce_sum(*opts_.comm, parts, st.tp->group(), "the tensor-parallel sum of the loss");
+    loss_sum = parts[0];
+  }
   result.loss = loss_sum / double(st.predicted);
   result.predicted = st.predicted;
   result.device = device_->stats();

@@ -18,6 +18,14 @@
 // simulator prices are the steps taken inside those layers, so the runtime passes over
 // them.
 //
+// Tensor parallelism (a schedule with tp > 1, sched::expand_tensor_parallel): the members
+// of a group run the same ops, each block and the head through model/tensor_parallel.h
+// over the group's collectives (runtime/tensor_parallel.h); hidden-state messages carry
+// the member's rows. At the end of a step that reduces, the gradients of the parameters
+// every member holds whole (LayerNorm weights; tp_replicated) are summed over the group,
+// as each member computed them from its own rows, and so are the loss and per-position
+// losses, each member having the part of its vocabulary.
+//
 // Messages: a Recv of hidden states (or their gradients) is posted, with its buffer from
 // the device tier, when the compute op before it starts, and waited for where the program
 // reaches it; a Send starts when reached, and its buffer is released when it completes.
@@ -63,6 +71,10 @@ struct RuntimeOptions {
   // Ring pieces attend by the two-pass Ring Self-Attention (RsaAttention; bidirectional
   // models) instead of the one-pass ring.
   bool ring_rsa = false;
+  // Tensor parallelism with sequence-parallel regions (model/tensor_parallel.h): this rank
+  // is member tp.index of the group of consecutive world ranks that share its ops; its
+  // parameters, saved tensors and workspaces are its shards (core/layout.h TpShard).
+  TpShard tp;
 };
 
 // One span of the step's timeline: the op that ran, on which lane, when.
@@ -108,7 +120,6 @@ struct ParamBucket {
   std::string name;      // "embed", "blocks.3", "ln_f"
   i64 offset = 0;        // into the rank's flat parameter array
   i64 count = 0;
-  i64 full_offset = 0;   // into the whole model's array (parameter_specs(c) order)
 };
 
 // Under ZeRO-1, the part of a bucket whose AdamW state this rank keeps (one per bucket, in

@@ -47,4 +47,13 @@ std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec);
 // in one of the tied embedding's gradient between the first and last stage.
 Schedule build_pipeline(const PipelineSpec& spec);
 
+// Tensor parallelism with sequence-parallel regions (--tp; model/tensor_parallel.h): every
+// rank r of `s` becomes the tp consecutive ranks r * tp + t, t = 0 .. tp - 1, which run r's
+// op list together, member t on its shards. Peers and all-reduce groups map to the member
+// with the same index (its shards have the same shapes), and a hidden-state message
+// carries that member's rows piece_range(tokens, t, tp) of the piece. Ranks are then
+//   rank = ((d * pp + p) * sp + r) * tp + t
+// so a tensor-parallel group is innermost, inside one node as the paper keeps it.
+Schedule expand_tensor_parallel(const Schedule& s, int tp);
+
 }  // namespace sppo::sched

@@ -88,6 +88,9 @@ struct Schedule {
   // empty means every rank owns all layers. The embedding lives with layer 0 and, tied,
   // again with layer L-1 when that is another rank.
   std::vector<std::pair<int, int>> owned;
+  // Tensor parallelism (expand_tensor_parallel): ranks r * tp .. r * tp + tp - 1 run the
+  // same ops, each on its shards; 1: none.
+  int tp = 1;
 
   i64 offset(int i) const;              // o_i = l_0 + ... + l_{i-1}
   i64 seq_len() const;                  // S

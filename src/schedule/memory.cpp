@@ -16,10 +16,23 @@ i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head) {
   return n;
 }
 
-i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index) {
+i64 layer_params(const ModelConfig& c, const TpShard& tp) {
+  const i64 H = c.hidden, Hr = tp.local_hidden(c);
+  const auto [f0, f1] = tp.ffn(c);
+  const i64 F = f1 - f0;
+  return 2 * H + (3 * Hr * H + 3 * Hr) + (H * Hr + H) + 2 * H + (F * H + F) + (H * F + H);
+}
+
+i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp) {
+  if (!tp.on()) return param_count(c, b, e, b == 0, e == c.layers);
+  return total_bytes(parameter_specs(c, b, e, tp)) / i64(sizeof(float));
+}
+
+i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index, const TpShard& tp) {
   std::vector<i64> buckets;
-  if (b == 0 || e == c.layers) buckets.push_back(i64(c.vocab) * c.hidden);
-  for (int l = b; l < e; ++l) buckets.push_back(param_count(c, 0, 1, false, false));
+  const auto [v0, v1] = tp.vocab(c);
+  if (b == 0 || e == c.layers) buckets.push_back((v1 - v0) * c.hidden);
+  for (int l = b; l < e; ++l) buckets.push_back(layer_params(c, tp));
   if (e == c.layers) buckets.push_back(2 * i64(c.hidden));
   i64 n = 0;
   for (i64 count : buckets) {
@@ -51,13 +64,15 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
   return fixed + peak;
 }
 
-i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers) {
-  if (op.payload == Payload::TiedGrads) return i64(c.vocab) * c.hidden * 4;
+i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShard& tp) {
+  const auto [v0, v1] = tp.vocab(c);
+  if (op.payload == Payload::TiedGrads) return (v1 - v0) * c.hidden * 4;
+  if (tp.on()) return param_count(c, op.layer_begin, op.layer_end, tp) * 4;
   return param_count(c, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == layers) * 4;
 }
 
 RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
-    : rules_(rules), s_(s), rank_(rank) {
+    : rules_(rules), s_(s), rank_(rank), tp_{s.tp > 1 ? rank % s.tp : 0, s.tp} {
   const ModelConfig& c = rules.model;
   const ActPrecision p = rules.precision;
   kv_pt_ = skeletal_bytes_per_token(c, p);
@@ -65,6 +80,14 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
   ws_pt_ = total_bytes(block_workspace_specs(c, 1, p));
   head_pt_ = total_bytes(head_saved_specs(c, 1, p));
   acc_pt_ = 2 * i64(c.hidden) * rules.accum_bytes;
+  if (tp_.on()) {  // per-token averages over one token a member
+    const i64 n = tp_.size;
+    kv_pt_ = kv_bytes(n) / n;
+    unit_pt_ = unit_bytes(n) / n;
+    ws_pt_ = total_bytes(block_workspace_specs(c, n, p, tp_)) / n;
+    head_pt_ = head_bytes(n) / n;
+    acc_pt_ = 2 * i64(tp_.local_hidden(c)) * rules.accum_bytes;
+  }
   weight_work_pp_ = rules.act_bytes() + 4;
 
   const int L = s.layers;
@@ -72,15 +95,15 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
   if (!s.owned.empty()) std::tie(ob, oe) = s.owned.at(rank);
   own_ = {ob, oe};
   if (oe > ob) {
-    const i64 params = param_count(c, ob, oe, ob == 0, oe == L);
+    const i64 params = param_count(c, ob, oe, tp_);
     i64 state = params;
     if (rules.zero && rules.zero_shards > 1) {
-      state = zero_state_params(c, ob, oe, rules.zero_shards, 0);
+      state = zero_state_params(c, ob, oe, rules.zero_shards, 0, tp_);
     } else if (rules.zero) {
       for (const Op& op : s.ops.at(rank))
         if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) {
           const int index = int(std::find(op.group.begin(), op.group.end(), rank) - op.group.begin());
-          state = zero_state_params(c, ob, oe, int(op.group.size()), index);
+          state = zero_state_params(c, ob, oe, int(op.group.size()), index, tp_);
         }
     }
     owned_params_ = params;
@@ -135,10 +158,10 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
       if (op.layer_begin >= ob && op.layer_end <= oe) {
         auto& sizes = unit_tensors_[op.subseq];
         for (int l = op.layer_begin; l < op.layer_end; ++l)
-          for (const auto& t : block_saved_specs(c, T, p))
+          for (const auto& t : block_saved_specs(c, T, p, tp_))
             if (t.role == Role::Offloadable) sizes.push_back(t.bytes());
         if (op.layer_end == L)
-          for (const auto& t : head_saved_specs(c, T, p)) sizes.push_back(t.bytes());
+          for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
       }
     } else if (op.kind == OpKind::Recv && op.payload == Payload::KV) {
       for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += op.tokens;
@@ -149,8 +172,33 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
 i64 RankMemory::tokens_of(const Op& op) const { return span_tokens(s_.spans(op)); }
 
 i64 RankMemory::head_ws(i64 T) const {
-  return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision)) +
+  return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision, tp_)) +
          rules_.head_scratch.bytes(T);
+}
+
+i64 RankMemory::kv_bytes(i64 T) const {
+  if (!tp_.on()) return kv_pt_ * T;
+  i64 b = 0;
+  for (const auto& t : block_saved_specs(rules_.model, T, rules_.precision, tp_))
+    if (t.role == Role::Skeletal) b += t.bytes();
+  return b;
+}
+
+i64 RankMemory::unit_bytes(i64 T) const {
+  if (!tp_.on()) return unit_pt_ * T;
+  i64 b = 0;
+  for (const auto& t : block_saved_specs(rules_.model, T, rules_.precision, tp_))
+    if (t.role == Role::Offloadable) b += t.bytes();
+  return b;
+}
+
+i64 RankMemory::ws_bytes(i64 T) const {
+  const i64 layer = tp_.on() ? total_bytes(block_workspace_specs(rules_.model, T, rules_.precision, tp_)) : ws_pt_ * T;
+  return layer + rules_.block_scratch.bytes(T);
+}
+
+i64 RankMemory::head_bytes(i64 T) const {
+  return tp_.on() ? total_bytes(head_saved_specs(rules_.model, T, rules_.precision, tp_)) : head_pt_ * T;
 }
 
 // Ring pieces: the ring attention's buffers (runtime/ring.h), bounded as if every member
@@ -226,20 +274,20 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   switch (op.kind) {
     case OpKind::Forward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T);
+      const i64 ws = ws_bytes(T);
       const i64 ring = piece_fwd_extra(op, T);
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
       // layer, the head's input, freed once used, or the next stage's input, freed as its
       // sends complete. A stage after the first finds its input already allocated: the
       // received hidden state (or, for an MSP piece, the part its own rank produced).
-      const i64 x_bytes = h_bytes * T;
+      const i64 x_bytes = h_bytes * rows_of(T);
       const bool input_held = op.layer_begin > 0;
       for (int k = 0; k < n; ++k) {
         const double at = double(k) / n;
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
-        emit(out, at, kv_pt_ * T, T::KVCache);
-        emit(out, at, unit_pt_ * T - (k > 0 || input_held ? x_bytes : 0), T::Units);
+        emit(out, at, kv_bytes(T), T::KVCache);
+        emit(out, at, unit_bytes(T) - (k > 0 || input_held ? x_bytes : 0), T::Units);
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
         emit(out, at, x_bytes, T::Hidden);
@@ -248,7 +296,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       }
       if (op.layer_end == L) {
         const i64 hws = head_ws(T);
-        emit(out, 1.0, head_pt_ * T, T::Units);
+        emit(out, 1.0, head_bytes(T), T::Units);
         emit(out, 1.0, hws, T::HeadWorkspace);
         emit(out, 1.0, -hws, T::HeadWorkspace);
         emit(out, 1.0, -x_bytes, T::Hidden);
@@ -257,11 +305,11 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     }
     case OpKind::Backward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_pt_ * T + rules_.block_scratch.bytes(T);
+      const i64 ws = ws_bytes(T);
       const i64 ring = piece_bwd_extra(op, T);
       // The residual gradient starts as head_grad (part of the unit) on the rank that ran
       // the head, else as the received gradient.
-      if (op.layer_end == L) move(out, 0.0, head_pt_ * T, T::Units, T::Hidden);
+      if (op.layer_end == L) move(out, 0.0, head_bytes(T), T::Units, T::Hidden);
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
         const double at = double(k) / n, end = double(k + 1) / n;
@@ -271,15 +319,15 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           acc_live_[l] = true;
           emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
-        emit(out, end, -kv_pt_ * T, T::KVCache);
+        emit(out, end, -kv_bytes(T), T::KVCache);
         emit(out, end, -acc_pt_ * T, T::KVGradAccum);
-        emit(out, end, -unit_pt_ * T, T::Units);
+        emit(out, end, -unit_bytes(T), T::Units);
         if (ring) emit(out, end, -ring, T::RingBuffers);
         emit(out, end, -ws, T::Workspace);
       }
       // The residual gradient runs through every layer: freed at the end on the first
       // stage, else handed to the sends towards the previous stage.
-      if (op.layer_begin == 0) emit(out, 1.0, -h_bytes * T, T::Hidden);
+      if (op.layer_begin == 0) emit(out, 1.0, -h_bytes * rows_of(T), T::Hidden);
       break;
     }
     case OpKind::Offload: {

@@ -25,6 +25,9 @@
 //    first backward touching layer l, dK/dV accumulators (fp32) for every position whose
 //    K, V this rank holds for l; at the end of the layer: K_i, V_i, dK/dV rows of i, U(l, i)
 //    and the workspace are freed.
+// Tensor parallelism (Schedule::tp > 1): every size above is that of the rank's shards
+// (core/layout.h TpShard: block_saved_specs, block_workspace_specs, head_*_specs and
+// parameter_specs with the rank's TpShard), hidden states [rows of T, H].
 // Pieces (pieces > 1: SP ranks or MSP pieces) also hold two chunk buffers of K, V while
 // forward runs (ring / stream receive, double-buffered) and of K, V and dK, dV in backward.
 // Borrowed weights (MSP): Recv Weights allocates a working copy of the stage's weights
@@ -78,7 +81,12 @@ inline i64 step_input_bytes(const ModelConfig& c, i64 S) { return (c.causal ? S 
 // Parameters whose AdamW state rank `index` of `shards` keeps under ZeRO-1 for layers
 // [b, e): piece `index` of each bucket (the embedding, each layer, the final LayerNorm;
 // core/layout.h piece_range), as the runtime shards them.
-i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index);
+i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index, const TpShard& tp = {});
+// Parameters of one layer, and of a stage holding layers [b, e) (with the embedding on the
+// first and last stage, the final LayerNorm on the last), as tensor-parallel member tp
+// holds them (parameter_specs(c, b, e, tp)).
+i64 layer_params(const ModelConfig& c, const TpShard& tp);
+i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp);
 
 // Peak device bytes of the full-recomputation baseline (one process, the whole sequence
 // of S tokens as one subsequence): the runtime keeps each block's input through forward
@@ -89,7 +97,8 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S);
 
 // Bytes per rank an AllReduce op sums: fp32 gradients of its layers (with the embedding
 // and final LayerNorm where the layers include the first or last), or of the tied embedding.
-i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers);
+// Under tensor parallelism, of member tp's shards.
+i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShard& tp = {});
 
 // What device bytes hold, term by term (`sppo plan --explain` prints them at the peak).
 enum class MemTerm {
@@ -160,6 +169,12 @@ class RankMemory {
  private:
   i64 tokens_of(const Op& op) const;
   i64 head_ws(i64 T) const;
+  // Bytes on T tokens of one layer (one subsequence's head_grad), this rank's shards.
+  i64 kv_bytes(i64 T) const;
+  i64 unit_bytes(i64 T) const;
+  i64 ws_bytes(i64 T) const;
+  i64 head_bytes(i64 T) const;
+  i64 rows_of(i64 T) const { return tp_.row_count(T); }  // of the residual regions
   i64 ring_piece_max(const Op& op) const;
   i64 piece_fwd_extra(const Op& op, i64 T) const;
   i64 piece_bwd_extra(const Op& op, i64 T) const;
@@ -170,6 +185,7 @@ class RankMemory {
   const MemoryRules& rules_;
   const Schedule& s_;
   int rank_;
+  TpShard tp_;                         // this rank's tensor-parallel shards (none: size 1)
   i64 fixed_ = 0;
   std::array<i64, kMemTerms> fixed_terms_{};
   i64 owned_params_ = 0, state_params_ = 0;

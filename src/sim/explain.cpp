@@ -60,6 +60,7 @@ std::string layout_of(const plan::Plan& p) {
   std::ostringstream os;
   if (p.system == "megatron") os << "tp " << p.tp << " cp " << p.sp;
   else if (p.system == "deepspeed") os << "ulysses " << p.sp;
+  else if (p.tp > 1) os << "tp " << p.tp;
   else os << "sp " << p.sp;
   os << " pp " << p.pp << " dp " << p.dp;
   if (p.system != "megatron") os << " N " << p.subseqs;
@@ -96,11 +97,16 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const auto [ob, oe] = s.owned.empty() ? std::pair<int, int>{0, c.layers} : s.owned.at(std::size_t(rank));
   const i64 kv_pt = mem.kv_per_token(), acc_pt = mem.acc_per_token(), unit_pt = mem.unit_per_token();
   const i64 h_row = i64(c.hidden) * e;
-  const int stage = (rank / p.sp) % p.pp;
+  const int stage = (rank / (p.sp * p.tp)) % p.pp;
+  // Tensor parallelism divides the heads' tensors by tp: K, V and their accumulators are
+  // 2 x (H / tp) wide on each member (core/layout.h TpShard).
+  const std::string Hw = p.tp > 1 ? "(H / tp " + std::to_string(p.tp) + ")" : "H";
+  const std::string shards = p.tp > 1 ? " (this rank's tensor-parallel shards)" : "";
   std::vector<MemoryLine> lines;
   const std::string P = num(double(params)) + " parameters of layers " + std::to_string(ob) + "-" +
                         std::to_string(oe - 1) + (ob == 0 ? " + embedding" : "") +
-                        (oe == c.layers ? (ob == 0 ? " + final LayerNorm" : " + tied head + final LayerNorm") : "");
+                        (oe == c.layers ? (ob == 0 ? " + final LayerNorm" : " + tied head + final LayerNorm") : "") +
+                        shards;
   const std::string copy = rules.weight_copy_bytes > 0 ? " + " + std::to_string(rules.weight_copy_bytes) +
                                                              " B x P (their working copy for the GEMMs)"
                                                        : "";
@@ -112,16 +118,17 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                                 std::to_string(p.sp * p.dp) + ")"
                           : "8 B x P (AdamW m, v)"});
   lines.push_back({Row::KVCache, at(sched::MemTerm::KVCache), 0,
-                   "2 H e = " + num(double(kv_pt)) + " B per token and layer x " +
+                   "2 " + Hw + " e = " + num(double(kv_pt)) + " B per token and layer x " +
                        num(double(at(sched::MemTerm::KVCache)) / double(kv_pt)) +
                        " token-layers (every subsequence before its backward)"});
   lines.push_back({Row::KVGradAccum, at(sched::MemTerm::KVGradAccum), 0,
-                   "2 H x 4 B = " + num(double(acc_pt)) + " B per position and layer x " +
+                   "2 " + Hw + " x 4 B = " + num(double(acc_pt)) + " B per position and layer x " +
                        num(double(at(sched::MemTerm::KVGradAccum)) / double(acc_pt)) + " position-layers"});
   const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank));
   lines.push_back({Row::Units, units, host,
                    num(double(unit_pt)) + " B per token and layer (x, LN outputs and statistics, q, attention output, "
-                   "LSE, MLP input and pre-activation) + head_grad " + num(double(h_row)) + " B per token: " +
+                   "LSE, MLP input and pre-activation" + shards + ") + head_grad " + num(double(h_row)) +
+                       " B per token" + (p.tp > 1 ? " of this rank's rows" : "") + ": " +
                        num(double(units) / double(unit_pt)) + " token-layers' worth on the device; the host holds "
                        "the offloaded part (alpha " + p.alpha_rule + ")"});
   lines.push_back({Row::Checkpoints, 0, 0, "none: SPPO keeps activations and does not recompute"});

@@ -229,7 +229,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
             auto it = reduced.find(key);
             if (it == reduced.end()) {
               const double start = *std::max_element(there.begin(), there.end());
-              const i64 bytes = sched::allreduce_bytes(op, cost.model(), s.layers);
+              const i64 bytes = sched::allreduce_bytes(op, cost.model(), s.layers, TpShard{0, s.tp});
               it = reduced.emplace(key, start + cost.allreduce_s(bytes, op.group)).first;
             }
             const double start = std::max(rs.t_compute, rs.t_net);

@@ -52,6 +52,11 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const Ste
 
 sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
                            const StepShape& shape) {
+  if (shape.tp > 1) {
+    StepShape one = shape;
+    one.tp = 1;
+    return sched::expand_tensor_parallel(build_step(c, lengths, alpha, one), shape.tp);
+  }
   if (shape.pp * shape.dp * shape.sp == 1) return sched::build_single(c.layers, lengths, alpha);
   sched::PipelineSpec spec;
   spec.layers = c.layers;
@@ -516,7 +521,8 @@ Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, 
     s.alpha = a;
     return sched::build_pipeline(s);
   };
-  Candidate c{p, solve_alpha(build, p.subseqs, cost, rules, budget, req.offload)};
+  auto build_tp = [&](const std::vector<double>& a) { return sched::expand_tensor_parallel(build(a), p.tp); };
+  Candidate c{p, solve_alpha(build_tp, p.subseqs, cost, rules, budget, req.offload)};
   c.plan.alpha = c.alpha.alpha;
   c.plan.alpha_rule = c.alpha.rule;
   return c;
@@ -535,7 +541,8 @@ std::vector<int> divisors(int n) {
 }
 
 bool msp_possible(const plan::Plan& p) {
-  if (p.pp == 1 || p.subseqs < p.pp) return false;
+  // MSP's helpers run pieces with ring SP here; a tensor-parallel stage has no such pieces.
+  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1) return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
   return true;
@@ -548,12 +555,15 @@ std::string seconds_text(double s) {
 }
 
 // Forward (backward) seconds of one layer on the busiest piece of a subsequence [o, o+l)
-// split over `sp` ring ranks laid out by `layout`.
-double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingLayout layout) {
+// split over `sp` ring ranks laid out by `layout`, each piece's layer split over `tp`
+// tensor-parallel ranks (CostModel::forward_s: compute over tp, ten collectives).
+double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingLayout layout, int tp = 1) {
   double most = 0;
   for (int r = 0; r < sp; ++r) {
     const sched::Spans sp_r = sched::piece_spans(l, r, sp, sp > 1 ? layout : sched::RingLayout::Contiguous);
-    most = std::max(most, cost.layer_forward_s(o, sp_r) + cost.layer_backward_s(o, sp_r));
+    const double overhead = 2 * cost.hw().layer_overhead;
+    const double t = cost.layer_forward_s(o, sp_r) + cost.layer_backward_s(o, sp_r) - overhead;
+    most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(sp_r), tp));
   }
   return most;
 }
@@ -585,12 +595,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
 
   // The LM head in layers' worth of compute, over the whole sequence (Note [Stage split]:
   // the last stage runs it after every forward, so it gets fewer layers).
-  auto head_layers = [&](const std::vector<i64>& lengths, int sp) {
+  auto head_layers = [&](const std::vector<i64>& lengths, int sp, int tp) {
     double layer = 0, head = 0;
     i64 o = 0;
     for (i64 l : lengths) {
-      layer += busiest_piece_s(cost, o, l, sp, req.ring_layout);
-      head += cost.head_flops((l + sp - 1) / sp) / hw.gemm_flops;
+      layer += busiest_piece_s(cost, o, l, sp, req.ring_layout, tp);
+      head += cost.head_flops((l + sp - 1) / sp) / hw.gemm_flops / tp;
       o += l;
     }
     return layer > 0 ? head / layer : 0.0;
@@ -599,14 +609,18 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   std::vector<plan::Plan> layouts;
   std::string last_reason;
   i64 least_peak = 0;
-  for (int sp : divisors(std::min(G, gpn))) {
-    if (G % sp) continue;
-    for (int dp : divisors(G / sp)) {
-      const int pp = G / sp / dp;
+  // The two kinds of sequence parallelism inside a node (§6.1): tensor parallelism with
+  // sequence-parallel regions (tp, the paper's SP) or ring attention (sp); the runtime
+  // runs one kind a stage, so the search takes one at a time.
+  for (int tp : divisors(std::min(G, gpn)))
+  for (int sp : divisors(std::min(G, gpn) / tp)) {
+    if (G % (sp * tp) || (tp > 1 && sp > 1) || tp > c.heads) continue;
+    for (int dp : divisors(G / sp / tp)) {
+      const int pp = G / sp / tp / dp;
       if (pp > c.layers) continue;
       for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
-        const i64 n64 = std::max<i64>(1, S / (i64(sp) * per_device));
-        if (n64 > kMaxPlanSubseqs || n64 * sp > S) continue;
+        const i64 n64 = std::max<i64>(1, S / (i64(sp) * tp * per_device));
+        if (n64 > kMaxPlanSubseqs || n64 * sp * tp > S) continue;
         const int N = int(n64);
         plan::Plan p;
         p.system = "sppo";
@@ -617,20 +631,21 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         p.gpus = G;
         p.gpus_per_node = gpn;
         p.sp = sp;
+        p.tp = tp;
         p.pp = pp;
         p.dp = dp;
         p.subseqs = N;
         p.lengths = plan::partition_flops(c, S, N);
-        if (p.lengths.back() < sp) continue;
+        if (p.lengths.back() < i64(sp) * tp) continue;
         p.msp = req.msp == 1 && msp_possible(p);
         if (req.msp == 1 && !p.msp) continue;
         p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
         p.ring_layout = sched::to_string(req.ring_layout);
         p.offload = to_string(req.offload);
         p.budget = budget;
-        p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(p.lengths, sp));
+        p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(p.lengths, sp, tp));
         if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
-              return q.sp == p.sp && q.pp == p.pp && q.dp == p.dp && q.subseqs == p.subseqs;
+              return q.sp == p.sp && q.tp == p.tp && q.pp == p.pp && q.dp == p.dp && q.subseqs == p.subseqs;
             }) != layouts.end())
           continue;
         layouts.push_back(p);
@@ -646,15 +661,19 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   const i64 kv_acc_pt = skeletal_bytes_per_token(c, prec) + 2 * i64(c.hidden) * rules.accum_bytes;
   auto bounds = [&](const plan::Plan& p) {
     const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
-    const i64 params = sched::param_count(c, 0, n_s, true, p.pp == 1);
+    // Tensor parallelism divides the weights and the K/V by heads (member 0's shards are
+    // the largest).
+    const i64 params = p.tp > 1 ? sched::param_count(c, 0, n_s, TpShard{0, p.tp})
+                                : sched::param_count(c, 0, n_s, true, p.pp == 1);
     const int shards = p.zero == 1 ? p.sp * p.dp : 1;
     const i64 weights = params * (rules.param_state_bytes - rules.optimizer_bytes) +
                         params * rules.optimizer_bytes / shards;
-    const i64 mem = weights + i64(n_s) * kv_acc_pt * ((S - p.lengths.back()) / p.sp);
+    const i64 kv_acc = kv_acc_pt * TpShard{0, p.tp}.local_heads(c) / c.heads;
+    const i64 mem = weights + i64(n_s) * kv_acc * ((S - p.lengths.back()) / p.sp);
     double compute = 0;
     i64 o = 0;
     for (i64 l : p.lengths) {
-      compute += n_s * busiest_piece_s(cost, o, l, p.sp, req.ring_layout);
+      compute += n_s * busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp);
       o += l;
     }
     const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
@@ -669,7 +688,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       if (least_peak == 0 || mem_bound < least_peak) {
         least_peak = mem_bound;
         last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
-                      format_bytes(double(mem_bound)) + " with " + std::to_string(p.sp) + "-way SP and " +
+                      format_bytes(double(mem_bound)) + " with " +
+                      (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + " and " +
                       std::to_string(p.pp) + " stages";
       }
       continue;
@@ -681,7 +701,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       fits.push_back(std::move(cand));
     } else if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
       least_peak = cand.alpha.peak_device_bytes;
-      last_reason = "with " + std::to_string(p.sp) + "-way SP, " + std::to_string(p.pp) + " stages and N = " +
+      last_reason = "with " + (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + ", " +
+                    std::to_string(p.pp) + " stages and N = " +
                     std::to_string(p.subseqs) + ": " + cand.alpha.reason;
     }
   }
@@ -722,7 +743,10 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   plan::Plan best = *std::max_element(finalists.begin(), finalists.end(), [](const plan::Plan& a, const plan::Plan& b) {
     return a.predicted.tokens_per_gpu_per_s < b.predicted.tokens_per_gpu_per_s;
   });
-  if (best.sp * best.pp > gpn) best.notes.push_back("pipeline stages span nodes (SP stays inside a node)");
+  if (best.sp * best.tp * best.pp > gpn) best.notes.push_back("pipeline stages span nodes (SP stays inside a node)");
+  if (best.tp > 1)
+    best.notes.push_back("SP is tensor parallel with sequence-parallel regions over " + std::to_string(best.tp) +
+                         " devices (train --tp): weights, K/V cache and activations divided among them");
   if (best.zero == 1)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
                          " ranks of each stage's gradient all-reduce");
@@ -777,7 +801,9 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   return m;
 }
 
-Schedule plan_schedule(const plan::Plan& p) { return sched::build_pipeline(spec_of(p)); }
+Schedule plan_schedule(const plan::Plan& p) {
+  return sched::expand_tensor_parallel(sched::build_pipeline(spec_of(p)), p.tp);
+}
 
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw_in, const SimOptions& options) {
   if (p.system != "sppo") return simulate_baseline(p, hw_in, options);

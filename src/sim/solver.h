@@ -43,13 +43,15 @@ struct AlphaResult {
 struct StepShape {
   int pp = 1, dp = 1;
   int sp = 1;                      // ring attention (context parallel) ranks a stage
+  int tp = 1;                      // tensor parallel (sequence-parallel regions) ranks a stage
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   bool zero = false;               // ZeRO-1 over the replicas
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
   ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)
 };
-// The schedule of one step of that shape (build_single for one process).
+// The schedule of one step of that shape (build_single for one process), expanded for
+// tensor parallelism (sched::expand_tensor_parallel) when tp > 1.
 sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
                            const StepShape& shape);
 

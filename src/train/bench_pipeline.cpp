@@ -210,13 +210,15 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
                         {"seq_len", S},
                         {"reps", o.reps},
                         {"profile", profile_name},
-                        {"kind", "ring (context parallel, one-pass with LSE merge)"}};
-  nlohmann::json rows = nlohmann::json::array();
+                        {"kind", "ring (context parallel, one-pass with LSE merge) and tensor parallel with "
+                                 "sequence-parallel regions"}};
+  nlohmann::json rows = nlohmann::json::array(), tensor = nlohmann::json::array();
   auto add = [&](const std::string& name, i64 seq_len, int cp, const std::string& ring, bool alone,
-                 bool bidirectional = false) {
+                 bool bidirectional = false, int tp = 1) {
     StepOptions so = base;
     so.seq_len = seq_len;
     so.cp = cp;
+    so.tp = tp;
     so.ring = ring;
     if (bidirectional) {
       so.model.causal = false;
@@ -226,12 +228,12 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
     nlohmann::json j = row_json(r);
     j["layout"] = name;
     j["seq_len"] = seq_len;
-    j["tokens_per_rank"] = seq_len / cp;
+    j["tokens_per_rank"] = seq_len / (cp * tp);
     j["compute_s_per_rank"] = r.compute_s;
     const auto [lo, hi] = std::minmax_element(r.compute_s.begin(), r.compute_s.end());
     j["compute_imbalance"] = *lo > 0 ? *hi / *lo : 0.0;
-    j["tokens_per_s_per_rank"] = r.measured_s > 0 ? double(seq_len / cp) / r.measured_s : 0.0;
-    rows.push_back(std::move(j));
+    j["tokens_per_s_per_rank"] = r.measured_s > 0 ? double(seq_len / (cp * tp)) / r.measured_s : 0.0;
+    (tp > 1 ? tensor : rows).push_back(std::move(j));
   };
   add("one rank (each rank alone)", S, 1, "zigzag", true);
   add("cp 2, contiguous", S, 2, "contiguous", false);
@@ -239,6 +241,9 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
   add("cp 2, zigzag, 2S (equal tokens per rank)", 2 * S, 2, "zigzag", false);
   add("bidirectional, cp 2, one-pass ring", S, 2, "flash,contiguous", false, true);
   add("bidirectional, cp 2, RSA (two-pass)", S, 2, "rsa,contiguous", false, true);
+  // The SPPO paper's SP: tensor parallelism with sequence-parallel regions.
+  add("tp 2", S, 1, "zigzag", false, false, 2);
+  add("tp 2, 2S (equal tokens per rank)", 2 * S, 1, "zigzag", false, false, 2);
   const double one = rows[0]["measured_step_time_s"].get<double>();
   out["speedup_cp2_zigzag_over_one"] = one / rows[2]["measured_step_time_s"].get<double>();
   out["speedup_cp2_contiguous_over_one"] = one / rows[1]["measured_step_time_s"].get<double>();
@@ -250,7 +255,14 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
       rows[5]["measured_step_time_s"].get<double>() / rows[4]["measured_step_time_s"].get<double>();
   out["rsa_over_one_pass_peak"] = double(rows[5]["measured_peak_device_bytes_per_rank"][0].get<i64>()) /
                                   double(rows[4]["measured_peak_device_bytes_per_rank"][0].get<i64>());
+  const i64 one_peak = rows[0]["measured_peak_device_bytes_per_rank"][0].get<i64>();
+  out["speedup_tp2_over_one"] = one / tensor[0]["measured_step_time_s"].get<double>();
+  out["tokens_per_s_per_rank_tp2_2S_over_one"] =
+      tensor[1]["tokens_per_s_per_rank"].get<double>() / rows[0]["tokens_per_s_per_rank"].get<double>();
+  out["peak_tp2_over_one"] = double(tensor[0]["measured_peak_device_bytes_per_rank"][0].get<i64>()) / double(one_peak);
+  out["peak_cp2_over_one"] = double(rows[2]["measured_peak_device_bytes_per_rank"][0].get<i64>()) / double(one_peak);
   out["ring"] = std::move(rows);
+  out["tensor"] = std::move(tensor);
   return out;
 }
 
@@ -260,7 +272,9 @@ void print_bench_sp(const nlohmann::json& j) {
               j["profile"].get<std::string>().c_str(), j["kind"].get<std::string>().c_str());
   std::printf("\n| layout | S | tokens a rank | measured s | simulated s | compute max/min | tokens/s a rank | peak a "
               "rank (measured / predicted) |\n|---|---|---|---|---|---|---|---|\n");
-  for (const auto& r : j["ring"])
+  nlohmann::json all = j["ring"];
+  for (const auto& r : j["tensor"]) all.push_back(r);
+  for (const auto& r : all)
     std::printf("| %s | %lld | %lld | %.3f | %.3f | %.2f | %.0f | %s / %s |\n", r["layout"].get<std::string>().c_str(),
                 (long long)r["seq_len"].get<i64>(), (long long)r["tokens_per_rank"].get<i64>(),
                 r["measured_step_time_s"].get<double>(), r["simulated_step_time_s"].get<double>(),
@@ -274,6 +288,10 @@ void print_bench_sp(const nlohmann::json& j) {
   std::printf("bidirectional, RSA over the one-pass ring: step time %.2fx, peak memory a rank %.2fx (the RSA row's "
               "prediction leaves out its score rows)\n",
               j["rsa_over_one_pass_step_time"].get<double>(), j["rsa_over_one_pass_peak"].get<double>());
+  std::printf("tensor parallel (sequence-parallel regions): tp 2 over one rank at S %.2fx; tokens/s a rank at 2S over "
+              "one rank at S %.3f; peak a rank over one rank's: tp 2 %.3f, cp 2 zigzag %.3f\n",
+              j["speedup_tp2_over_one"].get<double>(), j["tokens_per_s_per_rank_tp2_2S_over_one"].get<double>(),
+              j["peak_tp2_over_one"].get<double>(), j["peak_cp2_over_one"].get<double>());
 }
 
 void print_bench_pipeline(const nlohmann::json& j) {

@@ -32,7 +32,9 @@ void print_bench_pipeline(const nlohmann::json& j);
 // cp 2 zigzag at 2S (the same tokens a rank as one rank at S); measured step time (median)
 // beside the simulator's, each rank's compute time (the causal imbalance a contiguous
 // split leaves), and peak memory a rank measured and predicted; and, for a bidirectional
-// model (masked tokens), the two-pass RSA ring beside the one-pass ring at cp 2.
+// model (masked tokens), the two-pass RSA ring beside the one-pass ring at cp 2; and the
+// SPPO paper's SP, tensor parallelism with sequence-parallel regions, tp 2 at S and at 2S
+// (JSON "tensor"), with every rank's peak memory beside one rank's.
 nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world);
 void print_bench_sp(const nlohmann::json& j);
 

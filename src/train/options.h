@@ -28,10 +28,12 @@ struct StepOptions {
   std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
   std::string precision;              // fp32 | bf16 ("": the backend's default)
   std::string plan_path;              // --plan PLAN.json: layout, lengths and alpha from a plan
-  // Several processes (mpirun -np pp * cp * dp): rank = (replica * pp + stage) * cp + ring
+  // Several processes (mpirun -np pp * tp * cp * dp):
+  // rank = ((replica * pp + stage) * cp + ring) * tp + member
   int pp = 1;                         // pipeline stages
   int dp = 1;                         // data-parallel replicas
   int cp = 1;                         // context parallel: ring attention over cp ranks a stage
+  int tp = 1;                         // tensor parallel with sequence-parallel regions (Megatron-LM)
   std::string ring = "flash,zigzag";  // --ring: the ring's algorithm and its layout
   int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)

@@ -24,23 +24,26 @@ void copy_floats(float* dst, const float* src, i64 n) { std::memcpy(dst, src, st
 comm::Group ParallelLayout::stage_group() const {
   comm::Group g;
   for (int d = 0; d < dp; ++d)
-    for (int r = 0; r < cp; ++r) g.push_back(rank_of(d, stage(), r));
+    for (int r = 0; r < cp; ++r) g.push_back(rank_of(d, stage(), r, tp_index()));
   return g;
 }
 
-ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world, int cp) {
+ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world, int cp, int tp) {
   SPPO_CHECK(pp >= 1, "options") << "--pp must be at least 1 (got " << pp << ")";
   SPPO_CHECK(dp >= 1, "options") << "--dp must be at least 1 (got " << dp << ")";
   SPPO_CHECK(cp >= 1 && cp <= 8, "options") << "--cp must be 1 to 8 (got " << cp << ")";
+  SPPO_CHECK(tp >= 1 && tp <= 8, "options") << "--tp must be 1 to 8 (got " << tp << ")";
   SPPO_CHECK(zero == 0 || zero == 1, "options") << "--zero must be 0 or 1 (got " << zero << ")";
-  const int ranks = pp * cp * dp;
+  const int ranks = pp * cp * dp * tp;
   SPPO_CHECK(ranks == world.size(), "options")
-      << "--pp " << pp << (cp > 1 ? " x --cp " + std::to_string(cp) : std::string()) << " x --dp " << dp << " = "
-      << ranks << " ranks, but the job has " << world.size()
+      << "--pp " << pp << (tp > 1 ? " x --tp " + std::to_string(tp) : std::string())
+      << (cp > 1 ? " x --cp " + std::to_string(cp) : std::string()) << " x --dp " << dp << " = " << ranks
+      << " ranks, but the job has " << world.size()
       << (world.size() == 1 ? " (started without mpirun)" : " (mpirun -np " + std::to_string(world.size()) + ")")
-      << "; start it with mpirun -np " << ranks << " or change --pp / --cp / --dp";
+      << "; start it with mpirun -np " << ranks << " or change --pp / --tp / --cp / --dp";
   ParallelLayout l;
   l.pp = pp;
+  l.tp = tp;
   l.cp = cp;
   l.dp = dp;
   l.zero = zero;
@@ -97,6 +100,11 @@ void prepare_groups(comm::Comm& world, const sched::Schedule& s) {
     for (const sched::Op& op : ops)
       if (op.kind == sched::OpKind::AllReduce && std::find(groups.begin(), groups.end(), op.group) == groups.end())
         groups.push_back(op.group);
+  for (int first = 0; s.tp > 1 && first < s.ranks; first += s.tp) {  // tensor-parallel groups
+    comm::Group g;
+    for (int t = 0; t < s.tp; ++t) g.push_back(first + t);
+    groups.push_back(g);
+  }
   world.prepare_groups(groups);
 }
 
@@ -136,9 +144,25 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   // only, and replicated gradients (data parallel without ZeRO) on the first replica only.
   double ss = 0;
   const bool tied_copy = lay.pp > 1 && lay.last_stage();
-  for (std::size_t k = 0; k < spans.size(); ++k) {
-    if (tied_copy && buckets[k].name == "embed") continue;
-    ss += be.sum_squares(g + spans[k].offset, spans[k].count);
+  if (lay.tp == 1) {
+    for (std::size_t k = 0; k < spans.size(); ++k) {
+      if (tied_copy && buckets[k].name == "embed") continue;
+      ss += be.sum_squares(g + spans[k].offset, spans[k].count);
+    }
+  } else {
+    // Shards add up over the tensor-parallel group; a tensor every member holds whole
+    // counts on member 0 only.
+    i64 off = 0;
+    for (const TensorSpec& spec : rt.param_specs()) {
+      const i64 n = spec.numel();
+      const bool counted = !(tied_copy && spec.name == "embed.weight") &&
+                           !(tp_replicated(spec.name) && lay.tp_index() != 0);
+      for (const ShardSpan& sp : spans) {
+        const i64 b = std::max(off, sp.offset), e = std::min(off + n, sp.offset + sp.count);
+        if (counted && b < e) ss += be.sum_squares(g + b, e - b);
+      }
+      off += n;
+    }
   }
   if (lay.zero == 0 && (lay.replica() != 0 || lay.ring() != 0)) ss = 0;
   std::vector<double> total{ss};
@@ -221,42 +245,56 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   if (grads) outs.push_back(&full.grads);
   if (optimizer) outs.push_back(&full.m), outs.push_back(&full.v);
   for (auto* o : outs) o->assign(std::size_t(total), 0.0f);
-  std::map<std::string, i64> full_offset;
-  {
-    i64 off = 0;
-    for (const auto& s : parameter_specs(c)) full_offset[s.name] = off, off += s.numel();
-  }
-  for (int p = 0; p < lay.pp; ++p) {
-    const auto [b, e] = lay.stage_layers.at(std::size_t(p));
-    const auto specs = parameter_specs(c, b, e);
-    i64 count = 0;
-    for (const auto& s : specs) count += s.numel();
-    std::vector<std::vector<float>> got;
-    if (p == 0) {
-      got = arrays;
-    } else {
-      for (std::size_t a = 0; a < outs.size(); ++a) {
-        got.emplace_back(std::size_t(count));
-        comm::wait(world, world.irecv(got.back().data(), count * i64(sizeof(float)), lay.rank_of(0, p), kGatherTag + int(a)),
-                   "stage " + std::to_string(p) + "'s tensors");
+  for (int p = 0; p < lay.pp; ++p)
+    for (int t = 0; t < lay.tp; ++t) {
+      const auto [b, e] = lay.stage_layers.at(std::size_t(p));
+      const TpShard shard{t, lay.tp};
+      i64 count = 0;
+      for (const auto& s : parameter_specs(c, b, e, shard)) count += s.numel();
+      std::vector<std::vector<float>> got;
+      if (p == 0 && t == 0) {
+        got = arrays;
+      } else {
+        for (std::size_t a = 0; a < outs.size(); ++a) {
+          got.emplace_back(std::size_t(count));
+          comm::wait(world,
+                     world.irecv(got.back().data(), count * i64(sizeof(float)), lay.rank_of(0, p, 0, t),
+                                 kGatherTag + int(a)),
+                     "stage " + std::to_string(p) + (lay.tp > 1 ? " member " + std::to_string(t) : "") + "'s tensors");
+        }
+      }
+      // The tied embedding is taken from the first stage (the last holds the same values),
+      // a tensor every tensor-parallel member holds whole from member 0.
+      const bool has_embed = b == 0 || e == c.layers;
+      const i64 embed_elems = has_embed ? (shard.vocab(c).second - shard.vocab(c).first) * c.hidden : 0;
+      for (const ParamSlice& sl : param_slices(c, b, e, shard)) {
+        if (p > 0 && sl.local < embed_elems) continue;
+        if (sl.replicated && t > 0) continue;
+        for (std::size_t a = 0; a < outs.size(); ++a)
+          copy_floats(outs[a]->data() + sl.full, got[a].data() + sl.local, sl.count);
       }
     }
-    i64 off = 0;
-    for (const auto& s : specs) {
-      // The tied embedding is taken from the first stage (the last holds the same values).
-      if (!(p > 0 && s.name == "embed.weight"))
-        for (std::size_t a = 0; a < outs.size(); ++a)
-          copy_floats(outs[a]->data() + full_offset.at(s.name), got[a].data() + off, s.numel());
-      off += s.numel();
-    }
-  }
   return full;
 }
+
+namespace {
+
+// This rank's flat parameter array (its layers, its shards) cut from a whole-model one.
+std::vector<float> owned_part(const Runtime& rt, const std::vector<float>& full) {
+  std::vector<float> mine(std::size_t(rt.num_params()));
+  const auto [b, e] = rt.layers();
+  for (const ParamSlice& sl : param_slices(rt.config(), b, e, rt.options().tp))
+    copy_floats(mine.data() + sl.local, full.data() + sl.full, sl.count);
+  return mine;
+}
+
+}  // namespace
 
 void init_owned(Runtime& rt, std::uint64_t seed) {
   std::vector<float> full(std::size_t(rt.config().num_params()));
   init_params(rt.config(), full.data(), seed);
-  for (const ParamBucket& b : rt.buckets()) rt.write_device(rt.params() + b.offset, full.data() + b.full_offset, b.count);
+  const std::vector<float> mine = owned_part(rt, full);
+  rt.write_device(rt.params(), mine.data(), rt.num_params());
   rt.refresh_weights();
 }
 
@@ -267,13 +305,11 @@ nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from
   auto opt = full_tensors(c, m.data(), ".m");
   for (auto& t : full_tensors(c, v.data(), ".v")) opt.push_back(t);
   nlohmann::json state = io::load_checkpoint(dir, full_tensors(c, params.data(), ""), opt, from);
-  for (std::size_t k = 0; k < rt.buckets().size(); ++k) {
-    const ParamBucket& b = rt.buckets()[k];
-    const ShardSpan& sp = rt.shard()[k];
-    rt.write_device(rt.params() + b.offset, params.data() + b.full_offset, b.count);
-    const i64 src = b.full_offset + (sp.offset - b.offset);
-    rt.write_device(rt.adam_m() + sp.state_offset, m.data() + src, sp.count);
-    rt.write_device(rt.adam_v() + sp.state_offset, v.data() + src, sp.count);
+  const std::vector<float> my_params = owned_part(rt, params), my_m = owned_part(rt, m), my_v = owned_part(rt, v);
+  rt.write_device(rt.params(), my_params.data(), rt.num_params());
+  for (const ShardSpan& sp : rt.shard()) {
+    rt.write_device(rt.adam_m() + sp.state_offset, my_m.data() + sp.offset, sp.count);
+    rt.write_device(rt.adam_v() + sp.state_offset, my_v.data() + sp.offset, sp.count);
   }
   rt.refresh_weights();
   return state;

@@ -142,13 +142,15 @@ namespace {
 // --plan: a plan fixes the layout, the lengths and alpha; the model and S must agree.
 plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
   const plan::Plan p = read_plan_file(o.plan_path);
-  SPPO_CHECK(p.system == "sppo" && p.tp == 1 && !p.msp, "options")
-      << "--plan " << o.plan_path << " is a " << p.system << " plan with tp " << p.tp << ", msp "
-      << (p.msp ? "on" : "off")
-      << "; the runtime runs SPPO plans with pipeline, ring (sp) and data parallelism (tp 1, MSP off)";
-  SPPO_CHECK((o.pp == 1 || o.pp == p.pp) && (o.dp == 1 || o.dp == p.dp) && (o.cp == 1 || o.cp == p.sp), "options")
+  SPPO_CHECK(p.system == "sppo" && !p.msp, "options")
+      << "--plan " << o.plan_path << " is a " << p.system << " plan with msp " << (p.msp ? "on" : "off")
+      << "; the runtime runs SPPO plans with pipeline, tensor, ring (sp) and data parallelism (MSP off)";
+  SPPO_CHECK((o.pp == 1 || o.pp == p.pp) && (o.dp == 1 || o.dp == p.dp) && (o.cp == 1 || o.cp == p.sp) &&
+                 (o.tp == 1 || o.tp == p.tp),
+             "options")
       << "--plan " << o.plan_path << " has pp " << p.pp << ", sp " << p.sp << " and dp " << p.dp << ", but --pp "
-      << o.pp << " --cp " << o.cp << " --dp " << o.dp << " were given; drop them (the plan sets the layout)";
+      << o.pp << " --cp " << o.cp << " --dp " << o.dp << (o.tp > 1 ? " --tp " + std::to_string(o.tp) : "")
+      << " were given; drop them (the plan sets the layout)";
   SPPO_CHECK(p.seq_len == o.seq_len, "options")
       << "--plan " << o.plan_path << " is for --seq-len " << p.seq_len << ", not " << o.seq_len;
   SPPO_CHECK(to_json(p.model) == to_json(model), "options")
@@ -218,13 +220,22 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   if (!o.plan_path.empty()) from_plan = read_plan(o, s.config);
   const RingChoice ring = parse_ring(o.ring);
   s.layout = make_layout(from_plan ? from_plan->pp : o.pp, from_plan ? from_plan->dp : o.dp, o.zero, o.batch, w,
-                         from_plan ? from_plan->sp : o.cp);
+                         from_plan ? from_plan->sp : o.cp, from_plan ? from_plan->tp : o.tp);
+  SPPO_CHECK(s.layout.tp <= s.config.heads, "options")
+      << "--tp " << s.layout.tp << " splits the attention heads over its ranks, but the model has " << s.config.heads
+      << "; use --tp " << s.config.heads << " or fewer";
+  SPPO_CHECK(s.layout.tp == 1 || s.layout.cp == 1, "options")
+      << "--tp " << s.layout.tp << " with --cp " << s.layout.cp
+      << " is not supported yet: tensor and context parallelism run one at a time; drop one of them";
+  SPPO_CHECK(s.layout.tp == 1 || s.backend->act() == DType::F32, "options")
+      << "--tp runs fp32 activations on CPU ranks; use --precision fp32";
   SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")
       << "--recompute is the one-process baseline; drop --pp and --dp";
   sim::StepShape shape;
   shape.pp = s.layout.pp;
   shape.dp = s.layout.dp;
   shape.sp = s.layout.cp;
+  shape.tp = s.layout.tp;
   shape.ring_layout = from_plan ? sched::parse_ring_layout(from_plan->ring_layout) : ring.layout;
   shape.zero = o.zero == 1;
   shape.precision = precision;
@@ -311,6 +322,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   ro.layers = s.layout.stage_layers.at(std::size_t(s.layout.stage()));
   ro.zero_shards = o.zero == 1 ? s.layout.dp * s.layout.cp : 1;
   ro.zero_index = o.zero == 1 ? s.layout.stage_index() : 0;
+  ro.tp = s.layout.tp_shard();
   ro.block_scratch = shape.block_scratch;
   ro.head_scratch = shape.head_scratch;
   ro.backend = s.backend.get();

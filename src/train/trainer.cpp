@@ -166,7 +166,7 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     if (!s.config.causal) targets = mask_tokens(tokens.data(), S, s.config.vocab, s.seed);
     StepControl control{j > 0, j + 1 == lay.per_replica(), targets.empty() ? nullptr : targets.data()};
     StepResult r = s.runtime->step(s.schedule, tokens.data(), control);
-    if (r.has_loss) {
+    if (r.has_loss && lay.tp_index() == 0) {  // tensor-parallel members hold the same loss
       q.loss_sum += r.loss;
       q.first_sum += targets.empty() ? mean_loss(r.losses, 0, half) : mean_loss(r.losses, targets, 0, half);
       q.second_sum += targets.empty() ? mean_loss(r.losses, half, S) : mean_loss(r.losses, targets, half, S);
@@ -252,7 +252,8 @@ sim::SimResult measured_timeline(comm::Comm& world, const StepResult& mine, cons
 
 std::string layout_text(const ParallelLayout& lay) {
   if (lay.ranks() == 1) return "";
-  std::string t = " | pp " + std::to_string(lay.pp) + (lay.cp > 1 ? " cp " + std::to_string(lay.cp) : "") + " dp " +
+  std::string t = " | pp " + std::to_string(lay.pp) + (lay.tp > 1 ? " tp " + std::to_string(lay.tp) : "") +
+                  (lay.cp > 1 ? " cp " + std::to_string(lay.cp) : "") + " dp " +
                   std::to_string(lay.dp);
   if (lay.zero) t += " zero 1";
   return t + " (" + std::to_string(lay.ranks()) + " ranks)";
@@ -565,6 +566,7 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
                            {"pp", lay.pp},
                            {"dp", lay.dp},
                            {"cp", lay.cp},
+                           {"tp", lay.tp},
                            {"zero", lay.zero},
                            {"peak_device_bytes", peak},
                            {"offloaded_bytes", offloaded},

@@ -3,7 +3,9 @@
 // real mpirun with one thread a rank. Pipelines of 2 and 4 stages with 1, 4 and 7
 // subsequences and offload none, full and adaptive (under a budget that makes it offload);
 // data parallelism against one process training the same two sequences; ZeRO-1; ring
-// attention over 2 and 4 ranks, contiguous and zigzag, alone and with the others.
+// attention over 2 and 4 ranks, contiguous and zigzag, alone and with the others; tensor
+// parallelism with sequence-parallel regions over 2, 3 (heads, MLP and vocabulary split
+// unevenly) and 4 ranks, alone and with the others.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -121,6 +123,23 @@ TEST_F(Layouts, ContextParallelBidirectional) {
 TEST_F(Layouts, ContextTimesPipelineAndData) {
   check(4, "--pp 2 --cp 2 --subseqs 3", "ref1");
   check(4, "--cp 2 --dp 2 --zero 1 --subseqs 2", "ref2");
+}
+
+// Tensor parallelism (--tp, Megatron-LM's with sequence-parallel regions): every member
+// holds its heads, MLP columns and vocabulary rows, and its rows of the LayerNorm regions;
+// subsequences whose lengths the group does not divide, offload of each member's shards.
+TEST_F(Layouts, TensorParallel) {
+  check(2, "--tp 2", "ref1");
+  check(4, "--tp 4", "ref1");
+  check(3, "--tp 3 --subseqs 5", "ref1");
+  check(2, "--tp 2 --subseqs 4 --offload full", "ref1");
+  check(2, "--tp 2 --subseqs 3 --offload 0.5 --partition flops", "ref1");
+}
+
+TEST_F(Layouts, TensorTimesPipelineAndData) {
+  check(4, "--pp 2 --tp 2", "ref1");
+  check(4, "--pp 2 --tp 2 --subseqs 3 --offload 0.5", "ref1");
+  check(4, "--tp 2 --dp 2 --zero 1 --subseqs 2", "ref2");
 }
 
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {

@@ -1,6 +1,6 @@
 // Training over ranks: 20-step loss curves equal to one process's, checkpoints that resume
-// under another layout (pipeline 2 -> 1, data parallel 2 -> 1, and back) on the same
-// curve, and a plan's layout run as planned.
+// under another layout (pipeline 2 -> 1, data parallel 2 -> 1, tensor parallel 2 -> 1,
+// and back) on the same curve, and a plan's layout run as planned.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -64,6 +64,11 @@ TEST_F(Training, LossCurvesEqualOneProcess) {
   expect_same_curve(batch2, ranks(2, "--steps 20 --dp 2 --zero 1", "zero.jsonl"), "dp 2 zero 1");
   expect_same_curve(batch2, ranks(4, "--steps 20 --pp 2 --dp 2 --subseqs 2", "pp2dp2.jsonl"), "pp 2 x dp 2");
   expect_same_curve(one, ranks(4, "--steps 20 --cp 4 --subseqs 2", "cp4.jsonl"), "cp 4 (zigzag)");
+  // Tensor parallel: each member's shards predicted to the byte.
+  expect_same_curve(one, ranks(4, "--steps 20 --pp 2 --tp 2 --subseqs 3 --offload 0.5", "pp2tp2.jsonl"),
+                    "pp 2 x tp 2");
+  const auto tp = read_jsonl(path("pp2tp2.jsonl")).back();
+  EXPECT_EQ(tp["measured_peak_device_bytes_per_rank"], tp["predicted_peak_device_bytes_per_rank"]) << tp.dump();
   // The ring's buffers are predicted as a bound (every span assumed visible to every rank).
   const auto cp = read_jsonl(path("cp4.jsonl")).back();
   for (std::size_t r = 0; r < 4; ++r) {
@@ -90,6 +95,10 @@ TEST_F(Training, ResumeAcrossLayouts) {
   expect_same_curve(tail2, alone("--steps 20 --batch 2 --resume " + path("ck_dp"), "g.jsonl"), "dp 2 -> 1");
   alone("--steps 20 --stop-after 10 --batch 2 --save " + path("ck_b2"), "h.jsonl");
   expect_same_curve(tail2, ranks(2, "--steps 20 --dp 2 --resume " + path("ck_b2"), "i.jsonl"), "1 -> dp 2");
+  // Tensor parallel 2 -> one process, and one process -> tensor parallel 3 (uneven shards).
+  ranks(2, "--steps 20 --stop-after 10 --tp 2 --save " + path("ck_tp"), "j.jsonl");
+  expect_same_curve(tail, alone("--steps 20 --resume " + path("ck_tp"), "k.jsonl"), "tp 2 -> 1");
+  expect_same_curve(tail, ranks(3, "--steps 20 --tp 3 --resume " + path("ck_one"), "l.jsonl"), "1 -> tp 3");
 }
 
 TEST_F(Training, RunsThePlannedLayout) {
@@ -99,7 +108,7 @@ TEST_F(Training, RunsThePlannedLayout) {
   ASSERT_EQ(r.status, 0) << r.output;
   nlohmann::json p = testing::read_json(plan);
   p["model_config"]["layers"] = 4;
-  p["sp"] = 1, p["pp"] = 2, p["dp"] = 1, p["msp"] = false;
+  p["sp"] = 1, p["tp"] = 1, p["pp"] = 2, p["dp"] = 1, p["msp"] = false;
   p["stage_layers"] = {3, 1};
   p["subseqs"] = 2, p["lengths"] = {320, 192}, p["alpha"] = {0.5, 0.0};
   std::ofstream(plan) << p.dump(2);
@@ -118,6 +127,14 @@ TEST_F(Training, RunsThePlannedLayout) {
   r = mpirun(3, run);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("mpirun -np 2"), std::string::npos) << r.output;
+  // A tensor-parallel plan runs as --tp, each member's peak as predicted.
+  p["tp"] = 2, p["pp"] = 1, p["stage_layers"] = {4};
+  std::ofstream(plan) << p.dump(2);
+  r = mpirun(2, run);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto t = read_jsonl(path("plan.jsonl"));
+  EXPECT_EQ(t.back()["measured_peak_device_bytes_per_rank"], t.back()["predicted_peak_device_bytes_per_rank"])
+      << t.back().dump();
 }
 
 }  // namespace

@@ -61,7 +61,7 @@ TEST(PlanCli, ExplainSumsToThePredictedPeakForEverySystem) {
 TEST(PlanCli, ExplainPrintsTheTableAfterThePlan) {
   const auto r = testing::run_command(testing::sppo_binary() + kPlan + "--explain 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
-  const auto plan_at = r.output.find("layout      sp ");
+  const auto plan_at = r.output.find("layout      ");
   const auto table_at = r.output.find("| term | device | host | formula |");
   ASSERT_NE(plan_at, std::string::npos) << r.output;
   ASSERT_NE(table_at, std::string::npos) << r.output;

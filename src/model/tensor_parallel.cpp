@@ -1,0 +1,146 @@
+#include "model/tensor_parallel.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace sppo {
+
+namespace {
+
+// RoPE on the q and k columns of qkv [T, 3Hr], at the subsequence's positions.
+void rope_qk(Backend& be, void* qkv, bool backward, const ModelConfig& ac, const Subseq& q) {
+  const DType a = be.act();
+  const int Hr = ac.hidden;
+  for (const PosSpan& part : q.parts()) {
+    void* rows = act_at(qkv, i64(part.row0) * 3 * Hr, a);
+    for (void* x : {rows, act_at(rows, Hr, a)}) {
+      if (backward)
+        be.rope_backward(x, part.rows, ac.heads, ac.head_size(), part.pos0, ac.rope_theta, 3 * Hr);
+      else
+        be.rope_forward(x, part.rows, ac.heads, ac.head_size(), part.pos0, ac.rope_theta, 3 * Hr);
+    }
+  }
+}
+
+}  // namespace
+
+void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
+                      const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
+                      const Subseq& q) {
+  const TpShard& tp = sp.shard();
+  const ModelConfig ac = attention_view(c, tp);
+  const int T = q.T, H = c.hidden, Hr = ac.hidden;
+  const auto [f0, f1] = tp.ffn(c);
+  const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
+  const i64 rows_H = i64(Ts) * H;
+  const bool adds_bias = tp.index == 0;  // row-parallel biases enter the sum once
+  SPPO_ASSERT(w.tp_full && w.tp_pad);
+  // Attention half: x_mid = x + reduce_scatter(out(attn(rope(qkv(all_gather(LN1(x)))))))
+  be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, Ts, H, c.ln_eps);
+  sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
+  be.linear_forward(w.qkv, w.tp_full, m.qkv_w, m.qkv_b, T, H, 3 * Hr, 0, 0);
+  rope_qk(be, w.qkv, false, ac, q);
+  be.copy_cols(s.q, w.qkv, T, Hr, 3 * Hr, 0);
+  be.copy_cols(s.k, w.qkv, T, Hr, 3 * Hr, Hr);
+  be.copy_cols(s.v, w.qkv, T, Hr, 3 * Hr, 2 * Hr);
+  attn.forward(be, s, ac, q, w.scratch);
+  be.linear_forward(w.tp_full, s.attn_out, m.out_w, adds_bias ? m.out_b : nullptr, T, Hr, H, 0, 0);
+  sp.reduce_scatter(be, s.x_mid, w.tp_full, w.tp_pad, T, H);
+  be.add_inplace(s.x_mid, s.x, rows_H);
+  // MLP half: x_out = x_mid + reduce_scatter(proj(gelu(fc(all_gather(LN2(x_mid))))))
+  be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, Ts, H, c.ln_eps);
+  sp.all_gather(be, w.tp_full, s.ln2_out, w.tp_pad, T, H);
+  be.linear_forward(s.fc_pre, w.tp_full, m.fc_w, m.fc_b, T, H, Fr, 0, 0);
+  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * Fr);
+  be.linear_forward(w.tp_full, w.mlp_act, m.proj_w, adds_bias ? m.proj_b : nullptr, T, Fr, H, 0, 0);
+  sp.reduce_scatter(be, x_out, w.tp_full, w.tp_pad, T, H);
+  be.add_inplace(x_out, s.x_mid, rows_H);
+}
+
+void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
+                       const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
+                       SeqParallel& sp, const ModelConfig& c, const Subseq& q) {
+  const TpShard& tp = sp.shard();
+  const ModelConfig ac = attention_view(c, tp);
+  const int T = q.T, H = c.hidden, Hr = ac.hidden;
+  const auto [f0, f1] = tp.ffn(c);
+  const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
+  const DType a = be.act();
+  SPPO_ASSERT(w.tp_full && w.tp_pad && w.tp_rows);
+  // MLP half. d [Ts, H] is the gradient w.r.t. x_out; every row of it reaches proj.
+  sp.all_gather(be, w.tp_full, d, w.tp_pad, T, H);                // d x_out, all rows
+  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * Fr);             // recomputed
+  be.linear_backward(nullptr, g.proj_w, g.proj_b, w.tp_full, w.mlp_act, m.proj_w, T, Fr, H, 0, 0, w.scratch);
+  be.gemm(false, false, T, Fr, H, 1.0f, w.tp_full, H, m.proj_w, Fr, 0.0f, w.mlp_act, Fr, a, a);  // d mlp_act
+  be.gelu_backward(w.mlp_act, w.mlp_act, s.fc_pre, i64(T) * Fr);                                  // d fc_pre
+  sp.all_gather(be, w.tp_full, s.ln2_out, w.tp_pad, T, H);
+  be.linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, w.tp_full, m.fc_w, T, H, Fr, 0, 0, w.scratch);
+  sp.reduce_scatter(be, w.tp_rows, w.d_tmp, w.tp_pad, T, H);     // d ln2_out, this member's rows
+  be.layernorm_backward(d, g.ln2_w, g.ln2_b, w.tp_rows, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, Ts, H, w.scratch);
+  // Attention half. d is now the gradient w.r.t. x_mid.
+  sp.all_gather(be, w.tp_full, d, w.tp_pad, T, H);
+  be.linear_backward(w.d_tmp, g.out_w, g.out_b, w.tp_full, s.attn_out, m.out_w, T, Hr, H, 0, 0, w.scratch);
+  for (const PosSpan& part : q.parts()) {
+    const i64 at = i64(part.row0) * Hr;
+    be.attention_backward_delta(w.delta + i64(ac.heads) * part.row0, act_at(w.d_tmp, at, a),
+                                act_at(s.attn_out, at, a), span_shape(ac, part));
+  }
+  void* dqkv = w.qkv;  // [T, 3Hr]
+  attn.backward(be, dqkv, w.d_tmp, w.delta, s, dk_self, dv_self, ac, q, w.scratch);
+  be.put_cols(dqkv, dk_self, true, T, Hr, 3 * Hr, Hr);
+  be.put_cols(dqkv, dv_self, true, T, Hr, 3 * Hr, 2 * Hr);
+  rope_qk(be, dqkv, true, ac, q);
+  sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
+  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, w.tp_full, m.qkv_w, T, H, 3 * Hr, 0, 0, w.scratch);
+  sp.reduce_scatter(be, w.tp_rows, w.d_tmp, w.tp_pad, T, H);     // d ln1_out, this member's rows
+  be.layernorm_backward(d, g.ln1_w, g.ln1_b, w.tp_rows, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, Ts, H, w.scratch);
+}
+
+void embedding_forward_tp(Backend& be, void* x_rows, const std::int32_t* ids, const float* embed, void* full, void* pad,
+                          SeqParallel& sp, const ModelConfig& c, int T) {
+  const auto [v0, v1] = sp.shard().vocab(c);
+  be.embedding_shard_forward(full, ids, embed, T, c.hidden, int(v0), int(v1 - v0));
+  sp.reduce_scatter(be, x_rows, full, pad, T, c.hidden);
+}
+
+void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const std::int32_t* ids, void* full,
+                           void* pad, SeqParallel& sp, const ModelConfig& c, int T) {
+  const auto [v0, v1] = sp.shard().vocab(c);
+  sp.all_gather(be, full, d_rows, pad, T, c.hidden);
+  be.embedding_shard_backward(dembed, full, ids, T, c.hidden, int(v0), int(v1 - v0));
+}
+
+void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, const void* x,
+                              const std::int32_t* targets, const ParamView& p, const MatrixView& m, ParamView& g,
+                              const HeadWorkspace& w, SeqParallel& sp, const ModelConfig& c, int T, i64 total_tokens) {
+  const TpShard& tp = sp.shard();
+  const int H = c.hidden, Ts = int(tp.row_count(T));
+  const auto [v0, v1] = tp.vocab(c);
+  const int V = int(v1 - v0);
+  const DType a = be.act();
+  SPPO_ASSERT(w.tp_full && w.tp_pad && w.lse_parts);
+  be.layernorm_forward(w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, Ts, H, c.ln_eps);
+  sp.all_gather(be, w.tp_full, w.ln_f_out, w.tp_pad, T, H);
+  const float scale = float(1.0 / double(total_tokens));
+  // Every row's logits over this member's vocabulary, chunk by chunk; the rows' log-sum-exp
+  // over the whole vocabulary joins the members' own. The chunk's gradient d ln_f_out
+  // (a partial sum over the vocabulary) overwrites its gathered rows.
+  for (int t0 = 0; t0 < T; t0 += w.chunk) {
+    const int rows = std::min(w.chunk, T - t0);
+    void* h = act_at(w.tp_full, i64(t0) * H, a);
+    be.gemm(false, true, rows, V, H, 1.0f, h, H, m.embed, H, 0.0f, w.logits, V, a, DType::F32);
+    be.row_logsumexp(w.lse_parts + i64(tp.index) * rows, w.logits, rows, V);
+    sp.all_gather_rows(w.lse_parts, rows);
+    be.xent_shard(w.dlogits, w.losses + t0, loss_sum, w.logits, w.lse_parts, tp.size, targets + t0, rows, V, int(v0),
+                  scale, w.scratch);
+    be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.embed, H, a, DType::F32);
+    be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.embed, H, 0.0f, h, H, a, a);
+  }
+  sp.reduce_scatter(be, w.ln_f_out, w.tp_full, w.tp_pad, T, H);  // d ln_f_out, this member's rows
+  be.fill_zero(head_grad, std::size_t(i64(Ts) * H * dtype_bytes(a)));
+  be.layernorm_backward(head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, Ts, H,
+                        w.scratch);
+}
+
+}  // namespace sppo

@@ -1,0 +1,78 @@
+// Tensor parallelism with sequence-parallel regions (Megatron-LM's; the SPPO paper's SP,
+// DESIGN.md 6, `--tp`): one block's and the head's forward and backward as one member of a
+// tensor-parallel group computes them, written against the backend and against
+// SeqParallel, the group's collectives (runtime/tensor_parallel.h implements them).
+// Shards and shapes: core/layout.h TpShard; dimension letters: core/dims.h, plus
+// Ts = rows of this member in the sequence-parallel regions, Hr = Zr * A its heads' width,
+// Fr its MLP columns, Vr its vocabulary rows.
+//
+// Note [Sequence-parallel regions]: between the tensor-parallel regions each member holds
+// rows tp.rows(T) of the residual stream, and LayerNorm and the residual adds run on those
+// rows alone. Before a column-parallel projection (qkv, fc) the LayerNorm output is
+// all-gathered to [T, H]; a row-parallel projection (out, proj) makes a partial sum
+// [T, H] that is reduce-scattered back to rows. Backward mirrors it (the gradient of an
+// all-gather is a reduce-scatter and the other way round), and gathers the LayerNorm
+// outputs again rather than keeping [T, H] copies. So every saved tensor is divided by the
+// group size: the residual-region ones by rows, the rest by heads or MLP columns. A
+// row-parallel bias is added by member 0 before the reduce-scatter (once in the sum); its
+// gradient, from the gathered output gradient, is whole on every member. The gradients of
+// the LayerNorm weights come from this member's rows only: the runtime sums them over the
+// group.
+//
+// Accumulation rules are those of model/gpt.h: parameter gradients +=, the residual
+// gradient `d` [Ts, H] updated in place.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/backend.h"
+#include "core/layout.h"
+#include "model/gpt.h"
+
+namespace sppo {
+
+class SeqParallel {
+ public:
+  virtual ~SeqParallel() = default;
+  virtual const TpShard& shard() const = 0;
+  // full [T, H] = every member's rows (mine [Ts, H]: this member's), in member order.
+  // pad: [shard().padded_rows(T), H] scratch. Blocking.
+  virtual void all_gather(Backend& be, void* full, const void* mine, void* pad, int T, int H) = 0;
+  // mine [Ts, H] = this member's rows of the sum over the members of full [T, H]; full is
+  // left unspecified. Blocking.
+  virtual void reduce_scatter(Backend& be, void* mine, void* full, void* pad, int T, int H) = 0;
+  // parts [size, rows] fp32: member k fills slot k (rows values); afterwards every member
+  // holds every slot. Blocking.
+  virtual void all_gather_rows(float* parts, int rows) = 0;
+};
+
+// x_out [Ts, H] = block(s.x [Ts, H]) with this member's shards. Fills every tensor of `s`
+// (block_saved_specs(c, T, p, tp) shapes); `attn` sees the model as attention_view(c, tp).
+void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
+                      const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
+                      const Subseq& q);
+// d [Ts, H]: in, the gradient w.r.t. the block output; out, w.r.t. its input. dk_self and
+// dv_self [T, Hr] as in block_backward.
+void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
+                       const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
+                       SeqParallel& sp, const ModelConfig& c, const Subseq& q);
+
+// Vocabulary-parallel embedding of ids [T] (device): x_rows [Ts, H] = this member's rows of
+// the lookup, each member adding the rows of its vocabulary. full [T, H] and pad as in
+// SeqParallel are scratch.
+void embedding_forward_tp(Backend& be, void* x_rows, const std::int32_t* ids, const float* embed, void* full, void* pad,
+                          SeqParallel& sp, const ModelConfig& c, int T);
+// dembed [Vr, H] += the rows of the gathered d_rows [Ts, H] whose ids are this member's.
+void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const std::int32_t* ids, void* full,
+                           void* pad, SeqParallel& sp, const ModelConfig& c, int T);
+
+// head_forward_backward with a vocabulary-parallel LM head and cross-entropy: x [Ts, H]
+// (this member's rows of the last block's output), targets [T] of every row; head_grad
+// [Ts, H]. w.losses[T] holds this member's part of each row's loss (the row's loss where
+// the target is in its vocabulary, else 0) and *loss_sum its sum: both add up over the
+// group to head_forward_backward's.
+void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, const void* x,
+                              const std::int32_t* targets, const ParamView& p, const MatrixView& m, ParamView& g,
+                              const HeadWorkspace& w, SeqParallel& sp, const ModelConfig& c, int T, i64 total_tokens);
+
+}  // namespace sppo

@@ -1,0 +1,57 @@
+#include "runtime/tensor_parallel.h"
+
+#include "core/check.h"
+
+namespace sppo {
+
+TpGroup::TpGroup(comm::Comm& comm, int first, const TpShard& tp, double* waited_s)
+    : comm_(comm), tp_(tp), waited_s_(waited_s) {
+  for (int k = 0; k < tp.size; ++k) group_.push_back(first + k);
+  SPPO_ASSERT(group_[std::size_t(tp.index)] == comm.rank());
+}
+
+void TpGroup::wait(comm::Request r, const char* what) {
+  const double s = comm::wait(comm_, r, std::string("the tensor-parallel ") + what);
+  if (waited_s_) *waited_s_ += s;
+}
+
+void TpGroup::all_gather(Backend& be, void* full, const void* mine, void* pad, int T, int H) {
+  SPPO_ASSERT(be.act() == DType::F32);
+  const i64 slot = tp_.padded_rows(T) / tp_.size;  // rows a slot
+  const auto [b, e] = tp_.rows(T);
+  be.copy_cols(act_at(pad, i64(tp_.index) * slot * H, DType::F32), mine, int(e - b), H, H, 0);
+  be.synchronize();
+  wait(comm_.iallgather(static_cast<float*>(pad), tp_.padded_rows(T) * H, group_), "all-gather");
+  for (int k = 0; k < tp_.size; ++k) {
+    const auto [kb, ke] = piece_range(T, k, tp_.size);
+    if (ke > kb)
+      be.copy_cols(act_at(full, kb * H, DType::F32), act_at(pad, i64(k) * slot * H, DType::F32), int(ke - kb), H, H, 0);
+  }
+}
+
+void TpGroup::reduce_scatter(Backend& be, void* mine, void* full, void* pad, int T, int H) {
+  SPPO_ASSERT(be.act() == DType::F32);
+  const i64 slot = tp_.padded_rows(T) / tp_.size;
+  for (int k = 0; k < tp_.size; ++k) {
+    const auto [kb, ke] = piece_range(T, k, tp_.size);
+    void* dst = act_at(pad, i64(k) * slot * H, DType::F32);
+    if (ke > kb) be.copy_cols(dst, act_at(full, kb * H, DType::F32), int(ke - kb), H, H, 0);
+    // The slot's padding rows are summed too: zeros keep them finite.
+    if (slot > ke - kb) be.fill_zero(act_at(dst, (ke - kb) * H, DType::F32), std::size_t((slot - (ke - kb)) * H) * 4);
+  }
+  be.synchronize();
+  wait(comm_.ireduce_scatter(static_cast<float*>(pad), tp_.padded_rows(T) * H, group_), "reduce-scatter");
+  const auto [b, e] = tp_.rows(T);
+  be.copy_cols(mine, act_at(pad, i64(tp_.index) * slot * H, DType::F32), int(e - b), H, H, 0);
+}
+
+void TpGroup::all_gather_rows(float* parts, int rows) {
+  wait(comm_.iallgather(parts, i64(tp_.size) * rows, group_), "all-gather of the rows' log-sum-exp");
+}
+
+void TpGroup::all_reduce(float* x, i64 n, const std::string& what) {
+  const double s = comm::wait(comm_, comm_.iallreduce(x, n, group_), "the tensor-parallel sum of " + what);
+  if (waited_s_) *waited_s_ += s;
+}
+
+}  // namespace sppo

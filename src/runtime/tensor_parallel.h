@@ -1,0 +1,39 @@
+// The collectives of tensor parallelism's sequence-parallel regions (model/tensor_parallel.h
+// SeqParallel) over a group of ranks of comm::Comm: consecutive world ranks, member k of
+// the group holding rows piece_range(T, k, size) of each [T, H] activation.
+//
+// Rows do not divide evenly in general (subsequence lengths are the partition's), while
+// the communicator's collectives split an array into equal pieces; so every collective
+// goes through a padded buffer of size slots of ceil(T / size) rows, member k's rows in
+// slot k. fp32 activations (CPU ranks).
+#pragma once
+
+#include <string>
+
+#include "comm/comm.h"
+#include "model/tensor_parallel.h"
+
+namespace sppo {
+
+class TpGroup final : public SeqParallel {
+ public:
+  // `first`: the group's first world rank; this rank is member tp.index.
+  TpGroup(comm::Comm& comm, int first, const TpShard& tp, double* waited_s = nullptr);
+  const TpShard& shard() const override { return tp_; }
+  const comm::Group& group() const { return group_; }
+  void all_gather(Backend& be, void* full, const void* mine, void* pad, int T, int H) override;
+  void reduce_scatter(Backend& be, void* mine, void* full, void* pad, int T, int H) override;
+  void all_gather_rows(float* parts, int rows) override;
+  // Sums x[n] over the group in place (gradients of the replicated parameters).
+  void all_reduce(float* x, i64 n, const std::string& what);
+
+ private:
+  void wait(comm::Request r, const char* what);
+
+  comm::Comm& comm_;
+  TpShard tp_;
+  comm::Group group_;
+  double* waited_s_;
+};
+
+}  // namespace sppo

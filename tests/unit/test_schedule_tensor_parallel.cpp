@@ -1,0 +1,169 @@
+// Tensor parallelism's tables and schedules (core/layout.h TpShard, sched::
+// expand_tensor_parallel): a group's shards put back together are the whole model, every
+// expanded schedule over a grid of (pp, tp, N, dp) passes the validator, and the memory
+// rules count each member's shards.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "core/check.h"
+#include "core/layout.h"
+#include "schedule/builders.h"
+#include "schedule/memory.h"
+#include "schedule/validate.h"
+
+namespace sppo {
+namespace {
+
+using namespace sched;
+
+ModelConfig model() {
+  ModelConfig c;
+  c.vocab = 37;  // divides by none of the group sizes below
+  c.hidden = 24;
+  c.layers = 3;
+  c.heads = 6;
+  c.ffn_mult = 4;
+  return c;
+}
+
+TEST(TensorParallel, ShardsPutTogetherAreTheWholeModel) {
+  const ModelConfig c = model();
+  const i64 total = c.num_params();
+  std::vector<float> whole(static_cast<std::size_t>(total));
+  std::iota(whole.begin(), whole.end(), 1.0f);
+  for (int tp : {1, 2, 3, 4, 6})
+    for (auto [b, e] : {std::pair{0, 3}, {0, 1}, {1, 3}, {1, 2}, {2, 3}}) {
+      // How often each element of the whole model appears in some member's shard, and
+      // whether the member's copy holds the whole model's value.
+      std::vector<int> seen(static_cast<std::size_t>(total), 0);
+      for (int t = 0; t < tp; ++t) {
+        const TpShard shard{t, tp};
+        const i64 local_count = total_bytes(parameter_specs(c, b, e, shard)) / 4;
+        std::vector<float> local(std::size_t(local_count), 0.0f);
+        i64 covered = 0;
+        for (const ParamSlice& sl : param_slices(c, b, e, shard)) {
+          ASSERT_EQ(sl.local, covered) << "slices run in local order";
+          covered += sl.count;
+          for (i64 k = 0; k < sl.count; ++k) {
+            local[std::size_t(sl.local + k)] = whole[std::size_t(sl.full + k)];
+            if (!sl.replicated || t == 0) ++seen[std::size_t(sl.full + k)];
+          }
+        }
+        EXPECT_EQ(covered, local_count) << "tp " << tp << " member " << t;
+        // The member's q, k, v rows are its heads: the first row of its q block is row
+        // z0 * A of the whole qkv weight.
+        const auto specs = parameter_specs(c, b, e, shard);
+        i64 off = 0;
+        for (const auto& s : specs) {
+          if (s.name == "blocks." + std::to_string(b) + ".attn.qkv.weight") {
+            const i64 row = shard.heads(c).first * c.head_size();
+            i64 full = 0;
+            for (const auto& w : parameter_specs(c)) {
+              if (w.name == s.name) break;
+              full += w.numel();
+            }
+            EXPECT_EQ(local[std::size_t(off)], whole[std::size_t(full + row * c.hidden)]);
+          }
+          off += s.numel();
+        }
+      }
+      // Every element of the stage's tensors once (replicated ones counted on member 0).
+      i64 off = 0;
+      for (const auto& s : parameter_specs(c)) {
+        const bool owned = s.name == "embed.weight" ? (b == 0 || e == c.layers)
+                           : s.name.rfind("ln_f.", 0) == 0
+                               ? e == c.layers
+                               : [&] {
+                                   const int l = std::stoi(s.name.substr(7));
+                                   return b <= l && l < e;
+                                 }();
+        for (i64 k = 0; k < s.numel(); ++k)
+          ASSERT_EQ(seen[std::size_t(off + k)], owned ? 1 : 0) << s.name << " element " << k << " tp " << tp;
+        off += s.numel();
+      }
+    }
+}
+
+TEST(TensorParallel, SavedTensorsDivideByTheGroup) {
+  const ModelConfig c = model();
+  for (int tp : {2, 3})
+    for (i64 T : {1 * tp, 7 * tp + 1, 40}) {
+      i64 skeletal = 0, rows = 0;
+      for (int t = 0; t < tp; ++t) {
+        const auto specs = block_saved_specs(c, T, ActPrecision::F32, TpShard{t, tp});
+        ASSERT_EQ(specs.size(), block_saved_specs(c, T, ActPrecision::F32).size());
+        for (const auto& s : specs)
+          if (s.role == Role::Skeletal) skeletal += s.bytes();
+        rows += specs[0].shape[0];  // x: the member's rows of the residual stream
+      }
+      EXPECT_EQ(rows, T);
+      EXPECT_EQ(skeletal, T * skeletal_bytes_per_token(c, ActPrecision::F32)) << "the K/V cache splits by heads";
+    }
+}
+
+MemoryRules rules() {
+  MemoryRules r;
+  r.model = model();
+  r.precision = ActPrecision::F32;
+  return r;
+}
+
+TEST(TensorParallel, ExpandedGridIsValid) {
+  const MemoryRules rl = rules();
+  for (int pp : {1, 2, 3})
+    for (int tp : {1, 2, 3})
+      for (int n : {1, 3, 5})
+        for (int dp : {1, 2}) {
+          PipelineSpec spec;
+          spec.layers = 3;
+          spec.pp = pp;
+          spec.dp = dp;
+          for (int i = 0; i < n; ++i) spec.lengths.push_back(20 - 3 * i);
+          spec.alpha.assign(std::size_t(n), 0.5);
+          spec.alpha.back() = 0;
+          const Schedule base = build_pipeline(spec);
+          const Schedule s = expand_tensor_parallel(base, tp);
+          ASSERT_EQ(s.ranks, base.ranks * tp);
+          const Validation v = validate(s, {&rl, 0});
+          EXPECT_TRUE(v.ok()) << "pp " << pp << " tp " << tp << " n " << n << " dp " << dp << "\n" << v.message();
+          // Members run their rank's ops; a hidden state's rows split over them.
+          for (int r = 0; r < base.ranks; ++r)
+            for (std::size_t k = 0; k < base.ops[std::size_t(r)].size(); ++k) {
+              const Op& op = base.ops[std::size_t(r)][k];
+              i64 rows = 0;
+              for (int t = 0; t < tp; ++t) {
+                const Op& m = s.ops[std::size_t(r * tp + t)][k];
+                EXPECT_EQ(m.kind, op.kind);
+                EXPECT_EQ(m.peer, op.peer < 0 ? op.peer : op.peer * tp + t);
+                rows += m.tokens;
+              }
+              if ((op.kind == OpKind::Send || op.kind == OpKind::Recv) && op.payload == Payload::Hidden) {
+                EXPECT_EQ(rows, base.lengths[std::size_t(op.subseq)]);
+              }
+            }
+        }
+}
+
+TEST(TensorParallel, MembersHoldTheirShardsOfTheWeights) {
+  const MemoryRules rl = rules();
+  const ModelConfig& c = rl.model;
+  const Schedule s = expand_tensor_parallel(build_single(c.layers, {30, 10}, {0.0, 0.0}), 3);
+  i64 weights = 0;
+  for (int t = 0; t < 3; ++t) {
+    RankMemory mem(rl, s, t);
+    weights += mem.fixed_terms()[int(MemTerm::Weights)];
+  }
+  // The whole model once, plus the tensors every member holds twice more.
+  i64 replicated = 0;
+  for (const auto& spec : parameter_specs(c))
+    if (tp_replicated(spec.name)) replicated += spec.numel();
+  EXPECT_EQ(weights, (c.num_params() + 2 * replicated) * 4);
+}
+
+TEST(TensorParallel, RefusesSubsequencesShorterThanTheGroup) {
+  EXPECT_THROW(expand_tensor_parallel(build_single(2, {5, 2}, {0.0, 0.0}), 3), Error);
+}
+
+}  // namespace
+}  // namespace sppo
