@@ -98,24 +98,31 @@ void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, flo
 }
 
 void embedding_forward_tp(Backend& be, void* x_rows, const std::int32_t* ids, const float* embed, void* full, void* pad,
-                          SeqParallel& sp, const ModelConfig& c, int T) {
+                          SeqParallel& sp, const ModelConfig& c, const Subseq& q) {
   const auto [v0, v1] = sp.shard().vocab(c);
-  be.embedding_shard_forward(full, ids, embed, T, c.hidden, int(v0), int(v1 - v0));
-  sp.reduce_scatter(be, x_rows, full, pad, T, c.hidden);
+  const i64 H = c.hidden;
+  for (const PosSpan& part : q.parts())
+    be.embedding_shard_forward(act_at(full, part.row0 * H, be.act()), ids + part.pos0, embed, part.rows, int(H),
+                               int(v0), int(v1 - v0));
+  sp.reduce_scatter(be, x_rows, full, pad, q.T, int(H));
 }
 
 void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const std::int32_t* ids, void* full,
-                           void* pad, SeqParallel& sp, const ModelConfig& c, int T) {
+                           void* pad, SeqParallel& sp, const ModelConfig& c, const Subseq& q) {
   const auto [v0, v1] = sp.shard().vocab(c);
-  sp.all_gather(be, full, d_rows, pad, T, c.hidden);
-  be.embedding_shard_backward(dembed, full, ids, T, c.hidden, int(v0), int(v1 - v0));
+  const i64 H = c.hidden;
+  sp.all_gather(be, full, d_rows, pad, q.T, int(H));
+  for (const PosSpan& part : q.parts())
+    be.embedding_shard_backward(dembed, act_at(full, part.row0 * H, be.act()), ids + part.pos0, part.rows, int(H),
+                                int(v0), int(v1 - v0));
 }
 
 void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, const void* x,
                               const std::int32_t* targets, const ParamView& p, const MatrixView& m, ParamView& g,
-                              const HeadWorkspace& w, SeqParallel& sp, const ModelConfig& c, int T, i64 total_tokens) {
+                              const HeadWorkspace& w, SeqParallel& sp, const ModelConfig& c, const Subseq& q,
+                              i64 total_tokens) {
   const TpShard& tp = sp.shard();
-  const int H = c.hidden, Ts = int(tp.row_count(T));
+  const int T = q.T, H = c.hidden, Ts = int(tp.row_count(T));
   const auto [v0, v1] = tp.vocab(c);
   const int V = int(v1 - v0);
   const DType a = be.act();
@@ -126,17 +133,18 @@ void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, co
   // Every row's logits over this member's vocabulary, chunk by chunk; the rows' log-sum-exp
   // over the whole vocabulary joins the members' own. The chunk's gradient d ln_f_out
   // (a partial sum over the vocabulary) overwrites its gathered rows.
-  for (int t0 = 0; t0 < T; t0 += w.chunk) {
-    const int rows = std::min(w.chunk, T - t0);
-    void* h = act_at(w.tp_full, i64(t0) * H, a);
-    be.gemm(false, true, rows, V, H, 1.0f, h, H, m.embed, H, 0.0f, w.logits, V, a, DType::F32);
-    be.row_logsumexp(w.lse_parts + i64(tp.index) * rows, w.logits, rows, V);
-    sp.all_gather_rows(w.lse_parts, rows);
-    be.xent_shard(w.dlogits, w.losses + t0, loss_sum, w.logits, w.lse_parts, tp.size, targets + t0, rows, V, int(v0),
-                  scale, w.scratch);
-    be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.embed, H, a, DType::F32);
-    be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.embed, H, 0.0f, h, H, a, a);
-  }
+  for (const PosSpan& part : q.parts())
+    for (int c0 = 0; c0 < part.rows; c0 += w.chunk) {
+      const int rows = std::min(w.chunk, part.rows - c0), t0 = part.row0 + c0;
+      void* h = act_at(w.tp_full, i64(t0) * H, a);
+      be.gemm(false, true, rows, V, H, 1.0f, h, H, m.embed, H, 0.0f, w.logits, V, a, DType::F32);
+      be.row_logsumexp(w.lse_parts + i64(tp.index) * rows, w.logits, rows, V);
+      sp.all_gather_rows(w.lse_parts, rows);
+      be.xent_shard(w.dlogits, w.losses + t0, loss_sum, w.logits, w.lse_parts, tp.size, targets + part.pos0 + c0, rows,
+                    V, int(v0), scale, w.scratch);
+      be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.embed, H, a, DType::F32);
+      be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.embed, H, 0.0f, h, H, a, a);
+    }
   sp.reduce_scatter(be, w.ln_f_out, w.tp_full, w.tp_pad, T, H);  // d ln_f_out, this member's rows
   be.fill_zero(head_grad, std::size_t(i64(Ts) * H * dtype_bytes(a)));
   be.layernorm_backward(head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, Ts, H,

@@ -57,22 +57,24 @@ void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, flo
                        const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
                        SeqParallel& sp, const ModelConfig& c, const Subseq& q);
 
-// Vocabulary-parallel embedding of ids [T] (device): x_rows [Ts, H] = this member's rows of
-// the lookup, each member adding the rows of its vocabulary. full [T, H] and pad as in
-// SeqParallel are scratch.
+// Vocabulary-parallel embedding of the tokens of q (ids: the whole step's, on the device,
+// indexed by position): x_rows [Ts, H] = this member's rows of the lookup, each member
+// adding the rows of its vocabulary. full [q.T, H] and pad as in SeqParallel are scratch.
 void embedding_forward_tp(Backend& be, void* x_rows, const std::int32_t* ids, const float* embed, void* full, void* pad,
-                          SeqParallel& sp, const ModelConfig& c, int T);
+                          SeqParallel& sp, const ModelConfig& c, const Subseq& q);
 // dembed [Vr, H] += the rows of the gathered d_rows [Ts, H] whose ids are this member's.
 void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const std::int32_t* ids, void* full,
-                           void* pad, SeqParallel& sp, const ModelConfig& c, int T);
+                           void* pad, SeqParallel& sp, const ModelConfig& c, const Subseq& q);
 
-// head_forward_backward with a vocabulary-parallel LM head and cross-entropy: x [Ts, H]
-// (this member's rows of the last block's output), targets [T] of every row; head_grad
-// [Ts, H]. w.losses[T] holds this member's part of each row's loss (the row's loss where
-// the target is in its vocabulary, else 0) and *loss_sum its sum: both add up over the
-// group to head_forward_backward's.
+// head_forward_backward with a vocabulary-parallel LM head and cross-entropy on the tokens
+// of q: x [Ts, H] (this member's rows of the last block's output), targets the whole
+// step's (indexed by position); head_grad [Ts, H]. w.losses[q.T] holds, in q's row order,
+// this member's part of each row's loss (the row's loss where the target is in its
+// vocabulary, else 0) and *loss_sum its sum: both add up over the group to
+// head_forward_backward's.
 void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, const void* x,
                               const std::int32_t* targets, const ParamView& p, const MatrixView& m, ParamView& g,
-                              const HeadWorkspace& w, SeqParallel& sp, const ModelConfig& c, int T, i64 total_tokens);
+                              const HeadWorkspace& w, SeqParallel& sp, const ModelConfig& c, const Subseq& q,
+                              i64 total_tokens);
 
 }  // namespace sppo

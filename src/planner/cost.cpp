@@ -113,6 +113,16 @@ double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group) const {
 }
 
 i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
+  // Ring steps of a tensor-parallel member move its heads only (K/V and their gradients).
+  if (s.tp > 1 && op.kind == OpKind::RingStep) {
+    Schedule one;
+    one.layers = s.layers;
+    one.lengths = s.lengths;
+    one.ring = s.ring;
+    one.ring_layout = s.ring_layout;
+    const TpShard t{0, s.tp};
+    return message_bytes(op, one) * t.local_heads(model_) / model_.heads;
+  }
   const i64 H = model_.hidden;
   const int n = std::max(1, op.layer_end - op.layer_begin);
   i64 tokens = op.tokens;

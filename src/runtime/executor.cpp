@@ -296,14 +296,14 @@ KVBlocks Runtime::past_blocks(StepState& st, int l, int i, bool grads) {
 
 std::unique_ptr<BlockAttention> Runtime::attention(StepState& st, const sched::Op& op, int l, const KVBlocks& past) {
   if (op.pieces == 1) return std::make_unique<LocalAttention>(past);
-  // A ring piece: the ring's members are consecutive ranks in piece order
-  // (sched::PipelineSpec::rank_of).
+  // A ring piece: the ring's members are ranks tp apart in piece order, each with this
+  // rank's tensor-parallel index (sched::PipelineSpec::rank_of, expand_tensor_parallel).
   const auto& sc = *st.sched;
-  const int R = op.pieces, i = op.subseq;
+  const int R = op.pieces, i = op.subseq, tp = opts_.tp.size;
   RingContext ctx;
   ctx.comm = opts_.comm;
   for (int h = 0; h < R; ++h) {
-    ctx.members.push_back(opts_.rank - op.piece + h);
+    ctx.members.push_back(opts_.rank + (h - op.piece) * tp);
     ctx.spans.push_back(rows_of(sc, i, h, R).parts());
     i64 first = rows_of(sc, i, h, R).parts().front().pos0;
     for (int j = 0; j < i; ++j) first = std::min(first, rows_of(sc, j, h, R).parts().front().pos0);
@@ -339,8 +339,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
     const BlockWorkspace w_ptrs = block_workspace_from(ptrs(ws));
     if (l == 0 && st.tp)
-      embedding_forward_tp(be_, unit[0].data(), ids + q.offset, weights_.embed, w_ptrs.tp_full, w_ptrs.tp_pad, *st.tp,
-                           config_, T);
+      embedding_forward_tp(be_, unit[0].data(), ids, weights_.embed, w_ptrs.tp_full, w_ptrs.tp_pad, *st.tp, config_, q);
     else if (l == 0)
       for (const PosSpan& part : q.parts())
         be_.embedding_forward(act_at(unit[0].data(), i64(part.row0) * H, act_), ids + part.pos0, weights_.embed,
@@ -380,11 +379,11 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
   if (st.tp) {
     head_forward_backward_tp(be_, st.head_grad[i].data(), static_cast<double*>(st.loss_sum.data()), out.data(),
-                             st.targets + q.offset, weights_, matrices_, dweights_, hw, *st.tp, config_, T,
-                             st.predicted);
+                             st.targets, weights_, matrices_, dweights_, hw, *st.tp, config_, q, st.predicted);
     be_.synchronize();
     st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
-    be_.to_host(st.result->losses.data() + q.offset, hw.losses, sizeof(float) * std::size_t(T));
+    for (const PosSpan& part : q.parts())
+      be_.to_host(st.result->losses.data() + part.pos0, hw.losses + part.row0, sizeof(float) * std::size_t(part.rows));
     return;
   }
   for (const PosSpan& part : q.parts()) {
@@ -438,8 +437,8 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
       block_backward_tp(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
                         matrices_.blocks[l], w, *attn, *st.tp, config_, q);
       if (l == 0)  // while the layer's workspace is there to gather into
-        embedding_backward_tp(be_, dweights_.embed, d, static_cast<const std::int32_t*>(st.ids.data()) + q.offset,
-                              w.tp_full, w.tp_pad, *st.tp, config_, T);
+        embedding_backward_tp(be_, dweights_.embed, d, static_cast<const std::int32_t*>(st.ids.data()), w.tp_full,
+                              w.tp_pad, *st.tp, config_, q);
     } else {
       block_backward(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
                      matrices_.blocks[l], w, *attn, config_, q);
@@ -538,8 +537,6 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   if (sc.tp > 1) {
     SPPO_CHECK(opts_.comm && !opts_.recompute && act_ == DType::F32, "runtime")
         << "tensor parallelism needs its ranks (mpirun), fp32 activations, and no --recompute";
-    SPPO_CHECK(sc.ring == 1, "runtime")
-        << "tensor parallelism (--tp) with ring attention (--cp) is not supported yet; use one of them";
     for (i64 l : sc.lengths)
       SPPO_CHECK(l >= sc.tp, "runtime") << "a subsequence of " << l << " tokens cannot be split over " << sc.tp
                                         << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";

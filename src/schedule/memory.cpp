@@ -217,16 +217,17 @@ i64 RankMemory::ring_piece_max(const Op& op) const {
 i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
   if (op.pieces != s_.ring) return 2 * kv_pt_ * T;
-  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(rules_.model.hidden) * rules_.act_bytes(),
-            stats = i64(rules_.model.heads) * i64(sizeof(float));
+  // Under tensor parallelism the ring moves this member's heads only.
+  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
+            stats = i64(tp_.local_heads(rules_.model)) * i64(sizeof(float));
   return (R - 1) * (Tm * row + T * (row + stats) + Tm * (row + stats));
 }
 
 i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
   if (op.pieces != s_.ring) return 2 * (kv_pt_ + acc_pt_) * T;
-  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(rules_.model.hidden) * rules_.act_bytes(),
-            stats = i64(rules_.model.heads) * i64(sizeof(float));
+  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
+            stats = i64(tp_.local_heads(rules_.model)) * i64(sizeof(float));
   return (R - 1) * (Tm * 2 * (row + stats) + T * row + Tm * row) + T * row;
 }
 

@@ -609,12 +609,11 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   std::vector<plan::Plan> layouts;
   std::string last_reason;
   i64 least_peak = 0;
-  // The two kinds of sequence parallelism inside a node (§6.1): tensor parallelism with
-  // sequence-parallel regions (tp, the paper's SP) or ring attention (sp); the runtime
-  // runs one kind a stage, so the search takes one at a time.
+  // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
+  // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (sp).
   for (int tp : divisors(std::min(G, gpn)))
   for (int sp : divisors(std::min(G, gpn) / tp)) {
-    if (G % (sp * tp) || (tp > 1 && sp > 1) || tp > c.heads) continue;
+    if (G % (sp * tp) || tp > c.heads) continue;
     for (int dp : divisors(G / sp / tp)) {
       const int pp = G / sp / tp / dp;
       if (pp > c.layers) continue;

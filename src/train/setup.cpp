@@ -224,9 +224,6 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(s.layout.tp <= s.config.heads, "options")
       << "--tp " << s.layout.tp << " splits the attention heads over its ranks, but the model has " << s.config.heads
       << "; use --tp " << s.config.heads << " or fewer";
-  SPPO_CHECK(s.layout.tp == 1 || s.layout.cp == 1, "options")
-      << "--tp " << s.layout.tp << " with --cp " << s.layout.cp
-      << " is not supported yet: tensor and context parallelism run one at a time; drop one of them";
   SPPO_CHECK(s.layout.tp == 1 || s.backend->act() == DType::F32, "options")
       << "--tp runs fp32 activations on CPU ranks; use --precision fp32";
   SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")

@@ -142,6 +142,15 @@ TEST_F(Layouts, TensorTimesPipelineAndData) {
   check(4, "--tp 2 --dp 2 --zero 1 --subseqs 2", "ref2");
 }
 
+// Both kinds of sequence parallelism at once: each ring member's piece is split again over
+// a tensor-parallel group, and the ring moves each member's heads only.
+TEST_F(Layouts, TensorTimesContext) {
+  check(4, "--tp 2 --cp 2 --ring zigzag --subseqs 2", "ref1");
+  check(4, "--tp 2 --cp 2 --ring contiguous --subseqs 3 --offload 0.5", "ref1");
+  check(2, kBidirectional + " --tp 2", "refb");
+  check(4, kBidirectional + " --tp 2 --cp 2 --ring rsa,contiguous", "refb");
+}
+
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {
   // The consolidated export has the single-process file set and tensor names.
   const std::string out = tmp_->path() + "/layout";

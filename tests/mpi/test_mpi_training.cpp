@@ -69,6 +69,11 @@ TEST_F(Training, LossCurvesEqualOneProcess) {
                     "pp 2 x tp 2");
   const auto tp = read_jsonl(path("pp2tp2.jsonl")).back();
   EXPECT_EQ(tp["measured_peak_device_bytes_per_rank"], tp["predicted_peak_device_bytes_per_rank"]) << tp.dump();
+  expect_same_curve(one, ranks(4, "--steps 20 --tp 2 --cp 2 --subseqs 2", "tp2cp2.jsonl"), "tp 2 x cp 2");
+  const auto tc = read_jsonl(path("tp2cp2.jsonl")).back();
+  for (std::size_t r = 0; r < 4; ++r)
+    EXPECT_LE(tc["measured_peak_device_bytes_per_rank"][r].get<i64>(),
+              tc["predicted_peak_device_bytes_per_rank"][r].get<i64>()) << "rank " << r;
   // The ring's buffers are predicted as a bound (every span assumed visible to every rank).
   const auto cp = read_jsonl(path("cp4.jsonl")).back();
   for (std::size_t r = 0; r < 4; ++r) {

@@ -109,7 +109,6 @@ TEST(Solver, SppoPlanFitsAndRoundTrips) {
   const Plan& p = out.plan;
   EXPECT_EQ(p.tp * p.sp * p.pp * p.dp, 16);
   EXPECT_LE(p.tp * p.sp, 8) << "sequence parallelism stays inside a node";
-  EXPECT_TRUE(p.tp == 1 || p.sp == 1) << "one kind of sequence parallelism a stage";
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   EXPECT_GT(p.predicted.tokens_per_gpu_per_s, 0);
   EXPECT_EQ(sum(p.lengths), p.seq_len);
@@ -126,11 +125,11 @@ TEST(Solver, TensorParallelFitsLongerSequences) {
   const auto out = sim::solve_plan(request("gpt-7b", i64(1536) * 1024, 32, "sppo"));
   ASSERT_TRUE(out.ok) << out.error;
   EXPECT_GT(out.plan.tp, 1);
-  EXPECT_EQ(out.plan.sp, 1);
   EXPECT_LE(out.plan.predicted.peak_device_bytes, out.plan.budget);
   // The same layout with ring SP instead needs more than the budget.
   Plan ring = out.plan;
-  std::swap(ring.sp, ring.tp);
+  ring.sp *= ring.tp;
+  ring.tp = 1;
   EXPECT_GT(sim::simulate_plan(ring, load_profile("a100-80gb")).peak_device_bytes, out.plan.budget);
 }
 
