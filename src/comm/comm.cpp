@@ -69,14 +69,16 @@ void set_activity(const std::string& text) {
 
 const char* current_activity() { return g_activity; }
 
-double wait(Comm& c, Request r, const std::string& what) {
+namespace {
+
+double wait_for(Comm& c, Request r, const std::string& what, bool spin) {
   if (r == kDone || c.test(r)) return 0;
   const double t0 = now_s();
   // Spin briefly (a message in flight lands within microseconds), then poll every 50 us
   // so that a waiting rank leaves its core to ranks that compute.
   for (int spins = 0;; ++spins) {
     if (c.test(r)) return now_s() - t0;
-    if (spins > 200) {
+    if (!spin && spins > 200) {
       const timespec pause{0, 50'000};
       nanosleep(&pause, nullptr);
     }
@@ -91,6 +93,12 @@ double wait(Comm& c, Request r, const std::string& what) {
     }
   }
 }
+
+}  // namespace
+
+double wait(Comm& c, Request r, const std::string& what) { return wait_for(c, r, what, false); }
+
+double wait_spinning(Comm& c, Request r, const std::string& what) { return wait_for(c, r, what, true); }
 
 Group world_group(const Comm& c) {
   Group g(std::size_t(c.size()));

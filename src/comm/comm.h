@@ -78,6 +78,10 @@ class Comm {
 // Polls `r` until it completes and returns the seconds waited. Past c.timeout_s() it
 // aborts the job: "rank R waited S s for <what>; ...". `what` names the op.
 double wait(Comm& c, Request r, const std::string& what);
+// The same without ever leaving the core: for collectives on the critical path of every
+// member (tensor parallelism's), where a rank's sleep delays the whole group, and MPI's
+// non-blocking collectives advance only inside the polls.
+double wait_spinning(Comm& c, Request r, const std::string& what);
 
 // Blocking conveniences built on the above (each a wait with the watchdog).
 void allreduce_sum(Comm& c, std::vector<double>& values, const Group& group, const std::string& what);

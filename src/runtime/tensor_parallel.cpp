@@ -11,7 +11,7 @@ TpGroup::TpGroup(comm::Comm& comm, int first, const TpShard& tp, double* waited_
 }
 
 void TpGroup::wait(comm::Request r, const char* what) {
-  const double s = comm::wait(comm_, r, std::string("the tensor-parallel ") + what);
+  const double s = comm::wait_spinning(comm_, r, std::string("the tensor-parallel ") + what);
   if (waited_s_) *waited_s_ += s;
 }
 
