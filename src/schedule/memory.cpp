@@ -176,21 +176,16 @@ i64 RankMemory::head_ws(i64 T) const {
          rules_.head_scratch.bytes(T);
 }
 
-i64 RankMemory::kv_bytes(i64 T) const {
-  if (!tp_.on()) return kv_pt_ * T;
+i64 RankMemory::saved_bytes(i64 T, Role role) const {
   i64 b = 0;
   for (const auto& t : block_saved_specs(rules_.model, T, rules_.precision, tp_))
-    if (t.role == Role::Skeletal) b += t.bytes();
+    if (t.role == role) b += t.bytes();
   return b;
 }
 
-i64 RankMemory::unit_bytes(i64 T) const {
-  if (!tp_.on()) return unit_pt_ * T;
-  i64 b = 0;
-  for (const auto& t : block_saved_specs(rules_.model, T, rules_.precision, tp_))
-    if (t.role == Role::Offloadable) b += t.bytes();
-  return b;
-}
+i64 RankMemory::kv_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::Skeletal) : kv_pt_ * T; }
+
+i64 RankMemory::unit_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::Offloadable) : unit_pt_ * T; }
 
 i64 RankMemory::ws_bytes(i64 T) const {
   const i64 layer = tp_.on() ? total_bytes(block_workspace_specs(rules_.model, T, rules_.precision, tp_)) : ws_pt_ * T;

@@ -170,6 +170,7 @@ class RankMemory {
   i64 tokens_of(const Op& op) const;
   i64 head_ws(i64 T) const;
   // Bytes on T tokens of one layer (one subsequence's head_grad), this rank's shards.
+  i64 saved_bytes(i64 T, Role role) const;  // block_saved_specs of one role
   i64 kv_bytes(i64 T) const;
   i64 unit_bytes(i64 T) const;
   i64 ws_bytes(i64 T) const;
