@@ -17,6 +17,7 @@ CostModel::CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPre
   kv_per_token_ = skeletal_bytes_per_token(model, precision);
   gemm_rate_ = hw.gemm_rate(model.hidden);
   attention_rate_ = hw.attention_rate(model.head_size());
+  prefix_rate_ = hw.attention_prefix_rate(model.head_size());
 }
 
 double CostModel::gemm_flops(i64 tokens) const {
@@ -39,9 +40,15 @@ double CostModel::attention_flops(i64 o, const sched::Spans& spans) const {
   return f;
 }
 
+double CostModel::attention_s(i64 o, const sched::Spans& spans) const {
+  // Every query of the subsequence sees all o keys before it: those run at the prefix rate.
+  const double prefix = 4.0 * model_.hidden * double(sched::span_tokens(spans)) * double(o);
+  return prefix / prefix_rate_ + (attention_flops(o, spans) - prefix) / attention_rate_;
+}
+
 double CostModel::layer_forward_s(i64 o, const sched::Spans& spans) const {
   const i64 T = sched::span_tokens(spans);
-  double t = gemm_flops(T) / gemm_rate_ + attention_flops(o, spans) / attention_rate_;
+  double t = gemm_flops(T) / gemm_rate_ + attention_s(o, spans);
   if (hw_.elementwise_bw > 0)
     t += kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
@@ -49,7 +56,7 @@ double CostModel::layer_forward_s(i64 o, const sched::Spans& spans) const {
 
 double CostModel::layer_backward_s(i64 o, const sched::Spans& spans) const {
   const i64 T = sched::span_tokens(spans);
-  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_flops(o, spans) / attention_rate_;
+  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_s(o, spans);
   if (hw_.elementwise_bw > 0)
     t += 2 * kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;

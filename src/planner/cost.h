@@ -3,7 +3,9 @@
 // Compute (DESIGN.md 3), per layer on T tokens of subsequence i at offset o:
 //   GEMMs      24 T H^2 (generally 8 T H^2 + 4 T F H) FLOPs forward, 2x in backward
 //   attention  4 H * sum over the T query positions q of (q + 1) FLOPs forward
-//              (= 4 T H (o + (T + 1) / 2) for a whole subsequence), 2.5x in backward
+//              (= 4 T H (o + (T + 1) / 2) for a whole subsequence), 2.5x in backward;
+//              the 4 T H o against keys before the subsequence at the prefix rate
+//              (Note [Attention after a prefix], planner/profile.h)
 //   elementwise  kElementwiseWordsPerToken * H words per token read or written
 //              (LayerNorm, GeLU, residuals, RoPE, bias) over elementwise_bw, 2x in backward
 //   overhead   layer_overhead per layer (kernel launches and synchronisation)
@@ -49,6 +51,9 @@ class CostModel {
   double attention_flops(i64 o, i64 b, i64 e) const;
   double attention_flops(i64 o, const sched::Spans& spans) const;
   double head_flops(i64 tokens) const;  // forward + backward of the LM head
+  // Seconds of one layer's attention forward on the tokens `spans` of a subsequence at
+  // offset o: the FLOPs against the o keys before it at the prefix rate, the rest causal.
+  double attention_s(i64 o, const sched::Spans& spans) const;
 
   // Seconds of a Forward / Backward op of schedule `s`; `o` is the offset of its subsequence.
   double forward_s(const sched::Op& op, const sched::Schedule& s, i64 o) const;
@@ -84,6 +89,7 @@ class CostModel {
   i64 kv_per_token_;
   double gemm_rate_;
   double attention_rate_;
+  double prefix_rate_;  // against the keys before the subsequence (HardwareProfile::attention_prefix_rate)
 };
 
 }  // namespace sppo::plan

@@ -30,6 +30,7 @@ const Embedded kEmbedded[] = {
     "Sources per field. Measured: only on the H200, by PyTorch 2.11 (shared/peers/h200, anchors.json, 2026-12-01); efficiencies measured there are applied to the other GPUs' datasheet figures, an assumption, not a measurement of those GPUs. Assumed: figures marked so, pending a measurement.",
     "gemm_tflops: 312 TFLOP/s bf16 dense (datasheet) x 0.744, the H200's measured rate on a block's GEMMs (16K x 4096 x 12288/4096/16384 and 16K x 16384 x 4096: 801/715/720/713 TFLOP/s, 736 FLOP-weighted) over its 989 = 232.1.",
     "attention_efficiency: 0.747 = the H200's measured causal flash attention, forward + backward, S 8K/32K/128K (539/559/551 TFLOP/s) over its GEMM rate. PyTorch reaches only 326 TFLOP/s (0.44) for a subsequence after a cached prefix; a kernel that takes the offset should reach the whole-sequence rate (to be measured by the CUDA backend).",
+    "attention_prefix_ratio: 1 (assumed: a kernel that takes the subsequence offset runs the unmasked blocks after a prefix at the causal rate; to be measured by the CUDA backend's profile).",
     "elementwise_gbps: 2039 GB/s HBM (datasheet) x 0.8 (assumed, not measured).",
     "d2h_gbps, h2d_gbps: PCIe 31.5 GB/s per direction (datasheet, x16) x 0.88, the H200's measured pinned copies (55.5 / 55.4 GB/s over gen5 x16's 63) = 27.7.",
     "duplex_factor: 0.916, measured on the H200 (101.6 GB/s both ways at once over 2 x 55.45).",
@@ -73,6 +74,7 @@ const Embedded kEmbedded[] = {
     "Sources per field. Measured: only on the H200, by PyTorch 2.11 (shared/peers/h200, anchors.json, 2026-12-01); efficiencies measured there are applied to the other GPUs' datasheet figures, an assumption, not a measurement of those GPUs. Assumed: figures marked so, pending a measurement.",
     "gemm_tflops: 989 TFLOP/s bf16 dense (datasheet) x 0.744, the H200's measured rate on a block's GEMMs (16K x 4096 x 12288/4096/16384 and 16K x 16384 x 4096: 801/715/720/713 TFLOP/s, 736 FLOP-weighted) over its 989 = 735.8.",
     "attention_efficiency: 0.747 = the H200's measured causal flash attention, forward + backward, S 8K/32K/128K (539/559/551 TFLOP/s) over its GEMM rate. PyTorch reaches only 326 TFLOP/s (0.44) for a subsequence after a cached prefix; a kernel that takes the offset should reach the whole-sequence rate (to be measured by the CUDA backend).",
+    "attention_prefix_ratio: 1 (assumed: a kernel that takes the subsequence offset runs the unmasked blocks after a prefix at the causal rate; to be measured by the CUDA backend's profile).",
     "elementwise_gbps: 3350 GB/s HBM (datasheet) x 0.8 (assumed, not measured).",
     "d2h_gbps, h2d_gbps: PCIe 63 GB/s per direction (datasheet, x16) x 0.88, the H200's measured pinned copies (55.5 / 55.4 GB/s over gen5 x16's 63) = 55.5.",
     "duplex_factor: 0.916, measured on the H200 (101.6 GB/s both ways at once over 2 x 55.45).",
@@ -116,6 +118,7 @@ const Embedded kEmbedded[] = {
     "Sources per field. Measured: only on the H200, by PyTorch 2.11 (shared/peers/h200, anchors.json, 2026-12-01); efficiencies measured there are applied to the other GPUs' datasheet figures, an assumption, not a measurement of those GPUs. Assumed: figures marked so, pending a measurement.",
     "gemm_tflops: 989 TFLOP/s bf16 dense (datasheet) x 0.744, the H200's measured rate on a block's GEMMs (16K x 4096 x 12288/4096/16384 and 16K x 16384 x 4096: 801/715/720/713 TFLOP/s, 736 FLOP-weighted) over its 989 = 735.8.",
     "attention_efficiency: 0.747 = the H200's measured causal flash attention, forward + backward, S 8K/32K/128K (539/559/551 TFLOP/s) over its GEMM rate. PyTorch reaches only 326 TFLOP/s (0.44) for a subsequence after a cached prefix; a kernel that takes the offset should reach the whole-sequence rate (to be measured by the CUDA backend).",
+    "attention_prefix_ratio: 1 (assumed: a kernel that takes the subsequence offset runs the unmasked blocks after a prefix at the causal rate; to be measured by the CUDA backend's profile).",
     "elementwise_gbps: 4800 GB/s HBM (datasheet) x 0.8 (assumed, not measured).",
     "d2h_gbps, h2d_gbps: PCIe 63 GB/s per direction (datasheet, x16) x 0.88, the H200's measured pinned copies (55.5 / 55.4 GB/s over gen5 x16's 63) = 55.5.",
     "duplex_factor: 0.916, measured on the H200 (101.6 GB/s both ways at once over 2 x 55.45).",
@@ -280,6 +283,7 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"layer_overhead_us", p.layer_overhead / kMicro},
       {"gemm_tflops_by_hidden", table_json(p.gemm_flops_by_hidden, kTera)},
       {"attention_efficiency_by_head_size", table_json(p.attention_efficiency_by_head, 1.0)},
+      {"attention_prefix_ratio", p.attention_prefix_ratio},
   };
   if (p.gpus_per_pcie_switch > 0) {
     j["gpus_per_pcie_switch"] = p.gpus_per_pcie_switch;
@@ -352,6 +356,11 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
       << "pcie_switch_gbps, gpus_per_numa_node with numa_host_gbps, gpus_per_nic with nic_gbps)";
   p.gemm_flops_by_hidden = table_from_json(j, "gemm_tflops_by_hidden", where, kTera);
   p.attention_efficiency_by_head = table_from_json(j, "attention_efficiency_by_head_size", where, 1.0);
+  p.attention_prefix_ratio = optional(j, "attention_prefix_ratio", 1, where);
+
+  SPPO_CHECK(p.attention_prefix_ratio > 0 && p.attention_prefix_ratio <= 100, "profile")
+      << where << ": attention_prefix_ratio must be in (0, 100] (the rate after a prefix over the causal rate; "
+      << "1 when unknown)";
   SPPO_CHECK(p.gemm_flops > 0 && p.attention_efficiency > 0, "profile")
       << where << ": gemm_tflops and attention_efficiency must be positive";
   SPPO_CHECK(p.d2h_bw > 0 && p.h2d_bw > 0 && p.intra_node_bw > 0 && p.inter_node_bw > 0, "profile")

@@ -53,11 +53,20 @@ struct HardwareProfile {
   // ascending. Empty: attention_efficiency for every A.
   std::vector<std::pair<int, double>> attention_efficiency_by_head;
 
+  // Note [Attention after a prefix]: queries against keys wholly before them (an earlier
+  // subsequence's KV cache) run the kernel's unmasked blocks, faster per FLOP than the
+  // causal diagonal block that attention_efficiency measures; this is the ratio of the
+  // two rates, measured at the same head size (1: the same rate). Long sequences cut into
+  // many subsequences spend most of their attention FLOPs there.
+  double attention_prefix_ratio = 1;
+
   // The GEMM rate for a model of hidden size H: log-linear between measured sizes,
   // clamped at the ends; gemm_flops when nothing was measured.
   double gemm_rate(int hidden) const;
   // The attention rate for head size A, likewise from attention_efficiency_by_head.
   double attention_rate(int head_size) const;
+  // The rate against keys wholly before the queries (Note [Attention after a prefix]).
+  double attention_prefix_rate(int head_size) const { return attention_rate(head_size) * attention_prefix_ratio; }
 
   double attention_flops() const { return gemm_flops * attention_efficiency; }
   i64 usable_memory() const { return device_memory - memory_reserve; }

@@ -95,6 +95,29 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
     p.attention_efficiency_by_head.emplace_back(A, eff);
     if (A == 64) p.attention_efficiency = eff;
   }
+  // The same kernels after a prefix (Note [Attention after a prefix]): A = 64 queries
+  // against four times as many keys wholly before them, over the causal rate above.
+  {
+    const int A = 64, Z = 8, D = Z * A, Tq = quick ? 512 : 1024, Tk = 4 * Tq;
+    auto q = randn(i64(Tq) * D, 13), k = randn(i64(Tk) * D, 14), v = randn(i64(Tk) * D, 15),
+         dout = randn(i64(Tq) * D, 16);
+    std::vector<float> out(q.size()), lse(std::size_t(Z) * Tq), delta(lse.size()), dq(q.size()), dk(k.size()),
+        dv(k.size());
+    cpu::AttnDims d;
+    d.Tq = Tq;
+    d.Tk = Tk;
+    d.Z = Z;
+    d.A = A;
+    d.q_pos0 = Tk;  // every key before every query
+    const double s = median_seconds(reps, [&] {
+      cpu::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), d, false);
+      cpu::attention_backward_delta(delta.data(), dout.data(), out.data(), d);
+      cpu::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), lse.data(),
+                              delta.data(), d);
+    });
+    const double fwd = 4.0 * A * Z * double(Tq) * Tk;
+    p.attention_prefix_ratio = (3.5 * fwd / s) / p.attention_rate(A);
+  }
   // Elementwise: a LayerNorm forward reads and writes [T, H].
   {
     const int Te = quick ? 4096 : 16384, He = 1024;

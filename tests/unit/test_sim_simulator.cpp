@@ -60,6 +60,26 @@ TEST(Profiles, EveryFieldOfThePresetsStatesItsSource) {
   }
 }
 
+// Note [Attention after a prefix]: the prefix rate prices exactly the FLOPs against keys
+// before the subsequence; a subsequence at offset 0 has none.
+TEST(Profiles, PrefixRatePricesTheKeysBeforeTheSubsequence) {
+  ModelConfig c = preset("small");
+  HardwareProfile hw = plan::load_profile("h100-sxm");
+  hw.elementwise_bw = 0;
+  hw.layer_overhead = 0;
+  HardwareProfile faster = hw;
+  faster.attention_prefix_ratio = 2;
+  const plan::CostModel a(hw, c, ActPrecision::BF16), b(faster, c, ActPrecision::BF16);
+  const i64 T = 4096, o = 60000;
+  EXPECT_DOUBLE_EQ(a.layer_forward_s(0, T), b.layer_forward_s(0, T));
+  const double prefix_s = 4.0 * c.hidden * double(T) * double(o) / hw.attention_rate(c.head_size());
+  EXPECT_NEAR(a.layer_forward_s(o, T) - b.layer_forward_s(o, T), prefix_s / 2, 1e-9 * prefix_s);
+  nlohmann::json j = plan::to_json(faster);
+  EXPECT_EQ(plan::profile_from_json(j, "test").attention_prefix_ratio, 2);
+  j["attention_prefix_ratio"] = 0;
+  EXPECT_THROW(plan::profile_from_json(j, "test"), Error);
+}
+
 TEST(Profiles, MissingFieldIsNamedAndSaveRoundTrips) {
   nlohmann::json j = plan::to_json(plan::load_profile("h100-sxm"));
   j.erase("d2h_gbps");
