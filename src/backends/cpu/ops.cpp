@@ -197,23 +197,7 @@ void embedding_forward(float* out, const std::int32_t* ids, const float* embed, 
 void embedding_backward(float* dembed, const float* dout, const std::int32_t* ids, int T, int H,
                         int V) {
   check_ids(ids, T, V, "embedding");
-  // Each thread owns a band of columns of dembed and walks the tokens in order, so every
-  // element sees the same additions in the same order for any thread count.
-  const int threads = (i64{T} * H > kSerialElems) ? omp_get_max_threads() : 1;
-  const int per_thread = (H + threads - 1) / threads;
-  const int band = std::max(16, (per_thread + 15) / 16 * 16);
-  const int num_bands = (H + band - 1) / band;
-#pragma omp parallel for schedule(static) if (num_bands > 1)
-  for (int k = 0; k < num_bands; ++k) {
-    const int h0 = k * band;
-    const int h1 = std::min(H, h0 + band);
-    for (int t = 0; t < T; ++t) {
-      float* dst = dembed + idx(ids[t], H, 0);
-      const float* src = dout + idx(t, H, 0);
-#pragma omp simd
-      for (int h = h0; h < h1; ++h) dst[h] += src[h];
-    }
-  }
+  embedding_shard_backward(dembed, dout, ids, T, H, 0, V);  // the whole table is one shard
 }
 
 void embedding_shard_forward(float* out, const std::int32_t* ids, const float* embed, int T,
@@ -240,8 +224,9 @@ void embedding_shard_backward(float* dembed, const float* dout, const std::int32
         << "token id " << ids[t] << " at position " << t
         << " is negative; check that the data was tokenised with this model's vocabulary";
   }
-  // As embedding_backward: each thread owns a band of columns and walks the tokens in order,
-  // skipping the tokens of other shards.
+  // Each thread owns a band of columns of dembed and walks the tokens in order, skipping the
+  // tokens of other shards, so every element sees the same additions in the same order for
+  // any thread count.
   const int threads = (i64{T} * H > kSerialElems) ? omp_get_max_threads() : 1;
   const int per_thread = (H + threads - 1) / threads;
   const int band = std::max(16, (per_thread + 15) / 16 * 16);
