@@ -208,6 +208,8 @@ expect "--cp 2 x --dp 1 = 2 ranks" train --model tiny --seq-len 32 --steps 1 --c
 expect "--cp must be 1 to 8" train --model tiny --seq-len 32 --steps 1 --cp 0
 expect "--pp 1 x --tp 2 x --dp 1 = 2 ranks" train --model tiny --seq-len 32 --steps 1 --tp 2
 expect "--tp must be 1 to 8" train --model tiny --seq-len 32 --steps 1 --tp 0
+expect "--msp must be on or off" train --model tiny --seq-len 32 --steps 1 --msp maybe
+expect "--msp on splits subsequences over pipeline stages" train --model tiny --seq-len 32 --steps 1 --subseqs 4 --msp on
 expect "--ring 'spiral'" train --model tiny --seq-len 32 --steps 1 --ring spiral
 expect "--ring rsa is the two-pass" train --model tiny --seq-len 32 --steps 1 --ring rsa
 expect "--attention 'sideways'" train --model tiny --seq-len 32 --steps 1 --attention sideways

@@ -87,6 +87,10 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "algorithm, flash (one pass, LSE merge) or rsa (two-pass Ring Self-Attention, bidirectional models); e.g. "
                   "'contiguous' or 'rsa,zigzag'")
       ->capture_default_str();
+  cmd->add_option("--msp", o.msp,
+                  "Multiplexed sequence partitioning with --pp: on runs each stage's bubble-adjacent subsequences "
+                  "split over the stages that would idle (needs --subseqs >= --pp), off does not")
+      ->capture_default_str();
   cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
   cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1)")
       ->capture_default_str();

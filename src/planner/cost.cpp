@@ -138,11 +138,9 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
     case Payload::None: return 0;
     case Payload::Hidden:
     case Payload::HiddenGrad: return tokens * H * act_bytes_;
-    case Payload::KV:
-    case Payload::KVStream: return tokens * kv_per_token_ * n;
-    // K, V travel with their fp32 dK, dV accumulators.
-    case Payload::KVGrad: return tokens * (kv_per_token_ + 2 * H * 4) * n;
-    case Payload::KVGradStream: return tokens * 2 * H * 4 * n;
+    case Payload::KV: return tokens * kv_per_token_ * n;
+    // A ring step moves K, V with their fp32 dK, dV; an MSP piece's KVGrad, dK, dV only.
+    case Payload::KVGrad: return tokens * ((op.kind == OpKind::RingStep ? kv_per_token_ : 0) + 2 * H * 4) * n;
     case Payload::Weights:
       return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
                                 op.layer_end == s.layers) * act_bytes_;

@@ -5,11 +5,14 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <set>
+#include <tuple>
 
 #include "core/check.h"
 #include "runtime/fault.h"
 #include "runtime/ring.h"
 #include "runtime/tensor_parallel.h"
+#include "schedule/memory.h"
 #include "model/tensor_parallel.h"
 
 namespace sppo {
@@ -53,17 +56,44 @@ bool is_hidden_message(const sched::Op& op) {
 
 constexpr std::size_t kNever = std::size_t(-1);
 
-// The rows of subsequence i that `piece` of `pieces` holds, at their global positions.
-Subseq rows_of(const sched::Schedule& sc, int i, int piece, int pieces) {
-  const i64 o = sc.offset(i);
-  if (pieces == 1) return Subseq{o, int(sc.lengths[i])};
+// The rows of subsequence op.subseq that F/B op `op` works on (Schedule::spans), at their
+// global positions.
+Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
+  const i64 o = sc.offset(op.subseq);
+  if (op.pieces == 1) return Subseq{o, int(sc.lengths[op.subseq])};
   Subseq q;
-  for (const auto& [b, e] : sched::piece_spans(sc.lengths[i], piece, pieces, sc.ring_layout)) {
+  for (const auto& [b, e] : sc.spans(op)) {
     q.spans.push_back({o + b, int(e - b), q.T});
     q.T += int(e - b);
   }
   q.offset = q.spans.front().pos0;
   return q;
+}
+
+// Piece `piece` of F/B op `op`'s task.
+sched::Op piece_op(const sched::Op& op, int piece) {
+  sched::Op p = op;
+  p.piece = piece;
+  return p;
+}
+
+// Identity of a hidden state (or its gradient) passed between stages: its payload, the
+// layer at the boundary (the consumer's first layer for a hidden state, its last + 1 for a
+// gradient) and the subsequence.
+using HiddenKey = std::tuple<sched::Payload, int, int>;
+HiddenKey hidden_key(const sched::Op& op) {
+  const bool fwd = op.payload == sched::Payload::Hidden;
+  return {op.payload, fwd ? op.layer_begin : op.layer_end, op.subseq};
+}
+// The key of what F/B op `op` starts from (for a stage after the first, or before the last).
+HiddenKey input_key(const sched::Op& op) {
+  if (op.kind == sched::OpKind::Forward) return {sched::Payload::Hidden, op.layer_begin, op.subseq};
+  return {sched::Payload::HiddenGrad, op.layer_end, op.subseq};
+}
+// The key of what it produces for the next stage (the previous, in backward).
+HiddenKey output_key(const sched::Op& op) {
+  if (op.kind == sched::OpKind::Forward) return {sched::Payload::Hidden, op.layer_end, op.subseq};
+  return {sched::Payload::HiddenGrad, op.layer_begin, op.subseq};
 }
 
 // The kernels' scratch for one layer (or the head), from the device tier; none when the
@@ -109,20 +139,50 @@ struct Runtime::StepState {
   int ring_piece = 0;                                  // this rank's piece of every subsequence (ring > 1)
 
   // Hidden states from the previous stage (gradients from the next), received before
-  // their F (B), and the ones this stage produced, waiting for their Send.
+  // their F (B) in one or more parts, and the ones this rank produced, waiting for their
+  // Sends and, under MSP, for a piece of this rank that takes some of their rows.
   struct Incoming {
     Buffer buf;
     comm::Request req = comm::kDone;
+    i64 first = -1;   // position in the subsequence of its first row; -1: the whole piece
+    i64 tokens = 0;
+    std::size_t op = 0;  // the Recv op that waits for it
   };
-  std::vector<Incoming> in_hidden, in_grad;            // [N]
-  std::vector<Buffer> out_hidden, out_grad;            // [N]
+  std::map<HiddenKey, std::vector<Incoming>> incoming;
+  struct Produced {
+    std::shared_ptr<Buffer> buf;
+    Subseq rows;
+    int sends_left = 0;      // Send ops of it still to come
+    bool local = false;      // a later F/B of this rank takes some of its rows
+  };
+  std::map<HiddenKey, Produced> produced;
+  std::map<HiddenKey, int> sends_of;    // Send ops of each, in this rank's op list
+  std::set<HiddenKey> taken_here;       // consumed in part by this rank's own later F/B
   struct Outgoing {
-    Buffer buf;
+    std::shared_ptr<Buffer> buf;  // released when the send completes (may be null)
     comm::Request req;
     double start;
     std::string name;
   };
   std::vector<Outgoing> sends;
+  // The rows of each subsequence this rank computed at each layer ([L][N]; T = 0: none).
+  std::vector<std::vector<Subseq>> rows_at;
+  // MSP: the owner's copies of helper pieces' K, V and their dK/dV accumulators ([L][N]).
+  struct Held {
+    PosSpan rows;          // global positions (row0 0)
+    Buffer k, v, dk, dv;
+  };
+  std::vector<std::vector<std::vector<Held>>> held;
+  // MSP: another stage's weights lent to this rank, by layer range, and their gradients.
+  struct Borrowed {
+    Buffer w, g;
+    ParamView wv, gv;
+    MatrixView mv;
+    i64 count = 0;
+  };
+  std::map<std::pair<int, int>, Borrowed> borrowed;
+  std::map<std::size_t, std::pair<int, int>> lease_ends;  // op index -> lease released after it
+  double helper_loss = 0;                                  // loss sum sent with the weight gradients
   std::vector<std::vector<std::size_t>> posts;         // op index -> receives posted as it starts
 
   // Gradient buckets: the all-reduce (reduce-scatter) op of this rank, when it reduces,
@@ -220,27 +280,214 @@ void Runtime::poll(StepState& st) {
   }
 }
 
-void Runtime::post_receive(StepState& st, const sched::Op& op) {
+void Runtime::post_receive(StepState& st, std::size_t index) {
+  const sched::Op& op = (*st.ops)[index];
   const int i = op.subseq;
-  auto& in = (op.payload == sched::Payload::Hidden ? st.in_hidden : st.in_grad)[i];
-  SPPO_ASSERT_MSG(!in.buf, "a second receive of " << sched::to_string(op) << " before the first was used");
-  const i64 bytes = (op.tokens > 0 ? op.tokens : st.sched->lengths[i]) * config_.hidden * dtype_bytes(act_);
+  StepState::Incoming in;
+  in.op = index;
+  in.first = op.first;
+  in.tokens = op.tokens > 0 ? op.tokens : st.sched->lengths[i];
+  const i64 bytes = in.tokens * config_.hidden * dtype_bytes(act_);
   in.buf = device_->alloc(bytes, "received " + std::string(sched::to_string(op.payload)) + " of subseq " +
                                      std::to_string(i));
   in.req = opts_.comm->irecv(in.buf.data(), bytes, op.peer, sched::message_tag(op));
+  st.incoming[hidden_key(op)].push_back(std::move(in));
+}
+
+void Runtime::produce(StepState& st, const HiddenKey& key, Buffer buf, const Subseq& rows) {
+  const int sends = st.sends_of.count(key) ? st.sends_of.at(key) : 0;
+  const bool local = st.taken_here.count(key) > 0;
+  if (sends == 0 && !local) return;  // nobody takes it (a helper's rows that stay with their stage)
+  StepState::Produced& p = st.produced[key];
+  SPPO_ASSERT_MSG(!p.buf, "a second output for one hidden state of subseq " << std::get<2>(key));
+  p.buf = std::make_shared<Buffer>(std::move(buf));
+  p.rows = rows;
+  p.sends_left = sends;
+  p.local = local;
+}
+
+Buffer Runtime::take_input(StepState& st, const HiddenKey& key, const Subseq& q) {
+  const i64 row_bytes = i64(config_.hidden) * dtype_bytes(act_);
+  auto it = st.incoming.find(key);
+  std::vector<StepState::Incoming> parts;
+  if (it != st.incoming.end()) {
+    parts = std::move(it->second);
+    st.incoming.erase(it);
+  }
+  auto mine = st.produced.find(key);
+  const bool local = mine != st.produced.end() && mine->second.local;
+  // One message of the whole piece (under tensor parallelism, of this member's rows of it).
+  if (!local && parts.size() == 1 && (parts[0].first < 0 || parts[0].tokens == q.T)) return std::move(parts[0].buf);
+  // Pieces that split the subsequence differently (MSP): one contiguous [T, H] from the
+  // received parts and the rows this rank produced itself.
+  SPPO_ASSERT_MSG(q.spans.size() <= 1, "hidden-state parts of a piece with several spans");
+  const i64 start = q.offset - st.sched->offset(std::get<2>(key));  // in the subsequence
+  Buffer whole = device_->alloc(i64(q.T) * row_bytes, "hidden state assembled from parts");
+  i64 filled = 0;
+  for (const auto& part : parts) {
+    SPPO_ASSERT(part.first >= start && part.first + part.tokens <= start + q.T);
+    be_.copy_cols(act_at(whole.data(), (part.first - start) * config_.hidden, act_), part.buf.data(),
+                  int(part.tokens), config_.hidden, config_.hidden, 0);
+    filled += part.tokens;
+  }
+  if (local) {
+    const Subseq& p = mine->second.rows;
+    const i64 b = std::max(p.offset, q.offset), e = std::min(p.offset + p.T, q.offset + q.T);
+    SPPO_ASSERT(e > b);
+    be_.copy_cols(act_at(whole.data(), (b - q.offset) * config_.hidden, act_),
+                  act_at(mine->second.buf->data(), (b - p.offset) * config_.hidden, act_), int(e - b),
+                  config_.hidden, config_.hidden, 0);
+    filled += e - b;
+    mine->second.local = false;
+    if (mine->second.sends_left == 0) st.produced.erase(mine);
+  }
+  SPPO_ASSERT_MSG(filled == q.T, "the parts of a hidden state cover " << filled << " of its " << q.T << " rows");
+  return whole;
 }
 
 void Runtime::send(StepState& st, const sched::Op& op) {
-  Buffer& out = (op.payload == sched::Payload::Hidden ? st.out_hidden : st.out_grad)[op.subseq];
-  SPPO_ASSERT_MSG(out, "send of " << sched::to_string(op) << " before its data was computed");
+  auto it = st.produced.find(hidden_key(op));
+  SPPO_ASSERT_MSG(it != st.produced.end() && it->second.sends_left > 0,
+                  "send of " << sched::to_string(op) << " before its data was computed");
+  StepState::Produced& p = it->second;
+  const std::shared_ptr<Buffer> buf = p.buf;
+  const Subseq rows = p.rows;
+  if (--p.sends_left == 0 && !p.local) st.produced.erase(it);
   const FaultPlan& fault = fault_plan();
-  if (fault.kind == FaultPlan::Kind::Drop && fault.rank == opts_.rank && ++sends_ == fault.count) {
-    out.reset();  // the message that never arrives
-    return;
+  if (fault.kind == FaultPlan::Kind::Drop && fault.rank == opts_.rank && ++sends_ == fault.count)
+    return;  // the message that never arrives
+  const i64 row_bytes = i64(config_.hidden) * dtype_bytes(act_);
+  const void* data = buf->data();
+  i64 bytes = buf->bytes();
+  if (op.first >= 0) {  // part of this rank's rows
+    const i64 row = op.first - (rows.offset - st.sched->offset(op.subseq));
+    SPPO_ASSERT(rows.spans.size() <= 1 && row >= 0 && row + op.tokens <= rows.T);
+    data = act_at(buf->data(), row * config_.hidden, act_);
+    bytes = op.tokens * row_bytes;
   }
-  SPPO_ASSERT(op.tokens == 0 || out.bytes() == op.tokens * config_.hidden * dtype_bytes(act_));
-  const comm::Request req = opts_.comm->isend(out.data(), out.bytes(), op.peer, sched::message_tag(op));
-  st.sends.push_back({std::move(out), req, now_s(), sched::to_string(op)});
+  SPPO_ASSERT(op.tokens == 0 || bytes == op.tokens * row_bytes);
+  const comm::Request req = opts_.comm->isend(data, bytes, op.peer, sched::message_tag(op));
+  st.sends.push_back({buf, req, now_s(), sched::to_string(op)});
+}
+
+// MSP messages (Note [MSP pieces] in schedule/builders.cpp). Every one is a set of arrays
+// sent one after another with the op's tag, which MPI keeps in order between two ranks.
+void Runtime::send_msp(StepState& st, const sched::Op& op) {
+  const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
+  const auto& sc = *st.sched;
+  const int tag = sched::message_tag(op);
+  auto isend = [&](std::shared_ptr<Buffer> keep, const void* data, i64 bytes) {
+    st.sends.push_back({std::move(keep), opts_.comm->isend(data, bytes, op.peer, tag), now_s(), sched::to_string(op)});
+  };
+  switch (op.payload) {
+    case sched::Payload::Weights:  // the owner lends its stage's weights (all it owns)
+      isend(nullptr, params_.data(), params_.bytes());
+      break;
+    case sched::Payload::KV:  // a helper's copy of its piece's K, V to the owner
+      for (int l = b; l < e; ++l)
+        for (int t : {5, 6}) isend(nullptr, st.dev[i][l][t].data(), st.dev[i][l][t].bytes());
+      break;
+    case sched::Payload::KVGrad: {  // the owner returns a helper piece's dK, dV and drops its copy
+      const i64 pos0 = sc.offset(i) + sc.spans(op).front().first;
+      for (int l = b; l < e; ++l) {
+        alloc_accumulators(st, l, i);
+        auto& held = st.held[l][i];
+        auto h = std::find_if(held.begin(), held.end(), [&](const StepState::Held& x) { return x.rows.pos0 == pos0; });
+        SPPO_ASSERT_MSG(h != held.end(), "'" << sched::to_string(op) << "' without the piece's K, V");
+        auto dk = std::make_shared<Buffer>(std::move(h->dk));
+        auto dv = std::make_shared<Buffer>(std::move(h->dv));
+        held.erase(h);
+        isend(dk, dk->data(), dk->bytes());
+        isend(dv, dv->data(), dv->bytes());
+      }
+      break;
+    }
+    case sched::Payload::WeightGrads: {  // a helper's gradients (and loss) go home
+      auto& lease = st.borrowed.at({b, e});
+      auto g = std::make_shared<Buffer>(std::move(lease.g));
+      SPPO_ASSERT_MSG(*g, "'" << sched::to_string(op) << "' before any backward on the borrowed layers");
+      lease.w.reset();
+      be_.synchronize();
+      isend(g, g->data(), g->bytes());
+      if (e == config_.layers) {
+        be_.to_host(&st.helper_loss, st.loss_sum.data(), sizeof(double));
+        isend(nullptr, &st.helper_loss, sizeof(double));
+        isend(nullptr, st.result->losses.data(), i64(st.result->losses.size() * sizeof(float)));
+      }
+      break;
+    }
+    default:
+      SPPO_ASSERT_MSG(false, "the runtime cannot send '" << sched::to_string(op) << "'");
+  }
+}
+
+double Runtime::receive_msp(StepState& st, const sched::Op& op, std::size_t index) {
+  const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
+  const auto& sc = *st.sched;
+  const int tag = sched::message_tag(op);
+  const std::string what = "op " + std::to_string(index) + " '" + sched::to_string(op) + "'";
+  double waited = 0;
+  auto recv = [&](void* data, i64 bytes) {
+    waited += comm::wait(*opts_.comm, opts_.comm->irecv(data, bytes, op.peer, tag), what);
+  };
+  const i64 H = config_.hidden;
+  switch (op.payload) {
+    case sched::Payload::Weights: {
+      auto& lease = st.borrowed[{b, e}];
+      SPPO_ASSERT(!lease.w);
+      lease.count = sched::param_count(config_, b, e, b == 0, e == config_.layers);
+      lease.w = device_->alloc(lease.count * i64(sizeof(float)),
+                               "borrowed weights of layers " + std::to_string(b) + "-" + std::to_string(e - 1));
+      recv(lease.w.data(), lease.w.bytes());
+      lease.wv = param_view(config_, lease.w.f32(), b, e);
+      lease.mv = matrix_view(config_, lease.w.data(), act_, b, e);
+      break;
+    }
+    case sched::Payload::KV: {
+      const PosSpan rows{sc.offset(i) + sc.spans(op).front().first, int(op.tokens), 0};
+      for (int l = b; l < e; ++l) {
+        StepState::Held h;
+        h.rows = rows;
+        h.k = device_->alloc(op.tokens * H * dtype_bytes(act_), unit_name(l, i) + "K of an MSP piece");
+        h.v = device_->alloc(op.tokens * H * dtype_bytes(act_), unit_name(l, i) + "V of an MSP piece");
+        recv(h.k.data(), h.k.bytes());
+        recv(h.v.data(), h.v.bytes());
+        st.held[l][i].push_back(std::move(h));
+      }
+      break;
+    }
+    case sched::Payload::KVGrad:
+      for (int l = b; l < e; ++l) {
+        alloc_accumulators(st, l, i);
+        recv(st.dk[l][i].data(), st.dk[l][i].bytes());
+        recv(st.dv[l][i].data(), st.dv[l][i].bytes());
+      }
+      break;
+    case sched::Payload::WeightGrads: {
+      Buffer g = device_->alloc(grads_.bytes(), "an MSP helper's weight gradients");
+      recv(g.data(), g.bytes());
+      be_.add_inplace(grads_.data(), g.data(), num_params_);
+      if (e == config_.layers) {
+        double loss = 0;
+        std::vector<float> losses(st.result->losses.size());
+        recv(&loss, sizeof loss);
+        recv(losses.data(), i64(losses.size() * sizeof(float)));
+        double sum = 0;
+        be_.to_host(&sum, st.loss_sum.data(), sizeof sum);
+        sum += loss;
+        be_.to_device(st.loss_sum.data(), &sum, sizeof sum);
+        for (std::size_t p = 0; p < losses.size(); ++p) st.result->losses[p] += losses[p];
+      }
+      be_.synchronize();
+      if (st.reduce_op)
+        for (std::size_t k = 0; k < buckets_.size(); ++k)
+          if (st.bucket_ready[k] == index) start_bucket(st, k);
+      break;
+    }
+    default:
+      SPPO_ASSERT_MSG(false, "the runtime cannot receive '" << sched::to_string(op) << "'");
+  }
+  return waited;
 }
 
 void Runtime::start_bucket(StepState& st, std::size_t b) {
@@ -278,35 +525,82 @@ void Runtime::reduce(StepState& st, const sched::Op& op, std::size_t index) {
 
 KVBlocks Runtime::past_blocks(StepState& st, int l, int i, bool grads) {
   KVBlocks past;
+  // An MSP helper holds no earlier keys of another stage's layers: its stage's owner does.
+  if (l < lb_ || l >= le_) return past;
   const i64 H = opts_.tp.local_hidden(config_);  // the K/V cache's width
-  for (int j = 0; j < i; ++j)
-    for (const PosSpan& part : st.rows[j].parts()) {
-      const i64 at = i64(part.row0) * H;
-      past.k.push_back(act_at(st.dev[j][l][5].data(), at, act_));
-      past.v.push_back(act_at(st.dev[j][l][6].data(), at, act_));
-      if (grads) {
-        past.dk.push_back(st.dk[l][j].f32() + at);
-        past.dv.push_back(st.dv[l][j].f32() + at);
+  for (int j = 0; j < i; ++j) {
+    if (st.rows_at[l][j].T > 0)
+      for (const PosSpan& part : st.rows_at[l][j].parts()) {
+        const i64 at = i64(part.row0) * H;
+        past.k.push_back(act_at(st.dev[j][l][5].data(), at, act_));
+        past.v.push_back(act_at(st.dev[j][l][6].data(), at, act_));
+        if (grads) {
+          past.dk.push_back(st.dk[l][j].f32() + at);
+          past.dv.push_back(st.dv[l][j].f32() + at);
+        }
+        past.offsets.push_back(part.pos0);
+        past.lengths.push_back(part.rows);
       }
-      past.offsets.push_back(part.pos0);
-      past.lengths.push_back(part.rows);
+    for (auto& h : st.held[l][j]) {
+      past.k.push_back(h.k.data());
+      past.v.push_back(h.v.data());
+      if (grads) {
+        past.dk.push_back(h.dk.f32());
+        past.dv.push_back(h.dv.f32());
+      }
+      past.offsets.push_back(h.rows.pos0);
+      past.lengths.push_back(h.rows.rows);
     }
+  }
   return past;
+}
+
+void Runtime::alloc_accumulators(StepState& st, int l, int i) {
+  const i64 width = opts_.tp.local_hidden(config_);
+  for (int j = 0; j <= i; ++j) {
+    if (st.rows_at[l][j].T > 0 && !st.dk[l][j]) {
+      const i64 bytes = i64(st.rows_at[l][j].T) * width * i64(sizeof(float));
+      st.dk[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dK");
+      st.dv[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dV");
+    }
+    for (auto& h : st.held[l][j])
+      if (!h.dk) {
+        const i64 bytes = i64(h.rows.rows) * width * i64(sizeof(float));
+        h.dk = device_->alloc_zeroed(bytes, unit_name(l, j) + "held dK");
+        h.dv = device_->alloc_zeroed(bytes, unit_name(l, j) + "held dV");
+      }
+  }
 }
 
 std::unique_ptr<BlockAttention> Runtime::attention(StepState& st, const sched::Op& op, int l, const KVBlocks& past) {
   if (op.pieces == 1) return std::make_unique<LocalAttention>(past);
-  // A ring piece: the ring's members are ranks tp apart in piece order, each with this
-  // rank's tensor-parallel index (sched::PipelineSpec::rank_of, expand_tensor_parallel).
   const auto& sc = *st.sched;
   const int R = op.pieces, i = op.subseq, tp = opts_.tp.size;
   RingContext ctx;
   ctx.comm = opts_.comm;
   for (int h = 0; h < R; ++h) {
+    const sched::Op other = piece_op(op, h);
+    ctx.spans.push_back(rows_of(sc, other).parts());
+    if (!op.group.empty()) {
+      // An MSP task (Note [MSP pieces]): the stage's owner holds every earlier key, each
+      // helper the keys of its own piece.
+      const int rank = op.group[std::size_t(h)];
+      const auto own = sc.owned.empty() ? std::pair<int, int>{0, sc.layers} : sc.owned.at(std::size_t(rank));
+      const bool owner = own.first <= op.layer_begin && op.layer_end <= own.second;
+      ctx.members.push_back(rank);
+      ctx.first_key.push_back(owner && i > 0 ? 0 : ctx.spans.back().front().pos0);
+      continue;
+    }
+    // A ring piece: the ring's members are ranks tp apart in piece order, each with this
+    // rank's tensor-parallel index (sched::PipelineSpec::rank_of, expand_tensor_parallel),
+    // each holding its piece of every subsequence.
     ctx.members.push_back(opts_.rank + (h - op.piece) * tp);
-    ctx.spans.push_back(rows_of(sc, i, h, R).parts());
-    i64 first = rows_of(sc, i, h, R).parts().front().pos0;
-    for (int j = 0; j < i; ++j) first = std::min(first, rows_of(sc, j, h, R).parts().front().pos0);
+    i64 first = ctx.spans.back().front().pos0;
+    for (int j = 0; j < i; ++j) {
+      sched::Op earlier = other;
+      earlier.subseq = j;
+      first = std::min(first, rows_of(sc, earlier).parts().front().pos0);
+    }
     ctx.first_key.push_back(first);
   }
   ctx.me = op.piece;
@@ -319,17 +613,33 @@ std::unique_ptr<BlockAttention> Runtime::attention(StepState& st, const sched::O
   return std::make_unique<RingAttention>(ctx, past);
 }
 
+Runtime::StageWeights Runtime::weights_for(StepState& st, const sched::Op& op) {
+  if (lb_ <= op.layer_begin && op.layer_end <= le_) return {&weights_, &dweights_, &matrices_};
+  auto it = st.borrowed.find({op.layer_begin, op.layer_end});
+  SPPO_ASSERT_MSG(it != st.borrowed.end() && it->second.w,
+                  "'" << sched::to_string(op) << "' runs another stage's layers without their weights");
+  StepState::Borrowed& b = it->second;
+  // Their gradients from the first backward on them, or the first forward through the LM
+  // head, which computes its gradients there (memory rules: BorrowedGrads).
+  if (!b.g && (op.kind == sched::OpKind::Backward || op.layer_end == config_.layers)) {
+    b.g = device_->alloc_zeroed(b.count * i64(sizeof(float)), "borrowed gradients of layers " +
+                                                                  std::to_string(op.layer_begin) + "-" +
+                                                                  std::to_string(op.layer_end - 1));
+    b.gv = param_view(config_, b.g.f32(), op.layer_begin, op.layer_end);
+  }
+  return {&b.wv, &b.gv, &b.mv};
+}
+
 void Runtime::forward(StepState& st, const sched::Op& op) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
-  const Subseq& q = st.rows[i];
+  const Subseq q = rows_of(*st.sched, op);
+  const StageWeights wt = weights_for(st, op);
   const int T = q.T, H = config_.hidden, L = config_.layers;
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   if (b > 0) {  // the previous stage's output is this stage's first saved input
-    auto& in = st.in_hidden[i];
-    SPPO_ASSERT_MSG(in.buf, "forward of layers from " << b << " on subseq " << i << " without its input");
-    st.dev[i][b][0] = std::move(in.buf);
-    in = {};
+    st.dev[i][b][0] = take_input(st, input_key(op), q);
+    SPPO_ASSERT_MSG(st.dev[i][b][0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
   Buffer out;  // the stage's output
   for (int l = b; l < e; ++l) {
@@ -339,10 +649,10 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
     const BlockWorkspace w_ptrs = block_workspace_from(ptrs(ws));
     if (l == 0 && st.tp)
-      embedding_forward_tp(be_, unit[0].data(), ids, weights_.embed, w_ptrs.tp_full, w_ptrs.tp_pad, *st.tp, config_, q);
+      embedding_forward_tp(be_, unit[0].data(), ids, wt.w->embed, w_ptrs.tp_full, w_ptrs.tp_pad, *st.tp, config_, q);
     else if (l == 0)
       for (const PosSpan& part : q.parts())
-        be_.embedding_forward(act_at(unit[0].data(), i64(part.row0) * H, act_), ids + part.pos0, weights_.embed,
+        be_.embedding_forward(act_at(unit[0].data(), i64(part.row0) * H, act_), ids + part.pos0, wt.w->embed,
                               part.rows, H, config_.vocab);
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     // The block's output is the next block's saved input, or the stage's output.
@@ -359,9 +669,9 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     BlockSaved saved = block_saved_from(ptrs(unit));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     if (st.tp)
-      block_forward_tp(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l], w, *attn, *st.tp, config_, q);
+      block_forward_tp(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, *st.tp, config_, q);
     else
-      block_forward(be_, x_out, saved, weights_.blocks[l], matrices_.blocks[l], w, *attn, config_, q);
+      block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
     scratch = {};
@@ -369,7 +679,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     poll(st);
   }
   if (e < L) {
-    st.out_hidden[i] = std::move(out);
+    produce(st, {sched::Payload::Hidden, e, i}, std::move(out), q);
     return;
   }
   auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, precision_, opts_.tp),
@@ -379,7 +689,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
   if (st.tp) {
     head_forward_backward_tp(be_, st.head_grad[i].data(), static_cast<double*>(st.loss_sum.data()), out.data(),
-                             st.targets, weights_, matrices_, dweights_, hw, *st.tp, config_, q, st.predicted);
+                             st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.predicted);
     be_.synchronize();
     st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
     for (const PosSpan& part : q.parts())
@@ -389,7 +699,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H;
     head_forward_backward(be_, act_at(st.head_grad[i].data(), at, act_), static_cast<double*>(st.loss_sum.data()),
-                          act_at(out.data(), at, act_), st.targets + part.pos0, weights_, matrices_, dweights_, hw,
+                          act_at(out.data(), at, act_), st.targets + part.pos0, *wt.w, *wt.m, *wt.g, hw,
                           config_, part.rows, st.predicted);
     be_.to_host(st.result->losses.data() + part.pos0, hw.losses, sizeof(float) * std::size_t(part.rows));
   }
@@ -397,25 +707,21 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
 
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
-  const Subseq& q = st.rows[i];
+  const Subseq q = rows_of(*st.sched, op);
+  const StageWeights wt = weights_for(st, op);
+  const bool own = lb_ <= b && e <= le_;
   const int T = q.T, L = config_.layers;
-  const int H = config_.hidden, kv_width = opts_.tp.local_hidden(config_);
+  const int H = config_.hidden;
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   // The residual gradient: the head's on the last stage, else the next stage's.
-  Buffer d_buf = e == L ? std::move(st.head_grad[i]) : std::move(st.in_grad[i].buf);
-  st.in_grad[i] = {};
+  Buffer d_buf = e == L ? std::move(st.head_grad[i]) : take_input(st, input_key(op), q);
   SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
   const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
 
   for (int l = e - 1; l >= b; --l) {
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use.
-    for (int j = 0; j <= i; ++j)
-      if (!st.dk[l][j]) {
-        const i64 bytes = i64(st.rows[j].T) * kv_width * i64(sizeof(float));
-        st.dk[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dK");
-        st.dv[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dV");
-      }
+    alloc_accumulators(st, l, i);
     auto& unit = st.dev[i][l];
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
@@ -434,14 +740,14 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));
     if (st.tp) {
-      block_backward_tp(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
-                        matrices_.blocks[l], w, *attn, *st.tp, config_, q);
+      block_backward_tp(be_, d, wt.g->blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, wt.w->blocks[l],
+                        wt.m->blocks[l], w, *attn, *st.tp, config_, q);
       if (l == 0)  // while the layer's workspace is there to gather into
-        embedding_backward_tp(be_, dweights_.embed, d, static_cast<const std::int32_t*>(st.ids.data()), w.tp_full,
+        embedding_backward_tp(be_, wt.g->embed, d, static_cast<const std::int32_t*>(st.ids.data()), w.tp_full,
                               w.tp_pad, *st.tp, config_, q);
     } else {
-      block_backward(be_, d, dweights_.blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, weights_.blocks[l],
-                     matrices_.blocks[l], w, *attn, config_, q);
+      block_backward(be_, d, wt.g->blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, wt.w->blocks[l],
+                     wt.m->blocks[l], w, *attn, config_, q);
     }
     for (auto& buf : unit) buf.reset();
     st.dk[l][i].reset();
@@ -449,17 +755,17 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     scratch = {};
     ws.clear();
     const std::size_t bucket = first_layer_bucket + std::size_t(l - lb_);
-    if (st.reduce_op && st.bucket_ready[bucket] == index) start_bucket(st, bucket);
+    if (own && st.reduce_op && st.bucket_ready[bucket] == index) start_bucket(st, bucket);
     poll(st);
   }
   if (b > 0) {
-    st.out_grad[i] = std::move(d_buf);
+    produce(st, {sched::Payload::HiddenGrad, b, i}, std::move(d_buf), q);
     return;
   }
   if (st.tp) return;  // the embedding's gradient came with layer 0
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());
   for (const PosSpan& part : q.parts())
-    be_.embedding_backward(dweights_.embed, act_at(d, i64(part.row0) * H, act_), ids + part.pos0, part.rows, H,
+    be_.embedding_backward(wt.g->embed, act_at(d, i64(part.row0) * H, act_), ids + part.pos0, part.rows, H,
                            config_.vocab);
 }
 
@@ -541,17 +847,10 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
       SPPO_CHECK(l >= sc.tp, "runtime") << "a subsequence of " << l << " tokens cannot be split over " << sc.tp
                                         << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";
   }
-  for (const sched::Op& op : ops) {
-    const bool message = op.kind == sched::OpKind::Send || op.kind == sched::OpKind::Recv;
-    // Ring pieces run (one per ring member); pieces of a subsequence split over several
-    // stage groups (MSP) do not yet.
-    const bool piece_ok = op.pieces == 1 || (op.pieces == sc.ring && op.piece < sc.ring);
-    const bool supported = piece_ok && (!message || is_hidden_message(op));
-    SPPO_CHECK(supported, "runtime") << "op '" << sched::to_string(op)
-                                     << "' belongs to multiplexed sequence partitioning (MSP), which the runtime "
-                                        "does not run yet; use --msp off";
-  }
-
+  const bool msp = std::any_of(ops.begin(), ops.end(), [](const sched::Op& op) { return !op.group.empty() && is_compute(op); });
+  SPPO_CHECK(!msp || (sc.tp == 1 && sc.ring == 1 && opts_.comm && act_ == DType::F32), "runtime")
+      << "multiplexed sequence partitioning (MSP) runs with pipeline and data parallelism on CPU ranks in fp32; drop "
+         "--tp and --cp, or use --msp off";
   StepResult result;
   StepState st;
   st.sched = &sc;
@@ -584,21 +883,50 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.offload_last.resize(N);
   st.prefetch_first.resize(N);
   st.prefetch_last.resize(N);
-  st.in_hidden.resize(N);
-  st.in_grad.resize(N);
-  st.out_hidden.resize(N);
-  st.out_grad.resize(N);
   for (const auto& s : block_saved_specs(config_, 1, precision_)) st.roles.push_back(s.role);
   SPPO_ASSERT(int(st.roles.size()) == kSavedTensors);
-  st.rows.resize(N);
-  for (int i = 0; i < N; ++i) st.rows[i] = rows_of(sc, i, 0, 1);
-  for (const sched::Op& op : ops)
-    if (op.kind == sched::OpKind::Forward) st.rows[op.subseq] = rows_of(sc, op.subseq, op.piece, op.pieces);
+  st.rows_at.assign(L, std::vector<Subseq>(N));
+  st.held.resize(L);
+  for (auto& layer : st.held) layer.resize(N);
+  std::map<HiddenKey, Subseq> made_here;  // outputs of this rank's F/B ops, and their rows
+  std::map<std::pair<int, int>, std::vector<std::size_t>> leases;  // Recv Weights op indices by range
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    const sched::Op& op = ops[k];
+    if (op.kind == sched::OpKind::Forward)
+      for (int l = op.layer_begin; l < op.layer_end; ++l) st.rows_at[l][op.subseq] = rows_of(sc, op);
+    if (is_compute(op)) {
+      // Under MSP a piece may take rows that this rank produced for it (Note [MSP pieces]).
+      const bool has_input = op.kind == sched::OpKind::Forward ? op.layer_begin > 0 : op.layer_end < L;
+      auto made = made_here.find(input_key(op));
+      if (has_input && made != made_here.end()) {
+        const Subseq q = rows_of(sc, op);
+        const Subseq& p = made->second;
+        if (std::min(p.offset + p.T, q.offset + q.T) > std::max(p.offset, q.offset)) st.taken_here.insert(made->first);
+      }
+      made_here[output_key(op)] = rows_of(sc, op);
+    }
+    if (is_hidden_message(op) && op.kind == sched::OpKind::Send) ++st.sends_of[hidden_key(op)];
+    if (op.kind == sched::OpKind::Recv && op.payload == sched::Payload::Weights)
+      leases[{op.layer_begin, op.layer_end}].push_back(k);
+  }
+  // A lease of borrowed weights that another of the same layers follows ends with the
+  // last F/B on them before it (memory rules).
+  for (const auto& [range, starts] : leases)
+    for (std::size_t n = 0; n + 1 < starts.size(); ++n) {
+      std::size_t last = starts[n];
+      for (std::size_t k = starts[n]; k < starts[n + 1]; ++k)
+        if (is_compute(ops[k]) && ops[k].layer_begin == range.first && ops[k].layer_end == range.second) last = k;
+      st.lease_ends[last] = range;
+    }
   if (sc.tp > 1) st.tp = std::make_unique<TpGroup>(*opts_.comm, opts_.rank - opts_.tp.index, opts_.tp,
                                                    &result.comm_wait_s);
   st.result = &result;
   result.has_loss = le_ == L;
-  result.losses.assign(std::size_t(result.has_loss ? st.S : 0), 0.0f);
+  // An MSP helper of the last stage computes the loss of its rows too, and sends it home.
+  const bool any_head = std::any_of(ops.begin(), ops.end(), [&](const sched::Op& op) {
+    return op.kind == sched::OpKind::Forward && op.layer_end == L;
+  });
+  result.losses.assign(std::size_t(result.has_loss || any_head ? st.S : 0), 0.0f);
   st.d2h = be_.make_copy_stream();
   st.h2d = be_.make_copy_stream();
 
@@ -608,7 +936,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     std::size_t post = 0;
     for (std::size_t k = 0; k < ops.size(); ++k) {
       if (is_compute(ops[k])) post = k;
-      if (ops[k].kind == sched::OpKind::Recv) st.posts[post].push_back(k);
+      if (ops[k].kind == sched::OpKind::Recv && is_hidden_message(ops[k])) st.posts[post].push_back(k);
     }
   }
   // Gradient buckets: each starts after the last op that adds to it.
@@ -628,9 +956,14 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
     for (std::size_t k = 0; k < ops.size(); ++k) {
       const sched::Op& op = ops[k];
-      if (op.kind == sched::OpKind::Backward)
+      if (op.kind == sched::OpKind::Backward && lb_ <= op.layer_begin && op.layer_end <= le_)
         for (int l = op.layer_begin; l < op.layer_end; ++l) st.bucket_ready[first_layer_bucket + std::size_t(l - lb_)] = k;
     }
+    // MSP helpers' weight gradients are added to the owner's first.
+    for (std::size_t k = 0; k < ops.size(); ++k)
+      if (ops[k].kind == sched::OpKind::Recv && ops[k].payload == sched::Payload::WeightGrads)
+        for (auto& ready : st.bucket_ready)
+          if (ready != kNever) ready = std::max(ready, k);
   }
 
   if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
@@ -672,7 +1005,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const sched::Op& op = ops[k];
     if (opts_.comm) comm::set_activity("op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
-    for (std::size_t j : st.posts[k]) post_receive(st, ops[j]);
+    for (std::size_t j : st.posts[k]) post_receive(st, j);
     const double t0 = now_s();
     const int i = op.subseq;
     switch (op.kind) {
@@ -703,13 +1036,22 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         }
         break;
       case sched::OpKind::Send:
-        send(st, op);
+        if (is_hidden_message(op))
+          send(st, op);
+        else
+          send_msp(st, op);
         break;
       case sched::OpKind::Recv: {
-        auto& in = (op.payload == sched::Payload::Hidden ? st.in_hidden : st.in_grad)[i];
-        const double waited =
-            comm::wait(*opts_.comm, in.req, "op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
-        in.req = comm::kDone;
+        double waited = 0;
+        if (is_hidden_message(op)) {
+          auto& parts = st.incoming[hidden_key(op)];
+          auto part = std::find_if(parts.begin(), parts.end(), [k](const StepState::Incoming& in) { return in.op == k; });
+          SPPO_ASSERT(part != parts.end());
+          waited = comm::wait(*opts_.comm, part->req, "op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
+          part->req = comm::kDone;
+        } else {
+          waited = receive_msp(st, op, k);
+        }
         result.comm_wait_s += waited;
         if (waited > kShownWaitS) span("wait " + sched::to_string(op), op.kind, Lane::Compute, t0, now_s());
         break;
@@ -720,6 +1062,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
       case sched::OpKind::RingStep:
         break;  // ring attention runs inside each layer of F and B (runtime/ring.h)
     }
+    if (auto lease = st.lease_ends.find(k); lease != st.lease_ends.end()) st.borrowed.at(lease->second).w.reset();
     poll(st);
   }
   while (!st.sends.empty()) {
@@ -755,13 +1098,17 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
       span("P" + std::to_string(i), sched::OpKind::Prefetch, Lane::CopyIn, st.prefetch_first[i]->start_s(),
            st.prefetch_last[i]->end_s());
   }
+  SPPO_ASSERT_MSG(st.incoming.empty() && st.produced.empty(), "a hidden-state buffer is left over after the step");
+  for (const auto& [range, b] : st.borrowed)
+    SPPO_ASSERT_MSG(!b.w && !b.g, "borrowed weights of layers " << range.first << "-" << range.second - 1
+                                                                << " are left over after the step");
   for (int i = 0; i < N; ++i) {
-    SPPO_ASSERT_MSG(!st.in_hidden[i].buf && !st.in_grad[i].buf && !st.out_hidden[i] && !st.out_grad[i],
-                    "a message buffer of subseq " << i << " is left over after the step");
-    for (int l = 0; l < L; ++l)
+    for (int l = 0; l < L; ++l) {
+      SPPO_ASSERT_MSG(st.held[l][i].empty(), "an MSP piece's K, V are left over: layer " << l << " subseq " << i);
       for (int k = 0; k < kSavedTensors; ++k)
         SPPO_ASSERT_MSG(!st.dev[i][l][k] && !st.host[i][l][k],
                         "tensor left over after the step: layer " << l << " subseq " << i);
+    }
   }
   if (opts_.record_memory) {
     result.memory = device_->take_timeline();

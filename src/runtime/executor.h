@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -183,8 +184,23 @@ class Runtime {
   void backward(StepState& st, const sched::Op& op, std::size_t index);
   void offload(StepState& st, int i, double fraction);
   void prefetch(StepState& st, int i);
-  void post_receive(StepState& st, const sched::Op& op);
+  // The weights F/B op `op` runs with: this rank's own, or another stage's lent to it (MSP).
+  struct StageWeights {
+    const ParamView* w;
+    ParamView* g;
+    const MatrixView* m;
+  };
+  StageWeights weights_for(StepState& st, const sched::Op& op);
+  void alloc_accumulators(StepState& st, int l, int i);
+  void post_receive(StepState& st, std::size_t index);
+  // Hidden states (gradients) between stages: what an F (B) produced, kept for its Sends
+  // and for this rank's own later piece; and what an F (B) starts from, assembled from
+  // its parts when pieces split the subsequence differently.
+  void produce(StepState& st, const std::tuple<sched::Payload, int, int>& key, Buffer buf, const Subseq& rows);
+  Buffer take_input(StepState& st, const std::tuple<sched::Payload, int, int>& key, const Subseq& q);
   void send(StepState& st, const sched::Op& op);
+  void send_msp(StepState& st, const sched::Op& op);
+  double receive_msp(StepState& st, const sched::Op& op, std::size_t index);
   void poll(StepState& st);
   void start_bucket(StepState& st, std::size_t b);
   void reduce(StepState& st, const sched::Op& op, std::size_t index);

@@ -77,17 +77,26 @@ Schedule build_single(int layers, const std::vector<i64>& lengths, const std::ve
 // Messages match by identity (payload, subsequence, piece, layers, tokens), FIFO among
 // equal identities, as MPI tags do.
 //
-// Data of a split (MSP) piece on a helper group (not the stage's own group):
+// Note [MSP pieces]: a split task runs on the stage's own group and the helper groups
+// together, its pieces contiguous, as one ring (runtime/ring.h, queries travel and keys
+// stay): the stage's owner holds the keys of every earlier position of the stage's layers,
+// each piece its own rows. So:
 //  - the stage's weights come from the owner twice, for the helper's forwards of that stage
 //    (sent at the start) and again for its backwards (sent when the owner starts its
 //    backwards): Left pieces run at both ends of the step, so the copy is not held through
-//    the middle, where memory peaks. The weight gradients go back after the helper's last
-//    backward of that stage (Send WeightGrads);
-//  - forward: K, V of earlier positions stream from the owner (KVStream); after the
-//    forward the piece's K, V go to the owner (KV), which keeps the stage's whole KV cache;
-//  - backward: earlier K, V stream again; the owner returns the piece's accumulated dK, dV
-//    rows with its K, V (KVGrad, which frees them on the owner); after the backward the
-//    piece's partial dK, dV of earlier positions go to the owner (KVGradStream).
+//    the middle, where memory peaks. The weight gradients (and, on the stage with the LM
+//    head, the loss of the helper's rows) go back after the helper's last backward of that
+//    stage (Send WeightGrads), and the owner receives them at the end of that task;
+//  - forward: after it, each helper piece's K, V go to the owner (KV), which from then on
+//    holds them for the later subsequences and gathers their dK, dV; the helper keeps its
+//    own copy as a saved tensor for its backward;
+//  - backward: before it, the owner returns the dK, dV it accumulated for the piece's rows
+//    and drops its copy of their K, V (KVGrad); the ring then adds what the piece's own
+//    queries and the other pieces' give, and the earlier positions' dK, dV accumulate on
+//    the owner, where those keys are.
+// Hidden states between a split task and its neighbours move as the overlaps of the
+// producer's and the consumer's pieces (`first` says which rows); rows a rank produced
+// for itself stay there.
 // A helper piece pairs SP rank r of its group with SP rank r of the owner group.
 namespace {
 
@@ -221,6 +230,13 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     op.layer_end = ranges[stage].second;
     return op;
   };
+  // A hidden-state message between tasks whose pieces differ carries part of a piece:
+  // the first position of the overlap of the producer's piece `from` and the consumer's `to`.
+  auto part = [](Op op, const Task& producer, const Task& consumer, const Piece& from, const Piece& to) {
+    if (producer.pieces.size() != consumer.pieces.size())
+      op.first = std::max(from.spans.front().first, to.spans.front().first);
+    return op;
+  };
   auto msg = [&](OpKind kind, Payload payload, int subseq, int stage, int peer, i64 tokens, const Piece& pc) {
     Op op = with_layers(make(kind, subseq), stage);
     op.payload = payload;
@@ -239,9 +255,6 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     s.ops[spec.rank_of(d, stage, r)].push_back(msg(OpKind::Send, Payload::Weights, 0, stage, rank, 0, whole));
   }
 
-  std::vector<i64> offsets(N, 0);
-  for (int k = 1; k < N; ++k) offsets[k] = offsets[k - 1] + spec.lengths[k - 1];
-
   // Offload bookkeeping per rank (own-stage, unsplit subsequences only).
   std::vector<int> pending_wait(s.ranks, -1);
   std::vector<std::vector<int>> offloaded(s.ranks);
@@ -250,7 +263,6 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   for (size_t ti = 0; ti < tasks.size(); ++ti) {
     const Task& t = tasks[ti];
     const int i = t.stage, k = t.subseq;
-    const i64 o = offsets[k];
     const bool split = t.pieces.size() > size_t(R);
     // Producer pieces of this task's input: F(i-1, k) or B(i+1, k).
     const int src_stage = t.forward ? i - 1 : i + 1;
@@ -272,22 +284,19 @@ Schedule build_pipeline(const PipelineSpec& spec) {
             Piece whole{key.first, {}, 0, 1, true};
             ops.push_back(msg(OpKind::Send, Payload::Weights, 0, i, key.first, 0, whole));
           }
-      // Owner side of a split task: stream earlier K, V (and return held dK, dV rows).
-      if (!pc.helper && split)
+      // Backward of a split task: the owner returns each helper piece's dK, dV rows.
+      if (!t.forward && !pc.helper && split)
         for (const Piece& h : t.pieces)
-          if (h.helper && owner_of(t, h) == pc.rank) {
-            if (!t.forward) ops.push_back(msg(OpKind::Send, Payload::KVGrad, k, i, h.rank, span_tokens(h.spans), h));
-            ops.push_back(msg(OpKind::Send, Payload::KVStream, k, i, h.rank, o + h.spans.front().first, h));
-          }
-      if (pc.helper) {
-        if (!t.forward) ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, span_tokens(pc.spans), pc));
-        ops.push_back(msg(OpKind::Recv, Payload::KVStream, k, i, owner, o + pc.spans.front().first, pc));
-      }
+          if (h.helper && owner_of(t, h) == pc.rank)
+            ops.push_back(msg(OpKind::Send, Payload::KVGrad, k, i, h.rank, span_tokens(h.spans), h));
+      if (!t.forward && pc.helper)
+        ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, span_tokens(pc.spans), pc));
       // Input activations (or their gradients) from the producer pieces that overlap.
       if (src)
         for (const Piece& q : src->pieces) {
           const i64 ov = overlap(q.spans, pc.spans);
-          if (ov > 0 && q.rank != pc.rank) ops.push_back(msg(OpKind::Recv, act, k, i, q.rank, ov, pc));
+          if (ov > 0 && q.rank != pc.rank)
+            ops.push_back(part(msg(OpKind::Recv, act, k, i, q.rank, ov, pc), *src, t, q, pc));
         }
       // Backward of an offloaded unit: prefetch the next one down while this one runs.
       int prefetch = -1;
@@ -316,11 +325,11 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           ops.push_back(p);
         }
       }
-      // Ring attention inside the stage group: R-1 steps move K, V in forward; R steps
-      // move K, V with dK, dV in backward (the last brings dK, dV home).
-      if (R > 1) {
-        const int steps = t.forward ? R - 1 : R;
-        const int base = pc.rank - pc.piece % R;
+      // Ring attention over the task's pieces (a stage group's SP ranks, or with MSP every
+      // group's): M-1 steps in forward, M in backward (the last brings dK, dV home).
+      const int M = int(t.pieces.size());
+      if (M > 1) {
+        const int steps = t.forward ? M - 1 : M;
         for (int st = 1; st <= steps; ++st) {
           Op ring = with_layers(make(OpKind::RingStep, k), i);
           ring.payload = t.forward ? Payload::KV : Payload::KVGrad;
@@ -328,26 +337,24 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           ring.piece = pc.piece;
           ring.pieces = pc.pieces;
           ring.tokens = span_tokens(pc.spans);
-          ring.peer = base + (pc.piece % R + 1) % R;
-          ring.recv_peer = base + (pc.piece % R + R - 1) % R;
+          ring.peer = t.pieces[size_t((pc.piece + 1) % M)].rank;
+          ring.recv_peer = t.pieces[size_t((pc.piece + M - 1) % M)].rank;
           ops.push_back(ring);
         }
       }
       Op c = with_layers(make(t.forward ? OpKind::Forward : OpKind::Backward, k), i);
       c.piece = pc.piece;
       c.pieces = pc.pieces;
+      if (split)
+        for (const Piece& q : t.pieces) c.group.push_back(q.rank);
       ops.push_back(c);
       if (prefetch >= 0) ops.push_back(make(OpKind::WaitPrefetch, prefetch));
-      // Owner side after a split task: gather the pieces' K, V or partial dK, dV.
-      if (!pc.helper && split)
+      // Forward of a split task: the owner gathers a copy of each helper piece's K, V.
+      if (t.forward && !pc.helper && split)
         for (const Piece& h : t.pieces)
           if (h.helper && owner_of(t, h) == pc.rank)
-            ops.push_back(t.forward ? msg(OpKind::Recv, Payload::KV, k, i, h.rank, span_tokens(h.spans), h)
-                                    : msg(OpKind::Recv, Payload::KVGradStream, k, i, h.rank,
-                                          o + h.spans.front().first, h));
-      if (pc.helper)
-        ops.push_back(t.forward ? msg(OpKind::Send, Payload::KV, k, i, owner, span_tokens(pc.spans), pc)
-                                : msg(OpKind::Send, Payload::KVGradStream, k, i, owner, o + pc.spans.front().first, pc));
+            ops.push_back(msg(OpKind::Recv, Payload::KV, k, i, h.rank, span_tokens(h.spans), h));
+      if (t.forward && pc.helper) ops.push_back(msg(OpKind::Send, Payload::KV, k, i, owner, span_tokens(pc.spans), pc));
       // Offload after an own-stage forward: wait for the previous one, start this one.
       if (t.forward && !pc.helper) {
         if (pending_wait[pc.rank] >= 0) {
@@ -369,21 +376,25 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     }
     // Outputs to the consumer pieces: F(i+1, k) or B(i-1, k).
     const int dst_stage = t.forward ? i + 1 : i - 1;
-    if (dst_stage >= 0 && dst_stage < P)
+    if (dst_stage >= 0 && dst_stage < P) {
+      const Task& dst = tasks[index[slot_of(t.d, dst_stage, k, t.forward)]];
       for (const Piece& pc : t.pieces)
-        for (const Piece& q : tasks[index[slot_of(t.d, dst_stage, k, t.forward)]].pieces) {
+        for (const Piece& q : dst.pieces) {
           const i64 ov = overlap(q.spans, pc.spans);
-          if (ov > 0 && q.rank != pc.rank) s.ops[pc.rank].push_back(msg(OpKind::Send, act, k, dst_stage, q.rank, ov, q));
+          if (ov > 0 && q.rank != pc.rank)
+            s.ops[pc.rank].push_back(part(msg(OpKind::Send, act, k, dst_stage, q.rank, ov, q), t, dst, pc, q));
         }
+    }
+    // Helpers whose last piece of this stage this was send their weight gradients home; the
+    // owner takes them now, so that they do not wait on the helper for the rest of the step.
+    for (const Piece& h : t.pieces)
+      if (h.helper && last_helper_task[{h.rank, i}] == ti) {
+        Piece whole{h.rank, {}, 0, 1, true};
+        s.ops[owner_of(t, h)].push_back(msg(OpKind::Recv, Payload::WeightGrads, 0, i, h.rank, 0, whole));
+      }
   }
 
-  // Weight gradients of helpers come home; then replicas and SP ranks all-reduce.
-  for (const auto& [key, t] : last_helper_task) {
-    const auto [rank, stage] = key;
-    const int d = rank / (P * R), r = rank % R;
-    Piece whole{rank, {}, 0, 1, true};
-    s.ops[spec.rank_of(d, stage, r)].push_back(msg(OpKind::Recv, Payload::WeightGrads, 0, stage, rank, 0, whole));
-  }
+  // Replicas and SP ranks all-reduce the weight gradients.
   if (R * D > 1)
     for (int p = 0; p < P; ++p) {
       std::vector<int> group;

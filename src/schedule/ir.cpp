@@ -100,8 +100,6 @@ const char* to_string(Payload p) {
     case Payload::KVGrad: return "kv_grad";
     case Payload::Weights: return "weights";
     case Payload::WeightGrads: return "weight_grads";
-    case Payload::KVStream: return "kv_stream";
-    case Payload::KVGradStream: return "kv_grad_stream";
     case Payload::TiedGrads: return "tied_grads";
   }
   SPPO_ASSERT(false);
@@ -142,6 +140,11 @@ std::string to_string(const Op& op) {
       put_layers(os, op);
       os << ' ';
       put_subseq(os, op);
+      if (!op.group.empty()) {
+        os << " [";
+        for (size_t k = 0; k < op.group.size(); ++k) os << (k ? "," : "") << op.group[k];
+        os << ']';
+      }
       break;
     case OpKind::Offload:
     case OpKind::Prefetch:
@@ -158,6 +161,7 @@ std::string to_string(const Op& op) {
       os << to_string(op.payload) << ' ';
       put_subseq(os, op);
       put_tokens(os, op);
+      if (op.first >= 0) os << " @" << op.first;
       os << (op.kind == OpKind::Send ? " -> r" : " <- r") << op.peer;
       break;
     case OpKind::RingStep:

@@ -30,13 +30,14 @@ enum class OpKind {
 };
 
 // What a Send/Recv/RingStep moves.
-// KV / KVGrad are held rows (a piece's K and V gathered to its stage's owner, and the
-// owner's accumulated dK/dV rows returned to a piece's rank before its backward);
-// KVStream / KVGradStream are transient: earlier positions' K and V streamed to an MSP
-// piece in chunks, and the piece's partial dK/dV of those positions streamed back.
-// TiedGrads is the embedding's gradient, held by the first stage (input embedding) and the
-// last (LM head) and summed between them, as Megatron-LM does.
-enum class Payload { None, Hidden, HiddenGrad, KV, KVGrad, Weights, WeightGrads, KVStream, KVGradStream, TiedGrads };
+// KV / KVGrad are an MSP piece's rows (Note [MSP pieces] in builders.cpp): its K and V,
+// copied to its stage's owner after the forward, and the dK/dV the owner accumulated for
+// those rows, returned to the piece's rank before its backward. Weights / WeightGrads are
+// a stage's weights lent to an MSP helper and the gradients it returns (with, for the
+// stage holding the LM head, the loss of its rows). TiedGrads is the embedding's
+// gradient, held by the first stage (input embedding) and the last (LM head) and summed
+// between them, as Megatron-LM does.
+enum class Payload { None, Hidden, HiddenGrad, KV, KVGrad, Weights, WeightGrads, TiedGrads };
 
 struct Op {
   OpKind kind = OpKind::Forward;
@@ -51,7 +52,13 @@ struct Op {
   i64 tokens = 0;        // Send/Recv/RingStep: tokens whose payload moves (0: the whole piece)
   Payload payload = Payload::None;
   double fraction = 0;   // Offload/Prefetch: alpha_i, the fraction of the unit moved
-  std::vector<int> group;  // AllReduce ranks; RingStep: the ring's ranks in ring order
+  // Send/Recv of hidden states between pieces that split the subsequence differently
+  // (MSP): the position, in the subsequence, of the first of the `tokens` contiguous rows
+  // moved; -1: the whole piece.
+  i64 first = -1;
+  // AllReduce ranks; RingStep: the ring's ranks in ring order; F/B of an MSP piece: the
+  // ranks of the task's pieces in piece order (empty otherwise).
+  std::vector<int> group;
 
   bool operator==(const Op&) const = default;
 };
@@ -62,8 +69,7 @@ struct Op {
 // subsequence's attention work: the last piece does 2R - 1 times the first's. Zigzag cuts
 // the subsequence into 2R chunks and gives piece r chunks r and 2R - 1 - r, so every piece
 // does the same work to within a chunk's diagonal. Pieces of a subsequence split over
-// several stage groups by MSP are always contiguous (each group's helpers stream the
-// positions before their part).
+// several stage groups by MSP are always contiguous.
 enum class RingLayout { Contiguous, Zigzag };
 const char* to_string(RingLayout l);             // "contiguous" | "zigzag"
 RingLayout parse_ring_layout(const std::string& text);  // throws sppo::Error naming the choices

@@ -196,22 +196,24 @@ i64 RankMemory::head_bytes(i64 T) const {
   return tp_.on() ? total_bytes(head_saved_specs(rules_.model, T, rules_.precision, tp_)) : head_pt_ * T;
 }
 
-// Ring pieces: the ring attention's buffers (runtime/ring.h), bounded as if every member
-// held keys that every span sees. Forward: the R - 1 other pieces' queries, the partial
-// outputs and LSEs received for this piece's rows and those sent for theirs. Backward: their
-// queries, output gradients, LSEs and deltas, partial dq both ways, and this piece's dq.
-// Other pieces are counted at the largest piece's size. MSP pieces (split over several
-// stage groups) hold streamed K, V instead.
+// Pieces (ring pieces, and the pieces of an MSP task, which run as one ring): the ring
+// attention's buffers (runtime/ring.h), bounded as if every member held keys that every
+// span sees. Forward: the M - 1 other pieces' queries, the partial outputs and LSEs
+// received for this piece's rows and those sent for theirs. Backward: their queries,
+// output gradients, LSEs and deltas, partial dq both ways, and this piece's dq. Other
+// pieces are counted at the largest piece's size.
 i64 RankMemory::ring_piece_max(const Op& op) const {
   i64 most = 0;
-  for (int h = 0; h < op.pieces; ++h)
-    most = std::max(most, span_tokens(piece_spans(s_.lengths[op.subseq], h, op.pieces, s_.ring_layout)));
+  for (int h = 0; h < op.pieces; ++h) {
+    Op other = op;
+    other.piece = h;
+    most = std::max(most, span_tokens(s_.spans(other)));
+  }
   return most;
 }
 
 i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
-  if (op.pieces != s_.ring) return 2 * kv_pt_ * T;
   // Under tensor parallelism the ring moves this member's heads only.
   const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
             stats = i64(tp_.local_heads(rules_.model)) * i64(sizeof(float));
@@ -220,7 +222,6 @@ i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
 
 i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
-  if (op.pieces != s_.ring) return 2 * (kv_pt_ + acc_pt_) * T;
   const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
             stats = i64(tp_.local_heads(rules_.model)) * i64(sizeof(float));
   return (R - 1) * (Tm * 2 * (row + stats) + T * row + Tm * row) + T * row;
@@ -263,7 +264,10 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     return param_count(rules_.model, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == L);
   };
   if (auto it = posted_at_.find(index); it != posted_at_.end()) emit(out, 0.0, it->second, T::Hidden);
-  if (op.kind == OpKind::Backward && !(op.layer_begin >= own_.first && op.layer_end <= own_.second) &&
+  // Borrowed layers' gradients: from the first backward on them, or the first forward
+  // through the LM head, which computes its gradients there.
+  if ((op.kind == OpKind::Backward || (op.kind == OpKind::Forward && op.layer_end == L)) &&
+      !(op.layer_begin >= own_.first && op.layer_end <= own_.second) &&
       borrowed_grads_.insert({op.layer_begin, op.layer_end}).second)
     emit(out, 0.0, borrowed_params() * 4, T::BorrowedGrads);
   const i64 h_bytes = i64(rules_.model.hidden) * rules_.act_bytes();  // one token's hidden state
@@ -345,7 +349,11 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         emit(out, 1.0, kv_pt_ * op.tokens * n, T::KVCache);
       } else if (op.payload == Payload::Weights) {
         emit(out, 0.0, borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
-      } else if (op.payload == Payload::KVGrad || op.payload == Payload::KVGradStream) {
+      } else if (op.payload == Payload::WeightGrads) {
+        // The helper's gradients land in a buffer and are added to the owner's.
+        emit(out, 0.0, borrowed_params() * 4, T::BorrowedGrads);
+        emit(out, 1.0, -borrowed_params() * 4, T::BorrowedGrads);
+      } else if (op.payload == Payload::KVGrad) {
         for (int l = op.layer_begin; l < op.layer_end; ++l) {
           if (acc_live_[l]) continue;
           acc_live_[l] = true;
@@ -361,6 +369,11 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         emit(out, 1.0, -borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
         emit(out, 1.0, -borrowed_params() * (weight_work_pp_ - rules_.act_bytes()), T::BorrowedGrads);
       } else if (op.payload == Payload::KVGrad) {
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {  // accumulators not yet touched go out zero
+          if (acc_live_[l]) continue;
+          acc_live_[l] = true;
+          emit(out, 0.0, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
+        }
         emit(out, 1.0, -kv_pt_ * op.tokens * n, T::KVCache);
         emit(out, 1.0, -acc_pt_ * op.tokens * n, T::KVGradAccum);
       }
@@ -387,7 +400,7 @@ const char* to_string(MemTerm t) {
     case MemTerm::Hidden: return "hidden states between layers and stages";
     case MemTerm::Workspace: return "layer workspace";
     case MemTerm::HeadWorkspace: return "logits and loss workspace";
-    case MemTerm::RingBuffers: return "ring / stream K,V buffers";
+    case MemTerm::RingBuffers: return "ring attention buffers";
     case MemTerm::BorrowedWeights: return "MSP borrowed weights";
     case MemTerm::BorrowedGrads: return "MSP borrowed gradients";
     case MemTerm::StepInputs: return "token ids and loss sum";

@@ -28,12 +28,16 @@
 // Tensor parallelism (Schedule::tp > 1): every size above is that of the rank's shards
 // (core/layout.h TpShard: block_saved_specs, block_workspace_specs, head_*_specs and
 // parameter_specs with the rank's TpShard), hidden states [rows of T, H].
-// Pieces (pieces > 1: SP ranks or MSP pieces) also hold two chunk buffers of K, V while
-// forward runs (ring / stream receive, double-buffered) and of K, V and dK, dV in backward.
-// Borrowed weights (MSP): Recv Weights allocates a working copy of the stage's weights
-// (activation precision); a lease that another Recv Weights of the same layers follows is
-// released at the end of the last F/B on those layers before it. The first backward on
-// borrowed layers allocates their fp32 gradients; Send WeightGrads releases both.
+// Pieces (pieces > 1: SP ranks, or the pieces of an MSP task) also hold the ring
+// attention's buffers while each layer runs (RankMemory::piece_fwd_extra, a bound).
+// MSP (Note [MSP pieces] in builders.cpp): Recv KV allocates the owner's copy of a helper
+// piece's K, V; Send KVGrad frees it with its dK/dV rows; Recv KVGrad allocates the
+// helper's accumulators of the layers if they are not yet. Borrowed weights: Recv Weights
+// allocates a working copy of the stage's weights (activation precision); a lease that
+// another Recv Weights of the same layers follows is released at the end of the last F/B
+// on those layers before it. The first backward on borrowed layers allocates their fp32
+// gradients; Send WeightGrads releases both; Recv WeightGrads holds the received
+// gradients while the owner adds them to its own.
 #pragma once
 
 #include <array>
@@ -113,7 +117,7 @@ enum class MemTerm {
                     // including receive buffers posted ahead of their message
   Workspace,        // one layer's forward or backward scratch and kernel scratch
   HeadWorkspace,    // logits and loss of the LM head, a chunk of rows at a time
-  RingBuffers,      // pieces' double-buffered K, V (and dK, dV) chunks of a ring or stream
+  RingBuffers,      // the ring attention's buffers of pieces (ring, MSP)
   BorrowedWeights,  // MSP helpers' working copy of another stage's weights
   BorrowedGrads,    // and its fp32 weight gradients until they go home
   StepInputs,       // the step's token ids and loss sum

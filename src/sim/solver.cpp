@@ -67,6 +67,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   spec.sp = shape.sp;
   spec.ring_layout = shape.ring_layout;
   spec.stage_layers = shape.stage_layers;
+  spec.msp = shape.msp;
   return sched::build_pipeline(spec);
 }
 
@@ -541,8 +542,9 @@ std::vector<int> divisors(int n) {
 }
 
 bool msp_possible(const plan::Plan& p) {
-  // MSP's helpers run pieces with ring SP here; a tensor-parallel stage has no such pieces.
-  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1) return false;
+  // The runtime runs MSP's pieces as one ring over the stage groups (Note [MSP pieces]),
+  // with pipeline and data parallelism only.
+  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1) return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
   return true;
@@ -781,7 +783,7 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   m.chosen = neither ? (layout.msp && msp_possible(on) ? m.on : m.off) : use_on ? m.on : m.off;
   std::string note;
   if (!msp_possible(on))
-    note = "MSP off: it needs N >= P and every subsequence at least sp x P tokens";
+    note = "MSP off: it needs N >= P, every subsequence at least P tokens, and no --tp or ring (sp 1)";
   else if (use_on)
     note = std::string(req.msp == 1 ? "MSP on (--msp on): " : "MSP on: ") + seconds_text(t_on) + " per step, against " +
            (m.off_fits ? seconds_text(t_off) + " without it" : "no plan without it that fits (peak " +

@@ -46,6 +46,7 @@ struct StepShape {
   int tp = 1;                      // tensor parallel (sequence-parallel regions) ranks a stage
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   bool zero = false;               // ZeRO-1 over the replicas
+  bool msp = false;                // multiplexed sequence partitioning (pp > 1)
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
   ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)

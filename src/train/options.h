@@ -35,6 +35,7 @@ struct StepOptions {
   int cp = 1;                         // context parallel: ring attention over cp ranks a stage
   int tp = 1;                         // tensor parallel with sequence-parallel regions (Megatron-LM)
   std::string ring = "flash,zigzag";  // --ring: the ring's algorithm and its layout
+  std::string msp = "off";            // --msp on | off: multiplexed sequence partitioning
   int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job

@@ -142,9 +142,8 @@ namespace {
 // --plan: a plan fixes the layout, the lengths and alpha; the model and S must agree.
 plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
   const plan::Plan p = read_plan_file(o.plan_path);
-  SPPO_CHECK(p.system == "sppo" && !p.msp, "options")
-      << "--plan " << o.plan_path << " is a " << p.system << " plan with msp " << (p.msp ? "on" : "off")
-      << "; the runtime runs SPPO plans with pipeline, tensor, ring (sp) and data parallelism (MSP off)";
+  SPPO_CHECK(p.system == "sppo", "options")
+      << "--plan " << o.plan_path << " is a " << p.system << " plan; the runtime runs SPPO plans";
   SPPO_CHECK((o.pp == 1 || o.pp == p.pp) && (o.dp == 1 || o.dp == p.dp) && (o.cp == 1 || o.cp == p.sp) &&
                  (o.tp == 1 || o.tp == p.tp),
              "options")
@@ -235,6 +234,8 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.tp = s.layout.tp;
   shape.ring_layout = from_plan ? sched::parse_ring_layout(from_plan->ring_layout) : ring.layout;
   shape.zero = o.zero == 1;
+  SPPO_CHECK(o.msp == "on" || o.msp == "off", "options") << "--msp must be on or off (got '" << o.msp << "')";
+  shape.msp = from_plan ? from_plan->msp : o.msp == "on";
   shape.precision = precision;
   if (from_plan) shape.stage_layers = from_plan->stage_layers;
   // The kernels' scratch comes from the device tier too.
@@ -269,6 +270,20 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     s.lengths = choice.lengths;
     s.alpha = choice.alpha;
     s.profile_measured = s.profile_measured && !o.recompute;
+  }
+  if (shape.msp) {
+    const int N = int(s.lengths.size());
+    SPPO_CHECK(shape.pp > 1 && shape.tp == 1 && shape.sp == 1, "options")
+        << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --tp and "
+           "--cp (got --pp " << shape.pp << " --tp " << shape.tp << " --cp " << shape.sp << ")";
+    SPPO_CHECK(N >= shape.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
+                                         << ", --pp " << shape.pp << "); use --subseqs " << shape.pp << " or more";
+    SPPO_CHECK(s.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
+                                                             "--precision fp32";
+    for (int i = 0; i < N; ++i)
+      SPPO_CHECK(s.lengths[i] >= shape.pp, "options")
+          << "--msp on splits subsequence " << i << " of " << s.lengths[i] << " tokens over up to " << shape.pp
+          << " stages; use fewer --subseqs";
   }
   s.schedule = sim::build_step(s.config, s.lengths, s.alpha, shape);
   for (int p = 0; p < s.layout.pp; ++p)

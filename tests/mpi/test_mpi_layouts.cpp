@@ -5,7 +5,7 @@
 // data parallelism against one process training the same two sequences; ZeRO-1; ring
 // attention over 2 and 4 ranks, contiguous and zigzag, alone and with the others; tensor
 // parallelism with sequence-parallel regions over 2, 3 (heads, MLP and vocabulary split
-// unevenly) and 4 ranks, alone and with the others.
+// unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -149,6 +149,16 @@ TEST_F(Layouts, TensorTimesContext) {
   check(4, "--tp 2 --cp 2 --ring contiguous --subseqs 3 --offload 0.5", "ref1");
   check(2, kBidirectional + " --tp 2", "refb");
   check(4, kBidirectional + " --tp 2 --cp 2 --ring rsa,contiguous", "refb");
+}
+
+// Multiplexed sequence partitioning (Note [MSP pieces]): the bubble-adjacent subsequences
+// run split over the stages that would idle, on borrowed weights, as one ring.
+TEST_F(Layouts, MultiplexedSequencePartitioning) {
+  check(2, "--pp 2 --subseqs 4 --msp on", "ref1");
+  check(2, "--pp 2 --subseqs 2 --msp on", "ref1");
+  check(4, "--pp 4 --subseqs 8 --msp on", "ref1");
+  check(3, "--pp 3 --subseqs 5 --partition flops --offload 0.5 --msp on", "ref1");
+  check(4, "--pp 2 --dp 2 --zero 1 --subseqs 4 --msp on", "ref2");
 }
 
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {

@@ -157,7 +157,7 @@ double four_digits(double v) {
 
 TEST(Msp, TheNoteAgreesWithTheTwoSimulatedFigures) {
   // A roomy budget, so that the helpers' borrowed weights fit and both plans exist.
-  PlanRequest req = request("gpt-7b", i64(256) << 10, 16);
+  PlanRequest req = request("gpt-7b", i64(128) << 10, 16);
   req.budget = i64(160) << 30;
   plan::Plan layout;
   layout.system = "sppo";
@@ -167,9 +167,9 @@ TEST(Msp, TheNoteAgreesWithTheTwoSimulatedFigures) {
   layout.seq_len = req.seq_len;
   layout.gpus = 16;
   layout.gpus_per_node = 8;
-  layout.sp = 2;
+  layout.sp = 1;
   layout.pp = 4;
-  layout.dp = 2;
+  layout.dp = 4;
   layout.zero = 1;
   layout.subseqs = 16;
   layout.lengths = plan::partition_flops(req.model, req.seq_len, 16);
