@@ -295,7 +295,7 @@ int main(int argc, char** argv) {
   bsp.seq_len = "1024";
   bool bsp_json = false;
   auto* cmd_bench_sp = cmd_bench->add_subcommand(
-      "sp", "Ring attention (context parallel) on 2 ranks vs one: step time, causal balance, memory, vs simulated");
+      "sp", "Sequence parallelism on 2 ranks vs one (ring attention, TP with sequence-parallel regions) and MSP on vs off: step time, balance, memory, vs simulated");
   cmd_bench_sp->add_option("--model", bsp.model, "Model preset")->capture_default_str();
   cmd_bench_sp->add_option("--seq-len", bsp.seq_len, "Tokens per sequence (the last row runs twice as many)")
       ->capture_default_str();

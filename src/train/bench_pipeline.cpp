@@ -263,8 +263,31 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
   out["peak_cp2_over_one"] = double(rows[2]["measured_peak_device_bytes_per_rank"][0].get<i64>()) / double(one_peak);
   out["ring"] = std::move(rows);
   out["tensor"] = std::move(tensor);
+  // MSP on the sequence pipeline of 2 stages: the bubble-adjacent subsequences run split
+  // over both ranks.
+  nlohmann::json msp = nlohmann::json::array();
+  for (int n : {2, 4, 8}) {
+    nlohmann::json pair;
+    for (const char* on : {"off", "on"}) {
+      StepOptions so = base;
+      so.pp = 2;
+      so.subseqs = std::to_string(n);
+      so.msp = on;
+      nlohmann::json j = row_json(run(so, o.reps, world));
+      j["layout"] = std::string("pp 2, N ") + std::to_string(n) + ", msp " + on;
+      j["subseqs"] = n;
+      j["msp"] = std::string(on) == "on";
+      pair[on] = j;
+      msp.push_back(std::move(j));
+    }
+    out["msp_step_time_on_over_off_n" + std::to_string(n)] =
+        pair["on"]["measured_step_time_s"].get<double>() / pair["off"]["measured_step_time_s"].get<double>();
+  }
+  out["msp"] = std::move(msp);
   return out;
 }
+
+void print_bench_sp_msp(const nlohmann::json& j);
 
 void print_bench_sp(const nlohmann::json& j) {
   std::printf("sequence parallelism on %d ranks, one thread each: %s, S %lld, profile %s\n%s\n", j["ranks"].get<int>(),
@@ -292,6 +315,25 @@ void print_bench_sp(const nlohmann::json& j) {
               "one rank at S %.3f; peak a rank over one rank's: tp 2 %.3f, cp 2 zigzag %.3f\n",
               j["speedup_tp2_over_one"].get<double>(), j["tokens_per_s_per_rank_tp2_2S_over_one"].get<double>(),
               j["peak_tp2_over_one"].get<double>(), j["peak_cp2_over_one"].get<double>());
+  print_bench_sp_msp(j);
+}
+
+void print_bench_sp_msp(const nlohmann::json& j) {
+  std::printf("\nMSP on a pipeline of 2 stages (idle over busy compute time)\n");
+  std::printf("| layout | measured s | simulated s | bubble measured | bubble simulated | peak a rank (measured / "
+              "predicted, fullest rank) |\n|---|---|---|---|---|---|\n");
+  for (const auto& r : j["msp"]) {
+    const auto& m = r["measured_peak_device_bytes_per_rank"];
+    const auto& p = r["predicted_peak_device_bytes_per_rank"];
+    std::printf("| %s | %.3f | %.3f | %.3f | %.3f | %s / %s |\n", r["layout"].get<std::string>().c_str(),
+                r["measured_step_time_s"].get<double>(), r["simulated_step_time_s"].get<double>(),
+                r["measured_bubble"].get<double>(), r["simulated_bubble"].get<double>(),
+                format_bytes(double(std::max(m[0].get<i64>(), m[1].get<i64>()))).c_str(),
+                format_bytes(double(std::max(p[0].get<i64>(), p[1].get<i64>()))).c_str());
+  }
+  std::printf("MSP step time on / off, measured: N 2 %.3f, N 4 %.3f, N 8 %.3f\n",
+              j["msp_step_time_on_over_off_n2"].get<double>(), j["msp_step_time_on_over_off_n4"].get<double>(),
+              j["msp_step_time_on_over_off_n8"].get<double>());
 }
 
 void print_bench_pipeline(const nlohmann::json& j) {
