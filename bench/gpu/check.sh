@@ -83,6 +83,8 @@ if [ $SMOKE = 0 ]; then
   done
   section offload 120 "$SPPO" bench offload "${BF16[@]}" --model medium --seq-len 32768 --subseqs 8 --json
   section profile 120 "$SPPO" profile "${BACKEND[@]}" --out "$OUT/parts/profile.json"
+  # The simulator on the profile just measured, against three real one-GPU SPPO steps.
+  section sim 240 "$SPPO" bench sim "${BF16[@]}" --hardware "$OUT/parts/profile.json" --reps 2 --json
   section torch 300 "$PY" bench/gpu/torch_peer.py
   torch_max=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['memory']['torch_ckpt_max_seq'])" \
     "$OUT/logs/torch.out" 2>/dev/null || echo 0)

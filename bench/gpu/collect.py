@@ -120,6 +120,12 @@ for S in (16384, 65536, 131072):
 result["layer"] = layers
 off = last_json(read(os.path.join(logs, "offload.out"))) or {}
 result["offload"] = {"adaptive_over_none": off.get("adaptive_over_none_step_time")}
+sim = last_json(read(os.path.join(logs, "sim.out"))) or {}
+if sim.get("configs"):
+    # The bar for one GPU: step time within 10%, peak memory within 2%.
+    checks["sim_vs_measured"] = {"configs": sim["configs"], "worst_step_time_error": sim["worst_step_time_error"],
+                                 "worst_peak_error": sim["worst_peak_error"],
+                                 "pass": sim["worst_step_time_error"] <= 0.10 and sim["worst_peak_error"] <= 0.02}
 mem = last_json(read(os.path.join(logs, "memory.out"))) or {}
 tmem = torch.get("memory", {})
 speedup = None

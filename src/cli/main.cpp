@@ -303,12 +303,15 @@ int main(int argc, char** argv) {
   cmd_bench_sp->add_option("--hardware", bsp.hardware, "Profile to simulate with (default: measured now)");
   cmd_bench_sp->add_flag("--json", bsp_json, "Print one JSON object");
 
-  std::string bs_hardware;
-  int bs_reps = 5;
+  BenchModelOptions bs;
+  bs.reps = 5;
   bool bs_json = false;
-  auto* cmd_bench_sim = cmd_bench->add_subcommand("sim", "Simulated vs measured step time and peak for several configurations");
-  cmd_bench_sim->add_option("--hardware", bs_hardware, "Profile to simulate with (default: measured now)");
-  cmd_bench_sim->add_option("--reps", bs_reps, "Timed steps per configuration")->capture_default_str();
+  auto* cmd_bench_sim = cmd_bench->add_subcommand(
+      "sim", "Simulated vs measured step time and peak for several configurations (on a GPU: three of gpt-7b's shape)");
+  cmd_bench_sim->add_option("--hardware", bs.hardware, "Profile to simulate with (default: measured now)");
+  cmd_bench_sim->add_option("--reps", bs.reps, "Timed steps per configuration")->capture_default_str();
+  cmd_bench_sim->add_option("--backend", bs.backend, "cpu, cuda or auto")->capture_default_str();
+  cmd_bench_sim->add_option("--precision", bs.precision, "fp32 or bf16 (default: the backend's)");
   cmd_bench_sim->add_flag("--json", bs_json, "Print one JSON object");
 
   // profile
@@ -416,7 +419,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*cmd_bench_sim) {
-      const auto j = bench_sim(bs_hardware, bs_reps);
+      const auto j = bench_sim(bs);
       if (bs_json) std::printf("%s\n", j.dump(2).c_str());
       else print_bench_sim(j);
       return 0;

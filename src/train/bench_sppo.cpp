@@ -9,6 +9,7 @@
 #include "planner/cost.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
+#include "train/profile_device.h"
 #include "train/profile_machine.h"
 #include "train/setup.h"
 
@@ -233,45 +234,60 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
           {"modes", modes}};
 }
 
-nlohmann::json bench_sim(const std::string& hardware, int reps) {
+nlohmann::json bench_sim(const BenchModelOptions& b) {
   struct Config {
     const char* model;
+    int layers;  // 0: the preset's
     i64 S;
     int N;
     const char* offload;
   };
-  // 4K to 64K tokens, 1 to 32 subsequences: long sequences spend most of their attention
-  // after a prefix (Note [Attention after a prefix]), short ones in GEMMs.
-  const Config configs[] = {
-      {"small", 4096, 2, "none"},       {"small", 8192, 1, "none"},        {"small", 8192, 8, "0.5"},
-      {"small", 16384, 16, "full"},     {"medium", 4096, 4, "none"},       {"medium", 8192, 8, "full"},
-      {"bench-memory", 8192, 4, "0.75"}, {"small", 32768, 16, "0.5"},      {"small", 65536, 20, "0.5"},
-      {"small", 65536, 32, "full"},
+  // On the CPU, 4K to 64K tokens and 1 to 32 subsequences: long sequences spend most of
+  // their attention after a prefix (Note [Attention after a prefix]), short ones in GEMMs.
+  const std::vector<Config> cpu_configs = {
+      {"small", 0, 4096, 2, "none"},       {"small", 0, 8192, 1, "none"},   {"small", 0, 8192, 8, "0.5"},
+      {"small", 0, 16384, 16, "full"},     {"medium", 0, 4096, 4, "none"},  {"medium", 0, 8192, 8, "full"},
+      {"bench-memory", 0, 8192, 4, "0.75"}, {"small", 0, 32768, 16, "0.5"}, {"small", 0, 65536, 20, "0.5"},
+      {"small", 0, 65536, 32, "full"},
   };
-  const plan::HardwareProfile hw = hardware.empty() ? measure_cpu_profile(false) : plan::load_profile(hardware);
+  // On a GPU, three one-device SPPO configurations of gpt-7b's layer shape (4 of its
+  // layers, so that weights, Adam state and 128K tokens of activations fit one card):
+  // no offload, half, and all of it with 16 subsequences.
+  const std::vector<Config> gpu_configs = {
+      {"gpt-7b", 4, 32768, 4, "none"}, {"gpt-7b", 4, 65536, 8, "0.5"}, {"gpt-7b", 4, 131072, 16, "full"}};
+  const auto probe_backend = make_backend(b.backend, b.precision);
+  const bool on_cpu = std::string(probe_backend->name()) == "cpu";
+  const plan::HardwareProfile hw = !b.hardware.empty() ? plan::load_profile(b.hardware)
+                                   : on_cpu            ? measure_cpu_profile(false)
+                                                       : measure_backend_profile(*probe_backend, false);
   nlohmann::json rows = nlohmann::json::array();
   double worst_time = 0, worst_peak = 0;
-  for (const Config& cfg : configs) {
+  for (const Config& cfg : on_cpu ? cpu_configs : gpu_configs) {
     StepOptions o;
     o.model = preset(cfg.model);
+    if (cfg.layers > 0) o.model.layers = cfg.layers;
     o.model_name = cfg.model;
     o.seq_len = cfg.S;
     o.subseqs = std::to_string(cfg.N);
     o.partition = "flops";
     o.offload = cfg.offload;
+    o.backend = b.backend;
+    o.precision = b.precision;
     StepSetup s = make_setup(o);
-    const plan::CostModel cost(hw, s.config, ActPrecision::F32);
+    const ActPrecision prec = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
+    const plan::CostModel cost(hw, s.config, prec);
     // The runtime's rules, its kernels' scratch from the device tier included.
     sim::StepShape shape;
+    shape.precision = prec;
     shape.block_scratch = s.backend->block_scratch(s.config);
     shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);
-    const auto sim_r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, ActPrecision::F32, shape));
+    const auto sim_r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, prec, shape));
     std::vector<std::int32_t> tokens(std::size_t(cfg.S + 1));
     s.data->next(tokens.data(), cfg.S + 1);
     init_params(s.config, s.runtime->params(), 1);
     std::vector<double> times;
     i64 peak = 0;
-    for (int r = 0; r < reps + 1; ++r) {
+    for (int r = 0; r < b.reps + 1; ++r) {
       const StepResult res = s.runtime->step(s.schedule, tokens.data());
       if (r == 0) continue;
       times.push_back(res.step_s);
@@ -283,17 +299,21 @@ nlohmann::json bench_sim(const std::string& hardware, int reps) {
     const double peak_err = double(sim_r.peak_device_bytes - peak) / double(peak);
     worst_time = std::max(worst_time, std::fabs(time_err));
     worst_peak = std::max(worst_peak, std::fabs(peak_err));
-    rows.push_back({{"model", cfg.model}, {"seq_len", cfg.S}, {"subseqs", cfg.N}, {"offload", cfg.offload},
-                    {"measured_step_time_s", measured}, {"simulated_step_time_s", sim_r.step_time_s},
-                    {"step_time_error", time_err}, {"measured_peak_device_bytes", peak},
-                    {"simulated_peak_device_bytes", sim_r.peak_device_bytes}, {"peak_error", peak_err}});
+    std::fprintf(stderr, "bench sim: %s S %lld N %d offload %s: measured %.3f s, simulated %.3f s\n", cfg.model,
+                 (long long)cfg.S, cfg.N, cfg.offload, measured, sim_r.step_time_s);
+    rows.push_back({{"model", cfg.model}, {"layers", s.config.layers}, {"seq_len", cfg.S}, {"subseqs", cfg.N},
+                    {"offload", cfg.offload}, {"measured_step_time_s", measured},
+                    {"simulated_step_time_s", sim_r.step_time_s}, {"step_time_error", time_err},
+                    {"measured_peak_device_bytes", peak}, {"simulated_peak_device_bytes", sim_r.peak_device_bytes},
+                    {"peak_error", peak_err}});
   }
-  return {{"profile", plan::to_json(hw)}, {"configs", rows}, {"worst_step_time_error", worst_time},
-          {"worst_peak_error", worst_peak}};
+  return {{"backend", probe_backend->name()}, {"profile", plan::to_json(hw)},     {"configs", rows},
+          {"worst_step_time_error", worst_time}, {"worst_peak_error", worst_peak}};
 }
 
 void print_bench_sim(const nlohmann::json& j) {
-  std::printf("simulator vs runtime on this machine (profile %s)\n", j["profile"]["name"].get<std::string>().c_str());
+  std::printf("simulator vs runtime on this machine, %s backend (profile %s)\n", j["backend"].get<std::string>().c_str(),
+              j["profile"]["name"].get<std::string>().c_str());
   std::printf("| model | S | N | offload | measured s | simulated s | error | measured peak | simulated peak | error |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& r : j["configs"])

@@ -34,9 +34,10 @@ nlohmann::json bench_memory(const BenchModelOptions& o);
 nlohmann::json bench_offload(const BenchModelOptions& o);
 
 // The simulator against the runtime on this machine: for several single-process
-// configurations (N, alpha, model sizes), measured step time and peak beside the
-// simulated ones on a profile measured in the same run (or `hardware`).
-nlohmann::json bench_sim(const std::string& hardware, int reps);
+// configurations (N, alpha, model sizes; on a GPU, three of gpt-7b's layer shape), measured
+// step time and peak beside the simulated ones on a profile measured in the same run (or
+// o.hardware). Uses o.backend, o.precision, o.hardware and o.reps.
+nlohmann::json bench_sim(const BenchModelOptions& o);
 
 void print_bench_memory(const nlohmann::json& j);
 void print_bench_sim(const nlohmann::json& j);
