@@ -68,8 +68,17 @@ class Comm {
   double timeout_s() const { return timeout_s_; }
   void set_timeout_s(double s) { timeout_s_ = s; }
 
+  // Bytes handed to isend since this rank started: its point-to-point traffic, which the
+  // simulator predicts message by message. Collectives are not counted (what they move
+  // depends on the library's algorithm).
+  i64 bytes_sent() const { return bytes_sent_; }
+
+ protected:
+  void count_sent(i64 bytes) { bytes_sent_ += bytes; }
+
  private:
   double timeout_s_ = kDefaultTimeoutS;
+  i64 bytes_sent_ = 0;
 
  public:
   static constexpr double kDefaultTimeoutS = 20.0;

@@ -120,7 +120,7 @@ double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group) const {
 }
 
 i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
-  // Ring steps of a tensor-parallel member move its heads only (K/V and their gradients).
+  // Ring steps of a tensor-parallel member move its heads only.
   if (s.tp > 1 && op.kind == OpKind::RingStep) {
     Schedule one;
     one.layers = s.layers;
@@ -132,6 +132,7 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
   }
   const i64 H = model_.hidden;
   const int n = std::max(1, op.layer_end - op.layer_begin);
+  if (op.kind == OpKind::RingStep) return sched::ring_step_bytes(s, op, H, model_.heads, act_bytes_, model_.causal) * n;
   i64 tokens = op.tokens;
   if (tokens == 0) tokens = sched::span_tokens(s.spans(op));
   switch (op.payload) {
@@ -139,12 +140,15 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
     case Payload::Hidden:
     case Payload::HiddenGrad: return tokens * H * act_bytes_;
     case Payload::KV: return tokens * kv_per_token_ * n;
-    // A ring step moves K, V with their fp32 dK, dV; an MSP piece's KVGrad, dK, dV only.
-    case Payload::KVGrad: return tokens * ((op.kind == OpKind::RingStep ? kv_per_token_ : 0) + 2 * H * 4) * n;
+    case Payload::KVGrad: return tokens * 2 * H * 4 * n;  // an MSP piece's fp32 dK, dV
     case Payload::Weights:
       return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
                                 op.layer_end == s.layers) * act_bytes_;
     case Payload::WeightGrads:
+      // An MSP helper's gradients of the stage it borrowed; from the head's stage, with its
+      // loss sum (fp64) and per-position losses (fp32).
+      return sched::allreduce_bytes(op, model_, s.layers, TpShard{0, s.tp}) +
+             (op.kind != OpKind::AllReduce && op.layer_end == s.layers ? 8 + 4 * s.seq_len() : 0);
     case Payload::TiedGrads: return sched::allreduce_bytes(op, model_, s.layers, TpShard{0, s.tp});
   }
   SPPO_ASSERT(false);

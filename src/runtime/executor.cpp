@@ -581,27 +581,11 @@ std::unique_ptr<BlockAttention> Runtime::attention(StepState& st, const sched::O
   for (int h = 0; h < R; ++h) {
     const sched::Op other = piece_op(op, h);
     ctx.spans.push_back(rows_of(sc, other).parts());
-    if (!op.group.empty()) {
-      // An MSP task (Note [MSP pieces]): the stage's owner holds every earlier key, each
-      // helper the keys of its own piece.
-      const int rank = op.group[std::size_t(h)];
-      const auto own = sc.owned.empty() ? std::pair<int, int>{0, sc.layers} : sc.owned.at(std::size_t(rank));
-      const bool owner = own.first <= op.layer_begin && op.layer_end <= own.second;
-      ctx.members.push_back(rank);
-      ctx.first_key.push_back(owner && i > 0 ? 0 : ctx.spans.back().front().pos0);
-      continue;
-    }
-    // A ring piece: the ring's members are ranks tp apart in piece order, each with this
-    // rank's tensor-parallel index (sched::PipelineSpec::rank_of, expand_tensor_parallel),
-    // each holding its piece of every subsequence.
-    ctx.members.push_back(opts_.rank + (h - op.piece) * tp);
-    i64 first = ctx.spans.back().front().pos0;
-    for (int j = 0; j < i; ++j) {
-      sched::Op earlier = other;
-      earlier.subseq = j;
-      first = std::min(first, rows_of(sc, earlier).parts().front().pos0);
-    }
-    ctx.first_key.push_back(first);
+    ctx.first_key.push_back(sched::ring_first_key(sc, op, h));
+    // An MSP task's members are its group (Note [MSP pieces]); a ring piece's are ranks tp
+    // apart in piece order, each with this rank's tensor-parallel index
+    // (sched::PipelineSpec::rank_of, expand_tensor_parallel).
+    ctx.members.push_back(op.group.empty() ? opts_.rank + (h - op.piece) * tp : op.group[std::size_t(h)]);
   }
   ctx.me = op.piece;
   ctx.subseq = i;
@@ -997,6 +981,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   });
   const double t_start = now_s();
   st.t_start = t_start;
+  const i64 sent_at_start = opts_.comm ? opts_.comm->bytes_sent() : 0;
   result.start_s = t_start;
   if (opts_.record_memory) device_->record_timeline(&now_s);
   auto span = [&](const std::string& name, sched::OpKind kind, Lane lane, double t0, double t1) {
@@ -1088,6 +1073,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.d2h->synchronize();
   st.h2d->synchronize();
   result.step_s = now_s() - t_start;
+  if (opts_.comm) result.sent_bytes = opts_.comm->bytes_sent() - sent_at_start;
   result.exposed_copy_s += device_->release_wait_s();
   result.comm_wait_s += result.ring_wait_s;
   for (int i = 0; i < N; ++i) {

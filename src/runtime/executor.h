@@ -99,6 +99,7 @@ struct StepResult {
   double comm_wait_s = 0;         // compute time spent waiting on messages and reductions
   double ring_wait_s = 0;         // the part of it inside F and B ops, on ring attention's messages
   double compute_s = 0;           // time in F and B ops
+  i64 sent_bytes = 0;             // point-to-point bytes sent: Send ops' messages and ring attention's
   double step_s = 0;              // wall time of the step
   double start_s = 0;             // steady-clock time the step started (aligns ranks' traces)
   std::vector<TraceSpan> trace;

@@ -19,7 +19,9 @@
 //    key block's backward exact on its own) and returns a partial dq, which the owner sums.
 //    When the ring has passed, this rank's dK/dV of the subsequence are complete.
 // A (holder, query span) pair where the holder has no key at or before the span's last
-// position exchanges nothing: both ends know it from the positions alone.
+// position exchanges nothing: both ends know it from the positions alone. The simulator
+// prices exactly these messages (sched::ring_step_bytes, with sched::ring_first_key for
+// who holds which keys), so each rank's traffic is predicted to the byte.
 #pragma once
 
 #include <functional>

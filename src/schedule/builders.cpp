@@ -339,6 +339,8 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           ring.tokens = span_tokens(pc.spans);
           ring.peer = t.pieces[size_t((pc.piece + 1) % M)].rank;
           ring.recv_peer = t.pieces[size_t((pc.piece + M - 1) % M)].rank;
+          if (split)  // who holds which keys (sched::ring_first_key)
+            for (const Piece& q : t.pieces) ring.group.push_back(q.rank);
           ops.push_back(ring);
         }
       }

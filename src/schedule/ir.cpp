@@ -58,6 +58,41 @@ Spans Schedule::spans(const Op& op) const {
   return piece_spans(l, op.piece, op.pieces, ring_piece ? ring_layout : RingLayout::Contiguous);
 }
 
+i64 ring_first_key(const Schedule& s, const Op& op, int piece) {
+  Op member = op;
+  member.piece = piece;
+  const i64 own = s.offset(op.subseq) + s.spans(member).front().first;
+  if (!op.group.empty()) {
+    const int rank = op.group.at(std::size_t(piece));
+    const auto mine = s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
+    const bool owner = mine.first <= op.layer_begin && op.layer_end <= mine.second;
+    return owner && op.subseq > 0 ? 0 : own;
+  }
+  i64 first = own;
+  for (int j = 0; j < op.subseq; ++j) {
+    member.subseq = j;
+    first = std::min(first, s.offset(j) + s.spans(member).front().first);
+  }
+  return first;
+}
+
+i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes, bool causal) {
+  const int R = op.pieces, me = op.piece, t = op.step;
+  if (t < 1 || t > R - 1) return 0;  // a backward's last step: dK, dV never leave their owner
+  const bool forward = op.payload == Payload::KV;
+  const i64 f32 = 4;
+  const i64 travel = forward ? H * act_bytes : 2 * H * act_bytes + 2 * Z * f32;
+  const i64 back = forward ? H * act_bytes + Z * f32 : H * act_bytes;
+  Op passed = op, got = op;
+  passed.piece = (me - t + 1 + R) % R;  // step 1 sends its own queries, later ones forward
+  got.piece = (me - t + R) % R;
+  i64 bytes = span_tokens(s.spans(passed)) * travel;
+  const i64 first_key = ring_first_key(s, op, me), o = s.offset(op.subseq);
+  for (const auto& [b, e] : s.spans(got))
+    if (!causal || first_key <= o + e - 1) bytes += (e - b) * back;
+  return bytes;
+}
+
 MessageKey message_key(const Op& op) {
   MessageKey m{op.payload, op.subseq, op.piece, op.pieces, op.layer_begin, op.layer_end, 0, op.tokens};
   if (op.kind == OpKind::RingStep) {

@@ -105,6 +105,18 @@ struct Schedule {
   Spans spans(const Op& op) const;
 };
 
+// Ring attention over the pieces of a task (runtime/ring.h: queries travel, keys stay).
+// The first position whose key member `piece` of F/B/RingStep op `op`'s ring holds: a
+// context-parallel member holds its piece of every subsequence so far; in an MSP task
+// (`group` set) the stage's owner holds every earlier key, and each helper its own piece's.
+i64 ring_first_key(const Schedule& s, const Op& op, int piece);
+// Bytes member op.piece sends at ring step op.step of one layer of the task: the query
+// piece it passes on, and the partial results it returns for the piece it received (those
+// of its spans that see a key it holds). Forward: queries (e bytes a value), then partial
+// outputs and fp32 LSE; backward: queries, output gradients, fp32 LSE and delta, then
+// partial dq. H and Z are the member's width and heads.
+i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes, bool causal);
+
 // The identity a receive matches a send by (an MPI tag): payload, subsequence, piece,
 // layers and tokens; ring steps match by step and ring (every piece sends its own block).
 // Messages with equal keys between two ranks are received in the order sent.

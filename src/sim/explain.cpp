@@ -144,8 +144,9 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   lines.push_back({Row::Logits, at(sched::MemTerm::HeadWorkspace), 0,
                    "logits of " + std::to_string(rules.head_chunk) + " rows at a time, [chunk, V] and its gradient"});
   lines.push_back({Row::CommBuffers, at(sched::MemTerm::RingBuffers), 0,
-                   "ring pieces: two K, V chunks in forward, with two dK, dV chunks in backward; the gradient "
-                   "all-reduce works in place"});
+                   "ring attention (queries travel, keys stay): the other pieces' queries with the partial outputs "
+                   "and LSEs both ways in forward; their queries, output gradients, LSEs, deltas and partial dq "
+                   "in backward; the gradient all-reduce works in place"});
   lines.push_back({Row::Borrowed, at(sched::MemTerm::BorrowedWeights) + at(sched::MemTerm::BorrowedGrads), 0,
                    "MSP helpers: another stage's weights (e B a parameter) and fp32 gradients"});
   lines.push_back({Row::StepInputs, at(sched::MemTerm::StepInputs), 0,

@@ -86,6 +86,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
   for (size_t i = 0; i < s.lengths.size(); ++i) offsets[i + 1] = offsets[i] + s.lengths[i];
   const bool nic_shared = hw.gpus_per_nic > 1 && hw.nic_bw > 0;
   res.forward_end.assign(R, std::vector<double>(s.lengths.size(), -1.0));
+  res.sent_bytes.assign(R, 0);
   res.backward_start.assign(R, std::vector<double>(s.lengths.size(), -1.0));
 
   auto scale_of = [&](int r, size_t pc) {
@@ -103,6 +104,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
   // A message's seconds on the network, stretched where it crosses a shared NIC.
   auto send_s = [&](int r, size_t pc, const Op& op, double start) {
     const i64 bytes = cost.message_bytes(op, s);
+    res.sent_bytes[size_t(r)] += bytes;
     const double alone = cost.message_s(bytes, r, op.peer);
     if (!nic_shared || cost.same_node(r, op.peer) || bytes == 0) return alone;
     const double lat = hw.inter_node_latency, move = alone - lat;

@@ -65,6 +65,7 @@ struct SimResult {
   std::vector<i64> peak_bytes;   // per rank
   i64 peak_device_bytes = 0;     // max over ranks
   i64 peak_host_bytes = 0;       // max over ranks of offloaded bytes held on the host
+  std::vector<i64> sent_bytes;   // per rank: point-to-point bytes sent (Send and ring messages)
   std::vector<i64> fixed_bytes;  // per rank: weights, gradients, optimizer state
   // Per rank, at the moment of its peak: device bytes by term (they sum to peak_bytes),
   // offloaded bytes on the host, and the time.

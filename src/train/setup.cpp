@@ -302,6 +302,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, precision, shape));
     s.predicted_peak_bytes = r.peak_device_bytes;
     s.predicted_peak_per_rank = r.peak_bytes;
+    s.predicted_sent_per_rank = r.sent_bytes;
     s.predicted_step_s = r.step_time_s;
     s.predicted_bubble = r.bubble_ratio;
     s.predicted_host_bytes = r.peak_host_bytes;

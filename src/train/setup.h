@@ -29,6 +29,7 @@ struct StepSetup {
   i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule, max over
                                 // ranks (0: none, as for --recompute, which it does not model)
   std::vector<i64> predicted_peak_per_rank;
+  std::vector<i64> predicted_sent_per_rank;  // point-to-point bytes each rank sends in a step
   double predicted_step_s = 0;  // on `profile`
   double predicted_bubble = 0;  // idle over busy compute time, mean over ranks
   i64 predicted_host_bytes = 0; // offloaded bytes held in host memory at once (fullest rank)

@@ -150,6 +150,7 @@ struct Sequences {
   double loss_sum = 0, first_sum = 0, second_sum = 0;  // over this rank's sequences (last stage)
   double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
   i64 peak = 0, offloaded = 0;
+  i64 sent = 0;  // point-to-point bytes of one sequence's step (each sends the same)
   StepResult last;
 };
 
@@ -177,6 +178,7 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     q.exposed_s += r.exposed_copy_s;
     q.peak = std::max(q.peak, r.device.peak);
     q.offloaded += r.offloaded_bytes;
+    q.sent = std::max(q.sent, r.sent_bytes);
     q.last = std::move(r);
   }
   return q;
@@ -186,21 +188,21 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
 struct RankFigures {
   int rank = 0;
   double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
-  i64 peak = 0, offloaded = 0;
+  i64 peak = 0, offloaded = 0, sent = 0;
   double bubble() const { return compute_s > 0 ? (step_s - compute_s) / compute_s : 0; }
 };
 
 std::vector<RankFigures> all_figures(comm::Comm& world, const Sequences& q) {
-  constexpr int kFields = 6;
+  constexpr int kFields = 7;
   std::vector<double> v(std::size_t(world.size()) * kFields, 0.0);
   double* mine = v.data() + std::size_t(world.rank()) * kFields;
   mine[0] = q.step_s, mine[1] = q.compute_s, mine[2] = q.comm_wait_s, mine[3] = q.exposed_s;
-  mine[4] = double(q.peak), mine[5] = double(q.offloaded);
+  mine[4] = double(q.peak), mine[5] = double(q.offloaded), mine[6] = double(q.sent);
   comm::allreduce_sum(world, v, comm::world_group(world), "every rank's step figures");
   std::vector<RankFigures> f(std::size_t(world.size()));
   for (int r = 0; r < world.size(); ++r) {
     const double* x = v.data() + std::size_t(r) * kFields;
-    f[std::size_t(r)] = {r, x[0], x[1], x[2], x[3], i64(x[4]), i64(x[5])};
+    f[std::size_t(r)] = {r, x[0], x[1], x[2], x[3], i64(x[4]), i64(x[5]), i64(x[6])};
   }
   return f;
 }
@@ -331,6 +333,7 @@ int run_train(const TrainOptions& o) {
   std::vector<double> step_times;
   int bad_in_a_row = 0;
   std::vector<i64> peaks(std::size_t(lay.ranks()), 0);
+  std::vector<i64> sent(std::size_t(lay.ranks()), 0);
   for (int step = start_step; step < o.steps; ++step) {
     const FaultPlan& fault = fault_plan();
     if (fault.kind == FaultPlan::Kind::Die && fault.rank == world.rank() && fault.count == step + 1) raise(SIGKILL);
@@ -372,6 +375,7 @@ int run_train(const TrainOptions& o) {
       peak = std::max(peak, f.peak);
       offloaded += f.offloaded;
       peaks[std::size_t(f.rank)] = std::max(peaks[std::size_t(f.rank)], f.peak);
+      sent[std::size_t(f.rank)] = f.sent;
     }
     step_times.push_back(step_s);
     const int done = step + 1;
@@ -448,6 +452,8 @@ int run_train(const TrainOptions& o) {
   if (lay.ranks() > 1) {
     summary["measured_peak_device_bytes_per_rank"] = peaks;
     summary["predicted_peak_device_bytes_per_rank"] = s.predicted_peak_per_rank;
+    summary["measured_sent_bytes_per_rank"] = sent;
+    summary["predicted_sent_bytes_per_rank"] = s.predicted_sent_per_rank;
     summary["simulated_bubble"] = s.predicted_bubble;
   }
   if (s.profile_measured) {
@@ -571,6 +577,12 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
                            {"peak_device_bytes", peak},
                            {"offloaded_bytes", offloaded},
                            {"step_time_s", step_s}};
+  if (lay.ranks() > 1) {
+    std::vector<i64> sent;
+    for (const RankFigures& f : ranks) sent.push_back(f.sent);
+    result["measured_sent_bytes_per_rank"] = sent;
+    result["predicted_sent_bytes_per_rank"] = s.predicted_sent_per_rank;
+  }
   write_json_file(out_dir + "/result.json", result);
   std::printf("loss %.6f -> %s\n", loss, out_dir.c_str());
   return 0;

@@ -65,6 +65,7 @@ class Mpi final : public Comm {
   Request isend(const void* data, i64 bytes, int peer, int tag) override {
     Pending p;
     check(MPI_Isend(data, count_of(bytes), MPI_BYTE, peer, tag, MPI_COMM_WORLD, &p.req), "MPI_Isend");
+    count_sent(bytes);
     return add(std::move(p));
   }
 
