@@ -413,7 +413,8 @@ AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& len
 }
 
 FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile& hw, ActPrecision precision,
-                             i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape) {
+                             i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape,
+                             i64 quantum) {
   // Note [Searching N]: the peak falls roughly as 1/N towards the K/V cache and dK/dV
   // accumulators, which no N removes. N grows by a quarter per try until one fits, then
   // bisection finds the smallest fitting N below it; when the least peak has not improved
@@ -422,7 +423,7 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
   min_n = std::max(1, min_n);
   max_n = int(std::min<i64>(max_n, S));
   auto lengths_of = [&](int n) {
-    return flops_balanced ? plan::partition_flops(c, S, n) : plan::partition_length(S, n);
+    return flops_balanced ? plan::partition_flops(c, S, n, quantum) : plan::partition_length(S, n);
   };
   auto solve = [&](int n) {
     const AlphaResult a = solve_alpha_single(c, lengths_of(n), hw, precision, budget, OffloadMode::Adaptive, shape);

@@ -89,6 +89,8 @@ std::vector<double> paper_alpha(const std::vector<UnitProfile>& units, const Cos
 
 // Smallest N (from `min_n` up to `max_n`) whose best alpha fits `budget` on one device
 // (Note [Searching N]: assumes fitting is monotone in N, as the peak falls with N).
+// Balanced lengths are cut on multiples of `quantum` tokens, as the run that follows cuts
+// them (train/partition.h kTileTokens), so that the N found is the N that runs.
 struct FitSearch {
   bool found = false;
   int subseqs = 0;
@@ -99,7 +101,8 @@ struct FitSearch {
   std::string reason;
 };
 FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile& hw, ActPrecision precision,
-                             i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape = {});
+                             i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape = {},
+                             i64 quantum = 1);
 
 // Memory rules of a GPU plan or of this CPU. `zero_shards` > 0: the ZeRO-1 shard count to
 // count (MemoryRules::zero_shards).

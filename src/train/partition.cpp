@@ -13,10 +13,6 @@ namespace sppo {
 
 namespace {
 
-// The CPU attention kernel works in tiles of 128 keys and 256 queries: subsequence
-// boundaries on multiples of 128 waste no partial tiles.
-constexpr i64 kTileTokens = 128;
-
 std::vector<i64> lengths_for(const std::string& mode, const ModelConfig& c, i64 S, int N) {
   if (mode == "flops") return plan::partition_flops(c, S, N, kTileTokens);
   return plan::partition_length(S, N);
@@ -96,7 +92,7 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
 
   if (budget > 0 && ch.predicted_peak_bytes > budget) {
     const auto fit = sim::smallest_fitting_n(c, S, measured, shape.precision, budget, partition != "length",
-                                             1, int(std::min<i64>(S, 4096)), shape);
+                                             1, int(std::min<i64>(S, 4096)), shape, kTileTokens);
     std::string hint;
     if (fit.found)
       hint = "the smallest that fits is --subseqs " + std::to_string(fit.subseqs) +

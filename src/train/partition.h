@@ -11,6 +11,10 @@
 
 namespace sppo {
 
+// The CPU attention kernel works in tiles of 128 keys and 256 queries: subsequence
+// boundaries on multiples of 128 waste no partial tiles.
+inline constexpr i64 kTileTokens = 128;
+
 struct SubseqChoice {
   std::vector<i64> lengths;        // l_i
   std::vector<double> alpha;       // alpha_i, last 0

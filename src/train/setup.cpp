@@ -251,7 +251,8 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     if (o.subseqs == "auto" && o.device_memory > 0 && !o.recompute) {
       // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
       const auto fit = sim::smallest_fitting_n(s.config, S, hw, precision, o.device_memory,
-                                               o.partition != "length", 1, int(std::min<i64>(S, 4096)), shape);
+                                               o.partition != "length", 1, int(std::min<i64>(S, 4096)), shape,
+                                               kTileTokens);
       if (fit.found) N = fit.subseqs;
     }
     SPPO_CHECK(!o.recompute || N == 1, "options")
