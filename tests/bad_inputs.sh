@@ -217,6 +217,13 @@ expect "--objective 'cloze'" train --model tiny --seq-len 32 --steps 1 --objecti
 expect "--attention bidirectional sees the next token" train --model tiny --seq-len 32 --steps 1 --attention bidirectional
 expect "--objective mlm trains a bidirectional model" train --model tiny --seq-len 32 --steps 1 --objective mlm
 expect "--attention bidirectional sees the whole sequence" train --model tiny --seq-len 32 --steps 1 --attention bidirectional --objective mlm --subseqs 4
+# Drawing a run's loss curve.
+printf '{"step":1,"loss":4.0}\n' >run.jsonl
+expect "cannot open the metrics file missing.jsonl" plot missing.jsonl --out loss.svg
+expect "empty.json line 1 has no integer \"step\"" plot empty.json --out loss.svg
+expect "garbage.json holds no step record" plot garbage.json --out loss.svg
+expect "--out run.jsonl should name an .svg file" plot run.jsonl --out run.jsonl
+expect "array.json line 1 is not a JSON object" plot array.json --out loss.svg
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <omp.h>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,8 @@
 #include "comm/comm.h"
 #include "core/check.h"
 #include "io/checkpoint.h"
+#include "io/fileutil.h"
+#include "io/loss_plot.h"
 #include "train/bench.h"
 #include "train/bench_attention.h"
 #include "train/bench_pipeline.h"
@@ -324,6 +327,14 @@ int main(int argc, char** argv) {
   cmd_profile->add_option("--backend", profile_backend, "cpu, cuda or auto: the device to measure")->capture_default_str();
   cmd_profile->add_option("--precision", profile_precision, "fp32 or bf16 (default: the backend's)");
 
+  // plot
+  std::string plot_metrics, plot_out, plot_title;
+  auto* cmd_plot = app.add_subcommand(
+      "plot", "Draw a run's loss curve (whole sequence, near and far positions) from its --metrics file as SVG");
+  cmd_plot->add_option("metrics", plot_metrics, "The run's metrics file (train --metrics FILE.jsonl)")->required();
+  cmd_plot->add_option("--out", plot_out, "Where to write the SVG")->required();
+  cmd_plot->add_option("--title", plot_title, "Heading of the plot (default: the metrics file's name)");
+
   try {
     try {
       app.parse(argc, argv);
@@ -434,6 +445,15 @@ int main(int argc, char** argv) {
       plan::save_profile(p, profile_out);
       std::printf("%s\n", plan::to_json(p).dump(2).c_str());
       std::fprintf(stderr, "wrote %s; use it with --hardware %s\n", profile_out.c_str(), profile_out.c_str());
+      return 0;
+    }
+    if (*cmd_plot) {
+      SPPO_CHECK(std::filesystem::path(plot_out).extension() == ".svg", "plot")
+          << "--out " << plot_out << " should name an .svg file; the metrics file is never overwritten";
+      const auto curve = io::read_loss_curve(plot_metrics);
+      io::write_file_atomic(plot_out, io::svg_loss_curve(curve, plot_title.empty() ? plot_metrics : plot_title));
+      std::printf("wrote %s: %zu steps, loss %.4f -> %.4f\n", plot_out.c_str(), curve.size(), curve.front().loss,
+                  curve.back().loss);
       return 0;
     }
     if (*cmd_bench_attention) {
