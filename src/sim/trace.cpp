@@ -109,9 +109,12 @@ std::string chrome_trace(const SimResult& r) {
 std::string svg_timeline(const SimResult& r, const std::string& title) {
   const int ranks = int(r.peak_bytes.size());
   const double W = 1200, left = 90, right = 20, plot = W - left - right;
-  const double row = 22, mem_row = 36, top = 50;
+  // Per rank: the compute row, then one thin lane each for copies out, copies in and the
+  // network (labelled at the left), then device memory over time.
+  const double row = 22, lane = 8, lanes = 3 * lane + 2, mem_row = 36, top = 50;
+  const double rank_h = row + lanes + mem_row;
   const double T = r.step_time_s > 0 ? r.step_time_s : 1;
-  const double height = top + ranks * (row + mem_row) + 70;
+  const double height = top + ranks * rank_h + 70;
   auto x = [&](double t) { return left + plot * t / T; };
   std::ostringstream os;
   char buf[512];
@@ -137,14 +140,25 @@ std::string svg_timeline(const SimResult& r, const std::string& title) {
   i64 mem_max = 1;
   for (const auto& m : r.memory)
     for (const auto& [t, b] : m) mem_max = std::max(mem_max, b);
+  auto lane_y = [&](int rank, Lane l) {
+    const double y = top + rank * rank_h;
+    return l == Lane::Compute ? y : y + row + 1 + (int(l) - 1) * lane;
+  };
   for (int d = 0; d < ranks; ++d) {
-    const double y = top + d * (row + mem_row);
+    const double y = top + d * rank_h;
     std::snprintf(buf, sizeof buf, "<text x=\"4\" y=\"%g\">%s</text>\n<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"#f4f4f4\"/>\n",
                   y + 14, xml_escape(device_name(r, d)).c_str(), left, y, plot, row);
     os << buf;
+    for (Lane l : {Lane::CopyOut, Lane::CopyIn, Lane::Network}) {
+      std::snprintf(buf, sizeof buf,
+                    "<text x=\"%g\" y=\"%g\" font-size=\"8\" fill=\"#777777\" text-anchor=\"end\">%s</text>"
+                    "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"#fafafa\"/>\n",
+                    left - 4, lane_y(d, l) + lane - 1, lane_name(l), left, lane_y(d, l), plot, lane - 1);
+      os << buf;
+    }
     if (d < int(r.memory.size()) && !r.memory[d].empty()) {
-      // Memory over time as a step line beneath the row, scaled to the largest peak.
-      const double base = y + row + mem_row - 4, h = mem_row - 8;
+      // Memory over time as a step line beneath the lanes, scaled to the largest peak.
+      const double base = y + rank_h - 4, h = mem_row - 8;
       os << "<polyline fill=\"none\" stroke=\"#777777\" stroke-width=\"1\" points=\"";
       i64 prev = r.memory[d].front().second;
       for (const auto& [t, b] : r.memory[d]) {
@@ -158,25 +172,20 @@ std::string svg_timeline(const SimResult& r, const std::string& title) {
       os << buf;
     }
   }
-  // Compute fills the row (ops separated by a hairline); copies and communication are
-  // bands over its bottom, drawn after it so that they stay visible: copy-out lowest,
-  // then copy-in, then network.
-  for (bool compute_pass : {true, false})
-    for (const TraceEvent& e : r.events) {
-      const bool compute = e.lane == Lane::Compute;
-      if (compute != compute_pass) continue;
-      const double y = top + e.rank * (row + mem_row);
-      const double band = compute ? row : row / 4;
-      const double yy = compute ? y : y + row - band * int(e.lane);
-      const Style s = style_of(e);
-      std::snprintf(buf, sizeof buf,
-                    "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"%s><title>%s</title></rect>\n",
-                    x(e.start), yy, std::max(0.3, plot * e.dur / T), band, s.colour,
-                    compute ? " stroke=\"white\" stroke-width=\"0.4\"" : "", xml_escape(e.name).c_str());
-      os << buf;
-    }
+  // Compute fills its row (ops separated by a hairline); copies and messages fill their
+  // lanes, at least a pixel wide so that short copies beside long compute stay visible.
+  for (const TraceEvent& e : r.events) {
+    const bool compute = e.lane == Lane::Compute;
+    const Style s = style_of(e);
+    std::snprintf(buf, sizeof buf,
+                  "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"%s><title>%s</title></rect>\n",
+                  x(e.start), lane_y(e.rank, e.lane), std::max(compute ? 0.3 : 1.0, plot * e.dur / T),
+                  compute ? row : lane - 1, s.colour, compute ? " stroke=\"white\" stroke-width=\"0.4\"" : "",
+                  xml_escape(e.name).c_str());
+    os << buf;
+  }
   // Time axis.
-  const double ay = top + ranks * (row + mem_row) + 10;
+  const double ay = top + ranks * rank_h + 10;
   std::snprintf(buf, sizeof buf, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"black\"/>\n", left, ay, left + plot, ay);
   os << buf;
   for (int k = 0; k <= 10; ++k) {
