@@ -1,4 +1,4 @@
-#include "train/bench.h"
+#include "bench/bench.h"
 
 #include <omp.h>
 
@@ -12,8 +12,8 @@
 #include "backends/cpu/blas_setup.h"
 #include "model/gpt.h"
 #include "runtime/memory.h"
-#include "train/device_bench.h"
 #include "train/peak.h"
+#include "bench/device_bench.h"
 
 namespace sppo {
 
