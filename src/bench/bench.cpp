@@ -14,6 +14,7 @@
 #include "runtime/memory.h"
 #include "train/peak.h"
 #include "bench/device_bench.h"
+#include "bench/timed_backend.h"
 
 namespace sppo {
 
@@ -35,7 +36,7 @@ void fill_normal(float* p, i64 n, float sd, std::mt19937_64& rng) {
 
 }  // namespace
 
-nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) {
+nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps, bool breakdown) {
   ModelConfig c;
   c.vocab = 256;
   c.hidden = hidden;
@@ -104,9 +105,9 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) 
     be.synchronize();
   };
 
-  std::vector<double> times;
-  device.reset_peak();
-  for (int r = 0; r < reps + 1; ++r) {
+  // One step: the saved tensors and dK/dV made untimed, then the workspace, the forward
+  // and the backward timed. The block runs on `run`: the backend itself, or the timing one.
+  auto step = [&](Backend& run) {
     std::vector<Buffer> saved, ws;
     for (const auto& s : block_saved_specs(c, T, prec)) saved.push_back(device.alloc(s.bytes(), s.name));
     Buffer x_out = device.alloc(i64(T) * hidden * ab, "block output");
@@ -121,16 +122,23 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) 
     BlockSaved bs = block_saved_from(sp);
     const BlockWorkspace w = block_workspace_from(wp);
     const Subseq q{0, T};
-    block_forward(be, x_out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, q);
+    block_forward(run, x_out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, q);
     be.synchronize();
     const double t_fwd = seconds_since(t0);
     // The gradient arriving from above: a random tensor in the output's buffer (untimed).
     random_activations(x_out.data());
     const auto t1 = std::chrono::steady_clock::now();
-    block_backward(be, x_out.data(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{},
-                   c, q);
+    block_backward(run, x_out.data(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], mv.blocks[0], w,
+                   KVBlocks{}, c, q);
     be.synchronize();
-    if (r > 0) times.push_back(t_fwd + seconds_since(t1));
+    return t_fwd + seconds_since(t1);
+  };
+
+  std::vector<double> times;
+  device.reset_peak();
+  for (int r = 0; r < reps + 1; ++r) {
+    const double s = step(be);
+    if (r > 0) times.push_back(s);
   }
   const double t = median(times);
   const double H = hidden, Sd = double(S);
@@ -158,6 +166,19 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) 
     j["fraction_of_sgemm"] = model_flops / t / peak.flops_per_s;
   } else {
     j["fraction_of_peak"] = model_flops / t / peak.flops_per_s;  // of the GEMM rate measured here
+  }
+  if (breakdown) {
+    // One more step, every kernel timed on its own (bench/timed_backend.h); "between_s" is
+    // the step's time outside the kernels: allocation, argument set-up, launches.
+    TimedBackend timed(be);
+    const double s = step(timed);
+    const KernelTimes& k = timed.times();
+    j["breakdown"] = {{"step_s", s},
+                      {"attention_forward_s", k.attention_forward_s},
+                      {"attention_backward_s", k.attention_backward_s},
+                      {"gemm_s", k.gemm_s},
+                      {"other_s", k.other_s},
+                      {"between_s", s - k.attention_forward_s - k.attention_backward_s - k.gemm_s - k.other_s}};
   }
   return j;
 }

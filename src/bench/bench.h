@@ -14,6 +14,8 @@ namespace sppo {
 // measured in the same run: on the CPU the processor's FMA peak (fraction_of_peak, at most
 // 1) and OpenBLAS's SGEMM rate (fraction_of_sgemm), with the OpenBLAS core that ran;
 // elsewhere the backend's GEMM rate in the activation type (fraction_of_peak).
-nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 seq_len, int reps);
+// breakdown: one more step with every kernel timed on its own, its seconds by part in
+// "breakdown" (attention forward, attention backward, GEMMs, other kernels, between them).
+nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 seq_len, int reps, bool breakdown = false);
 
 }  // namespace sppo
