@@ -15,7 +15,7 @@
 # (ASan makes the kernels several times slower), or that measure what ASan changes:
 #   test_train_longrange, test_model_subseq  numerics that train or compare many steps of
 #                                            the same kernels test_model_reference runs once
-#   test_train_profile_device                times every kernel shape of a hardware profile
+#   test_bench_profile_device                times every kernel shape of a hardware profile
 #   test_train_resident                      measures the process's resident memory, which
 #                                            ASan's shadow memory and quarantine inflate
 #
@@ -43,7 +43,7 @@ show_ctest() {
   fi
 }
 
-asan_skip='^(test_train_longrange|test_model_subseq|test_train_profile_device|test_train_resident)$'
+asan_skip='^(test_train_longrange|test_model_subseq|test_bench_profile_device|test_train_resident)$'
 
 run_asan() {
   local t0=$(date +%s)

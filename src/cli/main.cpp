@@ -10,17 +10,17 @@
 
 
 #include "backends/cpu/blas_setup.h"
+#include "bench/bench.h"
+#include "bench/bench_attention.h"
+#include "bench/bench_pipeline.h"
+#include "bench/bench_sppo.h"
+#include "bench/profile_device.h"
 #include "cli/cmd_plan.h"
 #include "comm/comm.h"
 #include "core/check.h"
 #include "io/checkpoint.h"
 #include "io/fileutil.h"
 #include "io/loss_plot.h"
-#include "train/bench.h"
-#include "train/bench_attention.h"
-#include "train/bench_pipeline.h"
-#include "train/bench_sppo.h"
-#include "train/profile_device.h"
 #include "train/profile_machine.h"
 #include "train/parallel.h"
 #include "train/setup.h"
@@ -137,6 +137,18 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   o.model.validate();
 }
 
+// `bench layer --breakdown`: where the extra, kernel-by-kernel timed step's time went.
+void print_layer_breakdown(const nlohmann::json& j) {
+  if (!j.contains("breakdown")) return;
+  const auto& b = j["breakdown"];
+  const double s = b["step_s"].get<double>();
+  auto part = [&](const char* key) { return 100.0 * b[key].get<double>() / s; };
+  std::printf("timed step %.3f s: attention forward %.0f%%, attention backward %.0f%%, GEMMs %.0f%%, "
+              "other kernels %.0f%%, between kernels %.0f%%\n",
+              s, part("attention_forward_s"), part("attention_backward_s"), part("gemm_s"), part("other_s"),
+              part("between_s"));
+}
+
 void print_bench_layer(const nlohmann::json& j) {
   if (j["backend"] != "cpu") {
     std::printf("one block, forward + backward (%s, %s)\n", j["backend"].get<std::string>().c_str(),
@@ -224,7 +236,7 @@ int main(int argc, char** argv) {
   cmd_bench->require_subcommand(1);
   int bl_hidden = 1024, bl_heads = 16, bl_reps = 3, bl_threads = 0;
   std::string bl_seq = "8192";
-  bool bl_json = false;
+  bool bl_json = false, bl_breakdown = false;
   auto* cmd_bench_layer = cmd_bench->add_subcommand("layer", "One block's forward+backward vs this machine's FMA peak and SGEMM rate");
   cmd_bench_layer->add_option("--hidden", bl_hidden, "Hidden size")->capture_default_str();
   cmd_bench_layer->add_option("--heads", bl_heads, "Heads")->capture_default_str();
@@ -232,6 +244,8 @@ int main(int argc, char** argv) {
   cmd_bench_layer->add_option("--reps", bl_reps, "Timed repetitions (median)")->capture_default_str();
   cmd_bench_layer->add_option("--threads", bl_threads, "Compute threads (0: all cores)");
   cmd_bench_layer->add_flag("--json", bl_json, "Print one JSON object");
+  cmd_bench_layer->add_flag("--breakdown", bl_breakdown,
+                            "One more step with each kernel timed: attention forward/backward, GEMMs, other");
   std::string bl_backend = "cpu", bl_precision;
   cmd_bench_layer->add_option("--backend", bl_backend, "cpu, cuda or auto")->capture_default_str();
   cmd_bench_layer->add_option("--precision", bl_precision, "fp32 or bf16 (default: the backend's)");
@@ -473,9 +487,14 @@ int main(int argc, char** argv) {
     if (*cmd_bench_layer) {
       if (bl_threads > 0) omp_set_num_threads(bl_threads);
       const i64 S = parse_count(bl_seq, "--seq-len");
-      const auto j = bench_layer(*make_backend(bl_backend, bl_precision), bl_hidden, bl_heads, S, bl_reps);
-      if (bl_json) std::printf("%s\n", j.dump(2).c_str());
-      else print_bench_layer(j);
+      const auto j = bench_layer(*make_backend(bl_backend, bl_precision), bl_hidden, bl_heads, S, bl_reps,
+                                 bl_breakdown);
+      if (bl_json) {
+        std::printf("%s\n", j.dump(2).c_str());
+      } else {
+        print_bench_layer(j);
+        print_layer_breakdown(j);
+      }
       return 0;
     }
     return 0;

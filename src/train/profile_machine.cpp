@@ -13,7 +13,7 @@
 #include "backends/cpu/attention.h"
 #include "backends/cpu/ops.h"
 #include "model/gpt.h"
-#include "train/bench.h"
+#include "train/peak.h"
 
 namespace sppo {
 

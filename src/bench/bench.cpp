@@ -1,9 +1,6 @@
-#include "train/bench.h"
+#include "bench/bench.h"
 
-#include <cblas.h>
-#include <immintrin.h>
 #include <omp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,69 +10,15 @@
 #include "core/check.h"
 #include "core/layout.h"
 #include "backends/cpu/blas_setup.h"
-#include "backends/cpu/ops.h"
 #include "model/gpt.h"
 #include "runtime/memory.h"
-#include "train/device_bench.h"
+#include "train/peak.h"
+#include "bench/device_bench.h"
+#include "bench/timed_backend.h"
 
 namespace sppo {
 
 namespace {
-
-// Note [FMA peak loop]
-// Each iteration updates kChains independent accumulators, acc = acc * m + a, all in
-// registers. Chains hide the FMA latency: a core retiring two FMAs a cycle with a 4-5
-// cycle latency needs 8-10 chains in flight; 12 (16 for AVX-512, which has 32 registers)
-// leave a margin. acc converges to a / (1 - m), so values stay normal and finite.
-// Each function is compiled for its instruction set whatever the build flags, and chosen
-// at run time from cpuid.
-constexpr float kFmaMul = 0.999999f, kFmaAdd = 1e-7f;
-
-__attribute__((target("avx512f"))) float fma_loop_avx512(i64 iters) {
-  constexpr int kChains = 16;
-  __m512 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(float(c));
-  const __m512 m = _mm512_set1_ps(kFmaMul), a = _mm512_set1_ps(kFmaAdd);
-  for (i64 k = 0; k < iters; ++k)
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], m, a);
-  __m512 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sum);
-  float r = 0;
-  for (float x : lanes) r += x;
-  return r;
-}
-
-__attribute__((target("avx2,fma"))) float fma_loop_avx2(i64 iters) {
-  constexpr int kChains = 12;
-  __m256 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_ps(float(c));
-  const __m256 m = _mm256_set1_ps(kFmaMul), a = _mm256_set1_ps(kFmaAdd);
-  for (i64 k = 0; k < iters; ++k)
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], m, a);
-  __m256 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[c]);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  float r = 0;
-  for (float x : lanes) r += x;
-  return r;
-}
-
-float fma_loop_sse(i64 iters) {  // no FMA: a multiply and an add, two FLOPs as well
-  constexpr int kChains = 12;
-  __m128 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm_set1_ps(float(c));
-  const __m128 m = _mm_set1_ps(kFmaMul), a = _mm_set1_ps(kFmaAdd);
-  for (i64 k = 0; k < iters; ++k)
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm_add_ps(_mm_mul_ps(acc[c], m), a);
-  __m128 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm_add_ps(sum, acc[c]);
-  alignas(16) float lanes[4];
-  _mm_store_ps(lanes, sum);
-  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -93,68 +36,7 @@ void fill_normal(float* p, i64 n, float sd, std::mt19937_64& rng) {
 
 }  // namespace
 
-GemmPeak measure_gemm_peak(int n, int reps) {
-  std::vector<float> a(std::size_t(n) * n), b(a.size()), c(a.size());
-  std::mt19937_64 rng(7);
-  fill_normal(a.data(), i64(a.size()), 1.0f, rng);
-  fill_normal(b.data(), i64(b.size()), 1.0f, rng);
-  std::vector<double> t;
-  for (int r = 0; r < reps + 1; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    cpu::gemm(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
-    if (r > 0) t.push_back(seconds_since(t0));
-  }
-  GemmPeak g;
-  g.flops_per_s = 2.0 * double(n) * n * n / median(t);
-  g.blas_core = openblas_get_corename();
-  return g;
-}
-
-FmaPeak measure_fma_peak(double seconds) {
-  const cpu::CpuFeatures f = cpu::cpu_features();
-  FmaPeak p;
-  float (*loop)(i64) = fma_loop_sse;
-  double flops_per_iter = 12 * 4 * 2;
-  p.isa = "sse";
-  if (f.avx512f) {
-    loop = fma_loop_avx512, flops_per_iter = 16 * 16 * 2, p.isa = "avx512";
-  } else if (f.avx2 && f.fma) {
-    loop = fma_loop_avx2, flops_per_iter = 12 * 8 * 2, p.isa = "avx2+fma";
-  }
-  // Every thread runs `iters` iterations between two barriers; the rate is all their
-  // FLOPs over the wall time between the barriers.
-  auto run = [&](i64 iters) {
-    double wall = 0;
-    int threads = 1;
-    float sink = 0;
-#pragma omp parallel reduction(+ : sink)
-    {
-#pragma omp single
-      threads = omp_get_num_threads();
-#pragma omp barrier
-      const auto t0 = std::chrono::steady_clock::now();
-      sink += loop(iters);
-#pragma omp barrier
-#pragma omp master
-      wall = seconds_since(t0);
-    }
-    SPPO_ASSERT(sink == sink);  // keeps the loops' results alive
-    p.threads = threads;
-    return double(threads) * double(iters) * flops_per_iter / wall;
-  };
-  i64 iters = 1 << 14;
-  while (true) {  // calibrate: long enough to time, and to lift the clock to its running rate
-    const auto t0 = std::chrono::steady_clock::now();
-    run(iters);
-    if (seconds_since(t0) > seconds / 4 || iters > (i64{1} << 40)) break;
-    iters *= 2;
-  }
-  iters *= 4;
-  for (int r = 0; r < 3; ++r) p.flops_per_s = std::max(p.flops_per_s, run(iters));
-  return p;
-}
-
-nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) {
+nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps, bool breakdown) {
   ModelConfig c;
   c.vocab = 256;
   c.hidden = hidden;
@@ -223,9 +105,9 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) 
     be.synchronize();
   };
 
-  std::vector<double> times;
-  device.reset_peak();
-  for (int r = 0; r < reps + 1; ++r) {
+  // One step: the saved tensors and dK/dV made untimed, then the workspace, the forward
+  // and the backward timed. The block runs on `run`: the backend itself, or the timing one.
+  auto step = [&](Backend& run) {
     std::vector<Buffer> saved, ws;
     for (const auto& s : block_saved_specs(c, T, prec)) saved.push_back(device.alloc(s.bytes(), s.name));
     Buffer x_out = device.alloc(i64(T) * hidden * ab, "block output");
@@ -240,16 +122,23 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) 
     BlockSaved bs = block_saved_from(sp);
     const BlockWorkspace w = block_workspace_from(wp);
     const Subseq q{0, T};
-    block_forward(be, x_out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, q);
+    block_forward(run, x_out.data(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{}, c, q);
     be.synchronize();
     const double t_fwd = seconds_since(t0);
     // The gradient arriving from above: a random tensor in the output's buffer (untimed).
     random_activations(x_out.data());
     const auto t1 = std::chrono::steady_clock::now();
-    block_backward(be, x_out.data(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], mv.blocks[0], w, KVBlocks{},
-                   c, q);
+    block_backward(run, x_out.data(), gv.blocks[0], dk.f32(), dv.f32(), bs, pv.blocks[0], mv.blocks[0], w,
+                   KVBlocks{}, c, q);
     be.synchronize();
-    if (r > 0) times.push_back(t_fwd + seconds_since(t1));
+    return t_fwd + seconds_since(t1);
+  };
+
+  std::vector<double> times;
+  device.reset_peak();
+  for (int r = 0; r < reps + 1; ++r) {
+    const double s = step(be);
+    if (r > 0) times.push_back(s);
   }
   const double t = median(times);
   const double H = hidden, Sd = double(S);
@@ -277,6 +166,19 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps) 
     j["fraction_of_sgemm"] = model_flops / t / peak.flops_per_s;
   } else {
     j["fraction_of_peak"] = model_flops / t / peak.flops_per_s;  // of the GEMM rate measured here
+  }
+  if (breakdown) {
+    // One more step, every kernel timed on its own (bench/timed_backend.h); "between_s" is
+    // the step's time outside the kernels: allocation, argument set-up, launches.
+    TimedBackend timed(be);
+    const double s = step(timed);
+    const KernelTimes& k = timed.times();
+    j["breakdown"] = {{"step_s", s},
+                      {"attention_forward_s", k.attention_forward_s},
+                      {"attention_backward_s", k.attention_backward_s},
+                      {"gemm_s", k.gemm_s},
+                      {"other_s", k.other_s},
+                      {"between_s", s - k.attention_forward_s - k.attention_backward_s - k.gemm_s - k.other_s}};
   }
   return j;
 }

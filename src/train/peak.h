@@ -1,11 +1,11 @@
-// Benchmarks the CLI exposes (`sppo bench ...`). Each returns one JSON object; the CLI
-// prints it with --json, else as a table.
+// This processor's peak rates, measured now: OpenBLAS's SGEMM on a large square product
+// and the FMA units' rate. `sppo profile` prices the CPU from them and `bench layer`
+// measures a block against them.
 #pragma once
 
-#include <nlohmann/json.hpp>
+#include <string>
 
-#include "backend/backend.h"
-#include "core/config.h"
+#include "core/dims.h"
 
 namespace sppo {
 
@@ -28,12 +28,5 @@ struct FmaPeak {
   int threads = 0;
 };
 FmaPeak measure_fma_peak(double seconds = 0.1);
-
-// One transformer block's forward + backward on S tokens (one subsequence) through the
-// backend, median of `reps` after one warm-up. Its JSON reports model FLOP/s against rates
-// measured in the same run: on the CPU the processor's FMA peak (fraction_of_peak, at most
-// 1) and OpenBLAS's SGEMM rate (fraction_of_sgemm), with the OpenBLAS core that ran;
-// elsewhere the backend's GEMM rate in the activation type (fraction_of_peak).
-nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 seq_len, int reps);
 
 }  // namespace sppo

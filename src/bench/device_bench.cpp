@@ -1,4 +1,4 @@
-#include "train/device_bench.h"
+#include "bench/device_bench.h"
 
 #include <random>
 

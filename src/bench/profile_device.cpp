@@ -1,4 +1,4 @@
-#include "train/profile_device.h"
+#include "bench/profile_device.h"
 
 #include <algorithm>
 #include <string>
@@ -6,7 +6,7 @@
 
 #include "core/check.h"
 #include "model/gpt.h"
-#include "train/device_bench.h"
+#include "bench/device_bench.h"
 
 namespace sppo {
 

@@ -1,10 +1,10 @@
-#include "train/bench_attention.h"
+#include "bench/bench_attention.h"
 
 #include <cstdio>
 #include <string>
 
 #include "core/check.h"
-#include "train/device_bench.h"
+#include "bench/device_bench.h"
 
 namespace sppo {
 

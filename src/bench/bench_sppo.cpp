@@ -1,4 +1,4 @@
-#include "train/bench_sppo.h"
+#include "bench/bench_sppo.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,9 +9,9 @@
 #include "planner/cost.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
-#include "train/profile_device.h"
 #include "train/profile_machine.h"
 #include "train/setup.h"
+#include "bench/profile_device.h"
 
 namespace sppo {
 

@@ -1,4 +1,4 @@
-#include "train/bench_pipeline.h"
+#include "bench/bench_pipeline.h"
 
 #include <omp.h>
 #include <unistd.h>

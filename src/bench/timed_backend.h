@@ -1,0 +1,161 @@
+// A backend that runs every call on another one and adds each kernel's wall time to one of
+// a few parts of a block: attention forward, attention backward, GEMMs, other. `bench layer
+// --breakdown` runs one more step through it to say where the step's time goes.
+//
+// Each kernel is timed with the compute stream synchronised before and after, so a step
+// through it is slower than a step without (on a GPU, by a launch and a wait per kernel;
+// on the CPU, whose kernels are synchronous, barely): the parts say how the time divides,
+// and the step time stays the one measured without it.
+#pragma once
+
+#include <chrono>
+
+#include "backend/backend.h"
+
+namespace sppo {
+
+struct KernelTimes {
+  double attention_forward_s = 0;   // attention_forward, attention_merge
+  double attention_backward_s = 0;  // attention_backward_delta, attention_backward
+  double gemm_s = 0;                // gemm, linear_forward, linear_backward (with its bias sums)
+  double other_s = 0;               // LayerNorm, GeLU, RoPE, adds, column copies, the rest
+};
+
+class TimedBackend final : public Backend {
+ public:
+  explicit TimedBackend(Backend& inner) : be_(inner) {}
+  const KernelTimes& times() const { return t_; }
+  void reset() { t_ = {}; }
+
+  const char* name() const override { return be_.name(); }
+  DType act() const override { return be_.act(); }
+  std::size_t device_memory() const override { return be_.device_memory(); }
+  void* device_alloc(std::size_t bytes) override { return be_.device_alloc(bytes); }
+  void device_free(void* p) override { be_.device_free(p); }
+  void* host_alloc(std::size_t bytes) override { return be_.host_alloc(bytes); }
+  void host_free(void* p) override { be_.host_free(p); }
+  std::unique_ptr<CopyStream> make_copy_stream() override { return be_.make_copy_stream(); }
+  void to_host(void* dst, const void* src, std::size_t bytes) override { be_.to_host(dst, src, bytes); }
+  void to_device(void* dst, const void* src, std::size_t bytes) override { be_.to_device(dst, src, bytes); }
+  void fill_zero(void* p, std::size_t bytes) override { timed(t_.other_s, [&] { be_.fill_zero(p, bytes); }); }
+  void synchronize() override { be_.synchronize(); }
+  KernelScratch block_scratch(const ModelConfig& c) const override { return be_.block_scratch(c); }
+  KernelScratch head_scratch(const ModelConfig& c, int chunk) const override { return be_.head_scratch(c, chunk); }
+
+  void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const void* a, int lda, const void* b,
+            int ldb, float beta, void* c, int ldc, DType ab, DType cd) override {
+    timed(t_.gemm_s, [&] { be_.gemm(trans_a, trans_b, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc, ab, cd); });
+  }
+  void linear_forward(void* out, const void* in, const void* w, const void* b, int T, int I, int O, int ld_out,
+                      int ld_in) override {
+    timed(t_.gemm_s, [&] { be_.linear_forward(out, in, w, b, T, I, O, ld_out, ld_in); });
+  }
+  void linear_backward(void* din, float* dw, float* db, const void* dout, const void* in, const void* w, int T, int I,
+                       int O, int ld_dout, int ld_in, const Workspace& ws) override {
+    timed(t_.gemm_s, [&] { be_.linear_backward(din, dw, db, dout, in, w, T, I, O, ld_dout, ld_in, ws); });
+  }
+  void embedding_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int V) override {
+    timed(t_.other_s, [&] { be_.embedding_forward(out, ids, embed, T, H, V); });
+  }
+  void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int V) override {
+    timed(t_.other_s, [&] { be_.embedding_backward(dembed, dout, ids, T, H, V); });
+  }
+  void embedding_shard_forward(void* out, const std::int32_t* ids, const float* embed, int T, int H, int v0,
+                               int Vr) override {
+    timed(t_.other_s, [&] { be_.embedding_shard_forward(out, ids, embed, T, H, v0, Vr); });
+  }
+  void embedding_shard_backward(float* dembed, const void* dout, const std::int32_t* ids, int T, int H, int v0,
+                                int Vr) override {
+    timed(t_.other_s, [&] { be_.embedding_shard_backward(dembed, dout, ids, T, H, v0, Vr); });
+  }
+  void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w, const float* b, int T,
+                         int H, float eps) override {
+    timed(t_.other_s, [&] { be_.layernorm_forward(out, mean, rstd, x, w, b, T, H, eps); });
+  }
+  void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
+                          const float* mean, const float* rstd, int T, int H, const Workspace& ws) override {
+    timed(t_.other_s, [&] { be_.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, H, ws); });
+  }
+  void gelu_forward(void* out, const void* in, i64 n) override {
+    timed(t_.other_s, [&] { be_.gelu_forward(out, in, n); });
+  }
+  void gelu_backward(void* din, const void* dout, const void* in, i64 n) override {
+    timed(t_.other_s, [&] { be_.gelu_backward(din, dout, in, n); });
+  }
+  void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld) override {
+    timed(t_.other_s, [&] { be_.rope_forward(x, T, Z, A, pos0, theta, ld); });
+  }
+  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld) override {
+    timed(t_.other_s, [&] { be_.rope_backward(dx, T, Z, A, pos0, theta, ld); });
+  }
+  void add_inplace(void* y, const void* x, i64 n) override { timed(t_.other_s, [&] { be_.add_inplace(y, x, n); }); }
+  void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) override {
+    timed(t_.other_s, [&] { be_.copy_cols(dst, src, T, width, ld_src, col); });
+  }
+  void put_cols(void* dst, const void* src, bool src_f32, int T, int width, int ld_dst, int col) override {
+    timed(t_.other_s, [&] { be_.put_cols(dst, src, src_f32, T, width, ld_dst, col); });
+  }
+  void zero_cols(void* dst, int T, int width, int ld, int col) override {
+    timed(t_.other_s, [&] { be_.zero_cols(dst, T, width, ld, col); });
+  }
+  void attention_forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks, const AttnShape& d,
+                         const Workspace& ws) override {
+    timed(t_.attention_forward_s, [&] { be_.attention_forward(out, lse, q, blocks, d, ws); });
+  }
+  void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse,
+                       const AttnShape& d) override {
+    timed(t_.attention_forward_s, [&] { be_.attention_merge(out, lse, part_out, part_lse, d); });
+  }
+  void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnShape& d) override {
+    timed(t_.attention_backward_s, [&] { be_.attention_backward_delta(delta, dout, out, d); });
+  }
+  void attention_backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
+                          const float* lse, const float* delta, const AttnShape& d, const Workspace& ws) override {
+    timed(t_.attention_backward_s, [&] { be_.attention_backward(dq, dout, q, blocks, lse, delta, d, ws); });
+  }
+  void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T, int V,
+            float grad_scale, const Workspace& ws) override {
+    timed(t_.other_s, [&] { be_.xent(dlogits, losses, loss_sum, logits, targets, T, V, grad_scale, ws); });
+  }
+  void row_logsumexp(float* lse, const float* logits, int T, int V) override {
+    timed(t_.other_s, [&] { be_.row_logsumexp(lse, logits, T, V); });
+  }
+  void xent_shard(void* dlogits, float* losses, double* loss_sum, float* logits, const float* lse_parts, int parts,
+                  const std::int32_t* targets, int T, int V, int v0, float grad_scale, const Workspace& ws) override {
+    timed(t_.other_s, [&] {
+      be_.xent_shard(dlogits, losses, loss_sum, logits, lse_parts, parts, targets, T, V, v0, grad_scale, ws);
+    });
+  }
+  void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse) override {
+    timed(t_.other_s, [&] { be_.softmax_rows(x, lse, rows, cols, with_lse); });
+  }
+  void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols) override {
+    timed(t_.other_s, [&] { be_.softmax_backward_rows(dx, p, rows, cols); });
+  }
+  double sum_squares(const float* g, i64 n) override {
+    double r = 0;
+    timed(t_.other_s, [&] { r = be_.sum_squares(g, n); });
+    return r;
+  }
+  void scale(float* x, i64 n, float s) override { timed(t_.other_s, [&] { be_.scale(x, n, s); }); }
+  void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
+             float weight_decay, int t, void* p_act) override {
+    timed(t_.other_s, [&] { be_.adamw(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t, p_act); });
+  }
+  void to_act(void* dst, const float* src, i64 n) override { timed(t_.other_s, [&] { be_.to_act(dst, src, n); }); }
+
+ private:
+  template <typename F>
+  void timed(double& part, F&& f) {
+    be_.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    be_.synchronize();
+    part += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  Backend& be_;
+  KernelTimes t_;
+};
+
+}  // namespace sppo
