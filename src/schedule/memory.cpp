@@ -157,9 +157,10 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
       if (op.layer_begin >= ob && op.layer_end <= oe) {
         auto& sizes = unit_tensors_[op.subseq];
-        for (int l = op.layer_begin; l < op.layer_end; ++l)
-          for (const auto& t : block_saved_specs(c, T, p, tp_))
-            if (t.role == Role::Offloadable) sizes.push_back(t.bytes());
+        std::vector<i64> layer;  // every layer's unit has the same tensors
+        for (const auto& t : block_saved_specs(c, T, p, tp_))
+          if (t.role == Role::Offloadable) layer.push_back(t.bytes());
+        for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer.begin(), layer.end());
         if (op.layer_end == L)
           for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
       }
@@ -282,12 +283,13 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       // sends complete. A stage after the first finds its input already allocated: the
       // received hidden state (or, for an MSP piece, the part its own rank produced).
       const i64 x_bytes = h_bytes * rows_of(T);
+      const i64 kv = kv_bytes(T), unit = unit_bytes(T);
       const bool input_held = op.layer_begin > 0;
       for (int k = 0; k < n; ++k) {
         const double at = double(k) / n;
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
-        emit(out, at, kv_bytes(T), T::KVCache);
-        emit(out, at, unit_bytes(T) - (k > 0 || input_held ? x_bytes : 0), T::Units);
+        emit(out, at, kv, T::KVCache);
+        emit(out, at, unit - (k > 0 || input_held ? x_bytes : 0), T::Units);
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
         emit(out, at, x_bytes, T::Hidden);
@@ -309,6 +311,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       const i64 ring = piece_bwd_extra(op, T);
       // The residual gradient starts as head_grad (part of the unit) on the rank that ran
       // the head, else as the received gradient.
+      const i64 kv = kv_bytes(T), unit = unit_bytes(T);
       if (op.layer_end == L) move(out, 0.0, head_bytes(T), T::Units, T::Hidden);
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
@@ -319,9 +322,9 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           acc_live_[l] = true;
           emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
-        emit(out, end, -kv_bytes(T), T::KVCache);
+        emit(out, end, -kv, T::KVCache);
         emit(out, end, -acc_pt_ * T, T::KVGradAccum);
-        emit(out, end, -unit_bytes(T), T::Units);
+        emit(out, end, -unit, T::Units);
         if (ring) emit(out, end, -ring, T::RingBuffers);
         emit(out, end, -ws, T::Workspace);
       }

@@ -73,6 +73,8 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
 
 std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost, const MemoryRules& rules) {
   const int N = int(s.lengths.size());
+  std::vector<i64> offsets(N, 0);
+  for (int i = 1; i < N; ++i) offsets[i] = offsets[i - 1] + s.lengths[i - 1];
   std::vector<UnitProfile> out;
   for (int r = 0; r < s.ranks; ++r) {
     UnitProfile u;
@@ -87,8 +89,8 @@ std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost,
       u.unit_bytes[i] = select_offload(u.tensors.back(), 1.0, nullptr);
     }
     for (const sched::Op& op : s.ops[r]) {
-      if (op.kind == sched::OpKind::Forward) u.fwd_s[op.subseq] += cost.forward_s(op, s);
-      if (op.kind == sched::OpKind::Backward) u.bwd_s[op.subseq] += cost.backward_s(op, s);
+      if (op.kind == sched::OpKind::Forward) u.fwd_s[op.subseq] += cost.forward_s(op, s, offsets[op.subseq]);
+      if (op.kind == sched::OpKind::Backward) u.bwd_s[op.subseq] += cost.backward_s(op, s, offsets[op.subseq]);
     }
     out.push_back(std::move(u));
   }
