@@ -197,6 +197,12 @@ i64 RankMemory::head_bytes(i64 T) const {
   return tp_.on() ? total_bytes(head_saved_specs(rules_.model, T, rules_.precision, tp_)) : head_pt_ * T;
 }
 
+const RankMemory::LayerBytes& RankMemory::layer_bytes(i64 T) {
+  auto it = layer_bytes_.find(T);
+  if (it == layer_bytes_.end()) it = layer_bytes_.emplace(T, LayerBytes{kv_bytes(T), unit_bytes(T), ws_bytes(T)}).first;
+  return it->second;
+}
+
 // Pieces (ring pieces, and the pieces of an MSP task, which run as one ring): the ring
 // attention's buffers (runtime/ring.h), bounded as if every member held keys that every
 // span sees. Forward: the M - 1 other pieces' queries, the partial outputs and LSEs
@@ -275,7 +281,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   switch (op.kind) {
     case OpKind::Forward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_bytes(T);
+      const auto [kv, unit, ws] = layer_bytes(T);
       const i64 ring = piece_fwd_extra(op, T);
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
@@ -283,7 +289,6 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       // sends complete. A stage after the first finds its input already allocated: the
       // received hidden state (or, for an MSP piece, the part its own rank produced).
       const i64 x_bytes = h_bytes * rows_of(T);
-      const i64 kv = kv_bytes(T), unit = unit_bytes(T);
       const bool input_held = op.layer_begin > 0;
       for (int k = 0; k < n; ++k) {
         const double at = double(k) / n;
@@ -307,11 +312,10 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     }
     case OpKind::Backward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_bytes(T);
+      const auto [kv, unit, ws] = layer_bytes(T);
       const i64 ring = piece_bwd_extra(op, T);
       // The residual gradient starts as head_grad (part of the unit) on the rank that ran
       // the head, else as the received gradient.
-      const i64 kv = kv_bytes(T), unit = unit_bytes(T);
       if (op.layer_end == L) move(out, 0.0, head_bytes(T), T::Units, T::Hidden);
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;

@@ -41,24 +41,25 @@ struct Flow {
 struct RankEvents {
   std::vector<sched::MemEvent> ev;  // every op's events, in program order
   std::vector<size_t> first;        // op k's events are ev[first[k], first[k + 1])
-  std::vector<i64> copy_bytes;      // op k's bytes when an Offload or Prefetch
+  std::vector<i64> op_bytes;      // op k's bytes when an Offload or Prefetch, a Send or a RingStep
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 peak_host = 0;                // offloaded bytes on the host, at most
 };
 
-RankEvents rank_events(const sched::MemoryRules& rules, const Schedule& s, int r) {
+RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, const Schedule& s, int r) {
   RankEvents out;
   sched::RankMemory mem(rules, s, r);
   out.fixed = mem.fixed_bytes();
   out.fixed_terms = mem.fixed_terms();
   const auto& ops = s.ops[size_t(r)];
   out.first.reserve(ops.size() + 1);
-  out.copy_bytes.assign(ops.size(), 0);
+  out.op_bytes.assign(ops.size(), 0);
   for (size_t k = 0; k < ops.size(); ++k) {
     const Op& op = ops[k];
-    if (op.kind == OpKind::Offload) out.copy_bytes[k] = mem.offload_bytes(op);
-    if (op.kind == OpKind::Prefetch) out.copy_bytes[k] = mem.prefetch_bytes(op);
+    if (op.kind == OpKind::Offload) out.op_bytes[k] = mem.offload_bytes(op);
+    if (op.kind == OpKind::Prefetch) out.op_bytes[k] = mem.prefetch_bytes(op);
+    if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) out.op_bytes[k] = cost.message_bytes(op, s);
     out.first.push_back(out.ev.size());
     mem.events(op, &out.ev);
     if (op.kind == OpKind::Offload) out.peak_host = std::max(out.peak_host, mem.host_bytes());
@@ -126,7 +127,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
   auto mem_at = [&](RankState& rs, const Op&, double start, double end) { rs.mem_span[rs.pc] = {start, end}; };
   // A message's seconds on the network, stretched where it crosses a shared NIC.
   auto send_s = [&](int r, size_t pc, const Op& op, double start) {
-    const i64 bytes = cost.message_bytes(op, s);
+    const i64 bytes = mem[size_t(r)].op_bytes[pc];
     res.sent_bytes[size_t(r)] += bytes;
     const double alone = cost.message_s(bytes, r, op.peer);
     if (!nic_shared || cost.same_node(r, op.peer) || bytes == 0) return alone;
@@ -166,7 +167,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             break;
           }
           case OpKind::Offload: {
-            const i64 bytes = mem[r].copy_bytes[rs.pc];
+            const i64 bytes = mem[r].op_bytes[rs.pc];
             const double start = std::max(rs.t_out, rs.t_compute);
             const double alone = cost.d2h_s(bytes, rs.t_in > start);
             const double end = start + alone * scale_of(r, rs.pc);
@@ -179,7 +180,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             break;
           }
           case OpKind::Prefetch: {
-            const i64 bytes = mem[r].copy_bytes[rs.pc];
+            const i64 bytes = mem[r].op_bytes[rs.pc];
             const double start = std::max(rs.t_in, rs.t_compute);
             const double alone = cost.h2d_s(bytes, rs.t_out > start);
             const double end = start + alone * scale_of(r, rs.pc);
@@ -294,8 +295,8 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
       for (size_t e = re.first[k]; e < re.first[k + 1]; ++e)
         points.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
       const OpKind kind = s.ops[r][k].kind;
-      if (kind == OpKind::Offload && re.copy_bytes[k] > 0) points.push_back({end, seq++, re.copy_bytes[k], -1});
-      if (kind == OpKind::Prefetch && re.copy_bytes[k] > 0) points.push_back({start, seq++, -re.copy_bytes[k], -1});
+      if (kind == OpKind::Offload && re.op_bytes[k] > 0) points.push_back({end, seq++, re.op_bytes[k], -1});
+      if (kind == OpKind::Prefetch && re.op_bytes[k] > 0) points.push_back({start, seq++, -re.op_bytes[k], -1});
     }
     res.peak_host_bytes = std::max(res.peak_host_bytes, re.peak_host);
     std::sort(points.begin(), points.end(),
@@ -461,7 +462,7 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
   const bool shared = cost.hw().shares_links();
   std::vector<RankEvents> mem;
   mem.reserve(size_t(s.ranks));
-  for (int r = 0; r < s.ranks; ++r) mem.push_back(rank_events(rules, s, r));
+  for (int r = 0; r < s.ranks; ++r) mem.push_back(rank_events(rules, cost, s, r));
   Scales scales;
   Pass pass = simulate_once(s, cost, mem, options, scales, shared);
   const double alone_copy_s = pass.copy_s;
