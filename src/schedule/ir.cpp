@@ -58,22 +58,40 @@ Spans Schedule::spans(const Op& op) const {
   return piece_spans(l, op.piece, op.pieces, ring_piece ? ring_layout : RingLayout::Contiguous);
 }
 
-i64 ring_first_key(const Schedule& s, const Op& op, int piece) {
+namespace {
+
+// Where member `piece` of op's ring holds its first key, relative to the start of op's
+// subsequence; kBefore when it holds one before the subsequence. A context-parallel member
+// holds its piece of every subsequence so far, so past subsequence 0 it always holds one
+// before; an MSP task's owner holds every earlier position.
+constexpr i64 kBefore = -1;
+
+i64 first_key_in_subseq(const Schedule& s, const Op& op, int piece) {
   Op member = op;
   member.piece = piece;
-  const i64 own = s.offset(op.subseq) + s.spans(member).front().first;
   if (!op.group.empty()) {
     const int rank = op.group.at(std::size_t(piece));
     const auto mine = s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
     const bool owner = mine.first <= op.layer_begin && op.layer_end <= mine.second;
-    return owner && op.subseq > 0 ? 0 : own;
+    if (owner && op.subseq > 0) return kBefore;
+  } else if (op.subseq > 0) {
+    return kBefore;
   }
-  i64 first = own;
-  for (int j = 0; j < op.subseq; ++j) {
-    member.subseq = j;
-    first = std::min(first, s.offset(j) + s.spans(member).front().first);
-  }
-  return first;
+  return s.spans(member).front().first;
+}
+
+}  // namespace
+
+i64 ring_first_key(const Schedule& s, const Op& op, int piece) {
+  const i64 rel = first_key_in_subseq(s, op, piece);
+  if (rel != kBefore) return s.offset(op.subseq) + rel;
+  if (!op.group.empty()) return 0;
+  // The member's piece of subsequence 0 starts before l_0 <= o_j for every later j: the
+  // least of all its pieces' starts.
+  Op member = op;
+  member.piece = piece;
+  member.subseq = 0;
+  return s.spans(member).front().first;
 }
 
 i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes, bool causal) {
@@ -87,9 +105,10 @@ i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes
   passed.piece = (me - t + 1 + R) % R;  // step 1 sends its own queries, later ones forward
   got.piece = (me - t + R) % R;
   i64 bytes = span_tokens(s.spans(passed)) * travel;
-  const i64 first_key = ring_first_key(s, op, me), o = s.offset(op.subseq);
+  // In the subsequence's own positions: a key before it is seen by every query.
+  const i64 first_key = first_key_in_subseq(s, op, me);
   for (const auto& [b, e] : s.spans(got))
-    if (!causal || first_key <= o + e - 1) bytes += (e - b) * back;
+    if (!causal || first_key == kBefore || first_key <= e - 1) bytes += (e - b) * back;
   return bytes;
 }
 

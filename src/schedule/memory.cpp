@@ -157,9 +157,10 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
       if (op.layer_begin >= ob && op.layer_end <= oe) {
         auto& sizes = unit_tensors_[op.subseq];
-        for (int l = op.layer_begin; l < op.layer_end; ++l)
-          for (const auto& t : block_saved_specs(c, T, p, tp_))
-            if (t.role == Role::Offloadable) sizes.push_back(t.bytes());
+        std::vector<i64> layer;  // every layer's unit has the same tensors
+        for (const auto& t : block_saved_specs(c, T, p, tp_))
+          if (t.role == Role::Offloadable) layer.push_back(t.bytes());
+        for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer.begin(), layer.end());
         if (op.layer_end == L)
           for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
       }
@@ -194,6 +195,12 @@ i64 RankMemory::ws_bytes(i64 T) const {
 
 i64 RankMemory::head_bytes(i64 T) const {
   return tp_.on() ? total_bytes(head_saved_specs(rules_.model, T, rules_.precision, tp_)) : head_pt_ * T;
+}
+
+const RankMemory::LayerBytes& RankMemory::layer_bytes(i64 T) {
+  auto it = layer_bytes_.find(T);
+  if (it == layer_bytes_.end()) it = layer_bytes_.emplace(T, LayerBytes{kv_bytes(T), unit_bytes(T), ws_bytes(T)}).first;
+  return it->second;
 }
 
 // Pieces (ring pieces, and the pieces of an MSP task, which run as one ring): the ring
@@ -274,7 +281,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   switch (op.kind) {
     case OpKind::Forward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_bytes(T);
+      const auto [kv, unit, ws] = layer_bytes(T);
       const i64 ring = piece_fwd_extra(op, T);
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
@@ -286,8 +293,8 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       for (int k = 0; k < n; ++k) {
         const double at = double(k) / n;
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
-        emit(out, at, kv_bytes(T), T::KVCache);
-        emit(out, at, unit_bytes(T) - (k > 0 || input_held ? x_bytes : 0), T::Units);
+        emit(out, at, kv, T::KVCache);
+        emit(out, at, unit - (k > 0 || input_held ? x_bytes : 0), T::Units);
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
         emit(out, at, x_bytes, T::Hidden);
@@ -305,7 +312,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     }
     case OpKind::Backward: {
       const i64 T = tokens_of(op);
-      const i64 ws = ws_bytes(T);
+      const auto [kv, unit, ws] = layer_bytes(T);
       const i64 ring = piece_bwd_extra(op, T);
       // The residual gradient starts as head_grad (part of the unit) on the rank that ran
       // the head, else as the received gradient.
@@ -319,9 +326,9 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           acc_live_[l] = true;
           emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
-        emit(out, end, -kv_bytes(T), T::KVCache);
+        emit(out, end, -kv, T::KVCache);
         emit(out, end, -acc_pt_ * T, T::KVGradAccum);
-        emit(out, end, -unit_bytes(T), T::Units);
+        emit(out, end, -unit, T::Units);
         if (ring) emit(out, end, -ring, T::RingBuffers);
         emit(out, end, -ws, T::Workspace);
       }

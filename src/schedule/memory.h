@@ -180,6 +180,12 @@ class RankMemory {
   i64 ws_bytes(i64 T) const;
   i64 head_bytes(i64 T) const;
   i64 rows_of(i64 T) const { return tp_.row_count(T); }  // of the residual regions
+  // A layer's K/V, unit and workspace bytes on T tokens, worked out once per T: under
+  // tensor parallelism each is a sum over the layer's tensor specs.
+  struct LayerBytes {
+    i64 kv, unit, ws;
+  };
+  const LayerBytes& layer_bytes(i64 T);
   i64 ring_piece_max(const Op& op) const;
   i64 piece_fwd_extra(const Op& op, i64 T) const;
   i64 piece_bwd_extra(const Op& op, i64 T) const;
@@ -200,6 +206,7 @@ class RankMemory {
   std::map<int, std::vector<i64>> unit_tensors_;  // subsequence -> its offloadable tensors' bytes
                                                  // on this rank, in select_offload order
   std::map<int, i64> offloaded_;       // subsequence -> bytes on the host
+  std::map<i64, LayerBytes> layer_bytes_;          // tokens -> layer_bytes
   std::map<size_t, i64> release_after_;            // op index -> borrowed weight bytes freed at its end
   std::map<size_t, i64> posted_at_;                // op index -> receive buffers allocated at its start
   std::set<std::pair<int, int>> borrowed_grads_;   // borrowed layer ranges with gradients

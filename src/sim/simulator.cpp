@@ -35,8 +35,40 @@ struct Flow {
   double start, bytes, rate;
 };
 
+// What a rank's ops do to device and host memory. It follows program order only, not
+// time, so it is worked out once per simulate() and every contention pass reuses it; the
+// times of the last pass then place the events.
+struct RankEvents {
+  std::vector<sched::MemEvent> ev;  // every op's events, in program order
+  std::vector<size_t> first;        // op k's events are ev[first[k], first[k + 1])
+  std::vector<i64> op_bytes;      // op k's bytes when an Offload or Prefetch, a Send or a RingStep
+  i64 fixed = 0;
+  std::array<i64, sched::kMemTerms> fixed_terms{};
+  i64 peak_host = 0;                // offloaded bytes on the host, at most
+};
+
+RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, const Schedule& s, int r) {
+  RankEvents out;
+  sched::RankMemory mem(rules, s, r);
+  out.fixed = mem.fixed_bytes();
+  out.fixed_terms = mem.fixed_terms();
+  const auto& ops = s.ops[size_t(r)];
+  out.first.reserve(ops.size() + 1);
+  out.op_bytes.assign(ops.size(), 0);
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const Op& op = ops[k];
+    if (op.kind == OpKind::Offload) out.op_bytes[k] = mem.offload_bytes(op);
+    if (op.kind == OpKind::Prefetch) out.op_bytes[k] = mem.prefetch_bytes(op);
+    if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) out.op_bytes[k] = cost.message_bytes(op, s);
+    out.first.push_back(out.ev.size());
+    mem.events(op, &out.ev);
+    if (op.kind == OpKind::Offload) out.peak_host = std::max(out.peak_host, mem.host_bytes());
+  }
+  out.first.push_back(out.ev.size());
+  return out;
+}
+
 struct RankState {
-  explicit RankState(const sched::MemoryRules& rules, const Schedule& s, int r) : mem(rules, s, r) {}
   size_t pc = 0;
   double t_compute = 0, t_out = 0, t_in = 0, t_net = 0;
   double busy = 0, exposed = 0;
@@ -44,9 +76,7 @@ struct RankState {
   int ring_steps = 0;        // ring steps since the last F/B
   bool posted = false;       // the current ring step's send, or all-reduce arrival, is out
   std::map<int, double> off_end, pre_end;
-  sched::RankMemory mem;
-  std::vector<MemPoint> points;
-  std::vector<sched::MemEvent> ev;
+  std::vector<std::pair<double, double>> mem_span;  // per op: the interval its memory events fall in
 };
 
 bool take(std::deque<std::pair<sched::MessageKey, double>>& q, const sched::MessageKey& key, double* arrival) {
@@ -68,20 +98,18 @@ struct Pass {
   std::vector<std::pair<std::pair<int, size_t>, Flow>> flows;
 };
 
-Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules,
+Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<RankEvents>& mem,
                    const SimOptions& options, const Scales& scales, bool want_flows) {
   const int R = s.ranks;
   const HardwareProfile& hw = cost.hw();
-  std::vector<RankState> st;
-  st.reserve(R);
-  for (int r = 0; r < R; ++r) st.emplace_back(rules, s, r);
+  std::vector<RankState> st(R);
+  for (int r = 0; r < R; ++r) st[r].mem_span.resize(s.ops[r].size());
   std::map<std::pair<int, int>, std::deque<std::pair<sched::MessageKey, double>>> channel;  // (src, dst)
   std::map<std::pair<std::vector<int>, int>, std::vector<double>> arrived;
   std::map<std::pair<std::vector<int>, int>, double> reduced;  // all-reduce end times
   std::vector<std::map<std::vector<int>, int>> passed(R);
   Pass pass;
   SimResult& res = pass.res;
-  i64 seq = 0;
   std::vector<i64> offsets(s.lengths.size() + 1, 0);
   for (size_t i = 0; i < s.lengths.size(); ++i) offsets[i + 1] = offsets[i] + s.lengths[i];
   const bool nic_shared = hw.gpus_per_nic > 1 && hw.nic_bw > 0;
@@ -96,14 +124,10 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
   auto record = [&](int r, Lane lane, const Op& op, double start, double end) {
     if (options.record && end > start) res.events.push_back({r, lane, op.kind, to_string(op), start, end - start});
   };
-  auto mem_at = [&](RankState& rs, const Op& op, double start, double end) {
-    rs.ev.clear();
-    rs.mem.events(op, &rs.ev);
-    for (const auto& e : rs.ev) rs.points.push_back({start + e.at * (end - start), seq++, e.delta, int(e.term)});
-  };
+  auto mem_at = [&](RankState& rs, const Op&, double start, double end) { rs.mem_span[rs.pc] = {start, end}; };
   // A message's seconds on the network, stretched where it crosses a shared NIC.
   auto send_s = [&](int r, size_t pc, const Op& op, double start) {
-    const i64 bytes = cost.message_bytes(op, s);
+    const i64 bytes = mem[size_t(r)].op_bytes[pc];
     res.sent_bytes[size_t(r)] += bytes;
     const double alone = cost.message_s(bytes, r, op.peer);
     if (!nic_shared || cost.same_node(r, op.peer) || bytes == 0) return alone;
@@ -143,7 +167,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
             break;
           }
           case OpKind::Offload: {
-            const i64 bytes = rs.mem.offload_bytes(op);
+            const i64 bytes = mem[r].op_bytes[rs.pc];
             const double start = std::max(rs.t_out, rs.t_compute);
             const double alone = cost.d2h_s(bytes, rs.t_in > start);
             const double end = start + alone * scale_of(r, rs.pc);
@@ -152,15 +176,11 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
             rs.off_end[op.subseq] = end;
             record(r, Lane::CopyOut, op, start, end);
             mem_at(rs, op, start, end);
-            if (bytes > 0) {
-              rs.points.push_back({end, seq++, bytes, -1});
-              pass.copy_s += end - start;
-            }
-            res.peak_host_bytes = std::max(res.peak_host_bytes, rs.mem.host_bytes());
+            if (bytes > 0) pass.copy_s += end - start;
             break;
           }
           case OpKind::Prefetch: {
-            const i64 bytes = rs.mem.prefetch_bytes(op);
+            const i64 bytes = mem[r].op_bytes[rs.pc];
             const double start = std::max(rs.t_in, rs.t_compute);
             const double alone = cost.h2d_s(bytes, rs.t_out > start);
             const double end = start + alone * scale_of(r, rs.pc);
@@ -169,10 +189,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
             rs.pre_end[op.subseq] = end;
             record(r, Lane::CopyIn, op, start, end);
             mem_at(rs, op, start, end);
-            if (bytes > 0) {
-              rs.points.push_back({start, seq++, -bytes, -1});
-              pass.copy_s += end - start;
-            }
+            if (bytes > 0) pass.copy_s += end - start;
             break;
           }
           case OpKind::WaitOffload:
@@ -265,16 +282,31 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const sched::Memory
   if (options.record) res.memory.resize(R);
   double bubble_sum = 0;
   int busy_ranks = 0;
+  std::vector<MemPoint> points;
   for (int r = 0; r < R; ++r) {
     RankState& rs = st[r];
-    std::sort(rs.points.begin(), rs.points.end(),
+    const RankEvents& re = mem[r];
+    // The memory events at their times; a copy's host bytes land when an offload ends and
+    // leave when a prefetch starts.
+    points.clear();
+    i64 seq = 0;
+    for (size_t k = 0; k < s.ops[r].size(); ++k) {
+      const auto [start, end] = rs.mem_span[k];
+      for (size_t e = re.first[k]; e < re.first[k + 1]; ++e)
+        points.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
+      const OpKind kind = s.ops[r][k].kind;
+      if (kind == OpKind::Offload && re.op_bytes[k] > 0) points.push_back({end, seq++, re.op_bytes[k], -1});
+      if (kind == OpKind::Prefetch && re.op_bytes[k] > 0) points.push_back({start, seq++, -re.op_bytes[k], -1});
+    }
+    res.peak_host_bytes = std::max(res.peak_host_bytes, re.peak_host);
+    std::sort(points.begin(), points.end(),
               [](const MemPoint& a, const MemPoint& b) { return std::tie(a.t, a.seq) < std::tie(b.t, b.seq); });
-    i64 cur = rs.mem.fixed_bytes(), peak = cur, host = 0;
-    std::array<i64, sched::kMemTerms> terms = rs.mem.fixed_terms();
+    i64 cur = re.fixed, peak = cur, host = 0;
+    std::array<i64, sched::kMemTerms> terms = re.fixed_terms;
     res.fixed_bytes[r] = cur;
     res.peak_terms[r] = terms;
     if (options.record) res.memory[r].push_back({0.0, cur});
-    for (const auto& p : rs.points) {
+    for (const auto& p : points) {
       if (p.term < 0) {
         host += p.delta;
         continue;
@@ -428,8 +460,11 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
   SPPO_CHECK(int(s.ops.size()) == s.ranks, "sim") << "schedule has " << s.ops.size()
                                                   << " op lists for " << s.ranks << " ranks";
   const bool shared = cost.hw().shares_links();
+  std::vector<RankEvents> mem;
+  mem.reserve(size_t(s.ranks));
+  for (int r = 0; r < s.ranks; ++r) mem.push_back(rank_events(rules, cost, s, r));
   Scales scales;
-  Pass pass = simulate_once(s, cost, rules, options, scales, shared);
+  Pass pass = simulate_once(s, cost, mem, options, scales, shared);
   const double alone_copy_s = pass.copy_s;
   int passes = 1;
   while (shared && !pass.flows.empty() && passes < kContentionPasses) {
@@ -443,7 +478,7 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
       }
     const double before = pass.res.step_time_s;
     scales = std::move(next);
-    pass = simulate_once(s, cost, rules, options, scales, true);
+    pass = simulate_once(s, cost, mem, options, scales, true);
     ++passes;
     if (std::fabs(pass.res.step_time_s - before) <= 1e-3 * before) break;
   }

@@ -73,6 +73,8 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
 
 std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost, const MemoryRules& rules) {
   const int N = int(s.lengths.size());
+  std::vector<i64> offsets(N, 0);
+  for (int i = 1; i < N; ++i) offsets[i] = offsets[i - 1] + s.lengths[i - 1];
   std::vector<UnitProfile> out;
   for (int r = 0; r < s.ranks; ++r) {
     UnitProfile u;
@@ -87,8 +89,8 @@ std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost,
       u.unit_bytes[i] = select_offload(u.tensors.back(), 1.0, nullptr);
     }
     for (const sched::Op& op : s.ops[r]) {
-      if (op.kind == sched::OpKind::Forward) u.fwd_s[op.subseq] += cost.forward_s(op, s);
-      if (op.kind == sched::OpKind::Backward) u.bwd_s[op.subseq] += cost.backward_s(op, s);
+      if (op.kind == sched::OpKind::Forward) u.fwd_s[op.subseq] += cost.forward_s(op, s, offsets[op.subseq]);
+      if (op.kind == sched::OpKind::Backward) u.bwd_s[op.subseq] += cost.backward_s(op, s, offsets[op.subseq]);
     }
     out.push_back(std::move(u));
   }
@@ -297,7 +299,8 @@ std::vector<double> filled(const std::vector<Segment>& seg, int N, size_t k, dou
 }  // namespace
 
 AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build, int N,
-                        const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode) {
+                        const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode,
+                        double no_use_s) {
   SPPO_CHECK(N >= 1, "planner") << "no subsequences";
   const i64 host_limit = cost.hw().host_memory;
   auto eval_schedule = [&](const Schedule& s, const std::vector<double>& alpha, const char* rule) {
@@ -333,6 +336,13 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   // No copies is never slower (copies only add), so a fitting alpha = 0 is the optimum.
   AlphaResult none = eval_schedule(s0, zeros, "none");
   if (none.fits) return none;
+  if (no_use_s > 0 && none.step_time_s >= no_use_s) {
+    none.fits = false;
+    none.slow = true;
+    none.reason = "alpha = 0 already takes " + std::to_string(none.step_time_s) + " s, no faster than " +
+                  std::to_string(no_use_s) + " s";
+    return none;
+  }
   AlphaResult best = eval(full, "full");
   if (!best.fits) {
     if (best.peak_device_bytes > budget)
@@ -513,8 +523,9 @@ struct Candidate {
   AlphaResult alpha;
 };
 
-// Evaluates one (sp, pp, dp, N, msp) layout: the best alpha under the budget.
-Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, i64 budget) {
+// Evaluates one (sp, pp, dp, N, msp) layout: the best alpha under the budget (solve_alpha's
+// no_use_s: stop early when it cannot be faster than that).
+Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, i64 budget, double no_use_s = 0) {
   sched::PipelineSpec spec = spec_of(p);
   spec.dp = 1;  // replicas are identical: the search simulates one, the final check all
   const MemoryRules rules = plan_rules(p, cost.precision(), true);
@@ -524,7 +535,7 @@ Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, 
     return sched::build_pipeline(s);
   };
   auto build_tp = [&](const std::vector<double>& a) { return sched::expand_tensor_parallel(build(a), p.tp); };
-  Candidate c{p, solve_alpha(build_tp, p.subseqs, cost, rules, budget, req.offload)};
+  Candidate c{p, solve_alpha(build_tp, p.subseqs, cost, rules, budget, req.offload, no_use_s)};
   c.plan.alpha = c.alpha.alpha;
   c.plan.alpha_rule = c.alpha.rule;
   return c;
@@ -697,7 +708,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       continue;
     }
     if (tput_bound <= best_tput) continue;
-    Candidate cand = evaluate(req, p, cost, budget);
+    // Note [Pruning the search], continued: alpha = 0 is a layout's fastest alpha (copies
+    // only add), so a layout whose alpha = 0 step is already slower than the best found, by
+    // more than rounding, is dropped after that one simulation.
+    const double no_use_s = best_tput > 0 ? double(S) * p.dp / (G * best_tput) * (1 + 1e-9) : 0;
+    Candidate cand = evaluate(req, p, cost, budget, no_use_s);
+    if (cand.alpha.slow) continue;
     if (cand.alpha.fits) {
       best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
       fits.push_back(std::move(cand));

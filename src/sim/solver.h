@@ -36,6 +36,7 @@ struct AlphaResult {
   bool fits = false;
   std::string reason;             // why not, when !fits
   std::string rule;               // "none", "paper", "hidden", "exposed", "directed", "full"
+  bool slow = false;              // stopped at alpha = 0: no faster than solve_alpha's no_use_s
 };
 
 // The layout a runtime step runs its subsequences in: one process, or a sequence pipeline
@@ -64,9 +65,12 @@ AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& len
                                const StepShape& shape = {});
 
 // The same search for any schedule family of N subsequences: `build(alpha)` makes the
-// schedule.
+// schedule. `no_use_s` > 0: a step of at least that many seconds is of no use to the
+// caller, so when alpha = 0 is already that slow the search stops there (copies only add,
+// so no alpha is faster) and returns alpha = 0 with fits false and `slow` set.
 AlphaResult solve_alpha(const std::function<sched::Schedule(const std::vector<double>&)>& build, int subseqs,
-                        const CostModel& cost, const sched::MemoryRules& rules, i64 budget, OffloadMode mode);
+                        const CostModel& cost, const sched::MemoryRules& rules, i64 budget, OffloadMode mode,
+                        double no_use_s = 0);
 
 // What offloading subsequence i means on one rank of a schedule: the bytes of its unit
 // (A_i: every offloadable tensor of its owned layers, head_grad included) and the seconds
