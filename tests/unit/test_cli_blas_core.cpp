@@ -65,7 +65,10 @@ TEST(CliBlasCore, RecognisedCoreIsKept) {
   } else {
     EXPECT_EQ(j["blas_core_description"], "OpenBLAS core " + j["blas_core"].get<std::string>() + " (detected)");
   }
-  EXPECT_LE(j["fraction_of_peak"].get<double>(), 1.0) << "model FLOP/s above the FMA peak";
+  // The peak and the layer are timed a second apart, and ctest runs other tests beside
+  // this one: either can lose a few percent to a neighbour. A peak loop that misses the
+  // FMA units (accumulators spilled, too few chains) measures under half and still fails.
+  EXPECT_LE(j["fraction_of_peak"].get<double>(), 1.15) << "model FLOP/s above the FMA peak";
   EXPECT_GT(j["cpu_peak_flops_per_s"].get<double>(), 0);
   EXPECT_GT(j["sgemm_flops_per_s"].get<double>(), 0);
   EXPECT_EQ(j["sgemm_flops_per_s"], j["gemm_peak_flops_per_s"]);

@@ -52,18 +52,15 @@ bool overlap(const TraceSpan& a, const TraceSpan& b) {
   return std::max(a.start_s, b.start_s) < std::min(a.start_s + a.dur_s, b.start_s + b.dur_s);
 }
 
-TEST(RuntimeStep, OffloadCopiesOverlapCompute) {
-  const i64 S = 2048;
-  StepSetup s = make_setup(step_options("small", S, "4", "full"));
-  const StepResult r = run_step(s, S);
-  EXPECT_GT(r.offloaded_bytes, 0);
+// How many of a step's offload copies ran while a forward or backward pass computed.
+int overlapped_copies(const StepResult& r) {
   std::vector<TraceSpan> copies, compute;
   for (const TraceSpan& t : r.trace) {
     if (t.lane == Lane::CopyOut) copies.push_back(t);
     if (t.lane == Lane::Compute && (t.kind == sched::OpKind::Forward || t.kind == sched::OpKind::Backward))
       compute.push_back(t);
   }
-  ASSERT_EQ(copies.size(), 3u) << "one offload per subsequence but the last";
+  EXPECT_EQ(copies.size(), 3u) << "one offload per subsequence but the last";
   int overlapped = 0;
   for (const TraceSpan& c : copies) {
     EXPECT_GT(c.dur_s, 0.0) << c.name;
@@ -73,7 +70,22 @@ TEST(RuntimeStep, OffloadCopiesOverlapCompute) {
         break;
       }
   }
-  EXPECT_GE(overlapped, 1) << "no offload ran while a subsequence computed";
+  return overlapped;
+}
+
+TEST(RuntimeStep, OffloadCopiesOverlapCompute) {
+  const i64 S = 2048;
+  StepSetup s = make_setup(step_options("small", S, "4", "full"));
+  // A copy made on the compute thread never overlaps a pass. An asynchronous one can miss
+  // in one step when ctest keeps both cores busy (the copy thread runs its millisecond
+  // while the compute thread waits for a core), so the step gets a few tries.
+  int overlapped = 0;
+  for (int attempt = 0; attempt < 5 && overlapped == 0; ++attempt) {
+    const StepResult r = run_step(s, S);
+    EXPECT_GT(r.offloaded_bytes, 0);
+    overlapped = overlapped_copies(r);
+  }
+  EXPECT_GE(overlapped, 1) << "no offload ran while a subsequence computed, in 5 steps";
 }
 
 struct PeakCase {
