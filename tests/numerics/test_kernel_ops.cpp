@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -359,7 +360,10 @@ TEST(EmbeddingShard, ForwardsSumToTheLookupBackwardsAreTheFullRows) {
         Vec dembed(dembed0.begin() + v0 * H, dembed0.begin() + (v0 + Vr) * H);
         embedding_shard_backward(dembed.data(), dout.data(), ids.data(), T, H, v0, Vr);
         const DVec rows_ref(full_ref.begin() + v0 * H, full_ref.begin() + (v0 + Vr) * H);
-        expect_close(dembed, rows_ref, 1e-6, kRtol, pn + " backward");
+        // A row adds about T/V unit-size gradients: fp32 rounds every partial sum, so the
+        // error grows with their count while cancellation can leave the total small.
+        const double sum_atol = std::max(1e-6, 4 * 6e-8 * (T / V + 2));
+        expect_close(dembed, rows_ref, sum_atol, kRtol, pn + " backward");
         // The same additions in the same order as the full kernel: the same bits.
         EXPECT_EQ(dembed, Vec(full.begin() + v0 * H, full.begin() + (v0 + Vr) * H)) << pn;
       }
