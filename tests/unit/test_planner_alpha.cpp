@@ -128,6 +128,44 @@ TEST(AdaptiveAlpha, CloseToAnExhaustiveSearch) {
   }
 }
 
+TEST(AdaptiveAlpha, StopsAtNoneOnlyWhenNoneIsAlreadyTooSlow) {
+  // The planner's pruning (Note [Pruning the search]): alpha = 0 is a layout's fastest, so a
+  // caller that has no use for a step of no_use_s or more loses nothing when the search
+  // stops there; and a no_use_s above what the search finds changes nothing.
+  const ModelConfig c = preset("medium");
+  const HardwareProfile hw = slow_copies();
+  const auto lengths = plan::partition_flops(c, 16384, 8);
+  const CostModel cost(hw, c, ActPrecision::F32);
+  const auto rules = memory_rules(c, ActPrecision::F32);
+  auto build = [&](const std::vector<double>& a) { return sched::build_single(c.layers, lengths, a); };
+  const i64 roomy = i64(1) << 40;
+  const AlphaResult none = solve_alpha(build, 8, cost, rules, roomy, OffloadMode::None);
+  const AlphaResult full = solve_alpha(build, 8, cost, rules, roomy, OffloadMode::Full);
+  ASSERT_TRUE(none.fits && full.fits);
+  const i64 budget = (none.peak_device_bytes + full.peak_device_bytes) / 2;  // alpha = 0 does not fit
+  const AlphaResult searched = solve_alpha(build, 8, cost, rules, budget, OffloadMode::Adaptive);
+  ASSERT_TRUE(searched.fits) << searched.reason;
+  ASSERT_GT(searched.step_time_s, none.step_time_s) << "the copies should cost time at these bandwidths";
+
+  const AlphaResult stopped = solve_alpha(build, 8, cost, rules, budget, OffloadMode::Adaptive, none.step_time_s * 0.99);
+  EXPECT_TRUE(stopped.slow);
+  EXPECT_FALSE(stopped.fits);
+  EXPECT_EQ(stopped.alpha, std::vector<double>(8, 0.0));
+  EXPECT_NE(stopped.reason.find("no faster than"), std::string::npos) << stopped.reason;
+
+  for (const double no_use : {searched.step_time_s * 1.01, (none.step_time_s + searched.step_time_s) / 2}) {
+    const AlphaResult r = solve_alpha(build, 8, cost, rules, budget, OffloadMode::Adaptive, no_use);
+    EXPECT_FALSE(r.slow) << "no_use_s " << no_use;
+    EXPECT_EQ(r.fits, searched.fits);
+    EXPECT_EQ(r.alpha, searched.alpha);
+    EXPECT_EQ(r.step_time_s, searched.step_time_s);
+  }
+  // A fitting alpha = 0 is returned as it is, however slow.
+  const AlphaResult roomy_stop = solve_alpha(build, 8, cost, rules, roomy, OffloadMode::Adaptive, none.step_time_s * 0.5);
+  EXPECT_TRUE(roomy_stop.fits);
+  EXPECT_FALSE(roomy_stop.slow);
+}
+
 PlanRequest request(const char* model, i64 S, int gpus) {
   PlanRequest r;
   r.model_name = model;
