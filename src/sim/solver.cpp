@@ -343,12 +343,15 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
                   std::to_string(no_use_s) + " s";
     return none;
   }
+  // The searches below look for the least offload that fits the device budget, which is
+  // also the least host memory; a host limit then decides whether that fits too (full
+  // offload may fit the device and not the host, while less offload fits both).
+  auto fits_device = [&](const AlphaResult& a) { return a.peak_device_bytes <= budget; };
   AlphaResult best = eval(full, "full");
-  if (!best.fits) {
-    if (best.peak_device_bytes > budget)
-      best.reason += " even with alpha = 1 for every subsequence but the last (the KV cache and the "
-                     "dK/dV accumulators stay on the device); use more subsequences or devices, or a "
-                     "larger budget";
+  if (!fits_device(best)) {
+    best.reason += " even with alpha = 1 for every subsequence but the last (the KV cache and the "
+                   "dK/dV accumulators stay on the device); use more subsequences or devices, or a "
+                   "larger budget";
     return best;
   }
   auto better = [](const AlphaResult& a, const AlphaResult& b) {
@@ -383,7 +386,7 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
     while (lo < hi) {
       const size_t mid = (lo + hi) / 2;
       AlphaResult a = eval(filled(seg, N, mid, 1.0), rule_of(mid));
-      if (a.fits) {
+      if (fits_device(a)) {
         hi = mid;
         at_hi = std::move(a);
         have_hi = true;
@@ -394,13 +397,13 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
     if (!have_hi) {
       at_hi = eval(filled(seg, N, hi, 1.0), rule_of(hi));
     }
-    if (at_hi.fits) {
+    if (fits_device(at_hi)) {
       // The least part of segment hi that fits.
       double flo = 0, fhi = 1;
       for (int it = 0; it < 7; ++it) {
         const double mid = (flo + fhi) / 2;
         AlphaResult a = eval(filled(seg, N, hi, mid), rule_of(hi));
-        if (a.fits) {
+        if (fits_device(a)) {
           fhi = mid;
           at_hi = std::move(a);
         } else {
@@ -543,7 +546,7 @@ Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, 
 
 void predict(plan::Plan* p, const HardwareProfile& hw) {
   const SimResult r = simulate_plan(*p, hw);
-  p->predicted = {r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes, r.exposed_copy_s};
+  p->predicted = {r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes, r.exposed_copy_s, r.peak_host_bytes};
 }
 
 std::vector<int> divisors(int n) {
