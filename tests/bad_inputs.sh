@@ -126,6 +126,9 @@ expect "--device-memory 'lots'" train --model tiny --device-memory lots
 expect "--device-memory '0'" train --model tiny --device-memory 0
 expect "--device-memory '-1GiB'" train --model tiny --device-memory -1GiB
 expect "--device-memory" train --model tiny --seq-len 4096 --subseqs 4 --device-memory 1MiB
+expect "--host-memory 'lots'" train --model tiny --host-memory lots
+expect "over the --host-memory budget" train --model tiny --seq-len 4096 --subseqs 4 --offload full --host-memory 1KiB
+expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --offload 0.5 --host-memory 1KiB --out g
 expect "--offload 'sometimes'" train --model tiny --offload sometimes
 expect "--offload '1.5'" train --model tiny --offload 1.5
 expect "--partition" train --model tiny --partition random
@@ -174,6 +177,7 @@ expect "--offload" plan --offload sometimes
 expect "--msp" plan --msp maybe
 expect "nope" plan --hardware nope
 expect "--budget 'lots'" plan --budget lots
+expect "--host-budget 'lots'" plan --host-budget lots
 expect "budget" plan --model gpt-65b --seq-len 1M --gpus 4
 # benchmarks
 expect "--heads" bench layer --hidden 30 --heads 4

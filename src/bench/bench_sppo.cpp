@@ -36,6 +36,7 @@ struct Point {
   int subseqs = 1;
   double step_s = 0;
   i64 peak = 0, predicted_peak = 0, offloaded = 0;
+  i64 host_peak = 0, predicted_host_peak = 0;  // the offloaded copies on the host
   double exposed = 0;
   std::vector<double> alpha;
 };
@@ -71,6 +72,7 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
     StepSetup s = make_setup(step_options(b, m, S, N, budget, partition));
     if (reps < 0) {  // a probe by prediction: setup refuses what would not fit
       p.predicted_peak = p.peak = s.predicted_peak_bytes;
+      p.predicted_host_peak = p.host_peak = s.predicted_host_bytes;
       p.alpha = s.alpha;
       p.ok = true;
       return p;
@@ -86,12 +88,14 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
       if (r == 0 && reps > 0) continue;
       times.push_back(res.step_s);
       p.peak = std::max(p.peak, res.device.peak);
+      p.host_peak = std::max(p.host_peak, res.host.peak);
       p.offloaded = res.offloaded_bytes;
       p.exposed = res.exposed_copy_s;
     }
     std::sort(times.begin(), times.end());
     p.step_s = times[times.size() / 2];
     p.predicted_peak = s.predicted_peak_bytes;
+    p.predicted_host_peak = s.predicted_host_bytes;
     p.alpha = s.alpha;
     p.ok = true;
   } catch (const Error& e) {
@@ -142,7 +146,8 @@ std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 bud
 
 nlohmann::json point_json(const Point& p) {
   nlohmann::json j = {{"subseqs", p.subseqs}, {"step_time_s", p.step_s}, {"peak_device_bytes", p.peak},
-                      {"predicted_peak_device_bytes", p.predicted_peak}, {"offloaded_bytes", p.offloaded},
+                      {"predicted_peak_device_bytes", p.predicted_peak}, {"peak_host_bytes", p.host_peak},
+                      {"predicted_peak_host_bytes", p.predicted_host_peak}, {"offloaded_bytes", p.offloaded},
                       {"exposed_copy_s", p.exposed}};
   if (!p.ok) j["error"] = p.error;
   return j;

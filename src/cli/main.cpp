@@ -37,6 +37,7 @@ struct StepFlags {
   int vocab = 0, hidden = 0, layers = 0, heads = 0;
   std::string seq_len = "1024";
   std::string device_memory;
+  std::string host_memory;
   CLI::Option* model_option = nullptr;
   CLI::Option* seq_len_option = nullptr;
 };
@@ -73,6 +74,9 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "fit --device-memory), or a ratio in [0, 1]")
       ->capture_default_str();
   cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
+  cmd->add_option("--host-memory", f.host_memory,
+                  "Host memory budget for offloaded activations, e.g. 2GiB (default: unlimited); adaptive "
+                  "offload and --subseqs auto choose within it");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
   cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
@@ -134,6 +138,7 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (custom && to_json(o.model) != to_json(preset(f.model))) o.model_name = f.model + " (custom)";
   o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
   if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
+  if (!f.host_memory.empty()) o.host_memory = parse_bytes(f.host_memory, "--host-memory");
   o.model.validate();
 }
 

@@ -202,7 +202,7 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       act_(be_.act()),
       precision_(act_ == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16),
       device_(std::make_unique<MemoryTier>(Tier::Device, o.device_budget, &be_)),
-      host_(std::make_unique<MemoryTier>(Tier::Host, 0, &be_)) {
+      host_(std::make_unique<MemoryTier>(Tier::Host, o.host_budget, &be_)) {
   c.validate();
   SPPO_CHECK(o.head_chunk >= 1, "runtime") << "head chunk must be positive";
   lb_ = o.layers.first;
@@ -971,6 +971,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   st.loss_sum = device_->alloc_zeroed(i64(sizeof(double)), "loss sum");
   device_->reset_peak();
+  host_->reset_peak();
   // An allocation over the budget first waits for the sends that will free bytes.
   device_->set_reclaimer([&st, this] {
     if (st.sends.empty()) return false;
@@ -1111,6 +1112,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   result.loss = loss_sum / double(st.predicted);
   result.predicted = st.predicted;
   result.device = device_->stats();
+  result.host = host_->stats();
   return result;
 }
 

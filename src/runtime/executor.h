@@ -54,6 +54,7 @@ namespace sppo {
 
 struct RuntimeOptions {
   i64 device_budget = 0;    // bytes; 0 = unlimited
+  i64 host_budget = 0;      // bytes of offloaded copies on the host tier; 0 = unlimited
   bool recompute = false;   // baseline: keep only block inputs, recompute the rest in backward
   int head_chunk = 1024;    // rows of logits computed at once
   bool record_memory = false;  // keep the device tier's timeline in StepResult::memory
@@ -94,6 +95,7 @@ struct StepResult {
   bool has_loss = false;          // this rank holds the LM head, so loss and losses are set
   std::vector<float> losses;      // [S] per-position losses
   MemoryStats device;             // device tier over the step (peak = high-water mark)
+  MemoryStats host;               // host tier (the offloaded copies) over the step
   i64 offloaded_bytes = 0;        // bytes copied to the host tier during the step
   double exposed_copy_s = 0;      // compute time spent waiting on copies
   double comm_wait_s = 0;         // compute time spent waiting on messages and reductions

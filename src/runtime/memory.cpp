@@ -80,8 +80,10 @@ Buffer MemoryTier::alloc(i64 bytes, const std::string& what) {
         << what << " asks " << format_bytes(double(bytes)) << " (" << bytes << " B) with "
         << format_bytes(double(stats_.current)) << " in use of a budget of "
         << format_bytes(double(budget_))
-        << "; use more subsequences (--subseqs), offload more (--offload full), or a larger "
-           "--device-memory";
+        << (tier_ == Tier::Device ? "; use more subsequences (--subseqs), offload more (--offload full), or a larger "
+                                    "--device-memory"
+                                  : "; offload less (a lower --offload ratio, with more --device-memory), or a larger "
+                                    "--host-memory");
     stats_.current += bytes;
     if (stats_.current > stats_.peak) stats_.peak = stats_.current;
     if (clock_) timeline_.emplace_back(clock_(), stats_.current);

@@ -23,6 +23,7 @@ struct StepOptions {
   std::string partition = "length";   // length | flops | adaptive
   std::string offload = "none";       // none | full | adaptive | <ratio in [0, 1]>
   i64 device_memory = 0;              // bytes; 0 = unlimited
+  i64 host_memory = 0;                // bytes of offloaded activations on the host; 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
   std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)

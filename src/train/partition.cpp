@@ -97,6 +97,9 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
     if (fit.found)
       hint = "the smallest that fits is --subseqs " + std::to_string(fit.subseqs) +
              " --offload adaptive (predicted peak " + format_bytes(double(fit.alpha.peak_device_bytes)) + ")";
+    else if (hw.host_memory > 0 && fit.least_peak_bytes <= budget)
+      hint = "nothing fits both budgets: the N that fit the device budget offload more than the host memory of " +
+             format_bytes(double(hw.host_memory)) + " (--host-memory) holds; raise --host-memory or --device-memory";
     else
       hint = "nothing fits: the least any N and offload needs is " +
              format_bytes(double(fit.least_peak_bytes)) + " (at --subseqs " +

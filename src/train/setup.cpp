@@ -195,10 +195,13 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   // only once the options and data have been checked.
   s.profile_measured = !o.plan_path.empty() || o.partition == "adaptive" || o.offload == "adaptive" ||
                        !o.hardware.empty();
+  SPPO_CHECK(o.host_memory >= 0, "options") << "--host-memory must not be negative";
   s.profile = nominal_cpu_profile();
   bool profiled = false;
+  // --host-memory is the host memory a device has, to every choice made with the profile.
   auto profile = [&]() -> const plan::HardwareProfile& {
     if (s.profile_measured && !profiled) s.profile = agreed_profile(o.hardware, w);
+    if (o.host_memory > 0) s.profile.host_memory = o.host_memory;
     profiled = true;
     return s.profile;
   };
@@ -311,6 +314,12 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " needs "
         << format_bytes(double(r.peak_device_bytes)) << " of device memory on its fullest rank, over the "
         << "--device-memory budget of " << format_bytes(double(o.device_memory));
+    SPPO_CHECK_FITS(o.host_memory == 0 || r.peak_host_bytes <= o.host_memory, "memory")
+        << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " offloads "
+        << format_bytes(double(r.peak_host_bytes)) << " (" << r.peak_host_bytes
+        << " B) to host memory on its fullest rank, over the --host-memory budget of "
+        << format_bytes(double(o.host_memory)) << "; use --host-memory " << r.peak_host_bytes
+        << " or more, or offload less (more --subseqs, a lower --offload ratio, or more --device-memory)";
   }
 
   // On the CPU both tiers are this machine's memory: what the step holds on its fullest
@@ -330,6 +339,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
 
   RuntimeOptions ro;
   ro.device_budget = o.device_memory;
+  ro.host_budget = o.host_memory;
   ro.recompute = o.recompute;
   ro.rank = s.layout.rank;
   ro.comm = s.layout.ranks() > 1 ? &w : nullptr;

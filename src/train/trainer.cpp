@@ -150,6 +150,7 @@ struct Sequences {
   double loss_sum = 0, first_sum = 0, second_sum = 0;  // over this rank's sequences (last stage)
   double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
   i64 peak = 0, offloaded = 0;
+  i64 host_peak = 0;  // offloaded bytes held on the host at once
   i64 sent = 0;  // point-to-point bytes of one sequence's step (each sends the same)
   StepResult last;
 };
@@ -177,6 +178,7 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     q.comm_wait_s += r.comm_wait_s;
     q.exposed_s += r.exposed_copy_s;
     q.peak = std::max(q.peak, r.device.peak);
+    q.host_peak = std::max(q.host_peak, r.host.peak);
     q.offloaded += r.offloaded_bytes;
     q.sent = std::max(q.sent, r.sent_bytes);
     q.last = std::move(r);
@@ -188,21 +190,21 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
 struct RankFigures {
   int rank = 0;
   double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
-  i64 peak = 0, offloaded = 0, sent = 0;
+  i64 peak = 0, offloaded = 0, sent = 0, host_peak = 0;
   double bubble() const { return compute_s > 0 ? (step_s - compute_s) / compute_s : 0; }
 };
 
 std::vector<RankFigures> all_figures(comm::Comm& world, const Sequences& q) {
-  constexpr int kFields = 7;
+  constexpr int kFields = 8;
   std::vector<double> v(std::size_t(world.size()) * kFields, 0.0);
   double* mine = v.data() + std::size_t(world.rank()) * kFields;
   mine[0] = q.step_s, mine[1] = q.compute_s, mine[2] = q.comm_wait_s, mine[3] = q.exposed_s;
-  mine[4] = double(q.peak), mine[5] = double(q.offloaded), mine[6] = double(q.sent);
+  mine[4] = double(q.peak), mine[5] = double(q.offloaded), mine[6] = double(q.sent), mine[7] = double(q.host_peak);
   comm::allreduce_sum(world, v, comm::world_group(world), "every rank's step figures");
   std::vector<RankFigures> f(std::size_t(world.size()));
   for (int r = 0; r < world.size(); ++r) {
     const double* x = v.data() + std::size_t(r) * kFields;
-    f[std::size_t(r)] = {r, x[0], x[1], x[2], x[3], i64(x[4]), i64(x[5]), i64(x[6])};
+    f[std::size_t(r)] = {r, x[0], x[1], x[2], x[3], i64(x[4]), i64(x[5]), i64(x[6]), i64(x[7])};
   }
   return f;
 }
@@ -332,7 +334,7 @@ int run_train(const TrainOptions& o) {
   const auto t_run = std::chrono::steady_clock::now();
   std::vector<double> step_times;
   int bad_in_a_row = 0;
-  std::vector<i64> peaks(std::size_t(lay.ranks()), 0);
+  std::vector<i64> peaks(std::size_t(lay.ranks()), 0), host_peaks(peaks);
   std::vector<i64> sent(std::size_t(lay.ranks()), 0);
   for (int step = start_step; step < o.steps; ++step) {
     const FaultPlan& fault = fault_plan();
@@ -368,13 +370,15 @@ int run_train(const TrainOptions& o) {
     ++updates;
     const std::vector<RankFigures> ranks = all_figures(world, q);
     double step_s = 0, exposed = 0;
-    i64 peak = 0, offloaded = 0;
+    i64 peak = 0, offloaded = 0, host_peak = 0;
     for (const RankFigures& f : ranks) {
       step_s = std::max(step_s, f.step_s);
       exposed = std::max(exposed, f.exposed_s);
       peak = std::max(peak, f.peak);
+      host_peak = std::max(host_peak, f.host_peak);
       offloaded += f.offloaded;
       peaks[std::size_t(f.rank)] = std::max(peaks[std::size_t(f.rank)], f.peak);
+      host_peaks[std::size_t(f.rank)] = std::max(host_peaks[std::size_t(f.rank)], f.host_peak);
       sent[std::size_t(f.rank)] = f.sent;
     }
     step_times.push_back(step_s);
@@ -390,6 +394,7 @@ int run_train(const TrainOptions& o) {
                           {"step_time_s", step_s},
                           {"tokens_per_s", tps},
                           {"peak_device_bytes", peak},
+                          {"peak_host_bytes", host_peak},
                           {"offloaded_bytes", offloaded},
                           {"exposed_copy_s", exposed}};
       std::string halves;
@@ -411,7 +416,8 @@ int run_train(const TrainOptions& o) {
                          {"compute_s", f.compute_s},
                          {"bubble", f.bubble()},
                          {"comm_wait_s", f.comm_wait_s},
-                         {"peak_device_bytes", f.peak}});
+                         {"peak_device_bytes", f.peak},
+                         {"peak_host_bytes", f.host_peak}});
         m["ranks"] = std::move(per);
       }
       if (metrics) metrics->write(m);
@@ -443,12 +449,15 @@ int run_train(const TrainOptions& o) {
   std::sort(timed.begin(), timed.end());
   const double measured = timed.empty() ? 0 : timed[timed.size() / 2];
   const i64 measured_peak = *std::max_element(peaks.begin(), peaks.end());
+  const i64 measured_host_peak = *std::max_element(host_peaks.begin(), host_peaks.end());
   if (!root) return 0;
   nlohmann::json summary = {{"summary", true},
                             {"step", start_step + int(step_times.size())},
                             {"measured_step_time_s", measured},
                             {"predicted_peak_device_bytes", s.predicted_peak_bytes},
-                            {"measured_peak_device_bytes", measured_peak}};
+                            {"measured_peak_device_bytes", measured_peak},
+                            {"predicted_peak_host_bytes", s.predicted_host_bytes},
+                            {"measured_peak_host_bytes", measured_host_peak}};
   if (lay.ranks() > 1) {
     summary["measured_peak_device_bytes_per_rank"] = peaks;
     summary["predicted_peak_device_bytes_per_rank"] = s.predicted_peak_per_rank;
@@ -467,6 +476,9 @@ int run_train(const TrainOptions& o) {
     std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(measured_peak)).c_str());
     if (s.predicted_peak_bytes > 0)
       std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
+    if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
+      std::fprintf(stderr, "; host memory (offloaded) %s measured, %s predicted",
+                   format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
     if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
     std::fprintf(stderr, "\n");
   }
@@ -538,10 +550,11 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
   const FullState full = gather_full(rt, lay, world, true, false);
   const std::vector<RankFigures> ranks = all_figures(world, q);
   if (!root) return 0;
-  i64 peak = 0, offloaded = 0;
+  i64 peak = 0, offloaded = 0, host_peak = 0;
   double step_s = 0;
   for (const RankFigures& f : ranks) {
     peak = std::max(peak, f.peak);
+    host_peak = std::max(host_peak, f.host_peak);
     offloaded += f.offloaded;
     step_s = std::max(step_s, f.step_s);
   }
@@ -575,6 +588,9 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
                            {"tp", lay.tp},
                            {"zero", lay.zero},
                            {"peak_device_bytes", peak},
+                           {"predicted_peak_device_bytes", s.predicted_peak_bytes},
+                           {"peak_host_bytes", host_peak},
+                           {"predicted_peak_host_bytes", s.predicted_host_bytes},
                            {"offloaded_bytes", offloaded},
                            {"step_time_s", step_s}};
   if (lay.ranks() > 1) {

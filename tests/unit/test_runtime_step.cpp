@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "io/fileutil.h"
 #include "runtime/executor.h"
 #include "train/parallel.h"
@@ -119,10 +120,55 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
                              std::to_string(budget);
     EXPECT_EQ(s.runtime->device().stats().peak, s.predicted_peak_bytes) << what;
     EXPECT_EQ(r.device.peak, s.predicted_peak_bytes) << what;
+    // The host tier holds the offloaded copies; the simulator's host peak is theirs.
+    EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;
+    EXPECT_EQ(r.host.peak > 0, r.offloaded_bytes > 0) << what;
     if (budget > 0) {
       EXPECT_LE(r.device.peak, budget) << what;
       EXPECT_GT(r.offloaded_bytes, 0) << what << ": the budget should have demanded offloading";
     }
+  }
+}
+
+// --host-memory bounds the offloaded copies. Without offload every subsequence's
+// activations stay on the device, so the bytes that must leave it hardly fall with N: a
+// host budget under what the device budget forces out fits nothing, and says so; one at
+// it fits, and the run holds what was predicted. A fixed ratio over the budget is refused
+// before any work, naming the budget that would do.
+TEST(RuntimeStep, HostBudgetBoundsTheOffloadedCopies) {
+  const i64 S = 2048;
+  const StepSetup whole = make_setup(step_options("small", S, "1", "none"));
+  StepOptions o = step_options("small", S, "auto", "adaptive", whole.predicted_peak_bytes / 2);
+  const StepSetup unbounded = make_setup(o);
+  ASSERT_GT(unbounded.predicted_host_bytes, 0) << "the device budget should demand offloading";
+
+  o.host_memory = unbounded.predicted_host_bytes;
+  StepSetup at = make_setup(o);
+  EXPECT_LE(at.predicted_host_bytes, o.host_memory);
+  EXPECT_LE(at.predicted_peak_bytes, o.device_memory);
+  const StepResult r = run_step(at, S);
+  EXPECT_EQ(r.host.peak, at.predicted_host_bytes);
+  EXPECT_LE(r.device.peak, o.device_memory);
+
+  o.host_memory = unbounded.predicted_host_bytes / 2;
+  try {
+    make_setup(o);
+    ADD_FAILURE() << "a host budget of half what must leave the device was accepted";
+  } catch (const DoesNotFit& e) {
+    EXPECT_NE(std::string(e.what()).find("nothing fits both budgets"), std::string::npos) << e.what();
+  }
+
+  const StepSetup full = make_setup(step_options("small", S, "8", "full"));
+  ASSERT_GT(full.predicted_host_bytes, 0);
+  StepOptions fixed = step_options("small", S, "8", "full");
+  fixed.host_memory = full.predicted_host_bytes / 2;
+  try {
+    make_setup(fixed);
+    ADD_FAILURE() << "--offload full over --host-memory was accepted";
+  } catch (const DoesNotFit& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("--host-memory " + std::to_string(full.predicted_host_bytes) + " or more"), std::string::npos)
+        << m;
   }
 }
 
