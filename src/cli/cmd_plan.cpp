@@ -45,6 +45,7 @@ sim::PlanRequest request_of(const PlanOptions& o) {
       << "--ring-layout must be zigzag or contiguous (got '" << o.ring_layout << "')";
   r.ring_layout = sched::parse_ring_layout(o.ring_layout);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
+  if (!o.host_budget.empty()) r.hw.host_memory = parse_bytes(o.host_budget, "--host-budget");
   return r;
 }
 
@@ -95,6 +96,8 @@ void print_plan(const plan::Plan& p) {
   std::printf("exposed     %.4g s of copies\n", p.predicted.exposed_copy_s);
   std::printf("peak        %s per device (budget %s)\n", format_bytes(double(p.predicted.peak_device_bytes)).c_str(),
               format_bytes(double(p.budget)).c_str());
+  if (p.predicted.peak_host_bytes > 0) std::printf("host        %s per device\n",
+                                                   format_bytes(double(p.predicted.peak_host_bytes)).c_str());
   for (const auto& n : p.notes) std::printf("note        %s\n", n.c_str());
 }
 
@@ -269,6 +272,9 @@ void add_plan_commands(CLI::App& app) {
       ->capture_default_str();
   p->add_flag("--explain", plan.explain, "Also print device and host memory term by term, with formulas");
   p->add_option("--budget", plan.budget, "Device memory per device, e.g. 70GiB (default: the profile's usable memory)");
+  p->add_option("--host-budget", plan.host_budget,
+                "Host memory per device for offloaded activations, e.g. 128GiB (default: the profile's "
+                "host_memory_bytes)");
   p->add_option("--out", plan.out, "Also write the plan JSON to this file (for `sppo simulate`)");
   p->add_flag("--json", plan.json, "Print one JSON object");
   p->add_flag("--table", plan.table, "Print the sppo/megatron/deepspeed comparison table for gpt-7b/13b/65b");

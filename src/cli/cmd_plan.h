@@ -23,6 +23,7 @@ struct PlanOptions {
   std::string ring_layout = "zigzag";  // zigzag | contiguous
   bool explain = false;             // also print device memory term by term
   std::string budget;               // bytes per device; empty: the profile's usable memory
+  std::string host_budget;          // host bytes per device; empty: the profile's host_memory_bytes
   std::string out;                  // also write the plan JSON here
   bool json = false;
   bool table = false;               // the comparison table of issue 4 instead of one plan

@@ -44,7 +44,8 @@ nlohmann::json to_json(const Plan& p) {
         {"tokens_per_gpu_per_s", p.predicted.tokens_per_gpu_per_s},
         {"bubble_ratio", p.predicted.bubble_ratio},
         {"peak_device_bytes", p.predicted.peak_device_bytes},
-        {"exposed_copy_s", p.predicted.exposed_copy_s}}},
+        {"exposed_copy_s", p.predicted.exposed_copy_s},
+        {"peak_host_bytes", p.predicted.peak_host_bytes}}},
   };
   if (!p.notes.empty()) j["notes"] = p.notes;
   return j;
@@ -109,6 +110,7 @@ Plan plan_from_json(const nlohmann::json& j) {
       p.predicted.bubble_ratio = q.value("bubble_ratio", 0.0);
       p.predicted.peak_device_bytes = integer(q, "peak_device_bytes", 0, 0, std::numeric_limits<i64>::max());
       p.predicted.exposed_copy_s = q.value("exposed_copy_s", 0.0);
+      p.predicted.peak_host_bytes = integer(q, "peak_host_bytes", 0, 0, std::numeric_limits<i64>::max());
     }
     p.notes = j.value("notes", std::vector<std::string>{});
   } catch (const nlohmann::json::exception& e) {

@@ -17,6 +17,7 @@ struct Prediction {
   double bubble_ratio = 0;
   i64 peak_device_bytes = 0;
   double exposed_copy_s = 0;
+  i64 peak_host_bytes = 0;        // offloaded (host-resident) bytes per device at most
 };
 
 struct Plan {
