@@ -18,6 +18,8 @@
 #   test_bench_profile_device                times every kernel shape of a hardware profile
 #   test_train_resident                      measures the process's resident memory, which
 #                                            ASan's shadow memory and quarantine inflate
+#   fuzz_replay_*                            replay the fuzz corpus and past crashes, which
+#                                            scripts/fuzz.sh runs first under ASan + UBSan
 #
 # Both builds compile at -O1 with line tables only (-g1): GCC at -O2 -g with UBSan took
 # 2.3x as long for the same findings, and a report still names file and line. Each builds
@@ -47,7 +49,7 @@ show_ctest() {
   fi
 }
 
-asan_skip='^(test_train_longrange|test_model_subseq|test_bench_profile_device|test_train_resident)$'
+asan_skip='^(test_train_longrange|test_model_subseq|test_bench_profile_device|test_train_resident|fuzz_replay_.*)$'
 
 # -O1 -g1: see above.
 sanitizer_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DSPPO_CUDA=OFF)
