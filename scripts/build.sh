@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+source scripts/configure.sh
+configure build -S . -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$(nproc)"

@@ -34,8 +34,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+source scripts/configure.sh
 t0=$(date +%s)
-cmake -S tests/fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None >/dev/null
+configure build-fuzz -S tests/fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None
 nice -n 10 cmake --build build-fuzz -j"$jobs" --target $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
 echo "fuzz: built ${#targets[@]} targets in $(( $(date +%s) - t0 )) s; ${seconds} s each"
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  cmake g++ make pkg-config
+  cmake g++ make ninja-build pkg-config
   libopenblas-openmp-dev     # SGEMM, on the same OpenMP thread pool as the kernels
   libomp-dev                 # OpenMP runtime headers (GCC's libgomp comes with g++)
   libopenmpi-dev openmpi-bin # ranks for the multi-process modes and their tests

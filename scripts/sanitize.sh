@@ -32,6 +32,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install-deps.sh
+source scripts/configure.sh
 mode=${1:-all}
 [ $# -gt 0 ] && shift
 jobs=${SANITIZE_JOBS:-$(nproc)}
@@ -56,7 +57,7 @@ sanitizer_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEB
 
 run_asan() {
   local t0=$(date +%s)
-  cmake -S . -B build-asan "${sanitizer_flags[@]}" -DSPPO_SANITIZE=ON >/dev/null
+  configure build-asan -S . "${sanitizer_flags[@]}" -DSPPO_SANITIZE=ON
   # The tests it runs are targets of the same name; bad_inputs runs sppo and rewrite_state.
   local targets
   targets=$(cd build-asan && ctest -N -L 'unit|numerics' -E "$asan_skip" | sed -n 's/^ *Test *#[0-9]*: //p' |
@@ -75,7 +76,7 @@ run_asan() {
 run_tsan() {
   local t0=$(date +%s)
   local tests=(test_runtime_memory test_backend_copy_stream test_runtime_step)
-  cmake -S . -B build-tsan "${sanitizer_flags[@]}" -DSPPO_SANITIZE_THREAD=ON >/dev/null
+  configure build-tsan -S . "${sanitizer_flags[@]}" -DSPPO_SANITIZE_THREAD=ON
   nice -n 10 cmake --build build-tsan -j"$jobs" --target "${tests[@]}" >/dev/null
   local t1=$(date +%s)
   (
