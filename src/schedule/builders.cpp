@@ -422,6 +422,17 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   return s;
 }
 
+void set_offload_fractions(Schedule* s, const std::vector<double>& alpha) {
+  SPPO_CHECK(alpha.size() == s->lengths.size(), "schedule")
+      << "alpha has " << alpha.size() << " entries for " << s->lengths.size() << " subsequences";
+  for (auto& ops : s->ops)
+    for (Op& op : ops)
+      if (op.kind == OpKind::Offload || op.kind == OpKind::Prefetch) {
+        SPPO_ASSERT(alpha[std::size_t(op.subseq)] > 0);
+        op.fraction = alpha[std::size_t(op.subseq)];
+      }
+}
+
 Schedule expand_tensor_parallel(const Schedule& s, int tp) {
   SPPO_CHECK(tp >= 1, "schedule") << "tensor parallelism needs at least one rank a group (got " << tp << ")";
   SPPO_CHECK(s.tp == 1, "schedule") << "the schedule is already tensor parallel";

@@ -56,4 +56,11 @@ Schedule build_pipeline(const PipelineSpec& spec);
 // so a tensor-parallel group is innermost, inside one node as the paper keeps it.
 Schedule expand_tensor_parallel(const Schedule& s, int tp);
 
+// Gives every Offload and Prefetch of `s` the fraction alpha[subseq]. The builders' ops
+// depend on alpha only through which subsequences offload (alpha_i > 0 adds the copies and
+// their waits) and those fractions, so for an alpha under which the same subsequences
+// offload as under the one `s` was built with, this returns `s` to what the builder
+// would build for it, without building it again.
+void set_offload_fractions(Schedule* s, const std::vector<double>& alpha);
+
 }  // namespace sppo::sched

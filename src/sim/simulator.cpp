@@ -4,6 +4,7 @@
 #include <cmath>
 #include <deque>
 #include <map>
+#include <unordered_map>
 #include <tuple>
 
 #include "core/check.h"
@@ -42,6 +43,7 @@ struct RankEvents {
   std::vector<sched::MemEvent> ev;  // every op's events, in program order
   std::vector<size_t> first;        // op k's events are ev[first[k], first[k + 1])
   std::vector<i64> op_bytes;      // op k's bytes when an Offload or Prefetch, a Send or a RingStep
+  std::vector<double> op_s;       // op k's seconds when an F or a B (the same in every pass)
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 peak_host = 0;                // offloaded bytes on the host, at most
@@ -55,8 +57,13 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   const auto& ops = s.ops[size_t(r)];
   out.first.reserve(ops.size() + 1);
   out.op_bytes.assign(ops.size(), 0);
+  out.op_s.assign(ops.size(), 0.0);
+  std::vector<i64> offsets(s.lengths.size() + 1, 0);
+  for (size_t i = 0; i < s.lengths.size(); ++i) offsets[i + 1] = offsets[i] + s.lengths[i];
   for (size_t k = 0; k < ops.size(); ++k) {
     const Op& op = ops[k];
+    if (op.kind == OpKind::Forward) out.op_s[k] = cost.forward_s(op, s, offsets[size_t(op.subseq)]);
+    if (op.kind == OpKind::Backward) out.op_s[k] = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
     if (op.kind == OpKind::Offload) out.op_bytes[k] = mem.offload_bytes(op);
     if (op.kind == OpKind::Prefetch) out.op_bytes[k] = mem.prefetch_bytes(op);
     if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) out.op_bytes[k] = cost.message_bytes(op, s);
@@ -75,7 +82,7 @@ struct RankState {
   double ring_ready = 0;     // latest arrival of the ring steps before the next F/B
   int ring_steps = 0;        // ring steps since the last F/B
   bool posted = false;       // the current ring step's send, or all-reduce arrival, is out
-  std::map<int, double> off_end, pre_end;
+  std::vector<double> off_end, pre_end;  // per subsequence: when its offload (prefetch) ends
   std::vector<std::pair<double, double>> mem_span;  // per op: the interval its memory events fall in
 };
 
@@ -89,8 +96,9 @@ bool take(std::deque<std::pair<sched::MessageKey, double>>& q, const sched::Mess
   return false;
 }
 
-// Stretch factor per (rank, op index) of transfers, from the previous pass.
-using Scales = std::map<std::pair<int, size_t>, double>;
+// Stretch factor per rank and op index of transfers, from the previous pass (0: the op
+// was no transfer there, so 1; an empty list: no transfers on that rank).
+using Scales = std::vector<std::vector<double>>;
 
 struct Pass {
   SimResult res;
@@ -103,23 +111,27 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
   const int R = s.ranks;
   const HardwareProfile& hw = cost.hw();
   std::vector<RankState> st(R);
-  for (int r = 0; r < R; ++r) st[r].mem_span.resize(s.ops[r].size());
-  std::map<std::pair<int, int>, std::deque<std::pair<sched::MessageKey, double>>> channel;  // (src, dst)
+  for (int r = 0; r < R; ++r) {
+    st[r].mem_span.resize(s.ops[r].size());
+    st[r].off_end.assign(s.lengths.size(), 0.0);
+    st[r].pre_end.assign(s.lengths.size(), 0.0);
+  }
+  // Messages in flight from src to dst, under the key src * R + dst.
+  std::unordered_map<i64, std::deque<std::pair<sched::MessageKey, double>>> channel;
+  auto channel_of = [&](int src, int dst) -> auto& { return channel[i64(src) * R + dst]; };
   std::map<std::pair<std::vector<int>, int>, std::vector<double>> arrived;
   std::map<std::pair<std::vector<int>, int>, double> reduced;  // all-reduce end times
   std::vector<std::map<std::vector<int>, int>> passed(R);
   Pass pass;
   SimResult& res = pass.res;
-  std::vector<i64> offsets(s.lengths.size() + 1, 0);
-  for (size_t i = 0; i < s.lengths.size(); ++i) offsets[i + 1] = offsets[i] + s.lengths[i];
   const bool nic_shared = hw.gpus_per_nic > 1 && hw.nic_bw > 0;
   res.forward_end.assign(R, std::vector<double>(s.lengths.size(), -1.0));
   res.sent_bytes.assign(R, 0);
   res.backward_start.assign(R, std::vector<double>(s.lengths.size(), -1.0));
 
   auto scale_of = [&](int r, size_t pc) {
-    auto it = scales.find({r, pc});
-    return it == scales.end() ? 1.0 : it->second;
+    const double v = scales.empty() || scales[size_t(r)].empty() ? 0.0 : scales[size_t(r)][pc];
+    return v > 0 ? v : 1.0;
   };
   auto record = [&](int r, Lane lane, const Op& op, double start, double end) {
     if (options.record && end > start) res.events.push_back({r, lane, op.kind, to_string(op), start, end - start});
@@ -147,8 +159,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
         switch (op.kind) {
           case OpKind::Forward:
           case OpKind::Backward: {
-            const i64 o = offsets[op.subseq];
-            const double dur = op.kind == OpKind::Forward ? cost.forward_s(op, s, o) : cost.backward_s(op, s, o);
+            const double dur = mem[size_t(r)].op_s[rs.pc];
             const double start = rs.t_compute;
             double end = start + dur;
             if (rs.ring_steps > 0) {
@@ -206,14 +217,14 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             const double start = std::max(rs.t_net, rs.t_compute);
             const double end = start + send_s(r, rs.pc, op, start);
             rs.t_net = end;
-            channel[{r, op.peer}].push_back({sched::message_key(op), end});
+            channel_of(r, op.peer).push_back({sched::message_key(op), end});
             record(r, Lane::Network, op, start, end);
             mem_at(rs, op, start, end);
             break;
           }
           case OpKind::Recv: {
             double arrival = 0;
-            if (!take(channel[{op.peer, r}], sched::message_key(op), &arrival)) goto blocked;
+            if (!take(channel_of(op.peer, r), sched::message_key(op), &arrival)) goto blocked;
             mem_at(rs, op, std::max(rs.t_compute, arrival), std::max(rs.t_compute, arrival));
             rs.t_compute = std::max(rs.t_compute, arrival);
             break;
@@ -223,13 +234,13 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               const double start = std::max(rs.t_net, rs.t_compute);
               const double end = start + send_s(r, rs.pc, op, start);
               rs.t_net = end;
-              channel[{r, op.peer}].push_back({sched::message_key(op), end});
+              channel_of(r, op.peer).push_back({sched::message_key(op), end});
               record(r, Lane::Network, op, start, end);
               rs.posted = true;
               progress = true;
             }
             double arrival = 0;
-            if (!take(channel[{op.recv_peer, r}], sched::message_key(op), &arrival)) goto blocked;
+            if (!take(channel_of(op.recv_peer, r), sched::message_key(op), &arrival)) goto blocked;
             rs.ring_ready = std::max({rs.ring_ready, arrival, rs.t_net});
             ++rs.ring_steps;
             rs.posted = false;
@@ -300,7 +311,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     }
     res.peak_host_bytes = std::max(res.peak_host_bytes, re.peak_host);
     std::sort(points.begin(), points.end(),
-              [](const MemPoint& a, const MemPoint& b) { return std::tie(a.t, a.seq) < std::tie(b.t, b.seq); });
+              [](const MemPoint& a, const MemPoint& b) { return a.t < b.t || (a.t == b.t && a.seq < b.seq); });
     i64 cur = re.fixed, peak = cur, host = 0;
     std::array<i64, sched::kMemTerms> terms = re.fixed_terms;
     res.fixed_bytes[r] = cur;
@@ -343,7 +354,8 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
 // each NIC in each direction. Between consecutive starts and ends of flows, rates are the
 // max-min fair allocation (progressive filling: raise every unfrozen flow's rate together
 // until a link is full or a flow reaches its own rate; freeze those; repeat).
-Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow>>& flows, const HardwareProfile& hw) {
+Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow>>& flows, const Schedule& s,
+                        const HardwareProfile& hw) {
   const int per_node = std::max(1, hw.devices_per_node);
   std::map<std::tuple<int, int, int>, int> link_id;  // (kind, index, dir) -> id
   std::vector<double> capacity;
@@ -382,9 +394,11 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return fs[a].start < fs[b].start; });
   size_t next = 0;
   double t = order.empty() ? 0 : fs[order[0]].start;
-  std::vector<size_t> active;
+  std::vector<size_t> active, still;
   std::vector<double> used(capacity.size());
   std::vector<int> unfrozen_on(capacity.size());
+  std::vector<char> full(capacity.size()), on_list(capacity.size(), 0);
+  std::vector<int> links_now;
   while (next < order.size() || !active.empty()) {
     while (next < order.size() && fs[order[next]].start <= t) {
       fs[order[next]].active = true;
@@ -394,11 +408,21 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
       t = fs[order[next]].start;
       continue;
     }
-    // Progressive filling.
-    std::fill(used.begin(), used.end(), 0.0);
+    // Progressive filling, over the links the active flows cross (the others carry none).
+    links_now.clear();
+    for (size_t k : active)
+      for (int l : fs[k].links)
+        if (!on_list[std::size_t(l)]) {
+          on_list[std::size_t(l)] = 1;
+          links_now.push_back(l);
+        }
+    for (int l : links_now) {
+      on_list[std::size_t(l)] = 0;
+      used[std::size_t(l)] = 0;
+    }
     for (size_t k : active) fs[k].rate = -1;  // unfrozen
     for (;;) {
-      std::fill(unfrozen_on.begin(), unfrozen_on.end(), 0);
+      for (int l : links_now) unfrozen_on[std::size_t(l)] = 0;
       bool any = false;
       for (size_t k : active)
         if (fs[k].rate < 0) {
@@ -407,15 +431,17 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
         }
       if (!any) break;
       double level = 1e300;
-      for (size_t l = 0; l < capacity.size(); ++l)
-        if (unfrozen_on[l] > 0) level = std::min(level, (capacity[l] - used[l]) / unfrozen_on[l]);
+      for (int l : links_now)
+        if (unfrozen_on[std::size_t(l)] > 0)
+          level = std::min(level, (capacity[std::size_t(l)] - used[std::size_t(l)]) / unfrozen_on[std::size_t(l)]);
       for (size_t k : active)
         if (fs[k].rate < 0) level = std::min(level, fs[k].rate_cap);
       level = std::max(level, 0.0);
       // Freeze the flows at their own cap and those on links that are now full.
-      std::vector<bool> full(capacity.size(), false);
-      for (size_t l = 0; l < capacity.size(); ++l)
-        if (unfrozen_on[l] > 0 && capacity[l] - used[l] - level * unfrozen_on[l] <= 1e-9 * capacity[l]) full[l] = true;
+      for (int l : links_now) {
+        const std::size_t j = std::size_t(l);
+        full[j] = unfrozen_on[j] > 0 && capacity[j] - used[j] - level * unfrozen_on[j] <= 1e-9 * capacity[j];
+      }
       for (size_t k : active) {
         if (fs[k].rate >= 0) continue;
         bool freeze = fs[k].rate_cap <= level * (1 + 1e-12);
@@ -432,7 +458,7 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
       if (fs[k].rate > 0) dt = std::min(dt, fs[k].left / fs[k].rate);
     SPPO_ASSERT(dt < 1e299);
     t += dt;
-    std::vector<size_t> still;
+    still.clear();
     for (size_t k : active) {
       fs[k].left -= fs[k].rate * dt;
       if (fs[k].left <= 1e-6 * (1 + fs[k].rate_cap * 1e-9)) {
@@ -442,13 +468,16 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
         still.push_back(k);
       }
     }
-    active = std::move(still);
+    std::swap(active, still);
   }
-  Scales out;
+  Scales out(size_t(s.ranks));
   for (size_t k = 0; k < fs.size(); ++k) {
+    const auto [rank, pc] = flows[k].first;
     const Flow& f = flows[k].second;
     const double alone = f.bytes / f.rate;
-    out[flows[k].first] = alone > 0 ? std::max(1.0, (fs[k].end - f.start) / alone) : 1.0;
+    auto& of = out[size_t(rank)];
+    if (of.empty()) of.assign(s.ops[size_t(rank)].size(), 0.0);
+    of[pc] = alone > 0 ? std::max(1.0, (fs[k].end - f.start) / alone) : 1.0;
   }
   return out;
 }
@@ -468,13 +497,14 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
   const double alone_copy_s = pass.copy_s;
   int passes = 1;
   while (shared && !pass.flows.empty() && passes < kContentionPasses) {
-    Scales next = contended_scales(pass.flows, cost.hw());
+    Scales next = contended_scales(pass.flows, s, cost.hw());
     // Later passes average with the previous scales, so that two transfers pushing each
     // other in and out of overlap settle between the two.
     if (passes > 1)
-      for (auto& [key, v] : next) {
-        auto it = scales.find(key);
-        if (it != scales.end()) v = (v + it->second) / 2;
+      for (const auto& [key, f] : pass.flows) {
+        const auto [r, pc] = key;
+        const double before = scales[size_t(r)].empty() ? 0.0 : scales[size_t(r)][pc];
+        if (before > 0) next[size_t(r)][pc] = (next[size_t(r)][pc] + before) / 2;
       }
     const double before = pass.res.step_time_s;
     scales = std::move(next);

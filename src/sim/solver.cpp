@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <sstream>
 
 #include "core/check.h"
 #include "planner/partition.h"
+#include "schedule/builders.h"
 #include "sim/baselines.h"
 
 namespace sppo::sim {
@@ -150,6 +152,39 @@ namespace {
 
 std::string bytes_text(i64 b) { return format_bytes(double(b)); }
 
+// The searches below try many alphas that offload the same subsequences: the last schedule
+// built is kept, and such an alpha only rewrites its fractions (sched::set_offload_fractions);
+// any other alpha builds anew.
+class ScheduleCache {
+ public:
+  using Build = std::function<Schedule(const std::vector<double>&)>;
+  explicit ScheduleCache(const Build& build) : build_(build) {}
+
+  const Schedule& at(const std::vector<double>& alpha) {
+    if (!have_ || !same_offloading(alpha)) {
+      schedule_ = build_(alpha);
+      have_ = true;
+    } else {
+      sched::set_offload_fractions(&schedule_, alpha);
+    }
+    alpha_ = alpha;
+    return schedule_;
+  }
+
+ private:
+  bool same_offloading(const std::vector<double>& alpha) const {
+    if (alpha.size() != alpha_.size()) return false;
+    for (std::size_t i = 0; i < alpha.size(); ++i)
+      if ((alpha[i] > 0) != (alpha_[i] > 0)) return false;
+    return true;
+  }
+
+  const Build& build_;
+  Schedule schedule_;
+  std::vector<double> alpha_;
+  bool have_ = false;
+};
+
 // Note [Filling alpha]: the cost in step time of offloading x_i bytes of subsequence i is,
 // on one rank, about max(0, x_i / BW_d2h - F_{i+1}) + max(0, x_i / BW_h2d - B_{i+1}): its
 // copy out hides behind the next forward, its copy back behind the next backward. So each
@@ -207,13 +242,13 @@ struct Directed {
   std::vector<double> alpha;
 };
 
-Directed directed_fill(const std::function<Schedule(const std::vector<double>&)>& build,
+Directed directed_fill(ScheduleCache& build,
                        const std::vector<Segment>& seg, const std::vector<UnitProfile>& units, int N,
                        const CostModel& cost, const MemoryRules& rules, i64 budget) {
   Directed d;
   d.alpha.assign(N, 0.0);
   for (int it = 0; it < 3 * N + 10; ++it) {
-    const SimResult r = simulate(build(d.alpha), cost, rules);
+    const SimResult r = simulate(build.at(d.alpha), cost, rules);
     if (r.peak_device_bytes <= budget) {
       d.fits = true;
       return d;
@@ -254,7 +289,7 @@ Directed directed_fill(const std::function<Schedule(const std::vector<double>&)>
 // Takes back, from the subsequences whose alpha is past its free breakpoint (the later
 // first), the whole tensors the fill added that the budget does not need: the least
 // boundary that still fits, by bisection over the tensors of the peak rank's unit.
-void trim(std::vector<double>* alpha, const std::function<Schedule(const std::vector<double>&)>& build,
+void trim(std::vector<double>* alpha, ScheduleCache& build,
           const std::vector<Segment>& seg, const std::vector<UnitProfile>& units, const CostModel& cost,
           const MemoryRules& rules, i64 budget) {
   const int N = int(alpha->size());
@@ -279,7 +314,7 @@ void trim(std::vector<double>* alpha, const std::function<Schedule(const std::ve
       const int mid = (lo + hi) / 2;
       std::vector<double> a = *alpha;
       a[i] = bound[std::size_t(mid)];
-      if (simulate(build(a), cost, rules).peak_device_bytes <= budget) hi = mid;
+      if (simulate(build.at(a), cost, rules).peak_device_bytes <= budget) hi = mid;
       else lo = mid;
     }
     if (hi < int(bound.size())) (*alpha)[i] = bound[std::size_t(hi)];
@@ -298,10 +333,11 @@ std::vector<double> filled(const std::vector<Segment>& seg, int N, size_t k, dou
 
 }  // namespace
 
-AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build, int N,
+AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build_new, int N,
                         const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode,
                         double no_use_s) {
   SPPO_CHECK(N >= 1, "planner") << "no subsequences";
+  ScheduleCache build(build_new);
   const i64 host_limit = cost.hw().host_memory;
   auto eval_schedule = [&](const Schedule& s, const std::vector<double>& alpha, const char* rule) {
     const SimResult r = simulate(s, cost, rules);
@@ -322,13 +358,13 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
     return a;
   };
   auto eval = [&](const std::vector<double>& alpha, const char* rule) {
-    return eval_schedule(build(alpha), alpha, rule);
+    return eval_schedule(build.at(alpha), alpha, rule);
   };
   std::vector<double> zeros(N, 0.0), full(N, 1.0);
   full.back() = 0;
   if (mode == OffloadMode::None) return eval(zeros, "none");
   if (mode == OffloadMode::Full) return eval(full, "full");
-  const Schedule s0 = build(zeros);
+  const Schedule s0 = build_new(zeros);
   const std::vector<UnitProfile> units = unit_profiles(s0, cost, rules);
   const std::vector<double> paper = paper_alpha(units, cost);
   if (mode == OffloadMode::Paper) return eval(paper, "paper");

@@ -147,6 +147,46 @@ TEST(BuildPipeline, GridIsValid) {
           }
 }
 
+// The planner's alpha search rewrites the fractions of a schedule it built instead of
+// building again (sim/solver.cpp); that must give exactly what the builder gives.
+TEST(SetOffloadFractions, EqualsBuildingAgain) {
+  auto alphas = [](int n, int variant) {
+    std::vector<double> a(n, 0.0);
+    for (int i = 0; i + 1 < n; ++i)
+      if (i % 3 != 1) a[i] = variant == 0 ? 0.25 + 0.5 * i / n : 1.0 - 0.125 * (i % 4);
+    return a;
+  };
+  for (int n : {2, 3, 5, 8}) {
+    const Schedule want = build_single(3, std::vector<i64>(n, 6), alphas(n, 1));
+    Schedule s = build_single(3, std::vector<i64>(n, 6), alphas(n, 0));
+    ASSERT_NE(s.ops, want.ops);
+    set_offload_fractions(&s, alphas(n, 1));
+    EXPECT_EQ(s.ops, want.ops) << "single, n " << n;
+  }
+  for (int pp : {1, 2, 3})
+    for (int sp : {1, 2})
+      for (int tp : {1, 2})
+        for (int n : {3, 5, 8})
+          for (bool msp : {false, true}) {
+            if (msp && (n < pp || sp > 1 || tp > 1)) continue;  // MSP runs without rings and TP
+            PipelineSpec spec;
+            spec.layers = 4;
+            spec.pp = pp;
+            spec.sp = sp;
+            spec.msp = msp;
+            for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
+            auto build = [&](int variant) {
+              PipelineSpec v = spec;
+              v.alpha = alphas(n, variant);
+              return expand_tensor_parallel(build_pipeline(v), tp);
+            };
+            const Schedule want = build(1);
+            Schedule s = build(0);
+            set_offload_fractions(&s, alphas(n, 1));
+            EXPECT_EQ(s.ops, want.ops) << "pp " << pp << " sp " << sp << " tp " << tp << " n " << n << " msp " << msp;
+          }
+}
+
 TEST(Validate, CatchesBrokenSchedules) {
   const MemoryRules rules = tiny_rules();
   Schedule s = build_single(2, {4, 4}, {0.5, 0.0});
