@@ -28,6 +28,11 @@ RingLayout parse_ring_layout(const std::string& text) {
   return RingLayout::Contiguous;
 }
 
+void Spans::push_back(const value_type& r) {
+  SPPO_CHECK(n_ < kMax, "schedule") << "a piece holds at most " << kMax << " token ranges";
+  r_[std::size_t(n_++)] = r;
+}
+
 i64 span_tokens(const Spans& s) {
   i64 n = 0;
   for (const auto& [b, e] : s) n += e - b;

@@ -5,6 +5,9 @@
 // of every executor until it handles it.
 #pragma once
 
+#include <algorithm>
+#include <array>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,8 +77,30 @@ enum class RingLayout { Contiguous, Zigzag };
 const char* to_string(RingLayout l);             // "contiguous" | "zigzag"
 RingLayout parse_ring_layout(const std::string& text);  // throws sppo::Error naming the choices
 
-// Token ranges [b, e) of a piece, ascending; one range (contiguous) or two (zigzag).
-using Spans = std::vector<std::pair<i64, i64>>;
+// Token ranges [b, e) of a piece, ascending; one range (contiguous) or two (zigzag), held
+// in place: the simulator and the memory rules ask for an op's spans for every op.
+class Spans {
+ public:
+  using value_type = std::pair<i64, i64>;
+  static constexpr int kMax = 2;
+
+  Spans() = default;
+  Spans(std::initializer_list<value_type> ranges) {
+    for (const value_type& r : ranges) push_back(r);
+  }
+  void push_back(const value_type& r);  // throws past kMax ranges
+  const value_type* begin() const { return r_.data(); }
+  const value_type* end() const { return r_.data() + n_; }
+  std::size_t size() const { return std::size_t(n_); }
+  bool empty() const { return n_ == 0; }
+  const value_type& front() const { return r_[0]; }
+  const value_type& operator[](std::size_t k) const { return r_[k]; }
+  bool operator==(const Spans& o) const { return std::equal(begin(), end(), o.begin(), o.end()); }
+
+ private:
+  std::array<value_type, kMax> r_{};
+  int n_ = 0;
+};
 i64 span_tokens(const Spans& s);
 // Tokens two pieces share.
 i64 overlap(const Spans& a, const Spans& b);

@@ -150,6 +150,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
   }
   acc_tokens_.assign(L, 0);
   acc_live_.assign(L, false);
+  std::map<i64, std::vector<i64>> layer_units;  // tokens -> one layer's offloadable tensors' bytes
   for (const Op& op : s.ops.at(rank)) {
     if (op.kind == OpKind::Forward) {
       const i64 T = tokens_of(op);
@@ -157,9 +158,11 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
       if (op.layer_begin >= ob && op.layer_end <= oe) {
         auto& sizes = unit_tensors_[op.subseq];
-        std::vector<i64> layer;  // every layer's unit has the same tensors
-        for (const auto& t : block_saved_specs(c, T, p, tp_))
-          if (t.role == Role::Offloadable) layer.push_back(t.bytes());
+        auto [it, fresh] = layer_units.try_emplace(T);
+        std::vector<i64>& layer = it->second;  // every layer's unit has the same tensors
+        if (fresh)
+          for (const auto& t : block_saved_specs(c, T, p, tp_))
+            if (t.role == Role::Offloadable) layer.push_back(t.bytes());
         for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer.begin(), layer.end());
         if (op.layer_end == L)
           for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
@@ -210,13 +213,14 @@ const RankMemory::LayerBytes& RankMemory::layer_bytes(i64 T) {
 // output gradients, LSEs and deltas, partial dq both ways, and this piece's dq. Other
 // pieces are counted at the largest piece's size.
 i64 RankMemory::ring_piece_max(const Op& op) const {
-  i64 most = 0;
-  for (int h = 0; h < op.pieces; ++h) {
-    Op other = op;
-    other.piece = h;
-    most = std::max(most, span_tokens(s_.spans(other)));
-  }
-  return most;
+  auto [it, fresh] = piece_max_.try_emplace({op.subseq, op.pieces}, 0);
+  if (fresh)
+    for (int h = 0; h < op.pieces; ++h) {
+      Op other = op;
+      other.piece = h;
+      it->second = std::max(it->second, span_tokens(s_.spans(other)));
+    }
+  return it->second;
 }
 
 i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {

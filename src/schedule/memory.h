@@ -207,6 +207,7 @@ class RankMemory {
                                                  // on this rank, in select_offload order
   std::map<int, i64> offloaded_;       // subsequence -> bytes on the host
   std::map<i64, LayerBytes> layer_bytes_;          // tokens -> layer_bytes
+  mutable std::map<std::pair<int, int>, i64> piece_max_;  // (subsequence, pieces) -> ring_piece_max
   std::map<size_t, i64> release_after_;            // op index -> borrowed weight bytes freed at its end
   std::map<size_t, i64> posted_at_;                // op index -> receive buffers allocated at its start
   std::set<std::pair<int, int>> borrowed_grads_;   // borrowed layer ranges with gradients

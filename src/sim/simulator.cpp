@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <map>
-#include <unordered_map>
+#include <memory>
 #include <tuple>
 
 #include "core/check.h"
+#include "schedule/builders.h"
 
 namespace sppo::sim {
 
@@ -47,7 +47,42 @@ struct RankEvents {
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 peak_host = 0;                // offloaded bytes on the host, at most
+  // Per subsequence: its offloadable tensors' bytes on this rank (RankMemory::unit_tensors),
+  // from which refit_copies sizes the copies for other fractions.
+  std::vector<std::vector<i64>> unit_tensors;
 };
+
+// Note [Simulating again with other fractions]: only the copies depend on the fractions of
+// a schedule's Offload and Prefetch ops, and each copy has one memory event (its release or
+// its allocation). So for new fractions the copies' bytes, those events and the host's
+// peak are worked out again and the rest is kept. This follows RankMemory: an offload moves
+// select_offload(fraction) of the unit, the prefetch of that subsequence brings back
+// whatever is on the host. A test holds it to simulating from scratch.
+void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
+  std::vector<i64> on_host(re->unit_tensors.size(), 0);
+  i64 host = 0;
+  re->peak_host = 0;
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const Op& op = ops[k];
+    if (op.kind != OpKind::Offload && op.kind != OpKind::Prefetch) continue;
+    SPPO_ASSERT(re->first[k + 1] == re->first[k] + 1);
+    const size_t i = size_t(op.subseq);
+    i64 bytes = 0;
+    if (op.kind == OpKind::Offload) {
+      bytes = select_offload(re->unit_tensors[i], op.fraction, nullptr);
+      on_host[i] += bytes;
+      host += bytes;
+      re->peak_host = std::max(re->peak_host, host);
+      re->ev[re->first[k]].delta = -bytes;
+    } else {
+      bytes = on_host[i];
+      on_host[i] = 0;
+      host -= bytes;
+      re->ev[re->first[k]].delta = bytes;
+    }
+    re->op_bytes[k] = bytes;
+  }
+}
 
 RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, const Schedule& s, int r) {
   RankEvents out;
@@ -72,6 +107,8 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     if (op.kind == OpKind::Offload) out.peak_host = std::max(out.peak_host, mem.host_bytes());
   }
   out.first.push_back(out.ev.size());
+  out.unit_tensors.resize(s.lengths.size());
+  for (size_t i = 0; i < s.lengths.size(); ++i) out.unit_tensors[i] = mem.unit_tensors(int(i));
   return out;
 }
 
@@ -86,24 +123,42 @@ struct RankState {
   std::vector<std::pair<double, double>> mem_span;  // per op: the interval its memory events fall in
 };
 
-bool take(std::deque<std::pair<sched::MessageKey, double>>& q, const sched::MessageKey& key, double* arrival) {
-  for (auto it = q.begin(); it != q.end(); ++it)
-    if (it->first == key) {
-      *arrival = it->second;
-      q.erase(it);
-      return true;
-    }
-  return false;
-}
+// Messages sent to one rank and not yet received, in the order they were sent. A receive
+// takes the first from its sender with its key (messages between two ranks match in order,
+// as MPI's do); taken entries are dropped from the front as it clears.
+struct Inbox {
+  struct Message {
+    int src;
+    sched::MessageKey key;
+    double arrival;
+    bool taken;
+  };
+  std::vector<Message> q;
+  size_t head = 0;
+
+  void put(int src, const sched::MessageKey& key, double arrival) { q.push_back({src, key, arrival, false}); }
+  bool take(int src, const sched::MessageKey& key, double* arrival) {
+    for (size_t k = head; k < q.size(); ++k)
+      if (!q[k].taken && q[k].src == src && q[k].key == key) {
+        *arrival = q[k].arrival;
+        q[k].taken = true;
+        while (head < q.size() && q[head].taken) ++head;
+        if (head == q.size()) q.clear(), head = 0;
+        return true;
+      }
+    return false;
+  }
+};
 
 // Stretch factor per rank and op index of transfers, from the previous pass (0: the op
 // was no transfer there, so 1; an empty list: no transfers on that rank).
 using Scales = std::vector<std::vector<double>>;
 
 struct Pass {
-  SimResult res;
+  SimResult res;      // everything but memory (account_memory adds it)
   double copy_s = 0;  // seconds of every host copy together
   std::vector<std::pair<std::pair<int, size_t>, Flow>> flows;
+  std::vector<std::vector<std::pair<double, double>>> mem_span;  // per rank and op: RankState::mem_span
 };
 
 Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<RankEvents>& mem,
@@ -116,9 +171,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     st[r].off_end.assign(s.lengths.size(), 0.0);
     st[r].pre_end.assign(s.lengths.size(), 0.0);
   }
-  // Messages in flight from src to dst, under the key src * R + dst.
-  std::unordered_map<i64, std::deque<std::pair<sched::MessageKey, double>>> channel;
-  auto channel_of = [&](int src, int dst) -> auto& { return channel[i64(src) * R + dst]; };
+  std::vector<Inbox> inbox(R);  // messages in flight, by receiver
   std::map<std::pair<std::vector<int>, int>, std::vector<double>> arrived;
   std::map<std::pair<std::vector<int>, int>, double> reduced;  // all-reduce end times
   std::vector<std::map<std::vector<int>, int>> passed(R);
@@ -217,14 +270,14 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             const double start = std::max(rs.t_net, rs.t_compute);
             const double end = start + send_s(r, rs.pc, op, start);
             rs.t_net = end;
-            channel_of(r, op.peer).push_back({sched::message_key(op), end});
+            inbox[size_t(op.peer)].put(r, sched::message_key(op), end);
             record(r, Lane::Network, op, start, end);
             mem_at(rs, op, start, end);
             break;
           }
           case OpKind::Recv: {
             double arrival = 0;
-            if (!take(channel_of(op.peer, r), sched::message_key(op), &arrival)) goto blocked;
+            if (!inbox[size_t(r)].take(op.peer, sched::message_key(op), &arrival)) goto blocked;
             mem_at(rs, op, std::max(rs.t_compute, arrival), std::max(rs.t_compute, arrival));
             rs.t_compute = std::max(rs.t_compute, arrival);
             break;
@@ -234,13 +287,13 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               const double start = std::max(rs.t_net, rs.t_compute);
               const double end = start + send_s(r, rs.pc, op, start);
               rs.t_net = end;
-              channel_of(r, op.peer).push_back({sched::message_key(op), end});
+              inbox[size_t(op.peer)].put(r, sched::message_key(op), end);
               record(r, Lane::Network, op, start, end);
               rs.posted = true;
               progress = true;
             }
             double arrival = 0;
-            if (!take(channel_of(op.recv_peer, r), sched::message_key(op), &arrival)) goto blocked;
+            if (!inbox[size_t(r)].take(op.recv_peer, sched::message_key(op), &arrival)) goto blocked;
             rs.ring_ready = std::max({rs.ring_ready, arrival, rs.t_net});
             ++rs.ring_steps;
             rs.posted = false;
@@ -285,24 +338,43 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
   double step = 0;
   for (const auto& rs : st) step = std::max({step, rs.t_compute, rs.t_out, rs.t_in, rs.t_net});
   res.step_time_s = step;
+  double bubble_sum = 0;
+  int busy_ranks = 0;
+  for (RankState& rs : st) {
+    res.exposed_copy_s = std::max(res.exposed_copy_s, rs.exposed);
+    res.compute_s = std::max(res.compute_s, rs.busy);
+    if (rs.busy > 0) {
+      bubble_sum += (step - rs.busy) / rs.busy;
+      ++busy_ranks;
+    }
+    pass.mem_span.push_back(std::move(rs.mem_span));
+  }
+  res.bubble_ratio = busy_ranks ? bubble_sum / busy_ranks : 0;
+  if (step > 0) res.tokens_per_device_per_s = double(s.seq_len()) * s.replicas / (double(R) * step);
+  return pass;
+}
+
+// Every rank's memory over the step, from its events at the times of the pass: the peak,
+// its terms and moment, and with `record` the timeline.
+void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const SimOptions& options, Pass* pass) {
+  const int R = s.ranks;
+  SimResult& res = pass->res;
   res.peak_bytes.assign(R, 0);
   res.fixed_bytes.assign(R, 0);
   res.peak_terms.assign(R, {});
   res.host_at_peak.assign(R, 0);
   res.peak_time_s.assign(R, 0);
   if (options.record) res.memory.resize(R);
-  double bubble_sum = 0;
-  int busy_ranks = 0;
   std::vector<MemPoint> points;
   for (int r = 0; r < R; ++r) {
-    RankState& rs = st[r];
+    const auto& mem_span = pass->mem_span[size_t(r)];
     const RankEvents& re = mem[r];
     // The memory events at their times; a copy's host bytes land when an offload ends and
     // leave when a prefetch starts.
     points.clear();
     i64 seq = 0;
     for (size_t k = 0; k < s.ops[r].size(); ++k) {
-      const auto [start, end] = rs.mem_span[k];
+      const auto [start, end] = mem_span[k];
       for (size_t e = re.first[k]; e < re.first[k + 1]; ++e)
         points.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
       const OpKind kind = s.ops[r][k].kind;
@@ -337,16 +409,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
       res.peak_device_bytes = peak;
       res.peak_rank = r;
     }
-    res.exposed_copy_s = std::max(res.exposed_copy_s, rs.exposed);
-    res.compute_s = std::max(res.compute_s, rs.busy);
-    if (rs.busy > 0) {
-      bubble_sum += (step - rs.busy) / rs.busy;
-      ++busy_ranks;
-    }
   }
-  res.bubble_ratio = busy_ranks ? bubble_sum / busy_ranks : 0;
-  if (step > 0) res.tokens_per_device_per_s = double(s.seq_len()) * s.replicas / (double(R) * step);
-  return pass;
 }
 
 // Note [Shared host links]: the replay. Links of one node are numbered: the uplink of each
@@ -389,18 +452,36 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
     }
     fs.push_back(std::move(x));
   }
+  // Flows that share no link, directly or through others, do not slow each other down, so
+  // each group of flows linked so (a NUMA node's copies, say) is replayed alone: the same
+  // allocation, with as many events as the group has rather than the cluster.
+  std::vector<int> root(capacity.size());
+  for (size_t l = 0; l < root.size(); ++l) root[l] = int(l);
+  auto find = [&](int l) {
+    while (root[std::size_t(l)] != l) l = root[std::size_t(l)] = root[std::size_t(root[std::size_t(l)])];
+    return l;
+  };
+  for (const F& f : fs)
+    for (size_t j = 1; j < f.links.size(); ++j) root[std::size_t(find(f.links[j]))] = find(f.links[0]);
+  std::vector<i64> group(fs.size());
+  for (size_t k = 0; k < fs.size(); ++k)
+    group[k] = fs[k].links.empty() ? i64(capacity.size() + k) : i64(find(fs[k].links[0]));
   std::vector<size_t> order(fs.size());
   for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return fs[a].start < fs[b].start; });
-  size_t next = 0;
-  double t = order.empty() ? 0 : fs[order[0]].start;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return group[a] < group[b] || (group[a] == group[b] && fs[a].start < fs[b].start);
+  });
   std::vector<size_t> active, still;
   std::vector<double> used(capacity.size());
   std::vector<int> unfrozen_on(capacity.size());
   std::vector<char> full(capacity.size()), on_list(capacity.size(), 0);
   std::vector<int> links_now;
-  while (next < order.size() || !active.empty()) {
-    while (next < order.size() && fs[order[next]].start <= t) {
+  for (size_t first = 0, last = 0; first < order.size(); first = last) {
+  while (last < order.size() && group[order[last]] == group[order[first]]) ++last;
+  size_t next = first;
+  double t = fs[order[first]].start;
+  while (next < last || !active.empty()) {
+    while (next < last && fs[order[next]].start <= t) {
       fs[order[next]].active = true;
       active.push_back(order[next++]);
     }
@@ -453,7 +534,7 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
       }
     }
     // Advance to the next start or the next completion.
-    double dt = next < order.size() ? fs[order[next]].start - t : 1e300;
+    double dt = next < last ? fs[order[next]].start - t : 1e300;
     for (size_t k : active)
       if (fs[k].rate > 0) dt = std::min(dt, fs[k].left / fs[k].rate);
     SPPO_ASSERT(dt < 1e299);
@@ -470,6 +551,7 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
     }
     std::swap(active, still);
   }
+  }
   Scales out(size_t(s.ranks));
   for (size_t k = 0; k < fs.size(); ++k) {
     const auto [rank, pc] = flows[k].first;
@@ -482,16 +564,18 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
   return out;
 }
 
-}  // namespace
-
-SimResult simulate(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules,
-                   const SimOptions& options) {
+std::vector<RankEvents> prepare(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules) {
   SPPO_CHECK(int(s.ops.size()) == s.ranks, "sim") << "schedule has " << s.ops.size()
                                                   << " op lists for " << s.ranks << " ranks";
-  const bool shared = cost.hw().shares_links();
   std::vector<RankEvents> mem;
   mem.reserve(size_t(s.ranks));
   for (int r = 0; r < s.ranks; ++r) mem.push_back(rank_events(rules, cost, s, r));
+  return mem;
+}
+
+SimResult run(const Schedule& s, const CostModel& cost, const std::vector<RankEvents>& mem,
+              const SimOptions& options) {
+  const bool shared = cost.hw().shares_links();
   Scales scales;
   Pass pass = simulate_once(s, cost, mem, options, scales, shared);
   const double alone_copy_s = pass.copy_s;
@@ -512,9 +596,43 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
     ++passes;
     if (std::fabs(pass.res.step_time_s - before) <= 1e-3 * before) break;
   }
+  account_memory(s, mem, options, &pass);
   pass.res.passes = passes;
   pass.res.copy_slowdown = alone_copy_s > 0 && passes > 1 ? pass.copy_s / alone_copy_s : 1.0;
   return std::move(pass.res);
+}
+
+}  // namespace
+
+SimResult simulate(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules,
+                   const SimOptions& options) {
+  return run(s, cost, prepare(s, cost, rules), options);
+}
+
+struct Resimulator::State {
+  Schedule schedule;
+  CostModel cost;
+  std::vector<RankEvents> mem;
+};
+
+Resimulator::Resimulator(Schedule s, const CostModel& cost, const sched::MemoryRules& rules)
+    : st_(std::make_unique<State>(State{std::move(s), cost, {}})) {
+  st_->mem = prepare(st_->schedule, st_->cost, rules);
+}
+
+Resimulator::~Resimulator() = default;
+Resimulator::Resimulator(Resimulator&&) noexcept = default;
+Resimulator& Resimulator::operator=(Resimulator&&) noexcept = default;
+
+const Schedule& Resimulator::schedule() const { return st_->schedule; }
+
+void Resimulator::set_fractions(const std::vector<double>& alpha) {
+  sched::set_offload_fractions(&st_->schedule, alpha);
+  for (int r = 0; r < st_->schedule.ranks; ++r) refit_copies(&st_->mem[size_t(r)], st_->schedule.ops[size_t(r)]);
+}
+
+SimResult Resimulator::simulate(const SimOptions& options) const {
+  return run(st_->schedule, st_->cost, st_->mem, options);
 }
 
 }  // namespace sppo::sim

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,28 @@ struct SimResult {
 // Throws sppo::Error when the schedule deadlocks.
 SimResult simulate(const sched::Schedule& s, const CostModel& cost, const sched::MemoryRules& rules,
                    const SimOptions& options = {});
+
+// The same schedule simulated again as its Offload and Prefetch fractions change (the
+// planner's alpha search): what does not depend on the fractions is worked out once
+// (Note [Simulating again with other fractions] in simulator.cpp). simulate() equals
+// sim::simulate(schedule(), cost, rules, options) after any set_fractions.
+class Resimulator {
+ public:
+  Resimulator(sched::Schedule s, const CostModel& cost, const sched::MemoryRules& rules);
+  ~Resimulator();
+  Resimulator(Resimulator&&) noexcept;
+  Resimulator& operator=(Resimulator&&) noexcept;
+
+  const sched::Schedule& schedule() const;
+  // sched::set_offload_fractions on the schedule: alpha must offload the same subsequences
+  // as the schedule's own fractions.
+  void set_fractions(const std::vector<double>& alpha);
+  SimResult simulate(const SimOptions& options = {}) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> st_;
+};
 
 // Chrome trace JSON (chrome://tracing, Perfetto): one process per device, threads
 // compute / copy-out / copy-in / network, complete events with ts and dur in microseconds,

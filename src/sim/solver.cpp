@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <sstream>
 
 #include "core/check.h"
@@ -152,23 +153,24 @@ namespace {
 
 std::string bytes_text(i64 b) { return format_bytes(double(b)); }
 
-// The searches below try many alphas that offload the same subsequences: the last schedule
-// built is kept, and such an alpha only rewrites its fractions (sched::set_offload_fractions);
-// any other alpha builds anew.
-class ScheduleCache {
+// The searches below try many alphas that offload the same subsequences: the schedule
+// last built stays, with what its simulation needs, and such an alpha only changes its
+// fractions (sim::Resimulator); any other alpha builds anew.
+class Trials {
  public:
   using Build = std::function<Schedule(const std::vector<double>&)>;
-  explicit ScheduleCache(const Build& build) : build_(build) {}
+  Trials(const Build& build, const CostModel& cost, const MemoryRules& rules)
+      : build_(build), cost_(cost), rules_(rules) {}
 
-  const Schedule& at(const std::vector<double>& alpha) {
-    if (!have_ || !same_offloading(alpha)) {
-      schedule_ = build_(alpha);
-      have_ = true;
-    } else {
-      sched::set_offload_fractions(&schedule_, alpha);
-    }
+  const Schedule& schedule(const std::vector<double>& alpha) {
+    if (!sim_ || !same_offloading(alpha)) sim_.emplace(build_(alpha), cost_, rules_);
+    else sim_->set_fractions(alpha);
     alpha_ = alpha;
-    return schedule_;
+    return sim_->schedule();
+  }
+  SimResult simulate(const std::vector<double>& alpha) {
+    schedule(alpha);
+    return sim_->simulate();
   }
 
  private:
@@ -180,9 +182,10 @@ class ScheduleCache {
   }
 
   const Build& build_;
-  Schedule schedule_;
+  const CostModel& cost_;
+  const MemoryRules& rules_;
+  std::optional<Resimulator> sim_;
   std::vector<double> alpha_;
-  bool have_ = false;
 };
 
 // Note [Filling alpha]: the cost in step time of offloading x_i bytes of subsequence i is,
@@ -242,13 +245,12 @@ struct Directed {
   std::vector<double> alpha;
 };
 
-Directed directed_fill(ScheduleCache& build,
-                       const std::vector<Segment>& seg, const std::vector<UnitProfile>& units, int N,
-                       const CostModel& cost, const MemoryRules& rules, i64 budget) {
+Directed directed_fill(Trials& trials, const std::vector<Segment>& seg, const std::vector<UnitProfile>& units,
+                       int N, i64 budget) {
   Directed d;
   d.alpha.assign(N, 0.0);
   for (int it = 0; it < 3 * N + 10; ++it) {
-    const SimResult r = simulate(build.at(d.alpha), cost, rules);
+    const SimResult r = trials.simulate(d.alpha);
     if (r.peak_device_bytes <= budget) {
       d.fits = true;
       return d;
@@ -289,9 +291,8 @@ Directed directed_fill(ScheduleCache& build,
 // Takes back, from the subsequences whose alpha is past its free breakpoint (the later
 // first), the whole tensors the fill added that the budget does not need: the least
 // boundary that still fits, by bisection over the tensors of the peak rank's unit.
-void trim(std::vector<double>* alpha, ScheduleCache& build,
-          const std::vector<Segment>& seg, const std::vector<UnitProfile>& units, const CostModel& cost,
-          const MemoryRules& rules, i64 budget) {
+void trim(std::vector<double>* alpha, Trials& trials, const std::vector<Segment>& seg,
+          const std::vector<UnitProfile>& units, i64 budget) {
   const int N = int(alpha->size());
   std::vector<double> free_to(N, 0.0);
   for (const Segment& sg : seg)
@@ -314,7 +315,7 @@ void trim(std::vector<double>* alpha, ScheduleCache& build,
       const int mid = (lo + hi) / 2;
       std::vector<double> a = *alpha;
       a[i] = bound[std::size_t(mid)];
-      if (simulate(build.at(a), cost, rules).peak_device_bytes <= budget) hi = mid;
+      if (trials.simulate(a).peak_device_bytes <= budget) hi = mid;
       else lo = mid;
     }
     if (hi < int(bound.size())) (*alpha)[i] = bound[std::size_t(hi)];
@@ -333,14 +334,14 @@ std::vector<double> filled(const std::vector<Segment>& seg, int N, size_t k, dou
 
 }  // namespace
 
-AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build_new, int N,
+AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build, int N,
                         const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode,
                         double no_use_s) {
   SPPO_CHECK(N >= 1, "planner") << "no subsequences";
-  ScheduleCache build(build_new);
+  Trials trials(build, cost, rules);
   const i64 host_limit = cost.hw().host_memory;
-  auto eval_schedule = [&](const Schedule& s, const std::vector<double>& alpha, const char* rule) {
-    const SimResult r = simulate(s, cost, rules);
+  auto eval = [&](const std::vector<double>& alpha, const char* rule) {
+    const SimResult r = trials.simulate(alpha);
     AlphaResult a;
     a.alpha = alpha;
     a.peak_device_bytes = r.peak_device_bytes;
@@ -357,20 +358,16 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
                  bytes_text(host_limit) + " per device";
     return a;
   };
-  auto eval = [&](const std::vector<double>& alpha, const char* rule) {
-    return eval_schedule(build.at(alpha), alpha, rule);
-  };
   std::vector<double> zeros(N, 0.0), full(N, 1.0);
   full.back() = 0;
   if (mode == OffloadMode::None) return eval(zeros, "none");
   if (mode == OffloadMode::Full) return eval(full, "full");
-  const Schedule s0 = build_new(zeros);
-  const std::vector<UnitProfile> units = unit_profiles(s0, cost, rules);
+  const std::vector<UnitProfile> units = unit_profiles(trials.schedule(zeros), cost, rules);
   const std::vector<double> paper = paper_alpha(units, cost);
   if (mode == OffloadMode::Paper) return eval(paper, "paper");
 
   // No copies is never slower (copies only add), so a fitting alpha = 0 is the optimum.
-  AlphaResult none = eval_schedule(s0, zeros, "none");
+  AlphaResult none = eval(zeros, "none");
   if (none.fits) return none;
   if (no_use_s > 0 && none.step_time_s >= no_use_s) {
     none.fits = false;
@@ -403,9 +400,9 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   // that fits.
   const std::vector<Segment> seg = fill_order(units, cost.hw(), N);
   {
-    Directed d = directed_fill(build, seg, units, N, cost, rules, budget);
+    Directed d = directed_fill(trials, seg, units, N, budget);
     if (d.fits) {
-      trim(&d.alpha, build, seg, units, cost, rules, budget);
+      trim(&d.alpha, trials, seg, units, budget);
       AlphaResult a = eval(d.alpha, "directed");
       if (better(a, best)) best = a;
     }

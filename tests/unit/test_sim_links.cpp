@@ -78,6 +78,54 @@ TEST(HostLinks, ASharedSwitchSlowsCopiesThatOverlap) {
   EXPECT_GT(numa.step_time_s, alone.step_time_s * 1.3);
 }
 
+// The planner's alpha search simulates one schedule again with other fractions
+// (Resimulator); every figure must equal simulating the rebuilt schedule from scratch,
+// including under shared links (several passes) and on rings and tensor parallelism.
+TEST(Resimulator, EqualsSimulatingFromScratch) {
+  const ModelConfig c = preset("medium");
+  const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
+  const sched::MemoryRules rules = memory_rules(c, ActPrecision::BF16);
+  struct Shape {
+    int pp, sp, dp, tp;
+    bool msp;
+  };
+  for (const Shape& sh : {Shape{1, 1, 1, 1, false}, Shape{2, 1, 2, 1, false}, Shape{3, 1, 1, 1, true},
+                          Shape{2, 2, 1, 1, false}, Shape{2, 1, 1, 2, false}}) {
+    const int N = 6;
+    auto build = [&](const std::vector<double>& alpha) {
+      sched::PipelineSpec spec;
+      spec.layers = c.layers;
+      spec.lengths = plan::partition_flops(c, 6 * 4096, N);
+      spec.alpha = alpha;
+      spec.pp = sh.pp;
+      spec.sp = sh.sp;
+      spec.dp = sh.dp;
+      spec.msp = sh.msp;
+      return sched::expand_tensor_parallel(sched::build_pipeline(spec), sh.tp);
+    };
+    const std::vector<double> first = {1.0, 0.75, 0.0, 0.5, 0.25, 0.0};
+    Resimulator again(build(first), cost, rules);
+    for (const std::vector<double>& alpha : {std::vector<double>{0.5, 0.25, 0.0, 1.0, 0.125, 0.0},
+                                             std::vector<double>{0.05, 1.0, 0.0, 0.3, 0.9, 0.0}}) {
+      again.set_fractions(alpha);
+      const SimResult got = again.simulate(), want = simulate(build(alpha), cost, rules);
+      const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " dp " +
+                               std::to_string(sh.dp) + " tp " + std::to_string(sh.tp) + " msp " +
+                               std::to_string(sh.msp);
+      EXPECT_EQ(got.step_time_s, want.step_time_s) << what;
+      EXPECT_EQ(got.peak_bytes, want.peak_bytes) << what;
+      EXPECT_EQ(got.peak_host_bytes, want.peak_host_bytes) << what;
+      EXPECT_EQ(got.peak_terms, want.peak_terms) << what;
+      EXPECT_EQ(got.host_at_peak, want.host_at_peak) << what;
+      EXPECT_EQ(got.exposed_copy_s, want.exposed_copy_s) << what;
+      EXPECT_EQ(got.passes, want.passes) << what;
+      EXPECT_EQ(got.forward_end, want.forward_end) << what;
+      EXPECT_EQ(got.backward_start, want.backward_start) << what;
+      EXPECT_NE(got.peak_host_bytes, simulate(build(first), cost, rules).peak_host_bytes) << what;
+    }
+  }
+}
+
 TEST(HostLinks, ASharedNicSlowsMessagesBetweenNodes) {
   // Two stages of two SP ranks, one node each: both SP ranks of stage 0 send their hidden
   // states to stage 1 at once, through one NIC when they share it.
