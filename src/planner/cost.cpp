@@ -121,18 +121,12 @@ double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group) const {
 
 i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
   // Ring steps of a tensor-parallel member move its heads only.
-  if (s.tp > 1 && op.kind == OpKind::RingStep) {
-    Schedule one;
-    one.layers = s.layers;
-    one.lengths = s.lengths;
-    one.ring = s.ring;
-    one.ring_layout = s.ring_layout;
-    const TpShard t{0, s.tp};
-    return message_bytes(op, one) * t.local_heads(model_) / model_.heads;
-  }
   const i64 H = model_.hidden;
   const int n = std::max(1, op.layer_end - op.layer_begin);
-  if (op.kind == OpKind::RingStep) return sched::ring_step_bytes(s, op, H, model_.heads, act_bytes_, model_.causal) * n;
+  if (op.kind == OpKind::RingStep) {
+    const i64 bytes = sched::ring_step_bytes(s, op, H, model_.heads, act_bytes_, model_.causal) * n;
+    return s.tp > 1 ? bytes * TpShard{0, s.tp}.local_heads(model_) / model_.heads : bytes;
+  }
   i64 tokens = op.tokens;
   if (tokens == 0) tokens = sched::span_tokens(s.spans(op));
   switch (op.payload) {

@@ -433,7 +433,7 @@ void set_offload_fractions(Schedule* s, const std::vector<double>& alpha) {
       }
 }
 
-Schedule expand_tensor_parallel(const Schedule& s, int tp) {
+Schedule expand_tensor_parallel(Schedule s, int tp) {
   SPPO_CHECK(tp >= 1, "schedule") << "tensor parallelism needs at least one rank a group (got " << tp << ")";
   SPPO_CHECK(s.tp == 1, "schedule") << "the schedule is already tensor parallel";
   if (tp == 1) return s;
@@ -441,24 +441,27 @@ Schedule expand_tensor_parallel(const Schedule& s, int tp) {
     SPPO_CHECK(s.lengths[i] >= tp, "schedule")
         << "subsequence " << i << " has " << s.lengths[i] << " tokens, fewer than the " << tp
         << " tensor-parallel ranks that split it; use fewer --subseqs or a smaller --tp";
-  Schedule out = s;
-  out.ranks = s.ranks * tp;
+  std::vector<std::vector<Op>> ops_of = std::move(s.ops);
+  std::vector<std::pair<int, int>> owned = std::move(s.owned);
+  Schedule out = std::move(s);  // the lengths, ring and layers stay; ops and owners are made anew
+  out.ranks = int(ops_of.size()) * tp;
   out.tp = tp;
   out.ops.assign(std::size_t(out.ranks), {});
   out.owned.clear();
-  for (int r = 0; r < s.ranks; ++r)
+  for (int r = 0; r < int(ops_of.size()); ++r)
     for (int t = 0; t < tp; ++t) {
       auto map = [&](int rank) { return rank < 0 ? rank : rank * tp + t; };
-      if (!s.owned.empty()) out.owned.push_back(s.owned.at(std::size_t(r)));
+      if (!owned.empty()) out.owned.push_back(owned.at(std::size_t(r)));
       auto& ops = out.ops[std::size_t(r * tp + t)];
-      for (Op op : s.ops.at(std::size_t(r))) {
+      ops.reserve(ops_of[std::size_t(r)].size());
+      for (Op op : ops_of[std::size_t(r)]) {
         op.peer = map(op.peer);
         op.recv_peer = map(op.recv_peer);
         for (int& g : op.group) g = map(g);
         const bool hidden = (op.kind == OpKind::Send || op.kind == OpKind::Recv) &&
                             (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad);
         if (hidden) {
-          const i64 whole = op.tokens > 0 ? op.tokens : span_tokens(s.spans(op));
+          const i64 whole = op.tokens > 0 ? op.tokens : span_tokens(out.spans(op));
           SPPO_CHECK(whole >= tp, "schedule")
               << "subsequence " << op.subseq << " has " << whole << " tokens, fewer than the " << tp
               << " tensor-parallel ranks that split it; use fewer --subseqs or a smaller --tp";

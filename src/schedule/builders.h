@@ -54,7 +54,7 @@ Schedule build_pipeline(const PipelineSpec& spec);
 // carries that member's rows piece_range(tokens, t, tp) of the piece. Ranks are then
 //   rank = ((d * pp + p) * sp + r) * tp + t
 // so a tensor-parallel group is innermost, inside one node as the paper keeps it.
-Schedule expand_tensor_parallel(const Schedule& s, int tp);
+Schedule expand_tensor_parallel(Schedule s, int tp);  // tp 1: s itself
 
 // Gives every Offload and Prefetch of `s` the fraction alpha[subseq]. The builders' ops
 // depend on alpha only through which subsequences offload (alpha_i > 0 adds the copies and

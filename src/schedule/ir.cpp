@@ -57,10 +57,12 @@ Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout) {
   return s;
 }
 
-Spans Schedule::spans(const Op& op) const {
-  const i64 l = lengths.at(op.subseq);
-  const bool ring_piece = op.pieces > 1 && op.pieces == ring;
-  return piece_spans(l, op.piece, op.pieces, ring_piece ? ring_layout : RingLayout::Contiguous);
+Spans Schedule::spans(const Op& op) const { return spans(op.subseq, op.piece, op.pieces); }
+
+Spans Schedule::spans(int subseq, int piece, int pieces) const {
+  const i64 l = lengths.at(std::size_t(subseq));
+  const bool ring_piece = pieces > 1 && pieces == ring;
+  return piece_spans(l, piece, pieces, ring_piece ? ring_layout : RingLayout::Contiguous);
 }
 
 namespace {
@@ -72,8 +74,6 @@ namespace {
 constexpr i64 kBefore = -1;
 
 i64 first_key_in_subseq(const Schedule& s, const Op& op, int piece) {
-  Op member = op;
-  member.piece = piece;
   if (!op.group.empty()) {
     const int rank = op.group.at(std::size_t(piece));
     const auto mine = s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
@@ -82,7 +82,7 @@ i64 first_key_in_subseq(const Schedule& s, const Op& op, int piece) {
   } else if (op.subseq > 0) {
     return kBefore;
   }
-  return s.spans(member).front().first;
+  return s.spans(op, piece).front().first;
 }
 
 }  // namespace
@@ -93,10 +93,7 @@ i64 ring_first_key(const Schedule& s, const Op& op, int piece) {
   if (!op.group.empty()) return 0;
   // The member's piece of subsequence 0 starts before l_0 <= o_j for every later j: the
   // least of all its pieces' starts.
-  Op member = op;
-  member.piece = piece;
-  member.subseq = 0;
-  return s.spans(member).front().first;
+  return s.spans(0, piece, op.pieces).front().first;
 }
 
 i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes, bool causal) {
@@ -106,13 +103,12 @@ i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes
   const i64 f32 = 4;
   const i64 travel = forward ? H * act_bytes : 2 * H * act_bytes + 2 * Z * f32;
   const i64 back = forward ? H * act_bytes + Z * f32 : H * act_bytes;
-  Op passed = op, got = op;
-  passed.piece = (me - t + 1 + R) % R;  // step 1 sends its own queries, later ones forward
-  got.piece = (me - t + R) % R;
-  i64 bytes = span_tokens(s.spans(passed)) * travel;
+  const int passed = (me - t + 1 + R) % R;  // step 1 sends its own queries, later ones forward
+  const int got = (me - t + R) % R;
+  i64 bytes = span_tokens(s.spans(op, passed)) * travel;
   // In the subsequence's own positions: a key before it is seen by every query.
   const i64 first_key = first_key_in_subseq(s, op, me);
-  for (const auto& [b, e] : s.spans(got))
+  for (const auto& [b, e] : s.spans(op, got))
     if (!causal || first_key == kBefore || first_key <= e - 1) bytes += (e - b) * back;
   return bytes;
 }

@@ -128,6 +128,9 @@ struct Schedule {
   // The tokens of subsequence `op.subseq` that F/B/RingStep op `op` works on: its piece
   // under ring_layout when it is a ring piece (pieces == ring), else contiguous.
   Spans spans(const Op& op) const;
+  // The same for member `piece` of the op's task, and for subsequence `subseq` in its place.
+  Spans spans(const Op& op, int piece) const { return spans(op.subseq, piece, op.pieces); }
+  Spans spans(int subseq, int piece, int pieces) const;
 };
 
 // Ring attention over the pieces of a task (runtime/ring.h: queries travel, keys stay).

@@ -215,11 +215,7 @@ const RankMemory::LayerBytes& RankMemory::layer_bytes(i64 T) {
 i64 RankMemory::ring_piece_max(const Op& op) const {
   auto [it, fresh] = piece_max_.try_emplace({op.subseq, op.pieces}, 0);
   if (fresh)
-    for (int h = 0; h < op.pieces; ++h) {
-      Op other = op;
-      other.piece = h;
-      it->second = std::max(it->second, span_tokens(s_.spans(other)));
-    }
+    for (int h = 0; h < op.pieces; ++h) it->second = std::max(it->second, span_tokens(s_.spans(op, h)));
   return it->second;
 }
 

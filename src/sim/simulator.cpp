@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -119,35 +120,55 @@ struct RankState {
   double ring_ready = 0;     // latest arrival of the ring steps before the next F/B
   int ring_steps = 0;        // ring steps since the last F/B
   bool posted = false;       // the current ring step's send, or all-reduce arrival, is out
+  // Blocked on a receive when the inbox had taken this many messages: until another
+  // arrives, visiting the rank again cannot unblock it.
+  size_t waiting_since = kNotWaiting;
+  static constexpr size_t kNotWaiting = ~size_t(0);
   std::vector<double> off_end, pre_end;  // per subsequence: when its offload (prefetch) ends
   std::vector<std::pair<double, double>> mem_span;  // per op: the interval its memory events fall in
 };
 
-// Messages sent to one rank and not yet received, in the order they were sent. A receive
-// takes the first from its sender with its key (messages between two ranks match in order,
-// as MPI's do); taken entries are dropped from the front as it clears.
-struct Inbox {
-  struct Message {
-    int src;
-    sched::MessageKey key;
-    double arrival;
-    bool taken;
-  };
-  std::vector<Message> q;
-  size_t head = 0;
-
-  void put(int src, const sched::MessageKey& key, double arrival) { q.push_back({src, key, arrival, false}); }
+// Messages sent to one rank and not yet received, by sender and payload, each list in
+// the order sent: a receive takes the first from its sender with its key (messages between
+// two ranks match in order, as MPI's do). Each list is mostly received in order, so the
+// first entry is nearly always the one.
+class Inbox {
+ public:
+  size_t arrived() const { return arrived_; }  // messages put so far
+  void put(int src, const sched::MessageKey& key, double arrival) {
+    ++arrived_;
+    Queue& f = from(src, key.payload);
+    f.q.push_back({key, arrival});
+  }
   bool take(int src, const sched::MessageKey& key, double* arrival) {
-    for (size_t k = head; k < q.size(); ++k)
-      if (!q[k].taken && q[k].src == src && q[k].key == key) {
-        *arrival = q[k].arrival;
-        q[k].taken = true;
-        while (head < q.size() && q[head].taken) ++head;
-        if (head == q.size()) q.clear(), head = 0;
+    Queue& f = from(src, key.payload);
+    for (size_t k = f.head; k < f.q.size(); ++k)
+      if (f.q[k].first == key) {
+        *arrival = f.q[k].second;
+        if (k == f.head) ++f.head;
+        else f.q.erase(f.q.begin() + std::ptrdiff_t(k));
+        if (f.head == f.q.size()) f.q.clear(), f.head = 0;
         return true;
       }
     return false;
   }
+
+ private:
+  struct Queue {
+    int src;
+    Payload payload;
+    std::vector<std::pair<sched::MessageKey, double>> q;
+    size_t head = 0;
+  };
+  // A rank hears from few others (ring and stage neighbours, MSP pieces).
+  Queue& from(int src, Payload payload) {
+    for (Queue& f : queues_)
+      if (f.src == src && f.payload == payload) return f;
+    queues_.push_back({src, payload, {}, 0});
+    return queues_.back();
+  }
+  std::vector<Queue> queues_;
+  size_t arrived_ = 0;
 };
 
 // Stretch factor per rank and op index of transfers, from the previous pass (0: the op
@@ -206,6 +227,8 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     progress = false;
     for (int r = 0; r < R; ++r) {
       RankState& rs = st[r];
+      if (rs.waiting_since != RankState::kNotWaiting && rs.waiting_since == inbox[size_t(r)].arrived()) continue;
+      rs.waiting_since = RankState::kNotWaiting;
       const auto& ops = s.ops[r];
       while (rs.pc < ops.size()) {
         const Op& op = ops[rs.pc];
@@ -277,7 +300,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
           }
           case OpKind::Recv: {
             double arrival = 0;
-            if (!inbox[size_t(r)].take(op.peer, sched::message_key(op), &arrival)) goto blocked;
+            if (!inbox[size_t(r)].take(op.peer, sched::message_key(op), &arrival)) goto waiting;
             mem_at(rs, op, std::max(rs.t_compute, arrival), std::max(rs.t_compute, arrival));
             rs.t_compute = std::max(rs.t_compute, arrival);
             break;
@@ -293,7 +316,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               progress = true;
             }
             double arrival = 0;
-            if (!inbox[size_t(r)].take(op.recv_peer, sched::message_key(op), &arrival)) goto blocked;
+            if (!inbox[size_t(r)].take(op.recv_peer, sched::message_key(op), &arrival)) goto waiting;
             rs.ring_ready = std::max({rs.ring_ready, arrival, rs.t_net});
             ++rs.ring_steps;
             rs.posted = false;
@@ -327,6 +350,9 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
         ++rs.pc;
         progress = true;
       }
+      continue;
+    waiting:
+      rs.waiting_since = inbox[size_t(r)].arrived();
     blocked:;
     }
   }
@@ -365,25 +391,41 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
   res.host_at_peak.assign(R, 0);
   res.peak_time_s.assign(R, 0);
   if (options.record) res.memory.resize(R);
-  std::vector<MemPoint> points;
+  // The events of each lane's ops come in time order (each lane runs its ops one after
+  // another, and an op's events in order inside it), so the lanes are merged rather than
+  // all points sorted; a lane found out of order is sorted first.
+  auto before = [](const MemPoint& a, const MemPoint& b) { return a.t < b.t || (a.t == b.t && a.seq < b.seq); };
+  auto lane_of = [](OpKind kind) {
+    return kind == OpKind::Offload ? 1 : kind == OpKind::Prefetch ? 2 : kind == OpKind::Send ? 3 : 0;
+  };
+  std::array<std::vector<MemPoint>, 4> lanes;
+  std::vector<MemPoint> points, half;
   for (int r = 0; r < R; ++r) {
     const auto& mem_span = pass->mem_span[size_t(r)];
     const RankEvents& re = mem[r];
     // The memory events at their times; a copy's host bytes land when an offload ends and
     // leave when a prefetch starts.
-    points.clear();
+    for (auto& lane : lanes) lane.clear();
     i64 seq = 0;
     for (size_t k = 0; k < s.ops[r].size(); ++k) {
       const auto [start, end] = mem_span[k];
-      for (size_t e = re.first[k]; e < re.first[k + 1]; ++e)
-        points.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
       const OpKind kind = s.ops[r][k].kind;
-      if (kind == OpKind::Offload && re.op_bytes[k] > 0) points.push_back({end, seq++, re.op_bytes[k], -1});
-      if (kind == OpKind::Prefetch && re.op_bytes[k] > 0) points.push_back({start, seq++, -re.op_bytes[k], -1});
+      auto& lane = lanes[size_t(lane_of(kind))];
+      for (size_t e = re.first[k]; e < re.first[k + 1]; ++e)
+        lane.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
+      if (kind == OpKind::Offload && re.op_bytes[k] > 0) lane.push_back({end, seq++, re.op_bytes[k], -1});
+      if (kind == OpKind::Prefetch && re.op_bytes[k] > 0) lane.push_back({start, seq++, -re.op_bytes[k], -1});
     }
     res.peak_host_bytes = std::max(res.peak_host_bytes, re.peak_host);
-    std::sort(points.begin(), points.end(),
-              [](const MemPoint& a, const MemPoint& b) { return a.t < b.t || (a.t == b.t && a.seq < b.seq); });
+    for (auto& lane : lanes)
+      if (!std::is_sorted(lane.begin(), lane.end(), before)) std::sort(lane.begin(), lane.end(), before);
+    points.clear();
+    half.clear();
+    std::merge(lanes[0].begin(), lanes[0].end(), lanes[1].begin(), lanes[1].end(), std::back_inserter(points), before);
+    std::merge(lanes[2].begin(), lanes[2].end(), lanes[3].begin(), lanes[3].end(), std::back_inserter(half), before);
+    lanes[0].clear();
+    std::merge(points.begin(), points.end(), half.begin(), half.end(), std::back_inserter(lanes[0]), before);
+    points.swap(lanes[0]);
     i64 cur = re.fixed, peak = cur, host = 0;
     std::array<i64, sched::kMemTerms> terms = re.fixed_terms;
     res.fixed_bytes[r] = cur;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -155,7 +156,8 @@ std::string bytes_text(i64 b) { return format_bytes(double(b)); }
 
 // The searches below try many alphas that offload the same subsequences: the schedule
 // last built stays, with what its simulation needs, and such an alpha only changes its
-// fractions (sim::Resimulator); any other alpha builds anew.
+// fractions (sim::Resimulator); any other alpha builds anew. An alpha tried before (the
+// fill starts from alpha = 0, already simulated) is answered from the results so far.
 class Trials {
  public:
   using Build = std::function<Schedule(const std::vector<double>&)>;
@@ -168,9 +170,12 @@ class Trials {
     alpha_ = alpha;
     return sim_->schedule();
   }
-  SimResult simulate(const std::vector<double>& alpha) {
+  const SimResult& simulate(const std::vector<double>& alpha) {
+    auto it = results_.find(alpha);
+    if (it != results_.end()) return it->second;
     schedule(alpha);
-    return sim_->simulate();
+    if (results_.size() >= kKept) results_.clear();
+    return results_.emplace(alpha, sim_->simulate()).first->second;
   }
 
  private:
@@ -186,6 +191,8 @@ class Trials {
   const MemoryRules& rules_;
   std::optional<Resimulator> sim_;
   std::vector<double> alpha_;
+  static constexpr std::size_t kKept = 32;
+  std::map<std::vector<double>, SimResult> results_;
 };
 
 // Note [Filling alpha]: the cost in step time of offloading x_i bytes of subsequence i is,
@@ -250,7 +257,7 @@ Directed directed_fill(Trials& trials, const std::vector<Segment>& seg, const st
   Directed d;
   d.alpha.assign(N, 0.0);
   for (int it = 0; it < 3 * N + 10; ++it) {
-    const SimResult r = trials.simulate(d.alpha);
+    const SimResult& r = trials.simulate(d.alpha);
     if (r.peak_device_bytes <= budget) {
       d.fits = true;
       return d;
@@ -341,7 +348,7 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   Trials trials(build, cost, rules);
   const i64 host_limit = cost.hw().host_memory;
   auto eval = [&](const std::vector<double>& alpha, const char* rule) {
-    const SimResult r = trials.simulate(alpha);
+    const SimResult& r = trials.simulate(alpha);
     AlphaResult a;
     a.alpha = alpha;
     a.peak_device_bytes = r.peak_device_bytes;
