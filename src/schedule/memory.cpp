@@ -71,7 +71,30 @@ i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShar
   return param_count(c, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == layers) * 4;
 }
 
-RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
+std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp) {
+  std::vector<i64> bytes;
+  for (const auto& t : block_saved_specs(rules.model, T, rules.precision, tp))
+    if (t.role == Role::Offloadable) bytes.push_back(t.bytes());
+  return bytes;
+}
+
+UnitSizes::UnitSizes(const MemoryRules& rules, const Schedule& s) {
+  for (int r = 0; r < s.ranks; ++r) {
+    const TpShard tp{s.tp > 1 ? r % s.tp : 0, s.tp};
+    for (const Op& op : s.ops[std::size_t(r)])
+      if (op.kind == OpKind::Forward) {
+        auto [it, fresh] = sizes_.try_emplace({tp.index, span_tokens(s.spans(op))});
+        if (fresh) it->second = unit_tensor_bytes(rules, it->first.second, tp);
+      }
+  }
+}
+
+const std::vector<i64>* UnitSizes::find(int member, i64 tokens) const {
+  auto it = sizes_.find({member, tokens});
+  return it == sizes_.end() ? nullptr : &it->second;
+}
+
+RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, const UnitSizes* shared)
     : rules_(rules), s_(s), rank_(rank), tp_{s.tp > 1 ? rank % s.tp : 0, s.tp} {
   const ModelConfig& c = rules.model;
   const ActPrecision p = rules.precision;
@@ -158,12 +181,13 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank)
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
       if (op.layer_begin >= ob && op.layer_end <= oe) {
         auto& sizes = unit_tensors_[op.subseq];
-        auto [it, fresh] = layer_units.try_emplace(T);
-        std::vector<i64>& layer = it->second;  // every layer's unit has the same tensors
-        if (fresh)
-          for (const auto& t : block_saved_specs(c, T, p, tp_))
-            if (t.role == Role::Offloadable) layer.push_back(t.bytes());
-        for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer.begin(), layer.end());
+        const std::vector<i64>* layer = shared ? shared->find(tp_.index, T) : nullptr;
+        if (!layer) {  // every layer's unit has the same tensors
+          auto [it, fresh] = layer_units.try_emplace(T);
+          if (fresh) it->second = unit_tensor_bytes(rules, T, tp_);
+          layer = &it->second;
+        }
+        for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer->begin(), layer->end());
         if (op.layer_end == L)
           for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
       }

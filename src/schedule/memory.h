@@ -137,10 +137,27 @@ struct MemEvent {
   MemTerm term = MemTerm::Units;
 };
 
+// One layer's offloadable tensors' bytes (block_saved_specs, in select_offload order) for
+// every (tensor-parallel member, tokens) that a schedule's forwards run on, worked out
+// once for all its ranks: building the specs for each rank's every forward is most of the
+// cost of a RankMemory on a long schedule of many ranks.
+class UnitSizes {
+ public:
+  UnitSizes(const MemoryRules& rules, const Schedule& s);
+  const std::vector<i64>* find(int member, i64 tokens) const;  // null: not a forward's
+
+ private:
+  std::map<std::pair<int, i64>, std::vector<i64>> sizes_;
+};
+
+// One layer's offloadable tensors' bytes on T tokens, member `tp`'s shards.
+std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp);
+
 // The memory state of one rank while its ops are interpreted in program order.
 class RankMemory {
  public:
-  RankMemory(const MemoryRules& rules, const Schedule& s, int rank);
+  // `sizes`: the schedule's UnitSizes when the caller has them (else worked out here).
+  RankMemory(const MemoryRules& rules, const Schedule& s, int rank, const UnitSizes* sizes = nullptr);
 
   i64 fixed_bytes() const { return fixed_; }
   // The fixed bytes by term (Weights, WeightCopy, Gradients, Optimizer, StepInputs; the

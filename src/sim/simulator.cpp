@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <exception>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -85,9 +86,10 @@ void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
   }
 }
 
-RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, const Schedule& s, int r) {
+RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, const Schedule& s, int r,
+                       const sched::UnitSizes& sizes) {
   RankEvents out;
-  sched::RankMemory mem(rules, s, r);
+  sched::RankMemory mem(rules, s, r, &sizes);
   out.fixed = mem.fixed_bytes();
   out.fixed_terms = mem.fixed_terms();
   const auto& ops = s.ops[size_t(r)];
@@ -111,6 +113,23 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   out.unit_tensors.resize(s.lengths.size());
   for (size_t i = 0; i < s.lengths.size(); ++i) out.unit_tensors[i] = mem.unit_tensors(int(i));
   return out;
+}
+
+// Runs body(r) for every rank r < n on the OpenMP threads (a rank's memory events and
+// accounting depend on that rank alone); the first exception is rethrown here.
+template <class Body>
+void for_each_rank(int n, const Body& body) {
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic)
+  for (int r = 0; r < n; ++r) {
+    try {
+      body(r);
+    } catch (...) {
+#pragma omp critical(sppo_sim_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 struct RankState {
@@ -398,9 +417,9 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
   auto lane_of = [](OpKind kind) {
     return kind == OpKind::Offload ? 1 : kind == OpKind::Prefetch ? 2 : kind == OpKind::Send ? 3 : 0;
   };
-  std::array<std::vector<MemPoint>, 4> lanes;
-  std::vector<MemPoint> points, half;
-  for (int r = 0; r < R; ++r) {
+  for_each_rank(R, [&](int r) {
+    std::array<std::vector<MemPoint>, 4> lanes;
+    std::vector<MemPoint> points, half;
     const auto& mem_span = pass->mem_span[size_t(r)];
     const RankEvents& re = mem[r];
     // The memory events at their times; a copy's host bytes land when an offload ends and
@@ -416,7 +435,6 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
       if (kind == OpKind::Offload && re.op_bytes[k] > 0) lane.push_back({end, seq++, re.op_bytes[k], -1});
       if (kind == OpKind::Prefetch && re.op_bytes[k] > 0) lane.push_back({start, seq++, -re.op_bytes[k], -1});
     }
-    res.peak_host_bytes = std::max(res.peak_host_bytes, re.peak_host);
     for (auto& lane : lanes)
       if (!std::is_sorted(lane.begin(), lane.end(), before)) std::sort(lane.begin(), lane.end(), before);
     points.clear();
@@ -447,8 +465,11 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
       if (options.record) res.memory[r].push_back({p.t, cur});
     }
     res.peak_bytes[r] = peak;
-    if (peak > res.peak_device_bytes) {
-      res.peak_device_bytes = peak;
+  });
+  for (int r = 0; r < R; ++r) {
+    res.peak_host_bytes = std::max(res.peak_host_bytes, mem[size_t(r)].peak_host);
+    if (res.peak_bytes[size_t(r)] > res.peak_device_bytes) {
+      res.peak_device_bytes = res.peak_bytes[size_t(r)];
       res.peak_rank = r;
     }
   }
@@ -609,9 +630,9 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
 std::vector<RankEvents> prepare(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules) {
   SPPO_CHECK(int(s.ops.size()) == s.ranks, "sim") << "schedule has " << s.ops.size()
                                                   << " op lists for " << s.ranks << " ranks";
-  std::vector<RankEvents> mem;
-  mem.reserve(size_t(s.ranks));
-  for (int r = 0; r < s.ranks; ++r) mem.push_back(rank_events(rules, cost, s, r));
+  const sched::UnitSizes sizes(rules, s);
+  std::vector<RankEvents> mem(size_t(s.ranks));
+  for_each_rank(s.ranks, [&](int r) { mem[size_t(r)] = rank_events(rules, cost, s, r, sizes); });
   return mem;
 }
 
