@@ -672,15 +672,77 @@ SimResult simulate(const Schedule& s, const CostModel& cost, const sched::Memory
   return run(s, cost, prepare(s, cost, rules), options);
 }
 
+namespace {
+
+bool copy_or_wait(OpKind k) {
+  return k == OpKind::Offload || k == OpKind::Prefetch || k == OpKind::WaitOffload || k == OpKind::WaitPrefetch;
+}
+
+// Note [Another set of offloaded subsequences]: a builder gives a layout's schedules for
+// every alpha the same ops but the copies and their waits (sched::set_offload_fractions),
+// and no op's memory events depend on the copies but the copies' own (one event each, an
+// offload's release at its end, a prefetch's allocation at its start: RankMemory). So the
+// events of a schedule that offloads other subsequences are the old ones, op for op, with
+// the copies' put in where its copies are. False when the other ops differ (the caller
+// then works the events out afresh).
+bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::vector<Op>& ops, RankEvents* out) {
+  out->fixed = old.fixed;
+  out->fixed_terms = old.fixed_terms;
+  out->unit_tensors = old.unit_tensors;
+  out->op_bytes.assign(ops.size(), 0);
+  out->op_s.assign(ops.size(), 0.0);
+  out->first.reserve(ops.size() + 1);
+  out->ev.reserve(old.ev.size() + ops.size() - std::min(ops.size(), old_ops.size()));
+  size_t j = 0;
+  for (size_t k = 0; k < ops.size(); ++k) {
+    out->first.push_back(out->ev.size());
+    const Op& op = ops[k];
+    if (op.kind == OpKind::Offload) out->ev.push_back({1.0, 0, sched::MemTerm::Units});
+    if (op.kind == OpKind::Prefetch) out->ev.push_back({0.0, 0, sched::MemTerm::Units});
+    if (copy_or_wait(op.kind)) continue;
+    while (j < old_ops.size() && copy_or_wait(old_ops[j].kind)) ++j;
+    if (j == old_ops.size() || !(old_ops[j] == op)) return false;
+    out->ev.insert(out->ev.end(), old.ev.begin() + std::ptrdiff_t(old.first[j]),
+                   old.ev.begin() + std::ptrdiff_t(old.first[j + 1]));
+    out->op_bytes[k] = old.op_bytes[j];
+    out->op_s[k] = old.op_s[j];
+    ++j;
+  }
+  while (j < old_ops.size() && copy_or_wait(old_ops[j].kind)) ++j;
+  if (j != old_ops.size()) return false;
+  out->first.push_back(out->ev.size());
+  refit_copies(out, ops);
+  return true;
+}
+
+}  // namespace
+
 struct Resimulator::State {
   Schedule schedule;
   CostModel cost;
+  sched::MemoryRules rules;
   std::vector<RankEvents> mem;
 };
 
 Resimulator::Resimulator(Schedule s, const CostModel& cost, const sched::MemoryRules& rules)
-    : st_(std::make_unique<State>(State{std::move(s), cost, {}})) {
-  st_->mem = prepare(st_->schedule, st_->cost, rules);
+    : st_(std::make_unique<State>(State{std::move(s), cost, rules, {}})) {
+  st_->mem = prepare(st_->schedule, st_->cost, st_->rules);
+}
+
+bool Resimulator::replace(Schedule s) {
+  State& st = *st_;
+  std::vector<RankEvents> mem(st.mem.size());
+  bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp;
+  if (same) {
+    std::vector<char> ok(size_t(s.ranks), 0);
+    for_each_rank(s.ranks, [&](int r) {
+      ok[size_t(r)] = rebase(st.mem[size_t(r)], st.schedule.ops[size_t(r)], s.ops[size_t(r)], &mem[size_t(r)]);
+    });
+    same = std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
+  }
+  st.schedule = std::move(s);
+  st.mem = same ? std::move(mem) : prepare(st.schedule, st.cost, st.rules);
+  return same;
 }
 
 Resimulator::~Resimulator() = default;

@@ -105,6 +105,11 @@ class Resimulator {
   // sched::set_offload_fractions on the schedule: alpha must offload the same subsequences
   // as the schedule's own fractions.
   void set_fractions(const std::vector<double>& alpha);
+  // Another schedule of the same layout in place of this one, offloading other
+  // subsequences: what does not depend on the copies is kept (Note [Another set of
+  // offloaded subsequences] in simulator.cpp), or, for any other schedule, worked out anew
+  // (then false).
+  bool replace(sched::Schedule s);
   SimResult simulate(const SimOptions& options = {}) const;
 
  private:

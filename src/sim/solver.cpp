@@ -80,6 +80,7 @@ std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost,
   std::vector<i64> offsets(N, 0);
   for (int i = 1; i < N; ++i) offsets[i] = offsets[i - 1] + s.lengths[i - 1];
   std::vector<UnitProfile> out;
+  const sched::UnitSizes sizes(rules, s);
   for (int r = 0; r < s.ranks; ++r) {
     UnitProfile u;
     u.rank = r;
@@ -87,7 +88,7 @@ std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost,
     u.fwd_s.assign(N, 0);
     u.bwd_s.assign(N, 0);
     // RankMemory sizes each subsequence's unit from the rank's forward ops.
-    sched::RankMemory mem(rules, s, r);
+    sched::RankMemory mem(rules, s, r, &sizes);
     for (int i = 0; i < N; ++i) {
       u.tensors.push_back(mem.unit_tensors(i));
       u.unit_bytes[i] = select_offload(u.tensors.back(), 1.0, nullptr);
@@ -156,7 +157,8 @@ std::string bytes_text(i64 b) { return format_bytes(double(b)); }
 
 // The searches below try many alphas that offload the same subsequences: the schedule
 // last built stays, with what its simulation needs, and such an alpha only changes its
-// fractions (sim::Resimulator); any other alpha builds anew. An alpha tried before (the
+// fractions (sim::Resimulator); any other alpha builds anew, and the simulation keeps what
+// does not depend on the copies. An alpha tried before (the
 // fill starts from alpha = 0, already simulated) is answered from the results so far.
 class Trials {
  public:
@@ -165,7 +167,8 @@ class Trials {
       : build_(build), cost_(cost), rules_(rules) {}
 
   const Schedule& schedule(const std::vector<double>& alpha) {
-    if (!sim_ || !same_offloading(alpha)) sim_.emplace(build_(alpha), cost_, rules_);
+    if (!sim_) sim_.emplace(build_(alpha), cost_, rules_);
+    else if (!same_offloading(alpha)) sim_->replace(build_(alpha));
     else sim_->set_fractions(alpha);
     alpha_ = alpha;
     return sim_->schedule();
@@ -735,11 +738,17 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
     return std::make_pair(mem, double(S) * p.dp / (G * step));
   };
-  std::sort(layouts.begin(), layouts.end(),
-            [&](const plan::Plan& a, const plan::Plan& b) { return bounds(a).second > bounds(b).second; });
+  std::vector<std::pair<i64, double>> bound(layouts.size());
+  std::vector<std::size_t> order(layouts.size());
+  for (std::size_t k = 0; k < layouts.size(); ++k) {
+    bound[k] = bounds(layouts[k]);
+    order[k] = k;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return bound[a].second > bound[b].second; });
   double best_tput = 0;
-  for (const plan::Plan& p : layouts) {
-    const auto [mem_bound, tput_bound] = bounds(p);
+  for (const std::size_t k : order) {
+    const plan::Plan& p = layouts[k];
+    const auto [mem_bound, tput_bound] = bound[k];
     if (mem_bound > budget) {
       if (least_peak == 0 || mem_bound < least_peak) {
         least_peak = mem_bound;

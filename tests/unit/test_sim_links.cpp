@@ -105,13 +105,12 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
     };
     const std::vector<double> first = {1.0, 0.75, 0.0, 0.5, 0.25, 0.0};
     Resimulator again(build(first), cost, rules);
+    const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " dp " +
+                             std::to_string(sh.dp) + " tp " + std::to_string(sh.tp) + " msp " + std::to_string(sh.msp);
     for (const std::vector<double>& alpha : {std::vector<double>{0.5, 0.25, 0.0, 1.0, 0.125, 0.0},
                                              std::vector<double>{0.05, 1.0, 0.0, 0.3, 0.9, 0.0}}) {
       again.set_fractions(alpha);
       const SimResult got = again.simulate(), want = simulate(build(alpha), cost, rules);
-      const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " dp " +
-                               std::to_string(sh.dp) + " tp " + std::to_string(sh.tp) + " msp " +
-                               std::to_string(sh.msp);
       EXPECT_EQ(got.step_time_s, want.step_time_s) << what;
       EXPECT_EQ(got.peak_bytes, want.peak_bytes) << what;
       EXPECT_EQ(got.peak_host_bytes, want.peak_host_bytes) << what;
@@ -123,7 +122,34 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
       EXPECT_EQ(got.backward_start, want.backward_start) << what;
       EXPECT_NE(got.peak_host_bytes, simulate(build(first), cost, rules).peak_host_bytes) << what;
     }
+    // Schedules that offload other subsequences, then one of another layout (worked out anew).
+    for (const std::vector<double>& alpha : {std::vector<double>{0.0, 0.5, 1.0, 0.0, 0.25, 0.0},
+                                             std::vector<double>{0.7, 0.0, 0.0, 0.0, 0.0, 0.0},
+                                             std::vector<double>{0.0, 0.0, 0.0, 0.0, 0.0, 0.0},
+                                             std::vector<double>{1.0, 1.0, 1.0, 1.0, 1.0, 0.0}}) {
+      EXPECT_TRUE(again.replace(build(alpha))) << what;
+      const SimResult got = again.simulate(), want = simulate(build(alpha), cost, rules);
+      EXPECT_EQ(got.step_time_s, want.step_time_s) << what;
+      EXPECT_EQ(got.peak_bytes, want.peak_bytes) << what;
+      EXPECT_EQ(got.peak_terms, want.peak_terms) << what;
+      EXPECT_EQ(got.peak_host_bytes, want.peak_host_bytes) << what;
+      EXPECT_EQ(got.sent_bytes, want.sent_bytes) << what;
+      EXPECT_EQ(got.backward_start, want.backward_start) << what;
+    }
   }
+  // A schedule of another layout in place of one: nothing of the old one is kept.
+  sched::PipelineSpec one, two;
+  one.layers = two.layers = c.layers;
+  one.lengths = plan::partition_flops(c, 4 * 4096, 4);
+  two.lengths = plan::partition_length(4 * 4096, 4);
+  one.alpha = two.alpha = {0.5, 0.5, 0.5, 0.0};
+  one.pp = 2;
+  two.pp = 2;
+  two.sp = 2;
+  Resimulator again(sched::build_pipeline(one), cost, rules);
+  EXPECT_FALSE(again.replace(sched::build_pipeline(two)));
+  EXPECT_EQ(again.simulate().peak_bytes, simulate(sched::build_pipeline(two), cost, rules).peak_bytes);
+  EXPECT_EQ(again.simulate().step_time_s, simulate(sched::build_pipeline(two), cost, rules).step_time_s);
 }
 
 TEST(HostLinks, ASharedNicSlowsMessagesBetweenNodes) {
