@@ -38,14 +38,33 @@ struct Flow {
   double start, bytes, rate;
 };
 
+// What the event loop reads of an op, in one place: it visits every op of every rank in
+// each pass, a few ops of a rank at a time, so each op's data should come in together
+// (lists beside the ops would each miss the cache).
+struct SimOp {
+  OpKind kind = OpKind::Forward;
+  Payload payload = Payload::None;
+  int subseq = 0;
+  int peer = -1, recv_peer = -1;
+  int layers = 1;     // max(1, layers of the op)
+  double seconds = 0; // F, B: its time (the same in every pass)
+  i64 bytes = 0;      // Offload, Prefetch, Send, RingStep: the bytes it moves
+  sched::MessageKey key;  // Send, Recv, RingStep
+};
+
+SimOp sim_op(const Op& op) {
+  SimOp o{op.kind, op.payload, op.subseq, op.peer, op.recv_peer, std::max(1, op.layer_end - op.layer_begin), 0, 0, {}};
+  if (op.kind == OpKind::Send || op.kind == OpKind::Recv || op.kind == OpKind::RingStep) o.key = sched::message_key(op);
+  return o;
+}
+
 // What a rank's ops do to device and host memory. It follows program order only, not
 // time, so it is worked out once per simulate() and every contention pass reuses it; the
 // times of the last pass then place the events.
 struct RankEvents {
   std::vector<sched::MemEvent> ev;  // every op's events, in program order
   std::vector<size_t> first;        // op k's events are ev[first[k], first[k + 1])
-  std::vector<i64> op_bytes;      // op k's bytes when an Offload or Prefetch, a Send or a RingStep
-  std::vector<double> op_s;       // op k's seconds when an F or a B (the same in every pass)
+  std::vector<SimOp> ops;         // op k's sim_op, with its seconds and bytes
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 peak_host = 0;                // offloaded bytes on the host, at most
@@ -82,7 +101,7 @@ void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
       host -= bytes;
       re->ev[re->first[k]].delta = bytes;
     }
-    re->op_bytes[k] = bytes;
+    re->ops[k].bytes = bytes;
   }
 }
 
@@ -94,17 +113,18 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   out.fixed_terms = mem.fixed_terms();
   const auto& ops = s.ops[size_t(r)];
   out.first.reserve(ops.size() + 1);
-  out.op_bytes.assign(ops.size(), 0);
-  out.op_s.assign(ops.size(), 0.0);
+  out.ops.reserve(ops.size());
+  for (const Op& op : ops) out.ops.push_back(sim_op(op));
   std::vector<i64> offsets(s.lengths.size() + 1, 0);
   for (size_t i = 0; i < s.lengths.size(); ++i) offsets[i + 1] = offsets[i] + s.lengths[i];
   for (size_t k = 0; k < ops.size(); ++k) {
     const Op& op = ops[k];
-    if (op.kind == OpKind::Forward) out.op_s[k] = cost.forward_s(op, s, offsets[size_t(op.subseq)]);
-    if (op.kind == OpKind::Backward) out.op_s[k] = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
-    if (op.kind == OpKind::Offload) out.op_bytes[k] = mem.offload_bytes(op);
-    if (op.kind == OpKind::Prefetch) out.op_bytes[k] = mem.prefetch_bytes(op);
-    if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) out.op_bytes[k] = cost.message_bytes(op, s);
+    SimOp& o = out.ops[k];
+    if (op.kind == OpKind::Forward) o.seconds = cost.forward_s(op, s, offsets[size_t(op.subseq)]);
+    if (op.kind == OpKind::Backward) o.seconds = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
+    if (op.kind == OpKind::Offload) o.bytes = mem.offload_bytes(op);
+    if (op.kind == OpKind::Prefetch) o.bytes = mem.prefetch_bytes(op);
+    if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) o.bytes = cost.message_bytes(op, s);
     out.first.push_back(out.ev.size());
     mem.events(op, &out.ev);
     if (op.kind == OpKind::Offload) out.peak_host = std::max(out.peak_host, mem.host_bytes());
@@ -162,8 +182,8 @@ class Inbox {
   bool take(int src, const sched::MessageKey& key, double* arrival) {
     Queue& f = from(src, key.payload);
     for (size_t k = f.head; k < f.q.size(); ++k)
-      if (f.q[k].first == key) {
-        *arrival = f.q[k].second;
+      if (f.q[k].key == key) {
+        *arrival = f.q[k].arrival;
         if (k == f.head) ++f.head;
         else f.q.erase(f.q.begin() + std::ptrdiff_t(k));
         if (f.head == f.q.size()) f.q.clear(), f.head = 0;
@@ -173,10 +193,14 @@ class Inbox {
   }
 
  private:
+  struct Message {
+    sched::MessageKey key;
+    double arrival;
+  };
   struct Queue {
     int src;
     Payload payload;
-    std::vector<std::pair<sched::MessageKey, double>> q;
+    std::vector<Message> q;
     size_t head = 0;
   };
   // A rank hears from few others (ring and stage neighbours, MSP pieces).
@@ -226,13 +250,15 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     const double v = scales.empty() || scales[size_t(r)].empty() ? 0.0 : scales[size_t(r)][pc];
     return v > 0 ? v : 1.0;
   };
-  auto record = [&](int r, Lane lane, const Op& op, double start, double end) {
-    if (options.record && end > start) res.events.push_back({r, lane, op.kind, to_string(op), start, end - start});
+  auto record = [&](int r, Lane lane, size_t pc, double start, double end) {
+    if (!options.record || end <= start) return;
+    const Op& op = s.ops[size_t(r)][pc];
+    res.events.push_back({r, lane, op.kind, to_string(op), start, end - start});
   };
-  auto mem_at = [&](RankState& rs, const Op&, double start, double end) { rs.mem_span[rs.pc] = {start, end}; };
+  auto mem_at = [&](RankState& rs, double start, double end) { rs.mem_span[rs.pc] = {start, end}; };
   // A message's seconds on the network, stretched where it crosses a shared NIC.
-  auto send_s = [&](int r, size_t pc, const Op& op, double start) {
-    const i64 bytes = mem[size_t(r)].op_bytes[pc];
+  auto send_s = [&](int r, size_t pc, const SimOp& op, double start) {
+    const i64 bytes = op.bytes;
     res.sent_bytes[size_t(r)] += bytes;
     const double alone = cost.message_s(bytes, r, op.peer);
     if (!nic_shared || cost.same_node(r, op.peer) || bytes == 0) return alone;
@@ -249,18 +275,18 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
       if (rs.waiting_since != RankState::kNotWaiting && rs.waiting_since == inbox[size_t(r)].arrived()) continue;
       rs.waiting_since = RankState::kNotWaiting;
       const auto& ops = s.ops[r];
+      const auto& sim_ops = mem[size_t(r)].ops;
       while (rs.pc < ops.size()) {
-        const Op& op = ops[rs.pc];
+        const SimOp& op = sim_ops[rs.pc];
         switch (op.kind) {
           case OpKind::Forward:
           case OpKind::Backward: {
-            const double dur = mem[size_t(r)].op_s[rs.pc];
+            const double dur = op.seconds;
             const double start = rs.t_compute;
             double end = start + dur;
             if (rs.ring_steps > 0) {
               // The last ring block's attention follows its arrival.
-              const int n = std::max(1, op.layer_end - op.layer_begin);
-              end = std::max(end, rs.ring_ready + dur / double((rs.ring_steps + 1) * n));
+              end = std::max(end, rs.ring_ready + dur / double((rs.ring_steps + 1) * op.layers));
             }
             rs.ring_ready = 0;
             rs.ring_steps = 0;
@@ -268,33 +294,33 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             rs.t_compute = end;
             if (op.kind == OpKind::Forward) res.forward_end[r][op.subseq] = end;
             else if (res.backward_start[r][op.subseq] < 0) res.backward_start[r][op.subseq] = start;
-            record(r, Lane::Compute, op, start, end);
-            mem_at(rs, op, start, end);
+            record(r, Lane::Compute, rs.pc, start, end);
+            mem_at(rs, start, end);
             break;
           }
           case OpKind::Offload: {
-            const i64 bytes = mem[r].op_bytes[rs.pc];
+            const i64 bytes = op.bytes;
             const double start = std::max(rs.t_out, rs.t_compute);
             const double alone = cost.d2h_s(bytes, rs.t_in > start);
             const double end = start + alone * scale_of(r, rs.pc);
             if (want_flows && bytes > 0) pass.flows.push_back({{r, rs.pc}, {r, r, Dir::D2H, start, double(bytes), bytes / alone}});
             rs.t_out = end;
             rs.off_end[op.subseq] = end;
-            record(r, Lane::CopyOut, op, start, end);
-            mem_at(rs, op, start, end);
+            record(r, Lane::CopyOut, rs.pc, start, end);
+            mem_at(rs, start, end);
             if (bytes > 0) pass.copy_s += end - start;
             break;
           }
           case OpKind::Prefetch: {
-            const i64 bytes = mem[r].op_bytes[rs.pc];
+            const i64 bytes = op.bytes;
             const double start = std::max(rs.t_in, rs.t_compute);
             const double alone = cost.h2d_s(bytes, rs.t_out > start);
             const double end = start + alone * scale_of(r, rs.pc);
             if (want_flows && bytes > 0) pass.flows.push_back({{r, rs.pc}, {r, r, Dir::H2D, start, double(bytes), bytes / alone}});
             rs.t_in = end;
             rs.pre_end[op.subseq] = end;
-            record(r, Lane::CopyIn, op, start, end);
-            mem_at(rs, op, start, end);
+            record(r, Lane::CopyIn, rs.pc, start, end);
+            mem_at(rs, start, end);
             if (bytes > 0) pass.copy_s += end - start;
             break;
           }
@@ -305,22 +331,22 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               rs.exposed += done - rs.t_compute;
               rs.t_compute = done;
             }
-            mem_at(rs, op, rs.t_compute, rs.t_compute);
+            mem_at(rs, rs.t_compute, rs.t_compute);
             break;
           }
           case OpKind::Send: {
             const double start = std::max(rs.t_net, rs.t_compute);
             const double end = start + send_s(r, rs.pc, op, start);
             rs.t_net = end;
-            inbox[size_t(op.peer)].put(r, sched::message_key(op), end);
-            record(r, Lane::Network, op, start, end);
-            mem_at(rs, op, start, end);
+            inbox[size_t(op.peer)].put(r, op.key, end);
+            record(r, Lane::Network, rs.pc, start, end);
+            mem_at(rs, start, end);
             break;
           }
           case OpKind::Recv: {
             double arrival = 0;
-            if (!inbox[size_t(r)].take(op.peer, sched::message_key(op), &arrival)) goto waiting;
-            mem_at(rs, op, std::max(rs.t_compute, arrival), std::max(rs.t_compute, arrival));
+            if (!inbox[size_t(r)].take(op.peer, op.key, &arrival)) goto waiting;
+            mem_at(rs, std::max(rs.t_compute, arrival), std::max(rs.t_compute, arrival));
             rs.t_compute = std::max(rs.t_compute, arrival);
             break;
           }
@@ -329,40 +355,41 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               const double start = std::max(rs.t_net, rs.t_compute);
               const double end = start + send_s(r, rs.pc, op, start);
               rs.t_net = end;
-              inbox[size_t(op.peer)].put(r, sched::message_key(op), end);
-              record(r, Lane::Network, op, start, end);
+              inbox[size_t(op.peer)].put(r, op.key, end);
+              record(r, Lane::Network, rs.pc, start, end);
               rs.posted = true;
               progress = true;
             }
             double arrival = 0;
-            if (!inbox[size_t(r)].take(op.recv_peer, sched::message_key(op), &arrival)) goto waiting;
+            if (!inbox[size_t(r)].take(op.recv_peer, op.key, &arrival)) goto waiting;
             rs.ring_ready = std::max({rs.ring_ready, arrival, rs.t_net});
             ++rs.ring_steps;
             rs.posted = false;
-            mem_at(rs, op, arrival, arrival);
+            mem_at(rs, arrival, arrival);
             break;
           }
           case OpKind::AllReduce: {
-            const auto key = std::make_pair(op.group, passed[r][op.group]);
+            const Op& all = ops[rs.pc];
+            const auto key = std::make_pair(all.group, passed[r][all.group]);
             auto& there = arrived[key];
             if (!rs.posted) {
               there.push_back(std::max(rs.t_compute, rs.t_net));
               rs.posted = true;
               progress = true;
             }
-            if (there.size() < op.group.size()) goto blocked;
+            if (there.size() < all.group.size()) goto blocked;
             auto it = reduced.find(key);
             if (it == reduced.end()) {
               const double start = *std::max_element(there.begin(), there.end());
-              const i64 bytes = sched::allreduce_bytes(op, cost.model(), s.layers, TpShard{0, s.tp});
-              it = reduced.emplace(key, start + cost.allreduce_s(bytes, op.group)).first;
+              const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.tp});
+              it = reduced.emplace(key, start + cost.allreduce_s(bytes, all.group)).first;
             }
             const double start = std::max(rs.t_compute, rs.t_net);
-            record(r, Lane::Network, op, start, it->second);
+            record(r, Lane::Network, rs.pc, start, it->second);
             rs.t_compute = rs.t_net = std::max(start, it->second);
-            mem_at(rs, op, start, rs.t_compute);
+            mem_at(rs, start, rs.t_compute);
             rs.posted = false;
-            ++passed[r][op.group];
+            ++passed[r][all.group];
             break;
           }
         }
@@ -372,7 +399,13 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
       continue;
     waiting:
       rs.waiting_since = inbox[size_t(r)].arrived();
-    blocked:;
+    blocked:
+      // The rank runs on from here when it is next visited, after every other rank's turn:
+      // ask for the ops it will read then now (with many ranks they would each miss).
+      for (size_t k = rs.pc + 1; k < std::min(ops.size(), rs.pc + 5); k += 2) {
+        __builtin_prefetch(&sim_ops[k]);
+        __builtin_prefetch(&rs.mem_span[k], 1);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -432,8 +465,9 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
       auto& lane = lanes[size_t(lane_of(kind))];
       for (size_t e = re.first[k]; e < re.first[k + 1]; ++e)
         lane.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
-      if (kind == OpKind::Offload && re.op_bytes[k] > 0) lane.push_back({end, seq++, re.op_bytes[k], -1});
-      if (kind == OpKind::Prefetch && re.op_bytes[k] > 0) lane.push_back({start, seq++, -re.op_bytes[k], -1});
+      const i64 bytes = re.ops[k].bytes;
+      if (kind == OpKind::Offload && bytes > 0) lane.push_back({end, seq++, bytes, -1});
+      if (kind == OpKind::Prefetch && bytes > 0) lane.push_back({start, seq++, -bytes, -1});
     }
     for (auto& lane : lanes)
       if (!std::is_sorted(lane.begin(), lane.end(), before)) std::sort(lane.begin(), lane.end(), before);
@@ -689,8 +723,8 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
   out->fixed = old.fixed;
   out->fixed_terms = old.fixed_terms;
   out->unit_tensors = old.unit_tensors;
-  out->op_bytes.assign(ops.size(), 0);
-  out->op_s.assign(ops.size(), 0.0);
+  out->ops.reserve(ops.size());
+  for (const Op& op : ops) out->ops.push_back(sim_op(op));
   out->first.reserve(ops.size() + 1);
   out->ev.reserve(old.ev.size() + ops.size() - std::min(ops.size(), old_ops.size()));
   size_t j = 0;
@@ -704,8 +738,8 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
     if (j == old_ops.size() || !(old_ops[j] == op)) return false;
     out->ev.insert(out->ev.end(), old.ev.begin() + std::ptrdiff_t(old.first[j]),
                    old.ev.begin() + std::ptrdiff_t(old.first[j + 1]));
-    out->op_bytes[k] = old.op_bytes[j];
-    out->op_s[k] = old.op_s[j];
+    out->ops[k].seconds = old.ops[j].seconds;
+    out->ops[k].bytes = old.ops[j].bytes;
     ++j;
   }
   while (j < old_ops.size() && copy_or_wait(old_ops[j].kind)) ++j;
