@@ -312,7 +312,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           if (!prefetched[pc.rank].count(k)) {
             Op p = make(OpKind::Prefetch, k);
             p.fraction = alpha[k];
-            ops.push_back(p);
+            ops.push_back(std::move(p));
             ops.push_back(make(OpKind::WaitPrefetch, k));
           }
           stack.pop_back();
@@ -322,7 +322,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           prefetched[pc.rank].insert(prefetch);
           Op p = make(OpKind::Prefetch, prefetch);
           p.fraction = alpha[prefetch];
-          ops.push_back(p);
+          ops.push_back(std::move(p));
         }
       }
       // Ring attention over the task's pieces (a stage group's SP ranks, or with MSP every
@@ -341,7 +341,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
           ring.recv_peer = t.pieces[size_t((pc.piece + M - 1) % M)].rank;
           if (split)  // who holds which keys (sched::ring_first_key)
             for (const Piece& q : t.pieces) ring.group.push_back(q.rank);
-          ops.push_back(ring);
+          ops.push_back(std::move(ring));
         }
       }
       Op c = with_layers(make(t.forward ? OpKind::Forward : OpKind::Backward, k), i);
@@ -349,7 +349,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
       c.pieces = pc.pieces;
       if (split)
         for (const Piece& q : t.pieces) c.group.push_back(q.rank);
-      ops.push_back(c);
+      ops.push_back(std::move(c));
       if (prefetch >= 0) ops.push_back(make(OpKind::WaitPrefetch, prefetch));
       // Forward of a split task: the owner gathers a copy of each helper piece's K, V.
       if (t.forward && !pc.helper && split)
@@ -366,7 +366,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
         if (!split && alpha[k] > 0) {
           Op off = make(OpKind::Offload, k);
           off.fraction = alpha[k];
-          ops.push_back(off);
+          ops.push_back(std::move(off));
           pending_wait[pc.rank] = k;
           offloaded[pc.rank].push_back(k);
         }
