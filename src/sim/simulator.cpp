@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iterator>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -64,7 +64,7 @@ SimOp sim_op(const Op& op) {
 struct RankEvents {
   std::vector<sched::MemEvent> ev;  // every op's events, in program order
   std::vector<size_t> first;        // op k's events are ev[first[k], first[k + 1])
-  std::vector<SimOp> ops;         // op k's sim_op, with its seconds and bytes
+  std::vector<SimOp> ops;           // op k's sim_op, with its seconds and bytes
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 peak_host = 0;                // offloaded bytes on the host, at most

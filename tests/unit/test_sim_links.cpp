@@ -81,6 +81,19 @@ TEST(HostLinks, ASharedSwitchSlowsCopiesThatOverlap) {
 // The planner's alpha search simulates one schedule again with other fractions
 // (Resimulator); every figure must equal simulating the rebuilt schedule from scratch,
 // including under shared links (several passes) and on rings and tensor parallelism.
+void expect_same(const SimResult& got, const SimResult& want, const std::string& what) {
+  EXPECT_EQ(got.step_time_s, want.step_time_s) << what;
+  EXPECT_EQ(got.peak_bytes, want.peak_bytes) << what;
+  EXPECT_EQ(got.peak_host_bytes, want.peak_host_bytes) << what;
+  EXPECT_EQ(got.peak_terms, want.peak_terms) << what;
+  EXPECT_EQ(got.host_at_peak, want.host_at_peak) << what;
+  EXPECT_EQ(got.exposed_copy_s, want.exposed_copy_s) << what;
+  EXPECT_EQ(got.passes, want.passes) << what;
+  EXPECT_EQ(got.sent_bytes, want.sent_bytes) << what;
+  EXPECT_EQ(got.forward_end, want.forward_end) << what;
+  EXPECT_EQ(got.backward_start, want.backward_start) << what;
+}
+
 TEST(Resimulator, EqualsSimulatingFromScratch) {
   const ModelConfig c = preset("medium");
   const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
@@ -110,16 +123,8 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
     for (const std::vector<double>& alpha : {std::vector<double>{0.5, 0.25, 0.0, 1.0, 0.125, 0.0},
                                              std::vector<double>{0.05, 1.0, 0.0, 0.3, 0.9, 0.0}}) {
       again.set_fractions(alpha);
-      const SimResult got = again.simulate(), want = simulate(build(alpha), cost, rules);
-      EXPECT_EQ(got.step_time_s, want.step_time_s) << what;
-      EXPECT_EQ(got.peak_bytes, want.peak_bytes) << what;
-      EXPECT_EQ(got.peak_host_bytes, want.peak_host_bytes) << what;
-      EXPECT_EQ(got.peak_terms, want.peak_terms) << what;
-      EXPECT_EQ(got.host_at_peak, want.host_at_peak) << what;
-      EXPECT_EQ(got.exposed_copy_s, want.exposed_copy_s) << what;
-      EXPECT_EQ(got.passes, want.passes) << what;
-      EXPECT_EQ(got.forward_end, want.forward_end) << what;
-      EXPECT_EQ(got.backward_start, want.backward_start) << what;
+      const SimResult got = again.simulate();
+      expect_same(got, simulate(build(alpha), cost, rules), what);
       EXPECT_NE(got.peak_host_bytes, simulate(build(first), cost, rules).peak_host_bytes) << what;
     }
     // Schedules that offload other subsequences, then one of another layout (worked out anew).
@@ -128,13 +133,7 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
                                              std::vector<double>{0.0, 0.0, 0.0, 0.0, 0.0, 0.0},
                                              std::vector<double>{1.0, 1.0, 1.0, 1.0, 1.0, 0.0}}) {
       EXPECT_TRUE(again.replace(build(alpha))) << what;
-      const SimResult got = again.simulate(), want = simulate(build(alpha), cost, rules);
-      EXPECT_EQ(got.step_time_s, want.step_time_s) << what;
-      EXPECT_EQ(got.peak_bytes, want.peak_bytes) << what;
-      EXPECT_EQ(got.peak_terms, want.peak_terms) << what;
-      EXPECT_EQ(got.peak_host_bytes, want.peak_host_bytes) << what;
-      EXPECT_EQ(got.sent_bytes, want.sent_bytes) << what;
-      EXPECT_EQ(got.backward_start, want.backward_start) << what;
+      expect_same(again.simulate(), simulate(build(alpha), cost, rules), what);
     }
   }
   // A schedule of another layout in place of one: nothing of the old one is kept.
@@ -148,8 +147,7 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
   two.sp = 2;
   Resimulator again(sched::build_pipeline(one), cost, rules);
   EXPECT_FALSE(again.replace(sched::build_pipeline(two)));
-  EXPECT_EQ(again.simulate().peak_bytes, simulate(sched::build_pipeline(two), cost, rules).peak_bytes);
-  EXPECT_EQ(again.simulate().step_time_s, simulate(sched::build_pipeline(two), cost, rules).step_time_s);
+  expect_same(again.simulate(), simulate(sched::build_pipeline(two), cost, rules), "another layout");
 }
 
 TEST(HostLinks, ASharedNicSlowsMessagesBetweenNodes) {
