@@ -787,7 +787,8 @@ const Schedule& Resimulator::schedule() const { return st_->schedule; }
 
 void Resimulator::set_fractions(const std::vector<double>& alpha) {
   sched::set_offload_fractions(&st_->schedule, alpha);
-  for (int r = 0; r < st_->schedule.ranks; ++r) refit_copies(&st_->mem[size_t(r)], st_->schedule.ops[size_t(r)]);
+  for_each_rank(st_->schedule.ranks,
+                [&](int r) { refit_copies(&st_->mem[size_t(r)], st_->schedule.ops[size_t(r)]); });
 }
 
 SimResult Resimulator::simulate(const SimOptions& options) const {

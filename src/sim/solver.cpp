@@ -158,8 +158,8 @@ std::string bytes_text(i64 b) { return format_bytes(double(b)); }
 // The searches below try many alphas that offload the same subsequences: the schedule
 // last built stays, with what its simulation needs, and such an alpha only changes its
 // fractions (sim::Resimulator); any other alpha builds anew, and the simulation keeps what
-// does not depend on the copies. An alpha tried before (the
-// fill starts from alpha = 0, already simulated) is answered from the results so far.
+// does not depend on the copies. An alpha tried before (the directed fill starts from
+// alpha = 0, already simulated) is answered from the results so far.
 class Trials {
  public:
   using Build = std::function<Schedule(const std::vector<double>&)>;
