@@ -129,6 +129,9 @@ expect "--device-memory" train --model tiny --seq-len 4096 --subseqs 4 --device-
 expect "--host-memory 'lots'" train --model tiny --host-memory lots
 expect "over the --host-memory budget" train --model tiny --seq-len 4096 --subseqs 4 --offload full --host-memory 1KiB
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --offload 0.5 --host-memory 1KiB --out g
+expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --kv-cache host --host-memory 1KiB --out g
+expect "--kv-cache 'sometimes'" train --model tiny --kv-cache sometimes
+expect "--kv-cache host" train --model tiny --recompute --kv-cache host
 expect "--offload 'sometimes'" train --model tiny --offload sometimes
 expect "--offload '1.5'" train --model tiny --offload 1.5
 expect "--partition" train --model tiny --partition random

@@ -78,6 +78,11 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Host memory budget for offloaded activations, e.g. 2GiB (default: unlimited); adaptive "
                   "offload and --subseqs auto choose within it");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
+  cmd->add_option("--kv-cache", o.kv_cache,
+                  "Where finished subsequences' K/V and their dK/dV sums live: device, host (streamed back to "
+                  "each later subsequence's attention, two blocks at a time), or auto (the device unless that "
+                  "does not fit --device-memory, then the host on the fewest layers that fit)")
+      ->capture_default_str();
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
   cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
   cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");

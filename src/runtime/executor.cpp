@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "runtime/fault.h"
+#include "runtime/kv_stream.h"
 #include "runtime/ring.h"
 #include "runtime/tensor_parallel.h"
 #include "schedule/memory.h"
@@ -26,6 +27,7 @@ double now_s() {
 }
 
 constexpr int kSavedTensors = 14;      // block_saved_specs() entries
+constexpr int kK = 5, kV = 6;          // where k and v are among them
 constexpr double kShownWaitS = 1e-4;   // waits shorter than this stay out of the trace
 
 std::vector<void*> ptrs(const std::vector<Buffer>& bufs) {
@@ -133,6 +135,7 @@ struct Runtime::StepState {
   Buffer loss_sum;                                     // one double on the device
   StepResult* result = nullptr;
   std::unique_ptr<CopyStream> d2h, h2d;
+  std::unique_ptr<HostKvCache> kv;                     // layers whose K/V live on the host (Schedule::kv_host)
   // The rows this rank holds of each subsequence: the whole of it, or its ring piece.
   std::vector<Subseq> rows;                            // [N]
   std::unique_ptr<TpGroup> tp;                         // the tensor-parallel group (tp > 1)
@@ -532,8 +535,8 @@ KVBlocks Runtime::past_blocks(StepState& st, int l, int i, bool grads) {
     if (st.rows_at[l][j].T > 0)
       for (const PosSpan& part : st.rows_at[l][j].parts()) {
         const i64 at = i64(part.row0) * H;
-        past.k.push_back(act_at(st.dev[j][l][5].data(), at, act_));
-        past.v.push_back(act_at(st.dev[j][l][6].data(), at, act_));
+        past.k.push_back(act_at(st.dev[j][l][kK].data(), at, act_));
+        past.v.push_back(act_at(st.dev[j][l][kV].data(), at, act_));
         if (grads) {
           past.dk.push_back(st.dk[l][j].f32() + at);
           past.dv.push_back(st.dv[l][j].f32() + at);
@@ -648,8 +651,9 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       out = device_->alloc(specs[0].bytes(), e == L ? "final hidden" : "hidden for the next stage");
       x_out = out.data();
     }
-    const KVBlocks past = past_blocks(st, l, i, false);
-    const auto attn = attention(st, op, l, past);
+    const bool kv_host = st.sched->kv_on_host(l);
+    const KVBlocks past = kv_host ? KVBlocks{} : past_blocks(st, l, i, false);
+    const auto attn = kv_host ? st.kv->attention(l, i, false) : attention(st, op, l, past);
     BlockSaved saved = block_saved_from(ptrs(unit));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     if (st.tp)
@@ -658,6 +662,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
+    if (kv_host) st.kv->store(l, i, unit[kK], unit[kV], q.offset, T);
     scratch = {};
     ws.clear();
     poll(st);
@@ -704,14 +709,17 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
 
   for (int l = e - 1; l >= b; --l) {
-    // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use.
-    alloc_accumulators(st, l, i);
+    const bool kv_host = st.sched->kv_on_host(l);
+    // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use
+    // (on a host layer, this subsequence's own: the host holds the others').
+    if (!kv_host) alloc_accumulators(st, l, i);
     auto& unit = st.dev[i][l];
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
-    const KVBlocks past = past_blocks(st, l, i, true);
-    const auto attn = attention(st, op, l, past);
+    if (kv_host) st.kv->restore(l, i, &unit[kK], &unit[kV], &st.dk[l][i], &st.dv[l][i]);
+    const KVBlocks past = kv_host ? KVBlocks{} : past_blocks(st, l, i, true);
+    const auto attn = kv_host ? st.kv->attention(l, i, true) : attention(st, op, l, past);
     if (opts_.recompute) {
       for (int k = 1; k < kSavedTensors; ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
@@ -835,6 +843,11 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   SPPO_CHECK(!msp || (sc.tp == 1 && sc.ring == 1 && opts_.comm && act_ == DType::F32), "runtime")
       << "multiplexed sequence partitioning (MSP) runs with pipeline and data parallelism on CPU ranks in fp32; drop "
          "--tp and --cp, or use --msp off";
+  SPPO_CHECK(sc.kv_host.empty() || (int(sc.kv_host.size()) == config_.layers && sc.ring == 1 && !msp &&
+                                     !opts_.recompute),
+             "runtime")
+      << "K/V on the host (--kv-cache host) streams the blocks of one rank's subsequences: it runs without --cp, "
+         "--msp on and --recompute, and names every layer";
   StepResult result;
   StepState st;
   st.sched = &sc;
@@ -913,6 +926,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   result.losses.assign(std::size_t(result.has_loss || any_head ? st.S : 0), 0.0f);
   st.d2h = be_.make_copy_stream();
   st.h2d = be_.make_copy_stream();
+  if (!sc.kv_host.empty())
+    st.kv = std::make_unique<HostKvCache>(be_, *device_, *host_, *st.d2h, *st.h2d, L, N,
+                                          opts_.tp.local_hidden(config_), &result.exposed_copy_s);
 
   // Receives are posted as the compute op before them starts (schedule/memory.h).
   st.posts.assign(ops.size(), {});

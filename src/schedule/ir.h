@@ -122,6 +122,13 @@ struct Schedule {
   // Tensor parallelism (expand_tensor_parallel): ranks r * tp .. r * tp + tp - 1 run the
   // same ops, each on its shards; 1: none.
   int tp = 1;
+  // Where each layer keeps the K/V cache of finished subsequences ([layers]; empty: every
+  // layer on the device). A host layer copies each subsequence's K, V to the host after
+  // its forward and streams them back, two blocks at a time, to the attention of later
+  // subsequences and to the backward, with their fp32 dK/dV accumulators, which live on
+  // the host too (runtime/kv_stream.h). Ops of one piece only (no ring, no MSP).
+  std::vector<char> kv_host;
+  bool kv_on_host(int layer) const { return !kv_host.empty() && kv_host[std::size_t(layer)] != 0; }
 
   i64 offset(int i) const;              // o_i = l_0 + ... + l_{i-1}
   i64 seq_len() const;                  // S

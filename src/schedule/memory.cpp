@@ -173,11 +173,16 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
   }
   acc_tokens_.assign(L, 0);
   acc_live_.assign(L, false);
+  kv_blocks_.assign(L, {});
+  host_sums_.assign(L, {});
   std::map<i64, std::vector<i64>> layer_units;  // tokens -> one layer's offloadable tensors' bytes
   for (const Op& op : s.ops.at(rank)) {
     if (op.kind == OpKind::Forward) {
       const i64 T = tokens_of(op);
-      for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += T;
+      for (int l = op.layer_begin; l < op.layer_end; ++l) {
+        acc_tokens_[l] += T;
+        if (s.kv_on_host(l)) kv_blocks_[l].push_back({op.subseq, T});
+      }
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
       if (op.layer_begin >= ob && op.layer_end <= oe) {
         auto& sizes = unit_tensors_[op.subseq];
@@ -258,6 +263,21 @@ i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
   return (R - 1) * (Tm * 2 * (row + stats) + T * row + Tm * row) + T * row;
 }
 
+void RankMemory::host_change(i64 delta) {
+  host_ += delta;
+  host_peak_ = std::max(host_peak_, host_);
+  op_host_peak_ = std::max(op_host_peak_, host_);
+}
+
+i64 RankMemory::kv_window(int l, int subseq, i64 T, bool backward) const {
+  if (!s_.kv_on_host(l)) return 0;
+  i64 blocks = 0, largest = 0;
+  for (const auto& [j, tokens] : kv_blocks_[l])
+    if (j < subseq) ++blocks, largest = std::max(largest, tokens);
+  return kv_window_bytes(blocks, largest, T, tp_.local_hidden(rules_.model), tp_.local_heads(rules_.model),
+                         rules_.act_bytes(), backward);
+}
+
 void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term) {
   live_ += delta;
   out->push_back({at, delta, term});
@@ -289,6 +309,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   const int L = s_.layers;
   const int n = op.layer_end - op.layer_begin;
   const size_t index = next_++;
+  op_host_peak_ = host_;
   SPPO_ASSERT_MSG(index < s_.ops[rank_].size() && &op == &s_.ops[rank_][index],
                   "RankMemory::events must see every op of its rank in program order");
   auto borrowed_params = [&] {
@@ -315,15 +336,23 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       const i64 x_bytes = h_bytes * rows_of(T);
       const bool input_held = op.layer_begin > 0;
       for (int k = 0; k < n; ++k) {
-        const double at = double(k) / n;
+        const int l = op.layer_begin + k;
+        const double at = double(k) / n, end = double(k + 1) / n;
+        const i64 window = kv_window(l, op.subseq, T, false);
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
         emit(out, at, kv, T::KVCache);
         emit(out, at, unit - (k > 0 || input_held ? x_bytes : 0), T::Units);
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
         emit(out, at, x_bytes, T::Hidden);
-        if (ring) emit(out, double(k + 1) / n, -ring, T::RingBuffers);
-        emit(out, double(k + 1) / n, -ws, T::Workspace);
+        if (window) emit(out, at, window, T::KVWindow);
+        if (ring) emit(out, end, -ring, T::RingBuffers);
+        emit(out, end, -ws, T::Workspace);
+        if (window) emit(out, end, -window, T::KVWindow);
+        if (s_.kv_on_host(l)) {  // K_i, V_i go to the host
+          emit(out, end, -kv, T::KVCache);
+          host_change(kv);
+        }
       }
       if (op.layer_end == L) {
         const i64 hws = head_ws(T);
@@ -346,7 +375,20 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         const double at = double(k) / n, end = double(k + 1) / n;
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
-        if (!acc_live_[l]) {
+        if (s_.kv_on_host(l)) {
+          // K_i, V_i and the dK/dV sums of i come back from the host; the window streams
+          // the earlier blocks, whose sums the host holds from the first backward on them.
+          emit(out, at, kv, T::KVCache);
+          emit(out, at, acc_pt_ * T, T::KVGradAccum);
+          host_change(-kv - (host_sums_[l].erase(op.subseq) ? acc_pt_ * T : 0));
+          const i64 window = kv_window(l, op.subseq, T, true);
+          if (window) {
+            emit(out, at, window, T::KVWindow);
+            emit(out, end, -window, T::KVWindow);
+          }
+          for (const auto& [j, tokens] : kv_blocks_[l])
+            if (j < op.subseq && host_sums_[l].insert(j).second) host_change(acc_pt_ * tokens);
+        } else if (!acc_live_[l]) {
           acc_live_[l] = true;
           emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
@@ -364,14 +406,14 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::Offload: {
       const i64 bytes = offload_bytes(op);
       offloaded_[op.subseq] += bytes;
-      host_ += bytes;
+      host_change(bytes);
       emit(out, 1.0, -bytes, T::Units);
       break;
     }
     case OpKind::Prefetch: {
       const i64 bytes = prefetch_bytes(op);
       offloaded_[op.subseq] = 0;
-      host_ -= bytes;
+      host_change(-bytes);
       emit(out, 0.0, bytes, T::Units);
       break;
     }
@@ -432,6 +474,7 @@ const char* to_string(MemTerm t) {
     case MemTerm::Workspace: return "layer workspace";
     case MemTerm::HeadWorkspace: return "logits and loss workspace";
     case MemTerm::RingBuffers: return "ring attention buffers";
+    case MemTerm::KVWindow: return "K/V streaming window";
     case MemTerm::BorrowedWeights: return "MSP borrowed weights";
     case MemTerm::BorrowedGrads: return "MSP borrowed gradients";
     case MemTerm::StepInputs: return "token ids and loss sum";

@@ -118,6 +118,7 @@ enum class MemTerm {
   Workspace,        // one layer's forward or backward scratch and kernel scratch
   HeadWorkspace,    // logits and loss of the LM head, a chunk of rows at a time
   RingBuffers,      // the ring attention's buffers of pieces (ring, MSP)
+  KVWindow,         // the window host-resident K/V stream through (kv_window_bytes)
   BorrowedWeights,  // MSP helpers' working copy of another stage's weights
   BorrowedGrads,    // and its fp32 weight gradients until they go home
   StepInputs,       // the step's token ids and loss sum
@@ -177,6 +178,11 @@ class RankMemory {
   i64 prefetch_bytes(const Op& op) const;
   // Host bytes currently held by offloads not yet prefetched.
   i64 host_bytes() const { return host_; }
+  // The most host bytes held at any point so far (offloaded copies, host-resident K/V and
+  // their dK/dV sums).
+  i64 host_peak() const { return host_peak_; }
+  // The most host bytes held during the last events() call.
+  i64 op_host_peak() const { return op_host_peak_; }
   // Device bytes held beyond the fixed part after every event so far (0 when all freed).
   i64 live_bytes() const { return live_; }
 
@@ -220,6 +226,15 @@ class RankMemory {
   i64 kv_pt_ = 0, unit_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
   std::vector<i64> acc_tokens_;        // per layer: positions whose K, V this rank holds
   std::vector<bool> acc_live_;         // per layer: accumulators allocated
+  // Layers whose K/V are on the host (Schedule::kv_host): this rank's forwards of each,
+  // (subsequence, tokens) in program order, and the subsequences whose dK/dV sums the host
+  // holds.
+  std::vector<std::vector<std::pair<int, i64>>> kv_blocks_;
+  std::vector<std::set<int>> host_sums_;
+  void host_change(i64 delta);
+  // Device bytes of layer l's K/V window while subsequence `subseq` (T tokens) attends.
+  i64 kv_window(int l, int subseq, i64 T, bool backward) const;
+  i64 host_peak_ = 0, op_host_peak_ = 0;
   std::map<int, std::vector<i64>> unit_tensors_;  // subsequence -> its offloadable tensors' bytes
                                                  // on this rank, in select_offload order
   std::map<int, i64> offloaded_;       // subsequence -> bytes on the host

@@ -68,6 +68,13 @@ struct RankEvents {
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 peak_host = 0;                // offloaded bytes on the host, at most
+  // F/B ops of layers whose K/V are on the host: (op, host bytes it adds, the most it adds
+  // at any point inside it), for refit_copies.
+  struct KvHostOp {
+    size_t op;
+    i64 delta, rise;
+  };
+  std::vector<KvHostOp> kv_host;
   // Per subsequence: its offloadable tensors' bytes on this rank (RankMemory::unit_tensors),
   // from which refit_copies sizes the copies for other fractions.
   std::vector<std::vector<i64>> unit_tensors;
@@ -83,8 +90,15 @@ void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
   std::vector<i64> on_host(re->unit_tensors.size(), 0);
   i64 host = 0;
   re->peak_host = 0;
+  auto kv = re->kv_host.begin();
   for (size_t k = 0; k < ops.size(); ++k) {
     const Op& op = ops[k];
+    if (kv != re->kv_host.end() && kv->op == k) {  // host-resident K/V and their sums
+      re->peak_host = std::max(re->peak_host, host + kv->rise);
+      host += kv->delta;
+      ++kv;
+      continue;
+    }
     if (op.kind != OpKind::Offload && op.kind != OpKind::Prefetch) continue;
     SPPO_ASSERT(re->first[k + 1] == re->first[k] + 1);
     const size_t i = size_t(op.subseq);
@@ -126,9 +140,13 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     if (op.kind == OpKind::Prefetch) o.bytes = mem.prefetch_bytes(op);
     if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) o.bytes = cost.message_bytes(op, s);
     out.first.push_back(out.ev.size());
+    const i64 host_before = mem.host_bytes();
     mem.events(op, &out.ev);
-    if (op.kind == OpKind::Offload) out.peak_host = std::max(out.peak_host, mem.host_bytes());
+    const bool compute = op.kind == OpKind::Forward || op.kind == OpKind::Backward;
+    if (compute && (mem.op_host_peak() != host_before || mem.host_bytes() != host_before))
+      out.kv_host.push_back({k, mem.host_bytes() - host_before, mem.op_host_peak() - host_before});
   }
+  out.peak_host = mem.host_peak();
   out.first.push_back(out.ev.size());
   out.unit_tensors.resize(s.lengths.size());
   for (size_t i = 0; i < s.lengths.size(); ++i) out.unit_tensors[i] = mem.unit_tensors(int(i));

@@ -56,23 +56,28 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const Ste
 
 sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
                            const StepShape& shape) {
+  sched::Schedule s;
   if (shape.tp > 1) {
     StepShape one = shape;
     one.tp = 1;
-    return sched::expand_tensor_parallel(build_step(c, lengths, alpha, one), shape.tp);
+    s = sched::expand_tensor_parallel(build_step(c, lengths, alpha, one), shape.tp);
+  } else if (shape.pp * shape.dp * shape.sp == 1) {
+    s = sched::build_single(c.layers, lengths, alpha);
+  } else {
+    sched::PipelineSpec spec;
+    spec.layers = c.layers;
+    spec.lengths = lengths;
+    spec.alpha = alpha;
+    spec.pp = shape.pp;
+    spec.dp = shape.dp;
+    spec.sp = shape.sp;
+    spec.ring_layout = shape.ring_layout;
+    spec.stage_layers = shape.stage_layers;
+    spec.msp = shape.msp;
+    s = sched::build_pipeline(spec);
   }
-  if (shape.pp * shape.dp * shape.sp == 1) return sched::build_single(c.layers, lengths, alpha);
-  sched::PipelineSpec spec;
-  spec.layers = c.layers;
-  spec.lengths = lengths;
-  spec.alpha = alpha;
-  spec.pp = shape.pp;
-  spec.dp = shape.dp;
-  spec.sp = shape.sp;
-  spec.ring_layout = shape.ring_layout;
-  spec.stage_layers = shape.stage_layers;
-  spec.msp = shape.msp;
-  return sched::build_pipeline(spec);
+  s.kv_host = shape.kv_host;
+  return s;
 }
 
 std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost, const MemoryRules& rules) {

@@ -51,6 +51,7 @@ struct StepShape {
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
   ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)
+  std::vector<char> kv_host;       // layers whose K/V cache is on the host (Schedule::kv_host)
 };
 // The schedule of one step of that shape (build_single for one process), expanded for
 // tensor parallelism (sched::expand_tensor_parallel) when tp > 1.

@@ -245,51 +245,112 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.block_scratch = s.backend->block_scratch(s.config);
   shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);
 
-  if (from_plan) {
-    s.lengths = from_plan->lengths;
-    s.alpha = from_plan->alpha;
-  } else {
-    int N = resolve_subseqs(o, S);
-    const plan::HardwareProfile& hw = profile();
-    if (o.subseqs == "auto" && o.device_memory > 0 && !o.recompute) {
-      // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
-      const auto fit = sim::smallest_fitting_n(s.config, S, hw, precision, o.device_memory,
-                                               o.partition != "length", 1, int(std::min<i64>(S, 4096)), shape,
-                                               kTileTokens);
-      if (fit.found) N = fit.subseqs;
+  // Where the K/V cache lives (--kv-cache): on the device, on the host, or (auto) on the
+  // device unless that does not fit the budget, then on the host on the fewest layers of
+  // each stage that fit.
+  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "auto", "options")
+      << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host or auto (recompute is not built yet)";
+  const bool kv_host_ok = !o.recompute && shape.sp == 1 && !shape.msp;
+  SPPO_CHECK(o.kv_cache != "host" || kv_host_ok, "options")
+      << "--kv-cache host streams K/V blocks of one rank's subsequences; it runs without --cp, --msp on and "
+         "--recompute (use --kv-cache device there)";
+  const int L = s.config.layers;
+  auto host_layers = [&](int per_stage) {  // the first `per_stage` layers of every stage
+    std::vector<char> host(std::size_t(L), 0);
+    sched::PipelineSpec stages;
+    stages.layers = L;
+    stages.pp = shape.pp;
+    stages.stage_layers = shape.stage_layers;
+    for (const auto& [b, e] : sched::stage_ranges(stages))
+      for (int l = b; l < std::min(e, b + per_stage); ++l) host[std::size_t(l)] = 1;
+    return host;
+  };
+  if (o.kv_cache == "host") shape.kv_host = host_layers(L);
+  sim::SimResult r;
+  // Lengths, fractions and the schedule for this shape, and its prediction.
+  auto choose = [&] {
+    if (from_plan) {
+      s.lengths = from_plan->lengths;
+      s.alpha = from_plan->alpha;
+    } else {
+      int N = resolve_subseqs(o, S);
+      const plan::HardwareProfile& hw = profile();
+      if (o.subseqs == "auto" && o.device_memory > 0 && !o.recompute) {
+        // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
+        const auto fit = sim::smallest_fitting_n(s.config, S, hw, precision, o.device_memory,
+                                                 o.partition != "length", 1, int(std::min<i64>(S, 4096)), shape,
+                                                 kTileTokens);
+        if (fit.found) N = fit.subseqs;
+      }
+      SPPO_CHECK(!o.recompute || N == 1, "options")
+          << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
+      if (!s.config.causal) {
+        // Subsequences run one after another, so a position cannot see later ones.
+        SPPO_CHECK(o.subseqs == "1" || o.subseqs == "auto" || N == 1, "options")
+            << "--attention bidirectional sees the whole sequence at once, which subsequences run one after another "
+               "cannot; use --subseqs 1 (ring attention, --cp, splits it over ranks instead)";
+        N = 1;
+      }
+      // The simulator does not model recomputation: that baseline is checked by the arena
+      // alone, and has no prediction.
+      SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N,
+                                           o.recompute ? 0 : o.device_memory, hw, shape);
+      s.lengths = choice.lengths;
+      s.alpha = choice.alpha;
+      s.profile_measured = s.profile_measured && !o.recompute;
     }
-    SPPO_CHECK(!o.recompute || N == 1, "options")
-        << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
-    if (!s.config.causal) {
-      // Subsequences run one after another, so a position cannot see later ones.
-      SPPO_CHECK(o.subseqs == "1" || o.subseqs == "auto" || N == 1, "options")
-          << "--attention bidirectional sees the whole sequence at once, which subsequences run one after another "
-             "cannot; use --subseqs 1 (ring attention, --cp, splits it over ranks instead)";
-      N = 1;
+    if (shape.msp) {
+      const int N = int(s.lengths.size());
+      SPPO_CHECK(shape.pp > 1 && shape.tp == 1 && shape.sp == 1, "options")
+          << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --tp and "
+             "--cp (got --pp " << shape.pp << " --tp " << shape.tp << " --cp " << shape.sp << ")";
+      SPPO_CHECK(N >= shape.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
+                                           << ", --pp " << shape.pp << "); use --subseqs " << shape.pp << " or more";
+      SPPO_CHECK(s.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
+                                                               "--precision fp32";
+      for (int i = 0; i < N; ++i)
+        SPPO_CHECK(s.lengths[i] >= shape.pp, "options")
+            << "--msp on splits subsequence " << i << " of " << s.lengths[i] << " tokens over up to " << shape.pp
+            << " stages; use fewer --subseqs";
     }
-    // The simulator does not model recomputation: that baseline is checked by the arena
-    // alone, and has no prediction.
-    SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N,
-                                         o.recompute ? 0 : o.device_memory, hw, shape);
-    s.lengths = choice.lengths;
-    s.alpha = choice.alpha;
-    s.profile_measured = s.profile_measured && !o.recompute;
+    s.schedule = sim::build_step(s.config, s.lengths, s.alpha, shape);
+    if (!o.recompute) r = sim::simulate(s.schedule, plan::CostModel(profile(), s.config, precision),
+                                        sim::memory_rules(s.config, precision, shape));
+    return o.device_memory == 0 || o.recompute || (r.peak_device_bytes <= o.device_memory &&
+                                                   (o.host_memory == 0 || r.peak_host_bytes <= o.host_memory));
+  };
+  // A choice that cannot fit may end itself (DoesNotFit); under auto the host is tried
+  // before that is the answer.
+  std::optional<DoesNotFit> device_error;
+  auto fits = [&] {
+    try {
+      return choose();
+    } catch (const DoesNotFit& e) {
+      if (o.kv_cache != "auto" || !kv_host_ok) throw;
+      if (shape.kv_host.empty()) device_error = e;
+      return false;
+    }
+  };
+  if (!fits() && o.kv_cache == "auto" && kv_host_ok) {
+    // The fewest host layers a stage that fit (fitting is monotone in them: each host
+    // layer trades its K/V and sums on the device for a window of two blocks).
+    int lo = 1, hi = L;
+    shape.kv_host = host_layers(hi);
+    if (fits()) {
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        shape.kv_host = host_layers(mid);
+        if (fits()) hi = mid;
+        else lo = mid + 1;
+      }
+      shape.kv_host = host_layers(hi);
+      choose();
+    } else {  // it fits no better on the host: the device's answer
+      shape.kv_host.clear();
+      if (device_error) throw *device_error;
+      choose();
+    }
   }
-  if (shape.msp) {
-    const int N = int(s.lengths.size());
-    SPPO_CHECK(shape.pp > 1 && shape.tp == 1 && shape.sp == 1, "options")
-        << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --tp and "
-           "--cp (got --pp " << shape.pp << " --tp " << shape.tp << " --cp " << shape.sp << ")";
-    SPPO_CHECK(N >= shape.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
-                                         << ", --pp " << shape.pp << "); use --subseqs " << shape.pp << " or more";
-    SPPO_CHECK(s.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
-                                                             "--precision fp32";
-    for (int i = 0; i < N; ++i)
-      SPPO_CHECK(s.lengths[i] >= shape.pp, "options")
-          << "--msp on splits subsequence " << i << " of " << s.lengths[i] << " tokens over up to " << shape.pp
-          << " stages; use fewer --subseqs";
-  }
-  s.schedule = sim::build_step(s.config, s.lengths, s.alpha, shape);
   for (int p = 0; p < s.layout.pp; ++p)
     s.layout.stage_layers.push_back(s.schedule.owned.empty() ? std::pair<int, int>{0, s.config.layers}
                                                               : s.schedule.owned.at(std::size_t(s.layout.rank_of(0, p))));
@@ -302,8 +363,6 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         << S << ", over the --device-memory budget of " << format_bytes(double(o.device_memory))
         << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
   } else {
-    const plan::CostModel cost(profile(), s.config, precision);
-    const auto r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, precision, shape));
     s.predicted_peak_bytes = r.peak_device_bytes;
     s.predicted_peak_per_rank = r.peak_bytes;
     s.predicted_sent_per_rank = r.sent_bytes;
@@ -313,13 +372,17 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     SPPO_CHECK_FITS(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")
         << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " needs "
         << format_bytes(double(r.peak_device_bytes)) << " of device memory on its fullest rank, over the "
-        << "--device-memory budget of " << format_bytes(double(o.device_memory));
+        << "--device-memory budget of " << format_bytes(double(o.device_memory))
+        << (s.schedule.kv_host.empty() && kv_host_ok ? "; --kv-cache host keeps K/V and their gradients off the device"
+                                                     : "");
     SPPO_CHECK_FITS(o.host_memory == 0 || r.peak_host_bytes <= o.host_memory, "memory")
-        << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " offloads "
-        << format_bytes(double(r.peak_host_bytes)) << " (" << r.peak_host_bytes
-        << " B) to host memory on its fullest rank, over the --host-memory budget of "
-        << format_bytes(double(o.host_memory)) << "; use --host-memory " << r.peak_host_bytes
-        << " or more, or offload less (more --subseqs, a lower --offload ratio, or more --device-memory)";
+        << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " holds "
+        << format_bytes(double(r.peak_host_bytes)) << " (" << r.peak_host_bytes << " B) in host memory ("
+        << (s.schedule.kv_host.empty() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
+        << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o.host_memory))
+        << "; use --host-memory " << r.peak_host_bytes
+        << " or more, or offload less (more --subseqs, a lower --offload ratio, --kv-cache device, or more "
+           "--device-memory)";
   }
 
   // On the CPU both tiers are this machine's memory: what the step holds on its fullest

@@ -5,7 +5,8 @@
 // data parallelism against one process training the same two sequences; ZeRO-1; ring
 // attention over 2 and 4 ranks, contiguous and zigzag, alone and with the others; tensor
 // parallelism with sequence-parallel regions over 2, 3 (heads, MLP and vocabulary split
-// unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages.
+// unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages; the K/V
+// cache on the host under pipeline, tensor and data parallelism.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -155,6 +156,15 @@ TEST_F(Layouts, TensorTimesContext) {
   check(4, "--tp 2 --cp 2 --ring contiguous --subseqs 3 --offload 0.5", "ref1");
   check(2, kBidirectional + " --tp 2", "refb");
   check(4, kBidirectional + " --tp 2 --cp 2 --ring rsa,contiguous", "refb");
+}
+
+// K/V and their dK/dV sums on the host (--kv-cache host): each stage, replica or
+// tensor-parallel member streams the blocks of its own layers, heads and subsequences.
+TEST_F(Layouts, HostKvCache) {
+  check(2, "--pp 2 --subseqs 4 --kv-cache host", "ref1");
+  check(2, "--pp 2 --subseqs 7 --offload full --kv-cache host", "ref1");
+  check(2, "--tp 2 --subseqs 3 --offload 0.5 --kv-cache host", "ref1");
+  check(2, "--dp 2 --subseqs 3 --kv-cache host", "ref2");
 }
 
 // Multiplexed sequence partitioning (Note [MSP pieces]): the bubble-adjacent subsequences

@@ -43,7 +43,7 @@ std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
 }
 
 Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
-          const std::vector<std::int32_t>& tokens, bool recompute = false) {
+          const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<char> kv_host = {}) {
   RuntimeOptions o;
   o.recompute = recompute;
   o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
@@ -53,7 +53,9 @@ Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vect
   std::mt19937 rng(5);
   std::normal_distribution<float> n(0.0f, 0.05f);
   for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
-  StepResult r = rt.step(sched::build_single(c.layers, lengths, alpha), tokens.data());
+  sched::Schedule sc = sched::build_single(c.layers, lengths, alpha);
+  sc.kv_host = std::move(kv_host);
+  StepResult r = rt.step(sc, tokens.data());
   Grads out;
   out.loss = r.loss;
   out.g.assign(rt.grads(), rt.grads() + c.num_params());
@@ -134,6 +136,23 @@ TEST(Subsequences, PerSubsequenceAlpha) {
   const Grads got = run(c, {10, 12, 8, 20}, {1.0, 0.3, 0.75, 0.0}, tokens);
   expect_matches(c, ref, got, "mixed alpha");
   EXPECT_GT(got.offloaded, 0);
+}
+
+// K/V and their dK/dV sums on the host (Schedule::kv_host), on every layer or some, with
+// and without offload, even and uneven lengths: the same loss and gradients.
+TEST(Subsequences, HostKvCacheMatches) {
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 7);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const std::vector<char> all(std::size_t(c.layers), 1), some = {0, 1, 0};
+  for (int N : {1, 3, 8})
+    for (double a : {0.0, 1.0}) {
+      const std::string what = "N=" + std::to_string(N) + " alpha=" + std::to_string(a);
+      expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, all), "host K/V " + what);
+      expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, some), "layer 1's K/V " + what);
+    }
+  expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, all), "host K/V uneven");
 }
 
 TEST(Subsequences, RecomputeBaselineMatches) {
