@@ -84,6 +84,26 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   if (op.layer_end == s.layers) t += head_flops(T) / gemm_rate_ / tp;
   if (tp > 1)
     t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (op.layer_end == s.layers ? 2 : 0));
+  return t + kv_stream_s(op, s, o, false);
+}
+
+double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
+  if (s.kv_host.empty()) return 0;
+  const sched::Spans spans = s.spans(op);
+  const i64 T = sched::span_tokens(spans);
+  const double width = double(TpShard{0, s.tp}.local_hidden(model_));
+  const double kv = 2.0 * act_bytes_ * width, sums = 2.0 * 4 * width;  // bytes a token
+  // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
+  const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans) / s.tp;
+  double t = 0;
+  for (int l = op.layer_begin; l < op.layer_end; ++l) {
+    if (!s.kv_on_host(l)) continue;
+    const double past = double(o);  // every earlier position's block
+    const double in = h2d_s(i64(past * (backward ? kv + sums : kv)), backward);
+    const double out = backward ? d2h_s(i64(past * sums), true) : 0.0;
+    t += std::max(0.0, std::max(in, out) - attention);
+    t += backward ? h2d_s(i64(double(T) * (kv + sums)), false) : d2h_s(i64(double(T) * kv), false);
+  }
   return t;
 }
 
@@ -93,7 +113,7 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   double t = n * (layer_backward_s(o, spans) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   // Backward gathers four times and reduce-scatters twice a layer, the embedding once.
   if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
-  return t;
+  return t + kv_stream_s(op, s, o, true);
 }
 
 double CostModel::d2h_s(i64 bytes, bool duplex) const {

@@ -67,6 +67,14 @@ class CostModel {
   double layer_forward_s(i64 o, i64 T) const { return layer_forward_s(o, sched::Spans{{0, T}}); }
   double layer_backward_s(i64 o, i64 T) const { return layer_backward_s(o, sched::Spans{{0, T}}); }
 
+  // Seconds the copies of layers whose K/V are on the host (Schedule::kv_host) add to a
+  // Forward (Backward) op: the earlier blocks stream in (and, in backward, their dK/dV
+  // sums in and out) while the attention runs, two blocks ahead, so only what the
+  // attention does not cover shows; the subsequence's own K, V going out after the
+  // forward (coming back with their sums before the backward) wait whole. The copies'
+  // contention with offloads on the same link is not priced.
+  double kv_stream_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
+
   // One all-gather (or reduce-scatter) of [T, H] activations over a tensor-parallel group
   // of tp consecutive devices.
   double tp_collective_s(i64 T, int tp) const;

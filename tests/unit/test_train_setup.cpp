@@ -25,6 +25,7 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   o.offload = "adaptive";
   o.partition = "flops";
   o.device_memory = 128 << 20;
+  o.kv_cache = "device";
   StepSetup s = make_setup(o);
   EXPECT_GT(s.lengths.size(), 1u);
   EXPECT_LE(s.predicted_peak_bytes, o.device_memory);
@@ -33,6 +34,11 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   StepOptions fewer = o;
   fewer.subseqs = std::to_string(s.lengths.size() - 1);
   EXPECT_THROW(make_setup(fewer), Error);
+  // With --kv-cache auto it fits, with some K/V on the host.
+  fewer.kv_cache = "auto";
+  const StepSetup host = make_setup(fewer);
+  EXPECT_FALSE(host.schedule.kv_host.empty());
+  EXPECT_LE(host.predicted_peak_bytes, o.device_memory);
 }
 
 TEST(Setup, FlopsPartitionMakesLaterSubsequencesShorter) {
