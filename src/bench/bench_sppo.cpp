@@ -20,15 +20,19 @@ namespace {
 struct Mode {
   const char* name;
   bool recompute;
-  std::string offload;  // none | adaptive
+  std::string offload;   // none | adaptive
+  std::string kv_cache;  // device | auto (the planner's placement of every layer's K/V)
 };
 
+// sppo_auto: the planner's placements, adaptive offload and each layer's K/V where it fits.
 const Mode kModes[] = {
-    {"reference", false, "none"},
-    {"recompute", true, "none"},
-    {"sppo_none", false, "none"},
-    {"sppo_adaptive", false, "adaptive"},
+    {"reference", false, "none", "device"},
+    {"recompute", true, "none", "device"},
+    {"sppo_none", false, "none", "device"},
+    {"sppo_adaptive", false, "adaptive", "device"},
+    {"sppo_auto", false, "adaptive", "auto"},
 };
+constexpr int kAdaptive = 3, kAuto = 4;
 
 struct Point {
   bool ok = false;
@@ -36,12 +40,13 @@ struct Point {
   int subseqs = 1;
   double step_s = 0;
   i64 peak = 0, predicted_peak = 0, offloaded = 0;
-  i64 host_peak = 0, predicted_host_peak = 0;  // the offloaded copies on the host
+  i64 host_peak = 0, predicted_host_peak = 0;  // the offloaded copies (and host K/V) on the host
+  int kv_host_layers = 0;                      // layers whose K/V live on the host
   double exposed = 0;
   std::vector<double> alpha;
 };
 
-constexpr int kSubseqCandidates[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+constexpr int kSubseqCandidates[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256};
 constexpr i64 kLengthQuantum = 256;  // the searches step sequence lengths in these units
 
 StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget,
@@ -55,7 +60,9 @@ StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N
   o.partition = partition;
   o.offload = m.offload;
   o.recompute = m.recompute;
+  o.kv_cache = m.kv_cache;
   o.device_memory = budget;
+  o.host_memory = budget > 0 ? b.host_budget : 0;
   o.hardware = b.hardware;
   o.backend = b.backend;
   o.precision = b.precision;
@@ -70,6 +77,7 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
   p.subseqs = N;
   try {
     StepSetup s = make_setup(step_options(b, m, S, N, budget, partition));
+    p.kv_host_layers = int(std::count(s.schedule.kv_host.begin(), s.schedule.kv_host.end(), 1));
     if (reps < 0) {  // a probe by prediction: setup refuses what would not fit
       p.predicted_peak = p.peak = s.predicted_peak_bytes;
       p.predicted_host_peak = p.host_peak = s.predicted_host_bytes;
@@ -117,13 +125,22 @@ Point fit_at(const BenchModelOptions& b, const Mode& m, i64 S, i64 budget, int r
   return last;
 }
 
-// Longest S (in kLengthQuantum steps) at which the mode trains under the budget: doubling,
-// then bisection, each probe a real step.
-std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 budget) {
-  const int probe = b.backend == "cpu" ? 0 : -1;  // a real step, or the prediction (see the header)
+// Longest S (in kLengthQuantum steps, at most `cap` when given) at which the mode trains
+// under the budget: doubling, then bisection, each probe a real step, or the prediction
+// when `predicted` (exact to the byte; the caller confirms the answer with a real step).
+std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 budget, bool predicted = false,
+                              i64 cap = 0) {
+  // A real step, or the prediction (see the header).
+  const int probe = b.backend == "cpu" && !predicted ? 0 : -1;
   i64 lo = 0, hi = kLengthQuantum;
   Point best;
   for (;;) {
+    if (cap > 0 && hi >= cap) {
+      hi = cap;
+      Point p = fit_at(b, m, hi, budget, probe);
+      if (p.ok) return {hi, p};
+      break;
+    }
     Point p = fit_at(b, m, hi, budget, probe);
     if (!p.ok) break;
     lo = hi;
@@ -148,7 +165,7 @@ nlohmann::json point_json(const Point& p) {
   nlohmann::json j = {{"subseqs", p.subseqs}, {"step_time_s", p.step_s}, {"peak_device_bytes", p.peak},
                       {"predicted_peak_device_bytes", p.predicted_peak}, {"peak_host_bytes", p.host_peak},
                       {"predicted_peak_host_bytes", p.predicted_host_peak}, {"offloaded_bytes", p.offloaded},
-                      {"exposed_copy_s", p.exposed}};
+                      {"exposed_copy_s", p.exposed}, {"kv_host_layers", p.kv_host_layers}};
   if (!p.ok) j["error"] = p.error;
   return j;
 }
@@ -158,7 +175,7 @@ nlohmann::json point_json(const Point& p) {
 nlohmann::json bench_memory(const BenchModelOptions& b) {
   SPPO_CHECK(b.budget > 0, "bench") << "bench memory needs a device budget (--device-memory)";
   if (b.at_seq_len > 0) {
-    const Mode& m = kModes[3];  // sppo_adaptive
+    const Mode& m = kModes[kAdaptive];
     const auto [S, probe] = longest(b, m, b.budget);
     const Point p = fit_at(b, m, b.at_seq_len, b.budget, b.reps);
     nlohmann::json j = {{"model", b.model_name},
@@ -176,7 +193,10 @@ nlohmann::json bench_memory(const BenchModelOptions& b) {
   nlohmann::json modes = nlohmann::json::object();
   std::vector<i64> max_len;
   for (const Mode& m : kModes) {
-    auto [S, probe] = longest(b, m, b.budget);
+    // sppo_auto's lengths are probed by prediction, up to 64x sppo_adaptive's, and its
+    // longest confirmed by real steps below.
+    const bool automatic = &m == &kModes[kAuto];
+    auto [S, probe] = longest(b, m, b.budget, automatic, automatic ? 64 * max_len[kAdaptive] : 0);
     // Time the longest length properly (the probes ran one step each).
     Point p = S > 0 ? run_point(b, m, S, probe.subseqs, b.budget, b.reps) : Point{};
     max_len.push_back(S);
@@ -204,7 +224,17 @@ nlohmann::json bench_memory(const BenchModelOptions& b) {
                       {"budget_bytes", b.budget},
                       {"recompute_max_seq_len", S_rc},
                       {"modes", modes}};
+  j["host_budget_bytes"] = b.host_budget;
   if (ref > 0) j["sppo_adaptive_over_reference_length"] = modes["sppo_adaptive"]["max_seq_len"].get<double>() / ref;
+  if (ref > 0) j["sppo_auto_over_reference_length"] = modes["sppo_auto"]["max_seq_len"].get<double>() / ref;
+  if (max_len[kAdaptive] > 0) {
+    j["sppo_auto_over_adaptive_length"] = double(max_len[kAuto]) / double(max_len[kAdaptive]);
+    // Speed where both fit: sppo_auto at sppo_adaptive's longest length.
+    const Point a = fit_at(b, kModes[kAuto], max_len[kAdaptive], b.budget, b.reps);
+    const auto& ad = modes["sppo_adaptive"]["step_time_s"];
+    modes["sppo_auto"]["at_adaptive_max"] = point_json(a);
+    if (a.ok && ad.is_number()) j["sppo_auto_step_time_over_adaptive_at_its_max"] = a.step_s / ad.get<double>();
+  }
   const auto rc_t = modes["recompute"]["step_time_at_recompute_max_s"], sp_t = modes["sppo_adaptive"]["step_time_at_recompute_max_s"];
   if (rc_t.is_number() && sp_t.is_number()) j["sppo_adaptive_speedup_over_recompute"] = rc_t.get<double>() / sp_t.get<double>();
   return j;
@@ -214,7 +244,8 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
   const i64 S = b.seq_len;
   const int N = b.subseqs;
   SPPO_CHECK(S >= 2 && N >= 2 && N <= S, "bench") << "bench offload needs --seq-len >= 2 and 2 <= --subseqs <= S";
-  const Mode none{"none", false, "none"}, full{"full", false, "full"}, paper{"paper", false, "paper"};
+  const Mode none{"none", false, "none", "device"}, full{"full", false, "full", "device"},
+      paper{"paper", false, "paper", "device"};
   const Point p_none = run_point(b, none, S, N, 0, b.reps);
   const Point p_full = run_point(b, full, S, N, 0, b.reps);
   SPPO_CHECK(p_none.ok && p_full.ok, "bench") << (p_none.ok ? p_full.error : p_none.error);
@@ -222,7 +253,7 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
   SPPO_CHECK(p_paper.ok, "bench") << p_paper.error;
   // Adaptive needs a reason to offload: a budget halfway between full's and none's peaks.
   const i64 budget = b.budget > 0 ? b.budget : (p_none.peak + p_full.peak) / 2;
-  const Mode adaptive{"adaptive", false, "adaptive"};
+  const Mode adaptive{"adaptive", false, "adaptive", "device"};
   const Point p_ad = run_point(b, adaptive, S, N, budget, b.reps);
   SPPO_CHECK(p_ad.ok, "bench") << p_ad.error;
   nlohmann::json modes = {{"none", point_json(p_none)}, {"full", point_json(p_full)}, {"paper", point_json(p_paper)},
@@ -346,7 +377,7 @@ void print_bench_memory(const nlohmann::json& j) {
   std::printf("| mode | max seq len | N | step s | peak (measured) | peak (predicted) | step s at S=%lld |\n",
               (long long)j["recompute_max_seq_len"].get<i64>());
   std::printf("|---|---|---|---|---|---|---|\n");
-  for (const char* m : {"reference", "recompute", "sppo_none", "sppo_adaptive"}) {
+  for (const char* m : {"reference", "recompute", "sppo_none", "sppo_adaptive", "sppo_auto"}) {
     const auto& r = j["modes"][m];
     const auto& a = r["at_max"];
     const auto& rc = r["at_recompute_max"];
@@ -363,6 +394,18 @@ void print_bench_memory(const nlohmann::json& j) {
   if (j.contains("sppo_adaptive_speedup_over_recompute"))
     std::printf("at recompute's longest length, sppo adaptive is %.2fx faster than recompute\n",
                 j["sppo_adaptive_speedup_over_recompute"].get<double>());
+  if (j.contains("sppo_auto_over_adaptive_length")) {
+    const auto& a = j["modes"]["sppo_auto"]["at_max"];
+    std::printf("sppo auto (K/V of %d layers on the host, %s host budget) trains %.2fx sppo adaptive's length and "
+                "%.2fx the reference's; host peak %s measured, %s predicted\n",
+                a["kv_host_layers"].get<int>(), format_bytes(j["host_budget_bytes"].get<double>()).c_str(),
+                j["sppo_auto_over_adaptive_length"].get<double>(), j.value("sppo_auto_over_reference_length", 0.0),
+                format_bytes(a["peak_host_bytes"].get<double>()).c_str(),
+                format_bytes(a["predicted_peak_host_bytes"].get<double>()).c_str());
+  }
+  if (j.contains("sppo_auto_step_time_over_adaptive_at_its_max"))
+    std::printf("at sppo adaptive's longest length, sppo auto takes %.3fx its step time\n",
+                j["sppo_auto_step_time_over_adaptive_at_its_max"].get<double>());
 }
 
 void print_bench_offload(const nlohmann::json& j) {

@@ -13,6 +13,7 @@ struct BenchModelOptions {
   ModelConfig model;
   std::string model_name;
   i64 budget = 0;        // bench memory: the device budget every mode must fit
+  i64 host_budget = 0;   // and the host's (--host-memory; default 16x the device budget)
   i64 seq_len = 0;       // bench offload: the length
   int subseqs = 0;       // bench offload: N
   int reps = 2;          // timed steps per point (median), after one warm-up

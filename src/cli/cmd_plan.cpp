@@ -44,6 +44,9 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(o.ring_layout == "zigzag" || o.ring_layout == "contiguous", "options")
       << "--ring-layout must be zigzag or contiguous (got '" << o.ring_layout << "')";
   r.ring_layout = sched::parse_ring_layout(o.ring_layout);
+  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "auto", "options")
+      << "--kv-cache must be device, host or auto (got '" << o.kv_cache << "')";
+  r.kv_cache = o.kv_cache;
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
   if (!o.host_budget.empty()) r.hw.host_memory = parse_bytes(o.host_budget, "--host-budget");
   return r;
@@ -62,6 +65,7 @@ std::string layout_text(const plan::Plan& p) {
   os << " pp " << p.pp << " dp " << p.dp;
   if (p.system != "megatron") os << " N " << p.subseqs;
   if (p.msp) os << " msp";
+  if (!p.kv_host_layers.empty()) os << " kv-host";
   if (p.system == "sppo" && p.zero) os << " zero-1";
   if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;
   return os.str();
@@ -269,6 +273,10 @@ void add_plan_commands(CLI::App& app) {
   p->add_option("--zero", plan.zero, "ZeRO-1 (AdamW state sharded over each stage's SP and DP ranks): 0, 1 or auto")
       ->capture_default_str();
   p->add_option("--ring-layout", plan.ring_layout, "How SP ranks split a subsequence: zigzag or contiguous")
+      ->capture_default_str();
+  p->add_option("--kv-cache", plan.kv_cache,
+                "Where each layer keeps the K/V cache and its dK/dV sums: device, host (streamed back through a "
+                "window; layouts without ring or MSP), or auto (the host only where nothing fits on the device)")
       ->capture_default_str();
   p->add_flag("--explain", plan.explain, "Also print device and host memory term by term, with formulas");
   p->add_option("--budget", plan.budget, "Device memory per device, e.g. 70GiB (default: the profile's usable memory)");

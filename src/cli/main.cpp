@@ -284,12 +284,16 @@ int main(int argc, char** argv) {
   std::string bm_model = "bench-memory", bm_budget = "", bo_model = "bench-memory", bo_seq = "8192",
               bo_budget = "", bm_hardware, bo_hardware;
   int bo_subseqs = 8, bm_reps = 1, bo_reps = 2, bm_layers = 0;
+  std::string bm_host_budget;
   bool bm_json = false, bo_json = false;
   std::string bm_backend = "cpu", bo_backend = "cpu", bm_precision, bo_precision, bm_at;
   auto* cmd_bench_memory = cmd_bench->add_subcommand("memory", "Longest sequence per mode under a device budget");
   cmd_bench_memory->add_option("--model", bm_model, "Model preset")->capture_default_str();
   cmd_bench_memory->add_option("--device-memory", bm_budget,
                                "Device budget (default 64MiB on the CPU; elsewhere the device less 4 GiB)");
+  cmd_bench_memory->add_option("--host-memory", bm_host_budget,
+                               "Host budget of every mode (offloaded activations, host K/V; default 16x the "
+                               "device budget)");
   cmd_bench_memory->add_option("--layers", bm_layers, "Layers (default: the preset's)");
   cmd_bench_memory->add_option("--at-seq-len", bm_at, "SPPO alone: its longest sequence, and its step time here");
   cmd_bench_memory->add_option("--backend", bm_backend, "cpu, cuda or auto")->capture_default_str();
@@ -425,6 +429,7 @@ int main(int argc, char** argv) {
       std::string budget = mem ? (bm_budget.empty() && b.backend == "cpu" ? "64MiB" : bm_budget) : bo_budget;
       if (!budget.empty()) b.budget = parse_bytes(budget, "--device-memory");
       else if (mem) b.budget = i64(make_backend(b.backend)->device_memory()) - (i64{4} << 30);
+      if (mem) b.host_budget = bm_host_budget.empty() ? 16 * b.budget : parse_bytes(bm_host_budget, "--host-memory");
       if (!mem) {
         b.seq_len = parse_count(bo_seq, "--seq-len");
         b.subseqs = bo_subseqs;

@@ -258,12 +258,12 @@ i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<b
   return taken;
 }
 
-i64 kv_window_bytes(i64 blocks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward) {
-  if (blocks == 0) return 0;
+i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward) {
+  if (chunks == 0) return 0;
   const i64 f32 = 4;
   const i64 slot = largest * width * (2 * act_bytes + (backward ? 2 * f32 : 0));
   const i64 partial = backward ? 0 : T * width * act_bytes + i64(heads) * T * f32;
-  return std::min<i64>(2, blocks) * slot + partial;
+  return std::min<i64>(2, chunks) * slot + partial;
 }
 
 i64 skeletal_bytes_per_token(const ModelConfig& c, ActPrecision p) {

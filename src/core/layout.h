@@ -135,12 +135,15 @@ std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 ch
 // moves exactly the bytes a real one does. Returns the bytes taken; `take` may be null.
 i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<bool>* take);
 
-// Device bytes of the window through which a host-resident K/V cache (Schedule::kv_host,
-// runtime/kv_stream.h) streams `blocks` earlier blocks, the largest of `largest` rows, to
-// the attention of T query rows: two slots (one for a single block) of K, V in the
-// activation type and, in backward, dK, dV in fp32; in forward a partial output [T, width]
-// and LSE [heads, T] fp32 too. Zero without an earlier block.
-i64 kv_window_bytes(i64 blocks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward);
+// A host-resident K/V cache (Schedule::kv_host, runtime/kv_stream.h) streams earlier
+// blocks to the attention of T query rows in chunks of at most kv_chunk_rows(T) rows.
+inline constexpr i64 kKvChunkMinRows = 256;
+inline i64 kv_chunk_rows(i64 T) { return T > kKvChunkMinRows ? T : kKvChunkMinRows; }
+// Device bytes of its window for `chunks` chunks, the largest of `largest` rows: two slots
+// (one for a single chunk) of K, V in the activation type and, in backward, dK, dV in
+// fp32; in forward a partial output [T, width] and LSE [heads, T] fp32 too. Zero without
+// an earlier block.
+i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward);
 
 // Convenience sums.
 i64 skeletal_bytes_per_token(const ModelConfig& c, ActPrecision p);     // per block

@@ -39,6 +39,8 @@ nlohmann::json to_json(const Plan& p) {
       {"offload", p.offload},
       {"alpha_rule", p.alpha_rule},
       {"budget_bytes", p.budget},
+      {"kv_host_layers", p.kv_host_layers},
+      {"kv_window_tokens", p.kv_window_tokens()},
       {"predicted",
        {{"step_time_s", p.predicted.step_time_s},
         {"tokens_per_gpu_per_s", p.predicted.tokens_per_gpu_per_s},
@@ -49,6 +51,12 @@ nlohmann::json to_json(const Plan& p) {
   };
   if (!p.notes.empty()) j["notes"] = p.notes;
   return j;
+}
+
+i64 Plan::kv_window_tokens() const {
+  if (kv_host_layers.empty() || lengths.empty()) return 0;
+  // Two slots of the longest earlier subsequence (runtime/kv_stream.h).
+  return 2 * *std::max_element(lengths.begin(), lengths.end());
 }
 
 Plan plan_from_json(const nlohmann::json& j) {
@@ -99,6 +107,11 @@ Plan plan_from_json(const nlohmann::json& j) {
   p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
   p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
   p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
+  for (const i64 l : integers("kv_host_layers", 0, kIntMax)) {
+    SPPO_CHECK(l < p.model.layers, "planner")
+        << kWhere << "\"kv_host_layers\" names layer " << l << " of a model of " << p.model.layers << " layers";
+    p.kv_host_layers.push_back(int(l));
+  }
   try {
     p.alpha = j.value("alpha", std::vector<double>(p.lengths.size(), 0.0));
     p.msp = j.value("msp", false);

@@ -39,6 +39,11 @@ struct Plan {
   std::string offload = "adaptive";  // none | full | paper | adaptive
   std::string alpha_rule;         // how alpha was chosen
   i64 budget = 0;                 // device bytes the plan must fit
+  // Layers whose K/V cache lives on the host (sched::Schedule::kv_host; JSON
+  // "kv_host_layers", their indices). The device then holds a window of at most
+  // kv_window_tokens() earlier tokens a layer (JSON "kv_window_tokens").
+  std::vector<int> kv_host_layers;
+  i64 kv_window_tokens() const;
   Prediction predicted;
   std::vector<std::string> notes;
 };

@@ -653,7 +653,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     }
     const bool kv_host = st.sched->kv_on_host(l);
     const KVBlocks past = kv_host ? KVBlocks{} : past_blocks(st, l, i, false);
-    const auto attn = kv_host ? st.kv->attention(l, i, false) : attention(st, op, l, past);
+    const auto attn = kv_host ? st.kv->attention(l, i, T, false) : attention(st, op, l, past);
     BlockSaved saved = block_saved_from(ptrs(unit));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     if (st.tp)
@@ -719,7 +719,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     if (kv_host) st.kv->restore(l, i, &unit[kK], &unit[kV], &st.dk[l][i], &st.dv[l][i]);
     const KVBlocks past = kv_host ? KVBlocks{} : past_blocks(st, l, i, true);
-    const auto attn = kv_host ? st.kv->attention(l, i, true) : attention(st, op, l, past);
+    const auto attn = kv_host ? st.kv->attention(l, i, T, true) : attention(st, op, l, past);
     if (opts_.recompute) {
       for (int k = 1; k < kSavedTensors; ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);

@@ -15,18 +15,23 @@ std::string block_name(int l, int j) {
 
 }  // namespace
 
-// The window: slot b % 2 holds earlier block b. Loads go out on the host-to-device stream
-// two blocks ahead; in backward a slot's dK/dV go back on the device-to-host stream, and
-// the slot is loaded again only once they are out.
+// The window: slot b % 2 holds chunk b of the earlier blocks (kv_chunk_rows rows at
+// most). Loads go out on the host-to-device stream two chunks ahead; in backward a slot's
+// dK/dV go back on the device-to-host stream, and the slot is loaded again only once they
+// are out.
 class StreamedAttention final : public BlockAttention {
  public:
-  StreamedAttention(HostKvCache& cache, int l, int i, bool backward) : c_(cache), l_(l), backward_(backward) {
+  StreamedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward) : c_(cache), l_(l), backward_(backward) {
+    const i64 C = kv_chunk_rows(T);
     i64 largest = 0;
-    for (int j = 0; j < i; ++j)
-      if (c_.blocks_[l][j].k) {
-        past_.push_back(&c_.blocks_[l][j]);
-        largest = std::max<i64>(largest, c_.blocks_[l][j].rows);
+    for (int j = 0; j < i; ++j) {
+      HostKvCache::Block& blk = c_.blocks_[l][j];
+      if (!blk.k) continue;
+      for (i64 r = 0; r < blk.rows; r += C) {
+        past_.push_back({&blk, r, int(std::min<i64>(C, blk.rows - r))});
+        largest = std::max<i64>(largest, past_.back().rows);
       }
+    }
     const i64 act = dtype_bytes(c_.be_.act());
     for (std::size_t s = 0; s < std::min<std::size_t>(2, past_.size()); ++s) {
       Slot& slot = slots_[s];
@@ -63,7 +68,7 @@ class StreamedAttention final : public BlockAttention {
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       wait(slot.loaded);
-      be.attention_forward(out.data(), lse.f32(), s.q, {ref(slot, *past_[b])}, d, scratch);
+      be.attention_forward(out.data(), lse.f32(), s.q, {ref(slot, past_[b])}, d, scratch);
       be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
       if (b + 2 < past_.size()) load(b + 2);
     }
@@ -88,10 +93,11 @@ class StreamedAttention final : public BlockAttention {
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       wait(slot.loaded);
-      be.attention_backward(dqkv, dout, q3, {ref(slot, *past_[b])}, s.lse, delta, d, scratch);
-      const std::size_t bytes = std::size_t(past_[b]->rows) * std::size_t(c_.width_) * sizeof(float);
-      c_.d2h_.copy(past_[b]->dk.data(), slot.dk.data(), bytes, {});
-      slot.saved = c_.d2h_.copy(past_[b]->dv.data(), slot.dv.data(), bytes, {});
+      be.attention_backward(dqkv, dout, q3, {ref(slot, past_[b])}, s.lse, delta, d, scratch);
+      const Chunk& ch = past_[b];
+      const std::size_t bytes = std::size_t(ch.rows) * std::size_t(c_.width_) * sizeof(float);
+      c_.d2h_.copy(ch.blk->dk.f32() + ch.row0 * c_.width_, slot.dk.data(), bytes, {});
+      slot.saved = c_.d2h_.copy(ch.blk->dv.f32() + ch.row0 * c_.width_, slot.dv.data(), bytes, {});
       if (b + 2 < past_.size()) load(b + 2);
     }
   }
@@ -101,34 +107,47 @@ class StreamedAttention final : public BlockAttention {
     Buffer k, v, dk, dv;
     std::shared_ptr<Event> loaded, saved;
   };
+  // Rows [row0, row0 + rows) of an earlier block.
+  struct Chunk {
+    HostKvCache::Block* blk;
+    i64 row0;
+    int rows;
+  };
 
   static KVRef own(const BlockSaved& s, const PosSpan& part, float* dk, float* dv) {
     return {s.k, s.v, dk, dv, part.rows, part.pos0};
   }
-  KVRef ref(const Slot& slot, const HostKvCache::Block& blk) const {
+  KVRef ref(const Slot& slot, const Chunk& ch) const {
     return {slot.k.data(), slot.v.data(), backward_ ? slot.dk.f32() : nullptr, backward_ ? slot.dv.f32() : nullptr,
-            blk.rows, blk.pos0};
+            ch.rows, ch.blk->pos0 + ch.row0};
   }
 
-  // Starts bringing earlier block b into its slot (after that slot's sums went out).
+  // Starts bringing chunk b into its slot (after that slot's sums went out).
   void load(std::size_t b) {
     Slot& slot = slots_[b % 2];
     wait(slot.saved);
-    HostKvCache::Block& blk = *past_[b];
-    const std::size_t act = std::size_t(blk.rows) * std::size_t(c_.width_) * std::size_t(dtype_bytes(c_.be_.act()));
-    c_.h2d_.copy(slot.k.data(), blk.k.data(), act, {});
-    slot.loaded = c_.h2d_.copy(slot.v.data(), blk.v.data(), act, {});
+    const Chunk& ch = past_[b];
+    HostKvCache::Block& blk = *ch.blk;
+    const i64 a = dtype_bytes(c_.be_.act()), at = ch.row0 * c_.width_;
+    const std::size_t act = std::size_t(ch.rows) * std::size_t(c_.width_) * std::size_t(a);
+    c_.h2d_.copy(slot.k.data(), act_at(blk.k.data(), at, c_.be_.act()), act, {});
+    slot.loaded = c_.h2d_.copy(slot.v.data(), act_at(blk.v.data(), at, c_.be_.act()), act, {});
     if (!backward_) return;
-    const std::size_t f32 = std::size_t(blk.rows) * std::size_t(c_.width_) * sizeof(float);
-    if (blk.dk) {  // the sums of the later subsequences' backward so far
-      c_.h2d_.copy(slot.dk.data(), blk.dk.data(), f32, {});
-      slot.loaded = c_.h2d_.copy(slot.dv.data(), blk.dv.data(), f32, {});
-    } else {  // the first backward to reach block b: its sums start at zero
+    const std::size_t f32 = std::size_t(ch.rows) * std::size_t(c_.width_) * sizeof(float);
+    if (!blk.dk) {  // the first backward to reach the block: its sums start at zero
       const std::string what = block_name(l_, blk.subseq) + "host dK/dV";
-      blk.dk = c_.host_.alloc(i64(f32), what);
-      blk.dv = c_.host_.alloc(i64(f32), what);
+      const i64 bytes = i64(blk.rows) * c_.width_ * i64(sizeof(float));
+      blk.dk = c_.host_.alloc(bytes, what);
+      blk.dv = c_.host_.alloc(bytes, what);
+      blk.summed = 0;
+    }
+    if (ch.row0 < blk.summed) {  // the sums of the later subsequences' backward so far
+      c_.h2d_.copy(slot.dk.data(), blk.dk.f32() + at, f32, {});
+      slot.loaded = c_.h2d_.copy(slot.dv.data(), blk.dv.f32() + at, f32, {});
+    } else {  // this backward is the first to reach these rows
       c_.be_.fill_zero(slot.dk.data(), f32);
       c_.be_.fill_zero(slot.dv.data(), f32);
+      blk.summed = ch.row0 + ch.rows;
     }
   }
 
@@ -141,7 +160,7 @@ class StreamedAttention final : public BlockAttention {
   HostKvCache& c_;
   int l_;
   bool backward_;
-  std::vector<HostKvCache::Block*> past_;
+  std::vector<Chunk> past_;
   Slot slots_[2];
 };
 
@@ -187,7 +206,8 @@ void HostKvCache::restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer
   std::shared_ptr<Event> done = h2d_.copy(v->data(), blk.v.data(), std::size_t(blk.v.bytes()), {});
   *dk = device_.alloc(f32, name + "dK");
   *dv = device_.alloc(f32, name + "dV");
-  if (blk.dk) {
+  if (blk.dk) {  // every row was reached by a later backward
+    SPPO_ASSERT(blk.summed == blk.rows);
     h2d_.copy(dk->data(), blk.dk.data(), std::size_t(f32), {});
     done = h2d_.copy(dv->data(), blk.dv.data(), std::size_t(f32), {});
   } else {
@@ -198,8 +218,8 @@ void HostKvCache::restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer
   blk = Block{};
 }
 
-std::unique_ptr<BlockAttention> HostKvCache::attention(int l, int i, bool backward) {
-  return std::make_unique<StreamedAttention>(*this, l, i, backward);
+std::unique_ptr<BlockAttention> HostKvCache::attention(int l, int i, i64 T, bool backward) {
+  return std::make_unique<StreamedAttention>(*this, l, i, T, backward);
 }
 
 }  // namespace sppo

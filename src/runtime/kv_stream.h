@@ -3,8 +3,9 @@
 //
 // On a host layer, a subsequence's K and V leave the device when its forward of the layer
 // is done (copied, then freed). The attention of each later subsequence attends to its own
-// block on the device and streams every earlier block through a window of two slots on the
-// copy streams: while the kernels run on one block the next is on its way in. Forward joins
+// block on the device and streams every earlier block, in chunks of kv_chunk_rows rows
+// (core/layout.h), through a window of two slots on the copy streams: while the kernels
+// run on one chunk the next is on its way in. Forward joins
 // the blocks' partial results by log-sum-exp (Backend::attention_merge). Backward streams
 // the same blocks with their fp32 dK/dV partial sums, which live on the host: each slot's
 // sums go back out once the kernels have added to them, and the backward of subsequence j
@@ -40,7 +41,8 @@ class HostKvCache {
   void restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer* dv);
   // The attention of subsequence i at layer l: its own block, and the stored blocks of
   // every j < i streamed in. Holds the window until destroyed.
-  std::unique_ptr<BlockAttention> attention(int l, int i, bool backward);
+  // T: the query rows (chunks of kv_chunk_rows(T) rows, core/layout.h).
+  std::unique_ptr<BlockAttention> attention(int l, int i, i64 T, bool backward);
 
  private:
   struct Block {
@@ -48,6 +50,7 @@ class HostKvCache {
     i64 pos0 = 0;
     int rows = 0;
     int subseq = 0;
+    i64 summed = 0;  // rows [0, summed) of dk, dv hold sums; the rest are not yet written
   };
   friend class StreamedAttention;
   Backend& be_;

@@ -746,6 +746,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
   out->first.reserve(ops.size() + 1);
   out->ev.reserve(old.ev.size() + ops.size() - std::min(ops.size(), old_ops.size()));
   size_t j = 0;
+  auto kv = old.kv_host.begin();
   for (size_t k = 0; k < ops.size(); ++k) {
     out->first.push_back(out->ev.size());
     const Op& op = ops[k];
@@ -758,6 +759,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
                    old.ev.begin() + std::ptrdiff_t(old.first[j + 1]));
     out->ops[k].seconds = old.ops[j].seconds;
     out->ops[k].bytes = old.ops[j].bytes;
+    if (kv != old.kv_host.end() && kv->op == j) out->kv_host.push_back({k, kv->delta, (kv++)->rise});
     ++j;
   }
   while (j < old_ops.size() && copy_or_wait(old_ops[j].kind)) ++j;
@@ -784,7 +786,8 @@ Resimulator::Resimulator(Schedule s, const CostModel& cost, const sched::MemoryR
 bool Resimulator::replace(Schedule s) {
   State& st = *st_;
   std::vector<RankEvents> mem(st.mem.size());
-  bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp;
+  bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
+              s.kv_host == st.schedule.kv_host;
   if (same) {
     std::vector<char> ok(size_t(s.ranks), 0);
     for_each_rank(s.ranks, [&](int r) {

@@ -543,6 +543,22 @@ ActPrecision precision_of(const HardwareProfile& hw) {
   return hw.precision == "f32" ? ActPrecision::F32 : ActPrecision::BF16;
 }
 
+// The plan's host layers as Schedule::kv_host.
+std::vector<char> kv_host_of(const plan::Plan& p) {
+  std::vector<char> host;
+  if (p.kv_host_layers.empty()) return host;
+  host.assign(std::size_t(p.model.layers), 0);
+  for (int l : p.kv_host_layers) host[std::size_t(l)] = 1;
+  return host;
+}
+
+// A plan's schedule, built by `spec` (spec_of(p), with other fractions or one replica).
+Schedule build_plan_schedule(const plan::Plan& p, const sched::PipelineSpec& spec) {
+  Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), p.tp);
+  s.kv_host = kv_host_of(p);
+  return s;
+}
+
 sched::PipelineSpec spec_of(const plan::Plan& p) {
   sched::PipelineSpec s;
   s.layers = p.model.layers;
@@ -583,10 +599,9 @@ Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, 
   auto build = [&](const std::vector<double>& a) {
     sched::PipelineSpec s = spec;
     s.alpha = a;
-    return sched::build_pipeline(s);
+    return build_plan_schedule(p, s);
   };
-  auto build_tp = [&](const std::vector<double>& a) { return sched::expand_tensor_parallel(build(a), p.tp); };
-  Candidate c{p, solve_alpha(build_tp, p.subseqs, cost, rules, budget, req.offload, no_use_s)};
+  Candidate c{p, solve_alpha(build, p.subseqs, cost, rules, budget, req.offload, no_use_s)};
   c.plan.alpha = c.alpha.alpha;
   c.plan.alpha_rule = c.alpha.rule;
   return c;
@@ -607,7 +622,8 @@ std::vector<int> divisors(int n) {
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups (Note [MSP pieces]),
   // with pipeline and data parallelism only.
-  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1) return false;
+  // K/V on the host stream one rank's own blocks: no MSP with them.
+  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1 || !p.kv_host_layers.empty()) return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
   return true;
@@ -674,114 +690,146 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   std::vector<plan::Plan> layouts;
   std::string last_reason;
   i64 least_peak = 0;
-  // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
-  // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (sp).
-  for (int tp : divisors(std::min(G, gpn)))
-  for (int sp : divisors(std::min(G, gpn) / tp)) {
-    if (G % (sp * tp) || tp > c.heads) continue;
-    for (int dp : divisors(G / sp / tp)) {
-      const int pp = G / sp / tp / dp;
-      if (pp > c.layers) continue;
-      for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
-        const i64 n64 = std::max<i64>(1, S / (i64(sp) * tp * per_device));
-        if (n64 > kMaxPlanSubseqs || n64 * sp * tp > S) continue;
-        const int N = int(n64);
-        plan::Plan p;
-        p.system = "sppo";
-        p.model_name = req.model_name;
-        p.model = c;
-        p.hardware = req.hardware;
-        p.seq_len = S;
-        p.gpus = G;
-        p.gpus_per_node = gpn;
-        p.sp = sp;
-        p.tp = tp;
-        p.pp = pp;
-        p.dp = dp;
-        p.subseqs = N;
-        p.lengths = plan::partition_flops(c, S, N);
-        if (p.lengths.back() < i64(sp) * tp) continue;
-        p.msp = req.msp == 1 && msp_possible(p);
-        if (req.msp == 1 && !p.msp) continue;
-        p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
-        p.ring_layout = sched::to_string(req.ring_layout);
-        p.offload = to_string(req.offload);
-        p.budget = budget;
-        p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(p.lengths, sp, tp));
-        if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
-              return q.sp == p.sp && q.tp == p.tp && q.pp == p.pp && q.dp == p.dp && q.subseqs == p.subseqs;
-            }) != layouts.end())
-          continue;
-        layouts.push_back(p);
+  int layouts_tried = 0;
+  i64 least_host = 0;  // the least host memory a layout pruned by its host bound needs
+  // One search over the layouts, with every K/V on the device or (host) on the host.
+  auto search = [&](bool host) {
+    layouts.clear();
+    // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
+    // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (sp).
+    for (int tp : divisors(std::min(G, gpn)))
+    for (int sp : divisors(std::min(G, gpn) / tp)) {
+      if (G % (sp * tp) || tp > c.heads) continue;
+      for (int dp : divisors(G / sp / tp)) {
+        const int pp = G / sp / tp / dp;
+        if (pp > c.layers) continue;
+        for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
+          const i64 n64 = std::max<i64>(1, S / (i64(sp) * tp * per_device));
+          if (n64 > kMaxPlanSubseqs || n64 * sp * tp > S) continue;
+          const int N = int(n64);
+          plan::Plan p;
+          p.system = "sppo";
+          p.model_name = req.model_name;
+          p.model = c;
+          p.hardware = req.hardware;
+          p.seq_len = S;
+          p.gpus = G;
+          p.gpus_per_node = gpn;
+          p.sp = sp;
+          p.tp = tp;
+          p.pp = pp;
+          p.dp = dp;
+          p.subseqs = N;
+          p.lengths = plan::partition_flops(c, S, N);
+          if (p.lengths.back() < i64(sp) * tp) continue;
+          if (host) {  // K/V of every layer on the host: one rank's own blocks, no ring, no MSP
+            if (sp > 1 || req.msp == 1) continue;
+            for (int l = 0; l < c.layers; ++l) p.kv_host_layers.push_back(l);
+          }
+          p.msp = req.msp == 1 && msp_possible(p);
+          if (req.msp == 1 && !p.msp) continue;
+          p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
+          p.ring_layout = sched::to_string(req.ring_layout);
+          p.offload = to_string(req.offload);
+          p.budget = budget;
+          p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(p.lengths, sp, tp));
+          if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
+                return q.sp == p.sp && q.tp == p.tp && q.pp == p.pp && q.dp == p.dp && q.subseqs == p.subseqs;
+              }) != layouts.end())
+            continue;
+          layouts.push_back(p);
+        }
       }
     }
-  }
-  // Note [Pruning the search]: two bounds skip simulations that cannot win.
-  //  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
-  //    subsequence and the dK/dV accumulators of every layer, whatever alpha is;
-  //  - time: a step takes at least its compute (forward + backward of the stage's layers
-  //    on every subsequence, on the busiest ring piece) times 1 + (P-1)/N without MSP.
-  // Layouts are tried in order of the time bound, so the second prunes most of the rest.
-  const i64 kv_acc_pt = skeletal_bytes_per_token(c, prec) + 2 * i64(c.hidden) * rules.accum_bytes;
-  auto bounds = [&](const plan::Plan& p) {
-    const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
-    // Tensor parallelism divides the weights and the K/V by heads (member 0's shards are
-    // the largest).
-    const i64 params = p.tp > 1 ? sched::param_count(c, 0, n_s, TpShard{0, p.tp})
-                                : sched::param_count(c, 0, n_s, true, p.pp == 1);
-    const int shards = p.zero == 1 ? p.sp * p.dp : 1;
-    const i64 weights = params * (rules.param_state_bytes - rules.optimizer_bytes) +
-                        params * rules.optimizer_bytes / shards;
-    const i64 kv_acc = kv_acc_pt * TpShard{0, p.tp}.local_heads(c) / c.heads;
-    const i64 mem = weights + i64(n_s) * kv_acc * ((S - p.lengths.back()) / p.sp);
-    double compute = 0;
-    i64 o = 0;
-    for (i64 l : p.lengths) {
-      compute += n_s * busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp);
-      o += l;
+    // Note [Pruning the search]: two bounds skip simulations that cannot win.
+    //  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
+    //    subsequence and the dK/dV accumulators of every layer, whatever alpha is;
+    //  - time: a step takes at least its compute (forward + backward of the stage's layers
+    //    on every subsequence, on the busiest ring piece) times 1 + (P-1)/N without MSP.
+    // Layouts are tried in order of the time bound, so the second prunes most of the rest.
+    const i64 kv_acc_pt = skeletal_bytes_per_token(c, prec) + 2 * i64(c.hidden) * rules.accum_bytes;
+  const i64 unit_pt = offloadable_bytes_per_token(c, prec);
+  const i64 host_limit = hw.host_memory;
+    auto bounds = [&](const plan::Plan& p) {
+      const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
+      // Tensor parallelism divides the weights and the K/V by heads (member 0's shards are
+      // the largest).
+      const i64 params = p.tp > 1 ? sched::param_count(c, 0, n_s, TpShard{0, p.tp})
+                                  : sched::param_count(c, 0, n_s, true, p.pp == 1);
+      const int shards = p.zero == 1 ? p.sp * p.dp : 1;
+      const i64 weights = params * (rules.param_state_bytes - rules.optimizer_bytes) +
+                          params * rules.optimizer_bytes / shards;
+      // (On the host they are not on the device: the bound is the weights.)
+      const i64 kv_acc = p.kv_host_layers.empty() ? kv_acc_pt * TpShard{0, p.tp}.local_heads(c) / c.heads : 0;
+      const i64 mem = weights + i64(n_s) * kv_acc * ((S - p.lengths.back()) / p.sp);
+      // What cannot be on the device is on the host: the stage's saved activations and its
+      // K/V and dK/dV sums of the whole sequence, at least their share a member, less what
+      // the device holds beside its weights.
+      const i64 saved = i64(n_s) * (S / p.sp) * (unit_pt + kv_acc_pt) / p.tp;
+      const i64 host = std::max<i64>(0, weights + saved - budget);
+      double compute = 0;
+      i64 o = 0;
+      for (i64 l : p.lengths) {
+        compute += n_s * busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp);
+        o += l;
+      }
+      const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
+      return std::make_tuple(mem, double(S) * p.dp / (G * step), host);
+    };
+    std::vector<std::tuple<i64, double, i64>> bound(layouts.size());
+    std::vector<std::size_t> order(layouts.size());
+    for (std::size_t k = 0; k < layouts.size(); ++k) {
+      bound[k] = bounds(layouts[k]);
+      order[k] = k;
     }
-    const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
-    return std::make_pair(mem, double(S) * p.dp / (G * step));
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return std::get<1>(bound[a]) > std::get<1>(bound[b]); });
+    double best_tput = 0;
+    for (const std::size_t k : order) {
+      const plan::Plan& p = layouts[k];
+      const auto [mem_bound, tput_bound, host_bound] = bound[k];
+      if (host_limit > 0 && host_bound > host_limit) {
+        if (least_peak == 0 && (least_host == 0 || host_bound < least_host)) {
+          least_host = host_bound;
+          last_reason = "with " + (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") +
+                        " and " + std::to_string(p.pp) + " stages, the activations, K/V and dK/dV sums that do not " +
+                        "fit the device need at least " + format_bytes(double(host_bound)) +
+                        " of host memory, over its " + format_bytes(double(host_limit));
+        }
+        continue;
+      }
+      if (mem_bound > budget) {
+        if (least_peak == 0 || mem_bound < least_peak) {
+          least_peak = mem_bound;
+          last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
+                        format_bytes(double(mem_bound)) + " with " +
+                        (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + " and " +
+                        std::to_string(p.pp) + " stages";
+        }
+        continue;
+      }
+      if (tput_bound <= best_tput) continue;
+      // Note [Pruning the search], continued: alpha = 0 is a layout's fastest alpha (copies
+      // only add), so a layout whose alpha = 0 step is already slower than the best found, by
+      // more than rounding, is dropped after that one simulation.
+      const double no_use_s = best_tput > 0 ? double(S) * p.dp / (G * best_tput) * (1 + 1e-9) : 0;
+      Candidate cand = evaluate(req, p, cost, budget, no_use_s);
+      if (cand.alpha.slow) continue;
+      if (cand.alpha.fits) {
+        best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
+        fits.push_back(std::move(cand));
+      } else if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
+        least_peak = cand.alpha.peak_device_bytes;
+        last_reason = "with " + (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + ", " +
+                      std::to_string(p.pp) + " stages and N = " +
+                      std::to_string(p.subseqs) + ": " + cand.alpha.reason;
+      }
+    }
+    layouts_tried += int(layouts.size());
   };
-  std::vector<std::pair<i64, double>> bound(layouts.size());
-  std::vector<std::size_t> order(layouts.size());
-  for (std::size_t k = 0; k < layouts.size(); ++k) {
-    bound[k] = bounds(layouts[k]);
-    order[k] = k;
-  }
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return bound[a].second > bound[b].second; });
-  double best_tput = 0;
-  for (const std::size_t k : order) {
-    const plan::Plan& p = layouts[k];
-    const auto [mem_bound, tput_bound] = bound[k];
-    if (mem_bound > budget) {
-      if (least_peak == 0 || mem_bound < least_peak) {
-        least_peak = mem_bound;
-        last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
-                      format_bytes(double(mem_bound)) + " with " +
-                      (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + " and " +
-                      std::to_string(p.pp) + " stages";
-      }
-      continue;
-    }
-    if (tput_bound <= best_tput) continue;
-    // Note [Pruning the search], continued: alpha = 0 is a layout's fastest alpha (copies
-    // only add), so a layout whose alpha = 0 step is already slower than the best found, by
-    // more than rounding, is dropped after that one simulation.
-    const double no_use_s = best_tput > 0 ? double(S) * p.dp / (G * best_tput) * (1 + 1e-9) : 0;
-    Candidate cand = evaluate(req, p, cost, budget, no_use_s);
-    if (cand.alpha.slow) continue;
-    if (cand.alpha.fits) {
-      best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
-      fits.push_back(std::move(cand));
-    } else if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
-      least_peak = cand.alpha.peak_device_bytes;
-      last_reason = "with " + (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + ", " +
-                    std::to_string(p.pp) + " stages and N = " +
-                    std::to_string(p.subseqs) + ": " + cand.alpha.reason;
-    }
-  }
-  if (layouts.empty()) {
+  // --kv-cache auto: the device's plans, and the host's only when none of them fits.
+  if (req.kv_cache != "host") search(false);
+  if (fits.empty() && req.kv_cache != "device") search(true);
+  if (layouts_tried == 0) {
     // Every layout needs more subsequences than the search allows (or has subsequences
     // shorter than its SP degree): say which lengths it covers.
     i64 longest = 0;
@@ -822,6 +870,11 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   if (best.tp > 1)
     best.notes.push_back("SP is tensor parallel with sequence-parallel regions over " + std::to_string(best.tp) +
                          " devices (train --tp): weights, K/V cache and activations divided among them");
+  if (!best.kv_host_layers.empty())
+    best.notes.push_back(std::string("K/V and their dK/dV sums on the host, every layer (") +
+                         (req.kv_cache == "host" ? "--kv-cache host" : "no plan with them on the device fits") +
+                         "): later subsequences stream them back through a window of " +
+                         std::to_string(best.kv_window_tokens()) + " tokens a layer (train --kv-cache host)");
   if (best.zero == 1)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
                          " ranks of each stage's gradient all-reduce");
@@ -876,9 +929,7 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   return m;
 }
 
-Schedule plan_schedule(const plan::Plan& p) {
-  return sched::expand_tensor_parallel(sched::build_pipeline(spec_of(p)), p.tp);
-}
+Schedule plan_schedule(const plan::Plan& p) { return build_plan_schedule(p, spec_of(p)); }
 
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw_in, const SimOptions& options) {
   if (p.system != "sppo") return simulate_baseline(p, hw_in, options);

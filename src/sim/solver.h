@@ -129,6 +129,9 @@ struct PlanRequest {
   int zero = -1;              // ZeRO-1: -1 auto (wherever the all-reduce group has 2+ ranks), 0 off, 1 on
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   i64 budget = 0;             // 0: the profile's usable device memory
+  // Where layers keep the K/V cache (--kv-cache): "device"; "host" (every layer, layouts
+  // without ring or MSP); "auto": the device, and the host where nothing fits there.
+  std::string kv_cache = "auto";
 };
 
 struct PlanOutcome {

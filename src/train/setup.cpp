@@ -239,6 +239,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.zero = o.zero == 1;
   SPPO_CHECK(o.msp == "on" || o.msp == "off", "options") << "--msp must be on or off (got '" << o.msp << "')";
   shape.msp = from_plan ? from_plan->msp : o.msp == "on";
+  if (from_plan && !from_plan->kv_host_layers.empty()) {  // the plan's placement, unless --kv-cache says otherwise
+    shape.kv_host.assign(std::size_t(s.config.layers), 0);
+    for (int l : from_plan->kv_host_layers) shape.kv_host[std::size_t(l)] = 1;
+  }
   shape.precision = precision;
   if (from_plan) shape.stage_layers = from_plan->stage_layers;
   // The kernels' scratch comes from the device tier too.
@@ -266,6 +270,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     return host;
   };
   if (o.kv_cache == "host") shape.kv_host = host_layers(L);
+  if (o.kv_cache == "device") shape.kv_host.clear();
   sim::SimResult r;
   // Lengths, fractions and the schedule for this shape, and its prediction.
   auto choose = [&] {

@@ -153,6 +153,10 @@ TEST(Subsequences, HostKvCacheMatches) {
       expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, some), "layer 1's K/V " + what);
     }
   expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, all), "host K/V uneven");
+  // Earlier blocks longer than a chunk (kv_chunk_rows of the later, shorter subsequences).
+  const auto long_tokens = random_tokens(1000, c.vocab, 8);
+  const Grads long_ref = run(c, {1000}, {0.0}, long_tokens);
+  expect_matches(c, long_ref, run(c, {600, 100, 300}, {1.0, 0.5, 0.0}, long_tokens, false, all), "host K/V chunks");
 }
 
 TEST(Subsequences, RecomputeBaselineMatches) {

@@ -96,6 +96,7 @@ struct PeakCase {
   const char* offload;
   double budget_fraction;  // of the unbudgeted, unoffloaded peak; 0: no budget
   const char* kv_cache = "device";
+  const char* partition = "length";
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -109,6 +110,9 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"tiny", 1024, "4", "none", 0, "host"}, {"tiny", 1000, "3", "0.3", 0, "host"},
       {"small", 1024, "8", "full", 0, "host"}, {"small", 1024, "1", "none", 0, "host"},
       {"small", 2048, "8", "adaptive", 0.45, "auto"},
+      // Equal FLOPs: the first subsequences are longer than later ones, whose attention
+      // streams them in several chunks.
+      {"tiny", 4096, "8", "0.5", 0, "host", "flops"},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -118,6 +122,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     }
     StepOptions o = step_options(c.model, c.S, c.subseqs, c.offload, budget);
     o.kv_cache = c.kv_cache;
+    o.partition = c.partition;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();

@@ -101,9 +101,11 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
   struct Shape {
     int pp, sp, dp, tp;
     bool msp;
+    bool kv_host = false;  // every other layer's K/V on the host
   };
   for (const Shape& sh : {Shape{1, 1, 1, 1, false}, Shape{2, 1, 2, 1, false}, Shape{3, 1, 1, 1, true},
-                          Shape{2, 2, 1, 1, false}, Shape{2, 1, 1, 2, false}}) {
+                          Shape{2, 2, 1, 1, false}, Shape{2, 1, 1, 2, false}, Shape{2, 1, 1, 1, false, true},
+                          Shape{1, 1, 2, 2, false, true}}) {
     const int N = 6;
     auto build = [&](const std::vector<double>& alpha) {
       sched::PipelineSpec spec;
@@ -114,12 +116,16 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
       spec.sp = sh.sp;
       spec.dp = sh.dp;
       spec.msp = sh.msp;
-      return sched::expand_tensor_parallel(sched::build_pipeline(spec), sh.tp);
+      sched::Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), sh.tp);
+      if (sh.kv_host)
+        for (int l = 0; l < c.layers; ++l) s.kv_host.push_back(char(l % 2));
+      return s;
     };
     const std::vector<double> first = {1.0, 0.75, 0.0, 0.5, 0.25, 0.0};
     Resimulator again(build(first), cost, rules);
     const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " dp " +
-                             std::to_string(sh.dp) + " tp " + std::to_string(sh.tp) + " msp " + std::to_string(sh.msp);
+                             std::to_string(sh.dp) + " tp " + std::to_string(sh.tp) + " msp " + std::to_string(sh.msp) +
+                             " kv host " + std::to_string(sh.kv_host);
     for (const std::vector<double>& alpha : {std::vector<double>{0.5, 0.25, 0.0, 1.0, 0.125, 0.0},
                                              std::vector<double>{0.05, 1.0, 0.0, 0.3, 0.9, 0.0}}) {
       again.set_fractions(alpha);
