@@ -135,8 +135,9 @@ std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 ch
 // moves exactly the bytes a real one does. Returns the bytes taken; `take` may be null.
 i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<bool>* take);
 
-// A host-resident K/V cache (Schedule::kv_host, runtime/kv_stream.h) streams earlier
-// blocks to the attention of T query rows in chunks of at most kv_chunk_rows(T) rows.
+// A host-resident K/V cache (Schedule::kv_host, runtime/kv_stream.h) streams the earlier
+// blocks' rows to the attention of T query rows in chunks of kv_chunk_rows(T) consecutive
+// positions (the last one shorter).
 inline constexpr i64 kKvChunkMinRows = 256;
 inline i64 kv_chunk_rows(i64 T) { return T > kKvChunkMinRows ? T : kKvChunkMinRows; }
 // Device bytes of its window for `chunks` chunks, the largest of `largest` rows: two slots

@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "core/json_fields.h"
+#include "core/layout.h"
 
 namespace sppo::plan {
 
@@ -54,9 +55,16 @@ nlohmann::json to_json(const Plan& p) {
 }
 
 i64 Plan::kv_window_tokens() const {
-  if (kv_host_layers.empty() || lengths.empty()) return 0;
-  // Two slots of the longest earlier subsequence (runtime/kv_stream.h).
-  return 2 * *std::max_element(lengths.begin(), lengths.end());
+  if (kv_host_layers.empty()) return 0;
+  // Subsequence i streams the earlier positions in chunks of kv_chunk_rows(l_i) through
+  // two slots (one when a single chunk holds them all; runtime/kv_stream.h).
+  i64 most = 0, before = 0;
+  for (const i64 l : lengths) {
+    const i64 C = kv_chunk_rows(l);
+    most = std::max(most, before > C ? 2 * C : before);
+    before += l;
+  }
+  return most;
 }
 
 Plan plan_from_json(const nlohmann::json& j) {

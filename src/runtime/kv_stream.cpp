@@ -15,8 +15,9 @@ std::string block_name(int l, int j) {
 
 }  // namespace
 
-// The window: slot b % 2 holds chunk b of the earlier blocks (kv_chunk_rows rows at
-// most). Loads go out on the host-to-device stream two chunks ahead; in backward a slot's
+// The window: slot b % 2 holds chunk b of the earlier blocks' rows, kv_chunk_rows(T)
+// consecutive positions at most, from one block or several (short subsequences share a
+// chunk, so the kernels run on a few long blocks rather than many short ones). Loads go out on the host-to-device stream two chunks ahead; in backward a slot's
 // dK/dV go back on the device-to-host stream, and the slot is loaded again only once they
 // are out.
 class StreamedAttention final : public BlockAttention {
@@ -27,9 +28,15 @@ class StreamedAttention final : public BlockAttention {
     for (int j = 0; j < i; ++j) {
       HostKvCache::Block& blk = c_.blocks_[l][j];
       if (!blk.k) continue;
-      for (i64 r = 0; r < blk.rows; r += C) {
-        past_.push_back({&blk, r, int(std::min<i64>(C, blk.rows - r))});
-        largest = std::max<i64>(largest, past_.back().rows);
+      for (i64 r = 0; r < blk.rows;) {
+        if (past_.empty() || past_.back().rows == C) past_.push_back({{}, 0, blk.pos0 + r});
+        Chunk& ch = past_.back();
+        SPPO_ASSERT_MSG(ch.pos0 + ch.rows == blk.pos0 + r, "host K/V blocks of one rank are consecutive positions");
+        const int n = int(std::min<i64>(C - ch.rows, blk.rows - r));
+        ch.pieces.push_back({&blk, r, n, ch.rows});
+        ch.rows += n;
+        r += n;
+        largest = std::max<i64>(largest, ch.rows);
       }
     }
     const i64 act = dtype_bytes(c_.be_.act());
@@ -94,10 +101,12 @@ class StreamedAttention final : public BlockAttention {
       Slot& slot = slots_[b % 2];
       wait(slot.loaded);
       be.attention_backward(dqkv, dout, q3, {ref(slot, past_[b])}, s.lse, delta, d, scratch);
-      const Chunk& ch = past_[b];
-      const std::size_t bytes = std::size_t(ch.rows) * std::size_t(c_.width_) * sizeof(float);
-      c_.d2h_.copy(ch.blk->dk.f32() + ch.row0 * c_.width_, slot.dk.data(), bytes, {});
-      slot.saved = c_.d2h_.copy(ch.blk->dv.f32() + ch.row0 * c_.width_, slot.dv.data(), bytes, {});
+      for (const Piece& pc : past_[b].pieces) {
+        const std::size_t bytes = std::size_t(pc.rows) * std::size_t(c_.width_) * sizeof(float);
+        const i64 from = pc.row0 * c_.width_, to = pc.at * c_.width_;
+        c_.d2h_.copy(pc.blk->dk.f32() + from, slot.dk.f32() + to, bytes, {});
+        slot.saved = c_.d2h_.copy(pc.blk->dv.f32() + from, slot.dv.f32() + to, bytes, {});
+      }
       if (b + 2 < past_.size()) load(b + 2);
     }
   }
@@ -107,11 +116,18 @@ class StreamedAttention final : public BlockAttention {
     Buffer k, v, dk, dv;
     std::shared_ptr<Event> loaded, saved;
   };
-  // Rows [row0, row0 + rows) of an earlier block.
-  struct Chunk {
+  // Rows [row0, row0 + rows) of an earlier block, at row `at` of its chunk.
+  struct Piece {
     HostKvCache::Block* blk;
     i64 row0;
     int rows;
+    int at;
+  };
+  // Positions [pos0, pos0 + rows) of the earlier blocks.
+  struct Chunk {
+    std::vector<Piece> pieces;
+    int rows = 0;
+    i64 pos0 = 0;
   };
 
   static KVRef own(const BlockSaved& s, const PosSpan& part, float* dk, float* dv) {
@@ -119,35 +135,37 @@ class StreamedAttention final : public BlockAttention {
   }
   KVRef ref(const Slot& slot, const Chunk& ch) const {
     return {slot.k.data(), slot.v.data(), backward_ ? slot.dk.f32() : nullptr, backward_ ? slot.dv.f32() : nullptr,
-            ch.rows, ch.blk->pos0 + ch.row0};
+            ch.rows, ch.pos0};
   }
 
   // Starts bringing chunk b into its slot (after that slot's sums went out).
   void load(std::size_t b) {
     Slot& slot = slots_[b % 2];
     wait(slot.saved);
-    const Chunk& ch = past_[b];
-    HostKvCache::Block& blk = *ch.blk;
-    const i64 a = dtype_bytes(c_.be_.act()), at = ch.row0 * c_.width_;
-    const std::size_t act = std::size_t(ch.rows) * std::size_t(c_.width_) * std::size_t(a);
-    c_.h2d_.copy(slot.k.data(), act_at(blk.k.data(), at, c_.be_.act()), act, {});
-    slot.loaded = c_.h2d_.copy(slot.v.data(), act_at(blk.v.data(), at, c_.be_.act()), act, {});
-    if (!backward_) return;
-    const std::size_t f32 = std::size_t(ch.rows) * std::size_t(c_.width_) * sizeof(float);
-    if (!blk.dk) {  // the first backward to reach the block: its sums start at zero
-      const std::string what = block_name(l_, blk.subseq) + "host dK/dV";
-      const i64 bytes = i64(blk.rows) * c_.width_ * i64(sizeof(float));
-      blk.dk = c_.host_.alloc(bytes, what);
-      blk.dv = c_.host_.alloc(bytes, what);
-      blk.summed = 0;
-    }
-    if (ch.row0 < blk.summed) {  // the sums of the later subsequences' backward so far
-      c_.h2d_.copy(slot.dk.data(), blk.dk.f32() + at, f32, {});
-      slot.loaded = c_.h2d_.copy(slot.dv.data(), blk.dv.f32() + at, f32, {});
-    } else {  // this backward is the first to reach these rows
-      c_.be_.fill_zero(slot.dk.data(), f32);
-      c_.be_.fill_zero(slot.dv.data(), f32);
-      blk.summed = ch.row0 + ch.rows;
+    const DType a = c_.be_.act();
+    for (const Piece& pc : past_[b].pieces) {
+      HostKvCache::Block& blk = *pc.blk;
+      const i64 from = pc.row0 * c_.width_, to = pc.at * c_.width_;
+      const std::size_t act = std::size_t(pc.rows) * std::size_t(c_.width_) * std::size_t(dtype_bytes(a));
+      c_.h2d_.copy(act_at(slot.k.data(), to, a), act_at(blk.k.data(), from, a), act, {});
+      slot.loaded = c_.h2d_.copy(act_at(slot.v.data(), to, a), act_at(blk.v.data(), from, a), act, {});
+      if (!backward_) continue;
+      const std::size_t f32 = std::size_t(pc.rows) * std::size_t(c_.width_) * sizeof(float);
+      if (!blk.dk) {  // the first backward to reach the block: its sums start at zero
+        const std::string what = block_name(l_, blk.subseq) + "host dK/dV";
+        const i64 bytes = i64(blk.rows) * c_.width_ * i64(sizeof(float));
+        blk.dk = c_.host_.alloc(bytes, what);
+        blk.dv = c_.host_.alloc(bytes, what);
+        blk.summed = 0;
+      }
+      if (pc.row0 < blk.summed) {  // the sums of the later subsequences' backward so far
+        c_.h2d_.copy(slot.dk.f32() + to, blk.dk.f32() + from, f32, {});
+        slot.loaded = c_.h2d_.copy(slot.dv.f32() + to, blk.dv.f32() + from, f32, {});
+      } else {  // this backward is the first to reach these rows
+        c_.be_.fill_zero(slot.dk.f32() + to, f32);
+        c_.be_.fill_zero(slot.dv.f32() + to, f32);
+        blk.summed = pc.row0 + pc.rows;
+      }
     }
   }
 

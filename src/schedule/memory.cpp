@@ -271,11 +271,12 @@ void RankMemory::host_change(i64 delta) {
 
 i64 RankMemory::kv_window(int l, int subseq, i64 T, bool backward) const {
   if (!s_.kv_on_host(l)) return 0;
+  // Earlier blocks' rows in chunks of C consecutive positions (runtime/kv_stream.h).
   const i64 C = kv_chunk_rows(T);
-  i64 chunks = 0, largest = 0;
+  i64 rows = 0;
   for (const auto& [j, tokens] : kv_blocks_[l])
-    if (j < subseq) chunks += (tokens + C - 1) / C, largest = std::max(largest, std::min(tokens, C));
-  return kv_window_bytes(chunks, largest, T, tp_.local_hidden(rules_.model), tp_.local_heads(rules_.model),
+    if (j < subseq) rows += tokens;
+  return kv_window_bytes((rows + C - 1) / C, std::min(rows, C), T, tp_.local_hidden(rules_.model), tp_.local_heads(rules_.model),
                          rules_.act_bytes(), backward);
 }
 

@@ -117,10 +117,16 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                    p.zero ? "8 B x " + num(double(state)) + " (AdamW m, v of this rank's ZeRO-1 shard, P / " +
                                 std::to_string(p.sp * p.dp) + ")"
                           : "8 B x P (AdamW m, v)"});
-  lines.push_back({Row::KVCache, at(sched::MemTerm::KVCache), 0,
+  const i64 window = at(sched::MemTerm::KVWindow);
+  lines.push_back({Row::KVCache, at(sched::MemTerm::KVCache) + window, 0,
                    "2 " + Hw + " e = " + num(double(kv_pt)) + " B per token and layer x " +
                        num(double(at(sched::MemTerm::KVCache)) / double(kv_pt)) +
-                       " token-layers (every subsequence before its backward)"});
+                       (p.kv_host_layers.empty()
+                            ? std::string(" token-layers (every subsequence before its backward)")
+                            : " token-layers on the device (the running subsequence's; " +
+                                  std::to_string(p.kv_host_layers.size()) +
+                                  " layers keep the rest on the host) + the streaming window " + num(double(window)) +
+                                  " B (two chunks of K, V, and in backward their dK/dV)")});
   lines.push_back({Row::KVGradAccum, at(sched::MemTerm::KVGradAccum), 0,
                    "2 " + Hw + " x 4 B = " + num(double(acc_pt)) + " B per position and layer x " +
                        num(double(at(sched::MemTerm::KVGradAccum)) / double(acc_pt)) + " position-layers"});

@@ -743,13 +743,15 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     }
     // Note [Pruning the search]: two bounds skip simulations that cannot win.
     //  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
-    //    subsequence and the dK/dV accumulators of every layer, whatever alpha is;
+    //    subsequence and the dK/dV accumulators of every layer, whatever alpha is (with
+    //    K/V on the host, the weights alone on the device); and what of those and of the
+    //    other subsequences' activations the device cannot hold must fit the host memory;
     //  - time: a step takes at least its compute (forward + backward of the stage's layers
     //    on every subsequence, on the busiest ring piece) times 1 + (P-1)/N without MSP.
     // Layouts are tried in order of the time bound, so the second prunes most of the rest.
     const i64 kv_acc_pt = skeletal_bytes_per_token(c, prec) + 2 * i64(c.hidden) * rules.accum_bytes;
-  const i64 unit_pt = offloadable_bytes_per_token(c, prec);
-  const i64 host_limit = hw.host_memory;
+    const i64 unit_pt = offloadable_bytes_per_token(c, prec);
+    const i64 host_limit = hw.host_memory;
     auto bounds = [&](const plan::Plan& p) {
       const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
       // Tensor parallelism divides the weights and the K/V by heads (member 0's shards are
@@ -762,11 +764,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       // (On the host they are not on the device: the bound is the weights.)
       const i64 kv_acc = p.kv_host_layers.empty() ? kv_acc_pt * TpShard{0, p.tp}.local_heads(c) / c.heads : 0;
       const i64 mem = weights + i64(n_s) * kv_acc * ((S - p.lengths.back()) / p.sp);
-      // What cannot be on the device is on the host: the stage's saved activations and its
-      // K/V and dK/dV sums of the whole sequence, at least their share a member, less what
-      // the device holds beside its weights.
-      const i64 saved = i64(n_s) * (S / p.sp) * (unit_pt + kv_acc_pt) / p.tp;
-      const i64 host = std::max<i64>(0, weights + saved - budget);
+      // What cannot be on the device is on the host: when B(N-1) ends, a stage holds the
+      // saved activations, K/V and dK/dV sums of every other subsequence, at least their
+      // share a member, less what the device holds beside its weights. (Under MSP other
+      // stages hold some of them: no bound.)
+      const i64 saved = i64(n_s) * ((S - p.lengths.back()) / p.sp) * (unit_pt + kv_acc_pt) / p.tp;
+      const i64 host = p.msp ? 0 : std::max<i64>(0, weights + saved - budget);
       double compute = 0;
       i64 o = 0;
       for (i64 l : p.lengths) {
