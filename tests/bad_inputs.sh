@@ -38,6 +38,7 @@ echo '{"name": "x"}' >bad_profile.json
 "$sppo" plan --model tiny --seq-len 4096 --gpus 1 --gpus-per-node 1 --hardware a100-80gb --json >plan_tiny.json
 "$sppo" plan --model gpt-7b --seq-len 64K --gpus 8 --json >plan_7b.json
 sed 's/"budget_bytes":[0-9]*/"budget_bytes":1073741824/' plan_7b.json >plan_over_budget.json
+sed 's/"kv_host_layers":\[\]/"kv_host_layers":[99]/' plan_tiny.json >plan_kv_layer.json
 sed 's/"lengths":\[4096\]/"lengths":[4000]/' plan_tiny.json >plan_bad_lengths.json
 sed 's/"lengths":\[4096\]/"lengths":[5000,-904]/; s/"alpha":\[0.0\]/"alpha":[0.0,0.0]/; s/"subseqs":1/"subseqs":2/' \
   plan_tiny.json >plan_negative_length.json
@@ -131,6 +132,8 @@ expect "over the --host-memory budget" train --model tiny --seq-len 4096 --subse
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --offload 0.5 --host-memory 1KiB --out g
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --kv-cache host --host-memory 1KiB --out g
 expect "--kv-cache 'sometimes'" train --model tiny --kv-cache sometimes
+expect "--kv-cache must be device, host or auto" plan --kv-cache sometimes
+expect "names layer 99" train --plan plan_kv_layer.json
 expect "--kv-cache host" train --model tiny --recompute --kv-cache host
 expect "--offload 'sometimes'" train --model tiny --offload sometimes
 expect "--offload '1.5'" train --model tiny --offload 1.5
