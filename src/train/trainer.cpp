@@ -477,7 +477,8 @@ int run_train(const TrainOptions& o) {
     if (s.predicted_peak_bytes > 0)
       std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
     if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
-      std::fprintf(stderr, "; host memory (offloaded) %s measured, %s predicted",
+      std::fprintf(stderr, "; host memory (%s) %s measured, %s predicted",
+                   s.schedule.kv_host.empty() ? "offloaded" : "offloaded, K/V and their sums",
                    format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
     if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
     std::fprintf(stderr, "\n");
