@@ -173,15 +173,18 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
   }
   acc_tokens_.assign(L, 0);
   acc_live_.assign(L, false);
-  kv_blocks_.assign(L, {});
-  host_sums_.assign(L, {});
+  kv_rows_before_.assign(L, {});
+  sums_below_.assign(L, 0);
+  const int N = int(s.lengths.size());
   std::map<i64, std::vector<i64>> layer_units;  // tokens -> one layer's offloadable tensors' bytes
   for (const Op& op : s.ops.at(rank)) {
     if (op.kind == OpKind::Forward) {
       const i64 T = tokens_of(op);
       for (int l = op.layer_begin; l < op.layer_end; ++l) {
         acc_tokens_[l] += T;
-        if (s.kv_on_host(l)) kv_blocks_[l].push_back({op.subseq, T});
+        if (!s.kv_on_host(l)) continue;
+        if (kv_rows_before_[l].empty()) kv_rows_before_[l].assign(std::size_t(N) + 1, 0);
+        kv_rows_before_[l][std::size_t(op.subseq) + 1] += T;
       }
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
       if (op.layer_begin >= ob && op.layer_end <= oe) {
@@ -200,6 +203,8 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += op.tokens;
     }
   }
+  for (auto& before : kv_rows_before_)  // each subsequence's tokens -> the tokens of those before it
+    for (std::size_t i = 1; i < before.size(); ++i) before[i] += before[i - 1];
 }
 
 i64 RankMemory::tokens_of(const Op& op) const { return span_tokens(s_.spans(op)); }
@@ -272,10 +277,7 @@ void RankMemory::host_change(i64 delta) {
 i64 RankMemory::kv_window(int l, int subseq, i64 T, bool backward) const {
   if (!s_.kv_on_host(l)) return 0;
   // Earlier blocks' rows in chunks of C consecutive positions (runtime/kv_stream.h).
-  const i64 C = kv_chunk_rows(T);
-  i64 rows = 0;
-  for (const auto& [j, tokens] : kv_blocks_[l])
-    if (j < subseq) rows += tokens;
+  const i64 C = kv_chunk_rows(T), rows = kv_rows_before_[l][std::size_t(subseq)];
   return kv_window_bytes((rows + C - 1) / C, std::min(rows, C), T, tp_.local_hidden(rules_.model), tp_.local_heads(rules_.model),
                          rules_.act_bytes(), backward);
 }
@@ -382,14 +384,18 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           // the earlier blocks, whose sums the host holds from the first backward on them.
           emit(out, at, kv, T::KVCache);
           emit(out, at, acc_pt_ * T, T::KVGradAccum);
-          host_change(-kv - (host_sums_[l].erase(op.subseq) ? acc_pt_ * T : 0));
+          int& below = sums_below_[l];
+          host_change(-kv - (op.subseq < below ? acc_pt_ * T : 0));
           const i64 window = kv_window(l, op.subseq, T, true);
           if (window) {
             emit(out, at, window, T::KVWindow);
             emit(out, end, -window, T::KVWindow);
           }
-          for (const auto& [j, tokens] : kv_blocks_[l])
-            if (j < op.subseq && host_sums_[l].insert(j).second) host_change(acc_pt_ * tokens);
+          if (op.subseq > below) {
+            const auto& before = kv_rows_before_[l];
+            host_change(acc_pt_ * (before[std::size_t(op.subseq)] - before[std::size_t(below)]));
+            below = op.subseq;
+          }
         } else if (!acc_live_[l]) {
           acc_live_[l] = true;
           emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);

@@ -226,11 +226,12 @@ class RankMemory {
   i64 kv_pt_ = 0, unit_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
   std::vector<i64> acc_tokens_;        // per layer: positions whose K, V this rank holds
   std::vector<bool> acc_live_;         // per layer: accumulators allocated
-  // Layers whose K/V are on the host (Schedule::kv_host): this rank's forwards of each,
-  // (subsequence, tokens) in program order, and the subsequences whose dK/dV sums the host
-  // holds.
-  std::vector<std::vector<std::pair<int, i64>>> kv_blocks_;
-  std::vector<std::set<int>> host_sums_;
+  // Layers whose K/V are on the host (Schedule::kv_host): the tokens of this rank's blocks
+  // of subsequences j < i ([L][N + 1]; empty for a device layer), and how far the dK/dV
+  // sums on the host reach (those of every block j < sums_below_[l] exist: a backward
+  // reaches every earlier block).
+  std::vector<std::vector<i64>> kv_rows_before_;
+  std::vector<int> sums_below_;
   void host_change(i64 delta);
   // Device bytes of layer l's K/V window while subsequence `subseq` (T tokens) attends.
   i64 kv_window(int l, int subseq, i64 T, bool backward) const;
