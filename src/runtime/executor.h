@@ -48,75 +48,10 @@
 #include "core/config.h"
 #include "model/gpt.h"
 #include "runtime/memory.h"
+#include "runtime/step_io.h"
 #include "schedule/ir.h"
 
 namespace sppo {
-
-struct RuntimeOptions {
-  i64 device_budget = 0;    // bytes; 0 = unlimited
-  i64 host_budget = 0;      // bytes of offloaded copies on the host tier; 0 = unlimited
-  bool recompute = false;   // baseline: keep only block inputs, recompute the rest in backward
-  int head_chunk = 1024;    // rows of logits computed at once
-  bool record_memory = false;  // keep the device tier's timeline in StepResult::memory
-  // Several ranks: which op list this process runs, the layers it owns [begin, end)
-  // ({0, 0}: all), and how the AdamW state is sharded (ZeRO-1 over `zero_shards` ranks of
-  // the data-parallel group; 1: not sharded).
-  int rank = 0;
-  comm::Comm* comm = nullptr;  // null: the schedule must have one rank
-  std::pair<int, int> layers{0, 0};
-  int zero_shards = 1;
-  int zero_index = 0;
-  // Kernel scratch taken from the device tier with each layer's workspace and the head's
-  // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
-  KernelScratch block_scratch, head_scratch;
-  Backend* backend = nullptr;  // null: a CPU backend of the runtime's own
-  // Ring pieces attend by the two-pass Ring Self-Attention (RsaAttention; bidirectional
-  // models) instead of the one-pass ring.
-  bool ring_rsa = false;
-  // Tensor parallelism with sequence-parallel regions (model/tensor_parallel.h): this rank
-  // is member tp.index of the group of consecutive world ranks that share its ops; its
-  // parameters, saved tensors and workspaces are its shards (core/layout.h TpShard).
-  TpShard tp;
-};
-
-// One span of the step's timeline: the op that ran, on which lane, when.
-enum class Lane { Compute, CopyOut, CopyIn, Network };
-struct TraceSpan {
-  std::string name;   // "F3", "O2", "wait P1", "send hidden s2 -> r1", ...
-  sched::OpKind kind;
-  Lane lane;
-  double start_s = 0;  // since the step started
-  double dur_s = 0;
-};
-
-struct StepResult {
-  double loss = 0;                // mean cross-entropy over the predicted tokens (last stage)
-  i64 predicted = 0;              // how many: S, or the masked positions of a masked-token step
-  bool has_loss = false;          // this rank holds the LM head, so loss and losses are set
-  std::vector<float> losses;      // [S] per-position losses
-  MemoryStats device;             // device tier over the step (peak = high-water mark)
-  MemoryStats host;               // host tier (the offloaded copies) over the step
-  i64 offloaded_bytes = 0;        // bytes copied to the host tier during the step
-  double exposed_copy_s = 0;      // compute time spent waiting on copies
-  double comm_wait_s = 0;         // compute time spent waiting on messages and reductions
-  double ring_wait_s = 0;         // the part of it inside F and B ops, on ring attention's messages
-  double compute_s = 0;           // time in F and B ops
-  i64 sent_bytes = 0;             // point-to-point bytes sent: Send ops' messages and ring attention's
-  double step_s = 0;              // wall time of the step
-  double start_s = 0;             // steady-clock time the step started (aligns ranks' traces)
-  std::vector<TraceSpan> trace;
-  std::vector<std::pair<double, i64>> memory;  // (s since step start, device bytes in use)
-};
-
-// How one call of step() fits into an optimizer step of several sequences.
-struct StepControl {
-  bool accumulate = false;  // add to the gradients instead of zeroing them first
-  bool reduce = true;       // run the schedule's AllReduce ops (the last micro-batch only)
-  // A bidirectional model's masked-token targets [S] for the inputs tokens[0..S) (kNoTarget
-  // where a position is not predicted); null for a causal model, whose targets are the
-  // next tokens.
-  const std::int32_t* targets = nullptr;
-};
 
 // A contiguous run of parameters reduced as one message: the embedding, one layer, or the
 // final LayerNorm, in parameter order.
