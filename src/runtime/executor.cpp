@@ -1,7 +1,6 @@
 #include "runtime/executor.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -9,6 +8,7 @@
 #include <tuple>
 
 #include "core/check.h"
+#include "runtime/activation_store.h"
 #include "runtime/fault.h"
 #include "runtime/kv_stream.h"
 #include "runtime/ring.h"
@@ -19,16 +19,6 @@
 namespace sppo {
 
 namespace {
-
-// Seconds on the steady clock, which every process on a machine shares, so that the
-// spans of several ranks line up in one trace.
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-constexpr int kSavedTensors = 14;      // block_saved_specs() entries
-constexpr int kK = 5, kV = 6;          // where k and v are among them
-constexpr double kShownWaitS = 1e-4;   // waits shorter than this stay out of the trace
 
 std::vector<void*> ptrs(const std::vector<Buffer>& bufs) {
   std::vector<void*> p;
@@ -41,10 +31,6 @@ std::vector<Buffer> alloc_specs(MemoryTier& tier, const std::vector<TensorSpec>&
   std::vector<Buffer> bufs;
   for (const auto& s : specs) bufs.push_back(tier.alloc(s.bytes(), prefix + s.name));
   return bufs;
-}
-
-std::string unit_name(int l, int i) {
-  return "blocks." + std::to_string(l) + " subseq " + std::to_string(i) + " ";
 }
 
 bool is_compute(const sched::Op& op) {
@@ -124,17 +110,11 @@ struct Runtime::StepState {
   const std::int32_t* targets = nullptr;  // on the device: [S] target of every position
   int N = 0;
   double t_start = 0;
-  std::vector<std::vector<std::vector<Buffer>>> dev;   // [N][L][kSavedTensors] device copies
-  std::vector<std::vector<std::vector<Buffer>>> host;  // same shape: offloaded parts
-  std::vector<Buffer> head_grad, head_grad_host;       // [N]
+  std::unique_ptr<ActivationStore> act;                // saved tensors, offloaded copies, copy streams
   std::vector<std::vector<Buffer>> dk, dv;             // [L][N] dK/dV accumulators
-  std::vector<std::shared_ptr<Event>> offload_first, offload_last;    // [N]
-  std::vector<std::shared_ptr<Event>> prefetch_first, prefetch_last;  // [N]
-  std::vector<Role> roles;                             // of the saved tensors
   Buffer ids;                                          // [S + 1] token ids on the device
   Buffer loss_sum;                                     // one double on the device
   StepResult* result = nullptr;
-  std::unique_ptr<CopyStream> d2h, h2d;
   std::unique_ptr<HostKvCache> kv;                     // layers whose K/V live on the host (Schedule::kv_host)
   // The rows this rank holds of each subsequence: the whole of it, or its ring piece.
   std::vector<Subseq> rows;                            // [N]
@@ -388,7 +368,7 @@ void Runtime::send_msp(StepState& st, const sched::Op& op) {
       break;
     case sched::Payload::KV:  // a helper's copy of its piece's K, V to the owner
       for (int l = b; l < e; ++l)
-        for (int t : {5, 6}) isend(nullptr, st.dev[i][l][t].data(), st.dev[i][l][t].bytes());
+        for (int t : {kK, kV}) isend(nullptr, st.act->unit(i, l)[t].data(), st.act->unit(i, l)[t].bytes());
       break;
     case sched::Payload::KVGrad: {  // the owner returns a helper piece's dK, dV and drops its copy
       const i64 pos0 = sc.offset(i) + sc.spans(op).front().first;
@@ -535,8 +515,8 @@ KVBlocks Runtime::past_blocks(StepState& st, int l, int i, bool grads) {
     if (st.rows_at[l][j].T > 0)
       for (const PosSpan& part : st.rows_at[l][j].parts()) {
         const i64 at = i64(part.row0) * H;
-        past.k.push_back(act_at(st.dev[j][l][kK].data(), at, act_));
-        past.v.push_back(act_at(st.dev[j][l][kV].data(), at, act_));
+        past.k.push_back(act_at(st.act->unit(j, l)[kK].data(), at, act_));
+        past.v.push_back(act_at(st.act->unit(j, l)[kV].data(), at, act_));
         if (grads) {
           past.dk.push_back(st.dk[l][j].f32() + at);
           past.dv.push_back(st.dv[l][j].f32() + at);
@@ -625,12 +605,12 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   if (b > 0) {  // the previous stage's output is this stage's first saved input
-    st.dev[i][b][0] = take_input(st, input_key(op), q);
-    SPPO_ASSERT_MSG(st.dev[i][b][0], "forward of layers from " << b << " on subseq " << i << " without its input");
+    st.act->unit(i, b)[0] = take_input(st, input_key(op), q);
+    SPPO_ASSERT_MSG(st.act->unit(i, b)[0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
   Buffer out;  // the stage's output
   for (int l = b; l < e; ++l) {
-    auto& unit = st.dev[i][l];
+    auto& unit = st.act->unit(i, l);
     for (int k = 0; k < kSavedTensors; ++k)
       if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
@@ -645,8 +625,8 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     // The block's output is the next block's saved input, or the stage's output.
     void* x_out;
     if (l + 1 < e) {
-      st.dev[i][l + 1][0] = device_->alloc(specs[0].bytes(), unit_name(l + 1, i) + "x");
-      x_out = st.dev[i][l + 1][0].data();
+      st.act->unit(i, l + 1)[0] = device_->alloc(specs[0].bytes(), unit_name(l + 1, i) + "x");
+      x_out = st.act->unit(i, l + 1)[0].data();
     } else {
       out = device_->alloc(specs[0].bytes(), e == L ? "final hidden" : "hidden for the next stage");
       x_out = out.data();
@@ -675,9 +655,10 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
                              "head workspace ");
   KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
   const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get(), opts_.tp.on());
-  st.head_grad[i] = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
+  Buffer& head_grad = st.act->head_grad(i);
+  head_grad = device_->alloc(specs[0].bytes(), "subseq " + std::to_string(i) + " head_grad");
   if (st.tp) {
-    head_forward_backward_tp(be_, st.head_grad[i].data(), static_cast<double*>(st.loss_sum.data()), out.data(),
+    head_forward_backward_tp(be_, head_grad.data(), static_cast<double*>(st.loss_sum.data()), out.data(),
                              st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.predicted);
     be_.synchronize();
     st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
@@ -687,7 +668,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   }
   for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H;
-    head_forward_backward(be_, act_at(st.head_grad[i].data(), at, act_), static_cast<double*>(st.loss_sum.data()),
+    head_forward_backward(be_, act_at(head_grad.data(), at, act_), static_cast<double*>(st.loss_sum.data()),
                           act_at(out.data(), at, act_), st.targets + part.pos0, *wt.w, *wt.m, *wt.g, hw,
                           config_, part.rows, st.predicted);
     be_.to_host(st.result->losses.data() + part.pos0, hw.losses, sizeof(float) * std::size_t(part.rows));
@@ -703,7 +684,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int H = config_.hidden;
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   // The residual gradient: the head's on the last stage, else the next stage's.
-  Buffer d_buf = e == L ? std::move(st.head_grad[i]) : take_input(st, input_key(op), q);
+  Buffer d_buf = e == L ? std::move(st.act->head_grad(i)) : take_input(st, input_key(op), q);
   SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
   const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
@@ -713,7 +694,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use
     // (on a host layer, this subsequence's own: the host holds the others').
     if (!kv_host) alloc_accumulators(st, l, i);
-    auto& unit = st.dev[i][l];
+    auto& unit = st.act->unit(i, l);
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
@@ -759,55 +740,6 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   for (const PosSpan& part : q.parts())
     be_.embedding_backward(wt.g->embed, act_at(d, i64(part.row0) * H, act_), ids + part.pos0, part.rows, H,
                            config_.vocab);
-}
-
-void Runtime::offload(StepState& st, int i, double fraction) {
-  if (fraction <= 0) return;
-  // The same walk as the simulator's: the rank's layers in order (the first is needed
-  // last in backward), each layer's offloadable tensors in table order, head_grad last.
-  std::vector<std::pair<Buffer*, Buffer*>> tensors;
-  std::vector<i64> sizes;
-  for (int l = lb_; l < le_; ++l)
-    for (int k = 0; k < kSavedTensors; ++k)
-      if (st.roles[k] == Role::Offloadable) {
-        tensors.push_back({&st.dev[i][l][k], &st.host[i][l][k]});
-        sizes.push_back(st.dev[i][l][k].bytes());
-      }
-  if (le_ == config_.layers) {
-    tensors.push_back({&st.head_grad[i], &st.head_grad_host[i]});
-    sizes.push_back(st.head_grad[i].bytes());
-  }
-  std::vector<bool> take;
-  st.result->offloaded_bytes += select_offload(sizes, fraction, &take);
-  for (std::size_t t = 0; t < tensors.size(); ++t) {
-    if (!take[t]) continue;
-    Buffer& dev = *tensors[t].first;
-    Buffer& host = *tensors[t].second;
-    SPPO_ASSERT(dev);
-    host = host_->alloc(dev.bytes(), "subseq " + std::to_string(i) + " host copy");
-    device_->expect_release(dev.bytes());
-    // The device bytes are really released when the copy completes.
-    auto ev = st.d2h->copy(host.data(), dev.data(), std::size_t(dev.bytes()), [&dev, tier = device_.get()] {
-      const i64 bytes = dev.bytes();
-      dev.reset();
-      tier->settle(bytes);
-    });
-    if (!st.offload_first[i]) st.offload_first[i] = ev;
-    st.offload_last[i] = ev;
-  }
-}
-
-void Runtime::prefetch(StepState& st, int i) {
-  auto move_in = [&](Buffer& dev, Buffer& host, const std::string& what) {
-    if (!host) return;
-    dev = device_->alloc(host.bytes(), what);
-    auto ev = st.h2d->copy(dev.data(), host.data(), std::size_t(host.bytes()), [&host] { host.reset(); });
-    if (!st.prefetch_first[i]) st.prefetch_first[i] = ev;
-    st.prefetch_last[i] = ev;
-  };
-  move_in(st.head_grad[i], st.head_grad_host[i], "head_grad");
-  for (int l = le_ - 1; l >= lb_; --l)
-    for (int k = 0; k < kSavedTensors; ++k) move_in(st.dev[i][l][k], st.host[i][l][k], unit_name(l, i));
 }
 
 StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, const StepControl& control) {
@@ -857,31 +789,13 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.S = sc.seq_len();
   st.N = int(sc.lengths.size());
   const int L = config_.layers, N = st.N;
-  st.dev.resize(N);
-  st.host.resize(N);
-  for (int i = 0; i < N; ++i) {
-    st.dev[i].resize(L);
-    st.host[i].resize(L);
-  }
-  for (int i = 0; i < N; ++i)
-    for (int l = 0; l < L; ++l) {
-      st.dev[i][l].resize(kSavedTensors);
-      st.host[i][l].resize(kSavedTensors);
-    }
-  st.head_grad.resize(N);
-  st.head_grad_host.resize(N);
+  st.act = std::make_unique<ActivationStore>(be_, *device_, *host_, config_, precision_, N, std::pair{lb_, le_});
   st.dk.resize(L);
   st.dv.resize(L);
   for (int l = 0; l < L; ++l) {
     st.dk[l].resize(N);
     st.dv[l].resize(N);
   }
-  st.offload_first.resize(N);
-  st.offload_last.resize(N);
-  st.prefetch_first.resize(N);
-  st.prefetch_last.resize(N);
-  for (const auto& s : block_saved_specs(config_, 1, precision_)) st.roles.push_back(s.role);
-  SPPO_ASSERT(int(st.roles.size()) == kSavedTensors);
   st.rows_at.assign(L, std::vector<Subseq>(N));
   st.held.resize(L);
   for (auto& layer : st.held) layer.resize(N);
@@ -924,10 +838,8 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     return op.kind == sched::OpKind::Forward && op.layer_end == L;
   });
   result.losses.assign(std::size_t(result.has_loss || any_head ? st.S : 0), 0.0f);
-  st.d2h = be_.make_copy_stream();
-  st.h2d = be_.make_copy_stream();
   if (!sc.kv_host.empty())
-    st.kv = std::make_unique<HostKvCache>(be_, *device_, *host_, *st.d2h, *st.h2d, L, N,
+    st.kv = std::make_unique<HostKvCache>(be_, *device_, *host_, st.act->d2h(), st.act->h2d(), L, N,
                                           opts_.tp.local_hidden(config_), &result.exposed_copy_s);
 
   // Receives are posted as the compute op before them starts (schedule/memory.h).
@@ -1022,21 +934,20 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         span("B" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
       case sched::OpKind::Offload:
-        offload(st, i, op.fraction);
+        result.offloaded_bytes += st.act->offload(i, op.fraction);
         break;
       case sched::OpKind::Prefetch:
-        prefetch(st, i);
+        st.act->prefetch(i);
         break;
       case sched::OpKind::WaitOffload:
-        if (st.offload_last[i]) result.exposed_copy_s += st.offload_last[i]->wait();
+        result.exposed_copy_s += st.act->wait_offload(i);
         break;
-      case sched::OpKind::WaitPrefetch:
-        if (st.prefetch_last[i]) {
-          const double waited = st.prefetch_last[i]->wait();
-          result.exposed_copy_s += waited;
-          if (waited > kShownWaitS) span("wait P" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
-        }
+      case sched::OpKind::WaitPrefetch: {
+        const double waited = st.act->wait_prefetch(i);
+        result.exposed_copy_s += waited;
+        if (waited > kShownWaitS) span("wait P" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
+      }
       case sched::OpKind::Send:
         if (is_hidden_message(op))
           send(st, op);
@@ -1087,32 +998,20 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   device_->set_reclaimer(nullptr);
   be_.synchronize();
-  st.d2h->synchronize();
-  st.h2d->synchronize();
+  st.act->synchronize();
   result.step_s = now_s() - t_start;
   if (opts_.comm) result.sent_bytes = opts_.comm->bytes_sent() - sent_at_start;
   result.exposed_copy_s += device_->release_wait_s();
   result.comm_wait_s += result.ring_wait_s;
-  for (int i = 0; i < N; ++i) {
-    if (st.offload_first[i])
-      span("O" + std::to_string(i), sched::OpKind::Offload, Lane::CopyOut, st.offload_first[i]->start_s(),
-           st.offload_last[i]->end_s());
-    if (st.prefetch_first[i])
-      span("P" + std::to_string(i), sched::OpKind::Prefetch, Lane::CopyIn, st.prefetch_first[i]->start_s(),
-           st.prefetch_last[i]->end_s());
-  }
+  st.act->trace(result);
   SPPO_ASSERT_MSG(st.incoming.empty() && st.produced.empty(), "a hidden-state buffer is left over after the step");
   for (const auto& [range, b] : st.borrowed)
     SPPO_ASSERT_MSG(!b.w && !b.g, "borrowed weights of layers " << range.first << "-" << range.second - 1
                                                                 << " are left over after the step");
-  for (int i = 0; i < N; ++i) {
-    for (int l = 0; l < L; ++l) {
+  for (int i = 0; i < N; ++i)
+    for (int l = 0; l < L; ++l)
       SPPO_ASSERT_MSG(st.held[l][i].empty(), "an MSP piece's K, V are left over: layer " << l << " subseq " << i);
-      for (int k = 0; k < kSavedTensors; ++k)
-        SPPO_ASSERT_MSG(!st.dev[i][l][k] && !st.host[i][l][k],
-                        "tensor left over after the step: layer " << l << " subseq " << i);
-    }
-  }
+  st.act->check_empty();
   if (opts_.record_memory) {
     result.memory = device_->take_timeline();
     device_->record_timeline(nullptr);

@@ -120,8 +120,6 @@ class Runtime {
   std::unique_ptr<BlockAttention> attention(StepState& st, const sched::Op& op, int l, const KVBlocks& past);
   void forward(StepState& st, const sched::Op& op);
   void backward(StepState& st, const sched::Op& op, std::size_t index);
-  void offload(StepState& st, int i, double fraction);
-  void prefetch(StepState& st, int i);
   // The weights F/B op `op` runs with: this rank's own, or another stage's lent to it (MSP).
   struct StageWeights {
     const ParamView* w;

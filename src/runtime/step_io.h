@@ -1,10 +1,11 @@
 // What a Runtime (runtime/executor.h) is given and what one of its steps reports: the
 // runtime's options (RuntimeOptions), how one call of step() fits into an optimizer step
-// (StepControl), and the step's result with its timeline (StepResult, TraceSpan). Apart
-// from the Runtime class, so that the parts a step is made of read the options and write
-// the result without depending on the class that runs them.
+// (StepControl), and the step's result with its timeline (StepResult, TraceSpan, on the
+// clock now_s reads). Apart from the Runtime class, so that the parts a step is made of
+// read the options and write the result without depending on the class that runs them.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -83,5 +84,19 @@ struct StepControl {
   // next tokens.
   const std::int32_t* targets = nullptr;
 };
+
+// Seconds on the steady clock, which every process on a machine shares, so that the
+// spans of several ranks line up in one trace.
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline constexpr double kShownWaitS = 1e-4;  // waits shorter than this stay out of the trace
+
+// Adds the span [t0, t1] (now_s() seconds) to the step's timeline, which starts at
+// result.start_s.
+inline void add_span(StepResult& result, std::string name, sched::OpKind kind, Lane lane, double t0, double t1) {
+  result.trace.push_back({std::move(name), kind, lane, t0 - result.start_s, t1 - t0});
+}
 
 }  // namespace sppo

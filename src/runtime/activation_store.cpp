@@ -1,0 +1,118 @@
+#include "runtime/activation_store.h"
+
+#include "core/check.h"
+
+namespace sppo {
+
+std::string unit_name(int l, int i) {
+  return "blocks." + std::to_string(l) + " subseq " + std::to_string(i) + " ";
+}
+
+ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& host, const ModelConfig& c,
+                                 ActPrecision precision, int subseqs, std::pair<int, int> layers)
+    : device_(device), host_(host), config_(c), lb_(layers.first), le_(layers.second) {
+  const int L = c.layers, N = subseqs;
+  dev_.resize(N);
+  host_copies_.resize(N);
+  for (int i = 0; i < N; ++i) {
+    dev_[i].resize(L);
+    host_copies_[i].resize(L);
+  }
+  for (int i = 0; i < N; ++i)
+    for (int l = 0; l < L; ++l) {
+      dev_[i][l].resize(kSavedTensors);
+      host_copies_[i][l].resize(kSavedTensors);
+    }
+  head_grad_.resize(N);
+  head_grad_host_.resize(N);
+  offload_first_.resize(N);
+  offload_last_.resize(N);
+  prefetch_first_.resize(N);
+  prefetch_last_.resize(N);
+  for (const auto& s : block_saved_specs(c, 1, precision)) roles_.push_back(s.role);
+  SPPO_ASSERT(int(roles_.size()) == kSavedTensors);
+  d2h_ = be.make_copy_stream();
+  h2d_ = be.make_copy_stream();
+}
+
+ActivationStore::~ActivationStore() = default;
+
+i64 ActivationStore::offload(int i, double fraction) {
+  if (fraction <= 0) return 0;
+  // The same walk as the simulator's: the rank's layers in order (the first is needed
+  // last in backward), each layer's offloadable tensors in table order, head_grad last.
+  std::vector<std::pair<Buffer*, Buffer*>> tensors;
+  std::vector<i64> sizes;
+  for (int l = lb_; l < le_; ++l)
+    for (int k = 0; k < kSavedTensors; ++k)
+      if (roles_[k] == Role::Offloadable) {
+        tensors.push_back({&dev_[i][l][k], &host_copies_[i][l][k]});
+        sizes.push_back(dev_[i][l][k].bytes());
+      }
+  if (le_ == config_.layers) {
+    tensors.push_back({&head_grad_[i], &head_grad_host_[i]});
+    sizes.push_back(head_grad_[i].bytes());
+  }
+  std::vector<bool> take;
+  const i64 offloaded = select_offload(sizes, fraction, &take);
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    if (!take[t]) continue;
+    Buffer& dev = *tensors[t].first;
+    Buffer& host = *tensors[t].second;
+    SPPO_ASSERT(dev);
+    host = host_.alloc(dev.bytes(), "subseq " + std::to_string(i) + " host copy");
+    device_.expect_release(dev.bytes());
+    // The device bytes are really released when the copy completes.
+    auto ev = d2h_->copy(host.data(), dev.data(), std::size_t(dev.bytes()), [&dev, tier = &device_] {
+      const i64 bytes = dev.bytes();
+      dev.reset();
+      tier->settle(bytes);
+    });
+    if (!offload_first_[i]) offload_first_[i] = ev;
+    offload_last_[i] = ev;
+  }
+  return offloaded;
+}
+
+void ActivationStore::prefetch(int i) {
+  auto move_in = [&](Buffer& dev, Buffer& host, const std::string& what) {
+    if (!host) return;
+    dev = device_.alloc(host.bytes(), what);
+    auto ev = h2d_->copy(dev.data(), host.data(), std::size_t(host.bytes()), [&host] { host.reset(); });
+    if (!prefetch_first_[i]) prefetch_first_[i] = ev;
+    prefetch_last_[i] = ev;
+  };
+  move_in(head_grad_[i], head_grad_host_[i], "head_grad");
+  for (int l = le_ - 1; l >= lb_; --l)
+    for (int k = 0; k < kSavedTensors; ++k) move_in(dev_[i][l][k], host_copies_[i][l][k], unit_name(l, i));
+}
+
+double ActivationStore::wait_offload(int i) { return offload_last_[i] ? offload_last_[i]->wait() : 0; }
+
+double ActivationStore::wait_prefetch(int i) { return prefetch_last_[i] ? prefetch_last_[i]->wait() : 0; }
+
+void ActivationStore::synchronize() {
+  d2h_->synchronize();
+  h2d_->synchronize();
+}
+
+void ActivationStore::trace(StepResult& result) const {
+  for (std::size_t i = 0; i < offload_first_.size(); ++i) {
+    if (offload_first_[i])
+      add_span(result, "O" + std::to_string(i), sched::OpKind::Offload, Lane::CopyOut, offload_first_[i]->start_s(),
+               offload_last_[i]->end_s());
+    if (prefetch_first_[i])
+      add_span(result, "P" + std::to_string(i), sched::OpKind::Prefetch, Lane::CopyIn, prefetch_first_[i]->start_s(),
+               prefetch_last_[i]->end_s());
+  }
+}
+
+void ActivationStore::check_empty() const {
+  for (std::size_t i = 0; i < dev_.size(); ++i)
+    for (std::size_t l = 0; l < dev_[i].size(); ++l)
+      for (int k = 0; k < kSavedTensors; ++k)
+        SPPO_ASSERT_MSG(!dev_[i][l][k] && !host_copies_[i][l][k],
+                        "tensor left over after the step: layer " << l << " subseq " << i);
+}
+
+}  // namespace sppo
