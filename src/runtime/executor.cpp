@@ -10,8 +10,7 @@
 #include "core/check.h"
 #include "runtime/activation_store.h"
 #include "runtime/fault.h"
-#include "runtime/kv_stream.h"
-#include "runtime/ring.h"
+#include "runtime/kv_store.h"
 #include "runtime/tensor_parallel.h"
 #include "schedule/memory.h"
 #include "model/tensor_parallel.h"
@@ -43,27 +42,6 @@ bool is_hidden_message(const sched::Op& op) {
 }
 
 constexpr std::size_t kNever = std::size_t(-1);
-
-// The rows of subsequence op.subseq that F/B op `op` works on (Schedule::spans), at their
-// global positions.
-Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
-  const i64 o = sc.offset(op.subseq);
-  if (op.pieces == 1) return Subseq{o, int(sc.lengths[op.subseq])};
-  Subseq q;
-  for (const auto& [b, e] : sc.spans(op)) {
-    q.spans.push_back({o + b, int(e - b), q.T});
-    q.T += int(e - b);
-  }
-  q.offset = q.spans.front().pos0;
-  return q;
-}
-
-// Piece `piece` of F/B op `op`'s task.
-sched::Op piece_op(const sched::Op& op, int piece) {
-  sched::Op p = op;
-  p.piece = piece;
-  return p;
-}
 
 // Identity of a hidden state (or its gradient) passed between stages: its payload, the
 // layer at the boundary (the consumer's first layer for a hidden state, its last + 1 for a
@@ -111,11 +89,10 @@ struct Runtime::StepState {
   int N = 0;
   double t_start = 0;
   std::unique_ptr<ActivationStore> act;                // saved tensors, offloaded copies, copy streams
-  std::vector<std::vector<Buffer>> dk, dv;             // [L][N] dK/dV accumulators
+  std::unique_ptr<KvStore> kv;                         // K/V, their dK/dV sums, how attention reaches them
   Buffer ids;                                          // [S + 1] token ids on the device
   Buffer loss_sum;                                     // one double on the device
   StepResult* result = nullptr;
-  std::unique_ptr<HostKvCache> kv;                     // layers whose K/V live on the host (Schedule::kv_host)
   // The rows this rank holds of each subsequence: the whole of it, or its ring piece.
   std::vector<Subseq> rows;                            // [N]
   std::unique_ptr<TpGroup> tp;                         // the tensor-parallel group (tp > 1)
@@ -148,14 +125,6 @@ struct Runtime::StepState {
     std::string name;
   };
   std::vector<Outgoing> sends;
-  // The rows of each subsequence this rank computed at each layer ([L][N]; T = 0: none).
-  std::vector<std::vector<Subseq>> rows_at;
-  // MSP: the owner's copies of helper pieces' K, V and their dK/dV accumulators ([L][N]).
-  struct Held {
-    PosSpan rows;          // global positions (row0 0)
-    Buffer k, v, dk, dv;
-  };
-  std::vector<std::vector<std::vector<Held>>> held;
   // MSP: another stage's weights lent to this rank, by layer range, and their gradients.
   struct Borrowed {
     Buffer w, g;
@@ -373,13 +342,10 @@ void Runtime::send_msp(StepState& st, const sched::Op& op) {
     case sched::Payload::KVGrad: {  // the owner returns a helper piece's dK, dV and drops its copy
       const i64 pos0 = sc.offset(i) + sc.spans(op).front().first;
       for (int l = b; l < e; ++l) {
-        alloc_accumulators(st, l, i);
-        auto& held = st.held[l][i];
-        auto h = std::find_if(held.begin(), held.end(), [&](const StepState::Held& x) { return x.rows.pos0 == pos0; });
-        SPPO_ASSERT_MSG(h != held.end(), "'" << sched::to_string(op) << "' without the piece's K, V");
-        auto dk = std::make_shared<Buffer>(std::move(h->dk));
-        auto dv = std::make_shared<Buffer>(std::move(h->dv));
-        held.erase(h);
+        st.kv->alloc_accumulators(l, i);
+        auto [dk_sum, dv_sum] = st.kv->take_held(op, l, pos0);
+        auto dk = std::make_shared<Buffer>(std::move(dk_sum));
+        auto dv = std::make_shared<Buffer>(std::move(dv_sum));
         isend(dk, dk->data(), dk->bytes());
         isend(dv, dv->data(), dv->bytes());
       }
@@ -429,21 +395,17 @@ double Runtime::receive_msp(StepState& st, const sched::Op& op, std::size_t inde
     case sched::Payload::KV: {
       const PosSpan rows{sc.offset(i) + sc.spans(op).front().first, int(op.tokens), 0};
       for (int l = b; l < e; ++l) {
-        StepState::Held h;
-        h.rows = rows;
-        h.k = device_->alloc(op.tokens * H * dtype_bytes(act_), unit_name(l, i) + "K of an MSP piece");
-        h.v = device_->alloc(op.tokens * H * dtype_bytes(act_), unit_name(l, i) + "V of an MSP piece");
+        KvStore::Held& h = st.kv->hold(l, i, rows, op.tokens * H * dtype_bytes(act_));
         recv(h.k.data(), h.k.bytes());
         recv(h.v.data(), h.v.bytes());
-        st.held[l][i].push_back(std::move(h));
       }
       break;
     }
     case sched::Payload::KVGrad:
       for (int l = b; l < e; ++l) {
-        alloc_accumulators(st, l, i);
-        recv(st.dk[l][i].data(), st.dk[l][i].bytes());
-        recv(st.dv[l][i].data(), st.dv[l][i].bytes());
+        st.kv->alloc_accumulators(l, i);
+        recv(st.kv->dk(l, i).data(), st.kv->dk(l, i).bytes());
+        recv(st.kv->dv(l, i).data(), st.kv->dv(l, i).bytes());
       }
       break;
     case sched::Payload::WeightGrads: {
@@ -506,80 +468,6 @@ void Runtime::reduce(StepState& st, const sched::Op& op, std::size_t index) {
     st.result->trace.push_back({"wait " + sched::to_string(op), op.kind, Lane::Compute, t0 - st.t_start, now_s() - t0});
 }
 
-KVBlocks Runtime::past_blocks(StepState& st, int l, int i, bool grads) {
-  KVBlocks past;
-  // An MSP helper holds no earlier keys of another stage's layers: its stage's owner does.
-  if (l < lb_ || l >= le_) return past;
-  const i64 H = opts_.tp.local_hidden(config_);  // the K/V cache's width
-  for (int j = 0; j < i; ++j) {
-    if (st.rows_at[l][j].T > 0)
-      for (const PosSpan& part : st.rows_at[l][j].parts()) {
-        const i64 at = i64(part.row0) * H;
-        past.k.push_back(act_at(st.act->unit(j, l)[kK].data(), at, act_));
-        past.v.push_back(act_at(st.act->unit(j, l)[kV].data(), at, act_));
-        if (grads) {
-          past.dk.push_back(st.dk[l][j].f32() + at);
-          past.dv.push_back(st.dv[l][j].f32() + at);
-        }
-        past.offsets.push_back(part.pos0);
-        past.lengths.push_back(part.rows);
-      }
-    for (auto& h : st.held[l][j]) {
-      past.k.push_back(h.k.data());
-      past.v.push_back(h.v.data());
-      if (grads) {
-        past.dk.push_back(h.dk.f32());
-        past.dv.push_back(h.dv.f32());
-      }
-      past.offsets.push_back(h.rows.pos0);
-      past.lengths.push_back(h.rows.rows);
-    }
-  }
-  return past;
-}
-
-void Runtime::alloc_accumulators(StepState& st, int l, int i) {
-  const i64 width = opts_.tp.local_hidden(config_);
-  for (int j = 0; j <= i; ++j) {
-    if (st.rows_at[l][j].T > 0 && !st.dk[l][j]) {
-      const i64 bytes = i64(st.rows_at[l][j].T) * width * i64(sizeof(float));
-      st.dk[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dK");
-      st.dv[l][j] = device_->alloc_zeroed(bytes, unit_name(l, j) + "dV");
-    }
-    for (auto& h : st.held[l][j])
-      if (!h.dk) {
-        const i64 bytes = i64(h.rows.rows) * width * i64(sizeof(float));
-        h.dk = device_->alloc_zeroed(bytes, unit_name(l, j) + "held dK");
-        h.dv = device_->alloc_zeroed(bytes, unit_name(l, j) + "held dV");
-      }
-  }
-}
-
-std::unique_ptr<BlockAttention> Runtime::attention(StepState& st, const sched::Op& op, int l, const KVBlocks& past) {
-  if (op.pieces == 1) return std::make_unique<LocalAttention>(past);
-  const auto& sc = *st.sched;
-  const int R = op.pieces, i = op.subseq, tp = opts_.tp.size;
-  RingContext ctx;
-  ctx.comm = opts_.comm;
-  for (int h = 0; h < R; ++h) {
-    const sched::Op other = piece_op(op, h);
-    ctx.spans.push_back(rows_of(sc, other).parts());
-    ctx.first_key.push_back(sched::ring_first_key(sc, op, h));
-    // An MSP task's members are its group (Note [MSP pieces]); a ring piece's are ranks tp
-    // apart in piece order, each with this rank's tensor-parallel index
-    // (sched::PipelineSpec::rank_of, expand_tensor_parallel).
-    ctx.members.push_back(op.group.empty() ? opts_.rank + (h - op.piece) * tp : op.group[std::size_t(h)]);
-  }
-  ctx.me = op.piece;
-  ctx.subseq = i;
-  ctx.layer = l;
-  ctx.causal = config_.causal;
-  ctx.device = device_.get();
-  ctx.waited_s = &st.result->ring_wait_s;
-  if (opts_.ring_rsa) return std::make_unique<RsaAttention>(ctx);
-  return std::make_unique<RingAttention>(ctx, past);
-}
-
 Runtime::StageWeights Runtime::weights_for(StepState& st, const sched::Op& op) {
   if (lb_ <= op.layer_begin && op.layer_end <= le_) return {&weights_, &dweights_, &matrices_};
   auto it = st.borrowed.find({op.layer_begin, op.layer_end});
@@ -631,9 +519,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       out = device_->alloc(specs[0].bytes(), e == L ? "final hidden" : "hidden for the next stage");
       x_out = out.data();
     }
-    const bool kv_host = st.sched->kv_on_host(l);
-    const KVBlocks past = kv_host ? KVBlocks{} : past_blocks(st, l, i, false);
-    const auto attn = kv_host ? st.kv->attention(l, i, T, false) : attention(st, op, l, past);
+    const LayerAttention attn = st.kv->attention(op, l, false);
     BlockSaved saved = block_saved_from(ptrs(unit));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     if (st.tp)
@@ -642,7 +528,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
-    if (kv_host) st.kv->store(l, i, unit[kK], unit[kV], q.offset, T);
+    st.kv->after_forward(l, i, q);
     scratch = {};
     ws.clear();
     poll(st);
@@ -690,17 +576,16 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
 
   for (int l = e - 1; l >= b; --l) {
-    const bool kv_host = st.sched->kv_on_host(l);
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use
-    // (on a host layer, this subsequence's own: the host holds the others').
-    if (!kv_host) alloc_accumulators(st, l, i);
+    // (on a host layer, this subsequence's own, which restore brings: the host holds the
+    // others').
+    st.kv->alloc_accumulators(l, i);
     auto& unit = st.act->unit(i, l);
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
-    if (kv_host) st.kv->restore(l, i, &unit[kK], &unit[kV], &st.dk[l][i], &st.dv[l][i]);
-    const KVBlocks past = kv_host ? KVBlocks{} : past_blocks(st, l, i, true);
-    const auto attn = kv_host ? st.kv->attention(l, i, T, true) : attention(st, op, l, past);
+    st.kv->restore(l, i);
+    const LayerAttention attn = st.kv->attention(op, l, true);
     if (opts_.recompute) {
       for (int k = 1; k < kSavedTensors; ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
@@ -713,18 +598,17 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));
     if (st.tp) {
-      block_backward_tp(be_, d, wt.g->blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, wt.w->blocks[l],
+      block_backward_tp(be_, d, wt.g->blocks[l], st.kv->dk(l, i).f32(), st.kv->dv(l, i).f32(), s, wt.w->blocks[l],
                         wt.m->blocks[l], w, *attn, *st.tp, config_, q);
       if (l == 0)  // while the layer's workspace is there to gather into
         embedding_backward_tp(be_, wt.g->embed, d, static_cast<const std::int32_t*>(st.ids.data()), w.tp_full,
                               w.tp_pad, *st.tp, config_, q);
     } else {
-      block_backward(be_, d, wt.g->blocks[l], st.dk[l][i].f32(), st.dv[l][i].f32(), s, wt.w->blocks[l],
+      block_backward(be_, d, wt.g->blocks[l], st.kv->dk(l, i).f32(), st.kv->dv(l, i).f32(), s, wt.w->blocks[l],
                      wt.m->blocks[l], w, *attn, config_, q);
     }
     for (auto& buf : unit) buf.reset();
-    st.dk[l][i].reset();
-    st.dv[l][i].reset();
+    st.kv->release(l, i);
     scratch = {};
     ws.clear();
     const std::size_t bucket = first_layer_bucket + std::size_t(l - lb_);
@@ -790,21 +674,12 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.N = int(sc.lengths.size());
   const int L = config_.layers, N = st.N;
   st.act = std::make_unique<ActivationStore>(be_, *device_, *host_, config_, precision_, N, std::pair{lb_, le_});
-  st.dk.resize(L);
-  st.dv.resize(L);
-  for (int l = 0; l < L; ++l) {
-    st.dk[l].resize(N);
-    st.dv[l].resize(N);
-  }
-  st.rows_at.assign(L, std::vector<Subseq>(N));
-  st.held.resize(L);
-  for (auto& layer : st.held) layer.resize(N);
+  st.kv = std::make_unique<KvStore>(*st.act, be_, *device_, *host_, config_, opts_, sc, ops, std::pair{lb_, le_},
+                                    result);
   std::map<HiddenKey, Subseq> made_here;  // outputs of this rank's F/B ops, and their rows
   std::map<std::pair<int, int>, std::vector<std::size_t>> leases;  // Recv Weights op indices by range
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const sched::Op& op = ops[k];
-    if (op.kind == sched::OpKind::Forward)
-      for (int l = op.layer_begin; l < op.layer_end; ++l) st.rows_at[l][op.subseq] = rows_of(sc, op);
     if (is_compute(op)) {
       // Under MSP a piece may take rows that this rank produced for it (Note [MSP pieces]).
       const bool has_input = op.kind == sched::OpKind::Forward ? op.layer_begin > 0 : op.layer_end < L;
@@ -838,9 +713,6 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     return op.kind == sched::OpKind::Forward && op.layer_end == L;
   });
   result.losses.assign(std::size_t(result.has_loss || any_head ? st.S : 0), 0.0f);
-  if (!sc.kv_host.empty())
-    st.kv = std::make_unique<HostKvCache>(be_, *device_, *host_, st.act->d2h(), st.act->h2d(), L, N,
-                                          opts_.tp.local_hidden(config_), &result.exposed_copy_s);
 
   // Receives are posted as the compute op before them starts (schedule/memory.h).
   st.posts.assign(ops.size(), {});
@@ -1008,9 +880,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   for (const auto& [range, b] : st.borrowed)
     SPPO_ASSERT_MSG(!b.w && !b.g, "borrowed weights of layers " << range.first << "-" << range.second - 1
                                                                 << " are left over after the step");
-  for (int i = 0; i < N; ++i)
-    for (int l = 0; l < L; ++l)
-      SPPO_ASSERT_MSG(st.held[l][i].empty(), "an MSP piece's K, V are left over: layer " << l << " subseq " << i);
+  st.kv->check_empty();
   st.act->check_empty();
   if (opts_.record_memory) {
     result.memory = device_->take_timeline();

@@ -113,11 +113,6 @@ class Runtime {
 
  private:
   struct StepState;
-  // The KV blocks of this rank's rows of subsequences j < i at layer l (with their dK/dV
-  // accumulators when grads), one per span.
-  KVBlocks past_blocks(StepState& st, int l, int i, bool grads);
-  // How F/B op's queries reach their keys at layer l: on this rank, or round its ring.
-  std::unique_ptr<BlockAttention> attention(StepState& st, const sched::Op& op, int l, const KVBlocks& past);
   void forward(StepState& st, const sched::Op& op);
   void backward(StepState& st, const sched::Op& op, std::size_t index);
   // The weights F/B op `op` runs with: this rank's own, or another stage's lent to it (MSP).
@@ -127,7 +122,6 @@ class Runtime {
     const MatrixView* m;
   };
   StageWeights weights_for(StepState& st, const sched::Op& op);
-  void alloc_accumulators(StepState& st, int l, int i);
   void post_receive(StepState& st, std::size_t index);
   // Hidden states (gradients) between stages: what an F (B) produced, kept for its Sends
   // and for this rank's own later piece; and what an F (B) starts from, assembled from

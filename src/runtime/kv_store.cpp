@@ -1,0 +1,192 @@
+#include "runtime/kv_store.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "runtime/ring.h"
+
+namespace sppo {
+
+namespace {
+
+// Piece `piece` of F/B op `op`'s task.
+sched::Op piece_op(const sched::Op& op, int piece) {
+  sched::Op p = op;
+  p.piece = piece;
+  return p;
+}
+
+}  // namespace
+
+Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
+  const i64 o = sc.offset(op.subseq);
+  if (op.pieces == 1) return Subseq{o, int(sc.lengths[op.subseq])};
+  Subseq q;
+  for (const auto& [b, e] : sc.spans(op)) {
+    q.spans.push_back({o + b, int(e - b), q.T});
+    q.T += int(e - b);
+  }
+  q.offset = q.spans.front().pos0;
+  return q;
+}
+
+KvStore::KvStore(ActivationStore& act, Backend& be, MemoryTier& device, MemoryTier& host, const ModelConfig& c,
+                 const RuntimeOptions& o, const sched::Schedule& sc, const std::vector<sched::Op>& ops,
+                 std::pair<int, int> layers, StepResult& result)
+    : act_(act),
+      device_(device),
+      config_(c),
+      opts_(o),
+      sched_(sc),
+      dtype_(be.act()),
+      width_(o.tp.local_hidden(c)),
+      lb_(layers.first),
+      le_(layers.second),
+      ring_wait_s_(&result.ring_wait_s) {
+  const int L = c.layers, N = int(sc.lengths.size());
+  dk_.resize(L);
+  dv_.resize(L);
+  for (int l = 0; l < L; ++l) {
+    dk_[l].resize(N);
+    dv_[l].resize(N);
+  }
+  rows_at_.assign(L, std::vector<Subseq>(N));
+  held_.resize(L);
+  for (auto& layer : held_) layer.resize(N);
+  for (const sched::Op& op : ops)
+    if (op.kind == sched::OpKind::Forward)
+      for (int l = op.layer_begin; l < op.layer_end; ++l) rows_at_[l][op.subseq] = rows_of(sc, op);
+  if (!sc.kv_host.empty())
+    host_ = std::make_unique<HostKvCache>(be, device, host, act.d2h(), act.h2d(), L, N, width_,
+                                          &result.exposed_copy_s);
+}
+
+KvStore::~KvStore() = default;
+
+LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward) {
+  LayerAttention a;
+  if (sched_.kv_on_host(l)) {
+    a.attn_ = host_->attention(l, op.subseq, rows_of(sched_, op).T, backward);
+    return a;
+  }
+  a.past_ = std::make_unique<KVBlocks>(past_blocks(l, op.subseq, backward));
+  a.attn_ = reach(op, l, *a.past_);
+  return a;
+}
+
+void KvStore::after_forward(int l, int i, const Subseq& q) {
+  if (!sched_.kv_on_host(l)) return;
+  std::vector<Buffer>& unit = act_.unit(i, l);
+  host_->store(l, i, unit[kK], unit[kV], q.offset, q.T);
+}
+
+KVBlocks KvStore::past_blocks(int l, int i, bool grads) {
+  KVBlocks past;
+  // An MSP helper holds no earlier keys of another stage's layers: its stage's owner does.
+  if (l < lb_ || l >= le_) return past;
+  const i64 H = width_;  // the K/V cache's width
+  for (int j = 0; j < i; ++j) {
+    if (rows_at_[l][j].T > 0)
+      for (const PosSpan& part : rows_at_[l][j].parts()) {
+        const i64 at = i64(part.row0) * H;
+        past.k.push_back(act_at(act_.unit(j, l)[kK].data(), at, dtype_));
+        past.v.push_back(act_at(act_.unit(j, l)[kV].data(), at, dtype_));
+        if (grads) {
+          past.dk.push_back(dk_[l][j].f32() + at);
+          past.dv.push_back(dv_[l][j].f32() + at);
+        }
+        past.offsets.push_back(part.pos0);
+        past.lengths.push_back(part.rows);
+      }
+    for (auto& h : held_[l][j]) {
+      past.k.push_back(h.k.data());
+      past.v.push_back(h.v.data());
+      if (grads) {
+        past.dk.push_back(h.dk.f32());
+        past.dv.push_back(h.dv.f32());
+      }
+      past.offsets.push_back(h.rows.pos0);
+      past.lengths.push_back(h.rows.rows);
+    }
+  }
+  return past;
+}
+
+void KvStore::alloc_accumulators(int l, int i) {
+  if (sched_.kv_on_host(l)) return;
+  for (int j = 0; j <= i; ++j) {
+    if (rows_at_[l][j].T > 0 && !dk_[l][j]) {
+      const i64 bytes = i64(rows_at_[l][j].T) * width_ * i64(sizeof(float));
+      dk_[l][j] = device_.alloc_zeroed(bytes, unit_name(l, j) + "dK");
+      dv_[l][j] = device_.alloc_zeroed(bytes, unit_name(l, j) + "dV");
+    }
+    for (auto& h : held_[l][j])
+      if (!h.dk) {
+        const i64 bytes = i64(h.rows.rows) * width_ * i64(sizeof(float));
+        h.dk = device_.alloc_zeroed(bytes, unit_name(l, j) + "held dK");
+        h.dv = device_.alloc_zeroed(bytes, unit_name(l, j) + "held dV");
+      }
+  }
+}
+
+void KvStore::restore(int l, int i) {
+  if (!sched_.kv_on_host(l)) return;
+  std::vector<Buffer>& unit = act_.unit(i, l);
+  host_->restore(l, i, &unit[kK], &unit[kV], &dk_[l][i], &dv_[l][i]);
+}
+
+void KvStore::release(int l, int i) {
+  dk_[l][i].reset();
+  dv_[l][i].reset();
+}
+
+KvStore::Held& KvStore::hold(int l, int i, const PosSpan& rows, i64 bytes) {
+  Held h;
+  h.rows = rows;
+  h.k = device_.alloc(bytes, unit_name(l, i) + "K of an MSP piece");
+  h.v = device_.alloc(bytes, unit_name(l, i) + "V of an MSP piece");
+  held_[l][i].push_back(std::move(h));
+  return held_[l][i].back();
+}
+
+std::pair<Buffer, Buffer> KvStore::take_held(const sched::Op& op, int l, i64 pos0) {
+  auto& held = held_[l][op.subseq];
+  auto h = std::find_if(held.begin(), held.end(), [&](const Held& x) { return x.rows.pos0 == pos0; });
+  SPPO_ASSERT_MSG(h != held.end(), "'" << sched::to_string(op) << "' without the piece's K, V");
+  std::pair<Buffer, Buffer> sums{std::move(h->dk), std::move(h->dv)};
+  held.erase(h);
+  return sums;
+}
+
+void KvStore::check_empty() const {
+  for (std::size_t i = 0; i < sched_.lengths.size(); ++i)
+    for (std::size_t l = 0; l < held_.size(); ++l)
+      SPPO_ASSERT_MSG(held_[l][i].empty(), "an MSP piece's K, V are left over: layer " << l << " subseq " << i);
+}
+
+std::unique_ptr<BlockAttention> KvStore::reach(const sched::Op& op, int l, const KVBlocks& past) {
+  if (op.pieces == 1) return std::make_unique<LocalAttention>(past);
+  const auto& sc = sched_;
+  const int R = op.pieces, i = op.subseq, tp = opts_.tp.size;
+  RingContext ctx;
+  ctx.comm = opts_.comm;
+  for (int h = 0; h < R; ++h) {
+    const sched::Op other = piece_op(op, h);
+    ctx.spans.push_back(rows_of(sc, other).parts());
+    ctx.first_key.push_back(sched::ring_first_key(sc, op, h));
+    // An MSP task's members are its group (Note [MSP pieces]); a ring piece's are ranks tp
+    // apart in piece order, each with this rank's tensor-parallel index
+    // (sched::PipelineSpec::rank_of, expand_tensor_parallel).
+    ctx.members.push_back(op.group.empty() ? opts_.rank + (h - op.piece) * tp : op.group[std::size_t(h)]);
+  }
+  ctx.me = op.piece;
+  ctx.subseq = i;
+  ctx.layer = l;
+  ctx.causal = config_.causal;
+  ctx.device = &device_;
+  ctx.waited_s = ring_wait_s_;
+  if (opts_.ring_rsa) return std::make_unique<RsaAttention>(ctx);
+  return std::make_unique<RingAttention>(ctx, past);
+}
+
+}  // namespace sppo
