@@ -9,8 +9,8 @@
 
 #include "core/check.h"
 #include "runtime/activation_store.h"
-#include "runtime/fault.h"
 #include "runtime/kv_store.h"
+#include "runtime/stage_messages.h"
 #include "runtime/tensor_parallel.h"
 #include "schedule/memory.h"
 #include "model/tensor_parallel.h"
@@ -32,35 +32,7 @@ std::vector<Buffer> alloc_specs(MemoryTier& tier, const std::vector<TensorSpec>&
   return bufs;
 }
 
-bool is_compute(const sched::Op& op) {
-  return op.kind == sched::OpKind::Forward || op.kind == sched::OpKind::Backward;
-}
-
-bool is_hidden_message(const sched::Op& op) {
-  return (op.kind == sched::OpKind::Send || op.kind == sched::OpKind::Recv) &&
-         (op.payload == sched::Payload::Hidden || op.payload == sched::Payload::HiddenGrad);
-}
-
 constexpr std::size_t kNever = std::size_t(-1);
-
-// Identity of a hidden state (or its gradient) passed between stages: its payload, the
-// layer at the boundary (the consumer's first layer for a hidden state, its last + 1 for a
-// gradient) and the subsequence.
-using HiddenKey = std::tuple<sched::Payload, int, int>;
-HiddenKey hidden_key(const sched::Op& op) {
-  const bool fwd = op.payload == sched::Payload::Hidden;
-  return {op.payload, fwd ? op.layer_begin : op.layer_end, op.subseq};
-}
-// The key of what F/B op `op` starts from (for a stage after the first, or before the last).
-HiddenKey input_key(const sched::Op& op) {
-  if (op.kind == sched::OpKind::Forward) return {sched::Payload::Hidden, op.layer_begin, op.subseq};
-  return {sched::Payload::HiddenGrad, op.layer_end, op.subseq};
-}
-// The key of what it produces for the next stage (the previous, in backward).
-HiddenKey output_key(const sched::Op& op) {
-  if (op.kind == sched::OpKind::Forward) return {sched::Payload::Hidden, op.layer_end, op.subseq};
-  return {sched::Payload::HiddenGrad, op.layer_begin, op.subseq};
-}
 
 // The kernels' scratch for one layer (or the head), from the device tier; none when the
 // size is zero (the kernels then allocate their own).
@@ -98,33 +70,7 @@ struct Runtime::StepState {
   std::unique_ptr<TpGroup> tp;                         // the tensor-parallel group (tp > 1)
   int ring_piece = 0;                                  // this rank's piece of every subsequence (ring > 1)
 
-  // Hidden states from the previous stage (gradients from the next), received before
-  // their F (B) in one or more parts, and the ones this rank produced, waiting for their
-  // Sends and, under MSP, for a piece of this rank that takes some of their rows.
-  struct Incoming {
-    Buffer buf;
-    comm::Request req = comm::kDone;
-    i64 first = -1;   // position in the subsequence of its first row; -1: the whole piece
-    i64 tokens = 0;
-    std::size_t op = 0;  // the Recv op that waits for it
-  };
-  std::map<HiddenKey, std::vector<Incoming>> incoming;
-  struct Produced {
-    std::shared_ptr<Buffer> buf;
-    Subseq rows;
-    int sends_left = 0;      // Send ops of it still to come
-    bool local = false;      // a later F/B of this rank takes some of its rows
-  };
-  std::map<HiddenKey, Produced> produced;
-  std::map<HiddenKey, int> sends_of;    // Send ops of each, in this rank's op list
-  std::set<HiddenKey> taken_here;       // consumed in part by this rank's own later F/B
-  struct Outgoing {
-    std::shared_ptr<Buffer> buf;  // released when the send completes (may be null)
-    comm::Request req;
-    double start;
-    std::string name;
-  };
-  std::vector<Outgoing> sends;
+  std::unique_ptr<StageMessages> messages;             // hidden states between stages, sends in flight
   // MSP: another stage's weights lent to this rank, by layer range, and their gradients.
   struct Borrowed {
     Buffer w, g;
@@ -135,7 +81,6 @@ struct Runtime::StepState {
   std::map<std::pair<int, int>, Borrowed> borrowed;
   std::map<std::size_t, std::pair<int, int>> lease_ends;  // op index -> lease released after it
   double helper_loss = 0;                                  // loss sum sent with the weight gradients
-  std::vector<std::vector<std::size_t>> posts;         // op index -> receives posted as it starts
 
   // Gradient buckets: the all-reduce (reduce-scatter) op of this rank, when it reduces,
   // and after which op each bucket's gradient is final.
@@ -218,118 +163,13 @@ void Runtime::write_device(float* device, const float* host, i64 n) {
 
 Runtime::~Runtime() = default;
 
-void Runtime::poll(StepState& st) {
-  if (!opts_.comm) return;
-  opts_.comm->progress();
-  for (auto it = st.sends.begin(); it != st.sends.end();) {
-    if (opts_.comm->test(it->req)) {
-      const double end = now_s();
-      st.result->trace.push_back({it->name, sched::OpKind::Send, Lane::Network, it->start - st.t_start, end - it->start});
-      it = st.sends.erase(it);  // the buffer is released here, as the send has completed
-    } else {
-      ++it;
-    }
-  }
-}
-
-void Runtime::post_receive(StepState& st, std::size_t index) {
-  const sched::Op& op = (*st.ops)[index];
-  const int i = op.subseq;
-  StepState::Incoming in;
-  in.op = index;
-  in.first = op.first;
-  in.tokens = op.tokens > 0 ? op.tokens : st.sched->lengths[i];
-  const i64 bytes = in.tokens * config_.hidden * dtype_bytes(act_);
-  in.buf = device_->alloc(bytes, "received " + std::string(sched::to_string(op.payload)) + " of subseq " +
-                                     std::to_string(i));
-  in.req = opts_.comm->irecv(in.buf.data(), bytes, op.peer, sched::message_tag(op));
-  st.incoming[hidden_key(op)].push_back(std::move(in));
-}
-
-void Runtime::produce(StepState& st, const HiddenKey& key, Buffer buf, const Subseq& rows) {
-  const int sends = st.sends_of.count(key) ? st.sends_of.at(key) : 0;
-  const bool local = st.taken_here.count(key) > 0;
-  if (sends == 0 && !local) return;  // nobody takes it (a helper's rows that stay with their stage)
-  StepState::Produced& p = st.produced[key];
-  SPPO_ASSERT_MSG(!p.buf, "a second output for one hidden state of subseq " << std::get<2>(key));
-  p.buf = std::make_shared<Buffer>(std::move(buf));
-  p.rows = rows;
-  p.sends_left = sends;
-  p.local = local;
-}
-
-Buffer Runtime::take_input(StepState& st, const HiddenKey& key, const Subseq& q) {
-  const i64 row_bytes = i64(config_.hidden) * dtype_bytes(act_);
-  auto it = st.incoming.find(key);
-  std::vector<StepState::Incoming> parts;
-  if (it != st.incoming.end()) {
-    parts = std::move(it->second);
-    st.incoming.erase(it);
-  }
-  auto mine = st.produced.find(key);
-  const bool local = mine != st.produced.end() && mine->second.local;
-  // One message of the whole piece (under tensor parallelism, of this member's rows of it).
-  if (!local && parts.size() == 1 && (parts[0].first < 0 || parts[0].tokens == q.T)) return std::move(parts[0].buf);
-  // Pieces that split the subsequence differently (MSP): one contiguous [T, H] from the
-  // received parts and the rows this rank produced itself.
-  SPPO_ASSERT_MSG(q.spans.size() <= 1, "hidden-state parts of a piece with several spans");
-  const i64 start = q.offset - st.sched->offset(std::get<2>(key));  // in the subsequence
-  Buffer whole = device_->alloc(i64(q.T) * row_bytes, "hidden state assembled from parts");
-  i64 filled = 0;
-  for (const auto& part : parts) {
-    SPPO_ASSERT(part.first >= start && part.first + part.tokens <= start + q.T);
-    be_.copy_cols(act_at(whole.data(), (part.first - start) * config_.hidden, act_), part.buf.data(),
-                  int(part.tokens), config_.hidden, config_.hidden, 0);
-    filled += part.tokens;
-  }
-  if (local) {
-    const Subseq& p = mine->second.rows;
-    const i64 b = std::max(p.offset, q.offset), e = std::min(p.offset + p.T, q.offset + q.T);
-    SPPO_ASSERT(e > b);
-    be_.copy_cols(act_at(whole.data(), (b - q.offset) * config_.hidden, act_),
-                  act_at(mine->second.buf->data(), (b - p.offset) * config_.hidden, act_), int(e - b),
-                  config_.hidden, config_.hidden, 0);
-    filled += e - b;
-    mine->second.local = false;
-    if (mine->second.sends_left == 0) st.produced.erase(mine);
-  }
-  SPPO_ASSERT_MSG(filled == q.T, "the parts of a hidden state cover " << filled << " of its " << q.T << " rows");
-  return whole;
-}
-
-void Runtime::send(StepState& st, const sched::Op& op) {
-  auto it = st.produced.find(hidden_key(op));
-  SPPO_ASSERT_MSG(it != st.produced.end() && it->second.sends_left > 0,
-                  "send of " << sched::to_string(op) << " before its data was computed");
-  StepState::Produced& p = it->second;
-  const std::shared_ptr<Buffer> buf = p.buf;
-  const Subseq rows = p.rows;
-  if (--p.sends_left == 0 && !p.local) st.produced.erase(it);
-  const FaultPlan& fault = fault_plan();
-  if (fault.kind == FaultPlan::Kind::Drop && fault.rank == opts_.rank && ++sends_ == fault.count)
-    return;  // the message that never arrives
-  const i64 row_bytes = i64(config_.hidden) * dtype_bytes(act_);
-  const void* data = buf->data();
-  i64 bytes = buf->bytes();
-  if (op.first >= 0) {  // part of this rank's rows
-    const i64 row = op.first - (rows.offset - st.sched->offset(op.subseq));
-    SPPO_ASSERT(rows.spans.size() <= 1 && row >= 0 && row + op.tokens <= rows.T);
-    data = act_at(buf->data(), row * config_.hidden, act_);
-    bytes = op.tokens * row_bytes;
-  }
-  SPPO_ASSERT(op.tokens == 0 || bytes == op.tokens * row_bytes);
-  const comm::Request req = opts_.comm->isend(data, bytes, op.peer, sched::message_tag(op));
-  st.sends.push_back({buf, req, now_s(), sched::to_string(op)});
-}
-
 // MSP messages (Note [MSP pieces] in schedule/builders.cpp). Every one is a set of arrays
 // sent one after another with the op's tag, which MPI keeps in order between two ranks.
 void Runtime::send_msp(StepState& st, const sched::Op& op) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const auto& sc = *st.sched;
-  const int tag = sched::message_tag(op);
   auto isend = [&](std::shared_ptr<Buffer> keep, const void* data, i64 bytes) {
-    st.sends.push_back({std::move(keep), opts_.comm->isend(data, bytes, op.peer, tag), now_s(), sched::to_string(op)});
+    st.messages->start_send(std::move(keep), data, bytes, op);
   };
   switch (op.payload) {
     case sched::Payload::Weights:  // the owner lends its stage's weights (all it owns)
@@ -493,7 +333,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   if (b > 0) {  // the previous stage's output is this stage's first saved input
-    st.act->unit(i, b)[0] = take_input(st, input_key(op), q);
+    st.act->unit(i, b)[0] = st.messages->take_input(input_key(op), q);
     SPPO_ASSERT_MSG(st.act->unit(i, b)[0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
   Buffer out;  // the stage's output
@@ -531,10 +371,10 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     st.kv->after_forward(l, i, q);
     scratch = {};
     ws.clear();
-    poll(st);
+    st.messages->poll();
   }
   if (e < L) {
-    produce(st, {sched::Payload::Hidden, e, i}, std::move(out), q);
+    st.messages->produce({sched::Payload::Hidden, e, i}, std::move(out), q);
     return;
   }
   auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, precision_, opts_.tp),
@@ -570,7 +410,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int H = config_.hidden;
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   // The residual gradient: the head's on the last stage, else the next stage's.
-  Buffer d_buf = e == L ? std::move(st.act->head_grad(i)) : take_input(st, input_key(op), q);
+  Buffer d_buf = e == L ? std::move(st.act->head_grad(i)) : st.messages->take_input(input_key(op), q);
   SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
   const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
@@ -613,10 +453,10 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     ws.clear();
     const std::size_t bucket = first_layer_bucket + std::size_t(l - lb_);
     if (own && st.reduce_op && st.bucket_ready[bucket] == index) start_bucket(st, bucket);
-    poll(st);
+    st.messages->poll();
   }
   if (b > 0) {
-    produce(st, {sched::Payload::HiddenGrad, b, i}, std::move(d_buf), q);
+    st.messages->produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf), q);
     return;
   }
   if (st.tp) return;  // the embedding's gradient came with layer 0
@@ -676,22 +516,10 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.act = std::make_unique<ActivationStore>(be_, *device_, *host_, config_, precision_, N, std::pair{lb_, le_});
   st.kv = std::make_unique<KvStore>(*st.act, be_, *device_, *host_, config_, opts_, sc, ops, std::pair{lb_, le_},
                                     result);
-  std::map<HiddenKey, Subseq> made_here;  // outputs of this rank's F/B ops, and their rows
+  st.messages = std::make_unique<StageMessages>(opts_.comm, opts_.rank, be_, *device_, config_, sc, ops, sends_, result);
   std::map<std::pair<int, int>, std::vector<std::size_t>> leases;  // Recv Weights op indices by range
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const sched::Op& op = ops[k];
-    if (is_compute(op)) {
-      // Under MSP a piece may take rows that this rank produced for it (Note [MSP pieces]).
-      const bool has_input = op.kind == sched::OpKind::Forward ? op.layer_begin > 0 : op.layer_end < L;
-      auto made = made_here.find(input_key(op));
-      if (has_input && made != made_here.end()) {
-        const Subseq q = rows_of(sc, op);
-        const Subseq& p = made->second;
-        if (std::min(p.offset + p.T, q.offset + q.T) > std::max(p.offset, q.offset)) st.taken_here.insert(made->first);
-      }
-      made_here[output_key(op)] = rows_of(sc, op);
-    }
-    if (is_hidden_message(op) && op.kind == sched::OpKind::Send) ++st.sends_of[hidden_key(op)];
     if (op.kind == sched::OpKind::Recv && op.payload == sched::Payload::Weights)
       leases[{op.layer_begin, op.layer_end}].push_back(k);
   }
@@ -714,15 +542,6 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   });
   result.losses.assign(std::size_t(result.has_loss || any_head ? st.S : 0), 0.0f);
 
-  // Receives are posted as the compute op before them starts (schedule/memory.h).
-  st.posts.assign(ops.size(), {});
-  {
-    std::size_t post = 0;
-    for (std::size_t k = 0; k < ops.size(); ++k) {
-      if (is_compute(ops[k])) post = k;
-      if (ops[k].kind == sched::OpKind::Recv && is_hidden_message(ops[k])) st.posts[post].push_back(k);
-    }
-  }
   // Gradient buckets: each starts after the last op that adds to it.
   for (const sched::Op& op : ops)
     if (op.kind == sched::OpKind::AllReduce && op.payload == sched::Payload::WeightGrads && control.reduce)
@@ -773,13 +592,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   device_->reset_peak();
   host_->reset_peak();
   // An allocation over the budget first waits for the sends that will free bytes.
-  device_->set_reclaimer([&st, this] {
-    if (st.sends.empty()) return false;
-    comm::wait(*opts_.comm, st.sends.front().req, "the send '" + st.sends.front().name + "' to free its memory");
-    st.sends.front().req = comm::kDone;
-    poll(st);
-    return true;
-  });
+  device_->set_reclaimer([&st] { return st.messages->reclaim(); });
   const double t_start = now_s();
   st.t_start = t_start;
   const i64 sent_at_start = opts_.comm ? opts_.comm->bytes_sent() : 0;
@@ -791,7 +604,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const sched::Op& op = ops[k];
     if (opts_.comm) comm::set_activity("op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
-    for (std::size_t j : st.posts[k]) post_receive(st, j);
+    st.messages->post_receives(k);
     const double t0 = now_s();
     const int i = op.subseq;
     switch (op.kind) {
@@ -822,18 +635,14 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
       }
       case sched::OpKind::Send:
         if (is_hidden_message(op))
-          send(st, op);
+          st.messages->send(op);
         else
           send_msp(st, op);
         break;
       case sched::OpKind::Recv: {
         double waited = 0;
         if (is_hidden_message(op)) {
-          auto& parts = st.incoming[hidden_key(op)];
-          auto part = std::find_if(parts.begin(), parts.end(), [k](const StepState::Incoming& in) { return in.op == k; });
-          SPPO_ASSERT(part != parts.end());
-          waited = comm::wait(*opts_.comm, part->req, "op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
-          part->req = comm::kDone;
+          waited = st.messages->wait_receive(k);
         } else {
           waited = receive_msp(st, op, k);
         }
@@ -848,13 +657,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         break;  // ring attention runs inside each layer of F and B (runtime/ring.h)
     }
     if (auto lease = st.lease_ends.find(k); lease != st.lease_ends.end()) st.borrowed.at(lease->second).w.reset();
-    poll(st);
+    st.messages->poll();
   }
-  while (!st.sends.empty()) {
-    comm::wait(*opts_.comm, st.sends.front().req, "the send '" + st.sends.front().name + "' at the end of the step");
-    st.sends.front().req = comm::kDone;
-    poll(st);
-  }
+  st.messages->drain();
   if (st.tp && control.reduce) {
     // Each member's LayerNorm gradients come from its own rows (Note [Sequence-parallel
     // regions]): the sum over the group is the whole gradient. Sums commute, so this may
@@ -876,7 +681,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   result.exposed_copy_s += device_->release_wait_s();
   result.comm_wait_s += result.ring_wait_s;
   st.act->trace(result);
-  SPPO_ASSERT_MSG(st.incoming.empty() && st.produced.empty(), "a hidden-state buffer is left over after the step");
+  st.messages->check_empty();
   for (const auto& [range, b] : st.borrowed)
     SPPO_ASSERT_MSG(!b.w && !b.g, "borrowed weights of layers " << range.first << "-" << range.second - 1
                                                                 << " are left over after the step");

@@ -122,16 +122,8 @@ class Runtime {
     const MatrixView* m;
   };
   StageWeights weights_for(StepState& st, const sched::Op& op);
-  void post_receive(StepState& st, std::size_t index);
-  // Hidden states (gradients) between stages: what an F (B) produced, kept for its Sends
-  // and for this rank's own later piece; and what an F (B) starts from, assembled from
-  // its parts when pieces split the subsequence differently.
-  void produce(StepState& st, const std::tuple<sched::Payload, int, int>& key, Buffer buf, const Subseq& rows);
-  Buffer take_input(StepState& st, const std::tuple<sched::Payload, int, int>& key, const Subseq& q);
-  void send(StepState& st, const sched::Op& op);
   void send_msp(StepState& st, const sched::Op& op);
   double receive_msp(StepState& st, const sched::Op& op, std::size_t index);
-  void poll(StepState& st);
   void start_bucket(StepState& st, std::size_t b);
   void reduce(StepState& st, const sched::Op& op, std::size_t index);
 

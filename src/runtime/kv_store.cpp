@@ -18,18 +18,6 @@ sched::Op piece_op(const sched::Op& op, int piece) {
 
 }  // namespace
 
-Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
-  const i64 o = sc.offset(op.subseq);
-  if (op.pieces == 1) return Subseq{o, int(sc.lengths[op.subseq])};
-  Subseq q;
-  for (const auto& [b, e] : sc.spans(op)) {
-    q.spans.push_back({o + b, int(e - b), q.T});
-    q.T += int(e - b);
-  }
-  q.offset = q.spans.front().pos0;
-  return q;
-}
-
 KvStore::KvStore(ActivationStore& act, Backend& be, MemoryTier& device, MemoryTier& host, const ModelConfig& c,
                  const RuntimeOptions& o, const sched::Schedule& sc, const std::vector<sched::Op>& ops,
                  std::pair<int, int> layers, StepResult& result)

@@ -3,11 +3,11 @@
 //
 // Contract, per layer of a step:
 //  - device layer: K_j, V_j [rows, H/tp] are unit (j, l)'s saved k and v
-//    (runtime/activation_store.h), for the rows rows_of(F(j)) this rank computed. Their
-//    fp32 dK/dV accumulators, of the same shape, live here: allocated and zeroed the
-//    first time a backward of layer l reaches block j, added to (+=) by the backward of
-//    every later subsequence and of j itself, freed when j's backward of layer l is done
-//    (release).
+//    (runtime/activation_store.h), for the rows of j that this rank's forward computed
+//    (rows_of, runtime/op_rows.h). Their fp32 dK/dV accumulators, of the same shape, live
+//    here: allocated and zeroed the first time a backward of layer l reaches block j,
+//    added to (+=) by the backward of every later subsequence and of j itself, freed when
+//    j's backward of layer l is done (release).
 //  - MSP (Note [MSP pieces] in schedule/builders.cpp): a stage's owner also holds the K, V
 //    of its helpers' pieces, received after their forward, with their dK/dV accumulators,
 //    until it sends the sums back (take_held).
@@ -30,14 +30,11 @@
 #include "runtime/activation_store.h"
 #include "runtime/kv_stream.h"
 #include "runtime/memory.h"
+#include "runtime/op_rows.h"
 #include "runtime/step_io.h"
 #include "schedule/ir.h"
 
 namespace sppo {
-
-// The rows of subsequence op.subseq that F/B op `op` works on (Schedule::spans), at their
-// global positions.
-Subseq rows_of(const sched::Schedule& sc, const sched::Op& op);
 
 // The attention of one layer for one F/B op, with the earlier blocks it refers to.
 class LayerAttention {
