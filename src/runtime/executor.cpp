@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "runtime/activation_store.h"
+#include "runtime/grad_reduce.h"
 #include "runtime/kv_store.h"
 #include "runtime/stage_messages.h"
 #include "runtime/tensor_parallel.h"
@@ -31,8 +32,6 @@ std::vector<Buffer> alloc_specs(MemoryTier& tier, const std::vector<TensorSpec>&
   for (const auto& s : specs) bufs.push_back(tier.alloc(s.bytes(), prefix + s.name));
   return bufs;
 }
-
-constexpr std::size_t kNever = std::size_t(-1);
 
 // The kernels' scratch for one layer (or the head), from the device tier; none when the
 // size is zero (the kernels then allocate their own).
@@ -82,13 +81,7 @@ struct Runtime::StepState {
   std::map<std::size_t, std::pair<int, int>> lease_ends;  // op index -> lease released after it
   double helper_loss = 0;                                  // loss sum sent with the weight gradients
 
-  // Gradient buckets: the all-reduce (reduce-scatter) op of this rank, when it reduces,
-  // and after which op each bucket's gradient is final.
-  const sched::Op* reduce_op = nullptr;
-  std::vector<std::size_t> bucket_ready;
-  std::vector<comm::Request> bucket_req;
-  std::vector<bool> bucket_started;
-  double reduce_start = -1;
+  std::unique_ptr<GradReduce> grads;                   // the gradient buckets' reduction
 };
 
 Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
@@ -112,29 +105,9 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       << "tensor-parallel member " << o.tp.index << " of " << o.tp.size << " does not exist";
   specs_ = parameter_specs(c, lb_, le_, o.tp);
   for (const auto& s : specs_) num_params_ += s.numel();
-  // Buckets: the embedding, each layer, the final LayerNorm, in parameter order.
-  {
-    i64 off = 0;
-    std::size_t k = 0;
-    auto take = [&](std::string name, auto&& belongs) {
-      ParamBucket b{std::move(name), off, 0};
-      while (k < specs_.size() && belongs(specs_[k].name)) b.count += specs_[k++].numel();
-      off += b.count;
-      if (b.count > 0) buckets_.push_back(b);
-    };
-    take("embed", [](const std::string& n) { return n == "embed.weight"; });
-    for (int l = lb_; l < le_; ++l) {
-      const std::string prefix = "blocks." + std::to_string(l) + ".";
-      take("blocks." + std::to_string(l), [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
-    }
-    take("ln_f", [](const std::string& n) { return n.rfind("ln_f.", 0) == 0; });
-    SPPO_ASSERT(off == num_params_ && k == specs_.size());
-  }
-  for (const auto& b : buckets_) {
-    const auto [pb, pe] = piece_range(b.count, o.zero_index, o.zero_shards);
-    shard_.push_back({b.offset + pb, pe - pb, num_state_});
-    num_state_ += pe - pb;
-  }
+  buckets_ = param_buckets(specs_, {lb_, le_});
+  shard_ = shard_buckets(buckets_, o.zero_index, o.zero_shards);
+  for (const auto& piece : shard_) num_state_ += piece.count;
   const i64 bytes = num_params_ * i64(sizeof(float));
   const i64 state_bytes = num_state_ * i64(sizeof(float));
   params_ = device_->alloc_zeroed(bytes, "parameters");
@@ -264,48 +237,13 @@ double Runtime::receive_msp(StepState& st, const sched::Op& op, std::size_t inde
         for (std::size_t p = 0; p < losses.size(); ++p) st.result->losses[p] += losses[p];
       }
       be_.synchronize();
-      if (st.reduce_op)
-        for (std::size_t k = 0; k < buckets_.size(); ++k)
-          if (st.bucket_ready[k] == index) start_bucket(st, k);
+      st.grads->helpers_added(index);
       break;
     }
     default:
       SPPO_ASSERT_MSG(false, "the runtime cannot receive '" << sched::to_string(op) << "'");
   }
   return waited;
-}
-
-void Runtime::start_bucket(StepState& st, std::size_t b) {
-  if (st.bucket_started[b]) return;
-  st.bucket_started[b] = true;
-  if (st.reduce_start < 0) st.reduce_start = now_s();
-  const ParamBucket& k = buckets_[b];
-  const comm::Group& g = st.reduce_op->group;
-  float* data = grads_.f32() + k.offset;
-  st.bucket_req[b] = opts_.zero_shards > 1 ? opts_.comm->ireduce_scatter(data, k.count, g)
-                                           : opts_.comm->iallreduce(data, k.count, g);
-}
-
-void Runtime::reduce(StepState& st, const sched::Op& op, std::size_t index) {
-  const double t0 = now_s();
-  const std::string what = "op " + std::to_string(index) + " '" + sched::to_string(op) + "'";
-  double waited = 0;
-  if (op.payload == sched::Payload::TiedGrads) {
-    // The embedding is the first bucket of both stages; under ZeRO both hold the same
-    // piece of it (their positions in their data-parallel groups are equal).
-    SPPO_ASSERT(!buckets_.empty() && buckets_[0].name == "embed");
-    const ShardSpan& piece = shard_[0];
-    waited = comm::wait(*opts_.comm, opts_.comm->iallreduce(grads_.f32() + piece.offset, piece.count, op.group), what);
-    st.result->trace.push_back({sched::to_string(op), op.kind, Lane::Network, t0 - st.t_start, now_s() - t0});
-  } else {
-    for (std::size_t b = 0; b < buckets_.size(); ++b) start_bucket(st, b);
-    for (std::size_t b = 0; b < buckets_.size(); ++b) waited += comm::wait(*opts_.comm, st.bucket_req[b], what);
-    st.result->trace.push_back(
-        {sched::to_string(op), op.kind, Lane::Network, st.reduce_start - st.t_start, now_s() - st.reduce_start});
-  }
-  st.result->comm_wait_s += waited;
-  if (waited > kShownWaitS)
-    st.result->trace.push_back({"wait " + sched::to_string(op), op.kind, Lane::Compute, t0 - st.t_start, now_s() - t0});
 }
 
 Runtime::StageWeights Runtime::weights_for(StepState& st, const sched::Op& op) {
@@ -413,7 +351,6 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   Buffer d_buf = e == L ? std::move(st.act->head_grad(i)) : st.messages->take_input(input_key(op), q);
   SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
-  const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
 
   for (int l = e - 1; l >= b; --l) {
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use
@@ -451,8 +388,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     st.kv->release(l, i);
     scratch = {};
     ws.clear();
-    const std::size_t bucket = first_layer_bucket + std::size_t(l - lb_);
-    if (own && st.reduce_op && st.bucket_ready[bucket] == index) start_bucket(st, bucket);
+    if (own) st.grads->layer_done(index, l);
     st.messages->poll();
   }
   if (b > 0) {
@@ -542,32 +478,8 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   });
   result.losses.assign(std::size_t(result.has_loss || any_head ? st.S : 0), 0.0f);
 
-  // Gradient buckets: each starts after the last op that adds to it.
-  for (const sched::Op& op : ops)
-    if (op.kind == sched::OpKind::AllReduce && op.payload == sched::Payload::WeightGrads && control.reduce)
-      st.reduce_op = &op;
-  if (st.reduce_op) {
-    const auto& g = st.reduce_op->group;
-    SPPO_CHECK(opts_.zero_shards == 1 ||
-                   (int(g.size()) == opts_.zero_shards && g[std::size_t(opts_.zero_index)] == opts_.rank),
-               "runtime")
-        << "ZeRO shards the optimizer over " << opts_.zero_shards << " ranks but the gradient group has "
-        << g.size();
-    st.bucket_ready.assign(buckets_.size(), kNever);
-    st.bucket_req.assign(buckets_.size(), comm::kDone);
-    st.bucket_started.assign(buckets_.size(), false);
-    const std::size_t first_layer_bucket = buckets_[0].name == "embed" ? 1 : 0;
-    for (std::size_t k = 0; k < ops.size(); ++k) {
-      const sched::Op& op = ops[k];
-      if (op.kind == sched::OpKind::Backward && lb_ <= op.layer_begin && op.layer_end <= le_)
-        for (int l = op.layer_begin; l < op.layer_end; ++l) st.bucket_ready[first_layer_bucket + std::size_t(l - lb_)] = k;
-    }
-    // MSP helpers' weight gradients are added to the owner's first.
-    for (std::size_t k = 0; k < ops.size(); ++k)
-      if (ops[k].kind == sched::OpKind::Recv && ops[k].payload == sched::Payload::WeightGrads)
-        for (auto& ready : st.bucket_ready)
-          if (ready != kNever) ready = std::max(ready, k);
-  }
+  st.grads = std::make_unique<GradReduce>(opts_, ops, control.reduce, specs_, buckets_, shard_, std::pair{lb_, le_},
+                                         grads_.f32(), result);
 
   if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
   // The step's token ids and loss sum live on the device for the step (memory rules:
@@ -651,7 +563,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         break;
       }
       case sched::OpKind::AllReduce:
-        if (control.reduce) reduce(st, op, k);
+        if (control.reduce) st.grads->reduce(op, k);
         break;
       case sched::OpKind::RingStep:
         break;  // ring attention runs inside each layer of F and B (runtime/ring.h)
@@ -660,19 +572,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     st.messages->poll();
   }
   st.messages->drain();
-  if (st.tp && control.reduce) {
-    // Each member's LayerNorm gradients come from its own rows (Note [Sequence-parallel
-    // regions]): the sum over the group is the whole gradient. Sums commute, so this may
-    // follow the data-parallel reduction.
-    be_.synchronize();
-    i64 off = 0;
-    for (const TensorSpec& spec : specs_) {
-      const bool layernorm = spec.name.rfind("ln_f.", 0) == 0 || spec.name.find(".ln") != std::string::npos;
-      if (layernorm)
-        st.tp->all_reduce(grads_.f32() + off, spec.numel(), spec.name);
-      off += spec.numel();
-    }
-  }
+  st.grads->reduce_replicated(be_, st.tp.get());
   device_->set_reclaimer(nullptr);
   be_.synchronize();
   st.act->synchronize();

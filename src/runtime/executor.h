@@ -47,27 +47,12 @@
 #include "comm/comm.h"
 #include "core/config.h"
 #include "model/gpt.h"
+#include "runtime/grad_reduce.h"
 #include "runtime/memory.h"
 #include "runtime/step_io.h"
 #include "schedule/ir.h"
 
 namespace sppo {
-
-// A contiguous run of parameters reduced as one message: the embedding, one layer, or the
-// final LayerNorm, in parameter order.
-struct ParamBucket {
-  std::string name;      // "embed", "blocks.3", "ln_f"
-  i64 offset = 0;        // into the rank's flat parameter array
-  i64 count = 0;
-};
-
-// Under ZeRO-1, the part of a bucket whose AdamW state this rank keeps (one per bucket, in
-// bucket order; without ZeRO, the whole bucket).
-struct ShardSpan {
-  i64 offset = 0;        // into the flat parameter / gradient array
-  i64 count = 0;
-  i64 state_offset = 0;  // into the AdamW moments
-};
 
 class Runtime {
  public:
@@ -124,8 +109,6 @@ class Runtime {
   StageWeights weights_for(StepState& st, const sched::Op& op);
   void send_msp(StepState& st, const sched::Op& op);
   double receive_msp(StepState& st, const sched::Op& op, std::size_t index);
-  void start_bucket(StepState& st, std::size_t b);
-  void reduce(StepState& st, const sched::Op& op, std::size_t index);
 
   ModelConfig config_;
   RuntimeOptions opts_;
