@@ -11,6 +11,7 @@
 #include "runtime/activation_store.h"
 #include "runtime/grad_reduce.h"
 #include "runtime/kv_store.h"
+#include "runtime/msp.h"
 #include "runtime/stage_messages.h"
 #include "runtime/tensor_parallel.h"
 #include "schedule/memory.h"
@@ -70,18 +71,9 @@ struct Runtime::StepState {
   int ring_piece = 0;                                  // this rank's piece of every subsequence (ring > 1)
 
   std::unique_ptr<StageMessages> messages;             // hidden states between stages, sends in flight
-  // MSP: another stage's weights lent to this rank, by layer range, and their gradients.
-  struct Borrowed {
-    Buffer w, g;
-    ParamView wv, gv;
-    MatrixView mv;
-    i64 count = 0;
-  };
-  std::map<std::pair<int, int>, Borrowed> borrowed;
-  std::map<std::size_t, std::pair<int, int>> lease_ends;  // op index -> lease released after it
-  double helper_loss = 0;                                  // loss sum sent with the weight gradients
 
   std::unique_ptr<GradReduce> grads;                   // the gradient buckets' reduction
+  std::unique_ptr<MspExchange> msp;                    // borrowed weights, MSP's messages
 };
 
 Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
@@ -136,137 +128,10 @@ void Runtime::write_device(float* device, const float* host, i64 n) {
 
 Runtime::~Runtime() = default;
 
-// MSP messages (Note [MSP pieces] in schedule/builders.cpp). Every one is a set of arrays
-// sent one after another with the op's tag, which MPI keeps in order between two ranks.
-void Runtime::send_msp(StepState& st, const sched::Op& op) {
-  const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
-  const auto& sc = *st.sched;
-  auto isend = [&](std::shared_ptr<Buffer> keep, const void* data, i64 bytes) {
-    st.messages->start_send(std::move(keep), data, bytes, op);
-  };
-  switch (op.payload) {
-    case sched::Payload::Weights:  // the owner lends its stage's weights (all it owns)
-      isend(nullptr, params_.data(), params_.bytes());
-      break;
-    case sched::Payload::KV:  // a helper's copy of its piece's K, V to the owner
-      for (int l = b; l < e; ++l)
-        for (int t : {kK, kV}) isend(nullptr, st.act->unit(i, l)[t].data(), st.act->unit(i, l)[t].bytes());
-      break;
-    case sched::Payload::KVGrad: {  // the owner returns a helper piece's dK, dV and drops its copy
-      const i64 pos0 = sc.offset(i) + sc.spans(op).front().first;
-      for (int l = b; l < e; ++l) {
-        st.kv->alloc_accumulators(l, i);
-        auto [dk_sum, dv_sum] = st.kv->take_held(op, l, pos0);
-        auto dk = std::make_shared<Buffer>(std::move(dk_sum));
-        auto dv = std::make_shared<Buffer>(std::move(dv_sum));
-        isend(dk, dk->data(), dk->bytes());
-        isend(dv, dv->data(), dv->bytes());
-      }
-      break;
-    }
-    case sched::Payload::WeightGrads: {  // a helper's gradients (and loss) go home
-      auto& lease = st.borrowed.at({b, e});
-      auto g = std::make_shared<Buffer>(std::move(lease.g));
-      SPPO_ASSERT_MSG(*g, "'" << sched::to_string(op) << "' before any backward on the borrowed layers");
-      lease.w.reset();
-      be_.synchronize();
-      isend(g, g->data(), g->bytes());
-      if (e == config_.layers) {
-        be_.to_host(&st.helper_loss, st.loss_sum.data(), sizeof(double));
-        isend(nullptr, &st.helper_loss, sizeof(double));
-        isend(nullptr, st.result->losses.data(), i64(st.result->losses.size() * sizeof(float)));
-      }
-      break;
-    }
-    default:
-      SPPO_ASSERT_MSG(false, "the runtime cannot send '" << sched::to_string(op) << "'");
-  }
-}
-
-double Runtime::receive_msp(StepState& st, const sched::Op& op, std::size_t index) {
-  const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
-  const auto& sc = *st.sched;
-  const int tag = sched::message_tag(op);
-  const std::string what = "op " + std::to_string(index) + " '" + sched::to_string(op) + "'";
-  double waited = 0;
-  auto recv = [&](void* data, i64 bytes) {
-    waited += comm::wait(*opts_.comm, opts_.comm->irecv(data, bytes, op.peer, tag), what);
-  };
-  const i64 H = config_.hidden;
-  switch (op.payload) {
-    case sched::Payload::Weights: {
-      auto& lease = st.borrowed[{b, e}];
-      SPPO_ASSERT(!lease.w);
-      lease.count = sched::param_count(config_, b, e, b == 0, e == config_.layers);
-      lease.w = device_->alloc(lease.count * i64(sizeof(float)),
-                               "borrowed weights of layers " + std::to_string(b) + "-" + std::to_string(e - 1));
-      recv(lease.w.data(), lease.w.bytes());
-      lease.wv = param_view(config_, lease.w.f32(), b, e);
-      lease.mv = matrix_view(config_, lease.w.data(), act_, b, e);
-      break;
-    }
-    case sched::Payload::KV: {
-      const PosSpan rows{sc.offset(i) + sc.spans(op).front().first, int(op.tokens), 0};
-      for (int l = b; l < e; ++l) {
-        KvStore::Held& h = st.kv->hold(l, i, rows, op.tokens * H * dtype_bytes(act_));
-        recv(h.k.data(), h.k.bytes());
-        recv(h.v.data(), h.v.bytes());
-      }
-      break;
-    }
-    case sched::Payload::KVGrad:
-      for (int l = b; l < e; ++l) {
-        st.kv->alloc_accumulators(l, i);
-        recv(st.kv->dk(l, i).data(), st.kv->dk(l, i).bytes());
-        recv(st.kv->dv(l, i).data(), st.kv->dv(l, i).bytes());
-      }
-      break;
-    case sched::Payload::WeightGrads: {
-      Buffer g = device_->alloc(grads_.bytes(), "an MSP helper's weight gradients");
-      recv(g.data(), g.bytes());
-      be_.add_inplace(grads_.data(), g.data(), num_params_);
-      if (e == config_.layers) {
-        double loss = 0;
-        std::vector<float> losses(st.result->losses.size());
-        recv(&loss, sizeof loss);
-        recv(losses.data(), i64(losses.size() * sizeof(float)));
-        double sum = 0;
-        be_.to_host(&sum, st.loss_sum.data(), sizeof sum);
-        sum += loss;
-        be_.to_device(st.loss_sum.data(), &sum, sizeof sum);
-        for (std::size_t p = 0; p < losses.size(); ++p) st.result->losses[p] += losses[p];
-      }
-      be_.synchronize();
-      st.grads->helpers_added(index);
-      break;
-    }
-    default:
-      SPPO_ASSERT_MSG(false, "the runtime cannot receive '" << sched::to_string(op) << "'");
-  }
-  return waited;
-}
-
-Runtime::StageWeights Runtime::weights_for(StepState& st, const sched::Op& op) {
-  if (lb_ <= op.layer_begin && op.layer_end <= le_) return {&weights_, &dweights_, &matrices_};
-  auto it = st.borrowed.find({op.layer_begin, op.layer_end});
-  SPPO_ASSERT_MSG(it != st.borrowed.end() && it->second.w,
-                  "'" << sched::to_string(op) << "' runs another stage's layers without their weights");
-  StepState::Borrowed& b = it->second;
-  // Their gradients from the first backward on them, or the first forward through the LM
-  // head, which computes its gradients there (memory rules: BorrowedGrads).
-  if (!b.g && (op.kind == sched::OpKind::Backward || op.layer_end == config_.layers)) {
-    b.g = device_->alloc_zeroed(b.count * i64(sizeof(float)), "borrowed gradients of layers " +
-                                                                  std::to_string(op.layer_begin) + "-" +
-                                                                  std::to_string(op.layer_end - 1));
-    b.gv = param_view(config_, b.g.f32(), op.layer_begin, op.layer_end);
-  }
-  return {&b.wv, &b.gv, &b.mv};
-}
-
 void Runtime::forward(StepState& st, const sched::Op& op) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(*st.sched, op);
-  const StageWeights wt = weights_for(st, op);
+  const StageWeights wt = st.msp->weights_for(op);
   const int T = q.T, H = config_.hidden, L = config_.layers;
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
@@ -342,7 +207,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(*st.sched, op);
-  const StageWeights wt = weights_for(st, op);
+  const StageWeights wt = st.msp->weights_for(op);
   const bool own = lb_ <= b && e <= le_;
   const int T = q.T, L = config_.layers;
   const int H = config_.hidden;
@@ -453,21 +318,6 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   st.kv = std::make_unique<KvStore>(*st.act, be_, *device_, *host_, config_, opts_, sc, ops, std::pair{lb_, le_},
                                     result);
   st.messages = std::make_unique<StageMessages>(opts_.comm, opts_.rank, be_, *device_, config_, sc, ops, sends_, result);
-  std::map<std::pair<int, int>, std::vector<std::size_t>> leases;  // Recv Weights op indices by range
-  for (std::size_t k = 0; k < ops.size(); ++k) {
-    const sched::Op& op = ops[k];
-    if (op.kind == sched::OpKind::Recv && op.payload == sched::Payload::Weights)
-      leases[{op.layer_begin, op.layer_end}].push_back(k);
-  }
-  // A lease of borrowed weights that another of the same layers follows ends with the
-  // last F/B on them before it (memory rules).
-  for (const auto& [range, starts] : leases)
-    for (std::size_t n = 0; n + 1 < starts.size(); ++n) {
-      std::size_t last = starts[n];
-      for (std::size_t k = starts[n]; k < starts[n + 1]; ++k)
-        if (is_compute(ops[k]) && ops[k].layer_begin == range.first && ops[k].layer_end == range.second) last = k;
-      st.lease_ends[last] = range;
-    }
   if (sc.tp > 1) st.tp = std::make_unique<TpGroup>(*opts_.comm, opts_.rank - opts_.tp.index, opts_.tp,
                                                    &result.comm_wait_s);
   st.result = &result;
@@ -480,6 +330,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
 
   st.grads = std::make_unique<GradReduce>(opts_, ops, control.reduce, specs_, buckets_, shard_, std::pair{lb_, le_},
                                          grads_.f32(), result);
+  st.msp = std::make_unique<MspExchange>(opts_.comm, be_, *device_, config_, sc, ops, std::pair{lb_, le_},
+                                         OwnWeights{params_, grads_, num_params_, {&weights_, &dweights_, &matrices_}},
+                                         *st.kv, *st.messages, *st.grads, st.loss_sum, result);
 
   if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
   // The step's token ids and loss sum live on the device for the step (memory rules:
@@ -549,14 +402,14 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         if (is_hidden_message(op))
           st.messages->send(op);
         else
-          send_msp(st, op);
+          st.msp->send(op);
         break;
       case sched::OpKind::Recv: {
         double waited = 0;
         if (is_hidden_message(op)) {
           waited = st.messages->wait_receive(k);
         } else {
-          waited = receive_msp(st, op, k);
+          waited = st.msp->receive(op, k);
         }
         result.comm_wait_s += waited;
         if (waited > kShownWaitS) span("wait " + sched::to_string(op), op.kind, Lane::Compute, t0, now_s());
@@ -568,7 +421,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
       case sched::OpKind::RingStep:
         break;  // ring attention runs inside each layer of F and B (runtime/ring.h)
     }
-    if (auto lease = st.lease_ends.find(k); lease != st.lease_ends.end()) st.borrowed.at(lease->second).w.reset();
+    st.msp->end_lease(k);
     st.messages->poll();
   }
   st.messages->drain();
@@ -582,9 +435,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   result.comm_wait_s += result.ring_wait_s;
   st.act->trace(result);
   st.messages->check_empty();
-  for (const auto& [range, b] : st.borrowed)
-    SPPO_ASSERT_MSG(!b.w && !b.g, "borrowed weights of layers " << range.first << "-" << range.second - 1
-                                                                << " are left over after the step");
+  st.msp->check_empty();
   st.kv->check_empty();
   st.act->check_empty();
   if (opts_.record_memory) {

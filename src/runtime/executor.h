@@ -100,15 +100,6 @@ class Runtime {
   struct StepState;
   void forward(StepState& st, const sched::Op& op);
   void backward(StepState& st, const sched::Op& op, std::size_t index);
-  // The weights F/B op `op` runs with: this rank's own, or another stage's lent to it (MSP).
-  struct StageWeights {
-    const ParamView* w;
-    ParamView* g;
-    const MatrixView* m;
-  };
-  StageWeights weights_for(StepState& st, const sched::Op& op);
-  void send_msp(StepState& st, const sched::Op& op);
-  double receive_msp(StepState& st, const sched::Op& op, std::size_t index);
 
   ModelConfig config_;
   RuntimeOptions opts_;

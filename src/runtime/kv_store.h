@@ -74,6 +74,9 @@ class KvStore {
   // Before the backward of layer l on subsequence i, once its workspace is allocated: on a
   // host layer, K_i, V_i and i's sums come back onto the device.
   void restore(int l, int i);
+  // [rows, H/tp] K and V of block (l, i) on a device layer (unit (i, l)'s k and v).
+  const Buffer& k(int l, int i) { return act_.unit(i, l)[kK]; }
+  const Buffer& v(int l, int i) { return act_.unit(i, l)[kV]; }
   // [rows, H/tp] fp32 the dK/dV accumulators of block (l, i).
   Buffer& dk(int l, int i) { return dk_[l][i]; }
   Buffer& dv(int l, int i) { return dv_[l][i]; }
