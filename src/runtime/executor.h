@@ -26,20 +26,21 @@
 // as each member computed them from its own rows, and so are the loss and per-position
 // losses, each member having the part of its vocabulary.
 //
-// Messages: a Recv of hidden states (or their gradients) is posted, with its buffer from
-// the device tier, when the compute op before it starts, and waited for where the program
-// reaches it; a Send starts when reached, and its buffer is released when it completes.
-// Every wait has the communicator's watchdog. Weight gradients of data-parallel replicas
-// are reduced in buckets (the embedding, each layer, the final LayerNorm), each started
-// as soon as the last backward op that touches it is done; the AllReduce op waits for
-// them. With ZeRO-1 the buckets are reduce-scattered instead: rank k of the group keeps
-// the sum of piece k of every bucket, and holds AdamW state for those pieces only.
+// The interpreter: step() checks the schedule against the options, sets up the step's
+// parts (runtime/step_state.h), runs the rank's ops one after another in a switch over
+// their kind, and closes the step; forward() and backward() run one F or B op through
+// the model's blocks. What each part owns and promises is in its own header: the saved
+// activations with their offload and prefetch (activation_store.h); the K/V of every
+// block, their dK/dV sums and how an attention reaches them (kv_store.h, with
+// kv_stream.h for layers whose K/V live on the host); the hidden-state messages between
+// stages and every send in flight (stage_messages.h); MSP's borrowed weights and
+// messages (msp.h); the weight gradients' reduction in buckets, all-reduced or, with
+// ZeRO-1, reduce-scattered over the data-parallel group (grad_reduce.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -53,6 +54,9 @@
 #include "schedule/ir.h"
 
 namespace sppo {
+
+struct StageWeights;
+struct StepState;
 
 class Runtime {
  public:
@@ -97,8 +101,12 @@ class Runtime {
   StepResult step(const sched::Schedule& s, const std::int32_t* tokens, const StepControl& control = {});
 
  private:
-  struct StepState;
+  // F op `op`: every layer it runs, then, after the model's last layer, the head.
   void forward(StepState& st, const sched::Op& op);
+  // The LM head on the final hidden state `out` of rows q: the loss, the per-position
+  // losses and head_grad, with its weights' gradients (+=).
+  void head(StepState& st, const sched::Op& op, const Subseq& q, const StageWeights& wt, const Buffer& out);
+  // B op `op`, the `index`-th: every layer it runs, in reverse, then the embedding.
   void backward(StepState& st, const sched::Op& op, std::size_t index);
 
   ModelConfig config_;

@@ -1,0 +1,150 @@
+#include "runtime/step_state.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "runtime/op_rows.h"
+
+namespace sppo {
+
+void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
+  const RuntimeOptions& o = ctx.opts;
+  const ModelConfig& c = ctx.config;
+  const DType act = ctx.be.act();
+  const auto [lb, le] = ctx.layers;
+  const int ranks = o.comm ? o.comm->size() : 1;
+  SPPO_CHECK(sc.ranks == ranks, "runtime") << "the schedule has " << sc.ranks << " ranks but the job has "
+                                           << ranks << "; start it with mpirun -np " << sc.ranks;
+  SPPO_CHECK(o.rank >= 0 && o.rank < sc.ranks, "runtime") << "rank " << o.rank << " is not in the schedule";
+  const auto own = sc.owned.empty() ? std::pair<int, int>{0, c.layers} : sc.owned.at(o.rank);
+  SPPO_CHECK(own.first == lb && own.second == le, "runtime")
+      << "rank " << o.rank << " holds layers [" << lb << ", " << le << ") but its schedule gives it ["
+      << own.first << ", " << own.second << ")";
+  SPPO_CHECK(!o.recompute || sc.lengths.size() == 1, "runtime")
+      << "full recomputation runs the whole sequence at once; use --subseqs 1";
+  const auto& ops = sc.ops.at(o.rank);
+  SPPO_CHECK(c.causal || sc.lengths.size() == 1, "runtime")
+      << "a bidirectional model attends to later positions, which subsequences computed one after another cannot "
+         "give; use --subseqs 1";
+  SPPO_CHECK(!o.ring_rsa || (!c.causal && act == DType::F32), "runtime")
+      << "the two-pass RSA ring is for bidirectional models in fp32; use --ring flash";
+  SPPO_CHECK(sc.ring == 1 || (o.comm && !o.recompute), "runtime")
+      << "ring attention needs its ranks (mpirun) and cannot recompute";
+  SPPO_CHECK(sc.tp == o.tp.size, "runtime")
+      << "the schedule is tensor parallel over " << sc.tp << " ranks but this runtime holds shards of "
+      << o.tp.size;
+  if (sc.tp > 1) {
+    SPPO_CHECK(o.comm && !o.recompute && act == DType::F32, "runtime")
+        << "tensor parallelism needs its ranks (mpirun), fp32 activations, and no --recompute";
+    for (i64 l : sc.lengths)
+      SPPO_CHECK(l >= sc.tp, "runtime") << "a subsequence of " << l << " tokens cannot be split over " << sc.tp
+                                        << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";
+  }
+  const bool msp = std::any_of(ops.begin(), ops.end(), [](const sched::Op& op) { return !op.group.empty() && is_compute(op); });
+  SPPO_CHECK(!msp || (sc.tp == 1 && sc.ring == 1 && o.comm && act == DType::F32), "runtime")
+      << "multiplexed sequence partitioning (MSP) runs with pipeline and data parallelism on CPU ranks in fp32; drop "
+         "--tp and --cp, or use --msp off";
+  SPPO_CHECK(sc.kv_host.empty() || (int(sc.kv_host.size()) == c.layers && sc.ring == 1 && !msp && !o.recompute),
+             "runtime")
+      << "K/V on the host (--kv-cache host) streams the blocks of one rank's subsequences: it runs without --cp, "
+         "--msp on and --recompute, and names every layer";
+}
+
+StepState::StepState(const StepContext& c, const sched::Schedule& sc, const StepControl& ctl, StepResult& res)
+    : ctx(c),
+      sched(sc),
+      ops(sc.ops.at(c.opts.rank)),
+      control(ctl),
+      result(res),
+      S(sc.seq_len()),
+      tp(sc.tp > 1 ? std::make_unique<TpGroup>(*c.opts.comm, c.opts.rank - c.opts.tp.index, c.opts.tp,
+                                               &res.comm_wait_s)
+                   : nullptr),
+      act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers),
+      kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
+      messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
+      grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),
+      msp(c.opts.comm, c.be, c.device, c.config, sc, ops, c.layers, c.own, kv, messages, grads, loss_sum, res) {
+  const int L = c.config.layers;
+  result.has_loss = c.layers.second == L;
+  // An MSP helper of the last stage computes the loss of its rows too, and sends it home.
+  const bool any_head = std::any_of(ops.begin(), ops.end(), [&](const sched::Op& op) {
+    return op.kind == sched::OpKind::Forward && op.layer_end == L;
+  });
+  result.losses.assign(std::size_t(result.has_loss || any_head ? S : 0), 0.0f);
+}
+
+StepState::~StepState() = default;
+
+void StepState::load_inputs(const std::int32_t* tokens) {
+  const ModelConfig& c = ctx.config;
+  Backend& be = ctx.be;
+  // The step's token ids and loss sum live on the device for the step (memory rules:
+  // step_input_bytes).
+  // A causal model's targets are its inputs shifted by one; a bidirectional model's
+  // (masked tokens) come beside them.
+  SPPO_CHECK(c.causal == (control.targets == nullptr), "runtime")
+      << (c.causal ? "a causal model predicts the next token; masked-token targets need --attention bidirectional"
+                   : "a bidirectional model trains on masked tokens (--objective mlm), which need targets");
+  const i64 ids_count = c.causal ? S + 1 : 2 * S;
+  ids = ctx.device.alloc(i64(sizeof(std::int32_t)) * ids_count, "token ids");
+  be.to_device(ids.data(), tokens, sizeof(std::int32_t) * std::size_t(c.causal ? S + 1 : S));
+  targets = static_cast<const std::int32_t*>(ids.data()) + (c.causal ? 1 : S);
+  predicted = S;
+  if (control.targets) {
+    be.to_device(static_cast<std::int32_t*>(ids.data()) + S, control.targets, sizeof(std::int32_t) * std::size_t(S));
+    predicted = std::count_if(control.targets, control.targets + S, [](std::int32_t t) { return t != kNoTarget; });
+    SPPO_CHECK(predicted > 0, "runtime") << "no position of the sequence is predicted (every target is masked out)";
+  }
+  loss_sum = ctx.device.alloc_zeroed(i64(sizeof(double)), "loss sum");
+}
+
+void StepState::start() {
+  ctx.device.reset_peak();
+  ctx.host.reset_peak();
+  // An allocation over the budget first waits for the sends that will free bytes.
+  ctx.device.set_reclaimer([this] { return messages.reclaim(); });
+  const double t_start = now_s();
+  sent_at_start_ = ctx.opts.comm ? ctx.opts.comm->bytes_sent() : 0;
+  result.start_s = t_start;
+  if (ctx.opts.record_memory) ctx.device.record_timeline(&now_s);
+}
+
+void StepState::finish() {
+  messages.drain();
+  grads.reduce_replicated(ctx.be, tp.get());
+  ctx.device.set_reclaimer(nullptr);
+  ctx.be.synchronize();
+  act.synchronize();
+  result.step_s = now_s() - result.start_s;
+  if (ctx.opts.comm) result.sent_bytes = ctx.opts.comm->bytes_sent() - sent_at_start_;
+  result.exposed_copy_s += ctx.device.release_wait_s();
+  result.comm_wait_s += result.ring_wait_s;
+  act.trace(result);
+  messages.check_empty();
+  msp.check_empty();
+  kv.check_empty();
+  act.check_empty();
+  if (ctx.opts.record_memory) {
+    result.memory = ctx.device.take_timeline();
+    ctx.device.record_timeline(nullptr);
+    for (auto& [t, bytes] : result.memory) t = std::max(0.0, t - result.start_s);
+  }
+  result.loss = total_loss() / double(predicted);
+  result.predicted = predicted;
+  result.device = ctx.device.stats();
+  result.host = ctx.host.stats();
+}
+
+double StepState::total_loss() {
+  double sum = 0;
+  ctx.be.to_host(&sum, loss_sum.data(), sizeof sum);
+  if (tp && result.has_loss) {  // each member has its vocabulary's part
+    std::vector<double> parts{sum};
+    comm::allreduce_sum(*ctx.opts.comm, parts, tp->group(), "the tensor-parallel sum of the loss");
+    sum = parts[0];
+  }
+  return sum;
+}
+
+}  // namespace sppo
