@@ -105,7 +105,7 @@ void StepState::start() {
   // An allocation over the budget first waits for the sends that will free bytes.
   ctx.device.set_reclaimer([this] { return messages.reclaim(); });
   const double t_start = now_s();
-  sent_at_start_ = ctx.opts.comm ? ctx.opts.comm->bytes_sent() : 0;
+  sent_at_start = ctx.opts.comm ? ctx.opts.comm->bytes_sent() : 0;
   result.start_s = t_start;
   if (ctx.opts.record_memory) ctx.device.record_timeline(&now_s);
 }
@@ -117,7 +117,7 @@ void StepState::finish() {
   ctx.be.synchronize();
   act.synchronize();
   result.step_s = now_s() - result.start_s;
-  if (ctx.opts.comm) result.sent_bytes = ctx.opts.comm->bytes_sent() - sent_at_start_;
+  if (ctx.opts.comm) result.sent_bytes = ctx.opts.comm->bytes_sent() - sent_at_start;
   result.exposed_copy_s += ctx.device.release_wait_s();
   result.comm_wait_s += result.ring_wait_s;
   act.trace(result);
@@ -130,13 +130,6 @@ void StepState::finish() {
     ctx.device.record_timeline(nullptr);
     for (auto& [t, bytes] : result.memory) t = std::max(0.0, t - result.start_s);
   }
-  result.loss = total_loss() / double(predicted);
-  result.predicted = predicted;
-  result.device = ctx.device.stats();
-  result.host = ctx.host.stats();
-}
-
-double StepState::total_loss() {
   double sum = 0;
   ctx.be.to_host(&sum, loss_sum.data(), sizeof sum);
   if (tp && result.has_loss) {  // each member has its vocabulary's part
@@ -144,7 +137,10 @@ double StepState::total_loss() {
     comm::allreduce_sum(*ctx.opts.comm, parts, tp->group(), "the tensor-parallel sum of the loss");
     sum = parts[0];
   }
-  return sum;
+  result.loss = sum / double(predicted);
+  result.predicted = predicted;
+  result.device = ctx.device.stats();
+  result.host = ctx.host.stats();
 }
 
 }  // namespace sppo

@@ -8,7 +8,7 @@
 //   messages  hidden states between stages, sends          (runtime/stage_messages.h)
 //   grads     the gradient buckets' reduction              (runtime/grad_reduce.h)
 //   msp       borrowed weights and MSP's messages          (runtime/msp.h)
-// and allocates nothing. load_inputs puts the step's token ids, targets and loss sum on
+// and allocates nothing from the memory tiers. load_inputs puts the step's token ids, targets and loss sum on
 // the device (the memory rules' step_input_bytes, schedule/memory.h); start opens the
 // step's accounting and clock; finish waits for every message and copy, checks that
 // every part is empty, and completes the result.
@@ -86,11 +86,7 @@ struct StepState {
   StageMessages messages;
   GradReduce grads;
   MspExchange msp;
-
- private:
-  double total_loss();
-
-  i64 sent_at_start_ = 0;
+  i64 sent_at_start = 0;  // the communicator's bytes_sent() when the step started
 };
 
 }  // namespace sppo
