@@ -39,6 +39,7 @@ echo '{"name": "x"}' >bad_profile.json
 "$sppo" plan --model gpt-7b --seq-len 64K --gpus 8 --json >plan_7b.json
 sed 's/"budget_bytes":[0-9]*/"budget_bytes":1073741824/' plan_7b.json >plan_over_budget.json
 sed 's/"kv_host_layers":\[\]/"kv_host_layers":[99]/' plan_tiny.json >plan_kv_layer.json
+sed 's/"recompute_tensors":"none"/"recompute_tensors":"fc_post"/' plan_tiny.json >plan_recompute.json
 sed 's/"lengths":\[4096\]/"lengths":[4000]/' plan_tiny.json >plan_bad_lengths.json
 sed 's/"lengths":\[4096\]/"lengths":[5000,-904]/; s/"alpha":\[0.0\]/"alpha":[0.0,0.0]/; s/"subseqs":1/"subseqs":2/' \
   plan_tiny.json >plan_negative_length.json
@@ -132,9 +133,17 @@ expect "over the --host-memory budget" train --model tiny --seq-len 4096 --subse
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --offload 0.5 --host-memory 1KiB --out g
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --kv-cache host --host-memory 1KiB --out g
 expect "--kv-cache 'sometimes'" train --model tiny --kv-cache sometimes
-expect "--kv-cache must be device, host or auto" plan --kv-cache sometimes
+expect "--kv-cache must be device, host, recompute or auto" plan --kv-cache sometimes
 expect "names layer 99" train --plan plan_kv_layer.json
 expect "--kv-cache host" train --model tiny --recompute --kv-cache host
+expect "no saved tensor 'fc_post'" train --model tiny --recompute-tensors fc_post
+expect "no saved tensor 'fc_post'" grads --model tiny --recompute-tensors ln1,fc_post --out g
+expect "no saved tensor 'fc_post'" plan --model gpt-7b --recompute-tensors fc_post
+expect "--kv-cache recompute" train --model tiny --recompute-tensors k
+expect "--kv-cache recompute recomputes K/V from a rank's whole rows" train --model tiny --kv-cache recompute --recompute
+expect "--recompute already recomputes whole blocks" train --model tiny --recompute --recompute-tensors fc_pre
+expect "--recompute-tensors attention runs with the K/V on the device" train --model tiny --kv-cache host --recompute-tensors attention
+expect "\"recompute_tensors\"" train --plan plan_recompute.json
 expect "--offload 'sometimes'" train --model tiny --offload sometimes
 expect "--offload '1.5'" train --model tiny --offload 1.5
 expect "--partition" train --model tiny --partition random

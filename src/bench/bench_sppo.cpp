@@ -20,17 +20,19 @@ namespace {
 struct Mode {
   const char* name;
   bool recompute;
-  std::string offload;   // none | adaptive
-  std::string kv_cache;  // device | auto (the planner's placement of every layer's K/V)
+  std::string offload;            // none | adaptive
+  std::string kv_cache;           // device | auto (the planner's placement of every layer's K/V)
+  std::string recompute_tensors;  // none | auto (train --recompute-tensors)
 };
 
-// sppo_auto: the planner's placements, adaptive offload and each layer's K/V where it fits.
+// sppo_auto: the planner's placements: adaptive offload, each layer's K/V where it fits
+// (device, host, or recomputed) and the saved tensors recomputed where nothing else fits.
 const Mode kModes[] = {
-    {"reference", false, "none", "device"},
-    {"recompute", true, "none", "device"},
-    {"sppo_none", false, "none", "device"},
-    {"sppo_adaptive", false, "adaptive", "device"},
-    {"sppo_auto", false, "adaptive", "auto"},
+    {"reference", false, "none", "device", "none"},
+    {"recompute", true, "none", "device", "none"},
+    {"sppo_none", false, "none", "device", "none"},
+    {"sppo_adaptive", false, "adaptive", "device", "none"},
+    {"sppo_auto", false, "adaptive", "auto", "auto"},
 };
 constexpr int kAdaptive = 3, kAuto = 4;
 
@@ -42,6 +44,8 @@ struct Point {
   i64 peak = 0, predicted_peak = 0, offloaded = 0;
   i64 host_peak = 0, predicted_host_peak = 0;  // the offloaded copies (and host K/V) on the host
   int kv_host_layers = 0;                      // layers whose K/V live on the host
+  int kv_recompute_layers = 0;                 // layers that recompute their K/V
+  std::string recompute = "none";              // what backward recomputes (recompute_tensors_text)
   double simulated_s = 0;                      // the simulator's step time (0: not simulated)
   double exposed = 0;
   std::vector<double> alpha;
@@ -62,6 +66,7 @@ StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N
   o.offload = m.offload;
   o.recompute = m.recompute;
   o.kv_cache = m.kv_cache;
+  o.recompute_tensors = m.recompute_tensors;
   o.device_memory = budget;
   o.host_memory = budget > 0 ? b.host_budget : 0;
   o.hardware = b.hardware;
@@ -78,7 +83,10 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
   p.subseqs = N;
   try {
     StepSetup s = make_setup(step_options(b, m, S, N, budget, partition));
-    p.kv_host_layers = int(std::count(s.schedule.kv_host.begin(), s.schedule.kv_host.end(), 1));
+    p.kv_host_layers = int(std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(), sched::KvPlace::Host));
+    p.kv_recompute_layers =
+        int(std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(), sched::KvPlace::Recompute));
+    p.recompute = recompute_tensors_text(s.schedule.recompute);
     p.simulated_s = s.predicted_step_s;
     if (reps < 0) {  // a probe by prediction: setup refuses what would not fit
       p.predicted_peak = p.peak = s.predicted_peak_bytes;
@@ -168,6 +176,7 @@ nlohmann::json point_json(const Point& p) {
                       {"predicted_peak_device_bytes", p.predicted_peak}, {"peak_host_bytes", p.host_peak},
                       {"predicted_peak_host_bytes", p.predicted_host_peak}, {"offloaded_bytes", p.offloaded},
                       {"exposed_copy_s", p.exposed}, {"kv_host_layers", p.kv_host_layers},
+                      {"kv_recompute_layers", p.kv_recompute_layers}, {"recompute_tensors", p.recompute},
                       {"simulated_step_time_s", p.simulated_s}};
   if (!p.ok) j["error"] = p.error;
   return j;
@@ -251,8 +260,8 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
   const i64 S = b.seq_len;
   const int N = b.subseqs;
   SPPO_CHECK(S >= 2 && N >= 2 && N <= S, "bench") << "bench offload needs --seq-len >= 2 and 2 <= --subseqs <= S";
-  const Mode none{"none", false, "none", "device"}, full{"full", false, "full", "device"},
-      paper{"paper", false, "paper", "device"};
+  const Mode none{"none", false, "none", "device", "none"}, full{"full", false, "full", "device", "none"},
+      paper{"paper", false, "paper", "device", "none"};
   const Point p_none = run_point(b, none, S, N, 0, b.reps);
   const Point p_full = run_point(b, full, S, N, 0, b.reps);
   SPPO_CHECK(p_none.ok && p_full.ok, "bench") << (p_none.ok ? p_full.error : p_none.error);
@@ -260,7 +269,7 @@ nlohmann::json bench_offload(const BenchModelOptions& b) {
   SPPO_CHECK(p_paper.ok, "bench") << p_paper.error;
   // Adaptive needs a reason to offload: a budget halfway between full's and none's peaks.
   const i64 budget = b.budget > 0 ? b.budget : (p_none.peak + p_full.peak) / 2;
-  const Mode adaptive{"adaptive", false, "adaptive", "device"};
+  const Mode adaptive{"adaptive", false, "adaptive", "device", "none"};
   const Point p_ad = run_point(b, adaptive, S, N, budget, b.reps);
   SPPO_CHECK(p_ad.ok, "bench") << p_ad.error;
   nlohmann::json modes = {{"none", point_json(p_none)}, {"full", point_json(p_full)}, {"paper", point_json(p_paper)},
@@ -284,14 +293,22 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
     i64 S;
     int N;
     const char* offload;
+    const char* kv_cache = "device";     // train --kv-cache
+    const char* recompute = "none";      // train --recompute-tensors
   };
   // On the CPU, 4K to 64K tokens and 1 to 32 subsequences: long sequences spend most of
-  // their attention after a prefix (Note [Attention after a prefix]), short ones in GEMMs.
+  // their attention after a prefix (Note [Attention after a prefix]), short ones in GEMMs;
+  // and the placements past the paper: K/V on the host or recomputed, saved tensors
+  // recomputed.
   const std::vector<Config> cpu_configs = {
       {"small", 0, 4096, 2, "none"},       {"small", 0, 8192, 1, "none"},   {"small", 0, 8192, 8, "0.5"},
       {"small", 0, 16384, 16, "full"},     {"medium", 0, 4096, 4, "none"},  {"medium", 0, 8192, 8, "full"},
       {"bench-memory", 0, 8192, 4, "0.75"}, {"small", 0, 32768, 16, "0.5"}, {"small", 0, 65536, 20, "0.5"},
       {"small", 0, 65536, 32, "full"},
+      {"small", 0, 16384, 8, "0.5", "host"},
+      {"small", 0, 16384, 8, "0.5", "recompute"},
+      {"small", 0, 16384, 8, "none", "device", "ln1,ln2,fc_pre"},
+      {"small", 0, 32768, 16, "0.5", "recompute", "ln1,q,x_mid,ln2,fc_pre"},
   };
   // On a GPU, three one-device SPPO configurations of gpt-7b's layer shape (4 of its
   // layers, so that weights, Adam state and 128K tokens of activations fit one card):
@@ -314,6 +331,8 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
     o.subseqs = std::to_string(cfg.N);
     o.partition = "flops";
     o.offload = cfg.offload;
+    o.kv_cache = cfg.kv_cache;
+    o.recompute_tensors = cfg.recompute;
     o.backend = b.backend;
     o.precision = b.precision;
     StepSetup s = make_setup(o);
@@ -345,7 +364,8 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
     std::fprintf(stderr, "bench sim: %s S %lld N %d offload %s: measured %.3f s, simulated %.3f s\n", cfg.model,
                  (long long)cfg.S, cfg.N, cfg.offload, measured, sim_r.step_time_s);
     rows.push_back({{"model", cfg.model}, {"layers", s.config.layers}, {"seq_len", cfg.S}, {"subseqs", cfg.N},
-                    {"offload", cfg.offload}, {"measured_step_time_s", measured},
+                    {"offload", cfg.offload}, {"kv_cache", cfg.kv_cache}, {"recompute_tensors", cfg.recompute},
+                    {"measured_step_time_s", measured},
                     {"simulated_step_time_s", sim_r.step_time_s}, {"step_time_error", time_err},
                     {"measured_peak_device_bytes", peak}, {"simulated_peak_device_bytes", sim_r.peak_device_bytes},
                     {"peak_error", peak_err}});
@@ -357,12 +377,14 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
 void print_bench_sim(const nlohmann::json& j) {
   std::printf("simulator vs runtime on this machine, %s backend (profile %s)\n", j["backend"].get<std::string>().c_str(),
               j["profile"]["name"].get<std::string>().c_str());
-  std::printf("| model | S | N | offload | measured s | simulated s | error | measured peak | simulated peak | error |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| model | S | N | offload | K/V | recomputed | measured s | simulated s | error | measured peak | "
+              "simulated peak | error |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& r : j["configs"])
-    std::printf("| %s | %lld | %d | %s | %.3f | %.3f | %+.1f%% | %s | %s | %+.2f%% |\n",
+    std::printf("| %s | %lld | %d | %s | %s | %s | %.3f | %.3f | %+.1f%% | %s | %s | %+.2f%% |\n",
                 r["model"].get<std::string>().c_str(), (long long)r["seq_len"].get<i64>(), r["subseqs"].get<int>(),
-                r["offload"].get<std::string>().c_str(), r["measured_step_time_s"].get<double>(),
+                r["offload"].get<std::string>().c_str(), r.value("kv_cache", std::string("device")).c_str(),
+                r.value("recompute_tensors", std::string("none")).c_str(), r["measured_step_time_s"].get<double>(),
                 r["simulated_step_time_s"].get<double>(), 100 * r["step_time_error"].get<double>(),
                 format_bytes(r["measured_peak_device_bytes"].get<double>()).c_str(),
                 format_bytes(r["simulated_peak_device_bytes"].get<double>()).c_str(), 100 * r["peak_error"].get<double>());
@@ -403,9 +425,11 @@ void print_bench_memory(const nlohmann::json& j) {
                 j["sppo_adaptive_speedup_over_recompute"].get<double>());
   if (j.contains("sppo_auto_over_adaptive_length")) {
     const auto& a = j["modes"]["sppo_auto"]["at_max"];
-    std::printf("sppo auto (K/V of %d layers on the host, %s host budget) trains %.2fx sppo adaptive's length and "
-                "%.2fx the reference's; host peak %s measured, %s predicted\n",
-                a["kv_host_layers"].get<int>(), format_bytes(j["host_budget_bytes"].get<double>()).c_str(),
+    std::printf("sppo auto (K/V of %d layers on the host and %d recomputed, recomputing %s; %s host budget) trains "
+                "%.2fx sppo adaptive's length and %.2fx the reference's; host peak %s measured, %s predicted\n",
+                a["kv_host_layers"].get<int>(), a.value("kv_recompute_layers", 0),
+                a.value("recompute_tensors", std::string("none")).c_str(),
+                format_bytes(j["host_budget_bytes"].get<double>()).c_str(),
                 j["sppo_auto_over_adaptive_length"].get<double>(), j.value("sppo_auto_over_reference_length", 0.0),
                 format_bytes(a["peak_host_bytes"].get<double>()).c_str(),
                 format_bytes(a["predicted_peak_host_bytes"].get<double>()).c_str());

@@ -44,9 +44,12 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(o.ring_layout == "zigzag" || o.ring_layout == "contiguous", "options")
       << "--ring-layout must be zigzag or contiguous (got '" << o.ring_layout << "')";
   r.ring_layout = sched::parse_ring_layout(o.ring_layout);
-  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "auto", "options")
-      << "--kv-cache must be device, host or auto (got '" << o.kv_cache << "')";
+  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "recompute" || o.kv_cache == "auto",
+             "options")
+      << "--kv-cache must be device, host, recompute or auto (got '" << o.kv_cache << "')";
   r.kv_cache = o.kv_cache;
+  r.recompute_auto = o.recompute_tensors == "auto";
+  if (!r.recompute_auto) r.recompute = parse_recompute_tensors(o.recompute_tensors);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
   if (!o.host_budget.empty()) r.hw.host_memory = parse_bytes(o.host_budget, "--host-budget");
   return r;
@@ -66,6 +69,8 @@ std::string layout_text(const plan::Plan& p) {
   if (p.system != "megatron") os << " N " << p.subseqs;
   if (p.msp) os << " msp";
   if (!p.kv_host_layers.empty()) os << " kv-host";
+  if (!p.kv_recompute_layers.empty()) os << " kv-recompute";
+  if (p.recompute) os << " recompute " << recompute_tensors_text(p.recompute);
   if (p.system == "sppo" && p.zero) os << " zero-1";
   if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;
   return os.str();
@@ -276,7 +281,13 @@ void add_plan_commands(CLI::App& app) {
       ->capture_default_str();
   p->add_option("--kv-cache", plan.kv_cache,
                 "Where each layer keeps the K/V cache and its dK/dV sums: device, host (streamed back through a "
-                "window; layouts without ring or MSP), or auto (the host only where nothing fits on the device)")
+                "window; layouts without ring or MSP), recompute (no K/V kept: recomputed from each layer's input, "
+                "the sums on the host; no ring, MSP or TP either), or auto (the others only where nothing fits "
+                "with the device)")
+      ->capture_default_str();
+  p->add_option("--recompute-tensors", plan.recompute_tensors,
+                "Saved tensors backward recomputes (as train --recompute-tensors: tensors or groups ln1, q, "
+                "attention, x_mid, ln2, fc_pre), none, or auto (more only where nothing fits otherwise)")
       ->capture_default_str();
   p->add_flag("--explain", plan.explain, "Also print device and host memory term by term, with formulas");
   p->add_option("--budget", plan.budget, "Device memory per device, e.g. 70GiB (default: the profile's usable memory)");

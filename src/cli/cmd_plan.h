@@ -21,7 +21,8 @@ struct PlanOptions {
   std::string msp = "auto";         // auto | on | off
   std::string zero = "auto";        // auto | 0 | 1: ZeRO-1 over each stage's all-reduce group
   std::string ring_layout = "zigzag";  // zigzag | contiguous
-  std::string kv_cache = "auto";    // device | host | auto (the host where nothing fits on the device)
+  std::string kv_cache = "auto";    // device | host | recompute | auto (the others where nothing fits on the device)
+  std::string recompute_tensors = "auto";  // a list of tensors or groups, none, or auto (the planner's choice)
   bool explain = false;             // also print device memory term by term
   std::string budget;               // bytes per device; empty: the profile's usable memory
   std::string host_budget;          // host bytes per device; empty: the profile's host_memory_bytes

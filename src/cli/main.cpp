@@ -80,8 +80,15 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
   cmd->add_option("--kv-cache", o.kv_cache,
                   "Where finished subsequences' K/V and their dK/dV sums live: device, host (streamed back to "
-                  "each later subsequence's attention, two blocks at a time), or auto (the device unless that "
-                  "does not fit --device-memory, then the host on the fewest layers that fit)")
+                  "each later subsequence's attention, a chunk at a time), recompute (no K/V kept: recomputed "
+                  "from each layer's input when needed; the sums on the host), or auto (the device unless that "
+                  "does not fit the budgets, then the host on the fewest layers that fit, then recompute)")
+      ->capture_default_str();
+  cmd->add_option("--recompute-tensors", o.recompute_tensors,
+                  "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "
+                  "ln1_rstd, ln1_out, q, attn_out, lse, x_mid, ln2_mean, ln2_rstd, ln2_out, fc_pre, or of the "
+                  "groups ln1, q, attention, x_mid, ln2, fc_pre (a tensor brings its group: one forward step "
+                  "makes them); none; all; or auto (none unless nothing else fits the budgets)")
       ->capture_default_str();
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
   cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();

@@ -258,12 +258,95 @@ i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<b
   return taken;
 }
 
-i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward) {
+i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward,
+                    i64 recompute_hidden) {
   if (chunks == 0) return 0;
   const i64 f32 = 4;
-  const i64 slot = largest * width * (2 * act_bytes + (backward ? 2 * f32 : 0));
+  const i64 slot = largest * (width * (2 * act_bytes + (backward ? 2 * f32 : 0)) +
+                              recompute_hidden * (act_bytes + (backward ? f32 : 0)));
   const i64 partial = backward ? 0 : T * width * act_bytes + i64(heads) * T * f32;
-  return std::min<i64>(2, chunks) * slot + partial;
+  const i64 norm = recompute_hidden > 0 ? largest * (recompute_hidden * act_bytes + 2 * f32) : 0;
+  return std::min<i64>(2, chunks) * slot + partial + norm;
+}
+
+const std::vector<RecomputeGroup>& recompute_groups() {
+  static const std::vector<RecomputeGroup> groups = {
+      {"ln1", 1u << 1 | 1u << 2 | 1u << 3},
+      {"q", 1u << 4},
+      {"attention", 1u << 7 | 1u << 8},
+      {"x_mid", 1u << 9},
+      {"ln2", 1u << 10 | 1u << 11 | 1u << 12},
+      {"fc_pre", 1u << 13},
+  };
+  return groups;
+}
+
+SavedSet recompute_closure(SavedSet s) {
+  SavedSet out = 0;
+  for (const RecomputeGroup& g : recompute_groups())
+    if (s & g.tensors) out |= g.tensors;
+  return out;
+}
+
+SavedSet parse_recompute_tensors(const std::string& list) {
+  // Tensor names from the activation table (block_saved_specs, T and H do not matter).
+  ModelConfig c;
+  c.hidden = c.heads = 1;
+  const std::vector<TensorSpec> table = block_saved_specs(c, 1, ActPrecision::F32);
+  SPPO_ASSERT(int(table.size()) == kBlockSavedTensors);
+  auto choices = [&] {
+    std::string names;
+    for (const RecomputeGroup& g : recompute_groups())
+      for (int k = 0; k < kBlockSavedTensors; ++k)
+        if (in_set(g.tensors, k)) names += (names.empty() ? "" : ", ") + table[std::size_t(k)].name;
+    return names;
+  };
+  SavedSet s = 0;
+  std::size_t at = 0;
+  while (at <= list.size()) {
+    std::size_t end = list.find(',', at);
+    if (end == std::string::npos) end = list.size();
+    const std::string name = list.substr(at, end - at);
+    at = end + 1;
+    if (name.empty() || name == "none") continue;
+    if (name == "all") {
+      for (const RecomputeGroup& g : recompute_groups()) s |= g.tensors;
+      continue;
+    }
+    SPPO_CHECK(name != "k" && name != "v", "options")
+        << "--recompute-tensors: k and v are the K/V cache; --kv-cache recompute recomputes them from the layer "
+           "input";
+    SPPO_CHECK(name != "x", "options")
+        << "--recompute-tensors: x, a block's input, is the previous block's output and is always kept (or "
+           "offloaded); --recompute recomputes whole blocks from it";
+    bool found = false;
+    for (const RecomputeGroup& g : recompute_groups())
+      if (name == g.name) s |= g.tensors, found = true;
+    for (int k = 0; k < kBlockSavedTensors && !found; ++k)
+      if (name == table[std::size_t(k)].name) s |= 1u << k, found = true;
+    SPPO_CHECK(found, "options") << "--recompute-tensors: no saved tensor '" << name
+                                 << "'; the tensors backward can recompute are " << choices()
+                                 << " (or the groups ln1, q, attention, x_mid, ln2, fc_pre; all; none)";
+  }
+  return recompute_closure(s);
+}
+
+std::string recompute_tensors_text(SavedSet s) {
+  std::string out;
+  for (const RecomputeGroup& g : recompute_groups())
+    if (s & g.tensors) out += (out.empty() ? "" : ",") + std::string(g.name);
+  return out.empty() ? "none" : out;
+}
+
+const std::vector<SavedSet>& recompute_levels() {
+  static const std::vector<SavedSet> levels = [] {
+    const auto& g = recompute_groups();
+    const SavedSet norms = g[0].tensors | g[4].tensors;
+    const SavedSet mlp = norms | g[5].tensors;
+    const SavedSet projections = mlp | g[1].tensors | g[3].tensors;
+    return std::vector<SavedSet>{0, norms, mlp, projections, projections | g[2].tensors};
+  }();
+  return levels;
 }
 
 i64 skeletal_bytes_per_token(const ModelConfig& c, ActPrecision p) {

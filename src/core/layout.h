@@ -11,6 +11,7 @@
 // is saved: one more offloadable tensor per subsequence.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -142,9 +143,53 @@ inline constexpr i64 kKvChunkMinRows = 256;
 inline i64 kv_chunk_rows(i64 T) { return T > kKvChunkMinRows ? T : kKvChunkMinRows; }
 // Device bytes of its window for `chunks` chunks, the largest of `largest` rows: two slots
 // (one for a single chunk) of K, V in the activation type and, in backward, dK, dV in
-// fp32; in forward a partial output [T, width] and LSE [heads, T] fp32 too. Zero without
-// an earlier block.
-i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward);
+// fp32; in forward a partial output [T, width] and LSE [heads, T] fp32 too. A layer that
+// recomputes K/V (`recompute_hidden` = H, the width of its input x) adds to each slot the
+// chunk's rows of x and, in backward, their d(LayerNorm-1 output) sums [largest, H] fp32
+// (Note [dK/dV into the layer input] in runtime/kv_stream.h), and once the LayerNorm of a
+// chunk: its output [largest, H] and its mean and rstd [largest] fp32. Zero without an
+// earlier block.
+i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward,
+                    i64 recompute_hidden = 0);
+
+// Note [Recomputed tensors]: a block's saved tensors (block_saved_specs) are kept on the
+// device, offloaded (a fraction alpha of the unit), or recomputed in backward. Recomputing
+// runs again the forward step that produced a tensor, from tensors kept (or recomputed
+// before it), at the start of the layer's backward; the step writes all its outputs, so
+// they are recomputed together, as one group:
+//   ln1        ln1_mean, ln1_rstd, ln1_out   LayerNorm of x                 elementwise
+//   q          q                             x's queries: LN1 output x W_q, RoPE   2 T H^2
+//   attention  attn_out, lse                 the attention again           4 T H (o + T/2)
+//   x_mid      x_mid                         x + attn_out W_out             2 T H^2
+//   ln2        ln2_mean, ln2_rstd, ln2_out   LayerNorm of x_mid             elementwise
+//   fc_pre     fc_pre                        LN2 output x W_fc              2 T H F
+// x, the block's input, is never recomputed (it is the previous block's output). k and v
+// are the K/V cache, placed per layer by Schedule::kv_place (device, host, or recomputed
+// from x when a later subsequence or the backward needs them).
+// A set of a block's saved tensors: bit k is block_saved_specs()[k].
+using SavedSet = std::uint32_t;
+inline constexpr int kBlockSavedTensors = 14;
+inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6;
+inline constexpr bool in_set(SavedSet s, int k) { return (s >> k) & 1u; }
+struct RecomputeGroup {
+  const char* name;
+  SavedSet tensors;
+};
+// The groups above, in forward order.
+const std::vector<RecomputeGroup>& recompute_groups();
+// Every tensor of a group one of `s`'s tensors belongs to.
+SavedSet recompute_closure(SavedSet s);
+// A comma-separated list of tensor or group names ("fc_pre,ln1_out", "ln1,ln2"; "none" or
+// "" for none; "all" for every group) as a closed set. Throws sppo::Error naming the
+// tensors that can be recomputed.
+SavedSet parse_recompute_tensors(const std::string& list);
+// The canonical text of a closed set: its groups' names in forward order, comma-separated
+// ("none" when empty).
+std::string recompute_tensors_text(SavedSet s);
+// The nested sets the planner tries, cheapest seconds per byte saved first: none; the
+// LayerNorm outputs (elementwise); with fc_pre (the largest, one GEMM); with q and x_mid;
+// with the attention (everything but x, k, v).
+const std::vector<SavedSet>& recompute_levels();
 
 // Convenience sums.
 i64 skeletal_bytes_per_token(const ModelConfig& c, ActPrecision p);     // per block

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/layout.h"
 
 namespace sppo {
 
@@ -197,31 +198,82 @@ void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p
   block_forward(be, x_out, s, p, m, w, attn, c, q);
 }
 
+namespace {
+
+// The forward steps of Note [Recomputed tensors] (core/layout.h) that make the tensors of
+// `groups` and, when `kv`, this subsequence's own k and v, in forward order, each from
+// what earlier steps wrote or what s keeps. block_forward runs every one of them.
+void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p, const BlockMatrices& m,
+                   const BlockWorkspace& w, BlockAttention* attn, const ModelConfig& c, const Subseq& q) {
+  const int T = q.T, H = c.hidden, F = c.ffn();
+  const DType a = be.act();
+  const auto& g = recompute_groups();
+  auto has = [&](int k) { return (groups & g[std::size_t(k)].tensors) != 0; };
+  // Attention half: x_mid = x + out(attn(rope(qkv(LN1(x)))))
+  if (has(0)) be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T, H, c.ln_eps);
+  const bool want_q = has(1);
+  if (want_q && kv) {
+    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, 3 * H, 0, 0);
+  } else if (want_q) {  // the q rows of the projection
+    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, H, 3 * H, 0);
+  } else if (kv) {      // the k and v rows
+    be.linear_forward(act_at(w.qkv, H, a), s.ln1_out, act_at(m.qkv_w, i64(H) * H, a), act_at(m.qkv_b, H, a), T, H,
+                      2 * H, 3 * H, 0);
+  }
+  for (const PosSpan& part : q.parts()) {
+    void* rows = act_at(w.qkv, i64(part.row0) * 3 * H, a);
+    if (want_q) be.rope_forward(rows, part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
+    if (kv) be.rope_forward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
+  }
+  if (want_q) be.copy_cols(s.q, w.qkv, T, H, 3 * H, 0);
+  if (kv) {
+    be.copy_cols(s.k, w.qkv, T, H, 3 * H, H);
+    be.copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
+  }
+  if (has(2)) {
+    SPPO_ASSERT(attn);
+    attn->forward(be, s, c, q, w.scratch);
+  }
+  if (has(3)) {
+    be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, H, H, 0, 0);
+    be.add_inplace(s.x_mid, s.x, i64(T) * H);
+  }
+  // MLP half, up to its pre-activation: fc_pre = fc(LN2(x_mid))
+  if (has(4)) be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T, H, c.ln_eps);
+  if (has(5)) be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, F, 0, 0);
+}
+
+SavedSet every_group() {
+  SavedSet all = 0;
+  for (const RecomputeGroup& g : recompute_groups()) all |= g.tensors;
+  return all;
+}
+
+}  // namespace
+
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, BlockAttention& attn, const ModelConfig& c, const Subseq& q) {
   const int T = q.T, H = c.hidden, F = c.ffn();
-  const i64 TH = i64(T) * H;
-  const DType a = be.act();
-  // Attention half: x_mid = x + out(attn(rope(qkv(LN1(x)))))
-  be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T, H, c.ln_eps);
-  be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, 3 * H, 0, 0);
-  for (const PosSpan& part : q.parts()) {
-    void* rows = act_at(w.qkv, i64(part.row0) * 3 * H, a);
-    be.rope_forward(rows, part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);                 // q
-    be.rope_forward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);  // k
-  }
-  be.copy_cols(s.q, w.qkv, T, H, 3 * H, 0);
-  be.copy_cols(s.k, w.qkv, T, H, 3 * H, H);
-  be.copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
-  attn.forward(be, s, c, q, w.scratch);
-  be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, H, H, 0, 0);
-  be.add_inplace(s.x_mid, s.x, TH);
-  // MLP half: x_out = x_mid + proj(gelu(fc(LN2(x_mid))))
-  be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T, H, c.ln_eps);
-  be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, F, 0, 0);
+  forward_steps(be, s, every_group(), true, p, m, w, &attn, c, q);
+  // x_out = x_mid + proj(gelu(fc_pre))
   be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);
   be.linear_forward(x_out, w.mlp_act, m.proj_w, m.proj_b, T, F, H, 0, 0);
-  be.add_inplace(x_out, s.x_mid, TH);
+  be.add_inplace(x_out, s.x_mid, i64(T) * H);
+}
+
+void block_recompute(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,
+                     const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, const ModelConfig& c,
+                     const Subseq& q) {
+  forward_steps(be, s, groups, kv, p, m, w, attn, c, q);
+}
+
+void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockMatrices& m, const ModelConfig& c,
+                i64 pos0, int rows) {
+  const DType a = be.act();
+  const int H = c.hidden;
+  be.linear_forward(k, ln1_out, act_at(m.qkv_w, i64(H) * H, a), act_at(m.qkv_b, H, a), rows, H, H, 0, 0);
+  be.linear_forward(v, ln1_out, act_at(m.qkv_w, 2 * i64(H) * H, a), act_at(m.qkv_b, 2 * H, a), rows, H, H, 0, 0);
+  be.rope_forward(k, rows, c.heads, c.head_size(), pos0, c.rope_theta, H);
 }
 
 void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
@@ -233,7 +285,7 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
 
 void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
                     const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
-                    const ModelConfig& c, const Subseq& q) {
+                    const ModelConfig& c, const Subseq& q, const float* d_ln1_sums) {
   const int T = q.T, H = c.hidden, F = c.ffn();
   const DType a = be.act();
   // MLP half. d is the gradient w.r.t. x_out = x_mid + proj(gelu(fc_pre)).
@@ -261,6 +313,10 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
     be.rope_backward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
   }
   be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, m.qkv_w, T, H, 3 * H, 0, 0, w.scratch);
+  if (d_ln1_sums) {  // dqkv is spent: it carries the sums in the activation type
+    be.put_cols(w.qkv, d_ln1_sums, true, T, H, H, 0);
+    be.add_inplace(w.d_tmp, w.qkv, i64(T) * H);
+  }
   be.layernorm_backward(d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, H, w.scratch);
 }
 

@@ -186,12 +186,31 @@ void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, const KVBlocks& past, const ModelConfig& c, const Subseq& q);
 
+// Before the backward of one block: recomputes the saved tensors of `groups` (a closed set,
+// Note [Recomputed tensors] in core/layout.h) into s and, when `kv`, this subsequence's own
+// s.k, s.v, by running again the forward steps that make them, from what s keeps (x always;
+// the rest unless recomputed too). The attention group attends through `attn` (its
+// forward; may be null otherwise). w.qkv is scratch.
+void block_recompute(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,
+                     const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, const ModelConfig& c,
+                     const Subseq& q);
+
+// k, v [rows, H] of the positions pos0 .. pos0 + rows - 1 from their LayerNorm-1 output
+// ln1_out [rows, H]: the k and v rows of the qkv projection, RoPE on k (as block_forward
+// computes them, to fp32 rounding). A layer that recomputes its K/V (KvPlace::Recompute)
+// makes the earlier blocks' this way, a chunk at a time.
+void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockMatrices& m, const ModelConfig& c,
+                i64 pos0, int rows);
+
 // d[T, H]: in the gradient w.r.t. the block output, out w.r.t. its input. dk_self/dv_self
 // [T, H] are this subsequence's dK/dV accumulators: on entry they hold the contributions of
 // later subsequences (or zeros); on exit they are complete. past.dk/dv accumulate.
+// d_ln1_sums [T, H] fp32 (may be null): gradient of the LayerNorm-1 output that later
+// subsequences' backward already took through the K/V projection (Note [dK/dV into the
+// layer input], runtime/kv_stream.h), added before that LayerNorm's backward.
 void block_backward(Backend& be, void* d, BlockParams& grads, float* dk_self, float* dv_self, const BlockSaved& s,
                     const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
-                    const ModelConfig& c, const Subseq& q);
+                    const ModelConfig& c, const Subseq& q, const float* d_ln1_sums = nullptr);
 void block_backward(Backend& be, void* d, BlockParams& grads, float* dk_self, float* dv_self, const BlockSaved& s,
                     const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, const KVBlocks& past,
                     const ModelConfig& c, const Subseq& q);

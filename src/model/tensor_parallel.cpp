@@ -25,37 +25,84 @@ void rope_qk(Backend& be, void* qkv, bool backward, const ModelConfig& ac, const
 
 }  // namespace
 
-void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
-                      const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
-                      const Subseq& q) {
+namespace {
+
+// forward_steps of model/gpt.cpp as a member of the group: the steps that make the tensors
+// of `groups` and, when `kv`, the member's own k and v.
+void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,
+                      const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, SeqParallel& sp,
+                      const ModelConfig& c, const Subseq& q) {
   const TpShard& tp = sp.shard();
   const ModelConfig ac = attention_view(c, tp);
   const int T = q.T, H = c.hidden, Hr = ac.hidden;
   const auto [f0, f1] = tp.ffn(c);
   const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
-  const i64 rows_H = i64(Ts) * H;
   const bool adds_bias = tp.index == 0;  // row-parallel biases enter the sum once
+  const DType a = be.act();
+  const auto& g = recompute_groups();
+  auto has = [&](int k) { return (groups & g[std::size_t(k)].tensors) != 0; };
   SPPO_ASSERT(w.tp_full && w.tp_pad);
   // Attention half: x_mid = x + reduce_scatter(out(attn(rope(qkv(all_gather(LN1(x)))))))
-  be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, Ts, H, c.ln_eps);
-  sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
-  be.linear_forward(w.qkv, w.tp_full, m.qkv_w, m.qkv_b, T, H, 3 * Hr, 0, 0);
-  rope_qk(be, w.qkv, false, ac, q);
-  be.copy_cols(s.q, w.qkv, T, Hr, 3 * Hr, 0);
-  be.copy_cols(s.k, w.qkv, T, Hr, 3 * Hr, Hr);
-  be.copy_cols(s.v, w.qkv, T, Hr, 3 * Hr, 2 * Hr);
-  attn.forward(be, s, ac, q, w.scratch);
-  be.linear_forward(w.tp_full, s.attn_out, m.out_w, adds_bias ? m.out_b : nullptr, T, Hr, H, 0, 0);
-  sp.reduce_scatter(be, s.x_mid, w.tp_full, w.tp_pad, T, H);
-  be.add_inplace(s.x_mid, s.x, rows_H);
-  // MLP half: x_out = x_mid + reduce_scatter(proj(gelu(fc(all_gather(LN2(x_mid))))))
-  be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, Ts, H, c.ln_eps);
-  sp.all_gather(be, w.tp_full, s.ln2_out, w.tp_pad, T, H);
-  be.linear_forward(s.fc_pre, w.tp_full, m.fc_w, m.fc_b, T, H, Fr, 0, 0);
+  if (has(0)) be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, Ts, H, c.ln_eps);
+  const bool want_q = has(1);
+  if (want_q || kv) sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
+  if (want_q && kv) {
+    be.linear_forward(w.qkv, w.tp_full, m.qkv_w, m.qkv_b, T, H, 3 * Hr, 0, 0);
+    rope_qk(be, w.qkv, false, ac, q);
+  } else if (want_q || kv) {
+    // One of the two: the q rows of the projection, or the k and v rows, into their columns.
+    const i64 first = want_q ? 0 : Hr;
+    be.linear_forward(act_at(w.qkv, first, a), w.tp_full, act_at(m.qkv_w, first * H, a), act_at(m.qkv_b, first, a), T,
+                      H, want_q ? Hr : 2 * Hr, 3 * Hr, 0);
+    for (const PosSpan& part : q.parts())
+      be.rope_forward(act_at(w.qkv, i64(part.row0) * 3 * Hr + first, a), part.rows, ac.heads, ac.head_size(),
+                      part.pos0, ac.rope_theta, 3 * Hr);
+  }
+  if (want_q) be.copy_cols(s.q, w.qkv, T, Hr, 3 * Hr, 0);
+  if (kv) {
+    be.copy_cols(s.k, w.qkv, T, Hr, 3 * Hr, Hr);
+    be.copy_cols(s.v, w.qkv, T, Hr, 3 * Hr, 2 * Hr);
+  }
+  if (has(2)) {
+    SPPO_ASSERT(attn);
+    attn->forward(be, s, ac, q, w.scratch);
+  }
+  if (has(3)) {
+    be.linear_forward(w.tp_full, s.attn_out, m.out_w, adds_bias ? m.out_b : nullptr, T, Hr, H, 0, 0);
+    sp.reduce_scatter(be, s.x_mid, w.tp_full, w.tp_pad, T, H);
+    be.add_inplace(s.x_mid, s.x, i64(Ts) * H);
+  }
+  // MLP half, up to its pre-activation: fc_pre = fc(all_gather(LN2(x_mid)))
+  if (has(4)) be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, Ts, H, c.ln_eps);
+  if (has(5)) {
+    sp.all_gather(be, w.tp_full, s.ln2_out, w.tp_pad, T, H);
+    be.linear_forward(s.fc_pre, w.tp_full, m.fc_w, m.fc_b, T, H, Fr, 0, 0);
+  }
+}
+
+}  // namespace
+
+void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
+                      const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
+                      const Subseq& q) {
+  const TpShard& tp = sp.shard();
+  const int T = q.T, H = c.hidden;
+  const auto [f0, f1] = tp.ffn(c);
+  const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
+  SavedSet all = 0;
+  for (const RecomputeGroup& g : recompute_groups()) all |= g.tensors;
+  forward_steps_tp(be, s, all, true, p, m, w, &attn, sp, c, q);
+  // x_out = x_mid + reduce_scatter(proj(gelu(fc_pre)))
   be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * Fr);
-  be.linear_forward(w.tp_full, w.mlp_act, m.proj_w, adds_bias ? m.proj_b : nullptr, T, Fr, H, 0, 0);
+  be.linear_forward(w.tp_full, w.mlp_act, m.proj_w, tp.index == 0 ? m.proj_b : nullptr, T, Fr, H, 0, 0);
   sp.reduce_scatter(be, x_out, w.tp_full, w.tp_pad, T, H);
-  be.add_inplace(x_out, s.x_mid, rows_H);
+  be.add_inplace(x_out, s.x_mid, i64(Ts) * H);
+}
+
+void block_recompute_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,
+                        const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, SeqParallel& sp,
+                        const ModelConfig& c, const Subseq& q) {
+  forward_steps_tp(be, s, groups, kv, p, m, w, attn, sp, c, q);
 }
 
 void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,

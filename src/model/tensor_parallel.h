@@ -51,6 +51,11 @@ class SeqParallel {
 void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                       const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
                       const Subseq& q);
+// block_recompute as a member of the group: the same steps, with their collectives (every
+// member recomputes the same groups).
+void block_recompute_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,
+                        const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, SeqParallel& sp,
+                        const ModelConfig& c, const Subseq& q);
 // d [Ts, H]: in, the gradient w.r.t. the block output; out, w.r.t. its input. dk_self and
 // dv_self [T, Hr] as in block_backward.
 void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,

@@ -84,27 +84,76 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   if (op.layer_end == s.layers) t += head_flops(T) / gemm_rate_ / tp;
   if (tp > 1)
     t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (op.layer_end == s.layers ? 2 : 0));
-  return t + kv_stream_s(op, s, o, false);
+  return t + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
 }
 
 double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
-  if (s.kv_host.empty()) return 0;
+  if (!s.any_kv_streamed()) return 0;
   const sched::Spans spans = s.spans(op);
   const i64 T = sched::span_tokens(spans);
   const double width = double(TpShard{0, s.tp}.local_hidden(model_));
   const double kv = 2.0 * act_bytes_ * width, sums = 2.0 * 4 * width;  // bytes a token
+  const double x = double(act_bytes_) * model_.hidden;
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
   const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans) / s.tp;
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l) {
-    if (!s.kv_on_host(l)) continue;
-    const double past = double(o);  // every earlier position's block
-    const double in = h2d_s(i64(past * (backward ? kv + sums : kv)), backward);
-    const double out = backward ? d2h_s(i64(past * sums), true) : 0.0;
+    if (!s.kv_streamed(l)) continue;
+    const bool recompute = s.kv_recomputed(l);
+    const double block = recompute ? x : kv;  // what a token of an earlier block brings in
+    // A Recompute layer's sums are its d(LayerNorm-1 output), H fp32 a position.
+    const double summed = recompute ? 4.0 * model_.hidden : sums;
+    const double past = double(o);            // every earlier position's block
+    const double in = h2d_s(i64(past * (backward ? block + summed : block)), backward);
+    const double out = backward ? d2h_s(i64(past * summed), true) : 0.0;
     t += std::max(0.0, std::max(in, out) - attention);
-    t += backward ? h2d_s(i64(double(T) * (kv + sums)), false) : d2h_s(i64(double(T) * kv), false);
+    const double own = recompute ? (backward ? summed : 0.0) : (backward ? kv + sums : kv);
+    if (own > 0) t += backward ? h2d_s(i64(double(T) * own), false) : d2h_s(i64(double(T) * own), false);
   }
   return t;
+}
+
+double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
+  if (s.recompute == 0 && !s.any_kv_streamed()) return 0;
+  const sched::Spans spans = s.spans(op);
+  double t = 0;
+  for (int l = op.layer_begin; l < op.layer_end; ++l)
+    t += layer_recompute_s(o, spans, s.recompute, s.kv_recomputed(l), backward, s.tp);
+  return t;
+}
+
+double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward,
+                                    int tp) const {
+  const double T = double(sched::span_tokens(spans));
+  const double H = model_.hidden, F = model_.ffn();
+  // Elementwise words of a token: a LayerNorm reads and writes H twice; RoPE and a
+  // residual add read and write H.
+  auto words_s = [&](double words, double tokens) {
+    return hw_.elementwise_bw > 0 ? words * act_bytes_ * tokens / hw_.elementwise_bw : 0.0;
+  };
+  const auto& g = recompute_groups();
+  auto has = [&](int k) { return (groups & g[std::size_t(k)].tensors) != 0; };
+  double t = 0;
+  // K and V of every earlier position, chunk by chunk: LayerNorm, two GEMMs, RoPE; in
+  // backward their gradients also go into the layer input's sums and the weight gradients
+  // (Note [dK/dV into the layer input], runtime/kv_stream.h): four GEMMs more, and RoPE.
+  if (kv)
+    t += (backward ? 12 : 4) * H * H * double(o) / gemm_rate_ + words_s((backward ? 8 : 4) * H, double(o));
+  if (!backward) return t;
+  double flops = 0, words = 0, attention = 0;
+  int collectives = 0;
+  if (has(0)) words += 2 * H;  // ln1
+  if (has(1) || kv) {          // q, and the own K, V of a layer that recomputes them
+    flops += ((has(1) ? 2 : 0) + (kv ? 4 : 0)) * T * H * H;
+    words += (has(1) ? 2 * H : 0) + (kv ? 2 * H : 0);
+    ++collectives;
+  }
+  if (has(2)) attention = attention_s(o, spans);
+  if (has(3)) flops += 2 * T * H * H, words += 3 * H, ++collectives;  // x_mid
+  if (has(4)) words += 2 * H;                                          // ln2
+  if (has(5)) flops += 2 * T * H * F, ++collectives;                   // fc_pre
+  return t + (flops / gemm_rate_ + attention + words_s(words, T)) / tp +
+         collectives * tp_collective_s(i64(T), tp);
 }
 
 double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
@@ -113,7 +162,7 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   double t = n * (layer_backward_s(o, spans) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   // Backward gathers four times and reduce-scatters twice a layer, the embedding once.
   if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
-  return t + kv_stream_s(op, s, o, true);
+  return t + kv_stream_s(op, s, o, true) + recompute_s(op, s, o, true);
 }
 
 double CostModel::d2h_s(i64 bytes, bool duplex) const {

@@ -18,6 +18,14 @@
 // Tensor parallelism (Schedule::tp): compute divides by tp, and every layer adds the
 // sequence-parallel regions' all-gathers and reduce-scatters of [T, H] (tp_collective_s),
 // four in forward and six in backward, run between the kernels.
+// Recomputed tensors (Schedule::recompute, Note [Recomputed tensors] in core/layout.h): a
+// backward first runs again, per layer, the forward steps of the recomputed groups (their
+// GEMMs, elementwise traffic and, for the attention group, the attention), and under
+// tensor parallelism the all-gather or reduce-scatter each step needs. A layer that
+// recomputes K/V (KvPlace::Recompute) pays, in its forward and backward, the LayerNorm and
+// the K and V GEMMs (4 H^2 FLOPs a token) of every earlier position, in its backward also
+// their gradients' way into the layer input and the weights (8 H^2 more), and in its
+// backward the K and V of its own tokens.
 // Copies: bytes over d2h_bw / h2d_bw, times duplex_factor while the other direction runs.
 // Messages: latency + bytes / bandwidth, intra- or inter-node by the ranks' nodes
 // (rank r is device r; devices_per_node consecutive devices form a node).
@@ -67,13 +75,20 @@ class CostModel {
   double layer_forward_s(i64 o, i64 T) const { return layer_forward_s(o, sched::Spans{{0, T}}); }
   double layer_backward_s(i64 o, i64 T) const { return layer_backward_s(o, sched::Spans{{0, T}}); }
 
-  // Seconds the copies of layers whose K/V are on the host (Schedule::kv_host) add to a
-  // Forward (Backward) op: the earlier blocks stream in (and, in backward, their dK/dV
-  // sums in and out) while the attention runs, two blocks ahead, so only what the
-  // attention does not cover shows; the subsequence's own K, V going out after the
-  // forward (coming back with their sums before the backward) wait whole. The copies'
-  // contention with offloads on the same link is not priced.
+  // Seconds the copies of layers whose K/V stream (Schedule::kv_streamed) add to a
+  // Forward (Backward) op: the earlier blocks stream in (K, V on a Host layer; the layer
+  // input x on a Recompute layer, priced as if every x were on the host) and, in backward,
+  // their dK/dV sums in and out, while the attention runs, two chunks ahead, so only what
+  // the attention does not cover shows; the subsequence's own K, V going out after the
+  // forward (coming back, or on a Recompute layer only its sums, before the backward)
+  // wait whole. The copies' contention with offloads on the same link is not priced.
   double kv_stream_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
+  // Seconds a Forward (Backward) op spends recomputing: K, V of the earlier positions on
+  // Recompute layers and, in backward, the recomputed groups and the own K, V.
+  double recompute_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
+  // The same for one layer on the tokens `spans` of a subsequence at offset o, recomputing
+  // `groups` (in backward) and K/V (`kv`), on one of tp tensor-parallel members.
+  double layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward, int tp) const;
 
   // One all-gather (or reduce-scatter) of [T, H] activations over a tensor-parallel group
   // of tp consecutive devices.

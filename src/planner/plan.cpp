@@ -41,7 +41,9 @@ nlohmann::json to_json(const Plan& p) {
       {"alpha_rule", p.alpha_rule},
       {"budget_bytes", p.budget},
       {"kv_host_layers", p.kv_host_layers},
+      {"kv_recompute_layers", p.kv_recompute_layers},
       {"kv_window_tokens", p.kv_window_tokens()},
+      {"recompute_tensors", recompute_tensors_text(p.recompute)},
       {"predicted",
        {{"step_time_s", p.predicted.step_time_s},
         {"tokens_per_gpu_per_s", p.predicted.tokens_per_gpu_per_s},
@@ -55,7 +57,7 @@ nlohmann::json to_json(const Plan& p) {
 }
 
 i64 Plan::kv_window_tokens() const {
-  if (kv_host_layers.empty()) return 0;
+  if (kv_host_layers.empty() && kv_recompute_layers.empty()) return 0;
   // Subsequence i streams the earlier positions in chunks of kv_chunk_rows(l_i) through
   // two slots (one when a single chunk holds them all; runtime/kv_stream.h).
   i64 most = 0, before = 0;
@@ -119,6 +121,20 @@ Plan plan_from_json(const nlohmann::json& j) {
     SPPO_CHECK(l < p.model.layers, "planner")
         << kWhere << "\"kv_host_layers\" names layer " << l << " of a model of " << p.model.layers << " layers";
     p.kv_host_layers.push_back(int(l));
+  }
+  for (const i64 l : integers("kv_recompute_layers", 0, kIntMax)) {
+    SPPO_CHECK(l < p.model.layers, "planner")
+        << kWhere << "\"kv_recompute_layers\" names layer " << l << " of a model of " << p.model.layers << " layers";
+    SPPO_CHECK(std::find(p.kv_host_layers.begin(), p.kv_host_layers.end(), int(l)) == p.kv_host_layers.end(),
+               "planner")
+        << kWhere << "layer " << l << " is in both \"kv_host_layers\" and \"kv_recompute_layers\"; a layer keeps "
+        << "its K/V on the host or recomputes them, not both";
+    p.kv_recompute_layers.push_back(int(l));
+  }
+  try {
+    p.recompute = parse_recompute_tensors(json_string_field(j, "recompute_tensors", "none", "planner", kWhere));
+  } catch (const Error& e) {
+    SPPO_CHECK(false, "planner") << kWhere << "\"recompute_tensors\": " << e.what();
   }
   try {
     p.alpha = j.value("alpha", std::vector<double>(p.lengths.size(), 0.0));

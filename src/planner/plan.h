@@ -8,6 +8,7 @@
 
 #include "core/config.h"
 #include "core/dims.h"
+#include "core/layout.h"
 
 namespace sppo::plan {
 
@@ -39,11 +40,16 @@ struct Plan {
   std::string offload = "adaptive";  // none | full | paper | adaptive
   std::string alpha_rule;         // how alpha was chosen
   i64 budget = 0;                 // device bytes the plan must fit
-  // Layers whose K/V cache lives on the host (sched::Schedule::kv_host; JSON
-  // "kv_host_layers", their indices). The device then holds a window of at most
+  // Layers whose K/V cache lives on the host, and layers that keep no K/V but recompute
+  // them from the layer input (sched::Schedule::kv_place; JSON "kv_host_layers",
+  // "kv_recompute_layers", their indices). The device then holds a window of at most
   // kv_window_tokens() earlier tokens a layer (JSON "kv_window_tokens").
   std::vector<int> kv_host_layers;
+  std::vector<int> kv_recompute_layers;
   i64 kv_window_tokens() const;
+  // The saved tensors every layer's backward recomputes (Note [Recomputed tensors] in
+  // core/layout.h; JSON "recompute_tensors", their groups: "ln1,ln2,fc_pre", or "none").
+  SavedSet recompute = 0;
   Prediction predicted;
   std::vector<std::string> notes;
 };

@@ -9,8 +9,8 @@ std::string unit_name(int l, int i) {
 }
 
 ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& host, const ModelConfig& c,
-                                 ActPrecision precision, int subseqs, std::pair<int, int> layers)
-    : device_(device), host_(host), config_(c), lb_(layers.first), le_(layers.second) {
+                                 ActPrecision precision, int subseqs, std::pair<int, int> layers, SavedSet recompute)
+    : device_(device), host_(host), config_(c), lb_(layers.first), le_(layers.second), recompute_(recompute) {
   const int L = c.layers, N = subseqs;
   dev_.resize(N);
   host_copies_.resize(N);
@@ -29,6 +29,9 @@ ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& ho
   offload_last_.resize(N);
   prefetch_first_.resize(N);
   prefetch_last_.resize(N);
+  x_host_.assign(std::size_t(N), std::vector<const void*>(std::size_t(L), nullptr));
+  x_copied_.assign(std::size_t(N), std::vector<std::shared_ptr<Event>>(std::size_t(L)));
+  prefetched_.assign(std::size_t(N), 0);
   for (const auto& s : block_saved_specs(c, 1, precision)) roles_.push_back(s.role);
   SPPO_ASSERT(int(roles_.size()) == kSavedTensors);
   d2h_ = be.make_copy_stream();
@@ -43,11 +46,13 @@ i64 ActivationStore::offload(int i, double fraction) {
   // last in backward), each layer's offloadable tensors in table order, head_grad last.
   std::vector<std::pair<Buffer*, Buffer*>> tensors;
   std::vector<i64> sizes;
+  std::vector<int> x_layer;  // the layer of each tensor that is an x, else -1
   for (int l = lb_; l < le_; ++l)
     for (int k = 0; k < kSavedTensors; ++k)
-      if (roles_[k] == Role::Offloadable) {
+      if (roles_[k] == Role::Offloadable && !in_set(recompute_, k)) {
         tensors.push_back({&dev_[i][l][k], &host_copies_[i][l][k]});
         sizes.push_back(dev_[i][l][k].bytes());
+        x_layer.push_back(k == kSavedX ? l : -1);
       }
   if (le_ == config_.layers) {
     tensors.push_back({&head_grad_[i], &head_grad_host_[i]});
@@ -70,11 +75,27 @@ i64 ActivationStore::offload(int i, double fraction) {
     });
     if (!offload_first_[i]) offload_first_[i] = ev;
     offload_last_[i] = ev;
+    if (t < x_layer.size() && x_layer[t] >= 0) {
+      x_host_[i][std::size_t(x_layer[t])] = host.data();
+      x_copied_[i][std::size_t(x_layer[t])] = ev;
+    }
   }
   return offloaded;
 }
 
+std::pair<const void*, const void*> ActivationStore::saved_input(int i, int l, double* waited_s) {
+  const void* host = x_host_[i][std::size_t(l)];
+  if (!host) return {dev_[i][l][kSavedX].data(), nullptr};
+  if (prefetched_[i]) {
+    *waited_s += prefetch_last_[i]->wait();
+    return {dev_[i][l][kSavedX].data(), nullptr};
+  }
+  *waited_s += x_copied_[i][std::size_t(l)]->wait();
+  return {nullptr, host};
+}
+
 void ActivationStore::prefetch(int i) {
+  prefetched_[i] = 1;
   auto move_in = [&](Buffer& dev, Buffer& host, const std::string& what) {
     if (!host) return;
     dev = device_.alloc(host.bytes(), what);

@@ -8,7 +8,8 @@
 // released when its copy completes; P(i) allocates them on the device again and copies
 // them back on the host-to-device stream, each host copy released when its copy
 // completes. Both walk the tensors in the simulator's order (schedule/memory.h), so the
-// bytes each moves are the predicted ones. The two copy streams are the step's (the host
+// bytes each moves are the predicted ones; tensors the schedule recomputes
+// (Schedule::recompute) are not among them. The two copy streams are the step's (the host
 // K/V cache copies through them too, runtime/kv_stream.h); they are drained before any
 // buffer they copy is freed. At the end of a step every unit is empty (check_empty).
 #pragma once
@@ -26,8 +27,8 @@
 
 namespace sppo {
 
-inline constexpr int kSavedTensors = 14;  // block_saved_specs() entries
-inline constexpr int kK = 5, kV = 6;      // where k and v are among them
+inline constexpr int kSavedTensors = kBlockSavedTensors;  // block_saved_specs() entries (core/layout.h)
+inline constexpr int kK = kSavedK, kV = kSavedV;          // where k and v are among them
 
 // The prefix of the names of unit (l, i)'s buffers in the tiers' accounting.
 std::string unit_name(int l, int i);
@@ -37,7 +38,7 @@ class ActivationStore {
   // `layers`: the rank's own layers [begin, end), the ones O and P move; units exist for
   // every layer of the model (an MSP helper runs another stage's).
   ActivationStore(Backend& be, MemoryTier& device, MemoryTier& host, const ModelConfig& c, ActPrecision precision,
-                  int subseqs, std::pair<int, int> layers);
+                  int subseqs, std::pair<int, int> layers, SavedSet recompute);
   ~ActivationStore();
 
   // [kSavedTensors] the saved tensors of subsequence i at layer l, in table order; a
@@ -50,6 +51,12 @@ class ActivationStore {
 
   // O(i): returns the bytes it copies to the host.
   i64 offload(int i, double fraction);
+  // Where unit (i, l)'s layer input x is for a later subsequence that recomputes K/V from
+  // it (runtime/kv_stream.h): on the device (never offloaded, or brought back by P(i),
+  // whose copies are waited for), or its host copy, once O(i)'s copy of it is done. The
+  // seconds waited add to *waited_s. Called on the compute thread, which alone issues O
+  // and P, so the buffers it reads are not changing under it.
+  std::pair<const void*, const void*> saved_input(int i, int l, double* waited_s);
   // P(i): every tensor of subsequence i on the host comes back.
   void prefetch(int i);
   // The seconds spent waiting for O(i)'s (P(i)'s) last copy; 0 if it copied nothing.
@@ -74,6 +81,12 @@ class ActivationStore {
   std::vector<std::shared_ptr<Event>> offload_first_, offload_last_;    // [N]
   std::vector<std::shared_ptr<Event>> prefetch_first_, prefetch_last_;  // [N]
   std::vector<Role> roles_;                             // of the saved tensors
+  SavedSet recompute_;                                  // tensors recomputed in backward: never offloaded
+  // Per unit, its x's host copy and the copy's event, from O(i) ([N][L]; null: not
+  // offloaded), and whether P(i) has been issued ([N]).
+  std::vector<std::vector<const void*>> x_host_;
+  std::vector<std::vector<std::shared_ptr<Event>>> x_copied_;
+  std::vector<char> prefetched_;
   // Declared last, so destroyed first: their pending copies finish before the buffers go.
   std::unique_ptr<CopyStream> d2h_, h2d_;
 };

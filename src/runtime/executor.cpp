@@ -100,6 +100,17 @@ void Runtime::write_device(float* device, const float* host, i64 n) {
 
 Runtime::~Runtime() = default;
 
+namespace {
+
+// A recompute layer's weights for its K/V stream (KvStore::attention); none elsewhere (an
+// MSP helper's borrowed layers have no gradients before their backward).
+HostKvCache::LayerWeights layer_weights(const StepState& st, const StageWeights& wt, int l) {
+  if (!st.sched.kv_recomputed(l)) return {};
+  return {&wt.w->blocks[l], &wt.m->blocks[l], &wt.g->blocks[l]};
+}
+
+}  // namespace
+
 void Runtime::forward(StepState& st, const sched::Op& op) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(st.sched, op);
@@ -134,7 +145,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       out = device_->alloc(specs[0].bytes(), e == L ? "final hidden" : "hidden for the next stage");
       x_out = out.data();
     }
-    const LayerAttention attn = st.kv.attention(op, l, false);
+    const LayerAttention attn = st.kv.attention(op, l, false, layer_weights(st, wt, l));
     BlockSaved saved = block_saved_from(ptrs(unit));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     if (st.tp)
@@ -143,6 +154,8 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
       block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, q);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
+    for (int k = 0; k < kSavedTensors; ++k)  // what backward recomputes (Note [Recomputed tensors])
+      if (in_set(st.sched.recompute, k)) unit[k].reset();
     st.kv.after_forward(l, i, q);
     scratch = {};
     ws.clear();
@@ -203,7 +216,21 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
     st.kv.restore(l, i);
-    const LayerAttention attn = st.kv.attention(op, l, true);
+    const LayerAttention attn = st.kv.attention(op, l, true, layer_weights(st, wt, l));
+    // Note [Recomputed tensors]: the tensors the schedule recomputes, and on a layer that
+    // recomputes K/V this subsequence's own K, V, made again before the backward.
+    const bool kv = st.sched.kv_recomputed(l);
+    if (st.sched.recompute || kv) {
+      for (int k = 0; k < kSavedTensors; ++k)
+        if (in_set(st.sched.recompute, k) || (kv && (k == kK || k == kV)))
+          unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
+      BlockSaved s = block_saved_from(ptrs(unit));
+      if (st.tp)
+        block_recompute_tp(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, *st.tp,
+                           config_, q);
+      else
+        block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, config_, q);
+    }
     if (opts_.recompute) {
       for (int k = 1; k < kSavedTensors; ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
@@ -223,7 +250,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
                               w.tp_pad, *st.tp, config_, q);
     } else {
       block_backward(be_, d, wt.g->blocks[l], st.kv.dk(l, i).f32(), st.kv.dv(l, i).f32(), s, wt.w->blocks[l],
-                     wt.m->blocks[l], w, *attn, config_, q);
+                     wt.m->blocks[l], w, *attn, config_, q, kv ? st.kv.du(l, i).f32() : nullptr);
     }
     for (auto& buf : unit) buf.reset();
     st.kv.release(l, i);

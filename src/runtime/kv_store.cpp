@@ -34,9 +34,11 @@ KvStore::KvStore(ActivationStore& act, Backend& be, MemoryTier& device, MemoryTi
   const int L = c.layers, N = int(sc.lengths.size());
   dk_.resize(L);
   dv_.resize(L);
+  du_.resize(L);
   for (int l = 0; l < L; ++l) {
     dk_[l].resize(N);
     dv_[l].resize(N);
+    du_[l].resize(N);
   }
   rows_at_.assign(L, std::vector<Subseq>(N));
   held_.resize(L);
@@ -44,16 +46,26 @@ KvStore::KvStore(ActivationStore& act, Backend& be, MemoryTier& device, MemoryTi
   for (const sched::Op& op : ops)
     if (op.kind == sched::OpKind::Forward)
       for (int l = op.layer_begin; l < op.layer_end; ++l) rows_at_[l][op.subseq] = rows_of(sc, op);
-  if (!sc.kv_host.empty())
+  if (sc.any_kv_streamed())
     host_ = std::make_unique<HostKvCache>(be, device, host, act.d2h(), act.h2d(), L, N, width_,
                                           &result.exposed_copy_s);
+  double* waited = &result.exposed_copy_s;
+  inputs_ = [&act, waited](int l, int j) {
+    const auto [device, host] = act.saved_input(j, l, waited);
+    return HostKvCache::InputRows{device, host};
+  };
 }
 
 KvStore::~KvStore() = default;
 
-LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward) {
+LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward, const HostKvCache::LayerWeights& weights) {
   LayerAttention a;
-  if (sched_.kv_on_host(l)) {
+  if (sched_.kv_recomputed(l)) {
+    SPPO_ASSERT(weights.p && weights.m && weights.g);
+    a.attn_ = host_->recomputed_attention(l, op.subseq, rows_of(sched_, op).T, backward, weights, inputs_, config_);
+    return a;
+  }
+  if (sched_.kv_streamed(l)) {
     a.attn_ = host_->attention(l, op.subseq, rows_of(sched_, op).T, backward);
     return a;
   }
@@ -63,9 +75,12 @@ LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward) {
 }
 
 void KvStore::after_forward(int l, int i, const Subseq& q) {
-  if (!sched_.kv_on_host(l)) return;
+  if (!sched_.kv_streamed(l)) return;
   std::vector<Buffer>& unit = act_.unit(i, l);
-  host_->store(l, i, unit[kK], unit[kV], q.offset, q.T);
+  if (sched_.kv_recomputed(l))
+    host_->forget(l, i, unit[kK], unit[kV], q.offset, q.T);
+  else
+    host_->store(l, i, unit[kK], unit[kV], q.offset, q.T);
 }
 
 KVBlocks KvStore::past_blocks(int l, int i, bool grads) {
@@ -101,7 +116,7 @@ KVBlocks KvStore::past_blocks(int l, int i, bool grads) {
 }
 
 void KvStore::alloc_accumulators(int l, int i) {
-  if (sched_.kv_on_host(l)) return;
+  if (sched_.kv_streamed(l)) return;
   for (int j = 0; j <= i; ++j) {
     if (rows_at_[l][j].T > 0 && !dk_[l][j]) {
       const i64 bytes = i64(rows_at_[l][j].T) * width_ * i64(sizeof(float));
@@ -118,7 +133,11 @@ void KvStore::alloc_accumulators(int l, int i) {
 }
 
 void KvStore::restore(int l, int i) {
-  if (!sched_.kv_on_host(l)) return;
+  if (!sched_.kv_streamed(l)) return;
+  if (sched_.kv_recomputed(l)) {  // K_i, V_i are recomputed with the layer's other tensors
+    host_->restore_sums(l, i, &dk_[l][i], &dv_[l][i], &du_[l][i]);
+    return;
+  }
   std::vector<Buffer>& unit = act_.unit(i, l);
   host_->restore(l, i, &unit[kK], &unit[kV], &dk_[l][i], &dv_[l][i]);
 }
@@ -126,6 +145,7 @@ void KvStore::restore(int l, int i) {
 void KvStore::release(int l, int i) {
   dk_[l][i].reset();
   dv_[l][i].reset();
+  du_[l][i].reset();
 }
 
 KvStore::Held& KvStore::hold(int l, int i, const PosSpan& rows, i64 bytes) {

@@ -11,9 +11,13 @@
 //  - MSP (Note [MSP pieces] in schedule/builders.cpp): a stage's owner also holds the K, V
 //    of its helpers' pieces, received after their forward, with their dK/dV accumulators,
 //    until it sends the sums back (take_held).
-//  - host layer (Schedule::kv_host): HostKvCache (runtime/kv_stream.h) keeps K_j, V_j and
+//  - host layer (KvPlace::Host): HostKvCache (runtime/kv_stream.h) keeps K_j, V_j and
 //    their sums on the host from j's forward of the layer (after_forward) to j's backward
 //    (restore).
+//  - recompute layer (KvPlace::Recompute): no K_j, V_j after j's forward of the layer;
+//    later subsequences recompute them from unit (j, l)'s x wherever the activation store
+//    has it, and leave their gradients' sums, taken into the LayerNorm-1 output's, on the
+//    host; restore gives j's backward zeroed accumulators of its own and those sums (du).
 // attention() gives F/B op's layer l the attention that reaches every earlier block: on
 // this rank (LocalAttention over the device blocks), round the ring for ring and MSP pieces
 // (runtime/ring.h), or streamed from the host. At the end of a step nothing is held.
@@ -63,7 +67,9 @@ class KvStore {
   ~KvStore();
 
   // The attention of F/B op `op` at layer l; with `backward`, its dK/dV accumulators too.
-  LayerAttention attention(const sched::Op& op, int l, bool backward);
+  // `weights`: the layer's (a recompute layer recomputes K/V with them and adds to their
+  // gradients).
+  LayerAttention attention(const sched::Op& op, int l, bool backward, const HostKvCache::LayerWeights& weights = {});
   // After the forward of layer l on subsequence i (rows q): on a host layer its K, V go to
   // the host and leave the device.
   void after_forward(int l, int i, const Subseq& q);
@@ -80,6 +86,9 @@ class KvStore {
   // [rows, H/tp] fp32 the dK/dV accumulators of block (l, i).
   Buffer& dk(int l, int i) { return dk_[l][i]; }
   Buffer& dv(int l, int i) { return dv_[l][i]; }
+  // [rows, H] fp32 on a recompute layer: the d(LayerNorm-1 output) later subsequences'
+  // backward summed for block (l, i) (Note [dK/dV into the layer input]); else empty.
+  Buffer& du(int l, int i) { return du_[l][i]; }
   // The backward of layer l on subsequence i is done: its sums are spent.
   void release(int l, int i);
   // MSP, the owner: K and V (`bytes` each) of a helper's piece at rows `rows` of
@@ -110,6 +119,8 @@ class KvStore {
   // The rows of each subsequence this rank computed at each layer ([L][N]; T = 0: none).
   std::vector<std::vector<Subseq>> rows_at_;
   std::vector<std::vector<Buffer>> dk_, dv_;     // [L][N] dK/dV accumulators
+  std::vector<std::vector<Buffer>> du_;          // [L][N] a recompute layer's d(LayerNorm-1 output) sums
+  HostKvCache::InputLookup inputs_;              // where an earlier unit's x is (the activation store)
   std::vector<std::vector<std::vector<Held>>> held_;  // [L][N] the owner's copies of helper pieces
   std::unique_ptr<HostKvCache> host_;            // layers whose K/V live on the host
 };

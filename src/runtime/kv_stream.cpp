@@ -23,22 +23,8 @@ std::string block_name(int l, int j) {
 class StreamedAttention final : public BlockAttention {
  public:
   StreamedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward) : c_(cache), l_(l), backward_(backward) {
-    const i64 C = kv_chunk_rows(T);
     i64 largest = 0;
-    for (int j = 0; j < i; ++j) {
-      HostKvCache::Block& blk = c_.blocks_[l][j];
-      if (!blk.k) continue;
-      for (i64 r = 0; r < blk.rows;) {
-        if (past_.empty() || past_.back().rows == C) past_.push_back({{}, 0, blk.pos0 + r});
-        Chunk& ch = past_.back();
-        SPPO_ASSERT_MSG(ch.pos0 + ch.rows == blk.pos0 + r, "host K/V blocks of one rank are consecutive positions");
-        const int n = int(std::min<i64>(C - ch.rows, blk.rows - r));
-        ch.pieces.push_back({&blk, r, n, ch.rows});
-        ch.rows += n;
-        r += n;
-        largest = std::max<i64>(largest, ch.rows);
-      }
-    }
+    past_ = c_.chunks(l, i, T, &largest);
     const i64 act = dtype_bytes(c_.be_.act());
     for (std::size_t s = 0; s < std::min<std::size_t>(2, past_.size()); ++s) {
       Slot& slot = slots_[s];
@@ -116,19 +102,8 @@ class StreamedAttention final : public BlockAttention {
     Buffer k, v, dk, dv;
     std::shared_ptr<Event> loaded, saved;
   };
-  // Rows [row0, row0 + rows) of an earlier block, at row `at` of its chunk.
-  struct Piece {
-    HostKvCache::Block* blk;
-    i64 row0;
-    int rows;
-    int at;
-  };
-  // Positions [pos0, pos0 + rows) of the earlier blocks.
-  struct Chunk {
-    std::vector<Piece> pieces;
-    int rows = 0;
-    i64 pos0 = 0;
-  };
+  using Piece = HostKvCache::Piece;
+  using Chunk = HostKvCache::Chunk;
 
   static KVRef own(const BlockSaved& s, const PosSpan& part, float* dk, float* dv) {
     return {s.k, s.v, dk, dv, part.rows, part.pos0};
@@ -181,6 +156,208 @@ class StreamedAttention final : public BlockAttention {
   std::vector<Chunk> past_;
   Slot slots_[2];
 };
+
+// A Recompute layer's window (Note [dK/dV into the layer input] in kv_stream.h): slot
+// b % 2 holds chunk b's rows of x (those that came from the host), its recomputed K, V and,
+// in backward, its fresh dK, dV and the d(LayerNorm-1 output) sums of its rows; one
+// LayerNorm output with its statistics serves every chunk in turn. Loads go out two chunks
+// ahead as in StreamedAttention.
+class RecomputedAttention final : public BlockAttention {
+ public:
+  RecomputedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward, const HostKvCache::LayerWeights& w,
+                      const HostKvCache::InputLookup& inputs, const ModelConfig& c)
+      : c_(cache), l_(l), backward_(backward), w_(w), inputs_(inputs), config_(c) {
+    i64 largest = 0;
+    past_ = c_.chunks(l, i, T, &largest);
+    SPPO_ASSERT_MSG(c_.width_ == c.hidden, "a Recompute layer runs without tensor parallelism");
+    const i64 act = dtype_bytes(c_.be_.act()), H = c.hidden, f32 = i64(sizeof(float));
+    const std::string what = "blocks." + std::to_string(l) + " recomputed K/V window ";
+    for (std::size_t s = 0; s < std::min<std::size_t>(2, past_.size()); ++s) {
+      Slot& slot = slots_[s];
+      slot.x = c_.device_.alloc(largest * H * act, what + "x");
+      slot.k = c_.device_.alloc(largest * H * act, what + "K");
+      slot.v = c_.device_.alloc(largest * H * act, what + "V");
+      if (backward_) {
+        slot.dk = c_.device_.alloc(largest * H * f32, what + "dK");
+        slot.dv = c_.device_.alloc(largest * H * f32, what + "dV");
+        slot.du = c_.device_.alloc(largest * H * f32, what + "d LayerNorm-1 output");
+      }
+    }
+    if (!past_.empty()) {
+      norm_ = c_.device_.alloc(largest * H * act, what + "LayerNorm-1 output");
+      mean_ = c_.device_.alloc(largest * f32, what + "LayerNorm-1 mean");
+      rstd_ = c_.device_.alloc(largest * f32, what + "LayerNorm-1 rstd");
+    }
+  }
+
+  ~RecomputedAttention() override {
+    for (Slot& s : slots_) {
+      wait(s.loaded);
+      wait(s.saved);
+    }
+  }
+
+  void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
+    const std::vector<PosSpan> parts = q.parts();
+    SPPO_ASSERT_MSG(parts.size() == 1, "recomputed K/V run subsequences of one span");
+    const PosSpan& part = parts[0];
+    const AttnShape d = span_shape(c, part);
+    be.attention_forward(s.attn_out, s.lse, s.q, {{s.k, s.v, nullptr, nullptr, part.rows, part.pos0}}, d, scratch);
+    if (past_.empty()) return;
+    const DType a = be.act();
+    const std::string name = "blocks." + std::to_string(l_);
+    Buffer out = c_.device_.alloc(i64(part.rows) * c.hidden * dtype_bytes(a), name + " partial output");
+    Buffer lse = c_.device_.alloc(i64(c.heads) * part.rows * i64(sizeof(float)), name + " partial LSE");
+    for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
+    for (std::size_t b = 0; b < past_.size(); ++b) {
+      Slot& slot = slots_[b % 2];
+      recompute_kv(be, slot, past_[b]);
+      be.attention_forward(out.data(), lse.f32(), s.q, {ref(slot, past_[b])}, d, scratch);
+      be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
+      if (b + 2 < past_.size()) load(b + 2);
+    }
+  }
+
+  void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s, float* dk_self,
+                float* dv_self, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
+    const std::vector<PosSpan> parts = q.parts();
+    SPPO_ASSERT_MSG(parts.size() == 1, "recomputed K/V run subsequences of one span");
+    const PosSpan& part = parts[0];
+    const DType a = be.act();
+    const int T = q.T, H = c.hidden;
+    // As LocalAttention: dq accumulates in columns [0, H) of dqkv, the queries are read
+    // from a copy in columns [H, 2H) with the same stride.
+    be.zero_cols(dqkv, T, H, 3 * H, 0);
+    void* q3 = act_at(dqkv, H, a);
+    be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
+    AttnShape d = span_shape(c, part);
+    d.ldq = 3 * H;
+    for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
+    be.attention_backward(dqkv, dout, q3, {{s.k, s.v, dk_self, dv_self, part.rows, part.pos0}}, s.lse, delta, d,
+                          scratch);
+    const i64 f32_row = i64(H) * i64(sizeof(float));
+    for (std::size_t b = 0; b < past_.size(); ++b) {
+      Slot& slot = slots_[b % 2];
+      const Chunk& ch = past_[b];
+      recompute_kv(be, slot, ch);
+      be.fill_zero(slot.dk.data(), std::size_t(ch.rows * f32_row));
+      be.fill_zero(slot.dv.data(), std::size_t(ch.rows * f32_row));
+      be.attention_backward(dqkv, dout, q3, {ref(slot, ch)}, s.lse, delta, d, scratch);
+      // Note [dK/dV into the layer input]: dK (after RoPE's backward) and dV go through the
+      // k and v rows of the projection into the sums of d(LayerNorm-1 output), and into the
+      // projection's weight gradients, each through the x slot in the activation type.
+      const Workspace rows_scratch = ch.rows <= T ? scratch : Workspace{};
+      for (int kv = 0; kv < 2; ++kv) {
+        const i64 row = i64(1 + kv) * H;  // the k (v) rows of the qkv projection
+        be.put_cols(slot.x.data(), kv == 0 ? slot.dk.f32() : slot.dv.f32(), true, ch.rows, H, H, 0);
+        if (kv == 0) be.rope_backward(slot.x.data(), ch.rows, c.heads, c.head_size(), ch.pos0, c.rope_theta, H);
+        const void* w = act_at(w_.m->qkv_w, row * H, a);
+        be.gemm(false, false, ch.rows, H, H, 1.0f, slot.x.data(), H, w, H, 1.0f, slot.du.data(), H, a, DType::F32);
+        be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b + row, slot.x.data(), norm_.data(), w, ch.rows,
+                           H, H, 0, 0, rows_scratch);
+      }
+      for (const Piece& pc : ch.pieces)
+        slot.saved = c_.d2h_.copy(pc.blk->du.f32() + pc.row0 * H, slot.du.f32() + i64(pc.at) * H,
+                                  std::size_t(pc.rows) * std::size_t(f32_row), {});
+      if (b + 2 < past_.size()) load(b + 2);
+    }
+  }
+
+ private:
+  struct Slot {
+    Buffer x, k, v, dk, dv, du;
+    std::shared_ptr<Event> loaded, saved;
+  };
+  using Piece = HostKvCache::Piece;
+  using Chunk = HostKvCache::Chunk;
+
+  KVRef ref(const Slot& slot, const Chunk& ch) const {
+    return {slot.k.data(), slot.v.data(), backward_ ? slot.dk.f32() : nullptr, backward_ ? slot.dv.f32() : nullptr,
+            ch.rows, ch.pos0};
+  }
+
+  // Starts bringing chunk b into its slot (after that slot's sums went out): the rows of x
+  // that are on the host and, in backward, the sums.
+  void load(std::size_t b) {
+    Slot& slot = slots_[b % 2];
+    wait(slot.saved);
+    const DType a = c_.be_.act();
+    const i64 H = config_.hidden;
+    const std::size_t f32_row = std::size_t(H) * sizeof(float);
+    for (const Piece& pc : past_[b].pieces) {
+      HostKvCache::Block& blk = *pc.blk;
+      const HostKvCache::InputRows x = inputs_(l_, blk.subseq);
+      SPPO_ASSERT_MSG(x.device || x.host, "the input of layer " << l_ << " subseq " << blk.subseq << " is gone");
+      if (!x.device)
+        slot.loaded = c_.h2d_.copy(act_at(slot.x.data(), i64(pc.at) * H, a), act_at(x.host, pc.row0 * H, a),
+                                   std::size_t(pc.rows) * std::size_t(H) * std::size_t(dtype_bytes(a)), {});
+      if (!backward_) continue;
+      if (!blk.du) {  // the first backward to reach the block: its sums start at zero
+        blk.du = c_.host_.alloc(i64(blk.rows) * H * i64(sizeof(float)), block_name(l_, blk.subseq) + "host dU");
+        blk.summed = 0;
+      }
+      float* du = slot.du.f32() + i64(pc.at) * H;
+      if (pc.row0 < blk.summed) {
+        slot.loaded = c_.h2d_.copy(du, blk.du.f32() + pc.row0 * H, std::size_t(pc.rows) * f32_row, {});
+      } else {
+        c_.be_.fill_zero(du, std::size_t(pc.rows) * f32_row);
+        blk.summed = pc.row0 + pc.rows;
+      }
+    }
+  }
+
+  // K, V of chunk `ch` in its slot, from its rows of x: LayerNorm 1 block by block (each
+  // from the device or from the slot), then the projection and RoPE on the whole chunk.
+  void recompute_kv(Backend& be, Slot& slot, const Chunk& ch) {
+    wait(slot.loaded);
+    const DType a = be.act();
+    const i64 H = config_.hidden;
+    for (const Piece& pc : ch.pieces) {
+      const HostKvCache::InputRows x = inputs_(l_, pc.blk->subseq);
+      const void* rows = x.device ? act_at(x.device, pc.row0 * H, a) : act_at(slot.x.data(), i64(pc.at) * H, a);
+      be.layernorm_forward(act_at(norm_.data(), i64(pc.at) * H, a), mean_.f32() + pc.at, rstd_.f32() + pc.at, rows,
+                           w_.p->ln1_w, w_.p->ln1_b, pc.rows, int(H), config_.ln_eps);
+    }
+    kv_project(be, slot.k.data(), slot.v.data(), norm_.data(), *w_.m, config_, ch.pos0, ch.rows);
+  }
+
+  void wait(std::shared_ptr<Event>& e) {
+    if (!e) return;
+    *c_.waited_s_ += e->wait();
+    e.reset();
+  }
+
+  HostKvCache& c_;
+  int l_;
+  bool backward_;
+  HostKvCache::LayerWeights w_;
+  HostKvCache::InputLookup inputs_;
+  const ModelConfig& config_;
+  std::vector<Chunk> past_;
+  Slot slots_[2];
+  Buffer norm_, mean_, rstd_;
+};
+
+std::vector<HostKvCache::Chunk> HostKvCache::chunks(int l, int i, i64 T, i64* largest) {
+  const i64 C = kv_chunk_rows(T);
+  std::vector<Chunk> past;
+  *largest = 0;
+  for (int j = 0; j < i; ++j) {
+    Block& blk = blocks_[l][j];
+    if (!blk.k && !blk.recomputed) continue;
+    for (i64 r = 0; r < blk.rows;) {
+      if (past.empty() || past.back().rows == C) past.push_back({{}, 0, blk.pos0 + r});
+      Chunk& ch = past.back();
+      SPPO_ASSERT_MSG(ch.pos0 + ch.rows == blk.pos0 + r, "streamed K/V blocks of one rank are consecutive positions");
+      const int n = int(std::min<i64>(C - ch.rows, blk.rows - r));
+      ch.pieces.push_back({&blk, r, n, ch.rows});
+      ch.rows += n;
+      r += n;
+      *largest = std::max<i64>(*largest, ch.rows);
+    }
+  }
+  return past;
+}
 
 HostKvCache::HostKvCache(Backend& be, MemoryTier& device, MemoryTier& host, CopyStream& d2h, CopyStream& h2d,
                          int layers, int subseqs, i64 width, double* waited_s)
@@ -238,6 +415,40 @@ void HostKvCache::restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer
 
 std::unique_ptr<BlockAttention> HostKvCache::attention(int l, int i, i64 T, bool backward) {
   return std::make_unique<StreamedAttention>(*this, l, i, T, backward);
+}
+
+void HostKvCache::forget(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows) {
+  Block& blk = blocks_[l][i];
+  SPPO_ASSERT_MSG(!blk.recomputed, "K/V of layer " << l << " subseq " << i << " dropped twice");
+  blk.pos0 = pos0;
+  blk.rows = rows;
+  blk.subseq = i;
+  blk.recomputed = true;
+  k.reset();
+  v.reset();
+}
+
+void HostKvCache::restore_sums(int l, int i, Buffer* dk, Buffer* dv, Buffer* du) {
+  Block& blk = blocks_[l][i];
+  SPPO_ASSERT_MSG(blk.recomputed, "backward of layer " << l << " subseq " << i << " before its forward");
+  const std::string name = block_name(l, i);
+  const i64 f32 = i64(blk.rows) * width_ * i64(sizeof(float));  // width_ is H: no tensor parallelism
+  *dk = device_.alloc_zeroed(f32, name + "dK");
+  *dv = device_.alloc_zeroed(f32, name + "dV");
+  *du = device_.alloc(f32, name + "d LayerNorm-1 output sums");
+  if (blk.du) {  // every row was reached by a later backward
+    SPPO_ASSERT(blk.summed == blk.rows);
+    *waited_s_ += h2d_.copy(du->data(), blk.du.data(), std::size_t(f32), {})->wait();
+  } else {
+    be_.fill_zero(du->data(), std::size_t(f32));
+  }
+  blk = Block{};
+}
+
+std::unique_ptr<BlockAttention> HostKvCache::recomputed_attention(int l, int i, i64 T, bool backward,
+                                                                  const LayerWeights& w, const InputLookup& inputs,
+                                                                  const ModelConfig& c) {
+  return std::make_unique<RecomputedAttention>(*this, l, i, T, backward, w, inputs, c);
 }
 
 }  // namespace sppo

@@ -1,5 +1,5 @@
-// The K/V cache on the host (Schedule::kv_host; DESIGN.md Note [dK/dV with host-resident
-// K/V]).
+// The K/V cache on the host (Schedule::kv_place: KvPlace::Host, and KvPlace::Recompute's
+// streaming; DESIGN.md Note [dK/dV with host-resident K/V]).
 //
 // On a host layer, a subsequence's K and V leave the device when its forward of the layer
 // is done (copied, then freed). The attention of each later subsequence attends to its own
@@ -14,8 +14,25 @@
 //
 // Memory (schedule/memory.h, MemTerm::KVWindow): the window is kv_window_bytes
 // (core/layout.h), allocated while a layer's attention runs.
+//
+// A Recompute layer (KvPlace::Recompute) keeps no K, V at all: its window brings in the
+// earlier blocks' layer input x instead (from the device, or from the host where an
+// offload put it) and recomputes each chunk's K, V from it (LayerNorm 1, the k and v rows
+// of the projection, RoPE; model/gpt.h kv_project) before the attention runs on them.
+//
+// Note [dK/dV into the layer input]: a Recompute layer's backward of subsequence i adds its
+// part of an earlier block j's gradient, dK_j^(i) and dV_j^(i) [rows, H] fp32, not into dK/dV
+// sums but, through the projection that made K_j and V_j from the LayerNorm-1 output u_j,
+// straight into d u_j = sum_i (RoPE^T dK_j^(i)) W_k + dV_j^(i) W_v, and likewise into the
+// weight gradients dW_k += (RoPE^T dK_j^(i))^T u_j, dW_v += dV_j^(i)^T u_j and their biases. Every
+// map is linear, so the sums over i are those of the device cache's complete dK_j, dV_j to
+// fp32 rounding; u_j is at hand, recomputed for the chunk. The host keeps d u_j [rows, H]
+// fp32: half the bytes of dK_j and dV_j, and half the traffic in and out. The backward of j
+// itself computes its own blocks' dK_j, dV_j (from zero) as a device layer does, and adds
+// the sum d u_j into its LayerNorm-1 output's gradient before that LayerNorm's backward.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -44,15 +61,60 @@ class HostKvCache {
   // T: the query rows (chunks of kv_chunk_rows(T) rows, core/layout.h).
   std::unique_ptr<BlockAttention> attention(int l, int i, i64 T, bool backward);
 
+  // A Recompute layer. Where subsequence j's input x [rows, H] of layer l is when a later
+  // subsequence needs it: on the device, or (host set) a host copy that can be read (the
+  // lookup waits for a copy in flight).
+  struct InputRows {
+    const void* device = nullptr;
+    const void* host = nullptr;
+  };
+  using InputLookup = std::function<InputRows(int l, int j)>;
+  // The layer's weights (the LayerNorm and the projection's k and v rows) and their
+  // gradients (the projection's, in backward).
+  struct LayerWeights {
+    const BlockParams* p = nullptr;
+    const BlockMatrices* m = nullptr;
+    BlockParams* g = nullptr;
+  };
+  // After the forward of layer l on subsequence i: K, V are released (recomputed when
+  // needed); the block's rows are noted.
+  void forget(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows);
+  // Before the backward of layer l on subsequence i: its own dK/dV accumulators [rows,
+  // width] fp32, zeroed, and the d(LayerNorm-1 output) sums [rows, H] fp32 that later
+  // subsequences' backward left on the host (zeros if none).
+  void restore_sums(int l, int i, Buffer* dk, Buffer* dv, Buffer* du);
+  // The attention of subsequence i at layer l, recomputing every earlier block's K, V.
+  std::unique_ptr<BlockAttention> recomputed_attention(int l, int i, i64 T, bool backward, const LayerWeights& w,
+                                                       const InputLookup& inputs, const ModelConfig& c);
+
  private:
   struct Block {
     Buffer k, v, dk, dv;  // on the host; dk, dv from the first backward that reaches the block
+    Buffer du;            // a Recompute layer's d(LayerNorm-1 output) sums on the host, likewise
     i64 pos0 = 0;
     int rows = 0;
     int subseq = 0;
-    i64 summed = 0;  // rows [0, summed) of dk, dv hold sums; the rest are not yet written
+    bool recomputed = false;  // a Recompute layer's block: its rows only
+    i64 summed = 0;  // rows [0, summed) of the sums hold sums; the rest are not yet written
   };
+  // Rows [row0, row0 + rows) of an earlier block, at row `at` of its chunk.
+  struct Piece {
+    Block* blk;
+    i64 row0;
+    int rows;
+    int at;
+  };
+  // Positions [pos0, pos0 + rows) of the earlier blocks, kv_chunk_rows(T) at most.
+  struct Chunk {
+    std::vector<Piece> pieces;
+    int rows = 0;
+    i64 pos0 = 0;
+  };
+  // The earlier blocks of subsequence i at layer l as chunks for T query rows; *largest:
+  // the most rows of one.
+  std::vector<Chunk> chunks(int l, int i, i64 T, i64* largest);
   friend class StreamedAttention;
+  friend class RecomputedAttention;
   Backend& be_;
   MemoryTier& device_;
   MemoryTier& host_;

@@ -44,10 +44,25 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
   SPPO_CHECK(!msp || (sc.tp == 1 && sc.ring == 1 && o.comm && act == DType::F32), "runtime")
       << "multiplexed sequence partitioning (MSP) runs with pipeline and data parallelism on CPU ranks in fp32; drop "
          "--tp and --cp, or use --msp off";
-  SPPO_CHECK(sc.kv_host.empty() || (int(sc.kv_host.size()) == c.layers && sc.ring == 1 && !msp && !o.recompute),
+  SPPO_CHECK(sc.kv_place.empty() || (int(sc.kv_place.size()) == c.layers && sc.ring == 1 && !msp && !o.recompute),
              "runtime")
-      << "K/V on the host (--kv-cache host) streams the blocks of one rank's subsequences: it runs without --cp, "
-         "--msp on and --recompute, and names every layer";
+      << "K/V on the host or recomputed (--kv-cache host, recompute) stream the blocks of one rank's subsequences: "
+         "they run without --cp, --msp on and --recompute, and name every layer";
+  bool kv_recomputed = false;
+  for (int l = 0; l < c.layers; ++l) kv_recomputed |= sc.kv_recomputed(l);
+  SPPO_CHECK(!kv_recomputed || sc.tp == 1, "runtime")
+      << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input: it runs without --tp";
+  SPPO_CHECK(sc.recompute == recompute_closure(sc.recompute) && !in_set(sc.recompute, kSavedX) &&
+                 !in_set(sc.recompute, kSavedK) && !in_set(sc.recompute, kSavedV),
+             "runtime")
+      << "the schedule recomputes " << sc.recompute << ", which is not a set of whole groups of recomputable "
+      << "tensors (core/layout.h)";
+  SPPO_CHECK(sc.recompute == 0 || !o.recompute, "runtime")
+      << "--recompute already recomputes whole blocks; drop --recompute-tensors";
+  SPPO_CHECK(!(sc.recompute & recompute_groups()[2].tensors) || (sc.ring == 1 && !msp && !sc.any_kv_streamed()),
+             "runtime")
+      << "recomputing the attention (--recompute-tensors attention) runs it again inside the backward, on the K/V "
+         "of the device: it runs without --cp, --msp on and --kv-cache host or recompute";
 }
 
 StepState::StepState(const StepContext& c, const sched::Schedule& sc, const StepControl& ctl, StepResult& res)
@@ -60,7 +75,7 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
       tp(sc.tp > 1 ? std::make_unique<TpGroup>(*c.opts.comm, c.opts.rank - c.opts.tp.index, c.opts.tp,
                                                &res.comm_wait_s)
                    : nullptr),
-      act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers),
+      act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers, sc.recompute),
       kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
       messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
       grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),

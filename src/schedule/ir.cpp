@@ -239,11 +239,26 @@ std::string to_string(const Op& op) {
   return os.str();
 }
 
+const char* to_string(KvPlace p) {
+  switch (p) {
+    case KvPlace::Device: return "device";
+    case KvPlace::Host: return "host";
+    case KvPlace::Recompute: return "recompute";
+  }
+  SPPO_ASSERT(false);
+  return "";
+}
+
 std::string to_string(const Schedule& s) {
   std::ostringstream os;
   os << "schedule ranks=" << s.ranks << " layers=" << s.layers << " lengths=";
   for (size_t i = 0; i < s.lengths.size(); ++i) os << (i ? "," : "") << s.lengths[i];
   if (s.ring > 1 && s.ring_layout != RingLayout::Contiguous) os << " ring=" << to_string(s.ring_layout);
+  if (s.any_kv_streamed()) {
+    os << " kv=";
+    for (size_t l = 0; l < s.kv_place.size(); ++l) os << (l ? "," : "") << to_string(s.kv_place[l]);
+  }
+  if (s.recompute) os << " recompute=" << recompute_tensors_text(s.recompute);
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {
     os << "rank " << r << ":\n";

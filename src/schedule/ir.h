@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/dims.h"
+#include "core/layout.h"
 
 namespace sppo::sched {
 
@@ -31,6 +32,10 @@ enum class OpKind {
                  //   layer_end) (payload WeightGrads: data-parallel and SP replicas), or of the
                  //   tied embedding's gradient (payload TiedGrads: first and last stage)
 };
+
+// Where a layer keeps the K/V of finished subsequences (Schedule::kv_place).
+enum class KvPlace : char { Device, Host, Recompute };
+const char* to_string(KvPlace p);                 // "device" | "host" | "recompute"
 
 // What a Send/Recv/RingStep moves.
 // KV / KVGrad are an MSP piece's rows (Note [MSP pieces] in builders.cpp): its K and V,
@@ -123,12 +128,25 @@ struct Schedule {
   // same ops, each on its shards; 1: none.
   int tp = 1;
   // Where each layer keeps the K/V cache of finished subsequences ([layers]; empty: every
-  // layer on the device). A host layer copies each subsequence's K, V to the host after
-  // its forward and streams them back, two blocks at a time, to the attention of later
+  // layer on the device). A Host layer copies each subsequence's K, V to the host after
+  // its forward and streams them back, a chunk at a time, to the attention of later
   // subsequences and to the backward, with their fp32 dK/dV accumulators, which live on
-  // the host too (runtime/kv_stream.h). Ops of one piece only (no ring, no MSP).
-  std::vector<char> kv_host;
-  bool kv_on_host(int layer) const { return !kv_host.empty() && kv_host[std::size_t(layer)] != 0; }
+  // the host too (runtime/kv_stream.h). A Recompute layer keeps no K, V at all: each chunk
+  // is recomputed from the layer input x of its subsequence (wherever the unit holds it)
+  // when a later subsequence or the backward needs it, and its dK/dV sums live on the host
+  // as a Host layer's. Host and Recompute layers run ops of one piece only (no ring, no
+  // MSP); Recompute, no tensor parallelism either (its rows of x are split over the group).
+  std::vector<KvPlace> kv_place;
+  KvPlace kv_at(int layer) const { return kv_place.empty() ? KvPlace::Device : kv_place[std::size_t(layer)]; }
+  // Host or Recompute: earlier blocks stream through a window, their sums on the host.
+  bool kv_streamed(int layer) const { return kv_at(layer) != KvPlace::Device; }
+  bool kv_recomputed(int layer) const { return kv_at(layer) == KvPlace::Recompute; }
+  bool any_kv_streamed() const {
+    return std::any_of(kv_place.begin(), kv_place.end(), [](KvPlace p) { return p != KvPlace::Device; });
+  }
+  // The saved tensors every layer's backward recomputes instead of keeping (Note
+  // [Recomputed tensors] in core/layout.h; a closed set of groups).
+  SavedSet recompute = 0;
 
   i64 offset(int i) const;              // o_i = l_0 + ... + l_{i-1}
   i64 seq_len() const;                  // S

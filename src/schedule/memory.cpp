@@ -71,10 +71,11 @@ i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShar
   return param_count(c, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == layers) * 4;
 }
 
-std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp) {
+std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp, SavedSet recompute) {
   std::vector<i64> bytes;
-  for (const auto& t : block_saved_specs(rules.model, T, rules.precision, tp))
-    if (t.role == Role::Offloadable) bytes.push_back(t.bytes());
+  const auto specs = block_saved_specs(rules.model, T, rules.precision, tp);
+  for (std::size_t k = 0; k < specs.size(); ++k)
+    if (specs[k].role == Role::Offloadable && !in_set(recompute, int(k))) bytes.push_back(specs[k].bytes());
   return bytes;
 }
 
@@ -84,7 +85,7 @@ UnitSizes::UnitSizes(const MemoryRules& rules, const Schedule& s) {
     for (const Op& op : s.ops[std::size_t(r)])
       if (op.kind == OpKind::Forward) {
         auto [it, fresh] = sizes_.try_emplace({tp.index, span_tokens(s.spans(op))});
-        if (fresh) it->second = unit_tensor_bytes(rules, it->first.second, tp);
+        if (fresh) it->second = unit_tensor_bytes(rules, it->first.second, tp, s.recompute);
       }
   }
 }
@@ -99,7 +100,8 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
   const ModelConfig& c = rules.model;
   const ActPrecision p = rules.precision;
   kv_pt_ = skeletal_bytes_per_token(c, p);
-  unit_pt_ = offloadable_bytes_per_token(c, p);
+  unit_pt_ = saved_bytes(1, Role::Offloadable);
+  rc_pt_ = recomputed_bytes(1);
   ws_pt_ = total_bytes(block_workspace_specs(c, 1, p));
   head_pt_ = total_bytes(head_saved_specs(c, 1, p));
   acc_pt_ = 2 * i64(c.hidden) * rules.accum_bytes;
@@ -107,6 +109,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     const i64 n = tp_.size;
     kv_pt_ = kv_bytes(n) / n;
     unit_pt_ = unit_bytes(n) / n;
+    rc_pt_ = recomputed_bytes(n) / n;
     ws_pt_ = total_bytes(block_workspace_specs(c, n, p, tp_)) / n;
     head_pt_ = head_bytes(n) / n;
     acc_pt_ = 2 * i64(tp_.local_hidden(c)) * rules.accum_bytes;
@@ -182,7 +185,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       const i64 T = tokens_of(op);
       for (int l = op.layer_begin; l < op.layer_end; ++l) {
         acc_tokens_[l] += T;
-        if (!s.kv_on_host(l)) continue;
+        if (!s.kv_streamed(l)) continue;
         if (kv_rows_before_[l].empty()) kv_rows_before_[l].assign(std::size_t(N) + 1, 0);
         kv_rows_before_[l][std::size_t(op.subseq) + 1] += T;
       }
@@ -192,7 +195,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
         const std::vector<i64>* layer = shared ? shared->find(tp_.index, T) : nullptr;
         if (!layer) {  // every layer's unit has the same tensors
           auto [it, fresh] = layer_units.try_emplace(T);
-          if (fresh) it->second = unit_tensor_bytes(rules, T, tp_);
+          if (fresh) it->second = unit_tensor_bytes(rules, T, tp_, s.recompute);
           layer = &it->second;
         }
         for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer->begin(), layer->end());
@@ -216,8 +219,17 @@ i64 RankMemory::head_ws(i64 T) const {
 
 i64 RankMemory::saved_bytes(i64 T, Role role) const {
   i64 b = 0;
-  for (const auto& t : block_saved_specs(rules_.model, T, rules_.precision, tp_))
-    if (t.role == role) b += t.bytes();
+  const auto specs = block_saved_specs(rules_.model, T, rules_.precision, tp_);
+  for (std::size_t k = 0; k < specs.size(); ++k)
+    if (specs[k].role == role && !in_set(s_.recompute, int(k))) b += specs[k].bytes();
+  return b;
+}
+
+i64 RankMemory::recomputed_bytes(i64 T) const {
+  i64 b = 0;
+  const auto specs = block_saved_specs(rules_.model, T, rules_.precision, tp_);
+  for (std::size_t k = 0; k < specs.size(); ++k)
+    if (in_set(s_.recompute, int(k))) b += specs[k].bytes();
   return b;
 }
 
@@ -236,7 +248,10 @@ i64 RankMemory::head_bytes(i64 T) const {
 
 const RankMemory::LayerBytes& RankMemory::layer_bytes(i64 T) {
   auto it = layer_bytes_.find(T);
-  if (it == layer_bytes_.end()) it = layer_bytes_.emplace(T, LayerBytes{kv_bytes(T), unit_bytes(T), ws_bytes(T)}).first;
+  if (it == layer_bytes_.end()) {
+    const i64 rc = tp_.on() ? recomputed_bytes(T) : rc_pt_ * T;
+    it = layer_bytes_.emplace(T, LayerBytes{kv_bytes(T), unit_bytes(T), rc, ws_bytes(T)}).first;
+  }
   return it->second;
 }
 
@@ -275,11 +290,12 @@ void RankMemory::host_change(i64 delta) {
 }
 
 i64 RankMemory::kv_window(int l, int subseq, i64 T, bool backward) const {
-  if (!s_.kv_on_host(l)) return 0;
+  if (!s_.kv_streamed(l)) return 0;
   // Earlier blocks' rows in chunks of C consecutive positions (runtime/kv_stream.h).
   const i64 C = kv_chunk_rows(T), rows = kv_rows_before_[l][std::size_t(subseq)];
-  return kv_window_bytes((rows + C - 1) / C, std::min(rows, C), T, tp_.local_hidden(rules_.model), tp_.local_heads(rules_.model),
-                         rules_.act_bytes(), backward);
+  return kv_window_bytes((rows + C - 1) / C, std::min(rows, C), T, tp_.local_hidden(rules_.model),
+                         tp_.local_heads(rules_.model), rules_.act_bytes(), backward,
+                         s_.kv_recomputed(l) ? rules_.model.hidden : 0);
 }
 
 void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term) {
@@ -330,7 +346,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   switch (op.kind) {
     case OpKind::Forward: {
       const i64 T = tokens_of(op);
-      const auto [kv, unit, ws] = layer_bytes(T);
+      const auto [kv, unit, rc, ws] = layer_bytes(T);
       const i64 ring = piece_fwd_extra(op, T);
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
@@ -346,6 +362,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
         emit(out, at, kv, T::KVCache);
         emit(out, at, unit - (k > 0 || input_held ? x_bytes : 0), T::Units);
+        if (rc) emit(out, at, rc, T::Recomputed);
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
         emit(out, at, x_bytes, T::Hidden);
@@ -353,10 +370,9 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (ring) emit(out, end, -ring, T::RingBuffers);
         emit(out, end, -ws, T::Workspace);
         if (window) emit(out, end, -window, T::KVWindow);
-        if (s_.kv_on_host(l)) {  // K_i, V_i go to the host
-          emit(out, end, -kv, T::KVCache);
-          host_change(kv);
-        }
+        if (rc) emit(out, end, -rc, T::Recomputed);
+        if (s_.kv_streamed(l)) emit(out, end, -kv, T::KVCache);
+        if (s_.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
       }
       if (op.layer_end == L) {
         const i64 hws = head_ws(T);
@@ -369,7 +385,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     }
     case OpKind::Backward: {
       const i64 T = tokens_of(op);
-      const auto [kv, unit, ws] = layer_bytes(T);
+      const auto [kv, unit, rc, ws] = layer_bytes(T);
       const i64 ring = piece_bwd_extra(op, T);
       // The residual gradient starts as head_grad (part of the unit) on the rank that ran
       // the head, else as the received gradient.
@@ -379,13 +395,17 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         const double at = double(k) / n, end = double(k + 1) / n;
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
-        if (s_.kv_on_host(l)) {
-          // K_i, V_i and the dK/dV sums of i come back from the host; the window streams
-          // the earlier blocks, whose sums the host holds from the first backward on them.
+        if (rc) emit(out, at, rc, T::Recomputed);
+        if (s_.kv_streamed(l)) {
+          // K_i, V_i come back from the host (or are recomputed), with the dK/dV sums of i
+          // from the host; the window streams the earlier blocks, whose sums the host holds
+          // from the first backward on them.
+          const i64 sums_pt = sums_per_token(l);
+          const bool recomputed = s_.kv_recomputed(l);
           emit(out, at, kv, T::KVCache);
-          emit(out, at, acc_pt_ * T, T::KVGradAccum);
+          emit(out, at, (acc_pt_ + (recomputed ? sums_pt : 0)) * T, T::KVGradAccum);
           int& below = sums_below_[l];
-          host_change(-kv - (op.subseq < below ? acc_pt_ * T : 0));
+          host_change(-(recomputed ? 0 : kv) - (op.subseq < below ? sums_pt * T : 0));
           const i64 window = kv_window(l, op.subseq, T, true);
           if (window) {
             emit(out, at, window, T::KVWindow);
@@ -393,7 +413,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           }
           if (op.subseq > below) {
             const auto& before = kv_rows_before_[l];
-            host_change(acc_pt_ * (before[std::size_t(op.subseq)] - before[std::size_t(below)]));
+            host_change(sums_pt * (before[std::size_t(op.subseq)] - before[std::size_t(below)]));
             below = op.subseq;
           }
         } else if (!acc_live_[l]) {
@@ -401,8 +421,9 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
         emit(out, end, -kv, T::KVCache);
-        emit(out, end, -acc_pt_ * T, T::KVGradAccum);
+        emit(out, end, -(acc_pt_ + (s_.kv_recomputed(l) ? sums_per_token(l) : 0)) * T, T::KVGradAccum);
         emit(out, end, -unit, T::Units);
+        if (rc) emit(out, end, -rc, T::Recomputed);
         if (ring) emit(out, end, -ring, T::RingBuffers);
         emit(out, end, -ws, T::Workspace);
       }
@@ -483,6 +504,7 @@ const char* to_string(MemTerm t) {
     case MemTerm::HeadWorkspace: return "logits and loss workspace";
     case MemTerm::RingBuffers: return "ring attention buffers";
     case MemTerm::KVWindow: return "K/V streaming window";
+    case MemTerm::Recomputed: return "recomputed tensors";
     case MemTerm::BorrowedWeights: return "MSP borrowed weights";
     case MemTerm::BorrowedGrads: return "MSP borrowed gradients";
     case MemTerm::StepInputs: return "token ids and loss sum";

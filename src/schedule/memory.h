@@ -19,6 +19,18 @@
 //  - O(i) fraction a: the tensors select_offload(a) picks (core/layout.h) released when the
 //    copy ends;
 //    P(i) allocates them again at its start.
+//  - Recomputed tensors (Schedule::recompute, Note [Recomputed tensors] in core/layout.h):
+//    allocated with the unit at the start of each layer's F and freed at its end, and
+//    again for the layer's B, freed with the unit; they are not part of the unit that O(i)
+//    offloads.
+//  - A layer's K/V (Schedule::kv_place): Device, as above; Host: K_i, V_i go to the host at
+//    the end of F, come back at the start of B with the complete dK/dV sums of i, and the
+//    earlier blocks stream through a window (MemTerm::KVWindow); Recompute: K_i, V_i are
+//    freed at the end of F and recomputed at the start of B, with zeroed dK/dV accumulators
+//    of its own rows and, from the host, the d(LayerNorm-1 output) sums [T, H] fp32 that
+//    later subsequences' backward left there (Note [dK/dV into the layer input] in
+//    runtime/kv_stream.h: H fp32 a position on the host, not 2H); the window holds the
+//    earlier blocks' x as well as their recomputed K, V.
 //  - B(i): head_grad of i (or the received gradient) carries the residual gradient, freed
 //    at the end on the first stage, else as each Send HiddenGrad of it ends; per layer from
 //    the last: workspace; on the
@@ -118,7 +130,8 @@ enum class MemTerm {
   Workspace,        // one layer's forward or backward scratch and kernel scratch
   HeadWorkspace,    // logits and loss of the LM head, a chunk of rows at a time
   RingBuffers,      // the ring attention's buffers of pieces (ring, MSP)
-  KVWindow,         // the window host-resident K/V stream through (kv_window_bytes)
+  KVWindow,         // the window host-resident or recomputed K/V stream through (kv_window_bytes)
+  Recomputed,       // saved tensors a layer recomputes (Schedule::recompute), while it runs
   BorrowedWeights,  // MSP helpers' working copy of another stage's weights
   BorrowedGrads,    // and its fp32 weight gradients until they go home
   StepInputs,       // the step's token ids and loss sum
@@ -151,8 +164,9 @@ class UnitSizes {
   std::map<std::pair<int, i64>, std::vector<i64>> sizes_;
 };
 
-// One layer's offloadable tensors' bytes on T tokens, member `tp`'s shards.
-std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp);
+// One layer's offloadable tensors' bytes on T tokens, member `tp`'s shards, less those
+// backward recomputes.
+std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp, SavedSet recompute = 0);
 
 // The memory state of one rank while its ops are interpreted in program order.
 class RankMemory {
@@ -189,15 +203,20 @@ class RankMemory {
   // Per-token sizes, for the planner's closed forms.
   i64 kv_per_token() const { return kv_pt_; }
   i64 unit_per_token() const { return unit_pt_; }
+  i64 recompute_per_token() const { return rc_pt_; }
   i64 ws_per_token() const { return ws_pt_; }
   i64 head_grad_per_token() const { return head_pt_; }
   i64 acc_per_token() const { return acc_pt_; }
+  // Host bytes a position's dK/dV sums take on layer l: 2H fp32 (Device and Host layers'
+  // dK, dV), or H fp32 (a Recompute layer's d(LayerNorm-1 output)).
+  i64 sums_per_token(int l) const { return s_.kv_recomputed(l) ? i64(rules_.model.hidden) * rules_.accum_bytes : acc_pt_; }
 
  private:
   i64 tokens_of(const Op& op) const;
   i64 head_ws(i64 T) const;
   // Bytes on T tokens of one layer (one subsequence's head_grad), this rank's shards.
-  i64 saved_bytes(i64 T, Role role) const;  // block_saved_specs of one role
+  i64 saved_bytes(i64 T, Role role) const;  // block_saved_specs of one role, less the recomputed
+  i64 recomputed_bytes(i64 T) const;        // the tensors the schedule recomputes
   i64 kv_bytes(i64 T) const;
   i64 unit_bytes(i64 T) const;
   i64 ws_bytes(i64 T) const;
@@ -206,7 +225,7 @@ class RankMemory {
   // A layer's K/V, unit and workspace bytes on T tokens, worked out once per T: under
   // tensor parallelism each is a sum over the layer's tensor specs.
   struct LayerBytes {
-    i64 kv, unit, ws;
+    i64 kv, unit, rc, ws;
   };
   const LayerBytes& layer_bytes(i64 T);
   i64 ring_piece_max(const Op& op) const;
@@ -223,10 +242,10 @@ class RankMemory {
   i64 fixed_ = 0;
   std::array<i64, kMemTerms> fixed_terms_{};
   i64 owned_params_ = 0, state_params_ = 0;
-  i64 kv_pt_ = 0, unit_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
+  i64 kv_pt_ = 0, unit_pt_ = 0, rc_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
   std::vector<i64> acc_tokens_;        // per layer: positions whose K, V this rank holds
   std::vector<bool> acc_live_;         // per layer: accumulators allocated
-  // Layers whose K/V are on the host (Schedule::kv_host): the tokens of this rank's blocks
+  // Layers whose K/V stream (Schedule::kv_streamed): the tokens of this rank's blocks
   // of subsequences j < i ([L][N + 1]; empty for a device layer), and how far the dK/dV
   // sums on the host reach (those of every block j < sums_below_[l] exist: a backward
   // reaches every earlier block).

@@ -82,6 +82,74 @@ std::vector<MemoryLine> complete(std::vector<MemoryLine> given) {
   return out;
 }
 
+// Note [Why each tensor sits where it does]: per kind of saved tensor of a layer, its bytes
+// per token and layer and its placement in the plan, with the reason: a tensor is kept
+// (and offloaded at the plan's alpha, hidden behind compute where the copies allow) unless
+// the plan recomputes it, which it does only where no plan recomputing less fits the
+// budgets (Note [Placing every tensor] in solver.cpp); K/V stay on the device unless no
+// plan with them there fits.
+std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision prec, const TpShard& tp) {
+  const ModelConfig& c = p.model;
+  // One token's bytes a member, as the memory rules count them: tp tokens' over tp.
+  const i64 n = tp.size;
+  const std::vector<TensorSpec> specs = block_saved_specs(c, n, prec, tp);
+  double alpha = 0, alpha_max = 0;
+  for (double a : p.alpha) alpha += a / double(p.alpha.size()), alpha_max = std::max(alpha_max, a);
+  const std::string offloaded = alpha_max > 0 ? "device, offloaded at alpha (mean " + num(alpha) + ", max " +
+                                                    num(alpha_max) + ", " + p.alpha_rule + ")"
+                                              : "device";
+  const bool kv_host = !p.kv_host_layers.empty(), kv_rc = !p.kv_recompute_layers.empty();
+  const std::string recompute_why = "recomputed in backward: no plan recomputing less fits the budgets, or "
+                                    "--recompute-tensors named it";
+  std::vector<TensorPlacement> out;
+  auto bytes_of = [&](SavedSet set) {
+    i64 b = 0;
+    for (int k = 0; k < kBlockSavedTensors; ++k)
+      if (in_set(set, k)) b += specs[std::size_t(k)].bytes();
+    return b / n;
+  };
+  auto names_of = [&](SavedSet set) {
+    std::string names;
+    for (int k = 0; k < kBlockSavedTensors; ++k)
+      if (in_set(set, k)) names += (names.empty() ? "" : ", ") + specs[std::size_t(k)].name;
+    return names;
+  };
+  out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
+                 "the block's input, the previous block's output: kept (recomputing it is the whole previous "
+                 "block); offloaded where the device needs the room"});
+  const char* costs[] = {"a LayerNorm of x again, elementwise", "2 H^2 FLOPs a token (q's rows of the projection)",
+                         "the attention again", "2 H^2 FLOPs a token (the output projection)",
+                         "a LayerNorm of x_mid again, elementwise", "2 H F FLOPs a token (the MLP's first GEMM)"};
+  for (std::size_t g = 0; g < recompute_groups().size(); ++g) {
+    const RecomputeGroup& group = recompute_groups()[g];
+    const bool rc = (p.recompute & group.tensors) != 0;
+    out.push_back({names_of(group.tensors), bytes_of(group.tensors), rc ? "recomputed" : offloaded,
+                   rc ? recompute_why + "; costs " + costs[g]
+                      : std::string("kept: recomputing it would cost ") + costs[g]});
+  }
+  const i64 kv = bytes_of(1u << kSavedK | 1u << kSavedV);
+  const i64 sums = 2 * i64(tp.local_hidden(c)) * 4;
+  if (kv_rc) {
+    out.push_back({"k, v", kv, "recomputed from x",
+                   "--kv-cache recompute, or no plan with K/V on the device or the host fits: each later "
+                   "subsequence and the backward recompute an earlier block's K, V from its x, a chunk at a time "
+                   "(4 H^2 FLOPs a token each time)"});
+    out.push_back({"dK/dV sums", i64(c.hidden) * 4, "host, as d(LayerNorm-1 output)",
+                   "sums of the later subsequences' gradients, taken through the K/V projection into the layer "
+                   "input's (H x 4 B a token, half of dK and dV; Note [dK/dV into the layer input])"});
+  } else if (kv_host) {
+    out.push_back({"k, v", kv, "host, streamed back through a window",
+                   "--kv-cache host, or no plan with K/V on the device fits: copied out after the forward, streamed "
+                   "back to each later subsequence's attention"});
+    out.push_back({"dK/dV sums", sums, "host", "fp32 sums of the later subsequences' gradients, streamed in and "
+                                                "out with the K/V chunks"});
+  } else {
+    out.push_back({"k, v", kv, "device", "the K/V cache: every later subsequence attends to it"});
+    out.push_back({"dK/dV sums", sums, "device", "fp32 accumulators from the first backward to reach a block"});
+  }
+  return out;
+}
+
 MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const SimResult r = simulate_plan(p, hw);
   const int rank = r.peak_rank;
@@ -138,7 +206,11 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                        num(double(units) / double(unit_pt)) + " token-layers' worth on the device; the host holds "
                        "the offloaded part (alpha " + p.alpha_rule + ")"});
   lines.push_back({Row::Checkpoints, 0, 0, "none: SPPO keeps activations and does not recompute"});
-  lines.push_back({Row::Recompute, 0, 0, "none"});
+  lines.push_back({Row::Recompute, at(sched::MemTerm::Recomputed), 0,
+                   p.recompute == 0 ? std::string("none")
+                                    : "the recomputed groups " + recompute_tensors_text(p.recompute) + ", " +
+                                          num(double(mem.recompute_per_token())) +
+                                          " B per token and layer, while one layer runs forward or backward"});
   lines.push_back({Row::Hidden, at(sched::MemTerm::Hidden), 0,
                    "[T, H] rows of " + num(double(h_row)) + " B: layer outputs, residual gradients, hidden states "
                    "sent and received between stages: " + num(double(at(sched::MemTerm::Hidden)) / double(h_row)) +
@@ -168,6 +240,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                     " activations); the simulator's accounting at the peak (schedule/memory.h, the runtime's "
                     "arena rules), so the terms sum to the predicted peak");
   SPPO_ASSERT(m.device_total() == r.peak_device_bytes);
+  m.placements = placements_of(p, prec, TpShard{0, p.tp});
   return m;
 }
 
@@ -197,10 +270,20 @@ std::string explain_text(const MemoryExplain& m) {
      << "memory_reserve_bytes (CUDA context, library workspaces, allocator fragmentation), outside the budget of "
      << format_bytes(double(m.device_memory)) << " less this |\n";
   for (const auto& n : m.notes) os << n << "\n";
+  if (!m.placements.empty()) {
+    os << "\nsaved tensors of a layer, placed (bytes per token and layer, this rank's shards):\n";
+    os << "| tensors | bytes | placement | why |\n|---|---|---|---|\n";
+    for (const auto& t : m.placements)
+      os << "| " << t.tensors << " | " << t.bytes_per_token << " | " << t.placement << " | " << t.why << " |\n";
+  }
   return os.str();
 }
 
 nlohmann::json to_json(const MemoryExplain& m) {
+  nlohmann::json placements = nlohmann::json::array();
+  for (const auto& t : m.placements)
+    placements.push_back({{"tensors", t.tensors}, {"bytes_per_token", t.bytes_per_token},
+                          {"placement", t.placement}, {"why", t.why}});
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& l : m.lines)
     rows.push_back({{"term", to_string(l.row)}, {"device_bytes", l.device}, {"host_bytes", l.host},
@@ -209,7 +292,8 @@ nlohmann::json to_json(const MemoryExplain& m) {
           {"where", m.where},           {"terms", rows},
           {"device_bytes", m.device_total()}, {"host_bytes", m.host_total()},
           {"budget_bytes", m.budget},   {"reserve_bytes", m.reserve},
-          {"device_memory_bytes", m.device_memory}, {"notes", m.notes}};
+          {"device_memory_bytes", m.device_memory}, {"notes", m.notes},
+          {"placements", placements}};
 }
 
 }  // namespace sppo::sim

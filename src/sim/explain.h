@@ -45,6 +45,14 @@ struct MemoryLine {
   std::string formula;
 };
 
+// Where an SPPO plan puts one kind of saved tensor of a layer, and why.
+struct TensorPlacement {
+  std::string tensors;     // names in the activation table (core/layout.h), or "dK/dV sums"
+  i64 bytes_per_token = 0; // per token and layer, this rank's shards
+  std::string placement;   // "device", "device, offloaded at alpha", "host", "recomputed", ...
+  std::string why;
+};
+
 struct MemoryExplain {
   std::string system;
   std::string layout;              // e.g. "sp 8 pp 4 dp 1 N 32"
@@ -54,6 +62,7 @@ struct MemoryExplain {
   i64 reserve = 0;                 // the profile's framework and allocator reserve
   std::vector<MemoryLine> lines;   // one per Row
   std::vector<std::string> notes;  // symbols and sources
+  std::vector<TensorPlacement> placements;  // sppo only: every saved tensor of a layer, placed
 
   i64 device_total() const;
   i64 host_total() const;

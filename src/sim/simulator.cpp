@@ -68,7 +68,7 @@ struct RankEvents {
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 peak_host = 0;                // offloaded bytes on the host, at most
-  // F/B ops of layers whose K/V are on the host: (op, host bytes it adds, the most it adds
+  // F/B ops of layers whose K/V stream: (op, host bytes it adds, the most it adds
   // at any point inside it), for refit_copies.
   struct KvHostOp {
     size_t op;
@@ -787,7 +787,7 @@ bool Resimulator::replace(Schedule s) {
   State& st = *st_;
   std::vector<RankEvents> mem(st.mem.size());
   bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
-              s.kv_host == st.schedule.kv_host;
+              s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute;
   if (same) {
     std::vector<char> ok(size_t(s.ranks), 0);
     for_each_rank(s.ranks, [&](int r) {

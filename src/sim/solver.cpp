@@ -76,7 +76,8 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
     spec.msp = shape.msp;
     s = sched::build_pipeline(spec);
   }
-  s.kv_host = shape.kv_host;
+  s.kv_place = shape.kv_place;
+  s.recompute = shape.recompute;
   return s;
 }
 
@@ -543,19 +544,21 @@ ActPrecision precision_of(const HardwareProfile& hw) {
   return hw.precision == "f32" ? ActPrecision::F32 : ActPrecision::BF16;
 }
 
-// The plan's host layers as Schedule::kv_host.
-std::vector<char> kv_host_of(const plan::Plan& p) {
-  std::vector<char> host;
-  if (p.kv_host_layers.empty()) return host;
-  host.assign(std::size_t(p.model.layers), 0);
-  for (int l : p.kv_host_layers) host[std::size_t(l)] = 1;
-  return host;
+// The plan's host and recompute layers as Schedule::kv_place.
+std::vector<sched::KvPlace> kv_place_of(const plan::Plan& p) {
+  std::vector<sched::KvPlace> place;
+  if (p.kv_host_layers.empty() && p.kv_recompute_layers.empty()) return place;
+  place.assign(std::size_t(p.model.layers), sched::KvPlace::Device);
+  for (int l : p.kv_host_layers) place[std::size_t(l)] = sched::KvPlace::Host;
+  for (int l : p.kv_recompute_layers) place[std::size_t(l)] = sched::KvPlace::Recompute;
+  return place;
 }
 
 // A plan's schedule, built by `spec` (spec_of(p), with other fractions or one replica).
 Schedule build_plan_schedule(const plan::Plan& p, const sched::PipelineSpec& spec) {
   Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), p.tp);
-  s.kv_host = kv_host_of(p);
+  s.kv_place = kv_place_of(p);
+  s.recompute = p.recompute;
   return s;
 }
 
@@ -623,7 +626,9 @@ bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups (Note [MSP pieces]),
   // with pipeline and data parallelism only.
   // K/V on the host stream one rank's own blocks: no MSP with them.
-  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1 || !p.kv_host_layers.empty()) return false;
+  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1 || !p.kv_host_layers.empty() ||
+      !p.kv_recompute_layers.empty())
+    return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
   return true;
@@ -687,17 +692,16 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     return layer > 0 ? head / layer : 0.0;
   };
   std::vector<Candidate> fits;
-  std::vector<plan::Plan> layouts;
   std::string last_reason;
   i64 least_peak = 0;
   int layouts_tried = 0;
   i64 least_host = 0;  // the least host memory a layout pruned by its host bound needs
-  // One search over the layouts, with every K/V on the device or (host) on the host.
-  auto search = [&](bool host) {
-    layouts.clear();
-    // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
-    // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (sp).
-    for (int tp : divisors(std::min(G, gpn)))
+
+  // The layouts: (tp, sp, dp, pp) and N at a few sizes of subsequence per device.
+  std::vector<plan::Plan> layouts;
+  // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
+  // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (sp).
+  for (int tp : divisors(std::min(G, gpn)))
     for (int sp : divisors(std::min(G, gpn) / tp)) {
       if (G % (sp * tp) || tp > c.heads) continue;
       for (int dp : divisors(G / sp / tp)) {
@@ -722,12 +726,6 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
           p.subseqs = N;
           p.lengths = plan::partition_flops(c, S, N);
           if (p.lengths.back() < i64(sp) * tp) continue;
-          if (host) {  // K/V of every layer on the host: one rank's own blocks, no ring, no MSP
-            if (sp > 1 || req.msp == 1) continue;
-            for (int l = 0; l < c.layers; ++l) p.kv_host_layers.push_back(l);
-          }
-          p.msp = req.msp == 1 && msp_possible(p);
-          if (req.msp == 1 && !p.msp) continue;
           p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
           p.ring_layout = sched::to_string(req.ring_layout);
           p.offload = to_string(req.offload);
@@ -741,97 +739,240 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         }
       }
     }
-    // Note [Pruning the search]: two bounds skip simulations that cannot win.
-    //  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
-    //    subsequence and the dK/dV accumulators of every layer, whatever alpha is (with
-    //    K/V on the host, the weights alone on the device); and what of those and of the
-    //    other subsequences' activations the device cannot hold must fit the host memory;
-    //  - time: a step takes at least its compute (forward + backward of the stage's layers
-    //    on every subsequence, on the busiest ring piece) times 1 + (P-1)/N without MSP.
-    // Layouts are tried in order of the time bound, so the second prunes most of the rest.
-    const i64 kv_acc_pt = skeletal_bytes_per_token(c, prec) + 2 * i64(c.hidden) * rules.accum_bytes;
-    const i64 unit_pt = offloadable_bytes_per_token(c, prec);
-    const i64 host_limit = hw.host_memory;
-    auto bounds = [&](const plan::Plan& p) {
-      const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
-      // Tensor parallelism divides the weights and the K/V by heads (member 0's shards are
-      // the largest).
-      const i64 params = p.tp > 1 ? sched::param_count(c, 0, n_s, TpShard{0, p.tp})
-                                  : sched::param_count(c, 0, n_s, true, p.pp == 1);
-      const int shards = p.zero == 1 ? p.sp * p.dp : 1;
+
+  // Note [Placing every tensor]: besides alpha, a plan places the K/V of its layers (kept
+  // on the device, on the host, or recomputed from the layer input) and the rest of each
+  // layer's saved tensors (kept or offloaded, or recomputed: one of recompute_levels(),
+  // which add groups in order of their seconds per byte saved). One placement serves every
+  // layer. The search runs twice: first with the K/V on the device and nothing recomputed
+  // beyond --recompute-tensors (so a plan that fits that way is the plan it was before
+  // these placements existed), then, only when nothing fits, over every other placement
+  // --kv-cache and --recompute-tensors allow, each (layout, placement) a candidate with
+  // its own bounds, and the fastest that fits wins.
+  struct Placement {
+    sched::KvPlace kv = sched::KvPlace::Device;
+    SavedSet recompute = 0;
+    bool operator==(const Placement&) const = default;
+  };
+  const SavedSet attention_group = recompute_groups()[2].tensors;
+  auto kv_choice = [&](const std::string& name) {
+    return name == "host" ? sched::KvPlace::Host
+                          : name == "recompute" ? sched::KvPlace::Recompute : sched::KvPlace::Device;
+  };
+  const Placement first{req.kv_cache == "auto" ? sched::KvPlace::Device : kv_choice(req.kv_cache), req.recompute};
+  std::vector<Placement> wider;
+  {
+    std::vector<sched::KvPlace> kvs = {first.kv};
+    if (req.kv_cache == "auto") kvs = {sched::KvPlace::Device, sched::KvPlace::Host, sched::KvPlace::Recompute};
+    std::vector<SavedSet> sets = {req.recompute};
+    if (req.recompute_auto)
+      for (SavedSet level : recompute_levels())
+        if (std::find(sets.begin(), sets.end(), level | req.recompute) == sets.end()) sets.push_back(level | req.recompute);
+    for (sched::KvPlace kv : kvs)
+      for (SavedSet set : sets) {
+        // The attention is recomputed with the K/V on the device only (a streamed layer's
+        // backward would stream its earlier blocks twice).
+        if (kv != sched::KvPlace::Device && (set & attention_group)) continue;
+        const Placement pl{kv, set};
+        if (!(pl == first)) wider.push_back(pl);
+      }
+  }
+  auto placed = [&](plan::Plan p, const Placement& pl) {
+    p.recompute = pl.recompute;
+    for (int l = 0; l < c.layers; ++l) {
+      if (pl.kv == sched::KvPlace::Host) p.kv_host_layers.push_back(l);
+      if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
+    }
+    return p;
+  };
+  // Whether a layout can run a placement: streamed K/V are one rank's own blocks (no
+  // ring, no MSP); recomputed K/V need a rank's whole rows of x (no tensor parallelism).
+  auto runs = [&](const plan::Plan& p, const Placement& pl) {
+    if (pl.kv == sched::KvPlace::Device) return true;
+    return p.sp == 1 && req.msp != 1 && (pl.kv != sched::KvPlace::Recompute || p.tp == 1);
+  };
+
+  const i64 kv_pt = skeletal_bytes_per_token(c, prec), acc_pt = 2 * i64(c.hidden) * rules.accum_bytes;
+  const std::vector<TensorSpec> saved_table = block_saved_specs(c, 1, prec);
+  auto unit_pt = [&](SavedSet recompute) {  // offloadable bytes a token, less the recomputed
+    i64 b = 0;
+    for (std::size_t k = 0; k < saved_table.size(); ++k)
+      if (saved_table[k].role == Role::Offloadable && !in_set(recompute, int(k))) b += saved_table[k].bytes();
+    return b;
+  };
+  const i64 host_limit = hw.host_memory;
+  // Note [Pruning the search]: two bounds skip simulations that cannot win.
+  //  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
+  //    subsequence and the dK/dV accumulators of every layer, whatever alpha is (with
+  //    K/V streamed, the weights alone on the device); and what of those (K/V not at all
+  //    where they are recomputed) and of the other subsequences' kept activations the
+  //    device cannot hold must fit the host memory;
+  //  - time: a step takes at least its compute (forward + backward of the stage's layers
+  //    on every subsequence, on the busiest ring piece, with what it recomputes) times
+  //    1 + (P-1)/N without MSP.
+  // Candidates are tried in order of the time bound, so the second prunes most of the rest.
+  auto bounds = [&](const plan::Plan& p, const Placement& pl) {
+    const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
+    const int shards = p.zero == 1 ? p.sp * p.dp : 1;
+    const i64 heads_share = TpShard{0, p.tp}.local_heads(c);
+    const i64 before_last = (S - p.lengths.back()) / p.sp;
+    const i64 kv_acc = pl.kv == sched::KvPlace::Device ? (kv_pt + acc_pt) * heads_share / c.heads : 0;
+    // A Recompute layer keeps no K/V, and sums its dK/dV into the layer input's gradient
+    // (H fp32 a position, not 2H).
+    const i64 per_token = unit_pt(pl.recompute) +
+                          (pl.kv == sched::KvPlace::Recompute ? i64(c.hidden) * rules.accum_bytes : kv_pt + acc_pt);
+    const i64 head_grad_pt = i64(c.hidden) * rules.act_bytes();
+    // Stage by stage: its weights (tensor parallelism divides them and the K/V by heads;
+    // member 0's shards are the largest); the device holds them with the K/V and the
+    // dK/dV accumulators, whatever alpha is. What cannot be on the device is on the host:
+    // when B(N-1) ends, a stage holds the saved activations, K/V and dK/dV sums of every
+    // other subsequence, at least their share a member (the last stage with their head
+    // gradients), less what the device holds beside its weights. (Under MSP other stages
+    // hold some of them: no bound.)
+    i64 mem = 0, host = 0;
+    int first = 0;
+    for (std::size_t st = 0; st < p.stage_layers.size(); ++st) {
+      const int n = p.stage_layers[st], end = first + n;
+      const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
+                                  : sched::param_count(c, first, end, first == 0, end == c.layers);
       const i64 weights = params * (rules.param_state_bytes - rules.optimizer_bytes) +
                           params * rules.optimizer_bytes / shards;
-      // (On the host they are not on the device: the bound is the weights.)
-      const i64 kv_acc = p.kv_host_layers.empty() ? kv_acc_pt * TpShard{0, p.tp}.local_heads(c) / c.heads : 0;
-      const i64 mem = weights + i64(n_s) * kv_acc * ((S - p.lengths.back()) / p.sp);
-      // What cannot be on the device is on the host: when B(N-1) ends, a stage holds the
-      // saved activations, K/V and dK/dV sums of every other subsequence, at least their
-      // share a member, less what the device holds beside its weights. (Under MSP other
-      // stages hold some of them: no bound.)
-      const i64 saved = i64(n_s) * ((S - p.lengths.back()) / p.sp) * (unit_pt + kv_acc_pt) / p.tp;
-      const i64 host = p.msp ? 0 : std::max<i64>(0, weights + saved - budget);
-      double compute = 0;
-      i64 o = 0;
-      for (i64 l : p.lengths) {
-        compute += n_s * busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp);
-        o += l;
+      mem = std::max(mem, weights + i64(n) * kv_acc * before_last);
+      const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * before_last / p.tp;
+      if (!p.msp) host = std::max(host, weights + saved - budget);
+      first = end;
+    }
+    double compute = 0;
+    i64 o = 0;
+    const bool kv_rc = pl.kv == sched::KvPlace::Recompute;
+    for (i64 l : p.lengths) {
+      double layer = busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp);
+      if (pl.recompute || kv_rc) {
+        const sched::Spans whole{{0, l}};
+        layer += (cost.layer_recompute_s(o, whole, pl.recompute, kv_rc, false, p.tp) +
+                  cost.layer_recompute_s(o, whole, pl.recompute, kv_rc, true, p.tp)) / p.sp;
       }
-      const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
-      return std::make_tuple(mem, double(S) * p.dp / (G * step), host);
-    };
-    std::vector<std::tuple<i64, double, i64>> bound(layouts.size());
-    std::vector<std::size_t> order(layouts.size());
-    for (std::size_t k = 0; k < layouts.size(); ++k) {
-      bound[k] = bounds(layouts[k]);
+      compute += n_s * layer;
+      o += l;
+    }
+    const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
+    return std::make_tuple(mem, double(S) * p.dp / (G * step), host);
+  };
+  auto sp_text = [](const plan::Plan& p) {
+    return p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP";
+  };
+  // One search over every layout in each of `pls`.
+  // Note [Pruning the search], continued: the recompute sets are nested (each level holds
+  // the one before), so within one layout and K/V placement a level that does not fit
+  // means no lower one does. The wider search first simulates each such group's highest
+  // level; a group where that does not fit is dropped whole, and a level that does not fit
+  // drops the levels below it.
+  auto search = [&](const std::vector<Placement>& pls) {
+    std::vector<plan::Plan> cands;
+    std::vector<Placement> cand_pl;
+    std::vector<std::size_t> group, level;  // (layout, K/V placement), and the rank of its set in it
+    for (std::size_t base = 0; base < layouts.size(); ++base)
+      for (std::size_t q = 0; q < pls.size(); ++q) {
+        const Placement& pl = pls[q];
+        if (!runs(layouts[base], pl)) continue;
+        plan::Plan p = placed(layouts[base], pl);
+        p.msp = req.msp == 1 && msp_possible(p);
+        if (req.msp == 1 && !p.msp) continue;
+        cands.push_back(std::move(p));
+        cand_pl.push_back(pl);
+        group.push_back(base * 3 + std::size_t(pl.kv));
+        level.push_back(std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
+          return o.kv == pl.kv && (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
+        })));
+      }
+    std::vector<std::tuple<i64, double, i64>> bound(cands.size());
+    std::vector<std::size_t> order(cands.size());
+    for (std::size_t k = 0; k < cands.size(); ++k) {
+      bound[k] = bounds(cands[k], cand_pl[k]);
       order[k] = k;
     }
     std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return std::get<1>(bound[a]) > std::get<1>(bound[b]); });
     double best_tput = 0;
-    for (const std::size_t k : order) {
-      const plan::Plan& p = layouts[k];
+    std::map<std::size_t, std::size_t> fails_below;  // group -> levels under this do not fit
+    std::vector<char> done(cands.size(), 0);
+    // Whether candidate k cannot fit by its bounds (and why, kept for the error).
+    auto out_of_bounds = [&](std::size_t k) {
+      const plan::Plan& p = cands[k];
       const auto [mem_bound, tput_bound, host_bound] = bound[k];
       if (host_limit > 0 && host_bound > host_limit) {
         if (least_peak == 0 && (least_host == 0 || host_bound < least_host)) {
           least_host = host_bound;
-          last_reason = "with " + (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") +
-                        " and " + std::to_string(p.pp) + " stages, the activations, K/V and dK/dV sums that do not " +
-                        "fit the device need at least " + format_bytes(double(host_bound)) +
-                        " of host memory, over its " + format_bytes(double(host_limit));
+          last_reason = "with " + sp_text(p) + " and " + std::to_string(p.pp) +
+                        " stages, the activations, K/V and dK/dV sums that do not fit the device need at least " +
+                        format_bytes(double(host_bound)) + " of host memory, over its " +
+                        format_bytes(double(host_limit));
         }
-        continue;
+        return true;
       }
       if (mem_bound > budget) {
         if (least_peak == 0 || mem_bound < least_peak) {
           least_peak = mem_bound;
           last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
-                        format_bytes(double(mem_bound)) + " with " +
-                        (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + " and " +
-                        std::to_string(p.pp) + " stages";
+                        format_bytes(double(mem_bound)) + " with " + sp_text(p) + " and " + std::to_string(p.pp) +
+                        " stages";
         }
-        continue;
+        return true;
       }
-      if (tput_bound <= best_tput) continue;
-      // Note [Pruning the search], continued: alpha = 0 is a layout's fastest alpha (copies
-      // only add), so a layout whose alpha = 0 step is already slower than the best found, by
-      // more than rounding, is dropped after that one simulation.
-      const double no_use_s = best_tput > 0 ? double(S) * p.dp / (G * best_tput) * (1 + 1e-9) : 0;
+      return false;
+    };
+    // Simulates candidate k (no_use_s as below); false when it does not fit.
+    auto try_candidate = [&](std::size_t k, double no_use_s) {
+      const plan::Plan& p = cands[k];
+      done[k] = 1;
       Candidate cand = evaluate(req, p, cost, budget, no_use_s);
-      if (cand.alpha.slow) continue;
+      if (cand.alpha.slow) return true;
       if (cand.alpha.fits) {
         best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
         fits.push_back(std::move(cand));
-      } else if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
+        return true;
+      }
+      if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
         least_peak = cand.alpha.peak_device_bytes;
-        last_reason = "with " + (p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP") + ", " +
-                      std::to_string(p.pp) + " stages and N = " +
+        last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
                       std::to_string(p.subseqs) + ": " + cand.alpha.reason;
       }
+      std::size_t& below = fails_below[group[k]];
+      below = std::max(below, level[k] + 1);
+      return false;
+    };
+    std::map<std::size_t, std::size_t> top;  // group -> its candidate of the highest level
+    for (std::size_t k = 0; k < cands.size(); ++k) {
+      auto [it, fresh] = top.try_emplace(group[k], k);
+      if (!fresh && level[k] > level[it->second]) it->second = k;
     }
-    layouts_tried += int(layouts.size());
+    auto no_use_s = [&](const plan::Plan& p) {
+      return best_tput > 0 ? double(S) * p.dp / (G * best_tput) * (1 + 1e-9) : 0.0;
+    };
+    auto dropped = [&](std::size_t k) {
+      auto f = fails_below.find(group[k]);
+      return f != fails_below.end() && level[k] < f->second;
+    };
+    for (const std::size_t k : order) {
+      if (done[k] || dropped(k)) continue;
+      const plan::Plan& p = cands[k];
+      const double tput_bound = std::get<1>(bound[k]);
+      if (out_of_bounds(k)) continue;
+      if (tput_bound <= best_tput) continue;
+      // The group's highest level first: where it does not fit, nothing of the group does.
+      const std::size_t t = top.at(group[k]);
+      if (t != k && !done[t] && !out_of_bounds(t)) {
+        try_candidate(t, no_use_s(cands[t]));
+        if (dropped(k)) continue;
+      }
+      // Note [Pruning the search], continued: alpha = 0 is a layout's fastest alpha (copies
+      // only add), so a layout whose alpha = 0 step is already slower than the best found, by
+      // more than rounding, is dropped after that one simulation.
+      try_candidate(k, no_use_s(p));
+    }
+    layouts_tried += int(cands.size());
   };
-  // --kv-cache auto: the device's plans, and the host's only when none of them fits.
-  if (req.kv_cache != "host") search(false);
-  if (fits.empty() && req.kv_cache != "device") search(true);
+  search({first});
+  if (fits.empty() && !wider.empty()) search(wider);
   if (layouts_tried == 0) {
     // Every layout needs more subsequences than the search allows (or has subsequences
     // shorter than its SP degree): say which lengths it covers.
@@ -873,11 +1014,21 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   if (best.tp > 1)
     best.notes.push_back("SP is tensor parallel with sequence-parallel regions over " + std::to_string(best.tp) +
                          " devices (train --tp): weights, K/V cache and activations divided among them");
+  const std::string why_wider = "no plan with K/V on the device and no more recomputed fits";
   if (!best.kv_host_layers.empty())
     best.notes.push_back(std::string("K/V and their dK/dV sums on the host, every layer (") +
-                         (req.kv_cache == "host" ? "--kv-cache host" : "no plan with them on the device fits") +
+                         (req.kv_cache == "host" ? "--kv-cache host" : why_wider) +
                          "): later subsequences stream them back through a window of " +
                          std::to_string(best.kv_window_tokens()) + " tokens a layer (train --kv-cache host)");
+  if (!best.kv_recompute_layers.empty())
+    best.notes.push_back(std::string("K/V recomputed from each layer's input, every layer, their dK/dV sums on the "
+                                     "host (") +
+                         (req.kv_cache == "recompute" ? "--kv-cache recompute" : why_wider) +
+                         "): later subsequences stream the inputs of earlier ones through a window of " +
+                         std::to_string(best.kv_window_tokens()) + " tokens a layer (train --kv-cache recompute)");
+  if (best.recompute != req.recompute)
+    best.notes.push_back("backward recomputes " + recompute_tensors_text(best.recompute) + " (" + why_wider +
+                         "; train --recompute-tensors " + recompute_tensors_text(best.recompute) + ")");
   if (best.zero == 1)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
                          " ranks of each stage's gradient all-reduce");

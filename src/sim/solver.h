@@ -51,7 +51,8 @@ struct StepShape {
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
   ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)
-  std::vector<char> kv_host;       // layers whose K/V cache is on the host (Schedule::kv_host)
+  std::vector<sched::KvPlace> kv_place;  // where each layer keeps its K/V (Schedule::kv_place)
+  SavedSet recompute = 0;          // saved tensors backward recomputes (Schedule::recompute)
 };
 // The schedule of one step of that shape (build_single for one process), expanded for
 // tensor parallelism (sched::expand_tensor_parallel) when tp > 1.
@@ -129,9 +130,14 @@ struct PlanRequest {
   int zero = -1;              // ZeRO-1: -1 auto (wherever the all-reduce group has 2+ ranks), 0 off, 1 on
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   i64 budget = 0;             // 0: the profile's usable device memory
-  // Where layers keep the K/V cache (--kv-cache): "device"; "host" (every layer, layouts
-  // without ring or MSP); "auto": the device, and the host where nothing fits there.
+  // Where layers keep the K/V cache (--kv-cache): "device"; "host" or "recompute" (every
+  // layer, layouts without ring or MSP; recompute without tensor parallelism either);
+  // "auto": the device, and where no plan with it fits, whichever of the three is fastest.
   std::string kv_cache = "auto";
+  // Saved tensors to recompute (--recompute-tensors, a closed set); `recompute_auto`: the
+  // planner chooses (Note [Placing every tensor] in solver.cpp), from these at least.
+  SavedSet recompute = 0;
+  bool recompute_auto = true;
 };
 
 struct PlanOutcome {

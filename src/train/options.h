@@ -25,7 +25,10 @@ struct StepOptions {
   i64 device_memory = 0;              // bytes; 0 = unlimited
   i64 host_memory = 0;                // bytes of offloaded activations on the host; 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
-  std::string kv_cache = "auto";      // device | host | auto (schedule/ir.h Schedule::kv_host)
+  std::string kv_cache = "auto";      // device | host | recompute | auto (schedule/ir.h Schedule::kv_place)
+  // Saved tensors backward recomputes (core/layout.h Note [Recomputed tensors]): a list of
+  // tensor or group names, "none", or "auto" (none unless nothing else fits the budgets).
+  std::string recompute_tensors = "auto";
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
   std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
   std::string precision;              // fp32 | bf16 ("": the backend's default)

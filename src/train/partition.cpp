@@ -104,9 +104,9 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
       hint = "nothing fits: the least any N and offload needs is " +
              format_bytes(double(fit.least_peak_bytes)) + " (at --subseqs " +
              std::to_string(fit.least_peak_subseqs) +
-             (shape.kv_host.empty() ? "), since K/V and their gradients stay on the device; --kv-cache host keeps "
-                                      "them on the host, or shorten --seq-len or raise --device-memory"
-                                    : "); shorten --seq-len or raise --device-memory");
+             (shape.kv_place.empty() ? "), since K/V and their gradients stay on the device; --kv-cache host or "
+                                       "recompute keeps them off it, or shorten --seq-len or raise --device-memory"
+                                     : "); shorten --seq-len or raise --device-memory");
     SPPO_CHECK_FITS(false, "memory") << "--subseqs " << N << " --offload " << offload << " needs "
                                 << format_bytes(double(ch.predicted_peak_bytes)) << " ("
                                 << ch.predicted_peak_bytes << " B) of device memory, over the "

@@ -239,9 +239,11 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.zero = o.zero == 1;
   SPPO_CHECK(o.msp == "on" || o.msp == "off", "options") << "--msp must be on or off (got '" << o.msp << "')";
   shape.msp = from_plan ? from_plan->msp : o.msp == "on";
-  if (from_plan && !from_plan->kv_host_layers.empty()) {  // the plan's placement, unless --kv-cache says otherwise
-    shape.kv_host.assign(std::size_t(s.config.layers), 0);
-    for (int l : from_plan->kv_host_layers) shape.kv_host[std::size_t(l)] = 1;
+  if (from_plan && (!from_plan->kv_host_layers.empty() || !from_plan->kv_recompute_layers.empty())) {
+    // The plan's placement, unless --kv-cache says otherwise.
+    shape.kv_place.assign(std::size_t(s.config.layers), sched::KvPlace::Device);
+    for (int l : from_plan->kv_host_layers) shape.kv_place[std::size_t(l)] = sched::KvPlace::Host;
+    for (int l : from_plan->kv_recompute_layers) shape.kv_place[std::size_t(l)] = sched::KvPlace::Recompute;
   }
   shape.precision = precision;
   if (from_plan) shape.stage_layers = from_plan->stage_layers;
@@ -249,28 +251,49 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.block_scratch = s.backend->block_scratch(s.config);
   shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);
 
-  // Where the K/V cache lives (--kv-cache): on the device, on the host, or (auto) on the
-  // device unless that does not fit the budget, then on the host on the fewest layers of
-  // each stage that fit.
-  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "auto", "options")
-      << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host or auto (recompute is not built yet)";
+  // Where the K/V cache lives (--kv-cache) and what backward recomputes
+  // (--recompute-tensors); Note [Placing tensors under a budget] below says what auto does.
+  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "recompute" || o.kv_cache == "auto",
+             "options")
+      << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host, recompute or auto";
   const bool kv_host_ok = !o.recompute && shape.sp == 1 && !shape.msp;
+  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1;
   SPPO_CHECK(o.kv_cache != "host" || kv_host_ok, "options")
       << "--kv-cache host streams K/V blocks of one rank's subsequences; it runs without --cp, --msp on and "
          "--recompute (use --kv-cache device there)";
+  SPPO_CHECK(o.kv_cache != "recompute" || kv_recompute_ok, "options")
+      << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
+         "subsequences at a time; it runs without --tp, --cp, --msp on and --recompute (use --kv-cache host or "
+         "device there)";
+  const bool recompute_auto = o.recompute_tensors == "auto";
+  if (!recompute_auto) shape.recompute = parse_recompute_tensors(o.recompute_tensors);
+  else if (from_plan) shape.recompute = from_plan->recompute;
+  SPPO_CHECK(!o.recompute || shape.recompute == 0, "options")
+      << "--recompute already recomputes whole blocks from their inputs; drop --recompute-tensors "
+      << recompute_tensors_text(shape.recompute) << " (or --recompute)";
+  const SavedSet attention_group = recompute_groups()[2].tensors;
+  const bool attention_ok = shape.sp == 1 && !shape.msp;
+  SPPO_CHECK(!(shape.recompute & attention_group) || attention_ok, "options")
+      << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or MSP "
+         "pieces do not; recompute other tensors, or drop --cp and --msp on";
+  SPPO_CHECK(!(shape.recompute & attention_group) || (o.kv_cache == "device" || o.kv_cache == "auto"), "options")
+      << "--recompute-tensors attention runs with the K/V on the device (--kv-cache device); a streamed layer would "
+         "stream its earlier blocks twice";
   const int L = s.config.layers;
+  auto all_layers = [&](sched::KvPlace p) { return std::vector<sched::KvPlace>(std::size_t(L), p); };
   auto host_layers = [&](int per_stage) {  // the first `per_stage` layers of every stage
-    std::vector<char> host(std::size_t(L), 0);
+    std::vector<sched::KvPlace> host(std::size_t(L), sched::KvPlace::Device);
     sched::PipelineSpec stages;
     stages.layers = L;
     stages.pp = shape.pp;
     stages.stage_layers = shape.stage_layers;
     for (const auto& [b, e] : sched::stage_ranges(stages))
-      for (int l = b; l < std::min(e, b + per_stage); ++l) host[std::size_t(l)] = 1;
+      for (int l = b; l < std::min(e, b + per_stage); ++l) host[std::size_t(l)] = sched::KvPlace::Host;
     return host;
   };
-  if (o.kv_cache == "host") shape.kv_host = host_layers(L);
-  if (o.kv_cache == "device") shape.kv_host.clear();
+  if (o.kv_cache == "host") shape.kv_place = all_layers(sched::KvPlace::Host);
+  if (o.kv_cache == "recompute") shape.kv_place = all_layers(sched::KvPlace::Recompute);
+  if (o.kv_cache == "device") shape.kv_place.clear();
   sim::SimResult r;
   // Lengths, fractions and the schedule for this shape, and its prediction.
   auto choose = [&] {
@@ -324,37 +347,80 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     return o.device_memory == 0 || o.recompute || (r.peak_device_bytes <= o.device_memory &&
                                                    (o.host_memory == 0 || r.peak_host_bytes <= o.host_memory));
   };
-  // A choice that cannot fit may end itself (DoesNotFit); under auto the host is tried
-  // before that is the answer.
-  std::optional<DoesNotFit> device_error;
+  // Note [Placing tensors under a budget]: the placement asked for is tried first (for
+  // auto: every K/V on the device, nothing recomputed beyond --recompute-tensors). Where
+  // it does not fit, --kv-cache auto puts the K/V of the fewest layers a stage on the host
+  // that fit (each host layer trades its K/V and sums on the device for a window of two
+  // chunks, so fitting is monotone in them). Where nothing fits that way either, auto
+  // widens in tiers of rising recompute: tier t holds the recompute level t with the K/V
+  // on the device or the host, and level t - 1 with the K/V recomputed (recompute_levels()
+  // in core/layout.h); the fastest predicted that fits in the first tier with one wins.
+  // A choice that cannot fit may end itself (DoesNotFit); under auto that is the answer
+  // only when nothing else fits.
+  const bool any_auto = (o.kv_cache == "auto" && kv_host_ok) || (recompute_auto && !o.recompute);
+  std::optional<DoesNotFit> first_error;
   auto fits = [&] {
     try {
       return choose();
     } catch (const DoesNotFit& e) {
-      if (o.kv_cache != "auto" || !kv_host_ok) throw;
-      if (shape.kv_host.empty()) device_error = e;
+      if (!any_auto) throw;
+      if (!first_error) first_error = e;
       return false;
     }
   };
-  if (!fits() && o.kv_cache == "auto" && kv_host_ok) {
-    // The fewest host layers a stage that fit (fitting is monotone in them: each host
-    // layer trades its K/V and sums on the device for a window of two blocks).
+  const sim::StepShape asked = shape;
+  bool fitted = fits();
+  if (!fitted && o.kv_cache == "auto" && kv_host_ok) {
     int lo = 1, hi = L;
-    shape.kv_host = host_layers(hi);
+    shape.kv_place = host_layers(hi);
     if (fits()) {
       while (lo < hi) {
         const int mid = (lo + hi) / 2;
-        shape.kv_host = host_layers(mid);
+        shape.kv_place = host_layers(mid);
         if (fits()) hi = mid;
         else lo = mid + 1;
       }
-      shape.kv_host = host_layers(hi);
-      choose();
-    } else {  // it fits no better on the host: the device's answer
-      shape.kv_host.clear();
-      if (device_error) throw *device_error;
-      choose();
+      shape.kv_place = host_layers(hi);
+      fitted = choose();
     }
+  }
+  if (!fitted && any_auto) {
+    std::vector<std::vector<sched::KvPlace>> kvs = {asked.kv_place};
+    if (o.kv_cache == "auto") {
+      kvs = {{}};
+      if (kv_host_ok) kvs.push_back(all_layers(sched::KvPlace::Host));
+      if (kv_recompute_ok) kvs.push_back(all_layers(sched::KvPlace::Recompute));
+    }
+    std::vector<SavedSet> sets = {asked.recompute};
+    if (recompute_auto && !o.recompute)
+      for (std::size_t k = 1; k < recompute_levels().size(); ++k) sets.push_back(recompute_levels()[k] | asked.recompute);
+    for (std::size_t tier = 1; tier <= sets.size() && !fitted; ++tier) {
+      std::optional<sim::StepShape> best;
+      double best_s = 0;
+      for (const auto& kv : kvs) {
+        const bool recomputed = !kv.empty() && kv.front() == sched::KvPlace::Recompute;
+        const std::size_t level = recomputed ? tier - 1 : tier;
+        if (level >= sets.size()) continue;
+        if ((sets[level] & attention_group) && (!attention_ok || !kv.empty())) continue;
+        shape.kv_place = kv;
+        shape.recompute = sets[level];
+        if (fits() && (!best || r.step_time_s < best_s)) best = shape, best_s = r.step_time_s;
+      }
+      if (best) {
+        shape = *best;
+        fitted = choose();
+      }
+    }
+  }
+  // Nothing fits: the placement asked for, and its answer, saying that auto tried more.
+  const std::string exhausted =
+      !fitted && any_auto ? "; nor does any placement --kv-cache auto and --recompute-tensors auto tried (K/V on the "
+                            "host or recomputed, saved tensors recomputed)"
+                          : "";
+  if (!fitted && any_auto) {
+    shape = asked;
+    if (first_error) throw DoesNotFit(first_error->what() + exhausted);
+    choose();
   }
   for (int p = 0; p < s.layout.pp; ++p)
     s.layout.stage_layers.push_back(s.schedule.owned.empty() ? std::pair<int, int>{0, s.config.layers}
@@ -378,12 +444,14 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " needs "
         << format_bytes(double(r.peak_device_bytes)) << " of device memory on its fullest rank, over the "
         << "--device-memory budget of " << format_bytes(double(o.device_memory))
-        << (s.schedule.kv_host.empty() && kv_host_ok ? "; --kv-cache host keeps K/V and their gradients off the device"
-                                                     : "");
+        << (!exhausted.empty() ? exhausted
+            : !s.schedule.any_kv_streamed() && kv_host_ok
+                ? "; --kv-cache host or recompute keeps K/V and their gradients off the device"
+                : "");
     SPPO_CHECK_FITS(o.host_memory == 0 || r.peak_host_bytes <= o.host_memory, "memory")
         << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " holds "
         << format_bytes(double(r.peak_host_bytes)) << " (" << r.peak_host_bytes << " B) in host memory ("
-        << (s.schedule.kv_host.empty() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
+        << (!s.schedule.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
         << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o.host_memory))
         << "; use --host-memory " << r.peak_host_bytes
         << " or more, or offload less (more --subseqs, a lower --offload ratio, --kv-cache device, or more "

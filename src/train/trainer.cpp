@@ -478,7 +478,7 @@ int run_train(const TrainOptions& o) {
       std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
     if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
       std::fprintf(stderr, "; host memory (%s) %s measured, %s predicted",
-                   s.schedule.kv_host.empty() ? "offloaded" : "offloaded, K/V and their sums",
+                   s.schedule.any_kv_streamed() ? "offloaded, K/V and their sums" : "offloaded",
                    format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
     if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
     std::fprintf(stderr, "\n");

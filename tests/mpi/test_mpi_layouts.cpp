@@ -6,7 +6,8 @@
 // attention over 2 and 4 ranks, contiguous and zigzag, alone and with the others; tensor
 // parallelism with sequence-parallel regions over 2, 3 (heads, MLP and vocabulary split
 // unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages; the K/V
-// cache on the host under pipeline, tensor and data parallelism.
+// cache on the host under pipeline, tensor and data parallelism; K/V and saved tensors
+// recomputed under each layout that runs them.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -165,6 +166,19 @@ TEST_F(Layouts, HostKvCache) {
   check(2, "--pp 2 --subseqs 7 --offload full --kv-cache host", "ref1");
   check(2, "--tp 2 --subseqs 3 --offload 0.5 --kv-cache host", "ref1");
   check(2, "--dp 2 --subseqs 3 --kv-cache host", "ref2");
+}
+
+// K/V recomputed from each layer's input (--kv-cache recompute) and saved tensors
+// recomputed in backward (--recompute-tensors) under every layout that runs them: the
+// pipeline, data parallelism, tensor parallelism (the recompute's collectives), the ring
+// and MSP pieces (on borrowed weights).
+TEST_F(Layouts, RecomputedTensorsAndKv) {
+  check(2, "--pp 2 --subseqs 4 --kv-cache recompute", "ref1");
+  check(2, "--pp 2 --subseqs 7 --offload full --kv-cache recompute --recompute-tensors ln1,q,x_mid,ln2,fc_pre", "ref1");
+  check(2, "--tp 2 --subseqs 3 --offload 0.5 --recompute-tensors all", "ref1");
+  check(2, "--cp 2 --subseqs 3 --recompute-tensors ln1,q,x_mid,ln2,fc_pre", "ref1");
+  check(2, "--dp 2 --subseqs 3 --kv-cache recompute --recompute-tensors fc_pre", "ref2");
+  check(2, "--pp 2 --subseqs 4 --msp on --recompute-tensors ln1,ln2,fc_pre", "ref1");
 }
 
 // Multiplexed sequence partitioning (Note [MSP pieces]): the bubble-adjacent subsequences

@@ -43,7 +43,8 @@ std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
 }
 
 Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
-          const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<char> kv_host = {}) {
+          const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<sched::KvPlace> kv = {},
+          SavedSet recompute_tensors = 0) {
   RuntimeOptions o;
   o.recompute = recompute;
   o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
@@ -54,7 +55,8 @@ Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vect
   std::normal_distribution<float> n(0.0f, 0.05f);
   for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
   sched::Schedule sc = sched::build_single(c.layers, lengths, alpha);
-  sc.kv_host = std::move(kv_host);
+  sc.kv_place = std::move(kv);
+  sc.recompute = recompute_tensors;
   StepResult r = rt.step(sc, tokens.data());
   Grads out;
   out.loss = r.loss;
@@ -138,14 +140,15 @@ TEST(Subsequences, PerSubsequenceAlpha) {
   EXPECT_GT(got.offloaded, 0);
 }
 
-// K/V and their dK/dV sums on the host (Schedule::kv_host), on every layer or some, with
+// K/V and their dK/dV sums on the host (Schedule::kv_place), on every layer or some, with
 // and without offload, even and uneven lengths: the same loss and gradients.
 TEST(Subsequences, HostKvCacheMatches) {
   const ModelConfig c = small_config();
   const i64 S = 61;
   const auto tokens = random_tokens(S, c.vocab, 7);
   const Grads ref = run(c, {S}, {0.0}, tokens);
-  const std::vector<char> all(std::size_t(c.layers), 1), some = {0, 1, 0};
+  using sched::KvPlace;
+  const std::vector<KvPlace> all(std::size_t(c.layers), KvPlace::Host), some = {KvPlace::Device, KvPlace::Host, KvPlace::Device};
   for (int N : {1, 3, 8})
     for (double a : {0.0, 1.0}) {
       const std::string what = "N=" + std::to_string(N) + " alpha=" + std::to_string(a);
@@ -157,6 +160,73 @@ TEST(Subsequences, HostKvCacheMatches) {
   const auto long_tokens = random_tokens(1000, c.vocab, 8);
   const Grads long_ref = run(c, {1000}, {0.0}, long_tokens);
   expect_matches(c, long_ref, run(c, {600, 100, 300}, {1.0, 0.5, 0.0}, long_tokens, false, all), "host K/V chunks");
+}
+
+// K/V recomputed from each layer's input (KvPlace::Recompute, Note [dK/dV into the layer
+// input]): no K/V kept, their gradients summed into the LayerNorm-1 output's on the host.
+// Every layer or some, with and without offload (an offloaded x streams back from the
+// host), chunks that pack several blocks and blocks longer than a chunk.
+TEST(Subsequences, RecomputedKvMatches) {
+  using sched::KvPlace;
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 9);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const std::vector<KvPlace> all(std::size_t(c.layers), KvPlace::Recompute),
+      mixed = {KvPlace::Recompute, KvPlace::Host, KvPlace::Device};
+  for (int N : {1, 3, 8})
+    for (double a : {0.0, 1.0}) {
+      const std::string what = "N=" + std::to_string(N) + " alpha=" + std::to_string(a);
+      expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, all), "recomputed K/V " + what);
+      expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, mixed), "mixed K/V " + what);
+    }
+  expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, all), "recomputed K/V uneven");
+  const auto long_tokens = random_tokens(1000, c.vocab, 10);
+  const Grads long_ref = run(c, {1000}, {0.0}, long_tokens);
+  expect_matches(c, long_ref, run(c, {600, 100, 300}, {1.0, 0.5, 0.0}, long_tokens, false, all),
+                 "recomputed K/V chunks");
+}
+
+// Saved tensors recomputed in backward (Schedule::recompute, Note [Recomputed tensors]):
+// each group alone, the planner's levels, and every group, with K/V on the device, on the
+// host or recomputed, for N 1, 3, 8 with and without offload.
+TEST(Subsequences, RecomputedTensorsMatch) {
+  using sched::KvPlace;
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 11);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  std::vector<SavedSet> sets;
+  for (const RecomputeGroup& g : recompute_groups()) sets.push_back(g.tensors);
+  for (std::size_t k = 1; k < recompute_levels().size(); ++k) sets.push_back(recompute_levels()[k]);
+  for (SavedSet set : sets)
+    for (int N : {1, 3, 8})
+      for (double a : {0.0, 1.0}) {
+        const std::string what = recompute_tensors_text(set) + " N=" + std::to_string(N) + " alpha=" + std::to_string(a);
+        const Grads got = run(c, equal_lengths(S, N), alphas(N, a), tokens, false, {}, set);
+        expect_matches(c, ref, got, "recompute " + what);
+      }
+  const SavedSet streamed = recompute_levels()[3];  // no attention: it runs with K/V on the device only
+  for (KvPlace kv : {KvPlace::Host, KvPlace::Recompute})
+    expect_matches(c, ref,
+                   run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false,
+                       std::vector<KvPlace>(std::size_t(c.layers), kv), streamed),
+                   std::string("recompute with ") + sched::to_string(kv) + " K/V");
+}
+
+// Recomputing lowers the peak: the saved tensors it drops are no longer held between a
+// layer's forward and its backward.
+TEST(Subsequences, RecomputingLowersThePeak) {
+  ModelConfig c = small_config();
+  c.hidden = 64;
+  const i64 S = 256;
+  const auto tokens = random_tokens(S, c.vocab, 12);
+  const Grads keep = run(c, equal_lengths(S, 4), alphas(4, 0.0), tokens);
+  const Grads mlp = run(c, equal_lengths(S, 4), alphas(4, 0.0), tokens, false, {}, recompute_levels()[2]);
+  const Grads kv = run(c, equal_lengths(S, 4), alphas(4, 0.0), tokens, false,
+                       std::vector<sched::KvPlace>(std::size_t(c.layers), sched::KvPlace::Recompute));
+  EXPECT_LT(mlp.peak, keep.peak);
+  EXPECT_LT(kv.peak, keep.peak);
 }
 
 TEST(Subsequences, RecomputeBaselineMatches) {

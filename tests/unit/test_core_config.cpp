@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
+#include "core/layout.h"
 #include "support/expect_error.h"
 
 namespace sppo {
@@ -89,6 +90,34 @@ TEST(ModelConfigJson, RefusesWrongTypesAndAbsurdSizes) {
   nlohmann::json missing = good;
   missing.erase("heads");
   EXPECT_ERROR_WITH(model_config_from_json(missing), "lacks \"heads\"");
+}
+
+// --recompute-tensors: tensor or group names close over their groups (one forward step
+// makes a group); k, v and x are refused naming what does recompute them; the text form
+// is the groups in forward order.
+TEST(RecomputeTensors, NamesCloseOverTheirGroups) {
+  const auto& g = recompute_groups();
+  EXPECT_EQ(parse_recompute_tensors(""), 0u);
+  EXPECT_EQ(parse_recompute_tensors("none"), 0u);
+  EXPECT_EQ(parse_recompute_tensors("ln1_out"), g[0].tensors);
+  EXPECT_EQ(parse_recompute_tensors("ln2_rstd,q"), g[4].tensors | g[1].tensors);
+  EXPECT_EQ(parse_recompute_tensors("lse"), g[2].tensors);
+  EXPECT_EQ(parse_recompute_tensors("fc_pre,fc_pre"), g[5].tensors);
+  SavedSet all = 0;
+  for (const auto& group : g) all |= group.tensors;
+  EXPECT_EQ(parse_recompute_tensors("all"), all);
+  EXPECT_FALSE(in_set(all, kSavedX) || in_set(all, kSavedK) || in_set(all, kSavedV));
+  EXPECT_EQ(recompute_tensors_text(parse_recompute_tensors("x_mid,ln1_mean")), "ln1,x_mid");
+  EXPECT_EQ(recompute_tensors_text(0), "none");
+  for (SavedSet s : recompute_levels()) EXPECT_EQ(parse_recompute_tensors(recompute_tensors_text(s)), s);
+  // Each level recomputes more than the one before.
+  for (std::size_t k = 1; k < recompute_levels().size(); ++k)
+    EXPECT_EQ(recompute_levels()[k] & recompute_levels()[k - 1], recompute_levels()[k - 1]);
+  EXPECT_ERROR_WITH(parse_recompute_tensors("k"), "--kv-cache recompute");
+  EXPECT_ERROR_WITH(parse_recompute_tensors("ln1,v"), "--kv-cache recompute");
+  EXPECT_ERROR_WITH(parse_recompute_tensors("x"), "always kept");
+  EXPECT_ERROR_WITH(parse_recompute_tensors("fc_post"), "no saved tensor 'fc_post'");
+  EXPECT_ERROR_WITH(parse_recompute_tensors("fc_post"), "ln1_mean, ln1_rstd, ln1_out, q");
 }
 
 }  // namespace

@@ -133,6 +133,30 @@ TEST(Solver, TensorParallelFitsLongerSequences) {
   EXPECT_GT(sim::simulate_plan(ring, load_profile("a100-80gb")).peak_device_bytes, out.plan.budget);
 }
 
+// Past the paper's memory wall (Note [Placing every tensor] in solver.cpp): at 4M tokens
+// on 32 A100s no plan keeps K/V on the device, and one recomputes them from each layer's
+// input and recomputes the cheap saved tensors; with only the device's K/V nothing fits.
+// At 1M the plan is the device's, as before these placements.
+TEST(Solver, RecomputingFitsWhatTheDeviceCacheCannot) {
+  const auto out = sim::solve_plan(request("gpt-7b", i64(4) << 20, 32, "sppo"));
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_FALSE(p.kv_recompute_layers.empty() && p.kv_host_layers.empty());
+  EXPECT_NE(p.recompute, 0u);
+  EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
+  EXPECT_LE(p.predicted.peak_host_bytes, load_profile("a100-80gb").host_memory);
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(to_json(q), to_json(p));
+  auto device_only = request("gpt-7b", i64(4) << 20, 32, "sppo");
+  device_only.kv_cache = "device";
+  device_only.recompute_auto = false;
+  EXPECT_FALSE(sim::solve_plan(device_only).ok);
+  const auto short_one = sim::solve_plan(request("gpt-7b", i64(1) << 20, 32, "sppo"));
+  ASSERT_TRUE(short_one.ok) << short_one.error;
+  EXPECT_TRUE(short_one.plan.kv_recompute_layers.empty() && short_one.plan.kv_host_layers.empty());
+  EXPECT_EQ(short_one.plan.recompute, 0u);
+}
+
 TEST(Solver, SaysWhyNothingFits) {
   const auto out = sim::solve_plan(request("gpt-65b", i64(1) << 20, 4, "sppo"));
   ASSERT_FALSE(out.ok);
@@ -191,6 +215,11 @@ TEST(PlanJson, RefusesValuesASimulationCannotUse) {
   EXPECT_ERROR_WITH(plan_from_json(with("lengths", {6.5, 3.5})), "\"lengths\"[0] must be an integer");
   EXPECT_ERROR_WITH(plan_from_json(with("system", 7)), "\"system\" must be a string");
   EXPECT_ERROR_WITH(plan_from_json(with("lengths", {i64(1) << 62, i64(1) << 62, i64(1) << 62})), "2^63");
+  EXPECT_ERROR_WITH(plan_from_json(with("recompute_tensors", "fc_post")), "\"recompute_tensors\"");
+  EXPECT_ERROR_WITH(plan_from_json(with("kv_recompute_layers", {7})), "\"kv_recompute_layers\" names layer 7");
+  nlohmann::json both = with("kv_recompute_layers", {0});
+  both["kv_host_layers"] = {0};
+  EXPECT_ERROR_WITH(plan_from_json(both), "in both");
   // sp * pp * dp * tp of ints near 2^31 must not overflow on the way to the comparison.
   nlohmann::json big = good;
   for (const char* k : {"sp", "pp", "dp", "tp"}) big[k] = 2147483647;

@@ -97,6 +97,7 @@ struct PeakCase {
   double budget_fraction;  // of the unbudgeted, unoffloaded peak; 0: no budget
   const char* kv_cache = "device";
   const char* partition = "length";
+  const char* recompute = "none";  // --recompute-tensors
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -113,6 +114,17 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       // Equal FLOPs: the first subsequences are longer than later ones, whose attention
       // streams them in several chunks.
       {"tiny", 4096, "8", "0.5", 0, "host", "flops"},
+      // K/V recomputed from x: the window holds x and the LayerNorm's output too, the host
+      // the d(LayerNorm-1 output) sums; with offload an x streams back from the host.
+      {"tiny", 1024, "4", "none", 0, "recompute"}, {"tiny", 1000, "3", "0.3", 0, "recompute"},
+      {"small", 1024, "8", "full", 0, "recompute"}, {"tiny", 4096, "8", "0.5", 0, "recompute", "flops"},
+      // Saved tensors recomputed in backward (Note [Recomputed tensors]).
+      {"tiny", 1024, "4", "0.5", 0, "device", "length", "ln1,ln2,fc_pre"},
+      {"small", 1024, "8", "full", 0, "device", "length", "all"},
+      {"small", 1024, "8", "0.5", 0, "host", "length", "ln1,q,x_mid,ln2,fc_pre"},
+      {"tiny", 1000, "3", "full", 0, "recompute", "flops", "q,fc_pre"},
+      // Under a budget nothing else fits: auto recomputes.
+      {"small", 2048, "8", "adaptive", 0.3, "auto", "length", "auto"},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -123,26 +135,32 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     StepOptions o = step_options(c.model, c.S, c.subseqs, c.offload, budget);
     o.kv_cache = c.kv_cache;
     o.partition = c.partition;
+    o.recompute_tensors = c.recompute;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
     const StepResult r = run_step(s, c.S);
     const std::string what = std::string(c.model) + " S " + std::to_string(c.S) + " N " + c.subseqs + " (" +
                              std::to_string(s.lengths.size()) + ") offload " + c.offload + " budget " +
-                             std::to_string(budget) + " kv-cache " + c.kv_cache;
+                             std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute;
+    if (std::string(c.recompute) == "auto") {
+      const bool kv_recomputed = std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(),
+                                            sched::KvPlace::Recompute) > 0;
+      EXPECT_TRUE(s.schedule.recompute != 0 || kv_recomputed) << what << ": the budget should have demanded recomputing";
+    }
     if (std::string(c.kv_cache) == "auto") {
-      EXPECT_FALSE(s.schedule.kv_host.empty()) << what << ": the budget should have put some K/V on the host";
+      EXPECT_FALSE(s.schedule.kv_place.empty()) << what << ": the budget should have put some K/V on the host";
     }
     EXPECT_EQ(s.runtime->device().stats().peak, s.predicted_peak_bytes) << what;
     EXPECT_EQ(r.device.peak, s.predicted_peak_bytes) << what;
     // The host tier holds the offloaded copies; the simulator's host peak is theirs.
     EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;
-    if (s.schedule.kv_host.empty()) {
+    if (s.schedule.kv_place.empty()) {
       EXPECT_EQ(r.host.peak > 0, r.offloaded_bytes > 0) << what;
     }
     if (budget > 0) {
       EXPECT_LE(r.device.peak, budget) << what;
-      if (s.schedule.kv_host.empty()) {
+      if (s.schedule.kv_place.empty()) {
         EXPECT_GT(r.offloaded_bytes, 0) << what << ": the budget should have demanded offloading";
       }
     }
@@ -170,6 +188,7 @@ TEST(RuntimeStep, HostBudgetBoundsTheOffloadedCopies) {
   EXPECT_LE(r.device.peak, o.device_memory);
 
   o.host_memory = unbounded.predicted_host_bytes / 2;
+  o.recompute_tensors = "none";  // recomputing would fit (RecomputeFitsWhereOffloadDoesNot)
   try {
     make_setup(o);
     ADD_FAILURE() << "a host budget of half what must leave the device was accepted";

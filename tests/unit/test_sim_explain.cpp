@@ -64,6 +64,38 @@ TEST(MemoryTerms, SppoByHand) {
   EXPECT_EQ(r.host_at_peak[0], 0);
 }
 
+// Recomputed tensors (Note [Recomputed tensors] in core/layout.h) leave the units: at the
+// same peak, the first layer of the backward, the units hold every layer's kept tensors
+// and the running layer holds its recomputed ones. A layer that recomputes its K/V keeps
+// none: the running layer's K, V are back (recomputed), with its own zeroed dK/dV and the
+// d(LayerNorm-1 output) sums [T, H] fp32 of its rows.
+TEST(MemoryTerms, RecomputedTensorsByHand) {
+  const ModelConfig c = small_config();
+  const i64 H = c.hidden, F = c.ffn(), Z = c.heads, T = 512;
+  const auto rules = memory_rules(c, ActPrecision::BF16);
+  const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
+  const i64 unit = 6 * 2 * H + 2 * F + 4 * 4 + 4 * Z;
+  const i64 mlp = 2 * F + 2 * H + 2 * 4;  // fc_pre, ln2_out, ln2_mean, ln2_rstd
+  sched::Schedule s = sched::build_single(c.layers, {T}, {0.0});
+  s.recompute = parse_recompute_tensors("fc_pre,ln2");
+  const SimResult r = simulate(s, cost, rules);
+  EXPECT_EQ(term(r, 0, MemTerm::Units), c.layers * (unit - mlp) * T);
+  EXPECT_EQ(term(r, 0, MemTerm::Recomputed), mlp * T);
+  EXPECT_EQ(term(r, 0, MemTerm::KVCache), c.layers * (2 * H * 2) * T);
+  const SimResult none = simulate(sched::build_single(c.layers, {T}, {0.0}), cost, rules);
+  EXPECT_EQ(none.peak_device_bytes - r.peak_device_bytes, (c.layers - 1) * mlp * T);
+
+  sched::Schedule k = sched::build_single(c.layers, {T}, {0.0});
+  k.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Recompute);
+  const SimResult kr = simulate(k, cost, rules);
+  EXPECT_EQ(term(kr, 0, MemTerm::KVCache), (2 * H * 2) * T);                   // the running layer's, recomputed
+  EXPECT_EQ(term(kr, 0, MemTerm::KVGradAccum), (2 * H * 4 + H * 4) * T);       // its dK, dV and d LN1-output sums
+  EXPECT_EQ(term(kr, 0, MemTerm::KVWindow), 0);                                // no earlier block
+  EXPECT_EQ(kr.peak_host_bytes, 0);                                            // nothing summed for a later block
+  const auto& t = kr.peak_terms[0];
+  EXPECT_EQ(std::accumulate(t.begin(), t.end(), i64(0)), kr.peak_device_bytes);
+}
+
 TEST(MemoryTerms, OffloadedBytesAreOnTheHostAtThePeak) {
   // Subsequence 0's whole unit leaves during F(1) and comes back behind B(1): the peak, in
   // the backward of a later subsequence, is the same moment with and without it, lower by

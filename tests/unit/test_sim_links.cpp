@@ -118,7 +118,7 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
       spec.msp = sh.msp;
       sched::Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), sh.tp);
       if (sh.kv_host)
-        for (int l = 0; l < c.layers; ++l) s.kv_host.push_back(char(l % 2));
+        for (int l = 0; l < c.layers; ++l) s.kv_place.push_back(l % 2 ? sched::KvPlace::Host : sched::KvPlace::Device);
       return s;
     };
     const std::vector<double> first = {1.0, 0.75, 0.0, 0.5, 0.25, 0.0};

@@ -26,6 +26,7 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   o.partition = "flops";
   o.device_memory = 128 << 20;
   o.kv_cache = "device";
+  o.recompute_tensors = "none";
   StepSetup s = make_setup(o);
   EXPECT_GT(s.lengths.size(), 1u);
   EXPECT_LE(s.predicted_peak_bytes, o.device_memory);
@@ -37,7 +38,7 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   // With --kv-cache auto it fits, with some K/V on the host.
   fewer.kv_cache = "auto";
   const StepSetup host = make_setup(fewer);
-  EXPECT_FALSE(host.schedule.kv_host.empty());
+  EXPECT_FALSE(host.schedule.kv_place.empty());
   EXPECT_LE(host.predicted_peak_bytes, o.device_memory);
 }
 
