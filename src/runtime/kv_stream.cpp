@@ -17,28 +17,14 @@ std::string block_name(int l, int j) {
 
 // The window: slot b % 2 holds chunk b of the earlier blocks' rows, kv_chunk_rows(T)
 // consecutive positions at most, from one block or several (short subsequences share a
-// chunk, so the kernels run on a few long blocks rather than many short ones). Loads go out on the host-to-device stream two chunks ahead; in backward a slot's
-// dK/dV go back on the device-to-host stream, and the slot is loaded again only once they
-// are out.
-class StreamedAttention final : public BlockAttention {
+// chunk, so the kernels run on a few long blocks rather than many short ones). Loads go
+// out on the host-to-device stream two chunks ahead; in backward a slot's sums go back on
+// the device-to-host stream, and the slot is loaded again only once they are out. The two
+// kinds of streamed layer differ in what a slot holds and brings in (load), what a chunk
+// needs before the kernels run on it (prepare), and where its gradients go (send_sums).
+class ChunkedAttention : public BlockAttention {
  public:
-  StreamedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward) : c_(cache), l_(l), backward_(backward) {
-    i64 largest = 0;
-    past_ = c_.chunks(l, i, T, &largest);
-    const i64 act = dtype_bytes(c_.be_.act());
-    for (std::size_t s = 0; s < std::min<std::size_t>(2, past_.size()); ++s) {
-      Slot& slot = slots_[s];
-      const std::string what = "blocks." + std::to_string(l) + " K/V window ";
-      slot.k = c_.device_.alloc(largest * c_.width_ * act, what + "K");
-      slot.v = c_.device_.alloc(largest * c_.width_ * act, what + "V");
-      if (backward_) {
-        slot.dk = c_.device_.alloc(largest * c_.width_ * i64(sizeof(float)), what + "dK");
-        slot.dv = c_.device_.alloc(largest * c_.width_ * i64(sizeof(float)), what + "dV");
-      }
-    }
-  }
-
-  ~StreamedAttention() override {
+  ~ChunkedAttention() override {
     // The host sums must be complete before anything reads them, and no copy may still
     // touch the window when it is freed.
     for (Slot& s : slots_) {
@@ -48,19 +34,18 @@ class StreamedAttention final : public BlockAttention {
   }
 
   void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
-    const std::vector<PosSpan> parts = q.parts();
-    SPPO_ASSERT_MSG(parts.size() == 1, "K/V on the host runs subsequences of one span");
-    const PosSpan& part = parts[0];
+    const PosSpan part = one_span(q);
     const AttnShape d = span_shape(c, part);
-    be.attention_forward(s.attn_out, s.lse, s.q, {own(s, part, nullptr, nullptr)}, d, scratch);
+    be.attention_forward(s.attn_out, s.lse, s.q, {{s.k, s.v, nullptr, nullptr, part.rows, part.pos0}}, d, scratch);
     if (past_.empty()) return;
     const DType a = be.act();
-    Buffer out = c_.device_.alloc(i64(part.rows) * c.hidden * dtype_bytes(a), "blocks." + std::to_string(l_) + " partial output");
-    Buffer lse = c_.device_.alloc(i64(c.heads) * part.rows * i64(sizeof(float)), "blocks." + std::to_string(l_) + " partial LSE");
+    const std::string name = "blocks." + std::to_string(l_);
+    Buffer out = c_.device_.alloc(i64(part.rows) * c.hidden * dtype_bytes(a), name + " partial output");
+    Buffer lse = c_.device_.alloc(i64(c.heads) * part.rows * i64(sizeof(float)), name + " partial LSE");
     for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
-      wait(slot.loaded);
+      prepare(be, slot, past_[b]);
       be.attention_forward(out.data(), lse.f32(), s.q, {ref(slot, past_[b])}, d, scratch);
       be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
       if (b + 2 < past_.size()) load(b + 2);
@@ -69,9 +54,7 @@ class StreamedAttention final : public BlockAttention {
 
   void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s, float* dk_self,
                 float* dv_self, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
-    const std::vector<PosSpan> parts = q.parts();
-    SPPO_ASSERT_MSG(parts.size() == 1, "K/V on the host runs subsequences of one span");
-    const PosSpan& part = parts[0];
+    const PosSpan part = one_span(q);
     const DType a = be.act();
     const int T = q.T, H = c.hidden;
     // As LocalAttention: dq accumulates in columns [0, H) of dqkv, the queries are read
@@ -82,39 +65,86 @@ class StreamedAttention final : public BlockAttention {
     AttnShape d = span_shape(c, part);
     d.ldq = 3 * H;
     for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
-    be.attention_backward(dqkv, dout, q3, {own(s, part, dk_self, dv_self)}, s.lse, delta, d, scratch);
+    be.attention_backward(dqkv, dout, q3, {{s.k, s.v, dk_self, dv_self, part.rows, part.pos0}}, s.lse, delta, d,
+                          scratch);
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
-      wait(slot.loaded);
+      prepare(be, slot, past_[b]);
       be.attention_backward(dqkv, dout, q3, {ref(slot, past_[b])}, s.lse, delta, d, scratch);
-      for (const Piece& pc : past_[b].pieces) {
-        const std::size_t bytes = std::size_t(pc.rows) * std::size_t(c_.width_) * sizeof(float);
-        const i64 from = pc.row0 * c_.width_, to = pc.at * c_.width_;
-        c_.d2h_.copy(pc.blk->dk.f32() + from, slot.dk.f32() + to, bytes, {});
-        slot.saved = c_.d2h_.copy(pc.blk->dv.f32() + from, slot.dv.f32() + to, bytes, {});
-      }
+      send_sums(be, slot, past_[b], past_[b].rows <= T ? scratch : Workspace{});
       if (b + 2 < past_.size()) load(b + 2);
     }
   }
 
- private:
+ protected:
+  // Every buffer either kind of slot holds: K, V [rows, width] and, in backward, their
+  // fp32 gradients; a Recompute layer's also x [rows, H] and the d(LayerNorm-1 output)
+  // sums [rows, H] fp32.
   struct Slot {
-    Buffer k, v, dk, dv;
+    Buffer k, v, dk, dv, x, du;
     std::shared_ptr<Event> loaded, saved;
   };
   using Piece = HostKvCache::Piece;
   using Chunk = HostKvCache::Chunk;
 
-  static KVRef own(const BlockSaved& s, const PosSpan& part, float* dk, float* dv) {
-    return {s.k, s.v, dk, dv, part.rows, part.pos0};
+  ChunkedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward) : c_(cache), l_(l), backward_(backward) {
+    past_ = c_.chunks(l, i, T, &largest_);
+  }
+  std::size_t slots() const { return std::min<std::size_t>(2, past_.size()); }
+
+  // Starts bringing chunk b into its slot (after that slot's sums went out).
+  virtual void load(std::size_t b) = 0;
+  // Before the kernels run on chunk `ch` in `slot`: its copies are in, its K, V ready.
+  virtual void prepare(Backend& be, Slot& slot, const Chunk& ch) = 0;
+  // After the backward kernel on chunk `ch`: its gradients go out to the host sums.
+  virtual void send_sums(Backend& be, Slot& slot, const Chunk& ch, const Workspace& scratch) = 0;
+
+  void wait(std::shared_ptr<Event>& e) {
+    if (!e) return;
+    *c_.waited_s_ += e->wait();
+    e.reset();
+  }
+
+  HostKvCache& c_;
+  int l_;
+  bool backward_;
+  i64 largest_ = 0;  // rows of the longest chunk
+  std::vector<Chunk> past_;
+  Slot slots_[2];
+
+ private:
+  static PosSpan one_span(const Subseq& q) {
+    const std::vector<PosSpan> parts = q.parts();
+    SPPO_ASSERT_MSG(parts.size() == 1, "streamed K/V run subsequences of one span");
+    return parts[0];
   }
   KVRef ref(const Slot& slot, const Chunk& ch) const {
     return {slot.k.data(), slot.v.data(), backward_ ? slot.dk.f32() : nullptr, backward_ ? slot.dv.f32() : nullptr,
             ch.rows, ch.pos0};
   }
+};
 
-  // Starts bringing chunk b into its slot (after that slot's sums went out).
-  void load(std::size_t b) {
+// A Host layer's window: K, V come in from the host and, in backward, their dK/dV sums in
+// and out.
+class StreamedAttention final : public ChunkedAttention {
+ public:
+  StreamedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward)
+      : ChunkedAttention(cache, l, i, T, backward) {
+    const i64 act = dtype_bytes(c_.be_.act()), f32 = i64(sizeof(float)), rows = largest_ * c_.width_;
+    const std::string what = "blocks." + std::to_string(l) + " K/V window ";
+    for (std::size_t s = 0; s < slots(); ++s) {
+      Slot& slot = slots_[s];
+      slot.k = c_.device_.alloc(rows * act, what + "K");
+      slot.v = c_.device_.alloc(rows * act, what + "V");
+      if (backward_) {
+        slot.dk = c_.device_.alloc(rows * f32, what + "dK");
+        slot.dv = c_.device_.alloc(rows * f32, what + "dV");
+      }
+    }
+  }
+
+ private:
+  void load(std::size_t b) override {
     Slot& slot = slots_[b % 2];
     wait(slot.saved);
     const DType a = c_.be_.act();
@@ -144,141 +174,51 @@ class StreamedAttention final : public BlockAttention {
     }
   }
 
-  void wait(std::shared_ptr<Event>& e) {
-    if (!e) return;
-    *c_.waited_s_ += e->wait();
-    e.reset();
-  }
+  void prepare(Backend&, Slot& slot, const Chunk&) override { wait(slot.loaded); }
 
-  HostKvCache& c_;
-  int l_;
-  bool backward_;
-  std::vector<Chunk> past_;
-  Slot slots_[2];
+  void send_sums(Backend&, Slot& slot, const Chunk& ch, const Workspace&) override {
+    for (const Piece& pc : ch.pieces) {
+      const std::size_t bytes = std::size_t(pc.rows) * std::size_t(c_.width_) * sizeof(float);
+      const i64 from = pc.row0 * c_.width_, to = pc.at * c_.width_;
+      c_.d2h_.copy(pc.blk->dk.f32() + from, slot.dk.f32() + to, bytes, {});
+      slot.saved = c_.d2h_.copy(pc.blk->dv.f32() + from, slot.dv.f32() + to, bytes, {});
+    }
+  }
 };
 
-// A Recompute layer's window (Note [dK/dV into the layer input] in kv_stream.h): slot
-// b % 2 holds chunk b's rows of x (those that came from the host), its recomputed K, V and,
-// in backward, its fresh dK, dV and the d(LayerNorm-1 output) sums of its rows; one
-// LayerNorm output with its statistics serves every chunk in turn. Loads go out two chunks
-// ahead as in StreamedAttention.
-class RecomputedAttention final : public BlockAttention {
+// A Recompute layer's window (Note [dK/dV into the layer input] in kv_stream.h): a slot
+// holds its chunk's rows of x (those that came from the host), its recomputed K, V and, in
+// backward, its fresh dK, dV and the d(LayerNorm-1 output) sums of its rows; one LayerNorm
+// output with its statistics serves every chunk in turn.
+class RecomputedAttention final : public ChunkedAttention {
  public:
   RecomputedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward, const HostKvCache::LayerWeights& w,
                       const HostKvCache::InputLookup& inputs, const ModelConfig& c)
-      : c_(cache), l_(l), backward_(backward), w_(w), inputs_(inputs), config_(c) {
-    i64 largest = 0;
-    past_ = c_.chunks(l, i, T, &largest);
+      : ChunkedAttention(cache, l, i, T, backward), w_(w), inputs_(inputs), config_(c) {
     SPPO_ASSERT_MSG(c_.width_ == c.hidden, "a Recompute layer runs without tensor parallelism");
-    const i64 act = dtype_bytes(c_.be_.act()), H = c.hidden, f32 = i64(sizeof(float));
+    const i64 act = dtype_bytes(c_.be_.act()), f32 = i64(sizeof(float)), rows = largest_ * c.hidden;
     const std::string what = "blocks." + std::to_string(l) + " recomputed K/V window ";
-    for (std::size_t s = 0; s < std::min<std::size_t>(2, past_.size()); ++s) {
+    for (std::size_t s = 0; s < slots(); ++s) {
       Slot& slot = slots_[s];
-      slot.x = c_.device_.alloc(largest * H * act, what + "x");
-      slot.k = c_.device_.alloc(largest * H * act, what + "K");
-      slot.v = c_.device_.alloc(largest * H * act, what + "V");
+      slot.x = c_.device_.alloc(rows * act, what + "x");
+      slot.k = c_.device_.alloc(rows * act, what + "K");
+      slot.v = c_.device_.alloc(rows * act, what + "V");
       if (backward_) {
-        slot.dk = c_.device_.alloc(largest * H * f32, what + "dK");
-        slot.dv = c_.device_.alloc(largest * H * f32, what + "dV");
-        slot.du = c_.device_.alloc(largest * H * f32, what + "d LayerNorm-1 output");
+        slot.dk = c_.device_.alloc(rows * f32, what + "dK");
+        slot.dv = c_.device_.alloc(rows * f32, what + "dV");
+        slot.du = c_.device_.alloc(rows * f32, what + "d LayerNorm-1 output");
       }
     }
     if (!past_.empty()) {
-      norm_ = c_.device_.alloc(largest * H * act, what + "LayerNorm-1 output");
-      mean_ = c_.device_.alloc(largest * f32, what + "LayerNorm-1 mean");
-      rstd_ = c_.device_.alloc(largest * f32, what + "LayerNorm-1 rstd");
-    }
-  }
-
-  ~RecomputedAttention() override {
-    for (Slot& s : slots_) {
-      wait(s.loaded);
-      wait(s.saved);
-    }
-  }
-
-  void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
-    const std::vector<PosSpan> parts = q.parts();
-    SPPO_ASSERT_MSG(parts.size() == 1, "recomputed K/V run subsequences of one span");
-    const PosSpan& part = parts[0];
-    const AttnShape d = span_shape(c, part);
-    be.attention_forward(s.attn_out, s.lse, s.q, {{s.k, s.v, nullptr, nullptr, part.rows, part.pos0}}, d, scratch);
-    if (past_.empty()) return;
-    const DType a = be.act();
-    const std::string name = "blocks." + std::to_string(l_);
-    Buffer out = c_.device_.alloc(i64(part.rows) * c.hidden * dtype_bytes(a), name + " partial output");
-    Buffer lse = c_.device_.alloc(i64(c.heads) * part.rows * i64(sizeof(float)), name + " partial LSE");
-    for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
-    for (std::size_t b = 0; b < past_.size(); ++b) {
-      Slot& slot = slots_[b % 2];
-      recompute_kv(be, slot, past_[b]);
-      be.attention_forward(out.data(), lse.f32(), s.q, {ref(slot, past_[b])}, d, scratch);
-      be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
-      if (b + 2 < past_.size()) load(b + 2);
-    }
-  }
-
-  void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s, float* dk_self,
-                float* dv_self, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
-    const std::vector<PosSpan> parts = q.parts();
-    SPPO_ASSERT_MSG(parts.size() == 1, "recomputed K/V run subsequences of one span");
-    const PosSpan& part = parts[0];
-    const DType a = be.act();
-    const int T = q.T, H = c.hidden;
-    // As LocalAttention: dq accumulates in columns [0, H) of dqkv, the queries are read
-    // from a copy in columns [H, 2H) with the same stride.
-    be.zero_cols(dqkv, T, H, 3 * H, 0);
-    void* q3 = act_at(dqkv, H, a);
-    be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
-    AttnShape d = span_shape(c, part);
-    d.ldq = 3 * H;
-    for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
-    be.attention_backward(dqkv, dout, q3, {{s.k, s.v, dk_self, dv_self, part.rows, part.pos0}}, s.lse, delta, d,
-                          scratch);
-    const i64 f32_row = i64(H) * i64(sizeof(float));
-    for (std::size_t b = 0; b < past_.size(); ++b) {
-      Slot& slot = slots_[b % 2];
-      const Chunk& ch = past_[b];
-      recompute_kv(be, slot, ch);
-      be.fill_zero(slot.dk.data(), std::size_t(ch.rows * f32_row));
-      be.fill_zero(slot.dv.data(), std::size_t(ch.rows * f32_row));
-      be.attention_backward(dqkv, dout, q3, {ref(slot, ch)}, s.lse, delta, d, scratch);
-      // Note [dK/dV into the layer input]: dK (after RoPE's backward) and dV go through the
-      // k and v rows of the projection into the sums of d(LayerNorm-1 output), and into the
-      // projection's weight gradients, each through the x slot in the activation type.
-      const Workspace rows_scratch = ch.rows <= T ? scratch : Workspace{};
-      for (int kv = 0; kv < 2; ++kv) {
-        const i64 row = i64(1 + kv) * H;  // the k (v) rows of the qkv projection
-        be.put_cols(slot.x.data(), kv == 0 ? slot.dk.f32() : slot.dv.f32(), true, ch.rows, H, H, 0);
-        if (kv == 0) be.rope_backward(slot.x.data(), ch.rows, c.heads, c.head_size(), ch.pos0, c.rope_theta, H);
-        const void* w = act_at(w_.m->qkv_w, row * H, a);
-        be.gemm(false, false, ch.rows, H, H, 1.0f, slot.x.data(), H, w, H, 1.0f, slot.du.data(), H, a, DType::F32);
-        be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b + row, slot.x.data(), norm_.data(), w, ch.rows,
-                           H, H, 0, 0, rows_scratch);
-      }
-      for (const Piece& pc : ch.pieces)
-        slot.saved = c_.d2h_.copy(pc.blk->du.f32() + pc.row0 * H, slot.du.f32() + i64(pc.at) * H,
-                                  std::size_t(pc.rows) * std::size_t(f32_row), {});
-      if (b + 2 < past_.size()) load(b + 2);
+      norm_ = c_.device_.alloc(rows * act, what + "LayerNorm-1 output");
+      mean_ = c_.device_.alloc(largest_ * f32, what + "LayerNorm-1 mean");
+      rstd_ = c_.device_.alloc(largest_ * f32, what + "LayerNorm-1 rstd");
     }
   }
 
  private:
-  struct Slot {
-    Buffer x, k, v, dk, dv, du;
-    std::shared_ptr<Event> loaded, saved;
-  };
-  using Piece = HostKvCache::Piece;
-  using Chunk = HostKvCache::Chunk;
-
-  KVRef ref(const Slot& slot, const Chunk& ch) const {
-    return {slot.k.data(), slot.v.data(), backward_ ? slot.dk.f32() : nullptr, backward_ ? slot.dv.f32() : nullptr,
-            ch.rows, ch.pos0};
-  }
-
-  // Starts bringing chunk b into its slot (after that slot's sums went out): the rows of x
-  // that are on the host and, in backward, the sums.
-  void load(std::size_t b) {
+  // The rows of x that are on the host and, in backward, the sums.
+  void load(std::size_t b) override {
     Slot& slot = slots_[b % 2];
     wait(slot.saved);
     const DType a = c_.be_.act();
@@ -306,9 +246,10 @@ class RecomputedAttention final : public BlockAttention {
     }
   }
 
-  // K, V of chunk `ch` in its slot, from its rows of x: LayerNorm 1 block by block (each
-  // from the device or from the slot), then the projection and RoPE on the whole chunk.
-  void recompute_kv(Backend& be, Slot& slot, const Chunk& ch) {
+  // K, V of the chunk from its rows of x: LayerNorm 1 block by block (each from the device
+  // or from the slot), then the projection and RoPE on the whole chunk; in backward, fresh
+  // dK, dV.
+  void prepare(Backend& be, Slot& slot, const Chunk& ch) override {
     wait(slot.loaded);
     const DType a = be.act();
     const i64 H = config_.hidden;
@@ -319,22 +260,37 @@ class RecomputedAttention final : public BlockAttention {
                            w_.p->ln1_w, w_.p->ln1_b, pc.rows, int(H), config_.ln_eps);
     }
     kv_project(be, slot.k.data(), slot.v.data(), norm_.data(), *w_.m, config_, ch.pos0, ch.rows);
+    if (!backward_) return;
+    const std::size_t f32 = std::size_t(ch.rows) * std::size_t(H) * sizeof(float);
+    be.fill_zero(slot.dk.data(), f32);
+    be.fill_zero(slot.dv.data(), f32);
   }
 
-  void wait(std::shared_ptr<Event>& e) {
-    if (!e) return;
-    *c_.waited_s_ += e->wait();
-    e.reset();
+  // Note [dK/dV into the layer input]: dK (after RoPE's backward) and dV go through the k
+  // and v rows of the projection into the sums of d(LayerNorm-1 output), and into the
+  // projection's weight gradients, each through the x slot in the activation type.
+  void send_sums(Backend& be, Slot& slot, const Chunk& ch, const Workspace& scratch) override {
+    const DType a = be.act();
+    const int H = config_.hidden;
+    for (int kv = 0; kv < 2; ++kv) {
+      const i64 row = i64(1 + kv) * H;  // the k (v) rows of the qkv projection
+      be.put_cols(slot.x.data(), kv == 0 ? slot.dk.f32() : slot.dv.f32(), true, ch.rows, H, H, 0);
+      if (kv == 0) be.rope_backward(slot.x.data(), ch.rows, config_.heads, config_.head_size(), ch.pos0,
+                                    config_.rope_theta, H);
+      const void* w = act_at(w_.m->qkv_w, row * H, a);
+      be.gemm(false, false, ch.rows, H, H, 1.0f, slot.x.data(), H, w, H, 1.0f, slot.du.data(), H, a, DType::F32);
+      be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b + row, slot.x.data(), norm_.data(), w, ch.rows,
+                         H, H, 0, 0, scratch);
+    }
+    const std::size_t f32_row = std::size_t(H) * sizeof(float);
+    for (const Piece& pc : ch.pieces)
+      slot.saved = c_.d2h_.copy(pc.blk->du.f32() + pc.row0 * H, slot.du.f32() + i64(pc.at) * H,
+                                std::size_t(pc.rows) * f32_row, {});
   }
 
-  HostKvCache& c_;
-  int l_;
-  bool backward_;
   HostKvCache::LayerWeights w_;
   HostKvCache::InputLookup inputs_;
   const ModelConfig& config_;
-  std::vector<Chunk> past_;
-  Slot slots_[2];
   Buffer norm_, mean_, rstd_;
 };
 

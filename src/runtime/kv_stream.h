@@ -113,6 +113,7 @@ class HostKvCache {
   // The earlier blocks of subsequence i at layer l as chunks for T query rows; *largest:
   // the most rows of one.
   std::vector<Chunk> chunks(int l, int i, i64 T, i64* largest);
+  friend class ChunkedAttention;
   friend class StreamedAttention;
   friend class RecomputedAttention;
   Backend& be_;

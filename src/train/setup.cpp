@@ -370,7 +370,33 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   };
   const sim::StepShape asked = shape;
   bool fitted = fits();
-  if (!fitted && o.kv_cache == "auto" && kv_host_ok) {
+  // The widest placements auto may reach, each the least memory of its kind: where none of
+  // them fits, nothing narrower does (more recomputed or streamed never needs more), so
+  // the search below is skipped.
+  auto widest_fits = [&] {
+    std::vector<std::pair<std::vector<sched::KvPlace>, SavedSet>> widest;
+    const SavedSet most = recompute_auto && !o.recompute ? recompute_levels().back() | asked.recompute : asked.recompute;
+    const SavedSet most_streamed = recompute_auto && !o.recompute
+                                       ? recompute_levels()[recompute_levels().size() - 2] | asked.recompute
+                                       : asked.recompute;
+    if (o.kv_cache == "auto") {
+      widest.push_back({{}, attention_ok ? most : most & ~attention_group});
+      if (kv_host_ok) widest.push_back({all_layers(sched::KvPlace::Host), most_streamed & ~attention_group});
+      if (kv_recompute_ok) widest.push_back({all_layers(sched::KvPlace::Recompute), most_streamed & ~attention_group});
+    } else {
+      widest.push_back({asked.kv_place, asked.kv_place.empty() && attention_ok ? most : most_streamed & ~attention_group});
+    }
+    for (const auto& [kv, set] : widest) {
+      if (kv == asked.kv_place && set == asked.recompute) continue;  // tried
+      shape.kv_place = kv;
+      shape.recompute = set;
+      if (fits()) return true;
+    }
+    return false;
+  };
+  const bool reachable = fitted || (any_auto && widest_fits());
+  shape = asked;
+  if (!fitted && reachable && o.kv_cache == "auto" && kv_host_ok) {
     int lo = 1, hi = L;
     shape.kv_place = host_layers(hi);
     if (fits()) {
@@ -384,7 +410,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       fitted = choose();
     }
   }
-  if (!fitted && any_auto) {
+  if (!fitted && reachable) {
     std::vector<std::vector<sched::KvPlace>> kvs = {asked.kv_place};
     if (o.kv_cache == "auto") {
       kvs = {{}};
