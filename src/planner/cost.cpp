@@ -17,7 +17,6 @@ CostModel::CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPre
   kv_per_token_ = skeletal_bytes_per_token(model, precision);
   gemm_rate_ = hw.gemm_rate(model.hidden);
   attention_rate_ = hw.attention_rate(model.head_size());
-  prefix_rate_ = hw.attention_prefix_rate(model.head_size());
 }
 
 double CostModel::gemm_flops(i64 tokens) const {
@@ -41,9 +40,15 @@ double CostModel::attention_flops(i64 o, const sched::Spans& spans) const {
 }
 
 double CostModel::attention_s(i64 o, const sched::Spans& spans) const {
-  // Every query of the subsequence sees all o keys before it: those run at the prefix rate.
-  const double prefix = 4.0 * model_.hidden * double(sched::span_tokens(spans)) * double(o);
-  return prefix / prefix_rate_ + (attention_flops(o, spans) - prefix) / attention_rate_;
+  // Every query of the subsequence sees all o keys before it: those run at the prefix rate
+  // of the span's query rows (each span is a kernel call of its own).
+  double prefix = 0, prefix_s = 0;
+  for (const auto& [b, e] : spans) {
+    const double f = 4.0 * model_.hidden * double(e - b) * double(o);
+    prefix += f;
+    if (f > 0) prefix_s += f / hw_.attention_prefix_rate(model_.head_size(), e - b);
+  }
+  return prefix_s + (attention_flops(o, spans) - prefix) / attention_rate_;
 }
 
 double CostModel::layer_forward_s(i64 o, const sched::Spans& spans) const {
@@ -87,6 +92,31 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   return t + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
 }
 
+namespace {
+
+// How the earlier blocks of subsequence i reach the attention of its T query rows
+// (HostKvCache::chunks): consecutive chunks of kv_chunk_rows(T) positions from position 0,
+// each split into one piece per earlier subsequence it holds rows of.
+struct StreamShape {
+  i64 chunks = 0;
+  i64 pieces = 0;
+};
+
+StreamShape stream_shape(const Schedule& s, int i, i64 T) {
+  const i64 C = kv_chunk_rows(T);
+  StreamShape sh;
+  i64 o = 0;
+  for (int j = 0; j < i; ++j) {
+    if (o % C != 0) ++sh.pieces;  // a block that starts inside a chunk adds a piece to it
+    o += s.lengths[std::size_t(j)];
+  }
+  sh.chunks = (o + C - 1) / C;
+  sh.pieces += sh.chunks;
+  return sh;
+}
+
+}  // namespace
+
 double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
   if (!s.any_kv_streamed()) return 0;
   const sched::Spans spans = s.spans(op);
@@ -96,6 +126,11 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
   const double x = double(act_bytes_) * model_.hidden;
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
   const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans) / s.tp;
+  const StreamShape shape = o > 0 ? stream_shape(s, op.subseq, T) : StreamShape{};
+  // Every backward but the first (that of the last subsequence) finds sums that later
+  // subsequences' backward left on the host, for its own block and every earlier one.
+  const bool sums_back = backward && op.subseq + 1 < int(s.lengths.size());
+  const double share = hw_.copy_compute_share;
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l) {
     if (!s.kv_streamed(l)) continue;
@@ -104,11 +139,24 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
     // A Recompute layer's sums are its d(LayerNorm-1 output), H fp32 a position.
     const double summed = recompute ? 4.0 * model_.hidden : sums;
     const double past = double(o);            // every earlier position's block
-    const double in = h2d_s(i64(past * (backward ? block + summed : block)), backward);
-    const double out = backward ? d2h_s(i64(past * summed), true) : 0.0;
-    t += std::max(0.0, std::max(in, out) - attention);
-    const double own = recompute ? (backward ? summed : 0.0) : (backward ? kv + sums : kv);
+    const i64 in_bytes = i64(past * (sums_back ? block + summed : block));
+    const i64 out_bytes = backward ? i64(past * summed) : 0;
+    const double in = h2d_s(in_bytes, backward), out = backward ? d2h_s(out_bytes, true) : 0.0;
+    // Note [Streamed chunks]: the share of the copies the compute stream loses, and of
+    // the rest what the attention does not cover.
+    t += share * (h2d_s(in_bytes, false) + d2h_s(out_bytes, false)) +
+         (1 - share) * std::max(0.0, std::max(in, out) - attention);
+    // A piece's copies: K and V (a Recompute layer: x) in; in backward its sums out, and
+    // in once there are some.
+    const int tensors = recompute ? 1 : 2;
+    const int per_piece = tensors * (1 + (backward ? 1 : 0) + (sums_back ? 1 : 0));
+    t += double(shape.pieces) * per_piece * hw_.copy_issue + double(shape.chunks) * hw_.attention_chunk;
+    // The subsequence's own block, waited for whole: K, V out after the forward; before
+    // the backward K, V back with their sums (a Recompute layer: the sums only).
+    const double own = recompute ? (sums_back ? summed : 0.0) : (backward ? kv + (sums_back ? sums : 0.0) : kv);
+    const int own_copies = recompute ? (sums_back ? 1 : 0) : 2 * (1 + (sums_back ? 1 : 0));
     if (own > 0) t += backward ? h2d_s(i64(double(T) * own), false) : d2h_s(i64(double(T) * own), false);
+    t += own_copies * hw_.copy_issue;
   }
   return t;
 }

@@ -4,7 +4,8 @@
 //   GEMMs      24 T H^2 (generally 8 T H^2 + 4 T F H) FLOPs forward, 2x in backward
 //   attention  4 H * sum over the T query positions q of (q + 1) FLOPs forward
 //              (= 4 T H (o + (T + 1) / 2) for a whole subsequence), 2.5x in backward;
-//              the 4 T H o against keys before the subsequence at the prefix rate
+//              the 4 T H o against keys before the subsequence at the prefix rate of
+//              T query rows, per kernel call (a span of the subsequence's tokens)
 //              (Note [Attention after a prefix], planner/profile.h)
 //   elementwise  kElementwiseWordsPerToken * H words per token read or written
 //              (LayerNorm, GeLU, residuals, RoPE, bias) over elementwise_bw, 2x in backward
@@ -26,6 +27,21 @@
 // the K and V GEMMs (4 H^2 FLOPs a token) of every earlier position, in its backward also
 // their gradients' way into the layer input and the weights (8 H^2 more), and in its
 // backward the K and V of its own tokens.
+// Streamed K/V (Schedule::kv_streamed; runtime/kv_stream.h): a layer whose K/V live on the
+// host, or are recomputed, brings the o earlier positions of subsequence i in chunks of
+// C = kv_chunk_rows(T) positions from position 0, a chunk cut into one piece per earlier
+// subsequence it holds rows of: chunks = ceil(o / C), pieces = chunks + the earlier
+// subsequences j >= 1 whose offset o_j is no multiple of C. Per layer, with in and out
+// the stream's bytes over h2d_bw and d2h_bw and s = copy_compute_share (Note [Streamed
+// chunks], planner/profile.h):
+//   s (in + out) + (1 - s) max(0, max(in', out') - attention)    (in', out': at the duplex
+//                                                                  rates in backward)
+//   + copy_issue * pieces * copies a piece + attention_chunk * chunks
+// A piece's copies: K and V in (a Recompute layer: x), and in backward their sums out and,
+// in every backward but the first (the last subsequence's, which finds none), in. The
+// subsequence's own K, V go out after its forward (2 copies) and come back before its
+// backward with their sums (2 or 4; a Recompute layer: its sums only, 1 or 0), waited for
+// whole: their bytes over the link plus copy_issue each.
 // Copies: bytes over d2h_bw / h2d_bw, times duplex_factor while the other direction runs.
 // Messages: latency + bytes / bandwidth, intra- or inter-node by the ranks' nodes
 // (rank r is device r; devices_per_node consecutive devices form a node).
@@ -60,7 +76,8 @@ class CostModel {
   double attention_flops(i64 o, const sched::Spans& spans) const;
   double head_flops(i64 tokens) const;  // forward + backward of the LM head
   // Seconds of one layer's attention forward on the tokens `spans` of a subsequence at
-  // offset o: the FLOPs against the o keys before it at the prefix rate, the rest causal.
+  // offset o: the FLOPs against the o keys before it at the prefix rate of each span's
+  // query rows, the rest causal.
   double attention_s(i64 o, const sched::Spans& spans) const;
 
   // Seconds of a Forward / Backward op of schedule `s`; `o` is the offset of its subsequence.
@@ -79,9 +96,11 @@ class CostModel {
   // Forward (Backward) op: the earlier blocks stream in (K, V on a Host layer; the layer
   // input x on a Recompute layer, priced as if every x were on the host) and, in backward,
   // their dK/dV sums in and out, while the attention runs, two chunks ahead, so only what
-  // the attention does not cover shows; the subsequence's own K, V going out after the
-  // forward (coming back, or on a Recompute layer only its sums, before the backward)
-  // wait whole. The copies' contention with offloads on the same link is not priced.
+  // the attention does not cover shows, besides the share of the copies and the fixed
+  // costs of each copy and chunk that the compute stream pays (Note [Streamed chunks] in
+  // planner/profile.h); the subsequence's own K, V going out after the forward (coming
+  // back, or on a Recompute layer only its sums, before the backward) wait whole. The
+  // copies' contention with offloads on the same link is not priced.
   double kv_stream_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
   // Seconds a Forward (Backward) op spends recomputing: K, V of the earlier positions on
   // Recompute layers and, in backward, the recomputed groups and the own K, V.
@@ -112,7 +131,6 @@ class CostModel {
   i64 kv_per_token_;
   double gemm_rate_;
   double attention_rate_;
-  double prefix_rate_;  // against the keys before the subsequence (HardwareProfile::attention_prefix_rate)
 };
 
 }  // namespace sppo::plan

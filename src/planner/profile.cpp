@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -42,7 +43,8 @@ const Embedded kEmbedded[] = {
     "host_memory_bytes: 1 TiB per DGX A100 node / 8 GPUs (datasheet).",
     "gpus_per_pcie_switch 2, pcie_switch_gbps 27.7: two GPUs share each PCIe switch's x16 uplink to the host, as in the DGX A100 (assumed for the HGX boards), at the same rate as one GPU's link.",
     "gpus_per_numa_node 4, numa_host_gbps 163.8: 8 channels of DDR4-3200 per AMD EPYC 7742 socket, 204.8 GB/s (datasheet) x 0.8 (assumed), both directions together.",
-    "layer_overhead_us: 40 (assumed: launches and synchronisation of a layer's kernels)."
+    "layer_overhead_us: 40 (assumed: launches and synchronisation of a layer's kernels).",
+    "copy_issue_us, copy_compute_share, attention_chunk_us: 0 (assumed, not measured: a GPU's host copies run on its copy engines beside the kernels and are issued asynchronously, and a streamed chunk's kernel launch overlaps the kernel before it; Note [Streamed chunks] in planner/profile.h)."
   ],
   "precision": "bf16",
   "gemm_tflops": 232.1,
@@ -64,6 +66,9 @@ const Embedded kEmbedded[] = {
   "pcie_switch_gbps": 27.7,
   "gpus_per_numa_node": 4,
   "numa_host_gbps": 163.8,
+  "copy_issue_us": 0.0,
+  "copy_compute_share": 0.0,
+  "attention_chunk_us": 0.0,
   "gpus_per_nic": 1,
   "nic_gbps": 22.5
 })json"},
@@ -86,7 +91,8 @@ const Embedded kEmbedded[] = {
     "host_memory_bytes: 2 TiB per DGX H100 node / 8 GPUs (datasheet).",
     "gpus_per_pcie_switch 2, pcie_switch_gbps 55.5: two GPUs share each PCIe switch's x16 uplink to the host, as in the DGX A100 (assumed for the HGX boards), at the same rate as one GPU's link.",
     "gpus_per_numa_node 4, numa_host_gbps 245.8: 8 channels of DDR5-4800 per Xeon Platinum 8480C socket, 307.2 GB/s (datasheet) x 0.8 (assumed), both directions together.",
-    "layer_overhead_us: 30 (assumed: launches and synchronisation of a layer's kernels)."
+    "layer_overhead_us: 30 (assumed: launches and synchronisation of a layer's kernels).",
+    "copy_issue_us, copy_compute_share, attention_chunk_us: 0 (assumed, not measured: a GPU's host copies run on its copy engines beside the kernels and are issued asynchronously, and a streamed chunk's kernel launch overlaps the kernel before it; Note [Streamed chunks] in planner/profile.h)."
   ],
   "precision": "bf16",
   "gemm_tflops": 735.8,
@@ -108,6 +114,9 @@ const Embedded kEmbedded[] = {
   "pcie_switch_gbps": 55.5,
   "gpus_per_numa_node": 4,
   "numa_host_gbps": 245.8,
+  "copy_issue_us": 0.0,
+  "copy_compute_share": 0.0,
+  "attention_chunk_us": 0.0,
   "gpus_per_nic": 1,
   "nic_gbps": 45.0
 })json"},
@@ -131,6 +140,7 @@ const Embedded kEmbedded[] = {
     "gpus_per_pcie_switch 2, pcie_switch_gbps 55.5: two GPUs share each PCIe switch's x16 uplink to the host, as in the DGX A100 (assumed for the HGX boards), at the same rate as one GPU's link.",
     "gpus_per_numa_node 4, numa_host_gbps 245.8: 8 channels of DDR5-4800 per Xeon Platinum 8480C socket, 307.2 GB/s (datasheet, assumed host) x 0.8 (assumed), both directions together.",
     "layer_overhead_us: 30 (assumed: launches and synchronisation of a layer's kernels).",
+    "copy_issue_us, copy_compute_share, attention_chunk_us: 0 (assumed, not measured: a GPU's host copies run on its copy engines beside the kernels and are issued asynchronously, and a streamed chunk's kernel launch overlaps the kernel before it; Note [Streamed chunks] in planner/profile.h).",
     "Check against measurement: the cost model with this profile prices PyTorch's one-GPT-block step on the H200 (H 4096, S 16K / 64K / 128K, anchors.json: 42.6 / 343 / 1134 ms) at 43.5 / 342 / 1132 ms (within 2.1%)."
   ],
   "precision": "bf16",
@@ -153,6 +163,9 @@ const Embedded kEmbedded[] = {
   "pcie_switch_gbps": 55.5,
   "gpus_per_numa_node": 4,
   "numa_host_gbps": 245.8,
+  "copy_issue_us": 0.0,
+  "copy_compute_share": 0.0,
+  "attention_chunk_us": 0.0,
   "gpus_per_nic": 1,
   "nic_gbps": 45.0
 })json"},
@@ -261,6 +274,13 @@ double HardwareProfile::attention_rate(int head_size) const {
                                                             : interpolate(attention_efficiency_by_head, head_size));
 }
 
+double HardwareProfile::attention_prefix_rate(int head_size, i64 queries) const {
+  const int rows = int(std::min<i64>(queries, std::numeric_limits<int>::max()));
+  return attention_rate(head_size) * (attention_prefix_ratio_by_queries.empty()
+                                          ? attention_prefix_ratio
+                                          : interpolate(attention_prefix_ratio_by_queries, std::max(1, rows)));
+}
+
 nlohmann::json to_json(const HardwareProfile& p) {
   nlohmann::json j = {
       {"name", p.name},
@@ -284,6 +304,10 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"gemm_tflops_by_hidden", table_json(p.gemm_flops_by_hidden, kTera)},
       {"attention_efficiency_by_head_size", table_json(p.attention_efficiency_by_head, 1.0)},
       {"attention_prefix_ratio", p.attention_prefix_ratio},
+      {"attention_prefix_ratio_by_queries", table_json(p.attention_prefix_ratio_by_queries, 1.0)},
+      {"copy_issue_us", p.copy_issue / kMicro},
+      {"copy_compute_share", p.copy_compute_share},
+      {"attention_chunk_us", p.attention_chunk / kMicro},
   };
   if (p.gpus_per_pcie_switch > 0) {
     j["gpus_per_pcie_switch"] = p.gpus_per_pcie_switch;
@@ -357,10 +381,24 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.gemm_flops_by_hidden = table_from_json(j, "gemm_tflops_by_hidden", where, kTera);
   p.attention_efficiency_by_head = table_from_json(j, "attention_efficiency_by_head_size", where, 1.0);
   p.attention_prefix_ratio = optional(j, "attention_prefix_ratio", 1, where);
+  p.attention_prefix_ratio_by_queries = table_from_json(j, "attention_prefix_ratio_by_queries", where, 1.0);
+  p.copy_issue = optional(j, "copy_issue_us", 0, where) * kMicro;
+  p.copy_compute_share = optional(j, "copy_compute_share", 0, where);
+  p.attention_chunk = optional(j, "attention_chunk_us", 0, where) * kMicro;
 
   SPPO_CHECK(p.attention_prefix_ratio > 0 && p.attention_prefix_ratio <= 100, "profile")
       << where << ": attention_prefix_ratio must be in (0, 100] (the rate after a prefix over the causal rate; "
       << "1 when unknown)";
+  for (const auto& [rows, ratio] : p.attention_prefix_ratio_by_queries)
+    SPPO_CHECK(ratio <= 100, "profile") << where << ": attention_prefix_ratio_by_queries at " << rows
+                                        << " query rows is " << ratio << "; at most 100 is accepted";
+  SPPO_CHECK(p.copy_compute_share <= 1, "profile")
+      << where << ": copy_compute_share must be in [0, 1] (the share of a copy's seconds the compute stream loses "
+      << "while it runs; 0 when copies run beside the kernels)";
+  // A second or more per copy or chunk is a unit mistake (the fields are microseconds).
+  SPPO_CHECK(p.copy_issue < 1 && p.attention_chunk < 1, "profile")
+      << where << ": copy_issue_us and attention_chunk_us are microseconds; below 1e6 is accepted (got "
+      << p.copy_issue / kMicro << " and " << p.attention_chunk / kMicro << ")";
   SPPO_CHECK(p.gemm_flops > 0 && p.attention_efficiency > 0, "profile")
       << where << ": gemm_tflops and attention_efficiency must be positive";
   SPPO_CHECK(p.d2h_bw > 0 && p.h2d_bw > 0 && p.intra_node_bw > 0 && p.inter_node_bw > 0, "profile")

@@ -59,14 +59,40 @@ struct HardwareProfile {
   // two rates, measured at the same head size (1: the same rate). Long sequences cut into
   // many subsequences spend most of their attention FLOPs there.
   double attention_prefix_ratio = 1;
+  // The same ratio by the query rows of a kernel call (a subsequence's length), ascending:
+  // short subsequences fill the kernel's query tiles less and repeat its per-tile work more
+  // often, so a CPU runs 256 query rows at about 0.9 and 64 at about 0.65 the rate of 1024.
+  // Empty: attention_prefix_ratio for every length.
+  std::vector<std::pair<int, double>> attention_prefix_ratio_by_queries;
+
+  // Note [Streamed chunks]: a layer whose K/V stream from the host (or are recomputed)
+  // runs its attention a chunk at a time (runtime/kv_stream.h), and each chunk's pieces go
+  // through the copy streams. What that costs the compute stream beyond the FLOPs and the
+  // bytes over the link:
+  //   copy_issue          seconds the compute stream loses per copy it issues (a CPU: the
+  //                       lock and the wake-up of the copy thread; 0: none)
+  //   copy_compute_share  the share of a copy's seconds (bytes / bandwidth) the compute
+  //                       stream loses while it runs, 0..1. 0: the copies run beside the
+  //                       kernels (a GPU's copy engines); a CPU whose copy threads share
+  //                       the cores with the compute threads loses nearly all of it.
+  //   attention_chunk     fixed seconds of one chunk's attention kernel call, the forward
+  //                       with its log-sum-exp merge or the backward, over what its FLOPs
+  //                       cost in one call (packing the queries, the merge, the parallel
+  //                       region); measured with 256 query rows.
+  // A short subsequence (a few hundred tokens) at a long offset streams thousands of
+  // chunks of a few pieces each, so these fixed costs add up to as much as the attention.
+  double copy_issue = 0;           // s per copy
+  double copy_compute_share = 0;   // 0..1
+  double attention_chunk = 0;      // s per chunk, forward or backward
 
   // The GEMM rate for a model of hidden size H: log-linear between measured sizes,
   // clamped at the ends; gemm_flops when nothing was measured.
   double gemm_rate(int hidden) const;
   // The attention rate for head size A, likewise from attention_efficiency_by_head.
   double attention_rate(int head_size) const;
-  // The rate against keys wholly before the queries (Note [Attention after a prefix]).
-  double attention_prefix_rate(int head_size) const { return attention_rate(head_size) * attention_prefix_ratio; }
+  // The rate against keys wholly before `queries` query rows (Note [Attention after a
+  // prefix]): log-linear in attention_prefix_ratio_by_queries, clamped at the ends.
+  double attention_prefix_rate(int head_size, i64 queries) const;
 
   double attention_flops() const { return gemm_flops * attention_efficiency; }
   i64 usable_memory() const { return device_memory - memory_reserve; }
@@ -89,8 +115,10 @@ void save_profile(const HardwareProfile& p, const std::string& path);
 nlohmann::json to_json(const HardwareProfile& p);
 // `where` names the source in error messages. Every field is required except
 // description (a string, or a list of strings joined by newlines), elementwise_gbps,
-// memory_reserve_bytes, host_memory_bytes, layer_overhead_us, the tables, and the shared
-// links (gpus_per_pcie_switch with pcie_switch_gbps, gpus_per_numa_node with
+// memory_reserve_bytes, host_memory_bytes, layer_overhead_us, the tables,
+// attention_prefix_ratio (1 when missing), copy_issue_us, copy_compute_share,
+// attention_chunk_us (0 when missing: profiles written before they were measured), and the
+// shared links (gpus_per_pcie_switch with pcie_switch_gbps, gpus_per_numa_node with
 // numa_host_gbps, gpus_per_nic with nic_gbps).
 HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& where);
 

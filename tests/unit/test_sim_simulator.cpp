@@ -80,6 +80,50 @@ TEST(Profiles, PrefixRatePricesTheKeysBeforeTheSubsequence) {
   EXPECT_THROW(plan::profile_from_json(j, "test"), Error);
 }
 
+// Note [Streamed chunks]: a host-K/V layer's forward pays copy_issue per copy and
+// attention_chunk per chunk on top of the bytes; a short span of query rows runs its
+// prefix attention at its own (lower) ratio; the fields round-trip and are range-checked.
+TEST(Profiles, StreamedChunksPriceTheirFixedCosts) {
+  const ModelConfig c = preset("small");
+  HardwareProfile hw = plan::load_profile("h100-sxm");
+  // Three subsequences of 300 (no multiple of 256): the third at offset 600 streams
+  // chunks of 300 rows, [0, 300) one piece and [300, 600) one: 2 chunks, 2 pieces.
+  sched::Schedule s = sched::build_single(c.layers, {300, 300, 300}, {0, 0, 0});
+  s.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Host);
+  const sched::Op* f2 = nullptr;
+  for (const auto& op : s.ops[0])
+    if (op.kind == sched::OpKind::Forward && op.subseq == 2) f2 = &op;
+  ASSERT_NE(f2, nullptr);
+  HardwareProfile fixed = hw;
+  fixed.copy_issue = 3e-6;
+  fixed.attention_chunk = 7e-6;
+  const plan::CostModel a(hw, c, ActPrecision::BF16), b(fixed, c, ActPrecision::BF16);
+  const int layers = f2->layer_end - f2->layer_begin;
+  // Per layer: 2 pieces x (K, V) in, the own K, V out, 2 chunks.
+  const double extra = layers * ((2 * 2 + 2) * 3e-6 + 2 * 7e-6);
+  EXPECT_NEAR(b.forward_s(*f2, s) - a.forward_s(*f2, s), extra, 1e-12);
+
+  HardwareProfile by_rows = hw;
+  by_rows.attention_prefix_ratio_by_queries = {{64, 0.5}, {1024, 1.0}};
+  const plan::CostModel d(by_rows, c, ActPrecision::BF16);
+  const double rate = hw.attention_rate(c.head_size());
+  auto prefix_s = [&](i64 rows, double ratio) { return 4.0 * c.hidden * double(rows) * 60000.0 / (rate * ratio); };
+  for (const auto& [rows, ratio] : {std::pair<i64, double>{64, 0.5}, {2048, 1.0}}) {
+    const double moved = prefix_s(rows, ratio) - prefix_s(rows, hw.attention_prefix_ratio);
+    EXPECT_NEAR(d.layer_forward_s(60000, rows) - a.layer_forward_s(60000, rows), moved, 1e-9 * prefix_s(rows, 1))
+        << rows << " query rows";
+  }
+
+  nlohmann::json j = plan::to_json(fixed);
+  j["copy_compute_share"] = 0.25;
+  const HardwareProfile back = plan::profile_from_json(j, "test");
+  EXPECT_DOUBLE_EQ(back.copy_issue, 3e-6);
+  EXPECT_DOUBLE_EQ(back.attention_chunk, 7e-6);
+  EXPECT_DOUBLE_EQ(back.copy_compute_share, 0.25);
+  j["copy_compute_share"] = 1.5;
+  EXPECT_THROW(plan::profile_from_json(j, "test"), Error);
+}
+
 TEST(Profiles, MissingFieldIsNamedAndSaveRoundTrips) {
   nlohmann::json j = plan::to_json(plan::load_profile("h100-sxm"));
   j.erase("d2h_gbps");
