@@ -771,6 +771,42 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
 
 }  // namespace
 
+// Note [A floor under the peak]: the least peak device bytes any timing of a schedule can
+// reach, without timing it. The compute lane's events keep their program order under any
+// timing; an offload or a send releases its bytes no earlier than it is issued; a prefetch
+// allocates its bytes no later than the wait for it ends; a receive is posted no later
+// than its own place in the program. So a walk of the ops in program order that releases
+// at the issue, allocates a prefetch at its wait and drops any other allocation of a copy
+// or send holds at each compute event no more than the timed walk does then, and its peak
+// is a floor under the simulated one. The same layout at smaller fractions keeps more of
+// each unit on the device between its offload and its wait, so the floor at the largest
+// fractions is a floor for every alpha (solve_alpha's first test).
+i64 peak_floor(const RankEvents& re, const std::vector<Op>& ops) {
+  i64 cur = re.fixed, peak = cur;
+  std::map<int, i64> coming;  // subsequence -> bytes its prefetch brings back at the wait
+  std::vector<sched::MemEvent> op_ev;
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const OpKind kind = ops[k].kind;
+    op_ev.assign(re.ev.begin() + std::ptrdiff_t(re.first[k]), re.ev.begin() + std::ptrdiff_t(re.first[k + 1]));
+    std::stable_sort(op_ev.begin(), op_ev.end(), [](const auto& a, const auto& b) { return a.at < b.at; });
+    const bool copy = kind == OpKind::Offload || kind == OpKind::Prefetch || kind == OpKind::Send;
+    if (kind == OpKind::WaitPrefetch) {
+      cur += coming[ops[k].subseq];
+      coming[ops[k].subseq] = 0;
+      peak = std::max(peak, cur);
+    }
+    for (const auto& e : op_ev) {
+      if (copy && e.delta > 0) {
+        if (kind == OpKind::Prefetch) coming[ops[k].subseq] += e.delta;
+        continue;
+      }
+      cur += e.delta;
+      peak = std::max(peak, cur);
+    }
+  }
+  return peak;
+}
+
 struct Resimulator::State {
   Schedule schedule;
   CostModel cost;
@@ -810,6 +846,13 @@ void Resimulator::set_fractions(const std::vector<double>& alpha) {
   sched::set_offload_fractions(&st_->schedule, alpha);
   for_each_rank(st_->schedule.ranks,
                 [&](int r) { refit_copies(&st_->mem[size_t(r)], st_->schedule.ops[size_t(r)]); });
+}
+
+i64 Resimulator::peak_floor() const {
+  i64 most = 0;
+  for (int r = 0; r < st_->schedule.ranks; ++r)
+    most = std::max(most, sim::peak_floor(st_->mem[size_t(r)], st_->schedule.ops[size_t(r)]));
+  return most;
 }
 
 SimResult Resimulator::simulate(const SimOptions& options) const {

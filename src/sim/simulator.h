@@ -111,6 +111,10 @@ class Resimulator {
   // (then false).
   bool replace(sched::Schedule s);
   SimResult simulate(const SimOptions& options = {}) const;
+  // The least peak device bytes (of the fullest rank) any timing of the schedule reaches
+  // (Note [A floor under the peak] in simulator.cpp): no more than simulate()'s, and a
+  // small part of its cost.
+  i64 peak_floor() const;
 
  private:
   struct State;

@@ -186,6 +186,10 @@ class Trials {
     if (results_.size() >= kKept) results_.clear();
     return results_.emplace(alpha, sim_->simulate()).first->second;
   }
+  i64 peak_floor(const std::vector<double>& alpha) {
+    schedule(alpha);
+    return sim_->peak_floor();
+  }
 
  private:
   bool same_offloading(const std::vector<double>& alpha) const {
@@ -378,10 +382,21 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   full.back() = 0;
   if (mode == OffloadMode::None) return eval(zeros, "none");
   if (mode == OffloadMode::Full) return eval(full, "full");
-  const std::vector<UnitProfile> units = unit_profiles(trials.schedule(zeros), cost, rules);
-  const std::vector<double> paper = paper_alpha(units, cost);
-  if (mode == OffloadMode::Paper) return eval(paper, "paper");
-
+  auto paper_of = [&] { return paper_alpha(unit_profiles(trials.schedule(zeros), cost, rules), cost); };
+  if (mode == OffloadMode::Paper) return eval(paper_of(), "paper");
+  // Note [A floor under the peak] (simulator.cpp): a layout whose floor at the largest
+  // fractions exceeds the budget fits at no alpha, which one walk of its events tells
+  // rather than two simulations.
+  if (const i64 floor = trials.peak_floor(full); floor > budget) {
+    AlphaResult a;
+    a.alpha = full;
+    a.rule = "full";
+    a.peak_device_bytes = floor;
+    a.reason = "peak device memory of at least " + bytes_text(floor) + " exceeds the budget of " +
+               bytes_text(budget) + " even with alpha = 1 for every subsequence but the last (the KV cache and the "
+               "dK/dV accumulators stay on the device); use more subsequences or devices, or a larger budget";
+    return a;
+  }
   // No copies is never slower (copies only add), so a fitting alpha = 0 is the optimum.
   AlphaResult none = eval(zeros, "none");
   if (none.fits) return none;
@@ -392,6 +407,8 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
                   std::to_string(no_use_s) + " s";
     return none;
   }
+  const std::vector<UnitProfile> units = unit_profiles(trials.schedule(zeros), cost, rules);
+  const std::vector<double> paper = paper_alpha(units, cost);
   // The searches below look for the least offload that fits the device budget, which is
   // also the least host memory; a host limit then decides whether that fits too (full
   // offload may fit the device and not the host, while less offload fits both).

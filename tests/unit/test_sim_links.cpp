@@ -156,6 +156,59 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
   expect_same(again.simulate(), simulate(sched::build_pipeline(two), cost, rules), "another layout");
 }
 
+// Note [A floor under the peak]: the floor at the largest fractions is at most the
+// simulated peak of every alpha, on every layout; on one rank with no copies it is that
+// peak; and on a slow host link, where the copies finish late, it lies below the peak.
+TEST(Resimulator, PeakFloorIsUnderEveryTimedPeak) {
+  const ModelConfig c = preset("medium");
+  const sched::MemoryRules rules = memory_rules(c, ActPrecision::BF16);
+  nlohmann::json slow_link = plan::to_json(plan::load_profile("a100-80gb"));
+  slow_link["d2h_gbps"] = slow_link["h2d_gbps"] = 0.5;
+  const CostModel fast(plan::load_profile("a100-80gb"), c, ActPrecision::BF16),
+      slow(plan::profile_from_json(slow_link, "test"), c, ActPrecision::BF16);
+  struct Shape {
+    int pp, sp, tp;
+    bool msp;
+    sched::KvPlace kv = sched::KvPlace::Device;
+  };
+  const int N = 6;
+  const std::vector<double> full = {1, 1, 1, 1, 1, 0}, zeros(N, 0.0);
+  bool below = false;
+  for (const Shape& sh : {Shape{1, 1, 1, false}, Shape{2, 1, 1, false}, Shape{3, 1, 1, true}, Shape{2, 2, 1, false},
+                          Shape{2, 1, 2, false}, Shape{2, 1, 1, false, sched::KvPlace::Host},
+                          Shape{1, 1, 1, false, sched::KvPlace::Recompute}}) {
+    auto build = [&](const std::vector<double>& alpha) {
+      sched::PipelineSpec spec;
+      spec.layers = c.layers;
+      spec.lengths = plan::partition_flops(c, 6 * 4096, N);
+      spec.alpha = alpha;
+      spec.pp = sh.pp;
+      spec.sp = sh.sp;
+      spec.msp = sh.msp;
+      sched::Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), sh.tp);
+      s.kv_place.assign(std::size_t(c.layers), sh.kv);
+      return s;
+    };
+    const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " tp " +
+                             std::to_string(sh.tp) + " msp " + std::to_string(sh.msp) + " kv " + sched::to_string(sh.kv);
+    for (const CostModel* cost : {&fast, &slow}) {
+      const i64 floor = Resimulator(build(full), *cost, rules).peak_floor();
+      EXPECT_GT(floor, 0) << what;
+      for (const std::vector<double>& alpha : {full, zeros, std::vector<double>{0.5, 0.25, 1.0, 0.0, 0.75, 0.0}}) {
+        const i64 peak = simulate(build(alpha), *cost, rules).peak_device_bytes;
+        EXPECT_LE(floor, peak) << what;
+        below = below || floor < peak;
+      }
+      if (sh.pp == 1 && sh.sp == 1 && sh.tp == 1) {
+        EXPECT_EQ(Resimulator(build(zeros), *cost, rules).peak_floor(),
+                  simulate(build(zeros), *cost, rules).peak_device_bytes)
+            << what;
+      }
+    }
+  }
+  EXPECT_TRUE(below) << "the floor was the peak everywhere: no test of a copy finishing late";
+}
+
 TEST(HostLinks, ASharedNicSlowsMessagesBetweenNodes) {
   // Two stages of two SP ranks, one node each: both SP ranks of stage 0 send their hidden
   // states to stage 1 at once, through one NIC when they share it.
