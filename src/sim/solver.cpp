@@ -386,8 +386,12 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   if (mode == OffloadMode::Paper) return eval(paper_of(), "paper");
   // Note [A floor under the peak] (simulator.cpp): a layout whose floor at the largest
   // fractions exceeds the budget fits at no alpha, which one walk of its events tells
-  // rather than two simulations.
-  if (const i64 floor = trials.peak_floor(full); floor > budget) {
+  // rather than two simulations. Until some layout fits, most layouts tried do not, so the
+  // floor comes first; after, most are ruled out by their alpha = 0 step, which comes first
+  // then, and the floor only before the full-offload trial (on the schedule it builds).
+  auto over_floor = [&]() -> std::optional<AlphaResult> {
+    const i64 floor = trials.peak_floor(full);
+    if (floor <= budget) return std::nullopt;
     AlphaResult a;
     a.alpha = full;
     a.rule = "full";
@@ -396,7 +400,9 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
                bytes_text(budget) + " even with alpha = 1 for every subsequence but the last (the KV cache and the "
                "dK/dV accumulators stay on the device); use more subsequences or devices, or a larger budget";
     return a;
-  }
+  };
+  if (no_use_s == 0)
+    if (auto a = over_floor()) return *a;
   // No copies is never slower (copies only add), so a fitting alpha = 0 is the optimum.
   AlphaResult none = eval(zeros, "none");
   if (none.fits) return none;
@@ -409,6 +415,8 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   }
   const std::vector<UnitProfile> units = unit_profiles(trials.schedule(zeros), cost, rules);
   const std::vector<double> paper = paper_alpha(units, cost);
+  if (no_use_s > 0)
+    if (auto a = over_floor()) return *a;
   // The searches below look for the least offload that fits the device budget, which is
   // also the least host memory; a host limit then decides whether that fits too (full
   // offload may fit the device and not the host, while less offload fits both).
