@@ -210,6 +210,7 @@ expect "--precision 'fp64'" train --model tiny --precision fp64
 expect "--precision bf16" train --model tiny --backend cpu --precision bf16
 expect "--backend 'nope'" bench attention --backend nope
 expect "--backend 'gpu'" profile --backend gpu --out profile_out.json
+expect "--threads" profile --threads -2 --out profile_out.json
 
 # ---- the trainer's up-front checks ---------------------------------------------------
 expect "shorten --seq-len" train --model tiny --seq-len 999999999999

@@ -361,6 +361,11 @@ int main(int argc, char** argv) {
   std::string profile_backend = "cpu", profile_precision;
   cmd_profile->add_option("--backend", profile_backend, "cpu, cuda or auto: the device to measure")->capture_default_str();
   cmd_profile->add_option("--precision", profile_precision, "fp32 or bf16 (default: the backend's)");
+  int profile_threads = 0;
+  cmd_profile->add_option("--threads", profile_threads,
+                          "CPU: compute threads of one device (0: all cores); measure with what each rank of "
+                          "`mpirun -np R sppo train --threads T` runs, T")
+      ->capture_default_str();
 
   // plot
   std::string plot_metrics, plot_out, plot_title;
@@ -474,6 +479,10 @@ int main(int argc, char** argv) {
     if (*cmd_profile) {
       // The CPU is measured with its own kernels; other devices through the backend.
       const auto be = make_backend(profile_backend, profile_precision);
+      SPPO_CHECK(profile_threads >= 0, "options") << "--threads " << profile_threads << " is negative; use 0 (all cores) or a count";
+      SPPO_CHECK(profile_threads == 0 || std::string(be->name()) == "cpu", "options")
+          << "--threads is for the cpu backend; the " << be->name() << " backend's device has its own";
+      if (profile_threads > 0) omp_set_num_threads(profile_threads);
       nlohmann::json details;
       const auto p = std::string(be->name()) == "cpu" ? measure_cpu_profile(profile_quick)
                                                       : measure_backend_profile(*be, profile_quick, &details);

@@ -309,6 +309,7 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"copy_compute_share", p.copy_compute_share},
       {"attention_chunk_us", p.attention_chunk / kMicro},
   };
+  if (p.threads > 0) j["threads"] = p.threads;
   if (p.gpus_per_pcie_switch > 0) {
     j["gpus_per_pcie_switch"] = p.gpus_per_pcie_switch;
     j["pcie_switch_gbps"] = p.pcie_switch_bw / kGiga;
@@ -367,6 +368,7 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.devices_per_node =
       int(count(required(j, "devices_per_node", where, "devices per node"), "devices_per_node", kMaxDevices));
   p.layer_overhead = optional(j, "layer_overhead_us", 0, where) * kMicro;
+  p.threads = int(count(optional(j, "threads", 0, where), "threads", 1 << 16));
   p.gpus_per_pcie_switch = int(optional(j, "gpus_per_pcie_switch", 0, where));
   p.pcie_switch_bw = optional(j, "pcie_switch_gbps", 0, where) * kGiga;
   p.gpus_per_numa_node = int(optional(j, "gpus_per_numa_node", 0, where));

@@ -45,6 +45,10 @@ struct HardwareProfile {
   int gpus_per_nic = 0;
   double nic_bw = 0;                  // B/s per direction
   double layer_overhead = 0;          // fixed seconds per layer of a forward or backward op
+  // A CPU profile: the compute threads it was measured with, one device's worth (0: not a
+  // CPU measurement). Ranks sharing a machine each run at their own threads' rate, so a
+  // run whose ranks have another count is priced wrong (train --plan says so).
+  int threads = 0;
   // Measured rate of a block's four GEMMs (forward and backward together) at hidden sizes H,
   // ascending: small H runs far below the peak on CPUs. Empty: gemm_flops for every H.
   std::vector<std::pair<int, double>> gemm_flops_by_hidden;
@@ -117,7 +121,8 @@ nlohmann::json to_json(const HardwareProfile& p);
 // description (a string, or a list of strings joined by newlines), elementwise_gbps,
 // memory_reserve_bytes, host_memory_bytes, layer_overhead_us, the tables,
 // attention_prefix_ratio (1 when missing), copy_issue_us, copy_compute_share,
-// attention_chunk_us (0 when missing: profiles written before they were measured), and the
+// attention_chunk_us (0 when missing: profiles written before they were measured), threads
+// (0 when missing: not a CPU measurement), and the
 // shared links (gpus_per_pcie_switch with pcie_switch_gbps, gpus_per_numa_node with
 // numa_host_gbps, gpus_per_nic with nic_gbps).
 HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& where);

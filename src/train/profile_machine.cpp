@@ -181,6 +181,7 @@ plan::HardwareProfile measure_cpu_profile(bool quick) {
   plan::HardwareProfile p;
   p.name = "cpu-local";
   p.precision = "f32";
+  p.threads = omp_get_max_threads();
   const int reps = quick ? 3 : 7;
 
   // The SGEMM peak, as `bench layer` measures it: a large square product.

@@ -482,6 +482,13 @@ int run_train(const TrainOptions& o) {
                    format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
     if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
     std::fprintf(stderr, "\n");
+    // A CPU profile prices one device at the threads it was measured with.
+    const int threads = omp_get_max_threads();
+    if (s.profile_measured && s.profile.threads > 0 && s.profile.threads != threads)
+      std::fprintf(stderr,
+                   "note: profile %s was measured at %d threads a device and this rank ran %d, so the simulated "
+                   "time prices other cores; measure one with `sppo profile --threads %d`\n",
+                   s.profile.name.c_str(), s.profile.threads, threads, threads);
   }
   return 0;
 }

@@ -124,6 +124,18 @@ TEST(Profiles, StreamedChunksPriceTheirFixedCosts) {
   EXPECT_THROW(plan::profile_from_json(j, "test"), Error);
 }
 
+// A CPU profile says how many threads it was measured with; a GPU preset has none.
+TEST(Profiles, ThreadsRoundTrip) {
+  EXPECT_EQ(plan::load_profile("h200").threads, 0);
+  EXPECT_FALSE(plan::to_json(plan::load_profile("h200")).contains("threads"));
+  nlohmann::json j = plan::to_json(plan::load_profile("h200"));
+  j["threads"] = 3;
+  EXPECT_EQ(plan::profile_from_json(j, "test").threads, 3);
+  EXPECT_EQ(plan::to_json(plan::profile_from_json(j, "test"))["threads"], 3);
+  j["threads"] = 1e9;
+  EXPECT_THROW(plan::profile_from_json(j, "test"), Error);
+}
+
 TEST(Profiles, MissingFieldIsNamedAndSaveRoundTrips) {
   nlohmann::json j = plan::to_json(plan::load_profile("h100-sxm"));
   j.erase("d2h_gbps");
