@@ -40,6 +40,7 @@ echo '{"name": "x"}' >bad_profile.json
 sed 's/"budget_bytes":[0-9]*/"budget_bytes":1073741824/' plan_7b.json >plan_over_budget.json
 sed 's/"kv_host_layers":\[\]/"kv_host_layers":[99]/' plan_tiny.json >plan_kv_layer.json
 sed 's/"recompute_tensors":"none"/"recompute_tensors":"fc_post"/' plan_tiny.json >plan_recompute.json
+sed 's/"optimizer_state":"device"/"optimizer_state":"gpu"/' plan_tiny.json >plan_optimizer.json
 sed 's/"lengths":\[4096\]/"lengths":[4000]/' plan_tiny.json >plan_bad_lengths.json
 sed 's/"lengths":\[4096\]/"lengths":[5000,-904]/; s/"alpha":\[0.0\]/"alpha":[0.0,0.0]/; s/"subseqs":1/"subseqs":2/' \
   plan_tiny.json >plan_negative_length.json
@@ -144,6 +145,9 @@ expect "--kv-cache recompute recomputes K/V from a rank's whole rows" train --mo
 expect "--recompute already recomputes whole blocks" train --model tiny --recompute --recompute-tensors fc_pre
 expect "--recompute-tensors attention runs with the K/V on the device" train --model tiny --kv-cache host --recompute-tensors attention
 expect "\"recompute_tensors\"" train --plan plan_recompute.json
+expect "--optimizer-state 'sideways' is unknown; use device" train --model tiny --optimizer-state sideways
+expect "--optimizer-state must be device, host or auto" plan --optimizer-state sideways
+expect "optimizer_state must be device or host (got 'gpu')" train --plan plan_optimizer.json
 expect "--offload 'sometimes'" train --model tiny --offload sometimes
 expect "--offload '1.5'" train --model tiny --offload 1.5
 expect "--partition" train --model tiny --partition random

@@ -197,6 +197,12 @@ class Backend {
                      float weight_decay, int t, void* p_act) = 0;
   // dst[n] = src[n] converted from fp32 to the activation type (the weights' working copy).
   virtual void to_act(void* dst, const float* src, i64 n) = 0;
+  // AdamW on host memory (p, m, v, g all from host_alloc), run by the host's processor on
+  // the calling thread: the update of optimizer state kept on the host
+  // (runtime/host_optimizer.h). The formula of adamw; on the CPU backend its very kernel,
+  // so the two agree bitwise.
+  virtual void host_adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2,
+                          float eps, float weight_decay, int t) = 0;
 };
 
 // The backends this program was built with: "cpu" always; "cuda" when built with it

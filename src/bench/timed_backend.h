@@ -142,6 +142,11 @@ class TimedBackend final : public Backend {
              float weight_decay, int t, void* p_act) override {
     timed(t_.other_s, [&] { be_.adamw(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t, p_act); });
   }
+  // Work of the host's processor beside the device's, not one of its kernels: not timed.
+  void host_adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
+                  float weight_decay, int t) override {
+    be_.host_adamw(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t);
+  }
   void to_act(void* dst, const float* src, i64 n) override { timed(t_.other_s, [&] { be_.to_act(dst, src, n); }); }
 
  private:

@@ -48,6 +48,9 @@ sim::PlanRequest request_of(const PlanOptions& o) {
              "options")
       << "--kv-cache must be device, host, recompute or auto (got '" << o.kv_cache << "')";
   r.kv_cache = o.kv_cache;
+  SPPO_CHECK(o.optimizer_state == "device" || o.optimizer_state == "host" || o.optimizer_state == "auto", "options")
+      << "--optimizer-state must be device, host or auto (got '" << o.optimizer_state << "')";
+  r.optimizer_state = o.optimizer_state;
   r.recompute_auto = o.recompute_tensors == "auto";
   if (!r.recompute_auto) r.recompute = parse_recompute_tensors(o.recompute_tensors);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
@@ -72,6 +75,7 @@ std::string layout_text(const plan::Plan& p) {
   if (!p.kv_recompute_layers.empty()) os << " kv-recompute";
   if (p.recompute) os << " recompute " << recompute_tensors_text(p.recompute);
   if (p.system == "sppo" && p.zero) os << " zero-1";
+  if (p.system == "sppo" && p.optimizer_state == "host") os << " optimizer-host";
   if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;
   return os.str();
 }
@@ -288,6 +292,11 @@ void add_plan_commands(CLI::App& app) {
   p->add_option("--recompute-tensors", plan.recompute_tensors,
                 "Saved tensors backward recomputes (as train --recompute-tensors: tensors or groups ln1, q, "
                 "attention, x_mid, ln2, fc_pre), none, or auto (more only where nothing fits otherwise)")
+      ->capture_default_str();
+  p->add_option("--optimizer-state", plan.optimizer_state,
+                "Where the fp32 master weights and AdamW state live and update: device, host (train "
+                "--optimizer-state host: gradients down, the update on the host's processor, weights up, each "
+                "step), or auto (the host only where no plan fits with the device)")
       ->capture_default_str();
   p->add_flag("--explain", plan.explain, "Also print device and host memory term by term, with formulas");
   p->add_option("--budget", plan.budget, "Device memory per device, e.g. 70GiB (default: the profile's usable memory)");

@@ -226,6 +226,10 @@ int main(int argc, char** argv) {
   cmd_train->add_option("--warmup", train.warmup, "Warm-up steps")->capture_default_str();
   cmd_train->add_option("--weight-decay", train.weight_decay, "AdamW weight decay of matrices")->capture_default_str();
   cmd_train->add_option("--clip", train.clip, "Gradient-norm clip (0: off)")->capture_default_str();
+  cmd_train->add_option("--optimizer-state", train.step.optimizer_state,
+                        "Where the fp32 master weights and AdamW m, v live and update: device (default; a --plan's "
+                        "choice when it has one), or host (the gradients go to host memory each step, the CPU "
+                        "updates the state there, and the weights come back while the next step starts)");
   cmd_train->add_option("--metrics", train.metrics_path, "Write one JSON object per step to this .jsonl file");
   cmd_train->add_option("--save", train.save_dir, "Checkpoint directory (written atomically)");
   cmd_train->add_option("--save-every", train.save_every, "Also checkpoint every K steps");

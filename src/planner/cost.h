@@ -43,6 +43,10 @@
 // backward with their sums (2 or 4; a Recompute layer: its sums only, 1 or 0), waited for
 // whole: their bytes over the link plus copy_issue each.
 // Copies: bytes over d2h_bw / h2d_bw, times duplex_factor while the other direction runs.
+// The optimizer's update with its state on the host (host_update_s): the fp32 gradients of
+// the rank's shard down, the update on the host's processor, the fp32 weights back up.
+// Assumed: the host's processor moves the update's bytes at the profile's elementwise_bw
+// (the device's elementwise rate; no profile measures the host's).
 // Messages: latency + bytes / bandwidth, intra- or inter-node by the ranks' nodes
 // (rank r is device r; devices_per_node consecutive devices form a node).
 #pragma once
@@ -59,6 +63,10 @@ namespace sppo::plan {
 // and out twice (4H), residual adds (4H), RoPE on q, k (4H), GeLU in and out (8F/4 = 8H
 // for F = 4H), bias adds and softmax statistics (about 4H more).
 inline constexpr double kElementwiseWordsPerToken = 24;
+
+// Bytes the host's AdamW reads and writes a parameter: it reads the gradient, weight, m and
+// v and writes the last three, fp32.
+inline constexpr i64 kHostUpdateBytesPerParam = 28;
 
 class CostModel {
  public:
@@ -115,6 +123,9 @@ class CostModel {
 
   double d2h_s(i64 bytes, bool duplex) const;
   double h2d_s(i64 bytes, bool duplex) const;
+  // Seconds of the optimizer's update of `params` parameters whose state is on the host:
+  // their gradients down, the host's AdamW, their weights up, one after another.
+  double host_update_s(i64 params) const;
   double message_s(i64 bytes, int src, int dst) const;
   bool same_node(int a, int b) const { return a / hw_.devices_per_node == b / hw_.devices_per_node; }
   // Ring all-reduce over `group` of `bytes` per rank.

@@ -35,6 +35,7 @@ nlohmann::json to_json(const Plan& p) {
       {"alpha", p.alpha},
       {"msp", p.msp},
       {"zero", p.zero},
+      {"optimizer_state", p.optimizer_state},
       {"ring_layout", p.ring_layout},
       {"stage_layers", p.stage_layers},
       {"offload", p.offload},
@@ -50,7 +51,8 @@ nlohmann::json to_json(const Plan& p) {
         {"bubble_ratio", p.predicted.bubble_ratio},
         {"peak_device_bytes", p.predicted.peak_device_bytes},
         {"exposed_copy_s", p.predicted.exposed_copy_s},
-        {"peak_host_bytes", p.predicted.peak_host_bytes}}},
+        {"peak_host_bytes", p.predicted.peak_host_bytes},
+        {"host_update_s", p.predicted.host_update_s}}},
   };
   if (!p.notes.empty()) j["notes"] = p.notes;
   return j;
@@ -113,9 +115,11 @@ Plan plan_from_json(const nlohmann::json& j) {
   for (const i64 n : integers("stage_layers", -kIntMax, kIntMax)) p.stage_layers.push_back(int(n));
   p.offload = json_string_field(j, "offload", "adaptive", "planner", kWhere);
   p.alpha_rule = json_string_field(j, "alpha_rule", "", "planner", kWhere);
-  // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings.
+  // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings;
+  // the optimizer state on the device.
   p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
   p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
+  p.optimizer_state = json_string_field(j, "optimizer_state", "device", "planner", kWhere);
   p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
   for (const i64 l : integers("kv_host_layers", 0, kIntMax)) {
     SPPO_CHECK(l < p.model.layers, "planner")
@@ -148,6 +152,7 @@ Plan plan_from_json(const nlohmann::json& j) {
       p.predicted.peak_device_bytes = integer(q, "peak_device_bytes", 0, 0, std::numeric_limits<i64>::max());
       p.predicted.exposed_copy_s = q.value("exposed_copy_s", 0.0);
       p.predicted.peak_host_bytes = integer(q, "peak_host_bytes", 0, 0, std::numeric_limits<i64>::max());
+      p.predicted.host_update_s = q.value("host_update_s", 0.0);
     }
     p.notes = j.value("notes", std::vector<std::string>{});
   } catch (const nlohmann::json::exception& e) {
@@ -175,6 +180,8 @@ Plan plan_from_json(const nlohmann::json& j) {
         << "plan: alpha[" << i << "] = " << p.alpha[i] << " is outside [0, 1]";
   SPPO_CHECK(p.sp >= 1 && p.pp >= 1 && p.dp >= 1 && p.tp >= 1, "planner") << "plan: sp, pp, dp, tp must be >= 1";
   SPPO_CHECK(p.zero == 0 || p.zero == 1, "planner") << "plan: zero must be 0 or 1 (got " << p.zero << ")";
+  SPPO_CHECK(p.optimizer_state == "device" || p.optimizer_state == "host", "planner")
+      << "plan: optimizer_state must be device or host (got '" << p.optimizer_state << "')";
   SPPO_CHECK(p.ring_layout == "zigzag" || p.ring_layout == "contiguous", "planner")
       << "plan: ring_layout must be zigzag or contiguous (got '" << p.ring_layout << "')";
   SPPO_CHECK(p.gpus >= 1 && p.gpus <= kMaxPlanDevices && p.gpus_per_node >= 1, "planner")

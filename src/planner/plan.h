@@ -18,7 +18,8 @@ struct Prediction {
   double bubble_ratio = 0;
   i64 peak_device_bytes = 0;
   double exposed_copy_s = 0;
-  i64 peak_host_bytes = 0;        // offloaded (host-resident) bytes per device at most
+  i64 peak_host_bytes = 0;        // host-resident bytes per device at most
+  double host_update_s = 0;       // of step_time_s: the optimizer's update on the host (0: none)
 };
 
 struct Plan {
@@ -35,6 +36,9 @@ struct Plan {
   std::vector<double> alpha;
   bool msp = false;
   int zero = 0;                   // 1: AdamW state sharded over each stage's all-reduce group (ZeRO-1)
+  // Where the fp32 master weights and AdamW m, v of each rank's shard live, and where the
+  // update runs: "device", or "host" (train --optimizer-state host).
+  std::string optimizer_state = "device";
   std::string ring_layout = "zigzag";  // how SP ranks split a subsequence: zigzag | contiguous
   std::vector<int> stage_layers;  // layers per pipeline stage
   std::string offload = "adaptive";  // none | full | paper | adaptive

@@ -1,5 +1,6 @@
 #include "runtime/executor.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -76,8 +77,12 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   const i64 state_bytes = num_state_ * i64(sizeof(float));
   params_ = device_->alloc_zeroed(bytes, "parameters");
   grads_ = device_->alloc_zeroed(bytes, "gradients");
-  adam_m_ = device_->alloc_zeroed(state_bytes, "AdamW first moments");
-  adam_v_ = device_->alloc_zeroed(state_bytes, "AdamW second moments");
+  if (o.optimizer_host) {
+    host_opt_ = std::make_unique<HostOptimizer>(be_, *host_, buckets_, shard_, num_state_);
+  } else {
+    adam_m_ = device_->alloc_zeroed(state_bytes, "AdamW first moments");
+    adam_v_ = device_->alloc_zeroed(state_bytes, "AdamW second moments");
+  }
   // The GEMMs read the weights in the activation type: the masters themselves in fp32,
   // else a working copy refreshed after every update.
   if (act_ != DType::F32) params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
@@ -86,8 +91,30 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_, o.tp);
 }
 
+float* Runtime::params() {
+  finish_update();
+  return params_.f32();
+}
+
+float* Runtime::grads() {
+  finish_update();
+  return grads_.f32();
+}
+
+float* Runtime::adam_m() {
+  finish_update();
+  return host_opt_ ? host_opt_->m() : adam_m_.f32();
+}
+
+float* Runtime::adam_v() {
+  finish_update();
+  return host_opt_ ? host_opt_->v() : adam_v_.f32();
+}
+
 void Runtime::refresh_weights() {
+  finish_update();
   if (params_act_) be_.to_act(params_act_.data(), params_.f32(), num_params_);
+  if (host_opt_) host_opt_->load_master(params_.f32());
 }
 
 void Runtime::read_device(float* host, const float* device, i64 n) {
@@ -96,6 +123,45 @@ void Runtime::read_device(float* host, const float* device, i64 n) {
 
 void Runtime::write_device(float* device, const float* host, i64 n) {
   be_.to_device(device, host, std::size_t(n) * sizeof(float));
+}
+
+void Runtime::read_state(float* host, const float* state, i64 n) {
+  if (host_opt_) std::copy(state, state + n, host);
+  else read_device(host, state, n);
+}
+
+void Runtime::write_state(float* state, const float* host, i64 n) {
+  if (host_opt_) std::copy(host, host + n, state);
+  else write_device(state, host, n);
+}
+
+void Runtime::start_host_update(std::vector<HostOptimizer::Piece> pieces, const HostOptimizer::Settings& s,
+                                comm::Group zero) {
+  SPPO_ASSERT(host_opt_);
+  host_opt_->start(params_.f32(), grads_.f32(), std::move(pieces), s, opts_.comm, std::move(zero));
+}
+
+void Runtime::take_bucket(std::size_t b) {
+  if (!host_opt_->ready(b) || !params_act_) return;
+  const ParamBucket& k = buckets_[b];
+  be_.to_act(act_at(params_act_.data(), k.offset, act_), params_.f32() + k.offset, k.count);
+}
+
+void Runtime::finish_update() {
+  if (!host_opt_) return;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) take_bucket(b);
+}
+
+void Runtime::await_weights(int l) {
+  if (!host_opt_ || !host_opt_->in_flight()) return;
+  const bool embed = buckets_.front().name == "embed", ln_f = buckets_.back().name == "ln_f";
+  if (l == config_.layers) {
+    if (ln_f) take_bucket(buckets_.size() - 1);
+    if (embed) take_bucket(0);
+    return;
+  }
+  if (l == 0 && embed) take_bucket(0);
+  take_bucket(std::size_t(l - lb_) + (embed ? 1 : 0));
 }
 
 Runtime::~Runtime() = default;
@@ -122,8 +188,10 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     st.act.unit(i, b)[0] = st.messages.take_input(input_key(op), q);
     SPPO_ASSERT_MSG(st.act.unit(i, b)[0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
+  const bool own = lb_ <= b && e <= le_;  // else an MSP helper's, on borrowed weights
   Buffer out;  // the stage's output
   for (int l = b; l < e; ++l) {
+    if (own) await_weights(l);
     auto& unit = st.act.unit(i, l);
     for (int k = 0; k < kSavedTensors; ++k)
       if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
@@ -161,10 +229,12 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     ws.clear();
     st.messages.poll();
   }
-  if (e < L)
+  if (e < L) {
     st.messages.produce({sched::Payload::Hidden, e, i}, std::move(out), q);
-  else
+  } else {
+    if (own) await_weights(L);
     head(st, op, q, wt, out);
+  }
 }
 
 void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const StageWeights& wt, const Buffer& out) {
@@ -276,6 +346,15 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   check_schedule(sc, ctx);
   StepResult result;
   StepState st(ctx, sc, control, result);
+  if (host_opt_) {
+    // An MSP owner lends its weights whole; every other step takes them bucket by bucket
+    // as its forward reaches them (Note [Optimizer state on the host]).
+    const bool lends = std::any_of(st.ops.begin(), st.ops.end(), [](const sched::Op& op) {
+      return op.kind == sched::OpKind::Send && op.payload == sched::Payload::Weights;
+    });
+    if (lends) finish_update();
+    host_opt_->gradients_taken();
+  }
   if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
   st.load_inputs(tokens);
   st.start();

@@ -3,7 +3,9 @@
 // ranks (pipeline stages, data-parallel replicas).
 //
 // Memory follows the rules the simulator models (schedule/memory.h): the rank's own
-// parameters, gradients and AdamW moments are resident in the device tier; F(i) allocates,
+// parameters, gradients and AdamW moments are resident in the device tier (the moments,
+// with an fp32 master, in the host tier under --optimizer-state host, whose update runs on
+// the host beside the next step's start: runtime/host_optimizer.h); F(i) allocates,
 // per layer, the block's saved tensors (block_saved_specs) and its workspace (freed after
 // the layer), then, on the last stage, the head's workspace and head_grad; O(i) moves a
 // fraction of subsequence i's offloadable tensors to the host tier and frees their device
@@ -49,6 +51,7 @@
 #include "core/config.h"
 #include "model/gpt.h"
 #include "runtime/grad_reduce.h"
+#include "runtime/host_optimizer.h"
 #include "runtime/memory.h"
 #include "runtime/step_io.h"
 #include "schedule/ir.h"
@@ -78,17 +81,34 @@ class Runtime {
   i64 num_params() const { return num_params_; }
   i64 num_state() const { return num_state_; }  // elements of each AdamW moment
   // Device arrays (Backend memory): read and write them through read_device /
-  // write_device, or with the backend's kernels.
-  float* params() { return params_.f32(); }
-  float* grads() { return grads_.f32(); }
-  float* adam_m() { return adam_m_.f32(); }
-  float* adam_v() { return adam_v_.f32(); }
+  // write_device, or with the backend's kernels. Each accessor first lets an update of
+  // the optimizer state on the host that is in flight finish (finish_update).
+  float* params();
+  float* grads();
+  // The AdamW moments, in the state's tier (state_on_host()): read and write them through
+  // read_state / write_state, or with the backend's adamw on the device.
+  float* adam_m();
+  float* adam_v();
+  bool state_on_host() const { return host_opt_ != nullptr; }
   Backend& backend() { return be_; }
   void read_device(float* host, const float* device, i64 n);
   void write_device(float* device, const float* host, i64 n);
-  // Copies the updated fp32 weights into the GEMMs' working copy (a no-op in fp32); after
-  // every change to params().
+  void read_state(float* host, const float* state, i64 n);
+  void write_state(float* state, const float* host, i64 n);
+  // After every change to params() from outside an update: copies the fp32 weights into
+  // the GEMMs' working copy (a no-op in fp32) and, with the optimizer state on the host,
+  // the rank's shard of them into its fp32 master.
   void refresh_weights();
+  // With the optimizer state on the host: starts the update of `pieces` (the rank's
+  // AdamW calls, in bucket order) from the gradients, which returns at once; the next
+  // step's forward waits for each bucket's weights (Note [Optimizer state on the host]).
+  // `zero`: the ZeRO-1 group that all-gathers the updated pieces (empty: none).
+  void start_host_update(std::vector<HostOptimizer::Piece> pieces, const HostOptimizer::Settings& s,
+                         comm::Group zero);
+  // Waits for an update of the optimizer state on the host to bring back every weight.
+  void finish_update();
+  // Bytes the last update of the optimizer state on the host copied (down and up).
+  i64 host_update_bytes() const { return host_opt_ ? host_opt_->copied_bytes() : 0; }
   MemoryTier& device() { return *device_; }
   MemoryTier& host() { return *host_; }
   const RuntimeOptions& options() const { return opts_; }
@@ -108,6 +128,11 @@ class Runtime {
   void head(StepState& st, const sched::Op& op, const Subseq& q, const StageWeights& wt, const Buffer& out);
   // B op `op`, the `index`-th: every layer it runs, in reverse, then the embedding.
   void backward(StepState& st, const sched::Op& op, std::size_t index);
+  // With an update of the host's optimizer state in flight: waits until the weights the
+  // forward of owned layer l reads are back (its block's, and before layer 0 the
+  // embedding's), or with l == L the head's (the final LayerNorm and the tied embedding).
+  void await_weights(int l);
+  void take_bucket(std::size_t b);  // HostOptimizer::ready, then the bucket's working copy
 
   ModelConfig config_;
   RuntimeOptions opts_;
@@ -126,6 +151,7 @@ class Runtime {
   Buffer params_act_;         // the weights' working copy in the activation type (bf16)
   ParamView weights_, dweights_;
   MatrixView matrices_;
+  std::unique_ptr<HostOptimizer> host_opt_;  // the optimizer state on the host; null: on the device
 };
 
 }  // namespace sppo

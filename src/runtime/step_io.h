@@ -21,7 +21,7 @@ namespace sppo {
 
 struct RuntimeOptions {
   i64 device_budget = 0;    // bytes; 0 = unlimited
-  i64 host_budget = 0;      // bytes of offloaded copies on the host tier; 0 = unlimited
+  i64 host_budget = 0;      // bytes of the host tier (offloaded copies, host K/V, optimizer state); 0 = unlimited
   bool recompute = false;   // baseline: keep only block inputs, recompute the rest in backward
   int head_chunk = 1024;    // rows of logits computed at once
   bool record_memory = false;  // keep the device tier's timeline in StepResult::memory
@@ -33,6 +33,9 @@ struct RuntimeOptions {
   std::pair<int, int> layers{0, 0};
   int zero_shards = 1;
   int zero_index = 0;
+  // The fp32 master weights and AdamW m, v of the rank's shard in the host tier, updated
+  // there (runtime/host_optimizer.h); false: the device tier.
+  bool optimizer_host = false;
   // Kernel scratch taken from the device tier with each layer's workspace and the head's
   // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;

@@ -51,7 +51,7 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
   const i64 ws = total_bytes(block_workspace_specs(c, S, p)) + rules.block_scratch.bytes(S);
   const i64 acc = 2 * i64(c.hidden) * rules.accum_bytes * S;            // dK, dV
   const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p)) + rules.head_scratch.bytes(S);
-  const i64 fixed = param_count(c, 0, L, true, true) * (rules.param_state_bytes + rules.weight_copy_bytes) +
+  const i64 fixed = param_count(c, 0, L, true, true) * (rules.device_param_bytes() + rules.device_state_bytes()) +
                     step_input_bytes(c, S);
   i64 peak = 0;
   // Forward of layer l: the inputs kept so far, its saved tensors, workspace and output.
@@ -134,14 +134,20 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     }
     owned_params_ = params;
     state_params_ = state;
-    const int weight_bytes = rules.param_state_bytes - rules.optimizer_bytes - rules.grad_bytes;
-    fixed_terms_[int(MemTerm::Weights)] = params * weight_bytes;
+    fixed_terms_[int(MemTerm::Weights)] = params * rules.weight_bytes();
     fixed_terms_[int(MemTerm::WeightCopy)] = params * rules.weight_copy_bytes;
     fixed_terms_[int(MemTerm::Gradients)] = params * rules.grad_bytes;
-    fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
+    fixed_terms_[int(MemTerm::Optimizer)] = state * rules.device_state_bytes();
+    if (rules.optimizer_host) {
+      host_fixed_terms_[int(MemTerm::Weights)] = state * rules.weight_bytes();
+      host_fixed_terms_[int(MemTerm::Gradients)] = state * rules.grad_bytes;
+      host_fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
+    }
   }
   fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(rules.model, s.seq_len());
   for (i64 bytes : fixed_terms_) fixed_ += bytes;
+  for (i64 bytes : host_fixed_terms_) host_fixed_ += bytes;
+  host_ = host_peak_ = host_fixed_;
 
   // Leases of borrowed weights: each Recv Weights of a layer range that a later one of the
   // same range follows ends at the last F/B on that range before the later one.

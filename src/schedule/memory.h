@@ -5,7 +5,11 @@
 //    owned layers, fp32,
 //    `param_state_bytes` (16) per parameter; every SP rank and DP replica of a stage holds
 //    a full copy of that stage's weights and gradients, and, under ZeRO-1, only its share
-//    of the AdamW state (zero_state_params).
+//    of the AdamW state (zero_state_params). With the optimizer state on the host
+//    (optimizer_host, Note [Optimizer state on the host] in runtime/host_optimizer.h) the
+//    device keeps the weights and gradients, and the host tier holds, for the parameters
+//    whose state the rank keeps, an fp32 master copy, AdamW m, v and a copy of their
+//    gradients, fixed for the run (host_fixed_terms).
 //  - F(i), per layer: workspace (kernel scratch included) for the layer's duration; K_i, V_i (skeletal, until B(i)
 //    of that layer) and the unit U(l, i) (offloadable); the layer's output [T, H], which is
 //    the next layer's saved input (so part of its unit), or, after the last layer, the
@@ -74,6 +78,7 @@ struct MemoryRules {
   int accum_bytes = 4;          // dK/dV accumulators are fp32 on every backend
   int weight_copy_bytes = 0;    // per parameter: the GEMMs' working copy of the weights (2 in bf16)
   bool zero = false;            // ZeRO-1: AdamW state sharded over the gradient all-reduce group
+  bool optimizer_host = false;  // the fp32 master and AdamW m, v on the host (--optimizer-state host)
   // Under ZeRO-1, shards of the AdamW state: 0 means the size of the rank's WeightGrads
   // all-reduce group (as the runtime shards); the planner, which simulates one replica of
   // a data-parallel layout, gives the whole group's size (its largest shard is counted).
@@ -83,6 +88,15 @@ struct MemoryRules {
   KernelScratch block_scratch, head_scratch;
 
   int act_bytes() const { return precision == ActPrecision::F32 ? 4 : 2; }
+  int weight_bytes() const { return param_state_bytes - optimizer_bytes - grad_bytes; }  // the fp32 weight
+  // Device bytes per parameter of the owned layers beside their AdamW state: the weight,
+  // its working copy and its gradient.
+  int device_param_bytes() const { return weight_bytes() + weight_copy_bytes + grad_bytes; }
+  // Device bytes per parameter whose AdamW state the rank keeps: m, v, unless on the host.
+  int device_state_bytes() const { return optimizer_host ? 0 : optimizer_bytes; }
+  // Host bytes per such parameter: its fp32 master, m, v and its gradient's copy, when the
+  // state is on the host.
+  int host_state_bytes() const { return optimizer_host ? weight_bytes() + optimizer_bytes + grad_bytes : 0; }
 };
 
 // Parameters of layers [b, e) of the model, with the embedding when `embed` and the final
@@ -118,9 +132,9 @@ i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShar
 
 // What device bytes hold, term by term (`sppo plan --explain` prints them at the peak).
 enum class MemTerm {
-  Weights,          // fp32 master weights of the owned layers
+  Weights,          // fp32 master weights of the owned layers (on the host: of the rank's shard)
   WeightCopy,       // their working copy in the activation type, for the GEMMs (bf16 only)
-  Gradients,        // their fp32 gradients
+  Gradients,        // their fp32 gradients (on the host: the shard's copy the update reads)
   Optimizer,        // AdamW m, v (under ZeRO-1 only this rank's shard)
   KVCache,          // K, V of every subsequence whose backward has not run (skeletal)
   KVGradAccum,      // fp32 dK, dV accumulators of the positions whose K, V this rank holds
@@ -178,6 +192,11 @@ class RankMemory {
   // The fixed bytes by term (Weights, WeightCopy, Gradients, Optimizer, StepInputs; the
   // rest zero).
   const std::array<i64, kMemTerms>& fixed_terms() const { return fixed_terms_; }
+  // Host bytes held for the whole run, by term (Weights, Gradients, Optimizer: the
+  // optimizer state on the host; zero without it). host_bytes() and the host peaks count
+  // them.
+  i64 host_fixed_bytes() const { return host_fixed_; }
+  const std::array<i64, kMemTerms>& host_fixed_terms() const { return host_fixed_terms_; }
   // Parameters of the owned layers, and those whose AdamW state this rank keeps.
   i64 owned_params() const { return owned_params_; }
   i64 state_params() const { return state_params_; }
@@ -190,10 +209,10 @@ class RankMemory {
   // Bytes an Offload op moves (valid after the F ops of its subsequence were seen).
   i64 offload_bytes(const Op& op) const;
   i64 prefetch_bytes(const Op& op) const;
-  // Host bytes currently held by offloads not yet prefetched.
+  // Host bytes currently held: the fixed ones and offloads not yet prefetched.
   i64 host_bytes() const { return host_; }
-  // The most host bytes held at any point so far (offloaded copies, host-resident K/V and
-  // their dK/dV sums).
+  // The most host bytes held at any point so far (the fixed ones, offloaded copies,
+  // host-resident K/V and their dK/dV sums).
   i64 host_peak() const { return host_peak_; }
   // The most host bytes held during the last events() call.
   i64 op_host_peak() const { return op_host_peak_; }
@@ -241,6 +260,8 @@ class RankMemory {
   TpShard tp_;                         // this rank's tensor-parallel shards (none: size 1)
   i64 fixed_ = 0;
   std::array<i64, kMemTerms> fixed_terms_{};
+  i64 host_fixed_ = 0;
+  std::array<i64, kMemTerms> host_fixed_terms_{};
   i64 owned_params_ = 0, state_params_ = 0;
   i64 kv_pt_ = 0, unit_pt_ = 0, rc_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
   std::vector<i64> acc_tokens_;        // per layer: positions whose K, V this rank holds

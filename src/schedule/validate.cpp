@@ -215,9 +215,9 @@ void check_memory(const Schedule& s, const ValidateOptions& o, Validation& v, Er
       os << "rank " << r << ": " << mem.live_bytes() << " device bytes of activations left at the end";
       err.out->push_back(os.str());
     }
-    if (mem.host_bytes() != 0) {
+    if (mem.host_bytes() != mem.host_fixed_bytes()) {
       std::ostringstream os;
-      os << "rank " << r << ": " << mem.host_bytes() << " host bytes left at the end";
+      os << "rank " << r << ": " << mem.host_bytes() - mem.host_fixed_bytes() << " host bytes left at the end";
       err.out->push_back(os.str());
     }
   }

@@ -404,7 +404,8 @@ PlanOutcome solve_baseline(const PlanRequest& req) {
     return out;
   }
   const SimResult r = simulate_baseline(best, req.hw);
-  best.predicted = {r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes, r.exposed_copy_s, r.peak_host_bytes};
+  best.predicted = {r.step_time_s,    r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes,
+                    r.exposed_copy_s, r.peak_host_bytes,         r.host_update_s};
   out.ok = true;
   out.plan = best;
   return out;

@@ -159,8 +159,9 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const int e = prec == ActPrecision::F32 ? 4 : 2;
   const ModelConfig& c = p.model;
   const sched::Schedule s = plan_schedule(p);
-  const sched::MemoryRules rules = memory_rules(c, prec, p.zero == 1);
+  const sched::MemoryRules rules = plan_rules(p, prec);
   const sched::RankMemory mem(rules, s, rank);
+  auto on_host = [&](sched::MemTerm t) { return mem.host_fixed_terms()[std::size_t(t)]; };
   const i64 params = mem.owned_params(), state = mem.state_params();
   const auto [ob, oe] = s.owned.empty() ? std::pair<int, int>{0, c.layers} : s.owned.at(std::size_t(rank));
   const i64 kv_pt = mem.kv_per_token(), acc_pt = mem.acc_per_token(), unit_pt = mem.unit_per_token();
@@ -178,13 +179,19 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const std::string copy = rules.weight_copy_bytes > 0 ? " + " + std::to_string(rules.weight_copy_bytes) +
                                                              " B x P (their working copy for the GEMMs)"
                                                        : "";
-  lines.push_back({Row::Weights, at(sched::MemTerm::Weights) + at(sched::MemTerm::WeightCopy), 0,
-                   "4 B x P (fp32 master weights)" + copy + ", P = " + P});
-  lines.push_back({Row::Gradients, at(sched::MemTerm::Gradients), 0, "4 B x P (fp32)"});
-  lines.push_back({Row::Optimizer, at(sched::MemTerm::Optimizer), 0,
-                   p.zero ? "8 B x " + num(double(state)) + " (AdamW m, v of this rank's ZeRO-1 shard, P / " +
-                                std::to_string(p.sp * p.dp) + ")"
-                          : "8 B x P (AdamW m, v)"});
+  // The state's parameters: every owned one, or this rank's ZeRO-1 shard of them.
+  const std::string Ps = p.zero ? num(double(state)) + " (this rank's ZeRO-1 shard, P / " + std::to_string(p.sp * p.dp) + ")"
+                                : std::string("P");
+  const bool state_host = rules.optimizer_host;
+  lines.push_back({Row::Weights, at(sched::MemTerm::Weights) + at(sched::MemTerm::WeightCopy),
+                   on_host(sched::MemTerm::Weights),
+                   "4 B x P (fp32 master weights)" + copy + ", P = " + P +
+                       (state_host ? "; the host keeps the update's fp32 master, 4 B x " + Ps : "")});
+  lines.push_back({Row::Gradients, at(sched::MemTerm::Gradients), on_host(sched::MemTerm::Gradients),
+                   "4 B x P (fp32)" + (state_host ? "; the host a copy the update reads, 4 B x " + Ps : "")});
+  lines.push_back({Row::Optimizer, at(sched::MemTerm::Optimizer), on_host(sched::MemTerm::Optimizer),
+                   "8 B x " + Ps + " (AdamW m, v" +
+                       (state_host ? ", on the host, updated there: --optimizer-state host)" : ")")});
   const i64 window = at(sched::MemTerm::KVWindow);
   lines.push_back({Row::KVCache, at(sched::MemTerm::KVCache) + window, 0,
                    "2 " + Hw + " e = " + num(double(kv_pt)) + " B per token and layer x " +
@@ -198,7 +205,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   lines.push_back({Row::KVGradAccum, at(sched::MemTerm::KVGradAccum), 0,
                    "2 " + Hw + " x 4 B = " + num(double(acc_pt)) + " B per position and layer x " +
                        num(double(at(sched::MemTerm::KVGradAccum)) / double(acc_pt)) + " position-layers"});
-  const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank));
+  const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank)) - mem.host_fixed_bytes();
   lines.push_back({Row::Units, units, host,
                    num(double(unit_pt)) + " B per token and layer (x, LN outputs and statistics, q, attention output, "
                    "LSE, MLP input and pre-activation" + shards + ") + head_grad " + num(double(h_row)) +
@@ -239,6 +246,11 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   m.notes.push_back("H " + std::to_string(c.hidden) + ", e " + std::to_string(e) + " (" + hw.precision +
                     " activations); the simulator's accounting at the peak (schedule/memory.h, the runtime's "
                     "arena rules), so the terms sum to the predicted peak");
+  m.notes.push_back(state_host ? "optimizer state on the host: the fp32 master and AdamW m, v of " + Ps +
+                                     " parameters with their gradients' copy; each step the gradients go down, the "
+                                     "host's processor updates them and the weights come back up"
+                               : std::string("optimizer state on the device, beside the weights (--optimizer-state "
+                                             "host would move the fp32 master and AdamW m, v to the host)"));
   SPPO_ASSERT(m.device_total() == r.peak_device_bytes);
   m.placements = placements_of(p, prec, TpShard{0, p.tp});
   return m;

@@ -67,7 +67,9 @@ struct RankEvents {
   std::vector<SimOp> ops;           // op k's sim_op, with its seconds and bytes
   i64 fixed = 0;
   std::array<i64, sched::kMemTerms> fixed_terms{};
-  i64 peak_host = 0;                // offloaded bytes on the host, at most
+  i64 host_fixed = 0;               // host bytes held for the whole run (the optimizer state)
+  i64 host_state = 0;               // parameters whose optimizer state the host updates
+  i64 peak_host = 0;                // host bytes (fixed, offloaded, K/V), at most
   // F/B ops of layers whose K/V stream: (op, host bytes it adds, the most it adds
   // at any point inside it), for refit_copies.
   struct KvHostOp {
@@ -88,8 +90,8 @@ struct RankEvents {
 // whatever is on the host. A test holds it to simulating from scratch.
 void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
   std::vector<i64> on_host(re->unit_tensors.size(), 0);
-  i64 host = 0;
-  re->peak_host = 0;
+  i64 host = re->host_fixed;
+  re->peak_host = host;
   auto kv = re->kv_host.begin();
   for (size_t k = 0; k < ops.size(); ++k) {
     const Op& op = ops[k];
@@ -125,6 +127,8 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   sched::RankMemory mem(rules, s, r, &sizes);
   out.fixed = mem.fixed_bytes();
   out.fixed_terms = mem.fixed_terms();
+  out.host_fixed = mem.host_fixed_bytes();
+  out.host_state = rules.optimizer_host ? mem.state_params() : 0;
   const auto& ops = s.ops[size_t(r)];
   out.first.reserve(ops.size() + 1);
   out.ops.reserve(ops.size());
@@ -496,10 +500,11 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
     lanes[0].clear();
     std::merge(points.begin(), points.end(), half.begin(), half.end(), std::back_inserter(lanes[0]), before);
     points.swap(lanes[0]);
-    i64 cur = re.fixed, peak = cur, host = 0;
+    i64 cur = re.fixed, peak = cur, host = re.host_fixed;
     std::array<i64, sched::kMemTerms> terms = re.fixed_terms;
     res.fixed_bytes[r] = cur;
     res.peak_terms[r] = terms;
+    res.host_at_peak[r] = host;
     if (options.record) res.memory[r].push_back({0.0, cur});
     for (const auto& p : points) {
       if (p.term < 0) {
@@ -712,6 +717,20 @@ SimResult run(const Schedule& s, const CostModel& cost, const std::vector<RankEv
     if (std::fabs(pass.res.step_time_s - before) <= 1e-3 * before) break;
   }
   account_memory(s, mem, options, &pass);
+  // Note [Pricing the host's update]: the step ends with the optimizer's update. With the
+  // state on the device it is not priced (a few elementwise passes over the weights, as
+  // with every system the planner compares). With the state on the host each rank's
+  // gradients go down, the host's processor updates the state and the weights come back
+  // up (CostModel::host_update_s); the step is as long as the slowest rank's. Priced in
+  // series, after the schedule: neither the buckets' pipelining nor the next step's first
+  // layers starting beside the update (runtime/host_optimizer.h) are credited, so this is
+  // an upper bound.
+  for (const RankEvents& re : mem)
+    pass.res.host_update_s = std::max(pass.res.host_update_s, cost.host_update_s(re.host_state));
+  if (pass.res.host_update_s > 0) {
+    pass.res.step_time_s += pass.res.host_update_s;
+    pass.res.tokens_per_device_per_s = double(s.seq_len()) * s.replicas / (double(s.ranks) * pass.res.step_time_s);
+  }
   pass.res.passes = passes;
   pass.res.copy_slowdown = alone_copy_s > 0 && passes > 1 ? pass.copy_s / alone_copy_s : 1.0;
   return std::move(pass.res);
@@ -740,6 +759,8 @@ bool copy_or_wait(OpKind k) {
 bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::vector<Op>& ops, RankEvents* out) {
   out->fixed = old.fixed;
   out->fixed_terms = old.fixed_terms;
+  out->host_fixed = old.host_fixed;
+  out->host_state = old.host_state;
   out->unit_tensors = old.unit_tensors;
   out->ops.reserve(ops.size());
   for (const Op& op : ops) out->ops.push_back(sim_op(op));

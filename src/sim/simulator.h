@@ -65,11 +65,14 @@ struct SimResult {
   double compute_s = 0;          // max over ranks of busy compute time
   std::vector<i64> peak_bytes;   // per rank
   i64 peak_device_bytes = 0;     // max over ranks
-  i64 peak_host_bytes = 0;       // max over ranks of offloaded bytes held on the host
+  i64 peak_host_bytes = 0;       // max over ranks of the bytes held on the host (offloaded
+                                 // copies, host K/V and their sums, the optimizer state)
+  double host_update_s = 0;      // the host's optimizer update, in step_time_s (Note
+                                 // [Pricing the host's update] in simulator.cpp); 0: none
   std::vector<i64> sent_bytes;   // per rank: point-to-point bytes sent (Send and ring messages)
   std::vector<i64> fixed_bytes;  // per rank: weights, gradients, optimizer state
   // Per rank, at the moment of its peak: device bytes by term (they sum to peak_bytes),
-  // offloaded bytes on the host, and the time.
+  // bytes on the host, and the time.
   std::vector<std::array<i64, sched::kMemTerms>> peak_terms;
   std::vector<i64> host_at_peak;
   std::vector<double> peak_time_s;

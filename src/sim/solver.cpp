@@ -49,6 +49,7 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero
 
 MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape) {
   MemoryRules m = memory_rules(c, precision, shape.zero);
+  m.optimizer_host = shape.optimizer_host;
   m.block_scratch = shape.block_scratch;
   m.head_scratch = shape.head_scratch;
   return m;
@@ -601,11 +602,6 @@ sched::PipelineSpec spec_of(const plan::Plan& p) {
   return s;
 }
 
-// The memory rules a plan runs under; `search`: one replica simulated for a layout of
-// p.dp, so ZeRO-1 shards are counted for the whole all-reduce group (sp x dp).
-MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, bool search) {
-  return memory_rules(p.model, prec, p.zero == 1, search ? p.sp * p.dp : 0);
-}
 
 HardwareProfile plan_hardware(const HardwareProfile& hw_in, int gpus_per_node) {
   HardwareProfile hw = hw_in;
@@ -637,7 +633,8 @@ Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, 
 
 void predict(plan::Plan* p, const HardwareProfile& hw) {
   const SimResult r = simulate_plan(*p, hw);
-  p->predicted = {r.step_time_s, r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes, r.exposed_copy_s, r.peak_host_bytes};
+  p->predicted = {r.step_time_s,    r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes,
+                  r.exposed_copy_s, r.peak_host_bytes,         r.host_update_s};
 }
 
 std::vector<int> divisors(int n) {
@@ -690,17 +687,33 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   const int G = req.gpus, gpn = req.gpus_per_node;
   PlanOutcome out;
 
+  // Note [Optimizer state under a budget]: the fp32 master weights and AdamW m, v stay
+  // on the device unless --optimizer-state says host, or, under auto, no plan fits with
+  // them there (every layout, K/V placement and recompute level tried): moving them costs
+  // each step its gradients' and weights' copies and the host's update (CostModel::
+  // host_update_s), which only buys memory. Then the whole search runs again with the
+  // state on the host, where the device keeps the weights and gradients alone.
+  const bool host_allowed = req.optimizer_state != "device";
+  // Device bytes of the weights, gradients and (on the device) AdamW state of `params`
+  // parameters, the state sharded `shards` ways; and the host's, with the state there.
+  auto device_fixed = [&](i64 params, int shards, bool host) {
+    return params * (rules.param_state_bytes - rules.optimizer_bytes) + (host ? 0 : params * rules.optimizer_bytes / shards);
+  };
+  auto host_fixed = [&](i64 params, int shards, bool host) {
+    return host ? params / shards * rules.param_state_bytes : i64(0);
+  };
+
   // Weights alone: even split over the most stages possible, optimizer state sharded over
   // the rest of the devices when ZeRO-1 may be used.
   const int max_pp = std::min(G, c.layers);
   const int most_shards = req.zero == 0 ? 1 : G / max_pp;
   const i64 least_params = sched::param_count(c, 0, (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
-  const i64 least_weights = least_params * (rules.param_state_bytes - rules.optimizer_bytes) +
-                            least_params * rules.optimizer_bytes / most_shards;
+  const i64 least_weights = device_fixed(least_params, most_shards, host_allowed);
   if (least_weights > budget) {
-    out.error = "weights, gradients and optimizer state alone need " + format_bytes(double(least_weights)) +
-                " per device even over " + std::to_string(max_pp) + " pipeline stages, more than the budget of " +
-                format_bytes(double(budget));
+    out.error = std::string(host_allowed ? "weights and gradients alone (the optimizer state on the host) need "
+                                         : "weights, gradients and optimizer state alone need ") +
+                format_bytes(double(least_weights)) + " per device even over " + std::to_string(max_pp) +
+                " pipeline stages, more than the budget of " + format_bytes(double(budget));
     return out;
   }
 
@@ -752,6 +765,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
           p.lengths = plan::partition_flops(c, S, N);
           if (p.lengths.back() < i64(sp) * tp) continue;
           p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
+          p.optimizer_state = req.optimizer_state == "host" ? "host" : "device";
           p.ring_layout = sched::to_string(req.ring_layout);
           p.offload = to_string(req.offload);
           p.budget = budget;
@@ -856,15 +870,16 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     // hold some of them: no bound.)
     i64 mem = 0, host = 0;
     int first = 0;
+    const bool state_host = p.optimizer_state == "host";
     for (std::size_t st = 0; st < p.stage_layers.size(); ++st) {
       const int n = p.stage_layers[st], end = first + n;
       const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
                                   : sched::param_count(c, first, end, first == 0, end == c.layers);
-      const i64 weights = params * (rules.param_state_bytes - rules.optimizer_bytes) +
-                          params * rules.optimizer_bytes / shards;
+      const i64 weights = device_fixed(params, shards, state_host);
       mem = std::max(mem, weights + i64(n) * kv_acc * before_last);
       const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * before_last / p.tp;
-      if (!p.msp) host = std::max(host, weights + saved - budget);
+      const i64 spilled = p.msp ? 0 : std::max<i64>(0, weights + saved - budget);
+      host = std::max(host, host_fixed(params, shards, state_host) + spilled);
       first = end;
     }
     double compute = 0;
@@ -998,6 +1013,11 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   };
   search({first});
   if (fits.empty() && !wider.empty()) search(wider);
+  if (fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
+    for (plan::Plan& p : layouts) p.optimizer_state = "host";
+    search({first});
+    if (fits.empty() && !wider.empty()) search(wider);
+  }
   if (layouts_tried == 0) {
     // Every layout needs more subsequences than the search allows (or has subsequences
     // shorter than its SP degree): say which lengths it covers.
@@ -1057,6 +1077,14 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   if (best.zero == 1)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
                          " ranks of each stage's gradient all-reduce");
+  if (best.optimizer_state == "host")
+    best.notes.push_back(std::string("optimizer state on the host (") +
+                         (req.optimizer_state == "host" ? "--optimizer-state host"
+                                                        : "no plan with it on the device fits") +
+                         "): fp32 master weights, AdamW m, v and a gradient copy, 16 B a parameter of each rank's "
+                         "shard; each step the gradients go down, the host's processor updates them, the weights "
+                         "come back up (" + seconds_text(best.predicted.host_update_s) +
+                         " a step, priced in the step time; train --optimizer-state host)");
   out.ok = true;
   out.plan = best;
   return out;
@@ -1105,6 +1133,12 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
     note = "MSP: neither with it (" + seconds_text(t_on) + ") nor without it (" + seconds_text(t_off) + ") fits";
   m.note = note;
   m.chosen.notes.push_back(note);
+  return m;
+}
+
+MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, bool search) {
+  MemoryRules m = memory_rules(p.model, prec, p.zero == 1, search ? p.sp * p.dp : 0);
+  m.optimizer_host = p.optimizer_state == "host";
   return m;
 }
 

@@ -47,6 +47,7 @@ struct StepShape {
   int tp = 1;                      // tensor parallel (sequence-parallel regions) ranks a stage
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   bool zero = false;               // ZeRO-1 over the replicas
+  bool optimizer_host = false;     // fp32 master and AdamW state on the host (--optimizer-state host)
   bool msp = false;                // multiplexed sequence partitioning (pp > 1)
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
@@ -128,6 +129,9 @@ struct PlanRequest {
   OffloadMode offload = OffloadMode::Adaptive;
   int msp = -1;               // -1 auto (when it pays), 0 off, 1 on
   int zero = -1;              // ZeRO-1: -1 auto (wherever the all-reduce group has 2+ ranks), 0 off, 1 on
+  // Where the fp32 master weights and AdamW state live (--optimizer-state): "device",
+  // "host", or "auto" (the device, and the host where no plan with it fits).
+  std::string optimizer_state = "auto";
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   i64 budget = 0;             // 0: the profile's usable device memory
   // Where layers keep the K/V cache (--kv-cache): "device"; "host" or "recompute" (every
@@ -150,6 +154,9 @@ struct PlanOutcome {
 // and "deepspeed" (sim/baselines.h).
 PlanOutcome solve_plan(const PlanRequest& req);
 
+// The memory rules an SPPO plan runs under; `search`: one replica simulated for a layout
+// of p.dp, so ZeRO-1 shards are counted for the whole all-reduce group (sp x dp).
+sched::MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, bool search = false);
 // The schedule of an SPPO plan, and its simulation on `hw`.
 sched::Schedule plan_schedule(const plan::Plan& p);
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw, const SimOptions& options = {});

@@ -23,7 +23,7 @@ struct StepOptions {
   std::string partition = "length";   // length | flops | adaptive
   std::string offload = "none";       // none | full | adaptive | <ratio in [0, 1]>
   i64 device_memory = 0;              // bytes; 0 = unlimited
-  i64 host_memory = 0;                // bytes of offloaded activations on the host; 0 = unlimited
+  i64 host_memory = 0;                // bytes of the host tier (offloaded activations, host K/V, optimizer state); 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   std::string kv_cache = "auto";      // device | host | recompute | auto (schedule/ir.h Schedule::kv_place)
   // Saved tensors backward recomputes (core/layout.h Note [Recomputed tensors]): a list of
@@ -42,6 +42,9 @@ struct StepOptions {
   std::string ring = "flash,zigzag";  // --ring: the ring's algorithm and its layout
   std::string msp = "off";            // --msp on | off: multiplexed sequence partitioning
   int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
+  // Where the fp32 master weights and AdamW m, v live (runtime/host_optimizer.h): device,
+  // host, or "" for the plan's (--plan), else device.
+  std::string optimizer_state;
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
 };

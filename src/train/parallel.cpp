@@ -171,21 +171,29 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   if (!std::isfinite(norm)) return norm;
   if (hp.clip > 0 && norm > hp.clip)
     for (const ShardSpan& sp : spans) be.scale(g + sp.offset, sp.count, float(hp.clip / norm));
-  // AdamW per tensor, over the part of it whose state this rank keeps.
-  i64 off = 0;
-  for (const TensorSpec& spec : rt.param_specs()) {
-    const i64 n = spec.numel();
-    const float wd = spec.shape.size() == 2 ? hp.weight_decay : 0.0f;
-    for (const ShardSpan& sp : spans) {
+  // AdamW per tensor, over the part of it whose state this rank keeps, bucket by bucket.
+  std::vector<HostOptimizer::Piece> pieces;
+  for (std::size_t k = 0; k < spans.size(); ++k) {
+    const ShardSpan& sp = spans[k];
+    i64 off = 0;
+    for (const TensorSpec& spec : rt.param_specs()) {
+      const i64 n = spec.numel();
       const i64 b = std::max(off, sp.offset), e = std::min(off + n, sp.offset + sp.count);
-      if (b >= e) continue;
-      const i64 s = sp.state_offset + (b - sp.offset);
-      be.adamw(rt.params() + b, rt.adam_m() + s, rt.adam_v() + s, g + b, e - b, hp.lr, hp.beta1, hp.beta2, hp.eps, wd,
-               t, nullptr);
+      if (b < e)
+        pieces.push_back({k, b, e - b, sp.state_offset + (b - sp.offset), spec.shape.size() == 2 ? hp.weight_decay : 0.0f});
+      off += n;
     }
-    off += n;
   }
-  if (lay.zero && lay.dp * lay.cp > 1) {
+  const bool zero = lay.zero && lay.dp * lay.cp > 1;
+  if (rt.state_on_host()) {
+    rt.start_host_update(std::move(pieces), {hp.lr, hp.beta1, hp.beta2, hp.eps, t},
+                         zero ? lay.stage_group() : comm::Group{});
+    return norm;
+  }
+  for (const HostOptimizer::Piece& q : pieces)
+    be.adamw(rt.params() + q.offset, rt.adam_m() + q.state_offset, rt.adam_v() + q.state_offset, g + q.offset,
+             q.count, hp.lr, hp.beta1, hp.beta2, hp.eps, q.weight_decay, t, nullptr);
+  if (zero) {
     const comm::Group group = lay.stage_group();
     std::vector<comm::Request> reqs;
     for (const ParamBucket& b : buckets) reqs.push_back(world.iallgather(rt.params() + b.offset, b.count, group));
@@ -221,7 +229,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   if (optimizer)
     for (float* state : {rt.adam_m(), rt.adam_v()}) {
       std::vector<float> a(std::size_t(n), 0.0f);
-      for (const ShardSpan& sp : rt.shard()) rt.read_device(a.data() + sp.offset, state + sp.state_offset, sp.count);
+      for (const ShardSpan& sp : rt.shard()) rt.read_state(a.data() + sp.offset, state + sp.state_offset, sp.count);
       arrays.push_back(std::move(a));
     }
   if (lay.zero && lay.dp * lay.cp > 1) {
@@ -308,8 +316,8 @@ nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from
   const std::vector<float> my_params = owned_part(rt, params), my_m = owned_part(rt, m), my_v = owned_part(rt, v);
   rt.write_device(rt.params(), my_params.data(), rt.num_params());
   for (const ShardSpan& sp : rt.shard()) {
-    rt.write_device(rt.adam_m() + sp.state_offset, my_m.data() + sp.offset, sp.count);
-    rt.write_device(rt.adam_v() + sp.state_offset, my_v.data() + sp.offset, sp.count);
+    rt.write_state(rt.adam_m() + sp.state_offset, my_m.data() + sp.offset, sp.count);
+    rt.write_state(rt.adam_v() + sp.state_offset, my_v.data() + sp.offset, sp.count);
   }
   rt.refresh_weights();
   return state;

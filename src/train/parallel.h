@@ -79,7 +79,10 @@ struct AdamWSettings {
 // 1 / batch (the mean over the step's sequences), computes the global norm over every
 // parameter once (the tied embedding counted on the first stage only), clips, updates
 // this rank's AdamW state (no decay on vectors), and under ZeRO all-gathers the updated
-// weights. Returns the norm before clipping; a non-finite norm leaves the weights alone.
+// weights. With the state on the host (Runtime::state_on_host) the update is started
+// and runs beside the next step's start (Note [Optimizer state on the host] in
+// runtime/host_optimizer.h). Returns the norm before clipping; a non-finite norm leaves
+// the weights alone.
 double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const AdamWSettings& hp,
                       int t);
 

@@ -207,6 +207,9 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   };
   SPPO_CHECK(o.partition == "length" || o.partition == "flops" || o.partition == "adaptive", "options")
       << "--partition '" << o.partition << "' is unknown; use length, flops or adaptive";
+  SPPO_CHECK(o.optimizer_state.empty() || o.optimizer_state == "device" || o.optimizer_state == "host", "options")
+      << "--optimizer-state '" << o.optimizer_state << "' is unknown; use device (the fp32 master weights and AdamW "
+      << "state beside the weights) or host (in host memory, updated by the CPU)";
   if (w.size() > 1) profile();
 
   s.backend = make_backend(o.backend, o.precision);
@@ -237,6 +240,8 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.tp = s.layout.tp;
   shape.ring_layout = from_plan ? sched::parse_ring_layout(from_plan->ring_layout) : ring.layout;
   shape.zero = o.zero == 1;
+  shape.optimizer_host = o.optimizer_state.empty() ? from_plan && from_plan->optimizer_state == "host"
+                                                   : o.optimizer_state == "host";
   SPPO_CHECK(o.msp == "on" || o.msp == "off", "options") << "--msp must be on or off (got '" << o.msp << "')";
   shape.msp = from_plan ? from_plan->msp : o.msp == "on";
   if (from_plan && (!from_plan->kv_host_layers.empty() || !from_plan->kv_recompute_layers.empty())) {
@@ -453,8 +458,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
                                                               : s.schedule.owned.at(std::size_t(s.layout.rank_of(0, p))));
   if (o.recompute) {
     // The simulator does not run the recompute schedule; its memory follows in closed form.
-    s.predicted_peak_bytes = sched::recompute_peak_bytes(sim::memory_rules(s.config, precision, shape), S);
+    const sched::MemoryRules rules = sim::memory_rules(s.config, precision, shape);
+    s.predicted_peak_bytes = sched::recompute_peak_bytes(rules, S);
     s.predicted_peak_per_rank = {s.predicted_peak_bytes};
+    s.predicted_host_bytes = sched::param_count(s.config, 0, L, true, true) * rules.host_state_bytes();
     SPPO_CHECK_FITS(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
         << "--recompute needs " << format_bytes(double(s.predicted_peak_bytes)) << " of device memory at --seq-len "
         << S << ", over the --device-memory budget of " << format_bytes(double(o.device_memory))
@@ -478,6 +485,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " holds "
         << format_bytes(double(r.peak_host_bytes)) << " (" << r.peak_host_bytes << " B) in host memory ("
         << (!s.schedule.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
+        << (shape.optimizer_host ? ", the optimizer state" : "")
         << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o.host_memory))
         << "; use --host-memory " << r.peak_host_bytes
         << " or more, or offload less (more --subseqs, a lower --offload ratio, --kv-cache device, or more "
@@ -494,7 +502,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     SPPO_CHECK_FITS(available <= 0 || per_rank <= available / ranks_here, "memory")
         << "this run needs " << format_bytes(double(per_rank)) << " of memory"
         << (ranks_here > 1 ? " per rank (" + std::to_string(ranks_here) + " ranks here)" : "") << " (device tier "
-        << format_bytes(double(s.predicted_peak_bytes)) << ", offloaded " << format_bytes(double(s.predicted_host_bytes))
+        << format_bytes(double(s.predicted_peak_bytes)) << ", host tier " << format_bytes(double(s.predicted_host_bytes))
         << ", " << format_bytes(double(kProcessAllowanceBytes)) << " for the process itself) but this machine has "
         << format_bytes(double(available)) << " available; shorten --seq-len or use a smaller model";
   }
@@ -508,6 +516,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   ro.layers = s.layout.stage_layers.at(std::size_t(s.layout.stage()));
   ro.zero_shards = o.zero == 1 ? s.layout.dp * s.layout.cp : 1;
   ro.zero_index = o.zero == 1 ? s.layout.stage_index() : 0;
+  ro.optimizer_host = shape.optimizer_host;
   ro.tp = s.layout.tp_shard();
   ro.block_scratch = shape.block_scratch;
   ro.head_scratch = shape.head_scratch;

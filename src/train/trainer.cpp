@@ -310,10 +310,10 @@ int run_train(const TrainOptions& o) {
 
   const bool tty = isatty(STDERR_FILENO);
   if (!o.quiet && root) {
-    std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s | data %s | %d threads%s\n",
+    std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s%s | data %s | %d threads%s\n",
                  o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
                  (long long)S, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
-                 s.data->describe().c_str(),
+                 rt.state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
                  omp_get_max_threads(), layout_text(lay).c_str());
   }
 
@@ -397,6 +397,7 @@ int run_train(const TrainOptions& o) {
                           {"peak_host_bytes", host_peak},
                           {"offloaded_bytes", offloaded},
                           {"exposed_copy_s", exposed}};
+      if (rt.state_on_host()) m["optimizer_copied_bytes"] = rt.host_update_bytes();
       std::string halves;
       if (s.repeat_task) {
         const double first = losses[1] / lay.batch, second = losses[2] / lay.batch;
@@ -477,8 +478,9 @@ int run_train(const TrainOptions& o) {
     if (s.predicted_peak_bytes > 0)
       std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
     if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
-      std::fprintf(stderr, "; host memory (%s) %s measured, %s predicted",
+      std::fprintf(stderr, "; host memory (%s%s) %s measured, %s predicted",
                    s.schedule.any_kv_streamed() ? "offloaded, K/V and their sums" : "offloaded",
+                   rt.state_on_host() ? ", optimizer state" : "",
                    format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
     if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
     std::fprintf(stderr, "\n");

@@ -1,6 +1,7 @@
 // Training over ranks: 20-step loss curves equal to one process's, checkpoints that resume
 // under another layout (pipeline 2 -> 1, data parallel 2 -> 1, tensor parallel 2 -> 1,
-// and back) on the same curve, and a plan's layout run as planned.
+// and back) on the same curve, the optimizer state on the host on the device's curve, and
+// a plan's layout run as planned.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -97,6 +98,36 @@ TEST_F(Training, MspCurveEqualsOneProcess) {
   }
 }
 
+// --optimizer-state host: every rank updates its own state (under ZeRO-1 its shard) on
+// its host with the device path's AdamW kernel, so the curves equal the device state's to
+// the bit, and every rank's peaks on both tiers are the prediction.
+TEST_F(Training, OptimizerStateOnTheHostKeepsTheCurve) {
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {2, "--dp 2 --zero 1"}, {2, "--pp 2 --subseqs 3 --offload 0.5"}, {2, "--cp 2 --subseqs 2"}};
+  int k = 0;
+  for (const auto& [np, layout] : layouts) {
+    const std::string name = "opt" + std::to_string(k++);
+    const auto device = ranks(np, "--steps 6 " + layout, name + "_device.jsonl");
+    const auto host = ranks(np, "--steps 6 --optimizer-state host " + layout, name + "_host.jsonl");
+    ASSERT_EQ(device.size(), 6u) << layout;
+    EXPECT_EQ(device, host) << layout;
+    const auto on_device = read_jsonl(path(name + "_device.jsonl")).back();
+    const auto on_host = read_jsonl(path(name + "_host.jsonl")).back();
+    EXPECT_EQ(on_host["measured_peak_device_bytes_per_rank"], on_host["predicted_peak_device_bytes_per_rank"])
+        << layout << ": " << on_host.dump();
+    EXPECT_EQ(on_host["measured_peak_host_bytes"], on_host["predicted_peak_host_bytes"]) << layout;
+    EXPECT_LT(on_host["measured_peak_device_bytes"].get<i64>(), on_device["measured_peak_device_bytes"].get<i64>())
+        << layout;
+    EXPECT_GT(on_host["measured_peak_host_bytes"].get<i64>(), on_device["measured_peak_host_bytes"].get<i64>())
+        << layout;
+  }
+  // A checkpoint of the device's state resumes with the state on the host, on the same curve.
+  const auto one = alone("--steps 12", "one.jsonl");
+  alone("--steps 12 --stop-after 6 --save " + path("ck_device"), "first.jsonl");
+  const auto tail = alone("--steps 12 --optimizer-state host --resume " + path("ck_device"), "tail.jsonl");
+  EXPECT_EQ(tail, std::vector<double>(one.begin() + 6, one.end()));
+}
+
 TEST_F(Training, ResumeAcrossLayouts) {
   const auto one = alone("--steps 20", "one.jsonl");
   const std::vector<double> tail(one.begin() + 10, one.end());
@@ -153,6 +184,16 @@ TEST_F(Training, RunsThePlannedLayout) {
   const auto t = read_jsonl(path("plan.jsonl"));
   EXPECT_EQ(t.back()["measured_peak_device_bytes_per_rank"], t.back()["predicted_peak_device_bytes_per_rank"])
       << t.back().dump();
+  // A plan's optimizer_state: the state on the host, as planned.
+  p["optimizer_state"] = "host";
+  std::ofstream(plan) << p.dump(2);
+  r = mpirun(2, run);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto h = read_jsonl(path("plan.jsonl"));
+  EXPECT_TRUE(h[0].contains("optimizer_copied_bytes")) << h[0].dump();
+  EXPECT_EQ(h.back()["measured_peak_device_bytes_per_rank"], h.back()["predicted_peak_device_bytes_per_rank"]);
+  EXPECT_EQ(h.back()["measured_peak_host_bytes"], h.back()["predicted_peak_host_bytes"]);
+  EXPECT_LT(h.back()["measured_peak_device_bytes"].get<i64>(), t.back()["measured_peak_device_bytes"].get<i64>());
 }
 
 }  // namespace

@@ -112,6 +112,7 @@ TEST(Solver, SppoPlanFitsAndRoundTrips) {
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   EXPECT_GT(p.predicted.tokens_per_gpu_per_s, 0);
   EXPECT_EQ(sum(p.lengths), p.seq_len);
+  EXPECT_EQ(p.optimizer_state, "device") << "the device holds it, so it stays there";
   const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
   EXPECT_EQ(to_json(q), to_json(p));
   const auto r = sim::simulate_plan(q, load_profile("a100-80gb"));
@@ -155,6 +156,33 @@ TEST(Solver, RecomputingFitsWhatTheDeviceCacheCannot) {
   ASSERT_TRUE(short_one.ok) << short_one.error;
   EXPECT_TRUE(short_one.plan.kv_recompute_layers.empty() && short_one.plan.kv_host_layers.empty());
   EXPECT_EQ(short_one.plan.recompute, 0u);
+}
+
+// Note [Optimizer state under a budget]: gpt-7b's weights, gradients and AdamW state (16 B
+// a parameter, 99 GiB) cannot share one A100 with anything, so auto moves the state to
+// the host and prices its update in the step; --optimizer-state device says why nothing
+// fits. Where the device holds it all, the state stays there (SppoPlanFitsAndRoundTrips).
+TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
+  sim::PlanRequest req = request("gpt-7b", i64(16) * 1024, 1, "sppo");
+  req.gpus_per_node = 1;
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_EQ(p.optimizer_state, "host");
+  EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
+  EXPECT_GE(p.predicted.peak_host_bytes, 16 * p.model.num_params()) << "master, m, v and gradients on the host";
+  const CostModel cost(load_profile("a100-80gb"), p.model, ActPrecision::BF16);
+  EXPECT_DOUBLE_EQ(p.predicted.host_update_s, cost.host_update_s(p.model.num_params()));
+  EXPECT_GT(p.predicted.host_update_s, 0);
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(to_json(q), to_json(p));
+  const auto r = sim::simulate_plan(q, load_profile("a100-80gb"));
+  EXPECT_EQ(r.peak_host_bytes, p.predicted.peak_host_bytes);
+  EXPECT_NEAR(r.step_time_s, p.predicted.step_time_s, 1e-9 * p.predicted.step_time_s);
+  req.optimizer_state = "device";
+  const auto device = sim::solve_plan(req);
+  ASSERT_FALSE(device.ok);
+  EXPECT_NE(device.error.find("weights, gradients and optimizer state alone"), std::string::npos) << device.error;
 }
 
 TEST(Solver, SaysWhyNothingFits) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/comm.h"
 #include "core/check.h"
 #include "io/fileutil.h"
 #include "runtime/executor.h"
@@ -98,6 +99,7 @@ struct PeakCase {
   const char* kv_cache = "device";
   const char* partition = "length";
   const char* recompute = "none";  // --recompute-tensors
+  const char* optimizer = "device";  // --optimizer-state
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -125,6 +127,10 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"tiny", 1000, "3", "full", 0, "recompute", "flops", "q,fc_pre"},
       // Under a budget nothing else fits: auto recomputes.
       {"small", 2048, "8", "adaptive", 0.3, "auto", "length", "auto"},
+      // The optimizer state on the host: its master, m, v and gradients' copy there too.
+      {"tiny", 1000, "3", "0.3", 0, "device", "length", "none", "host"},
+      {"small", 1024, "8", "full", 0, "host", "length", "none", "host"},
+      {"small", 1024, "8", "adaptive", 0.5, "device", "length", "none", "host"},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -136,13 +142,15 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     o.kv_cache = c.kv_cache;
     o.partition = c.partition;
     o.recompute_tensors = c.recompute;
+    o.optimizer_state = c.optimizer;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
     const StepResult r = run_step(s, c.S);
     const std::string what = std::string(c.model) + " S " + std::to_string(c.S) + " N " + c.subseqs + " (" +
                              std::to_string(s.lengths.size()) + ") offload " + c.offload + " budget " +
-                             std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute;
+                             std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute +
+                             " optimizer state " + c.optimizer;
     if (std::string(c.recompute) == "auto") {
       const bool kv_recomputed = std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(),
                                             sched::KvPlace::Recompute) > 0;
@@ -155,7 +163,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     EXPECT_EQ(r.device.peak, s.predicted_peak_bytes) << what;
     // The host tier holds the offloaded copies; the simulator's host peak is theirs.
     EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;
-    if (s.schedule.kv_place.empty()) {
+    if (s.schedule.kv_place.empty() && !s.runtime->state_on_host()) {
       EXPECT_EQ(r.host.peak > 0, r.offloaded_bytes > 0) << what;
     }
     if (budget > 0) {
@@ -207,6 +215,64 @@ TEST(RuntimeStep, HostBudgetBoundsTheOffloadedCopies) {
     const std::string m = e.what();
     EXPECT_NE(m.find("--host-memory " + std::to_string(full.predicted_host_bytes) + " or more"), std::string::npos)
         << m;
+  }
+}
+
+// Steps of training (step, then optimizer_step) from the seed's weights, on one process.
+struct Trained {
+  std::vector<double> losses;
+  std::vector<float> params, m, v;
+  std::vector<StepResult> steps;
+};
+Trained train_steps(StepSetup& s, i64 S, int steps) {
+  const auto solo = comm::make_solo();
+  init_owned(*s.runtime, 1234);
+  Runtime& rt = *s.runtime;
+  Trained out;
+  std::vector<std::int32_t> tokens(std::size_t(S + 1));
+  for (int t = 1; t <= steps; ++t) {
+    s.data->next(tokens.data(), S + 1);
+    out.steps.push_back(rt.step(s.schedule, tokens.data()));
+    out.losses.push_back(out.steps.back().loss);
+    // Clipped (the first steps' norms are over 0.1), with weight decay.
+    optimizer_step(rt, s.layout, *solo, AdamWSettings{5e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f}, t);
+  }
+  const i64 n = rt.num_params(), k = rt.num_state();
+  out.params.resize(std::size_t(n));
+  out.m.resize(std::size_t(k));
+  out.v.resize(std::size_t(k));
+  rt.read_device(out.params.data(), rt.params(), n);
+  rt.read_state(out.m.data(), rt.adam_m(), k);
+  rt.read_state(out.v.data(), rt.adam_v(), k);
+  return out;
+}
+
+// --optimizer-state host: the same AdamW kernel on the host, so the same losses, weights
+// and moments to the bit; the device holds 8 B a parameter less (m, v), the host 16 B
+// more (master, m, v, the gradients' copy), as predicted, in steps that begin while the
+// last update still runs.
+TEST(RuntimeStep, OptimizerStateOnTheHostTrainsAsOnTheDevice) {
+  for (const char* subseqs : {"1", "3", "8"}) {
+    const i64 S = 512;
+    StepOptions o = step_options("tiny", S, subseqs, "0.5");
+    StepSetup on_device = make_setup(o);
+    o.optimizer_state = "host";
+    StepSetup on_host = make_setup(o);
+    ASSERT_TRUE(on_host.runtime->state_on_host());
+    const i64 state = on_host.runtime->num_state();
+    EXPECT_EQ(on_device.predicted_peak_bytes - on_host.predicted_peak_bytes, 8 * state) << subseqs;
+    EXPECT_EQ(on_host.predicted_host_bytes - on_device.predicted_host_bytes, 16 * state) << subseqs;
+    const Trained a = train_steps(on_device, S, 4), b = train_steps(on_host, S, 4);
+    EXPECT_EQ(a.losses, b.losses) << "N " << subseqs;
+    EXPECT_LT(a.losses.back(), a.losses.front()) << "the steps should learn";
+    EXPECT_TRUE(a.params == b.params) << "N " << subseqs << ": the weights differ";
+    EXPECT_TRUE(a.m == b.m && a.v == b.v) << "N " << subseqs << ": the AdamW moments differ";
+    for (std::size_t k = 0; k < b.steps.size(); ++k) {
+      EXPECT_EQ(b.steps[k].device.peak, on_host.predicted_peak_bytes) << "N " << subseqs << " step " << k + 1;
+      EXPECT_EQ(b.steps[k].host.peak, on_host.predicted_host_bytes) << "N " << subseqs << " step " << k + 1;
+      EXPECT_EQ(a.steps[k].device.peak, on_device.predicted_peak_bytes) << "N " << subseqs << " step " << k + 1;
+    }
+    EXPECT_EQ(on_host.runtime->host_update_bytes(), 8 * state) << "gradients down, weights up, fp32";
   }
 }
 

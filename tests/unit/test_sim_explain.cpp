@@ -64,6 +64,31 @@ TEST(MemoryTerms, SppoByHand) {
   EXPECT_EQ(r.host_at_peak[0], 0);
 }
 
+// The optimizer state on the host: the device loses AdamW m, v (8 B a parameter), the
+// host holds the fp32 master, m, v and the gradients' copy (16 B) through the step, and the
+// step is longer by the host's update (gradients down, AdamW, weights up).
+TEST(MemoryTerms, OptimizerStateOnTheHostByHand) {
+  const ModelConfig c = small_config();
+  const i64 T = 512;
+  const auto hw = plan::load_profile("a100-80gb");
+  const CostModel cost(hw, c, ActPrecision::BF16);
+  auto rules = memory_rules(c, ActPrecision::BF16);
+  const sched::Schedule s = sched::build_single(c.layers, {T}, {0.0});
+  const SimResult on_device = simulate(s, cost, rules);
+  rules.optimizer_host = true;
+  const SimResult on_host = simulate(s, cost, rules);
+  const i64 P = c.num_params();
+  EXPECT_EQ(term(on_host, 0, MemTerm::Optimizer), 0);
+  EXPECT_EQ(term(on_host, 0, MemTerm::Weights), 4 * P);
+  EXPECT_EQ(on_device.peak_device_bytes - on_host.peak_device_bytes, 8 * P);
+  EXPECT_EQ(on_host.peak_host_bytes, 16 * P);
+  EXPECT_EQ(on_host.host_at_peak[0], 16 * P);
+  const double update = 4.0 * P / hw.d2h_bw + 28.0 * P / hw.elementwise_bw + 4.0 * P / hw.h2d_bw;
+  EXPECT_DOUBLE_EQ(on_host.host_update_s, update);
+  EXPECT_NEAR(on_host.step_time_s, on_device.step_time_s + update, 1e-12);
+  EXPECT_EQ(on_device.host_update_s, 0);
+}
+
 // Recomputed tensors (Note [Recomputed tensors] in core/layout.h) leave the units: at the
 // same peak, the first layer of the backward, the units hold every layer's kept tensors
 // and the running layer holds its recomputed ones. A layer that recomputes its K/V keeps
@@ -245,6 +270,19 @@ TEST(MemoryTerms, ExplainOfAnSppoPlanIsItsPredictedPeak) {
   const auto j = to_json(m);
   EXPECT_EQ(j["device_bytes"].get<i64>(), m.device_total());
   EXPECT_NE(explain_text(m).find("dK/dV accumulators"), std::string::npos);
+  EXPECT_NE(explain_text(m).find("optimizer state on the device"), std::string::npos);
+  // The same plan with its optimizer state on the host: the state's rows move there.
+  plan::Plan host = out.plan;
+  host.optimizer_state = "host";
+  const SimResult r = simulate_plan(host, req.hw);
+  const MemoryExplain h = explain_memory(host, req.hw);
+  EXPECT_EQ(h.device_total(), r.peak_device_bytes);
+  EXPECT_EQ(line(h, Row::Optimizer), 0);
+  EXPECT_EQ(line(h, Row::Optimizer, true), line(m, Row::Optimizer));
+  EXPECT_EQ(line(h, Row::Gradients, true), line(m, Row::Optimizer) / 2);
+  EXPECT_EQ(line(h, Row::Weights, true), line(m, Row::Optimizer) / 2);
+  EXPECT_EQ(h.host_total(), r.host_at_peak.at(std::size_t(r.peak_rank)));
+  EXPECT_NE(explain_text(h).find("optimizer state on the host"), std::string::npos);
 }
 
 }  // namespace

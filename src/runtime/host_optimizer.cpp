@@ -1,0 +1,136 @@
+#include "runtime/host_optimizer.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "core/check.h"
+
+namespace sppo {
+
+namespace {
+
+std::size_t bytes_of(i64 floats) { return std::size_t(floats) * sizeof(float); }
+
+}  // namespace
+
+HostOptimizer::HostOptimizer(Backend& be, MemoryTier& host, const std::vector<ParamBucket>& buckets,
+                             const std::vector<ShardSpan>& shard, i64 state)
+    : be_(be),
+      buckets_(buckets),
+      shard_(shard),
+      master_(host.alloc_zeroed(i64(bytes_of(state)), "fp32 master weights (optimizer on the host)")),
+      m_(host.alloc_zeroed(i64(bytes_of(state)), "AdamW first moments")),
+      v_(host.alloc_zeroed(i64(bytes_of(state)), "AdamW second moments")),
+      grads_(host.alloc_zeroed(i64(bytes_of(state)), "gradients' copy (optimizer on the host)")),
+      down_(be.make_copy_stream()),
+      up_(be.make_copy_stream()),
+      worker_([this] { work(); }) {
+  SPPO_ASSERT(shard.size() == buckets.size());
+}
+
+HostOptimizer::~HostOptimizer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+  down_->synchronize();
+  up_->synchronize();
+}
+
+void HostOptimizer::load_master(const float* params) {
+  SPPO_ASSERT(!in_flight_);
+  for (const ShardSpan& sp : shard_) be_.to_host(master() + sp.state_offset, params + sp.offset, bytes_of(sp.count));
+}
+
+void HostOptimizer::start(float* params, const float* grads, std::vector<Piece> pieces, const Settings& s,
+                          comm::Comm* comm, comm::Group zero) {
+  SPPO_ASSERT_MSG(!in_flight_, "an optimizer update started before the last one was done");
+  // Every bucket's gradients go down at once, in order; the worker takes each as it lands.
+  down_done_.clear();
+  copied_bytes_ = 0;
+  for (const ShardSpan& sp : shard_) {
+    down_done_.push_back(down_->copy(grads_.f32() + sp.state_offset, grads + sp.offset, bytes_of(sp.count), {}));
+    copied_bytes_ += 2 * i64(bytes_of(sp.count));
+  }
+  taken_.assign(buckets_.size(), false);
+  params_ = params;
+  comm_ = comm;
+  zero_ = std::move(zero);
+  in_flight_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    up_done_.assign(buckets_.size(), nullptr);
+    next_ = Update{params, std::move(pieces), s};
+  }
+  cv_.notify_all();
+}
+
+void HostOptimizer::work() {
+  for (;;) {
+    Update u;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || next_; });
+      if (!next_) return;
+      u = std::move(*next_);
+      next_.reset();
+    }
+    try {
+      run(u);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      error_ = std::current_exception();
+    }
+    cv_.notify_all();
+  }
+}
+
+void HostOptimizer::run(const Update& u) {
+  const Settings& s = u.settings;
+  std::size_t p = 0;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    down_done_[b]->wait();
+    for (; p < u.pieces.size() && u.pieces[p].bucket == b; ++p) {
+      const Piece& q = u.pieces[p];
+      const i64 at = q.state_offset;
+      be_.host_adamw(master() + at, m() + at, v() + at, grads_.f32() + at, q.count, s.lr, s.beta1, s.beta2, s.eps,
+                     q.weight_decay, s.t);
+    }
+    const ShardSpan& sp = shard_[b];
+    auto up = up_->copy(u.params + sp.offset, master() + sp.state_offset, bytes_of(sp.count), {});
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      up_done_[b] = std::move(up);
+    }
+    cv_.notify_all();
+  }
+  SPPO_ASSERT_MSG(p == u.pieces.size(), "optimizer pieces out of bucket order");
+}
+
+bool HostOptimizer::ready(std::size_t b) {
+  if (!in_flight_ || taken_.at(b)) return false;
+  std::shared_ptr<Event> up;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return up_done_[b] != nullptr || error_; });
+    if (error_) std::rethrow_exception(error_);
+    up = up_done_[b];
+  }
+  up->wait();
+  if (!zero_.empty()) {
+    const ParamBucket& k = buckets_[b];
+    comm::wait(*comm_, comm_->iallgather(params_ + k.offset, k.count, zero_), "the all-gather of the updated weights");
+  }
+  taken_[b] = true;
+  in_flight_ = !std::all_of(taken_.begin(), taken_.end(), [](bool t) { return t; });
+  return true;
+}
+
+void HostOptimizer::gradients_taken() {
+  if (!in_flight_) return;
+  for (const auto& e : down_done_) e->wait();
+}
+
+}  // namespace sppo
