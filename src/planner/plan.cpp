@@ -44,6 +44,7 @@ nlohmann::json to_json(const Plan& p) {
       {"kv_recompute_layers", p.kv_recompute_layers},
       {"kv_window_tokens", p.kv_window_tokens()},
       {"recompute_tensors", recompute_tensors_text(p.recompute)},
+      {"mlp_tile_rows", p.mlp_tile_rows},
       {"predicted",
        {{"step_time_s", p.predicted.step_time_s},
         {"tokens_per_gpu_per_s", p.predicted.tokens_per_gpu_per_s},
@@ -115,6 +116,10 @@ Plan plan_from_json(const nlohmann::json& j) {
   p.alpha_rule = json_string_field(j, "alpha_rule", "", "planner", kWhere);
   // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings.
   p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
+  p.mlp_tile_rows = integer(j, "mlp_tile_rows", 0, 0, kIntMax);
+  SPPO_CHECK(p.mlp_tile_rows == 0 || p.tp == 1, "planner")
+      << kWhere << "\"mlp_tile_rows\" " << p.mlp_tile_rows << " with \"tp\" " << p.tp
+      << ": MLP tiles run without tensor parallelism; set one of them to its default";
   p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
   p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
   for (const i64 l : integers("kv_host_layers", 0, kIntMax)) {

@@ -216,6 +216,10 @@ TEST(PlanJson, RefusesValuesASimulationCannotUse) {
   EXPECT_ERROR_WITH(plan_from_json(with("system", 7)), "\"system\" must be a string");
   EXPECT_ERROR_WITH(plan_from_json(with("lengths", {i64(1) << 62, i64(1) << 62, i64(1) << 62})), "2^63");
   EXPECT_ERROR_WITH(plan_from_json(with("recompute_tensors", "fc_post")), "\"recompute_tensors\"");
+  EXPECT_ERROR_WITH(plan_from_json(with("mlp_tile_rows", -1)), "mlp_tile_rows");
+  nlohmann::json tiled_tp = with("mlp_tile_rows", 64);
+  tiled_tp["tp"] = 2;
+  EXPECT_ERROR_WITH(plan_from_json(tiled_tp), "MLP tiles run without tensor parallelism");
   EXPECT_ERROR_WITH(plan_from_json(with("kv_recompute_layers", {7})), "\"kv_recompute_layers\" names layer 7");
   nlohmann::json both = with("kv_recompute_layers", {0});
   both["kv_host_layers"] = {0};

@@ -98,6 +98,7 @@ struct PeakCase {
   const char* kv_cache = "device";
   const char* partition = "length";
   const char* recompute = "none";  // --recompute-tensors
+  i64 mlp_tile_rows = 0;           // --mlp-tile-rows
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -125,6 +126,13 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"tiny", 1000, "3", "full", 0, "recompute", "flops", "q,fc_pre"},
       // Under a budget nothing else fits: auto recomputes.
       {"small", 2048, "8", "adaptive", 0.3, "auto", "length", "auto"},
+      // MLP tiles (Note [MLP tiles]): with fc_pre kept, and recomputed a tile at a time;
+      // tiles that do not divide T, and longer than T.
+      {"tiny", 1024, "1", "none", 0, "device", "length", "none", 100},
+      {"tiny", 1000, "3", "0.3", 0, "device", "length", "ln1,ln2,fc_pre", 64},
+      {"small", 1024, "8", "full", 0, "host", "length", "fc_pre", 37},
+      {"small", 1024, "1", "none", 0, "device", "length", "all", 256},
+      {"tiny", 1000, "3", "full", 0, "recompute", "flops", "q,fc_pre", 5000},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -136,13 +144,15 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     o.kv_cache = c.kv_cache;
     o.partition = c.partition;
     o.recompute_tensors = c.recompute;
+    o.mlp_tile_rows = c.mlp_tile_rows;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
     const StepResult r = run_step(s, c.S);
     const std::string what = std::string(c.model) + " S " + std::to_string(c.S) + " N " + c.subseqs + " (" +
                              std::to_string(s.lengths.size()) + ") offload " + c.offload + " budget " +
-                             std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute;
+                             std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute +
+                             " mlp tiles " + std::to_string(c.mlp_tile_rows);
     if (std::string(c.recompute) == "auto") {
       const bool kv_recomputed = std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(),
                                             sched::KvPlace::Recompute) > 0;
