@@ -132,7 +132,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"tiny", 1000, "3", "0.3", 0, "device", "length", "ln1,ln2,fc_pre", 64},
       {"small", 1024, "8", "full", 0, "host", "length", "fc_pre", 37},
       {"small", 1024, "1", "none", 0, "device", "length", "all", 256},
-      {"tiny", 1000, "3", "full", 0, "recompute", "flops", "q,fc_pre", 5000},
+      {"tiny", 1000, "3", "full", 0, "device", "flops", "q,fc_pre", 5000},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
