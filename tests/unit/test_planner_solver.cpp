@@ -157,6 +157,32 @@ TEST(Solver, RecomputingFitsWhatTheDeviceCacheCannot) {
   EXPECT_EQ(short_one.plan.recompute, 0u);
 }
 
+// MLP tiles (Note [Placing every tensor] in solver.cpp): with K/V on the device, nothing
+// recomputed and nothing offloaded, a budget just under the best untiled plan's peak fits
+// only with the MLP in tiles, which the wider search finds; the same plan untiled does not
+// fit.
+TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
+  auto req = request("bench", i64(256) << 10, 1, "sppo");
+  req.gpus_per_node = 1;
+  req.offload = sim::OffloadMode::None;
+  req.kv_cache = "device";
+  req.recompute_auto = false;
+  const auto whole = sim::solve_plan(req);
+  ASSERT_TRUE(whole.ok) << whole.error;
+  EXPECT_EQ(whole.plan.mlp_tile_rows, 0);
+  req.budget = whole.plan.predicted.peak_device_bytes - 1;
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_EQ(p.mlp_tile_rows, sim::kPlanMlpTileRows);
+  EXPECT_LE(p.predicted.peak_device_bytes, req.budget);
+  Plan untiled = p;
+  untiled.mlp_tile_rows = 0;
+  EXPECT_GT(sim::simulate_plan(untiled, load_profile("a100-80gb")).peak_device_bytes, req.budget);
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(q.mlp_tile_rows, p.mlp_tile_rows);
+}
+
 TEST(Solver, SaysWhyNothingFits) {
   const auto out = sim::solve_plan(request("gpt-65b", i64(1) << 20, 4, "sppo"));
   ASSERT_FALSE(out.ok);
