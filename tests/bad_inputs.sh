@@ -41,6 +41,7 @@ sed 's/"budget_bytes":[0-9]*/"budget_bytes":1073741824/' plan_7b.json >plan_over
 sed 's/"kv_host_layers":\[\]/"kv_host_layers":[99]/' plan_tiny.json >plan_kv_layer.json
 sed 's/"recompute_tensors":"none"/"recompute_tensors":"fc_post"/' plan_tiny.json >plan_recompute.json
 sed 's/"optimizer_state":"device"/"optimizer_state":"gpu"/' plan_tiny.json >plan_optimizer.json
+sed 's/"mlp_tile_rows":0/"mlp_tile_rows":-3/' plan_tiny.json >plan_tiles.json
 sed 's/"lengths":\[4096\]/"lengths":[4000]/' plan_tiny.json >plan_bad_lengths.json
 sed 's/"lengths":\[4096\]/"lengths":[5000,-904]/; s/"alpha":\[0.0\]/"alpha":[0.0,0.0]/; s/"subseqs":1/"subseqs":2/' \
   plan_tiny.json >plan_negative_length.json
@@ -148,6 +149,11 @@ expect "\"recompute_tensors\"" train --plan plan_recompute.json
 expect "--optimizer-state 'sideways' is unknown; use device" train --model tiny --optimizer-state sideways
 expect "--optimizer-state must be device, host or auto" plan --optimizer-state sideways
 expect "optimizer_state must be device or host (got 'gpu')" train --plan plan_optimizer.json
+expect "--mlp-tile-rows must be 0 (off) or a positive number of rows (got -4)" train --model tiny --mlp-tile-rows -4
+expect "--mlp-tile-rows must be 0 (off) or a positive number of rows (got -1)" grads --model tiny --mlp-tile-rows -1 --out g
+expect "--mlp-tile-rows" train --model tiny --mlp-tile-rows many
+expect "--mlp-tile-rows runs the MLP of whole rows a tile at a time; it runs without --tp and --recompute" train --model tiny --recompute --mlp-tile-rows 64
+expect "\"mlp_tile_rows\"" train --plan plan_tiles.json
 expect "--offload 'sometimes'" train --model tiny --offload sometimes
 expect "--offload '1.5'" train --model tiny --offload 1.5
 expect "--partition" train --model tiny --partition random

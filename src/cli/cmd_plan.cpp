@@ -74,6 +74,7 @@ std::string layout_text(const plan::Plan& p) {
   if (!p.kv_host_layers.empty()) os << " kv-host";
   if (!p.kv_recompute_layers.empty()) os << " kv-recompute";
   if (p.recompute) os << " recompute " << recompute_tensors_text(p.recompute);
+  if (p.mlp_tile_rows) os << " mlp-tiles " << p.mlp_tile_rows;
   if (p.system == "sppo" && p.zero) os << " zero-1";
   if (p.system == "sppo" && p.optimizer_state == "host") os << " optimizer-host";
   if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;

@@ -38,8 +38,10 @@ struct StepFlags {
   std::string seq_len = "1024";
   std::string device_memory;
   std::string host_memory;
+  i64 mlp_tile_rows = 0;
   CLI::Option* model_option = nullptr;
   CLI::Option* seq_len_option = nullptr;
+  CLI::Option* mlp_tile_rows_option = nullptr;
 };
 
 void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
@@ -90,6 +92,10 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "groups ln1, q, attention, x_mid, ln2, fc_pre (a tensor brings its group: one forward step "
                   "makes them); none; all; or auto (none unless nothing else fits the budgets)")
       ->capture_default_str();
+  f.mlp_tile_rows_option =
+      cmd->add_option("--mlp-tile-rows", f.mlp_tile_rows,
+                      "Run each layer's MLP this many rows at a time, so its [T, 4H] intermediate (and a "
+                      "recomputed fc_pre) is never whole; 0: off (default: the plan's, else off)");
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
   cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
   cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");
@@ -151,6 +157,9 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
   if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
   if (!f.host_memory.empty()) o.host_memory = parse_bytes(f.host_memory, "--host-memory");
+  SPPO_CHECK(f.mlp_tile_rows >= 0, "options")
+      << "--mlp-tile-rows must be 0 (off) or a positive number of rows (got " << f.mlp_tile_rows << ")";
+  o.mlp_tile_rows = from_plan && !f.mlp_tile_rows_option->count() ? from_plan->mlp_tile_rows : f.mlp_tile_rows;
   o.model.validate();
 }
 

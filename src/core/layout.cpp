@@ -194,7 +194,9 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
   return block_workspace_specs(c, T, p, TpShard{});
 }
 
-std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp) {
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp,
+                                              const MlpTiles& tiles) {
+  SPPO_ASSERT(!(tp.on() && tiles.on()));
   const i64 H = c.hidden, Hr = tp.local_hidden(c), Zr = tp.local_heads(c);
   const auto [f0, f1] = tp.ffn(c);
   const DType a = act_dtype(p);
@@ -203,10 +205,11 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
   // (the residual gradient runs in place in head_grad) plus one [T, H] gradient and delta.
   std::vector<TensorSpec> s = {
       {"qkv", {T, 3 * Hr}, a, R::Workspace},
-      {"mlp_act", {T, f1 - f0}, a, R::Workspace},
+      {"mlp_act", {tiles.tile_rows(T), f1 - f0}, a, R::Workspace},
       {"d_tmp", {T, H}, a, R::Workspace},
       {"delta", {Zr, T}, DType::F32, R::Workspace},
   };
+  if (tiles.on() && tiles.fc_pre_recomputed) s.push_back({"fc_tile", {tiles.tile_rows(T), f1 - f0}, a, R::Workspace});
   if (tp.on()) {
     s.push_back({"tp_full", {T, H}, a, R::Workspace});
     s.push_back({"tp_pad", {tp.padded_rows(T), H}, a, R::Workspace});

@@ -117,11 +117,31 @@ std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecis
 // What the LM head saves for a subsequence of T tokens (head_grad).
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p);
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp);
+// Note [MLP tiles]: the MLP's intermediate is [T, F], F = 4H, the largest scratch of a
+// layer on a long subsequence. With tiles of R rows, a block's forward runs gelu and the
+// proj GEMM R rows at a time, and its backward the whole MLP half (gelu again, proj and
+// fc backward; the weight gradients accumulate over the tiles), so the workspace's
+// mlp_act is [min(T, R), F]. When backward recomputes fc_pre (Note [Recomputed tensors]),
+// fc_pre is never whole either: forward and backward make each tile's rows of it from
+// ln2_out into one more workspace buffer, fc_tile [min(T, R), F], and the recomputed
+// tensors lose their [T, F] fc_pre. R = 0: no tiles, the whole subsequence at once. Row
+// tiles change no result beyond fp32 rounding of the weight gradients' sums; they run
+// without tensor parallelism.
+struct MlpTiles {
+  i64 rows = 0;                    // R; 0: off
+  bool fc_pre_recomputed = false;  // fc_pre is made a tile at a time (fc_tile)
+  bool on() const { return rows > 0; }
+  i64 tile_rows(i64 T) const { return on() && rows < T ? rows : T; }
+};
+
 // Scratch one block needs while it runs forward or backward on T tokens (freed after).
 std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p);
 // Under tensor parallelism two more: "tp_full" [T, H], a gathered input or a partial sum
 // before its reduce-scatter, and "tp_pad" [tp.padded_rows(T), H], the collectives' buffer.
-std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp);
+// With MLP tiles, mlp_act has tiles.tile_rows(T) rows and, when fc_pre is recomputed,
+// "fc_tile" of as many rows follows delta.
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp,
+                                              const MlpTiles& tiles = {});
 // Scratch of the head: logits are computed in row chunks of at most `chunk` tokens.
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p);
 // Under tensor parallelism: ln_f_out of this member's rows, logits of its vocabulary
@@ -169,7 +189,7 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 // A set of a block's saved tensors: bit k is block_saved_specs()[k].
 using SavedSet = std::uint32_t;
 inline constexpr int kBlockSavedTensors = 14;
-inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6;
+inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6, kSavedFcPre = 13;
 inline constexpr bool in_set(SavedSet s, int k) { return (s >> k) & 1u; }
 struct RecomputeGroup {
   const char* name;

@@ -1,7 +1,9 @@
 #include "model/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/check.h"
@@ -94,9 +96,12 @@ BlockSaved block_saved_from(const std::vector<void*>& t) {
   return {t[0], f(t[1]), f(t[2]), t[3], t[4], t[5], t[6], t[7], f(t[8]), t[9], f(t[10]), f(t[11]), t[12], t[13]};
 }
 
-BlockWorkspace block_workspace_from(const std::vector<void*>& t, Workspace scratch) {
-  SPPO_ASSERT(t.size() == 4 || t.size() == 7);
+BlockWorkspace block_workspace_from(const std::vector<void*>& t, Workspace scratch, const MlpTiles& tiles) {
+  const bool fc_tile = tiles.on() && tiles.fc_pre_recomputed;
+  SPPO_ASSERT(t.size() == (fc_tile ? 5u : 4u) || (t.size() == 7 && !tiles.on()));
   BlockWorkspace w{t[0], t[1], t[2], static_cast<float*>(t[3]), scratch};
+  w.mlp_rows = int(std::min<i64>(tiles.rows, std::numeric_limits<int>::max()));  // past T: one tile
+  if (fc_tile) w.fc_tile = t[4];
   if (t.size() == 7) {
     w.tp_full = t[4];
     w.tp_pad = t[5];
@@ -238,9 +243,29 @@ void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const B
     be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, H, H, 0, 0);
     be.add_inplace(s.x_mid, s.x, i64(T) * H);
   }
-  // MLP half, up to its pre-activation: fc_pre = fc(LN2(x_mid))
+  // MLP half, up to its pre-activation: fc_pre = fc(LN2(x_mid)), unless the MLP's tiles
+  // make it (a null s.fc_pre)
   if (has(4)) be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T, H, c.ln_eps);
-  if (has(5)) be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, F, 0, 0);
+  if (has(5) && s.fc_pre) be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, F, 0, 0);
+}
+
+// Note [MLP tiles] (core/layout.h): rows [t0, t0 + rows) of the MLP at a time. Without
+// tiles, one tile of all T rows: the calls of an untiled block.
+template <typename Body>
+void for_mlp_tiles(const BlockWorkspace& w, int T, Body body) {
+  const int R = w.mlp_rows > 0 && w.mlp_rows < T ? w.mlp_rows : T;
+  for (int t0 = 0; t0 < T; t0 += R) body(t0, std::min(R, T - t0));
+}
+
+// The tile's rows of fc_pre: those of s.fc_pre, or made into w.fc_tile from ln2_out.
+const void* fc_pre_rows(Backend& be, const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w,
+                        const ModelConfig& c, int t0, int rows) {
+  const DType a = be.act();
+  const int H = c.hidden, F = c.ffn();
+  if (s.fc_pre) return act_at(s.fc_pre, i64(t0) * F, a);
+  SPPO_ASSERT(w.fc_tile);
+  be.linear_forward(w.fc_tile, act_at(s.ln2_out, i64(t0) * H, a), m.fc_w, m.fc_b, rows, H, F, 0, 0);
+  return w.fc_tile;
 }
 
 SavedSet every_group() {
@@ -254,10 +279,13 @@ SavedSet every_group() {
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, BlockAttention& attn, const ModelConfig& c, const Subseq& q) {
   const int T = q.T, H = c.hidden, F = c.ffn();
+  const DType a = be.act();
   forward_steps(be, s, every_group(), true, p, m, w, &attn, c, q);
   // x_out = x_mid + proj(gelu(fc_pre))
-  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);
-  be.linear_forward(x_out, w.mlp_act, m.proj_w, m.proj_b, T, F, H, 0, 0);
+  for_mlp_tiles(w, T, [&](int t0, int rows) {
+    be.gelu_forward(w.mlp_act, fc_pre_rows(be, s, m, w, c, t0, rows), i64(rows) * F);
+    be.linear_forward(act_at(x_out, i64(t0) * H, a), w.mlp_act, m.proj_w, m.proj_b, rows, F, H, 0, 0);
+  });
   be.add_inplace(x_out, s.x_mid, i64(T) * H);
 }
 
@@ -289,11 +317,16 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
   const int T = q.T, H = c.hidden, F = c.ffn();
   const DType a = be.act();
   // MLP half. d is the gradient w.r.t. x_out = x_mid + proj(gelu(fc_pre)).
-  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * F);  // recomputed: cheaper than saving it
-  be.linear_backward(nullptr, g.proj_w, g.proj_b, d, w.mlp_act, m.proj_w, T, F, H, 0, 0, w.scratch);
-  be.gemm(false, false, T, F, H, 1.0f, d, H, m.proj_w, F, 0.0f, w.mlp_act, F, a, a);  // d mlp_act
-  be.gelu_backward(w.mlp_act, w.mlp_act, s.fc_pre, i64(T) * F);                       // d fc_pre
-  be.linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, s.ln2_out, m.fc_w, T, H, F, 0, 0, w.scratch);
+  for_mlp_tiles(w, T, [&](int t0, int rows) {
+    const void* fc_pre = fc_pre_rows(be, s, m, w, c, t0, rows);
+    const void* dy = act_at(d, i64(t0) * H, a);
+    be.gelu_forward(w.mlp_act, fc_pre, i64(rows) * F);  // recomputed: cheaper than saving it
+    be.linear_backward(nullptr, g.proj_w, g.proj_b, dy, w.mlp_act, m.proj_w, rows, F, H, 0, 0, w.scratch);
+    be.gemm(false, false, rows, F, H, 1.0f, dy, H, m.proj_w, F, 0.0f, w.mlp_act, F, a, a);  // d mlp_act
+    be.gelu_backward(w.mlp_act, w.mlp_act, fc_pre, i64(rows) * F);                         // d fc_pre
+    be.linear_backward(act_at(w.d_tmp, i64(t0) * H, a), g.fc_w, g.fc_b, w.mlp_act, act_at(s.ln2_out, i64(t0) * H, a),
+                       m.fc_w, rows, H, F, 0, 0, w.scratch);
+  });
   be.layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H, w.scratch);
   // Attention half. d is now the gradient w.r.t. x_mid = x + out(attn_out).
   be.linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, m.out_w, T, H, H, 0, 0, w.scratch);

@@ -95,17 +95,22 @@ BlockSaved block_saved_from(const std::vector<void*>& ptrs);
 
 struct BlockWorkspace {
   void* qkv;           // [T, 3H]
-  void* mlp_act;       // [T, F]
+  void* mlp_act;       // [Tm, F]: Tm = T, or min(T, mlp_rows) with MLP tiles
   void* d_tmp;         // [T, H]
   float* delta;        // [Z, T]
   Workspace scratch;   // the kernels' (Backend::block_scratch); empty: their own
+  // Note [MLP tiles] (core/layout.h): rows of a tile (0: no tiles), and the tile's rows
+  // of fc_pre [Tm, F] where the saved fc_pre is recomputed (a null BlockSaved::fc_pre).
+  int mlp_rows = 0;
+  void* fc_tile = nullptr;
   // Tensor parallel only (block_workspace_specs with a TpShard): a gathered input or a
   // partial sum [T, H], the collectives' padded buffer, and this member's rows [Ts, H].
   void* tp_full = nullptr;
   void* tp_pad = nullptr;
   void* tp_rows = nullptr;
 };
-BlockWorkspace block_workspace_from(const std::vector<void*>& ptrs, Workspace scratch = {});
+BlockWorkspace block_workspace_from(const std::vector<void*>& ptrs, Workspace scratch = {},
+                                    const MlpTiles& tiles = {});
 
 // Keys and values of the earlier subsequences j < i of this layer, and (in backward) their
 // gradient accumulators. kv[j] covers positions offsets[j] .. offsets[j] + lengths[j] - 1.
@@ -178,7 +183,8 @@ inline i64 last_seen(const ModelConfig& c, const PosSpan& p) {
 // The AttnShape of one span of a block's queries (strides H).
 AttnShape span_shape(const ModelConfig& c, const PosSpan& p);
 
-// x_out[T, H] = block(s.x). Fills every tensor of `s` (x must already hold the input).
+// x_out[T, H] = block(s.x). Fills every tensor of `s` (x must already hold the input) but a
+// null s.fc_pre, which w.fc_tile holds a tile at a time (Note [MLP tiles]).
 // `attn` reaches the keys; the KVBlocks form attends to `past` (the KV blocks of j < i) and
 // this subsequence's own k/v (s.k, s.v) on this device.
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
@@ -202,7 +208,8 @@ void block_recompute(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const
 void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockMatrices& m, const ModelConfig& c,
                 i64 pos0, int rows);
 
-// d[T, H]: in the gradient w.r.t. the block output, out w.r.t. its input. dk_self/dv_self
+// d[T, H]: in the gradient w.r.t. the block output, out w.r.t. its input. A null s.fc_pre
+// is made again a tile at a time into w.fc_tile (Note [MLP tiles]). dk_self/dv_self
 // [T, H] are this subsequence's dK/dV accumulators: on entry they hold the contributions of
 // later subsequences (or zeros); on exit they are complete. past.dk/dv accumulate.
 // d_ln1_sums [T, H] fp32 (may be null): gradient of the LayerNorm-1 output that later

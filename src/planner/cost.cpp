@@ -89,7 +89,7 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   if (op.layer_end == s.layers) t += head_flops(T) / gemm_rate_ / tp;
   if (tp > 1)
     t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (op.layer_end == s.layers ? 2 : 0));
-  return t + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
+  return t + n * mlp_tiles_s(T, s.mlp_tile_rows) + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
 }
 
 namespace {
@@ -210,7 +210,13 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   double t = n * (layer_backward_s(o, spans) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   // Backward gathers four times and reduce-scatters twice a layer, the embedding once.
   if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
-  return t + kv_stream_s(op, s, o, true) + recompute_s(op, s, o, true);
+  return t + n * mlp_tiles_s(sched::span_tokens(spans), s.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
+         recompute_s(op, s, o, true);
+}
+
+double CostModel::mlp_tiles_s(i64 T, i64 rows) const {
+  if (rows <= 0 || T <= rows) return 0;
+  return double((T + rows - 1) / rows - 1) * hw_.layer_overhead * kMlpTileOverheadShare;
 }
 
 double CostModel::d2h_s(i64 bytes, bool duplex) const {

@@ -9,7 +9,8 @@
 //              (Note [Attention after a prefix], planner/profile.h)
 //   elementwise  kElementwiseWordsPerToken * H words per token read or written
 //              (LayerNorm, GeLU, residuals, RoPE, bias) over elementwise_bw, 2x in backward
-//   overhead   layer_overhead per layer (kernel launches and synchronisation)
+//   overhead   layer_overhead per layer (kernel launches and synchronisation), and a
+//              quarter of it for each MLP tile beyond the first (mlp_tiles_s)
 // The LM head runs its backward right after its forward (the loss gradient is known), so a
 // forward that ends at the last layer also pays 6 T H V FLOPs of head GEMMs.
 // A piece of a subsequence (an SP rank's part, an MSP piece) pays the attention of exactly
@@ -116,6 +117,13 @@ class CostModel {
   // The same for one layer on the tokens `spans` of a subsequence at offset o, recomputing
   // `groups` (in backward) and K/V (`kv`), on one of tp tensor-parallel members.
   double layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward, int tp) const;
+
+  // Note [MLP tiles] (core/layout.h): tiles of `rows` rows (0: none) run the same FLOPs
+  // as a whole MLP, but launch the MLP half's kernels again for each tile beyond the
+  // first: a quarter of a layer's launches, priced as that share of layer_overhead, in a
+  // layer's forward and again in its backward, on T tokens.
+  static constexpr double kMlpTileOverheadShare = 0.25;
+  double mlp_tiles_s(i64 T, i64 rows) const;
 
   // One all-gather (or reduce-scatter) of [T, H] activations over a tensor-parallel group
   // of tp consecutive devices.

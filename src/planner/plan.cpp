@@ -45,6 +45,7 @@ nlohmann::json to_json(const Plan& p) {
       {"kv_recompute_layers", p.kv_recompute_layers},
       {"kv_window_tokens", p.kv_window_tokens()},
       {"recompute_tensors", recompute_tensors_text(p.recompute)},
+      {"mlp_tile_rows", p.mlp_tile_rows},
       {"predicted",
        {{"step_time_s", p.predicted.step_time_s},
         {"tokens_per_gpu_per_s", p.predicted.tokens_per_gpu_per_s},
@@ -118,6 +119,10 @@ Plan plan_from_json(const nlohmann::json& j) {
   // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings;
   // the optimizer state on the device.
   p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
+  p.mlp_tile_rows = integer(j, "mlp_tile_rows", 0, 0, kIntMax);
+  SPPO_CHECK(p.mlp_tile_rows == 0 || p.tp == 1, "planner")
+      << kWhere << "\"mlp_tile_rows\" " << p.mlp_tile_rows << " with \"tp\" " << p.tp
+      << ": MLP tiles run without tensor parallelism; set one of them to its default";
   p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
   p.optimizer_state = json_string_field(j, "optimizer_state", "device", "planner", kWhere);
   p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());

@@ -54,6 +54,9 @@ struct Plan {
   // The saved tensors every layer's backward recomputes (Note [Recomputed tensors] in
   // core/layout.h; JSON "recompute_tensors", their groups: "ln1,ln2,fc_pre", or "none").
   SavedSet recompute = 0;
+  // Rows of every layer's MLP tiles (Note [MLP tiles] in core/layout.h; JSON
+  // "mlp_tile_rows"); 0: none.
+  i64 mlp_tile_rows = 0;
   Prediction predicted;
   std::vector<std::string> notes;
 };

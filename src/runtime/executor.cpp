@@ -175,6 +175,10 @@ HostKvCache::LayerWeights layer_weights(const StepState& st, const StageWeights&
   return {&wt.w->blocks[l], &wt.m->blocks[l], &wt.g->blocks[l]};
 }
 
+// A recomputed fc_pre under MLP tiles is never whole: the tiles make it a tile at a time
+// in the workspace (Note [MLP tiles] in core/layout.h).
+bool tiled_away(const MlpTiles& tiles, int k) { return k == kSavedFcPre && tiles.on() && tiles.fc_pre_recomputed; }
+
 }  // namespace
 
 void Runtime::forward(StepState& st, const sched::Op& op) {
@@ -189,14 +193,15 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     SPPO_ASSERT_MSG(st.act.unit(i, b)[0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
   const bool own = lb_ <= b && e <= le_;  // else an MSP helper's, on borrowed weights
+  const MlpTiles tiles = st.sched.mlp_tiles();
   Buffer out;  // the stage's output
   for (int l = b; l < e; ++l) {
     if (own) await_weights(l);
     auto& unit = st.act.unit(i, l);
     for (int k = 0; k < kSavedTensors; ++k)
-      if (!unit[k]) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
-    const BlockWorkspace w_ptrs = block_workspace_from(ptrs(ws));
+      if (!unit[k] && !tiled_away(tiles, k)) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp, tiles), "workspace ");
+    const BlockWorkspace w_ptrs = block_workspace_from(ptrs(ws), {}, tiles);
     if (l == 0 && st.tp)
       embedding_forward_tp(be_, unit[0].data(), ids, wt.w->embed, w_ptrs.tp_full, w_ptrs.tp_pad, *st.tp, config_, q);
     else if (l == 0)
@@ -215,7 +220,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     }
     const LayerAttention attn = st.kv.attention(op, l, false, layer_weights(st, wt, l));
     BlockSaved saved = block_saved_from(ptrs(unit));
-    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
+    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get(), tiles);
     if (st.tp)
       block_forward_tp(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, *st.tp, config_, q);
     else
@@ -271,6 +276,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int T = q.T, L = config_.layers;
   const int H = config_.hidden;
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
+  const MlpTiles tiles = st.sched.mlp_tiles();
   // The residual gradient: the head's on the last stage, else the next stage's.
   Buffer d_buf = e == L ? std::move(st.act.head_grad(i)) : st.messages.take_input(input_key(op), q);
   SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
@@ -282,9 +288,9 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     // others').
     st.kv.alloc_accumulators(l, i);
     auto& unit = st.act.unit(i, l);
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp), "workspace ");
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp, tiles), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
-    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get());
+    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get(), tiles);
     st.kv.restore(l, i);
     const LayerAttention attn = st.kv.attention(op, l, true, layer_weights(st, wt, l));
     // Note [Recomputed tensors]: the tensors the schedule recomputes, and on a layer that
@@ -292,7 +298,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     const bool kv = st.sched.kv_recomputed(l);
     if (st.sched.recompute || kv) {
       for (int k = 0; k < kSavedTensors; ++k)
-        if (in_set(st.sched.recompute, k) || (kv && (k == kK || k == kV)))
+        if ((in_set(st.sched.recompute, k) && !tiled_away(tiles, k)) || (kv && (k == kK || k == kV)))
           unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       BlockSaved s = block_saved_from(ptrs(unit));
       if (st.tp)
@@ -309,7 +315,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
       block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, *attn, config_, q);
     }
     for (int k = 0; k < kSavedTensors; ++k)
-      SPPO_ASSERT_MSG(unit[k], "saved tensor " << specs[k].name << " of layer " << l
+      SPPO_ASSERT_MSG(unit[k] || tiled_away(tiles, k), "saved tensor " << specs[k].name << " of layer " << l
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));
     if (st.tp) {

@@ -63,6 +63,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
              "runtime")
       << "recomputing the attention (--recompute-tensors attention) runs it again inside the backward, on the K/V "
          "of the device: it runs without --cp, --msp on and --kv-cache host or recompute";
+  SPPO_CHECK(sc.mlp_tile_rows >= 0, "runtime") << "MLP tiles of " << sc.mlp_tile_rows << " rows; use 0 (none) or more";
+  SPPO_CHECK(sc.mlp_tile_rows == 0 || (sc.tp == 1 && !o.recompute), "runtime")
+      << "MLP tiles (--mlp-tile-rows) run without --tp and --recompute";
 }
 
 StepState::StepState(const StepContext& c, const sched::Schedule& sc, const StepControl& ctl, StepResult& res)

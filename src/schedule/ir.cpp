@@ -259,6 +259,7 @@ std::string to_string(const Schedule& s) {
     for (size_t l = 0; l < s.kv_place.size(); ++l) os << (l ? "," : "") << to_string(s.kv_place[l]);
   }
   if (s.recompute) os << " recompute=" << recompute_tensors_text(s.recompute);
+  if (s.mlp_tile_rows) os << " mlp_tile_rows=" << s.mlp_tile_rows;
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {
     os << "rank " << r << ":\n";

@@ -147,6 +147,9 @@ struct Schedule {
   // The saved tensors every layer's backward recomputes instead of keeping (Note
   // [Recomputed tensors] in core/layout.h; a closed set of groups).
   SavedSet recompute = 0;
+  // Rows of every layer's MLP tiles (Note [MLP tiles] in core/layout.h); 0: none.
+  i64 mlp_tile_rows = 0;
+  MlpTiles mlp_tiles() const { return {mlp_tile_rows, in_set(recompute, kSavedFcPre)}; }
 
   i64 offset(int i) const;              // o_i = l_0 + ... + l_{i-1}
   i64 seq_len() const;                  // S

@@ -234,8 +234,9 @@ i64 RankMemory::saved_bytes(i64 T, Role role) const {
 i64 RankMemory::recomputed_bytes(i64 T) const {
   i64 b = 0;
   const auto specs = block_saved_specs(rules_.model, T, rules_.precision, tp_);
-  for (std::size_t k = 0; k < specs.size(); ++k)
-    if (in_set(s_.recompute, int(k))) b += specs[k].bytes();
+  const MlpTiles tiles = s_.mlp_tiles();
+  for (std::size_t k = 0; k < specs.size(); ++k)  // under MLP tiles fc_pre is in the workspace
+    if (in_set(s_.recompute, int(k)) && !(int(k) == kSavedFcPre && tiles.on())) b += specs[k].bytes();
   return b;
 }
 
@@ -244,7 +245,10 @@ i64 RankMemory::kv_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::S
 i64 RankMemory::unit_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::Offloadable) : unit_pt_ * T; }
 
 i64 RankMemory::ws_bytes(i64 T) const {
-  const i64 layer = tp_.on() ? total_bytes(block_workspace_specs(rules_.model, T, rules_.precision, tp_)) : ws_pt_ * T;
+  const MlpTiles tiles = s_.mlp_tiles();
+  const i64 layer = tp_.on() || tiles.on()
+                        ? total_bytes(block_workspace_specs(rules_.model, T, rules_.precision, tp_, tiles))
+                        : ws_pt_ * T;
   return layer + rules_.block_scratch.bytes(T);
 }
 

@@ -27,6 +27,9 @@
 //    allocated with the unit at the start of each layer's F and freed at its end, and
 //    again for the layer's B, freed with the unit; they are not part of the unit that O(i)
 //    offloads.
+//  - MLP tiles (Schedule::mlp_tile_rows, Note [MLP tiles] in core/layout.h): the
+//    workspace's mlp_act, and fc_tile where fc_pre is recomputed, have min(T, R) rows, and
+//    a recomputed fc_pre is not among the recomputed tensors.
 //  - A layer's K/V (Schedule::kv_place): Device, as above; Host: K_i, V_i go to the host at
 //    the end of F, come back at the start of B with the complete dK/dV sums of i, and the
 //    earlier blocks stream through a window (MemTerm::KVWindow); Recompute: K_i, V_i are

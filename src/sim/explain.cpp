@@ -222,9 +222,18 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                    "[T, H] rows of " + num(double(h_row)) + " B: layer outputs, residual gradients, hidden states "
                    "sent and received between stages: " + num(double(at(sched::MemTerm::Hidden)) / double(h_row)) +
                        " rows"});
-  lines.push_back({Row::LayerWorkspace, at(sched::MemTerm::Workspace), 0,
-                   "one layer's scratch: qkv, MLP activation, a gradient row, delta (" +
-                       num(double(mem.ws_per_token())) + " B per token) + kernel scratch"});
+  // Note [MLP tiles]: the MLP activation (and a recomputed fc_pre) a tile of R rows at a time.
+  const i64 mlp_row = i64(c.ffn()) * rules.act_bytes();
+  const bool fc_tile = p.mlp_tile_rows > 0 && in_set(p.recompute, kSavedFcPre);
+  lines.push_back(
+      {Row::LayerWorkspace, at(sched::MemTerm::Workspace), 0,
+       p.mlp_tile_rows == 0
+           ? "one layer's scratch: qkv, MLP activation, a gradient row, delta (" + num(double(mem.ws_per_token())) +
+                 " B per token) + kernel scratch"
+           : "one layer's scratch: qkv, a gradient row, delta (" + num(double(mem.ws_per_token() - mlp_row)) +
+                 " B per token) + the MLP activation" + (fc_tile ? " and fc_pre" : "") + " in tiles of min(T, " +
+                 std::to_string(p.mlp_tile_rows) + ") rows (" + num(double(mlp_row * (fc_tile ? 2 : 1))) +
+                 " B per row) + kernel scratch"});
   lines.push_back({Row::AttentionWorkspace, 0, 0, "in the layer workspace (the flash kernel's blocks)"});
   lines.push_back({Row::Logits, at(sched::MemTerm::HeadWorkspace), 0,
                    "logits of " + std::to_string(rules.head_chunk) + " rows at a time, [chunk, V] and its gradient"});

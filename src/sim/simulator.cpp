@@ -844,7 +844,8 @@ bool Resimulator::replace(Schedule s) {
   State& st = *st_;
   std::vector<RankEvents> mem(st.mem.size());
   bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
-              s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute;
+              s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute &&
+              s.mlp_tile_rows == st.schedule.mlp_tile_rows;
   if (same) {
     std::vector<char> ok(size_t(s.ranks), 0);
     for_each_rank(s.ranks, [&](int r) {

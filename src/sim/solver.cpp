@@ -79,6 +79,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   }
   s.kv_place = shape.kv_place;
   s.recompute = shape.recompute;
+  s.mlp_tile_rows = shape.mlp_tile_rows;
   return s;
 }
 
@@ -585,6 +586,7 @@ Schedule build_plan_schedule(const plan::Plan& p, const sched::PipelineSpec& spe
   Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), p.tp);
   s.kv_place = kv_place_of(p);
   s.recompute = p.recompute;
+  s.mlp_tile_rows = p.mlp_tile_rows;
   return s;
 }
 
@@ -787,10 +789,16 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // beyond --recompute-tensors (so a plan that fits that way is the plan it was before
   // these placements existed), then, only when nothing fits, over every other placement
   // --kv-cache and --recompute-tensors allow, each (layout, placement) a candidate with
-  // its own bounds, and the fastest that fits wins.
+  // its own bounds, and the fastest that fits wins. The wider search also runs each of
+  // those placements with the MLP in tiles of kPlanMlpTileRows rows (Note [MLP tiles] in
+  // core/layout.h) on layouts without tensor parallelism whose subsequences are longer:
+  // the workspace's [T, F] MLP activation, and a recomputed fc_pre, become [R, F]. The
+  // same FLOPs in GEMMs of R rows, which run at the rate of whole ones; the cost model
+  // prices the tiles' kernel launches (CostModel::mlp_tiles_s).
   struct Placement {
     sched::KvPlace kv = sched::KvPlace::Device;
     SavedSet recompute = 0;
+    i64 mlp_tile_rows = 0;
     bool operator==(const Placement&) const = default;
   };
   const SavedSet attention_group = recompute_groups()[2].tensors;
@@ -815,9 +823,13 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         const Placement pl{kv, set};
         if (!(pl == first)) wider.push_back(pl);
       }
+    const std::size_t untiled = wider.size();
+    wider.push_back({first.kv, first.recompute, kPlanMlpTileRows});
+    for (std::size_t k = 0; k < untiled; ++k) wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows});
   }
   auto placed = [&](plan::Plan p, const Placement& pl) {
     p.recompute = pl.recompute;
+    p.mlp_tile_rows = pl.mlp_tile_rows;
     for (int l = 0; l < c.layers; ++l) {
       if (pl.kv == sched::KvPlace::Host) p.kv_host_layers.push_back(l);
       if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
@@ -827,6 +839,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // Whether a layout can run a placement: streamed K/V are one rank's own blocks (no
   // ring, no MSP); recomputed K/V need a rank's whole rows of x (no tensor parallelism).
   auto runs = [&](const plan::Plan& p, const Placement& pl) {
+    if (pl.mlp_tile_rows > 0 &&
+        (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
+      return false;
     if (pl.kv == sched::KvPlace::Device) return true;
     return p.sp == 1 && req.msp != 1 && (pl.kv != sched::KvPlace::Recompute || p.tp == 1);
   };
@@ -920,9 +935,10 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         if (req.msp == 1 && !p.msp) continue;
         cands.push_back(std::move(p));
         cand_pl.push_back(pl);
-        group.push_back(base * 3 + std::size_t(pl.kv));
+        group.push_back((base * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0));
         level.push_back(std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
-          return o.kv == pl.kv && (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
+          return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && (o.recompute & pl.recompute) == o.recompute &&
+                 o.recompute != pl.recompute;
         })));
       }
     std::vector<std::tuple<i64, double, i64>> bound(cands.size());
@@ -1071,6 +1087,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
                          (req.kv_cache == "recompute" ? "--kv-cache recompute" : why_wider) +
                          "): later subsequences stream the inputs of earlier ones through a window of " +
                          std::to_string(best.kv_window_tokens()) + " tokens a layer (train --kv-cache recompute)");
+  if (best.mlp_tile_rows > 0)
+    best.notes.push_back("the MLP runs in tiles of " + std::to_string(best.mlp_tile_rows) + " rows (" + why_wider +
+                         "; train --mlp-tile-rows " + std::to_string(best.mlp_tile_rows) + ")");
   if (best.recompute != req.recompute)
     best.notes.push_back("backward recomputes " + recompute_tensors_text(best.recompute) + " (" + why_wider +
                          "; train --recompute-tensors " + recompute_tensors_text(best.recompute) + ")");

@@ -54,6 +54,7 @@ struct StepShape {
   ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)
   std::vector<sched::KvPlace> kv_place;  // where each layer keeps its K/V (Schedule::kv_place)
   SavedSet recompute = 0;          // saved tensors backward recomputes (Schedule::recompute)
+  i64 mlp_tile_rows = 0;           // Schedule::mlp_tile_rows
 };
 // The schedule of one step of that shape (build_single for one process), expanded for
 // tensor parallelism (sched::expand_tensor_parallel) when tp > 1.
@@ -116,6 +117,10 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
 sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero = false, int zero_shards = 0);
 // The memory rules of a runtime step of `shape`.
 sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape);
+
+// Rows of the MLP tiles the planner's wider search tries (Note [Placing every tensor] in
+// solver.cpp): GEMMs of 4096 rows run at the rate of whole ones.
+inline constexpr i64 kPlanMlpTileRows = 4096;
 
 struct PlanRequest {
   std::string model_name;

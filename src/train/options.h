@@ -29,6 +29,7 @@ struct StepOptions {
   // Saved tensors backward recomputes (core/layout.h Note [Recomputed tensors]): a list of
   // tensor or group names, "none", or "auto" (none unless nothing else fits the budgets).
   std::string recompute_tensors = "auto";
+  i64 mlp_tile_rows = 0;              // rows of the MLP's tiles (Note [MLP tiles] in core/layout.h); 0: off
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
   std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
   std::string precision;              // fp32 | bf16 ("": the backend's default)

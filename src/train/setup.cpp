@@ -252,6 +252,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   }
   shape.precision = precision;
   if (from_plan) shape.stage_layers = from_plan->stage_layers;
+  SPPO_CHECK(o.mlp_tile_rows == 0 || (shape.tp == 1 && !o.recompute), "options")
+      << "--mlp-tile-rows runs the MLP of whole rows a tile at a time; it runs without --tp and --recompute "
+         "(use --mlp-tile-rows 0 there)";
+  shape.mlp_tile_rows = o.mlp_tile_rows;
   // The kernels' scratch comes from the device tier too.
   shape.block_scratch = s.backend->block_scratch(s.config);
   shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);

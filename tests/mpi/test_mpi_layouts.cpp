@@ -7,7 +7,7 @@
 // parallelism with sequence-parallel regions over 2, 3 (heads, MLP and vocabulary split
 // unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages; the K/V
 // cache on the host under pipeline, tensor and data parallelism; K/V and saved tensors
-// recomputed under each layout that runs them.
+// recomputed under each layout that runs them; MLP tiles.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -179,6 +179,19 @@ TEST_F(Layouts, RecomputedTensorsAndKv) {
   check(2, "--cp 2 --subseqs 3 --recompute-tensors ln1,q,x_mid,ln2,fc_pre", "ref1");
   check(2, "--dp 2 --subseqs 3 --kv-cache recompute --recompute-tensors fc_pre", "ref2");
   check(2, "--pp 2 --subseqs 4 --msp on --recompute-tensors ln1,ln2,fc_pre", "ref1");
+}
+
+// MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and
+// recomputed a tile at a time: N 1, 3, 8 on a pipeline of 2 stages and a ring of 2 ranks,
+// and MSP pieces.
+TEST_F(Layouts, MlpTiles) {
+  check(2, "--pp 2 --mlp-tile-rows 7", "ref1");
+  check(2, "--pp 2 --subseqs 3 --offload 0.5 --mlp-tile-rows 7 --recompute-tensors fc_pre", "ref1");
+  check(2, "--pp 2 --subseqs 8 --offload full --mlp-tile-rows 5 --recompute-tensors ln1,ln2,fc_pre", "ref1");
+  check(2, "--cp 2 --mlp-tile-rows 16 --recompute-tensors fc_pre", "ref1");
+  check(2, "--cp 2 --subseqs 3 --mlp-tile-rows 7", "ref1");
+  check(2, "--cp 2 --subseqs 8 --mlp-tile-rows 5 --recompute-tensors ln1,q,x_mid,ln2,fc_pre", "ref1");
+  check(2, "--pp 2 --subseqs 4 --msp on --mlp-tile-rows 5 --recompute-tensors fc_pre", "ref1");
 }
 
 // Multiplexed sequence partitioning (Note [MSP pieces]): the bubble-adjacent subsequences

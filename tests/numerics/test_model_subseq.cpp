@@ -44,7 +44,7 @@ std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
 
 Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
           const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<sched::KvPlace> kv = {},
-          SavedSet recompute_tensors = 0) {
+          SavedSet recompute_tensors = 0, i64 mlp_tile_rows = 0) {
   RuntimeOptions o;
   o.recompute = recompute;
   o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
@@ -57,6 +57,7 @@ Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vect
   sched::Schedule sc = sched::build_single(c.layers, lengths, alpha);
   sc.kv_place = std::move(kv);
   sc.recompute = recompute_tensors;
+  sc.mlp_tile_rows = mlp_tile_rows;
   StepResult r = rt.step(sc, tokens.data());
   Grads out;
   out.loss = r.loss;
@@ -212,6 +213,40 @@ TEST(Subsequences, RecomputedTensorsMatch) {
                    run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false,
                        std::vector<KvPlace>(std::size_t(c.layers), kv), streamed),
                    std::string("recompute with ") + sched::to_string(kv) + " K/V");
+}
+
+// MLP tiles (Note [MLP tiles] in core/layout.h): a tile of one row, tiles that do not
+// divide the subsequences, and tiles longer than them, with fc_pre kept or recomputed (a
+// tile at a time), for N 1, 3, 8 with and without offload, and with K/V on the host.
+TEST(Subsequences, MlpTilesMatch) {
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 13);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  for (i64 R : {1, 5, 64})
+    for (SavedSet set : {SavedSet(0), recompute_groups()[5].tensors, recompute_levels().back()})
+      for (int N : {1, 3, 8})
+        for (double a : {0.0, 1.0}) {
+          const std::string what = "tiles of " + std::to_string(R) + " recompute " + recompute_tensors_text(set) +
+                                   " N=" + std::to_string(N) + " alpha=" + std::to_string(a);
+          expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, {}, set, R), what);
+        }
+  expect_matches(c, ref,
+                 run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false,
+                     std::vector<sched::KvPlace>(std::size_t(c.layers), sched::KvPlace::Host),
+                     recompute_groups()[5].tensors, 4),
+                 "tiles of 4 with host K/V");
+}
+
+// Tiles lower the peak: the MLP activation, and a recomputed fc_pre, are never whole.
+TEST(Subsequences, MlpTilesLowerThePeak) {
+  ModelConfig c = small_config();
+  c.hidden = 64;
+  const i64 S = 256;
+  const auto tokens = random_tokens(S, c.vocab, 14);
+  const SavedSet fc_pre = recompute_groups()[5].tensors;
+  EXPECT_LT(run(c, {S}, {0.0}, tokens, false, {}, 0, 32).peak, run(c, {S}, {0.0}, tokens).peak);
+  EXPECT_LT(run(c, {S}, {0.0}, tokens, false, {}, fc_pre, 32).peak, run(c, {S}, {0.0}, tokens, false, {}, fc_pre).peak);
 }
 
 // Recomputing lowers the peak: the saved tensors it drops are no longer held between a

@@ -185,6 +185,32 @@ TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
   EXPECT_NE(device.error.find("weights, gradients and optimizer state alone"), std::string::npos) << device.error;
 }
 
+// MLP tiles (Note [Placing every tensor] in solver.cpp): with K/V on the device, nothing
+// recomputed and nothing offloaded, a budget just under the best untiled plan's peak fits
+// only with the MLP in tiles, which the wider search finds; the same plan untiled does not
+// fit.
+TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
+  auto req = request("bench", i64(256) << 10, 1, "sppo");
+  req.gpus_per_node = 1;
+  req.offload = sim::OffloadMode::None;
+  req.kv_cache = "device";
+  req.recompute_auto = false;
+  const auto whole = sim::solve_plan(req);
+  ASSERT_TRUE(whole.ok) << whole.error;
+  EXPECT_EQ(whole.plan.mlp_tile_rows, 0);
+  req.budget = whole.plan.predicted.peak_device_bytes - 1;
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_EQ(p.mlp_tile_rows, sim::kPlanMlpTileRows);
+  EXPECT_LE(p.predicted.peak_device_bytes, req.budget);
+  Plan untiled = p;
+  untiled.mlp_tile_rows = 0;
+  EXPECT_GT(sim::simulate_plan(untiled, load_profile("a100-80gb")).peak_device_bytes, req.budget);
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(q.mlp_tile_rows, p.mlp_tile_rows);
+}
+
 TEST(Solver, SaysWhyNothingFits) {
   const auto out = sim::solve_plan(request("gpt-65b", i64(1) << 20, 4, "sppo"));
   ASSERT_FALSE(out.ok);
@@ -244,6 +270,10 @@ TEST(PlanJson, RefusesValuesASimulationCannotUse) {
   EXPECT_ERROR_WITH(plan_from_json(with("system", 7)), "\"system\" must be a string");
   EXPECT_ERROR_WITH(plan_from_json(with("lengths", {i64(1) << 62, i64(1) << 62, i64(1) << 62})), "2^63");
   EXPECT_ERROR_WITH(plan_from_json(with("recompute_tensors", "fc_post")), "\"recompute_tensors\"");
+  EXPECT_ERROR_WITH(plan_from_json(with("mlp_tile_rows", -1)), "mlp_tile_rows");
+  nlohmann::json tiled_tp = with("mlp_tile_rows", 64);
+  tiled_tp["tp"] = 2;
+  EXPECT_ERROR_WITH(plan_from_json(tiled_tp), "MLP tiles run without tensor parallelism");
   EXPECT_ERROR_WITH(plan_from_json(with("kv_recompute_layers", {7})), "\"kv_recompute_layers\" names layer 7");
   nlohmann::json both = with("kv_recompute_layers", {0});
   both["kv_host_layers"] = {0};

@@ -100,6 +100,7 @@ struct PeakCase {
   const char* partition = "length";
   const char* recompute = "none";  // --recompute-tensors
   const char* optimizer = "device";  // --optimizer-state
+  i64 mlp_tile_rows = 0;           // --mlp-tile-rows
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -131,6 +132,13 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"tiny", 1000, "3", "0.3", 0, "device", "length", "none", "host"},
       {"small", 1024, "8", "full", 0, "host", "length", "none", "host"},
       {"small", 1024, "8", "adaptive", 0.5, "device", "length", "none", "host"},
+      // MLP tiles (Note [MLP tiles]): with fc_pre kept, and recomputed a tile at a time;
+      // tiles that do not divide T, and longer than T.
+      {"tiny", 1024, "1", "none", 0, "device", "length", "none", "device", 100},
+      {"tiny", 1000, "3", "0.3", 0, "device", "length", "ln1,ln2,fc_pre", "device", 64},
+      {"small", 1024, "8", "full", 0, "host", "length", "fc_pre", "device", 37},
+      {"small", 1024, "1", "none", 0, "device", "length", "all", "device", 256},
+      {"tiny", 1000, "3", "full", 0, "device", "flops", "q,fc_pre", "device", 5000},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -143,6 +151,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     o.partition = c.partition;
     o.recompute_tensors = c.recompute;
     o.optimizer_state = c.optimizer;
+    o.mlp_tile_rows = c.mlp_tile_rows;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
@@ -150,7 +159,8 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     const std::string what = std::string(c.model) + " S " + std::to_string(c.S) + " N " + c.subseqs + " (" +
                              std::to_string(s.lengths.size()) + ") offload " + c.offload + " budget " +
                              std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute +
-                             " optimizer state " + c.optimizer;
+                             " optimizer state " + c.optimizer +
+                             " mlp tiles " + std::to_string(c.mlp_tile_rows);
     if (std::string(c.recompute) == "auto") {
       const bool kv_recomputed = std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(),
                                             sched::KvPlace::Recompute) > 0;

@@ -121,6 +121,34 @@ TEST(MemoryTerms, RecomputedTensorsByHand) {
   EXPECT_EQ(std::accumulate(t.begin(), t.end(), i64(0)), kr.peak_device_bytes);
 }
 
+// MLP tiles (Note [MLP tiles] in core/layout.h): at the same peak the workspace holds R
+// rows of mlp_act instead of T, and a recomputed fc_pre leaves the recomputed tensors for
+// R rows of fc_tile in the workspace. The explain row says so.
+TEST(MemoryTerms, MlpTilesByHand) {
+  const ModelConfig c = small_config();
+  const i64 H = c.hidden, F = c.ffn(), Z = c.heads, T = 512, R = 100;
+  const auto rules = memory_rules(c, ActPrecision::BF16);
+  const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
+  sched::Schedule s = sched::build_single(c.layers, {T}, {0.0});
+  s.mlp_tile_rows = R;
+  const SimResult r = simulate(s, cost, rules);
+  EXPECT_EQ(term(r, 0, MemTerm::Workspace), (2 * 3 * H + 2 * H + 4 * Z) * T + 2 * F * R);
+  const SimResult none = simulate(sched::build_single(c.layers, {T}, {0.0}), cost, rules);
+  EXPECT_EQ(none.peak_device_bytes - r.peak_device_bytes, 2 * F * (T - R));
+
+  s.recompute = parse_recompute_tensors("fc_pre");
+  const SimResult rc = simulate(s, cost, rules);
+  EXPECT_EQ(term(rc, 0, MemTerm::Recomputed), 0);
+  EXPECT_EQ(term(rc, 0, MemTerm::Workspace), (2 * 3 * H + 2 * H + 4 * Z) * T + 2 * 2 * F * R);
+  sched::Schedule whole = sched::build_single(c.layers, {T}, {0.0});
+  whole.recompute = s.recompute;
+  const SimResult whole_rc = simulate(whole, cost, rules);
+  EXPECT_EQ(term(whole_rc, 0, MemTerm::Recomputed), 2 * F * T);
+  EXPECT_EQ(whole_rc.peak_device_bytes - rc.peak_device_bytes, 2 * F * T + 2 * F * (T - R) - 2 * F * R);
+  const auto& t = rc.peak_terms[0];
+  EXPECT_EQ(std::accumulate(t.begin(), t.end(), i64(0)), rc.peak_device_bytes);
+}
+
 TEST(MemoryTerms, OffloadedBytesAreOnTheHostAtThePeak) {
   // Subsequence 0's whole unit leaves during F(1) and comes back behind B(1): the peak, in
   // the backward of a later subsequence, is the same moment with and without it, lower by
@@ -283,6 +311,26 @@ TEST(MemoryTerms, ExplainOfAnSppoPlanIsItsPredictedPeak) {
   EXPECT_EQ(line(h, Row::Weights, true), line(m, Row::Optimizer) / 2);
   EXPECT_EQ(h.host_total(), r.host_at_peak.at(std::size_t(r.peak_rank)));
   EXPECT_NE(explain_text(h).find("optimizer state on the host"), std::string::npos);
+}
+
+// MLP tiles (Note [MLP tiles]) in a plan: one device, one subsequence of S tokens, whose
+// peak is at the first layer of the backward. Tiles of R rows take (S - R) rows of the
+// bf16 [S, F] MLP activation off it, and the workspace row's formula says so.
+TEST(MemoryTerms, ExplainOfAnSppoPlanWithMlpTiles) {
+  const i64 S = i64(16) << 10;
+  plan::Plan one = baseline_plan("sppo", 1, 1, 1, 1, S);
+  one.stage_layers = {one.model.layers};
+  one.offload = "none";
+  plan::Plan tiled = one;
+  tiled.mlp_tile_rows = kPlanMlpTileRows;
+  const auto hw = plan::load_profile("a100-80gb");
+  const MemoryExplain m = explain_memory(one, hw), mt = explain_memory(tiled, hw);
+  EXPECT_EQ(mt.device_total(), simulate_plan(tiled, hw).peak_device_bytes);
+  EXPECT_EQ(m.device_total() - mt.device_total(), (S - kPlanMlpTileRows) * one.model.ffn() * 2);
+  EXPECT_EQ(line(m, Row::LayerWorkspace) - line(mt, Row::LayerWorkspace),
+            (S - kPlanMlpTileRows) * one.model.ffn() * 2);
+  EXPECT_NE(explain_text(mt).find("the MLP activation in tiles of min(T, 4096) rows"), std::string::npos)
+      << explain_text(mt);
 }
 
 }  // namespace
