@@ -1,5 +1,7 @@
 #include "runtime/activation_store.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 
 namespace sppo {
@@ -99,7 +101,7 @@ void ActivationStore::prefetch(int i) {
   auto move_in = [&](Buffer& dev, Buffer& host, const std::string& what) {
     if (!host) return;
     dev = device_.alloc(host.bytes(), what);
-    auto ev = h2d_->copy(dev.data(), host.data(), std::size_t(host.bytes()), [&host] { host.reset(); });
+    auto ev = h2d_->copy(dev.data(), host.data(), std::size_t(host.bytes()), {});
     if (!prefetch_first_[i]) prefetch_first_[i] = ev;
     prefetch_last_[i] = ev;
   };
@@ -110,7 +112,16 @@ void ActivationStore::prefetch(int i) {
 
 double ActivationStore::wait_offload(int i) { return offload_last_[i] ? offload_last_[i]->wait() : 0; }
 
-double ActivationStore::wait_prefetch(int i) { return prefetch_last_[i] ? prefetch_last_[i]->wait() : 0; }
+double ActivationStore::wait_prefetch(int i) {
+  const double waited = prefetch_last_[i] ? prefetch_last_[i]->wait() : 0;
+  // The copies back are done: their host copies go (Note [Host copies leave at the wait]
+  // in schedule/memory.h).
+  head_grad_host_[i].reset();
+  for (auto& layer : host_copies_[i])
+    for (Buffer& b : layer) b.reset();
+  std::fill(x_host_[i].begin(), x_host_[i].end(), nullptr);
+  return waited;
+}
 
 void ActivationStore::synchronize() {
   d2h_->synchronize();

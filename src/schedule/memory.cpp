@@ -450,12 +450,17 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       break;
     }
     case OpKind::Prefetch: {
+      // Its host copies leave at the wait (Note [Host copies leave at the wait]).
       const i64 bytes = prefetch_bytes(op);
       offloaded_[op.subseq] = 0;
-      host_change(-bytes);
+      coming_back_[op.subseq] += bytes;
       emit(out, 0.0, bytes, T::Units);
       break;
     }
+    case OpKind::WaitPrefetch:
+      host_change(-coming_back_[op.subseq]);
+      coming_back_[op.subseq] = 0;
+      break;
     case OpKind::Recv:
       if (op.payload == Payload::KV) {
         emit(out, 1.0, kv_pt_ * op.tokens * n, T::KVCache);
@@ -491,7 +496,6 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       }
       break;
     case OpKind::WaitOffload:
-    case OpKind::WaitPrefetch:
     case OpKind::RingStep:
     case OpKind::AllReduce:
       break;

@@ -22,7 +22,9 @@
 //    received gradient as the residual gradient.
 //  - O(i) fraction a: the tensors select_offload(a) picks (core/layout.h) released when the
 //    copy ends;
-//    P(i) allocates them again at its start.
+//    P(i) allocates them again at its start. On the host, O(i)'s copies are held from its
+//    issue, and those P(i) brings back until the wait for it (Note [Host copies leave at
+//    the wait]).
 //  - Recomputed tensors (Schedule::recompute, Note [Recomputed tensors] in core/layout.h):
 //    allocated with the unit at the start of each layer's F and freed at its end, and
 //    again for the layer's B, freed with the unit; they are not part of the unit that O(i)
@@ -57,6 +59,13 @@
 // on those layers before it. The first backward on borrowed layers allocates their fp32
 // gradients; Send WeightGrads releases both; Recv WeightGrads holds the received
 // gradients while the owner adds them to its own.
+//
+// Note [Host copies leave at the wait]: a host copy must exist while its copy runs, so
+// the runtime allocates it when O(i) is issued; and it frees the copies P(i) read back
+// only at the wait for P(i), not when each copy ends on the copy stream. Both are points
+// of the program, so the host's peak is the same under every timing, and this model,
+// which counts them at those points, predicts it to the byte (freeing at the copy's end
+// would let a slow copy stream hold them past the next op's host allocations).
 #pragma once
 
 #include <array>
@@ -282,6 +291,7 @@ class RankMemory {
   std::map<int, std::vector<i64>> unit_tensors_;  // subsequence -> its offloadable tensors' bytes
                                                  // on this rank, in select_offload order
   std::map<int, i64> offloaded_;       // subsequence -> bytes on the host
+  std::map<int, i64> coming_back_;     // subsequence -> bytes P(i) copies back, freed on the host at its wait
   std::map<i64, LayerBytes> layer_bytes_;          // tokens -> layer_bytes
   mutable std::map<std::pair<int, int>, i64> piece_max_;  // (subsequence, pieces) -> ring_piece_max
   std::map<size_t, i64> release_after_;            // op index -> borrowed weight bytes freed at its end

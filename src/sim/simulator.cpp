@@ -89,7 +89,7 @@ struct RankEvents {
 // select_offload(fraction) of the unit, the prefetch of that subsequence brings back
 // whatever is on the host. A test holds it to simulating from scratch.
 void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
-  std::vector<i64> on_host(re->unit_tensors.size(), 0);
+  std::vector<i64> on_host(re->unit_tensors.size(), 0), coming_back(re->unit_tensors.size(), 0);
   i64 host = re->host_fixed;
   re->peak_host = host;
   auto kv = re->kv_host.begin();
@@ -101,9 +101,14 @@ void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
       ++kv;
       continue;
     }
+    const size_t i = size_t(op.subseq);
+    if (op.kind == OpKind::WaitPrefetch) {  // Note [Host copies leave at the wait]
+      host -= coming_back[i];
+      coming_back[i] = 0;
+      continue;
+    }
     if (op.kind != OpKind::Offload && op.kind != OpKind::Prefetch) continue;
     SPPO_ASSERT(re->first[k + 1] == re->first[k] + 1);
-    const size_t i = size_t(op.subseq);
     i64 bytes = 0;
     if (op.kind == OpKind::Offload) {
       bytes = select_offload(re->unit_tensors[i], op.fraction, nullptr);
@@ -114,7 +119,7 @@ void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
     } else {
       bytes = on_host[i];
       on_host[i] = 0;
-      host -= bytes;
+      coming_back[i] += bytes;
       re->ev[re->first[k]].delta = bytes;
     }
     re->ops[k].bytes = bytes;
@@ -477,10 +482,11 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
     std::vector<MemPoint> points, half;
     const auto& mem_span = pass->mem_span[size_t(r)];
     const RankEvents& re = mem[r];
-    // The memory events at their times; a copy's host bytes land when an offload ends and
-    // leave when a prefetch starts.
+    // The memory events at their times; a copy's host bytes are held from the offload's
+    // start to the end of the wait for its prefetch (Note [Host copies leave at the wait]).
     for (auto& lane : lanes) lane.clear();
     i64 seq = 0;
+    std::map<int, i64> coming_back;
     for (size_t k = 0; k < s.ops[r].size(); ++k) {
       const auto [start, end] = mem_span[k];
       const OpKind kind = s.ops[r][k].kind;
@@ -488,8 +494,13 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
       for (size_t e = re.first[k]; e < re.first[k + 1]; ++e)
         lane.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
       const i64 bytes = re.ops[k].bytes;
-      if (kind == OpKind::Offload && bytes > 0) lane.push_back({end, seq++, bytes, -1});
-      if (kind == OpKind::Prefetch && bytes > 0) lane.push_back({start, seq++, -bytes, -1});
+      const int subseq = s.ops[r][k].subseq;
+      if (kind == OpKind::Offload && bytes > 0) lane.push_back({start, seq++, bytes, -1});
+      if (kind == OpKind::Prefetch) coming_back[subseq] += bytes;
+      if (kind == OpKind::WaitPrefetch && coming_back[subseq] > 0) {
+        lane.push_back({end, seq++, -coming_back[subseq], -1});
+        coming_back[subseq] = 0;
+      }
     }
     for (auto& lane : lanes)
       if (!std::is_sorted(lane.begin(), lane.end(), before)) std::sort(lane.begin(), lane.end(), before);
