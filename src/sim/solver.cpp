@@ -354,12 +354,9 @@ std::vector<double> filled(const std::vector<Segment>& seg, int N, size_t k, dou
   return a;
 }
 
-}  // namespace
-
-AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build, int N,
-                        const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode,
-                        double no_use_s) {
-  SPPO_CHECK(N >= 1, "planner") << "no subsequences";
+AlphaResult solve_alpha_floored(const std::function<Schedule(const std::vector<double>&)>& build, int N,
+                                const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode,
+                                double no_use_s, i64* floor_seen) {
   Trials trials(build, cost, rules);
   const i64 host_limit = cost.hw().host_memory;
   auto eval = [&](const std::vector<double>& alpha, const char* rule) {
@@ -393,6 +390,7 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   // then, and the floor only before the full-offload trial (on the schedule it builds).
   auto over_floor = [&]() -> std::optional<AlphaResult> {
     const i64 floor = trials.peak_floor(full);
+    *floor_seen = floor;
     if (floor <= budget) return std::nullopt;
     AlphaResult a;
     a.alpha = full;
@@ -492,6 +490,18 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
   return best;
 }
 
+}  // namespace
+
+AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)>& build, int N,
+                        const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode,
+                        double no_use_s) {
+  SPPO_CHECK(N >= 1, "planner") << "no subsequences";
+  i64 floor = 0;
+  AlphaResult a = solve_alpha_floored(build, N, cost, rules, budget, mode, no_use_s, &floor);
+  a.floor_bytes = floor;
+  return a;
+}
+
 AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& lengths, const HardwareProfile& hw,
                                ActPrecision precision, i64 budget, OffloadMode mode, const StepShape& shape) {
   SPPO_CHECK(!lengths.empty(), "planner") << "no subsequences";
@@ -524,8 +534,8 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
   };
   int lo = min_n - 1, hi = -1, stale = 0;
   AlphaResult at_hi;
+  i64 least_floor = 0;  // the staleness below is judged on floors: one measure for every N
   for (int n = min_n; n <= max_n; n = std::max(n + 1, n + n / 4)) {
-    const i64 before = f.least_peak_bytes;
     AlphaResult a = solve(n);
     if (a.fits) {
       hi = n;
@@ -533,7 +543,9 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
       break;
     }
     lo = n;
-    stale = before > 0 && f.least_peak_bytes > before * 0.99 ? stale + 1 : 0;
+    const i64 floor = a.floor_bytes > 0 ? a.floor_bytes : a.peak_device_bytes;
+    stale = least_floor > 0 && floor > least_floor * 0.99 ? stale + 1 : 0;
+    if (least_floor == 0 || floor < least_floor) least_floor = floor;
     if (stale >= 4) break;
   }
   if (hi < 0) {
