@@ -768,6 +768,10 @@ bool copy_or_wait(OpKind k) {
 // the copies' put in where its copies are. False when the other ops differ (the caller
 // then works the events out afresh).
 bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::vector<Op>& ops, RankEvents* out) {
+  out->ev.clear();  // `out` may be an earlier schedule's, kept for its vectors' capacity
+  out->first.clear();
+  out->ops.clear();
+  out->kv_host.clear();
   out->fixed = old.fixed;
   out->fixed_terms = old.fixed_terms;
   out->host_fixed = old.host_fixed;
@@ -844,16 +848,20 @@ struct Resimulator::State {
   CostModel cost;
   sched::MemoryRules rules;
   std::vector<RankEvents> mem;
+  // The schedule before: rebase writes into it, so that a search's many schedules of one
+  // layout reuse its memory rather than fault in fresh pages for each (Resimulator::replace).
+  std::vector<RankEvents> spare;
 };
 
 Resimulator::Resimulator(Schedule s, const CostModel& cost, const sched::MemoryRules& rules)
-    : st_(std::make_unique<State>(State{std::move(s), cost, rules, {}})) {
+    : st_(std::make_unique<State>(State{std::move(s), cost, rules, {}, {}})) {
   st_->mem = prepare(st_->schedule, st_->cost, st_->rules);
 }
 
 bool Resimulator::replace(Schedule s) {
   State& st = *st_;
-  std::vector<RankEvents> mem(st.mem.size());
+  std::vector<RankEvents>& mem = st.spare;
+  mem.resize(st.mem.size());
   bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
               s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute &&
               s.mlp_tile_rows == st.schedule.mlp_tile_rows;
@@ -865,7 +873,8 @@ bool Resimulator::replace(Schedule s) {
     same = std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
   }
   st.schedule = std::move(s);
-  st.mem = same ? std::move(mem) : prepare(st.schedule, st.cost, st.rules);
+  if (same) std::swap(st.mem, st.spare);
+  else st.spare = std::exchange(st.mem, prepare(st.schedule, st.cost, st.rules));
   return same;
 }
 
