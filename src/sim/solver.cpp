@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "core/check.h"
 #include "planner/partition.h"
@@ -443,12 +444,19 @@ AlphaResult solve_alpha_floored(const std::function<Schedule(const std::vector<d
   {
     Directed d = directed_fill(trials, seg, units, N, budget);
     if (d.fits) {
-      trim(&d.alpha, trials, seg, units, budget);
+      // Trimming takes back copies that cost time; where the fill already runs at alpha =
+      // 0's time its copies cost none, and the least fill below decides the host's bytes.
+      if (trials.simulate(d.alpha).step_time_s > none.step_time_s * (1 + 1e-9))
+        trim(&d.alpha, trials, seg, units, budget);
       AlphaResult a = eval(d.alpha, "directed");
       if (better(a, best)) best = a;
     }
   }
-  if (!seg.empty()) {
+  // The least plain fill: where the directed one already runs at alpha = 0's time, no
+  // alpha is faster (copies only add), and the plain fill could only offload a little less
+  // (the host's bytes, which break ties, and a dozen simulations of the whole step).
+  const bool at_least_time = best.fits && best.step_time_s <= none.step_time_s * (1 + 1e-9);
+  if (!seg.empty() && !at_least_time) {
     auto rule_of = [&](size_t k) {
       const Segment& s = seg[k];
       return s.from == 0 ? "hidden" : "exposed";
@@ -934,10 +942,35 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // means no lower one does. The wider search first simulates each such group's highest
   // level; a group where that does not fit is dropped whole, and a level that does not fit
   // drops the levels below it.
+  // Note [Optimizer state under a budget], continued: when nothing fits, every layout the
+  // device-state search simulated was ruled out by its floor (Note [A floor under the peak]),
+  // and the host-state search would rebuild the same schedules: moving the state changes a
+  // rank's fixed bytes by its AdamW m and v alone, so a rank's floor drops by exactly that,
+  // and a layout's by at most its largest stage's. The floors are kept by (layout,
+  // placement), and a layout whose kept floor less that still exceeds the budget is dropped
+  // as a simulation would drop it.
+  using FloorKey = std::tuple<std::size_t, int, SavedSet, i64>;
+  std::map<FloorKey, i64> device_floors;
+  auto state_bound = [&](const plan::Plan& p) {  // the most AdamW bytes of one rank
+    i64 most = 0;
+    int first = 0;
+    for (int n : p.stage_layers) {
+      const int end = first + n;
+      const TpShard tp{0, p.tp};
+      const int shards = p.zero == 1 ? p.sp * p.dp : 1;  // plan_rules(p, ..., true): shard 0 everywhere
+      const i64 state = shards > 1 ? sched::zero_state_params(c, first, end, shards, 0, tp)
+                                   : sched::param_count(c, first, end, tp);
+      most = std::max(most, state * rules.optimizer_bytes);
+      first = end;
+    }
+    return most;
+  };
   auto search = [&](const std::vector<Placement>& pls) {
+    const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
     std::vector<plan::Plan> cands;
     std::vector<Placement> cand_pl;
     std::vector<std::size_t> group, level;  // (layout, K/V placement), and the rank of its set in it
+    std::vector<FloorKey> key;
     for (std::size_t base = 0; base < layouts.size(); ++base)
       for (std::size_t q = 0; q < pls.size(); ++q) {
         const Placement& pl = pls[q];
@@ -947,6 +980,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         if (req.msp == 1 && !p.msp) continue;
         cands.push_back(std::move(p));
         cand_pl.push_back(pl);
+        key.emplace_back(base, int(pl.kv), pl.recompute, pl.mlp_tile_rows);
         group.push_back((base * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0));
         level.push_back(std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
           return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && (o.recompute & pl.recompute) == o.recompute &&
@@ -992,7 +1026,26 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     auto try_candidate = [&](std::size_t k, double no_use_s) {
       const plan::Plan& p = cands[k];
       done[k] = 1;
+      auto mark_failed = [&] {
+        std::size_t& below = fails_below[group[k]];
+        below = std::max(below, level[k] + 1);
+        return false;
+      };
+      if (state_host) {
+        const auto kept = device_floors.find(key[k]);
+        const i64 lower = kept == device_floors.end() ? 0 : kept->second - state_bound(p);
+        if (lower > budget) {
+          if (least_peak == 0 || lower < least_peak) {
+            least_peak = lower;
+            last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
+                          std::to_string(p.subseqs) + ": peak device memory of at least " + bytes_text(lower) +
+                          " with the optimizer state on the host exceeds the budget of " + bytes_text(budget);
+          }
+          return mark_failed();
+        }
+      }
       Candidate cand = evaluate(req, p, cost, budget, no_use_s);
+      if (!state_host && cand.alpha.floor_bytes > 0) device_floors[key[k]] = cand.alpha.floor_bytes;
       if (cand.alpha.slow) return true;
       if (cand.alpha.fits) {
         best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
@@ -1004,9 +1057,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
                       std::to_string(p.subseqs) + ": " + cand.alpha.reason;
       }
-      std::size_t& below = fails_below[group[k]];
-      below = std::max(below, level[k] + 1);
-      return false;
+      return mark_failed();
     };
     std::map<std::size_t, std::size_t> top;  // group -> its candidate of the highest level
     for (std::size_t k = 0; k < cands.size(); ++k) {

@@ -185,6 +185,35 @@ TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
   EXPECT_NE(device.error.find("weights, gradients and optimizer state alone"), std::string::npos) << device.error;
 }
 
+// Note [Optimizer state under a budget]: when nothing fits with the state on the device,
+// the host-state search rules layouts out by their device-state floors less their AdamW
+// bytes rather than building their schedules again. The closest layout it then names, and
+// its floor, are those the host-state search finds when it simulates every layout; a
+// bound that subtracted more (the state unsharded, say) would name a smaller floor.
+TEST(Solver, KeptFloorsRuleOutAsTheHostStateSearchWould) {
+  auto req = request("small", i64(64) << 10, 4, "sppo");
+  req.gpus_per_node = 4;
+  req.msp = 1;
+  req.budget = i64(100) << 20;
+  auto floor_named = [](const std::string& error) {
+    const auto at = error.find("of at least ");
+    return at == std::string::npos ? std::string() : error.substr(at, error.find(" MiB", at) - at);
+  };
+  req.optimizer_state = "host";
+  const auto host = sim::solve_plan(req);
+  ASSERT_FALSE(host.ok);
+  req.optimizer_state = "auto";
+  const auto both = sim::solve_plan(req);
+  ASSERT_FALSE(both.ok);
+  ASSERT_NE(floor_named(host.error), "") << host.error;
+  EXPECT_EQ(floor_named(both.error), floor_named(host.error)) << both.error << "\n" << host.error;
+  EXPECT_NE(both.error.find("with the optimizer state on the host"), std::string::npos) << both.error;
+  req.optimizer_state = "device";
+  const auto device = sim::solve_plan(req);
+  ASSERT_FALSE(device.ok);
+  EXPECT_NE(floor_named(device.error), floor_named(host.error)) << "the state's bytes must matter here";
+}
+
 // MLP tiles (Note [Placing every tensor] in solver.cpp): with K/V on the device, nothing
 // recomputed and nothing offloaded, a budget just under the best untiled plan's peak fits
 // only with the MLP in tiles, which the wider search finds; the same plan untiled does not
