@@ -24,22 +24,26 @@ double CostModel::gemm_flops(i64 tokens) const {
   return double(tokens) * (8 * H * H + 4 * F * H);
 }
 
-double CostModel::attention_flops(i64 o, i64 b, i64 e) const {
-  // sum over q in [b, e) of (o + q + 1)
+double CostModel::attention_flops(i64 o, i64 b, i64 e, i64 keys) const {
   const double n = double(e - b);
+  // Bidirectional: every query sees the o keys before and all of the subsequence's.
+  if (!model_.causal) return 4.0 * model_.hidden * n * double(o + (keys > 0 ? keys : e));
+  // Causal: sum over q in [b, e) of (o + q + 1)
   const double sum = n * double(o) + (double(e) * double(e + 1) - double(b) * double(b + 1)) / 2;
   return 4.0 * model_.hidden * sum;
 }
 
 double CostModel::head_flops(i64 tokens) const { return 6.0 * double(tokens) * model_.hidden * model_.vocab; }
 
-double CostModel::attention_flops(i64 o, const sched::Spans& spans) const {
+double CostModel::attention_flops(i64 o, const sched::Spans& spans, i64 keys) const {
+  if (!model_.causal && keys <= 0)
+    for (const auto& [b, e] : spans) keys = std::max(keys, e);
   double f = 0;
-  for (const auto& [b, e] : spans) f += attention_flops(o, b, e);
+  for (const auto& [b, e] : spans) f += attention_flops(o, b, e, keys);
   return f;
 }
 
-double CostModel::attention_s(i64 o, const sched::Spans& spans) const {
+double CostModel::attention_s(i64 o, const sched::Spans& spans, i64 keys) const {
   // Every query of the subsequence sees all o keys before it: those run at the prefix rate
   // of the span's query rows (each span is a kernel call of its own).
   double prefix = 0, prefix_s = 0;
@@ -48,20 +52,29 @@ double CostModel::attention_s(i64 o, const sched::Spans& spans) const {
     prefix += f;
     if (f > 0) prefix_s += f / hw_.attention_prefix_rate(model_.head_size(), e - b);
   }
-  return prefix_s + (attention_flops(o, spans) - prefix) / attention_rate_;
+  return prefix_s + (attention_flops(o, spans, keys) - prefix) / attention_rate_;
 }
 
-double CostModel::layer_forward_s(i64 o, const sched::Spans& spans) const {
+double CostModel::rsa_attention_s(i64 T, i64 L, bool backward, int tp) const {
+  const double scores = double(model_.heads) * double(T) * double(L) / tp;
+  const double flops = (backward ? 10.0 : 4.0) * double(T) * double(L) * model_.hidden / tp;
+  double t = flops / hw_.gemm_rate(model_.head_size());
+  if (hw_.elementwise_bw > 0)
+    t += (backward ? kRsaScoreWordsBackward : kRsaScoreWords) * 4 * scores / hw_.elementwise_bw;
+  return t;
+}
+
+double CostModel::layer_forward_s(i64 o, const sched::Spans& spans, i64 keys) const {
   const i64 T = sched::span_tokens(spans);
-  double t = gemm_flops(T) / gemm_rate_ + attention_s(o, spans);
+  double t = gemm_flops(T) / gemm_rate_ + attention_s(o, spans, keys);
   if (hw_.elementwise_bw > 0)
     t += kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
 }
 
-double CostModel::layer_backward_s(i64 o, const sched::Spans& spans) const {
+double CostModel::layer_backward_s(i64 o, const sched::Spans& spans, i64 keys) const {
   const i64 T = sched::span_tokens(spans);
-  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_s(o, spans);
+  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_s(o, spans, keys);
   if (hw_.elementwise_bw > 0)
     t += 2 * kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
@@ -85,7 +98,9 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   // Tensor parallel: every FLOP and element divides over the group; each layer gathers
   // twice and reduce-scatters twice (model/tensor_parallel.h), the embedding once more,
   // and the head gathers its input and reduce-scatters its gradient.
-  double t = n * (layer_forward_s(o, spans) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  const i64 keys = s.lengths[std::size_t(op.subseq)];
+  double t = n * (layer_forward_s(o, spans, keys) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  if (s.rsa_piece(op)) t += n * (rsa_attention_s(T, keys, false, tp) - attention_s(o, spans, keys) / tp);
   if (op.layer_end == s.layers) t += head_flops(T) / gemm_rate_ / tp;
   if (tp > 1)
     t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (op.layer_end == s.layers ? 2 : 0));
@@ -125,7 +140,7 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
   const double kv = 2.0 * act_bytes_ * width, sums = 2.0 * 4 * width;  // bytes a token
   const double x = double(act_bytes_) * model_.hidden;
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
-  const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans) / s.tp;
+  const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)]) / s.tp;
   const StreamShape shape = o > 0 ? stream_shape(s, op.subseq, T) : StreamShape{};
   // Every backward but the first (that of the last subsequence) finds sums that later
   // subsequences' backward left on the host, for its own block and every earlier one.
@@ -166,12 +181,12 @@ double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backw
   const sched::Spans spans = s.spans(op);
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l)
-    t += layer_recompute_s(o, spans, s.recompute, s.kv_recomputed(l), backward, s.tp);
+    t += layer_recompute_s(o, spans, s.recompute, s.kv_recomputed(l), backward, s.tp, s.lengths[std::size_t(op.subseq)]);
   return t;
 }
 
 double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward,
-                                    int tp) const {
+                                    int tp, i64 keys) const {
   const double T = double(sched::span_tokens(spans));
   const double H = model_.hidden, F = model_.ffn();
   // Elementwise words of a token: a LayerNorm reads and writes H twice; RoPE and a
@@ -196,7 +211,7 @@ double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet g
     words += (has(1) ? 2 * H : 0) + (kv ? 2 * H : 0);
     ++collectives;
   }
-  if (has(2)) attention = attention_s(o, spans);
+  if (has(2)) attention = attention_s(o, spans, keys);
   if (has(3)) flops += 2 * T * H * H, words += 3 * H, ++collectives;  // x_mid
   if (has(4)) words += 2 * H;                                          // ln2
   if (has(5)) flops += 2 * T * H * F, ++collectives;                   // fc_pre
@@ -207,7 +222,10 @@ double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet g
 double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   const sched::Spans spans = s.spans(op);
   const int n = op.layer_end - op.layer_begin, tp = s.tp;
-  double t = n * (layer_backward_s(o, spans) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  const i64 keys = s.lengths[std::size_t(op.subseq)];
+  double t = n * (layer_backward_s(o, spans, keys) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  if (s.rsa_piece(op))
+    t += n * (rsa_attention_s(sched::span_tokens(spans), keys, true, tp) - 2.5 * attention_s(o, spans, keys) / tp);
   // Backward gathers four times and reduce-scatters twice a layer, the embedding once.
   if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
   return t + n * mlp_tiles_s(sched::span_tokens(spans), s.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
@@ -254,7 +272,9 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
   const i64 H = model_.hidden;
   const int n = std::max(1, op.layer_end - op.layer_begin);
   if (op.kind == OpKind::RingStep) {
-    const i64 bytes = sched::ring_step_bytes(s, op, H, model_.heads, act_bytes_, model_.causal) * n;
+    const i64 bytes = (s.rsa_piece(op) ? sched::rsa_step_bytes(s, op, H, act_bytes_)
+                                        : sched::ring_step_bytes(s, op, H, model_.heads, act_bytes_, model_.causal)) *
+                      n;
     return s.tp > 1 ? bytes * TpShard{0, s.tp}.local_heads(model_) / model_.heads : bytes;
   }
   i64 tokens = op.tokens;

@@ -4,6 +4,8 @@
 //   GEMMs      24 T H^2 (generally 8 T H^2 + 4 T F H) FLOPs forward, 2x in backward
 //   attention  4 H * sum over the T query positions q of (q + 1) FLOPs forward
 //              (= 4 T H (o + (T + 1) / 2) for a whole subsequence), 2.5x in backward;
+//              a bidirectional model's (ModelConfig::causal false) queries each see
+//              the o keys before and all L of their subsequence: 4 T H (o + L);
 //              the 4 T H o against keys before the subsequence at the prefix rate of
 //              T query rows, per kernel call (a span of the subsequence's tokens)
 //              (Note [Attention after a prefix], planner/profile.h)
@@ -11,6 +13,12 @@
 //              (LayerNorm, GeLU, residuals, RoPE, bias) over elementwise_bw, 2x in backward
 //   overhead   layer_overhead per layer (kernel launches and synchronisation), and a
 //              quarter of it for each MLP tile beyond the first (mlp_tiles_s)
+// Ring Self-Attention (Schedule::ring_rsa, runtime/ring.h RsaAttention) instead of a ring
+// piece's flash attention: its T queries against the subsequence's L keys in GEMMs of the
+// head size (QK^T and PV: 4 T L H FLOPs forward; in backward QK^T again, dP, dK, dV and
+// dQ: 10 T L H) at gemm_rate(head size), and the fp32 score rows [Z, T, L] that those
+// GEMMs write and read and the softmax passes over, kRsaScoreWords a score forward and
+// kRsaScoreWordsBackward backward, at elementwise_bw.
 // The LM head runs its backward right after its forward (the loss gradient is known), so a
 // forward that ends at the last layer also pays 6 T H V FLOPs of head GEMMs.
 // A piece of a subsequence (an SP rank's part, an MSP piece) pays the attention of exactly
@@ -65,6 +73,12 @@ namespace sppo::plan {
 // for F = 4H), bias adds and softmax statistics (about 4H more).
 inline constexpr double kElementwiseWordsPerToken = 24;
 
+// fp32 words moved a score by RSA: forward, QK^T writes it, the softmax reads it twice and
+// writes it, PV reads it; backward, QK^T and dO V^T write P and dP, the softmax rebuilds
+// P (three), its backward reads P and dP and writes dS (three), dK, dV and dQ read them.
+inline constexpr double kRsaScoreWords = 5;
+inline constexpr double kRsaScoreWordsBackward = 11;
+
 // Bytes the host's AdamW reads and writes a parameter: it reads the gradient, weight, m and
 // v and writes the last three, fp32.
 inline constexpr i64 kHostUpdateBytesPerParam = 28;
@@ -79,15 +93,20 @@ class CostModel {
   const ModelConfig& model() const { return model_; }
   ActPrecision precision() const { return precision_; }
 
-  // FLOPs of one layer on the tokens [b, e) of a subsequence at offset o (forward).
+  // FLOPs of one layer on the tokens [b, e) of a subsequence at offset o (forward). `keys`:
+  // the subsequence's length L, whose positions every query of a bidirectional model sees
+  // (0: the end of the spans, a whole subsequence's); a causal model's ignore it.
   double gemm_flops(i64 tokens) const;
-  double attention_flops(i64 o, i64 b, i64 e) const;
-  double attention_flops(i64 o, const sched::Spans& spans) const;
+  double attention_flops(i64 o, i64 b, i64 e, i64 keys = 0) const;
+  double attention_flops(i64 o, const sched::Spans& spans, i64 keys = 0) const;
   double head_flops(i64 tokens) const;  // forward + backward of the LM head
   // Seconds of one layer's attention forward on the tokens `spans` of a subsequence at
   // offset o: the FLOPs against the o keys before it at the prefix rate of each span's
   // query rows, the rest causal.
-  double attention_s(i64 o, const sched::Spans& spans) const;
+  double attention_s(i64 o, const sched::Spans& spans, i64 keys = 0) const;
+  // Seconds of one layer's Ring Self-Attention forward (backward) of T query rows against
+  // a subsequence of L positions, on one of tp tensor-parallel members.
+  double rsa_attention_s(i64 T, i64 L, bool backward, int tp) const;
 
   // Seconds of a Forward / Backward op of schedule `s`; `o` is the offset of its subsequence.
   double forward_s(const sched::Op& op, const sched::Schedule& s, i64 o) const;
@@ -96,8 +115,8 @@ class CostModel {
   double backward_s(const sched::Op& op, const sched::Schedule& s) const { return backward_s(op, s, s.offset(op.subseq)); }
   // Seconds of one layer's forward (backward) on the tokens `spans` of a subsequence at
   // offset o; the second form on a whole subsequence of T tokens.
-  double layer_forward_s(i64 o, const sched::Spans& spans) const;
-  double layer_backward_s(i64 o, const sched::Spans& spans) const;
+  double layer_forward_s(i64 o, const sched::Spans& spans, i64 keys = 0) const;
+  double layer_backward_s(i64 o, const sched::Spans& spans, i64 keys = 0) const;
   double layer_forward_s(i64 o, i64 T) const { return layer_forward_s(o, sched::Spans{{0, T}}); }
   double layer_backward_s(i64 o, i64 T) const { return layer_backward_s(o, sched::Spans{{0, T}}); }
 
@@ -116,7 +135,8 @@ class CostModel {
   double recompute_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
   // The same for one layer on the tokens `spans` of a subsequence at offset o, recomputing
   // `groups` (in backward) and K/V (`kv`), on one of tp tensor-parallel members.
-  double layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward, int tp) const;
+  double layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward, int tp,
+                           i64 keys = 0) const;
 
   // Note [MLP tiles] (core/layout.h): tiles of `rows` rows (0: none) run the same FLOPs
   // as a whole MLP, but launch the MLP half's kernels again for each tile beyond the

@@ -113,6 +113,15 @@ i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes
   return bytes;
 }
 
+i64 rsa_step_bytes(const Schedule& s, const Op& op, i64 H, int act_bytes) {
+  const int R = op.pieces, me = op.piece, t = op.step;
+  if (t < 1 || t > R - 1) return 0;
+  const i64 row = H * act_bytes;
+  const i64 block = span_tokens(s.spans(op, (me - t + 1 + R) % R)) * row;
+  if (op.payload == Payload::KV) return 2 * block;
+  return 3 * block + 2 * span_tokens(s.spans(op, (me - t + R) % R)) * row;
+}
+
 MessageKey message_key(const Op& op) {
   MessageKey m{op.payload, op.subseq, op.piece, op.pieces, op.layer_begin, op.layer_end, 0, op.tokens};
   if (op.kind == OpKind::RingStep) {

@@ -119,6 +119,11 @@ struct Schedule {
   std::vector<i64> lengths;             // l_i of every subsequence
   int ring = 1;                         // R: ops with pieces == R > 1 are ring pieces
   RingLayout ring_layout = RingLayout::Contiguous;  // how ring pieces hold their tokens
+  // Ring pieces attend by the two-pass Ring Self-Attention (runtime/ring.h RsaAttention,
+  // --ring rsa: bidirectional, fp32), which materialises each piece's score rows against
+  // the whole subsequence, rather than by the one-pass flash ring.
+  bool ring_rsa = false;
+  bool rsa_piece(const Op& op) const { return ring_rsa && ring > 1 && op.pieces == ring; }
   std::vector<std::vector<Op>> ops;     // ops[rank] in program order
   // Layers whose weights, gradients and optimizer state each rank owns, [begin, end);
   // empty means every rank owns all layers. The embedding lives with layer 0 and, tied,
@@ -172,6 +177,10 @@ i64 ring_first_key(const Schedule& s, const Op& op, int piece);
 // outputs and fp32 LSE; backward: queries, output gradients, fp32 LSE and delta, then
 // partial dq. H and Z are the member's width and heads.
 i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes, bool causal);
+// The same for a Ring Self-Attention ring (Schedule::ring_rsa): forward, the keys and then
+// the values of the block it passes on; backward, that block's keys and values, its keys
+// again (the last pass), and the dK, dV of the member whose block it received, sent to it.
+i64 rsa_step_bytes(const Schedule& s, const Op& op, i64 H, int act_bytes);
 
 // The identity a receive matches a send by (an MPI tag): payload, subsequence, piece,
 // layers and tokens; ring steps match by step and ring (every piece sends its own block).

@@ -278,18 +278,28 @@ i64 RankMemory::ring_piece_max(const Op& op) const {
   return it->second;
 }
 
+// The two-pass Ring Self-Attention (Schedule::ring_rsa) holds its queries' fp32 score rows
+// against the whole subsequence, [Z, T, L]. Forward: the scores and the other members'
+// blocks of one pass (keys, then values). Backward: probabilities and score gradients, the
+// dK, dV every other member sends for this piece's keys, the blocks of the first pass
+// (keys and values) then, alive to the end, the dK, dV this piece computes for each other
+// member, its dq and the blocks of the last pass (keys).
 i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
   // Under tensor parallelism the ring moves this member's heads only.
   const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
-            stats = i64(tp_.local_heads(rules_.model)) * i64(sizeof(float));
+            heads = tp_.local_heads(rules_.model), stats = heads * i64(sizeof(float));
+  if (rsa_piece(op)) return heads * T * s_.lengths[std::size_t(op.subseq)] * i64(sizeof(float)) + (R - 1) * Tm * row;
   return (R - 1) * (Tm * row + T * (row + stats) + Tm * (row + stats));
 }
 
 i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
   const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
-            stats = i64(tp_.local_heads(rules_.model)) * i64(sizeof(float));
+            heads = tp_.local_heads(rules_.model), stats = heads * i64(sizeof(float));
+  if (rsa_piece(op))
+    return 2 * heads * T * s_.lengths[std::size_t(op.subseq)] * i64(sizeof(float)) + 2 * (R - 1) * T * row +
+           3 * (R - 1) * Tm * row + T * row;
   return (R - 1) * (Tm * 2 * (row + stats) + T * row + Tm * row) + T * row;
 }
 

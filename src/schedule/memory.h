@@ -260,6 +260,7 @@ class RankMemory {
   };
   const LayerBytes& layer_bytes(i64 T);
   i64 ring_piece_max(const Op& op) const;
+  bool rsa_piece(const Op& op) const { return s_.rsa_piece(op); }
   i64 piece_fwd_extra(const Op& op, i64 T) const;
   i64 piece_bwd_extra(const Op& op, i64 T) const;
   void emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term);

@@ -79,6 +79,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
     s = sched::build_pipeline(spec);
   }
   s.kv_place = shape.kv_place;
+  s.ring_rsa = shape.ring_rsa && shape.sp > 1;
   s.recompute = shape.recompute;
   s.mlp_tile_rows = shape.mlp_tile_rows;
   return s;
@@ -692,7 +693,7 @@ double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingL
   for (int r = 0; r < sp; ++r) {
     const sched::Spans sp_r = sched::piece_spans(l, r, sp, sp > 1 ? layout : sched::RingLayout::Contiguous);
     const double overhead = 2 * cost.hw().layer_overhead;
-    const double t = cost.layer_forward_s(o, sp_r) + cost.layer_backward_s(o, sp_r) - overhead;
+    const double t = cost.layer_forward_s(o, sp_r, l) + cost.layer_backward_s(o, sp_r, l) - overhead;
     most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(sp_r), tp));
   }
   return most;

@@ -50,6 +50,7 @@ struct StepShape {
   int sp = 1;                      // ring attention (context parallel) ranks a stage
   int tp = 1;                      // tensor parallel (sequence-parallel regions) ranks a stage
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
+  bool ring_rsa = false;           // Schedule::ring_rsa (--ring rsa)
   bool zero = false;               // ZeRO-1 over the replicas
   bool optimizer_host = false;     // fp32 master and AdamW state on the host (--optimizer-state host)
   bool msp = false;                // multiplexed sequence partitioning (pp > 1)

@@ -239,6 +239,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   shape.sp = s.layout.cp;
   shape.tp = s.layout.tp;
   shape.ring_layout = from_plan ? sched::parse_ring_layout(from_plan->ring_layout) : ring.layout;
+  shape.ring_rsa = ring.algorithm == "rsa";
   shape.zero = o.zero == 1;
   shape.optimizer_host = o.optimizer_state.empty() ? from_plan && from_plan->optimizer_state == "host"
                                                    : o.optimizer_state == "host";

@@ -291,5 +291,50 @@ TEST(RingLayout, ContiguousShowsTheCausalImbalance) {
   EXPECT_LT(r[1].bubble_ratio, 0.05);
 }
 
+// A bidirectional model's queries see every key of their subsequence, wherever a ring
+// piece holds them: 4 H T L FLOPs, twice the causal triangle of a whole subsequence, the
+// same for each piece of a ring (no imbalance to balance). RSA pieces run the same FLOPs
+// as GEMMs of the head size and move their fp32 score rows, so they cost more than the
+// flash ring's, forward and backward.
+TEST(Bidirectional, EveryQuerySeesTheWholeSubsequence) {
+  ModelConfig c = preset("medium");
+  const HardwareProfile hw = plan::load_profile("a100-80gb");
+  const CostModel causal(hw, c, ActPrecision::F32);
+  c.causal = false;
+  const CostModel bidi(hw, c, ActPrecision::F32);
+  const i64 L = 4096;
+  const double H = c.hidden;
+  EXPECT_DOUBLE_EQ(bidi.attention_flops(0, sched::Spans{{0, L}}), 4 * H * L * L);
+  EXPECT_DOUBLE_EQ(causal.attention_flops(0, sched::Spans{{0, L}}), 4 * H * L * (L + 1) / 2.0);
+  for (int piece = 0; piece < 4; ++piece) {
+    const sched::Spans sp = sched::piece_spans(L, piece, 4, sched::RingLayout::Contiguous);
+    EXPECT_DOUBLE_EQ(bidi.attention_flops(0, sp, L), 4 * H * (L / 4) * L) << "piece " << piece;
+  }
+  // In a step: one ring of 4 over one subsequence, flash against RSA.
+  sched::PipelineSpec spec;
+  spec.layers = c.layers;
+  spec.sp = 4;
+  spec.lengths = {L};
+  spec.ring_layout = sched::RingLayout::Contiguous;
+  sched::Schedule s = sched::build_pipeline(spec);
+  const auto rules = memory_rules(c, ActPrecision::F32);
+  const SimResult flash = simulate(s, bidi, rules), causal_run = simulate(s, causal, rules);
+  EXPECT_GT(flash.step_time_s, causal_run.step_time_s);
+  s.ring_rsa = true;
+  const SimResult rsa = simulate(s, bidi, rules);
+  EXPECT_GT(rsa.step_time_s, flash.step_time_s);
+  // Its score rows: [Z, L / 4, L] fp32 forward, twice that in backward, on every rank.
+  EXPECT_GE(rsa.peak_device_bytes - flash.peak_device_bytes, 2 * i64(c.heads) * (L / 4) * L * 4 -
+                                                                  i64(c.hidden) * L * 8);
+  for (int rank = 0; rank < s.ranks; ++rank)
+    for (const sched::Op& op : s.ops[std::size_t(rank)]) {
+      if (op.kind != sched::OpKind::RingStep || op.step < 1 || op.step > 3) continue;
+      const i64 row = i64(c.hidden) * 4;
+      EXPECT_EQ(bidi.message_bytes(op, s),
+                (op.payload == sched::Payload::KV ? 2 : 5) * (L / 4) * row * (op.layer_end - op.layer_begin))
+          << to_string(op);
+    }
+}
+
 }  // namespace
 }  // namespace sppo::sim
