@@ -147,6 +147,7 @@ expect "--recompute already recomputes whole blocks" train --model tiny --recomp
 expect "--recompute-tensors attention runs with the K/V on the device" train --model tiny --kv-cache host --recompute-tensors attention
 expect "\"recompute_tensors\"" train --plan plan_recompute.json
 expect "--optimizer-state 'sideways' is unknown; use device" train --model tiny --optimizer-state sideways
+expect "--optimizer-state host moves AdamW's m and v" train --model medium --seq-len 4096 --device-memory 20MiB --steps 1
 expect "--optimizer-state must be device, host or auto" plan --optimizer-state sideways
 expect "optimizer_state must be device or host (got 'gpu')" train --plan plan_optimizer.json
 expect "--mlp-tile-rows must be 0 (off) or a positive number of rows (got -4)" train --model tiny --mlp-tile-rows -4

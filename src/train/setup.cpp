@@ -453,9 +453,15 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       !fitted && any_auto ? "; nor does any placement --kv-cache auto and --recompute-tensors auto tried (K/V on the "
                             "host or recomputed, saved tensors recomputed)"
                           : "";
+  // With the optimizer state on the device, moving it is one more way to fit (it costs each
+  // step the update's copies and the host's update, Note [Optimizer state on the host]).
+  const std::string state_hint =
+      shape.optimizer_host ? ""
+                           : "; --optimizer-state host moves AdamW's m and v (8 B a parameter of each rank's share) "
+                             "and the fp32 master weights to the host";
   if (!fitted && any_auto) {
     shape = asked;
-    if (first_error) throw DoesNotFit(first_error->what() + exhausted);
+    if (first_error) throw DoesNotFit(first_error->what() + exhausted + state_hint);
     choose();
   }
   for (int p = 0; p < s.layout.pp; ++p)
@@ -485,7 +491,8 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         << (!exhausted.empty() ? exhausted
             : !s.schedule.any_kv_streamed() && kv_host_ok
                 ? "; --kv-cache host or recompute keeps K/V and their gradients off the device"
-                : "");
+                : "")
+        << state_hint;
     SPPO_CHECK_FITS(o.host_memory == 0 || r.peak_host_bytes <= o.host_memory, "memory")
         << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " holds "
         << format_bytes(double(r.peak_host_bytes)) << " (" << r.peak_host_bytes << " B) in host memory ("

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/adamw.h"
 #include "core/check.h"
 #include "backends/cpu/scratch.h"
 
@@ -637,26 +638,12 @@ void scale_inplace(float* x, i64 n, float s) {
 
 void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1,
                 float beta2, float eps, float weight_decay, int t) {
-  SPPO_ASSERT_MSG(t >= 1, "adamw: step " << t << " must be >= 1");
-  // Bias corrections folded into two scalars: lr / (1 - b1^t) and 1 / sqrt(1 - b2^t).
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), t);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), t);
-  const float step = static_cast<float>(lr / bc1);
-  const float rsqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  const float decay = lr * weight_decay;
-  // Without -fno-math-errno GCC keeps std::sqrt, and so this loop, scalar; at 28 bytes of
+  const AdamwScalars k = adamw_scalars(lr, beta1, beta2, eps, weight_decay, t);
+  // Without -fno-math-errno GCC keeps sqrtf, and so this loop, scalar; at 28 bytes of
   // traffic per element it is close to memory-bound all the same.
   parallel_chunks(n, [=](i64 begin, i64 end) {
 #pragma omp simd
-    for (i64 i = begin; i < end; ++i) {
-      const float gi = g[i];
-      const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-      const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-      m[i] = mi;
-      v[i] = vi;
-      const float pi = p[i];
-      p[i] = pi - step * mi / (std::sqrt(vi) * rsqrt_bc2 + eps) - decay * pi;
-    }
+    for (i64 i = begin; i < end; ++i) p[i] = adamw_update(p[i], m[i], v[i], g[i], k);
   });
 }
 

@@ -12,6 +12,7 @@
 #include "backends/cuda/attention.h"
 #include "backends/cuda/check.h"
 #include "backends/cuda/ops.h"
+#include "core/adamw.h"
 #include "core/check.h"
 
 namespace sppo {
@@ -316,27 +317,14 @@ class CudaBackend final : public Backend {
   void to_act(void* dst, const float* src, i64 n) override {
     if (dst != src) cuda::convert(dst, act_, src, DType::F32, n, compute_);
   }
-  // The CPU backend's adamw_step (backends/cpu/ops.cpp), written out here: this library
-  // depends on core alone. The GPU's kernel contracts its products into FMAs where the
-  // host compiler need not, so the two agree to fp32 rounding, not bitwise.
+  // The formula of the CPU backend's adamw_step and of the GPU's kernel (core/adamw.h). The
+  // GPU's kernel contracts its products into FMAs where the host compiler need not, so the
+  // two agree to fp32 rounding, not bitwise.
   void host_adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
                   float weight_decay, int t) override {
-    SPPO_ASSERT_MSG(t >= 1, "adamw: step " << t << " must be >= 1");
-    const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), t);
-    const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), t);
-    const float step = static_cast<float>(lr / bc1);
-    const float rsqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-    const float decay = lr * weight_decay;
+    const AdamwScalars k = adamw_scalars(lr, beta1, beta2, eps, weight_decay, t);
 #pragma omp parallel for schedule(static)
-    for (i64 i = 0; i < n; ++i) {
-      const float gi = g[i];
-      const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-      const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-      m[i] = mi;
-      v[i] = vi;
-      const float pi = p[i];
-      p[i] = pi - step * mi / (std::sqrt(vi) * rsqrt_bc2 + eps) - decay * pi;
-    }
+    for (i64 i = 0; i < n; ++i) p[i] = adamw_update(p[i], m[i], v[i], g[i], k);
   }
 
  private:

@@ -10,6 +10,7 @@
 
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/ops.h"
+#include "core/adamw.h"
 
 namespace sppo::cuda {
 
@@ -392,18 +393,11 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
-__global__ void adamw_kernel(float* p, float* m, float* v, const float* g, i64 n, float beta1,
-                             float beta2, float eps, float step, float rsqrt_bc2, float decay,
+__global__ void adamw_kernel(float* p, float* m, float* v, const float* g, i64 n, AdamwScalars k,
                              bf16* p_bf16) {
   for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
        i += i64{gridDim.x} * blockDim.x) {
-    const float gi = g[i];
-    const float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    const float pi = p[i];
-    const float pn = pi - step * mi / (sqrtf(vi) * rsqrt_bc2 + eps) - decay * pi;
+    const float pn = adamw_update(p[i], m[i], v[i], g[i], k);
     p[i] = pn;
     if (p_bf16 != nullptr) p_bf16[i] = __float2bfloat16_rn(pn);
   }
@@ -656,16 +650,9 @@ void scale_inplace(float* x, i64 n, float s, cudaStream_t stream) {
 void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1,
                 float beta2, float eps, float weight_decay, int t, cudaStream_t stream,
                 void* p_bf16) {
-  SPPO_ASSERT_MSG(t >= 1, "adamw: step " << t << " must be >= 1");
+  const AdamwScalars k = adamw_scalars(lr, beta1, beta2, eps, weight_decay, t);
   if (n == 0) return;
-  // The CPU's scalars, computed the same way: lr / (1 - b1^t) and 1 / sqrt(1 - b2^t).
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), t);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), t);
-  const float step = static_cast<float>(lr / bc1);
-  const float rsqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  const float decay = lr * weight_decay;
-  adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, m, v, g, n, beta1, beta2, eps, step,
-                                                     rsqrt_bc2, decay, static_cast<bf16*>(p_bf16));
+  adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, m, v, g, n, k, static_cast<bf16*>(p_bf16));
   SPPO_CUDA_CHECK_LAUNCH();
 }
 
