@@ -255,6 +255,26 @@ expect "empty.json line 1 has no integer \"step\"" plot empty.json --out loss.sv
 expect "garbage.json holds no step record" plot garbage.json --out loss.svg
 expect "--out run.jsonl should name an .svg file" plot run.jsonl --out run.jsonl
 expect "array.json line 1 is not a JSON object" plot array.json --out loss.svg
+# Llama-family models and Hugging Face checkpoints (the weights' checks: tests/hf/check_hf.py).
+mkdir -p hf_gpt2 hf_noweights hf_tied not_hf
+echo '{"architectures": ["GPT2LMHeadModel"], "vocab_size": 64}' >hf_gpt2/config.json
+llama_cfg='"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4'
+echo "{\"architectures\": [\"LlamaForCausalLM\"], $llama_cfg}" >hf_noweights/config.json
+echo "{\"architectures\": [\"LlamaForCausalLM\"], $llama_cfg, \"tie_word_embeddings\": true}" >hf_tied/config.json
+expect "architecture GPT2LMHeadModel is not supported" import hf_gpt2 --out imported
+expect "neither model.safetensors nor model.safetensors.index.json" import hf_noweights --out imported
+expect "\"tie_word_embeddings\": true is not supported" train --init hf_tied --seq-len 32 --steps 1
+expect "not a Hugging Face model directory" import not_hf --out imported
+expect "--rope-scaling applies to Llama-family models" train --model tiny --seq-len 32 --steps 1 --rope-scaling linear:2
+expect "rope_scaling type 'ntk' is not supported" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling ntk:2
+expect "--rope-scaling 'yarn'" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling yarn
+expect "rope_scaling factor must be at least 1" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling linear:0.5
+expect "--rope-theta must be positive" train --model llama-tiny --seq-len 32 --steps 1 --rope-theta -5
+expect "--init starts a new run" train --model tiny --seq-len 32 --steps 4 --init ckpt --resume ckpt
+expect "holds the model" train --model small --seq-len 32 --steps 1 --init ckpt
+expect "holds a GPT model" export ckpt --format hf --out hf_out
+expect "--format 'gguf'" export ckpt --format gguf --out hf_out
+expect "--dtype 'fp8'" export ckpt --format hf --dtype fp8 --out hf_out
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

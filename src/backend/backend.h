@@ -33,6 +33,7 @@
 #include "core/config.h"
 #include "core/dims.h"
 #include "core/layout.h"
+#include "core/rope.h"
 
 namespace sppo {
 
@@ -78,8 +79,11 @@ struct Workspace {
 inline constexpr std::int32_t kNoTarget = -1;
 
 // Attention of a block of queries against several key/value blocks (backends/cpu/attention.h).
+// Grouped-query attention: Zkv key/value heads (0: Z), query head z reading key/value head
+// z / (Z / Zkv); k, v and their dk, dv have Zkv heads of A columns.
 struct AttnShape {
   int Tq = 0, Z = 0, A = 0;
+  int Zkv = 0;
   i64 q_pos0 = 0;
   int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides of q (and dq), k, v, out (and dout)
 };
@@ -138,10 +142,24 @@ class Backend {
                                  const float* b, int T, int H, float eps) = 0;
   virtual void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
                                   const float* mean, const float* rstd, int T, int H, const Workspace& ws) = 0;
+  // RMSNorm (Llama family): out = x * rstd * w, rstd[t] = 1 / sqrt(mean_j x[t, j]^2 + eps)
+  // (fp32). Backward as layernorm_backward: dx and dw ACCUMULATE (+=).
+  virtual void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) = 0;
+  virtual void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w,
+                                const float* rstd, int T, int H, const Workspace& ws) = 0;
   virtual void gelu_forward(void* out, const void* in, i64 n) = 0;
   virtual void gelu_backward(void* din, const void* dout, const void* in, i64 n) = 0;
-  virtual void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld) = 0;
-  virtual void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld) = 0;
+  // SwiGLU (Llama family): gu [T, 2F] holds each row's gate (columns [0, F)) and up
+  // ([F, 2F)); out [T, F] = silu(gate) * up, silu(g) = g / (1 + e^-g).
+  virtual void swiglu_forward(void* out, const void* gu, int T, int F) = 0;
+  // In place: on entry columns [0, F) of dgu [T, 2F] hold d out (columns [F, 2F) are free);
+  // on exit dgu holds d gate | d up. gu as in forward (not dgu).
+  virtual void swiglu_backward(void* dgu, const void* gu, int T, int F) = 0;
+  // RoPE on Z heads of A dims of x [T, ld] at positions pos0 .. pos0 + T - 1, in place:
+  // dims j and j + A/2 of each head rotate by pos * r.inv_freq[j], scaled by r.scale
+  // (core/rope.h). Backward rotates back by the transpose (the same scale).
+  virtual void rope_forward(void* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) = 0;
+  virtual void rope_backward(void* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) = 0;
   // y[n] += x[n], both activations.
   virtual void add_inplace(void* y, const void* x, i64 n) = 0;
   // Columns [col, col + width) of src [T, ld_src] -> dense dst [T, width] (activations).

@@ -18,7 +18,7 @@ struct KernelTimes {
   double attention_forward_s = 0;   // attention_forward, attention_merge
   double attention_backward_s = 0;  // attention_backward_delta, attention_backward
   double gemm_s = 0;                // gemm, linear_forward, linear_backward (with its bias sums)
-  double other_s = 0;               // LayerNorm, GeLU, RoPE, adds, column copies, the rest
+  double other_s = 0;               // norms, GeLU, SwiGLU, RoPE, adds, column copies, the rest
 };
 
 class TimedBackend final : public Backend {
@@ -76,17 +76,30 @@ class TimedBackend final : public Backend {
                           const float* mean, const float* rstd, int T, int H, const Workspace& ws) override {
     timed(t_.other_s, [&] { be_.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, H, ws); });
   }
+  void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) override {
+    timed(t_.other_s, [&] { be_.rmsnorm_forward(out, rstd, x, w, T, H, eps); });
+  }
+  void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w, const float* rstd, int T,
+                        int H, const Workspace& ws) override {
+    timed(t_.other_s, [&] { be_.rmsnorm_backward(dx, dw, dout, x, w, rstd, T, H, ws); });
+  }
   void gelu_forward(void* out, const void* in, i64 n) override {
     timed(t_.other_s, [&] { be_.gelu_forward(out, in, n); });
   }
   void gelu_backward(void* din, const void* dout, const void* in, i64 n) override {
     timed(t_.other_s, [&] { be_.gelu_backward(din, dout, in, n); });
   }
-  void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld) override {
-    timed(t_.other_s, [&] { be_.rope_forward(x, T, Z, A, pos0, theta, ld); });
+  void swiglu_forward(void* out, const void* gu, int T, int F) override {
+    timed(t_.other_s, [&] { be_.swiglu_forward(out, gu, T, F); });
   }
-  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld) override {
-    timed(t_.other_s, [&] { be_.rope_backward(dx, T, Z, A, pos0, theta, ld); });
+  void swiglu_backward(void* dgu, const void* gu, int T, int F) override {
+    timed(t_.other_s, [&] { be_.swiglu_backward(dgu, gu, T, F); });
+  }
+  void rope_forward(void* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) override {
+    timed(t_.other_s, [&] { be_.rope_forward(x, T, Z, A, pos0, r, ld); });
+  }
+  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) override {
+    timed(t_.other_s, [&] { be_.rope_backward(dx, T, Z, A, pos0, r, ld); });
   }
   void add_inplace(void* y, const void* x, i64 n) override { timed(t_.other_s, [&] { be_.add_inplace(y, x, n); }); }
   void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) override {

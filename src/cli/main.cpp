@@ -2,6 +2,7 @@
 // a bad option or input ends with one "[component] message" line and exit status 2.
 #include <CLI/CLI.hpp>
 #include <omp.h>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -20,6 +21,7 @@
 #include "core/check.h"
 #include "io/checkpoint.h"
 #include "io/fileutil.h"
+#include "io/hf.h"
 #include "io/loss_plot.h"
 #include "train/profile_machine.h"
 #include "train/parallel.h"
@@ -35,6 +37,8 @@ struct StepFlags {
   std::string model = "small";
   std::string attention = "causal";
   int vocab = 0, hidden = 0, layers = 0, heads = 0;
+  double rope_theta = 0;     // 0: the model's
+  std::string rope_scaling;  // "": the model's
   std::string seq_len = "1024";
   std::string device_memory;
   std::string host_memory;
@@ -59,9 +63,19 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--hidden", f.hidden, "Hidden size H (overrides the preset)");
   cmd->add_option("--layers", f.layers, "Number of blocks L (overrides the preset)");
   cmd->add_option("--heads", f.heads, "Attention heads Z; H/Z must be even (overrides the preset)");
+  cmd->add_option("--rope-theta", f.rope_theta,
+                  "RoPE base theta (overrides the model's; raising it is the usual first step of context extension)");
+  cmd->add_option("--rope-scaling", f.rope_scaling,
+                  "RoPE frequency scaling of a Llama-family model: none, TYPE:FACTOR with TYPE linear, dynamic, yarn "
+                  "or llama3 (llama3 scales from the model's max_positions), or Hugging Face's JSON object, e.g. "
+                  "'{\"rope_type\": \"llama3\", \"factor\": 8, \"original_max_position_embeddings\": 8192}'");
   f.seq_len_option = cmd->add_option("--seq-len", f.seq_len, "Tokens per step S; K and M suffixes allowed (64K, 1M)")
                          ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of the initial weights and the built-in task")->capture_default_str();
+  cmd->add_option("--init", o.init,
+                  "Start from these weights at step 0 with a fresh optimizer: an sppo checkpoint (train --save, sppo "
+                  "import) or a Hugging Face model directory (config.json with \"architectures\"), imported on the "
+                  "fly; its model is used unless --model is given");
   cmd->add_option("--data", o.data,
                   "Training data: empty for the built-in repeat task, a text file (bytes), raw "
                   "tokens (.u16/.u32), or a Megatron .bin/.idx prefix");
@@ -124,16 +138,62 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Seconds a rank waits for a message before ending the job")->capture_default_str();
 }
 
+// --rope-scaling: none, TYPE:FACTOR, or HF's JSON object.
+RopeScaling parse_rope_scaling(const std::string& text, const ModelConfig& c) {
+  SPPO_CHECK(c.llama() || text == "none", "options")
+      << "--rope-scaling applies to Llama-family models (--model llama-tiny, llama-3-8b, ...); --model is GPT";
+  if (text == "none") return {};
+  if (text.front() == '{') {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const std::exception& e) {
+      SPPO_CHECK(false, "options") << "--rope-scaling is not JSON: " << e.what();
+    }
+    return rope_scaling_from_json(j);
+  }
+  const std::size_t colon = text.find(':');
+  SPPO_CHECK(colon != std::string::npos, "options")
+      << "--rope-scaling '" << text << "': use none, TYPE:FACTOR (e.g. linear:4, yarn:8, llama3:8) or a JSON object";
+  nlohmann::json j = {{"rope_type", text.substr(0, colon)}};
+  try {
+    j["factor"] = std::stod(text.substr(colon + 1));
+  } catch (const std::exception&) {
+    SPPO_CHECK(false, "options") << "--rope-scaling '" << text << "': the factor after ':' must be a number";
+  }
+  if (j["rope_type"] == "llama3") j["original_max_position_embeddings"] = c.max_positions;
+  return rope_scaling_from_json(j);
+}
+
 void resolve_step_options(const StepFlags& f, StepOptions& o) {
   o.model = preset(f.model);
   o.model_name = f.model;
-  const bool custom = f.vocab || f.hidden || f.layers || f.heads;
+  const bool custom = f.vocab || f.hidden || f.layers || f.heads || f.rope_theta != 0 || !f.rope_scaling.empty();
   // A plan names its model and sequence length: they are taken from it unless given.
   std::optional<plan::Plan> from_plan;
   if (!o.plan_path.empty()) from_plan = read_plan_file(o.plan_path);
   if (from_plan && !f.model_option->count() && !custom) {
     o.model = from_plan->model;
     o.model_name = from_plan->model_name;
+  }
+  // --init names its model: taken unless --model is given, and then it must be the same.
+  if (!o.init.empty()) {
+    const ModelConfig held = init_model(o.init);
+    if (!f.model_option->count()) {
+      SPPO_CHECK(!(f.vocab || f.hidden || f.layers || f.heads), "options")
+          << "--init " << o.init << " holds its model's sizes; drop --vocab, --hidden, --layers and --heads";
+      o.model = held;
+      o.model_name = o.model_preset = "init";
+    } else {
+      ModelConfig asked = o.model;
+      if (f.vocab) asked.vocab = f.vocab;
+      if (f.hidden) asked.hidden = f.hidden;
+      if (f.layers) asked.layers = f.layers;
+      if (f.heads) asked.heads = f.heads;
+      SPPO_CHECK(to_json(asked) == to_json(held), "options")
+          << "--init " << o.init << " holds the model " << to_json(held).dump() << ", but --model " << f.model
+          << " is " << to_json(asked).dump() << "; drop --model to train the model --init holds";
+    }
   }
   auto positive = [](int v, const char* name) {
     SPPO_CHECK(v > 0, "options") << name << " must be a positive integer (got " << v << ")";
@@ -144,6 +204,12 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (f.hidden) o.model.hidden = positive(f.hidden, "--hidden");
   if (f.layers) o.model.layers = positive(f.layers, "--layers");
   if (f.heads) o.model.heads = positive(f.heads, "--heads");
+  if (f.rope_theta != 0) {
+    SPPO_CHECK(std::isfinite(f.rope_theta) && f.rope_theta > 0, "options")
+        << "--rope-theta must be positive (got " << f.rope_theta << ")";
+    o.model.rope_theta = float(f.rope_theta);
+  }
+  if (!f.rope_scaling.empty()) o.model.rope_scaling = parse_rope_scaling(f.rope_scaling, o.model);
   SPPO_CHECK(f.attention == "causal" || f.attention == "bidirectional", "options")
       << "--attention '" << f.attention << "' is unknown; use causal or bidirectional";
   o.model.causal = f.attention == "causal";
@@ -152,8 +218,9 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   SPPO_CHECK(o.model.causal == (o.objective == "lm"), "options")
       << (o.model.causal ? "--objective mlm trains a bidirectional model; add --attention bidirectional"
                          : "--attention bidirectional sees the next token, so it trains with --objective mlm");
-  o.model_preset = f.model;
-  if (custom && to_json(o.model) != to_json(preset(f.model))) o.model_name = f.model + " (custom)";
+  const bool from_init = !o.init.empty() && !f.model_option->count();
+  if (!from_init) o.model_preset = f.model;
+  if (custom && !from_init && to_json(o.model) != to_json(preset(f.model))) o.model_name = f.model + " (custom)";
   o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
   if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
   if (!f.host_memory.empty()) o.host_memory = parse_bytes(f.host_memory, "--host-memory");
@@ -255,11 +322,10 @@ int main(int argc, char** argv) {
   // grads
   StepOptions grads;
   StepFlags grads_flags;
-  std::string grads_out, grads_init;
+  std::string grads_out;
   auto* cmd_grads = app.add_subcommand("grads", "Run one forward/backward and export weights, gradients and loss");
   add_step_options(cmd_grads, grads_flags, grads);
   cmd_grads->add_option("--out", grads_out, "Output directory")->required();
-  cmd_grads->add_option("--init", grads_init, "Take the weights from this checkpoint directory");
 
   // bench
   auto* cmd_bench = app.add_subcommand("bench", "Benchmarks that print a table, or JSON with --json");
@@ -388,6 +454,28 @@ int main(int argc, char** argv) {
   cmd_plot->add_option("--out", plot_out, "Where to write the SVG")->required();
   cmd_plot->add_option("--title", plot_title, "Heading of the plot (default: the metrics file's name)");
 
+  // import, export: Hugging Face checkpoints in and out (io/hf.h)
+  std::string import_dir, import_out;
+  auto* cmd_import = app.add_subcommand(
+      "import", "Write an sppo checkpoint (the model, no optimizer state) from a Hugging Face model directory");
+  cmd_import->add_option("hf_dir", import_dir, "Directory with config.json and model*.safetensors")->required();
+  cmd_import->add_option("--out", import_out, "The checkpoint directory to write (train --init reads it)")->required();
+  std::string export_ckpt, export_out, export_format = "hf", export_dtype = "checkpoint", export_positions,
+                                       export_shard = "5GB";
+  auto* cmd_export = app.add_subcommand("export", "Write a checkpoint's model in another format");
+  cmd_export->add_option("checkpoint", export_ckpt, "An sppo checkpoint directory (train --save)")->required();
+  cmd_export->add_option("--format", export_format, "hf: Hugging Face's config.json and safetensors")
+      ->capture_default_str();
+  cmd_export->add_option("--out", export_out, "Directory to write")->required();
+  cmd_export->add_option("--dtype", export_dtype,
+                         "Weights' type: checkpoint (fp32, as the checkpoint holds them), fp32, or bf16")
+      ->capture_default_str();
+  cmd_export->add_option("--max-positions", export_positions,
+                         "max_position_embeddings to write (default: the longest --seq-len the checkpoint was "
+                         "trained at, if longer than the model's; kept for dynamic and yarn scaling, which scale "
+                         "from it)");
+  cmd_export->add_option("--shard-size", export_shard, "Largest safetensors shard, e.g. 5GB")->capture_default_str();
+
   try {
     try {
       app.parse(argc, argv);
@@ -435,7 +523,7 @@ int main(int argc, char** argv) {
     }
     if (*cmd_grads) {
       resolve_step_options(grads_flags, grads);
-      return run_grads(grads, grads_out, grads_init);
+      return run_grads(grads, grads_out, "");
     }
     if (*cmd_bench_memory || *cmd_bench_offload) {
       const bool mem = bool(*cmd_bench_memory);
@@ -503,6 +591,52 @@ int main(int argc, char** argv) {
       plan::save_profile(p, profile_out);
       std::printf("%s\n", plan::to_json(p).dump(2).c_str());
       std::fprintf(stderr, "wrote %s; use it with --hardware %s\n", profile_out.c_str(), profile_out.c_str());
+      return 0;
+    }
+    if (*cmd_import) {
+      SPPO_CHECK(io::is_hf_dir(import_dir), "hf")
+          << import_dir << " is not a Hugging Face model directory (a config.json with \"architectures\")";
+      const ModelConfig c = io::hf_read_config(import_dir);
+      std::vector<float> params(std::size_t(c.num_params()));
+      io::hf_read_weights(import_dir, c, params.data());  // every tensor checked before anything is written
+      std::vector<io::CheckpointTensor> weights;
+      float* at = params.data();
+      for (const TensorSpec& t : parameter_specs(c)) {
+        weights.push_back({t.name, t.shape, at});
+        at += t.numel();
+      }
+      const nlohmann::json state = {{"step", 0},
+                                    {"config", to_json(c)},
+                                    {"data_position", nlohmann::json::object()},
+                                    {"imported_from", std::filesystem::absolute(import_dir).string()}};
+      io::save_checkpoint(import_out, weights, {}, state);
+      std::printf("imported %s: %s, %.3g parameters -> %s\n", import_dir.c_str(), to_json(c).dump().c_str(),
+                  double(c.num_params()), import_out.c_str());
+      return 0;
+    }
+    if (*cmd_export) {
+      SPPO_CHECK(export_format == "hf", "options") << "--format '" << export_format << "': the formats are: hf";
+      SPPO_CHECK(export_dtype == "checkpoint" || export_dtype == "fp32" || export_dtype == "bf16", "options")
+          << "--dtype '" << export_dtype << "': use checkpoint, fp32 or bf16";
+      std::string from;
+      const io::CheckpointState st =
+          io::parse_checkpoint_state(io::read_checkpoint_state(export_ckpt, &from), export_ckpt + "/state.json");
+      const ModelConfig& c = st.config;
+      SPPO_CHECK(c.llama(), "options") << export_ckpt << " holds a GPT model; --format hf writes Llama-family models";
+      std::vector<float> params(std::size_t(c.num_params()));
+      std::vector<io::CheckpointTensor> weights;
+      float* at = params.data();
+      for (const TensorSpec& t : parameter_specs(c)) {
+        weights.push_back({t.name, t.shape, at});
+        at += t.numel();
+      }
+      io::load_checkpoint_weights(export_ckpt, weights);
+      i64 positions = export_positions.empty() ? 0 : parse_count(export_positions, "--max-positions");
+      if (export_positions.empty() && st.json.contains("options") && st.json["options"].contains("--seq-len"))
+        positions = parse_count(st.json["options"]["--seq-len"].get<std::string>(), "--seq-len");
+      io::hf_write(export_out, c, params.data(), export_dtype == "bf16" ? "bfloat16" : "float32", positions,
+                   parse_bytes(export_shard, "--shard-size"));
+      std::printf("exported %s (step %d) to %s\n", from.c_str(), st.step, export_out.c_str());
       return 0;
     }
     if (*cmd_plot) {

@@ -19,24 +19,70 @@ struct Preset {
   ModelConfig config;
 };
 
-// Small presets train here in seconds; the gpt-* shapes are the paper's Table 2.
+ModelConfig gpt(int vocab, int hidden, int layers, int heads) {
+  ModelConfig c;
+  c.vocab = vocab;
+  c.hidden = hidden;
+  c.layers = layers;
+  c.heads = heads;
+  return c;
+}
+
+ModelConfig llama(int vocab, int hidden, int layers, int heads, int kv_heads, int ffn_size, float theta, float eps,
+                  i64 max_positions, bool qkv_bias) {
+  ModelConfig c = gpt(vocab, hidden, layers, heads);
+  c.rope_theta = theta;
+  c.ln_eps = eps;
+  c.family = Family::Llama;
+  c.kv_heads = kv_heads;
+  c.ffn_size = ffn_size;
+  c.qkv_bias = qkv_bias;
+  c.max_positions = max_positions;
+  return c;
+}
+
+struct ScalingName {
+  RopeScaling::Type type;
+  const char* name;
+};
+const ScalingName kScalings[] = {{RopeScaling::Type::None, "none"},
+                                 {RopeScaling::Type::Linear, "linear"},
+                                 {RopeScaling::Type::Dynamic, "dynamic"},
+                                 {RopeScaling::Type::Yarn, "yarn"},
+                                 {RopeScaling::Type::Llama3, "llama3"}};
+
+// Small presets train here in seconds; the gpt-* shapes are the paper's Table 2; the
+// Llama-family ones those of the released models (config.json).
 const Preset kPresets[] = {
-    {"tiny", {64, 64, 2, 4, 4, 10000.0f, 1e-5f}},
-    {"small", {64, 128, 2, 4, 4, 10000.0f, 1e-5f}},
-    {"medium", {256, 256, 4, 4, 4, 10000.0f, 1e-5f}},
-    {"bench", {256, 1024, 4, 16, 4, 10000.0f, 1e-5f}},
-    {"bench-memory", {64, 128, 4, 2, 4, 10000.0f, 1e-5f}},
-    {"gpt-7b", {50304, 4096, 32, 32, 4, 10000.0f, 1e-5f}},
-    {"gpt-13b", {50304, 5120, 40, 40, 4, 10000.0f, 1e-5f}},
-    {"gpt-65b", {50304, 8192, 80, 64, 4, 10000.0f, 1e-5f}},
+    {"tiny", gpt(64, 64, 2, 4)},
+    {"small", gpt(64, 128, 2, 4)},
+    {"medium", gpt(256, 256, 4, 4)},
+    {"bench", gpt(256, 1024, 4, 16)},
+    {"bench-memory", gpt(64, 128, 4, 2)},
+    {"gpt-7b", gpt(50304, 4096, 32, 32)},
+    {"gpt-13b", gpt(50304, 5120, 40, 40)},
+    {"gpt-65b", gpt(50304, 8192, 80, 64)},
+    {"llama-tiny", llama(64, 64, 2, 4, 2, 256, 10000.0f, 1e-5f, 256, false)},
+    {"llama-3-8b", llama(128256, 4096, 32, 32, 8, 14336, 500000.0f, 1e-5f, 8192, false)},
+    {"llama-3-70b", llama(128256, 8192, 80, 64, 8, 28672, 500000.0f, 1e-5f, 8192, false)},
+    {"qwen2.5-7b", llama(152064, 3584, 28, 28, 4, 18944, 1000000.0f, 1e-6f, 32768, true)},
 };
 
 }  // namespace
 
+const char* rope_scaling_name(RopeScaling::Type t) {
+  for (const auto& s : kScalings)
+    if (s.type == t) return s.name;
+  return "?";
+}
+
 i64 ModelConfig::num_params() const {
-  const i64 H = hidden, F = ffn();
-  const i64 per_layer = 2 * H + (3 * H * H + 3 * H) + (H * H + H) + 2 * H + (F * H + F) + (H * F + H);
-  return i64(vocab) * H + i64(layers) * per_layer + 2 * H;
+  const i64 H = hidden, F = ffn(), Q = qkv_width(), W = fc_width();
+  const i64 norms = llama() ? 1 : 2;  // LayerNorm's weight and bias, RMSNorm's weight
+  const i64 b = biases() ? 1 : 0;
+  const i64 per_layer = 2 * norms * H + (Q * H + (qkv_bias ? Q : 0)) + (H * H + b * H) + (W * H + b * W) +
+                        (H * F + b * H);
+  return i64(vocab) * H * (tied_embeddings() ? 1 : 2) + i64(layers) * per_layer + norms * H;
 }
 
 void ModelConfig::validate() const {
@@ -63,9 +109,45 @@ void ModelConfig::validate() const {
                                 << " is odd; RoPE rotates pairs of dims, so it must be even (e.g. --heads "
                                 << ok << ")";
   }
+  if (llama()) {
+    const int G = kv_head_count();
+    SPPO_CHECK(G >= 1 && G <= heads && heads % G == 0, "config")
+        << "kv_heads " << kv_heads << " must divide heads " << heads
+        << " (grouped-query attention shares each key/value head among heads / kv_heads query heads)";
+    SPPO_CHECK(ffn_size >= 1 && ffn_size <= i64(kMaxFfnMult) * hidden, "config")
+        << "ffn_size (intermediate_size) must be between 1 and " << kMaxFfnMult << " x hidden (got " << ffn_size
+        << ")";
+    SPPO_CHECK(causal, "config") << "a Llama-family model is causal";
+  } else {
+    SPPO_CHECK(kv_heads == 0 || kv_heads == heads, "config")
+        << "kv_heads " << kv_heads << ": grouped-query attention needs a Llama-family model (\"family\": \"llama\")";
+    SPPO_CHECK(ffn_size == 0 && qkv_bias && rope_scaling.type == RopeScaling::Type::None, "config")
+        << "ffn_size, qkv_bias and rope_scaling belong to Llama-family models (\"family\": \"llama\")";
+  }
+  SPPO_CHECK(max_positions >= 0 && max_positions <= (i64{1} << 40), "config")
+      << "max_positions must be between 0 and 2^40 (got " << max_positions << ")";
+  {
+    const RopeScaling& r = rope_scaling;
+    const bool none = r.type == RopeScaling::Type::None;
+    SPPO_CHECK(none || (std::isfinite(r.factor) && r.factor >= 1.0), "config")
+        << "rope_scaling factor must be at least 1 (got " << r.factor << ")";
+    SPPO_CHECK(!(r.type == RopeScaling::Type::Llama3) ||
+                   (r.original_max_positions > 0 && r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor),
+               "config")
+        << "llama3 rope_scaling needs original_max_position_embeddings > 0 and high_freq_factor > low_freq_factor > 0";
+    SPPO_CHECK(!(r.type == RopeScaling::Type::Dynamic || r.type == RopeScaling::Type::Yarn) || max_positions > 0,
+               "config")
+        << rope_scaling_name(r.type) << " rope_scaling needs max_position_embeddings (max_positions), the length it "
+        << "scales from";
+    SPPO_CHECK(r.type != RopeScaling::Type::Yarn ||
+                   (std::isfinite(r.beta_fast) && std::isfinite(r.beta_slow) && r.beta_fast > 0 && r.beta_slow > 0 &&
+                    std::isfinite(r.attention_factor) && r.attention_factor >= 0),
+               "config")
+        << "yarn rope_scaling needs positive beta_fast and beta_slow and a non-negative attention_factor";
+  }
   SPPO_CHECK(std::isfinite(rope_theta) && rope_theta > 0, "config") << "rope_theta must be positive (got " << rope_theta << ")";
   SPPO_CHECK(std::isfinite(ln_eps) && ln_eps > 0, "config") << "ln_eps must be positive (got " << ln_eps << ")";
-  const double params = double(vocab) * hidden + double(layers) * (4.0 + 2.0 * ffn_mult) * double(hidden) * hidden;
+  const double params = double(vocab) * hidden * 2 + double(layers) * (4.0 * hidden + 3.0 * ffn()) * double(hidden);
   SPPO_CHECK(params <= kMaxParams, "config")
       << "the model would have about " << params << " parameters; at most " << kMaxParams << " are accepted";
 }
@@ -90,7 +172,56 @@ nlohmann::json to_json(const ModelConfig& c) {
                       {"heads", c.heads},          {"ffn_mult", c.ffn_mult},     {"rope_theta", c.rope_theta},
                       {"ln_eps", c.ln_eps}};
   if (!c.causal) j["attention"] = "bidirectional";
+  if (c.llama()) {
+    j["family"] = "llama";
+    j.erase("ffn_mult");
+    j["kv_heads"] = c.kv_head_count();
+    j["ffn_size"] = c.ffn_size;
+    j["qkv_bias"] = c.qkv_bias;
+    j["max_positions"] = c.max_positions;
+    const RopeScaling& r = c.rope_scaling;
+    if (r.type != RopeScaling::Type::None) {
+      nlohmann::json s = {{"type", rope_scaling_name(r.type)}, {"factor", r.factor}};
+      if (r.type == RopeScaling::Type::Llama3) {
+        s["original_max_position_embeddings"] = r.original_max_positions;
+        s["low_freq_factor"] = r.low_freq_factor;
+        s["high_freq_factor"] = r.high_freq_factor;
+      }
+      if (r.type == RopeScaling::Type::Yarn) {
+        s["beta_fast"] = r.beta_fast;
+        s["beta_slow"] = r.beta_slow;
+        if (r.attention_factor > 0) s["attention_factor"] = r.attention_factor;
+      }
+      j["rope_scaling"] = s;
+    }
+  }
   return j;
+}
+
+RopeScaling rope_scaling_from_json(const nlohmann::json& j) {
+  SPPO_CHECK(j.is_object(), "config") << "rope_scaling must be a JSON object (got " << j.dump() << ")";
+  std::string type = json_string_field(j, "rope_type", "", "config", "rope_scaling: ");
+  if (type.empty()) type = json_string_field(j, "type", "", "config", "rope_scaling: ");
+  RopeScaling r;
+  bool known = false;
+  for (const auto& s : kScalings)
+    if (type == s.name || (type == "default" && s.type == RopeScaling::Type::None)) r.type = s.type, known = true;
+  SPPO_CHECK(known, "config") << "rope_scaling type '" << type
+                              << "' is not supported; supported: none, linear, dynamic, yarn, llama3";
+  auto real = [&](const char* key, double fallback) {
+    const auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return fallback;
+    SPPO_CHECK(it->is_number(), "config") << "rope_scaling: \"" << key << "\" must be a number (got " << it->dump() << ")";
+    return it->get<double>();
+  };
+  r.factor = real("factor", 1.0);
+  r.original_max_positions = i64(real("original_max_position_embeddings", 0.0));
+  r.low_freq_factor = real("low_freq_factor", 1.0);
+  r.high_freq_factor = real("high_freq_factor", 4.0);
+  r.beta_fast = real("beta_fast", 32.0);
+  r.beta_slow = real("beta_slow", 1.0);
+  r.attention_factor = real("attention_factor", 0.0);
+  return r;
 }
 
 ModelConfig model_config_from_json(const nlohmann::json& j) {
@@ -121,6 +252,23 @@ ModelConfig model_config_from_json(const nlohmann::json& j) {
   SPPO_CHECK(attention == "causal" || attention == "bidirectional", "config")
       << "model config: \"attention\" must be causal or bidirectional (got '" << attention << "')";
   c.causal = attention == "causal";
+  const std::string family = json_string_field(j, "family", "gpt", "config", "model config: ");
+  SPPO_CHECK(family == "gpt" || family == "llama", "config")
+      << "model config: \"family\" must be gpt or llama (got '" << family << "')";
+  if (family == "llama") {
+    c.family = Family::Llama;
+    c.kv_heads = integer("kv_heads", c.heads);
+    c.ffn_size = integer("ffn_size", 0);
+    const auto bias = j.find("qkv_bias");
+    c.qkv_bias = false;
+    if (bias != j.end()) {
+      SPPO_CHECK(bias->is_boolean(), "config") << "model config: \"qkv_bias\" must be true or false";
+      c.qkv_bias = bias->get<bool>();
+    }
+    c.max_positions = json_integer_field(j, "max_positions", 0, 0, i64{1} << 40, "config", "model config: ");
+    const auto rs = j.find("rope_scaling");
+    if (rs != j.end() && !rs->is_null()) c.rope_scaling = rope_scaling_from_json(*rs);
+  }
   c.validate();
   return c;
 }

@@ -17,18 +17,57 @@ inline constexpr int kMaxLayers = 1 << 16;
 inline constexpr int kMaxFfnMult = 64;
 inline constexpr double kMaxParams = 1e15;
 
+// The block a model is built from (DESIGN.md 2 for GPT). Llama-family blocks (Llama 2/3,
+// Mistral, Qwen2) use RMSNorm, a SwiGLU MLP of their own intermediate size F, grouped-query
+// attention (G key/value heads shared by groups of Z / G query heads), no biases but
+// optionally the q/k/v projection's (Qwen2), and an LM head of its own.
+enum class Family { Gpt, Llama };
+
+// RoPE frequency scaling as Hugging Face's config.json names it ("rope_scaling"); the
+// frequencies themselves: core/rope.h.
+struct RopeScaling {
+  enum class Type { None, Linear, Dynamic, Yarn, Llama3 };
+  Type type = Type::None;
+  double factor = 1.0;
+  i64 original_max_positions = 0;                  // llama3: the context it was trained at
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
+  double beta_fast = 32.0, beta_slow = 1.0;         // yarn
+  double attention_factor = 0.0;                    // yarn: scale of cos and sin; 0: 0.1 ln(factor) + 1
+};
+const char* rope_scaling_name(RopeScaling::Type t);  // "none", "linear", "dynamic", "yarn", "llama3"
+
 struct ModelConfig {
   int vocab = 0;              // V
   int hidden = 0;             // H
   int layers = 0;             // L
   int heads = 0;              // Z
-  int ffn_mult = 4;           // F = ffn_mult * H
+  int ffn_mult = 4;           // F = ffn_mult * H (GPT)
   float rope_theta = 10000.0f;
-  float ln_eps = 1e-5f;
+  float ln_eps = 1e-5f;       // LayerNorm's eps, or RMSNorm's
   bool causal = true;         // false: bidirectional attention (every query sees every key)
+  Family family = Family::Gpt;
+  int kv_heads = 0;           // G: key/value heads (grouped-query attention); 0: Z
+  int ffn_size = 0;           // F given directly (a Llama's intermediate_size); 0: ffn_mult * H
+  bool qkv_bias = true;       // the q/k/v projection has a bias (GPT: every linear has one)
+  i64 max_positions = 0;      // max_position_embeddings: "dynamic" and "yarn" scaling's reference length
+  RopeScaling rope_scaling;
+  i64 rope_seq_len = 0;       // "dynamic" scaling: the sequence length trained at (set by the run)
 
+  bool llama() const { return family == Family::Llama; }
   int head_size() const { return hidden / heads; }  // A
-  int ffn() const { return ffn_mult * hidden; }     // F
+  int kv_head_count() const { return kv_heads > 0 ? kv_heads : heads; }  // G
+  int kv_width() const { return kv_head_count() * head_size(); }  // width of k and v: G A
+  int qkv_width() const { return hidden + 2 * kv_width(); }      // the q/k/v projection's outputs
+  int ffn() const { return ffn_size > 0 ? ffn_size : ffn_mult * hidden; }  // F
+  bool gated() const { return llama(); }                          // SwiGLU: fc makes gate and up
+  int fc_width() const { return gated() ? 2 * ffn() : ffn(); }    // outputs of the fc projection
+  bool biases() const { return !llama(); }                        // every linear but q/k/v
+  bool tied_embeddings() const { return !llama(); }               // the LM head is the embedding
+  // Weights of a block's four projections (q/k/v, out, fc, proj): a token's forward GEMMs
+  // take twice as many FLOPs.
+  double layer_matmul_params() const {
+    return double(hidden) * (double(qkv_width()) + hidden + fc_width() + ffn());
+  }
   i64 num_params() const;
   // Throws sppo::Error naming the option and what would work.
   void validate() const;
@@ -40,8 +79,12 @@ std::vector<std::string> preset_names();
 ModelConfig preset(const std::string& name);
 
 // The `sppo grads` config.json fields: vocab, hidden, layers, heads, ffn_mult, rope_theta, ln_eps,
-// and "attention": "bidirectional" for a bidirectional model (absent: causal).
+// and "attention": "bidirectional" for a bidirectional model (absent: causal); a Llama-family
+// model adds "family": "llama", kv_heads, ffn_size, qkv_bias, max_positions and
+// "rope_scaling" {"type", "factor", ...} (HF's field names).
 nlohmann::json to_json(const ModelConfig& c);
+// HF's "rope_scaling" object ("rope_type" or "type", "factor", ...); throws naming the field.
+RopeScaling rope_scaling_from_json(const nlohmann::json& j);
 ModelConfig model_config_from_json(const nlohmann::json& j);
 
 // Parses "65536", "64K", "1M", "1.5K" (K = 1024, M = 1048576, G = 2^30; the result must be

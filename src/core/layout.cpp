@@ -55,33 +55,35 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end, const TpShard& tp) {
   SPPO_ASSERT(0 <= begin && begin < end && end <= c.layers);
   const i64 H = c.hidden;
-  const i64 Hr = tp.local_hidden(c);
+  const i64 Hr = tp.local_hidden(c), Qr = tp.local_qkv_width(c), Wr = tp.local_fc_width(c);
   const auto [f0, f1] = tp.ffn(c);
   const auto [v0, v1] = tp.vocab(c);
   const i64 Fr = f1 - f0, Vr = v1 - v0;
+  const bool bias = c.biases();
   std::vector<TensorSpec> p;
   auto add = [&](std::string name, std::vector<i64> shape) {
     p.push_back({std::move(name), std::move(shape), DType::F32, Role::Parameter});
   };
-  if (begin == 0 || end == c.layers) add("embed.weight", {Vr, H});
+  if (begin == 0 || (end == c.layers && c.tied_embeddings())) add("embed.weight", {Vr, H});
   for (int l = begin; l < end; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
     add(b + "ln1.weight", {H});
-    add(b + "ln1.bias", {H});
-    add(b + "attn.qkv.weight", {3 * Hr, H});
-    add(b + "attn.qkv.bias", {3 * Hr});
+    if (bias) add(b + "ln1.bias", {H});
+    add(b + "attn.qkv.weight", {Qr, H});
+    if (c.qkv_bias) add(b + "attn.qkv.bias", {Qr});
     add(b + "attn.out.weight", {H, Hr});
-    add(b + "attn.out.bias", {H});
+    if (bias) add(b + "attn.out.bias", {H});
     add(b + "ln2.weight", {H});
-    add(b + "ln2.bias", {H});
-    add(b + "mlp.fc.weight", {Fr, H});
-    add(b + "mlp.fc.bias", {Fr});
+    if (bias) add(b + "ln2.bias", {H});
+    add(b + "mlp.fc.weight", {Wr, H});
+    if (bias) add(b + "mlp.fc.bias", {Wr});
     add(b + "mlp.proj.weight", {H, Fr});
-    add(b + "mlp.proj.bias", {H});
+    if (bias) add(b + "mlp.proj.bias", {H});
   }
   if (end == c.layers) {
     add("ln_f.weight", {H});
-    add("ln_f.bias", {H});
+    if (bias) add("ln_f.bias", {H});
+    if (!c.tied_embeddings()) add("lm_head.weight", {Vr, H});
   }
   return p;
 }
@@ -90,6 +92,8 @@ ModelConfig attention_view(const ModelConfig& c, const TpShard& tp) {
   ModelConfig a = c;
   a.heads = tp.local_heads(c);
   a.hidden = tp.local_hidden(c);
+  const auto [g0, g1] = tp.kv_heads(c);
+  a.kv_heads = int(g1 - g0);
   return a;
 }
 
@@ -108,11 +112,14 @@ std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, c
     i64 off = 0;
     for (const auto& s : parameter_specs(c)) full_offset[s.name] = off, off += s.numel();
   }
-  const i64 H = c.hidden, F = c.ffn(), A = c.head_size();
+  const i64 H = c.hidden, F = c.ffn(), A = c.head_size(), KV = c.kv_width();
   const auto [z0, z1] = tp.heads(c);
+  const auto [g0, g1] = tp.kv_heads(c);
   const auto [f0, f1] = tp.ffn(c);
   const auto [v0, v1] = tp.vocab(c);
-  const i64 c0 = z0 * A, Hr = (z1 - z0) * A;
+  const i64 c0 = z0 * A, Hr = (z1 - z0) * A, k0 = g0 * A, KVr = (g1 - g0) * A;
+  // Where the q, k and v rows of this member's heads start in the whole projection, and how many.
+  const i64 qkv_from[3] = {c0, H + k0, H + KV + k0}, qkv_rows[3] = {Hr, KVr, KVr};
   std::vector<ParamSlice> out;
   i64 local = 0;
   for (const auto& s : parameter_specs(c, begin, end, tp)) {
@@ -125,20 +132,22 @@ std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, c
       const std::string x(suffix);
       return s.name.size() >= x.size() && s.name.compare(s.name.size() - x.size(), x.size(), x) == 0;
     };
+    // A gated fc holds the gate rows of its F columns, then their up rows.
+    const int fc_parts = c.gated() ? 2 : 1;
     if (tp_replicated(s.name)) {
       take(0, s.numel(), true);
-    } else if (s.name == "embed.weight") {
+    } else if (s.name == "embed.weight" || s.name == "lm_head.weight") {
       take(v0 * H, (v1 - v0) * H);
     } else if (ends("attn.qkv.weight")) {
-      for (int j = 0; j < 3; ++j) take((j * H + c0) * H, Hr * H);  // the q, k, v rows of its heads
+      for (int j = 0; j < 3; ++j) take(qkv_from[j] * H, qkv_rows[j] * H);  // the q, k, v rows of its heads
     } else if (ends("attn.qkv.bias")) {
-      for (int j = 0; j < 3; ++j) take(j * H + c0, Hr);
+      for (int j = 0; j < 3; ++j) take(qkv_from[j], qkv_rows[j]);
     } else if (ends("attn.out.weight")) {
       for (i64 r = 0; r < H; ++r) take(r * H + c0, Hr);  // its heads' columns of every row
     } else if (ends("mlp.fc.weight")) {
-      take(f0 * H, (f1 - f0) * H);
+      for (int j = 0; j < fc_parts; ++j) take((j * F + f0) * H, (f1 - f0) * H);
     } else if (ends("mlp.fc.bias")) {
-      take(f0, f1 - f0);
+      for (int j = 0; j < fc_parts; ++j) take(j * F + f0, f1 - f0);
     } else if (ends("mlp.proj.weight")) {
       for (i64 r = 0; r < H; ++r) take(r * F + f0, f1 - f0);
     } else {
@@ -158,27 +167,27 @@ std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecis
 }
 
 std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp) {
-  const i64 H = c.hidden, Hr = tp.local_hidden(c), Zr = tp.local_heads(c);
-  const auto [f0, f1] = tp.ffn(c);
-  const i64 Fr = f1 - f0;
+  const i64 H = c.hidden, Hr = tp.local_hidden(c), Zr = tp.local_heads(c), KVr = tp.local_kv_width(c);
+  const i64 Fr = tp.local_fc_width(c);
   const i64 Ts = tp.row_count(T);  // this member's rows of the LayerNorm / residual regions
+  const i64 Tm = c.llama() ? 0 : Ts;  // RMSNorm keeps no mean: its rows are empty
   const DType a = act_dtype(p);
   using R = Role;
   return {
       {"x", {Ts, H}, a, R::Offloadable},            // block input = LN1 input
-      {"ln1_mean", {Ts}, DType::F32, R::Offloadable},
+      {"ln1_mean", {Tm}, DType::F32, R::Offloadable},
       {"ln1_rstd", {Ts}, DType::F32, R::Offloadable},
       {"ln1_out", {Ts, H}, a, R::Offloadable},      // input of the qkv projection (gathered again in backward)
       {"q", {T, Hr}, a, R::Offloadable},            // queries after RoPE
-      {"k", {T, Hr}, a, R::Skeletal},               // keys after RoPE (KV cache)
-      {"v", {T, Hr}, a, R::Skeletal},               // values (KV cache)
+      {"k", {T, KVr}, a, R::Skeletal},              // keys after RoPE (KV cache; G heads)
+      {"v", {T, KVr}, a, R::Skeletal},              // values (KV cache)
       {"attn_out", {T, Hr}, a, R::Offloadable},     // attention output before projection
       {"lse", {Zr, T}, DType::F32, R::Offloadable}, // per-row log-sum-exp of the scores
       {"x_mid", {Ts, H}, a, R::Offloadable},        // residual after attention = LN2 input
-      {"ln2_mean", {Ts}, DType::F32, R::Offloadable},
+      {"ln2_mean", {Tm}, DType::F32, R::Offloadable},
       {"ln2_rstd", {Ts}, DType::F32, R::Offloadable},
       {"ln2_out", {Ts, H}, a, R::Offloadable},      // input of the fc projection
-      {"fc_pre", {T, Fr}, a, R::Offloadable},       // fc output before GeLU
+      {"fc_pre", {T, Fr}, a, R::Offloadable},       // fc output before GeLU (SwiGLU: gate | up)
   };
 }
 
@@ -197,19 +206,19 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
 std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp,
                                               const MlpTiles& tiles) {
   SPPO_ASSERT(!(tp.on() && tiles.on()));
-  const i64 H = c.hidden, Hr = tp.local_hidden(c), Zr = tp.local_heads(c);
-  const auto [f0, f1] = tp.ffn(c);
+  const i64 H = c.hidden, Zr = tp.local_heads(c), Wr = tp.local_fc_width(c);
   const DType a = act_dtype(p);
   using R = Role;
   // Forward needs qkv and the MLP activation; backward reuses them for their gradients
   // (the residual gradient runs in place in head_grad) plus one [T, H] gradient and delta.
+  // A gated MLP's activation is [T, F], but its backward makes d gate | d up in place there.
   std::vector<TensorSpec> s = {
-      {"qkv", {T, 3 * Hr}, a, R::Workspace},
-      {"mlp_act", {tiles.tile_rows(T), f1 - f0}, a, R::Workspace},
+      {"qkv", {T, tp.local_qkv_width(c)}, a, R::Workspace},
+      {"mlp_act", {tiles.tile_rows(T), Wr}, a, R::Workspace},
       {"d_tmp", {T, H}, a, R::Workspace},
       {"delta", {Zr, T}, DType::F32, R::Workspace},
   };
-  if (tiles.on() && tiles.fc_pre_recomputed) s.push_back({"fc_tile", {tiles.tile_rows(T), f1 - f0}, a, R::Workspace});
+  if (tiles.on() && tiles.fc_pre_recomputed) s.push_back({"fc_tile", {tiles.tile_rows(T), Wr}, a, R::Workspace});
   if (tp.on()) {
     s.push_back({"tp_full", {T, H}, a, R::Workspace});
     s.push_back({"tp_pad", {tp.padded_rows(T), H}, a, R::Workspace});
@@ -231,7 +240,7 @@ std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 ch
   const i64 Ts = tp.row_count(T);
   std::vector<TensorSpec> s = {
       {"ln_f_out", {Ts, H}, act_dtype(p), Role::Workspace},
-      {"ln_f_mean", {Ts}, DType::F32, Role::Workspace},
+      {"ln_f_mean", {c.llama() ? 0 : Ts}, DType::F32, Role::Workspace},
       {"ln_f_rstd", {Ts}, DType::F32, Role::Workspace},
       {"logits", {rows, V}, DType::F32, Role::Workspace},
       {"losses", {T}, DType::F32, Role::Workspace},

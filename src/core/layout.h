@@ -67,6 +67,17 @@ struct TpShard {
   // This member's share of the attention: its heads, and their width (heads x A).
   int local_heads(const ModelConfig& c) const { const auto [b, e] = heads(c); return int(e - b); }
   int local_hidden(const ModelConfig& c) const { return local_heads(c) * c.head_size(); }
+  // Grouped-query attention: its key/value heads (G divisible by the group size, so that
+  // its query heads read exactly these), and their width.
+  std::pair<i64, i64> kv_heads(const ModelConfig& c) const { return piece_range(c.kv_head_count(), index, size); }
+  int local_kv_width(const ModelConfig& c) const { const auto [b, e] = kv_heads(c); return int(e - b) * c.head_size(); }
+  // Outputs of its part of the q/k/v projection, and of the fc projection (gate and up
+  // rows of its F columns for a gated MLP).
+  int local_qkv_width(const ModelConfig& c) const { return local_hidden(c) + 2 * local_kv_width(c); }
+  int local_fc_width(const ModelConfig& c) const {
+    const auto [b, e] = ffn(c);
+    return int(e - b) * (c.gated() ? 2 : 1);
+  }
 };
 
 // The model as one tensor-parallel member's attention sees it: its heads only, so hidden
@@ -74,11 +85,14 @@ struct TpShard {
 ModelConfig attention_view(const ModelConfig& c, const TpShard& tp);
 
 // Parameters in checkpoint order, with the exact names of the export format:
-// embed.weight, blocks.{l}.ln1.weight, ..., ln_f.weight, ln_f.bias.
+// embed.weight, blocks.{l}.ln1.weight, ..., ln_f.weight, ln_f.bias. A Llama-family model
+// has no biases but attn.qkv.bias with qkv_bias, its qkv rows are the Z query heads then
+// G key and G value heads, mlp.fc is [2F, H] (gate rows, then up rows), and an untied
+// lm_head.weight [V, H] comes last.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c);
 // The parameters a pipeline stage holding layers [begin, end) owns, in the same order:
-// the embedding with the first layer and, tied as the LM head, with the last; the final
-// LayerNorm with the last.
+// the embedding with the first layer and, tied as the LM head, with the last (an untied
+// LM head with the last only); the final norm with the last.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end);
 // The same, as tensor-parallel member tp holds them: the same names, its shards' shapes.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end, const TpShard& tp);

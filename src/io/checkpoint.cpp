@@ -390,6 +390,18 @@ nlohmann::json load_checkpoint(const std::string& dir, const std::vector<Checkpo
   return state;
 }
 
+nlohmann::json load_checkpoint_weights(const std::string& dir, const std::vector<CheckpointTensor>& weights,
+                                       std::string* loaded_from) {
+  const fs::path d = verify_checkpoint(dir);
+  const SafetensorsReader model((d / kCheckpointModelFile).string());
+  match_tensors(model, weights);
+  nlohmann::json state = parse_json_file(d / kCheckpointStateFile);
+  parse_checkpoint_state(state, (d / kCheckpointStateFile).string());
+  for (const auto& t : weights) model.read(t.name, t.shape, t.data);
+  if (loaded_from != nullptr) *loaded_from = d.string();
+  return state;
+}
+
 bool checkpoint_exists(const std::string& dir) { return !locate(normalize(dir)).empty(); }
 
 }  // namespace sppo::io

@@ -77,6 +77,10 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
 nlohmann::json load_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
                                const std::vector<CheckpointTensor>& optimizer,
                                std::string* loaded_from = nullptr);
+// The weights alone (`train --init`, `grads --init`), whatever optimizer state the
+// checkpoint holds, with the same checks.
+nlohmann::json load_checkpoint_weights(const std::string& dir, const std::vector<CheckpointTensor>& weights,
+                                       std::string* loaded_from = nullptr);
 
 // Verifies the manifest and returns state.json without touching tensors: what a trainer
 // reads first to rebuild its model and optimizer from the saved config. The state passed

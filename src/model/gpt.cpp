@@ -17,40 +17,68 @@ ParamView param_view(const ModelConfig& c, float* base, int begin, int end) {
   return param_view(c, base, begin, end, TpShard{});
 }
 
+namespace {
+
+// Calls put(slot, offset) for every parameter a stage (and TP member) holds, in
+// parameter_specs order, offsets in elements; slot names the view's pointer. The one walk
+// both views take, so they cannot disagree with the table.
+enum class Slot { Embed, Ln1W, Ln1B, QkvW, QkvB, OutW, OutB, Ln2W, Ln2B, FcW, FcB, ProjW, ProjB, LnfW, LnfB, LmHead };
+
+template <typename Put>
+void walk_parameters(const ModelConfig& c, int begin, int end, const TpShard& tp, Put put) {
+  i64 off = 0;
+  for (const TensorSpec& t : parameter_specs(c, begin, end, tp)) {
+    const std::string& n = t.name;
+    int layer = -1;
+    std::string what = n;
+    if (n.rfind("blocks.", 0) == 0) {
+      const std::size_t after = n.find('.', 7);
+      layer = std::stoi(n.substr(7, after - 7));
+      what = n.substr(after + 1);
+    }
+    static const std::pair<const char*, Slot> kSlots[] = {
+        {"embed.weight", Slot::Embed},      {"ln1.weight", Slot::Ln1W},        {"ln1.bias", Slot::Ln1B},
+        {"attn.qkv.weight", Slot::QkvW},    {"attn.qkv.bias", Slot::QkvB},     {"attn.out.weight", Slot::OutW},
+        {"attn.out.bias", Slot::OutB},      {"ln2.weight", Slot::Ln2W},        {"ln2.bias", Slot::Ln2B},
+        {"mlp.fc.weight", Slot::FcW},       {"mlp.fc.bias", Slot::FcB},        {"mlp.proj.weight", Slot::ProjW},
+        {"mlp.proj.bias", Slot::ProjB},     {"ln_f.weight", Slot::LnfW},       {"ln_f.bias", Slot::LnfB},
+        {"lm_head.weight", Slot::LmHead}};
+    bool found = false;
+    for (const auto& [name, slot] : kSlots)
+      if (what == name) put(slot, layer, off), found = true;
+    SPPO_ASSERT_MSG(found, "no view slot for parameter " << n);
+    off += t.numel();
+  }
+}
+
+}  // namespace
+
 ParamView param_view(const ModelConfig& c, float* base, int begin, int end, const TpShard& tp) {
   ParamView v;
-  float* p = base;
-  auto take = [&](i64 n) {
-    float* r = p;
-    p += n;
-    return r;
-  };
-  const i64 H = c.hidden, Hr = tp.local_hidden(c);
-  const auto [f0, f1] = tp.ffn(c);
-  const auto [v0, v1] = tp.vocab(c);
-  const i64 F = f1 - f0;
-  if (begin == 0 || end == c.layers) v.embed = take((v1 - v0) * H);
   v.blocks.resize(c.layers);
-  for (int l = begin; l < end; ++l) {
-    BlockParams& b = v.blocks[l];
-    b.ln1_w = take(H);
-    b.ln1_b = take(H);
-    b.qkv_w = take(3 * Hr * H);
-    b.qkv_b = take(3 * Hr);
-    b.out_w = take(H * Hr);
-    b.out_b = take(H);
-    b.ln2_w = take(H);
-    b.ln2_b = take(H);
-    b.fc_w = take(F * H);
-    b.fc_b = take(F);
-    b.proj_w = take(H * F);
-    b.proj_b = take(H);
-  }
-  if (end == c.layers) {
-    v.lnf_w = take(H);
-    v.lnf_b = take(H);
-  }
-  SPPO_ASSERT(p - base == total_bytes(parameter_specs(c, begin, end, tp)) / i64(sizeof(float)));
+  walk_parameters(c, begin, end, tp, [&](Slot s, int l, i64 off) {
+    float* p = base + off;
+    BlockParams* b = l >= 0 ? &v.blocks[std::size_t(l)] : nullptr;
+    switch (s) {
+      case Slot::Embed: v.embed = p; break;
+      case Slot::Ln1W: b->ln1_w = p; break;
+      case Slot::Ln1B: b->ln1_b = p; break;
+      case Slot::QkvW: b->qkv_w = p; break;
+      case Slot::QkvB: b->qkv_b = p; break;
+      case Slot::OutW: b->out_w = p; break;
+      case Slot::OutB: b->out_b = p; break;
+      case Slot::Ln2W: b->ln2_w = p; break;
+      case Slot::Ln2B: b->ln2_b = p; break;
+      case Slot::FcW: b->fc_w = p; break;
+      case Slot::FcB: b->fc_b = p; break;
+      case Slot::ProjW: b->proj_w = p; break;
+      case Slot::ProjB: b->proj_b = p; break;
+      case Slot::LnfW: v.lnf_w = p; break;
+      case Slot::LnfB: v.lnf_b = p; break;
+      case Slot::LmHead: v.head = p; break;
+    }
+  });
+  if (c.tied_embeddings() && end == c.layers) v.head = v.embed;
   return v;
 }
 
@@ -60,33 +88,25 @@ MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begi
 
 MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end, const TpShard& tp) {
   MatrixView m;
-  i64 off = 0;
-  const i64 H = c.hidden, Hr = tp.local_hidden(c);
-  const auto [f0, f1] = tp.ffn(c);
-  const auto [v0, v1] = tp.vocab(c);
-  const i64 F = f1 - f0;
-  auto at = [&](i64 n) {
-    const void* r = act_at(base, off, t);
-    off += n;
-    return r;
-  };
-  if (begin == 0 || end == c.layers) m.embed = at((v1 - v0) * H);
   m.blocks.resize(c.layers);
-  for (int l = begin; l < end; ++l) {
-    BlockMatrices& b = m.blocks[l];
-    at(2 * H);  // ln1
-    b.qkv_w = at(3 * Hr * H);
-    b.qkv_b = at(3 * Hr);
-    b.out_w = at(H * Hr);
-    b.out_b = at(H);
-    at(2 * H);  // ln2
-    b.fc_w = at(F * H);
-    b.fc_b = at(F);
-    b.proj_w = at(H * F);
-    b.proj_b = at(H);
-  }
-  if (end == c.layers) at(2 * H);
-  SPPO_ASSERT(off == total_bytes(parameter_specs(c, begin, end, tp)) / i64(sizeof(float)));
+  walk_parameters(c, begin, end, tp, [&](Slot s, int l, i64 off) {
+    const void* p = act_at(base, off, t);
+    BlockMatrices* b = l >= 0 ? &m.blocks[std::size_t(l)] : nullptr;
+    switch (s) {
+      case Slot::Embed: m.embed = p; break;
+      case Slot::QkvW: b->qkv_w = p; break;
+      case Slot::QkvB: b->qkv_b = p; break;
+      case Slot::OutW: b->out_w = p; break;
+      case Slot::OutB: b->out_b = p; break;
+      case Slot::FcW: b->fc_w = p; break;
+      case Slot::FcB: b->fc_b = p; break;
+      case Slot::ProjW: b->proj_w = p; break;
+      case Slot::ProjB: b->proj_b = p; break;
+      case Slot::LmHead: m.head = p; break;
+      default: break;  // norms: fp32 masters only
+    }
+  });
+  if (c.tied_embeddings() && end == c.layers) m.head = m.embed;
   return m;
 }
 
@@ -136,7 +156,9 @@ AttnShape span_shape(const ModelConfig& c, const PosSpan& p) {
   d.Z = c.heads;
   d.A = c.head_size();
   d.q_pos0 = c.causal ? p.pos0 : kAfterEveryKey;
-  d.ldq = d.ldk = d.ldv = d.ldo = c.hidden;
+  d.ldq = d.ldo = c.hidden;
+  d.Zkv = c.kv_head_count();
+  d.ldk = d.ldv = c.kv_width();
   return d;
 }
 
@@ -153,7 +175,7 @@ std::vector<KVRef> kv_blocks(const KVBlocks& past, const void* k_self, const voi
   for (size_t j = 0; j < past.k.size(); ++j)
     blocks.push_back({past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr,
                       j < past.dv.size() ? past.dv[j] : nullptr, int(past.lengths[j]), past.offsets[j]});
-  const i64 H = c.hidden;
+  const i64 H = c.kv_width();
   for (const PosSpan& own : q.parts()) {
     if (own.pos0 > last_seen(c, queries)) continue;  // entirely after the queries
     const i64 at = i64(own.row0) * H;
@@ -182,6 +204,16 @@ void LocalAttention::backward(Backend& be, void* dqkv, const void* dout, const f
                               const Workspace& scratch) {
   const DType a = be.act();
   const int T = q.T, H = c.hidden;
+  if (c.llama()) {  // dq dense [T, H] (block_backward's planar dqkv): q read in place
+    be.fill_zero(dqkv, std::size_t(i64(T) * H * dtype_bytes(a)));
+    for (const PosSpan& part : q.parts()) {
+      const i64 at = i64(part.row0) * H, z0 = i64(c.heads) * part.row0;
+      be.attention_backward(act_at(dqkv, at, a), act_at(dout, at, a), act_at(s.q, at, a),
+                            kv_blocks(past_, s.k, s.v, dk_self, dv_self, q, part, c, a), s.lse + z0, delta + z0,
+                            span_shape(c, part), scratch);
+    }
+    return;
+  }
   be.zero_cols(dqkv, T, H, 3 * H, 0);
   // Queries read from s.q (stride H); dq written with stride 3H: the kernel takes one ldq
   // for both, so run with q copied into the dq columns' layout.
@@ -203,37 +235,83 @@ void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p
   block_forward(be, x_out, s, p, m, w, attn, c, q);
 }
 
+void norm_forward(Backend& be, const ModelConfig& c, void* out, float* mean, float* rstd, const void* x,
+                  const float* w, const float* b, int T) {
+  if (c.llama()) be.rmsnorm_forward(out, rstd, x, w, T, c.hidden, c.ln_eps);
+  else be.layernorm_forward(out, mean, rstd, x, w, b, T, c.hidden, c.ln_eps);
+}
+
+void norm_backward(Backend& be, const ModelConfig& c, void* dx, float* dw, float* db, const void* dout,
+                   const void* x, const float* w, const float* mean, const float* rstd, int T, const Workspace& ws) {
+  if (c.llama()) be.rmsnorm_backward(dx, dw, dout, x, w, rstd, T, c.hidden, ws);
+  else be.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, c.hidden, ws);
+}
+
+void mlp_act_forward(Backend& be, const ModelConfig& c, void* out, const void* fc_pre, int rows) {
+  if (c.gated()) be.swiglu_forward(out, fc_pre, rows, c.ffn());
+  else be.gelu_forward(out, fc_pre, i64(rows) * c.ffn());
+}
+
 namespace {
+
+// The element `off` past a bias, or null for a layer without one.
+const void* bias_at(const void* b, i64 off, DType t) { return b ? act_at(b, off, t) : nullptr; }
+
+// The q/k/v projection's backward from a planar dqkv (w.qkv): dq dense [T, H] as the
+// attention wrote it, then this subsequence's complete dK | dV [T, 2 G A] after it, so that
+// grouped-query attention's narrower K/V need no [T, 2H] of room beside dq. d(LN1 output)
+// lands in w.d_tmp.
+void qkv_backward_planar(Backend& be, BlockParams& g, const float* dk_self, const float* dv_self,
+                         const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w, const ModelConfig& c,
+                         const Subseq& q, const RopeTable& rope) {
+  const DType a = be.act();
+  const int T = q.T, H = c.hidden, KV = c.kv_width();
+  void* dq = w.qkv;
+  void* dkv = act_at(w.qkv, i64(T) * H, a);
+  be.put_cols(dkv, dk_self, true, T, KV, 2 * KV, 0);
+  be.put_cols(dkv, dv_self, true, T, KV, 2 * KV, KV);
+  for (const PosSpan& part : q.parts()) {
+    be.rope_backward(act_at(dq, i64(part.row0) * H, a), part.rows, c.heads, c.head_size(), part.pos0, rope, H);
+    be.rope_backward(act_at(dkv, i64(part.row0) * 2 * KV, a), part.rows, c.kv_head_count(), c.head_size(), part.pos0,
+                     rope, 2 * KV);
+  }
+  const i64 kv_rows = i64(H) * H;  // where the k rows start in the weight, and the bias
+  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dq, s.ln1_out, m.qkv_w, T, H, H, 0, 0, w.scratch);
+  be.linear_backward(nullptr, g.qkv_w + kv_rows, g.qkv_b ? g.qkv_b + H : nullptr, dkv, s.ln1_out,
+                     act_at(m.qkv_w, kv_rows, a), T, H, 2 * KV, 0, 0, w.scratch);
+  be.gemm(false, false, T, H, 2 * KV, 1.0f, dkv, 2 * KV, act_at(m.qkv_w, kv_rows, a), H, 1.0f, w.d_tmp, H, a, a);
+}
 
 // The forward steps of Note [Recomputed tensors] (core/layout.h) that make the tensors of
 // `groups` and, when `kv`, this subsequence's own k and v, in forward order, each from
 // what earlier steps wrote or what s keeps. block_forward runs every one of them.
 void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, BlockAttention* attn, const ModelConfig& c, const Subseq& q) {
-  const int T = q.T, H = c.hidden, F = c.ffn();
+  const int T = q.T, H = c.hidden, KV = c.kv_width(), Q = c.qkv_width(), W = c.fc_width();
   const DType a = be.act();
   const auto& g = recompute_groups();
   auto has = [&](int k) { return (groups & g[std::size_t(k)].tensors) != 0; };
   // Attention half: x_mid = x + out(attn(rope(qkv(LN1(x)))))
-  if (has(0)) be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T, H, c.ln_eps);
+  if (has(0)) norm_forward(be, c, s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T);
   const bool want_q = has(1);
   if (want_q && kv) {
-    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, 3 * H, 0, 0);
+    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, Q, 0, 0);
   } else if (want_q) {  // the q rows of the projection
-    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, H, 3 * H, 0);
+    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, H, Q, 0);
   } else if (kv) {      // the k and v rows
-    be.linear_forward(act_at(w.qkv, H, a), s.ln1_out, act_at(m.qkv_w, i64(H) * H, a), act_at(m.qkv_b, H, a), T, H,
-                      2 * H, 3 * H, 0);
+    be.linear_forward(act_at(w.qkv, H, a), s.ln1_out, act_at(m.qkv_w, i64(H) * H, a), bias_at(m.qkv_b, H, a), T, H,
+                      2 * KV, Q, 0);
   }
+  const RopeTable rope = rope_table(c);
   for (const PosSpan& part : q.parts()) {
-    void* rows = act_at(w.qkv, i64(part.row0) * 3 * H, a);
-    if (want_q) be.rope_forward(rows, part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
-    if (kv) be.rope_forward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
+    void* rows = act_at(w.qkv, i64(part.row0) * Q, a);
+    if (want_q) be.rope_forward(rows, part.rows, c.heads, c.head_size(), part.pos0, rope, Q);
+    if (kv) be.rope_forward(act_at(rows, H, a), part.rows, c.kv_head_count(), c.head_size(), part.pos0, rope, Q);
   }
-  if (want_q) be.copy_cols(s.q, w.qkv, T, H, 3 * H, 0);
+  if (want_q) be.copy_cols(s.q, w.qkv, T, H, Q, 0);
   if (kv) {
-    be.copy_cols(s.k, w.qkv, T, H, 3 * H, H);
-    be.copy_cols(s.v, w.qkv, T, H, 3 * H, 2 * H);
+    be.copy_cols(s.k, w.qkv, T, KV, Q, H);
+    be.copy_cols(s.v, w.qkv, T, KV, Q, H + KV);
   }
   if (has(2)) {
     SPPO_ASSERT(attn);
@@ -245,8 +323,8 @@ void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const B
   }
   // MLP half, up to its pre-activation: fc_pre = fc(LN2(x_mid)), unless the MLP's tiles
   // make it (a null s.fc_pre)
-  if (has(4)) be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T, H, c.ln_eps);
-  if (has(5) && s.fc_pre) be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, F, 0, 0);
+  if (has(4)) norm_forward(be, c, s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T);
+  if (has(5) && s.fc_pre) be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, W, 0, 0);
 }
 
 // Note [MLP tiles] (core/layout.h): rows [t0, t0 + rows) of the MLP at a time. Without
@@ -261,10 +339,10 @@ void for_mlp_tiles(const BlockWorkspace& w, int T, Body body) {
 const void* fc_pre_rows(Backend& be, const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w,
                         const ModelConfig& c, int t0, int rows) {
   const DType a = be.act();
-  const int H = c.hidden, F = c.ffn();
-  if (s.fc_pre) return act_at(s.fc_pre, i64(t0) * F, a);
+  const int H = c.hidden, W = c.fc_width();
+  if (s.fc_pre) return act_at(s.fc_pre, i64(t0) * W, a);
   SPPO_ASSERT(w.fc_tile);
-  be.linear_forward(w.fc_tile, act_at(s.ln2_out, i64(t0) * H, a), m.fc_w, m.fc_b, rows, H, F, 0, 0);
+  be.linear_forward(w.fc_tile, act_at(s.ln2_out, i64(t0) * H, a), m.fc_w, m.fc_b, rows, H, W, 0, 0);
   return w.fc_tile;
 }
 
@@ -281,9 +359,9 @@ void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p
   const int T = q.T, H = c.hidden, F = c.ffn();
   const DType a = be.act();
   forward_steps(be, s, every_group(), true, p, m, w, &attn, c, q);
-  // x_out = x_mid + proj(gelu(fc_pre))
+  // x_out = x_mid + proj(gelu(fc_pre)), or proj(swiglu(fc_pre))
   for_mlp_tiles(w, T, [&](int t0, int rows) {
-    be.gelu_forward(w.mlp_act, fc_pre_rows(be, s, m, w, c, t0, rows), i64(rows) * F);
+    mlp_act_forward(be, c, w.mlp_act, fc_pre_rows(be, s, m, w, c, t0, rows), rows);
     be.linear_forward(act_at(x_out, i64(t0) * H, a), w.mlp_act, m.proj_w, m.proj_b, rows, F, H, 0, 0);
   });
   be.add_inplace(x_out, s.x_mid, i64(T) * H);
@@ -298,10 +376,10 @@ void block_recompute(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const
 void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockMatrices& m, const ModelConfig& c,
                 i64 pos0, int rows) {
   const DType a = be.act();
-  const int H = c.hidden;
-  be.linear_forward(k, ln1_out, act_at(m.qkv_w, i64(H) * H, a), act_at(m.qkv_b, H, a), rows, H, H, 0, 0);
-  be.linear_forward(v, ln1_out, act_at(m.qkv_w, 2 * i64(H) * H, a), act_at(m.qkv_b, 2 * H, a), rows, H, H, 0, 0);
-  be.rope_forward(k, rows, c.heads, c.head_size(), pos0, c.rope_theta, H);
+  const int H = c.hidden, KV = c.kv_width();
+  be.linear_forward(k, ln1_out, act_at(m.qkv_w, i64(H) * H, a), bias_at(m.qkv_b, H, a), rows, H, KV, 0, 0);
+  be.linear_forward(v, ln1_out, act_at(m.qkv_w, i64(H + KV) * H, a), bias_at(m.qkv_b, H + KV, a), rows, H, KV, 0, 0);
+  be.rope_forward(k, rows, c.kv_head_count(), c.head_size(), pos0, rope_table(c), KV);
 }
 
 void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
@@ -314,20 +392,23 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
 void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
                     const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
                     const ModelConfig& c, const Subseq& q, const float* d_ln1_sums) {
-  const int T = q.T, H = c.hidden, F = c.ffn();
+  const int T = q.T, H = c.hidden, F = c.ffn(), W = c.fc_width();
   const DType a = be.act();
-  // MLP half. d is the gradient w.r.t. x_out = x_mid + proj(gelu(fc_pre)).
+  // MLP half. d is the gradient w.r.t. x_out = x_mid + proj(act(fc_pre)).
   for_mlp_tiles(w, T, [&](int t0, int rows) {
     const void* fc_pre = fc_pre_rows(be, s, m, w, c, t0, rows);
     const void* dy = act_at(d, i64(t0) * H, a);
-    be.gelu_forward(w.mlp_act, fc_pre, i64(rows) * F);  // recomputed: cheaper than saving it
+    mlp_act_forward(be, c, w.mlp_act, fc_pre, rows);  // recomputed: cheaper than saving it
     be.linear_backward(nullptr, g.proj_w, g.proj_b, dy, w.mlp_act, m.proj_w, rows, F, H, 0, 0, w.scratch);
-    be.gemm(false, false, rows, F, H, 1.0f, dy, H, m.proj_w, F, 0.0f, w.mlp_act, F, a, a);  // d mlp_act
-    be.gelu_backward(w.mlp_act, w.mlp_act, fc_pre, i64(rows) * F);                         // d fc_pre
+    // d mlp_act, then d fc_pre [rows, W] in place (SwiGLU's d gate | d up from d act in
+    // the gate columns)
+    be.gemm(false, false, rows, F, H, 1.0f, dy, H, m.proj_w, F, 0.0f, w.mlp_act, W, a, a);
+    if (c.gated()) be.swiglu_backward(w.mlp_act, fc_pre, rows, F);
+    else be.gelu_backward(w.mlp_act, w.mlp_act, fc_pre, i64(rows) * F);
     be.linear_backward(act_at(w.d_tmp, i64(t0) * H, a), g.fc_w, g.fc_b, w.mlp_act, act_at(s.ln2_out, i64(t0) * H, a),
-                       m.fc_w, rows, H, F, 0, 0, w.scratch);
+                       m.fc_w, rows, H, W, 0, 0, w.scratch);
   });
-  be.layernorm_backward(d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, H, w.scratch);
+  norm_backward(be, c, d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, w.scratch);
   // Attention half. d is now the gradient w.r.t. x_mid = x + out(attn_out).
   be.linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, m.out_w, T, H, H, 0, 0, w.scratch);
   for (const PosSpan& part : q.parts()) {
@@ -335,22 +416,27 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
     be.attention_backward_delta(w.delta + i64(c.heads) * part.row0, act_at(w.d_tmp, at, a),
                                 act_at(s.attn_out, at, a), span_shape(c, part));
   }
-  void* dqkv = w.qkv;  // [T, 3H]
+  void* dqkv = w.qkv;
   attn.backward(be, dqkv, w.d_tmp, w.delta, s, dk_self, dv_self, c, q, w.scratch);
-  // dK/dV of this subsequence are complete: every later subsequence has contributed.
-  be.put_cols(dqkv, dk_self, true, T, H, 3 * H, H);
-  be.put_cols(dqkv, dv_self, true, T, H, 3 * H, 2 * H);
-  for (const PosSpan& part : q.parts()) {
-    void* rows = act_at(dqkv, i64(part.row0) * 3 * H, a);
-    be.rope_backward(rows, part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
-    be.rope_backward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, c.rope_theta, 3 * H);
+  const RopeTable rope = rope_table(c);
+  if (c.llama()) {
+    qkv_backward_planar(be, g, dk_self, dv_self, s, m, w, c, q, rope);
+  } else {
+    // dK/dV of this subsequence are complete: every later subsequence has contributed.
+    be.put_cols(dqkv, dk_self, true, T, H, 3 * H, H);
+    be.put_cols(dqkv, dv_self, true, T, H, 3 * H, 2 * H);
+    for (const PosSpan& part : q.parts()) {
+      void* rows = act_at(dqkv, i64(part.row0) * 3 * H, a);
+      be.rope_backward(rows, part.rows, c.heads, c.head_size(), part.pos0, rope, 3 * H);
+      be.rope_backward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, rope, 3 * H);
+    }
+    be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, m.qkv_w, T, H, 3 * H, 0, 0, w.scratch);
   }
-  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, m.qkv_w, T, H, 3 * H, 0, 0, w.scratch);
   if (d_ln1_sums) {  // dqkv is spent: it carries the sums in the activation type
     be.put_cols(w.qkv, d_ln1_sums, true, T, H, H, 0);
     be.add_inplace(w.d_tmp, w.qkv, i64(T) * H);
   }
-  be.layernorm_backward(d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, H, w.scratch);
+  norm_backward(be, c, d, g.ln1_w, g.ln1_b, w.d_tmp, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, T, w.scratch);
 }
 
 void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const void* x, const std::int32_t* targets,
@@ -358,21 +444,20 @@ void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const
                            const ModelConfig& c, int T, i64 total_tokens) {
   const int H = c.hidden, V = c.vocab;
   const DType a = be.act();
-  be.layernorm_forward(w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, T, H, c.ln_eps);
+  norm_forward(be, c, w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, T);
   const float scale = float(1.0 / double(total_tokens));
   // Row chunks bound the logits to [chunk, V]. Once a chunk's rows of ln_f_out have fed
   // dembed they are dead, so the chunk's gradient d ln_f_out overwrites them in place.
   for (int t0 = 0; t0 < T; t0 += w.chunk) {
     const int rows = std::min(w.chunk, T - t0);
     void* h = act_at(w.ln_f_out, i64(t0) * H, a);
-    be.gemm(false, true, rows, V, H, 1.0f, h, H, m.embed, H, 0.0f, w.logits, V, a, DType::F32);
+    be.gemm(false, true, rows, V, H, 1.0f, h, H, m.head, H, 0.0f, w.logits, V, a, DType::F32);
     be.xent(w.dlogits, w.losses + t0, loss_sum, w.logits, targets + t0, rows, V, scale, w.scratch);
-    be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.embed, H, a, DType::F32);
-    be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.embed, H, 0.0f, h, H, a, a);
+    be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.head, H, a, DType::F32);
+    be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.head, H, 0.0f, h, H, a, a);
   }
   be.fill_zero(head_grad, std::size_t(i64(T) * H * dtype_bytes(a)));
-  be.layernorm_backward(head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, T, H,
-                        w.scratch);
+  norm_backward(be, c, head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, T, w.scratch);
 }
 
 }  // namespace sppo

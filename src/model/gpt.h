@@ -27,18 +27,20 @@ namespace sppo {
 // with the same offsets, for their gradients and the AdamW moments.
 struct BlockParams {
   float* ln1_w; float* ln1_b;    // [H], [H]
-  float* qkv_w; float* qkv_b;    // [3H, H], [3H]
+  float* qkv_w; float* qkv_b;    // [Q, H], [Q]: Q = H + 2 G A (3H without GQA)
   float* out_w; float* out_b;    // [H, H], [H]
   float* ln2_w; float* ln2_b;    // [H], [H]
-  float* fc_w; float* fc_b;      // [F, H], [F]
+  float* fc_w; float* fc_b;      // [W, H], [W]: W = F, or 2F (gate | up) when gated
   float* proj_w; float* proj_b;  // [H, F], [H]
 };
 
+// Tensors a model does not have (a Llama's biases, RMSNorm's) stay null.
 struct ParamView {
-  float* embed = nullptr;        // [V, H], also the LM head
+  float* embed = nullptr;        // [V, H]
   std::vector<BlockParams> blocks;
   float* lnf_w = nullptr;        // [H]
   float* lnf_b = nullptr;        // [H]
+  float* head = nullptr;         // [V, H] the LM head: embed when tied, else lm_head.weight
 };
 
 // Carves views from `base`, which holds total_bytes(parameter_specs(c)) bytes.
@@ -54,14 +56,15 @@ ParamView param_view(const ModelConfig& c, float* base, int begin, int end, cons
 // the fp32 masters laid out like them (parameter_specs(c, begin, end), every tensor
 // converted), or the masters.
 struct BlockMatrices {
-  const void* qkv_w; const void* qkv_b;    // [3H, H], [3H]
+  const void* qkv_w; const void* qkv_b;    // [Q, H], [Q]: Q = H + 2 G A (3H without GQA)
   const void* out_w; const void* out_b;    // [H, H], [H]
-  const void* fc_w; const void* fc_b;      // [F, H], [F]
+  const void* fc_w; const void* fc_b;      // [W, H], [W]
   const void* proj_w; const void* proj_b;  // [H, F], [H]
 };
 struct MatrixView {
-  const void* embed = nullptr;  // [V, H]: the LM head's GEMMs
+  const void* embed = nullptr;  // [V, H]
   std::vector<BlockMatrices> blocks;
+  const void* head = nullptr;   // [V, H]: the LM head's GEMMs (embed when tied)
 };
 MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end);
 MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begin, int end, const TpShard& tp);
@@ -79,23 +82,23 @@ struct BlockSaved {
   float* ln1_rstd;  // [T]
   void* ln1_out;    // [T, H]
   void* q;          // [T, H] after RoPE
-  void* k;          // [T, H] after RoPE (KV cache block of this subsequence)
-  void* v;          // [T, H]
+  void* k;          // [T, G A] after RoPE (KV cache block of this subsequence)
+  void* v;          // [T, G A]
   void* attn_out;   // [T, H]
   float* lse;       // [Z, T]
   void* x_mid;      // [T, H]
   float* ln2_mean;  // [T]
   float* ln2_rstd;  // [T]
   void* ln2_out;    // [T, H]
-  void* fc_pre;     // [T, F]
+  void* fc_pre;     // [T, W]
 };
 
 // Builds a BlockSaved from pointers in block_saved_specs order.
 BlockSaved block_saved_from(const std::vector<void*>& ptrs);
 
 struct BlockWorkspace {
-  void* qkv;           // [T, 3H]
-  void* mlp_act;       // [Tm, F]: Tm = T, or min(T, mlp_rows) with MLP tiles
+  void* qkv;           // [T, Q]
+  void* mlp_act;       // [Tm, W]: Tm = T, or min(T, mlp_rows) with MLP tiles
   void* d_tmp;         // [T, H]
   float* delta;        // [Z, T]
   Workspace scratch;   // the kernels' (Backend::block_scratch); empty: their own
@@ -115,8 +118,8 @@ BlockWorkspace block_workspace_from(const std::vector<void*>& ptrs, Workspace sc
 // Keys and values of the earlier subsequences j < i of this layer, and (in backward) their
 // gradient accumulators. kv[j] covers positions offsets[j] .. offsets[j] + lengths[j] - 1.
 struct KVBlocks {
-  std::vector<const void*> k, v;  // [l_j, H] activations
-  std::vector<float*> dk, dv;     // [l_j, H] fp32, accumulate (+=); backward only
+  std::vector<const void*> k, v;  // [l_j, G A] activations
+  std::vector<float*> dk, dv;     // [l_j, G A] fp32, accumulate (+=); backward only
   std::vector<i64> offsets, lengths;
 };
 
@@ -152,7 +155,9 @@ class BlockAttention {
   // s.attn_out and s.lse of the queries s.q over every key they see (s.k, s.v: this block's own).
   virtual void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) = 0;
   // dq into columns [0, H) of dqkv [T, 3H] (overwritten; columns [H, 3H) are free scratch
-  // until the caller writes dK, dV there), from dout [T, H] = d attn_out and delta (laid out
+  // until the caller writes dK, dV there); for a Llama-family model (grouped-query K/V
+  // may leave less room beside dq) dense into its first T H elements. From dout [T, H] =
+  // d attn_out and delta (laid out
   // as the LSE). dk_self, dv_self [T, H] and every earlier block's accumulators accumulate;
   // this block's are complete on return.
   virtual void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s,
@@ -180,7 +185,16 @@ inline i64 last_seen(const ModelConfig& c, const PosSpan& p) {
   return c.causal ? p.pos0 + p.rows - 1 : kAfterEveryKey;
 }
 
-// The AttnShape of one span of a block's queries (strides H).
+// The block's norms: LayerNorm (GPT; mean and rstd saved) or RMSNorm (Llama family; rstd
+// only, mean unused) of x [T, H], and their backward (dx, dw, db accumulate).
+void norm_forward(Backend& be, const ModelConfig& c, void* out, float* mean, float* rstd, const void* x,
+                  const float* w, const float* b, int T);
+void norm_backward(Backend& be, const ModelConfig& c, void* dx, float* dw, float* db, const void* dout,
+                   const void* x, const float* w, const float* mean, const float* rstd, int T, const Workspace& ws);
+// The MLP's activation of `rows` rows: gelu(fc_pre) [rows, F], or swiglu(gate | up).
+void mlp_act_forward(Backend& be, const ModelConfig& c, void* out, const void* fc_pre, int rows);
+
+// The AttnShape of one span of a block's queries (q, out strides H; k, v strides G A).
 AttnShape span_shape(const ModelConfig& c, const PosSpan& p);
 
 // x_out[T, H] = block(s.x). Fills every tensor of `s` (x must already hold the input) but a

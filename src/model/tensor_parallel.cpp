@@ -16,11 +16,21 @@ void rope_qk(Backend& be, void* qkv, bool backward, const ModelConfig& ac, const
     void* rows = act_at(qkv, i64(part.row0) * 3 * Hr, a);
     for (void* x : {rows, act_at(rows, Hr, a)}) {
       if (backward)
-        be.rope_backward(x, part.rows, ac.heads, ac.head_size(), part.pos0, ac.rope_theta, 3 * Hr);
+        be.rope_backward(x, part.rows, ac.heads, ac.head_size(), part.pos0, rope_table(ac), 3 * Hr);
       else
-        be.rope_forward(x, part.rows, ac.heads, ac.head_size(), part.pos0, ac.rope_theta, 3 * Hr);
+        be.rope_forward(x, part.rows, ac.heads, ac.head_size(), part.pos0, rope_table(ac), 3 * Hr);
     }
   }
+}
+
+// The element `off` past a bias, or null for a layer without one.
+const void* bias_at(const void* b, i64 off, DType t) { return b ? act_at(b, off, t) : nullptr; }
+
+// The MLP's activation of the member's Fr columns: gelu(fc_pre) [T, Fr], or
+// swiglu(gate | up) from fc_pre [T, 2Fr] (its gate columns, then its up columns).
+void mlp_act_tp(Backend& be, const ModelConfig& c, void* out, const void* fc_pre, int T, int Fr) {
+  if (c.gated()) be.swiglu_forward(out, fc_pre, T, Fr);
+  else be.gelu_forward(out, fc_pre, i64(T) * Fr);
 }
 
 }  // namespace
@@ -34,34 +44,37 @@ void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, cons
                       const ModelConfig& c, const Subseq& q) {
   const TpShard& tp = sp.shard();
   const ModelConfig ac = attention_view(c, tp);
-  const int T = q.T, H = c.hidden, Hr = ac.hidden;
-  const auto [f0, f1] = tp.ffn(c);
-  const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
+  // The member's q/k/v projection makes Qr = Hr + 2 KVr columns: the q of its heads, then
+  // the k and v of its key/value heads (KVr = Hr without grouped-query attention).
+  const int T = q.T, H = c.hidden, Hr = ac.hidden, KVr = ac.kv_width(), Qr = ac.qkv_width();
+  const int Wr = tp.local_fc_width(c), Ts = int(tp.row_count(T));
   const bool adds_bias = tp.index == 0;  // row-parallel biases enter the sum once
   const DType a = be.act();
   const auto& g = recompute_groups();
   auto has = [&](int k) { return (groups & g[std::size_t(k)].tensors) != 0; };
   SPPO_ASSERT(w.tp_full && w.tp_pad);
   // Attention half: x_mid = x + reduce_scatter(out(attn(rope(qkv(all_gather(LN1(x)))))))
-  if (has(0)) be.layernorm_forward(s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, Ts, H, c.ln_eps);
+  if (has(0)) norm_forward(be, c, s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, Ts);
   const bool want_q = has(1);
   if (want_q || kv) sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
-  if (want_q && kv) {
-    be.linear_forward(w.qkv, w.tp_full, m.qkv_w, m.qkv_b, T, H, 3 * Hr, 0, 0);
-    rope_qk(be, w.qkv, false, ac, q);
-  } else if (want_q || kv) {
-    // One of the two: the q rows of the projection, or the k and v rows, into their columns.
+  if (want_q || kv) {
+    // Both, or one of the two: the q rows of the projection, or the k and v rows, into their columns.
     const i64 first = want_q ? 0 : Hr;
-    be.linear_forward(act_at(w.qkv, first, a), w.tp_full, act_at(m.qkv_w, first * H, a), act_at(m.qkv_b, first, a), T,
-                      H, want_q ? Hr : 2 * Hr, 3 * Hr, 0);
-    for (const PosSpan& part : q.parts())
-      be.rope_forward(act_at(w.qkv, i64(part.row0) * 3 * Hr + first, a), part.rows, ac.heads, ac.head_size(),
-                      part.pos0, ac.rope_theta, 3 * Hr);
+    const int outs = want_q && kv ? Qr : want_q ? Hr : 2 * KVr;
+    be.linear_forward(act_at(w.qkv, first, a), w.tp_full, act_at(m.qkv_w, first * H, a), bias_at(m.qkv_b, first, a),
+                      T, H, outs, Qr, 0);
+    const RopeTable rope = rope_table(ac);
+    for (const PosSpan& part : q.parts()) {
+      void* rows = act_at(w.qkv, i64(part.row0) * Qr, a);
+      if (want_q) be.rope_forward(rows, part.rows, ac.heads, ac.head_size(), part.pos0, rope, Qr);
+      if (kv)
+        be.rope_forward(act_at(rows, Hr, a), part.rows, ac.kv_head_count(), ac.head_size(), part.pos0, rope, Qr);
+    }
   }
-  if (want_q) be.copy_cols(s.q, w.qkv, T, Hr, 3 * Hr, 0);
+  if (want_q) be.copy_cols(s.q, w.qkv, T, Hr, Qr, 0);
   if (kv) {
-    be.copy_cols(s.k, w.qkv, T, Hr, 3 * Hr, Hr);
-    be.copy_cols(s.v, w.qkv, T, Hr, 3 * Hr, 2 * Hr);
+    be.copy_cols(s.k, w.qkv, T, KVr, Qr, Hr);
+    be.copy_cols(s.v, w.qkv, T, KVr, Qr, Hr + KVr);
   }
   if (has(2)) {
     SPPO_ASSERT(attn);
@@ -73,10 +86,10 @@ void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, cons
     be.add_inplace(s.x_mid, s.x, i64(Ts) * H);
   }
   // MLP half, up to its pre-activation: fc_pre = fc(all_gather(LN2(x_mid)))
-  if (has(4)) be.layernorm_forward(s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, Ts, H, c.ln_eps);
+  if (has(4)) norm_forward(be, c, s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, Ts);
   if (has(5)) {
     sp.all_gather(be, w.tp_full, s.ln2_out, w.tp_pad, T, H);
-    be.linear_forward(s.fc_pre, w.tp_full, m.fc_w, m.fc_b, T, H, Fr, 0, 0);
+    be.linear_forward(s.fc_pre, w.tp_full, m.fc_w, m.fc_b, T, H, Wr, 0, 0);
   }
 }
 
@@ -92,8 +105,8 @@ void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams
   SavedSet all = 0;
   for (const RecomputeGroup& g : recompute_groups()) all |= g.tensors;
   forward_steps_tp(be, s, all, true, p, m, w, &attn, sp, c, q);
-  // x_out = x_mid + reduce_scatter(proj(gelu(fc_pre)))
-  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * Fr);
+  // x_out = x_mid + reduce_scatter(proj(gelu(fc_pre))), or proj(swiglu(fc_pre))
+  mlp_act_tp(be, c, w.mlp_act, s.fc_pre, T, Fr);
   be.linear_forward(w.tp_full, w.mlp_act, m.proj_w, tp.index == 0 ? m.proj_b : nullptr, T, Fr, H, 0, 0);
   sp.reduce_scatter(be, x_out, w.tp_full, w.tp_pad, T, H);
   be.add_inplace(x_out, s.x_mid, i64(Ts) * H);
@@ -110,21 +123,24 @@ void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, flo
                        SeqParallel& sp, const ModelConfig& c, const Subseq& q) {
   const TpShard& tp = sp.shard();
   const ModelConfig ac = attention_view(c, tp);
-  const int T = q.T, H = c.hidden, Hr = ac.hidden;
+  const int T = q.T, H = c.hidden, Hr = ac.hidden, KVr = ac.kv_width();
   const auto [f0, f1] = tp.ffn(c);
-  const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
+  const int Fr = int(f1 - f0), Wr = tp.local_fc_width(c), Ts = int(tp.row_count(T));
   const DType a = be.act();
   SPPO_ASSERT(w.tp_full && w.tp_pad && w.tp_rows);
   // MLP half. d [Ts, H] is the gradient w.r.t. x_out; every row of it reaches proj.
   sp.all_gather(be, w.tp_full, d, w.tp_pad, T, H);                // d x_out, all rows
-  be.gelu_forward(w.mlp_act, s.fc_pre, i64(T) * Fr);             // recomputed
+  mlp_act_tp(be, c, w.mlp_act, s.fc_pre, T, Fr);                 // recomputed
   be.linear_backward(nullptr, g.proj_w, g.proj_b, w.tp_full, w.mlp_act, m.proj_w, T, Fr, H, 0, 0, w.scratch);
-  be.gemm(false, false, T, Fr, H, 1.0f, w.tp_full, H, m.proj_w, Fr, 0.0f, w.mlp_act, Fr, a, a);  // d mlp_act
-  be.gelu_backward(w.mlp_act, w.mlp_act, s.fc_pre, i64(T) * Fr);                                  // d fc_pre
+  // d mlp_act [T, Fr] (row stride Wr), then d fc_pre [T, Wr] in place (SwiGLU's d gate | d up
+  // from d act in the gate columns)
+  be.gemm(false, false, T, Fr, H, 1.0f, w.tp_full, H, m.proj_w, Fr, 0.0f, w.mlp_act, Wr, a, a);
+  if (c.gated()) be.swiglu_backward(w.mlp_act, s.fc_pre, T, Fr);
+  else be.gelu_backward(w.mlp_act, w.mlp_act, s.fc_pre, i64(T) * Fr);
   sp.all_gather(be, w.tp_full, s.ln2_out, w.tp_pad, T, H);
-  be.linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, w.tp_full, m.fc_w, T, H, Fr, 0, 0, w.scratch);
+  be.linear_backward(w.d_tmp, g.fc_w, g.fc_b, w.mlp_act, w.tp_full, m.fc_w, T, H, Wr, 0, 0, w.scratch);
   sp.reduce_scatter(be, w.tp_rows, w.d_tmp, w.tp_pad, T, H);     // d ln2_out, this member's rows
-  be.layernorm_backward(d, g.ln2_w, g.ln2_b, w.tp_rows, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, Ts, H, w.scratch);
+  norm_backward(be, c, d, g.ln2_w, g.ln2_b, w.tp_rows, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, Ts, w.scratch);
   // Attention half. d is now the gradient w.r.t. x_mid.
   sp.all_gather(be, w.tp_full, d, w.tp_pad, T, H);
   be.linear_backward(w.d_tmp, g.out_w, g.out_b, w.tp_full, s.attn_out, m.out_w, T, Hr, H, 0, 0, w.scratch);
@@ -133,15 +149,36 @@ void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, flo
     be.attention_backward_delta(w.delta + i64(ac.heads) * part.row0, act_at(w.d_tmp, at, a),
                                 act_at(s.attn_out, at, a), span_shape(ac, part));
   }
-  void* dqkv = w.qkv;  // [T, 3Hr]
+  void* dqkv = w.qkv;  // [T, Qr]
   attn.backward(be, dqkv, w.d_tmp, w.delta, s, dk_self, dv_self, ac, q, w.scratch);
-  be.put_cols(dqkv, dk_self, true, T, Hr, 3 * Hr, Hr);
-  be.put_cols(dqkv, dv_self, true, T, Hr, 3 * Hr, 2 * Hr);
-  rope_qk(be, dqkv, true, ac, q);
-  sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
-  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, w.tp_full, m.qkv_w, T, H, 3 * Hr, 0, 0, w.scratch);
+  if (c.llama()) {
+    // Planar, as model/gpt.cpp's qkv_backward_planar: the attention wrote dq dense [T, Hr];
+    // this subsequence's complete dK | dV [T, 2 KVr] follow it.
+    void* dq = dqkv;
+    void* dkv = act_at(dqkv, i64(T) * Hr, a);
+    be.put_cols(dkv, dk_self, true, T, KVr, 2 * KVr, 0);
+    be.put_cols(dkv, dv_self, true, T, KVr, 2 * KVr, KVr);
+    const RopeTable rope = rope_table(ac);
+    for (const PosSpan& part : q.parts()) {
+      be.rope_backward(act_at(dq, i64(part.row0) * Hr, a), part.rows, ac.heads, ac.head_size(), part.pos0, rope, Hr);
+      be.rope_backward(act_at(dkv, i64(part.row0) * 2 * KVr, a), part.rows, ac.kv_head_count(), ac.head_size(),
+                       part.pos0, rope, 2 * KVr);
+    }
+    sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
+    const i64 kv_rows = i64(Hr) * H;  // where the k rows start in the member's weight
+    be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dq, w.tp_full, m.qkv_w, T, H, Hr, 0, 0, w.scratch);
+    be.linear_backward(nullptr, g.qkv_w + kv_rows, g.qkv_b ? g.qkv_b + Hr : nullptr, dkv, w.tp_full,
+                       act_at(m.qkv_w, kv_rows, a), T, H, 2 * KVr, 0, 0, w.scratch);
+    be.gemm(false, false, T, H, 2 * KVr, 1.0f, dkv, 2 * KVr, act_at(m.qkv_w, kv_rows, a), H, 1.0f, w.d_tmp, H, a, a);
+  } else {
+    be.put_cols(dqkv, dk_self, true, T, Hr, 3 * Hr, Hr);
+    be.put_cols(dqkv, dv_self, true, T, Hr, 3 * Hr, 2 * Hr);
+    rope_qk(be, dqkv, true, ac, q);
+    sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
+    be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, w.tp_full, m.qkv_w, T, H, 3 * Hr, 0, 0, w.scratch);
+  }
   sp.reduce_scatter(be, w.tp_rows, w.d_tmp, w.tp_pad, T, H);     // d ln1_out, this member's rows
-  be.layernorm_backward(d, g.ln1_w, g.ln1_b, w.tp_rows, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, Ts, H, w.scratch);
+  norm_backward(be, c, d, g.ln1_w, g.ln1_b, w.tp_rows, s.x, p.ln1_w, s.ln1_mean, s.ln1_rstd, Ts, w.scratch);
 }
 
 void embedding_forward_tp(Backend& be, void* x_rows, const std::int32_t* ids, const float* embed, void* full, void* pad,
@@ -174,7 +211,8 @@ void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, co
   const int V = int(v1 - v0);
   const DType a = be.act();
   SPPO_ASSERT(w.tp_full && w.tp_pad && w.lse_parts);
-  be.layernorm_forward(w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, Ts, H, c.ln_eps);
+  SPPO_ASSERT(m.head && g.head);
+  norm_forward(be, c, w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, Ts);
   sp.all_gather(be, w.tp_full, w.ln_f_out, w.tp_pad, T, H);
   const float scale = float(1.0 / double(total_tokens));
   // Every row's logits over this member's vocabulary, chunk by chunk; the rows' log-sum-exp
@@ -184,18 +222,18 @@ void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, co
     for (int c0 = 0; c0 < part.rows; c0 += w.chunk) {
       const int rows = std::min(w.chunk, part.rows - c0), t0 = part.row0 + c0;
       void* h = act_at(w.tp_full, i64(t0) * H, a);
-      be.gemm(false, true, rows, V, H, 1.0f, h, H, m.embed, H, 0.0f, w.logits, V, a, DType::F32);
+      be.gemm(false, true, rows, V, H, 1.0f, h, H, m.head, H, 0.0f, w.logits, V, a, DType::F32);
       be.row_logsumexp(w.lse_parts + i64(tp.index) * rows, w.logits, rows, V);
       sp.all_gather_rows(w.lse_parts, rows);
       be.xent_shard(w.dlogits, w.losses + t0, loss_sum, w.logits, w.lse_parts, tp.size, targets + part.pos0 + c0, rows,
                     V, int(v0), scale, w.scratch);
-      be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.embed, H, a, DType::F32);
-      be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.embed, H, 0.0f, h, H, a, a);
+      be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.head, H, a, DType::F32);
+      be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.head, H, 0.0f, h, H, a, a);
     }
   sp.reduce_scatter(be, w.ln_f_out, w.tp_full, w.tp_pad, T, H);  // d ln_f_out, this member's rows
   be.fill_zero(head_grad, std::size_t(i64(Ts) * H * dtype_bytes(a)));
-  be.layernorm_backward(head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, Ts, H,
-                        w.scratch);
+  norm_backward(be, c, head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, Ts,
+                w.scratch);
 }
 
 }  // namespace sppo

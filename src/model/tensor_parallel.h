@@ -4,7 +4,15 @@
 // SeqParallel, the group's collectives (runtime/tensor_parallel.h implements them).
 // Shards and shapes: core/layout.h TpShard; dimension letters: core/dims.h, plus
 // Ts = rows of this member in the sequence-parallel regions, Hr = Zr * A its heads' width,
-// Fr its MLP columns, Vr its vocabulary rows.
+// KVr its key/value heads' width (Hr without grouped-query attention), Fr its MLP columns,
+// Vr its vocabulary rows.
+//
+// A Llama-family block runs the same regions with its own pieces: RMSNorm for LayerNorm
+// (norm_forward / norm_backward), a q/k/v projection of Hr + 2 KVr outputs (the q of the
+// member's query heads, then the k and v of its key/value heads: the group size divides
+// G, so its queries read exactly those), a SwiGLU over fc_pre [T, 2Fr] (the gate, then the
+// up rows of its Fr columns), no row-parallel biases, and the untied LM head (p.head,
+// vocabulary-parallel like the embedding).
 //
 // Note [Sequence-parallel regions]: between the tensor-parallel regions each member holds
 // rows tp.rows(T) of the residual stream, and LayerNorm and the residual adds run on those
@@ -57,7 +65,7 @@ void block_recompute_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, co
                         const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, SeqParallel& sp,
                         const ModelConfig& c, const Subseq& q);
 // d [Ts, H]: in, the gradient w.r.t. the block output; out, w.r.t. its input. dk_self and
-// dv_self [T, Hr] as in block_backward.
+// dv_self [T, KVr] as in block_backward.
 void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
                        const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
                        SeqParallel& sp, const ModelConfig& c, const Subseq& q);

@@ -20,8 +20,7 @@ CostModel::CostModel(const HardwareProfile& hw, const ModelConfig& model, ActPre
 }
 
 double CostModel::gemm_flops(i64 tokens) const {
-  const double H = model_.hidden, F = model_.ffn();
-  return double(tokens) * (8 * H * H + 4 * F * H);
+  return double(tokens) * 2.0 * model_.layer_matmul_params();
 }
 
 double CostModel::attention_flops(i64 o, i64 b, i64 e, i64 keys) const {
@@ -136,7 +135,8 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
   if (!s.any_kv_streamed()) return 0;
   const sched::Spans spans = s.spans(op);
   const i64 T = sched::span_tokens(spans);
-  const double width = double(TpShard{0, s.tp}.local_hidden(model_));
+  // K, V and their sums are the K/V's width: G A of a member's key/value heads.
+  const double width = double(TpShard{0, s.tp}.local_kv_width(model_));
   const double kv = 2.0 * act_bytes_ * width, sums = 2.0 * 4 * width;  // bytes a token
   const double x = double(act_bytes_) * model_.hidden;
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
@@ -188,33 +188,35 @@ double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backw
 double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward,
                                     int tp, i64 keys) const {
   const double T = double(sched::span_tokens(spans));
-  const double H = model_.hidden, F = model_.ffn();
+  const double H = model_.hidden, KV = model_.kv_width();
   // Elementwise words of a token: a LayerNorm reads and writes H twice; RoPE and a
-  // residual add read and write H.
+  // residual add read and write H (RoPE on k: KV, the K/V's width G A).
   auto words_s = [&](double words, double tokens) {
     return hw_.elementwise_bw > 0 ? words * act_bytes_ * tokens / hw_.elementwise_bw : 0.0;
   };
   const auto& g = recompute_groups();
   auto has = [&](int k) { return (groups & g[std::size_t(k)].tensors) != 0; };
   double t = 0;
-  // K and V of every earlier position, chunk by chunk: LayerNorm, two GEMMs, RoPE; in
-  // backward their gradients also go into the layer input's sums and the weight gradients
-  // (Note [dK/dV into the layer input], runtime/kv_stream.h): four GEMMs more, and RoPE.
+  // K and V of every earlier position, chunk by chunk: LayerNorm, two [KV, H] GEMMs,
+  // RoPE; in backward their gradients also go into the layer input's sums and the weight
+  // gradients (Note [dK/dV into the layer input], runtime/kv_stream.h): four GEMMs more,
+  // and RoPE.
   if (kv)
-    t += (backward ? 12 : 4) * H * H * double(o) / gemm_rate_ + words_s((backward ? 8 : 4) * H, double(o));
+    t += (backward ? 12 : 4) * H * KV * double(o) / gemm_rate_ +
+         words_s(2 * H + (backward ? 6 : 2) * KV, double(o));
   if (!backward) return t;
   double flops = 0, words = 0, attention = 0;
   int collectives = 0;
   if (has(0)) words += 2 * H;  // ln1
   if (has(1) || kv) {          // q, and the own K, V of a layer that recomputes them
-    flops += ((has(1) ? 2 : 0) + (kv ? 4 : 0)) * T * H * H;
-    words += (has(1) ? 2 * H : 0) + (kv ? 2 * H : 0);
+    flops += ((has(1) ? 2 * H : 0) + (kv ? 4.0 * model_.kv_width() : 0)) * T * H;
+    words += (has(1) ? 2 * H : 0) + (kv ? 2 * KV : 0);
     ++collectives;
   }
   if (has(2)) attention = attention_s(o, spans, keys);
   if (has(3)) flops += 2 * T * H * H, words += 3 * H, ++collectives;  // x_mid
   if (has(4)) words += 2 * H;                                          // ln2
-  if (has(5)) flops += 2 * T * H * F, ++collectives;                   // fc_pre
+  if (has(5)) flops += 2 * T * H * model_.fc_width(), ++collectives;   // fc_pre
   return t + (flops / gemm_rate_ + attention + words_s(words, T)) / tp +
          collectives * tp_collective_s(i64(T), tp);
 }
@@ -284,7 +286,7 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
     case Payload::Hidden:
     case Payload::HiddenGrad: return tokens * H * act_bytes_;
     case Payload::KV: return tokens * kv_per_token_ * n;
-    case Payload::KVGrad: return tokens * 2 * H * 4 * n;  // an MSP piece's fp32 dK, dV
+    case Payload::KVGrad: return tokens * 2 * i64(model_.kv_width()) * 4 * n;  // an MSP piece's fp32 dK, dV
     case Payload::Weights:
       return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
                                 op.layer_end == s.layers) * act_bytes_;

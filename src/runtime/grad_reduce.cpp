@@ -27,7 +27,7 @@ std::vector<ParamBucket> param_buckets(const std::vector<TensorSpec>& specs, std
     const std::string prefix = "blocks." + std::to_string(l) + ".";
     take("blocks." + std::to_string(l), [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
   }
-  take("ln_f", [](const std::string& n) { return n.rfind("ln_f.", 0) == 0; });
+  take("ln_f", [](const std::string& n) { return n.rfind("ln_f.", 0) == 0 || n == "lm_head.weight"; });
   SPPO_ASSERT(k == specs.size());
   return buckets;
 }

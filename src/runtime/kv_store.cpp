@@ -27,7 +27,7 @@ KvStore::KvStore(ActivationStore& act, Backend& be, MemoryTier& device, MemoryTi
       opts_(o),
       sched_(sc),
       dtype_(be.act()),
-      width_(o.tp.local_hidden(c)),
+      width_(o.tp.local_kv_width(c)),
       lb_(layers.first),
       le_(layers.second),
       ring_wait_s_(&result.ring_wait_s) {
@@ -135,7 +135,7 @@ void KvStore::alloc_accumulators(int l, int i) {
 void KvStore::restore(int l, int i) {
   if (!sched_.kv_streamed(l)) return;
   if (sched_.kv_recomputed(l)) {  // K_i, V_i are recomputed with the layer's other tensors
-    host_->restore_sums(l, i, &dk_[l][i], &dv_[l][i], &du_[l][i]);
+    host_->restore_sums(l, i, config_.hidden, &dk_[l][i], &dv_[l][i], &du_[l][i]);
     return;
   }
   std::vector<Buffer>& unit = act_.unit(i, l);

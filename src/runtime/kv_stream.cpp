@@ -57,29 +57,35 @@ class ChunkedAttention : public BlockAttention {
     const PosSpan part = one_span(q);
     const DType a = be.act();
     const int T = q.T, H = c.hidden;
-    // As LocalAttention: dq accumulates in columns [0, H) of dqkv, the queries are read
-    // from a copy in columns [H, 2H) with the same stride.
-    be.zero_cols(dqkv, T, H, 3 * H, 0);
-    void* q3 = act_at(dqkv, H, a);
-    be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
     AttnShape d = span_shape(c, part);
-    d.ldq = 3 * H;
+    const void* queries = s.q;
+    if (c.llama()) {  // as LocalAttention: dq dense [T, H] (block_backward's planar dqkv), q read in place
+      be.fill_zero(dqkv, std::size_t(i64(T) * H * dtype_bytes(a)));
+    } else {
+      // As LocalAttention: dq accumulates in columns [0, H) of dqkv, the queries are read
+      // from a copy in columns [H, 2H) with the same stride.
+      be.zero_cols(dqkv, T, H, 3 * H, 0);
+      void* q3 = act_at(dqkv, H, a);
+      be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
+      queries = q3;
+      d.ldq = 3 * H;
+    }
     for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
-    be.attention_backward(dqkv, dout, q3, {{s.k, s.v, dk_self, dv_self, part.rows, part.pos0}}, s.lse, delta, d,
+    be.attention_backward(dqkv, dout, queries, {{s.k, s.v, dk_self, dv_self, part.rows, part.pos0}}, s.lse, delta, d,
                           scratch);
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
-      be.attention_backward(dqkv, dout, q3, {ref(slot, past_[b])}, s.lse, delta, d, scratch);
+      be.attention_backward(dqkv, dout, queries, {ref(slot, past_[b])}, s.lse, delta, d, scratch);
       send_sums(be, slot, past_[b], past_[b].rows <= T ? scratch : Workspace{});
       if (b + 2 < past_.size()) load(b + 2);
     }
   }
 
  protected:
-  // Every buffer either kind of slot holds: K, V [rows, width] and, in backward, their
-  // fp32 gradients; a Recompute layer's also x [rows, H] and the d(LayerNorm-1 output)
-  // sums [rows, H] fp32.
+  // Every buffer either kind of slot holds: K, V [rows, width] (width: the K/V's, G A of
+  // this member's key/value heads) and, in backward, their fp32 gradients; a Recompute
+  // layer's also x [rows, H] and the d(LayerNorm-1 output) sums [rows, H] fp32.
   struct Slot {
     Buffer k, v, dk, dv, x, du;
     std::shared_ptr<Event> loaded, saved;
@@ -195,17 +201,19 @@ class RecomputedAttention final : public ChunkedAttention {
   RecomputedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward, const HostKvCache::LayerWeights& w,
                       const HostKvCache::InputLookup& inputs, const ModelConfig& c)
       : ChunkedAttention(cache, l, i, T, backward), w_(w), inputs_(inputs), config_(c) {
-    SPPO_ASSERT_MSG(c_.width_ == c.hidden, "a Recompute layer runs without tensor parallelism");
-    const i64 act = dtype_bytes(c_.be_.act()), f32 = i64(sizeof(float)), rows = largest_ * c.hidden;
+    SPPO_ASSERT_MSG(c_.width_ == c.kv_width(), "a Recompute layer runs without tensor parallelism");
+    // x, the LayerNorm-1 output and its gradient's sums are H wide; K, V, dK, dV G A.
+    const i64 act = dtype_bytes(c_.be_.act()), f32 = i64(sizeof(float)), rows = largest_ * c.hidden,
+              kv_rows = largest_ * c_.width_;
     const std::string what = "blocks." + std::to_string(l) + " recomputed K/V window ";
     for (std::size_t s = 0; s < slots(); ++s) {
       Slot& slot = slots_[s];
       slot.x = c_.device_.alloc(rows * act, what + "x");
-      slot.k = c_.device_.alloc(rows * act, what + "K");
-      slot.v = c_.device_.alloc(rows * act, what + "V");
+      slot.k = c_.device_.alloc(kv_rows * act, what + "K");
+      slot.v = c_.device_.alloc(kv_rows * act, what + "V");
       if (backward_) {
-        slot.dk = c_.device_.alloc(rows * f32, what + "dK");
-        slot.dv = c_.device_.alloc(rows * f32, what + "dV");
+        slot.dk = c_.device_.alloc(kv_rows * f32, what + "dK");
+        slot.dv = c_.device_.alloc(kv_rows * f32, what + "dV");
         slot.du = c_.device_.alloc(rows * f32, what + "d LayerNorm-1 output");
       }
     }
@@ -256,31 +264,32 @@ class RecomputedAttention final : public ChunkedAttention {
     for (const Piece& pc : ch.pieces) {
       const HostKvCache::InputRows x = inputs_(l_, pc.blk->subseq);
       const void* rows = x.device ? act_at(x.device, pc.row0 * H, a) : act_at(slot.x.data(), i64(pc.at) * H, a);
-      be.layernorm_forward(act_at(norm_.data(), i64(pc.at) * H, a), mean_.f32() + pc.at, rstd_.f32() + pc.at, rows,
-                           w_.p->ln1_w, w_.p->ln1_b, pc.rows, int(H), config_.ln_eps);
+      norm_forward(be, config_, act_at(norm_.data(), i64(pc.at) * H, a), mean_.f32() + pc.at, rstd_.f32() + pc.at,
+                   rows, w_.p->ln1_w, w_.p->ln1_b, pc.rows);
     }
     kv_project(be, slot.k.data(), slot.v.data(), norm_.data(), *w_.m, config_, ch.pos0, ch.rows);
     if (!backward_) return;
-    const std::size_t f32 = std::size_t(ch.rows) * std::size_t(H) * sizeof(float);
+    const std::size_t f32 = std::size_t(ch.rows) * std::size_t(c_.width_) * sizeof(float);
     be.fill_zero(slot.dk.data(), f32);
     be.fill_zero(slot.dv.data(), f32);
   }
 
-  // Note [dK/dV into the layer input]: dK (after RoPE's backward) and dV go through the k
-  // and v rows of the projection into the sums of d(LayerNorm-1 output), and into the
-  // projection's weight gradients, each through the x slot in the activation type.
+  // Note [dK/dV into the layer input]: dK (after RoPE's backward) and dV [rows, G A] go
+  // through the k and v rows [G A, H] of the projection into the sums of d(LayerNorm-1
+  // output) [rows, H], and into the projection's weight gradients (and its biases', where
+  // it has them), each through the x slot in the activation type.
   void send_sums(Backend& be, Slot& slot, const Chunk& ch, const Workspace& scratch) override {
     const DType a = be.act();
-    const int H = config_.hidden;
+    const int H = config_.hidden, KV = config_.kv_width();
     for (int kv = 0; kv < 2; ++kv) {
-      const i64 row = i64(1 + kv) * H;  // the k (v) rows of the qkv projection
-      be.put_cols(slot.x.data(), kv == 0 ? slot.dk.f32() : slot.dv.f32(), true, ch.rows, H, H, 0);
-      if (kv == 0) be.rope_backward(slot.x.data(), ch.rows, config_.heads, config_.head_size(), ch.pos0,
-                                    config_.rope_theta, H);
+      const i64 row = H + i64(kv) * KV;  // the k (v) rows of the qkv projection
+      be.put_cols(slot.x.data(), kv == 0 ? slot.dk.f32() : slot.dv.f32(), true, ch.rows, KV, KV, 0);
+      if (kv == 0) be.rope_backward(slot.x.data(), ch.rows, config_.kv_head_count(), config_.head_size(), ch.pos0,
+                                    rope_table(config_), KV);
       const void* w = act_at(w_.m->qkv_w, row * H, a);
-      be.gemm(false, false, ch.rows, H, H, 1.0f, slot.x.data(), H, w, H, 1.0f, slot.du.data(), H, a, DType::F32);
-      be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b + row, slot.x.data(), norm_.data(), w, ch.rows,
-                         H, H, 0, 0, scratch);
+      be.gemm(false, false, ch.rows, H, KV, 1.0f, slot.x.data(), KV, w, H, 1.0f, slot.du.data(), H, a, DType::F32);
+      be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b ? w_.g->qkv_b + row : nullptr, slot.x.data(),
+                         norm_.data(), w, ch.rows, H, KV, 0, 0, scratch);
     }
     const std::size_t f32_row = std::size_t(H) * sizeof(float);
     for (const Piece& pc : ch.pieces)
@@ -384,19 +393,20 @@ void HostKvCache::forget(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows)
   v.reset();
 }
 
-void HostKvCache::restore_sums(int l, int i, Buffer* dk, Buffer* dv, Buffer* du) {
+void HostKvCache::restore_sums(int l, int i, i64 hidden, Buffer* dk, Buffer* dv, Buffer* du) {
   Block& blk = blocks_[l][i];
   SPPO_ASSERT_MSG(blk.recomputed, "backward of layer " << l << " subseq " << i << " before its forward");
   const std::string name = block_name(l, i);
-  const i64 f32 = i64(blk.rows) * width_ * i64(sizeof(float));  // width_ is H: no tensor parallelism
+  // dK, dV are width_ (G A: no tensor parallelism) wide, the sums H.
+  const i64 f32 = i64(blk.rows) * width_ * i64(sizeof(float)), sums = i64(blk.rows) * hidden * i64(sizeof(float));
   *dk = device_.alloc_zeroed(f32, name + "dK");
   *dv = device_.alloc_zeroed(f32, name + "dV");
-  *du = device_.alloc(f32, name + "d LayerNorm-1 output sums");
+  *du = device_.alloc(sums, name + "d LayerNorm-1 output sums");
   if (blk.du) {  // every row was reached by a later backward
-    SPPO_ASSERT(blk.summed == blk.rows);
-    *waited_s_ += h2d_.copy(du->data(), blk.du.data(), std::size_t(f32), {})->wait();
+    SPPO_ASSERT(blk.summed == blk.rows && blk.du.bytes() == sums);
+    *waited_s_ += h2d_.copy(du->data(), blk.du.data(), std::size_t(sums), {})->wait();
   } else {
-    be_.fill_zero(du->data(), std::size_t(f32));
+    be_.fill_zero(du->data(), std::size_t(sums));
   }
   blk = Block{};
 }

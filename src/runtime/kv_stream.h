@@ -21,13 +21,15 @@
 // of the projection, RoPE; model/gpt.h kv_project) before the attention runs on them.
 //
 // Note [dK/dV into the layer input]: a Recompute layer's backward of subsequence i adds its
-// part of an earlier block j's gradient, dK_j^(i) and dV_j^(i) [rows, H] fp32, not into dK/dV
-// sums but, through the projection that made K_j and V_j from the LayerNorm-1 output u_j,
+// part of an earlier block j's gradient, dK_j^(i) and dV_j^(i) [rows, G A] fp32, not into dK/dV
+// sums but, through the projection that made K_j and V_j from the LayerNorm-1 output u_j
+// (W_k, W_v [G A, H]: a Llama-family model's grouped-query K/V are G A wide, u_j H),
 // straight into d u_j = sum_i (RoPE^T dK_j^(i)) W_k + dV_j^(i) W_v, and likewise into the
 // weight gradients dW_k += (RoPE^T dK_j^(i))^T u_j, dW_v += dV_j^(i)^T u_j and their biases. Every
 // map is linear, so the sums over i are those of the device cache's complete dK_j, dV_j to
 // fp32 rounding; u_j is at hand, recomputed for the chunk. The host keeps d u_j [rows, H]
-// fp32: half the bytes of dK_j and dV_j, and half the traffic in and out. The backward of j
+// fp32: half the bytes of dK_j and dV_j without grouped-query attention (G = Z), and half the
+// traffic in and out. The backward of j
 // itself computes its own blocks' dK_j, dV_j (from zero) as a device layer does, and adds
 // the sum d u_j into its LayerNorm-1 output's gradient before that LayerNorm's backward.
 #pragma once
@@ -80,9 +82,10 @@ class HostKvCache {
   // needed); the block's rows are noted.
   void forget(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows);
   // Before the backward of layer l on subsequence i: its own dK/dV accumulators [rows,
-  // width] fp32, zeroed, and the d(LayerNorm-1 output) sums [rows, H] fp32 that later
-  // subsequences' backward left on the host (zeros if none).
-  void restore_sums(int l, int i, Buffer* dk, Buffer* dv, Buffer* du);
+  // width] fp32, zeroed, and the d(LayerNorm-1 output) sums [rows, hidden] fp32 that later
+  // subsequences' backward left on the host (zeros if none). hidden: H, the layer input's
+  // width (grouped-query K/V are narrower).
+  void restore_sums(int l, int i, i64 hidden, Buffer* dk, Buffer* dv, Buffer* du);
   // The attention of subsequence i at layer l, recomputing every earlier block's K, V.
   std::unique_ptr<BlockAttention> recomputed_attention(int l, int i, i64 T, bool backward, const LayerWeights& w,
                                                        const InputLookup& inputs, const ModelConfig& c);

@@ -112,7 +112,7 @@ double MspExchange::receive(const sched::Op& op, std::size_t index) {
   const std::string what = "op " + std::to_string(index) + " '" + sched::to_string(op) + "'";
   double waited = 0;
   auto recv = [&](void* data, i64 bytes) { waited += comm::wait(*comm_, comm_->irecv(data, bytes, op.peer, tag), what); };
-  const i64 H = config_.hidden;
+  const i64 H = config_.kv_width();  // the K/V cache's width
   switch (op.payload) {
     case sched::Payload::Weights: {
       auto& lease = borrowed_[{b, e}];

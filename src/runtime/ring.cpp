@@ -46,7 +46,7 @@ std::vector<KVRef> RingAttention::local_blocks(const PosSpan& queries, const Blo
     if (past_.offsets[j] <= last)
       blocks.push_back({past_.k[j], past_.v[j], j < past_.dk.size() ? past_.dk[j] : nullptr,
                         j < past_.dv.size() ? past_.dv[j] : nullptr, int(past_.lengths[j]), past_.offsets[j]});
-  const i64 H = c.hidden;
+  const i64 H = c.kv_width();  // keys stay: only the queries' side is H wide
   for (const PosSpan& own : q.parts()) {
     if (own.pos0 > last) continue;
     const i64 at = i64(own.row0) * H;
@@ -250,7 +250,8 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
       be.add_inplace(act_at(dq.data(), i64(mine[j].row0) * H, a), part_dq[std::size_t(h)][j].data(),
                      i64(mine[j].rows) * H);
     }
-  be.put_cols(dqkv, dq.data(), false, T, int(H), 3 * int(H), 0);
+  // (A Llama-family block takes dq dense: BlockAttention::backward.)
+  be.put_cols(dqkv, dq.data(), false, T, int(H), c.llama() ? int(H) : 3 * int(H), 0);
   for (const Sent& x : sent) wait(x.req, x.what);
   be.synchronize();
 }

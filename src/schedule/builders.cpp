@@ -411,7 +411,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     }
   // The tied embedding: the first stage's input embedding and the last stage's LM head
   // are one parameter; their gradients are summed between the two.
-  if (P > 1)
+  if (P > 1 && spec.tied)
     for (int d = 0; d < D; ++d)
       for (int r = 0; r < R; ++r) {
         Op tied = make(OpKind::AllReduce, 0);

@@ -30,6 +30,7 @@ struct PipelineSpec {
   bool msp = false;                // multiplexed sequence partitioning (DESIGN.md 6)
   std::vector<int> stage_layers;   // layers per stage; empty means as even as possible
   RingLayout ring_layout = RingLayout::Contiguous;  // how the sp ranks split a subsequence
+  bool tied = true;                // the LM head is the embedding (GPT): its gradients summed across stages
 
   int ranks() const { return pp * sp * dp; }
   int rank_of(int d, int p, int r) const { return (d * pp + p) * sp + r; }

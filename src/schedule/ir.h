@@ -37,6 +37,11 @@ enum class OpKind {
 enum class KvPlace : char { Device, Host, Recompute };
 const char* to_string(KvPlace p);                 // "device" | "host" | "recompute"
 
+// Tensor parallelism of a Llama-family block: each member holds whole key/value heads (tp
+// divides G = kv_head_count(), so that its query heads read exactly its own K/V); the
+// planner searches and train accepts only these tp for it.
+inline bool llama_tp_runs(const ModelConfig& c, int tp) { return tp >= 1 && c.kv_head_count() % tp == 0; }
+
 // What a Send/Recv/RingStep moves.
 // KV / KVGrad are an MSP piece's rows (Note [MSP pieces] in builders.cpp): its K and V,
 // copied to its stage's owner after the forward, and the dK/dV the owner accumulated for

@@ -7,20 +7,26 @@
 
 namespace sppo::sched {
 
+namespace {
+
+// Elements of the final norm (LayerNorm's weight and bias, or RMSNorm's weight).
+i64 final_norm_params(const ModelConfig& c) { return (c.llama() ? 1 : 2) * i64(c.hidden); }
+
+}  // namespace
+
 i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head) {
-  const i64 H = c.hidden, F = c.ffn();
-  const i64 per_layer = 2 * H + (3 * H * H + 3 * H) + (H * H + H) + 2 * H + (F * H + F) + (H * F + H);
-  i64 n = i64(e - b) * per_layer;
-  if (embed) n += i64(c.vocab) * H;
-  if (head) n += 2 * H + (embed ? 0 : i64(c.vocab) * H);
+  const i64 VH = i64(c.vocab) * c.hidden;
+  i64 n = i64(e - b) * layer_params(c, TpShard{});
+  if (embed) n += VH;
+  if (head) n += final_norm_params(c) + (embed && c.tied_embeddings() ? 0 : VH);
   return n;
 }
 
 i64 layer_params(const ModelConfig& c, const TpShard& tp) {
-  const i64 H = c.hidden, Hr = tp.local_hidden(c);
+  const i64 H = c.hidden, Hr = tp.local_hidden(c), Qr = tp.local_qkv_width(c), Wr = tp.local_fc_width(c);
   const auto [f0, f1] = tp.ffn(c);
-  const i64 F = f1 - f0;
-  return 2 * H + (3 * Hr * H + 3 * Hr) + (H * Hr + H) + 2 * H + (F * H + F) + (H * F + H);
+  const i64 Fr = f1 - f0, norm = c.llama() ? H : 2 * H, b = c.biases() ? 1 : 0;
+  return 2 * norm + (Qr * H + (c.qkv_bias ? Qr : 0)) + (H * Hr + b * H) + (Wr * H + b * Wr) + (H * Fr + b * H);
 }
 
 i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp) {
@@ -31,9 +37,10 @@ i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp) {
 i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index, const TpShard& tp) {
   std::vector<i64> buckets;
   const auto [v0, v1] = tp.vocab(c);
-  if (b == 0 || e == c.layers) buckets.push_back((v1 - v0) * c.hidden);
+  const i64 vocab_rows = (v1 - v0) * c.hidden;
+  if (b == 0 || (e == c.layers && c.tied_embeddings())) buckets.push_back(vocab_rows);
   for (int l = b; l < e; ++l) buckets.push_back(layer_params(c, tp));
-  if (e == c.layers) buckets.push_back(2 * i64(c.hidden));
+  if (e == c.layers) buckets.push_back(final_norm_params(c) + (c.tied_embeddings() ? 0 : vocab_rows));
   i64 n = 0;
   for (i64 count : buckets) {
     const auto [pb, pe] = piece_range(count, index, shards);
@@ -49,7 +56,7 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S) {
   const i64 x = i64(c.hidden) * rules.act_bytes() * S;                 // one block's input
   const i64 saved = total_bytes(block_saved_specs(c, S, p));            // all its saved tensors
   const i64 ws = total_bytes(block_workspace_specs(c, S, p)) + rules.block_scratch.bytes(S);
-  const i64 acc = 2 * i64(c.hidden) * rules.accum_bytes * S;            // dK, dV
+  const i64 acc = 2 * i64(c.kv_width()) * rules.accum_bytes * S;        // dK, dV
   const i64 head_ws = total_bytes(head_workspace_specs(c, S, rules.head_chunk, p)) + rules.head_scratch.bytes(S);
   const i64 fixed = param_count(c, 0, L, true, true) * (rules.device_param_bytes() + rules.device_state_bytes()) +
                     step_input_bytes(c, S);
@@ -104,7 +111,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
   rc_pt_ = recomputed_bytes(1);
   ws_pt_ = total_bytes(block_workspace_specs(c, 1, p));
   head_pt_ = total_bytes(head_saved_specs(c, 1, p));
-  acc_pt_ = 2 * i64(c.hidden) * rules.accum_bytes;
+  acc_pt_ = 2 * i64(c.kv_width()) * rules.accum_bytes;
   if (tp_.on()) {  // per-token averages over one token a member
     const i64 n = tp_.size;
     kv_pt_ = kv_bytes(n) / n;
@@ -112,7 +119,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     rc_pt_ = recomputed_bytes(n) / n;
     ws_pt_ = total_bytes(block_workspace_specs(c, n, p, tp_)) / n;
     head_pt_ = head_bytes(n) / n;
-    acc_pt_ = 2 * i64(tp_.local_hidden(c)) * rules.accum_bytes;
+    acc_pt_ = 2 * i64(tp_.local_kv_width(c)) * rules.accum_bytes;
   }
   weight_work_pp_ = rules.act_bytes() + 4;
 
@@ -312,10 +319,16 @@ void RankMemory::host_change(i64 delta) {
 i64 RankMemory::kv_window(int l, int subseq, i64 T, bool backward) const {
   if (!s_.kv_streamed(l)) return 0;
   // Earlier blocks' rows in chunks of C consecutive positions (runtime/kv_stream.h).
-  const i64 C = kv_chunk_rows(T), rows = kv_rows_before_[l][std::size_t(subseq)];
-  return kv_window_bytes((rows + C - 1) / C, std::min(rows, C), T, tp_.local_hidden(rules_.model),
-                         tp_.local_heads(rules_.model), rules_.act_bytes(), backward,
-                         s_.kv_recomputed(l) ? rules_.model.hidden : 0);
+  const i64 C = kv_chunk_rows(T), rows = kv_rows_before_[l][std::size_t(subseq)], chunks = (rows + C - 1) / C;
+  // The slots' K, V and dK, dV are the K/V's width (G A of this member's key/value heads);
+  // the forward's partial output is the queries' [T, H]: kv_window_bytes counts it at the
+  // width it is given, so the rest of its row is added here (none without grouped-query
+  // attention).
+  const i64 kv_width = tp_.local_kv_width(rules_.model), q_width = tp_.local_hidden(rules_.model);
+  const i64 partial_rest = backward || chunks == 0 ? 0 : T * (q_width - kv_width) * rules_.act_bytes();
+  return kv_window_bytes(chunks, std::min(rows, C), T, kv_width, tp_.local_heads(rules_.model), rules_.act_bytes(),
+                         backward, s_.kv_recomputed(l) ? rules_.model.hidden : 0) +
+         partial_rest;
 }
 
 void RankMemory::emit(std::vector<MemEvent>* out, double at, i64 delta, MemTerm term) {

@@ -81,6 +81,8 @@ i64 total_device(const Estimate& e) {
 // optimizer over the data-parallel group (which includes CP), full recomputation:
 //   weights 2 Psi_s / t, main gradients 4 Psi_s / t, fp32 master weights and Adam m, v
 //   12 Psi_s / (t d c) (Megatron-LM docs, distributed optimizer: 6 + 12/d bytes a parameter);
+//   (a Llama-family block: H becomes the K/V width G A in the K, V terms below, and 34 H
+//   its own count, layer_activation_bytes)
 //   one checkpoint per layer, its input with sequence parallelism, 2 s H / t bytes
 //   (Korthikanti et al. 2022, full recomputation; s = S / c tokens per CP rank);
 //   the layer being recomputed holds its activations, 34 s H / t bytes (their Table 2 with
@@ -110,6 +112,16 @@ i64 total_device(const Estimate& e) {
 //   all-to-all send and receive of a chunk's q, k, v or o, 2 x 3 x 2 c H;
 //   logits of the local sequence in bf16 and fp32, (2 + 4) s V (Megatron-DeepSpeed's GPT
 //   loss is not chunked).
+// Bytes a token keeps in one layer's activations at bf16 with sequence parallelism and
+// flash attention: Korthikanti et al.'s 34 H for the GPT block; for a Llama-family block
+// (no dropout) its inputs of the two norms 4 H, the q/k/v input, q and the attention
+// output 6 H, k and v 4 G A, the MLP input 2 H and gate, up, silu(gate) and their
+// product 8 F.
+double layer_activation_bytes(const ModelConfig& c) {
+  if (!c.llama()) return 34.0 * c.hidden;
+  return 12.0 * c.hidden + 4.0 * c.kv_width() + 8.0 * c.ffn();
+}
+
 Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel& cost) {
   const ActPrecision prec = cost.precision();
   const double e = prec == ActPrecision::F32 ? 4 : 2;
@@ -138,11 +150,12 @@ Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel&
     add(&est, Row::Checkpoints, stage_layers * s * H * e / t, 0,
         std::to_string(stage_layers) + " layers x s H e / t, s = S / cp = " + num(s));
     // The layer phase.
-    const double recompute = 34 * s * H / t * (e / 2);
+    const double KV = c.kv_width();  // K and V's width (H without grouped-query attention)
+    const double recompute = layer_activation_bytes(c) * s / t * (e / 2);
     const double fa = 4 * s * H / t;
-    const double kv_ring = l.cp > 1 ? 2 * 2 * s * H * e / t : 0;
-    const double dkv_ring = l.cp > 1 ? 2 * 2 * s * H * e / t : 0;
-    const double dkv = 2 * s * H * e / t;
+    const double kv_ring = l.cp > 1 ? 2 * 2 * s * KV * e / t : 0;
+    const double dkv_ring = l.cp > 1 ? 2 * 2 * s * KV * e / t : 0;
+    const double dkv = 2 * s * KV * e / t;
     const double tp_gather = t > 1 ? 2 * s * H * (e / 2) : 0;
     const double pp_buf = l.pp > 1 ? 2 * 2 * s * H * (e / 2) / t : 0;
     const double layer_phase = recompute + fa + kv_ring + dkv_ring + dkv + tp_gather + pp_buf;
@@ -152,7 +165,9 @@ Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel&
     add(&est, Row::KVCache, 0, 0, "none kept: each layer's K, V are recomputed with it");
     add(&est, Row::KVGradAccum, at_loss ? 0 : dkv, 0, "2 s H e / t (dK, dV of the local tokens)");
     add(&est, Row::Recompute, at_loss ? 0 : recompute, 0,
-        "34 s H / t x (e / 2) (Korthikanti et al. 2022, with sequence parallelism, flash attention)");
+        c.llama() ? "(12 H + 4 G A + 8 F) s / t x (e / 2) (a Llama-family block's activations, as Korthikanti et al. "
+                    "2022 count them, with sequence parallelism, flash attention)"
+                  : "34 s H / t x (e / 2) (Korthikanti et al. 2022, with sequence parallelism, flash attention)");
     add(&est, Row::AttentionWorkspace, at_loss ? 0 : fa, 0, "4 s H / t (flash attention's fp32 dQ accumulator)");
     add(&est, Row::Logits, at_loss ? logits : 0, 0,
         last ? "(2 + 4) s V / t: bf16 logits and their fp32 copy for the cross entropy" : "on the last stage only");
@@ -214,18 +229,19 @@ Estimate deepspeed(const ModelConfig& c, i64 S, const Layout& l, int gpus, const
   add(&est, Row::Optimizer, 12 * psi / G, 0, "12 B x Psi / G (fp32 master + Adam m, v; ZeRO-3)");
   const double ckpt_host = c.layers * s * H * e;
   add(&est, Row::Checkpoints, 0, ckpt_host, "L s H e on the host, s = S / u = " + num(s));
-  const double kv_dev = 2 * 2 * ch * H * e;
-  const double layer_host = 4 * s * H * e + 4 * s * H;
+  const double KV = c.kv_width();  // K and V's width (H without grouped-query attention)
+  const double kv_dev = 2 * 2 * ch * KV * e;
+  const double layer_host = (2 * H + 2 * KV) * s * e + 4 * s * H;
   add(&est, Row::KVCache, kv_dev, 0, "K, V chunks double-buffered, 2 x 2 c H e, c = " + num(ch));
   add(&est, Row::Units, 3 * ch * H * e, layer_host,
       "device: q, o, dO of a chunk 3 c H e; host: one layer's q, k, v, o 4 s H e and fp32 dQ 4 s H");
-  add(&est, Row::KVGradAccum, 3 * ch * H * 4, 0, "fp32 dK, dV, dQ of the running chunks, 3 x 4 c H");
-  add(&est, Row::Recompute, (34 - 8) * ch * H * (e / 2), 0,
+  add(&est, Row::KVGradAccum, (2 * KV + H) * ch * 4, 0, "fp32 dK, dV, dQ of the running chunks, 3 x 4 c H");
+  add(&est, Row::Recompute, (layer_activation_bytes(c) - 4 * H - 4 * KV) * ch * (e / 2), 0,
       "the chunk's other activations, (34 - 8) c H (e / 2) (Korthikanti et al. 2022, q, k, v, o counted above)");
   add(&est, Row::Hidden, 4 * s * H * e, 0,
       "whole local sequence: layer input, gathered attention output, two gradients, 4 s H e");
-  add(&est, Row::AttentionWorkspace, 3 * ch * H * e, 0, "the chunk's dq, dk, dv before accumulation, 3 c H e");
-  add(&est, Row::CommBuffers, 2 * 3 * ch * H * e, 0, "all-to-all send + receive of a chunk's q, k, v, 2 x 3 c H e");
+  add(&est, Row::AttentionWorkspace, (H + 2 * KV) * ch * e, 0, "the chunk's dq, dk, dv before accumulation, 3 c H e");
+  add(&est, Row::CommBuffers, 2 * (H + 2 * KV) * ch * e, 0, "all-to-all send + receive of a chunk's q, k, v, 2 x 3 c H e");
   const double logits = (2 + 4) * s * V;
   add(&est, Row::Logits, logits, 0, "(2 + 4) s V: bf16 logits of the local sequence and their fp32 copy");
   // The loss and the layers' backward do not overlap: the larger phase is the peak.

@@ -117,9 +117,11 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
   out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
                  "the block's input, the previous block's output: kept (recomputing it is the whole previous "
                  "block); offloaded where the device needs the room"});
-  const char* costs[] = {"a LayerNorm of x again, elementwise", "2 H^2 FLOPs a token (q's rows of the projection)",
+  const std::string costs[] = {"a LayerNorm of x again, elementwise", "2 H^2 FLOPs a token (q's rows of the projection)",
                          "the attention again", "2 H^2 FLOPs a token (the output projection)",
-                         "a LayerNorm of x_mid again, elementwise", "2 H F FLOPs a token (the MLP's first GEMM)"};
+                         "a LayerNorm of x_mid again, elementwise",
+                         p.model.gated() ? "4 H F FLOPs a token (the MLP's gate and up GEMM)"
+                                         : "2 H F FLOPs a token (the MLP's first GEMM)"};
   for (std::size_t g = 0; g < recompute_groups().size(); ++g) {
     const RecomputeGroup& group = recompute_groups()[g];
     const bool rc = (p.recompute & group.tensors) != 0;
@@ -128,15 +130,20 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
                       : std::string("kept: recomputing it would cost ") + costs[g]});
   }
   const i64 kv = bytes_of(1u << kSavedK | 1u << kSavedV);
-  const i64 sums = 2 * i64(tp.local_hidden(c)) * 4;
+  const i64 sums = 2 * i64(tp.local_kv_width(c)) * 4;
+  // The k and v rows of the projection: [G A, H] each with grouped-query attention.
+  const std::string kv_flops = c.kv_head_count() == c.heads ? "4 H^2" : "4 H G A";
   if (kv_rc) {
     out.push_back({"k, v", kv, "recomputed from x",
                    "--kv-cache recompute, or no plan with K/V on the device or the host fits: each later "
                    "subsequence and the backward recompute an earlier block's K, V from its x, a chunk at a time "
-                   "(4 H^2 FLOPs a token each time)"});
+                   "(" + kv_flops + " FLOPs a token each time)"});
     out.push_back({"dK/dV sums", i64(c.hidden) * 4, "host, as d(LayerNorm-1 output)",
                    "sums of the later subsequences' gradients, taken through the K/V projection into the layer "
-                   "input's (H x 4 B a token, half of dK and dV; Note [dK/dV into the layer input])"});
+                   "input's (H x 4 B a token, " +
+                       std::string(c.kv_head_count() == c.heads ? "half of dK and dV"
+                                                                 : "against 2 G A x 4 B of dK and dV") +
+                       "; Note [dK/dV into the layer input])"});
   } else if (kv_host) {
     out.push_back({"k, v", kv, "host, streamed back through a window",
                    "--kv-cache host, or no plan with K/V on the device fits: copied out after the forward, streamed "
@@ -169,12 +176,17 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const int stage = (rank / (p.sp * p.tp)) % p.pp;
   // Tensor parallelism divides the heads' tensors by tp: K, V and their accumulators are
   // 2 x (H / tp) wide on each member (core/layout.h TpShard).
-  const std::string Hw = p.tp > 1 ? "(H / tp " + std::to_string(p.tp) + ")" : "H";
+  // Grouped-query attention narrows them to G A (G key/value heads).
+  const std::string kv_w = c.kv_head_count() == c.heads ? "H" : "G A";
+  const std::string Hw = p.tp > 1 ? "(" + kv_w + " / tp " + std::to_string(p.tp) + ")" : kv_w;
   const std::string shards = p.tp > 1 ? " (this rank's tensor-parallel shards)" : "";
   std::vector<MemoryLine> lines;
   const std::string P = num(double(params)) + " parameters of layers " + std::to_string(ob) + "-" +
                         std::to_string(oe - 1) + (ob == 0 ? " + embedding" : "") +
-                        (oe == c.layers ? (ob == 0 ? " + final LayerNorm" : " + tied head + final LayerNorm") : "") +
+                        (oe == c.layers ? (c.llama() ? " + final RMSNorm + LM head"
+                                                     : ob == 0 ? " + final LayerNorm"
+                                                               : " + tied head + final LayerNorm")
+                                        : "") +
                         shards;
   const std::string copy = rules.weight_copy_bytes > 0 ? " + " + std::to_string(rules.weight_copy_bytes) +
                                                              " B x P (their working copy for the GEMMs)"
@@ -223,7 +235,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                    "sent and received between stages: " + num(double(at(sched::MemTerm::Hidden)) / double(h_row)) +
                        " rows"});
   // Note [MLP tiles]: the MLP activation (and a recomputed fc_pre) a tile of R rows at a time.
-  const i64 mlp_row = i64(c.ffn()) * rules.act_bytes();
+  const i64 mlp_row = i64(c.fc_width()) * rules.act_bytes();
   const bool fc_tile = p.mlp_tile_rows > 0 && in_set(p.recompute, kSavedFcPre);
   lines.push_back(
       {Row::LayerWorkspace, at(sched::MemTerm::Workspace), 0,

@@ -76,6 +76,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
     spec.ring_layout = shape.ring_layout;
     spec.stage_layers = shape.stage_layers;
     spec.msp = shape.msp;
+    spec.tied = c.tied_embeddings();
     s = sched::build_pipeline(spec);
   }
   s.kv_place = shape.kv_place;
@@ -622,6 +623,7 @@ sched::PipelineSpec spec_of(const plan::Plan& p) {
   s.msp = p.msp;
   s.stage_layers = p.stage_layers;
   s.ring_layout = sched::parse_ring_layout(p.ring_layout);
+  s.tied = p.model.tied_embeddings();
   return s;
 }
 
@@ -765,6 +767,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   for (int tp : divisors(std::min(G, gpn)))
     for (int sp : divisors(std::min(G, gpn) / tp)) {
       if (G % (sp * tp) || tp > c.heads) continue;
+      if (c.llama() && !sched::llama_tp_runs(c, tp)) continue;
       for (int dp : divisors(G / sp / tp)) {
         const int pp = G / sp / tp / dp;
         if (pp > c.layers) continue;
@@ -867,7 +870,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     return p.sp == 1 && req.msp != 1 && (pl.kv != sched::KvPlace::Recompute || p.tp == 1);
   };
 
-  const i64 kv_pt = skeletal_bytes_per_token(c, prec), acc_pt = 2 * i64(c.hidden) * rules.accum_bytes;
+  const i64 kv_pt = skeletal_bytes_per_token(c, prec), acc_pt = 2 * i64(c.kv_width()) * rules.accum_bytes;
   const std::vector<TensorSpec> saved_table = block_saved_specs(c, 1, prec);
   auto unit_pt = [&](SavedSet recompute) {  // offloadable bytes a token, less the recomputed
     i64 b = 0;

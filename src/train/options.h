@@ -14,6 +14,9 @@ struct StepOptions {
   std::string model_preset = "small"; // the preset the sizes started from
   i64 seq_len = 4096;                 // S
   std::uint64_t seed = 1234;
+  // --init: the initial weights (and, unless --model says otherwise, the model) from an sppo
+  // checkpoint or a Hugging Face model directory; step 0, a fresh optimizer.
+  std::string init;
   std::string data;                   // "" = the built-in repeat task
   std::string data_dtype;             // "u16" / "u32" for raw token files with other names
   int threads = 0;                    // 0 = OpenMP default

@@ -8,6 +8,8 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "io/checkpoint.h"
+#include "io/hf.h"
 #include "train/setup.h"
 
 namespace sppo {
@@ -143,7 +145,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   // The global norm counts every parameter once: the tied embedding on the first stage
   // only, and replicated gradients (data parallel without ZeRO) on the first replica only.
   double ss = 0;
-  const bool tied_copy = lay.pp > 1 && lay.last_stage();
+  const bool tied_copy = lay.pp > 1 && lay.last_stage() && rt.config().tied_embeddings();
   if (lay.tp == 1) {
     for (std::size_t k = 0; k < spans.size(); ++k) {
       if (tied_copy && buckets[k].name == "embed") continue;
@@ -273,7 +275,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       }
       // The tied embedding is taken from the first stage (the last holds the same values),
       // a tensor every tensor-parallel member holds whole from member 0.
-      const bool has_embed = b == 0 || e == c.layers;
+      const bool has_embed = b == 0 || (e == c.layers && c.tied_embeddings());
       const i64 embed_elems = has_embed ? (shard.vocab(c).second - shard.vocab(c).first) * c.hidden : 0;
       for (const ParamSlice& sl : param_slices(c, b, e, shard)) {
         if (p > 0 && sl.local < embed_elems) continue;
@@ -321,6 +323,23 @@ nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from
   }
   rt.refresh_weights();
   return state;
+}
+
+void init_from(Runtime& rt, const std::string& path) {
+  const ModelConfig& c = rt.config();
+  std::vector<float> params(std::size_t(c.num_params()), 0.0f);
+  if (io::is_hf_dir(path)) io::hf_read_weights(path, c, params.data());
+  else io::load_checkpoint_weights(path, full_tensors(c, params.data(), ""));
+  const std::vector<float> mine = owned_part(rt, params);
+  rt.write_device(rt.params(), mine.data(), rt.num_params());
+  rt.refresh_weights();
+}
+
+ModelConfig init_model(const std::string& path) {
+  if (io::is_hf_dir(path)) return io::hf_read_config(path);
+  std::string from;
+  const nlohmann::json state = io::read_checkpoint_state(path, &from);
+  return io::parse_checkpoint_state(state, from + "/" + io::kCheckpointStateFile).config;
 }
 
 void save_consolidated(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const std::string& dir,

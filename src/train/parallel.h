@@ -102,6 +102,13 @@ void init_owned(Runtime& rt, std::uint64_t seed);
 // parameters and AdamW state; returns its state.json. `from` receives the directory read.
 nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from);
 
+// The weights of `path` (an sppo checkpoint, or a Hugging Face model directory:
+// io/hf.h) into this rank's own parameters (--init); the optimizer starts fresh.
+void init_from(Runtime& rt, const std::string& path);
+
+// The model --init PATH holds: its checkpoint's config, or its config.json's.
+ModelConfig init_model(const std::string& path);
+
 // Saves a consolidated checkpoint: rank 0 writes what gather_full collects.
 void save_consolidated(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const std::string& dir,
                        const nlohmann::json& state);

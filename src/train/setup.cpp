@@ -183,6 +183,7 @@ plan::HardwareProfile agreed_profile(const std::string& hardware, comm::Comm& w)
 StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   StepSetup s;
   s.config = o.model;
+  s.config.rope_seq_len = o.seq_len;  // "dynamic" RoPE scaling scales to the length trained at
   s.seed = o.seed;
   s.config.validate();
   SPPO_CHECK(o.seq_len >= 2, "options") << "--seq-len " << o.seq_len << " is too short; use at least 2";
@@ -229,6 +230,15 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(s.layout.tp <= s.config.heads, "options")
       << "--tp " << s.layout.tp << " splits the attention heads over its ranks, but the model has " << s.config.heads
       << "; use --tp " << s.config.heads << " or fewer";
+  SPPO_CHECK(!s.config.llama() || sched::llama_tp_runs(s.config, s.layout.tp), "options")
+      << "--tp " << s.layout.tp << " splits the " << s.config.kv_head_count() << " key/value heads of the "
+      << "Llama-family model (--model " << o.model_preset << ") into whole heads per rank; use a --tp that divides "
+      << s.config.kv_head_count() << " (" << [&] {
+           std::string ok;
+           for (int t = 1; t <= s.config.kv_head_count(); ++t)
+             if (s.config.kv_head_count() % t == 0) ok += (ok.empty() ? "" : ", ") + std::to_string(t);
+           return ok;
+         }() << ")";
   SPPO_CHECK(s.layout.tp == 1 || s.backend->act() == DType::F32, "options")
       << "--tp runs fp32 activations on CPU ranks; use --precision fp32";
   SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")

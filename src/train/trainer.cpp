@@ -124,6 +124,8 @@ void check_train_options(const TrainOptions& o) {
                                              << ")";
   SPPO_CHECK(o.step.comm_timeout_s > 0, "options") << "--comm-timeout must be positive";
   SPPO_CHECK(o.save_every == 0 || !o.save_dir.empty(), "options") << "--save-every needs --save DIR";
+  SPPO_CHECK(o.resume_dir.empty() || o.step.init.empty(), "options")
+      << "--init starts a new run at step 0 from a model's weights, --resume continues a run; give one of them";
   check_output_dir(o.save_dir, "--save", true);
   check_output_file(o.metrics_path, "--metrics");
   check_output_file(o.trace_path, "--trace");
@@ -294,6 +296,8 @@ int run_train(const TrainOptions& o) {
       SPPO_CHECK(start_step <= o.steps, "checkpoint")
           << "checkpoint is at step " << start_step << " but --steps is " << o.steps
           << "; raise --steps to continue training";
+    } else if (!o.step.init.empty()) {
+      init_from(*s.runtime, o.step.init);
     } else {
       init_owned(*s.runtime, o.step.seed);
     }
@@ -529,7 +533,7 @@ std::string first_difference(const nlohmann::json& given, const nlohmann::json& 
   return "";
 }
 
-int run_grads(const StepOptions& o, const std::string& out_dir, const std::string& init_from) {
+int run_grads(const StepOptions& o, const std::string& out_dir, const std::string& weights_from) {
   comm::Comm& world = comm::world();
   world.set_timeout_s(o.comm_timeout_s);
   const bool root = world.rank() == 0;
@@ -540,8 +544,10 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
     check_output_dir(out_dir, "--out", false);
     apply_threads(o.threads, world);
     s = make_setup(o, &world);
-    if (!init_from.empty()) {
-      load_owned(*s.runtime, init_from, nullptr);  // its optimizer state is loaded and unused
+    if (!weights_from.empty()) {
+      init_from(*s.runtime, weights_from);
+    } else if (!o.init.empty()) {
+      init_from(*s.runtime, o.init);
     } else {
       init_owned(*s.runtime, o.seed);
     }

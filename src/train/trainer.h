@@ -25,6 +25,6 @@ std::string first_difference(const nlohmann::json& given, const nlohmann::json& 
 // One forward/backward, exported to `out_dir` (config.json, tokens.u32,
 // weights.safetensors, grads.safetensors, result.json). Weights come from `init_from`
 // (a checkpoint directory) when given, else from the seed.
-int run_grads(const StepOptions& o, const std::string& out_dir, const std::string& init_from);
+int run_grads(const StepOptions& o, const std::string& out_dir, const std::string& weights_from);
 
 }  // namespace sppo

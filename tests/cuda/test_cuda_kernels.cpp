@@ -41,6 +41,8 @@
 #include "backends/cuda/check.h"
 #include "backends/cuda/ops.h"
 #include "core/check.h"
+#include "core/config.h"
+#include "core/rope.h"
 #include "backends/cpu/attention.h"
 #include "backends/cpu/ops.h"
 
@@ -501,29 +503,75 @@ TEST_F(Cuda, Gelu) {
   }
 }
 
+TEST_F(Cuda, SwiGlu) {
+  const int T = 37, F = 300;
+  Vec gu = randn(std::size_t(T) * 2 * F, rng_, 3.0f);
+  gu[0] = -100.0f, gu[1] = 100.0f, gu[2] = -30.0f, gu[3] = 1e-3f, gu[4] = -12.5f;  // gates
+  for (const DType act : {DType::F32, DType::BF16}) {
+    const std::string tag = name(act);
+    const Vec guin = rounded(gu, act), dout = rounded(randn(std::size_t(T) * F, rng_), act);
+    Vec out(std::size_t(T) * F), dgu(gu.size(), 7.0f);
+    for (int t = 0; t < T; ++t)  // d out in the gate columns; the up columns are written
+      for (int j = 0; j < F; ++j) dgu[std::size_t(t) * 2 * F + j] = dout[std::size_t(t) * F + j];
+    const Vec dgu0 = dgu;
+    cpu::swiglu_forward(out.data(), guin.data(), T, F);
+    cpu::swiglu_backward(dgu.data(), guin.data(), T, F);
+    Dev gud = upload(guin, act), od(out.size() * 4), dgud = upload(dgu0, act);
+    cuda::swiglu_forward(od.get(), gud.get(), T, F, act, stream_);
+    cuda::swiglu_backward(dgud.get(), gud.get(), T, F, act, stream_);
+    // fp32: expf against the CPU's polynomial exp, a few ulp; silu' crosses zero near
+    // g = -1.28, where a relative bound does not hold: atol 1e-6 of the largest value.
+    const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
+    expect_close(download(od, out.size(), act), out, 1e-6 * max_abs(out), rtol,
+                 "swiglu_forward " + tag);
+    expect_close(download(dgud, dgu.size(), act), dgu, 1e-6 * max_abs(dgu), rtol,
+                 "swiglu_backward " + tag);
+  }
+}
+
+// A Llama-family model's table of head size A with yarn scaling: cos and sin scaled by its
+// attention factor (0.1 ln 8 + 1), the frequencies ramped (core/rope.h).
+RopeTable yarn_table(int A) {
+  ModelConfig c;
+  c.family = Family::Llama;
+  c.heads = 4;
+  c.hidden = 4 * A;
+  c.rope_theta = 500000.0f;
+  c.max_positions = 4096;
+  c.rope_scaling.type = RopeScaling::Type::Yarn;
+  c.rope_scaling.factor = 8.0;
+  return rope_table(c);
+}
+
 TEST_F(Cuda, Rope) {
   for (const int A : {16, 128}) {
-    for (const DType act : {DType::F32, DType::BF16}) {
-      const int T = 37, Z = 3, ld = 3 * Z * A + 4;
-      const i64 pos0 = 1000003;
-      const Vec x0 = rounded(randn(std::size_t(T) * ld, rng_), act);
-      Vec fwd = x0, bwd = x0;
-      cpu::rope_forward(fwd.data(), T, Z, A, pos0, 10000.0f, ld);
-      cpu::rope_backward(bwd.data(), T, Z, A, pos0, 10000.0f, ld);
-      Dev f = upload(x0, act), b = upload(x0, act);
-      cuda::rope_forward(f.get(), T, Z, A, pos0, 10000.0f, ld, act, stream_);
-      cuda::rope_backward(b.get(), T, Z, A, pos0, 10000.0f, ld, act, stream_);
-      const Vec fg = download(f, x0.size(), act), bg = download(b, x0.size(), act);
-      // A rotation: fp32 errors are absolute, a few ulp of the row's largest entry.
-      const std::string tag = std::string(name(act)) + " A=" + std::to_string(A);
-      const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
-      expect_close(cols(fg, T, Z * A, ld), cols(fwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol,
-                   "rope_forward " + tag);
-      expect_close(cols(bg, T, Z * A, ld), cols(bwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol,
-                   "rope_backward " + tag);
-      for (int t = 0; t < T; ++t)
-        for (int c = Z * A; c < ld; ++c)
-          ASSERT_EQ(fg[std::size_t(t) * ld + c], x0[std::size_t(t) * ld + c]);
+    for (const RopeTable& table : {rope_table(A, 10000.0), yarn_table(A)}) {
+      for (const DType act : {DType::F32, DType::BF16}) {
+        const int T = 37, Z = 3, ld = 3 * Z * A + 4;
+        const i64 pos0 = 1000003;
+        const Vec x0 = rounded(randn(std::size_t(T) * ld, rng_), act);
+        Vec fwd = x0, bwd = x0;
+        cpu::rope_forward(fwd.data(), T, Z, A, pos0, table, ld);
+        cpu::rope_backward(bwd.data(), T, Z, A, pos0, table, ld);
+        Dev f = upload(x0, act), b = upload(x0, act);
+        cuda::rope_forward(f.get(), T, Z, A, pos0, table, ld, act, stream_);
+        cuda::rope_backward(b.get(), T, Z, A, pos0, table, ld, act, stream_);
+        const Vec fg = download(f, x0.size(), act), bg = download(b, x0.size(), act);
+        // A rotation (times the scale): fp32 errors are absolute, a few ulp of the row's largest
+        // entry.
+        const std::string tag = std::string(name(act)) + " A=" + std::to_string(A) +
+                                " scale=" + std::to_string(table.scale);
+        const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
+        expect_close(cols(fg, T, Z * A, ld), cols(fwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol,
+                     "rope_forward " + tag);
+        expect_close(cols(bg, T, Z * A, ld), cols(bwd, T, Z * A, ld), 1e-5 * max_abs(x0), rtol,
+                     "rope_backward " + tag);
+        for (int t = 0; t < T; ++t)
+          for (int c = Z * A; c < ld; ++c) {
+            ASSERT_EQ(fg[std::size_t(t) * ld + c], x0[std::size_t(t) * ld + c]);
+            ASSERT_EQ(bg[std::size_t(t) * ld + c], x0[std::size_t(t) * ld + c]);
+          }
+      }
     }
   }
 }
@@ -575,6 +623,45 @@ TEST_F(Cuda, LayerNorm) {
                    "layernorm dw " + tag);
       expect_close(download(dbd, H, DType::F32), db, 1e-6 * max_abs(db), 1e-5,
                    "layernorm db " + tag);
+    }
+  }
+}
+
+TEST_F(Cuda, RmsNorm) {
+  for (const int H : {96, 1000}) {
+    for (const DType act : {DType::F32, DType::BF16}) {
+      const int T = 300;  // more than one row block of the dw reduction
+      const std::string tag = std::string(name(act)) + " H=" + std::to_string(H);
+      Vec x = randn(std::size_t(T) * H, rng_, 2.0f);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] += 1.5f;  // not centred (no mean taken)
+      x = rounded(x, act);
+      const Vec w = randn(H, rng_);
+      Vec out(x.size()), rstd(T);
+      cpu::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), T, H, 1e-6f);
+      Dev xd = upload(x, act), wd = upload(w, DType::F32), od(x.size() * 4), rd(T * 4);
+      cuda::rmsnorm_forward(od.get(), rd.as<float>(), xd.get(), wd.as<float>(), T, H, 1e-6f, act,
+                            stream_);
+      // rstd from a sum of squares in double on both sides, rounded to fp32 once.
+      expect_close(download(rd, T, DType::F32), rstd, 0.0, 1e-6, "rmsnorm rstd " + tag);
+      const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
+      expect_close(download(od, x.size(), act), out, 1e-5 * max_abs(out), rtol,
+                   "rmsnorm out " + tag);
+
+      // Backward: dx and dw accumulate into non-zero starts.
+      const Vec dout = rounded(randn(x.size(), rng_), act);
+      const Vec dx0 = rounded(randn(x.size(), rng_), act), dw0 = randn(H, rng_);
+      Vec dx = dx0, dw = dw0;
+      cpu::rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(), T,
+                            H);
+      Dev gd = upload(dout, act), dxd = upload(dx0, act), dwd = upload(dw0, DType::F32),
+          rstdd = upload(rstd, DType::F32);
+      cuda::rmsnorm_backward(dxd.get(), dwd.as<float>(), gd.get(), xd.get(), wd.as<float>(),
+                             rstdd.as<float>(), T, H, act, stream_);
+      expect_close(download(dxd, x.size(), act), dx, 1e-5 * max_abs(dx), rtol,
+                   "rmsnorm dx " + tag);
+      // dw: the same partials of 256 rows in double, added in the same order.
+      expect_close(download(dwd, H, DType::F32), dw, 1e-6 * max_abs(dw), 1e-5,
+                   "rmsnorm dw " + tag);
     }
   }
 }
@@ -724,14 +811,19 @@ struct AttnProblem {
   std::vector<std::pair<int, i64>> blocks;
 };
 
-AttnProblem make_problem(const AttnCase& c, int Z, int A, DType act, std::mt19937& rng) {
+// Zkv: key/value heads (grouped-query attention; 0 means Z). Strided q, k, v share the row of a
+// fused [T, (Z + 2 Zkv) A] q/k/v projection.
+AttnProblem make_problem(const AttnCase& c, int Z, int A, DType act, std::mt19937& rng,
+                         int Zkv = 0) {
   AttnProblem p;
-  const int H = Z * A;
+  const int H = Z * A, Hkv = (Zkv ? Zkv : Z) * A;
   p.d.Tq = c.Tq;
   p.d.Z = Z;
+  p.d.Zkv = Zkv;
   p.d.A = A;
   p.d.q_pos0 = c.q_pos0;
-  p.d.ldq = p.d.ldk = p.d.ldv = c.strided ? 3 * H : H;
+  p.d.ldq = c.strided ? H + 2 * Hkv : H;
+  p.d.ldk = p.d.ldv = c.strided ? H + 2 * Hkv : Hkv;
   p.d.ldo = c.strided ? H + 8 : H;
   p.lddq = c.strided ? 3 * H + 8 : H;
   p.blocks = c.blocks;
@@ -758,13 +850,14 @@ AttnProblem make_problem(const AttnCase& c, int Z, int A, DType act, std::mt1993
 //     with f = 1 + scale sum |q||k| and D = P (sum |dO||v| + |delta|) f scale.
 struct AttnMagnitudes {
   std::vector<double> out, dq, out_full, dq_full;             // [Tq, H]
-  std::vector<std::vector<double>> dk, dv, dk_full, dv_full;  // per block [Tk, H]
+  std::vector<std::vector<double>> dk, dv, dk_full, dv_full;  // per block [Tk, Zkv A]
   int max_terms = 0;  // the largest number of keys a query sees, or queries a key sees
 };
 
 AttnMagnitudes attn_magnitudes(const AttnProblem& p) {
   const auto& d = p.d;
-  const int H = d.Z * d.A, A = d.A;
+  const int Zkv = d.Zkv ? d.Zkv : d.Z;
+  const int H = d.Z * d.A, Hkv = Zkv * d.A, A = d.A;
   const double scale = 1.0 / std::sqrt(double(A));
   AttnMagnitudes m;
   m.out.assign(std::size_t(d.Tq) * H, 0.0);
@@ -773,9 +866,9 @@ AttnMagnitudes attn_magnitudes(const AttnProblem& p) {
   m.dq_full.assign(std::size_t(d.Tq) * H, 0.0);
   for (const auto& [Tk, pos] : p.blocks) {
     for (auto* v : {&m.dk, &m.dv, &m.dk_full, &m.dv_full})
-      v->emplace_back(std::size_t(Tk) * H, 0.0);
+      v->emplace_back(std::size_t(Tk) * Hkv, 0.0);
   }
-  m.max_terms = d.Tq;
+  m.max_terms = d.Tq * (d.Z / Zkv);  // a key's dk, dv sum over every query head that reads it
   struct Key {
     int b, s;
   };
@@ -783,6 +876,7 @@ AttnMagnitudes attn_magnitudes(const AttnProblem& p) {
   std::vector<double> sc, pr, dp, sqk, sdv;
   for (int z = 0; z < d.Z; ++z)
     for (int t = 0; t < d.Tq; ++t) {
+      const int zk = z / (d.Z / Zkv);  // the key/value head query head z reads
       const float* qt = p.q.data() + std::size_t(t) * d.ldq + z * A;
       const float* dot = p.dout.data() + std::size_t(t) * d.ldo + z * A;
       keys.clear();
@@ -793,8 +887,8 @@ AttnMagnitudes attn_magnitudes(const AttnProblem& p) {
       for (int b = 0; b < int(p.blocks.size()); ++b)
         for (int s = 0; s < p.blocks[b].first; ++s) {
           if (p.blocks[b].second + s > d.q_pos0 + t) break;
-          const float* kr = p.k[b].data() + std::size_t(s) * d.ldk + z * A;
-          const float* vr = p.v[b].data() + std::size_t(s) * d.ldv + z * A;
+          const float* kr = p.k[b].data() + std::size_t(s) * d.ldk + zk * A;
+          const float* vr = p.v[b].data() + std::size_t(s) * d.ldv + zk * A;
           double a1 = 0.0, a2 = 0.0, a3 = 0.0, a4 = 0.0;
           for (int a = 0; a < A; ++a) {
             a1 += double(qt[a]) * kr[a];
@@ -824,11 +918,11 @@ AttnMagnitudes attn_magnitudes(const AttnProblem& p) {
         const double ds = std::fabs(pr[j] * (dp[j] - delta) * scale);
         const double f = 1.0 + scale * sqk[j];
         const double ds_full = pr[j] * (sdv[j] + std::fabs(delta)) * f * scale;
-        const float* kr = p.k[b].data() + std::size_t(s) * d.ldk + z * A;
-        const float* vr = p.v[b].data() + std::size_t(s) * d.ldv + z * A;
+        const float* kr = p.k[b].data() + std::size_t(s) * d.ldk + zk * A;
+        const float* vr = p.v[b].data() + std::size_t(s) * d.ldv + zk * A;
         for (int a = 0; a < A; ++a) {
           const std::size_t qi = std::size_t(t) * H + z * A + a;
-          const std::size_t ki = std::size_t(s) * H + z * A + a;
+          const std::size_t ki = std::size_t(s) * Hkv + zk * A + a;
           m.out[qi] += pr[j] * std::fabs(vr[a]);
           m.dq[qi] += ds * std::fabs(kr[a]);
           m.dk[b][ki] += ds * std::fabs(qt[a]);
@@ -855,16 +949,19 @@ std::vector<double> attn_atol(const std::vector<double>& mag, double bf16_frac,
 // Runs one case on the GPU with `kernel` and compares forward (out, lse), delta and backward
 // (dq, dk, dv) with the CPU kernels. Returns the GPU's backward results for determinism checks.
 struct AttnGrads {
+  Vec out, lse;  // the forward's
   Vec dq;
   std::vector<Vec> dk, dv;
 };
 
+// Zkv: key/value heads (grouped-query attention; 0 means Z).
 AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::AttnKernel kernel,
-                          std::mt19937& rng, cudaStream_t stream) {
-  const AttnProblem p = make_problem(c, Z, A, act, rng);
+                          std::mt19937& rng, cudaStream_t stream, int Zkv = 0) {
+  const AttnProblem p = make_problem(c, Z, A, act, rng, Zkv);
   const cpu::AttnDims& d = p.d;
-  const int H = Z * A, nb = int(p.blocks.size());
+  const int H = Z * A, Hkv = (Zkv ? Zkv : Z) * A, nb = int(p.blocks.size());
   const std::string tag = c.name + " " + name(act) + " A=" + std::to_string(A) +
+                          (Zkv ? " Z=" + std::to_string(Z) + " Zkv=" + std::to_string(Zkv) : "") +
                           (kernel == cuda::AttnKernel::Simt         ? " simt"
                            : kernel == cuda::AttnKernel::TensorCore ? " tc"
                                                                     : " auto");
@@ -913,6 +1010,7 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
   gd.ldv = d.ldv;
   gd.ldo = d.ldo;
   gd.lddq = p.lddq;
+  gd.Zkv = Zkv;
   cuda::attention_forward_blocks(outd.get(), lsed.as<float>(), qd.get(), gblocks, gd, act, stream,
                                  kernel);
   const Vec out = download(outd, out0.size(), act);
@@ -924,8 +1022,8 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
                 rounded({out0[std::size_t(t) * d.ldo + col]}, act)[0])
           << "out padding " << tag;
   // lse is fp32 from fp32 scores: fp32 noise of the scores' size (|scores| up to ~10).
-  expect_close(download(lsed, lse_ref.size(), DType::F32), lse_ref,
-               1e-5 * (1.0 + c.qk_scale * c.qk_scale), 1e-5, "lse " + tag);
+  const Vec lse = download(lsed, lse_ref.size(), DType::F32);
+  expect_close(lse, lse_ref, 1e-5 * (1.0 + c.qk_scale * c.qk_scale), 1e-5, "lse " + tag);
 
   // ---- delta, on the CPU's output (rounded as the GPU would hold it) ----
   const Vec out_act = rounded(out_ref, act);
@@ -962,6 +1060,8 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
   cuda::attention_backward_blocks(dqd.get(), dod.get(), qd.get(), gblocks, lse_cpu.as<float>(),
                                   delta_cpu.as<float>(), gd, act, stream, kernel);
   AttnGrads g;
+  g.out = out;
+  g.lse = lse;
   g.dq = download(dqd, std::size_t(c.Tq) * p.lddq, act);
   expect_close(cols(g.dq, c.Tq, H, p.lddq), cols(dq_ref, c.Tq, H, p.lddq), 0.0, rtol, "dq " + tag,
                attn_atol(mag.dq, bf16_frac, mag.dq_full, fp32_frac));
@@ -971,9 +1071,9 @@ AttnGrads check_attention(const AttnCase& c, int Z, int A, DType act, cuda::Attn
     g.dv.push_back(download(dvd[b], dv0[b].size(), DType::F32));
     const std::string bt = " block " + std::to_string(b) + " " + tag;
     // dk, dv are fp32 accumulators: no final rounding, only the products' roundings.
-    expect_close(cols(g.dk[b], Tk, H, d.ldk), cols(dk_ref[b], Tk, H, d.ldk), 0.0, kRtol32,
+    expect_close(cols(g.dk[b], Tk, Hkv, d.ldk), cols(dk_ref[b], Tk, Hkv, d.ldk), 0.0, kRtol32,
                  "dk" + bt, attn_atol(mag.dk[b], bf16_frac, mag.dk_full[b], fp32_frac));
-    expect_close(cols(g.dv[b], Tk, H, d.ldv), cols(dv_ref[b], Tk, H, d.ldv), 0.0, kRtol32,
+    expect_close(cols(g.dv[b], Tk, Hkv, d.ldv), cols(dv_ref[b], Tk, Hkv, d.ldv), 0.0, kRtol32,
                  "dv" + bt, attn_atol(mag.dv[b], bf16_frac, mag.dv_full[b], fp32_frac));
   }
   return g;
@@ -1015,6 +1115,59 @@ TEST_F(Cuda, AttentionBackwardIsDeterministic) {
   }
 }
 
+// Grouped-query attention: Z = 4 query heads over Zkv = 2 and 1 key/value heads, so that a
+// dkdv block sums the terms of 2 or 4 query heads (its query-tile pipeline running on from one
+// head into the next). Cases: strided blocks (an empty one, one no query sees), and causal
+// offsets with several query tiles per head and key tiles first seen mid-way.
+std::vector<AttnCase> gqa_cases() {
+  return {attn_cases()[1], {"gqa_offsets", 200, 100, {{64, 0}, {100, 64}, {200, 164}}}};
+}
+
+TEST_F(Cuda, AttentionGqaFp32) {
+  for (const int Zkv : {2, 1})
+    for (const AttnCase& c : gqa_cases())
+      check_attention(c, 4, 64, DType::F32, cuda::AttnKernel::Auto, rng_, stream_, Zkv);
+}
+
+TEST_F(Cuda, AttentionGqaBf16TensorCores) {
+  for (const int Zkv : {2, 1})
+    for (const AttnCase& c : gqa_cases())
+      for (const int A : {64, 128})
+        check_attention(c, 4, A, DType::BF16, cuda::AttnKernel::TensorCore, rng_, stream_, Zkv);
+}
+
+TEST_F(Cuda, AttentionGqaBf16Simt) {
+  for (const int Zkv : {2, 1})
+    for (const AttnCase& c : gqa_cases())
+      check_attention(c, 4, 32, DType::BF16, cuda::AttnKernel::Auto, rng_, stream_, Zkv);
+}
+
+// Zkv = Z is plain multi-head attention: the same bits as Zkv = 0 (the same inputs: strides and
+// draws do not change), and the grouped backward is deterministic too.
+TEST_F(Cuda, AttentionGqaSameBitsAsMultiHeadAndDeterministic) {
+  for (const auto kernel : {cuda::AttnKernel::TensorCore, cuda::AttnKernel::Simt}) {
+    const AttnCase c = gqa_cases()[1];
+    std::mt19937 r1(7), r2(7);
+    const AttnGrads a = check_attention(c, 2, 64, DType::BF16, kernel, r1, stream_, 0);
+    const AttnGrads b = check_attention(c, 2, 64, DType::BF16, kernel, r2, stream_, 2);
+    expect_equal(a.out, b.out, "out Zkv = Z against Zkv = 0");
+    expect_equal(a.lse, b.lse, "lse Zkv = Z against Zkv = 0");
+    expect_equal(a.dq, b.dq, "dq Zkv = Z against Zkv = 0");
+    for (std::size_t i = 0; i < a.dk.size(); ++i) {
+      expect_equal(a.dk[i], b.dk[i], "dk Zkv = Z against Zkv = 0");
+      expect_equal(a.dv[i], b.dv[i], "dv Zkv = Z against Zkv = 0");
+    }
+    std::mt19937 r3(8), r4(8);
+    const AttnGrads g1 = check_attention(c, 4, 64, DType::BF16, kernel, r3, stream_, 1);
+    const AttnGrads g2 = check_attention(c, 4, 64, DType::BF16, kernel, r4, stream_, 1);
+    expect_equal(g1.dq, g2.dq, "grouped dq run to run");
+    for (std::size_t i = 0; i < g1.dk.size(); ++i) {
+      expect_equal(g1.dk[i], g2.dk[i], "grouped dk run to run");
+      expect_equal(g1.dv[i], g2.dv[i], "grouped dv run to run");
+    }
+  }
+}
+
 // Bad arguments are refused with a message naming the component.
 TEST_F(Cuda, AttentionRefusesWhatItCannotRun) {
   cuda::AttnDims d;
@@ -1033,6 +1186,12 @@ TEST_F(Cuda, AttentionRefusesWhatItCannotRun) {
   std::vector<cuda::KVBlock> many(cuda::kMaxKVBlocks + 1, blocks[0]);
   d.A = 16;
   EXPECT_THROW(cuda::attention_forward_blocks(buf.get(), buf.as<float>(), buf.get(), many, d,
+                                              DType::F32, stream_),
+               Error);
+  // Key/value heads that do not divide the query heads.
+  d.Z = 4;
+  d.Zkv = 3;
+  EXPECT_THROW(cuda::attention_forward_blocks(buf.get(), buf.as<float>(), buf.get(), blocks, d,
                                               DType::F32, stream_),
                Error);
 }

@@ -23,8 +23,12 @@ constexpr double kTolerance = 1e-5;
 const std::string kModel = "--model tiny --layers 4 --seq-len 96 --seed 3 --threads 1";
 const std::string kBidirectional = "--attention bidirectional --objective mlm";
 
-ModelConfig model() {
-  ModelConfig c = preset("tiny");
+// The Llama-family block (grouped-query attention, RMSNorm, SwiGLU, untied head) under the
+// layouts it runs.
+const std::string kLlama = "--model llama-tiny --layers 4 --seq-len 96 --seed 3 --threads 1";
+
+ModelConfig model(const std::string& flags = kModel) {
+  ModelConfig c = preset(flags == kLlama ? "llama-tiny" : "tiny");
   c.layers = 4;
   return c;
 }
@@ -35,10 +39,12 @@ class Layouts : public ::testing::Test {
     tmp_ = new io::TempDir("sppo-mpi-layouts");
     // The references: one process started without a launcher, the whole sequence; and one
     // process with two sequences a step (what two data-parallel replicas train together).
-    for (const auto& [dir, extra] : {std::pair<std::string, std::string>{"ref1", ""},
-                                     {"ref2", " --batch 2"},
-                                     {"refb", " " + kBidirectional}}) {
-      const auto r = testing::run_command(testing::sppo_binary() + " grads " + kModel + extra + " --out " +
+    for (const auto& [dir, flags] : {std::pair<std::string, std::string>{"ref1", kModel},
+                                     {"ref2", kModel + " --batch 2"},
+                                     {"refb", kModel + " " + kBidirectional},
+                                     {"llama1", kLlama},
+                                     {"llama2", kLlama + " --batch 2"}}) {
+      const auto r = testing::run_command(testing::sppo_binary() + " grads " + flags + " --out " +
                                           tmp_->path() + "/" + dir);
       ASSERT_EQ(r.status, 0) << r.output;
     }
@@ -46,15 +52,15 @@ class Layouts : public ::testing::Test {
   static void TearDownTestSuite() { delete tmp_; }
 
   // Exports the gradients of `layout` on `np` ranks and compares them with `ref`.
-  nlohmann::json check(int np, const std::string& layout, const std::string& ref) {
+  nlohmann::json check(int np, const std::string& layout, const std::string& ref, const std::string& flags = kModel) {
     const std::string out = tmp_->path() + "/run" + std::to_string(runs_++);
-    const auto r = mpirun(np, "grads " + kModel + " " + layout + " --out " + out);
+    const auto r = mpirun(np, "grads " + flags + " " + layout + " --out " + out);
     EXPECT_EQ(r.status, 0) << layout << "\n" << r.output;
     if (r.status != 0) return {};
     const double loss = read_json(out + "/result.json")["loss"].get<double>();
     const double loss_ref = read_json(tmp_->path() + "/" + ref + "/result.json")["loss"].get<double>();
     EXPECT_LT(std::fabs(loss - loss_ref) / loss_ref, kTolerance) << layout;
-    const auto [worst, name] = testing::worst_grad_error(tmp_->path() + "/" + ref, out, model());
+    const auto [worst, name] = testing::worst_grad_error(tmp_->path() + "/" + ref, out, model(flags));
     EXPECT_LT(worst, kTolerance) << layout << ": gradient of " << name;
     const auto result = read_json(out + "/result.json");
     // Every rank's point-to-point traffic is the simulator's, message by message (the
@@ -205,6 +211,34 @@ TEST_F(Layouts, MultiplexedSequencePartitioning) {
   check(4, "--pp 4 --subseqs 8 --msp on", "ref1");
   check(3, "--pp 3 --subseqs 5 --partition flops --offload 0.5 --msp on", "ref1");
   check(4, "--pp 2 --dp 2 --zero 1 --subseqs 4 --msp on", "ref2");
+}
+
+// Grouped-query K/V (2 heads for 4 queries' heads) through the pipeline, the ring (the
+// queries travel, the narrower keys stay), MSP pieces, data parallelism with ZeRO-1, and
+// the saved-tensor placements; the untied LM head on the last stage alone.
+TEST_F(Layouts, LlamaFamily) {
+  check(2, "--pp 2 --subseqs 4 --offload 0.5", "llama1", kLlama);
+  check(2, "--cp 2 --ring zigzag --subseqs 3", "llama1", kLlama);
+  check(3, "--pp 3 --subseqs 5 --partition flops --offload 0.5 --msp on", "llama1", kLlama);
+  check(4, "--pp 2 --dp 2 --zero 1 --subseqs 3", "llama2", kLlama);
+  check(2, "--pp 2 --subseqs 8 --offload full --mlp-tile-rows 5 --recompute-tensors ln1,ln2,fc_pre", "llama1", kLlama);
+  // The K/V streams (runtime/kv_stream.h) with grouped-query K/V: on the host, recomputed.
+  check(2, "--pp 2 --subseqs 4 --kv-cache host", "llama1", kLlama);
+  check(2, "--pp 2 --subseqs 4 --offload 0.5 --kv-cache recompute --recompute-tensors ln1,ln2,fc_pre", "llama1", kLlama);
+}
+
+// Tensor parallelism of the Llama-family block: each member holds whole key/value heads
+// (--tp divides G = 2), its query heads' q rows and its kv heads' k, v rows of the
+// projection, gate and up rows of its MLP columns, and vocabulary rows of the embedding
+// and of the untied LM head.
+TEST_F(Layouts, LlamaTensorParallel) {
+  check(2, "--tp 2", "llama1", kLlama);
+  check(2, "--tp 2 --subseqs 4 --offload full", "llama1", kLlama);
+  check(4, "--pp 2 --tp 2 --subseqs 3 --offload 0.5", "llama1", kLlama);
+  check(4, "--tp 2 --cp 2", "llama1", kLlama);
+  check(4, "--tp 2 --cp 2 --ring zigzag --subseqs 2", "llama1", kLlama);
+  check(4, "--tp 2 --dp 2 --zero 1 --subseqs 2", "llama2", kLlama);
+  check(2, "--tp 2 --subseqs 3 --offload 0.5 --recompute-tensors all", "llama1", kLlama);
 }
 
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {

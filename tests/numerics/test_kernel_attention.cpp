@@ -15,9 +15,11 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,9 +36,12 @@ constexpr double kNormRtol = 1e-5;
 constexpr double kAtolScale = 1e-5;
 
 int hidden(const AttnDims& d) { return d.Z * d.A; }
+// Columns of k and v: Zkv heads (grouped-query attention), or Z.
+int kv_heads(const AttnDims& d) { return d.Zkv ? d.Zkv : d.Z; }
+int kv_hidden(const AttnDims& d) { return kv_heads(d) * d.A; }
 int ldq(const AttnDims& d) { return d.ldq ? d.ldq : hidden(d); }
-int ldk(const AttnDims& d) { return d.ldk ? d.ldk : hidden(d); }
-int ldv(const AttnDims& d) { return d.ldv ? d.ldv : hidden(d); }
+int ldk(const AttnDims& d) { return d.ldk ? d.ldk : kv_hidden(d); }
+int ldv(const AttnDims& d) { return d.ldv ? d.ldv : kv_hidden(d); }
 int ldo(const AttnDims& d) { return d.ldo ? d.ldo : hidden(d); }
 
 std::vector<float> randn(std::size_t n, std::mt19937& rng, float scale = 1.0f) {
@@ -79,7 +84,8 @@ AttnDims dims(int Tq, int Tk, int Z, int A, i64 q_pos0, i64 k_pos0) {
 
 std::string describe(const AttnDims& d) {
   return "Tq " + std::to_string(d.Tq) + " Tk " + std::to_string(d.Tk) + " Z " +
-         std::to_string(d.Z) + " A " + std::to_string(d.A) + " q_pos0 " + std::to_string(d.q_pos0) +
+         std::to_string(d.Z) + (d.Zkv ? " Zkv " + std::to_string(d.Zkv) : std::string()) + " A " +
+         std::to_string(d.A) + " q_pos0 " + std::to_string(d.q_pos0) +
          " k_pos0 " + std::to_string(d.k_pos0) + " ldq " + std::to_string(ldq(d)) + " ldk " +
          std::to_string(ldk(d)) + " ldv " + std::to_string(ldv(d)) + " ldo " +
          std::to_string(ldo(d));
@@ -106,26 +112,29 @@ struct Reference {
   std::vector<double> out;         // [Tq, Z*A]; 0 in rows that see no key
   std::vector<double> lse;         // [Z, Tq]; -inf in rows that see no key
   std::vector<double> delta;       // [Z, Tq] rowsum(dout * out)
-  std::vector<double> dq, dk, dv;  // [Tq, Z*A], [Tk, Z*A], [Tk, Z*A] of sum(dout * out)
+  std::vector<double> dq, dk, dv;  // [Tq, Z*A], [Tk, Zkv*A], [Tk, Zkv*A] of sum(dout * out)
   Magnitude out_mag, delta_mag, dq_mag, dk_mag, dv_mag;
 };
 
+// Grouped-query attention: query head z reads key/value head z / (Z / Zkv), and dk, dv of a
+// key/value head sum the terms of every query head that reads it.
 Reference reference(const Problem& p) {
   const AttnDims& d = p.d;
-  const int H = hidden(d), A = d.A;
+  const int H = hidden(d), Hkv = kv_hidden(d), A = d.A;
   const double scale = 1.0 / std::sqrt(double(A));
   Reference r;
   r.out.assign(std::size_t(d.Tq) * H, 0.0);
   r.lse.assign(std::size_t(d.Z) * d.Tq, -kInf);
   r.delta.assign(std::size_t(d.Z) * d.Tq, 0.0);
   r.dq.assign(std::size_t(d.Tq) * H, 0.0);
-  r.dk.assign(std::size_t(d.Tk) * H, 0.0);
-  r.dv.assign(std::size_t(d.Tk) * H, 0.0);
+  r.dk.assign(std::size_t(d.Tk) * Hkv, 0.0);
+  r.dv.assign(std::size_t(d.Tk) * Hkv, 0.0);
   std::vector<double> s(d.Tk), pr(d.Tk);
   // Sums of |terms|, the same shapes as out, delta, dq, dk, dv.
   std::vector<double> out_abs(r.out.size(), 0.0), delta_abs(r.delta.size(), 0.0);
   std::vector<double> dq_abs(r.dq.size(), 0.0), dk_abs(r.dk.size(), 0.0), dv_abs(r.dv.size(), 0.0);
   for (int z = 0; z < d.Z; ++z) {
+    const int zk = z / (d.Z / kv_heads(d));  // the key/value head
     for (int t = 0; t < d.Tq; ++t) {
       const float* qt = p.q.data() + std::size_t(t) * ldq(d) + z * A;
       const float* dot = p.dout.data() + std::size_t(t) * ldo(d) + z * A;
@@ -134,7 +143,7 @@ Reference reference(const Problem& p) {
       for (int j = 0; j < d.Tk; ++j) {
         if (d.k_pos0 + j > d.q_pos0 + t) continue;
         ++visible;
-        const float* kj = p.k.data() + std::size_t(j) * ldk(d) + z * A;
+        const float* kj = p.k.data() + std::size_t(j) * ldk(d) + zk * A;
         double acc = 0.0;
         for (int a = 0; a < A; ++a) acc += double(qt[a]) * kj[a];
         s[j] = acc * scale;
@@ -149,7 +158,7 @@ Reference reference(const Problem& p) {
       double* o = r.out.data() + row;
       for (int j = 0; j < d.Tk; ++j) {
         pr[j] = d.k_pos0 + j <= d.q_pos0 + t ? std::exp(s[j] - mx) / sum : 0.0;
-        const float* vj = p.v.data() + std::size_t(j) * ldv(d) + z * A;
+        const float* vj = p.v.data() + std::size_t(j) * ldv(d) + zk * A;
         for (int a = 0; a < A; ++a) {
           o[a] += pr[j] * vj[a];
           out_abs[row + a] += pr[j] * std::abs(vj[a]);
@@ -164,14 +173,14 @@ Reference reference(const Problem& p) {
       double* dqt = r.dq.data() + row;
       for (int j = 0; j < d.Tk; ++j) {
         if (pr[j] == 0.0) continue;
-        const float* kj = p.k.data() + std::size_t(j) * ldk(d) + z * A;
-        const float* vj = p.v.data() + std::size_t(j) * ldv(d) + z * A;
+        const float* kj = p.k.data() + std::size_t(j) * ldk(d) + zk * A;
+        const float* vj = p.v.data() + std::size_t(j) * ldv(d) + zk * A;
         double dpj = 0.0;
         for (int a = 0; a < A; ++a) dpj += double(dot[a]) * vj[a];
         const double ds = pr[j] * (dpj - delta) * scale;
         // |dS| before cancellation: the terms of dP - delta.
         const double ds_abs = pr[j] * (std::abs(dpj) + std::abs(delta)) * scale;
-        const std::size_t krow = std::size_t(j) * H + z * A;
+        const std::size_t krow = std::size_t(j) * Hkv + zk * A;
         double* dkj = r.dk.data() + krow;
         double* dvj = r.dv.data() + krow;
         for (int a = 0; a < A; ++a) {
@@ -329,25 +338,25 @@ void check_backward(const Problem& p, const Grads& g, const Reference& r,
                     double atol_scale = kAtolScale, double rtol = kRtol,
                     double norm_rtol = kNormRtol) {
   const AttnDims& d = p.d;
-  const int H = hidden(d);
+  const int H = hidden(d), Hkv = kv_hidden(d);
   expect_close("dq", g.dq.data(), ldq(d), r.dq.data(), H, d.Tq, H, r.dq_mag, atol_scale, rtol,
                norm_rtol);
-  expect_close("dk", g.dk.data(), ldk(d), r.dk.data(), H, d.Tk, H, r.dk_mag, atol_scale, rtol,
+  expect_close("dk", g.dk.data(), ldk(d), r.dk.data(), Hkv, d.Tk, Hkv, r.dk_mag, atol_scale, rtol,
                norm_rtol);
-  expect_close("dv", g.dv.data(), ldv(d), r.dv.data(), H, d.Tk, H, r.dv_mag, atol_scale, rtol,
+  expect_close("dv", g.dv.data(), ldv(d), r.dv.data(), Hkv, d.Tk, Hkv, r.dv_mag, atol_scale, rtol,
                norm_rtol);
 }
 
 // The gradients of a split computation against those of one whole call (same tolerances
 // as against the reference, scaled by the reference's magnitudes).
 void expect_grads_match(const Grads& g, const Grads& whole_g, const AttnDims& d, const Reference& r) {
-  const int H = hidden(d);
+  const int H = hidden(d), Hkv = kv_hidden(d);
   const std::vector<double> wdq(whole_g.dq.begin(), whole_g.dq.end());
   const std::vector<double> wdk(whole_g.dk.begin(), whole_g.dk.end());
   const std::vector<double> wdv(whole_g.dv.begin(), whole_g.dv.end());
   expect_close("dq/whole", g.dq.data(), ldq(d), wdq.data(), ldq(d), d.Tq, H, r.dq_mag);
-  expect_close("dk/whole", g.dk.data(), ldk(d), wdk.data(), ldk(d), d.Tk, H, r.dk_mag);
-  expect_close("dv/whole", g.dv.data(), ldv(d), wdv.data(), ldv(d), d.Tk, H, r.dv_mag);
+  expect_close("dk/whole", g.dk.data(), ldk(d), wdk.data(), ldk(d), d.Tk, Hkv, r.dk_mag);
+  expect_close("dv/whole", g.dv.data(), ldv(d), wdv.data(), ldv(d), d.Tk, Hkv, r.dv_mag);
 }
 
 // Forward and backward of one problem against the reference.
@@ -367,9 +376,7 @@ void check_problem(const Problem& p) {
 // ---- the reference itself -----------------------------------------------------------------
 // The reference backward is the gradient of L = sum(dout * out) of the reference forward:
 // central finite differences in float64 on a tiny problem with offsets.
-TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
-  std::mt19937 rng(101);
-  Problem p = make_problem(dims(4, 6, 2, 3, 3, 1), rng);
+void check_reference_gradients(Problem p) {
   const Reference r = reference(p);
   const auto loss = [](const Problem& pp) {
     const Reference rr = reference(pp);
@@ -402,6 +409,21 @@ TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
   check(&Problem::q, r.dq, "dq");
   check(&Problem::k, r.dk, "dk");
   check(&Problem::v, r.dv, "dv");
+}
+
+TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
+  std::mt19937 rng(101);
+  check_reference_gradients(make_problem(dims(4, 6, 2, 3, 3, 1), rng));
+}
+
+// Grouped-query attention: the query heads of a group add into one key/value head's dk, dv.
+TEST(AttentionReference, GroupedBackwardMatchesFiniteDifferences) {
+  std::mt19937 rng(102);
+  for (int Zkv : {1, 2}) {
+    AttnDims d = dims(4, 6, 4, 3, 3, 1);
+    d.Zkv = Zkv;
+    check_reference_gradients(make_problem(d, rng));
+  }
 }
 
 // ---- forward and backward against the reference ------------------------------------------
@@ -995,6 +1017,220 @@ TEST(Attention, AnyThreadCountMatchesReference) {
     check_backward(p, g, r);
   }
   omp_set_num_threads(saved);
+}
+
+// ---- grouped-query attention ------------------------------------------------------------
+// Z query heads over Zkv key/value heads, query head z reading head z / (Z / Zkv): both forms
+// against the float64 reference at thread counts that take both backward layouts of Note
+// [Deterministic backward] (a key/value head's key tiles in one task, or dealt to several),
+// with offsets, several key blocks, and q, k, v as parts of one fused [T, (Z + 2 Zkv) A] row.
+AttnDims grouped(AttnDims d, int Zkv) {
+  d.Zkv = Zkv;
+  return d;
+}
+
+TEST(AttentionGqa, OneCallAgainstReference) {
+  std::mt19937 rng(30);
+  const int saved = omp_get_max_threads();
+  for (int Zkv : {2, 1})
+    for (int threads : {1, 2, 3}) {
+      std::printf("  threads %d\n", threads);
+      omp_set_num_threads(threads);
+      // Keys reaching back before the queries, and keys starting after the first query.
+      check_problem(make_problem(grouped(dims(257, 400, 4, 64, 300, 0), Zkv), rng));
+      check_problem(make_problem(grouped(dims(130, 257, 4, 40, 100, 150), Zkv), rng));
+    }
+  omp_set_num_threads(saved);
+}
+
+TEST(AttentionGqa, KeyBlocksAgainstReferenceAndOneCall) {
+  std::mt19937 rng(31);
+  const int saved = omp_get_max_threads();
+  for (int Zkv : {2, 1})
+    for (int threads : {1, 2, 3}) {
+      std::printf("  threads %d\n", threads);
+      omp_set_num_threads(threads);
+      // A subsequence against its KV cache and its own keys.
+      check_blocks(make_problem(grouped(dims(257, 700, 4, 64, 443, 0), Zkv), rng),
+                   cuts_with_single(700, 4, rng));
+      // The fused q/k/v projection's output: q, k, v at the same row stride; out padded.
+      AttnDims d = grouped(dims(200, 333, 4, 64, 133, 0), Zkv);
+      d.ldq = d.ldk = d.ldv = hidden(d) + 2 * kv_hidden(d);
+      d.ldo = hidden(d) + 16;
+      check_blocks(make_problem(d, rng), cuts_with_single(333, 3, rng));
+    }
+  omp_set_num_threads(saved);
+}
+
+// Ring attention's forms: key blocks merged in the forward, gradients summed over block pairs.
+TEST(AttentionGqa, SplitAndMergedBlocks) {
+  std::mt19937 rng(32);
+  for (int Zkv : {2, 1}) {
+    check_split(make_problem(grouped(dims(200, 333, 4, 64, 133, 0), Zkv), rng), 2, 3, rng);
+    check_separate_merge(make_problem(grouped(dims(130, 300, 4, 64, 100, 50), Zkv), rng), 4, rng);
+  }
+}
+
+TEST(AttentionGqa, BackwardAccumulatesAndLeavesPaddingUntouched) {
+  std::mt19937 rng(33);
+  AttnDims d = grouped(dims(130, 400, 4, 64, 270, 0), 2);
+  const int H = hidden(d), Hkv = kv_hidden(d);
+  d.ldq = d.ldk = d.ldv = H + 2 * Hkv;
+  const Problem p = make_problem(d, rng);
+  const std::vector<int> c = {0, 1, 150, 270, 400};
+  KeyBlocks kb = split_keys(p, c, kSentinel);
+  const Forward f = run_forward_blocks(p, kb);
+  check_forward(p, f, reference(p));
+  const Grads g =
+      run_backward_blocks(p, f, kb, std::vector<float>(std::size_t(d.Tq) * d.ldq, kSentinel));
+  expect_untouched("dq", g.dq, d.Tq, d.ldq, H, d.ldq, kSentinel);
+  expect_untouched("dk", g.dk, d.Tk, d.ldk, Hkv, d.ldk, kSentinel);
+  expect_untouched("dv", g.dv, d.Tk, d.ldv, Hkv, d.ldv, kSentinel);
+  // dq is added to once per element; a key tile's dk and dv once per query head of the group
+  // (Note [Deterministic backward]), so up to Z / Zkv roundings at the size of what they held.
+  KeyBlocks zero = split_keys(p, c);
+  const Grads g0 = run_backward_blocks(p, f, zero, zero_grads(d).dq);
+  const double share = d.Z / d.Zkv, eps = std::numeric_limits<float>::epsilon();
+  long bad = 0;
+  for (const auto& [acc, fresh, width, adds] :
+       {std::tuple{&g.dq, &g0.dq, H, 1.0}, std::tuple{&g.dk, &g0.dk, Hkv, share},
+        std::tuple{&g.dv, &g0.dv, Hkv, share}})
+    for (std::size_t i = 0; i < acc->size(); ++i) {
+      if (i % d.ldq >= std::size_t(width)) continue;
+      const double want = double(kSentinel) + (*fresh)[i];
+      const double tol = adds == 1.0 ? 0.0 : adds * eps * (std::abs(want) + std::abs((*fresh)[i]));
+      if (!(std::abs((*acc)[i] - want) <= tol) && (*acc)[i] != kSentinel + (*fresh)[i]) ++bad;
+    }
+  EXPECT_EQ(bad, 0) << "gradients must be added to what the buffers held";
+}
+
+// Same inputs, same thread count: bit-identical, although several tasks' query heads share a
+// key/value head (each (key/value head, key tile) has one owner that runs the heads in order).
+TEST(AttentionGqa, RepeatedRunsAreBitIdentical) {
+  std::mt19937 rng(34);
+  const int saved = omp_get_max_threads();
+  for (int Zkv : {1, 2}) {
+    const Problem p = make_problem(grouped(dims(333, 900, 4, 64, 567, 0), Zkv), rng);
+    const std::vector<int> c = cuts_with_single(900, 5, rng);
+    for (int threads : {1, 2, 3, 7}) {
+      SCOPED_TRACE("Zkv " + std::to_string(Zkv) + " threads " + std::to_string(threads));
+      omp_set_num_threads(threads);
+      KeyBlocks kb1 = split_keys(p, c), kb2 = split_keys(p, c);
+      const Forward f1 = run_forward_blocks(p, kb1), f2 = run_forward_blocks(p, kb2);
+      EXPECT_EQ(0, std::memcmp(f1.out.data(), f2.out.data(), f1.out.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(f1.lse.data(), f2.lse.data(), f1.lse.size() * sizeof(float)));
+      const Grads g1 = run_backward_blocks(p, f1, kb1, zero_grads(p.d).dq);
+      const Grads g2 = run_backward_blocks(p, f1, kb2, zero_grads(p.d).dq);
+      EXPECT_EQ(0, std::memcmp(g1.dq.data(), g2.dq.data(), g1.dq.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(g1.dk.data(), g2.dk.data(), g1.dk.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(g1.dv.data(), g2.dv.data(), g1.dv.size() * sizeof(float)));
+      Grads h1 = zero_grads(p.d), h2 = zero_grads(p.d);
+      run_backward(p, f1, h1);
+      run_backward(p, f1, h2);
+      EXPECT_EQ(0, std::memcmp(h1.dq.data(), h2.dq.data(), h1.dq.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(h1.dk.data(), h2.dk.data(), h1.dk.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(h1.dv.data(), h2.dv.data(), h1.dv.size() * sizeof(float)));
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+// Zkv = Z is plain multi-head attention: the same bits as Zkv = 0, in every kernel.
+TEST(AttentionGqa, AsManyKeyValueHeadsAsQueryHeadsIsPlainAttention) {
+  std::mt19937 rng(35);
+  const int saved = omp_get_max_threads();
+  for (int Z : {1, 3, 4}) {
+    const Problem p0 = make_problem(dims(333, 600, Z, 64, 267, 0), rng);
+    Problem pz = p0;
+    pz.d.Zkv = Z;
+    const std::vector<int> c = cuts_with_single(600, 3, rng);
+    const auto same = [](const std::vector<float>& a, const std::vector<float>& b,
+                         const char* what) {
+      ASSERT_EQ(a.size(), b.size()) << what;
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << what;
+    };
+    for (int threads : {1, 2, 3}) {
+      SCOPED_TRACE("Z " + std::to_string(Z) + " threads " + std::to_string(threads));
+      omp_set_num_threads(threads);
+      const Forward f0 = run_forward(p0), fz = run_forward(pz);
+      same(f0.out, fz.out, "out");
+      same(f0.lse, fz.lse, "lse");
+      Grads g0 = zero_grads(p0.d), gz = zero_grads(pz.d);
+      run_backward(p0, f0, g0);
+      run_backward(pz, f0, gz);
+      same(g0.dq, gz.dq, "dq");
+      same(g0.dk, gz.dk, "dk");
+      same(g0.dv, gz.dv, "dv");
+      KeyBlocks kb0 = split_keys(p0, c), kbz = split_keys(pz, c);
+      const Forward b0 = run_forward_blocks(p0, kb0), bz = run_forward_blocks(pz, kbz);
+      same(b0.out, bz.out, "blocks out");
+      same(b0.lse, bz.lse, "blocks lse");
+      const Grads h0 = run_backward_blocks(p0, b0, kb0, zero_grads(p0.d).dq);
+      const Grads hz = run_backward_blocks(pz, b0, kbz, zero_grads(pz.d).dq);
+      same(h0.dq, hz.dq, "blocks dq");
+      same(h0.dk, hz.dk, "blocks dk");
+      same(h0.dv, hz.dv, "blocks dv");
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+// The backward's tasks are per key/value head, so its scratch depends on Zkv: a Scratch of
+// exactly attention_*_scratch(..., Zkv) bytes (taking more aborts), left dirty, gives the same
+// bits as the kernels' own memory.
+TEST(AttentionGqa, CallerScratchOfTheStatedSize) {
+  std::mt19937 rng(37);
+  const int saved = omp_get_max_threads();
+  for (int Zkv : {1, 2})
+    for (int threads : {1, 2, 3, 7}) {
+      SCOPED_TRACE("Zkv " + std::to_string(Zkv) + " threads " + std::to_string(threads));
+      omp_set_num_threads(threads);
+      const Problem p = make_problem(grouped(dims(300, 700, 4, 64, 400, 0), Zkv), rng);
+      const std::vector<int> c = cuts_with_single(700, 3, rng);
+      const KernelScratch ks = max(attention_forward_scratch(p.d.A, threads),
+                                   attention_backward_scratch(p.d.Z, p.d.A, threads, Zkv));
+      const std::size_t bytes = std::size_t(ks.bytes(p.d.Tq));
+      std::vector<float> buf((bytes + Scratch::kAlign) / sizeof(float) + 1,
+                             std::numeric_limits<float>::quiet_NaN());
+      void* base = buf.data();
+      std::size_t space = buf.size() * sizeof(float);
+      ASSERT_NE(std::align(Scratch::kAlign, bytes, base, space), nullptr);
+      Scratch scratch(base, bytes);
+      KeyBlocks kb = split_keys(p, c), kb_own = split_keys(p, c);
+      Forward f;
+      f.out.assign(std::size_t(p.d.Tq) * ldo(p.d), kSentinel);
+      f.lse.assign(std::size_t(p.d.Z) * p.d.Tq, kSentinel);
+      attention_forward_blocks(f.out.data(), f.lse.data(), p.q.data(), kb.blocks, p.d, &scratch);
+      scratch.reset();
+      const Forward f_own = run_forward_blocks(p, kb_own);
+      EXPECT_EQ(0, std::memcmp(f.out.data(), f_own.out.data(), f.out.size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(f.lse.data(), f_own.lse.data(), f.lse.size() * sizeof(float)));
+      const std::vector<float> delta = run_delta(p, f_own);
+      std::vector<float> dq = zero_grads(p.d).dq;
+      attention_backward_blocks(dq.data(), p.dout.data(), p.q.data(), kb.blocks, f_own.lse.data(),
+                                delta.data(), p.d, &scratch);
+      const Grads own = run_backward_blocks(p, f_own, kb_own, zero_grads(p.d).dq);
+      EXPECT_EQ(0, std::memcmp(dq.data(), own.dq.data(), dq.size() * sizeof(float)));
+      for (std::size_t b = 0; b < kb.dk.size(); ++b) {
+        const std::size_t n = kb.dk[b].size() * sizeof(float);
+        EXPECT_EQ(0, std::memcmp(kb.dk[b].data(), kb_own.dk[b].data(), n)) << "dk block " << b;
+        EXPECT_EQ(0, std::memcmp(kb.dv[b].data(), kb_own.dv[b].data(), n)) << "dv block " << b;
+      }
+    }
+  omp_set_num_threads(saved);
+}
+
+TEST(AttentionGqa, RefusesKeyValueHeadsThatDoNotDivideTheHeads) {
+  std::mt19937 rng(36);
+  for (int Zkv : {3, 5, -1}) {
+    AttnDims d = dims(8, 8, 4, 16, 0, 0);
+    const Problem p = make_problem(d, rng);
+    d.Zkv = Zkv;
+    std::vector<float> out(std::size_t(d.Tq) * hidden(d)), lse(std::size_t(d.Z) * d.Tq);
+    EXPECT_ANY_THROW(attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(),
+                                       d, false))
+        << "Zkv " << Zkv;
+  }
 }
 
 }  // namespace

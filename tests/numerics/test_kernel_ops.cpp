@@ -20,6 +20,8 @@
 
 #include "backend/backend.h"
 #include "core/check.h"
+#include "core/config.h"
+#include "core/rope.h"
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/ops.h"
 
@@ -518,6 +520,138 @@ TEST(LayerNorm, ParameterGradientsSameBitsForAnyThreadCount) {
   EXPECT_EQ(one.dx0, two.dx0);
 }
 
+// ---- RMSNorm --------------------------------------------------------------------------
+
+struct RmsRef {
+  DVec out, rstd;
+};
+
+RmsRef rmsnorm_ref(const DVec& x, const DVec& w, int T, int H, double eps) {
+  RmsRef r{DVec(x.size()), DVec(T)};
+  for (int t = 0; t < T; ++t) {
+    double ms = 0.0;
+    for (int h = 0; h < H; ++h) ms += x[t * H + h] * x[t * H + h];
+    const double rs = 1.0 / std::sqrt(ms / H + eps);
+    for (int h = 0; h < H; ++h) r.out[t * H + h] = x[t * H + h] * rs * w[h];
+    r.rstd[t] = rs;
+  }
+  return r;
+}
+
+struct RmsCase {
+  Vec x, w, dout, dx0, dw0;
+};
+
+// x with a mean far from 0 (RMSNorm does not subtract it) and weights around 1.
+RmsCase make_rms_case(int T, int H, std::mt19937& rng) {
+  const auto n = static_cast<std::size_t>(T) * H;
+  return {randn(n, rng, 2.0f, 1.5f), randn(H, rng, 0.5f, 1.0f), randn(n, rng), randn(n, rng),
+          randn(H, rng)};
+}
+
+TEST(RmsNorm, ForwardMatchesFloat64) {
+  std::mt19937 rng(131);
+  const float eps = 1e-6f;
+  for (int H : {24, 40}) {
+    for (int T : {1, 3, 33}) {
+      const RmsCase c = make_rms_case(T, H, rng);
+      Vec out(c.x.size(), kNaN), rstd(T, kNaN);
+      rmsnorm_forward(out.data(), rstd.data(), c.x.data(), c.w.data(), T, H, eps);
+      const RmsRef r = rmsnorm_ref(to_double(c.x), to_double(c.w), T, H, eps);
+      const std::string name = "rmsnorm H=" + std::to_string(H) + " T=" + std::to_string(T);
+      expect_close(out, r.out, 1e-5, kRtol, name + " out");
+      expect_close(rstd, r.rstd, 0.0, kRtol, name + " rstd");
+    }
+  }
+}
+
+TEST(RmsNorm, BackwardAccumulatesAndMatchesFloat64) {
+  std::mt19937 rng(132);
+  const float eps = 1e-6f;
+  for (int H : {24, 40}) {
+    for (int T : {1, 3, 300}) {  // 300 rows: more than one block of the dw reduction
+      const RmsCase c = make_rms_case(T, H, rng);
+      Vec out(c.x.size()), rstd(T);
+      rmsnorm_forward(out.data(), rstd.data(), c.x.data(), c.w.data(), T, H, eps);
+      Vec dx = c.dx0, dw = c.dw0;
+      rmsnorm_backward(dx.data(), dw.data(), c.dout.data(), c.x.data(), c.w.data(), rstd.data(),
+                       T, H);
+
+      // dx = rstd (g - xhat mean_h(g xhat)), g = dout w, xhat = x rstd; dw = sum_t dout xhat.
+      const RmsRef r = rmsnorm_ref(to_double(c.x), to_double(c.w), T, H, eps);
+      DVec dx_ref = to_double(c.dx0), dw_ref = to_double(c.dw0);
+      for (int t = 0; t < T; ++t) {
+        double mean_gx = 0.0;
+        for (int h = 0; h < H; ++h) {
+          const double xhat = c.x[t * H + h] * r.rstd[t];
+          mean_gx += static_cast<double>(c.dout[t * H + h]) * c.w[h] * xhat / H;
+          dw_ref[h] += c.dout[t * H + h] * xhat;
+        }
+        for (int h = 0; h < H; ++h) {
+          const double xhat = c.x[t * H + h] * r.rstd[t];
+          const double g = static_cast<double>(c.dout[t * H + h]) * c.w[h];
+          dx_ref[t * H + h] += r.rstd[t] * (g - xhat * mean_gx);
+        }
+      }
+      const std::string name = "rmsnorm H=" + std::to_string(H) + " T=" + std::to_string(T);
+      expect_close(dx, dx_ref, 1e-5, kRtol, name + " dx");
+      expect_close(dw, dw_ref, 2e-6 * std::sqrt(T), kRtol, name + " dw");
+    }
+  }
+}
+
+TEST(RmsNorm, BackwardMatchesFiniteDifferences) {
+  std::mt19937 rng(133);
+  const int T = 3, H = 24;
+  const float eps = 1e-6f;
+  const RmsCase c = make_rms_case(T, H, rng);
+  Vec out(c.x.size()), rstd(T);
+  rmsnorm_forward(out.data(), rstd.data(), c.x.data(), c.w.data(), T, H, eps);
+  Vec dx(c.x.size(), 0.0f), dw(H, 0.0f);
+  rmsnorm_backward(dx.data(), dw.data(), c.dout.data(), c.x.data(), c.w.data(), rstd.data(), T, H);
+
+  // L = sum(dout * rmsnorm(x, w)), differenced in each argument.
+  const DVec x = to_double(c.x), w = to_double(c.w), g = to_double(c.dout);
+  const auto loss = [&](const DVec& xx, const DVec& ww) {
+    return dot(rmsnorm_ref(xx, ww, T, H, eps).out, g);
+  };
+  const double h = 1e-6;
+  expect_close(dx, finite_diff([&](const DVec& v) { return loss(v, w); }, x, h), 1e-5, 1e-4,
+               "rmsnorm dx vs finite differences", 1e-4);
+  expect_close(dw, finite_diff([&](const DVec& v) { return loss(x, v); }, w, h), 1e-5, 1e-4,
+               "rmsnorm dw vs finite differences", 1e-4);
+}
+
+TEST(RmsNorm, BackwardSameBitsForAnyThreadCountAndWithScratch) {
+  std::mt19937 rng(134);
+  const int T = 1000, H = 40;
+  const RmsCase c = make_rms_case(T, H, rng);
+  Vec out(c.x.size()), rstd(T);
+  rmsnorm_forward(out.data(), rstd.data(), c.x.data(), c.w.data(), T, H, 1e-6f);
+  auto run = [&](int threads, Scratch* scratch) {
+    ThreadCount tc(threads);
+    RmsCase r = c;
+    rmsnorm_backward(r.dx0.data(), r.dw0.data(), c.dout.data(), c.x.data(), c.w.data(), rstd.data(),
+                     T, H, scratch);
+    return r;
+  };
+  const RmsCase one = run(1, nullptr), two = run(2, nullptr);
+  EXPECT_EQ(one.dw0, two.dw0);
+  EXPECT_EQ(one.dx0, two.dx0);
+  EXPECT_NE(one.dw0, c.dw0);
+  // The partials from a caller's scratch, sized by rmsnorm_backward_scratch and left dirty by
+  // an earlier kernel: the same bits.
+  const std::size_t bytes = static_cast<std::size_t>(rmsnorm_backward_scratch(H).bytes(T));
+  std::vector<double> buf((bytes + Scratch::kAlign) / sizeof(double), kNaN);
+  void* base = buf.data();
+  std::size_t space = buf.size() * sizeof(double);
+  ASSERT_NE(std::align(Scratch::kAlign, bytes, base, space), nullptr);
+  Scratch scratch(base, bytes);
+  const RmsCase with_scratch = run(2, &scratch);
+  EXPECT_EQ(with_scratch.dw0, one.dw0);
+  EXPECT_EQ(with_scratch.dx0, one.dx0);
+}
+
 // ---- GeLU -----------------------------------------------------------------------------
 
 double gelu_ref(double x) {
@@ -580,15 +714,98 @@ TEST(Gelu, BackwardMatchesFiniteDifferences) {
                "gelu backward vs finite differences", 1e-4);
 }
 
+// ---- SwiGLU ---------------------------------------------------------------------------
+
+double silu_ref(double g) { return g / (1.0 + std::exp(-g)); }
+
+double silu_grad_ref(double g) {
+  const double s = 1.0 / (1.0 + std::exp(-g));
+  return s * (1.0 + g * (1.0 - s));
+}
+
+// gu [T, 2F]: gates (with extremes where the sigmoid saturates) | ups.
+Vec swiglu_inputs(int T, int F, std::mt19937& rng) {
+  Vec gu = randn(static_cast<std::size_t>(T) * 2 * F, rng, 3.0f);
+  const float extremes[] = {-100.0f, -30.0f, -12.0f, -5.0f, -1e-3f,
+                            1e-3f,   5.0f,   12.0f,  30.0f, 100.0f};
+  for (std::size_t i = 0; i < std::size(extremes); ++i) {
+    const std::size_t t = i % T, j = (i * 5) % F;  // gate columns only
+    gu[t * 2 * F + j] = extremes[i];
+  }
+  return gu;
+}
+
+TEST(SwiGlu, ForwardAndInPlaceBackwardMatchFloat64) {
+  std::mt19937 rng(135);
+  for (int F : {7, 64, 1000}) {
+    for (int T : {1, 3, 300}) {
+      const std::string name = "swiglu F=" + std::to_string(F) + " T=" + std::to_string(T);
+      const Vec gu = swiglu_inputs(T, F, rng);
+      const Vec dout = randn(static_cast<std::size_t>(T) * F, rng);
+      DVec out_ref(dout.size()), dgu_ref(gu.size());
+      for (int t = 0; t < T; ++t) {
+        for (int j = 0; j < F; ++j) {
+          const double g = gu[t * 2 * F + j], u = gu[t * 2 * F + F + j], d = dout[t * F + j];
+          out_ref[t * F + j] = silu_ref(g) * u;
+          dgu_ref[t * 2 * F + j] = d * u * silu_grad_ref(g);
+          dgu_ref[t * 2 * F + F + j] = d * silu_ref(g);
+        }
+      }
+      Vec out(dout.size(), kNaN);
+      swiglu_forward(out.data(), gu.data(), T, F);
+      expect_close(out, out_ref, 1e-6, kRtol, name + " forward");
+
+      // d out in the gate columns, garbage in the up columns (they are written, not read).
+      Vec dgu(gu.size(), kNaN);
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < F; ++j) dgu[t * 2 * F + j] = dout[t * F + j];
+      swiglu_backward(dgu.data(), gu.data(), T, F);
+      expect_close(dgu, dgu_ref, 1e-6, kRtol, name + " backward");
+    }
+  }
+}
+
+TEST(SwiGlu, BackwardMatchesFiniteDifferences) {
+  std::mt19937 rng(136);
+  const int T = 3, F = 40;
+  const Vec gu = swiglu_inputs(T, F, rng);
+  const Vec dout = randn(static_cast<std::size_t>(T) * F, rng);
+  Vec dgu(gu.size(), kNaN);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < F; ++j) dgu[t * 2 * F + j] = dout[t * F + j];
+  swiglu_backward(dgu.data(), gu.data(), T, F);
+  // L = sum(dout * swiglu(gu)), differenced in every gate and up.
+  const auto loss = [&](const DVec& v) {
+    double s = 0.0;
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < F; ++j)
+        s += dout[t * F + j] * silu_ref(v[t * 2 * F + j]) * v[t * 2 * F + F + j];
+    return s;
+  };
+  expect_close(dgu, finite_diff(loss, to_double(gu), 1e-6), 1e-5, 1e-4,
+               "swiglu backward vs finite differences", 1e-4);
+}
+
 // ---- RoPE -----------------------------------------------------------------------------
 
-// Rotates the first Z*A columns of each row of x (stride ld) by +angle (sign 1) or -angle.
-DVec rope_ref(DVec x, int T, int Z, int A, i64 pos0, double theta, int ld, double sign) {
+// Plain RoPE's frequencies, theta^(-2j/A), computed here (not by core/rope.h).
+DVec plain_inv_freq(int A, double theta) {
+  DVec f(static_cast<std::size_t>(A / 2));
+  for (int j = 0; j < A / 2; ++j) f[j] = std::pow(theta, -2.0 * j / A);
+  return f;
+}
+
+DVec table_inv_freq(const RopeTable& r) { return DVec(r.inv_freq, r.inv_freq + r.half); }
+
+// Rotates the first Z*A columns of each row of x (stride ld) by +angle (sign 1) or -angle,
+// angle = pos inv_freq[j], and multiplies by scale (yarn's attention factor).
+DVec rope_ref(DVec x, int T, int Z, int A, i64 pos0, const DVec& inv_freq, double scale, int ld,
+              double sign) {
   const int half = A / 2;
   for (int t = 0; t < T; ++t) {
     for (int j = 0; j < half; ++j) {
-      const double angle = static_cast<double>(pos0 + t) * std::pow(theta, -2.0 * j / A);
-      const double c = std::cos(angle), s = sign * std::sin(angle);
+      const double angle = static_cast<double>(pos0 + t) * inv_freq[j];
+      const double c = scale * std::cos(angle), s = sign * scale * std::sin(angle);
       for (int z = 0; z < Z; ++z) {
         const std::size_t lo = static_cast<std::size_t>(t) * ld + z * A + j;
         const std::size_t hi = lo + half;
@@ -611,58 +828,133 @@ const RopeCase kRopeCases[] = {
 
 TEST(Rope, ForwardAndBackwardMatchFloat64InsideQkvRows) {
   std::mt19937 rng(113);
-  const float theta = 10000.0f;
+  const double theta = 10000.0;
   for (const RopeCase& rc : kRopeCases) {
     const int ld = 3 * rc.Z * rc.A;  // q (or k) inside a [T, 3H] qkv buffer
     const std::string name = "rope T=" + std::to_string(rc.T) + " Z=" + std::to_string(rc.Z) +
                              " A=" + std::to_string(rc.A) + " pos0=" + std::to_string(rc.pos0);
+    const RopeTable table = rope_table(rc.A, theta);
+    const DVec freq = plain_inv_freq(rc.A, theta);
     const Vec x0 = randn(static_cast<std::size_t>(rc.T) * ld, rng);
     Vec x = x0;
-    rope_forward(x.data(), rc.T, rc.Z, rc.A, rc.pos0, theta, ld);
-    expect_close(x, rope_ref(to_double(x0), rc.T, rc.Z, rc.A, rc.pos0, theta, ld, 1.0), 1e-6, kRtol,
-                 name + " forward");
+    rope_forward(x.data(), rc.T, rc.Z, rc.A, rc.pos0, table, ld);
+    expect_close(x, rope_ref(to_double(x0), rc.T, rc.Z, rc.A, rc.pos0, freq, 1.0, ld, 1.0), 1e-6,
+                 kRtol, name + " forward");
 
-    rope_backward(x.data(), rc.T, rc.Z, rc.A, rc.pos0, theta, ld);
+    rope_backward(x.data(), rc.T, rc.Z, rc.A, rc.pos0, table, ld);
     expect_close(x, to_double(x0), 1e-6, kRtol, name + " backward(forward(x)) == x");
 
     const Vec dy = randn(x0.size(), rng);
     Vec dx = dy;
-    rope_backward(dx.data(), rc.T, rc.Z, rc.A, rc.pos0, theta, ld);
-    expect_close(dx, rope_ref(to_double(dy), rc.T, rc.Z, rc.A, rc.pos0, theta, ld, -1.0), 1e-6,
+    rope_backward(dx.data(), rc.T, rc.Z, rc.A, rc.pos0, table, ld);
+    expect_close(dx, rope_ref(to_double(dy), rc.T, rc.Z, rc.A, rc.pos0, freq, 1.0, ld, -1.0), 1e-6,
                  kRtol, name + " backward");
+  }
+}
+
+// The table of a Llama-family model of head size A with scaled RoPE (core/rope.h): yarn, whose
+// attention factor scales cos and sin, or llama3, which only changes the frequencies.
+RopeTable scaled_table(RopeScaling::Type type, int A) {
+  ModelConfig c;
+  c.family = Family::Llama;
+  c.heads = 4;
+  c.hidden = 4 * A;
+  c.rope_theta = 500000.0f;
+  c.max_positions = 4096;
+  c.rope_scaling.type = type;
+  c.rope_scaling.factor = 8.0;
+  c.rope_scaling.original_max_positions = 8192;
+  return rope_table(c);
+}
+
+TEST(Rope, ScaledTablesMatchFloat64) {
+  std::mt19937 rng(116);
+  for (const RopeScaling::Type type : {RopeScaling::Type::Yarn, RopeScaling::Type::Llama3}) {
+    for (const RopeCase& rc : kRopeCases) {
+      if (rc.A < 16) continue;  // enough frequencies for the scalings' ramps
+      const int ld = 3 * rc.Z * rc.A;
+      const std::string name = std::string("rope ") + rope_scaling_name(type) + " T=" +
+                               std::to_string(rc.T) + " A=" + std::to_string(rc.A) +
+                               " pos0=" + std::to_string(rc.pos0);
+      const RopeTable table = scaled_table(type, rc.A);
+      const DVec freq = table_inv_freq(table);
+      const double scale = table.scale;
+      // The test is only worth something if the table is not plain RoPE's.
+      if (type == RopeScaling::Type::Yarn) {
+        EXPECT_GT(scale, 1.1) << name;
+      }
+      EXPECT_NE(freq, plain_inv_freq(rc.A, 500000.0)) << name;
+
+      const Vec x0 = randn(static_cast<std::size_t>(rc.T) * ld, rng);
+      Vec x = x0;
+      rope_forward(x.data(), rc.T, rc.Z, rc.A, rc.pos0, table, ld);
+      expect_close(x, rope_ref(to_double(x0), rc.T, rc.Z, rc.A, rc.pos0, freq, scale, ld, 1.0),
+                   1e-6, kRtol, name + " forward");
+
+      // The transpose of scale R is scale R^T: backward(forward(x)) = scale^2 x on the rotated
+      // columns, x on the others.
+      Vec back = x;
+      rope_backward(back.data(), rc.T, rc.Z, rc.A, rc.pos0, table, ld);
+      DVec want = to_double(x0);
+      for (int t = 0; t < rc.T; ++t)
+        for (int c = 0; c < rc.Z * rc.A; ++c)
+          want[static_cast<std::size_t>(t) * ld + c] *= scale * scale;
+      expect_close(back, want, 1e-6, kRtol, name + " backward(forward(x)) == scale^2 x");
+
+      const Vec dy = randn(x0.size(), rng);
+      Vec dx = dy;
+      rope_backward(dx.data(), rc.T, rc.Z, rc.A, rc.pos0, table, ld);
+      expect_close(dx, rope_ref(to_double(dy), rc.T, rc.Z, rc.A, rc.pos0, freq, scale, ld, -1.0),
+                   1e-6, kRtol, name + " backward");
+      // The adjoint: <forward(x), dy> = <x, backward(dy)>, to fp32 rounding of the terms.
+      double lhs = 0.0, rhs = 0.0, mag = 0.0;
+      for (std::size_t i = 0; i < x0.size(); ++i) {
+        lhs += static_cast<double>(x[i]) * dy[i];
+        rhs += static_cast<double>(x0[i]) * dx[i];
+        mag += std::fabs(static_cast<double>(x[i]) * dy[i]);
+      }
+      EXPECT_NEAR(lhs, rhs, 1e-6 * mag) << name << " adjoint";
+    }
   }
 }
 
 TEST(Rope, BackwardIsTheTransposeByFiniteDifferences) {
   std::mt19937 rng(114);
-  const int T = 3, Z = 2, A = 8, ld = 3 * Z * A;
+  const int T = 3, Z = 2, A = 16, ld = 3 * Z * A;
   const i64 pos0 = 999'999;
-  const float theta = 10000.0f;
-  const Vec x = randn(static_cast<std::size_t>(T) * ld, rng);
-  const Vec g = randn(x.size(), rng);
-  Vec dx = g;
-  rope_backward(dx.data(), T, Z, A, pos0, theta, ld);
-  // The columns rope does not touch pass dout through: their gradient is dout itself.
-  const DVec gd = to_double(g);
-  const auto loss = [&](const DVec& v) { return dot(rope_ref(v, T, Z, A, pos0, theta, ld, 1.0), gd); };
-  expect_close(dx, finite_diff(loss, to_double(x), 1e-3), 1e-5, 1e-4,
-               "rope backward vs finite differences", 1e-4);
+  const RopeTable tables[] = {rope_table(A, 10000.0), scaled_table(RopeScaling::Type::Yarn, A)};
+  for (const RopeTable& table : tables) {
+    const std::string name = "rope scale=" + std::to_string(table.scale);
+    const Vec x = randn(static_cast<std::size_t>(T) * ld, rng);
+    const Vec g = randn(x.size(), rng);
+    Vec dx = g;
+    rope_backward(dx.data(), T, Z, A, pos0, table, ld);
+    // The columns rope does not touch pass dout through: their gradient is dout itself.
+    const DVec gd = to_double(g), freq = table_inv_freq(table);
+    const auto loss = [&](const DVec& v) {
+      return dot(rope_ref(v, T, Z, A, pos0, freq, table.scale, ld, 1.0), gd);
+    };
+    expect_close(dx, finite_diff(loss, to_double(x), 1e-3), 1e-5, 1e-4,
+                 name + " backward vs finite differences", 1e-4);
+  }
 }
 
 TEST(Rope, SameBitsWhetherTheSequenceIsSplitOrWhole) {
   std::mt19937 rng(115);
   const int T = 53, Z = 2, A = 16, ld = Z * A + 5;
   const i64 pos0 = 1'000'003;
-  const float theta = 500000.0f;
-  const Vec x0 = randn(static_cast<std::size_t>(T) * ld, rng);
-  Vec whole = x0, split = x0;
-  rope_forward(whole.data(), T, Z, A, pos0, theta, ld);
-  const int T1 = 21;
-  rope_forward(split.data(), T1, Z, A, pos0, theta, ld);
-  rope_forward(split.data() + static_cast<std::size_t>(T1) * ld, T - T1, Z, A, pos0 + T1, theta,
-               ld);
-  EXPECT_EQ(whole, split);
-  EXPECT_NE(whole, x0);
+  const RopeTable tables[] = {rope_table(A, 500000.0), scaled_table(RopeScaling::Type::Yarn, A)};
+  for (const RopeTable& table : tables) {
+    const Vec x0 = randn(static_cast<std::size_t>(T) * ld, rng);
+    Vec whole = x0, split = x0;
+    rope_forward(whole.data(), T, Z, A, pos0, table, ld);
+    const int T1 = 21;
+    rope_forward(split.data(), T1, Z, A, pos0, table, ld);
+    rope_forward(split.data() + static_cast<std::size_t>(T1) * ld, T - T1, Z, A, pos0 + T1, table,
+                 ld);
+    EXPECT_EQ(whole, split);
+    EXPECT_NE(whole, x0);
+  }
 }
 
 // ---- softmax cross-entropy ------------------------------------------------------------

@@ -161,6 +161,98 @@ TEST(TensorParallel, MembersHoldTheirShardsOfTheWeights) {
   EXPECT_EQ(weights, (c.num_params() + 2 * replicated) * 4);
 }
 
+// A Llama-family block (grouped-query attention with G = 4 kv heads for Z = 8, a q/k/v
+// bias, a gated MLP of F = 30 columns, an untied LM head) split over groups that divide
+// G: every element once, each member's q rows its query heads', its k and v rows those of
+// the kv heads its queries read, its fc rows the gate and up rows of its MLP columns.
+TEST(TensorParallel, LlamaShardsPutTogetherAreTheWholeModel) {
+  ModelConfig c;
+  c.family = Family::Llama;
+  c.vocab = 37;
+  c.hidden = 32;
+  c.layers = 2;
+  c.heads = 8;
+  c.kv_heads = 4;
+  c.ffn_size = 30;
+  c.qkv_bias = true;
+  const i64 H = c.hidden, A = c.head_size(), KV = c.kv_width(), F = c.ffn();
+  const auto specs = parameter_specs(c);
+  std::vector<i64> full_at;
+  i64 total = 0;
+  for (const auto& s : specs) full_at.push_back(total), total += s.numel();
+  ASSERT_EQ(total, c.num_params());
+  auto full_of = [&](const std::string& name) {
+    for (std::size_t k = 0; k < specs.size(); ++k)
+      if (specs[k].name == name) return full_at[k];
+    ADD_FAILURE() << "no parameter " << name;
+    return i64{0};
+  };
+  for (int tp : {1, 2, 4})
+    for (auto [b, e] : {std::pair{0, 2}, {0, 1}, {1, 2}}) {
+      std::vector<int> seen(static_cast<std::size_t>(total), 0);
+      for (int t = 0; t < tp; ++t) {
+        const TpShard shard{t, tp};
+        EXPECT_EQ(shard.local_qkv_width(c), c.qkv_width() / tp);
+        EXPECT_EQ(shard.local_fc_width(c), 2 * (shard.ffn(c).second - shard.ffn(c).first));
+        // Its query heads read exactly its kv heads.
+        const auto [z0, z1] = shard.heads(c);
+        const auto [g0, g1] = shard.kv_heads(c);
+        const i64 group = c.heads / c.kv_head_count();
+        EXPECT_EQ(z0 / group, g0);
+        EXPECT_EQ((z1 - 1) / group, g1 - 1);
+        const ModelConfig ac = attention_view(c, shard);
+        EXPECT_EQ(ac.kv_width(), shard.local_kv_width(c));
+        EXPECT_EQ(ac.qkv_width(), shard.local_qkv_width(c));
+        // Where each of the member's local elements comes from.
+        const auto local_specs = parameter_specs(c, b, e, shard);
+        const i64 local_count = total_bytes(local_specs) / 4;
+        std::vector<i64> from(std::size_t(local_count), -1);
+        i64 covered = 0;
+        for (const ParamSlice& sl : param_slices(c, b, e, shard)) {
+          ASSERT_EQ(sl.local, covered);
+          covered += sl.count;
+          for (i64 k = 0; k < sl.count; ++k) {
+            from[std::size_t(sl.local + k)] = sl.full + k;
+            if (!sl.replicated || t == 0) ++seen[std::size_t(sl.full + k)];
+          }
+        }
+        ASSERT_EQ(covered, local_count);
+        i64 off = 0;
+        for (const auto& s : local_specs) {
+          const i64 full = full_of(s.name);
+          const i64 Hr = (z1 - z0) * A, KVr = (g1 - g0) * A;
+          const auto [f0, f1] = shard.ffn(c);
+          if (s.name.find("attn.qkv.weight") != std::string::npos) {
+            EXPECT_EQ(s.shape[0], Hr + 2 * KVr);
+            EXPECT_EQ(from[std::size_t(off)], full + z0 * A * H);                      // q of its first head
+            EXPECT_EQ(from[std::size_t(off + Hr * H)], full + (H + g0 * A) * H);       // k of its first kv head
+            EXPECT_EQ(from[std::size_t(off + (Hr + KVr) * H)], full + (H + KV + g0 * A) * H);  // v
+          } else if (s.name.find("attn.qkv.bias") != std::string::npos) {
+            EXPECT_EQ(from[std::size_t(off + Hr)], full + H + g0 * A);
+          } else if (s.name.find("mlp.fc.weight") != std::string::npos) {
+            EXPECT_EQ(from[std::size_t(off)], full + f0 * H);                     // gate
+            EXPECT_EQ(from[std::size_t(off + (f1 - f0) * H)], full + (F + f0) * H);  // up
+          } else if (s.name == "lm_head.weight") {
+            EXPECT_EQ(from[std::size_t(off)], full + shard.vocab(c).first * H);
+          }
+          off += s.numel();
+        }
+      }
+      for (std::size_t k = 0; k < specs.size(); ++k) {
+        const std::string& n = specs[k].name;
+        const bool owned = n == "embed.weight"      ? b == 0
+                           : n == "lm_head.weight" || n.rfind("ln_f.", 0) == 0
+                               ? e == c.layers
+                               : [&] {
+                                   const int l = std::stoi(n.substr(7));
+                                   return b <= l && l < e;
+                                 }();
+        for (i64 j = 0; j < specs[k].numel(); ++j)
+          ASSERT_EQ(seen[std::size_t(full_at[k] + j)], owned ? 1 : 0) << n << " element " << j << " tp " << tp;
+      }
+    }
+}
+
 TEST(TensorParallel, RefusesSubsequencesShorterThanTheGroup) {
   EXPECT_THROW(expand_tensor_parallel(build_single(2, {5, 2}, {0.0, 0.0}), 3), Error);
 }

@@ -10,7 +10,8 @@
 // packed once per tile and reused by many products.
 //
 // Forward, one task per (head z, query tile of kFwdBq = 256 rows). The task packs its queries
-// transposed once (qt[A, 256]), then walks the key tiles of kFwdBk = 64 rows its queries see:
+// transposed once (qt[A, 256]), then walks the key tiles of kFwdBk = 64 rows its queries see
+// (of key/value head z / (Z / Zkv): with grouped-query attention several tasks read them):
 //   st[kn, 256] = K_tile @ qt             scores TRANSPOSED: a row per key, a column per query
 //   online softmax down the columns       running max and sum are vertical vector ops, never
 //                                         horizontal reductions
@@ -22,25 +23,30 @@
 // from memory serves 256 queries. Softmax works in base 2 (c = scale * log2(e)), so exp is one
 // polynomial plus a scale by a power of two.
 //
-// Backward, one task per (head z, group of key tiles), see Note [Deterministic backward].
-// The task packs its head's q and dout rows once (every key tile reads them again). Per key
-// tile of kBwdBk = 128 rows it packs K, and K and V transposed (kt, vt [A, 128]), then walks
-// the query tiles of kBwdBq = 64 rows that see the tile, starting at the first query that sees
-// its first key:
+// Backward, one task per (key/value head, group of key tiles), see Note [Deterministic
+// backward]. The task takes the query heads that read its key/value head (one, without
+// grouped-query attention) one after another: it packs the head's q and dout rows once (every
+// key tile reads them again), and per key tile of kBwdBk = 128 rows it packs K, and K and V
+// transposed (kt, vt [A, 128]), then walks the query tiles of kBwdBq = 64 rows that see the
+// tile, starting at the first query that sees its first key:
 //   s = Q @ kt, dp = dO @ vt              [qn, 128], a row per query
 //   P = exp(scale s - lse), dS = scale P (dp - delta)   in place of s and dp
-//   dv_tile += P^T dO, dk_tile += dS^T Q  tile-local, added to dk/dv once per key tile
+//   dv_tile += P^T dO, dk_tile += dS^T Q  tile-local, added to dk/dv once per key tile and
+//                                         query head
 //   dq_acc += dS K                        the task's own [Tq, A] accumulator
 //
 // Note [Deterministic backward]
-// dk/dv of a key tile belong to the task that owns the tile. dq rows are touched by every key
-// tile, so dq goes through accumulators: with one task per head (G = 1, enough heads for the
-// threads), a task sums its head's dq in a per-thread accumulator and adds it to dq's columns of
-// that head, which no other task touches. With too few heads to keep the threads busy, a head's
-// key tiles are dealt round-robin to G > 1 tasks, each with its own accumulator, and these are
-// added to dq in group order after all tasks. Which thread runs a task never changes the
-// arithmetic, so results are bit-identical run to run; G depends on the thread count, so a
-// different thread count may round differently.
+// dk/dv of a key tile of a key/value head belong to the task that owns the tile. With
+// grouped-query attention Z / Zkv query heads add into the same dk/dv head, so that task runs
+// them all itself, in head order: the tile's dk/dv get one addition per query head, in the same
+// order on every run, with no atomics. dq rows are touched by every key tile, so dq goes through
+// accumulators: with one task per key/value head (G = 1, enough heads for the threads), a task
+// sums each of its query heads' dq in a per-thread accumulator and adds it to dq's columns of
+// that head, which no other task touches. With too few key/value heads to keep the threads
+// busy, a head's key tiles are dealt round-robin to G > 1 tasks, each with its own accumulator
+// per query head, and these are added to dq in group order after all tasks. Which thread runs a
+// task never changes the arithmetic, so results are bit-identical run to run; G depends on the
+// thread count, so a different thread count may round differently.
 #include "backends/cpu/attention.h"
 
 #include <omp.h>
@@ -362,11 +368,15 @@ inline int round_up(int n, int m) { return (n + m - 1) / m * m; }
 // AttnDims with the strides resolved and the derived constants.
 struct Geometry {
   int Tq, Tk, Z, A;
+  int Zkv;    // key/value heads
+  int share;  // query heads per key/value head: Z / Zkv
   int Ap;  // A rounded up to whole vectors: the row stride of tile-local [., A] buffers
   i64 q_pos0, k_pos0;
   i64 ldq, ldk, ldv, ldo;
   float scale;  // 1 / sqrt(A)
   float c;      // scale * log2(e): scores to base-2 exponents
+  // The key/value head query head z reads.
+  int kv_head(int z) const { return z / share; }
 };
 
 Geometry resolve(const AttnDims& d) {
@@ -374,22 +384,29 @@ Geometry resolve(const AttnDims& d) {
       << "Tq and Tk must be >= 0, got " << d.Tq << ", " << d.Tk;
   SPPO_CHECK(d.Z > 0 && d.A > 0, "attention")
       << "Z and A must be positive, got " << d.Z << ", " << d.A;
+  SPPO_CHECK(d.Zkv >= 0 && d.Zkv <= d.Z && (d.Zkv == 0 || d.Z % d.Zkv == 0), "attention")
+      << "key/value heads Zkv must be 0 or divide Z = " << d.Z << ", got " << d.Zkv;
   Geometry g{};
   g.Tq = d.Tq;
   g.Tk = d.Tk;
   g.Z = d.Z;
   g.A = d.A;
+  g.Zkv = d.Zkv ? d.Zkv : d.Z;
+  g.share = g.Z / g.Zkv;
   g.Ap = round_up(d.A, kLanes);
   g.q_pos0 = d.q_pos0;
   g.k_pos0 = d.k_pos0;
-  const i64 H = i64(d.Z) * d.A;
+  const i64 H = i64(d.Z) * d.A, Hkv = i64(g.Zkv) * d.A;
   g.ldq = d.ldq ? d.ldq : H;
-  g.ldk = d.ldk ? d.ldk : H;
-  g.ldv = d.ldv ? d.ldv : H;
+  g.ldk = d.ldk ? d.ldk : Hkv;
+  g.ldv = d.ldv ? d.ldv : Hkv;
   g.ldo = d.ldo ? d.ldo : H;
-  SPPO_CHECK(g.ldq >= H && g.ldk >= H && g.ldv >= H && g.ldo >= H, "attention")
-      << "row strides must be 0 or >= Z*A = " << H << ", got ldq " << g.ldq << ", ldk " << g.ldk
-      << ", ldv " << g.ldv << ", ldo " << g.ldo;
+  SPPO_CHECK(g.ldq >= H && g.ldo >= H, "attention")
+      << "row strides of q and out must be 0 or >= Z*A = " << H << ", got ldq " << g.ldq
+      << ", ldo " << g.ldo;
+  SPPO_CHECK(g.ldk >= Hkv && g.ldv >= Hkv, "attention")
+      << "row strides of k and v must be 0 or >= Zkv*A = " << Hkv << ", got ldk " << g.ldk
+      << ", ldv " << g.ldv;
   g.scale = 1.0f / std::sqrt(float(d.A));
   g.c = g.scale * kLog2e;
   return g;
@@ -557,6 +574,7 @@ std::vector<KeySource> key_sources(const std::vector<KVBlock>& blocks, const Geo
 void forward_tile(float* out, float* lse, const float* q, const KeySource* blocks, int n,
                   const Geometry& g, bool merge, int z, int t0, ForwardScratch& w) {
   const int A = g.A, Ap = g.Ap;
+  const i64 zkA = i64(g.kv_head(z)) * A;  // the key/value head's columns
   const int qn = std::min(kFwdBq, g.Tq - t0);
   const i64 qp_first = g.q_pos0 + t0;
   const i64 qp_last = qp_first + qn - 1;
@@ -608,12 +626,11 @@ void forward_tile(float* out, float* lse, const float* q, const KeySource* block
               nk = blocks[c].k, nv = blocks[c].v, n_rows = std::min<i64>(kFwdBk, keys[c]);
         }
         if (nk != nullptr)
-          prefetch.reset(nk + i64(z) * A, gb.ldk, nv + i64(z) * A, gb.ldv, int(n_rows), A, 1,
-                         false);
+          prefetch.reset(nk + zkA, gb.ldk, nv + zkA, gb.ldv, int(n_rows), A, 1, false);
         else
           prefetch.reset(out + t0 * g.ldo + i64(z) * A, g.ldo, nullptr, 0, qn, A, 3, true);
-        pack_rows(w.k.get(), Ap, k + s0 * gb.ldk + i64(z) * A, gb.ldk, kn, A);
-        pack_rows(w.v.get(), Ap, v + s0 * gb.ldv + i64(z) * A, gb.ldv, kn, A);
+        pack_rows(w.k.get(), Ap, k + s0 * gb.ldk + zkA, gb.ldk, kn, A);
+        pack_rows(w.v.get(), Ap, v + s0 * gb.ldv + zkA, gb.ldv, kn, A);
         const bool diag = kp_first + kn - 1 > qp_first;
         // On a diagonal tile the queries before the first key see none of the tile: skip their
         // column blocks.
@@ -714,9 +731,10 @@ void backward_probs(float* s, float* dp, int qn, int kn, const float* lse, const
   }
 }
 
-// Key tile starting at row s0 of head z against every query that sees it: adds the tile's
-// rows of dk and dv, and accumulates into dq_z[Tq, Ap] (head z's dq, or a part of it). The
-// head's q and dout rows the tile needs are already packed in w.q and w.dout.
+// Key tile starting at row s0 of the key/value head that query head z reads, against every
+// query of head z that sees it: adds head z's share of the tile's rows of dk and dv, and
+// accumulates into dq_z[Tq, Ap] (head z's dq, or a part of it). The head's q and dout rows the
+// tile needs are already packed in w.q and w.dout.
 void backward_tile(float* dq_z, float* dk, float* dv, const float* k, const float* v,
                    const float* lse, const float* delta, const Geometry& g, int z, int s0,
                    BackwardScratch& w) {
@@ -726,7 +744,7 @@ void backward_tile(float* dq_z, float* dk, float* dv, const float* k, const floa
   const i64 kp_last = kp_first + kn - 1;
   const i64 t_begin = std::max<i64>(0, kp_first - g.q_pos0);  // first query that sees key s0
   if (t_begin >= g.Tq) return;
-  const i64 zA = i64(z) * A;
+  const i64 zA = i64(g.kv_head(z)) * A;  // columns of the key/value head in k, v, dk, dv
 
   float* kt = w.kt.get();
   float* vt = w.vt.get();
@@ -800,13 +818,14 @@ void forward_impl(float* out, float* lse, const float* q, const KeySource* block
   }
 }
 
-// The backward over blocks[0 .. n): one task per (head, group of key tiles of any block), see
-// Note [Deterministic backward]. Key tiles no query sees are left out.
-// Tasks per head of the backward (Note [Deterministic backward]): key-tile groups.
-int backward_groups(int Z, int threads, int n_tiles) {
-  return (Z % threads == 0 || Z >= 4 * threads) ? 1 : std::min(n_tiles, (4 * threads + Z - 1) / Z);
+// Tasks per key/value head of the backward (Note [Deterministic backward]): key-tile groups.
+int backward_groups(int Zkv, int threads, int n_tiles) {
+  if (Zkv % threads == 0 || Zkv >= 4 * threads) return 1;
+  return std::min(n_tiles, (4 * threads + Zkv - 1) / Zkv);
 }
 
+// The backward over blocks[0 .. n): one task per (key/value head, group of key tiles of any
+// block), see Note [Deterministic backward]. Key tiles no query sees are left out.
 void backward_impl(float* dq, const float* dout, const float* q, const KeySource* blocks, int n,
                    const float* lse, const float* delta, const Geometry& g, Scratch* scratch) {
   struct KeyTile {
@@ -820,13 +839,13 @@ void backward_impl(float* dq, const float* dout, const float* q, const KeySource
   if (g.Tq == 0 || key_tiles.empty()) return;
   const int n_tiles = int(key_tiles.size());
   const int threads = omp_get_max_threads();
-  // Note [Deterministic backward]: G key-tile groups per head.
-  const int groups = backward_groups(g.Z, threads, n_tiles);
-  const int tasks = g.Z * groups;
+  // Note [Deterministic backward]: G key-tile groups per key/value head.
+  const int groups = backward_groups(g.Zkv, threads, n_tiles);
+  const int tasks = g.Zkv * groups;
   const std::size_t part = std::size_t(g.Tq) * g.Ap;  // floats of one [Tq, Ap] dq accumulator
-  // groups == 1: one accumulator per thread, added to dq after each task; otherwise one per
-  // task, added to dq in group order after all tasks.
-  Buffer partial = groups > 1 ? alloc_floats(part * tasks, scratch) : Buffer();
+  // groups == 1: one accumulator per thread, added to dq after each query head of a task;
+  // otherwise one per (query head, group), added to dq in group order after all tasks.
+  Buffer partial = groups > 1 ? alloc_floats(part * g.Z * groups, scratch) : Buffer();
   // dq[t, head z] += acc[t] for t >= t_from.
   const auto add_to_dq = [&](int z, const float* acc, int t_from) {
     for (int t = t_from; t < g.Tq; ++t) {
@@ -842,26 +861,31 @@ void backward_impl(float* dq, const float* dout, const float* q, const KeySource
     Buffer own = groups == 1 ? alloc_floats(part, scratch) : Buffer();
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < tasks; ++task) {
-      const int z = task / groups, group = task % groups;
+      const int zk = task / groups, group = task % groups;
       // Queries before the first key of the task's tiles see none of its keys.
       i64 first_key = std::numeric_limits<i64>::max();
       for (int i = group; i < n_tiles; i += groups)
         first_key = std::min(first_key, blocks[key_tiles[i].block].g.k_pos0 + key_tiles[i].s0);
       const int t_lo = int(std::clamp<i64>(first_key - g.q_pos0, 0, g.Tq));
-      float* dq_z = groups == 1 ? own.get() : partial.get() + task * part;
-      const int zero_from = groups == 1 ? t_lo : 0;  // partials are summed over all rows
-      std::memset(dq_z + std::size_t(zero_from) * g.Ap, 0,
-                  (part - std::size_t(zero_from) * g.Ap) * sizeof(float));
-      const i64 zA = i64(z) * g.A;
-      pack_rows_ahead(w.q.get() + i64(t_lo) * g.Ap, g.Ap, q + t_lo * g.ldq + zA, g.ldq, g.Tq - t_lo,
-                      g.A);
-      pack_rows_ahead(w.dout.get() + i64(t_lo) * g.Ap, g.Ap, dout + t_lo * g.ldo + zA, g.ldo,
-                      g.Tq - t_lo, g.A);
-      for (int i = group; i < n_tiles; i += groups) {
-        const KeySource& kb = blocks[key_tiles[i].block];
-        backward_tile(dq_z, kb.dk, kb.dv, kb.k, kb.v, lse, delta, kb.g, z, key_tiles[i].s0, w);
+      // The query heads that read key/value head zk, in head order: each adds its share to the
+      // task's dk/dv tiles (Note [Deterministic backward]).
+      for (int z = zk * g.share; z < (zk + 1) * g.share; ++z) {
+        float* dq_z = groups == 1 ? own.get()
+                                  : partial.get() + (std::size_t(z) * groups + group) * part;
+        const int zero_from = groups == 1 ? t_lo : 0;  // partials are summed over all rows
+        std::memset(dq_z + std::size_t(zero_from) * g.Ap, 0,
+                    (part - std::size_t(zero_from) * g.Ap) * sizeof(float));
+        const i64 zA = i64(z) * g.A;
+        pack_rows_ahead(w.q.get() + i64(t_lo) * g.Ap, g.Ap, q + t_lo * g.ldq + zA, g.ldq,
+                        g.Tq - t_lo, g.A);
+        pack_rows_ahead(w.dout.get() + i64(t_lo) * g.Ap, g.Ap, dout + t_lo * g.ldo + zA, g.ldo,
+                        g.Tq - t_lo, g.A);
+        for (int i = group; i < n_tiles; i += groups) {
+          const KeySource& kb = blocks[key_tiles[i].block];
+          backward_tile(dq_z, kb.dk, kb.dv, kb.k, kb.v, lse, delta, kb.g, z, key_tiles[i].s0, w);
+        }
+        if (groups == 1) add_to_dq(z, dq_z, t_lo);
       }
-      if (groups == 1) add_to_dq(z, dq_z, t_lo);
     }
   }
   if (groups > 1) {
@@ -956,11 +980,12 @@ KernelScratch attention_forward_scratch(int A, int threads) {
   return {i64(threads) * i64(ForwardScratch::bytes(A, Ap)), 0};
 }
 
-KernelScratch attention_backward_scratch(int Z, int A, int threads) {
+KernelScratch attention_backward_scratch(int Z, int A, int threads, int Zkv) {
   const i64 Ap = round_up(A, kLanes), row = Ap * i64(sizeof(float));
   // Per thread: q, dout and its own dq accumulator of [Tq, Ap], and the tiles; with key-tile
-  // groups, [Tq, Ap] partials for every task instead (counted as well: an upper bound).
-  const int gmax = backward_groups(Z, threads, std::numeric_limits<int>::max());
+  // groups, [Tq, Ap] partials for every (query head, group) instead (counted as well: an upper
+  // bound). The groups are per key/value head.
+  const int gmax = backward_groups(Zkv > 0 ? Zkv : Z, threads, std::numeric_limits<int>::max());
   const i64 align = i64(Scratch::kAlign);
   KernelScratch s{i64(threads) * (i64(BackwardScratch::tile_bytes(A, int(Ap))) + 3 * align), i64(threads) * 3 * row};
   if (gmax > 1) {

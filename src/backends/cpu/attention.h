@@ -8,15 +8,17 @@
 // scores live in cache-sized tiles, fully masked tiles are skipped, softmax is fused.
 //
 // Layout: row t of q holds Z heads of A dims at columns z*A .. z*A+A-1 (row stride ldq);
-// likewise k, v, out (strides ldk, ldv, ldo). lse is [Z, Tq] (head-major, dense).
+// likewise out (stride ldo), and k, v with Zkv heads (strides ldk, ldv). lse is [Z, Tq]
+// (head-major, dense). Grouped-query attention: query head z reads key/value head
+// z / (Z / Zkv), so Z / Zkv query heads share one key/value head (Zkv = Z: plain multi-head).
 // Query row t has global position q_pos0 + t, key row s has k_pos0 + s; key s is visible to
 // query t iff k_pos0 + s <= q_pos0 + t. Scores are scaled by 1/sqrt(A).
 //
 // Threads: every call runs on omp_get_max_threads() OpenMP threads (one, when called inside a
 // parallel region). Results are bit-identical from run to run at a given thread count; the
 // forward's do not depend on the thread count at all. Scratch: about 230 KiB per thread in the
-// forward (A = 64), and 3 * Tq * A floats per thread in the backward (more with fewer heads than
-// 4 * threads: Note [Deterministic backward] in attention.cpp), taken from the caller's Scratch
+// forward (A = 64), and 3 * Tq * A floats per thread in the backward (more with fewer key/value
+// heads than 4 * threads: Note [Deterministic backward] in attention.cpp), taken from the caller's Scratch
 // when given (its size from the *_scratch functions), else allocated per call.
 #pragma once
 
@@ -35,7 +37,8 @@ struct AttnDims {
   int A = 0;       // head size
   i64 q_pos0 = 0;  // global position of query row 0
   i64 k_pos0 = 0;  // global position of key row 0
-  int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides (0 means Z*A)
+  int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides (0 means Z*A; for k, v Zkv*A)
+  int Zkv = 0;     // key/value heads, a divisor of Z (0 means Z)
 };
 
 // merge == false: out[Tq, Z*A] and lse[Z, Tq] are overwritten with this block's result.
@@ -58,7 +61,8 @@ void attention_backward_delta(float* delta, const float* dout, const float* out,
 // Backward of one (query block, key block) pair, given the FINAL out's lse and delta
 // (over all key blocks). dq[Tq, .] (stride ldq), dk[Tk, .] (stride ldk), dv[Tk, .] (stride
 // ldv) all ACCUMULATE (+=), so a query block's dq sums over its key blocks and a key block's
-// dk/dv sum over the query blocks that see it. dout has stride ldo.
+// dk/dv sum over the query blocks that see it (and over the Z / Zkv query heads that share
+// each key/value head). dout has stride ldo.
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* lse, const float* delta,
                         const AttnDims& d, Scratch* scratch = nullptr);
@@ -92,8 +96,9 @@ void attention_backward_blocks(float* dq, const float* dout, const float* q,
                                const float* delta, const AttnDims& d, Scratch* scratch = nullptr);
 
 // The scratch the calls above take on `threads` OpenMP threads, as bounds in the query rows
-// Tq (kernels/scratch.h); a call given a Scratch takes every buffer from it.
+// Tq (kernels/scratch.h); a call given a Scratch takes every buffer from it. Zkv as in
+// AttnDims (0 means Z): the backward's tasks are per key/value head.
 KernelScratch attention_forward_scratch(int A, int threads);
-KernelScratch attention_backward_scratch(int Z, int A, int threads);
+KernelScratch attention_backward_scratch(int Z, int A, int threads, int Zkv = 0);
 
 }  // namespace sppo::cpu

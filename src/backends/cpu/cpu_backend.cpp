@@ -140,6 +140,7 @@ cpu::AttnDims dims_of(const AttnShape& s) {
   d.A = s.A;
   d.q_pos0 = s.q_pos0;
   d.ldq = s.ldq, d.ldk = s.ldk, d.ldv = s.ldv, d.ldo = s.ldo;
+  d.Zkv = s.Zkv;
   return d;
 }
 
@@ -164,7 +165,7 @@ class CpuBackend final : public Backend {
   KernelScratch block_scratch(const ModelConfig& c) const override {
     const int threads = omp_get_max_threads();
     KernelScratch s = cpu::attention_forward_scratch(c.head_size(), threads);
-    s = cpu::max(s, cpu::attention_backward_scratch(c.heads, c.head_size(), threads));
+    s = cpu::max(s, cpu::attention_backward_scratch(c.heads, c.head_size(), threads, c.kv_head_count()));
     s = cpu::max(s, cpu::layernorm_backward_scratch(c.hidden));
     return cpu::max(s, cpu::linear_backward_scratch(std::max(3 * c.hidden, c.ffn())));
   }
@@ -209,15 +210,28 @@ class CpuBackend final : public Backend {
     ScratchOf s(ws);
     cpu::layernorm_backward(f(dx), dw, db, f(dout), f(x), w, mean, rstd, T, H, s.get());
   }
+  // Within block_scratch: rmsnorm_backward_scratch(H) is half of layernorm_backward_scratch(H).
+  void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) override {
+    cpu::rmsnorm_forward(f(out), rstd, f(x), w, T, H, eps);
+  }
+  void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w, const float* rstd, int T,
+                        int H, const Workspace& ws) override {
+    ScratchOf s(ws);
+    cpu::rmsnorm_backward(f(dx), dw, f(dout), f(x), w, rstd, T, H, s.get());
+  }
   void gelu_forward(void* out, const void* in, i64 n) override { cpu::gelu_forward(f(out), f(in), n); }
   void gelu_backward(void* din, const void* dout, const void* in, i64 n) override {
     cpu::gelu_backward(f(din), f(dout), f(in), n);
   }
-  void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld) override {
-    cpu::rope_forward(f(x), T, Z, A, pos0, theta, ld);
+  void swiglu_forward(void* out, const void* gu, int T, int F) override { cpu::swiglu_forward(f(out), f(gu), T, F); }
+  void swiglu_backward(void* dgu, const void* gu, int T, int F) override {
+    cpu::swiglu_backward(f(dgu), f(gu), T, F);
   }
-  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld) override {
-    cpu::rope_backward(f(dx), T, Z, A, pos0, theta, ld);
+  void rope_forward(void* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) override {
+    cpu::rope_forward(f(x), T, Z, A, pos0, r, ld);
+  }
+  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) override {
+    cpu::rope_backward(f(dx), T, Z, A, pos0, r, ld);
   }
   void add_inplace(void* y, const void* x, i64 n) override {
     float* yy = f(y);

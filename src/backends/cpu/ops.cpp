@@ -322,6 +322,56 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
   add_block_partials(db, db_part.data(), num_blocks, H);
 }
 
+// ---- RMSNorm --------------------------------------------------------------------------
+
+void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int T, int H,
+                     float eps) {
+#pragma omp parallel for schedule(static) if (i64{T} * H > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    const float* xr = x + idx(t, H, 0);
+    float* outr = out + idx(t, H, 0);
+    double ssq = 0.0;  // in double, as LayerNorm's statistics
+#pragma omp simd reduction(+ : ssq)
+    for (int h = 0; h < H; ++h) ssq += static_cast<double>(xr[h]) * xr[h];
+    const float r = static_cast<float>(1.0 / std::sqrt(ssq / H + eps));
+#pragma omp simd
+    for (int h = 0; h < H; ++h) outr[h] = xr[h] * r * w[h];
+    rstd[t] = r;
+  }
+}
+
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
+                      const float* rstd, int T, int H, Scratch* scratch) {
+  // With xhat = x rstd and g = dout * w (rstd depends on x through mean_h x^2):
+  //   dx = rstd (g - xhat mean_h(g xhat)),  dw = sum_t dout xhat.
+  // One sweep over the rows as layernorm_backward: dx row by row, dw into per-block partials
+  // (Note [Deterministic reductions]).
+  const int num_blocks = (T + kRowBlock - 1) / kRowBlock;
+  Partials dw_part(static_cast<std::size_t>(num_blocks) * H, scratch);
+#pragma omp parallel for schedule(static) if (i64{T} * H > kSerialElems)
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    double* dwp = dw_part.data() + idx(blk, H, 0);
+    const int t_end = std::min(T, (blk + 1) * kRowBlock);
+    for (int t = blk * kRowBlock; t < t_end; ++t) {
+      const float* xr = x + idx(t, H, 0);
+      const float* dr = dout + idx(t, H, 0);
+      float* dxr = dx + idx(t, H, 0);
+      const float r = rstd[t];
+      double sum_gx = 0.0;
+#pragma omp simd reduction(+ : sum_gx)
+      for (int h = 0; h < H; ++h) sum_gx += dr[h] * w[h] * (xr[h] * r);
+      const float mean_gx = static_cast<float>(sum_gx / H);
+#pragma omp simd
+      for (int h = 0; h < H; ++h) {
+        const float xhat = xr[h] * r;
+        dxr[h] += r * (dr[h] * w[h] - xhat * mean_gx);
+        dwp[h] += dr[h] * xhat;
+      }
+    }
+  }
+  add_block_partials(dw, dw_part.data(), num_blocks, H);
+}
+
 // ---- GeLU -----------------------------------------------------------------------------
 // 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). The sigmoid form
 // needs one exp and no tanh, and stays accurate where 1 + tanh(u) would cancel (x << 0).
@@ -360,6 +410,45 @@ void gelu_backward(float* din, const float* dout, const float* in, i64 n) {
   });
 }
 
+// ---- SwiGLU ---------------------------------------------------------------------------
+// silu(g) = g s, s = sigmoid(g) = 1 / (1 + e), e = exp(-g); silu'(g) = s (1 + g (1 - s)) with
+// 1 - s = e s, which has no cancellation where s is close to 1. exp_f32's clamp keeps e finite
+// for g << 0 (s is then about 1e-39 instead of e^g: both are 0 next to any other term).
+
+void swiglu_forward(float* out, const float* gu, int T, int F) {
+#pragma omp parallel for schedule(static) if (i64{T} * F > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    const float* gate = gu + idx(t, 2 * i64{F}, 0);
+    const float* up = gate + F;
+    float* o = out + idx(t, F, 0);
+#pragma omp simd
+    for (int j = 0; j < F; ++j) {
+      const float g = gate[j];
+      const float s = 1.0f / (1.0f + exp_f32(-g));
+      o[j] = g * s * up[j];
+    }
+  }
+}
+
+void swiglu_backward(float* dgu, const float* gu, int T, int F) {
+#pragma omp parallel for schedule(static) if (i64{T} * F > kSerialElems)
+  for (int t = 0; t < T; ++t) {
+    const float* gate = gu + idx(t, 2 * i64{F}, 0);
+    const float* up = gate + F;
+    float* dgate = dgu + idx(t, 2 * i64{F}, 0);  // d out on entry
+    float* dup = dgate + F;
+#pragma omp simd
+    for (int j = 0; j < F; ++j) {
+      const float g = gate[j];
+      const float e = exp_f32(-g);
+      const float s = 1.0f / (1.0f + e);
+      const float d = dgate[j];
+      dup[j] = d * (g * s);
+      dgate[j] = d * up[j] * (s * (1.0f + g * (e * s)));
+    }
+  }
+}
+
 // ---- RoPE -----------------------------------------------------------------------------
 
 // Note [RoPE angles]
@@ -375,15 +464,14 @@ void gelu_backward(float* din, const float* dout, const float* in, i64 n) {
 
 namespace {
 
-void rope_apply(float* x, int T, int Z, int A, i64 pos0, float theta, int ld, float sign) {
+void rope_apply(float* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld, float sign) {
   SPPO_ASSERT_MSG(A > 0 && A % 2 == 0, "rope: head size " << A << " must be even");
+  SPPO_ASSERT_MSG(r.half == A / 2,
+                  "rope: a table of " << r.half << " frequencies for head size " << A);
   SPPO_ASSERT_MSG(pos0 >= 0 && ld >= Z * A, "rope: pos0=" << pos0 << " ld=" << ld);
   if (T == 0) return;
   const int half = A / 2;
-  std::vector<double> inv_freq(static_cast<std::size_t>(half));
-  for (int j = 0; j < half; ++j) {
-    inv_freq[j] = std::pow(static_cast<double>(theta), -2.0 * j / A);
-  }
+  const double* inv_freq = r.inv_freq;
   std::vector<double> step_cos(static_cast<std::size_t>(kRopeBlock) * half);
   std::vector<double> step_sin(static_cast<std::size_t>(kRopeBlock) * half);
   for (int k = 0; k < kRopeBlock; ++k) {
@@ -404,10 +492,11 @@ void rope_apply(float* x, int T, int Z, int A, i64 pos0, float theta, int ld, fl
 #pragma omp for schedule(static)
     for (i64 blk = 0; blk < num_blocks; ++blk) {
       const i64 base = (first_block + blk) * kRopeBlock;
+      // yarn's scale of cos and sin goes into the block's base (exact when it is 1).
       for (int j = 0; j < half; ++j) {
         const double angle = static_cast<double>(base) * inv_freq[j];
-        base_cos[j] = std::cos(angle);
-        base_sin[j] = std::sin(angle);
+        base_cos[j] = r.scale * std::cos(angle);
+        base_sin[j] = r.scale * std::sin(angle);
       }
       const i64 p_begin = std::max(base, pos0);
       const i64 p_end = std::min(base + kRopeBlock, pos0 + T);
@@ -438,12 +527,13 @@ void rope_apply(float* x, int T, int Z, int A, i64 pos0, float theta, int ld, fl
 
 }  // namespace
 
-void rope_forward(float* x, int T, int Z, int A, i64 pos0, float theta, int ld) {
-  rope_apply(x, T, Z, A, pos0, theta, ld, 1.0f);
+void rope_forward(float* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) {
+  rope_apply(x, T, Z, A, pos0, r, ld, 1.0f);
 }
 
-void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld) {
-  rope_apply(dx, T, Z, A, pos0, theta, ld, -1.0f);
+// The transpose of scale R(angle) is scale R(-angle): the same cos, the sine negated.
+void rope_backward(float* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) {
+  rope_apply(dx, T, Z, A, pos0, r, ld, -1.0f);
 }
 
 // ---- softmax over rows ----------------------------------------------------------------
@@ -655,6 +745,7 @@ KernelScratch partials_scratch(i64 C, int copies) {
 
 KernelScratch linear_backward_scratch(int O) { return partials_scratch(O, 1); }
 KernelScratch layernorm_backward_scratch(int H) { return partials_scratch(H, 2); }
+KernelScratch rmsnorm_backward_scratch(int H) { return partials_scratch(H, 1); }
 KernelScratch xent_scratch(int rows) { return {i64(Scratch::cost(std::size_t(rows) * sizeof(double))), 0}; }
 
 }  // namespace sppo::cpu

@@ -1,12 +1,12 @@
-// CPU fp32 kernels of the GPT block, except attention (kernels/attention.h).
+// CPU fp32 kernels of the GPT and Llama blocks, except attention (kernels/attention.h).
 //
 // Argument order (llm.c): outputs, saved-for-backward, inputs, weights, dims.
 // Scratch: kernels that need some take it from the caller's Scratch (kernels/scratch.h) when
 // given one, sized by their *_scratch function, and allocate their own otherwise.
 //
 // Accumulation rule: parameter gradients (dw, db, dembed) are ACCUMULATED (+=); activation
-// gradients are WRITTEN (=) unless the comment says "accumulates" (layernorm's dx does,
-// because it feeds the residual stream). Every buffer comment names its shape with the
+// gradients are WRITTEN (=) unless the comment says "accumulates" (layernorm's and rmsnorm's
+// dx do, because they feed the residual stream). Every buffer comment names its shape with the
 // letters of core/dims.h. All kernels are multi-threaded with OpenMP; GEMMs go to OpenBLAS.
 #pragma once
 
@@ -14,6 +14,7 @@
 
 #include "core/dims.h"
 #include "core/layout.h"
+#include "core/rope.h"
 #include "backends/cpu/scratch.h"
 
 namespace sppo::cpu {
@@ -61,18 +62,38 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
                         Scratch* scratch = nullptr);
 KernelScratch layernorm_backward_scratch(int H);
 
+// ---- RMSNorm (Llama family; eps inside the sqrt) --------------------------------------
+// out[T, H], rstd[T] <- x[T, H], w[H]: out = x rstd w, rstd = 1 / sqrt(mean_h x^2 + eps).
+void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int T, int H,
+                     float eps);
+// dx[T, H] accumulates; dw[H] accumulates (as layernorm_backward).
+// Scratch: rmsnorm_backward_scratch(H).
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
+                      const float* rstd, int T, int H, Scratch* scratch = nullptr);
+KernelScratch rmsnorm_backward_scratch(int H);
+
 // ---- GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -----------------
 void gelu_forward(float* out, const float* in, i64 n);
 // din = dout * gelu'(in); din may alias dout.
 void gelu_backward(float* din, const float* dout, const float* in, i64 n);
 
+// ---- SwiGLU (Llama family) --------------------------------------------------------------
+// gu[T, 2F] holds each row's gate (columns [0, F)) and up ([F, 2F)):
+// out[T, F] = silu(gate) up, silu(g) = g / (1 + e^-g).
+void swiglu_forward(float* out, const float* gu, int T, int F);
+// In place: on entry columns [0, F) of dgu[T, 2F] hold d out (columns [F, 2F) are free); on
+// exit dgu holds d gate | d up (written, not accumulated). gu as in forward.
+void swiglu_backward(float* dgu, const float* gu, int T, int F);
+
 // ---- RoPE, rotate-half form, in place -------------------------------------------------
 // x: T rows of stride ld; each row holds Z heads of A dims in its first Z*A columns.
-// Row t has global position pos0 + t. For j < A/2, angle = pos * theta^(-2j/A):
+// Row t has global position pos0 + t. For j < A/2 (r.half == A/2), angle = pos * r.inv_freq[j]
+// (core/rope.h), cos and sin scaled by r.scale:
 //   (x_j, x_{j+A/2}) -> (x_j cos - x_{j+A/2} sin, x_{j+A/2} cos + x_j sin).
-void rope_forward(float* x, int T, int Z, int A, i64 pos0, float theta, int ld);
-// The transpose (inverse) rotation, applied to a gradient in place.
-void rope_backward(float* dx, int T, int Z, int A, i64 pos0, float theta, int ld);
+void rope_forward(float* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld);
+// The transpose rotation (the same scale), applied to a gradient in place: the inverse when
+// r.scale is 1.
+void rope_backward(float* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld);
 
 // ---- softmax over rows (the two-pass ring attention's materialised scores) ----------------
 // with_lse false: x[rows, cols] becomes softmax(x) per row, lse[rows] its log-sum-exp (sum in

@@ -9,7 +9,8 @@
 // no merge pass between blocks. A key tile entirely in the past of every row of the query tile
 // is used unmasked; any other is masked element-wise by position (and by the block's end).
 // Query tiles are handed out latest first (they see the most keys), all heads of a tile
-// together (their rows of K/V share cache lines).
+// together (their rows of K/V share cache lines; with grouped-query attention the query heads
+// that read one key/value head run side by side, on the same K/V rows).
 //   Simt: 4 query rows per block, one per warp; key tiles of 32 rows in shared memory, lane j
 //   computes the score of key j with a sequential fp32 FMA dot product, then each lane
 //   accumulates its 1/32 of the head's output columns. Exponentials are expf, as exact as the
@@ -21,9 +22,11 @@
 // FlashAttention-2 runs one backward kernel over (key tile, head) and adds each (key tile,
 // query tile) pair's dQ into an fp32 buffer with atomics, whose order, and so whose rounding,
 // changes from run to run. Here the backward is two kernels instead:
-//   dkdv: one block per (key tile, head), over every query tile that sees the key tile:
-//         S, P, dP, dS, and dK += dS^T Q, dV += P^T dO in registers, added to the block's
-//         fp32 dk/dv once at the end. Each element of dk/dv has one owner.
+//   dkdv: one block per (key tile, key/value head), over every query tile that sees the key
+//         tile, of every query head that reads the key/value head (one after another: with
+//         grouped-query attention Z / Zkv of them): S, P, dP, dS, and dK += dS^T Q,
+//         dV += P^T dO in registers, added to the block's fp32 dk/dv once at the end. Each
+//         element of dk/dv has one owner, however many query heads share it.
 //   dq:   one block per (query tile, head), over every key tile (of every block) the queries
 //         see, as the forward: S, P, dP, dS again, and dQ += dS K, added to dq once at the end.
 // dq recomputes S and dP (two of the five matrix products of the fused backward), so the
@@ -136,6 +139,7 @@ __global__ void __launch_bounds__(kSimtThreads)
   const int groups = (p.Tq + kSimtWarps - 1) / kSimtWarps;
   const int group = groups - 1 - static_cast<int>(blockIdx.x / p.Z);
   const int z = static_cast<int>(blockIdx.x % p.Z);
+  const int zk = z / p.share;  // the key/value head
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = group * kSimtWarps + warp;
   const bool row_ok = t < p.Tq;
@@ -158,8 +162,8 @@ __global__ void __launch_bounds__(kSimtThreads)
     for (int s0 = 0; s0 < nk; s0 += kSimtTile) {
       const int kn = min(kSimtTile, nk - s0);
       __syncthreads();  // the previous tile is consumed (and qw written, on the first)
-      load_rows_f32(ks, lda1, k, p.ldk, z, A, s0, s0 + kn);
-      load_rows_f32(vs, A, v, p.ldv, z, A, s0, s0 + kn);
+      load_rows_f32(ks, lda1, k, p.ldk, zk, A, s0, s0 + kn);
+      load_rows_f32(vs, A, v, p.ldv, zk, A, s0, s0 + kn);
       __syncthreads();
       if (!row_ok) continue;
       float s = -INFINITY;
@@ -213,6 +217,7 @@ __global__ void __launch_bounds__(kSimtThreads) attn_dq_simt(const AttnParams p,
   const int groups = (p.Tq + kSimtWarps - 1) / kSimtWarps;
   const int group = groups - 1 - static_cast<int>(blockIdx.x / p.Z);
   const int z = static_cast<int>(blockIdx.x % p.Z);
+  const int zk = z / p.share;  // the key/value head
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = group * kSimtWarps + warp;
   const bool row_ok = t < p.Tq;
@@ -243,8 +248,8 @@ __global__ void __launch_bounds__(kSimtThreads) attn_dq_simt(const AttnParams p,
     for (int s0 = 0; s0 < nk; s0 += kSimtTile) {
       const int kn = min(kSimtTile, nk - s0);
       __syncthreads();
-      load_rows_f32(ks, lda1, k, p.ldk, z, A, s0, s0 + kn);
-      load_rows_f32(vs, lda1, v, p.ldv, z, A, s0, s0 + kn);
+      load_rows_f32(ks, lda1, k, p.ldk, zk, A, s0, s0 + kn);
+      load_rows_f32(vs, lda1, v, p.ldv, zk, A, s0, s0 + kn);
       __syncthreads();
       if (!active) continue;
       float ds = 0.0f;
@@ -282,8 +287,9 @@ __global__ void __launch_bounds__(kSimtThreads) attn_dq_simt(const AttnParams p,
   }
 }
 
-// One block per kSimtWarps key rows of one block of keys and one head (kv.tile_start counts
-// these groups); lane j handles query t0 + j of each query tile.
+// One block per kSimtWarps key rows of one block of keys and one key/value head (kv.tile_start
+// counts these groups), over the query heads that read it in head order; lane j handles query
+// t0 + j of each query tile.
 template <typename T>
 __global__ void __launch_bounds__(kSimtThreads)
     attn_dkdv_simt(const AttnParams p, const KVTable kv) {
@@ -297,8 +303,8 @@ __global__ void __launch_bounds__(kSimtThreads)
   float* vws = kws + kSimtWarps * A;          // [warps][A]
   float* pss = vws + kSimtWarps * A;          // [warps][32]
   float* dss = pss + kSimtWarps * kSimtTile;  // [warps][32]
-  const int x = static_cast<int>(blockIdx.x / p.Z);
-  const int z = static_cast<int>(blockIdx.x % p.Z);
+  const int x = static_cast<int>(blockIdx.x / p.Zkv);
+  const int zk = static_cast<int>(blockIdx.x % p.Zkv);  // the key/value head
   int b = 0;
   while (kv.tile_start[b + 1] <= x) ++b;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -315,8 +321,8 @@ __global__ void __launch_bounds__(kSimtThreads)
   float* pw = pss + warp * kSimtTile;
   float* dsw = dss + warp * kSimtTile;
   for (int a = lane; a < A; a += 32) {
-    kw[a] = key_ok ? load_f(k + static_cast<i64>(s) * p.ldk + static_cast<i64>(z) * A + a) : 0.0f;
-    vw[a] = key_ok ? load_f(v + static_cast<i64>(s) * p.ldv + static_cast<i64>(z) * A + a) : 0.0f;
+    kw[a] = key_ok ? load_f(k + static_cast<i64>(s) * p.ldk + static_cast<i64>(zk) * A + a) : 0.0f;
+    vw[a] = key_ok ? load_f(v + static_cast<i64>(s) * p.ldv + static_cast<i64>(zk) * A + a) : 0.0f;
   }
   float dk[kSimtMaxChunks], dv[kSimtMaxChunks];
 #pragma unroll
@@ -324,7 +330,12 @@ __global__ void __launch_bounds__(kSimtThreads)
   // The first query that sees the block's first key.
   const i64 first = kv.pos[b] + s0 - p.q_pos0;
   const int t_begin = static_cast<int>(first < 0 ? 0 : first);
-  for (int t0 = t_begin; t0 < p.Tq; t0 += kSimtTile) {
+  // The query tiles of every query head that reads key/value head zk, head by head: their
+  // terms add into the same registers.
+  const int q_tiles = (p.Tq - t_begin + kSimtTile - 1) / kSimtTile;
+  for (int it = 0; it < p.share * q_tiles; ++it) {
+    const int z = zk * p.share + it / q_tiles;
+    const int t0 = t_begin + it % q_tiles * kSimtTile;
     const int jn = min(kSimtTile, p.Tq - t0);
     __syncthreads();  // the previous tile is consumed (and kw, vw written, on the first)
     load_rows_f32(qs, lda1, q, p.ldq, z, A, t0, p.Tq);
@@ -367,8 +378,8 @@ __global__ void __launch_bounds__(kSimtThreads)
     __syncwarp();
   }
   if (!key_ok) return;
-  float* dkr = kv.dk[b] + static_cast<i64>(s) * p.ldk + static_cast<i64>(z) * A;
-  float* dvr = kv.dv[b] + static_cast<i64>(s) * p.ldv + static_cast<i64>(z) * A;
+  float* dkr = kv.dk[b] + static_cast<i64>(s) * p.ldk + static_cast<i64>(zk) * A;
+  float* dvr = kv.dv[b] + static_cast<i64>(s) * p.ldv + static_cast<i64>(zk) * A;
 #pragma unroll
   for (int c = 0; c < kSimtMaxChunks; ++c) {
     const int a = lane + 32 * c;
@@ -387,20 +398,27 @@ AttnParams resolve(const AttnDims& d) {
       << "Z and A must be positive, got " << d.Z << ", " << d.A;
   SPPO_CHECK(d.A % 2 == 0 && d.A <= 32 * kSimtMaxChunks, "attention")
       << "head size must be even and at most " << 32 * kSimtMaxChunks << ", got " << d.A;
+  SPPO_CHECK(d.Zkv >= 0 && d.Zkv <= d.Z && (d.Zkv == 0 || d.Z % d.Zkv == 0), "attention")
+      << "key/value heads Zkv must be 0 or divide Z = " << d.Z << ", got " << d.Zkv;
   AttnParams p;
   p.Tq = d.Tq;
   p.Z = d.Z;
   p.A = d.A;
+  p.Zkv = d.Zkv ? d.Zkv : d.Z;
+  p.share = p.Z / p.Zkv;
   p.q_pos0 = d.q_pos0;
-  const i64 H = static_cast<i64>(d.Z) * d.A;
+  const i64 H = static_cast<i64>(d.Z) * d.A, Hkv = static_cast<i64>(p.Zkv) * d.A;
   p.ldq = d.ldq ? d.ldq : H;
-  p.ldk = d.ldk ? d.ldk : H;
-  p.ldv = d.ldv ? d.ldv : H;
+  p.ldk = d.ldk ? d.ldk : Hkv;
+  p.ldv = d.ldv ? d.ldv : Hkv;
   p.ldo = d.ldo ? d.ldo : H;
   p.lddq = d.lddq ? d.lddq : p.ldq;
-  SPPO_CHECK(p.ldq >= H && p.ldk >= H && p.ldv >= H && p.ldo >= H && p.lddq >= H, "attention")
-      << "row strides must be 0 or >= Z*A = " << H << ", got ldq " << p.ldq << ", ldk " << p.ldk
-      << ", ldv " << p.ldv << ", ldo " << p.ldo << ", lddq " << p.lddq;
+  SPPO_CHECK(p.ldq >= H && p.ldo >= H && p.lddq >= H, "attention")
+      << "row strides of q, out and dq must be 0 or >= Z*A = " << H << ", got ldq " << p.ldq
+      << ", ldo " << p.ldo << ", lddq " << p.lddq;
+  SPPO_CHECK(p.ldk >= Hkv && p.ldv >= Hkv, "attention")
+      << "row strides of k and v must be 0 or >= Zkv*A = " << Hkv << ", got ldk " << p.ldk
+      << ", ldv " << p.ldv;
   p.scale = 1.0f / std::sqrt(static_cast<float>(d.A));
   p.scale_log2 = p.scale * kLog2e;
   return p;
@@ -542,7 +560,7 @@ void attention_backward_blocks(void* dq, const void* dout, const void* q,
     if (groups == 0) return;
     const std::size_t kv_smem = simt_dkdv_smem(p.A);
     set_smem(attn_dkdv_simt<E>, kv_smem);
-    const i64 kv_grid = static_cast<i64>(groups) * p.Z;
+    const i64 kv_grid = static_cast<i64>(groups) * p.Zkv;
     attn_dkdv_simt<E><<<static_cast<unsigned>(kv_grid), kSimtThreads, kv_smem, stream>>>(p, kv);
     SPPO_CUDA_CHECK_LAUNCH();
   });

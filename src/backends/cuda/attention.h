@@ -10,9 +10,11 @@
 // runs over key tiles, and tiles no query of a query tile sees are skipped.
 //
 // Layout: row t of q holds Z heads of A dims at columns z*A .. z*A+A-1 (row stride ldq); likewise
-// every block's k, v (strides ldk, ldv, shared by all blocks), out and dout (stride ldo), dq
-// (stride lddq). lse and delta are [Z, Tq], head-major, dense, fp32. q, k, v, out, dout, dq have
-// the activation type `act` (F32 or BF16); lse, delta and the dk/dv accumulators are fp32.
+// out and dout (stride ldo), dq (stride lddq), and every block's k, v with Zkv heads (strides ldk,
+// ldv, shared by all blocks). Grouped-query attention: query head z reads key/value head
+// z / (Z / Zkv) (Zkv = Z: plain multi-head). lse and delta are [Z, Tq], head-major, dense, fp32.
+// q, k, v, out, dout, dq have the activation type `act` (F32 or BF16); lse, delta and the dk/dv
+// accumulators are fp32.
 //
 // Two implementations (Note [Attention kernels] in attention.cu):
 //   TensorCore  bf16 only, A = 64 or 128, every pointer 16-byte aligned and every stride a
@@ -23,8 +25,9 @@
 // AttnKernel::Auto takes TensorCore where it applies, else Simt.
 //
 // Determinism: no floating-point atomics. The backward runs two kernels: one per (key tile,
-// head) that owns its tile's dk/dv, and one per (query tile, head) that owns its rows of dq
-// (Note [Deterministic backward] in attention.cu). Results are the same bits on every run.
+// key/value head) that owns its tile's dk/dv and sums the terms of every query head that reads
+// it, and one per (query tile, head) that owns its rows of dq (Note [Deterministic backward] in
+// attention.cu). Results are the same bits on every run.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,8 +44,9 @@ struct AttnDims {
   int Z = 0;                               // heads
   int A = 0;                               // head size
   i64 q_pos0 = 0;                          // global position of query row 0
-  int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides in elements (0 means Z*A)
+  int ldq = 0, ldk = 0, ldv = 0, ldo = 0;  // row strides in elements (0 means Z*A; k, v: Zkv*A)
   int lddq = 0;                            // row stride of dq (0 means ldq)
+  int Zkv = 0;                             // key/value heads, a divisor of Z (0 means Z)
 };
 
 // One key/value block: rows k[Tk, .] (stride ldk), v[Tk, .] (stride ldv) at global positions

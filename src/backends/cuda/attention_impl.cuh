@@ -31,6 +31,8 @@ struct AttnParams {
   void* dq = nullptr;
   const float* delta = nullptr;
   int Tq = 0, Z = 0, A = 0;
+  int Zkv = 0;    // key/value heads (resolved: Z without grouped-query attention)
+  int share = 1;  // query heads per key/value head: Z / Zkv; query head z reads z / share
   i64 q_pos0 = 0;
   i64 ldq = 0, ldk = 0, ldv = 0, ldo = 0, lddq = 0;  // resolved strides (elements)
   float scale = 0.0f;                                // 1 / sqrt(A)

@@ -28,8 +28,9 @@
 //   forward  query tile 128 rows (32 per warp), key tiles of 64 (A = 64) or 32 (A = 128) rows,
 //            K/V tiles double-buffered with cp.async.
 //   dq       query tile 64 rows (16 per warp), key tiles of 64 rows, double-buffered.
-//   dkdv     key tile 64 rows (16 per warp), query tiles of 64 (A = 64) or 32 (A = 128) rows
-//            (Q, dO, lse, delta), double-buffered.
+//   dkdv     key tile 64 rows (16 per warp) of one key/value head, query tiles of 64 (A = 64)
+//            or 32 (A = 128) rows (Q, dO, lse, delta) of each query head that reads it,
+//            double-buffered across heads.
 // Every kernel runs at up to 255 registers per thread (ptxas -v: no spills, except 4 to 8 bytes
 // in the A = 128 forward and dq on sm_90a); 2 blocks per SM by registers and shared memory.
 #include <cstdint>
@@ -134,14 +135,15 @@ __global__ void __launch_bounds__(kTcThreads) attn_fwd_tc(const AttnParams p, co
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q4 = lane & 3;
   const int row0 = warp * 16 * kMT;  // the warp's first row in the tile
   const i64 zD = static_cast<i64>(z) * D;
+  const i64 zkD = static_cast<i64>(z / p.share) * D;  // the key/value head's columns
   const float c = p.scale_log2;
 
   load_tile<D, kBq>(qs, static_cast<const bf16*>(p.q) + t0 * p.ldq + zD, p.ldq, qn);
   const auto load_kv = [&](int stage, int b, int s0) {
     const int valid = min(kBk, kv.len[b] - s0);
-    load_tile<D, kBk>(ks + stage * kBk * kLd, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zD,
+    load_tile<D, kBk>(ks + stage * kBk * kLd, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zkD,
                       p.ldk, valid);
-    load_tile<D, kBk>(vs + stage * kBk * kLd, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zD,
+    load_tile<D, kBk>(vs + stage * kBk * kLd, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zkD,
                       p.ldv, valid);
   };
   int b = 0, s0 = 0;
@@ -325,15 +327,16 @@ __global__ void __launch_bounds__(kTcThreads) attn_dq_tc(const AttnParams p, con
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q4 = lane & 3;
   const int row0 = warp * 16;
   const i64 zD = static_cast<i64>(z) * D;
+  const i64 zkD = static_cast<i64>(z / p.share) * D;  // the key/value head's columns
   const float c = p.scale_log2;
 
   load_tile<D, kBq>(qs, static_cast<const bf16*>(p.q) + t0 * p.ldq + zD, p.ldq, qn);
   load_tile<D, kBq>(dos, static_cast<const bf16*>(p.dout) + t0 * p.ldo + zD, p.ldo, qn);
   const auto load_kv = [&](int stage, int b, int s0) {
     const int valid = min(kBk, kv.len[b] - s0);
-    load_tile<D, kBk>(ks + stage * kBk * kLd, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zD,
+    load_tile<D, kBk>(ks + stage * kBk * kLd, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zkD,
                       p.ldk, valid);
-    load_tile<D, kBk>(vs + stage * kBk * kLd, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zD,
+    load_tile<D, kBk>(vs + stage * kBk * kLd, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zkD,
                       p.ldv, valid);
   };
   int b = 0, s0 = 0;
@@ -469,8 +472,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
   float* lse2_s = reinterpret_cast<float*>(dos + 2 * kBq * kLd);  // [2][kBq], base 2
   float* dlt_s = lse2_s + 2 * kBq;                                // [2][kBq]
 
-  const int x = static_cast<int>(blockIdx.x / p.Z);
-  const int z = static_cast<int>(blockIdx.x % p.Z);
+  const int x = static_cast<int>(blockIdx.x / p.Zkv);
+  const int zk = static_cast<int>(blockIdx.x % p.Zkv);  // the key/value head
   int b = 0;
   while (kv.tile_start[b + 1] <= x) ++b;
   const int s0 = (x - kv.tile_start[b]) * kBk;
@@ -478,12 +481,14 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
   const i64 kp_first = kv.pos[b] + s0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q4 = lane & 3;
   const int row0 = warp * 16;  // the warp's first key in the tile
-  const i64 zD = static_cast<i64>(z) * D;
+  const i64 zkD = static_cast<i64>(zk) * D;
   const float c = p.scale_log2;
 
-  load_tile<D, kBk>(ks, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zD, p.ldk, kvalid);
-  load_tile<D, kBk>(vs, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zD, p.ldv, kvalid);
-  const auto load_q = [&](int stage, int t0) {
+  load_tile<D, kBk>(ks, static_cast<const bf16*>(kv.k[b]) + s0 * p.ldk + zkD, p.ldk, kvalid);
+  load_tile<D, kBk>(vs, static_cast<const bf16*>(kv.v[b]) + s0 * p.ldv + zkD, p.ldv, kvalid);
+  // Query tile t0 of query head z.
+  const auto load_q = [&](int stage, int z, int t0) {
+    const i64 zD = static_cast<i64>(z) * D;
     const int qn = min(kBq, p.Tq - t0);
     load_tile<D, kBq>(qs + stage * kBq * kLd, static_cast<const bf16*>(p.q) + t0 * p.ldq + zD,
                       p.ldq, qn);
@@ -504,7 +509,10 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
   // The first query tile with a query that sees the tile's first key.
   const i64 first = kp_first - p.q_pos0;
   const int t_begin = (first < 0 ? 0 : static_cast<int>(first)) / kBq * kBq;
-  load_q(0, t_begin);
+  // The query heads that read key/value head zk, one after another: their terms add into the
+  // same registers.
+  const int z_end = (zk + 1) * p.share;
+  load_q(0, zk * p.share, t_begin);
   cp_async_commit();
 
   float dk[kDT][4], dv[kDT][4];
@@ -513,8 +521,14 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.0f;
 
-  for (int t0 = t_begin, stage = 0; t0 < p.Tq; t0 += kBq, stage ^= 1) {
-    if (t0 + kBq < p.Tq) load_q(stage ^ 1, t0 + kBq);
+  for (int z = zk * p.share, t0 = t_begin, stage = 0; z < z_end && t0 < p.Tq; stage ^= 1) {
+    // The next (query head, query tile): this head's next tile, else the next head's first.
+    int nz = z, nt0 = t0 + kBq;
+    if (nt0 >= p.Tq) {
+      ++nz;
+      nt0 = t_begin;
+    }
+    if (nz < z_end) load_q(stage ^ 1, nz, nt0);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -582,6 +596,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
       }
     }
     __syncthreads();
+    z = nz;
+    t0 = nt0;
   }
   cp_async_wait<0>();
 
@@ -589,8 +605,8 @@ __global__ void __launch_bounds__(kTcThreads) attn_dkdv_tc(const AttnParams p, c
   for (int h = 0; h < 2; ++h) {
     const int i = row0 + g + 8 * h;
     if (i < kvalid) {
-      float* dkr = kv.dk[b] + static_cast<i64>(s0 + i) * p.ldk + zD + 2 * q4;
-      float* dvr = kv.dv[b] + static_cast<i64>(s0 + i) * p.ldv + zD + 2 * q4;
+      float* dkr = kv.dk[b] + static_cast<i64>(s0 + i) * p.ldk + zkD + 2 * q4;
+      float* dvr = kv.dv[b] + static_cast<i64>(s0 + i) * p.ldv + zkD + 2 * q4;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         dkr[dt * 8] += dk[dt][2 * h];
@@ -637,7 +653,7 @@ void backward_d(const AttnParams& p, KVTable& kv, cudaStream_t stream) {
   using K = Dkv<D, S::kDkvBq>;
   launch(attn_dq_tc<D, S::kDqBk>, ceil_div(p.Tq, Q::kBq) * p.Z, Q::kSmem, p, kv, stream);
   const int tiles = fill_tile_starts(kv, p.q_pos0 + p.Tq - 1, K::kBk);
-  launch(attn_dkdv_tc<D, S::kDkvBq>, static_cast<i64>(tiles) * p.Z, K::kSmem, p, kv, stream);
+  launch(attn_dkdv_tc<D, S::kDkvBq>, static_cast<i64>(tiles) * p.Zkv, K::kSmem, p, kv, stream);
 }
 
 }  // namespace

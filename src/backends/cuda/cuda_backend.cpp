@@ -146,6 +146,7 @@ cuda::AttnDims dims_of(const AttnShape& s) {
   d.A = s.A;
   d.q_pos0 = s.q_pos0;
   d.ldq = s.ldq, d.ldk = s.ldk, d.ldv = s.ldv, d.ldo = s.ldo;
+  d.Zkv = s.Zkv;
   return d;
 }
 
@@ -245,15 +246,28 @@ class CudaBackend final : public Backend {
                           const float* mean, const float* rstd, int T, int H, const Workspace&) override {
     cuda::layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, H, act_, compute_);
   }
+  void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) override {
+    cuda::rmsnorm_forward(out, rstd, x, w, T, H, eps, act_, compute_);
+  }
+  void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w, const float* rstd, int T,
+                        int H, const Workspace&) override {
+    cuda::rmsnorm_backward(dx, dw, dout, x, w, rstd, T, H, act_, compute_);
+  }
   void gelu_forward(void* out, const void* in, i64 n) override { cuda::gelu_forward(out, in, n, act_, compute_); }
   void gelu_backward(void* din, const void* dout, const void* in, i64 n) override {
     cuda::gelu_backward(din, dout, in, n, act_, compute_);
   }
-  void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld) override {
-    cuda::rope_forward(x, T, Z, A, pos0, theta, ld, act_, compute_);
+  void swiglu_forward(void* out, const void* gu, int T, int F) override {
+    cuda::swiglu_forward(out, gu, T, F, act_, compute_);
   }
-  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld) override {
-    cuda::rope_backward(dx, T, Z, A, pos0, theta, ld, act_, compute_);
+  void swiglu_backward(void* dgu, const void* gu, int T, int F) override {
+    cuda::swiglu_backward(dgu, gu, T, F, act_, compute_);
+  }
+  void rope_forward(void* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) override {
+    cuda::rope_forward(x, T, Z, A, pos0, r, ld, act_, compute_);
+  }
+  void rope_backward(void* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) override {
+    cuda::rope_backward(dx, T, Z, A, pos0, r, ld, act_, compute_);
   }
   void add_inplace(void* y, const void* x, i64 n) override { cuda::add_inplace(y, act_, x, act_, n, compute_); }
   void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) override {

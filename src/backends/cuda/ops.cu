@@ -184,12 +184,102 @@ __global__ void layernorm_param_partials_kernel(double* dw_part, double* db_part
   db_part[static_cast<i64>(blk) * H + c] = db;
 }
 
+// ---- RMSNorm ------------------------------------------------------------------------------
+// As LayerNorm: one warp per row for the statistics and dx, row-block partials for dw.
+template <typename T>
+__global__ void __launch_bounds__(kLnWarps * 32)
+    rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const float* w, int rows, int H,
+                           float eps) {
+  const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const T* xr = x + static_cast<i64>(row) * H;
+  T* outr = out + static_cast<i64>(row) * H;
+  double ssq = 0.0;  // in double, as the CPU
+  for (int h = lane; h < H; h += 32) {
+    const double v = load_f(xr + h);
+    ssq += v * v;
+  }
+  const float r = static_cast<float>(1.0 / sqrt(warp_sum(ssq) / H + eps));
+  for (int h = lane; h < H; h += 32) store_f(outr + h, load_f(xr + h) * r * w[h]);
+  if (lane == 0) rstd[row] = r;
+}
+
+// dx += rstd (g - xhat mean_h(g xhat)),  g = dout * w, xhat = x rstd (accumulating).
+template <typename T>
+__global__ void __launch_bounds__(kLnWarps * 32)
+    rmsnorm_backward_dx_kernel(T* dx, const T* dout, const T* x, const float* w,
+                               const float* rstd, int rows, int H) {
+  const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const i64 base = static_cast<i64>(row) * H;
+  const float r = rstd[row];
+  double sum_gx = 0.0;
+  for (int h = lane; h < H; h += 32)
+    sum_gx += load_f(dout + base + h) * w[h] * (load_f(x + base + h) * r);
+  const float mean_gx = static_cast<float>(warp_sum(sum_gx) / H);
+  for (int h = lane; h < H; h += 32) {
+    const float xhat = load_f(x + base + h) * r;
+    const float d = r * (load_f(dout + base + h) * w[h] - xhat * mean_gx);
+    store_f(dx + base + h, load_f(dx + base + h) + d);
+  }
+}
+
+// Per row block (kRowBlock rows) and column: dw_part = sum_t dout xhat in double, rows in
+// order. dw_part: [num_blocks, H].
+template <typename T>
+__global__ void rmsnorm_param_partials_kernel(double* dw_part, const T* dout, const T* x,
+                                              const float* rstd, int rows, int H) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int blk = blockIdx.y;
+  if (c >= H) return;
+  const int t_end = min(rows, (blk + 1) * kRowBlock);
+  double dw = 0.0;
+  for (int t = blk * kRowBlock; t < t_end; ++t) {
+    const i64 i = static_cast<i64>(t) * H + c;
+    dw += load_f(dout + i) * (load_f(x + i) * rstd[t]);
+  }
+  dw_part[static_cast<i64>(blk) * H + c] = dw;
+}
+
+// ---- SwiGLU -------------------------------------------------------------------------------
+// As the CPU: s = 1 / (1 + e), e = exp(-g) clamped as GeLU's; silu' = s (1 + g e s).
+template <typename T>
+__global__ void swiglu_forward_kernel(T* out, const T* gu, int F, i64 n) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const i64 t = i / F, j = i % F;
+    const T* row = gu + t * 2 * F;
+    const float g = load_f(row + j);
+    const float s = 1.0f / (1.0f + exp_clamped(-g));
+    store_f(out + i, g * s * load_f(row + F + j));
+  }
+}
+
+// In place: element (t, j) reads dgu[t, j] (d out), gu[t, j], gu[t, F + j] and writes
+// dgu[t, j] (d gate) and dgu[t, F + j] (d up); no other thread touches those.
+template <typename T>
+__global__ void swiglu_backward_kernel(T* dgu, const T* gu, int F, i64 n) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const i64 t = i / F, j = i % F;
+    const T* row = gu + t * 2 * F;
+    T* drow = dgu + t * 2 * F;
+    const float g = load_f(row + j);
+    const float e = exp_clamped(-g);
+    const float s = 1.0f / (1.0f + e);
+    const float d = load_f(drow + j);
+    store_f(drow + F + j, d * (g * s));
+    store_f(drow + j, d * load_f(row + F + j) * (s * (1.0f + g * (e * s))));
+  }
+}
+
 // ---- RoPE ---------------------------------------------------------------------------------
 // One thread per (row, frequency j); it rotates that pair in every head. The angle is formed
 // and its sine and cosine taken in double (Note [RoPE angles] in kernels/ops.cpp: positions
-// reach 10^6 and more), then rounded to float, as the CPU does.
+// reach 10^6 and more), then scaled and rounded to float, as the CPU does. The table comes by
+// value in the kernel's parameters (about 2 KB of constant memory), read once per thread.
 template <typename T>
-__global__ void rope_kernel(T* x, int rows, int Z, int A, i64 pos0, float theta, i64 ld,
+__global__ void rope_kernel(T* x, int rows, int Z, int A, i64 pos0, const RopeTable r, i64 ld,
                             float sign) {
   const int half = A / 2;
   const i64 n = static_cast<i64>(rows) * half;
@@ -197,12 +287,11 @@ __global__ void rope_kernel(T* x, int rows, int Z, int A, i64 pos0, float theta,
        i += i64{gridDim.x} * blockDim.x) {
     const i64 t = i / half;
     const int j = static_cast<int>(i % half);
-    const double inv_freq = pow(static_cast<double>(theta), -2.0 * j / A);
-    const double angle = static_cast<double>(pos0 + t) * inv_freq;
+    const double angle = static_cast<double>(pos0 + t) * r.inv_freq[j];
     double sd, cd;
     sincos(angle, &sd, &cd);
-    const float c = static_cast<float>(cd);
-    const float s = sign * static_cast<float>(sd);
+    const float c = static_cast<float>(r.scale * cd);
+    const float s = sign * static_cast<float>(r.scale * sd);
     T* row = x + t * ld;
     for (int z = 0; z < Z; ++z) {
       T* lo = row + static_cast<i64>(z) * A + j;
@@ -526,6 +615,63 @@ void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const 
   add_block_partials(db, db_part, num_blocks, H, stream);
 }
 
+void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H,
+                     float eps, DType act, cudaStream_t stream) {
+  if (T == 0) return;
+  dispatch_act(act, "rmsnorm_forward", [&](auto tag) {
+    using E = decltype(tag);
+    rmsnorm_forward_kernel<E>
+        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+            static_cast<E*>(out), rstd, static_cast<const E*>(x), w, T, H, eps);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w,
+                      const float* rstd, int T, int H, DType act, cudaStream_t stream) {
+  if (T == 0) return;
+  const int num_blocks = static_cast<int>(ceil_div(T, kRowBlock));
+  Scratch partials(sizeof(double) * static_cast<std::size_t>(num_blocks) * H, stream);
+  double* dw_part = partials.as<double>();
+  dispatch_act(act, "rmsnorm_backward", [&](auto tag) {
+    using E = decltype(tag);
+    const E* dout_e = static_cast<const E*>(dout);
+    const E* x_e = static_cast<const E*>(x);
+    rmsnorm_backward_dx_kernel<E>
+        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+            static_cast<E*>(dx), dout_e, x_e, w, rstd, T, H);
+    SPPO_CUDA_CHECK_LAUNCH();
+    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)),
+                    static_cast<unsigned>(num_blocks));
+    rmsnorm_param_partials_kernel<E>
+        <<<grid, kThreads, 0, stream>>>(dw_part, dout_e, x_e, rstd, T, H);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+  add_block_partials(dw, dw_part, num_blocks, H, stream);
+}
+
+void swiglu_forward(void* out, const void* gu, int T, int F, DType act, cudaStream_t stream) {
+  const i64 n = static_cast<i64>(T) * F;
+  if (n == 0) return;
+  dispatch_act(act, "swiglu_forward", [&](auto tag) {
+    using E = decltype(tag);
+    swiglu_forward_kernel<E><<<grid_for(n), kThreads, 0, stream>>>(
+        static_cast<E*>(out), static_cast<const E*>(gu), F, n);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void swiglu_backward(void* dgu, const void* gu, int T, int F, DType act, cudaStream_t stream) {
+  const i64 n = static_cast<i64>(T) * F;
+  if (n == 0) return;
+  dispatch_act(act, "swiglu_backward", [&](auto tag) {
+    using E = decltype(tag);
+    swiglu_backward_kernel<E><<<grid_for(n), kThreads, 0, stream>>>(
+        static_cast<E*>(dgu), static_cast<const E*>(gu), F, n);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
 void gelu_forward(void* out, const void* in, i64 n, DType act, cudaStream_t stream) {
   if (n == 0) return;
   dispatch_act(act, "gelu_forward", [&](auto tag) {
@@ -549,29 +695,32 @@ void gelu_backward(void* din, const void* dout, const void* in, i64 n, DType act
 
 namespace {
 
-void rope_apply(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act, float sign,
-                cudaStream_t stream) {
+void rope_apply(void* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld, DType act,
+                float sign, cudaStream_t stream) {
   SPPO_ASSERT_MSG(A > 0 && A % 2 == 0, "rope: head size " << A << " must be even");
+  SPPO_ASSERT_MSG(r.half == A / 2,
+                  "rope: a table of " << r.half << " frequencies for head size " << A);
   SPPO_ASSERT_MSG(pos0 >= 0 && ld >= Z * A, "rope: pos0=" << pos0 << " ld=" << ld);
   if (T == 0) return;
   dispatch_act(act, "rope", [&](auto tag) {
     using E = decltype(tag);
     rope_kernel<E><<<grid_for(i64{T} * (A / 2)), kThreads, 0, stream>>>(static_cast<E*>(x), T, Z, A,
-                                                                        pos0, theta, ld, sign);
+                                                                        pos0, r, ld, sign);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }
 
 }  // namespace
 
-void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+void rope_forward(void* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld, DType act,
                   cudaStream_t stream) {
-  rope_apply(x, T, Z, A, pos0, theta, ld, act, 1.0f, stream);
+  rope_apply(x, T, Z, A, pos0, r, ld, act, 1.0f, stream);
 }
 
-void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+// The transpose of scale R(angle) is scale R(-angle): the same cos, the sine negated.
+void rope_backward(void* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld, DType act,
                    cudaStream_t stream) {
-  rope_apply(dx, T, Z, A, pos0, theta, ld, act, -1.0f, stream);
+  rope_apply(dx, T, Z, A, pos0, r, ld, act, -1.0f, stream);
 }
 
 void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, double* loss_sum,

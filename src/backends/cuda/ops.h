@@ -11,8 +11,9 @@
 // as on the CPU), and a BF16 result is rounded once, to nearest even, when it is stored.
 //
 // Accumulation rule: parameter gradients (dw, db, dembed) are ACCUMULATED (+=); activation
-// gradients are WRITTEN (=) unless the comment says "accumulates" (layernorm's dx does, because
-// it feeds the residual stream). Buffers are row-major, shapes in the letters of core/dims.h.
+// gradients are WRITTEN (=) unless the comment says "accumulates" (layernorm's and rmsnorm's dx
+// do, because they feed the residual stream). Buffers are row-major, shapes in the letters of
+// core/dims.h.
 //
 // Determinism: every kernel gives the same bits for the same inputs on the same GPU model; no
 // floating-point atomics. Reductions across rows use fixed blocks of rows and add the partials
@@ -37,6 +38,7 @@
 
 #include "core/dims.h"
 #include "core/layout.h"
+#include "core/rope.h"
 
 namespace sppo::cuda {
 
@@ -131,20 +133,38 @@ void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const 
                         const float* w, const float* mean, const float* rstd, int T, int H,
                         DType act, cudaStream_t stream);
 
+// ---- RMSNorm (Llama family; eps inside the sqrt) --------------------------------------
+// out[T, H] (act), rstd[T] <- x[T, H] (act), w[H] (fp32): out = x rstd w,
+// rstd = 1 / sqrt(mean_h x^2 + eps) (the sum of squares in double, as on the CPU).
+void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H,
+                     float eps, DType act, cudaStream_t stream);
+// dx[T, H] (act) accumulates; dw[H] accumulates (scratch: ceil(T/256) * H doubles).
+void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w,
+                      const float* rstd, int T, int H, DType act, cudaStream_t stream);
+
 // ---- GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -----------------
 void gelu_forward(void* out, const void* in, i64 n, DType act, cudaStream_t stream);
 // din = dout * gelu'(in); din may alias dout.
 void gelu_backward(void* din, const void* dout, const void* in, i64 n, DType act,
                    cudaStream_t stream);
 
+// ---- SwiGLU (Llama family), as cpu::swiglu_forward / swiglu_backward ----------------------
+// gu[T, 2F] (act) holds each row's gate (columns [0, F)) and up ([F, 2F)):
+// out[T, F] (act) = silu(gate) up, silu(g) = g / (1 + e^-g), computed in fp32.
+void swiglu_forward(void* out, const void* gu, int T, int F, DType act, cudaStream_t stream);
+// In place: on entry columns [0, F) of dgu[T, 2F] (act) hold d out; on exit dgu holds
+// d gate | d up (written). gu as in forward.
+void swiglu_backward(void* dgu, const void* gu, int T, int F, DType act, cudaStream_t stream);
+
 // ---- RoPE, rotate-half form, in place -------------------------------------------------
 // x: T rows of stride ld; each row holds Z heads of A dims in its first Z*A columns.
-// Row t has global position pos0 + t. For j < A/2, angle = pos * theta^(-2j/A) (in double):
+// Row t has global position pos0 + t. For j < A/2 (r.half == A/2), angle = pos * r.inv_freq[j]
+// (core/rope.h; in double), cos and sin scaled by r.scale:
 //   (x_j, x_{j+A/2}) -> (x_j cos - x_{j+A/2} sin, x_{j+A/2} cos + x_j sin).
-void rope_forward(void* x, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+void rope_forward(void* x, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld, DType act,
                   cudaStream_t stream);
-// The transpose (inverse) rotation, applied to a gradient in place.
-void rope_backward(void* dx, int T, int Z, int A, i64 pos0, float theta, int ld, DType act,
+// The transpose rotation (the same scale), applied to a gradient in place.
+void rope_backward(void* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld, DType act,
                    cudaStream_t stream);
 
 // ---- softmax cross-entropy, fused with its gradient ------------------------------------

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""sppo's Llama-family block held to an independent implementation: Hugging Face transformers.
+
+For small random LlamaForCausalLM models (grouped-query attention, every RoPE scaling type
+HF's config.json names) and a Qwen2ForCausalLM (q/k/v biases), saved with save_pretrained
+(one file, and sharded), `sppo grads --init HF_DIR` must give transformers' loss and every
+parameter gradient in fp32: max |a - b| <= 1e-5 (1 + |b|) per element. Then `sppo import`
+and `sppo export --format hf` must give a directory transformers loads with no missing,
+unexpected or mismatched weights, whose logits are the original model's. Bad inputs (an
+unsupported architecture or field, a missing shard, a tensor of the wrong shape) must exit
+2 and write nothing.
+
+Usage: check_hf.py SPPO_BINARY WORK_DIR. Exits 77 (skipped) without torch and transformers.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+try:
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+except ImportError as e:  # the test is skipped, saying why
+    print(f"skipped: {e} (install python3-torch and transformers 4.46, see .ci/run)")
+    sys.exit(77)
+
+SPPO, WORK = sys.argv[1], sys.argv[2]
+S = 48  # tokens a step: past max_position_embeddings below, so dynamic scaling scales
+TOL = 1e-5
+failures = []
+
+
+def run(*args, expect=0):
+    r = subprocess.run([SPPO, *args], capture_output=True, text=True)
+    if r.returncode != expect:
+        raise SystemExit(f"sppo {' '.join(args)}: exit {r.returncode}, expected {expect}\n{r.stdout}{r.stderr}")
+    return r
+
+
+def base_config(**kw):
+    c = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32, rope_theta=500.0, rms_norm_eps=1e-5,
+             tie_word_embeddings=False, torch_dtype="float32")
+    c.update(kw)
+    return c
+
+
+def randomize(model, seed):
+    """Weights at unit scale (HF's 0.02 init leaves gradients tiny), norms and biases off 1 and 0."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def hf_loss_and_grads(model, tokens):
+    model.zero_grad()
+    ids = torch.tensor(tokens[:S]).unsqueeze(0)
+    logits = model(input_ids=ids).logits[0]
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:S + 1]))
+    loss.backward()
+    return logits.detach(), loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def as_sppo(hf, layers):
+    """HF tensors (by HF name) as sppo's parameters (io/hf.h's table)."""
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "ln_f.weight": hf["model.norm.weight"],
+           "lm_head.weight": hf["lm_head.weight"]}
+    for l in range(layers):
+        p, b = f"model.layers.{l}.", f"blocks.{l}."
+        out[b + "ln1.weight"] = hf[p + "input_layernorm.weight"]
+        out[b + "ln2.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[b + "attn.qkv.weight"] = torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if p + "self_attn.q_proj.bias" in hf:
+            out[b + "attn.qkv.bias"] = torch.cat([hf[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        out[b + "attn.out.weight"] = hf[p + "self_attn.o_proj.weight"]
+        out[b + "mlp.fc.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[b + "mlp.proj.weight"] = hf[p + "mlp.down_proj.weight"]
+    return out
+
+
+def check_close(what, got, want):
+    err = (got - want).abs()
+    bound = TOL * (1 + want.abs())
+    worst = (err / bound).max().item()
+    if worst > 1:
+        failures.append(f"{what}: max |a - b| {err.max().item():.3e}, {worst:.2f}x the bound")
+    return err.max().item()
+
+
+def grads_case(name, cls, config, seed, sharded=False, sppo_flags=()):
+    d = os.path.join(WORK, name)
+    model = cls(config)
+    randomize(model, seed)
+    model.save_pretrained(d, safe_serialization=True, max_shard_size="20KB" if sharded else "5GB")
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, config.vocab_size, (S + 1,), generator=g).tolist()
+    tok_file = os.path.join(WORK, name + ".u32")
+    with open(tok_file, "wb") as f:
+        f.write(torch.tensor(tokens, dtype=torch.int32).numpy().astype("<u4").tobytes())
+    logits, loss, grads = hf_loss_and_grads(model, tokens)
+    out = os.path.join(WORK, name + "-grads")
+    run("grads", "--init", d, "--seq-len", str(S), "--data", tok_file, "--threads", "1", "--out", out, *sppo_flags)
+    got_loss = json.load(open(os.path.join(out, "result.json")))["loss"]
+    if abs(got_loss - loss) > TOL * (1 + abs(loss)):
+        failures.append(f"{name}: loss {got_loss} vs transformers' {loss}")
+    got = load_file(os.path.join(out, "grads.safetensors"))
+    want = as_sppo(grads, config.num_hidden_layers)
+    if set(got) != set(want):
+        failures.append(f"{name}: gradient names {sorted(set(got) ^ set(want))} differ")
+    worst = max(check_close(f"{name} d {k}", got[k].double(), want[k].double()) for k in want if k in got)
+    print(f"{name}: loss {got_loss:.8f} vs {loss:.8f}, worst gradient |a - b| {worst:.2e}")
+    return d, model, tokens, logits
+
+
+def export_case(name, d, model, tokens, logits):
+    ckpt, exp = os.path.join(WORK, name + "-ckpt"), os.path.join(WORK, name + "-hf")
+    run("import", d, "--out", ckpt)
+    for dtype, shard, tol in (("checkpoint", "5GB", 0.0), ("bf16", "20KB", 0.1)):
+        shutil.rmtree(exp, ignore_errors=True)
+        run("export", ckpt, "--format", "hf", "--out", exp, "--dtype", dtype, "--shard-size", shard)
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(exp, output_loading_info=True,
+                                                                         torch_dtype=torch.float32)
+        for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+            if info[k]:
+                failures.append(f"{name} export {dtype}: {k} {info[k]}")
+        with torch.no_grad():
+            again = loaded(input_ids=torch.tensor(tokens[:S]).unsqueeze(0)).logits[0]
+        err = (again - logits).abs().max().item()
+        if err > tol:
+            failures.append(f"{name} export {dtype}: logits differ by {err:.3e} (allowed {tol})")
+        print(f"{name}: exported ({dtype}, shards of {shard}) and reloaded, logits within {err:.2e}")
+
+
+def bad_inputs(good):
+    """Each refused with exit 2 before anything is written."""
+    def refused(label, hf_dir, needle):
+        out = os.path.join(WORK, "refused")
+        r = run("import", hf_dir, "--out", out, expect=2)
+        if os.path.exists(out):
+            failures.append(f"{label}: {out} was written")
+        if needle not in r.stderr:
+            failures.append(f"{label}: the message does not name '{needle}': {r.stderr.strip()}")
+        print(f"refused ({label}): {r.stderr.strip()}")
+
+    def copy(label):
+        d = os.path.join(WORK, "bad-" + label)
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(good, d)
+        return d
+
+    d = copy("architecture")
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    refused("unsupported architecture", d, "GPT2LMHeadModel")
+    d = copy("field")
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["hidden_act"] = "gelu"
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    refused("unsupported field", d, "hidden_act")
+    d = copy("shard")
+    shard = sorted(f for f in os.listdir(d) if f.startswith("model-"))[-1]
+    os.remove(os.path.join(d, shard))
+    refused("missing shard", d, shard)
+    d = copy("shape")
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["intermediate_size"] += 8
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    refused("tensor of the wrong shape", d, "gate_proj.weight")
+
+
+def main():
+    shutil.rmtree(WORK, ignore_errors=True)
+    os.makedirs(WORK)
+    torch.manual_seed(0)
+    L = transformers.LlamaConfig
+    cases = [
+        ("llama-gqa", L(**base_config())),
+        ("llama-mqa-linear", L(**base_config(num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 2.0}))),
+        ("llama-dynamic", L(**base_config(num_key_value_heads=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))),
+        ("llama-yarn", L(**base_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))),
+        ("llama-llama3", L(**base_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 16}))),
+    ]
+    for k, (name, config) in enumerate(cases):
+        grads_case(name, transformers.LlamaForCausalLM, config, 10 + k)
+    qwen = transformers.Qwen2Config(**base_config(rope_theta=1000.0))
+    d, model, tokens, logits = grads_case("qwen2-sharded", transformers.Qwen2ForCausalLM, qwen, 30, sharded=True,
+                                          sppo_flags=("--subseqs", "3"))
+    export_case("qwen2", d, model, tokens, logits)
+    d, model, tokens, logits = grads_case("llama-export", transformers.LlamaForCausalLM, cases[4][1], 40, sharded=True)
+    export_case("llama", d, model, tokens, logits)
+    bad_inputs(d)
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        sys.exit(1)
+    print("all checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+// The Llama-family block (RMSNorm, SwiGLU, grouped-query attention, scaled RoPE, untied
+// head, the optional q/k/v bias) against the float64 reference of
+// model_reference64_llama.h, and every one-process mode of it (subsequences, offload,
+// recomputed tensors, MLP tiles) against the whole-sequence engine run (DESIGN.md 3).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/layout.h"
+#include "model_reference64_llama.h"
+#include "schedule/builders.h"
+#include "train/setup.h"
+#include "train/trainer.h"
+
+namespace sppo {
+namespace {
+
+using Tokens = std::vector<std::int32_t>;
+
+ModelConfig llama_config(int G, bool bias, RopeScaling::Type type, i64 S) {
+  ModelConfig c = preset("llama-tiny");
+  c.vocab = 37;
+  c.hidden = 32;
+  c.layers = 2;
+  c.heads = 4;
+  c.kv_heads = G;
+  c.ffn_size = 40;
+  c.qkv_bias = bias;
+  c.rope_theta = 500.0f;  // short wavelengths, so that a few dozen positions turn every pair
+  c.max_positions = 16;
+  c.rope_scaling.type = type;
+  if (type != RopeScaling::Type::None) c.rope_scaling.factor = 4.0;
+  if (type == RopeScaling::Type::Llama3) c.rope_scaling.original_max_positions = 16;
+  c.rope_seq_len = S;
+  c.validate();
+  return c;
+}
+
+Tokens random_tokens(i64 S, int V, unsigned seed) {
+  std::mt19937 rng(seed);
+  Tokens t(std::size_t(S + 1));
+  for (auto& x : t) x = std::int32_t(rng() % unsigned(V));
+  return t;
+}
+
+// init_params and noise on every element, so that no norm gain is 1 and no bias 0.
+std::vector<float> random_params(const ModelConfig& c, std::uint64_t seed) {
+  std::vector<float> p(std::size_t(c.num_params()));
+  init_params(c, p.data(), seed);
+  std::mt19937 rng(unsigned(seed) * 31u + 7u);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  float* w = p.data();
+  for (const TensorSpec& spec : parameter_specs(c)) {
+    const float sd = spec.shape.size() == 2 ? 1.0f / std::sqrt(float(spec.shape[1])) : 0.2f;
+    for (i64 k = 0; k < spec.numel(); ++k) w[k] += sd * normal(rng);
+    w += spec.numel();
+  }
+  return p;
+}
+
+struct StepRun {
+  double loss = 0;
+  std::vector<double> grads;
+};
+
+struct Mode {
+  std::vector<i64> lengths;
+  std::vector<double> alpha;
+  SavedSet recompute = 0;
+  i64 mlp_tile_rows = 0;
+  std::vector<sched::KvPlace> kv_place = {};  // empty: every layer's K/V on the device
+};
+
+StepRun run_engine(const ModelConfig& c, const std::vector<float>& params, const Tokens& tokens, const Mode& m) {
+  RuntimeOptions o;
+  o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
+  Runtime rt(c, o);
+  std::copy(params.begin(), params.end(), rt.params());
+  sched::Schedule s = sched::build_single(c.layers, m.lengths, m.alpha);
+  s.recompute = m.recompute;
+  s.mlp_tile_rows = m.mlp_tile_rows;
+  s.kv_place = m.kv_place;
+  const StepResult r = rt.step(s, tokens.data());
+  return {r.loss, std::vector<double>(rt.grads(), rt.grads() + rt.num_params())};
+}
+
+StepRun run_ref(const ModelConfig& c, const std::vector<float>& params, const Tokens& tokens) {
+  const ref64llama::Dims d = ref64llama::dims_of(c);
+  const std::vector<double> p(params.begin(), params.end());
+  const i64 S = i64(tokens.size()) - 1;
+  ref64llama::Cache cache;
+  StepRun r;
+  r.loss = ref64llama::forward(d, p.data(), tokens.data(), S, &cache);
+  r.grads.assign(p.size(), 0.0);
+  ref64llama::backward(d, p.data(), tokens.data(), S, cache, r.grads.data());
+  return r;
+}
+
+// Per tensor: relative L2 error below norm_tol, and every element within atol x the
+// tensor's rms + rtol x itself. Returns the worst relative L2 error.
+double expect_grads_match(const ModelConfig& c, const StepRun& got, const StepRun& ref, double norm_tol, double atol,
+                          double rtol, const std::string& what) {
+  EXPECT_LT(std::fabs(got.loss - ref.loss) / std::fabs(ref.loss), 1e-5) << what << ": loss " << got.loss << " vs "
+                                                                        << ref.loss;
+  EXPECT_EQ(got.grads.size(), ref.grads.size()) << what;
+  if (got.grads.size() != ref.grads.size()) return 1;
+  double worst = 0;
+  i64 off = 0;
+  for (const TensorSpec& t : parameter_specs(c)) {
+    double err2 = 0, ref2 = 0;
+    for (i64 k = off; k < off + t.numel(); ++k) {
+      err2 += (got.grads[k] - ref.grads[k]) * (got.grads[k] - ref.grads[k]);
+      ref2 += ref.grads[k] * ref.grads[k];
+    }
+    EXPECT_GT(ref2, 0.0) << what << " " << t.name << ": the reference gradient is zero";
+    const double rel = std::sqrt(err2 / std::max(ref2, 1e-300)), rms = std::sqrt(ref2 / double(t.numel()));
+    EXPECT_LT(rel, norm_tol) << what << " " << t.name;
+    worst = std::max(worst, rel);
+    int bad = 0;
+    for (i64 k = off; k < off + t.numel(); ++k)
+      if (!(std::fabs(got.grads[k] - ref.grads[k]) <= atol * rms + rtol * std::fabs(ref.grads[k])) && bad++ < 3)
+        ADD_FAILURE() << what << " " << t.name << "[" << k - off << "]: " << got.grads[k] << " vs " << ref.grads[k];
+    off += t.numel();
+  }
+  return worst;
+}
+
+std::vector<i64> equal_lengths(i64 S, int N) {
+  std::vector<i64> l(std::size_t(N), S / N);
+  for (i64 k = 0; k < S % N; ++k) ++l[std::size_t(k)];
+  return l;
+}
+
+std::vector<double> alphas(int N, double a) {
+  std::vector<double> v(std::size_t(N), a);
+  v.back() = 0;  // the last subsequence's backward comes first: never offloaded
+  return v;
+}
+
+constexpr i64 kS = 45;
+
+TEST(Llama, WholeSequenceMatchesFloat64) {
+  using Type = RopeScaling::Type;
+  struct Case {
+    int G;
+    bool bias;
+    Type type;
+  };
+  for (const Case k : {Case{2, false, Type::None}, Case{1, false, Type::Linear}, Case{4, true, Type::Dynamic},
+                       Case{2, true, Type::Yarn}, Case{2, false, Type::Llama3}}) {
+    const ModelConfig c = llama_config(k.G, k.bias, k.type, kS);
+    const std::string what = std::string("G=") + std::to_string(k.G) + (k.bias ? " qkv bias " : " ") +
+                             rope_scaling_name(k.type);
+    const std::vector<float> params = random_params(c, 3 + unsigned(k.G));
+    const Tokens tokens = random_tokens(kS, c.vocab, 17);
+    const StepRun ref = run_ref(c, params, tokens);
+    const StepRun got = run_engine(c, params, tokens, {{kS}, {0.0}});
+    const double e = expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3, what);
+    std::printf("[llama vs float64] %s: loss %.8f vs %.8f, worst tensor rel L2 %.2e\n", what.c_str(), got.loss,
+                ref.loss, e);
+  }
+}
+
+// Subsequences N 1, 3, 8, offloaded or not, with recomputed tensors and MLP tiles: the
+// whole-sequence run's loss and gradients to fp32 rounding.
+TEST(Llama, EveryOneProcessModeMatchesTheWholeSequence) {
+  const ModelConfig c = llama_config(2, true, RopeScaling::Type::Yarn, kS);
+  const std::vector<float> params = random_params(c, 5);
+  const Tokens tokens = random_tokens(kS, c.vocab, 23);
+  const StepRun whole = run_engine(c, params, tokens, {{kS}, {0.0}});
+  const auto& levels = recompute_levels();
+  for (int N : {1, 3, 8})
+    for (double a : {0.0, 0.6})
+      for (SavedSet rc : {SavedSet(0), levels[2], levels.back()})
+        for (i64 tiles : {i64(0), i64(4)}) {
+          const std::string what = "N=" + std::to_string(N) + " alpha=" + std::to_string(a) + " recompute " +
+                                   recompute_tensors_text(rc) + " tiles " + std::to_string(tiles);
+          const StepRun got = run_engine(c, params, tokens, {equal_lengths(kS, N), alphas(N, a), rc, tiles});
+          expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, what);
+        }
+}
+
+// The engine's bytes: GQA's K/V and dK/dV are G / Z of multi-head attention's.
+TEST(Llama, GroupedKvShrinksTheCache) {
+  const ModelConfig gqa = llama_config(1, false, RopeScaling::Type::None, kS);
+  ModelConfig mha = gqa;
+  mha.kv_heads = mha.heads;
+  EXPECT_EQ(skeletal_bytes_per_token(mha, ActPrecision::BF16), 4 * skeletal_bytes_per_token(gqa, ActPrecision::BF16));
+  const ModelConfig l8 = preset("llama-3-8b");
+  EXPECT_EQ(skeletal_bytes_per_token(l8, ActPrecision::BF16), 2 * 8 * 128 * 2);  // k, v: 8 heads of 128, bf16
+  EXPECT_EQ(l8.num_params(), 8030261248);  // Meta-Llama-3-8B's parameter count
+}
+
+// K/V on the host and K/V recomputed from the layer input (Schedule::kv_place; the
+// streams of runtime/kv_stream.h with grouped-query K/V, G A wide, and dq dense): N 1, 3,
+// 8, offloaded or not, with recomputed tensors (the attention itself is recomputed with
+// the K/V on the device only), every layer or one of each; the whole-sequence run's loss
+// and gradients to fp32 rounding. With and without the q/k/v bias (a Recompute layer's
+// K/V weight gradients then have no bias to add to), and with earlier blocks longer than a
+// chunk (kv_chunk_rows), so that the window streams several chunks, some of two blocks.
+TEST(Llama, HostAndRecomputedKvMatchTheWholeSequence) {
+  using sched::KvPlace;
+  const auto& levels = recompute_levels();
+  struct Config {
+    int G;
+    bool bias;
+    RopeScaling::Type type;
+  };
+  for (const Config k : {Config{2, true, RopeScaling::Type::Yarn}, Config{1, false, RopeScaling::Type::Llama3}}) {
+    const ModelConfig c = llama_config(k.G, k.bias, k.type, kS);
+    const std::string config = "G=" + std::to_string(k.G) + (k.bias ? " qkv bias" : "");
+    const std::vector<float> params = random_params(c, 7 + unsigned(k.G));
+    const Tokens tokens = random_tokens(kS, c.vocab, 29);
+    const StepRun whole = run_engine(c, params, tokens, {{kS}, {0.0}});
+    const std::vector<std::pair<std::string, std::vector<KvPlace>>> places = {
+        {"host", std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Host)},
+        {"recompute", std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Recompute)},
+        {"recompute, host", {KvPlace::Recompute, KvPlace::Host}}};
+    for (const auto& [name, kv] : places)
+      for (int N : {1, 3, 8})
+        for (double a : {0.0, 0.6})
+          for (SavedSet rc : {SavedSet(0), levels[2], levels[3]}) {
+            const std::string what = config + " K/V " + name + " N=" + std::to_string(N) + " alpha=" +
+                                     std::to_string(a) + " recompute " + recompute_tensors_text(rc);
+            const StepRun got = run_engine(c, params, tokens, {equal_lengths(kS, N), alphas(N, a), rc, 0, kv});
+            expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, what);
+          }
+    // MLP tiles and uneven lengths with the streams.
+    for (const auto& [name, kv] : places) {
+      const StepRun got = run_engine(c, params, tokens, {{5, 1, 22, 17}, {0.5, 1.0, 0.3, 0.0}, levels[2], 4, kv});
+      expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, config + " K/V " + name + " uneven, tiles of 4");
+    }
+  }
+  // Several chunks: subsequence 1 (50 rows) streams 400 earlier rows in chunks of 256,
+  // subsequence 2 (150 rows) 450, its second chunk of two blocks.
+  const i64 S = 600;
+  const ModelConfig c = llama_config(2, false, RopeScaling::Type::None, S);
+  const std::vector<float> params = random_params(c, 11);
+  const Tokens tokens = random_tokens(S, c.vocab, 31);
+  const StepRun whole = run_engine(c, params, tokens, {{S}, {0.0}});
+  for (KvPlace kv : {KvPlace::Host, KvPlace::Recompute}) {
+    const StepRun got = run_engine(c, params, tokens,
+                                   {{400, 50, 150}, {1.0, 0.5, 0.0}, 0, 0, std::vector<KvPlace>(2, kv)});
+    expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, std::string("chunks, K/V ") + sched::to_string(kv));
+  }
+}
+
+// The device arena's measured peak and the host tier's equal the simulator's prediction
+// (schedule/memory.cpp: the window's K, V and dK, dV are G A wide, its forward's partial
+// output H; a Recompute layer's x, LayerNorm-1 output and sums H) on llama-tiny (G 2 of Z 4).
+TEST(Llama, StreamedKvPeakEqualsTheSimulatorsPrediction) {
+  struct Case {
+    i64 S;
+    const char* subseqs;
+    const char* offload;
+    const char* kv_cache;
+    const char* partition = "length";
+    const char* recompute = "none";
+  };
+  const Case cases[] = {
+      {512, "4", "none", "host"},        {512, "4", "0.5", "host"},
+      {512, "4", "none", "host", "length", "ln1,ln2,fc_pre"},
+      {1536, "6", "0.5", "host"},        {1536, "5", "none", "host", "flops"},
+      {512, "4", "none", "recompute"},   {512, "4", "0.5", "recompute"},
+      {512, "4", "none", "recompute", "length", "ln1,q,x_mid,ln2,fc_pre"},
+      {1536, "6", "0.5", "recompute"},   {1536, "5", "none", "recompute", "flops"},
+  };
+  for (const Case& k : cases) {
+    StepOptions o;
+    o.model = preset("llama-tiny");
+    o.model_name = o.model_preset = "llama-tiny";
+    o.seq_len = k.S;
+    o.subseqs = k.subseqs;
+    o.offload = k.offload;
+    o.kv_cache = k.kv_cache;
+    o.partition = k.partition;
+    o.recompute_tensors = k.recompute;
+    StepSetup s = make_setup(o);
+    ASSERT_FALSE(s.schedule.kv_place.empty());
+    ASSERT_GT(s.predicted_peak_bytes, 0);
+    init_owned(*s.runtime, 1234);
+    std::vector<std::int32_t> tokens(std::size_t(k.S + 1));
+    s.data->next(tokens.data(), k.S + 1);
+    s.runtime->device().reset_peak();
+    const StepResult r = s.runtime->step(s.schedule, tokens.data());
+    const std::string what = "S " + std::to_string(k.S) + " N " + k.subseqs + " offload " + k.offload + " kv-cache " +
+                             k.kv_cache + " partition " + k.partition + " recompute " + k.recompute;
+    EXPECT_EQ(s.runtime->device().stats().peak, s.predicted_peak_bytes) << what;
+    EXPECT_EQ(r.device.peak, s.predicted_peak_bytes) << what;
+    EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;
+    std::printf("[llama streamed K/V peak] %s: %lld measured, %lld predicted; host %lld, %lld\n", what.c_str(),
+                static_cast<long long>(r.device.peak), static_cast<long long>(s.predicted_peak_bytes),
+                static_cast<long long>(r.host.peak), static_cast<long long>(s.predicted_host_bytes));
+  }
+}
+
+}  // namespace
+}  // namespace sppo
