@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Context extension of a Hugging Face model, end to end: a random llama-tiny written by
+# transformers (trained context 256 tokens), imported, trained at 8x its length (2048)
+# with rope_theta raised, exported back to Hugging Face's format and reloaded by
+# transformers, which measures the loss near and far (1024 tokens back) again.
+# Usage: bash scripts/context_extension.sh [WORK_DIR] (default runs/context-extension).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=${1:-runs/context-extension}
+steps=${STEPS:-600}
+[ -x build/sppo ] || bash scripts/build.sh
+bash scripts/install-hf.sh >/dev/null
+py=build/hf-venv/bin/python
+rm -rf "$work"
+mkdir -p "$work"
+
+echo "== a random llama-tiny from transformers, max_position_embeddings 256"
+"$py" - "$work/llama-tiny-hf" <<'PY'
+import sys, torch, transformers
+c = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="float32")
+torch.manual_seed(0)
+transformers.LlamaForCausalLM(c).save_pretrained(sys.argv[1], safe_serialization=True)
+PY
+
+echo "== sppo: import, then train at 2048 tokens (8x) with rope_theta 10000 -> 80000"
+build/sppo import "$work/llama-tiny-hf" --out "$work/imported"
+build/sppo train --init "$work/imported" --seq-len 2048 --subseqs 4 --rope-theta 80000 --steps "$steps" \
+  --metrics "$work/metrics.jsonl" --save "$work/trained" --quiet
+tail -n 1 "$work/metrics.jsonl"
+build/sppo plot "$work/metrics.jsonl" --out "$work/loss.svg" --title "llama-tiny extended from 256 to 2048 tokens"
+
+echo "== export to Hugging Face's format and measure with transformers"
+build/sppo export "$work/trained" --format hf --out "$work/llama-tiny-2k"
+"$py" - "$work/llama-tiny-hf" "$work/llama-tiny-2k" <<'PY'
+import sys, torch, transformers
+S, half = 2048, 1024
+g = torch.Generator().manual_seed(7)
+prefix = torch.randint(0, 32, (S // 2 + 1,), generator=g)  # the built-in task: a string, then itself again
+tokens = torch.cat([prefix, prefix])[: S + 1]
+for label, path in (("before", sys.argv[1]), ("after", sys.argv[2])):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        logits = model(input_ids=tokens[:S].unsqueeze(0)).logits[0]
+    losses = torch.nn.functional.cross_entropy(logits, tokens[1:], reduction="none")
+    print(f"transformers, {label} (max_position_embeddings {model.config.max_position_embeddings}, "
+          f"rope_theta {model.config.rope_theta:g}): loss near {losses[:half].mean():.3f}, "
+          f"far (copies 1024 back) {losses[half:].mean():.3f}")
+PY
