@@ -177,6 +177,37 @@ def bad_inputs(good):
     refused("tensor of the wrong shape", d, "gate_proj.weight")
 
 
+def tokenizer_case(hf_dir, vocab):
+    """scripts/tokenize_text.py: text and a tokenizer.json into files train --data reads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "tokenize_text.py")
+    docs = []
+    for k, words in enumerate(("the cat sat on the mat " * 30, "a dog ran in the park " * 30)):
+        docs.append(os.path.join(WORK, f"doc{k}.txt"))
+        open(docs[-1], "w").write(words)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train(docs, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
+    tok_file = os.path.join(WORK, "tokenizer.json")
+    tok.save(tok_file)
+    for fmt, data in (("raw", "corpus.u16"), ("megatron", "corpus")):
+        prefix = os.path.join(WORK, "corpus")
+        r = subprocess.run([sys.executable, script, "--tokenizer", tok_file, "--model", hf_dir, "--out", prefix,
+                            "--format", fmt, "--doc-sep", "1", *docs], capture_output=True, text=True)
+        if r.returncode != 0:
+            failures.append(f"tokenize_text.py --format {fmt}: exit {r.returncode}: {r.stderr}")
+            continue
+        run("train", "--init", hf_dir, "--data", os.path.join(WORK, data), "--seq-len", "32", "--steps", "1",
+            "--quiet")
+        print(f"tokenize_text.py --format {fmt}: {r.stdout.strip()}; sppo trained a step on it")
+    small = os.path.join(WORK, "too-small")
+    r = subprocess.run([sys.executable, script, "--tokenizer", tok_file, "--vocab-size", "4", "--out", small, *docs],
+                       capture_output=True, text=True)
+    if r.returncode != 2 or os.path.exists(small + ".u16") or "vocabulary is 4" not in r.stderr:
+        failures.append(f"a tokenizer larger than the vocabulary: exit {r.returncode}, {r.stderr.strip()}")
+    print(f"refused (tokenizer vocabulary): {r.stderr.strip()}")
+
+
 def main():
     shutil.rmtree(WORK, ignore_errors=True)
     os.makedirs(WORK)
@@ -200,6 +231,7 @@ def main():
     d, model, tokens, logits = grads_case("llama-export", transformers.LlamaForCausalLM, cases[4][1], 40, sharded=True)
     export_case("llama", d, model, tokens, logits)
     bad_inputs(d)
+    tokenizer_case(d, cases[4][1].vocab_size)
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)
