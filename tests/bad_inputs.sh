@@ -270,11 +270,14 @@ expect "rope_scaling type 'ntk' is not supported" train --model llama-tiny --seq
 expect "--rope-scaling 'yarn'" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling yarn
 expect "rope_scaling factor must be at least 1" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling linear:0.5
 expect "--rope-theta must be positive" train --model llama-tiny --seq-len 32 --steps 1 --rope-theta -5
-expect "--init starts a new run" train --model tiny --seq-len 32 --steps 4 --init ckpt --resume ckpt
+expect "--init starts a new run" train --model tiny --seq-len 32 --steps 4 --init hf_tied --resume ckpt
 expect "holds the model" train --model small --seq-len 32 --steps 1 --init ckpt
 expect "holds a GPT model" export ckpt --format hf --out hf_out
 expect "--format 'gguf'" export ckpt --format gguf --out hf_out
 expect "--dtype 'fp8'" export ckpt --format hf --dtype fp8 --out hf_out
+expect "--pack packs documents that --doc-sep ID ends" train --model llama-tiny --seq-len 32 --steps 1 --pack
+expect "--doc-sep 99 is not a token id" train --model llama-tiny --seq-len 32 --steps 1 --doc-sep 99 --pack
+expect "--pack runs causal models" train --model tiny --seq-len 32 --steps 1 --doc-sep 0 --pack --recompute
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -80,6 +80,12 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Training data: empty for the built-in repeat task, a text file (bytes), raw "
                   "tokens (.u16/.u32), or a Megatron .bin/.idx prefix");
   cmd->add_option("--data-dtype", o.data_dtype, "Read --data as raw tokens of this type (u16, u32)");
+  cmd->add_option("--doc-sep", o.doc_sep,
+                  "The token id that ends each document of --data (e.g. the tokenizer's end-of-text id); with --pack");
+  cmd->add_flag("--pack", o.pack,
+                "Pack documents into each sequence with attention that stops at document boundaries and positions "
+                "that restart at each document (no target crosses a boundary; a document longer than the sequence "
+                "is cut); needs --doc-sep");
   cmd->add_option("--threads", o.threads, "Compute threads (0: all cores)")->capture_default_str();
   cmd->add_option("--subseqs", o.subseqs, "Subsequences N per sequence, or 'auto' (the fewest that fit --device-memory, else about 8K tokens each)")->capture_default_str();
   cmd->add_option("--partition", o.partition,
@@ -180,8 +186,12 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (!o.init.empty()) {
     const ModelConfig held = init_model(o.init);
     if (!f.model_option->count()) {
-      SPPO_CHECK(!(f.vocab || f.hidden || f.layers || f.heads), "options")
-          << "--init " << o.init << " holds its model's sizes; drop --vocab, --hidden, --layers and --heads";
+      // (A resumed run gives them again, as recorded: the same.)
+      SPPO_CHECK((!f.vocab || f.vocab == held.vocab) && (!f.hidden || f.hidden == held.hidden) &&
+                     (!f.layers || f.layers == held.layers) && (!f.heads || f.heads == held.heads),
+                 "options")
+          << "--init " << o.init << " holds a model of vocab " << held.vocab << ", hidden " << held.hidden << ", "
+          << held.layers << " layers and " << held.heads << " heads; drop --vocab, --hidden, --layers and --heads";
       o.model = held;
       o.model_name = o.model_preset = "init";
     } else {
@@ -485,6 +495,8 @@ int main(int argc, char** argv) {
     if (auto rc = cli::plan_command_result()) return *rc;
     if (comm::launched_by_mpi() && (*cmd_train || *cmd_grads)) check_same_options(comm::world(), options_of(argc, argv));
     if (*cmd_train) {
+      SPPO_CHECK(train.resume_dir.empty() || train.step.init.empty(), "options")
+          << "--init starts a new run at step 0 from a model's weights, --resume continues a run; give one of them";
       // --resume restores every option that changes the numbers and was not given again.
       nlohmann::json recorded;
       if (!train.resume_dir.empty()) {
@@ -503,6 +515,11 @@ int main(int argc, char** argv) {
               << "restore (only the options that change the numbers); remove it from \"options\"";
           const CLI::Option* opt = cmd_train->get_option_no_throw(it.key());
           if (!opt || opt->count() > 0) continue;
+          // A run started from --init trains the model its checkpoints hold.
+          if (it.key() == "--model" && it.value() == "init") {
+            args.push_back("--init=" + train.resume_dir);
+            continue;
+          }
           if (it.value().is_boolean()) {
             if (it.value().get<bool>()) args.push_back(it.key());
           } else if (!it.value().get<std::string>().empty()) {

@@ -146,8 +146,27 @@ HeadWorkspace head_workspace_from(const std::vector<void*>& t, int chunk, Worksp
 }
 
 std::vector<PosSpan> Subseq::parts() const {
-  if (spans.empty()) return {{offset, T, 0}};
-  return spans;
+  std::vector<PosSpan> runs = spans.empty() ? std::vector<PosSpan>{{offset, T, 0}} : spans;
+  if (!docs) return runs;
+  std::vector<PosSpan> out;
+  for (const PosSpan& r : runs) {
+    PosSpan p = r;
+    // Every document start inside the run cuts it.
+    for (auto it = std::upper_bound(docs->begin(), docs->end(), r.pos0); it != docs->end() && *it < r.pos0 + r.rows;
+         ++it) {
+      const int head = int(*it - p.pos0);
+      out.push_back({p.pos0, head, p.row0});
+      p = {*it, p.rows - head, p.row0 + head};
+    }
+    out.push_back(p);
+  }
+  return out;
+}
+
+i64 Subseq::doc_start(i64 pos) const {
+  if (!docs || docs->empty()) return 0;
+  const auto it = std::upper_bound(docs->begin(), docs->end(), pos);
+  return it == docs->begin() ? 0 : *(it - 1);
 }
 
 AttnShape span_shape(const ModelConfig& c, const PosSpan& p) {
@@ -172,15 +191,25 @@ std::vector<KVRef> kv_blocks(const KVBlocks& past, const void* k_self, const voi
                              DType a) {
   std::vector<KVRef> blocks;
   blocks.reserve(past.k.size() + 2);
-  for (size_t j = 0; j < past.k.size(); ++j)
-    blocks.push_back({past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr,
-                      j < past.dv.size() ? past.dv[j] : nullptr, int(past.lengths[j]), past.offsets[j]});
   const i64 H = c.kv_width();
+  // Packed documents: keys before the queries' document are another document's; a block
+  // that starts before it is cut to the rows from it.
+  const i64 first = q.doc_start(queries.pos0);
+  auto add = [&](const void* k, const void* v, float* dk, float* dv, i64 rows, i64 pos0) {
+    const i64 skip = std::max<i64>(0, first - pos0);
+    if (skip >= rows) return;
+    const i64 at = skip * H;
+    blocks.push_back({act_at(k, at, a), act_at(v, at, a), dk ? dk + at : nullptr, dv ? dv + at : nullptr,
+                      int(rows - skip), pos0 + skip});
+  };
+  for (size_t j = 0; j < past.k.size(); ++j)
+    add(past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr, j < past.dv.size() ? past.dv[j] : nullptr,
+        past.lengths[j], past.offsets[j]);
   for (const PosSpan& own : q.parts()) {
     if (own.pos0 > last_seen(c, queries)) continue;  // entirely after the queries
     const i64 at = i64(own.row0) * H;
-    blocks.push_back({act_at(k_self, at, a), act_at(v_self, at, a), dk_self ? dk_self + at : nullptr,
-                      dv_self ? dv_self + at : nullptr, own.rows, own.pos0});
+    add(act_at(k_self, at, a), act_at(v_self, at, a), dk_self ? dk_self + at : nullptr,
+        dv_self ? dv_self + at : nullptr, own.rows, own.pos0);
   }
   return blocks;
 }
@@ -271,9 +300,9 @@ void qkv_backward_planar(Backend& be, BlockParams& g, const float* dk_self, cons
   be.put_cols(dkv, dk_self, true, T, KV, 2 * KV, 0);
   be.put_cols(dkv, dv_self, true, T, KV, 2 * KV, KV);
   for (const PosSpan& part : q.parts()) {
-    be.rope_backward(act_at(dq, i64(part.row0) * H, a), part.rows, c.heads, c.head_size(), part.pos0, rope, H);
-    be.rope_backward(act_at(dkv, i64(part.row0) * 2 * KV, a), part.rows, c.kv_head_count(), c.head_size(), part.pos0,
-                     rope, 2 * KV);
+    be.rope_backward(act_at(dq, i64(part.row0) * H, a), part.rows, c.heads, c.head_size(), q.rope_pos(part), rope, H);
+    be.rope_backward(act_at(dkv, i64(part.row0) * 2 * KV, a), part.rows, c.kv_head_count(), c.head_size(),
+                     q.rope_pos(part), rope, 2 * KV);
   }
   const i64 kv_rows = i64(H) * H;  // where the k rows start in the weight, and the bias
   be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dq, s.ln1_out, m.qkv_w, T, H, H, 0, 0, w.scratch);
@@ -305,8 +334,8 @@ void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const B
   const RopeTable rope = rope_table(c);
   for (const PosSpan& part : q.parts()) {
     void* rows = act_at(w.qkv, i64(part.row0) * Q, a);
-    if (want_q) be.rope_forward(rows, part.rows, c.heads, c.head_size(), part.pos0, rope, Q);
-    if (kv) be.rope_forward(act_at(rows, H, a), part.rows, c.kv_head_count(), c.head_size(), part.pos0, rope, Q);
+    if (want_q) be.rope_forward(rows, part.rows, c.heads, c.head_size(), q.rope_pos(part), rope, Q);
+    if (kv) be.rope_forward(act_at(rows, H, a), part.rows, c.kv_head_count(), c.head_size(), q.rope_pos(part), rope, Q);
   }
   if (want_q) be.copy_cols(s.q, w.qkv, T, H, Q, 0);
   if (kv) {
@@ -427,8 +456,8 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
     be.put_cols(dqkv, dv_self, true, T, H, 3 * H, 2 * H);
     for (const PosSpan& part : q.parts()) {
       void* rows = act_at(dqkv, i64(part.row0) * 3 * H, a);
-      be.rope_backward(rows, part.rows, c.heads, c.head_size(), part.pos0, rope, 3 * H);
-      be.rope_backward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), part.pos0, rope, 3 * H);
+      be.rope_backward(rows, part.rows, c.heads, c.head_size(), q.rope_pos(part), rope, 3 * H);
+      be.rope_backward(act_at(rows, H, a), part.rows, c.heads, c.head_size(), q.rope_pos(part), rope, 3 * H);
     }
     be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dqkv, s.ln1_out, m.qkv_w, T, H, 3 * H, 0, 0, w.scratch);
   }

@@ -136,13 +136,25 @@ struct PosSpan {
 // zigzag ring piece: chunks r and 2R-1-r), their rows in span order. Per-token work runs
 // over all T rows at once; RoPE and attention run per span. The LSE and delta of a block
 // are laid out per span: span j's [Z, rows_j] starts at Z * row0_j.
+// Packed documents (--pack): `docs` holds the starts of the step's documents (sorted
+// global positions, the first 0). A block then attends only to keys of a query's own
+// document and rotates every row by its position in its document; parts() splits the
+// spans at document starts, so that each part lies in one document.
 struct Subseq {
   Subseq() = default;
   Subseq(i64 o, int t) : offset(o), T(t) {}
   i64 offset = 0;  // o: position of row 0
   int T = 0;       // tokens in this subsequence (or piece)
   std::vector<PosSpan> spans;  // empty: one span {offset, T, 0}
+  const std::vector<i64>* docs = nullptr;  // null: the sequence is one document
   std::vector<PosSpan> parts() const;
+  // The first position of the document holding position `pos` (0 without documents).
+  i64 doc_start(i64 pos) const;
+  // RoPE's position of the first row of span p: its position in its document. (RoPE's
+  // scores depend only on the distance between positions, so this changes no result beyond
+  // rounding: angles stay those of the document's length, as a model trained on documents
+  // alone saw them.)
+  i64 rope_pos(const PosSpan& p) const { return p.pos0 - doc_start(p.pos0); }
 };
 
 // How a block's queries reach the keys they attend to. The block computes its own q, k, v

@@ -184,6 +184,7 @@ bool tiled_away(const MlpTiles& tiles, int k) { return k == kSavedFcPre && tiles
 void Runtime::forward(StepState& st, const sched::Op& op) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(st.sched, op);
+  const Subseq blocks = with_docs(q, st.control.docs);
   const StageWeights wt = st.msp.weights_for(op);
   const int T = q.T, H = config_.hidden, L = config_.layers;
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
@@ -224,7 +225,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     if (st.tp)
       block_forward_tp(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, *st.tp, config_, q);
     else
-      block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, q);
+      block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, blocks);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
     for (int k = 0; k < kSavedTensors; ++k)  // what backward recomputes (Note [Recomputed tensors])
@@ -271,6 +272,7 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(st.sched, op);
+  const Subseq blocks = with_docs(q, st.control.docs);
   const StageWeights wt = st.msp.weights_for(op);
   const bool own = lb_ <= b && e <= le_;
   const int T = q.T, L = config_.layers;
@@ -305,14 +307,14 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
         block_recompute_tp(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, *st.tp,
                            config_, q);
       else
-        block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, config_, q);
+        block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, config_, blocks);
     }
     if (opts_.recompute) {
       for (int k = 1; k < kSavedTensors; ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       Buffer out = device_->alloc(specs[0].bytes(), "recomputed block output");
       BlockSaved s = block_saved_from(ptrs(unit));
-      block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, *attn, config_, q);
+      block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, *attn, config_, blocks);
     }
     for (int k = 0; k < kSavedTensors; ++k)
       SPPO_ASSERT_MSG(unit[k] || tiled_away(tiles, k), "saved tensor " << specs[k].name << " of layer " << l
@@ -326,7 +328,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
                               w.tp_pad, *st.tp, config_, q);
     } else {
       block_backward(be_, d, wt.g->blocks[l], st.kv.dk(l, i).f32(), st.kv.dv(l, i).f32(), s, wt.w->blocks[l],
-                     wt.m->blocks[l], w, *attn, config_, q, kv ? st.kv.du(l, i).f32() : nullptr);
+                     wt.m->blocks[l], w, *attn, config_, blocks, kv ? st.kv.du(l, i).f32() : nullptr);
     }
     for (auto& buf : unit) buf.reset();
     st.kv.release(l, i);

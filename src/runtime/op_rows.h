@@ -28,4 +28,10 @@ inline Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
   return q;
 }
 
+// q as the blocks see it: with the step's packed documents (StepControl::docs), if any.
+inline Subseq with_docs(Subseq q, const std::vector<i64>* docs) {
+  q.docs = docs && !docs->empty() ? docs : nullptr;
+  return q;
+}
+
 }  // namespace sppo

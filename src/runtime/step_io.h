@@ -86,6 +86,10 @@ struct StepControl {
   // where a position is not predicted); null for a causal model, whose targets are the
   // next tokens.
   const std::int32_t* targets = nullptr;
+  // Packed documents (--pack; Schedule::packed): the starts of the step's documents
+  // (sorted, the first 0), which the blocks' attention and RoPE keep apart, and `targets`
+  // (kNoTarget at each document's last position, which would predict the next document).
+  const std::vector<i64>* docs = nullptr;
 };
 
 // Seconds on the steady clock, which every process on a machine shares, so that the

@@ -4,6 +4,7 @@
 
 #include "core/check.h"
 #include "runtime/op_rows.h"
+#include "schedule/memory.h"
 
 namespace sppo {
 
@@ -101,16 +102,21 @@ void StepState::load_inputs(const std::int32_t* tokens) {
   // step_input_bytes).
   // A causal model's targets are its inputs shifted by one; a bidirectional model's
   // (masked tokens) come beside them.
-  SPPO_CHECK(c.causal == (control.targets == nullptr), "runtime")
+  SPPO_CHECK(c.causal == (control.targets == nullptr) || (c.causal && sched.packed), "runtime")
       << (c.causal ? "a causal model predicts the next token; masked-token targets need --attention bidirectional"
                    : "a bidirectional model trains on masked tokens (--objective mlm), which need targets");
-  const i64 ids_count = c.causal ? S + 1 : 2 * S;
+  SPPO_CHECK(!sched.packed || (control.targets && control.docs), "runtime")
+      << "a schedule of packed documents runs with the step's documents and targets";
+  // Inputs, then the targets when they are not the inputs shifted by one.
+  const i64 inputs = c.causal ? S + 1 : S;
+  const i64 ids_count = sched::step_input_bytes(c, S, sched.packed) / 4 - 2;
   ids = ctx.device.alloc(i64(sizeof(std::int32_t)) * ids_count, "token ids");
-  be.to_device(ids.data(), tokens, sizeof(std::int32_t) * std::size_t(c.causal ? S + 1 : S));
-  targets = static_cast<const std::int32_t*>(ids.data()) + (c.causal ? 1 : S);
+  be.to_device(ids.data(), tokens, sizeof(std::int32_t) * std::size_t(inputs));
+  targets = static_cast<const std::int32_t*>(ids.data()) + (control.targets ? inputs : 1);
   predicted = S;
   if (control.targets) {
-    be.to_device(static_cast<std::int32_t*>(ids.data()) + S, control.targets, sizeof(std::int32_t) * std::size_t(S));
+    be.to_device(static_cast<std::int32_t*>(ids.data()) + inputs, control.targets,
+                 sizeof(std::int32_t) * std::size_t(S));
     predicted = std::count_if(control.targets, control.targets + S, [](std::int32_t t) { return t != kNoTarget; });
     SPPO_CHECK(predicted > 0, "runtime") << "no position of the sequence is predicted (every target is masked out)";
   }

@@ -147,6 +147,9 @@ struct Schedule {
   // as a Host layer's. Host and Recompute layers run ops of one piece only (no ring, no
   // MSP); Recompute, no tensor parallelism either (its rows of x are split over the group).
   std::vector<KvPlace> kv_place;
+  // Packed documents (--pack): a causal model's targets come beside its token ids
+  // (step_input_bytes), since a document's last position predicts nothing.
+  bool packed = false;
   KvPlace kv_at(int layer) const { return kv_place.empty() ? KvPlace::Device : kv_place[std::size_t(layer)]; }
   // Host or Recompute: earlier blocks stream through a window, their sums on the host.
   bool kv_streamed(int layer) const { return kv_at(layer) != KvPlace::Device; }

@@ -83,6 +83,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   s.ring_rsa = shape.ring_rsa && shape.sp > 1;
   s.recompute = shape.recompute;
   s.mlp_tile_rows = shape.mlp_tile_rows;
+  s.packed = shape.packed;
   return s;
 }
 

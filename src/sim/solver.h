@@ -60,6 +60,7 @@ struct StepShape {
   std::vector<sched::KvPlace> kv_place;  // where each layer keeps its K/V (Schedule::kv_place)
   SavedSet recompute = 0;          // saved tensors backward recomputes (Schedule::recompute)
   i64 mlp_tile_rows = 0;           // Schedule::mlp_tile_rows
+  bool packed = false;             // Schedule::packed
 };
 // The schedule of one step of that shape (build_single for one process), expanded for
 // tensor parallelism (sched::expand_tensor_parallel) when tp > 1.

@@ -18,6 +18,8 @@ struct StepOptions {
   // checkpoint or a Hugging Face model directory; step 0, a fresh optimizer.
   std::string init;
   std::string data;                   // "" = the built-in repeat task
+  std::int64_t doc_sep = -1;          // --doc-sep: the token that ends each document (-1: none)
+  bool pack = false;                  // --pack: documents packed, attention and positions kept apart
   std::string data_dtype;             // "u16" / "u32" for raw token files with other names
   int threads = 0;                    // 0 = OpenMP default
   // SPPO on one process

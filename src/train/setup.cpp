@@ -93,6 +93,18 @@ std::vector<std::int32_t> mask_tokens(std::int32_t* tokens, i64 S, int vocab, st
   return targets;
 }
 
+PackedDocs pack_documents(const std::int32_t* tokens, i64 S, std::int32_t sep) {
+  PackedDocs d;
+  d.starts.push_back(0);
+  d.targets.assign(tokens + 1, tokens + S + 1);
+  for (i64 t = 0; t + 1 < S + 1; ++t)
+    if (tokens[t] == sep) {
+      d.targets[std::size_t(t)] = kNoTarget;  // the separator ends its document
+      if (t + 1 < S) d.starts.push_back(t + 1);
+    }
+  return d;
+}
+
 void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -267,6 +279,16 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       << "--mlp-tile-rows runs the MLP of whole rows a tile at a time; it runs without --tp and --recompute "
          "(use --mlp-tile-rows 0 there)";
   shape.mlp_tile_rows = o.mlp_tile_rows;
+  // Packed documents: the blocks keep them apart through the K/V on the device of one rank.
+  SPPO_CHECK(!o.pack || o.doc_sep >= 0, "options")
+      << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id)";
+  SPPO_CHECK(!o.pack || (s.config.causal && !o.recompute && shape.tp == 1 && shape.sp == 1 && !shape.msp), "options")
+      << "--pack runs causal models on one rank's subsequences, --pp and --dp; not yet with --tp, --cp, --msp on or "
+         "--recompute";
+  SPPO_CHECK(o.doc_sep < s.config.vocab, "options")
+      << "--doc-sep " << o.doc_sep << " is not a token id of the model's vocabulary of " << s.config.vocab;
+  shape.packed = o.pack;
+  s.doc_sep = o.doc_sep;
   // The kernels' scratch comes from the device tier too.
   shape.block_scratch = s.backend->block_scratch(s.config);
   shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);
@@ -276,15 +298,15 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "recompute" || o.kv_cache == "auto",
              "options")
       << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host, recompute or auto";
-  const bool kv_host_ok = !o.recompute && shape.sp == 1 && !shape.msp;
+  const bool kv_host_ok = !o.recompute && shape.sp == 1 && !shape.msp && !o.pack;
   const bool kv_recompute_ok = kv_host_ok && shape.tp == 1;
   SPPO_CHECK(o.kv_cache != "host" || kv_host_ok, "options")
-      << "--kv-cache host streams K/V blocks of one rank's subsequences; it runs without --cp, --msp on and "
+      << "--kv-cache host streams K/V blocks of one rank's subsequences; it runs without --cp, --msp on, --pack and "
          "--recompute (use --kv-cache device there)";
   SPPO_CHECK(o.kv_cache != "recompute" || kv_recompute_ok, "options")
       << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
-         "subsequences at a time; it runs without --tp, --cp, --msp on and --recompute (use --kv-cache host or "
-         "device there)";
+         "subsequences at a time; it runs without --tp, --cp, --msp on, --pack and --recompute (use --kv-cache host "
+         "or device there)";
   const bool recompute_auto = o.recompute_tensors == "auto";
   if (!recompute_auto) shape.recompute = parse_recompute_tensors(o.recompute_tensors);
   else if (from_plan) shape.recompute = from_plan->recompute;

@@ -37,7 +37,17 @@ struct StepSetup {
   bool profile_measured = false;  // profile prices time (not only memory)
   bool repeat_task = false;     // the built-in task: report both halves' losses
   std::uint64_t seed = 0;       // --seed (masked-token training draws its masks from it)
+  std::int64_t doc_sep = -1;    // --pack: the token that ends each document
 };
+
+// Packed documents (--pack): the starts of the documents of tokens[0..S] (the first 0; a
+// document ends after each `sep`), and the targets of positions 0..S-1: the next token,
+// or kNoTarget where it starts another document.
+struct PackedDocs {
+  std::vector<i64> starts;
+  std::vector<std::int32_t> targets;
+};
+PackedDocs pack_documents(const std::int32_t* tokens, i64 S, std::int32_t sep);
 
 // Memory a run's process holds besides the two tiers (program, thread stacks, OpenBLAS and
 // MPI buffers), counted when checking that a run fits the machine.

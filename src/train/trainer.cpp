@@ -124,7 +124,7 @@ void check_train_options(const TrainOptions& o) {
                                              << ")";
   SPPO_CHECK(o.step.comm_timeout_s > 0, "options") << "--comm-timeout must be positive";
   SPPO_CHECK(o.save_every == 0 || !o.save_dir.empty(), "options") << "--save-every needs --save DIR";
-  SPPO_CHECK(o.resume_dir.empty() || o.step.init.empty(), "options")
+  SPPO_CHECK(o.resume_dir.empty() || o.step.init.empty() || o.step.init == o.resume_dir, "options")
       << "--init starts a new run at step 0 from a model's weights, --resume continues a run; give one of them";
   check_output_dir(o.save_dir, "--save", true);
   check_output_file(o.metrics_path, "--metrics");
@@ -168,7 +168,13 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     if (j < 0 || j >= lay.per_replica()) continue;  // another replica's sequence
     std::vector<std::int32_t> targets;
     if (!s.config.causal) targets = mask_tokens(tokens.data(), S, s.config.vocab, s.seed);
-    StepControl control{j > 0, j + 1 == lay.per_replica(), targets.empty() ? nullptr : targets.data()};
+    PackedDocs docs;
+    if (s.schedule.packed) {
+      docs = pack_documents(tokens.data(), S, std::int32_t(s.doc_sep));
+      targets = docs.targets;
+    }
+    StepControl control{j > 0, j + 1 == lay.per_replica(), targets.empty() ? nullptr : targets.data(),
+                        s.schedule.packed ? &docs.starts : nullptr};
     StepResult r = s.runtime->step(s.schedule, tokens.data(), control);
     if (r.has_loss && lay.tp_index() == 0) {  // tensor-parallel members hold the same loss
       q.loss_sum += r.loss;
@@ -515,6 +521,8 @@ nlohmann::json numeric_options(const TrainOptions& o) {
           {"--seed", std::to_string(st.seed)},
           {"--data", st.data},
           {"--data-dtype", st.data_dtype},
+          {"--doc-sep", std::to_string(st.doc_sep)},
+          {"--pack", st.pack},
           {"--subseqs", st.subseqs},
           {"--partition", st.partition},
           {"--recompute", st.recompute},

@@ -28,7 +28,7 @@ const std::string kBidirectional = "--attention bidirectional --objective mlm";
 const std::string kLlama = "--model llama-tiny --layers 4 --seq-len 96 --seed 3 --threads 1";
 
 ModelConfig model(const std::string& flags = kModel) {
-  ModelConfig c = preset(flags == kLlama ? "llama-tiny" : "tiny");
+  ModelConfig c = preset(flags.rfind(kLlama, 0) == 0 ? "llama-tiny" : "tiny");
   c.layers = 4;
   return c;
 }
@@ -37,13 +37,27 @@ class Layouts : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     tmp_ = new io::TempDir("sppo-mpi-layouts");
+    // Documents of 1 to 40 tokens, each ended by token 0, for packing (--pack).
+    {
+      std::vector<std::uint16_t> docs;
+      std::uint32_t x = 7;
+      while (docs.size() < 400) {
+        const std::uint32_t n = 1 + (x = x * 1103515245u + 12345u) % 40;
+        for (std::uint32_t k = 1; k < n; ++k) docs.push_back(std::uint16_t(1 + (x = x * 1103515245u + 12345u) % 60));
+        docs.push_back(0);
+      }
+      io::write_file_atomic(tmp_->path() + "/docs.u16",
+                            std::string_view(reinterpret_cast<const char*>(docs.data()), docs.size() * 2));
+      packed_ = kLlama + " --data " + tmp_->path() + "/docs.u16 --doc-sep 0 --pack";
+    }
     // The references: one process started without a launcher, the whole sequence; and one
     // process with two sequences a step (what two data-parallel replicas train together).
     for (const auto& [dir, flags] : {std::pair<std::string, std::string>{"ref1", kModel},
                                      {"ref2", kModel + " --batch 2"},
                                      {"refb", kModel + " " + kBidirectional},
                                      {"llama1", kLlama},
-                                     {"llama2", kLlama + " --batch 2"}}) {
+                                     {"llama2", kLlama + " --batch 2"},
+                                     {"packed", packed_}}) {
       const auto r = testing::run_command(testing::sppo_binary() + " grads " + flags + " --out " +
                                           tmp_->path() + "/" + dir);
       ASSERT_EQ(r.status, 0) << r.output;
@@ -91,10 +105,12 @@ class Layouts : public ::testing::Test {
   }
 
   static io::TempDir* tmp_;
+  static std::string packed_;  // the Llama model on packed documents
   int runs_ = 0;
 };
 
 io::TempDir* Layouts::tmp_ = nullptr;
+std::string Layouts::packed_;
 
 TEST_F(Layouts, Pipeline2) { pipeline(2); }
 
@@ -225,6 +241,9 @@ TEST_F(Layouts, LlamaFamily) {
   // The K/V streams (runtime/kv_stream.h) with grouped-query K/V: on the host, recomputed.
   check(2, "--pp 2 --subseqs 4 --kv-cache host", "llama1", kLlama);
   check(2, "--pp 2 --subseqs 4 --offload 0.5 --kv-cache recompute --recompute-tensors ln1,ln2,fc_pre", "llama1", kLlama);
+  // Packed documents: attention and positions kept apart through the pipeline.
+  check(2, "--pp 2 --subseqs 4 --offload 0.5", "packed", packed_);
+  check(2, "--pp 2 --subseqs 7 --recompute-tensors all", "packed", packed_);
 }
 
 // Tensor parallelism of the Llama-family block: each member holds whole key/value heads

@@ -4,6 +4,7 @@
 // recomputed tensors, MLP tiles) against the whole-sequence engine run (DESIGN.md 3).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "core/layout.h"
+#include "model_reference64.h"
 #include "model_reference64_llama.h"
 #include "schedule/builders.h"
 #include "train/setup.h"
@@ -137,7 +139,7 @@ std::vector<i64> equal_lengths(i64 S, int N) {
 
 std::vector<double> alphas(int N, double a) {
   std::vector<double> v(std::size_t(N), a);
-  v.back() = 0;  // the last subsequence's backward comes first: never offloaded
+  if (!v.empty()) v.back() = 0;  // the last subsequence's backward comes first: never offloaded
   return v;
 }
 
@@ -295,6 +297,97 @@ TEST(Llama, StreamedKvPeakEqualsTheSimulatorsPrediction) {
     std::printf("[llama streamed K/V peak] %s: %lld measured, %lld predicted; host %lld, %lld\n", what.c_str(),
                 static_cast<long long>(r.device.peak), static_cast<long long>(s.predicted_peak_bytes),
                 static_cast<long long>(r.host.peak), static_cast<long long>(s.predicted_host_bytes));
+  }
+}
+
+}  // namespace
+}  // namespace sppo
+
+namespace sppo {
+namespace {
+
+// Packed documents (--pack): a sequence of documents, each ended by the separator, trains as
+// the documents would one at a time: attention stops at each document's start, RoPE counts
+// positions from it, and a document's last position predicts nothing. Against the float64
+// reference run on each document alone, the losses and gradients weighted by the
+// positions each predicts; for N 1, 3, 8 (subsequences cutting documents), offloaded and
+// with recomputed tensors, and for a GPT block too.
+TEST(Packed, DocumentsTrainAsSeparateSequences) {
+  const ModelConfig llama = llama_config(2, true, RopeScaling::Type::Yarn, 0);
+  ModelConfig gpt = preset("tiny");
+  gpt.vocab = llama.vocab;
+  for (const ModelConfig& c : {llama, gpt}) {
+    const std::int32_t sep = c.vocab - 1;
+    std::mt19937 rng(41);
+    std::vector<Tokens> docs;
+    Tokens tokens;
+    for (int n : {9, 1, 17, 6, 12}) {  // a one-token document is its separator alone
+      Tokens d;
+      for (int t = 0; t + 1 < n; ++t) d.push_back(std::int32_t(rng() % unsigned(sep)));
+      d.push_back(sep);
+      docs.push_back(d);
+      tokens.insert(tokens.end(), d.begin(), d.end());
+    }
+    const i64 S = i64(tokens.size()) - 1;  // the last separator is the last target
+    const PackedDocs packed = pack_documents(tokens.data(), S, sep);
+    ASSERT_EQ(packed.starts, (std::vector<i64>{0, 9, 10, 27, 33}));
+    const std::vector<float> params = random_params(c, 9);
+    // The reference: each document alone, at positions from 0.
+    StepRun ref;
+    ref.grads.assign(params.size(), 0.0);
+    const std::vector<double> p64(params.begin(), params.end());
+    i64 predicted = 0;
+    std::vector<std::pair<double, std::vector<double>>> per_doc;
+    for (std::size_t k = 0; k < docs.size(); ++k) {
+      const i64 n = i64(docs[k].size());
+      const i64 end = k + 1 < packed.starts.size() ? packed.starts[k + 1] : S;
+      Tokens doc_tokens(tokens.begin() + packed.starts[k], tokens.begin() + end + 1);
+      std::vector<std::int32_t> targets(packed.targets.begin() + packed.starts[k], packed.targets.begin() + end);
+      const i64 rows = end - packed.starts[k];
+      ASSERT_LE(rows, n);
+      const i64 count = std::count_if(targets.begin(), targets.end(), [](std::int32_t t) { return t != kNoTarget; });
+      predicted += count;
+      if (count == 0) continue;  // the separator alone: nothing to predict
+      std::vector<double> g(params.size(), 0.0);
+      double loss = 0;
+      if (c.llama()) {
+        const ref64llama::Dims d = ref64llama::dims_of(c);
+        ref64llama::Cache cache;
+        loss = ref64llama::forward(d, p64.data(), doc_tokens.data(), rows, &cache, {}, targets.data());
+        ref64llama::backward(d, p64.data(), doc_tokens.data(), rows, cache, g.data(), {}, targets.data());
+      } else {
+        const ref64::Dims d = ref64::dims_of(c);
+        ref64::Cache cache;
+        loss = ref64::forward(d, p64.data(), doc_tokens.data(), rows, &cache, {}, targets.data());
+        ref64::backward(d, p64.data(), doc_tokens.data(), rows, cache, g.data(), {}, targets.data());
+      }
+      for (double& x : g) x *= double(count);
+      per_doc.push_back({loss * double(count), g});
+    }
+    for (const auto& [loss, g] : per_doc) {
+      ref.loss += loss / double(predicted);
+      for (std::size_t k = 0; k < g.size(); ++k) ref.grads[k] += g[k] / double(predicted);
+    }
+    const auto& levels = recompute_levels();
+    for (int N : {1, 3, 8})
+      for (double a : {0.0, 0.6})
+        for (SavedSet rc : {SavedSet(0), levels.back()}) {
+          RuntimeOptions o;
+          o.head_chunk = 7;
+          Runtime rt(c, o);
+          std::copy(params.begin(), params.end(), rt.params());
+          sched::Schedule s = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
+          s.recompute = rc;
+          s.packed = true;
+          StepControl control;
+          control.targets = packed.targets.data();
+          control.docs = &packed.starts;
+          const StepResult r = rt.step(s, tokens.data(), control);
+          const StepRun got{r.loss, std::vector<double>(rt.grads(), rt.grads() + rt.num_params())};
+          expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3,
+                             std::string(c.llama() ? "llama" : "gpt") + " packed N=" + std::to_string(N) +
+                                 " alpha=" + std::to_string(a) + " recompute " + recompute_tensors_text(rc));
+        }
   }
 }
 
