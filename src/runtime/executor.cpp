@@ -223,7 +223,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     BlockSaved saved = block_saved_from(ptrs(unit));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get(), tiles);
     if (st.tp)
-      block_forward_tp(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, *st.tp, config_, q);
+      block_forward_tp(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, *st.tp, config_, blocks);
     else
       block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, blocks);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
@@ -305,7 +305,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
       BlockSaved s = block_saved_from(ptrs(unit));
       if (st.tp)
         block_recompute_tp(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, *st.tp,
-                           config_, q);
+                           config_, blocks);
       else
         block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, config_, blocks);
     }
@@ -322,7 +322,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     const BlockSaved s = block_saved_from(ptrs(unit));
     if (st.tp) {
       block_backward_tp(be_, d, wt.g->blocks[l], st.kv.dk(l, i).f32(), st.kv.dv(l, i).f32(), s, wt.w->blocks[l],
-                        wt.m->blocks[l], w, *attn, *st.tp, config_, q);
+                        wt.m->blocks[l], w, *attn, *st.tp, config_, blocks);
       if (l == 0)  // while the layer's workspace is there to gather into
         embedding_backward_tp(be_, wt.g->embed, d, static_cast<const std::int32_t*>(st.ids.data()), w.tp_full,
                               w.tp_pad, *st.tp, config_, q);

@@ -282,8 +282,8 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   // Packed documents: the blocks keep them apart through the K/V on the device of one rank.
   SPPO_CHECK(!o.pack || o.doc_sep >= 0, "options")
       << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id)";
-  SPPO_CHECK(!o.pack || (s.config.causal && !o.recompute && shape.tp == 1 && shape.sp == 1 && !shape.msp), "options")
-      << "--pack runs causal models on one rank's subsequences, --pp and --dp; not yet with --tp, --cp, --msp on or "
+  SPPO_CHECK(!o.pack || (s.config.causal && !o.recompute && shape.sp == 1 && !shape.msp), "options")
+      << "--pack runs causal models on one rank's subsequences, --pp, --tp and --dp; not yet with --cp, --msp on or "
          "--recompute";
   SPPO_CHECK(o.doc_sep < s.config.vocab, "options")
       << "--doc-sep " << o.doc_sep << " is not a token id of the model's vocabulary of " << s.config.vocab;

@@ -244,6 +244,7 @@ TEST_F(Layouts, LlamaFamily) {
   // Packed documents: attention and positions kept apart through the pipeline.
   check(2, "--pp 2 --subseqs 4 --offload 0.5", "packed", packed_);
   check(2, "--pp 2 --subseqs 7 --recompute-tensors all", "packed", packed_);
+  check(4, "--pp 2 --tp 2 --subseqs 3 --offload 0.5", "packed", packed_);
 }
 
 // Tensor parallelism of the Llama-family block: each member holds whole key/value heads
