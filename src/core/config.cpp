@@ -215,7 +215,13 @@ RopeScaling rope_scaling_from_json(const nlohmann::json& j) {
     return it->get<double>();
   };
   r.factor = real("factor", 1.0);
-  r.original_max_positions = i64(real("original_max_position_embeddings", 0.0));
+  const double original = real("original_max_position_embeddings", 0.0);
+  SPPO_CHECK(std::isfinite(original) && original >= 0 && original <= double(i64{1} << 40) &&
+                 original == std::floor(original),
+             "config")
+      << "rope_scaling: \"original_max_position_embeddings\" must be a whole number of positions up to 2^40 (got "
+      << original << ")";
+  r.original_max_positions = i64(original);
   r.low_freq_factor = real("low_freq_factor", 1.0);
   r.high_freq_factor = real("high_freq_factor", 4.0);
   r.beta_fast = real("beta_fast", 32.0);
