@@ -1,41 +1,63 @@
 #!/usr/bin/env bash
 # The whole device check of the CUDA backend in one run (meant to take under 8 minutes on
-# an H200): the kernels and a whole step against the CPU backend, every SPPO mode against
-# the GPU's own whole-sequence step, the budget refusal, and the benchmarks beside PyTorch
-# measured in the same run. Each section runs on its own (a failure is recorded, the rest
-# go on) under its own time limit.
+# an H200): the kernels and a whole step against the CPU backend (GPT and Llama blocks),
+# every SPPO mode against the GPU's own whole-sequence step (host and recomputed K/V, packed
+# documents), the budget refusal, and the benchmarks beside PyTorch measured in the same run.
+# Each section runs on its own (a failure is recorded, the rest go on) under its own time
+# limit, cut to what is left of DEADLINE seconds for the whole check.
 #
 #   source .gpu-bundle/env.sh; OUT=... COMMIT=... bash bench/gpu/check.sh
+#   SECTIONS='^(kernels|grads)' bash bench/gpu/check.sh   # only the sections this regex matches
 #   bash bench/gpu/check.sh --smoke     # the same pipeline on the CPU backend, tiny shapes
 #
+# Programs come from BIN (default build/; a bundle's bin/ holds them all in one folder).
 # Writes $OUT/check.json with the keys of bench/results/<gpu>-<date>.json (the copy to
-# commit) and every section's log under $OUT/logs.
+# commit) and every section's log, packed into $OUT/logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$PWD/check-out}
-SPPO=${SPPO:-build/sppo}
+BIN=${BIN:-build}
+SPPO=${SPPO:-$BIN/sppo}
+tool() { [ -x "$BIN/$1" ] && echo "$BIN/$1" || echo "$BIN/tests/$1"; }
+SECTIONS=${SECTIONS:-.}
+DEADLINE=${DEADLINE:-540}
 SMOKE=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
-mkdir -p "$OUT/logs" "$OUT/parts"
+mkdir -p "$OUT/logs" "$OUT/parts" "$OUT/grads"
 PY=${PYTHON:-python3}
 started=$(date +%s)
 
 if [ $SMOKE = 1 ]; then
   BACKEND=(--backend cpu); FP32=(--backend cpu); BF16=(--backend cpu)
   SMALL=(--model tiny --seq-len 96 --threads 2)
+  LLAMA=(--model llama-tiny --seq-len 96 --threads 2)
   CURVE=(--model tiny --seq-len 128 --steps 8 --threads 2)
+  LCURVE=(--model llama-tiny --seq-len 128 --steps 8 --threads 2)
 else
   BACKEND=(--backend cuda); FP32=(--backend cuda --precision fp32); BF16=(--backend cuda --precision bf16)
   SMALL=(--model small --seq-len 1024)
+  # Grouped-query attention at the tensor cores' head size: 4 heads of 128 over 2 K/V heads.
+  LLAMA=(--model llama-tiny --hidden 512 --heads 4 --seq-len 1024)
   CURVE=(--model medium --seq-len 4096 --steps 50)
+  LCURVE=(--model llama-tiny --hidden 1024 --heads 8 --layers 4 --seq-len 4096 --steps 50)
 fi
 
-# section NAME SECONDS COMMAND...: runs the command with a time limit, its output in logs/NAME.
+# section NAME SECONDS COMMAND...: runs the command with a time limit, its output in logs/NAME;
+# skipped (rc 125) when SECTIONS does not match it or the deadline is too near.
 section() {
   local name=$1 limit=$2
   shift 2
-  local t0=$(date +%s)
+  [[ $name =~ $SECTIONS ]] || return 125
+  local t0 left
+  t0=$(date +%s)
+  left=$(( DEADLINE - (t0 - started) - 15 ))
+  (( left < limit )) && limit=$left
+  if (( limit < 5 )); then
+    echo "{\"section\": \"$name\", \"rc\": 125, \"seconds\": 0, \"skipped\": \"deadline\"}" >> "$OUT/parts/sections.jsonl"
+    echo "$name: skipped, the deadline is near" >&2
+    return 125
+  fi
   timeout "$limit" "$@" > "$OUT/logs/$name.out" 2> "$OUT/logs/$name.err"
   local rc=$?
   echo "{\"section\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" >> "$OUT/parts/sections.jsonl"
@@ -45,50 +67,81 @@ section() {
 
 # ---- correctness ----------------------------------------------------------------------------
 if [ $SMOKE = 0 ]; then
-  section kernels 240 build/tests/test_cuda_kernels --gtest_output=json:"$OUT/parts/kernels.json"
+  section kernels 90 "$(tool test_cuda_kernels)" --gtest_output=json:"$OUT/parts/kernels.json"
 fi
 
 # A whole step in fp32: the GPU against the CPU backend (relative 1e-4), then every SPPO
-# mode on the GPU against the GPU's whole-sequence step (relative 1e-5).
-section grads_cpu 120 "$SPPO" grads "${SMALL[@]}" --backend cpu --out "$OUT/grads/cpu"
-section grads_whole 60 "$SPPO" grads "${SMALL[@]}" "${FP32[@]}" --out "$OUT/grads/whole"
+# mode on the GPU against the GPU's whole-sequence step (relative 1e-5); for the GPT block
+# (grads/) and the Llama block (llama/: RMSNorm, SwiGLU, RoPE, grouped-query attention).
 modes=("--subseqs 4 --offload 0.5" "--subseqs 5 --partition flops --offload full" "--subseqs 3 --offload adaptive"
-       "--recompute")
-for k in "${!modes[@]}"; do
-  # shellcheck disable=SC2086
-  section "grads_mode$k" 60 "$SPPO" grads "${SMALL[@]}" "${FP32[@]}" ${modes[$k]} --out "$OUT/grads/mode$k"
+       "--recompute" "--subseqs 4 --kv-cache host" "--subseqs 3 --kv-cache recompute --offload 0.5"
+       "--subseqs 3 --recompute-tensors attention,fc_pre --mlp-tile-rows 128")
+for family in grads llama; do
+  if [ $family = grads ]; then shape=("${SMALL[@]}"); else shape=("${LLAMA[@]}"); fi
+  section "${family}_cpu" 120 "$SPPO" grads "${shape[@]}" --backend cpu --out "$OUT/$family/cpu"
+  section "${family}_whole" 60 "$SPPO" grads "${shape[@]}" "${FP32[@]}" --out "$OUT/$family/whole"
+  for k in "${!modes[@]}"; do
+    # shellcheck disable=SC2086
+    section "${family}_mode$k" 60 "$SPPO" grads "${shape[@]}" "${FP32[@]}" ${modes[$k]} --out "$OUT/$family/mode$k"
+  done
 done
+# Packed documents (attention stops at each document's start): the GPU against the CPU.
+$PY -c "import array, random, sys; random.seed(7)
+ids = [0 if random.random() < 0.004 else random.randrange(1, 64) for _ in range(8192)]
+open(sys.argv[1], 'wb').write(array.array('H', ids).tobytes())" "$OUT/docs.u16"
+PACK=(--data "$OUT/docs.u16" --doc-sep 0 --pack)
+section packed_cpu 120 "$SPPO" grads "${LLAMA[@]}" "${PACK[@]}" --subseqs 3 --offload 0.5 --backend cpu --out "$OUT/packed/cpu"
+section packed_gpu 60 "$SPPO" grads "${LLAMA[@]}" "${PACK[@]}" --subseqs 3 --offload 0.5 "${FP32[@]}" --out "$OUT/packed/gpu"
 
 # bf16: the loss curve of every mode within 1% of the whole-sequence bf16 curve.
 section curve_whole 120 "$SPPO" train "${CURVE[@]}" "${BF16[@]}" --quiet --metrics "$OUT/parts/curve_whole.jsonl"
 section curve_sppo 120 "$SPPO" train "${CURVE[@]}" "${BF16[@]}" --subseqs 4 --partition flops --offload 0.5 \
   --quiet --metrics "$OUT/parts/curve_sppo.jsonl"
+section curve_llama_whole 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" --quiet --metrics "$OUT/parts/curve_llama_whole.jsonl"
+section curve_llama_sppo 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" --subseqs 4 --offload 0.5 --kv-cache host \
+  --quiet --metrics "$OUT/parts/curve_llama_sppo.jsonl"
 
 # The budget: a run at exactly the predicted peak fits; one byte less is refused (exit 3).
-section budget_probe 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
+# The placement is pinned: with --kv-cache and --recompute-tensors auto a smaller budget
+# moves K/V or saved tensors off the device instead of refusing.
+PIN=(--kv-cache device --recompute-tensors none)
+section budget_probe 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" "${PIN[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
   --metrics "$OUT/parts/budget_probe.jsonl"
 peak=$($PY -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]['predicted_peak_device_bytes'])" \
   "$OUT/parts/budget_probe.jsonl" 2>/dev/null || echo 0)
-section budget_exact 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
+section budget_exact 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" "${PIN[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
   --device-memory "${peak}B"
-section budget_less 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
+section budget_less 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" "${PIN[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
   --device-memory "$((peak - 1))B"
 
 # ---- benchmarks, beside PyTorch in the same run ------------------------------------------------
 if [ $SMOKE = 0 ]; then
-  section attention 180 "$SPPO" bench attention "${BF16[@]}" --json
-  section attention_kernels 120 build/gpu_attention_bench  # each tile kernel against the SIMT one
+  # In the order of their worth, should the deadline cut the last ones.
+  section attention 60 "$SPPO" bench attention "${BF16[@]}" --json
+  section attention_kernels 60 "$(tool gpu_attention_bench)"  # each tile kernel against the SIMT one
   for S in 16384 65536 131072; do
-    section "layer_$S" 120 "$SPPO" bench layer "${BF16[@]}" --hidden 4096 --heads 32 --seq-len $S --reps 3 --json
+    section "layer_$S" 90 "$SPPO" bench layer "${BF16[@]}" --hidden 4096 --heads 32 --seq-len $S --reps 3 --json
   done
-  section offload 120 "$SPPO" bench offload "${BF16[@]}" --model medium --seq-len 32768 --subseqs 8 --json
-  section profile 120 "$SPPO" profile "${BACKEND[@]}" --out "$OUT/parts/profile.json"
+  section offload 60 "$SPPO" bench offload "${BF16[@]}" --model medium --seq-len 32768 --subseqs 8 --json
+  # MEMORY=1: the longest sequence of PyTorch with checkpointing and of SPPO, and both step
+  # times at PyTorch's (minutes each at a million tokens).
+  if [ "${MEMORY:-0}" = 1 ]; then
+    section torch 300 "$PY" bench/gpu/torch_peer.py --memory
+    torch_max=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['memory']['torch_ckpt_max_seq'])" \
+      "$OUT/logs/torch.out" 2>/dev/null || echo 0)
+    section memory 300 "$SPPO" bench memory "${BF16[@]}" --model gpt-7b --layers 8 --at-seq-len "$torch_max" \
+      --host-memory 96GiB --json
+  else
+    section torch 120 "$PY" bench/gpu/torch_peer.py
+  fi
+  # PROFILE=FILE: a profile measured before on this GPU (sppo profile takes 40 s).
+  if [ -n "${PROFILE:-}" ]; then
+    cp "$PROFILE" "$OUT/parts/profile.json"
+  else
+    section profile 60 "$SPPO" profile "${BACKEND[@]}" --out "$OUT/parts/profile.json"
+  fi
   # The simulator on the profile just measured, against three real one-GPU SPPO steps.
-  section sim 240 "$SPPO" bench sim "${BF16[@]}" --hardware "$OUT/parts/profile.json" --reps 2 --json
-  section torch 300 "$PY" bench/gpu/torch_peer.py
-  torch_max=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['memory']['torch_ckpt_max_seq'])" \
-    "$OUT/logs/torch.out" 2>/dev/null || echo 0)
-  section memory 300 "$SPPO" bench memory "${BF16[@]}" --model gpt-7b --layers 8 --at-seq-len "$torch_max" --json
+  section sim 150 "$SPPO" bench sim "${BF16[@]}" --hardware "$OUT/parts/profile.json" --reps 2 --json
 else
   section attention 60 "$SPPO" bench attention "${BACKEND[@]}" --seq-len 256 --queries 64 --prefix 192 --heads 2 \
     --reps 1 --json
@@ -98,4 +151,7 @@ fi
 
 # ---- the results ----------------------------------------------------------------------------
 $PY bench/gpu/collect.py "$OUT" "$SMOKE" "${COMMIT:-unknown}"
+# What comes back: check.json and one archive of the logs (the gradients stay behind).
+tar czf "$OUT/logs.tgz" -C "$OUT" logs parts && rm -rf "$OUT/logs" "$OUT/parts" "$OUT/grads" "$OUT/llama" \
+  "$OUT/packed" "$OUT/docs.u16"
 echo "check: $(( $(date +%s) - started )) s; results in $OUT/check.json" >&2

@@ -89,19 +89,26 @@ kernels = last_json(read(os.path.join(out_dir, "parts", "kernels.json")))
 if kernels:
     checks["kernels"] = {"tests": kernels.get("tests"), "failures": kernels.get("failures"),
                          "pass": kernels.get("failures") == 0}
-g = os.path.join(out_dir, "grads")
-vs_cpu = grad_error(os.path.join(g, "cpu"), os.path.join(g, "whole"))
-vs_cpu["pass"] = vs_cpu.get("worst_grad_rel", 1) < 1e-4 and vs_cpu.get("loss_rel", 1) < 1e-4
-checks["fp32_step_vs_cpu"] = vs_cpu
-modes = {}
-for k in range(4):
-    e = grad_error(os.path.join(g, "whole"), os.path.join(g, "mode%d" % k))
-    e["pass"] = e.get("worst_grad_rel", 1) < 1e-5 and e.get("loss_rel", 1) < 1e-5
-    modes["mode%d" % k] = e
-checks["fp32_modes_vs_whole"] = modes
-cw, cs = curve(os.path.join(out_dir, "parts", "curve_whole.jsonl")), curve(os.path.join(out_dir, "parts", "curve_sppo.jsonl"))
-dev = max((abs(a - b) / a for a, b in zip(cw, cs)), default=1.0) if cw and len(cw) == len(cs) else 1.0
-checks["bf16_curve"] = {"steps": len(cw), "max_rel_diff": dev, "pass": dev < 0.01}
+for family in ("grads", "llama"):
+    g = os.path.join(out_dir, family)
+    vs_cpu = grad_error(os.path.join(g, "cpu"), os.path.join(g, "whole"))
+    vs_cpu["pass"] = vs_cpu.get("worst_grad_rel", 1) < 1e-4 and vs_cpu.get("loss_rel", 1) < 1e-4
+    modes = {}
+    for k in range(7):
+        e = grad_error(os.path.join(g, "whole"), os.path.join(g, "mode%d" % k))
+        e["pass"] = e.get("worst_grad_rel", 1) < 1e-5 and e.get("loss_rel", 1) < 1e-5
+        modes["mode%d" % k] = e
+    name = "" if family == "grads" else "llama_"
+    checks[name + "fp32_step_vs_cpu"] = vs_cpu
+    checks[name + "fp32_modes_vs_whole"] = modes
+packed = grad_error(os.path.join(out_dir, "packed", "cpu"), os.path.join(out_dir, "packed", "gpu"))
+packed["pass"] = packed.get("worst_grad_rel", 1) < 1e-4 and packed.get("loss_rel", 1) < 1e-4
+checks["packed_vs_cpu"] = packed
+for name in ("", "llama_"):
+    cw = curve(os.path.join(out_dir, "parts", "curve_%swhole.jsonl" % name))
+    cs = curve(os.path.join(out_dir, "parts", "curve_%ssppo.jsonl" % name))
+    dev = max((abs(a - b) / a for a, b in zip(cw, cs)), default=1.0) if cw and len(cw) == len(cs) else 1.0
+    checks[name + "bf16_curve"] = {"steps": len(cw), "max_rel_diff": dev, "pass": dev < 0.01}
 rc = {s["section"]: s["rc"] for s in result["sections"]}
 checks["budget"] = {"exact_fits": rc.get("budget_exact") == 0, "one_byte_less_refused": rc.get("budget_less") == 3}
 checks["budget"]["pass"] = checks["budget"]["exact_fits"] and checks["budget"]["one_byte_less_refused"]
@@ -137,4 +144,12 @@ result["torch"] = torch
 
 with open(os.path.join(out_dir, "check.json"), "w") as f:
     json.dump(result, f, indent=1)
-print(json.dumps({"checks": {k: v.get("pass") if isinstance(v, dict) and "pass" in v else v for k, v in checks.items()}}))
+def verdict(v):
+    if isinstance(v, dict) and "pass" in v:
+        return v["pass"]
+    if isinstance(v, dict):  # the modes: each one's verdict
+        return {k: verdict(x) for k, x in v.items()}
+    return v
+
+
+print(json.dumps({"checks": {k: verdict(v) for k, v in checks.items()}}))

@@ -1,7 +1,8 @@
 """PyTorch's figures for the patterns bench/gpu/check.sh measures, in the same device call,
 printed as one JSON object: SDPA (whole causal S 32K; 16K queries after a 112K prefix), one
 bf16 GPT block (H 4096, 32 heads) at 16K / 64K / 128K, and an 8-layer stack of those blocks
-with activation checkpointing: its longest sequence on this GPU and its step time there.
+with activation checkpointing: its longest sequence on this GPU and its step time there
+(with --memory; that step alone takes minutes).
 FLOP counts as in shared/peers/h200/anchors.py: attention fwd 4 S^2 d Z / 2 (causal),
 fwd+bwd 3.5x fwd."""
 import json, sys, time
@@ -113,5 +114,6 @@ def memory():
     return {"error": "no length near the estimate fits", "estimate": S}
 
 
-section("memory", memory)
+if "--memory" in sys.argv:  # minutes on an H200: the check step at the longest length is long
+    section("memory", memory)
 print(json.dumps(out))

@@ -10,6 +10,7 @@
 #include "sim/simulator.h"
 #include "sim/solver.h"
 #include "train/profile_machine.h"
+#include "train/parallel.h"
 #include "train/setup.h"
 #include "bench/profile_device.h"
 
@@ -97,7 +98,7 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
     }
     std::vector<std::int32_t> tokens(std::size_t(S + 1));
     s.data->next(tokens.data(), S + 1);
-    init_params(s.config, s.runtime->params(), 1);
+    init_owned(*s.runtime, 1);  // written through the backend: params() may be device memory
     std::vector<double> times;
     // A probe (reps 0) runs one step and keeps its figures; a timed point discards a
     // warm-up step first.
@@ -346,7 +347,7 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
     const auto sim_r = sim::simulate(s.schedule, cost, sim::memory_rules(s.config, prec, shape));
     std::vector<std::int32_t> tokens(std::size_t(cfg.S + 1));
     s.data->next(tokens.data(), cfg.S + 1);
-    init_params(s.config, s.runtime->params(), 1);
+    init_owned(*s.runtime, 1);  // written through the backend: params() may be device memory
     std::vector<double> times;
     i64 peak = 0;
     for (int r = 0; r < b.reps + 1; ++r) {
