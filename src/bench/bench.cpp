@@ -13,7 +13,7 @@
 #include "model/gpt.h"
 #include "runtime/memory.h"
 #include "train/peak.h"
-#include "bench/device_bench.h"
+#include "train/device_bench.h"
 #include "bench/timed_backend.h"
 
 namespace sppo {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "core/check.h"
-#include "bench/device_bench.h"
+#include "train/device_bench.h"
 
 namespace sppo {
 

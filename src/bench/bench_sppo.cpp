@@ -12,7 +12,7 @@
 #include "train/profile_machine.h"
 #include "train/parallel.h"
 #include "train/setup.h"
-#include "bench/profile_device.h"
+#include "train/profile_device.h"
 
 namespace sppo {
 

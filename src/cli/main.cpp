@@ -15,7 +15,7 @@
 #include "bench/bench_attention.h"
 #include "bench/bench_pipeline.h"
 #include "bench/bench_sppo.h"
-#include "bench/profile_device.h"
+#include "train/profile_device.h"
 #include "cli/cmd_plan.h"
 #include "comm/comm.h"
 #include "core/check.h"

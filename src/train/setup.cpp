@@ -15,6 +15,7 @@
 #include "sim/simulator.h"
 #include "sim/solver.h"
 #include "train/partition.h"
+#include "train/profile_device.h"
 #include "train/profile_machine.h"
 
 namespace sppo {
@@ -213,7 +214,13 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   bool profiled = false;
   // --host-memory is the host memory a device has, to every choice made with the profile.
   auto profile = [&]() -> const plan::HardwareProfile& {
-    if (s.profile_measured && !profiled) s.profile = agreed_profile(o.hardware, w);
+    if (s.profile_measured && !profiled) {
+      // A device is priced by its own measurement (a quick one, once per process), not by
+      // the processor's: without --hardware a GPU run's offload ratios and lengths were
+      // chosen with the CPU's rates.
+      const bool device = o.hardware.empty() && s.backend && std::string(s.backend->name()) != "cpu";
+      s.profile = device ? measured_device_profile(*s.backend) : agreed_profile(o.hardware, w);
+    }
     if (o.host_memory > 0) s.profile.host_memory = o.host_memory;
     profiled = true;
     return s.profile;

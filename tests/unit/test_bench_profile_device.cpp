@@ -8,7 +8,7 @@
 #include "core/check.h"
 
 #include "bench/bench_attention.h"
-#include "bench/profile_device.h"
+#include "train/profile_device.h"
 
 namespace sppo {
 namespace {

@@ -17,4 +17,9 @@ namespace sppo {
 // do not hold (the prefix pattern's rate, copies under compute), for the record.
 plan::HardwareProfile measure_backend_profile(Backend& be, bool quick, nlohmann::json* details = nullptr);
 
+// The quick profile of this backend's device, measured on the first call of the process
+// and kept: what train and grads price adaptive choices with on a device when no
+// --hardware is given.
+const plan::HardwareProfile& measured_device_profile(Backend& be);
+
 }  // namespace sppo

@@ -1,4 +1,4 @@
-#include "bench/device_bench.h"
+#include "train/device_bench.h"
 
 #include <random>
 

@@ -1,4 +1,4 @@
-#include "bench/profile_device.h"
+#include "train/profile_device.h"
 
 #include <algorithm>
 #include <string>
@@ -6,7 +6,7 @@
 
 #include "core/check.h"
 #include "model/gpt.h"
-#include "bench/device_bench.h"
+#include "train/device_bench.h"
 
 namespace sppo {
 
@@ -69,7 +69,7 @@ plan::HardwareProfile measure_backend_profile(Backend& be, bool quick, nlohmann:
   // Copies between pinned host memory and the device: each way, both at once, and while the
   // compute stream runs GEMMs.
   {
-    const std::size_t n = std::size_t(gpu ? 512 : 32) << 20;
+    const std::size_t n = std::size_t(gpu ? (quick ? 128 : 512) : 32) << 20;
     void* host_a = be.host_alloc(n);
     void* host_b = be.host_alloc(n);
     SPPO_CHECK(host_a && host_b, "profile") << "no room for " << n << " bytes of host memory";
@@ -123,6 +123,11 @@ plan::HardwareProfile measure_backend_profile(Backend& be, bool quick, nlohmann:
   p.description = std::string("measured through the ") + be.name() + " backend (" + p.precision + ")";
   if (details) *details = more;
   return p;
+}
+
+const plan::HardwareProfile& measured_device_profile(Backend& be) {
+  static const plan::HardwareProfile measured = measure_backend_profile(be, true);
+  return measured;
 }
 
 }  // namespace sppo
