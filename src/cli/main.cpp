@@ -85,7 +85,7 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_flag("--pack", o.pack,
                 "Pack documents into each sequence with attention that stops at document boundaries and positions "
                 "that restart at each document (no target crosses a boundary; a document longer than the sequence "
-                "is cut); needs --doc-sep");
+                "is cut); the documents are those --doc-sep ends, or a Megatron dataset's own (its document index)");
   cmd->add_option("--threads", o.threads, "Compute threads (0: all cores)")->capture_default_str();
   cmd->add_option("--subseqs", o.subseqs, "Subsequences N per sequence, or 'auto' (the fewest that fit --device-memory, else about 8K tokens each)")->capture_default_str();
   cmd->add_option("--partition", o.partition,

@@ -107,7 +107,7 @@ class WindowedTokens final : public TokenSource {
  public:
   WindowedTokens(std::string kind, std::string description, std::unique_ptr<MappedFile> file,
                  TokenDType dtype, std::vector<Segment> segments, std::int64_t limit,
-                 std::int64_t hint)
+                 std::int64_t hint, std::optional<std::vector<std::int64_t>> doc_starts = std::nullopt)
       : kind_(std::move(kind)),
         description_(std::move(description)),
         file_(std::move(file)),
@@ -115,7 +115,8 @@ class WindowedTokens final : public TokenSource {
         esize_(static_cast<std::int64_t>(token_size(dtype))),
         segments_(std::move(segments)),
         limit_(limit),
-        hint_(hint) {
+        hint_(hint),
+        doc_starts_(std::move(doc_starts)) {
     total_ = segments_.empty() ? 0 : segments_.back().start + segments_.back().count;
     SPPO_CHECK(total_ > 0, kComponent) << file_->path() << " holds no tokens; " << kAcceptedFormats;
   }
@@ -123,6 +124,7 @@ class WindowedTokens final : public TokenSource {
   void next(std::int32_t* out, std::int64_t count) override {
     SPPO_CHECK(count >= 2, kComponent) << "a sequence needs at least 2 tokens (S + 1), got " << count;
     check_length(count);
+    if (doc_starts_) note_document_starts(count);
     std::int64_t g = offset_;
     for (std::int64_t done = 0; done < count;) {
       const Segment& s = segment_of(g);
@@ -148,6 +150,9 @@ class WindowedTokens final : public TokenSource {
   nlohmann::json position() const override {
     return {{"kind", kind_}, {"offset", offset_}, {"tokens", total_}};
   }
+
+  bool has_documents() const override { return doc_starts_.has_value(); }
+  std::vector<std::int64_t> last_document_starts() const override { return last_starts_; }
 
   void seek(const nlohmann::json& pos) override {
     SPPO_CHECK(pos.is_object() && pos.contains("kind") && pos.contains("offset") &&
@@ -186,6 +191,23 @@ class WindowedTokens final : public TokenSource {
   }
 
  private:
+  // The document starts inside the window of `count` tokens at offset_ (the wrap to token 0
+  // included; count <= total_, so it wraps at most once).
+  void note_document_starts(std::int64_t count) {
+    last_starts_.clear();
+    auto add = [&](std::int64_t lo, std::int64_t hi, std::int64_t shift) {  // starts in (lo, hi)
+      for (auto it = std::upper_bound(doc_starts_->begin(), doc_starts_->end(), lo);
+           it != doc_starts_->end() && *it < hi; ++it)
+        last_starts_.push_back(*it + shift);
+    };
+    const std::int64_t end = offset_ + count;
+    add(offset_, std::min(end, total_), -offset_);
+    if (end > total_) {
+      last_starts_.push_back(total_ - offset_);  // token 0 begins the first document again
+      add(0, end - total_, total_ - offset_);
+    }
+  }
+
   const Segment& segment_of(std::int64_t g) const {
     auto it = std::upper_bound(segments_.begin(), segments_.end(), g,
                                [](std::int64_t x, const Segment& s) { return x < s.start; });
@@ -239,6 +261,9 @@ class WindowedTokens final : public TokenSource {
   std::int64_t total_ = 0;
   std::int64_t offset_ = 0;
   mutable std::optional<std::int64_t> max_;
+  // Where documents begin (a document index only): ascending, in (0, total_).
+  std::optional<std::vector<std::int64_t>> doc_starts_;
+  std::vector<std::int64_t> last_starts_;  // last_document_starts()
 };
 
 std::int64_t id_limit(std::int64_t vocab) { return vocab > 0 ? std::min(vocab, kInt32Limit) : kInt32Limit; }
@@ -427,6 +452,7 @@ std::unique_ptr<TokenSource> open_megatron(const std::string& path, std::int64_t
 
   // doc_idx holds document boundaries as sequence indices: [0, ..., num_seqs].
   std::vector<Segment> segs;
+  std::vector<std::int64_t> doc_starts;  // token offsets where documents after the first begin
   std::int64_t total = 0;
   std::int64_t prev = -1;
   for (std::uint64_t d = 0; d < num_docs; ++d) {
@@ -435,6 +461,7 @@ std::unique_ptr<TokenSource> open_megatron(const std::string& path, std::int64_t
         << idx_path << ": document boundary " << d << " = " << b
         << " must be non-decreasing and within [0, " << num_seqs << "]";
     if (d > 0) {
+      if (total > 0 && (doc_starts.empty() || doc_starts.back() < total)) doc_starts.push_back(total);
       for (std::int64_t s = prev; s < b; ++s) {
         const std::int64_t sz = seq_size(static_cast<std::uint64_t>(s));
         const auto ptr = static_cast<std::uint64_t>(seq_ptr(static_cast<std::uint64_t>(s)));
@@ -452,8 +479,9 @@ std::unique_ptr<TokenSource> open_megatron(const std::string& path, std::int64_t
   description << "Megatron dataset " << prefix << ".{bin,idx} ("
               << (num_docs > 0 ? num_docs - 1 : 0) << " documents, " << total << " "
               << token_dtype_name(dtype) << " tokens)";
+  while (!doc_starts.empty() && doc_starts.back() >= total) doc_starts.pop_back();  // empty last documents
   return std::make_unique<WindowedTokens>("megatron", description.str(), std::move(bin), dtype,
-                                          std::move(segs), id_limit(vocab), vocab);
+                                          std::move(segs), id_limit(vocab), vocab, std::move(doc_starts));
 }
 
 // ---- factory -------------------------------------------------------------------------

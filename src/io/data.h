@@ -13,7 +13,7 @@
 //    position is just k.
 //  - token files: a byte-level text file (vocab 256), a raw little-endian uint16/uint32
 //    token file, or a Megatron indexed dataset (.bin/.idx, MMIDIDX version 1, documents
-//    concatenated in order). All are memory-mapped read-only and read as consecutive
+//    concatenated in order; their starts are kept for --pack). All are memory-mapped read-only and read as consecutive
 //    windows of S + 1 tokens with stride S (consecutive windows share one token, so every
 //    token is a target once), wrapping at the end of the data. The position is the token
 //    offset of the next window. Ids are checked against the vocabulary per window; an id
@@ -24,6 +24,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace sppo::io {
 
@@ -51,6 +52,12 @@ class TokenSource {
   // the data would repeat it within one sequence. next() checks it too; calling it first
   // refuses a run before it starts.
   virtual void check_length(std::int64_t count) const = 0;
+  // Whether the source knows where its documents begin (a Megatron dataset's document
+  // index); others mark documents with a separator token (--doc-sep).
+  virtual bool has_documents() const { return false; }
+  // Where documents begin inside the sequence the last next() wrote: offsets in (0, count),
+  // ascending; the wrap from the data's end to its start is one. Empty without an index.
+  virtual std::vector<std::int64_t> last_document_starts() const { return {}; }
 };
 
 // Number of random symbols in a RepeatTask sequence of `count` tokens: ceil(count / 2).

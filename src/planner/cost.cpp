@@ -42,16 +42,44 @@ double CostModel::attention_flops(i64 o, const sched::Spans& spans, i64 keys) co
   return f;
 }
 
-double CostModel::attention_s(i64 o, const sched::Spans& spans, i64 keys) const {
-  // Every query of the subsequence sees all o keys before it: those run at the prefix rate
-  // of the span's query rows (each span is a kernel call of its own).
-  double prefix = 0, prefix_s = 0;
+namespace {
+
+// Packed documents: the attention FLOPs of the queries at positions [x, y) of the step (a
+// causal model), each against its own document's keys up to itself; `prefix` receives the
+// part against keys before position o (an earlier subsequence's).
+double packed_attention_flops(double H, const std::vector<i64>& docs, i64 o, i64 x, i64 y, double* prefix) {
+  double all = 0, before = 0;
+  auto d = std::upper_bound(docs.begin(), docs.end(), x);  // the document of x begins at d[-1]
+  const i64 first = d == docs.begin() ? 0 : *(d - 1);
+  for (i64 start = first, b = x; b < y; start = *d++) {
+    const i64 e = d == docs.end() ? y : std::min(y, *d);
+    const double n = double(e - b);
+    // sum over p in [b, e) of (p - start + 1) keys; of them, o - start lie before o
+    all += (double(e) * double(e + 1) - double(b) * double(b + 1)) / 2 - n * double(start);
+    if (start < o) before += n * double(o - start);
+    b = e;
+    if (d == docs.end()) break;
+  }
+  *prefix = 4.0 * H * before;
+  return 4.0 * H * all;
+}
+
+}  // namespace
+
+double CostModel::attention_s(i64 o, const sched::Spans& spans, i64 keys, const std::vector<i64>* docs) const {
+  // Every query of the subsequence sees all o keys before it (of its own document when
+  // packed): those run at the prefix rate of the span's query rows (each span is a kernel
+  // call of its own).
+  const bool packed = docs && !docs->empty() && model_.causal;
+  double prefix = 0, prefix_s = 0, all = 0;
   for (const auto& [b, e] : spans) {
-    const double f = 4.0 * model_.hidden * double(e - b) * double(o);
+    double f = 4.0 * model_.hidden * double(e - b) * double(o);
+    if (packed) all += packed_attention_flops(model_.hidden, *docs, o, o + b, o + e, &f);
     prefix += f;
     if (f > 0) prefix_s += f / hw_.attention_prefix_rate(model_.head_size(), e - b);
   }
-  return prefix_s + (attention_flops(o, spans, keys) - prefix) / attention_rate_;
+  if (!packed) all = attention_flops(o, spans, keys);
+  return prefix_s + (all - prefix) / attention_rate_;
 }
 
 double CostModel::rsa_attention_s(i64 T, i64 L, bool backward, int tp) const {
@@ -63,17 +91,17 @@ double CostModel::rsa_attention_s(i64 T, i64 L, bool backward, int tp) const {
   return t;
 }
 
-double CostModel::layer_forward_s(i64 o, const sched::Spans& spans, i64 keys) const {
+double CostModel::layer_forward_s(i64 o, const sched::Spans& spans, i64 keys, const std::vector<i64>* docs) const {
   const i64 T = sched::span_tokens(spans);
-  double t = gemm_flops(T) / gemm_rate_ + attention_s(o, spans, keys);
+  double t = gemm_flops(T) / gemm_rate_ + attention_s(o, spans, keys, docs);
   if (hw_.elementwise_bw > 0)
     t += kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
 }
 
-double CostModel::layer_backward_s(i64 o, const sched::Spans& spans, i64 keys) const {
+double CostModel::layer_backward_s(i64 o, const sched::Spans& spans, i64 keys, const std::vector<i64>* docs) const {
   const i64 T = sched::span_tokens(spans);
-  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_s(o, spans, keys);
+  double t = 2 * gemm_flops(T) / gemm_rate_ + 2.5 * attention_s(o, spans, keys, docs);
   if (hw_.elementwise_bw > 0)
     t += 2 * kElementwiseWordsPerToken * model_.hidden * act_bytes_ * double(T) / hw_.elementwise_bw;
   return t + hw_.layer_overhead;
@@ -98,7 +126,7 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   // twice and reduce-scatters twice (model/tensor_parallel.h), the embedding once more,
   // and the head gathers its input and reduce-scatters its gradient.
   const i64 keys = s.lengths[std::size_t(op.subseq)];
-  double t = n * (layer_forward_s(o, spans, keys) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  double t = n * (layer_forward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   if (s.rsa_piece(op)) t += n * (rsa_attention_s(T, keys, false, tp) - attention_s(o, spans, keys) / tp);
   if (op.layer_end == s.layers) t += head_flops(T) / gemm_rate_ / tp;
   if (tp > 1)
@@ -181,12 +209,13 @@ double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backw
   const sched::Spans spans = s.spans(op);
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l)
-    t += layer_recompute_s(o, spans, s.recompute, s.kv_recomputed(l), backward, s.tp, s.lengths[std::size_t(op.subseq)]);
+    t += layer_recompute_s(o, spans, s.recompute, s.kv_recomputed(l), backward, s.tp, s.lengths[std::size_t(op.subseq)],
+                           &s.doc_starts);
   return t;
 }
 
 double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward,
-                                    int tp, i64 keys) const {
+                                    int tp, i64 keys, const std::vector<i64>* docs) const {
   const double T = double(sched::span_tokens(spans));
   const double H = model_.hidden, KV = model_.kv_width();
   // Elementwise words of a token: a LayerNorm reads and writes H twice; RoPE and a
@@ -213,7 +242,7 @@ double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet g
     words += (has(1) ? 2 * H : 0) + (kv ? 2 * KV : 0);
     ++collectives;
   }
-  if (has(2)) attention = attention_s(o, spans, keys);
+  if (has(2)) attention = attention_s(o, spans, keys, docs);
   if (has(3)) flops += 2 * T * H * H, words += 3 * H, ++collectives;  // x_mid
   if (has(4)) words += 2 * H;                                          // ln2
   if (has(5)) flops += 2 * T * H * model_.fc_width(), ++collectives;   // fc_pre
@@ -225,7 +254,7 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   const sched::Spans spans = s.spans(op);
   const int n = op.layer_end - op.layer_begin, tp = s.tp;
   const i64 keys = s.lengths[std::size_t(op.subseq)];
-  double t = n * (layer_backward_s(o, spans, keys) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
+  double t = n * (layer_backward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   if (s.rsa_piece(op))
     t += n * (rsa_attention_s(sched::span_tokens(spans), keys, true, tp) - 2.5 * attention_s(o, spans, keys) / tp);
   // Backward gathers four times and reduce-scatters twice a layer, the embedding once.

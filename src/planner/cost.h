@@ -103,7 +103,9 @@ class CostModel {
   // Seconds of one layer's attention forward on the tokens `spans` of a subsequence at
   // offset o: the FLOPs against the o keys before it at the prefix rate of each span's
   // query rows, the rest causal.
-  double attention_s(i64 o, const sched::Spans& spans, i64 keys = 0) const;
+  // `docs`: where a packed step's documents begin (Schedule::doc_starts; null or empty: one
+  // document): each query then sees only its own document's keys, up to itself.
+  double attention_s(i64 o, const sched::Spans& spans, i64 keys = 0, const std::vector<i64>* docs = nullptr) const;
   // Seconds of one layer's Ring Self-Attention forward (backward) of T query rows against
   // a subsequence of L positions, on one of tp tensor-parallel members.
   double rsa_attention_s(i64 T, i64 L, bool backward, int tp) const;
@@ -115,8 +117,8 @@ class CostModel {
   double backward_s(const sched::Op& op, const sched::Schedule& s) const { return backward_s(op, s, s.offset(op.subseq)); }
   // Seconds of one layer's forward (backward) on the tokens `spans` of a subsequence at
   // offset o; the second form on a whole subsequence of T tokens.
-  double layer_forward_s(i64 o, const sched::Spans& spans, i64 keys = 0) const;
-  double layer_backward_s(i64 o, const sched::Spans& spans, i64 keys = 0) const;
+  double layer_forward_s(i64 o, const sched::Spans& spans, i64 keys = 0, const std::vector<i64>* docs = nullptr) const;
+  double layer_backward_s(i64 o, const sched::Spans& spans, i64 keys = 0, const std::vector<i64>* docs = nullptr) const;
   double layer_forward_s(i64 o, i64 T) const { return layer_forward_s(o, sched::Spans{{0, T}}); }
   double layer_backward_s(i64 o, i64 T) const { return layer_backward_s(o, sched::Spans{{0, T}}); }
 
@@ -136,7 +138,7 @@ class CostModel {
   // The same for one layer on the tokens `spans` of a subsequence at offset o, recomputing
   // `groups` (in backward) and K/V (`kv`), on one of tp tensor-parallel members.
   double layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward, int tp,
-                           i64 keys = 0) const;
+                           i64 keys = 0, const std::vector<i64>* docs = nullptr) const;
 
   // Note [MLP tiles] (core/layout.h): tiles of `rows` rows (0: none) run the same FLOPs
   // as a whole MLP, but launch the MLP half's kernels again for each tile beyond the

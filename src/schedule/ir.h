@@ -150,6 +150,11 @@ struct Schedule {
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.
   bool packed = false;
+  // Where a packed step's documents begin (ascending, from 0): the simulator prices each
+  // query's attention against its own document's keys. Empty: one document, the most a
+  // packed step can cost (a plan's and the setup's prediction); the trainer prices each
+  // step with its own.
+  std::vector<i64> doc_starts;
   KvPlace kv_at(int layer) const { return kv_place.empty() ? KvPlace::Device : kv_place[std::size_t(layer)]; }
   // Host or Recompute: earlier blocks stream through a window, their sums on the host.
   bool kv_streamed(int layer) const { return kv_at(layer) != KvPlace::Device; }

@@ -95,14 +95,21 @@ std::vector<std::int32_t> mask_tokens(std::int32_t* tokens, i64 S, int vocab, st
 }
 
 PackedDocs pack_documents(const std::int32_t* tokens, i64 S, std::int32_t sep) {
+  std::vector<i64> starts;  // the separator ends its document: the next one begins after it
+  for (i64 t = 0; t < S; ++t)
+    if (tokens[t] == sep) starts.push_back(t + 1);
+  return pack_at_starts(tokens, S, starts);
+}
+
+PackedDocs pack_at_starts(const std::int32_t* tokens, i64 S, const std::vector<i64>& starts) {
   PackedDocs d;
   d.starts.push_back(0);
   d.targets.assign(tokens + 1, tokens + S + 1);
-  for (i64 t = 0; t + 1 < S + 1; ++t)
-    if (tokens[t] == sep) {
-      d.targets[std::size_t(t)] = kNoTarget;  // the separator ends its document
-      if (t + 1 < S) d.starts.push_back(t + 1);
-    }
+  for (const i64 j : starts) {
+    if (j <= 0 || j > S) continue;  // offset S + 1 and beyond lie past the sequence's targets
+    d.targets[std::size_t(j - 1)] = kNoTarget;
+    if (j < S) d.starts.push_back(j);
+  }
   return d;
 }
 
@@ -287,8 +294,9 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
          "(use --mlp-tile-rows 0 there)";
   shape.mlp_tile_rows = o.mlp_tile_rows;
   // Packed documents: the blocks keep them apart through the K/V on the device of one rank.
-  SPPO_CHECK(!o.pack || o.doc_sep >= 0, "options")
-      << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id)";
+  SPPO_CHECK(!o.pack || o.doc_sep >= 0 || s.data->has_documents(), "options")
+      << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id), or those of a "
+         "Megatron dataset's document index; " << s.data->describe() << " has no index";
   SPPO_CHECK(!o.pack || (s.config.causal && !o.recompute && shape.sp == 1 && !shape.msp), "options")
       << "--pack runs causal models on one rank's subsequences, --pp, --tp and --dp; not yet with --cp, --msp on or "
          "--recompute";
@@ -521,6 +529,12 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     s.predicted_peak_per_rank = r.peak_bytes;
     s.predicted_sent_per_rank = r.sent_bytes;
     s.predicted_step_s = r.step_time_s;
+    if (s.schedule.packed && s.profile_measured)
+      s.simulate_packed = [sched = s.schedule, cost = plan::CostModel(profile(), s.config, precision),
+                           rules = sim::memory_rules(s.config, precision, shape)](const std::vector<i64>& docs) mutable {
+        sched.doc_starts = docs;
+        return sim::simulate(sched, cost, rules).step_time_s;
+      };
     s.predicted_bubble = r.bubble_ratio;
     s.predicted_host_bytes = r.peak_host_bytes;
     SPPO_CHECK_FITS(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")

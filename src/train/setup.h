@@ -3,6 +3,7 @@
 // trains can also be exported and measured. Everything is validated here, before any work.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,6 +39,9 @@ struct StepSetup {
   bool repeat_task = false;     // the built-in task: report both halves' losses
   std::uint64_t seed = 0;       // --seed (masked-token training draws its masks from it)
   std::int64_t doc_sep = -1;    // --pack: the token that ends each document
+  // --pack: the simulator's step time for a step whose documents begin at these positions
+  // (Schedule::doc_starts); empty when nothing prices time (no measured profile).
+  std::function<double(const std::vector<i64>&)> simulate_packed;
 };
 
 // Packed documents (--pack): the starts of the documents of tokens[0..S] (the first 0; a
@@ -48,6 +52,10 @@ struct PackedDocs {
   std::vector<std::int32_t> targets;
 };
 PackedDocs pack_documents(const std::int32_t* tokens, i64 S, std::int32_t sep);
+// The same from where documents begin among the S + 1 tokens (offsets in (0, S], as a
+// document index gives them, io::TokenSource::last_document_starts): the token before each
+// start predicts nothing.
+PackedDocs pack_at_starts(const std::int32_t* tokens, i64 S, const std::vector<i64>& starts);
 
 // Memory a run's process holds besides the two tiers (program, thread stacks, OpenBLAS and
 // MPI buffers), counted when checking that a run fits the machine.

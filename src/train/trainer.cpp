@@ -154,6 +154,7 @@ struct Sequences {
   i64 peak = 0, offloaded = 0;
   i64 host_peak = 0;  // offloaded bytes held on the host at once
   i64 sent = 0;  // point-to-point bytes of one sequence's step (each sends the same)
+  double simulated_s = 0;  // --pack, on rank 0: the simulator's time for these sequences' documents
   StepResult last;
 };
 
@@ -170,8 +171,11 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     if (!s.config.causal) targets = mask_tokens(tokens.data(), S, s.config.vocab, s.seed);
     PackedDocs docs;
     if (s.schedule.packed) {
-      docs = pack_documents(tokens.data(), S, std::int32_t(s.doc_sep));
+      // A separator when one is given, else the source's document index.
+      docs = s.doc_sep >= 0 ? pack_documents(tokens.data(), S, std::int32_t(s.doc_sep))
+                            : pack_at_starts(tokens.data(), S, s.data->last_document_starts());
       targets = docs.targets;
+      if (s.simulate_packed && lay.rank == 0) q.simulated_s += s.simulate_packed(docs.starts);
     }
     StepControl control{j > 0, j + 1 == lay.per_replica(), targets.empty() ? nullptr : targets.data(),
                         s.schedule.packed ? &docs.starts : nullptr};
@@ -343,6 +347,7 @@ int run_train(const TrainOptions& o) {
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
   const auto t_run = std::chrono::steady_clock::now();
   std::vector<double> step_times;
+  std::vector<double> simulated_times;  // --pack: each step priced with its own documents
   int bad_in_a_row = 0;
   std::vector<i64> peaks(std::size_t(lay.ranks()), 0), host_peaks(peaks);
   std::vector<i64> sent(std::size_t(lay.ranks()), 0);
@@ -392,6 +397,7 @@ int run_train(const TrainOptions& o) {
       sent[std::size_t(f.rank)] = f.sent;
     }
     step_times.push_back(step_s);
+    if (s.simulate_packed) simulated_times.push_back(q.simulated_s);
     const int done = step + 1;
     if (root) {
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
@@ -408,6 +414,7 @@ int run_train(const TrainOptions& o) {
                           {"offloaded_bytes", offloaded},
                           {"exposed_copy_s", exposed}};
       if (rt.state_on_host()) m["optimizer_copied_bytes"] = rt.host_update_bytes();
+      if (s.simulate_packed) m["simulated_step_time_s"] = q.simulated_s;
       std::string halves;
       if (s.repeat_task) {
         const double first = losses[1] / lay.batch, second = losses[2] / lay.batch;
@@ -459,6 +466,13 @@ int run_train(const TrainOptions& o) {
   std::vector<double> timed(step_times.begin() + std::ptrdiff_t(warmup), step_times.end());
   std::sort(timed.begin(), timed.end());
   const double measured = timed.empty() ? 0 : timed[timed.size() / 2];
+  // Packed steps differ in their documents: the median of each step's own prediction.
+  double simulated = s.predicted_step_s;
+  if (simulated_times.size() > warmup) {
+    std::vector<double> sims(simulated_times.begin() + std::ptrdiff_t(warmup), simulated_times.end());
+    std::sort(sims.begin(), sims.end());
+    simulated = sims[sims.size() / 2];
+  }
   const i64 measured_peak = *std::max_element(peaks.begin(), peaks.end());
   const i64 measured_host_peak = *std::max_element(host_peaks.begin(), host_peaks.end());
   if (!root) return 0;
@@ -477,13 +491,13 @@ int run_train(const TrainOptions& o) {
     summary["simulated_bubble"] = s.predicted_bubble;
   }
   if (s.profile_measured) {
-    summary["simulated_step_time_s"] = s.predicted_step_s;
+    summary["simulated_step_time_s"] = simulated;
     summary["profile"] = s.profile.name;
   }
   if (metrics) metrics->write(summary);
   if (!o.quiet) {
     std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)", int(step_times.size()), measured);
-    if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", s.predicted_step_s, s.profile.name.c_str());
+    if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", simulated, s.profile.name.c_str());
     std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(measured_peak)).c_str());
     if (s.predicted_peak_bytes > 0)
       std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());

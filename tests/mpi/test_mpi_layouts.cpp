@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
+#include "support/megatron.h"
 #include "support/mpi_run.h"
 
 namespace sppo {
@@ -49,6 +50,19 @@ class Layouts : public ::testing::Test {
       io::write_file_atomic(tmp_->path() + "/docs.u16",
                             std::string_view(reinterpret_cast<const char*>(docs.data()), docs.size() * 2));
       packed_ = kLlama + " --data " + tmp_->path() + "/docs.u16 --doc-sep 0 --pack";
+      // The same documents as a Megatron dataset (each its tokens and its 0, in two
+      // sequences), packed by the document index: the same step as by the separator.
+      std::vector<std::vector<std::vector<std::uint16_t>>> megatron;
+      std::vector<std::uint16_t> doc;
+      for (const std::uint16_t t : docs) {
+        doc.push_back(t);
+        if (t != 0) continue;
+        const auto half = doc.begin() + std::ptrdiff_t(doc.size() / 2);
+        megatron.push_back({{doc.begin(), half}, {half, doc.end()}});
+        doc.clear();
+      }
+      testing::write_megatron<std::uint16_t>(tmp_->path() + "/docs-megatron", 8, megatron, 0);
+      megatron_ = kLlama + " --data " + tmp_->path() + "/docs-megatron --pack";
     }
     // The references: one process started without a launcher, the whole sequence; and one
     // process with two sequences a step (what two data-parallel replicas train together).
@@ -105,12 +119,14 @@ class Layouts : public ::testing::Test {
   }
 
   static io::TempDir* tmp_;
-  static std::string packed_;  // the Llama model on packed documents
+  static std::string packed_;    // the Llama model on packed documents
+  static std::string megatron_;  // the same documents from a Megatron dataset's index
   int runs_ = 0;
 };
 
 io::TempDir* Layouts::tmp_ = nullptr;
 std::string Layouts::packed_;
+std::string Layouts::megatron_;
 
 TEST_F(Layouts, Pipeline2) { pipeline(2); }
 
@@ -245,6 +261,9 @@ TEST_F(Layouts, LlamaFamily) {
   check(2, "--pp 2 --subseqs 4 --offload 0.5", "packed", packed_);
   check(2, "--pp 2 --subseqs 7 --recompute-tensors all", "packed", packed_);
   check(4, "--pp 2 --tp 2 --subseqs 3 --offload 0.5", "packed", packed_);
+  // Documents from a Megatron dataset's index, no separator given.
+  check(2, "--pp 2 --subseqs 3 --offload 0.5", "packed", megatron_);
+  check(2, "--pp 2 --subseqs 4", "packed", megatron_);
 }
 
 // Tensor parallelism of the Llama-family block: each member holds whole key/value heads

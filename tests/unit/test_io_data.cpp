@@ -9,11 +9,15 @@
 #include "io/data.h"
 #include "io/fileutil.h"
 #include "support/expect_error.h"
+#include "support/megatron.h"
 
 namespace sppo::io {
 namespace {
 
 using ::sppo::testing::error_of;
+using ::sppo::testing::le_bytes;
+using ::sppo::testing::put;
+using ::sppo::testing::write_megatron;
 
 std::vector<std::int32_t> take(TokenSource& src, std::int64_t count) {
   std::vector<std::int32_t> v(static_cast<std::size_t>(count));
@@ -21,17 +25,6 @@ std::vector<std::int32_t> take(TokenSource& src, std::int64_t count) {
   return v;
 }
 
-template <typename T>
-std::string le_bytes(const std::vector<T>& v) {
-  std::string s(v.size() * sizeof(T), '\0');
-  if (!v.empty()) std::memcpy(s.data(), v.data(), s.size());
-  return s;
-}
-
-template <typename T>
-void put(std::string& s, T v) {
-  s.append(reinterpret_cast<const char*>(&v), sizeof v);
-}
 
 // ---- RepeatTask ----------------------------------------------------------------------
 
@@ -190,35 +183,6 @@ TEST_F(IoDataFiles, RawFileSizeMustBeAMultipleOfTheElement) {
   EXPECT_ERROR_WITH(open_data(tmp.file("empty.u16"), 10, 0), "empty.u16", "no tokens");
 }
 
-// Writes PREFIX.bin and PREFIX.idx in the MMIDIDX layout (version 1): magic, version,
-// dtype code, sequence count, document count, int32 sizes, int64 byte pointers, int64
-// document boundaries. `gap` bytes of junk precede every sequence in the .bin, so the
-// reader must follow the pointers rather than assume contiguity.
-template <typename T>
-void write_megatron(const std::string& prefix, std::uint8_t code,
-                    const std::vector<std::vector<std::vector<T>>>& docs, std::size_t gap) {
-  std::string bin;
-  std::vector<std::int32_t> sizes;
-  std::vector<std::int64_t> pointers, doc_idx{0};
-  for (const auto& doc : docs) {
-    for (const auto& seq : doc) {
-      bin.append(gap, '\x7f');
-      pointers.push_back(static_cast<std::int64_t>(bin.size()));
-      sizes.push_back(static_cast<std::int32_t>(seq.size()));
-      bin += le_bytes(seq);
-    }
-    doc_idx.push_back(static_cast<std::int64_t>(sizes.size()));
-  }
-  std::string idx("MMIDIDX\0\0", 9);
-  put<std::uint64_t>(idx, 1);
-  put<std::uint8_t>(idx, code);
-  put<std::uint64_t>(idx, sizes.size());
-  put<std::uint64_t>(idx, doc_idx.size());
-  idx += le_bytes(sizes) + le_bytes(pointers) + le_bytes(doc_idx);
-  write_file_atomic(prefix + ".bin", bin);
-  write_file_atomic(prefix + ".idx", idx);
-}
-
 TEST_F(IoDataFiles, MegatronDatasetConcatenatesDocuments) {
   const std::vector<std::vector<std::vector<std::int32_t>>> docs = {
       {{1, 2, 3}, {4, 5}}, {{6}}, {{7, 8, 9, 10}, {}, {11, 12}}};
@@ -244,6 +208,32 @@ TEST_F(IoDataFiles, MegatronDatasetConcatenatesDocuments) {
   auto src = open_megatron(tmp.file("small"), 0);
   EXPECT_EQ(take(*src, 3), (std::vector<std::int32_t>{65535, 1, 2}));
   EXPECT_ERROR_WITH(open_megatron(tmp.file("small"), 1000)->check_vocab(1000), "token id 65535", "token offset 0");
+}
+
+// The document index gives --pack its boundaries: where each window's documents begin,
+// the wrap to the data's start among them; empty documents begin nowhere.
+TEST_F(IoDataFiles, MegatronDocumentStartsPerWindow) {
+  // Documents of 5, 1 and 6 tokens (one empty between them): they begin at 0, 5 and 6.
+  write_megatron<std::int32_t>(tmp.file("docs"), 4, {{{1, 2, 3}, {4, 5}}, {}, {{6}}, {{7, 8, 9, 10}, {}, {11, 12}}}, 2);
+  auto src = open_data(tmp.file("docs"), 50, 0);
+  ASSERT_TRUE(src->has_documents());
+  // Windows of 5 tokens with stride 4: at offsets 0, 4, 8 (wrapping after 12), 0.
+  const std::vector<std::vector<std::int64_t>> want = {{}, {1, 2}, {4}, {}};
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    take(*src, 5);
+    EXPECT_EQ(src->last_document_starts(), want[k]) << "window " << k;
+  }
+  // One document: only the wrap begins one.
+  write_megatron<std::int32_t>(tmp.file("one"), 4, {{{1, 2, 3}}}, 0);
+  auto one = open_data(tmp.file("one"), 50, 0);
+  ASSERT_TRUE(one->has_documents());
+  take(*one, 3);
+  EXPECT_TRUE(one->last_document_starts().empty());
+  take(*one, 3);  // ids 3, 1, 2: past the end, the data begins again
+  EXPECT_EQ(one->last_document_starts(), (std::vector<std::int64_t>{1}));
+  // A raw token file has no index: --pack needs --doc-sep there.
+  write_file_atomic(tmp.file("raw.u16"), le_bytes(std::vector<std::uint16_t>{1, 2, 3, 4}));
+  EXPECT_FALSE(open_data(tmp.file("raw.u16"), 50, 0)->has_documents());
 }
 
 TEST_F(IoDataFiles, MegatronCorruptionIsRefused) {

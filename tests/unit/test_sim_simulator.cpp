@@ -80,6 +80,32 @@ TEST(Profiles, PrefixRatePricesTheKeysBeforeTheSubsequence) {
   EXPECT_THROW(plan::profile_from_json(j, "test"), Error);
 }
 
+// Packed documents: each query is priced against its own document's keys up to itself,
+// those before the subsequence at the prefix rate; one document is the unpacked price.
+TEST(Profiles, PackedAttentionPricesEachDocumentAlone) {
+  const ModelConfig c = preset("small");
+  HardwareProfile hw = plan::load_profile("h100-sxm");
+  hw.elementwise_bw = 0;
+  hw.layer_overhead = 0;
+  const plan::CostModel cost(hw, c, ActPrecision::BF16);
+  const std::vector<i64> one{0};
+  for (const i64 o : {i64{0}, i64{6000}})
+    EXPECT_DOUBLE_EQ(cost.attention_s(o, {{0, 4096}}, 0, &one), cost.attention_s(o, {{0, 4096}})) << o;
+  // Two documents of 4096 at offset 0 cost two sequences of 4096.
+  const std::vector<i64> halves{0, 4096};
+  EXPECT_NEAR(cost.attention_s(0, {{0, 8192}}, 0, &halves), 2 * cost.attention_s(0, {{0, 4096}}),
+              1e-12 * cost.attention_s(0, {{0, 4096}}));
+  // A subsequence [4096, 8192) over documents beginning at 2048 and 6144: 2048 queries see
+  // the 2048 keys of their document before 4096 (at the prefix rate), and each half of the
+  // subsequence sees its own keys causally.
+  const std::vector<i64> docs{0, 2048, 6144};
+  const double H = c.hidden, A = c.head_size();
+  const double want = 4 * H * 2048.0 * 2048 / hw.attention_prefix_rate(A, 4096) +
+                      4 * H * 2048.0 * 2049 / hw.attention_rate(A);
+  EXPECT_NEAR(cost.attention_s(4096, {{0, 4096}}, 0, &docs), want, 1e-12 * want);
+  EXPECT_LT(cost.attention_s(4096, {{0, 4096}}, 0, &docs), 0.4 * cost.attention_s(4096, {{0, 4096}}));
+}
+
 // Note [Streamed chunks]: a host-K/V layer's forward pays copy_issue per copy and
 // attention_chunk per chunk on top of the bytes; a short span of query rows runs its
 // prefix attention at its own (lower) ratio; the fields round-trip and are range-checked.
