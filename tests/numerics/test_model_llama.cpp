@@ -17,9 +17,13 @@
 #include "schedule/builders.h"
 #include "train/setup.h"
 #include "train/trainer.h"
+#include "support/subseqs.h"
 
 namespace sppo {
 namespace {
+
+using testing::alphas;
+using testing::equal_lengths;
 
 using Tokens = std::vector<std::int32_t>;
 
@@ -131,17 +135,6 @@ double expect_grads_match(const ModelConfig& c, const StepRun& got, const StepRu
   return worst;
 }
 
-std::vector<i64> equal_lengths(i64 S, int N) {
-  std::vector<i64> l(std::size_t(N), S / N);
-  for (i64 k = 0; k < S % N; ++k) ++l[std::size_t(k)];
-  return l;
-}
-
-std::vector<double> alphas(int N, double a) {
-  std::vector<double> v(std::size_t(N), a);
-  if (!v.empty()) v.back() = 0;  // the last subsequence's backward comes first: never offloaded
-  return v;
-}
 
 constexpr i64 kS = 45;
 

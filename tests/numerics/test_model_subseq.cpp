@@ -15,9 +15,13 @@
 #include <nlohmann/json.hpp>
 
 #include "io/fileutil.h"
+#include "support/subseqs.h"
 
 namespace sppo {
 namespace {
+
+using testing::alphas;
+using testing::equal_lengths;
 
 ModelConfig small_config() {
   ModelConfig c;
@@ -88,17 +92,6 @@ double worst_rel_error(const ModelConfig& c, const Grads& ref, const Grads& got,
   return worst;
 }
 
-std::vector<i64> equal_lengths(i64 S, int N) {
-  std::vector<i64> l(std::size_t(N), S / N);
-  for (i64 k = 0; k < S % N; ++k) ++l[std::size_t(k)];
-  return l;
-}
-
-std::vector<double> alphas(int N, double a) {
-  std::vector<double> v(std::size_t(N), a);
-  v[std::size_t(N) - 1] = 0;  // the last subsequence's backward comes first: never offloaded
-  return v;
-}
 
 void expect_matches(const ModelConfig& c, const Grads& ref, const Grads& got, const std::string& what) {
   std::string which;
