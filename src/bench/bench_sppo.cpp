@@ -88,7 +88,7 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
     p.kv_recompute_layers =
         int(std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(), sched::KvPlace::Recompute));
     p.recompute = recompute_tensors_text(s.schedule.recompute);
-    p.simulated_s = s.predicted_step_s;
+    p.simulated_s = s.profile_measured ? s.predicted_step_s : 0;  // else priced on a nominal profile
     if (reps < 0) {  // a probe by prediction: setup refuses what would not fit
       p.predicted_peak = p.peak = s.predicted_peak_bytes;
       p.predicted_host_peak = p.host_peak = s.predicted_host_bytes;
