@@ -181,14 +181,9 @@ AttnShape span_shape(const ModelConfig& c, const PosSpan& p) {
   return d;
 }
 
-namespace {
-
-// The KV blocks a span of queries attends to, in position order: the earlier subsequences'
-// blocks, then the block's own keys (k_self/v_self, gradients dk_self/dv_self), one block
-// per own span that starts at or before the queries' last position.
-std::vector<KVRef> kv_blocks(const KVBlocks& past, const void* k_self, const void* v_self, float* dk_self,
-                             float* dv_self, const Subseq& q, const PosSpan& queries, const ModelConfig& c,
-                             DType a) {
+std::vector<KVRef> attention_key_blocks(const KVBlocks& past, const void* k_self, const void* v_self, float* dk_self,
+                                        float* dv_self, const Subseq& q, const PosSpan& queries, const ModelConfig& c,
+                                        DType a) {
   std::vector<KVRef> blocks;
   blocks.reserve(past.k.size() + 2);
   const i64 H = c.kv_width();
@@ -214,8 +209,6 @@ std::vector<KVRef> kv_blocks(const KVBlocks& past, const void* k_self, const voi
   return blocks;
 }
 
-}  // namespace
-
 void LocalAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q,
                              const Workspace& scratch) {
   const DType a = be.act();
@@ -224,7 +217,7 @@ void LocalAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, c
   for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H;
     be.attention_forward(act_at(s.attn_out, at, a), s.lse + i64(c.heads) * part.row0, act_at(s.q, at, a),
-                         kv_blocks(past_, s.k, s.v, nullptr, nullptr, q, part, c, a), span_shape(c, part), scratch);
+                         attention_key_blocks(past_, s.k, s.v, nullptr, nullptr, q, part, c, a), span_shape(c, part), scratch);
   }
 }
 
@@ -238,7 +231,7 @@ void LocalAttention::backward(Backend& be, void* dqkv, const void* dout, const f
     for (const PosSpan& part : q.parts()) {
       const i64 at = i64(part.row0) * H, z0 = i64(c.heads) * part.row0;
       be.attention_backward(act_at(dqkv, at, a), act_at(dout, at, a), act_at(s.q, at, a),
-                            kv_blocks(past_, s.k, s.v, dk_self, dv_self, q, part, c, a), s.lse + z0, delta + z0,
+                            attention_key_blocks(past_, s.k, s.v, dk_self, dv_self, q, part, c, a), s.lse + z0, delta + z0,
                             span_shape(c, part), scratch);
     }
     return;
@@ -253,7 +246,7 @@ void LocalAttention::backward(Backend& be, void* dqkv, const void* dout, const f
     d.ldq = 3 * H;
     const i64 row3 = i64(part.row0) * 3 * H, z0 = i64(c.heads) * part.row0;
     be.attention_backward(act_at(dqkv, row3, a), act_at(dout, i64(part.row0) * H, a), act_at(q3, row3, a),
-                          kv_blocks(past_, s.k, s.v, dk_self, dv_self, q, part, c, a), s.lse + z0, delta + z0, d,
+                          attention_key_blocks(past_, s.k, s.v, dk_self, dv_self, q, part, c, a), s.lse + z0, delta + z0, d,
                           scratch);
   }
 }

@@ -209,6 +209,14 @@ void mlp_act_forward(Backend& be, const ModelConfig& c, void* out, const void* f
 // The AttnShape of one span of a block's queries (q, out strides H; k, v strides G A).
 AttnShape span_shape(const ModelConfig& c, const PosSpan& p);
 
+// The KV blocks the span `queries` of subsequence q attends to, in position order: the
+// earlier subsequences' blocks of `past`, then q's own keys (k_self/v_self, gradients
+// dk_self/dv_self), one block per own span that starts at or before the queries' last
+// position. Packed documents: keys before the queries' document are cut away.
+std::vector<KVRef> attention_key_blocks(const KVBlocks& past, const void* k_self, const void* v_self, float* dk_self,
+                                        float* dv_self, const Subseq& q, const PosSpan& queries, const ModelConfig& c,
+                                        DType a);
+
 // x_out[T, H] = block(s.x). Fills every tensor of `s` (x must already hold the input) but a
 // null s.fc_pre, which w.fc_tile holds a tile at a time (Note [MLP tiles]).
 // `attn` reaches the keys; the KVBlocks form attends to `past` (the KV blocks of j < i) and

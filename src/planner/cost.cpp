@@ -168,7 +168,8 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
   const double kv = 2.0 * act_bytes_ * width, sums = 2.0 * 4 * width;  // bytes a token
   const double x = double(act_bytes_) * model_.hidden;
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
-  const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)]) / s.tp;
+  const double attention =
+      (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)], &s.doc_starts) / s.tp;
   const StreamShape shape = o > 0 ? stream_shape(s, op.subseq, T) : StreamShape{};
   // Every backward but the first (that of the last subsequence) finds sums that later
   // subsequences' backward left on the host, for its own block and every earlier one.

@@ -1,6 +1,7 @@
 #include "runtime/kv_stream.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "core/check.h"
@@ -33,32 +34,43 @@ class ChunkedAttention : public BlockAttention {
     }
   }
 
+  // Packed documents cut the subsequence into spans, one call each against its own keys;
+  // only the first span's document can have begun in an earlier subsequence, so it alone
+  // meets the streamed chunks, from its document's start on.
   void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
-    const PosSpan part = one_span(q);
-    const AttnShape d = span_shape(c, part);
-    be.attention_forward(s.attn_out, s.lse, s.q, {{s.k, s.v, nullptr, nullptr, part.rows, part.pos0}}, d, scratch);
-    if (past_.empty()) return;
     const DType a = be.act();
+    const std::vector<PosSpan> parts = q.parts();
+    for (const PosSpan& part : parts) {
+      const i64 at = i64(part.row0) * c.hidden;
+      be.attention_forward(act_at(s.attn_out, at, a), s.lse + i64(c.heads) * part.row0, act_at(s.q, at, a),
+                           attention_key_blocks(KVBlocks{}, s.k, s.v, nullptr, nullptr, q, part, c, a),
+                           span_shape(c, part), scratch);
+    }
+    if (past_.empty()) return;
+    const PosSpan first = parts[0];
+    const i64 from = q.doc_start(first.pos0);
+    const AttnShape d = span_shape(c, first);
     const std::string name = "blocks." + std::to_string(l_);
-    Buffer out = c_.device_.alloc(i64(part.rows) * c.hidden * dtype_bytes(a), name + " partial output");
-    Buffer lse = c_.device_.alloc(i64(c.heads) * part.rows * i64(sizeof(float)), name + " partial LSE");
+    Buffer out = c_.device_.alloc(i64(first.rows) * c.hidden * dtype_bytes(a), name + " partial output");
+    Buffer lse = c_.device_.alloc(i64(c.heads) * first.rows * i64(sizeof(float)), name + " partial LSE");
     for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
-      be.attention_forward(out.data(), lse.f32(), s.q, {ref(slot, past_[b])}, d, scratch);
-      be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
+      if (const auto r = ref(slot, past_[b], from, c, a)) {
+        be.attention_forward(out.data(), lse.f32(), s.q, {*r}, d, scratch);
+        be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
+      }
       if (b + 2 < past_.size()) load(b + 2);
     }
   }
 
   void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s, float* dk_self,
                 float* dv_self, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
-    const PosSpan part = one_span(q);
     const DType a = be.act();
     const int T = q.T, H = c.hidden;
-    AttnShape d = span_shape(c, part);
     const void* queries = s.q;
+    int ldq = H;
     if (c.llama()) {  // as LocalAttention: dq dense [T, H] (block_backward's planar dqkv), q read in place
       be.fill_zero(dqkv, std::size_t(i64(T) * H * dtype_bytes(a)));
     } else {
@@ -68,15 +80,29 @@ class ChunkedAttention : public BlockAttention {
       void* q3 = act_at(dqkv, H, a);
       be.put_cols(q3, s.q, false, T, H, 3 * H, 0);
       queries = q3;
-      d.ldq = 3 * H;
+      ldq = 3 * H;
     }
+    auto shape = [&](const PosSpan& p) {
+      AttnShape d = span_shape(c, p);
+      d.ldq = ldq;
+      return d;
+    };
     for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
-    be.attention_backward(dqkv, dout, queries, {{s.k, s.v, dk_self, dv_self, part.rows, part.pos0}}, s.lse, delta, d,
-                          scratch);
+    const std::vector<PosSpan> parts = q.parts();
+    for (const PosSpan& part : parts) {
+      const i64 row = i64(part.row0) * ldq, z0 = i64(c.heads) * part.row0;
+      be.attention_backward(act_at(dqkv, row, a), act_at(dout, i64(part.row0) * H, a), act_at(queries, row, a),
+                            attention_key_blocks(KVBlocks{}, s.k, s.v, dk_self, dv_self, q, part, c, a),
+                            s.lse + z0, delta + z0, shape(part), scratch);
+    }
+    const PosSpan first = parts[0];
+    const i64 from = q.doc_start(first.pos0);
+    const AttnShape d = shape(first);
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
-      be.attention_backward(dqkv, dout, queries, {ref(slot, past_[b])}, s.lse, delta, d, scratch);
+      if (const auto r = ref(slot, past_[b], from, c, a))
+        be.attention_backward(dqkv, dout, queries, {*r}, s.lse, delta, d, scratch);
       send_sums(be, slot, past_[b], past_[b].rows <= T ? scratch : Workspace{});
       if (b + 2 < past_.size()) load(b + 2);
     }
@@ -119,14 +145,15 @@ class ChunkedAttention : public BlockAttention {
   Slot slots_[2];
 
  private:
-  static PosSpan one_span(const Subseq& q) {
-    const std::vector<PosSpan> parts = q.parts();
-    SPPO_ASSERT_MSG(parts.size() == 1, "streamed K/V run subsequences of one span");
-    return parts[0];
-  }
-  KVRef ref(const Slot& slot, const Chunk& ch) const {
-    return {slot.k.data(), slot.v.data(), backward_ ? slot.dk.f32() : nullptr, backward_ ? slot.dv.f32() : nullptr,
-            ch.rows, ch.pos0};
+  // Chunk ch in its slot from position `from` on (the first span's document start; keys
+  // before it are another document's); none when the whole chunk lies before it.
+  std::optional<KVRef> ref(const Slot& slot, const Chunk& ch, i64 from, const ModelConfig& c, DType a) const {
+    const i64 skip = std::max<i64>(0, from - ch.pos0);
+    if (skip >= ch.rows) return std::nullopt;
+    const i64 at = skip * c.kv_width();
+    return KVRef{act_at(slot.k.data(), at, a), act_at(slot.v.data(), at, a),
+                 backward_ ? slot.dk.f32() + at : nullptr, backward_ ? slot.dv.f32() + at : nullptr,
+                 int(ch.rows - skip), ch.pos0 + skip};
   }
 };
 

@@ -313,10 +313,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "recompute" || o.kv_cache == "auto",
              "options")
       << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host, recompute or auto";
-  const bool kv_host_ok = !o.recompute && shape.sp == 1 && !shape.msp && !o.pack;
-  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1;
+  const bool kv_host_ok = !o.recompute && shape.sp == 1 && !shape.msp;
+  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1 && !o.pack;
   SPPO_CHECK(o.kv_cache != "host" || kv_host_ok, "options")
-      << "--kv-cache host streams K/V blocks of one rank's subsequences; it runs without --cp, --msp on, --pack and "
+      << "--kv-cache host streams K/V blocks of one rank's subsequences; it runs without --cp, --msp on and "
          "--recompute (use --kv-cache device there)";
   SPPO_CHECK(o.kv_cache != "recompute" || kv_recompute_ok, "options")
       << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
