@@ -48,7 +48,7 @@ class ChunkedAttention : public BlockAttention {
     }
     if (past_.empty()) return;
     const PosSpan first = parts[0];
-    const i64 from = q.doc_start(first.pos0);
+    const i64 from = from_ = q.doc_start(first.pos0);
     const AttnShape d = span_shape(c, first);
     const std::string name = "blocks." + std::to_string(l_);
     Buffer out = c_.device_.alloc(i64(first.rows) * c.hidden * dtype_bytes(a), name + " partial output");
@@ -96,7 +96,7 @@ class ChunkedAttention : public BlockAttention {
                             s.lse + z0, delta + z0, shape(part), scratch);
     }
     const PosSpan first = parts[0];
-    const i64 from = q.doc_start(first.pos0);
+    const i64 from = from_ = q.doc_start(first.pos0);
     const AttnShape d = shape(first);
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
@@ -141,6 +141,9 @@ class ChunkedAttention : public BlockAttention {
   int l_;
   bool backward_;
   i64 largest_ = 0;  // rows of the longest chunk
+  // Packed documents: where the first span's document begins. Keys before it are not
+  // attended, and RoPE counts a recomputed key's position from it.
+  i64 from_ = 0;
   std::vector<Chunk> past_;
   Slot slots_[2];
 
@@ -294,7 +297,12 @@ class RecomputedAttention final : public ChunkedAttention {
       norm_forward(be, config_, act_at(norm_.data(), i64(pc.at) * H, a), mean_.f32() + pc.at, rstd_.f32() + pc.at,
                    rows, w_.p->ln1_w, w_.p->ln1_b, pc.rows);
     }
-    kv_project(be, slot.k.data(), slot.v.data(), norm_.data(), *w_.m, config_, ch.pos0, ch.rows);
+    // Only the rows the queries attend get K, V: those from the first span's document start
+    // (RoPE positions from it, as that document's own keys had them).
+    const i64 skip = skipped(ch), KV = config_.kv_width();
+    if (skip < ch.rows)
+      kv_project(be, act_at(slot.k.data(), skip * KV, a), act_at(slot.v.data(), skip * KV, a),
+                 act_at(norm_.data(), skip * H, a), *w_.m, config_, ch.pos0 + skip - from_, int(ch.rows - skip));
     if (!backward_) return;
     const std::size_t f32 = std::size_t(ch.rows) * std::size_t(c_.width_) * sizeof(float);
     be.fill_zero(slot.dk.data(), f32);
@@ -311,8 +319,10 @@ class RecomputedAttention final : public ChunkedAttention {
     for (int kv = 0; kv < 2; ++kv) {
       const i64 row = H + i64(kv) * KV;  // the k (v) rows of the qkv projection
       be.put_cols(slot.x.data(), kv == 0 ? slot.dk.f32() : slot.dv.f32(), true, ch.rows, KV, KV, 0);
-      if (kv == 0) be.rope_backward(slot.x.data(), ch.rows, config_.kv_head_count(), config_.head_size(), ch.pos0,
-                                    rope_table(config_), KV);
+      const i64 skip = skipped(ch);  // their dK, dV are zero: nothing attended them
+      if (kv == 0 && skip < ch.rows)
+        be.rope_backward(act_at(slot.x.data(), skip * KV, a), int(ch.rows - skip), config_.kv_head_count(),
+                         config_.head_size(), ch.pos0 + skip - from_, rope_table(config_), KV);
       const void* w = act_at(w_.m->qkv_w, row * H, a);
       be.gemm(false, false, ch.rows, H, KV, 1.0f, slot.x.data(), KV, w, H, 1.0f, slot.du.data(), H, a, DType::F32);
       be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b ? w_.g->qkv_b + row : nullptr, slot.x.data(),
@@ -323,6 +333,9 @@ class RecomputedAttention final : public ChunkedAttention {
       slot.saved = c_.d2h_.copy(pc.blk->du.f32() + pc.row0 * H, slot.du.f32() + i64(pc.at) * H,
                                 std::size_t(pc.rows) * f32_row, {});
   }
+
+  // Rows of chunk ch before the first span's document: not attended.
+  i64 skipped(const Chunk& ch) const { return std::min<i64>(ch.rows, std::max<i64>(0, from_ - ch.pos0)); }
 
   HostKvCache::LayerWeights w_;
   HostKvCache::InputLookup inputs_;

@@ -314,13 +314,13 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
              "options")
       << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host, recompute or auto";
   const bool kv_host_ok = !o.recompute && shape.sp == 1 && !shape.msp;
-  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1 && !o.pack;
+  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1;
   SPPO_CHECK(o.kv_cache != "host" || kv_host_ok, "options")
       << "--kv-cache host streams K/V blocks of one rank's subsequences; it runs without --cp, --msp on and "
          "--recompute (use --kv-cache device there)";
   SPPO_CHECK(o.kv_cache != "recompute" || kv_recompute_ok, "options")
       << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
-         "subsequences at a time; it runs without --tp, --cp, --msp on, --pack and --recompute (use --kv-cache host "
+         "subsequences at a time; it runs without --tp, --cp, --msp on and --recompute (use --kv-cache host "
          "or device there)";
   const bool recompute_auto = o.recompute_tensors == "auto";
   if (!recompute_auto) shape.recompute = parse_recompute_tensors(o.recompute_tensors);

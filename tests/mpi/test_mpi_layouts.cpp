@@ -263,6 +263,7 @@ TEST_F(Layouts, LlamaFamily) {
   check(4, "--pp 2 --tp 2 --subseqs 3 --offload 0.5", "packed", packed_);
   check(2, "--pp 2 --subseqs 4 --kv-cache host", "packed", packed_);
   check(4, "--pp 2 --tp 2 --subseqs 3 --kv-cache host", "packed", packed_);
+  check(2, "--pp 2 --subseqs 4 --offload 0.5 --kv-cache recompute", "packed", packed_);
   // Documents from a Megatron dataset's index, no separator given.
   check(2, "--pp 2 --subseqs 3 --offload 0.5", "packed", megatron_);
   check(2, "--pp 2 --subseqs 4", "packed", megatron_);

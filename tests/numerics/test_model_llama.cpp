@@ -381,8 +381,10 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
                              std::string(c.llama() ? "llama" : "gpt") + " packed N=" + std::to_string(N) +
                                  " alpha=" + std::to_string(a) + " recompute " + recompute_tensors_text(rc));
         }
-    // K/V on the host (runtime/kv_stream.h): only a subsequence's first span meets the
-    // streamed chunks, cut at its document's start.
+    // K/V on the host or recomputed (runtime/kv_stream.h): only a subsequence's first span
+    // meets the streamed chunks, cut at its document's start (recomputed keys get their
+    // RoPE positions from it).
+    for (const sched::KvPlace place : {sched::KvPlace::Host, sched::KvPlace::Recompute})
     for (int N : {3, 8})
       for (double a : {0.0, 0.6}) {
         RuntimeOptions o;
@@ -390,7 +392,7 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
         Runtime rt(c, o);
         std::copy(params.begin(), params.end(), rt.params());
         sched::Schedule s = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
-        s.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Host);
+        s.kv_place.assign(std::size_t(c.layers), place);
         s.packed = true;
         StepControl control;
         control.targets = packed.targets.data();
@@ -398,7 +400,8 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
         const StepResult r = rt.step(s, tokens.data(), control);
         const StepRun got{r.loss, std::vector<double>(rt.grads(), rt.grads() + rt.num_params())};
         expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3,
-                           std::string(c.llama() ? "llama" : "gpt") + " packed, K/V on the host, N=" +
+                           std::string(c.llama() ? "llama" : "gpt") + " packed, K/V " +
+                               (place == sched::KvPlace::Host ? "on the host" : "recomputed") + ", N=" +
                                std::to_string(N) + " alpha=" + std::to_string(a));
       }
   }
