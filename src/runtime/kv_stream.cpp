@@ -57,7 +57,7 @@ class ChunkedAttention : public BlockAttention {
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
-      if (const auto r = ref(slot, past_[b], from, c, a)) {
+      if (const auto r = ref(slot, past_[b], from, a)) {
         be.attention_forward(out.data(), lse.f32(), s.q, {*r}, d, scratch);
         be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
       }
@@ -101,7 +101,7 @@ class ChunkedAttention : public BlockAttention {
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
-      if (const auto r = ref(slot, past_[b], from, c, a))
+      if (const auto r = ref(slot, past_[b], from, a))
         be.attention_backward(dqkv, dout, queries, {*r}, s.lse, delta, d, scratch);
       send_sums(be, slot, past_[b], past_[b].rows <= T ? scratch : Workspace{});
       if (b + 2 < past_.size()) load(b + 2);
@@ -150,10 +150,10 @@ class ChunkedAttention : public BlockAttention {
  private:
   // Chunk ch in its slot from position `from` on (the first span's document start; keys
   // before it are another document's); none when the whole chunk lies before it.
-  std::optional<KVRef> ref(const Slot& slot, const Chunk& ch, i64 from, const ModelConfig& c, DType a) const {
+  std::optional<KVRef> ref(const Slot& slot, const Chunk& ch, i64 from, DType a) const {
     const i64 skip = std::max<i64>(0, from - ch.pos0);
     if (skip >= ch.rows) return std::nullopt;
-    const i64 at = skip * c.kv_width();
+    const i64 at = skip * c_.width_;  // the slot's rows: this member's K/V width
     return KVRef{act_at(slot.k.data(), at, a), act_at(slot.v.data(), at, a),
                  backward_ ? slot.dk.f32() + at : nullptr, backward_ ? slot.dv.f32() + at : nullptr,
                  int(ch.rows - skip), ch.pos0 + skip};
