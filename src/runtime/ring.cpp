@@ -37,23 +37,23 @@ void RingAttention::wait(comm::Request r, const std::string& what) {
   if (ctx_.waited_s) *ctx_.waited_s += waited;
 }
 
+// Note [Packed documents on the ring]: the messages stay those of the positional spans
+// (ctx_.spans), so that the simulator's counts hold; every rank cuts each span at the
+// document starts it knows as well as the owner does (the step's documents are global),
+// computes a sub-span at a time, and lays out rows and LSE blocks sub-span after sub-span,
+// as the owner's own attention does (an LSE block is [Z, rows] per kernel call). A
+// sub-span whose document begins after every key this rank holds gets no keys: output 0,
+// LSE -inf, which the merge weighs at nothing.
+std::vector<PosSpan> RingAttention::sub_spans(const Subseq& q, const PosSpan& span) {
+  Subseq one = q;
+  one.spans = {span};
+  return one.parts();
+}
+
 std::vector<KVRef> RingAttention::local_blocks(const PosSpan& queries, const BlockSaved& s, float* dk_self,
                                                float* dv_self, const Subseq& q, const ModelConfig& c,
                                                DType a) const {
-  const i64 last = last_seen(c, queries);
-  std::vector<KVRef> blocks;
-  for (std::size_t j = 0; j < past_.k.size(); ++j)
-    if (past_.offsets[j] <= last)
-      blocks.push_back({past_.k[j], past_.v[j], j < past_.dk.size() ? past_.dk[j] : nullptr,
-                        j < past_.dv.size() ? past_.dv[j] : nullptr, int(past_.lengths[j]), past_.offsets[j]});
-  const i64 H = c.kv_width();  // keys stay: only the queries' side is H wide
-  for (const PosSpan& own : q.parts()) {
-    if (own.pos0 > last) continue;
-    const i64 at = i64(own.row0) * H;
-    blocks.push_back({act_at(s.k, at, a), act_at(s.v, at, a), dk_self ? dk_self + at : nullptr,
-                      dv_self ? dv_self + at : nullptr, own.rows, own.pos0});
-  }
-  return blocks;
+  return attention_key_blocks(past_, s.k, s.v, dk_self, dv_self, q, queries, c, a);
 }
 
 void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q,
@@ -79,7 +79,7 @@ void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, co
   sent.push_back({cm.isend(s.q, i64(q.T) * H * act, next, tag(kQ, me, 0)), "the send of this rank's queries" + where});
 
   // Partial results for this rank's spans from every member that holds keys they see.
-  const std::vector<PosSpan> mine = q.parts();
+  const std::vector<PosSpan> mine = ctx_.spans[std::size_t(me)];
   struct Partial {
     Buffer out, lse;
     comm::Request out_req = comm::kDone, lse_req = comm::kDone;
@@ -99,7 +99,7 @@ void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, co
   }
 
   // This rank's own queries against its own keys.
-  for (const PosSpan& part : mine) {
+  for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H;
     be.attention_forward(act_at(s.attn_out, at, a), s.lse + i64(Z) * part.row0, act_at(s.q, at, a),
                          local_blocks(part, s, nullptr, nullptr, q, c, a), span_shape(c, part), scratch);
@@ -117,8 +117,20 @@ void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, co
       if (!sees(me, part)) continue;
       Buffer out = ctx_.device->alloc(part.rows * H * act, "ring: partial attention output");
       Buffer lse = ctx_.device->alloc(i64(Z) * part.rows * i64(sizeof(float)), "ring: partial LSE");
-      be.attention_forward(out.data(), lse.f32(), act_at(qb.data(), i64(part.row0) * H, a),
-                           local_blocks(part, s, nullptr, nullptr, q, c, a), span_shape(c, part), scratch);
+      for (const PosSpan& sub : sub_spans(q, part)) {
+        const i64 r = sub.row0 - part.row0;  // rows of this span before the sub-span
+        void* sub_out = act_at(out.data(), r * H, a);
+        float* sub_lse = lse.f32() + i64(Z) * r;
+        const std::vector<KVRef> keys = local_blocks(sub, s, nullptr, nullptr, q, c, a);
+        if (keys.empty()) {  // Note [Packed documents on the ring]
+          be.fill_zero(sub_out, std::size_t(sub.rows * H * act));
+          const std::vector<float> none(std::size_t(Z) * std::size_t(sub.rows), -INFINITY);
+          be.to_device(sub_lse, none.data(), none.size() * sizeof(float));
+          continue;
+        }
+        be.attention_forward(sub_out, sub_lse, act_at(qb.data(), i64(sub.row0) * H, a), keys, span_shape(c, sub),
+                             scratch);
+      }
       be.synchronize();
       const int owner = ctx_.members[std::size_t(g)];
       sent.push_back({cm.isend(out.data(), out.bytes(), owner, tag(kPartOut, me, int(j))), "a partial output" + where});
@@ -137,8 +149,11 @@ void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, co
       const std::string what = "the partial attention of ring member " + std::to_string(h) + where;
       wait(p.out_req, what);
       wait(p.lse_req, what);
-      be.attention_merge(act_at(s.attn_out, i64(mine[j].row0) * H, a), s.lse + i64(Z) * mine[j].row0, p.out.data(),
-                         p.lse.f32(), span_shape(c, mine[j]));
+      for (const PosSpan& sub : sub_spans(q, mine[j])) {
+        const i64 r = sub.row0 - mine[j].row0;
+        be.attention_merge(act_at(s.attn_out, i64(sub.row0) * H, a), s.lse + i64(Z) * sub.row0,
+                           act_at(p.out.data(), r * H, a), p.lse.f32() + i64(Z) * r, span_shape(c, sub));
+      }
     }
   for (const Sent& x : sent) wait(x.req, x.what);
   be.synchronize();
@@ -186,7 +201,7 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
   }
 
   // Partial dq of this rank's spans from every member that holds keys they see.
-  const std::vector<PosSpan> mine = q.parts();
+  const std::vector<PosSpan> mine = ctx_.spans[std::size_t(me)];
   std::vector<std::vector<Buffer>> part_dq(static_cast<std::size_t>(R));
   for (auto& row : part_dq) row.resize(mine.size());
   std::vector<std::vector<comm::Request>> part_req(std::size_t(R), std::vector<comm::Request>(mine.size(), comm::kDone));
@@ -202,12 +217,13 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
 
   // This rank's own queries: dq over its own keys, and their dK/dV.
   Buffer dq = ctx_.device->alloc_zeroed(T * H * act, "ring: dq");
+  // A sub-span that sees none of this rank's keys adds nothing (Note [Packed documents on the ring]).
   auto attend = [&](void* dq_rows, const void* dout_rows, const void* q_rows, const float* lse, const float* dlt,
                     const PosSpan& part) {
-    be.attention_backward(dq_rows, dout_rows, q_rows, local_blocks(part, s, dk_self, dv_self, q, c, a), lse, dlt,
-                          span_shape(c, part), scratch);
+    const std::vector<KVRef> keys = local_blocks(part, s, dk_self, dv_self, q, c, a);
+    if (!keys.empty()) be.attention_backward(dq_rows, dout_rows, q_rows, keys, lse, dlt, span_shape(c, part), scratch);
   };
-  for (const PosSpan& part : mine) {
+  for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H, z0 = i64(Z) * part.row0;
     attend(act_at(dq.data(), at, a), act_at(dout, at, a), act_at(s.q, at, a), s.lse + z0, delta + z0, part);
   }
@@ -227,10 +243,12 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
     for (std::size_t j = 0; j < spans.size(); ++j) {
       const PosSpan& part = spans[j];
       if (!sees(me, part)) continue;
-      const i64 at = i64(part.row0) * H, z0 = i64(Z) * part.row0;
       Buffer pdq = ctx_.device->alloc_zeroed(part.rows * H * act, "ring: partial dq");
-      attend(pdq.data(), act_at(p.dout.data(), at, a), act_at(p.q.data(), at, a), p.lse.f32() + z0,
-             p.delta.f32() + z0, part);
+      for (const PosSpan& sub : sub_spans(q, part)) {
+        const i64 at = i64(sub.row0) * H, z0 = i64(Z) * sub.row0;
+        attend(act_at(pdq.data(), i64(sub.row0 - part.row0) * H, a), act_at(p.dout.data(), at, a),
+               act_at(p.q.data(), at, a), p.lse.f32() + z0, p.delta.f32() + z0, sub);
+      }
       be.synchronize();
       sent.push_back({cm.isend(pdq.data(), pdq.bytes(), ctx_.members[std::size_t(g)], tag(kDq, me, int(j))),
                       "a partial dq" + where});

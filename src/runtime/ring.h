@@ -64,6 +64,8 @@ class RingAttention final : public BlockAttention {
   int rows_of(int member) const;
   std::vector<KVRef> local_blocks(const PosSpan& queries, const BlockSaved& s, float* dk_self, float* dv_self,
                                   const Subseq& q, const ModelConfig& c, DType a) const;
+  // The span cut at the step's document starts (q's documents); itself without them.
+  static std::vector<PosSpan> sub_spans(const Subseq& q, const PosSpan& span);
   int tag(int kind, int origin, int span) const;
   void wait(comm::Request r, const std::string& what);
 

@@ -264,6 +264,11 @@ TEST_F(Layouts, LlamaFamily) {
   check(2, "--pp 2 --subseqs 4 --kv-cache host", "packed", packed_);
   check(4, "--pp 2 --tp 2 --subseqs 3 --kv-cache host", "packed", packed_);
   check(2, "--pp 2 --subseqs 4 --offload 0.5 --kv-cache recompute", "packed", packed_);
+  // On the ring: documents cut every span, the messages stay the positional spans'.
+  check(2, "--cp 2 --ring zigzag --subseqs 3", "packed", packed_);
+  check(2, "--cp 2 --ring contiguous --subseqs 2 --offload 0.5", "packed", packed_);
+  check(4, "--cp 4 --ring zigzag", "packed", packed_);
+  check(4, "--pp 2 --cp 2 --subseqs 4", "packed", packed_);
   // Documents from a Megatron dataset's index, no separator given.
   check(2, "--pp 2 --subseqs 3 --offload 0.5", "packed", megatron_);
   check(2, "--pp 2 --subseqs 4", "packed", megatron_);
