@@ -198,8 +198,9 @@ std::vector<KVRef> attention_key_blocks(const KVBlocks& past, const void* k_self
                       int(rows - skip), pos0 + skip});
   };
   for (size_t j = 0; j < past.k.size(); ++j)
-    add(past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr, j < past.dv.size() ? past.dv[j] : nullptr,
-        past.lengths[j], past.offsets[j]);
+    if (past.offsets[j] <= last_seen(c, queries))  // (earlier subsequences' blocks always are)
+      add(past.k[j], past.v[j], j < past.dk.size() ? past.dk[j] : nullptr, j < past.dv.size() ? past.dv[j] : nullptr,
+          past.lengths[j], past.offsets[j]);
   for (const PosSpan& own : q.parts()) {
     if (own.pos0 > last_seen(c, queries)) continue;  // entirely after the queries
     const i64 at = i64(own.row0) * H;

@@ -269,6 +269,9 @@ TEST_F(Layouts, LlamaFamily) {
   check(2, "--cp 2 --ring contiguous --subseqs 2 --offload 0.5", "packed", packed_);
   check(4, "--cp 4 --ring zigzag", "packed", packed_);
   check(4, "--pp 2 --cp 2 --subseqs 4", "packed", packed_);
+  // MSP's pieces run on the same ring.
+  check(3, "--pp 3 --subseqs 5 --partition flops --offload 0.5 --msp on", "packed", packed_);
+  check(2, "--pp 2 --subseqs 6 --msp on --kv-cache device", "packed", packed_);
   // Documents from a Megatron dataset's index, no separator given.
   check(2, "--pp 2 --subseqs 3 --offload 0.5", "packed", megatron_);
   check(2, "--pp 2 --subseqs 4", "packed", megatron_);
