@@ -361,49 +361,39 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
       ref.loss += loss / double(predicted);
       for (std::size_t k = 0; k < g.size(); ++k) ref.grads[k] += g[k] / double(predicted);
     }
+    // One packed step of schedule s (N subsequences, alpha a) against the reference.
+    auto check = [&](sched::Schedule s, const std::string& what) {
+      RuntimeOptions o;
+      o.head_chunk = 7;
+      Runtime rt(c, o);
+      std::copy(params.begin(), params.end(), rt.params());
+      s.packed = true;
+      StepControl control;
+      control.targets = packed.targets.data();
+      control.docs = &packed.starts;
+      const StepResult r = rt.step(s, tokens.data(), control);
+      const StepRun got{r.loss, std::vector<double>(rt.grads(), rt.grads() + rt.num_params())};
+      expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3, std::string(c.llama() ? "llama" : "gpt") + " packed " + what);
+    };
+    auto named = [](int N, double a) { return "N=" + std::to_string(N) + " alpha=" + std::to_string(a); };
     const auto& levels = recompute_levels();
     for (int N : {1, 3, 8})
       for (double a : {0.0, 0.6})
         for (SavedSet rc : {SavedSet(0), levels.back()}) {
-          RuntimeOptions o;
-          o.head_chunk = 7;
-          Runtime rt(c, o);
-          std::copy(params.begin(), params.end(), rt.params());
           sched::Schedule s = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
           s.recompute = rc;
-          s.packed = true;
-          StepControl control;
-          control.targets = packed.targets.data();
-          control.docs = &packed.starts;
-          const StepResult r = rt.step(s, tokens.data(), control);
-          const StepRun got{r.loss, std::vector<double>(rt.grads(), rt.grads() + rt.num_params())};
-          expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3,
-                             std::string(c.llama() ? "llama" : "gpt") + " packed N=" + std::to_string(N) +
-                                 " alpha=" + std::to_string(a) + " recompute " + recompute_tensors_text(rc));
+          check(s, named(N, a) + " recompute " + recompute_tensors_text(rc));
         }
     // K/V on the host or recomputed (runtime/kv_stream.h): only a subsequence's first span
     // meets the streamed chunks, cut at its document's start (recomputed keys get their
     // RoPE positions from it).
     for (const sched::KvPlace place : {sched::KvPlace::Host, sched::KvPlace::Recompute})
-    for (int N : {3, 8})
-      for (double a : {0.0, 0.6}) {
-        RuntimeOptions o;
-        o.head_chunk = 7;
-        Runtime rt(c, o);
-        std::copy(params.begin(), params.end(), rt.params());
-        sched::Schedule s = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
-        s.kv_place.assign(std::size_t(c.layers), place);
-        s.packed = true;
-        StepControl control;
-        control.targets = packed.targets.data();
-        control.docs = &packed.starts;
-        const StepResult r = rt.step(s, tokens.data(), control);
-        const StepRun got{r.loss, std::vector<double>(rt.grads(), rt.grads() + rt.num_params())};
-        expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3,
-                           std::string(c.llama() ? "llama" : "gpt") + " packed, K/V " +
-                               (place == sched::KvPlace::Host ? "on the host" : "recomputed") + ", N=" +
-                               std::to_string(N) + " alpha=" + std::to_string(a));
-      }
+      for (int N : {3, 8})
+        for (double a : {0.0, 0.6}) {
+          sched::Schedule s = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
+          s.kv_place.assign(std::size_t(c.layers), place);
+          check(s, named(N, a) + (place == sched::KvPlace::Host ? " K/V on the host" : " K/V recomputed"));
+        }
   }
 }
 
