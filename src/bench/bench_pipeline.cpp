@@ -46,7 +46,7 @@ double median(std::vector<double> v) {
 Row run(const StepOptions& so, int reps, comm::Comm& world, bool alone = false) {
   StepSetup s;
   on_every_rank(world, [&] { s = make_setup(so, alone ? nullptr : &world); });
-  if (!alone) prepare_groups(world, s.schedule);
+  if (!alone) prepare_groups(world, s.schedule, s.config);
   init_owned(*s.runtime, so.seed);
   const i64 S = so.seq_len;
   std::vector<std::int32_t> tokens(std::size_t(S + 1));

@@ -118,14 +118,16 @@ std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, c
   const auto [f0, f1] = tp.ffn(c);
   const auto [v0, v1] = tp.vocab(c);
   const i64 c0 = z0 * A, Hr = (z1 - z0) * A, k0 = g0 * A, KVr = (g1 - g0) * A;
+  const int m = tp.kv_replicas(c);
   // Where the q, k and v rows of this member's heads start in the whole projection, and how many.
   const i64 qkv_from[3] = {c0, H + k0, H + KV + k0}, qkv_rows[3] = {Hr, KVr, KVr};
   std::vector<ParamSlice> out;
   i64 local = 0;
   for (const auto& s : parameter_specs(c, begin, end, tp)) {
     const i64 full = full_offset.at(s.name);
-    auto take = [&](i64 from, i64 count, bool replicated = false) {
-      out.push_back({local, full + from, count, replicated});
+    auto take = [&](i64 from, i64 count, bool replicated = false, bool kv_replica = false) {
+      const bool copy = (replicated && tp.index > 0) || (kv_replica && tp.index % m > 0);
+      out.push_back({local, full + from, count, replicated, kv_replica, copy});
       local += count;
     };
     auto ends = [&](const char* suffix) {
@@ -139,9 +141,9 @@ std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, c
     } else if (s.name == "embed.weight" || s.name == "lm_head.weight") {
       take(v0 * H, (v1 - v0) * H);
     } else if (ends("attn.qkv.weight")) {
-      for (int j = 0; j < 3; ++j) take(qkv_from[j] * H, qkv_rows[j] * H);  // the q, k, v rows of its heads
+      for (int j = 0; j < 3; ++j) take(qkv_from[j] * H, qkv_rows[j] * H, false, j > 0 && m > 1);  // q, k, v rows
     } else if (ends("attn.qkv.bias")) {
-      for (int j = 0; j < 3; ++j) take(qkv_from[j], qkv_rows[j]);
+      for (int j = 0; j < 3; ++j) take(qkv_from[j], qkv_rows[j], false, j > 0 && m > 1);
     } else if (ends("attn.out.weight")) {
       for (i64 r = 0; r < H; ++r) take(r * H + c0, Hr);  // its heads' columns of every row
     } else if (ends("mlp.fc.weight")) {

@@ -53,11 +53,34 @@ std::pair<i64, i64> piece_range(i64 n, int piece, int pieces);
 // embedding and cross-entropy), and, in the LayerNorm / residual regions, rows
 // piece_range(T, index, size) of every subsequence. LayerNorm weights and the biases of the
 // two row-parallel projections are whole on every member.
+//
+// Note [Replicated key/value heads]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Grouped-query attention with more members than key/value heads (size = m G, m > 1):
+// each K/V head lives on the m consecutive members index / m == g, which split its r = Z / G
+// query heads piece_range(r, index % m, m) (so tp 8 runs qwen2.5-7b's 28 heads over 4 K/V
+// heads as 4 + 3 per pair). Every replica projects and caches the whole K/V head; its
+// attention backward gives the part of dK, dV that its own query heads read, so the K/V
+// rows' weight gradients are summed over the m replicas (GradReduce::reduce_replicated),
+// while dx needs nothing more: the reduce-scatter that ends the attention's backward
+// already sums every member's part. Checkpoints and norms take the head from its first
+// replica.
 struct TpShard {
   int index = 0;
   int size = 1;
   bool on() const { return size > 1; }
-  std::pair<i64, i64> heads(const ModelConfig& c) const { return piece_range(c.heads, index, size); }
+  // Members holding each key/value head: 1, or m when size = m G (Note [Replicated key/value heads]).
+  int kv_replicas(const ModelConfig& c) const {
+    const int G = c.kv_head_count();
+    return size > G ? size / G : 1;
+  }
+  std::pair<i64, i64> heads(const ModelConfig& c) const {
+    const int m = kv_replicas(c);
+    if (m == 1) return piece_range(c.heads, index, size);
+    const i64 r = c.heads / c.kv_head_count(), g = index / m;
+    const auto [b, e] = piece_range(r, index % m, m);
+    return {g * r + b, g * r + e};
+  }
   std::pair<i64, i64> ffn(const ModelConfig& c) const { return piece_range(c.ffn(), index, size); }
   std::pair<i64, i64> vocab(const ModelConfig& c) const { return piece_range(c.vocab, index, size); }
   std::pair<i64, i64> rows(i64 T) const { return piece_range(T, index, size); }
@@ -67,9 +90,13 @@ struct TpShard {
   // This member's share of the attention: its heads, and their width (heads x A).
   int local_heads(const ModelConfig& c) const { const auto [b, e] = heads(c); return int(e - b); }
   int local_hidden(const ModelConfig& c) const { return local_heads(c) * c.head_size(); }
-  // Grouped-query attention: its key/value heads (G divisible by the group size, so that
-  // its query heads read exactly these), and their width.
-  std::pair<i64, i64> kv_heads(const ModelConfig& c) const { return piece_range(c.kv_head_count(), index, size); }
+  // Grouped-query attention: its key/value heads (those its query heads read: a whole
+  // piece of them when size divides G, else one replicated head), and their width.
+  std::pair<i64, i64> kv_heads(const ModelConfig& c) const {
+    const int m = kv_replicas(c);
+    if (m == 1) return piece_range(c.kv_head_count(), index, size);
+    return {index / m, index / m + 1};
+  }
   int local_kv_width(const ModelConfig& c) const { const auto [b, e] = kv_heads(c); return int(e - b) * c.head_size(); }
   // Outputs of its part of the q/k/v projection, and of the fc projection (gate and up
   // rows of its F columns for a gated MLP).
@@ -100,10 +127,16 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end
 // Where a member's parameters sit in the whole model's: run `count` elements from
 // `local` in its flat array (parameter_specs(c, begin, end, tp) order) are elements
 // `full` onwards of the whole model's (parameter_specs(c) order). `replicated`: the
-// tensor is whole on every member (LayerNorm weights, row-parallel biases).
+// tensor is whole on every member (LayerNorm weights, row-parallel biases); `kv_replica`:
+// the k or v rows of a key/value head that several members hold (Note [Replicated
+// key/value heads]); `copy`: another member holds the same values and is the one that
+// counts them (in gathers and gradient norms): members past the first for a replicated
+// tensor, replicas past the first for a key/value head.
 struct ParamSlice {
   i64 local = 0, full = 0, count = 0;
   bool replicated = false;
+  bool kv_replica = false;
+  bool copy = false;
 };
 std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, const TpShard& tp);
 // Whether a parameter (by name) is whole on every tensor-parallel member.

@@ -299,15 +299,16 @@ double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group) const {
   return 2.0 * (g - 1) / g * double(bytes) / bw + 2.0 * (g - 1) * lat;
 }
 
-i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
-  // Ring steps of a tensor-parallel member move its heads only.
+i64 CostModel::message_bytes(const Op& op, const Schedule& s, int rank) const {
+  // Ring steps of a tensor-parallel member move its heads only (members are consecutive ranks).
+  const TpShard member{rank % s.tp, s.tp};
   const i64 H = model_.hidden;
   const int n = std::max(1, op.layer_end - op.layer_begin);
   if (op.kind == OpKind::RingStep) {
     const i64 bytes = (s.rsa_piece(op) ? sched::rsa_step_bytes(s, op, H, act_bytes_)
                                         : sched::ring_step_bytes(s, op, H, model_.heads, act_bytes_, model_.causal)) *
                       n;
-    return s.tp > 1 ? bytes * TpShard{0, s.tp}.local_heads(model_) / model_.heads : bytes;
+    return s.tp > 1 ? bytes * member.local_heads(model_) / model_.heads : bytes;
   }
   i64 tokens = op.tokens;
   if (tokens == 0) tokens = sched::span_tokens(s.spans(op));
@@ -323,9 +324,9 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s) const {
     case Payload::WeightGrads:
       // An MSP helper's gradients of the stage it borrowed; from the head's stage, with its
       // loss sum (fp64) and per-position losses (fp32).
-      return sched::allreduce_bytes(op, model_, s.layers, TpShard{0, s.tp}) +
+      return sched::allreduce_bytes(op, model_, s.layers, member) +
              (op.kind != OpKind::AllReduce && op.layer_end == s.layers ? 8 + 4 * s.seq_len() : 0);
-    case Payload::TiedGrads: return sched::allreduce_bytes(op, model_, s.layers, TpShard{0, s.tp});
+    case Payload::TiedGrads: return sched::allreduce_bytes(op, model_, s.layers, member);
   }
   SPPO_ASSERT(false);
   return 0;

@@ -161,8 +161,9 @@ class CostModel {
   // Ring all-reduce over `group` of `bytes` per rank.
   double allreduce_s(i64 bytes, const std::vector<int>& group) const;
 
-  // Bytes a Send/Recv/RingStep moves.
-  i64 message_bytes(const sched::Op& op, const sched::Schedule& s) const;
+  // Bytes a Send/Recv/RingStep of `rank` moves (its tensor-parallel shards: members may
+  // hold different numbers of heads).
+  i64 message_bytes(const sched::Op& op, const sched::Schedule& s, int rank = 0) const;
 
  private:
   HardwareProfile hw_;

@@ -53,6 +53,7 @@ GradReduce::GradReduce(const RuntimeOptions& o, const std::vector<sched::Op>& op
       buckets_(buckets),
       shard_(shard),
       lb_(layers.first),
+      layer_count_(layers.second - layers.first),
       grads_(grads),
       result_(result),
       first_layer_bucket_(!buckets.empty() && buckets[0].name == "embed" ? 1 : 0) {
@@ -122,7 +123,7 @@ void GradReduce::reduce(const sched::Op& op, std::size_t index) {
   if (waited > kShownWaitS) add_span(result_, "wait " + sched::to_string(op), op.kind, Lane::Compute, t0, now_s());
 }
 
-void GradReduce::reduce_replicated(Backend& be, TpGroup* tp) {
+void GradReduce::reduce_replicated(Backend& be, TpGroup* tp, const ModelConfig& c) {
   if (!tp || !reduce_) return;
   // Each member's LayerNorm gradients come from its own rows (Note [Sequence-parallel
   // regions]): the sum over the group is the whole gradient. Sums commute, so this may
@@ -133,6 +134,16 @@ void GradReduce::reduce_replicated(Backend& be, TpGroup* tp) {
     const bool layernorm = spec.name.rfind("ln_f.", 0) == 0 || spec.name.find(".ln") != std::string::npos;
     if (layernorm) tp->all_reduce(grads_ + off, spec.numel(), spec.name);
     off += spec.numel();
+  }
+  if (tp->shard().kv_replicas(c) == 1) return;
+  // The k and v rows of each layer sit side by side: one sum a run of them.
+  const auto slices = param_slices(c, lb_, lb_ + layer_count_, tp->shard());
+  for (std::size_t k = 0; k < slices.size();) {
+    if (!slices[k].kv_replica) { ++k; continue; }
+    const i64 from = slices[k].local;
+    i64 to = from;
+    for (; k < slices.size() && slices[k].kv_replica && slices[k].local == to; ++k) to += slices[k].count;
+    tp->all_reduce_kv_replicas(grads_ + from, to - from, "key/value projection gradients");
   }
 }
 

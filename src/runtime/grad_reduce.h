@@ -64,8 +64,9 @@ class GradReduce {
   // AllReduce op `op`, the `index`-th.
   void reduce(const sched::Op& op, std::size_t index);
   // Under tensor parallelism (tp not null), in a step that reduces: sums the replicated
-  // parameters' gradients over the group.
-  void reduce_replicated(Backend& be, TpGroup* tp);
+  // parameters' gradients over the group, and those of key/value heads that several
+  // members hold over their holders (Note [Replicated key/value heads]).
+  void reduce_replicated(Backend& be, TpGroup* tp, const ModelConfig& c);
 
  private:
   void start(std::size_t b);
@@ -76,6 +77,7 @@ class GradReduce {
   const std::vector<ParamBucket>& buckets_;
   const std::vector<ShardSpan>& shard_;
   int lb_;
+  int layer_count_;
   float* grads_;
   StepResult& result_;
   std::size_t first_layer_bucket_;  // the bucket of layer lb_

@@ -77,7 +77,7 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
       result(res),
       S(sc.seq_len()),
       tp(sc.tp > 1 ? std::make_unique<TpGroup>(*c.opts.comm, c.opts.rank - c.opts.tp.index, c.opts.tp,
-                                               &res.comm_wait_s)
+                                               c.opts.tp.kv_replicas(c.config), &res.comm_wait_s)
                    : nullptr),
       act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers, sc.recompute),
       kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
@@ -136,7 +136,7 @@ void StepState::start() {
 
 void StepState::finish() {
   messages.drain();
-  grads.reduce_replicated(ctx.be, tp.get());
+  grads.reduce_replicated(ctx.be, tp.get(), ctx.config);
   ctx.device.set_reclaimer(nullptr);
   ctx.be.synchronize();
   act.synchronize();

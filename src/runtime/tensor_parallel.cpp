@@ -4,9 +4,11 @@
 
 namespace sppo {
 
-TpGroup::TpGroup(comm::Comm& comm, int first, const TpShard& tp, double* waited_s)
+TpGroup::TpGroup(comm::Comm& comm, int first, const TpShard& tp, int kv_replicas, double* waited_s)
     : comm_(comm), tp_(tp), waited_s_(waited_s) {
   for (int k = 0; k < tp.size; ++k) group_.push_back(first + k);
+  SPPO_ASSERT(kv_replicas >= 1 && tp.size % kv_replicas == 0);
+  for (int k = 0; k < kv_replicas; ++k) kv_group_.push_back(first + tp.index / kv_replicas * kv_replicas + k);
   SPPO_ASSERT(group_[std::size_t(tp.index)] == comm.rank());
 }
 
@@ -51,6 +53,12 @@ void TpGroup::all_gather_rows(float* parts, int rows) {
 
 void TpGroup::all_reduce(float* x, i64 n, const std::string& what) {
   const double s = comm::wait(comm_, comm_.iallreduce(x, n, group_), "the tensor-parallel sum of " + what);
+  if (waited_s_) *waited_s_ += s;
+}
+
+void TpGroup::all_reduce_kv_replicas(float* x, i64 n, const std::string& what) {
+  if (kv_group_.size() < 2) return;
+  const double s = comm::wait(comm_, comm_.iallreduce(x, n, kv_group_), "the key/value replicas' sum of " + what);
   if (waited_s_) *waited_s_ += s;
 }
 

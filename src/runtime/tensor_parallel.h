@@ -17,8 +17,9 @@ namespace sppo {
 
 class TpGroup final : public SeqParallel {
  public:
-  // `first`: the group's first world rank; this rank is member tp.index.
-  TpGroup(comm::Comm& comm, int first, const TpShard& tp, double* waited_s = nullptr);
+  // `first`: the group's first world rank; this rank is member tp.index. `kv_replicas`:
+  // members holding each key/value head (Note [Replicated key/value heads]).
+  TpGroup(comm::Comm& comm, int first, const TpShard& tp, int kv_replicas = 1, double* waited_s = nullptr);
   const TpShard& shard() const override { return tp_; }
   const comm::Group& group() const { return group_; }
   void all_gather(Backend& be, void* full, const void* mine, void* pad, int T, int H) override;
@@ -26,6 +27,9 @@ class TpGroup final : public SeqParallel {
   void all_gather_rows(float* parts, int rows) override;
   // Sums x[n] over the group in place (gradients of the replicated parameters).
   void all_reduce(float* x, i64 n, const std::string& what);
+  // Sums x[n] over the members that hold this member's key/value head (its K/V rows'
+  // weight gradients); nothing with one holder.
+  void all_reduce_kv_replicas(float* x, i64 n, const std::string& what);
 
  private:
   void wait(comm::Request r, const char* what);
@@ -33,6 +37,7 @@ class TpGroup final : public SeqParallel {
   comm::Comm& comm_;
   TpShard tp_;
   comm::Group group_;
+  comm::Group kv_group_;  // the members holding this member's key/value head
   double* waited_s_;
 };
 

@@ -37,10 +37,14 @@ enum class OpKind {
 enum class KvPlace : char { Device, Host, Recompute };
 const char* to_string(KvPlace p);                 // "device" | "host" | "recompute"
 
-// Tensor parallelism of a Llama-family block: each member holds whole key/value heads (tp
-// divides G = kv_head_count(), so that its query heads read exactly its own K/V); the
-// planner searches and train accepts only these tp for it.
-inline bool llama_tp_runs(const ModelConfig& c, int tp) { return tp >= 1 && c.kv_head_count() % tp == 0; }
+// Tensor parallelism of a Llama-family block: each member's query heads read whole
+// key/value heads of its own: tp divides G = kv_head_count(), or G divides tp and each K/V
+// head's r = Z / G query heads split over its tp / G replicas (Note [Replicated key/value
+// heads] in core/layout.h). The planner searches and train accepts only these tp for it.
+inline bool llama_tp_runs(const ModelConfig& c, int tp) {
+  const int G = c.kv_head_count();
+  return tp >= 1 && (G % tp == 0 || (tp % G == 0 && tp / G <= c.heads / G));
+}
 
 // What a Send/Recv/RingStep moves.
 // KV / KVGrad are an MSP piece's rows (Note [MSP pieces] in builders.cpp): its K and V,

@@ -178,7 +178,11 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   // 2 x (H / tp) wide on each member (core/layout.h TpShard).
   // Grouped-query attention narrows them to G A (G key/value heads).
   const std::string kv_w = c.kv_head_count() == c.heads ? "H" : "G A";
-  const std::string Hw = p.tp > 1 ? "(" + kv_w + " / tp " + std::to_string(p.tp) + ")" : kv_w;
+  // More members than key/value heads: each holds one whole head (Note [Replicated key/value heads]).
+  const std::string Hw = p.tp > c.kv_head_count() ? "A (one key/value head, on tp / G = " +
+                                                        std::to_string(p.tp / c.kv_head_count()) + " ranks)"
+                         : p.tp > 1 ? "(" + kv_w + " / tp " + std::to_string(p.tp) + ")"
+                                    : kv_w;
   const std::string shards = p.tp > 1 ? " (this rank's tensor-parallel shards)" : "";
   std::vector<MemoryLine> lines;
   const std::string P = num(double(params)) + " parameters of layers " + std::to_string(ob) + "-" +

@@ -147,7 +147,7 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     if (op.kind == OpKind::Backward) o.seconds = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
     if (op.kind == OpKind::Offload) o.bytes = mem.offload_bytes(op);
     if (op.kind == OpKind::Prefetch) o.bytes = mem.prefetch_bytes(op);
-    if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) o.bytes = cost.message_bytes(op, s);
+    if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) o.bytes = cost.message_bytes(op, s, r);
     out.first.push_back(out.ev.size());
     const i64 host_before = mem.host_bytes();
     mem.events(op, &out.ev);

@@ -96,7 +96,7 @@ void on_every_rank(comm::Comm& world, const std::function<void()>& f) {
   throw Error(os.str());
 }
 
-void prepare_groups(comm::Comm& world, const sched::Schedule& s) {
+void prepare_groups(comm::Comm& world, const sched::Schedule& s, const ModelConfig& c) {
   std::vector<comm::Group> groups;
   for (const auto& ops : s.ops)
     for (const sched::Op& op : ops)
@@ -106,6 +106,13 @@ void prepare_groups(comm::Comm& world, const sched::Schedule& s) {
     comm::Group g;
     for (int t = 0; t < s.tp; ++t) g.push_back(first + t);
     groups.push_back(g);
+    // The members that hold each key/value head (Note [Replicated key/value heads]).
+    const int m = TpShard{0, s.tp}.kv_replicas(c);
+    for (int h = 0; m > 1 && h < s.tp; h += m) {
+      comm::Group kv;
+      for (int t = 0; t < m; ++t) kv.push_back(first + h + t);
+      groups.push_back(kv);
+    }
   }
   world.prepare_groups(groups);
 }
@@ -152,18 +159,17 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       ss += be.sum_squares(g + spans[k].offset, spans[k].count);
     }
   } else {
-    // Shards add up over the tensor-parallel group; a tensor every member holds whole
-    // counts on member 0 only.
-    i64 off = 0;
-    for (const TensorSpec& spec : rt.param_specs()) {
-      const i64 n = spec.numel();
-      const bool counted = !(tied_copy && spec.name == "embed.weight") &&
-                           !(tp_replicated(spec.name) && lay.tp_index() != 0);
+    // Shards add up over the tensor-parallel group; what several members hold (a tensor
+    // every member holds whole, a replicated key/value head) counts on its first holder.
+    const auto [lb, le] = rt.layers();
+    SPPO_ASSERT(!tied_copy || rt.param_specs().front().name == "embed.weight");
+    const i64 embed = tied_copy ? rt.param_specs().front().numel() : 0;  // the stage's first tensor
+    for (const ParamSlice& sl : param_slices(rt.config(), lb, le, rt.options().tp)) {
+      if (sl.copy || sl.local < embed) continue;
       for (const ShardSpan& sp : spans) {
-        const i64 b = std::max(off, sp.offset), e = std::min(off + n, sp.offset + sp.count);
-        if (counted && b < e) ss += be.sum_squares(g + b, e - b);
+        const i64 b = std::max(sl.local, sp.offset), e = std::min(sl.local + sl.count, sp.offset + sp.count);
+        if (b < e) ss += be.sum_squares(g + b, e - b);
       }
-      off += n;
     }
   }
   if (lay.zero == 0 && (lay.replica() != 0 || lay.ring() != 0)) ss = 0;
@@ -279,7 +285,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       const i64 embed_elems = has_embed ? (shard.vocab(c).second - shard.vocab(c).first) * c.hidden : 0;
       for (const ParamSlice& sl : param_slices(c, b, e, shard)) {
         if (p > 0 && sl.local < embed_elems) continue;
-        if (sl.replicated && t > 0) continue;
+        if (sl.copy) continue;
         for (std::size_t a = 0; a < outs.size(); ++a)
           copy_floats(outs[a]->data() + sl.full, got[a].data() + sl.local, sl.count);
       }

@@ -63,8 +63,9 @@ ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm
 // ends the whole job with one message and exit 2 instead of leaving ranks waiting.
 void on_every_rank(comm::Comm& world, const std::function<void()>& f);
 
-// Makes the communicators of every all-reduce group of the schedule (collective).
-void prepare_groups(comm::Comm& world, const sched::Schedule& s);
+// Makes the communicators of every all-reduce group of the schedule (collective), and of
+// the tensor-parallel groups of model c.
+void prepare_groups(comm::Comm& world, const sched::Schedule& s, const ModelConfig& c);
 
 // Ends the job when the ranks were started with different options: names the ranks and
 // the options that differ. `options` is a flat JSON object of this rank's settings.

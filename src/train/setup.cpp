@@ -257,14 +257,14 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       << "--tp " << s.layout.tp << " splits the attention heads over its ranks, but the model has " << s.config.heads
       << "; use --tp " << s.config.heads << " or fewer";
   SPPO_CHECK(!s.config.llama() || sched::llama_tp_runs(s.config, s.layout.tp), "options")
-      << "--tp " << s.layout.tp << " splits the " << s.config.kv_head_count() << " key/value heads of the "
-      << "Llama-family model (--model " << o.model_preset << ") into whole heads per rank; use a --tp that divides "
-      << s.config.kv_head_count() << " (" << [&] {
+      << "--tp " << s.layout.tp << " does not split the " << s.config.heads << " query heads over "
+      << s.config.kv_head_count() << " key/value heads of the Llama-family model (--model " << o.model_preset
+      << ") so that each rank's queries read its own key/value heads; use one of --tp " << [&] {
            std::string ok;
-           for (int t = 1; t <= s.config.kv_head_count(); ++t)
-             if (s.config.kv_head_count() % t == 0) ok += (ok.empty() ? "" : ", ") + std::to_string(t);
+           for (int t = 1; t <= s.config.heads; ++t)
+             if (sched::llama_tp_runs(s.config, t)) ok += (ok.empty() ? "" : ", ") + std::to_string(t);
            return ok;
-         }() << ")";
+         }() << " (a divisor of " << s.config.kv_head_count() << ", or a multiple whose ranks share each key/value head)";
   SPPO_CHECK(s.layout.tp == 1 || s.backend->act() == DType::F32, "options")
       << "--tp runs fp32 activations on CPU ranks; use --precision fp32";
   SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")

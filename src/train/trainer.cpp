@@ -319,7 +319,7 @@ int run_train(const TrainOptions& o) {
   const ModelConfig& c = s.config;
   const ParallelLayout& lay = s.layout;
   const i64 S = o.step.seq_len;
-  prepare_groups(world, s.schedule);
+  prepare_groups(world, s.schedule, s.config);
   rt.record_memory(!o.trace_path.empty() || !o.svg_path.empty());
 
   const bool tty = isatty(STDERR_FILENO);
@@ -578,7 +578,7 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
   const ModelConfig& c = s.config;
   const ParallelLayout& lay = s.layout;
   const i64 S = o.seq_len;
-  prepare_groups(world, s.schedule);
+  prepare_groups(world, s.schedule, s.config);
   std::vector<std::int32_t> tokens(std::size_t(S + 1)), all_tokens;
   Sequences q;
   on_this_rank(world, [&] { q = run_sequences(s, tokens, &all_tokens); });

@@ -28,9 +28,15 @@ const std::string kBidirectional = "--attention bidirectional --objective mlm";
 // layouts it runs.
 const std::string kLlama = "--model llama-tiny --layers 4 --seq-len 96 --seed 3 --threads 1";
 
+// Six query heads of 16 over the preset's two key/value heads: under --tp 4 each K/V head
+// sits on two ranks whose query heads split its three 2 + 1 (Note [Replicated key/value
+// heads]).
+const std::string kLlama6 = kLlama + " --hidden 96 --heads 6";
+
 ModelConfig model(const std::string& flags = kModel) {
   ModelConfig c = preset(flags.rfind(kLlama, 0) == 0 ? "llama-tiny" : "tiny");
   c.layers = 4;
+  if (flags.rfind(kLlama6, 0) == 0) c.hidden = 96, c.heads = 6;
   return c;
 }
 
@@ -71,6 +77,8 @@ class Layouts : public ::testing::Test {
                                      {"refb", kModel + " " + kBidirectional},
                                      {"llama1", kLlama},
                                      {"llama2", kLlama + " --batch 2"},
+                                     {"llama6", kLlama6},
+                                     {"llama6b", kLlama6 + " --batch 2"},
                                      {"packed", packed_}}) {
       const auto r = testing::run_command(testing::sppo_binary() + " grads " + flags + " --out " +
                                           tmp_->path() + "/" + dir);
@@ -289,6 +297,17 @@ TEST_F(Layouts, LlamaTensorParallel) {
   check(4, "--tp 2 --cp 2 --ring zigzag --subseqs 2", "llama1", kLlama);
   check(4, "--tp 2 --dp 2 --zero 1 --subseqs 2", "llama2", kLlama);
   check(2, "--tp 2 --subseqs 3 --offload 0.5 --recompute-tensors all", "llama1", kLlama);
+  // More members than key/value heads: each head on two members, summed gradients.
+  check(4, "--tp 4", "llama1", kLlama);
+  for (const char* layout : {"--tp 4 --subseqs 3 --offload 0.5", "--tp 4 --subseqs 2 --kv-cache host"}) {
+    const auto r = check(4, layout, "llama6", kLlama6);
+    ASSERT_FALSE(r.empty());
+    EXPECT_EQ(r["peak_device_bytes"], r["predicted_peak_device_bytes"]) << layout;
+    EXPECT_EQ(r["peak_host_bytes"], r["predicted_peak_host_bytes"]) << layout;
+  }
+  // Members of 2 or 1 query heads send ring messages of their own sizes.
+  check(8, "--tp 4 --cp 2", "llama6", kLlama6);
+  check(8, "--tp 4 --dp 2 --zero 1 --subseqs 2", "llama6b", kLlama6);
 }
 
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {

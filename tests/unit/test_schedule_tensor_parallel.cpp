@@ -47,7 +47,7 @@ TEST(TensorParallel, ShardsPutTogetherAreTheWholeModel) {
           covered += sl.count;
           for (i64 k = 0; k < sl.count; ++k) {
             local[std::size_t(sl.local + k)] = whole[std::size_t(sl.full + k)];
-            if (!sl.replicated || t == 0) ++seen[std::size_t(sl.full + k)];
+            if (!sl.copy) ++seen[std::size_t(sl.full + k)];
           }
         }
         EXPECT_EQ(covered, local_count) << "tp " << tp << " member " << t;
@@ -187,12 +187,13 @@ TEST(TensorParallel, LlamaShardsPutTogetherAreTheWholeModel) {
     ADD_FAILURE() << "no parameter " << name;
     return i64{0};
   };
-  for (int tp : {1, 2, 4})
+  // tp 8: each kv head on two members, one query head each (Note [Replicated key/value heads]).
+  for (int tp : {1, 2, 4, 8})
     for (auto [b, e] : {std::pair{0, 2}, {0, 1}, {1, 2}}) {
       std::vector<int> seen(static_cast<std::size_t>(total), 0);
       for (int t = 0; t < tp; ++t) {
         const TpShard shard{t, tp};
-        EXPECT_EQ(shard.local_qkv_width(c), c.qkv_width() / tp);
+        EXPECT_EQ(shard.local_qkv_width(c), tp <= 4 ? c.qkv_width() / tp : 3 * A);
         EXPECT_EQ(shard.local_fc_width(c), 2 * (shard.ffn(c).second - shard.ffn(c).first));
         // Its query heads read exactly its kv heads.
         const auto [z0, z1] = shard.heads(c);
@@ -213,7 +214,7 @@ TEST(TensorParallel, LlamaShardsPutTogetherAreTheWholeModel) {
           covered += sl.count;
           for (i64 k = 0; k < sl.count; ++k) {
             from[std::size_t(sl.local + k)] = sl.full + k;
-            if (!sl.replicated || t == 0) ++seen[std::size_t(sl.full + k)];
+            if (!sl.copy) ++seen[std::size_t(sl.full + k)];
           }
         }
         ASSERT_EQ(covered, local_count);
@@ -251,6 +252,50 @@ TEST(TensorParallel, LlamaShardsPutTogetherAreTheWholeModel) {
           ASSERT_EQ(seen[std::size_t(full_at[k] + j)], owned ? 1 : 0) << n << " element " << j << " tp " << tp;
       }
     }
+}
+
+// Three query heads a key/value head (Z 6, G 2) over 4 and 6 members: each K/V head on 2 or 3
+// consecutive members, which split its query heads 2 + 1 or 1 + 1 + 1; the k and v rows are
+// flagged as replicas, counted (copy false) on the first holder only; every query head on
+// exactly one member.
+TEST(TensorParallel, ReplicatedKeyValueHeadsSplitTheirQueryHeads) {
+  ModelConfig c;
+  c.family = Family::Llama;
+  c.vocab = 11;
+  c.hidden = 48;
+  c.layers = 1;
+  c.heads = 6;
+  c.kv_heads = 2;
+  c.ffn_size = 12;
+  c.qkv_bias = true;
+  EXPECT_FALSE(sched::llama_tp_runs(c, 3));  // neither divides the other
+  EXPECT_FALSE(sched::llama_tp_runs(c, 8));  // 4 replicas for 3 query heads
+  for (const int tp : {4, 6}) {
+    ASSERT_TRUE(sched::llama_tp_runs(c, tp));
+    const int m = tp / 2;
+    std::vector<int> query_seen(6, 0);
+    for (int t = 0; t < tp; ++t) {
+      const TpShard shard{t, tp};
+      EXPECT_EQ(shard.kv_replicas(c), m);
+      const auto [z0, z1] = shard.heads(c);
+      const auto [g0, g1] = shard.kv_heads(c);
+      EXPECT_EQ(g1 - g0, 1);
+      EXPECT_EQ(g0, t / m);
+      EXPECT_EQ(z1 - z0, tp == 4 ? (t % 2 == 0 ? 2 : 1) : 1);
+      for (i64 z = z0; z < z1; ++z) {
+        EXPECT_EQ(z / 3, g0) << "query head " << z << " reads kv head " << g0;
+        ++query_seen[std::size_t(z)];
+      }
+      int kv_slices = 0;
+      for (const ParamSlice& sl : param_slices(c, 0, 1, shard)) {
+        if (!sl.kv_replica) continue;
+        ++kv_slices;
+        EXPECT_EQ(sl.copy, t % m != 0);
+      }
+      EXPECT_EQ(kv_slices, 4);  // k and v rows of the weight and of the bias
+    }
+    for (int z = 0; z < 6; ++z) EXPECT_EQ(query_seen[std::size_t(z)], 1) << "tp " << tp << " head " << z;
+  }
 }
 
 TEST(TensorParallel, RefusesSubsequencesShorterThanTheGroup) {
