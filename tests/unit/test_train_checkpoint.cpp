@@ -68,6 +68,42 @@ TEST(Checkpoint, ResumeIsBitIdentical) {
     EXPECT_EQ(slurp(a + "/ckpt/" + f), slurp(b + "/ckpt/" + f)) << f << " differs after resume";
 }
 
+// Packed documents (--pack): the resumed run packs the same documents into the same steps.
+TEST(Checkpoint, PackedResumeContinuesAtTheSameDocument) {
+  io::TempDir tmp("sppo-resume-packed");
+  std::vector<std::uint16_t> docs;
+  std::uint32_t x = 11;
+  while (docs.size() < 4000) {
+    const std::uint32_t n = 2 + (x = x * 1103515245u + 12345u) % 70;
+    for (std::uint32_t k = 1; k < n; ++k) docs.push_back(std::uint16_t(1 + (x = x * 1103515245u + 12345u) % 60));
+    docs.push_back(0);
+  }
+  io::write_file_atomic(tmp.path() + "/docs.u16",
+                        std::string_view(reinterpret_cast<const char*>(docs.data()), docs.size() * 2));
+  auto options = [&](const std::string& dir) {
+    std::filesystem::create_directories(dir);
+    TrainOptions o = base_options(dir);
+    o.step.model = preset("llama-tiny");
+    o.step.model_name = "llama-tiny";
+    o.step.data = tmp.path() + "/docs.u16";
+    o.step.doc_sep = 0;
+    o.step.pack = true;
+    return o;
+  };
+  const std::string a = tmp.path() + "/straight", b = tmp.path() + "/resumed";
+  ASSERT_EQ(run_train(options(a)), 0);
+  TrainOptions interrupted = options(b);
+  interrupted.stop_after = 3;
+  ASSERT_EQ(run_train(interrupted), 0);
+  TrainOptions resumed = options(b);
+  resumed.resume_dir = b + "/ckpt";
+  ASSERT_EQ(run_train(resumed), 0);
+  const auto curve_a = loss_curve(a + "/metrics.jsonl"), curve_b = loss_curve(b + "/metrics.jsonl");
+  ASSERT_EQ(curve_a.size(), 8u);
+  EXPECT_EQ(curve_a, curve_b);
+  EXPECT_EQ(slurp(a + "/ckpt/model.safetensors"), slurp(b + "/ckpt/model.safetensors"));
+}
+
 TEST(Checkpoint, CorruptedCheckpointIsRefusedAndKept) {
   io::TempDir tmp("sppo-corrupt");
   TrainOptions o = base_options(tmp.path());
