@@ -277,7 +277,7 @@ expect "--format 'gguf'" export ckpt --format gguf --out hf_out
 expect "--dtype 'fp8'" export ckpt --format hf --dtype fp8 --out hf_out
 expect "--pack packs documents that --doc-sep ID ends" train --model llama-tiny --seq-len 32 --steps 1 --pack
 expect "--doc-sep 99 is not a token id" train --model llama-tiny --seq-len 32 --steps 1 --doc-sep 99 --pack
-expect "--pack runs causal models" train --model tiny --seq-len 32 --steps 1 --doc-sep 0 --pack --recompute
+expect "--pack keeps each document's causal attention to itself" train --model tiny --seq-len 32 --steps 1 --doc-sep 0 --pack --attention bidirectional --objective mlm
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

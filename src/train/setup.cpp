@@ -297,9 +297,9 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(!o.pack || o.doc_sep >= 0 || s.data->has_documents(), "options")
       << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id), or those of a "
          "Megatron dataset's document index; " << s.data->describe() << " has no index";
-  SPPO_CHECK(!o.pack || (s.config.causal && !o.recompute && !shape.ring_rsa), "options")
-      << "--pack runs causal models with subsequences, --pp, --tp, --dp, --cp (the one-pass ring) and --msp on; not "
-         "yet with --ring rsa or --recompute";
+  SPPO_CHECK(!o.pack || s.config.causal, "options")
+      << "--pack keeps each document's causal attention to itself; a bidirectional model (--attention "
+         "bidirectional, and so --ring rsa) has none to keep: drop --pack";
   SPPO_CHECK(o.doc_sep < s.config.vocab, "options")
       << "--doc-sep " << o.doc_sep << " is not a token id of the model's vocabulary of " << s.config.vocab;
   shape.packed = o.pack;

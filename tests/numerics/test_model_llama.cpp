@@ -362,9 +362,10 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
       for (std::size_t k = 0; k < g.size(); ++k) ref.grads[k] += g[k] / double(predicted);
     }
     // One packed step of schedule s (N subsequences, alpha a) against the reference.
-    auto check = [&](sched::Schedule s, const std::string& what) {
+    auto check = [&](sched::Schedule s, const std::string& what, bool whole_block_recompute = false) {
       RuntimeOptions o;
       o.head_chunk = 7;
+      o.recompute = whole_block_recompute;
       Runtime rt(c, o);
       std::copy(params.begin(), params.end(), rt.params());
       s.packed = true;
@@ -394,6 +395,8 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
           s.kv_place.assign(std::size_t(c.layers), place);
           check(s, named(N, a) + (place == sched::KvPlace::Host ? " K/V on the host" : " K/V recomputed"));
         }
+    // The whole-block recompute baseline (--recompute): backward reruns each block's forward.
+    check(sched::build_single(c.layers, {S}, {0.0}), "--recompute", true);
   }
 }
 
