@@ -53,8 +53,12 @@ class ChunkedAttention : public BlockAttention {
     const std::string name = "blocks." + std::to_string(l_);
     Buffer out = c_.device_.alloc(i64(first.rows) * c.hidden * dtype_bytes(a), name + " partial output");
     Buffer lse = c_.device_.alloc(i64(c.heads) * first.rows * i64(sizeof(float)), name + " partial LSE");
-    for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
-    for (std::size_t b = 0; b < past_.size(); ++b) {
+    // Chunks wholly before the document are not brought in (backward still moves them: their
+    // sums pass through, Note [dK/dV with host-resident K/V]).
+    std::size_t b0 = 0;
+    while (b0 < past_.size() && past_[b0].pos0 + past_[b0].rows <= from) ++b0;
+    for (std::size_t b = b0; b < std::min<std::size_t>(b0 + 2, past_.size()); ++b) load(b);
+    for (std::size_t b = b0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
       if (const auto r = ref(slot, past_[b], from, a)) {
