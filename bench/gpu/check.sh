@@ -141,7 +141,7 @@ if [ $SMOKE = 0 ]; then
     section profile 60 "$SPPO" profile "${BACKEND[@]}" --out "$OUT/parts/profile.json"
   fi
   # The simulator on the profile just measured, against three real one-GPU SPPO steps.
-  section sim 150 "$SPPO" bench sim "${BF16[@]}" --hardware "$OUT/parts/profile.json" --reps 2 --json
+  section sim 300 "$SPPO" bench sim "${BF16[@]}" --hardware "$OUT/parts/profile.json" --reps 2 --json
 else
   section attention 60 "$SPPO" bench attention "${BACKEND[@]}" --seq-len 256 --queries 64 --prefix 192 --heads 2 \
     --reps 1 --json
