@@ -312,16 +312,17 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
       {"small", 0, 32768, 16, "0.5", "recompute", "ln1,q,x_mid,ln2,fc_pre"},
   };
   // On a GPU, one-device SPPO configurations of gpt-7b's layer shape (4 of its layers, so
-  // that weights, Adam state and 128K tokens of activations fit one card): no offload, half,
-  // and all of it with 16 subsequences; then the placements past the paper at 64K: K/V on
-  // the host and recomputed (streamed beside the offload's copies), saved tensors recomputed.
+  // that weights, Adam state and 128K tokens of activations fit one card): the placements
+  // past the paper at 64K (K/V on the host and recomputed, streamed beside the offload's
+  // copies; saved tensors recomputed), then no offload, half, and all of it with 16
+  // subsequences.
   const std::vector<Config> gpu_configs = {
-      {"gpt-7b", 4, 32768, 4, "none"},
-      {"gpt-7b", 4, 65536, 8, "0.5"},
-      {"gpt-7b", 4, 131072, 16, "full"},
       {"gpt-7b", 4, 65536, 8, "0.5", "host"},
       {"gpt-7b", 4, 65536, 8, "0.5", "recompute"},
-      {"gpt-7b", 4, 65536, 8, "none", "device", "ln1,ln2,fc_pre"}};
+      {"gpt-7b", 4, 65536, 8, "none", "device", "ln1,ln2,fc_pre"},
+      {"gpt-7b", 4, 32768, 4, "none"},
+      {"gpt-7b", 4, 65536, 8, "0.5"},
+      {"gpt-7b", 4, 131072, 16, "full"}};
   const auto probe_backend = make_backend(b.backend, b.precision);
   const bool on_cpu = std::string(probe_backend->name()) == "cpu";
   const plan::HardwareProfile hw = !b.hardware.empty() ? plan::load_profile(b.hardware)

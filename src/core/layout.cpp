@@ -280,7 +280,7 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
                               recompute_hidden * (act_bytes + (backward ? f32 : 0)));
   const i64 partial = backward ? 0 : T * width * act_bytes + i64(heads) * T * f32;
   const i64 norm = recompute_hidden > 0 ? largest * (recompute_hidden * act_bytes + 2 * f32) : 0;
-  return std::min<i64>(2, chunks) * slot + partial + norm;
+  return std::min<i64>(kv_window_slots(backward), chunks) * slot + partial + norm;
 }
 
 const std::vector<RecomputeGroup>& recompute_groups() {

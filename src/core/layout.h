@@ -208,8 +208,11 @@ i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<b
 // positions (the last one shorter).
 inline constexpr i64 kKvChunkMinRows = 256;
 inline i64 kv_chunk_rows(i64 T) { return T > kKvChunkMinRows ? T : kKvChunkMinRows; }
-// Device bytes of its window for `chunks` chunks, the largest of `largest` rows: two slots
-// (one for a single chunk) of K, V in the activation type and, in backward, dK, dV in
+// Slots of a streamed layer's window: two in forward, three in backward (Note [A third slot
+// in backward] in runtime/kv_stream.cpp).
+inline int kv_window_slots(bool backward) { return backward ? 3 : 2; }
+// Device bytes of its window for `chunks` chunks, the largest of `largest` rows:
+// kv_window_slots (fewer for fewer chunks) of K, V in the activation type and, in backward, dK, dV in
 // fp32; in forward a partial output [T, width] and LSE [heads, T] fp32 too. A layer that
 // recomputes K/V (`recompute_hidden` = H, the width of its input x) adds to each slot the
 // chunk's rows of x and, in backward, their d(LayerNorm-1 output) sums [largest, H] fp32
