@@ -276,11 +276,14 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
                     i64 recompute_hidden) {
   if (chunks == 0) return 0;
   const i64 f32 = 4;
-  const i64 slot = largest * (width * (2 * act_bytes + (backward ? 2 * f32 : 0)) +
-                              recompute_hidden * (act_bytes + (backward ? f32 : 0)));
+  const bool recompute = recompute_hidden > 0;
+  const i64 slot = largest * (width * (2 * act_bytes + (backward && recompute ? 2 * f32 : 0)) +
+                              recompute_hidden * act_bytes);
+  const i64 sums = backward ? largest * (recompute ? recompute_hidden * f32 : width * 2 * f32) : 0;
   const i64 partial = backward ? 0 : T * width * act_bytes + i64(heads) * T * f32;
-  const i64 norm = recompute_hidden > 0 ? largest * (recompute_hidden * act_bytes + 2 * f32) : 0;
-  return std::min<i64>(kv_window_slots(backward), chunks) * slot + partial + norm;
+  const i64 norm = recompute ? largest * (recompute_hidden * act_bytes + 2 * f32) : 0;
+  return std::min<i64>(2, chunks) * slot + std::min<i64>(kv_window_sum_slots(backward), chunks) * sums + partial +
+         norm;
 }
 
 const std::vector<RecomputeGroup>& recompute_groups() {

@@ -208,17 +208,18 @@ i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<b
 // positions (the last one shorter).
 inline constexpr i64 kKvChunkMinRows = 256;
 inline i64 kv_chunk_rows(i64 T) { return T > kKvChunkMinRows ? T : kKvChunkMinRows; }
-// Slots of a streamed layer's window: two in forward, three in backward (Note [A third slot
-// in backward] in runtime/kv_stream.cpp).
-inline int kv_window_slots(bool backward) { return backward ? 3 : 2; }
-// Device bytes of its window for `chunks` chunks, the largest of `largest` rows:
-// kv_window_slots (fewer for fewer chunks) of K, V in the activation type and, in backward, dK, dV in
-// fp32; in forward a partial output [T, width] and LSE [heads, T] fp32 too. A layer that
-// recomputes K/V (`recompute_hidden` = H, the width of its input x) adds to each slot the
-// chunk's rows of x and, in backward, their d(LayerNorm-1 output) sums [largest, H] fp32
-// (Note [dK/dV into the layer input] in runtime/kv_stream.h), and once the LayerNorm of a
-// chunk: its output [largest, H] and its mean and rstd [largest] fp32. Zero without an
-// earlier block.
+// Slots of a streamed layer's window for the gradient sums in backward: three, where the
+// K/V rotate over two (Note [A third slot in backward] in runtime/kv_stream.cpp).
+inline int kv_window_sum_slots(bool backward) { return backward ? 3 : 0; }
+// Device bytes of its window for `chunks` chunks, the largest of `largest` rows: two slots
+// (one for a single chunk) of K, V in the activation type and, in backward,
+// kv_window_sum_slots (fewer for fewer chunks) of their dK, dV sums in fp32; in forward a
+// partial output [T, width] and LSE [heads, T] fp32 too. A layer that recomputes K/V
+// (`recompute_hidden` = H, the width of its input x) adds to each slot the chunk's rows of x
+// and, in backward, fresh dK, dV, and its sums are the d(LayerNorm-1 output) [largest, H]
+// fp32 instead (Note [dK/dV into the layer input] in runtime/kv_stream.h); once, the
+// LayerNorm of a chunk: its output [largest, H] and its mean and rstd [largest] fp32. Zero
+// without an earlier block.
 i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward,
                     i64 recompute_hidden = 0);
 

@@ -62,11 +62,11 @@ nlohmann::json to_json(const Plan& p) {
 i64 Plan::kv_window_tokens() const {
   if (kv_host_layers.empty() && kv_recompute_layers.empty()) return 0;
   // Subsequence i streams the earlier positions in chunks of kv_chunk_rows(l_i) through
-  // kv_window_slots(backward) slots, fewer for fewer chunks (runtime/kv_stream.h).
+  // two slots (one when a single chunk holds them all; runtime/kv_stream.h).
   i64 most = 0, before = 0;
   for (const i64 l : lengths) {
-    const i64 C = kv_chunk_rows(l), chunks = (before + C - 1) / C;
-    most = std::max(most, chunks > 1 ? std::min<i64>(chunks, kv_window_slots(true)) * C : before);
+    const i64 C = kv_chunk_rows(l);
+    most = std::max(most, before > C ? 2 * C : before);
     before += l;
   }
   return most;

@@ -16,21 +16,24 @@ std::string block_name(int l, int j) {
 
 }  // namespace
 
-// The window: slot b % kv_window_slots holds chunk b of the earlier blocks' rows,
-// kv_chunk_rows(T) consecutive positions at most, from one block or several (short
-// subsequences share a chunk, so the kernels run on a few long blocks rather than many short
-// ones). Loads go out on the host-to-device stream two chunks ahead; in backward a slot's
-// sums go back on the device-to-host stream, and the slot is loaded again only once they
-// are out.
+// The window: slot b % 2 holds chunk b of the earlier blocks' rows, kv_chunk_rows(T)
+// consecutive positions at most, from one block or several (short subsequences share a
+// chunk, so the kernels run on a few long blocks rather than many short ones), and in
+// backward sums slot b % 3 its gradient sums. Loads go out on the host-to-device stream two
+// chunks ahead; in backward a sums slot goes back out on the device-to-host stream, and is
+// loaded again only once it is out.
 //
 // Note [A third slot in backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Backward has three slots where forward has two. With two, loading chunk b + 2 right after
-// queueing chunk b's kernels and its sums' copy out reuses chunk b's own slot: the host
-// waited for those sums to leave, so the compute stream ran dry for the whole copy out of
-// every chunk (on an H200, gpt-7b's layer at 64K with 8 subsequences: 5.48 s a step against
-// 4.04 simulated). With three, chunk b + 2 goes where chunk b - 1 was, whose sums left
-// while chunk b's kernels ran.
+// The sums rotate over three slots where everything else rotates over two. With two,
+// loading chunk b + 2 right after queueing chunk b's kernels and its sums' copy out reused
+// chunk b's own sums: the host waited for them to leave, so the compute stream ran dry for
+// the whole copy out of every chunk (on an H200, gpt-7b's layer at 64K with 8 subsequences:
+// 5.48 s a step against 4.04 simulated). With three, chunk b + 2's sums go where chunk
+// b - 1's were, which left while chunk b's kernels ran. K, V (and x) need no third slot:
+// the copies into a slot start only after the kernels queued before them (CopyStream), so
+// they never overwrite what a kernel still reads; the device-to-host copies of the sums
+// are what the host has to wait for.
 //
 // The two kinds of streamed layer differ in what a slot holds and brings in (load), what a
 // chunk needs before the kernels run on it (prepare), and where its gradients go (send_sums).
@@ -39,10 +42,8 @@ class ChunkedAttention : public BlockAttention {
   ~ChunkedAttention() override {
     // The host sums must be complete before anything reads them, and no copy may still
     // touch the window when it is freed.
-    for (Slot& s : slots_) {
-      wait(s.loaded);
-      wait(s.saved);
-    }
+    for (Slot& s : slots_) wait(s.loaded);
+    for (Slot& s : sums_) wait(s.saved);
   }
 
   // Packed documents cut the subsequence into spans, one call each against its own keys;
@@ -70,9 +71,9 @@ class ChunkedAttention : public BlockAttention {
     while (b0 < past_.size() && past_[b0].pos0 + past_[b0].rows <= from) ++b0;
     for (std::size_t b = b0; b < std::min<std::size_t>(b0 + 2, past_.size()); ++b) load(b);
     for (std::size_t b = b0; b < past_.size(); ++b) {
-      Slot& slot = slots_[b % slot_count_];
+      Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
-      if (const auto r = ref(slot, past_[b], from, a)) {
+      if (const auto r = ref(slot, slot, past_[b], from, a)) {
         be.attention_forward(out.data(), lse.f32(), s.q, {*r}, d, scratch);
         be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
       }
@@ -114,11 +115,12 @@ class ChunkedAttention : public BlockAttention {
     const i64 from = from_ = q.doc_start(first.pos0);
     const AttnShape d = shape(first);
     for (std::size_t b = 0; b < past_.size(); ++b) {
-      Slot& slot = slots_[b % slot_count_];
+      Slot& slot = slots_[b % 2];
+      Slot& sums = sums_[b % sum_count_];
       prepare(be, slot, past_[b]);
-      if (const auto r = ref(slot, past_[b], from, a))
+      if (const auto r = ref(slot, sums, past_[b], from, a))
         be.attention_backward(dqkv, dout, queries, {*r}, s.lse, delta, d, scratch);
-      send_sums(be, slot, past_[b], past_[b].rows <= T ? scratch : Workspace{});
+      send_sums(be, slot, sums, past_[b], past_[b].rows <= T ? scratch : Workspace{});
       if (b + 2 < past_.size()) load(b + 2);
     }
   }
@@ -135,17 +137,18 @@ class ChunkedAttention : public BlockAttention {
   using Chunk = HostKvCache::Chunk;
 
   ChunkedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward)
-      : c_(cache), l_(l), backward_(backward), slot_count_(std::size_t(kv_window_slots(backward))) {
+      : c_(cache), l_(l), backward_(backward), sum_count_(std::size_t(std::max(1, kv_window_sum_slots(backward)))) {
     past_ = c_.chunks(l, i, T, &largest_);
   }
-  std::size_t slots() const { return std::min<std::size_t>(slot_count_, past_.size()); }
+  std::size_t slots() const { return std::min<std::size_t>(2, past_.size()); }
+  std::size_t sum_slots() const { return backward_ ? std::min<std::size_t>(sum_count_, past_.size()) : 0; }
 
   // Starts bringing chunk b into its slot (after that slot's sums went out).
   virtual void load(std::size_t b) = 0;
   // Before the kernels run on chunk `ch` in `slot`: its copies are in, its K, V ready.
   virtual void prepare(Backend& be, Slot& slot, const Chunk& ch) = 0;
   // After the backward kernel on chunk `ch`: its gradients go out to the host sums.
-  virtual void send_sums(Backend& be, Slot& slot, const Chunk& ch, const Workspace& scratch) = 0;
+  virtual void send_sums(Backend& be, Slot& slot, Slot& sums, const Chunk& ch, const Workspace& scratch) = 0;
 
   void wait(std::shared_ptr<Event>& e) {
     if (!e) return;
@@ -161,18 +164,21 @@ class ChunkedAttention : public BlockAttention {
   // attended, and RoPE counts a recomputed key's position from it.
   i64 from_ = 0;
   std::vector<Chunk> past_;
-  std::size_t slot_count_;
-  Slot slots_[3];
+  std::size_t sum_count_;
+  Slot slots_[2];  // K, V (a Recompute layer's x, K, V, dK, dV) and the loaded event
+  Slot sums_[3];   // backward: the sums (dK, dV; a Recompute layer's d(LayerNorm-1 output)) and the saved event
 
  private:
   // Chunk ch in its slot from position `from` on (the first span's document start; keys
   // before it are another document's); none when the whole chunk lies before it.
-  std::optional<KVRef> ref(const Slot& slot, const Chunk& ch, i64 from, DType a) const {
+  std::optional<KVRef> ref(const Slot& slot, const Slot& sums, const Chunk& ch, i64 from, DType a) const {
     const i64 skip = std::max<i64>(0, from - ch.pos0);
     if (skip >= ch.rows) return std::nullopt;
     const i64 at = skip * c_.width_;  // the slot's rows: this member's K/V width
+    // dK, dV: a Host layer's are its sums; a Recompute layer's are fresh, in the K/V slot.
+    const Slot& g = sums.dk ? sums : slot;
     return KVRef{act_at(slot.k.data(), at, a), act_at(slot.v.data(), at, a),
-                 backward_ ? slot.dk.f32() + at : nullptr, backward_ ? slot.dv.f32() + at : nullptr,
+                 backward_ ? g.dk.f32() + at : nullptr, backward_ ? g.dv.f32() + at : nullptr,
                  int(ch.rows - skip), ch.pos0 + skip};
   }
 };
@@ -186,20 +192,20 @@ class StreamedAttention final : public ChunkedAttention {
     const i64 act = dtype_bytes(c_.be_.act()), f32 = i64(sizeof(float)), rows = largest_ * c_.width_;
     const std::string what = "blocks." + std::to_string(l) + " K/V window ";
     for (std::size_t s = 0; s < slots(); ++s) {
-      Slot& slot = slots_[s];
-      slot.k = c_.device_.alloc(rows * act, what + "K");
-      slot.v = c_.device_.alloc(rows * act, what + "V");
-      if (backward_) {
-        slot.dk = c_.device_.alloc(rows * f32, what + "dK");
-        slot.dv = c_.device_.alloc(rows * f32, what + "dV");
-      }
+      slots_[s].k = c_.device_.alloc(rows * act, what + "K");
+      slots_[s].v = c_.device_.alloc(rows * act, what + "V");
+    }
+    for (std::size_t s = 0; s < sum_slots(); ++s) {
+      sums_[s].dk = c_.device_.alloc(rows * f32, what + "dK");
+      sums_[s].dv = c_.device_.alloc(rows * f32, what + "dV");
     }
   }
 
  private:
   void load(std::size_t b) override {
-    Slot& slot = slots_[b % slot_count_];
-    wait(slot.saved);
+    Slot& slot = slots_[b % 2];
+    Slot& sums = sums_[b % sum_count_];
+    if (backward_) wait(sums.saved);
     const DType a = c_.be_.act();
     for (const Piece& pc : past_[b].pieces) {
       HostKvCache::Block& blk = *pc.blk;
@@ -217,11 +223,11 @@ class StreamedAttention final : public ChunkedAttention {
         blk.summed = 0;
       }
       if (pc.row0 < blk.summed) {  // the sums of the later subsequences' backward so far
-        c_.h2d_.copy(slot.dk.f32() + to, blk.dk.f32() + from, f32, {});
-        slot.loaded = c_.h2d_.copy(slot.dv.f32() + to, blk.dv.f32() + from, f32, {});
+        c_.h2d_.copy(sums.dk.f32() + to, blk.dk.f32() + from, f32, {});
+        slot.loaded = c_.h2d_.copy(sums.dv.f32() + to, blk.dv.f32() + from, f32, {});
       } else {  // this backward is the first to reach these rows
-        c_.be_.fill_zero(slot.dk.f32() + to, f32);
-        c_.be_.fill_zero(slot.dv.f32() + to, f32);
+        c_.be_.fill_zero(sums.dk.f32() + to, f32);
+        c_.be_.fill_zero(sums.dv.f32() + to, f32);
         blk.summed = pc.row0 + pc.rows;
       }
     }
@@ -229,12 +235,12 @@ class StreamedAttention final : public ChunkedAttention {
 
   void prepare(Backend&, Slot& slot, const Chunk&) override { wait(slot.loaded); }
 
-  void send_sums(Backend&, Slot& slot, const Chunk& ch, const Workspace&) override {
+  void send_sums(Backend&, Slot&, Slot& sums, const Chunk& ch, const Workspace&) override {
     for (const Piece& pc : ch.pieces) {
       const std::size_t bytes = std::size_t(pc.rows) * std::size_t(c_.width_) * sizeof(float);
       const i64 from = pc.row0 * c_.width_, to = pc.at * c_.width_;
-      c_.d2h_.copy(pc.blk->dk.f32() + from, slot.dk.f32() + to, bytes, {});
-      slot.saved = c_.d2h_.copy(pc.blk->dv.f32() + from, slot.dv.f32() + to, bytes, {});
+      c_.d2h_.copy(pc.blk->dk.f32() + from, sums.dk.f32() + to, bytes, {});
+      sums.saved = c_.d2h_.copy(pc.blk->dv.f32() + from, sums.dv.f32() + to, bytes, {});
     }
   }
 };
@@ -261,9 +267,9 @@ class RecomputedAttention final : public ChunkedAttention {
       if (backward_) {
         slot.dk = c_.device_.alloc(kv_rows * f32, what + "dK");
         slot.dv = c_.device_.alloc(kv_rows * f32, what + "dV");
-        slot.du = c_.device_.alloc(rows * f32, what + "d LayerNorm-1 output");
       }
     }
+    for (std::size_t s = 0; s < sum_slots(); ++s) sums_[s].du = c_.device_.alloc(rows * f32, what + "d LayerNorm-1 output");
     if (!past_.empty()) {
       norm_ = c_.device_.alloc(rows * act, what + "LayerNorm-1 output");
       mean_ = c_.device_.alloc(largest_ * f32, what + "LayerNorm-1 mean");
@@ -274,8 +280,9 @@ class RecomputedAttention final : public ChunkedAttention {
  private:
   // The rows of x that are on the host and, in backward, the sums.
   void load(std::size_t b) override {
-    Slot& slot = slots_[b % slot_count_];
-    wait(slot.saved);
+    Slot& slot = slots_[b % 2];
+    Slot& sums = sums_[b % sum_count_];
+    if (backward_) wait(sums.saved);
     const DType a = c_.be_.act();
     const i64 H = config_.hidden;
     const std::size_t f32_row = std::size_t(H) * sizeof(float);
@@ -291,7 +298,7 @@ class RecomputedAttention final : public ChunkedAttention {
         blk.du = c_.host_.alloc(i64(blk.rows) * H * i64(sizeof(float)), block_name(l_, blk.subseq) + "host dU");
         blk.summed = 0;
       }
-      float* du = slot.du.f32() + i64(pc.at) * H;
+      float* du = sums.du.f32() + i64(pc.at) * H;
       if (pc.row0 < blk.summed) {
         slot.loaded = c_.h2d_.copy(du, blk.du.f32() + pc.row0 * H, std::size_t(pc.rows) * f32_row, {});
       } else {
@@ -330,7 +337,7 @@ class RecomputedAttention final : public ChunkedAttention {
   // through the k and v rows [G A, H] of the projection into the sums of d(LayerNorm-1
   // output) [rows, H], and into the projection's weight gradients (and its biases', where
   // it has them), each through the x slot in the activation type.
-  void send_sums(Backend& be, Slot& slot, const Chunk& ch, const Workspace& scratch) override {
+  void send_sums(Backend& be, Slot& slot, Slot& sums, const Chunk& ch, const Workspace& scratch) override {
     const DType a = be.act();
     const int H = config_.hidden, KV = config_.kv_width();
     for (int kv = 0; kv < 2; ++kv) {
@@ -341,13 +348,13 @@ class RecomputedAttention final : public ChunkedAttention {
         be.rope_backward(act_at(slot.x.data(), skip * KV, a), int(ch.rows - skip), config_.kv_head_count(),
                          config_.head_size(), ch.pos0 + skip - from_, rope_table(config_), KV);
       const void* w = act_at(w_.m->qkv_w, row * H, a);
-      be.gemm(false, false, ch.rows, H, KV, 1.0f, slot.x.data(), KV, w, H, 1.0f, slot.du.data(), H, a, DType::F32);
+      be.gemm(false, false, ch.rows, H, KV, 1.0f, slot.x.data(), KV, w, H, 1.0f, sums.du.data(), H, a, DType::F32);
       be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b ? w_.g->qkv_b + row : nullptr, slot.x.data(),
                          norm_.data(), w, ch.rows, H, KV, 0, 0, scratch);
     }
     const std::size_t f32_row = std::size_t(H) * sizeof(float);
     for (const Piece& pc : ch.pieces)
-      slot.saved = c_.d2h_.copy(pc.blk->du.f32() + pc.row0 * H, slot.du.f32() + i64(pc.at) * H,
+      sums.saved = c_.d2h_.copy(pc.blk->du.f32() + pc.row0 * H, sums.du.f32() + i64(pc.at) * H,
                                 std::size_t(pc.rows) * f32_row, {});
   }
 

@@ -4,8 +4,8 @@
 // On a host layer, a subsequence's K and V leave the device when its forward of the layer
 // is done (copied, then freed). The attention of each later subsequence attends to its own
 // block on the device and streams every earlier block, in chunks of kv_chunk_rows rows
-// (core/layout.h), through a window of slots on the copy streams (two in forward, three in
-// backward: Note [A third slot in backward] in kv_stream.cpp): while the kernels
+// (core/layout.h), through a window of two slots on the copy streams (the backward's sums
+// through three: Note [A third slot in backward] in kv_stream.cpp): while the kernels
 // run on one chunk the next is on its way in. Forward joins
 // the blocks' partial results by log-sum-exp (Backend::attention_merge). Backward streams
 // the same blocks with their fp32 dK/dV partial sums, which live on the host: each slot's

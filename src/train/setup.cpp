@@ -408,7 +408,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   // auto: every K/V on the device, nothing recomputed beyond --recompute-tensors). Where
   // it does not fit, --kv-cache auto puts the K/V of the fewest layers a stage on the host
   // that fit (each host layer trades its K/V and sums on the device for a window of two
-  // or three chunks, so fitting is monotone in them). Where nothing fits that way either, auto
+  // chunks, so fitting is monotone in them). Where nothing fits that way either, auto
   // widens in tiers of rising recompute: tier t holds the recompute level t with the K/V
   // on the device or the host, and level t - 1 with the K/V recomputed (recompute_levels()
   // in core/layout.h); the fastest predicted that fits in the first tier with one wins.
