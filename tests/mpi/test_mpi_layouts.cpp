@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
+#include "support/documents.h"
 #include "support/megatron.h"
 #include "support/mpi_run.h"
 
@@ -46,15 +47,8 @@ class Layouts : public ::testing::Test {
     tmp_ = new io::TempDir("sppo-mpi-layouts");
     // Documents of 1 to 40 tokens, each ended by token 0, for packing (--pack).
     {
-      std::vector<std::uint16_t> docs;
-      std::uint32_t x = 7;
-      while (docs.size() < 400) {
-        const std::uint32_t n = 1 + (x = x * 1103515245u + 12345u) % 40;
-        for (std::uint32_t k = 1; k < n; ++k) docs.push_back(std::uint16_t(1 + (x = x * 1103515245u + 12345u) % 60));
-        docs.push_back(0);
-      }
-      io::write_file_atomic(tmp_->path() + "/docs.u16",
-                            std::string_view(reinterpret_cast<const char*>(docs.data()), docs.size() * 2));
+      const std::vector<std::uint16_t> docs = testing::random_documents(400, 7, 40);
+      testing::write_u16(tmp_->path() + "/docs.u16", docs);
       packed_ = kLlama + " --data " + tmp_->path() + "/docs.u16 --doc-sep 0 --pack";
       // The same documents as a Megatron dataset (each its tokens and its 0, in two
       // sequences), packed by the document index: the same step as by the separator.

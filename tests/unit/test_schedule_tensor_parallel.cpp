@@ -161,20 +161,26 @@ TEST(TensorParallel, MembersHoldTheirShardsOfTheWeights) {
   EXPECT_EQ(weights, (c.num_params() + 2 * replicated) * 4);
 }
 
+// A Llama-family model with a q/k/v bias and an untied LM head.
+ModelConfig small_llama(int vocab, int hidden, int layers, int heads, int kv_heads, int ffn) {
+  ModelConfig c;
+  c.family = Family::Llama;
+  c.vocab = vocab;
+  c.hidden = hidden;
+  c.layers = layers;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.ffn_size = ffn;
+  c.qkv_bias = true;
+  return c;
+}
+
 // A Llama-family block (grouped-query attention with G = 4 kv heads for Z = 8, a q/k/v
 // bias, a gated MLP of F = 30 columns, an untied LM head) split over groups that divide
 // G: every element once, each member's q rows its query heads', its k and v rows those of
 // the kv heads its queries read, its fc rows the gate and up rows of its MLP columns.
 TEST(TensorParallel, LlamaShardsPutTogetherAreTheWholeModel) {
-  ModelConfig c;
-  c.family = Family::Llama;
-  c.vocab = 37;
-  c.hidden = 32;
-  c.layers = 2;
-  c.heads = 8;
-  c.kv_heads = 4;
-  c.ffn_size = 30;
-  c.qkv_bias = true;
+  const ModelConfig c = small_llama(37, 32, 2, 8, 4, 30);
   const i64 H = c.hidden, A = c.head_size(), KV = c.kv_width(), F = c.ffn();
   const auto specs = parameter_specs(c);
   std::vector<i64> full_at;
@@ -259,15 +265,7 @@ TEST(TensorParallel, LlamaShardsPutTogetherAreTheWholeModel) {
 // flagged as replicas, counted (copy false) on the first holder only; every query head on
 // exactly one member.
 TEST(TensorParallel, ReplicatedKeyValueHeadsSplitTheirQueryHeads) {
-  ModelConfig c;
-  c.family = Family::Llama;
-  c.vocab = 11;
-  c.hidden = 48;
-  c.layers = 1;
-  c.heads = 6;
-  c.kv_heads = 2;
-  c.ffn_size = 12;
-  c.qkv_bias = true;
+  const ModelConfig c = small_llama(11, 48, 1, 6, 2, 12);
   EXPECT_FALSE(sched::llama_tp_runs(c, 3));  // neither divides the other
   EXPECT_FALSE(sched::llama_tp_runs(c, 8));  // 4 replicas for 3 query heads
   for (const int tp : {4, 6}) {

@@ -4,11 +4,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "io/fileutil.h"
+#include "support/documents.h"
 #include "train/trainer.h"
 
 namespace sppo {
@@ -46,51 +48,13 @@ std::vector<std::string> loss_curve(const std::string& path) {
   return out;
 }
 
-TEST(Checkpoint, ResumeIsBitIdentical) {
-  io::TempDir tmp("sppo-resume");
-  const std::string a = tmp.path() + "/straight", b = tmp.path() + "/resumed";
+// Runs `options` straight through in one directory and, in another, stopped after 3 steps
+// and resumed from its checkpoint: the same losses, norms and files at the end.
+void expect_resume_bit_identical(const std::string& root, const std::function<TrainOptions(const std::string&)>& options,
+                                 const std::vector<const char*>& files) {
+  const std::string a = root + "/straight", b = root + "/resumed";
   std::filesystem::create_directories(a);
   std::filesystem::create_directories(b);
-
-  ASSERT_EQ(run_train(base_options(a)), 0);
-
-  TrainOptions interrupted = base_options(b);
-  interrupted.stop_after = 3;
-  ASSERT_EQ(run_train(interrupted), 0);
-  TrainOptions resumed = base_options(b);
-  resumed.resume_dir = b + "/ckpt";
-  ASSERT_EQ(run_train(resumed), 0);
-
-  const auto curve_a = loss_curve(a + "/metrics.jsonl"), curve_b = loss_curve(b + "/metrics.jsonl");
-  ASSERT_EQ(curve_a.size(), 8u);
-  EXPECT_EQ(curve_a, curve_b);
-  for (const char* f : {"model.safetensors", "optimizer.safetensors"})
-    EXPECT_EQ(slurp(a + "/ckpt/" + f), slurp(b + "/ckpt/" + f)) << f << " differs after resume";
-}
-
-// Packed documents (--pack): the resumed run packs the same documents into the same steps.
-TEST(Checkpoint, PackedResumeContinuesAtTheSameDocument) {
-  io::TempDir tmp("sppo-resume-packed");
-  std::vector<std::uint16_t> docs;
-  std::uint32_t x = 11;
-  while (docs.size() < 4000) {
-    const std::uint32_t n = 2 + (x = x * 1103515245u + 12345u) % 70;
-    for (std::uint32_t k = 1; k < n; ++k) docs.push_back(std::uint16_t(1 + (x = x * 1103515245u + 12345u) % 60));
-    docs.push_back(0);
-  }
-  io::write_file_atomic(tmp.path() + "/docs.u16",
-                        std::string_view(reinterpret_cast<const char*>(docs.data()), docs.size() * 2));
-  auto options = [&](const std::string& dir) {
-    std::filesystem::create_directories(dir);
-    TrainOptions o = base_options(dir);
-    o.step.model = preset("llama-tiny");
-    o.step.model_name = "llama-tiny";
-    o.step.data = tmp.path() + "/docs.u16";
-    o.step.doc_sep = 0;
-    o.step.pack = true;
-    return o;
-  };
-  const std::string a = tmp.path() + "/straight", b = tmp.path() + "/resumed";
   ASSERT_EQ(run_train(options(a)), 0);
   TrainOptions interrupted = options(b);
   interrupted.stop_after = 3;
@@ -101,7 +65,30 @@ TEST(Checkpoint, PackedResumeContinuesAtTheSameDocument) {
   const auto curve_a = loss_curve(a + "/metrics.jsonl"), curve_b = loss_curve(b + "/metrics.jsonl");
   ASSERT_EQ(curve_a.size(), 8u);
   EXPECT_EQ(curve_a, curve_b);
-  EXPECT_EQ(slurp(a + "/ckpt/model.safetensors"), slurp(b + "/ckpt/model.safetensors"));
+  for (const char* f : files) EXPECT_EQ(slurp(a + "/ckpt/" + f), slurp(b + "/ckpt/" + f)) << f << " differs after resume";
+}
+
+TEST(Checkpoint, ResumeIsBitIdentical) {
+  io::TempDir tmp("sppo-resume");
+  expect_resume_bit_identical(tmp.path(), base_options, {"model.safetensors", "optimizer.safetensors"});
+}
+
+// Packed documents (--pack): the resumed run packs the same documents into the same steps.
+TEST(Checkpoint, PackedResumeContinuesAtTheSameDocument) {
+  io::TempDir tmp("sppo-resume-packed");
+  testing::write_u16(tmp.path() + "/docs.u16", testing::random_documents(4000, 11, 70));
+  expect_resume_bit_identical(
+      tmp.path(),
+      [&](const std::string& dir) {
+        TrainOptions o = base_options(dir);
+        o.step.model = preset("llama-tiny");
+        o.step.model_name = "llama-tiny";
+        o.step.data = tmp.path() + "/docs.u16";
+        o.step.doc_sep = 0;
+        o.step.pack = true;
+        return o;
+      },
+      {"model.safetensors"});
 }
 
 TEST(Checkpoint, CorruptedCheckpointIsRefusedAndKept) {
