@@ -161,16 +161,27 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   } else {
     // Shards add up over the tensor-parallel group; what several members hold (a tensor
     // every member holds whole, a replicated key/value head) counts on its first holder.
+    // The slices lie end to end in the flat array: one sum a run of counted ones.
     const auto [lb, le] = rt.layers();
     SPPO_ASSERT(!tied_copy || rt.param_specs().front().name == "embed.weight");
     const i64 embed = tied_copy ? rt.param_specs().front().numel() : 0;  // the stage's first tensor
-    for (const ParamSlice& sl : param_slices(rt.config(), lb, le, rt.options().tp)) {
-      if (sl.copy || sl.local < embed) continue;
+    auto add = [&](i64 from, i64 to) {
       for (const ShardSpan& sp : spans) {
-        const i64 b = std::max(sl.local, sp.offset), e = std::min(sl.local + sl.count, sp.offset + sp.count);
+        const i64 b = std::max(from, sp.offset), e = std::min(to, sp.offset + sp.count);
         if (b < e) ss += be.sum_squares(g + b, e - b);
       }
+    };
+    i64 run = embed, end = embed;
+    for (const ParamSlice& sl : param_slices(rt.config(), lb, le, rt.options().tp)) {
+      if (sl.local < embed) continue;
+      if (sl.copy) {
+        add(run, end);
+        run = end = sl.local + sl.count;
+      } else {
+        end = sl.local + sl.count;
+      }
     }
+    add(run, end);
   }
   if (lay.zero == 0 && (lay.replica() != 0 || lay.ring() != 0)) ss = 0;
   std::vector<double> total{ss};
