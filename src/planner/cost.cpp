@@ -136,24 +136,33 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
 
 namespace {
 
-// How the earlier blocks of subsequence i reach the attention of its T query rows
-// (HostKvCache::chunks): consecutive chunks of kv_chunk_rows(T) positions from position 0,
-// each split into one piece per earlier subsequence it holds rows of.
+// How a rank's earlier blocks of subsequence i reach the attention of its T query rows
+// (HostKvCache::chunks): chunks of kv_chunk_rows(T) of the rank's rows in position order,
+// each split into one piece per span of an earlier block it holds rows of (a block: the
+// whole earlier subsequence, or on a ring this piece's share of it, one span or two).
+// `rows`: the earlier rows the rank holds; `queries`: the query spans that meet each chunk
+// (the piece's own, or on a ring every member's).
 struct StreamShape {
   i64 chunks = 0;
   i64 pieces = 0;
+  i64 rows = 0;
+  i64 queries = 1;
 };
 
-StreamShape stream_shape(const Schedule& s, int i, i64 T) {
+StreamShape stream_shape(const Schedule& s, const Op& op, i64 T) {
   const i64 C = kv_chunk_rows(T);
   StreamShape sh;
-  i64 o = 0;
-  for (int j = 0; j < i; ++j) {
-    if (o % C != 0) ++sh.pieces;  // a block that starts inside a chunk adds a piece to it
-    o += s.lengths[std::size_t(j)];
-  }
-  sh.chunks = (o + C - 1) / C;
+  for (int j = 0; j < op.subseq; ++j)
+    for (const auto& [b, e] : s.spans(j, op.piece, op.pieces)) {
+      if (sh.rows % C != 0) ++sh.pieces;  // a span that starts inside a chunk adds a piece to it
+      sh.rows += e - b;
+    }
+  sh.chunks = (sh.rows + C - 1) / C;
   sh.pieces += sh.chunks;
+  if (op.pieces > 1) {
+    sh.queries = 0;
+    for (int h = 0; h < op.pieces; ++h) sh.queries += i64(s.spans(op, h).size());
+  }
   return sh;
 }
 
@@ -170,7 +179,7 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
   const double attention =
       (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)], &s.doc_starts) / s.tp;
-  const StreamShape shape = o > 0 ? stream_shape(s, op.subseq, T) : StreamShape{};
+  const StreamShape shape = o > 0 ? stream_shape(s, op, T) : StreamShape{};
   // Every backward but the first (that of the last subsequence) finds sums that later
   // subsequences' backward left on the host, for its own block and every earlier one.
   const bool sums_back = backward && op.subseq + 1 < int(s.lengths.size());
@@ -182,7 +191,7 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
     const double block = recompute ? x : kv;  // what a token of an earlier block brings in
     // A Recompute layer's sums are its d(LayerNorm-1 output), H fp32 a position.
     const double summed = recompute ? 4.0 * model_.hidden : sums;
-    const double past = double(o);            // every earlier position's block
+    const double past = double(shape.rows);   // every earlier block's rows on this rank
     const i64 in_bytes = i64(past * (sums_back ? block + summed : block));
     const i64 out_bytes = backward ? i64(past * summed) : 0;
     const double in = h2d_s(in_bytes, backward), out = backward ? d2h_s(out_bytes, true) : 0.0;
@@ -194,7 +203,8 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
     // in once there are some.
     const int tensors = recompute ? 1 : 2;
     const int per_piece = tensors * (1 + (backward ? 1 : 0) + (sums_back ? 1 : 0));
-    t += double(shape.pieces) * per_piece * hw_.copy_issue + double(shape.chunks) * hw_.attention_chunk;
+    t += double(shape.pieces) * per_piece * hw_.copy_issue +
+         double(shape.chunks * shape.queries) * hw_.attention_chunk;
     // The subsequence's own block, waited for whole: K, V out after the forward; before
     // the backward K, V back with their sums (a Recompute layer: the sums only).
     const double own = recompute ? (sums_back ? summed : 0.0) : (backward ? kv + (sums_back ? sums : 0.0) : kv);

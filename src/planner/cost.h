@@ -37,15 +37,16 @@
 // their gradients' way into the layer input and the weights (8 H^2 more), and in its
 // backward the K and V of its own tokens.
 // Streamed K/V (Schedule::kv_streamed; runtime/kv_stream.h): a layer whose K/V live on the
-// host, or are recomputed, brings the o earlier positions of subsequence i in chunks of
-// C = kv_chunk_rows(T) positions from position 0, a chunk cut into one piece per earlier
-// subsequence it holds rows of: chunks = ceil(o / C), pieces = chunks + the earlier
-// subsequences j >= 1 whose offset o_j is no multiple of C. Per layer, with in and out
+// host, or are recomputed, brings the rank's rows of the earlier subsequences (all o of
+// them; a ring member its own pieces, o/R) in chunks of C = kv_chunk_rows(T) rows, a chunk
+// cut into one piece per span of an earlier block it holds rows of: chunks = ceil(rows /
+// C), pieces = chunks + the spans that start inside a chunk. Every query span that meets
+// the chunks (a ring's: every member's) runs a kernel on each. Per layer, with in and out
 // the stream's bytes over h2d_bw and d2h_bw and s = copy_compute_share (Note [Streamed
 // chunks], planner/profile.h):
 //   s (in + out) + (1 - s) max(0, max(in', out') - attention)    (in', out': at the duplex
 //                                                                  rates in backward)
-//   + copy_issue * pieces * copies a piece + attention_chunk * chunks
+//   + copy_issue * pieces * copies a piece + attention_chunk * chunks * query spans
 // A piece's copies: K and V in (a Recompute layer: x), and in backward their sums out and,
 // in every backward but the first (the last subsequence's, which finds none), in. The
 // subsequence's own K, V go out after its forward (2 copies) and come back before its

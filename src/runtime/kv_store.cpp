@@ -65,8 +65,14 @@ LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward, con
     a.attn_ = host_->recomputed_attention(l, op.subseq, rows_of(sched_, op).T, backward, weights, inputs_, config_);
     return a;
   }
-  if (sched_.kv_streamed(l)) {
+  if (sched_.kv_streamed(l) && op.pieces == 1) {
     a.attn_ = host_->attention(l, op.subseq, rows_of(sched_, op).T, backward);
+    return a;
+  }
+  if (sched_.kv_streamed(l)) {  // a ring piece: this rank's earlier rows from the host
+    a.window_ = host_->past_attention(l, op.subseq, rows_of(sched_, op).T, backward);
+    a.past_ = std::make_unique<KVBlocks>();
+    a.attn_ = reach(op, l, *a.past_, a.window_.get());
     return a;
   }
   a.past_ = std::make_unique<KVBlocks>(past_blocks(l, op.subseq, backward));
@@ -77,10 +83,12 @@ LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward, con
 void KvStore::after_forward(int l, int i, const Subseq& q) {
   if (!sched_.kv_streamed(l)) return;
   std::vector<Buffer>& unit = act_.unit(i, l);
+  // The rank's rows by position (a zigzag ring piece: two spans), not cut at documents.
+  const std::vector<PosSpan> spans = q.spans.empty() ? std::vector<PosSpan>{PosSpan{q.offset, q.T, 0}} : q.spans;
   if (sched_.kv_recomputed(l))
-    host_->forget(l, i, unit[kK], unit[kV], q.offset, q.T);
+    host_->forget(l, i, unit[kK], unit[kV], spans);
   else
-    host_->store(l, i, unit[kK], unit[kV], q.offset, q.T);
+    host_->store(l, i, unit[kK], unit[kV], spans);
 }
 
 KVBlocks KvStore::past_blocks(int l, int i, bool grads) {
@@ -172,7 +180,8 @@ void KvStore::check_empty() const {
       SPPO_ASSERT_MSG(held_[l][i].empty(), "an MSP piece's K, V are left over: layer " << l << " subseq " << i);
 }
 
-std::unique_ptr<BlockAttention> KvStore::reach(const sched::Op& op, int l, const KVBlocks& past) {
+std::unique_ptr<BlockAttention> KvStore::reach(const sched::Op& op, int l, const KVBlocks& past,
+                                               PastAttention* streamed) {
   if (op.pieces == 1) return std::make_unique<LocalAttention>(past);
   const auto& sc = sched_;
   const int R = op.pieces, i = op.subseq, tp = opts_.tp.size;
@@ -194,7 +203,7 @@ std::unique_ptr<BlockAttention> KvStore::reach(const sched::Op& op, int l, const
   ctx.device = &device_;
   ctx.waited_s = ring_wait_s_;
   if (opts_.ring_rsa) return std::make_unique<RsaAttention>(ctx);
-  return std::make_unique<RingAttention>(ctx, past);
+  return std::make_unique<RingAttention>(ctx, past, streamed);
 }
 
 }  // namespace sppo

@@ -13,7 +13,8 @@
 //    until it sends the sums back (take_held).
 //  - host layer (KvPlace::Host): HostKvCache (runtime/kv_stream.h) keeps K_j, V_j and
 //    their sums on the host from j's forward of the layer (after_forward) to j's backward
-//    (restore).
+//    (restore); a ring piece's are this rank's rows of j, streamed to every piece's
+//    queries as they pass.
 //  - recompute layer (KvPlace::Recompute): no K_j, V_j after j's forward of the layer;
 //    later subsequences recompute them from unit (j, l)'s x wherever the activation store
 //    has it, and leave their gradients' sums, taken into the LayerNorm-1 output's, on the
@@ -48,7 +49,8 @@ class LayerAttention {
  private:
   friend class KvStore;
   std::unique_ptr<KVBlocks> past_;
-  std::unique_ptr<BlockAttention> attn_;  // after past_, so destroyed before it
+  std::unique_ptr<PastAttention> window_;  // a ring piece's streamed earlier blocks
+  std::unique_ptr<BlockAttention> attn_;   // after past_ and window_, so destroyed before them
 };
 
 class KvStore {
@@ -104,8 +106,10 @@ class KvStore {
   // The KV blocks of this rank's rows of subsequences j < i at layer l (with their dK/dV
   // accumulators when grads), one per span.
   KVBlocks past_blocks(int l, int i, bool grads);
-  // How F/B op's queries reach their keys at layer l: on this rank, or round its ring.
-  std::unique_ptr<BlockAttention> reach(const sched::Op& op, int l, const KVBlocks& past);
+  // How F/B op's queries reach their keys at layer l: on this rank, or round its ring
+  // (`streamed`: this rank's earlier blocks come from the host rather than `past`).
+  std::unique_ptr<BlockAttention> reach(const sched::Op& op, int l, const KVBlocks& past,
+                                        PastAttention* streamed = nullptr);
 
   ActivationStore& act_;
   MemoryTier& device_;

@@ -37,7 +37,7 @@ std::string block_name(int l, int j) {
 //
 // The two kinds of streamed layer differ in what a slot holds and brings in (load), what a
 // chunk needs before the kernels run on it (prepare), and where its gradients go (send_sums).
-class ChunkedAttention : public BlockAttention {
+class ChunkedAttention : public BlockAttention, public PastAttention {
  public:
   ~ChunkedAttention() override {
     // The host sums must be complete before anything reads them, and no copy may still
@@ -58,24 +58,45 @@ class ChunkedAttention : public BlockAttention {
                            attention_key_blocks(KVBlocks{}, s.k, s.v, nullptr, nullptr, q, part, c, a),
                            span_shape(c, part), scratch);
     }
-    if (past_.empty()) return;
     const PosSpan first = parts[0];
-    const i64 from = from_ = q.doc_start(first.pos0);
-    const AttnShape d = span_shape(c, first);
+    PastQueries j;
+    j.span = first;
+    j.from = q.doc_start(first.pos0);
+    j.q = act_at(s.q, i64(first.row0) * c.hidden, a);
+    j.ldq = c.hidden;
+    j.out = act_at(s.attn_out, i64(first.row0) * c.hidden, a);
+    j.lse = s.lse + i64(c.heads) * first.row0;
+    forward_past(be, c, {j}, scratch);
+  }
+
+  void forward_past(Backend& be, const ModelConfig& c, const std::vector<PastQueries>& queries,
+                    const Workspace& scratch) override {
+    if (past_.empty() || queries.empty()) return;
+    const DType a = be.act();
+    i64 rows = 0, from = queries[0].from;
+    for (const PastQueries& j : queries) {
+      rows = std::max<i64>(rows, j.span.rows);
+      from = std::min(from, j.from);
+    }
+    from_ = queries[0].from;  // a Recompute layer's: one span (no ring)
     const std::string name = "blocks." + std::to_string(l_);
-    Buffer out = c_.device_.alloc(i64(first.rows) * c.hidden * dtype_bytes(a), name + " partial output");
-    Buffer lse = c_.device_.alloc(i64(c.heads) * first.rows * i64(sizeof(float)), name + " partial LSE");
-    // Chunks wholly before the document are not brought in (backward still moves them: their
-    // sums pass through, Note [dK/dV with host-resident K/V]).
+    Buffer out = c_.device_.alloc(rows * c.hidden * dtype_bytes(a), name + " partial output");
+    Buffer lse = c_.device_.alloc(i64(c.heads) * rows * i64(sizeof(float)), name + " partial LSE");
+    // Chunks wholly before every span's document are not brought in (backward still moves
+    // them: their sums pass through, Note [dK/dV with host-resident K/V]).
     std::size_t b0 = 0;
-    while (b0 < past_.size() && past_[b0].pos0 + past_[b0].rows <= from) ++b0;
+    while (b0 < past_.size() && end_of(past_[b0]) <= from) ++b0;
     for (std::size_t b = b0; b < std::min<std::size_t>(b0 + 2, past_.size()); ++b) load(b);
     for (std::size_t b = b0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       prepare(be, slot, past_[b]);
-      if (const auto r = ref(slot, slot, past_[b], from, a)) {
-        be.attention_forward(out.data(), lse.f32(), s.q, {*r}, d, scratch);
-        be.attention_merge(s.attn_out, s.lse, out.data(), lse.f32(), d);
+      for (const PastQueries& j : queries) {
+        const std::vector<KVRef> keys = refs(slot, slot, past_[b], j.from, a);
+        if (keys.empty()) continue;
+        AttnShape d = span_shape(c, j.span);
+        d.ldq = j.ldq;
+        be.attention_forward(out.data(), lse.f32(), j.q, keys, d, scratch);
+        be.attention_merge(j.out, j.lse, out.data(), lse.f32(), d);
       }
       if (b + 2 < past_.size()) load(b + 2);
     }
@@ -98,29 +119,47 @@ class ChunkedAttention : public BlockAttention {
       queries = q3;
       ldq = 3 * H;
     }
-    auto shape = [&](const PosSpan& p) {
-      AttnShape d = span_shape(c, p);
-      d.ldq = ldq;
-      return d;
-    };
-    for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
+    start_loads();
     const std::vector<PosSpan> parts = q.parts();
     for (const PosSpan& part : parts) {
       const i64 row = i64(part.row0) * ldq, z0 = i64(c.heads) * part.row0;
+      AttnShape d = span_shape(c, part);
+      d.ldq = ldq;
       be.attention_backward(act_at(dqkv, row, a), act_at(dout, i64(part.row0) * H, a), act_at(queries, row, a),
                             attention_key_blocks(KVBlocks{}, s.k, s.v, dk_self, dv_self, q, part, c, a),
-                            s.lse + z0, delta + z0, shape(part), scratch);
+                            s.lse + z0, delta + z0, d, scratch);
     }
     const PosSpan first = parts[0];
-    const i64 from = from_ = q.doc_start(first.pos0);
-    const AttnShape d = shape(first);
+    PastQueries j;
+    j.span = first;
+    j.from = q.doc_start(first.pos0);
+    j.q = act_at(queries, i64(first.row0) * ldq, a);
+    j.ldq = ldq;
+    j.dq = act_at(dqkv, i64(first.row0) * ldq, a);
+    j.dout = act_at(dout, i64(first.row0) * H, a);
+    j.lse = s.lse + i64(c.heads) * first.row0;
+    j.delta = delta + i64(c.heads) * first.row0;
+    backward_past(be, c, {j}, scratch);
+  }
+
+  void backward_past(Backend& be, const ModelConfig& c, const std::vector<PastQueries>& queries,
+                     const Workspace& scratch) override {
+    if (past_.empty()) return;
+    const DType a = be.act();
+    from_ = queries.empty() ? 0 : queries[0].from;  // a Recompute layer's: one span (no ring)
+    start_loads();
     for (std::size_t b = 0; b < past_.size(); ++b) {
       Slot& slot = slots_[b % 2];
       Slot& sums = sums_[b % sum_count_];
       prepare(be, slot, past_[b]);
-      if (const auto r = ref(slot, sums, past_[b], from, a))
-        be.attention_backward(dqkv, dout, queries, {*r}, s.lse, delta, d, scratch);
-      send_sums(be, slot, sums, past_[b], past_[b].rows <= T ? scratch : Workspace{});
+      for (const PastQueries& j : queries) {
+        const std::vector<KVRef> keys = refs(slot, sums, past_[b], j.from, a);
+        if (keys.empty()) continue;
+        AttnShape d = span_shape(c, j.span);
+        d.ldq = j.ldq;
+        be.attention_backward(j.dq, j.dout, j.q, keys, j.lse, j.delta, d, scratch);
+      }
+      send_sums(be, slot, sums, past_[b], past_[b].rows <= T_ ? scratch : Workspace{});
       if (b + 2 < past_.size()) load(b + 2);
     }
   }
@@ -137,7 +176,11 @@ class ChunkedAttention : public BlockAttention {
   using Chunk = HostKvCache::Chunk;
 
   ChunkedAttention(HostKvCache& cache, int l, int i, i64 T, bool backward)
-      : c_(cache), l_(l), backward_(backward), sum_count_(std::size_t(std::max(1, kv_window_sum_slots(backward)))) {
+      : c_(cache),
+        l_(l),
+        T_(T),
+        backward_(backward),
+        sum_count_(std::size_t(std::max(1, kv_window_sum_slots(backward)))) {
     past_ = c_.chunks(l, i, T, &largest_);
   }
   std::size_t slots() const { return std::min<std::size_t>(2, past_.size()); }
@@ -158,6 +201,7 @@ class ChunkedAttention : public BlockAttention {
 
   HostKvCache& c_;
   int l_;
+  i64 T_;  // the rows of the block whose scratch the kernels get
   bool backward_;
   i64 largest_ = 0;  // rows of the longest chunk
   // Packed documents: where the first span's document begins. Keys before it are not
@@ -169,18 +213,41 @@ class ChunkedAttention : public BlockAttention {
   Slot sums_[3];   // backward: the sums (dK, dV; a Recompute layer's d(LayerNorm-1 output)) and the saved event
 
  private:
-  // Chunk ch in its slot from position `from` on (the first span's document start; keys
-  // before it are another document's); none when the whole chunk lies before it.
-  std::optional<KVRef> ref(const Slot& slot, const Slot& sums, const Chunk& ch, i64 from, DType a) const {
-    const i64 skip = std::max<i64>(0, from - ch.pos0);
-    if (skip >= ch.rows) return std::nullopt;
-    const i64 at = skip * c_.width_;  // the slot's rows: this member's K/V width
+  // The backward's first two chunks, once (started before the block's own attention, so
+  // that they come in while it runs).
+  void start_loads() {
+    if (started_) return;
+    started_ = true;
+    for (std::size_t b = 0; b < std::min<std::size_t>(2, past_.size()); ++b) load(b);
+  }
+  // One past the last position chunk ch holds.
+  static i64 end_of(const Chunk& ch) { return ch.pieces.back().pos0 + ch.pieces.back().rows; }
+  // Chunk ch in its slot from position `from` on (the span's document start; keys before it
+  // are another document's): a key block for each run of consecutive positions; none when
+  // the whole chunk lies before it.
+  std::vector<KVRef> refs(const Slot& slot, const Slot& sums, const Chunk& ch, i64 from, DType a) const {
+    std::vector<KVRef> keys;
     // dK, dV: a Host layer's are its sums; a Recompute layer's are fresh, in the K/V slot.
     const Slot& g = sums.dk ? sums : slot;
-    return KVRef{act_at(slot.k.data(), at, a), act_at(slot.v.data(), at, a),
-                 backward_ ? g.dk.f32() + at : nullptr, backward_ ? g.dv.f32() + at : nullptr,
-                 int(ch.rows - skip), ch.pos0 + skip};
+    i64 next_row = -1;  // the slot row after the last key block's
+    for (const Piece& pc : ch.pieces) {
+      const i64 skip = std::max<i64>(0, from - pc.pos0);
+      if (skip >= pc.rows) continue;
+      const i64 row = pc.at + skip, pos = pc.pos0 + skip;
+      const int rows = int(pc.rows - skip);
+      if (!keys.empty() && row == next_row && keys.back().k_pos0 + keys.back().Tk == pos) {
+        keys.back().Tk += rows;
+      } else {
+        const i64 at = row * c_.width_;  // the slot's rows: this member's K/V width
+        keys.push_back(KVRef{act_at(slot.k.data(), at, a), act_at(slot.v.data(), at, a),
+                             backward_ ? g.dk.f32() + at : nullptr, backward_ ? g.dv.f32() + at : nullptr, rows, pos});
+      }
+      next_row = row + rows;
+    }
+    return keys;
   }
+
+  bool started_ = false;
 };
 
 // A Host layer's window: K, V come in from the host and, in backward, their dK/dV sums in
@@ -374,16 +441,16 @@ std::vector<HostKvCache::Chunk> HostKvCache::chunks(int l, int i, i64 T, i64* la
   for (int j = 0; j < i; ++j) {
     Block& blk = blocks_[l][j];
     if (!blk.k && !blk.recomputed) continue;
-    for (i64 r = 0; r < blk.rows;) {
-      if (past.empty() || past.back().rows == C) past.push_back({{}, 0, blk.pos0 + r});
-      Chunk& ch = past.back();
-      SPPO_ASSERT_MSG(ch.pos0 + ch.rows == blk.pos0 + r, "streamed K/V blocks of one rank are consecutive positions");
-      const int n = int(std::min<i64>(C - ch.rows, blk.rows - r));
-      ch.pieces.push_back({&blk, r, n, ch.rows});
-      ch.rows += n;
-      r += n;
-      *largest = std::max<i64>(*largest, ch.rows);
-    }
+    for (const PosSpan& span : blk.spans)
+      for (int r = 0; r < span.rows;) {
+        if (past.empty() || past.back().rows == C) past.push_back({{}, 0, span.pos0 + r});
+        Chunk& ch = past.back();
+        const int n = int(std::min<i64>(C - ch.rows, span.rows - r));
+        ch.pieces.push_back({&blk, i64(span.row0) + r, n, ch.rows, span.pos0 + r});
+        ch.rows += n;
+        r += n;
+        *largest = std::max<i64>(*largest, ch.rows);
+      }
   }
   return past;
 }
@@ -403,11 +470,21 @@ HostKvCache::HostKvCache(Backend& be, MemoryTier& device, MemoryTier& host, Copy
 
 HostKvCache::~HostKvCache() = default;
 
-void HostKvCache::store(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows) {
+namespace {
+
+int rows_of(const std::vector<PosSpan>& spans) {
+  int rows = 0;
+  for (const PosSpan& p : spans) rows += p.rows;
+  return rows;
+}
+
+}  // namespace
+
+void HostKvCache::store(int l, int i, Buffer& k, Buffer& v, const std::vector<PosSpan>& spans) {
   Block& blk = blocks_[l][i];
   SPPO_ASSERT_MSG(!blk.k, "K/V of layer " << l << " subseq " << i << " stored twice");
-  blk.pos0 = pos0;
-  blk.rows = rows;
+  blk.spans = spans;
+  blk.rows = rows_of(spans);
   blk.subseq = i;
   blk.k = host_.alloc(k.bytes(), block_name(l, i) + "K on the host");
   blk.v = host_.alloc(v.bytes(), block_name(l, i) + "V on the host");
@@ -446,11 +523,15 @@ std::unique_ptr<BlockAttention> HostKvCache::attention(int l, int i, i64 T, bool
   return std::make_unique<StreamedAttention>(*this, l, i, T, backward);
 }
 
-void HostKvCache::forget(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows) {
+std::unique_ptr<PastAttention> HostKvCache::past_attention(int l, int i, i64 T, bool backward) {
+  return std::make_unique<StreamedAttention>(*this, l, i, T, backward);
+}
+
+void HostKvCache::forget(int l, int i, Buffer& k, Buffer& v, const std::vector<PosSpan>& spans) {
   Block& blk = blocks_[l][i];
   SPPO_ASSERT_MSG(!blk.recomputed, "K/V of layer " << l << " subseq " << i << " dropped twice");
-  blk.pos0 = pos0;
-  blk.rows = rows;
+  blk.spans = spans;
+  blk.rows = rows_of(spans);
   blk.subseq = i;
   blk.recomputed = true;
   k.reset();

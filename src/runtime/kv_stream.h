@@ -16,6 +16,13 @@
 // Memory (schedule/memory.h, MemTerm::KVWindow): the window is kv_window_bytes
 // (core/layout.h), allocated while a layer's attention runs.
 //
+// Under ring attention (runtime/ring.h) a rank's earlier blocks are its pieces of the
+// earlier subsequences, positions with gaps between them; a chunk is kv_chunk_rows of
+// those rows, each run of consecutive positions one key block of the kernels. The ring's
+// queries, its own and every member's that travel past, meet the streamed blocks in one
+// pass (PastAttention): each chunk comes in once and every query piece attends to it, so
+// the stream moves a rank's share of the prefix once a layer, whatever the ring's size.
+//
 // A Recompute layer (KvPlace::Recompute) keeps no K, V at all: its window brings in the
 // earlier blocks' layer input x instead (from the device, or from the host where an
 // offload put it) and recomputes each chunk's K, V from it (LayerNorm 1, the k and v rows
@@ -45,6 +52,32 @@
 
 namespace sppo {
 
+// Query rows (one span of positions) that attend to a rank's streamed earlier blocks.
+struct PastQueries {
+  PosSpan span;             // the rows' positions (row0 unused)
+  i64 from = 0;             // keys before it are another document's (Subseq::doc_start)
+  const void* q = nullptr;  // [rows, ldq]
+  int ldq = 0;              // row stride of q and, in backward, of dq
+  float* lse = nullptr;     // [Z, rows]: forward merges into it; backward reads the final one
+  void* out = nullptr;      // forward: [rows, H] merged into with the blocks' attention
+  void* dq = nullptr;       // backward: [rows, ldq] accumulates
+  const void* dout = nullptr;    // backward: [rows, H] d attn_out
+  const float* delta = nullptr;  // backward: [Z, rows]
+};
+
+// The attention of many query spans against a rank's streamed earlier blocks of one layer,
+// each chunk brought in once for all of them. Forward merges each span's attention over
+// those keys into its out and LSE (log-sum-exp); backward adds to each span's dq and to the
+// blocks' dK/dV sums.
+class PastAttention {
+ public:
+  virtual ~PastAttention() = default;
+  virtual void forward_past(Backend& be, const ModelConfig& c, const std::vector<PastQueries>& q,
+                            const Workspace& scratch) = 0;
+  virtual void backward_past(Backend& be, const ModelConfig& c, const std::vector<PastQueries>& q,
+                             const Workspace& scratch) = 0;
+};
+
 class HostKvCache {
  public:
   // `width`: the cache's row width (this tensor-parallel member's heads x head size).
@@ -53,9 +86,10 @@ class HostKvCache {
               int subseqs, i64 width, double* waited_s);
   ~HostKvCache();
 
-  // After the forward of layer l on subsequence i (rows [pos0, pos0 + rows)): its K, V go
-  // to the host and their device buffers are released.
-  void store(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows);
+  // After the forward of layer l on subsequence i (this rank's rows of it: `spans`, one
+  // span, or two for a zigzag ring piece): its K, V go to the host and their device buffers
+  // are released.
+  void store(int l, int i, Buffer& k, Buffer& v, const std::vector<PosSpan>& spans);
   // Before the backward of layer l on subsequence i: K_i, V_i back on the device, and its
   // dK/dV accumulators with what later subsequences' backward added (zeros if none).
   void restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer* dv);
@@ -63,6 +97,9 @@ class HostKvCache {
   // every j < i streamed in. Holds the window until destroyed.
   // T: the query rows (chunks of kv_chunk_rows(T) rows, core/layout.h).
   std::unique_ptr<BlockAttention> attention(int l, int i, i64 T, bool backward);
+  // The stored blocks of every j < i alone, for ring attention (chunks of kv_chunk_rows(T)
+  // rows). Holds the window until destroyed.
+  std::unique_ptr<PastAttention> past_attention(int l, int i, i64 T, bool backward);
 
   // A Recompute layer. Where subsequence j's input x [rows, H] of layer l is when a later
   // subsequence needs it: on the device, or (host set) a host copy that can be read (the
@@ -81,7 +118,7 @@ class HostKvCache {
   };
   // After the forward of layer l on subsequence i: K, V are released (recomputed when
   // needed); the block's rows are noted.
-  void forget(int l, int i, Buffer& k, Buffer& v, i64 pos0, int rows);
+  void forget(int l, int i, Buffer& k, Buffer& v, const std::vector<PosSpan>& spans);
   // Before the backward of layer l on subsequence i: its own dK/dV accumulators [rows,
   // width] fp32, zeroed, and the d(LayerNorm-1 output) sums [rows, hidden] fp32 that later
   // subsequences' backward left on the host (zeros if none). hidden: H, the layer input's
@@ -95,24 +132,26 @@ class HostKvCache {
   struct Block {
     Buffer k, v, dk, dv;  // on the host; dk, dv from the first backward that reaches the block
     Buffer du;            // a Recompute layer's d(LayerNorm-1 output) sums on the host, likewise
-    i64 pos0 = 0;
+    std::vector<PosSpan> spans;  // the positions of its rows, in row order
     int rows = 0;
     int subseq = 0;
     bool recomputed = false;  // a Recompute layer's block: its rows only
     i64 summed = 0;  // rows [0, summed) of the sums hold sums; the rest are not yet written
   };
-  // Rows [row0, row0 + rows) of an earlier block, at row `at` of its chunk.
+  // Rows [row0, row0 + rows) of an earlier block, positions pos0 .., at row `at` of its
+  // chunk.
   struct Piece {
     Block* blk;
     i64 row0;
     int rows;
     int at;
+    i64 pos0;
   };
-  // Positions [pos0, pos0 + rows) of the earlier blocks, kv_chunk_rows(T) at most.
+  // kv_chunk_rows(T) rows at most of the earlier blocks, in position order.
   struct Chunk {
     std::vector<Piece> pieces;
     int rows = 0;
-    i64 pos0 = 0;
+    i64 pos0 = 0;  // of its first row
   };
   // The earlier blocks of subsequence i at layer l as chunks for T query rows; *largest:
   // the most rows of one.

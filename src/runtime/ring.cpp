@@ -98,11 +98,37 @@ void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, co
     }
   }
 
+  // Every query span that meets this rank's streamed earlier blocks, in one pass once the
+  // ring has passed; the partials wait for it.
+  std::vector<PastQueries> past_queries;
+  auto meets_past = [&](const void* q_rows, void* out_rows, float* lse, const PosSpan& sub) {
+    if (!streamed_) return;
+    PastQueries j;
+    j.span = sub;
+    j.from = q.doc_start(sub.pos0);
+    j.q = q_rows;
+    j.ldq = int(H);
+    j.out = out_rows;
+    j.lse = lse;
+    past_queries.push_back(j);
+  };
+  struct Outgoing {
+    Buffer out, lse;
+    int owner, span;
+  };
+  std::vector<Outgoing> outgoing;
+  auto send_partial = [&](Outgoing& o) {
+    be.synchronize();
+    sent.push_back({cm.isend(o.out.data(), o.out.bytes(), o.owner, tag(kPartOut, me, o.span)), "a partial output" + where});
+    sent.push_back({cm.isend(o.lse.data(), o.lse.bytes(), o.owner, tag(kPartLse, me, o.span)), "a partial LSE" + where});
+  };
+
   // This rank's own queries against its own keys.
   for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H;
     be.attention_forward(act_at(s.attn_out, at, a), s.lse + i64(Z) * part.row0, act_at(s.q, at, a),
                          local_blocks(part, s, nullptr, nullptr, q, c, a), span_shape(c, part), scratch);
+    meets_past(act_at(s.q, at, a), act_at(s.attn_out, at, a), s.lse + i64(Z) * part.row0, part);
   }
 
   // The ring: each piece is passed on as it arrives, then attended to here.
@@ -121,24 +147,25 @@ void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, co
         const i64 r = sub.row0 - part.row0;  // rows of this span before the sub-span
         void* sub_out = act_at(out.data(), r * H, a);
         float* sub_lse = lse.f32() + i64(Z) * r;
+        const void* q_rows = act_at(qb.data(), i64(sub.row0) * H, a);
         const std::vector<KVRef> keys = local_blocks(sub, s, nullptr, nullptr, q, c, a);
-        if (keys.empty()) {  // Note [Packed documents on the ring]
+        if (keys.empty()) {  // Note [Packed documents on the ring]; or only earlier blocks seen
           be.fill_zero(sub_out, std::size_t(sub.rows * H * act));
           const std::vector<float> none(std::size_t(Z) * std::size_t(sub.rows), -INFINITY);
           be.to_device(sub_lse, none.data(), none.size() * sizeof(float));
-          continue;
+        } else {
+          be.attention_forward(sub_out, sub_lse, q_rows, keys, span_shape(c, sub), scratch);
         }
-        be.attention_forward(sub_out, sub_lse, act_at(qb.data(), i64(sub.row0) * H, a), keys, span_shape(c, sub),
-                             scratch);
+        meets_past(q_rows, sub_out, sub_lse, sub);
       }
-      be.synchronize();
-      const int owner = ctx_.members[std::size_t(g)];
-      sent.push_back({cm.isend(out.data(), out.bytes(), owner, tag(kPartOut, me, int(j))), "a partial output" + where});
-      sent.push_back({cm.isend(lse.data(), lse.bytes(), owner, tag(kPartLse, me, int(j))), "a partial LSE" + where});
-      keep.push_back(std::move(out));
-      keep.push_back(std::move(lse));
+      outgoing.push_back({std::move(out), std::move(lse), ctx_.members[std::size_t(g)], int(j)});
+      if (!streamed_) send_partial(outgoing.back());
     }
     keep.push_back(std::move(qb));
+  }
+  if (streamed_) {
+    streamed_->forward_past(be, c, past_queries, scratch);
+    for (Outgoing& o : outgoing) send_partial(o);
   }
 
   // Join the partials, in member order.
@@ -223,9 +250,36 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
     const std::vector<KVRef> keys = local_blocks(part, s, dk_self, dv_self, q, c, a);
     if (!keys.empty()) be.attention_backward(dq_rows, dout_rows, q_rows, keys, lse, dlt, span_shape(c, part), scratch);
   };
+  // Every query span that meets this rank's streamed earlier blocks, in one pass once the
+  // ring has passed; the partial dq wait for it.
+  std::vector<PastQueries> past_queries;
+  auto meets_past = [&](void* dq_rows, const void* dout_rows, const void* q_rows, const float* lse, const float* dlt,
+                        const PosSpan& part) {
+    if (!streamed_) return;
+    PastQueries j;
+    j.span = part;
+    j.from = q.doc_start(part.pos0);
+    j.q = q_rows;
+    j.ldq = int(H);
+    j.dq = dq_rows;
+    j.dout = dout_rows;
+    j.lse = const_cast<float*>(lse);  // read only in backward
+    j.delta = dlt;
+    past_queries.push_back(j);
+  };
+  struct Outgoing {
+    Buffer dq;
+    int owner, span;
+  };
+  std::vector<Outgoing> outgoing;
+  auto send_partial = [&](Outgoing& o) {
+    be.synchronize();
+    sent.push_back({cm.isend(o.dq.data(), o.dq.bytes(), o.owner, tag(kDq, me, o.span)), "a partial dq" + where});
+  };
   for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H, z0 = i64(Z) * part.row0;
     attend(act_at(dq.data(), at, a), act_at(dout, at, a), act_at(s.q, at, a), s.lse + z0, delta + z0, part);
+    meets_past(act_at(dq.data(), at, a), act_at(dout, at, a), act_at(s.q, at, a), s.lse + z0, delta + z0, part);
   }
 
   for (int t = 1; t < R; ++t) {
@@ -246,18 +300,24 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
       Buffer pdq = ctx_.device->alloc_zeroed(part.rows * H * act, "ring: partial dq");
       for (const PosSpan& sub : sub_spans(q, part)) {
         const i64 at = i64(sub.row0) * H, z0 = i64(Z) * sub.row0;
-        attend(act_at(pdq.data(), i64(sub.row0 - part.row0) * H, a), act_at(p.dout.data(), at, a),
-               act_at(p.q.data(), at, a), p.lse.f32() + z0, p.delta.f32() + z0, sub);
+        void* dq_rows = act_at(pdq.data(), i64(sub.row0 - part.row0) * H, a);
+        attend(dq_rows, act_at(p.dout.data(), at, a), act_at(p.q.data(), at, a), p.lse.f32() + z0,
+               p.delta.f32() + z0, sub);
+        meets_past(dq_rows, act_at(p.dout.data(), at, a), act_at(p.q.data(), at, a), p.lse.f32() + z0,
+                   p.delta.f32() + z0, sub);
       }
-      be.synchronize();
-      sent.push_back({cm.isend(pdq.data(), pdq.bytes(), ctx_.members[std::size_t(g)], tag(kDq, me, int(j))),
-                      "a partial dq" + where});
-      keep.push_back(std::move(pdq));
+      outgoing.push_back({std::move(pdq), ctx_.members[std::size_t(g)], int(j)});
+      if (!streamed_) send_partial(outgoing.back());
     }
     keep.push_back(std::move(p.q));
     keep.push_back(std::move(p.dout));
     keep.push_back(std::move(p.lse));
     keep.push_back(std::move(p.delta));
+  }
+
+  if (streamed_) {
+    streamed_->backward_past(be, c, past_queries, scratch);
+    for (Outgoing& o : outgoing) send_partial(o);
   }
 
   // Sum the partial dq, in member order, into dq's columns of dqkv.

@@ -31,6 +31,7 @@
 #include "backend/backend.h"
 #include "comm/comm.h"
 #include "model/gpt.h"
+#include "runtime/kv_stream.h"
 #include "runtime/memory.h"
 
 namespace sppo {
@@ -49,8 +50,11 @@ struct RingContext {
 
 class RingAttention final : public BlockAttention {
  public:
-  // `past`: this rank's own pieces of the earlier subsequences, one block per span.
-  RingAttention(const RingContext& ctx, const KVBlocks& past) : ctx_(ctx), past_(past) {}
+  // `past`: this rank's own pieces of the earlier subsequences, one block per span; or,
+  // with `streamed`, none there: they stream from the host, to every query piece that
+  // passes in one go, once the ring has passed (runtime/kv_stream.h).
+  RingAttention(const RingContext& ctx, const KVBlocks& past, PastAttention* streamed = nullptr)
+      : ctx_(ctx), past_(past), streamed_(streamed) {}
   void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override;
   void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s, float* dk_self,
                 float* dv_self, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override;
@@ -71,6 +75,7 @@ class RingAttention final : public BlockAttention {
 
   RingContext ctx_;
   const KVBlocks& past_;
+  PastAttention* streamed_;
 };
 
 // The Sequence Parallelism paper's Ring Self-Attention (Li et al. 2021, --ring rsa), for a

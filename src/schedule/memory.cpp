@@ -316,17 +316,25 @@ void RankMemory::host_change(i64 delta) {
   op_host_peak_ = std::max(op_host_peak_, host_);
 }
 
-i64 RankMemory::kv_window(int l, int subseq, i64 T, bool backward) const {
+i64 RankMemory::ring_span_max(const Op& op) const {
+  i64 most = 0;
+  for (int h = 0; h < op.pieces; ++h)
+    for (const auto& span : s_.spans(op, h)) most = std::max<i64>(most, span.second - span.first);
+  return most;
+}
+
+i64 RankMemory::kv_window(int l, int subseq, i64 T, i64 span_rows, bool backward) const {
   if (!s_.kv_streamed(l)) return 0;
-  // Earlier blocks' rows in chunks of C consecutive positions (runtime/kv_stream.h).
+  // This rank's earlier rows in chunks of C (runtime/kv_stream.h); the forward's partial
+  // output and LSE are one query span's, the longest.
   const i64 C = kv_chunk_rows(T), rows = kv_rows_before_[l][std::size_t(subseq)], chunks = (rows + C - 1) / C;
   // The slots' K, V and dK, dV are the K/V's width (G A of this member's key/value heads);
   // the forward's partial output is the queries' [T, H]: kv_window_bytes counts it at the
   // width it is given, so the rest of its row is added here (none without grouped-query
   // attention).
   const i64 kv_width = tp_.local_kv_width(rules_.model), q_width = tp_.local_hidden(rules_.model);
-  const i64 partial_rest = backward || chunks == 0 ? 0 : T * (q_width - kv_width) * rules_.act_bytes();
-  return kv_window_bytes(chunks, std::min(rows, C), T, kv_width, tp_.local_heads(rules_.model), rules_.act_bytes(),
+  const i64 partial_rest = backward || chunks == 0 ? 0 : span_rows * (q_width - kv_width) * rules_.act_bytes();
+  return kv_window_bytes(chunks, std::min(rows, C), span_rows, kv_width, tp_.local_heads(rules_.model), rules_.act_bytes(),
                          backward, s_.kv_recomputed(l) ? rules_.model.hidden : 0) +
          partial_rest;
 }
@@ -391,7 +399,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_begin + k;
         const double at = double(k) / n, end = double(k + 1) / n;
-        const i64 window = kv_window(l, op.subseq, T, false);
+        const i64 window = kv_window(l, op.subseq, T, op.pieces > 1 ? ring_span_max(op) : T, false);
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
         emit(out, at, kv, T::KVCache);
         emit(out, at, unit - (k > 0 || input_held ? x_bytes : 0), T::Units);
@@ -439,7 +447,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           emit(out, at, (acc_pt_ + (recomputed ? sums_pt : 0)) * T, T::KVGradAccum);
           int& below = sums_below_[l];
           host_change(-(recomputed ? 0 : kv) - (op.subseq < below ? sums_pt * T : 0));
-          const i64 window = kv_window(l, op.subseq, T, true);
+          const i64 window = kv_window(l, op.subseq, T, T, true);
           if (window) {
             emit(out, at, window, T::KVWindow);
             emit(out, end, -window, T::KVWindow);

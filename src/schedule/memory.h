@@ -290,7 +290,11 @@ class RankMemory {
   std::vector<int> sums_below_;
   void host_change(i64 delta);
   // Device bytes of layer l's K/V window while subsequence `subseq` (T tokens) attends.
-  i64 kv_window(int l, int subseq, i64 T, bool backward) const;
+  // `span_rows`: the most rows of one query span that meets the window (forward's partial
+  // output): T, or on a ring the largest span of any member's piece.
+  i64 kv_window(int l, int subseq, i64 T, i64 span_rows, bool backward) const;
+  // The most rows of one span of any member's piece of op's task.
+  i64 ring_span_max(const Op& op) const;
   i64 host_peak_ = 0, op_host_peak_ = 0;
   std::map<int, std::vector<i64>> unit_tensors_;  // subsequence -> its offloadable tensors' bytes
                                                  // on this rank, in select_offload order

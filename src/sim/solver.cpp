@@ -673,7 +673,7 @@ std::vector<int> divisors(int n) {
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups (Note [MSP pieces]),
   // with pipeline and data parallelism only.
-  // K/V on the host stream one rank's own blocks: no MSP with them.
+  // K/V on the host stream a rank's own blocks: no MSP (its owner holds its helpers').
   if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1 || !p.kv_host_layers.empty() ||
       !p.kv_recompute_layers.empty())
     return false;
@@ -861,14 +861,15 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     }
     return p;
   };
-  // Whether a layout can run a placement: streamed K/V are one rank's own blocks (no
-  // ring, no MSP); recomputed K/V need a rank's whole rows of x (no tensor parallelism).
+  // Whether a layout can run a placement: streamed K/V are a rank's own blocks (its ring
+  // pieces too; no MSP, whose owner holds its helpers'); recomputed K/V need a rank's whole
+  // rows of x of every earlier position (no tensor parallelism, no ring).
   auto runs = [&](const plan::Plan& p, const Placement& pl) {
     if (pl.mlp_tile_rows > 0 &&
         (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
       return false;
     if (pl.kv == sched::KvPlace::Device) return true;
-    return p.sp == 1 && req.msp != 1 && (pl.kv != sched::KvPlace::Recompute || p.tp == 1);
+    return req.msp != 1 && (pl.kv != sched::KvPlace::Recompute || (p.tp == 1 && p.sp == 1));
   };
 
   const i64 kv_pt = skeletal_bytes_per_token(c, prec), acc_pt = 2 * i64(c.kv_width()) * rules.accum_bytes;

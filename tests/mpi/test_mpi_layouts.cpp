@@ -211,6 +211,27 @@ TEST_F(Layouts, HostKvCache) {
   check(2, "--dp 2 --subseqs 3 --kv-cache host", "ref2");
 }
 
+// K/V on the host under ring attention: each member streams its own pieces of the earlier
+// subsequences, once a layer, to its own queries and to every member's that pass; the
+// device and host peaks are the memory model's to the byte.
+TEST_F(Layouts, HostKvCacheOnTheRing) {
+  const std::vector<std::tuple<int, std::string, std::string, std::string>> runs = {
+      {2, "--cp 2 --ring zigzag --subseqs 3 --kv-cache host", "ref1", kModel},
+      {2, "--cp 2 --ring contiguous --subseqs 4 --offload 0.5 --kv-cache host", "ref1", kModel},
+      {4, "--cp 4 --ring zigzag --subseqs 2 --kv-cache host", "ref1", kModel},
+      {4, "--pp 2 --cp 2 --subseqs 3 --offload full --kv-cache host", "ref1", kModel},
+      {4, "--tp 2 --cp 2 --ring zigzag --subseqs 3 --kv-cache host", "llama1", kLlama},
+      {2, "--cp 2 --ring zigzag --subseqs 3 --kv-cache host", "packed", packed_},
+      {2, "--cp 2 --ring contiguous --subseqs 4 --kv-cache host", "packed", packed_},
+  };
+  for (const auto& [np, layout, ref, flags] : runs) {
+    const auto r = check(np, layout, ref, flags);
+    ASSERT_FALSE(r.empty()) << layout;
+    EXPECT_EQ(r["peak_device_bytes"], r["predicted_peak_device_bytes"]) << layout;
+    EXPECT_EQ(r["peak_host_bytes"], r["predicted_peak_host_bytes"]) << layout;
+  }
+}
+
 // K/V recomputed from each layer's input (--kv-cache recompute) and saved tensors
 // recomputed in backward (--recompute-tensors) under every layout that runs them: the
 // pipeline, data parallelism, tensor parallelism (the recompute's collectives), the ring
