@@ -152,8 +152,9 @@ struct StreamShape {
 StreamShape stream_shape(const Schedule& s, const Op& op, i64 T) {
   const i64 C = kv_chunk_rows(T);
   StreamShape sh;
+  const bool msp = !op.group.empty();  // an MSP owner holds every earlier position
   for (int j = 0; j < op.subseq; ++j)
-    for (const auto& [b, e] : s.spans(j, op.piece, op.pieces)) {
+    for (const auto& [b, e] : msp ? sched::Spans{{0, s.lengths[std::size_t(j)]}} : s.spans(j, op.piece, op.pieces)) {
       if (sh.rows % C != 0) ++sh.pieces;  // a span that starts inside a chunk adds a piece to it
       sh.rows += e - b;
     }
@@ -170,6 +171,11 @@ StreamShape stream_shape(const Schedule& s, const Op& op, i64 T) {
 
 double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
   if (!s.any_kv_streamed()) return 0;
+  // An MSP helper keeps its pieces of another stage's layers on the device.
+  if (!op.group.empty() && !s.owned.empty()) {
+    const auto [b, e] = s.owned.at(std::size_t(op.group.at(std::size_t(op.piece))));
+    if (op.layer_begin < b || op.layer_end > e) return 0;
+  }
   const sched::Spans spans = s.spans(op);
   const i64 T = sched::span_tokens(spans);
   // K, V and their sums are the K/V's width: G A of a member's key/value heads.

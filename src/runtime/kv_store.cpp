@@ -65,11 +65,11 @@ LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward, con
     a.attn_ = host_->recomputed_attention(l, op.subseq, rows_of(sched_, op).T, backward, weights, inputs_, config_);
     return a;
   }
-  if (sched_.kv_streamed(l) && op.pieces == 1) {
+  if (streamed(l) && op.pieces == 1) {
     a.attn_ = host_->attention(l, op.subseq, rows_of(sched_, op).T, backward);
     return a;
   }
-  if (sched_.kv_streamed(l)) {  // a ring piece: this rank's earlier rows from the host
+  if (streamed(l)) {  // a ring or MSP piece: this rank's earlier rows from the host
     a.window_ = host_->past_attention(l, op.subseq, rows_of(sched_, op).T, backward);
     a.past_ = std::make_unique<KVBlocks>();
     a.attn_ = reach(op, l, *a.past_, a.window_.get());
@@ -81,7 +81,7 @@ LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward, con
 }
 
 void KvStore::after_forward(int l, int i, const Subseq& q) {
-  if (!sched_.kv_streamed(l)) return;
+  if (!streamed(l)) return;
   std::vector<Buffer>& unit = act_.unit(i, l);
   // The rank's rows by position (a zigzag ring piece: two spans), not cut at documents.
   const std::vector<PosSpan> spans = q.spans.empty() ? std::vector<PosSpan>{PosSpan{q.offset, q.T, 0}} : q.spans;
@@ -124,7 +124,7 @@ KVBlocks KvStore::past_blocks(int l, int i, bool grads) {
 }
 
 void KvStore::alloc_accumulators(int l, int i) {
-  if (sched_.kv_streamed(l)) return;
+  if (streamed(l)) return;
   for (int j = 0; j <= i; ++j) {
     if (rows_at_[l][j].T > 0 && !dk_[l][j]) {
       const i64 bytes = i64(rows_at_[l][j].T) * width_ * i64(sizeof(float));
@@ -141,7 +141,7 @@ void KvStore::alloc_accumulators(int l, int i) {
 }
 
 void KvStore::restore(int l, int i) {
-  if (!sched_.kv_streamed(l)) return;
+  if (!streamed(l)) return;
   if (sched_.kv_recomputed(l)) {  // K_i, V_i are recomputed with the layer's other tensors
     host_->restore_sums(l, i, config_.hidden, &dk_[l][i], &dv_[l][i], &du_[l][i]);
     return;
@@ -165,7 +165,19 @@ KvStore::Held& KvStore::hold(int l, int i, const PosSpan& rows, i64 bytes) {
   return held_[l][i].back();
 }
 
+void KvStore::received(int l, int i) {
+  if (!streamed(l)) return;
+  Held& h = held_[l][i].back();
+  host_->store_held(l, i, h.k, h.v, h.rows);
+  held_[l][i].pop_back();
+}
+
 std::pair<Buffer, Buffer> KvStore::take_held(const sched::Op& op, int l, i64 pos0) {
+  if (streamed(l)) {
+    std::pair<Buffer, Buffer> sums;
+    host_->take_held(l, op.subseq, pos0, &sums.first, &sums.second);
+    return sums;
+  }
   auto& held = held_[l][op.subseq];
   auto h = std::find_if(held.begin(), held.end(), [&](const Held& x) { return x.rows.pos0 == pos0; });
   SPPO_ASSERT_MSG(h != held.end(), "'" << sched::to_string(op) << "' without the piece's K, V");

@@ -10,7 +10,8 @@
 //    j's backward of layer l is done (release).
 //  - MSP (Note [MSP pieces] in schedule/builders.cpp): a stage's owner also holds the K, V
 //    of its helpers' pieces, received after their forward, with their dK/dV accumulators,
-//    until it sends the sums back (take_held).
+//    until it sends the sums back (take_held); on a host layer, on the host, streamed with
+//    its own blocks. A helper keeps its pieces of another stage's layers on the device.
 //  - host layer (KvPlace::Host): HostKvCache (runtime/kv_stream.h) keeps K_j, V_j and
 //    their sums on the host from j's forward of the layer (after_forward) to j's backward
 //    (restore); a ring piece's are this rank's rows of j, streamed to every piece's
@@ -94,8 +95,10 @@ class KvStore {
   // The backward of layer l on subsequence i is done: its sums are spent.
   void release(int l, int i);
   // MSP, the owner: K and V (`bytes` each) of a helper's piece at rows `rows` of
-  // subsequence i, allocated here to receive them into.
+  // subsequence i, allocated here to receive them into; once they are in, received(l, i)
+  // (a host layer's go to the host).
   Held& hold(int l, int i, const PosSpan& rows, i64 bytes);
+  void received(int l, int i);
   // MSP, the owner: the dK/dV sums of the held piece of op's subsequence that starts at
   // position pos0, which it stops holding.
   std::pair<Buffer, Buffer> take_held(const sched::Op& op, int l, i64 pos0);
@@ -106,6 +109,9 @@ class KvStore {
   // The KV blocks of this rank's rows of subsequences j < i at layer l (with their dK/dV
   // accumulators when grads), one per span.
   KVBlocks past_blocks(int l, int i, bool grads);
+  // Whether layer l's K/V stream on this rank: a host or recompute layer of its own (an
+  // MSP helper keeps its pieces of another stage's layers on the device, as saved tensors).
+  bool streamed(int l) const { return sched_.kv_streamed(l) && l >= lb_ && l < le_; }
   // How F/B op's queries reach their keys at layer l: on this rank, or round its ring
   // (`streamed`: this rank's earlier blocks come from the host rather than `past`).
   std::unique_ptr<BlockAttention> reach(const sched::Op& op, int l, const KVBlocks& past,

@@ -439,18 +439,24 @@ std::vector<HostKvCache::Chunk> HostKvCache::chunks(int l, int i, i64 T, i64* la
   std::vector<Chunk> past;
   *largest = 0;
   for (int j = 0; j < i; ++j) {
-    Block& blk = blocks_[l][j];
-    if (!blk.k && !blk.recomputed) continue;
-    for (const PosSpan& span : blk.spans)
-      for (int r = 0; r < span.rows;) {
-        if (past.empty() || past.back().rows == C) past.push_back({{}, 0, span.pos0 + r});
-        Chunk& ch = past.back();
-        const int n = int(std::min<i64>(C - ch.rows, span.rows - r));
-        ch.pieces.push_back({&blk, i64(span.row0) + r, n, ch.rows, span.pos0 + r});
-        ch.rows += n;
-        r += n;
-        *largest = std::max<i64>(*largest, ch.rows);
-      }
+    // Subsequence j's blocks on this rank by position: its own rows, an MSP owner's
+    // helpers' pieces.
+    std::vector<Block*> blocks;
+    if (blocks_[l][j].k || blocks_[l][j].recomputed) blocks.push_back(&blocks_[l][j]);
+    for (Block& h : held_[l][j]) blocks.push_back(&h);
+    std::sort(blocks.begin(), blocks.end(),
+              [](const Block* a, const Block* b) { return a->spans.front().pos0 < b->spans.front().pos0; });
+    for (Block* blk : blocks)
+      for (const PosSpan& span : blk->spans)
+        for (int r = 0; r < span.rows;) {
+          if (past.empty() || past.back().rows == C) past.push_back({{}, 0, span.pos0 + r});
+          Chunk& ch = past.back();
+          const int n = int(std::min<i64>(C - ch.rows, span.rows - r));
+          ch.pieces.push_back({blk, i64(span.row0) + r, n, ch.rows, span.pos0 + r});
+          ch.rows += n;
+          r += n;
+          *largest = std::max<i64>(*largest, ch.rows);
+        }
   }
   return past;
 }
@@ -464,8 +470,10 @@ HostKvCache::HostKvCache(Backend& be, MemoryTier& device, MemoryTier& host, Copy
       h2d_(h2d),
       width_(width),
       waited_s_(waited_s),
-      blocks_(std::size_t(layers)) {
+      blocks_(std::size_t(layers)),
+      held_(std::size_t(layers)) {
   for (auto& layer : blocks_) layer.resize(std::size_t(subseqs));
+  for (auto& layer : held_) layer.resize(std::size_t(subseqs));
 }
 
 HostKvCache::~HostKvCache() = default;
@@ -517,6 +525,39 @@ void HostKvCache::restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer
   }
   *waited_s_ += done->wait();
   blk = Block{};
+}
+
+void HostKvCache::store_held(int l, int i, Buffer& k, Buffer& v, const PosSpan& rows) {
+  Block& blk = held_[l][i].emplace_back();
+  blk.spans = {PosSpan{rows.pos0, rows.rows, 0}};
+  blk.rows = rows.rows;
+  blk.subseq = i;
+  const std::string name = block_name(l, i) + "an MSP piece's ";
+  blk.k = host_.alloc(k.bytes(), name + "K on the host");
+  blk.v = host_.alloc(v.bytes(), name + "V on the host");
+  d2h_.copy(blk.k.data(), k.data(), std::size_t(k.bytes()), {});
+  *waited_s_ += d2h_.copy(blk.v.data(), v.data(), std::size_t(v.bytes()), {})->wait();
+  k.reset();
+  v.reset();
+}
+
+void HostKvCache::take_held(int l, int i, i64 pos0, Buffer* dk, Buffer* dv) {
+  auto& held = held_[l][i];
+  auto blk = std::find_if(held.begin(), held.end(), [&](const Block& b) { return b.spans.front().pos0 == pos0; });
+  SPPO_ASSERT_MSG(blk != held.end(), "layer " << l << " subseq " << i << ": no MSP piece at position " << pos0);
+  const std::string name = block_name(l, i) + "an MSP piece's ";
+  const i64 f32 = i64(blk->rows) * width_ * i64(sizeof(float));
+  *dk = device_.alloc(f32, name + "dK");
+  *dv = device_.alloc(f32, name + "dV");
+  if (blk->dk) {  // every row was reached by a later backward
+    SPPO_ASSERT(blk->summed == blk->rows);
+    h2d_.copy(dk->data(), blk->dk.data(), std::size_t(f32), {});
+    *waited_s_ += h2d_.copy(dv->data(), blk->dv.data(), std::size_t(f32), {})->wait();
+  } else {
+    be_.fill_zero(dk->data(), std::size_t(f32));
+    be_.fill_zero(dv->data(), std::size_t(f32));
+  }
+  held.erase(blk);
 }
 
 std::unique_ptr<BlockAttention> HostKvCache::attention(int l, int i, i64 T, bool backward) {

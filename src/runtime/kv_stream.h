@@ -43,6 +43,7 @@
 #pragma once
 
 #include <functional>
+#include <list>
 #include <memory>
 #include <vector>
 
@@ -93,6 +94,11 @@ class HostKvCache {
   // Before the backward of layer l on subsequence i: K_i, V_i back on the device, and its
   // dK/dV accumulators with what later subsequences' backward added (zeros if none).
   void restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer* dv);
+  // MSP, a stage's owner: the K, V of a helper's piece of subsequence i (positions `rows`),
+  // received into device buffers, go to the host, streamed with i's own block; take_held
+  // gives back the piece's dK/dV sums (on the device, zeros if none) and drops it.
+  void store_held(int l, int i, Buffer& k, Buffer& v, const PosSpan& rows);
+  void take_held(int l, int i, i64 pos0, Buffer* dk, Buffer* dv);
   // The attention of subsequence i at layer l: its own block, and the stored blocks of
   // every j < i streamed in. Holds the window until destroyed.
   // T: the query rows (chunks of kv_chunk_rows(T) rows, core/layout.h).
@@ -167,6 +173,7 @@ class HostKvCache {
   i64 width_;
   double* waited_s_;
   std::vector<std::vector<Block>> blocks_;  // [L][N]
+  std::vector<std::vector<std::list<Block>>> held_;  // [L][N] MSP helpers' pieces
 };
 
 }  // namespace sppo

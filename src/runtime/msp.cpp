@@ -131,6 +131,7 @@ double MspExchange::receive(const sched::Op& op, std::size_t index) {
         KvStore::Held& h = kv_.hold(l, i, rows, op.tokens * H * dtype_bytes(act_));
         recv(h.k.data(), h.k.bytes());
         recv(h.v.data(), h.v.bytes());
+        kv_.received(l, i);
       }
       break;
     }

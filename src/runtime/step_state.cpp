@@ -46,15 +46,15 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
       << "multiplexed sequence partitioning (MSP) runs with pipeline and data parallelism on CPU ranks in fp32; drop "
          "--tp and --cp, or use --msp off";
   SPPO_CHECK(sc.kv_place.empty() ||
-                 (int(sc.kv_place.size()) == c.layers && !msp && !o.recompute && !(sc.ring > 1 && o.ring_rsa)),
+                 (int(sc.kv_place.size()) == c.layers && !o.recompute && !(sc.ring > 1 && o.ring_rsa)),
              "runtime")
       << "K/V on the host or recomputed (--kv-cache host, recompute) stream the blocks of a rank's own "
-         "subsequences: they run without --msp on, --ring rsa and --recompute, and name every layer";
+         "subsequences: they run without --ring rsa and --recompute, and name every layer";
   bool kv_recomputed = false;
   for (int l = 0; l < c.layers; ++l) kv_recomputed |= sc.kv_recomputed(l);
-  SPPO_CHECK(!kv_recomputed || (sc.tp == 1 && sc.ring == 1), "runtime")
-      << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input: it runs without --tp "
-         "and --cp";
+  SPPO_CHECK(!kv_recomputed || (sc.tp == 1 && sc.ring == 1 && !msp), "runtime")
+      << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input: it runs without --tp, "
+         "--cp and --msp on";
   SPPO_CHECK(sc.recompute == recompute_closure(sc.recompute) && !in_set(sc.recompute, kSavedX) &&
                  !in_set(sc.recompute, kSavedK) && !in_set(sc.recompute, kSavedV),
              "runtime")

@@ -149,8 +149,10 @@ struct Schedule {
   // is recomputed from the layer input x of its subsequence (wherever the unit holds it)
   // when a later subsequence or the backward needs it, and its dK/dV sums live on the host
   // as a Host layer's. A Host layer runs on a ring too (each member streams its own pieces
-  // of the earlier subsequences), not under MSP; a Recompute layer runs ops of one piece
-  // only, without tensor parallelism (its rows of x are split over the group).
+  // of the earlier subsequences) and under MSP (a stage's owner streams its helpers' pieces
+  // with its own; a helper keeps its pieces of the owner's layers on the device); a
+  // Recompute layer runs ops of one piece only, without tensor parallelism (its rows of x
+  // are split over the group).
   std::vector<KvPlace> kv_place;
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.

@@ -198,7 +198,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       const i64 T = tokens_of(op);
       for (int l = op.layer_begin; l < op.layer_end; ++l) {
         acc_tokens_[l] += T;
-        if (!s.kv_streamed(l)) continue;
+        if (!streamed(l)) continue;
         if (kv_rows_before_[l].empty()) kv_rows_before_[l].assign(std::size_t(N) + 1, 0);
         kv_rows_before_[l][std::size_t(op.subseq) + 1] += T;
       }
@@ -216,7 +216,12 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
           for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
       }
     } else if (op.kind == OpKind::Recv && op.payload == Payload::KV) {
-      for (int l = op.layer_begin; l < op.layer_end; ++l) acc_tokens_[l] += op.tokens;
+      for (int l = op.layer_begin; l < op.layer_end; ++l) {
+        acc_tokens_[l] += op.tokens;
+        if (!streamed(l)) continue;  // an MSP owner streams its helpers' pieces with its own
+        if (kv_rows_before_[l].empty()) kv_rows_before_[l].assign(std::size_t(N) + 1, 0);
+        kv_rows_before_[l][std::size_t(op.subseq) + 1] += op.tokens;
+      }
     }
   }
   for (auto& before : kv_rows_before_)  // each subsequence's tokens -> the tokens of those before it
@@ -324,7 +329,7 @@ i64 RankMemory::ring_span_max(const Op& op) const {
 }
 
 i64 RankMemory::kv_window(int l, int subseq, i64 T, i64 span_rows, bool backward) const {
-  if (!s_.kv_streamed(l)) return 0;
+  if (!streamed(l)) return 0;
   // This rank's earlier rows in chunks of C (runtime/kv_stream.h); the forward's partial
   // output and LSE are one query span's, the longest.
   const i64 C = kv_chunk_rows(T), rows = kv_rows_before_[l][std::size_t(subseq)], chunks = (rows + C - 1) / C;
@@ -412,8 +417,8 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         emit(out, end, -ws, T::Workspace);
         if (window) emit(out, end, -window, T::KVWindow);
         if (rc) emit(out, end, -rc, T::Recomputed);
-        if (s_.kv_streamed(l)) emit(out, end, -kv, T::KVCache);
-        if (s_.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
+        if (streamed(l)) emit(out, end, -kv, T::KVCache);
+        if (streamed(l) && s_.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
       }
       if (op.layer_end == L) {
         const i64 hws = head_ws(T);
@@ -437,7 +442,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         emit(out, at, ws, T::Workspace);
         if (ring) emit(out, at, ring, T::RingBuffers);
         if (rc) emit(out, at, rc, T::Recomputed);
-        if (s_.kv_streamed(l)) {
+        if (streamed(l)) {
           // K_i, V_i come back from the host (or are recomputed), with the dK/dV sums of i
           // from the host; the window streams the earlier blocks, whose sums the host holds
           // from the first backward on them.
@@ -494,7 +499,13 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       break;
     case OpKind::Recv:
       if (op.payload == Payload::KV) {
-        emit(out, 1.0, kv_pt_ * op.tokens * n, T::KVCache);
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {
+          const i64 kv = kv_pt_ * op.tokens;
+          emit(out, 1.0, kv, T::KVCache);
+          if (!streamed(l)) continue;
+          emit(out, 1.0, -kv, T::KVCache);  // a layer at a time, to the host once received
+          host_change(kv);
+        }
       } else if (op.payload == Payload::Weights) {
         emit(out, 0.0, borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
       } else if (op.payload == Payload::WeightGrads) {
@@ -517,12 +528,21 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         emit(out, 1.0, -borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
         emit(out, 1.0, -borrowed_params() * (weight_work_pp_ - rules_.act_bytes()), T::BorrowedGrads);
       } else if (op.payload == Payload::KVGrad) {
-        for (int l = op.layer_begin; l < op.layer_end; ++l) {  // accumulators not yet touched go out zero
-          if (acc_live_[l]) continue;
+        int held = 0;  // layers whose K, V and sums of the piece the device holds
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {
+          if (streamed(l)) {
+            // The piece's sums come back from the host (once a backward reached them) into
+            // buffers that go out with the send; its K, V leave the host.
+            emit(out, 0.0, acc_pt_ * op.tokens, T::KVGradAccum);
+            host_change(-(kv_pt_ + (op.subseq < sums_below_[l] ? acc_pt_ : 0)) * op.tokens);
+            continue;
+          }
+          ++held;
+          if (acc_live_[l]) continue;  // accumulators not yet touched go out zero
           acc_live_[l] = true;
           emit(out, 0.0, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
         }
-        emit(out, 1.0, -kv_pt_ * op.tokens * n, T::KVCache);
+        emit(out, 1.0, -kv_pt_ * op.tokens * held, T::KVCache);
         emit(out, 1.0, -acc_pt_ * op.tokens * n, T::KVGradAccum);
       }
       break;

@@ -289,6 +289,9 @@ class RankMemory {
   std::vector<std::vector<i64>> kv_rows_before_;
   std::vector<int> sums_below_;
   void host_change(i64 delta);
+  // Whether layer l's K/V stream on this rank: a host or recompute layer of its own (an MSP
+  // helper keeps its pieces of another stage's layers on the device).
+  bool streamed(int l) const { return s_.kv_streamed(l) && l >= own_.first && l < own_.second; }
   // Device bytes of layer l's K/V window while subsequence `subseq` (T tokens) attends.
   // `span_rows`: the most rows of one query span that meets the window (forward's partial
   // output): T, or on a ring the largest span of any member's piece.

@@ -313,10 +313,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "recompute" || o.kv_cache == "auto",
              "options")
       << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host, recompute or auto";
-  const bool kv_host_ok = !o.recompute && !shape.msp && !(shape.sp > 1 && shape.ring_rsa);
-  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1 && shape.sp == 1;
+  const bool kv_host_ok = !o.recompute && !(shape.sp > 1 && shape.ring_rsa);
+  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1 && shape.sp == 1 && !shape.msp;
   SPPO_CHECK(o.kv_cache != "host" || kv_host_ok, "options")
-      << "--kv-cache host streams K/V blocks of a rank's own subsequences; it runs without --msp on, --ring rsa and "
+      << "--kv-cache host streams K/V blocks of a rank's own subsequences; it runs without --ring rsa and "
          "--recompute (use --kv-cache device there)";
   SPPO_CHECK(o.kv_cache != "recompute" || kv_recompute_ok, "options")
       << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
