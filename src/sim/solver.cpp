@@ -869,9 +869,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // search].
   // Note [No streamed K/V in MSP's search]: `train --msp on --kv-cache host` runs (the owner
   // keeps its helpers' pieces on the host with its own blocks), but searching those layouts
-  // found no fit where MSP lacked one (gpt-13b at 512K on 128 A100s: the closest floor falls
-  // from 97.1 to 93.0 GiB, the helpers' pieces of the owner's layers and the borrowed
-  // weights stay on the device) and took 70 s for gpt-65b at 640K.
+  // found no fit where MSP lacked one and took 70 s for gpt-65b at 640K on 128 A100s. What
+  // binds is not the K/V: MSP runs with pipeline and data parallelism only, so a long
+  // sequence needs many stages, and a helper then borrows the weights of most of them. For
+  // gpt-13b at 512K the best layout (pp 32 dp 4 N 256, K/V on the host) peaks at 95.95 GiB,
+  // 70.0 of them borrowed weights and their fp32 gradients on the last stage, 13.5 the
+  // helpers' K/V and dK/dV of the pieces they run.
   auto runs = [&](const plan::Plan& p, const Placement& pl) {
     if (pl.mlp_tile_rows > 0 &&
         (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
