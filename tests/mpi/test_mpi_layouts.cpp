@@ -250,6 +250,15 @@ TEST_F(Layouts, HostKvCacheUnderMsp) {
   check_peaks(2, "--pp 2 --subseqs 6 --msp on --kv-cache host", "packed", packed_, false);
 }
 
+// MSP on a contiguous ring: each split task's pieces run over the SP ranks of every stage
+// group it spans, a helper's SP rank r beside the owner's; with the K/V on the host too.
+TEST_F(Layouts, MspOnTheRing) {
+  check_peaks(4, "--pp 2 --cp 2 --ring contiguous --subseqs 4 --msp on", "ref1", kModel, false);
+  check_peaks(6, "--pp 3 --cp 2 --ring contiguous --subseqs 5 --offload 0.5 --msp on", "ref1", kModel, false);
+  check_peaks(4, "--pp 2 --cp 2 --ring contiguous --subseqs 4 --msp on --kv-cache host", "ref1", kModel, false);
+  check_peaks(4, "--pp 2 --cp 2 --ring contiguous --subseqs 4 --msp on", "packed", packed_, false);
+}
+
 // K/V recomputed from each layer's input (--kv-cache recompute) and saved tensors
 // recomputed in backward (--recompute-tensors) under every layout that runs them: the
 // pipeline, data parallelism, tensor parallelism (the recompute's collectives), the ring
