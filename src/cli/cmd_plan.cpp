@@ -70,7 +70,7 @@ std::string layout_text(const plan::Plan& p) {
   else os << "sp " << p.sp;
   os << " pp " << p.pp << " dp " << p.dp;
   if (p.system != "megatron") os << " N " << p.subseqs;
-  if (p.msp) os << " msp";
+  if (p.msp) os << " msp" << (p.msp_reach > 0 ? " reach " + std::to_string(p.msp_reach) : std::string());
   if (!p.kv_host_layers.empty()) os << " kv-host";
   if (!p.kv_recompute_layers.empty()) os << " kv-recompute";
   if (p.recompute) os << " recompute " << recompute_tensors_text(p.recompute);

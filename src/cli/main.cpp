@@ -136,6 +136,11 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Multiplexed sequence partitioning with --pp: on runs each stage's bubble-adjacent subsequences "
                   "split over the stages that would idle (needs --subseqs >= --pp), off does not")
       ->capture_default_str();
+  cmd->add_option("--msp-reach", o.msp_reach,
+                  "With --msp on: the stage groups a split subsequence runs on, the stage's own and the nearest idle "
+                  "ones (2 or more; 0: every idle one, the paper's). A helper holds the weights and gradients of up "
+                  "to reach - 1 other stages")
+      ->capture_default_str();
   cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
   cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1)")
       ->capture_default_str();

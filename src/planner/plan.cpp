@@ -34,6 +34,7 @@ nlohmann::json to_json(const Plan& p) {
       {"lengths", p.lengths},
       {"alpha", p.alpha},
       {"msp", p.msp},
+      {"msp_reach", p.msp_reach},
       {"zero", p.zero},
       {"optimizer_state", p.optimizer_state},
       {"ring_layout", p.ring_layout},
@@ -120,6 +121,10 @@ Plan plan_from_json(const nlohmann::json& j) {
   // the optimizer state on the device.
   p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
   p.mlp_tile_rows = integer(j, "mlp_tile_rows", 0, 0, kIntMax);
+  p.msp_reach = int(integer(j, "msp_reach", 0, 0, kIntMax));
+  SPPO_CHECK(p.msp_reach != 1, "planner")
+      << kWhere << "\"msp_reach\" 1: a split task runs on its own stage and at least one other; use 0 (every "
+      << "idle group) or 2 or more";
   SPPO_CHECK(p.mlp_tile_rows == 0 || p.tp == 1, "planner")
       << kWhere << "\"mlp_tile_rows\" " << p.mlp_tile_rows << " with \"tp\" " << p.tp
       << ": MLP tiles run without tensor parallelism; set one of them to its default";

@@ -35,6 +35,7 @@ struct Plan {
   std::vector<i64> lengths;
   std::vector<double> alpha;
   bool msp = false;
+  int msp_reach = 0;  // groups a split task runs on (Note [MSP reach] in schedule/msp.h): 0 every idle one
   int zero = 0;                   // 1: AdamW state sharded over each stage's all-reduce group (ZeRO-1)
   // Where the fp32 master weights and AdamW m, v of each rank's shard live, and where the
   // update runs: "device", or "host" (train --optimizer-state host).

@@ -170,7 +170,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   // Stage groups that run task (stage, k).
   auto groups_of = [&](int stage, int k) {
     if (!msp) return std::vector<int>{stage};
-    const MspPhases m = msp_phases(P, N, stage);
+    const MspPhases m = msp_phases(P, N, stage, spec.msp_reach);
     for (int x : m.left)
       if (x == k) return m.left_gpus;
     for (int x : m.right)

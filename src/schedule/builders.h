@@ -28,6 +28,7 @@ struct PipelineSpec {
   int sp = 1;                      // R: ring-attention degree inside a stage
   int dp = 1;                      // replicas; an all-reduce of weight gradients at the end
   bool msp = false;                // multiplexed sequence partitioning (DESIGN.md 6)
+  int msp_reach = 0;               // groups a split task runs on: 0 every idle one (Note [MSP reach])
   std::vector<int> stage_layers;   // layers per stage; empty means as even as possible
   RingLayout ring_layout = RingLayout::Contiguous;  // how the sp ranks split a subsequence
   bool tied = true;                // the LM head is the embedding (GPT): its gradients summed across stages

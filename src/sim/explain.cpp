@@ -64,7 +64,7 @@ std::string layout_of(const plan::Plan& p) {
   else os << "sp " << p.sp;
   os << " pp " << p.pp << " dp " << p.dp;
   if (p.system != "megatron") os << " N " << p.subseqs;
-  if (p.msp) os << " msp";
+  if (p.msp) os << " msp" << (p.msp_reach > 0 ? " reach " + std::to_string(p.msp_reach) : std::string());
   if (p.system == "sppo" && p.zero) os << " zero-1";
   return os.str();
 }

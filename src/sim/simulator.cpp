@@ -70,8 +70,9 @@ struct RankEvents {
   i64 host_fixed = 0;               // host bytes held for the whole run (the optimizer state)
   i64 host_state = 0;               // parameters whose optimizer state the host updates
   i64 peak_host = 0;                // host bytes (fixed, offloaded, K/V), at most
-  // F/B ops of layers whose K/V stream: (op, host bytes it adds, the most it adds
-  // at any point inside it), for refit_copies.
+  // Ops that move streamed K/V to or from the host (F/B, an MSP owner's Recv KV and Send
+  // KVGrad): (op, host bytes it adds, the most it adds at any point inside it), for
+  // refit_copies.
   struct KvHostOp {
     size_t op;
     i64 delta, rise;
@@ -151,8 +152,10 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     out.first.push_back(out.ev.size());
     const i64 host_before = mem.host_bytes();
     mem.events(op, &out.ev);
-    const bool compute = op.kind == OpKind::Forward || op.kind == OpKind::Backward;
-    if (compute && (mem.op_host_peak() != host_before || mem.host_bytes() != host_before))
+    // Every host change but the offloads' (refit_copies works those out): the K/V of F/B
+    // ops, and of an MSP owner's Recv KV and Send KVGrad.
+    const bool copy = op.kind == OpKind::Offload || op.kind == OpKind::Prefetch || op.kind == OpKind::WaitPrefetch;
+    if (!copy && (mem.op_host_peak() != host_before || mem.host_bytes() != host_before))
       out.kv_host.push_back({k, mem.host_bytes() - host_before, mem.op_host_peak() - host_before});
   }
   out.peak_host = mem.host_peak();

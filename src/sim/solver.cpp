@@ -76,6 +76,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
     spec.ring_layout = shape.ring_layout;
     spec.stage_layers = shape.stage_layers;
     spec.msp = shape.msp;
+    spec.msp_reach = shape.msp_reach;
     spec.tied = c.tied_embeddings();
     s = sched::build_pipeline(spec);
   }
@@ -622,6 +623,7 @@ sched::PipelineSpec spec_of(const plan::Plan& p) {
   s.sp = p.sp;
   s.dp = p.dp;
   s.msp = p.msp;
+  s.msp_reach = p.msp_reach;
   s.stage_layers = p.stage_layers;
   s.ring_layout = sched::parse_ring_layout(p.ring_layout);
   s.tied = p.model.tied_embeddings();
@@ -670,14 +672,27 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
+// Note [MSP in the search]: MSP's split tasks run over every idle stage group (reach 0, the
+// paper's) in a plan that keeps K/V on the device and recomputes nothing more, so every plan
+// that fitted before is the same plan. A plan placed to save memory (K/V on the host, tensors
+// recomputed, MLP tiles) splits over its own and the nearest idle group only (reach 2, Note
+// [MSP reach] in schedule/msp.h): over every group, helpers borrow most stages' weights (at
+// gpt-13b 512K on 128 A100s, 70 of a 96 GiB peak in 32 stages, and no fit), and searching
+// those layouts took 70 s for gpt-65b at 640K. The runtime also runs MSP on a contiguous ring
+// (--cp); the search keeps it to sp 1 (with the ring, gpt-13b at 512K found no fit either,
+// 82.2 GiB at best, after 134 s).
+int msp_search_reach(const plan::Plan& p) {
+  const bool saving = !p.kv_host_layers.empty() || !p.kv_recompute_layers.empty() || p.recompute != 0 ||
+                      p.mlp_tile_rows > 0;
+  return saving ? 2 : 0;
+}
+
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups (Note [MSP pieces]),
   // with pipeline and data parallelism only.
-  // The runtime streams K/V under MSP (an owner's and its helpers' pieces from the host) and
-  // the simulator prices it, but the search does not place K/V off the device with MSP:
-  // Note [No streamed K/V in MSP's search].
-  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1 || !p.kv_host_layers.empty() ||
-      !p.kv_recompute_layers.empty())
+  // Recomputed K/V need a rank's own rows of x of every earlier position: not under MSP. The
+  // runtime runs MSP on a contiguous ring too; the search does not (Note [MSP in the search]).
+  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1 || !p.kv_recompute_layers.empty())
     return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
@@ -864,25 +879,14 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     return p;
   };
   // Whether a layout can run a placement: streamed K/V are a rank's own blocks (its ring
-  // pieces too); recomputed K/V need a rank's whole rows of x of every earlier position (no
-  // tensor parallelism, no ring). Neither under MSP here: Note [No streamed K/V in MSP's
-  // search].
-  // Note [No streamed K/V in MSP's search]: `train --msp on --kv-cache host` runs (the owner
-  // keeps its helpers' pieces on the host with its own blocks), but searching those layouts
-  // found no fit where MSP lacked one and took 70 s for gpt-65b at 640K on 128 A100s. What
-  // binds is not the K/V: MSP runs with pipeline and data parallelism only, so a long
-  // sequence needs many stages, and a helper then borrows the weights of most of them. For
-  // gpt-13b at 512K the best layout (pp 32 dp 4 N 256, K/V on the host) peaks at 95.95 GiB,
-  // 70.0 of them borrowed weights and their fp32 gradients on the last stage, 13.5 the
-  // helpers' K/V and dK/dV of the pieces they run. The runtime also runs MSP on a
-  // contiguous ring (--cp); searching those layouts too found none under 82.2 GiB there (4-way
-  // SP, 32 stages) and took 134 s, so the search keeps MSP to sp 1.
+  // pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
+  // x of every earlier position (no tensor parallelism, no ring, no MSP).
   auto runs = [&](const plan::Plan& p, const Placement& pl) {
     if (pl.mlp_tile_rows > 0 &&
         (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
       return false;
-    if (pl.kv == sched::KvPlace::Device) return true;
-    return req.msp != 1 && (pl.kv != sched::KvPlace::Recompute || (p.tp == 1 && p.sp == 1));
+    if (pl.kv != sched::KvPlace::Recompute) return true;
+    return req.msp != 1 && p.tp == 1 && p.sp == 1;
   };
 
   const i64 kv_pt = skeletal_bytes_per_token(c, prec), acc_pt = 2 * i64(c.kv_width()) * rules.accum_bytes;
@@ -997,6 +1001,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         plan::Plan p = placed(layouts[base], pl);
         p.msp = req.msp == 1 && msp_possible(p);
         if (req.msp == 1 && !p.msp) continue;
+        p.msp_reach = p.msp ? msp_search_reach(p) : 0;
         cands.push_back(std::move(p));
         cand_pl.push_back(pl);
         key.emplace_back(base, int(pl.kv), pl.recompute, pl.mlp_tile_rows);
@@ -1201,7 +1206,9 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   MspChoice m;
   plan::Plan off = layout, on = layout;
   off.msp = false;
+  off.msp_reach = 0;
   on.msp = true;
+  on.msp_reach = msp_search_reach(on);
   Candidate c_off = evaluate(req, off, cost, budget);
   m.off = c_off.plan;
   predict(&m.off, hw);

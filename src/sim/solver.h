@@ -54,6 +54,7 @@ struct StepShape {
   bool zero = false;               // ZeRO-1 over the replicas
   bool optimizer_host = false;     // fp32 master and AdamW state on the host (--optimizer-state host)
   bool msp = false;                // multiplexed sequence partitioning (pp > 1)
+  int msp_reach = 0;               // its split tasks' groups (Note [MSP reach]; 0: every idle one)
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
   KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
   ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)

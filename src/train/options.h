@@ -47,6 +47,7 @@ struct StepOptions {
   int tp = 1;                         // tensor parallel with sequence-parallel regions (Megatron-LM)
   std::string ring = "flash,zigzag";  // --ring: the ring's algorithm and its layout
   std::string msp = "off";            // --msp on | off: multiplexed sequence partitioning
+  int msp_reach = 0;                  // --msp-reach: groups a split task runs on (0: every idle one)
   int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
   // Where the fp32 master weights and AdamW m, v live (runtime/host_optimizer.h): device,
   // host, or "" for the plan's (--plan), else device.

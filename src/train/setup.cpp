@@ -281,6 +281,9 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
                                                    : o.optimizer_state == "host";
   SPPO_CHECK(o.msp == "on" || o.msp == "off", "options") << "--msp must be on or off (got '" << o.msp << "')";
   shape.msp = from_plan ? from_plan->msp : o.msp == "on";
+  shape.msp_reach = from_plan ? from_plan->msp_reach : o.msp_reach;
+  SPPO_CHECK(shape.msp_reach == 0 || shape.msp_reach >= 2, "options")
+      << "--msp-reach " << shape.msp_reach << ": use 0 (every idle stage group) or 2 or more";
   if (from_plan && (!from_plan->kv_host_layers.empty() || !from_plan->kv_recompute_layers.empty())) {
     // The plan's placement, unless --kv-cache says otherwise.
     shape.kv_place.assign(std::size_t(s.config.layers), sched::KvPlace::Device);

@@ -248,6 +248,9 @@ TEST_F(Layouts, HostKvCacheUnderMsp) {
   check_peaks(4, "--pp 2 --dp 2 --subseqs 3 --msp on --kv-cache host", "ref2", kModel, false);
   check_peaks(3, "--pp 3 --subseqs 5 --partition flops --msp on --kv-cache host", "llama1", kLlama, false);
   check_peaks(2, "--pp 2 --subseqs 6 --msp on --kv-cache host", "packed", packed_, false);
+  // A split task on its own stage and the nearest idle one only (Note [MSP reach]).
+  check_peaks(4, "--pp 4 --subseqs 6 --msp on --msp-reach 2 --kv-cache host", "ref1", kModel, false);
+  check_peaks(3, "--pp 3 --subseqs 5 --offload 0.5 --msp on --msp-reach 2", "llama1", kLlama, false);
 }
 
 // MSP on a contiguous ring: each split task's pieces run over the SP ranks of every stage

@@ -105,7 +105,7 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
   };
   for (const Shape& sh : {Shape{1, 1, 1, 1, false}, Shape{2, 1, 2, 1, false}, Shape{3, 1, 1, 1, true},
                           Shape{2, 2, 1, 1, false}, Shape{2, 1, 1, 2, false}, Shape{2, 1, 1, 1, false, true},
-                          Shape{1, 1, 2, 2, false, true}}) {
+                          Shape{1, 1, 2, 2, false, true}, Shape{2, 2, 1, 1, false, true}, Shape{3, 1, 1, 1, true, true}}) {
     const int N = 6;
     auto build = [&](const std::vector<double>& alpha) {
       sched::PipelineSpec spec;
@@ -176,6 +176,7 @@ TEST(Resimulator, PeakFloorIsUnderEveryTimedPeak) {
   bool below = false;
   for (const Shape& sh : {Shape{1, 1, 1, false}, Shape{2, 1, 1, false}, Shape{3, 1, 1, true}, Shape{2, 2, 1, false},
                           Shape{2, 1, 2, false}, Shape{2, 1, 1, false, sched::KvPlace::Host},
+                          Shape{2, 2, 1, false, sched::KvPlace::Host}, Shape{3, 1, 1, true, sched::KvPlace::Host},
                           Shape{1, 1, 1, false, sched::KvPlace::Recompute}}) {
     auto build = [&](const std::vector<double>& alpha) {
       sched::PipelineSpec spec;
