@@ -678,21 +678,33 @@ std::vector<int> divisors(int n) {
 // recomputed, MLP tiles) splits over its own and the nearest idle group only (reach 2, Note
 // [MSP reach] in schedule/msp.h): over every group, helpers borrow most stages' weights (at
 // gpt-13b 512K on 128 A100s, 70 of a 96 GiB peak in 32 stages, and no fit), and searching
-// those layouts took 70 s for gpt-65b at 640K. The runtime also runs MSP on a contiguous ring
-// (--cp); the search keeps it to sp 1 (with the ring, gpt-13b at 512K found no fit either,
-// 82.2 GiB at best, after 134 s).
+// those layouts took 70 s for gpt-65b at 640K. On a ring (sp > 1) MSP runs contiguous pieces
+// (the runtime does not pass hidden states between them and zigzag ones) at reach 2 (over
+// every group: 134 s for gpt-13b at 512K, and no fit). --msp on searches it; --msp auto
+// weighs MSP for its sp 1 finalists only, since on a ring it won none of the README's plans
+// and doubled the time of the longest searches (gpt-7b 8M on 128 H200s: 8.0 s against 3.8).
 int msp_search_reach(const plan::Plan& p) {
   const bool saving = !p.kv_host_layers.empty() || !p.kv_recompute_layers.empty() || p.recompute != 0 ||
                       p.mlp_tile_rows > 0;
-  return saving ? 2 : 0;
+  return saving || p.sp > 1 ? 2 : 0;
+}
+
+// Layout p with MSP as the search runs it: its reach, and on a ring contiguous pieces (the
+// runtime splits a task over stage groups as contiguous pieces, and passes hidden states
+// between those and a zigzag ring's two-span pieces nowhere).
+plan::Plan with_msp(plan::Plan p) {
+  p.msp = true;
+  p.msp_reach = msp_search_reach(p);
+  if (p.sp > 1) p.ring_layout = "contiguous";
+  return p;
 }
 
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups (Note [MSP pieces]),
   // with pipeline and data parallelism only.
-  // Recomputed K/V need a rank's own rows of x of every earlier position: not under MSP. The
-  // runtime runs MSP on a contiguous ring too; the search does not (Note [MSP in the search]).
-  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || p.sp > 1 || !p.kv_recompute_layers.empty())
+  // Recomputed K/V need a rank's own rows of x of every earlier position: not under MSP. On
+  // a ring MSP runs contiguous pieces (with_msp).
+  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty())
     return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
@@ -999,9 +1011,10 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         const Placement& pl = pls[q];
         if (!runs(layouts[base], pl)) continue;
         plan::Plan p = placed(layouts[base], pl);
-        p.msp = req.msp == 1 && msp_possible(p);
-        if (req.msp == 1 && !p.msp) continue;
-        p.msp_reach = p.msp ? msp_search_reach(p) : 0;
+        if (req.msp == 1) {
+          if (!msp_possible(p)) continue;
+          p = with_msp(p);
+        }
         cands.push_back(std::move(p));
         cand_pl.push_back(pl);
         key.emplace_back(base, int(pl.kv), pl.recompute, pl.mlp_tile_rows);
@@ -1147,7 +1160,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   const size_t top = std::min<size_t>(fits.size(), req.msp == -1 ? 3 : 1);
   for (size_t k = 0; k < top; ++k) {
     plan::Plan p = fits[k].plan;
-    if (req.msp != 0 && msp_possible(p)) {
+    // --msp auto weighs MSP for its sp 1 finalists only (Note [MSP in the search]).
+    if (req.msp != 0 && msp_possible(p) && (req.msp == 1 || p.sp == 1)) {
       finalists.push_back(choose_msp(req, p).chosen);
     } else {
       predict(&p, hw);
@@ -1207,8 +1221,8 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   plan::Plan off = layout, on = layout;
   off.msp = false;
   off.msp_reach = 0;
-  on.msp = true;
-  on.msp_reach = msp_search_reach(on);
+  if (off.sp > 1 && layout.msp) off.ring_layout = sched::to_string(req.ring_layout);
+  on = with_msp(on);
   Candidate c_off = evaluate(req, off, cost, budget);
   m.off = c_off.plan;
   predict(&m.off, hw);

@@ -192,10 +192,10 @@ TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
 // bound that subtracted more (the state unsharded, say) would name a smaller floor.
 TEST(Solver, KeptFloorsRuleOutAsTheHostStateSearchWould) {
   auto req = request("small", i64(64) << 10, 4, "sppo");
-  req.gpus_per_node = 4;
+  req.gpus_per_node = 1;  // no ring: MSP on one fits here (Note [MSP in the search])
   req.msp = 1;
   req.budget = i64(100) << 20;
-  req.kv_cache = "device";  // with the K/V on the host, MSP fits here (Note [MSP in the search])
+  req.kv_cache = "device";  // with the K/V on the host, MSP fits here too
   auto floor_named = [](const std::string& error) {
     const auto at = error.find("of at least ");
     return at == std::string::npos ? std::string() : error.substr(at, error.find(" MiB", at) - at);
@@ -239,6 +239,22 @@ TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
   EXPECT_GT(sim::simulate_plan(untiled, load_profile("a100-80gb")).peak_device_bytes, req.budget);
   const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
   EXPECT_EQ(q.mlp_tile_rows, p.mlp_tile_rows);
+}
+
+// Note [MSP in the search]: the paper's Table 3 case fits with MSP once a split task reaches
+// the nearest idle group only and runs on a contiguous ring; the plan says so, and its
+// JSON keeps the reach.
+TEST(Solver, MspFitsGpt13bAt512KOn128Gpus) {
+  auto req = request("gpt-13b", i64(512) * 1024, 128, "sppo");
+  req.msp = 1;
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_TRUE(p.msp);
+  EXPECT_EQ(p.msp_reach, 2);
+  EXPECT_TRUE(p.sp == 1 || p.ring_layout == "contiguous") << p.ring_layout;
+  EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
+  EXPECT_EQ(plan_from_json(to_json(p)).msp_reach, 2);
 }
 
 TEST(Solver, SaysWhyNothingFits) {
