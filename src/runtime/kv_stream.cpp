@@ -137,7 +137,7 @@ class ChunkedAttention : public BlockAttention, public PastAttention {
     j.ldq = ldq;
     j.dq = act_at(dqkv, i64(first.row0) * ldq, a);
     j.dout = act_at(dout, i64(first.row0) * H, a);
-    j.lse = s.lse + i64(c.heads) * first.row0;
+    j.final_lse = s.lse + i64(c.heads) * first.row0;
     j.delta = delta + i64(c.heads) * first.row0;
     backward_past(be, c, {j}, scratch);
   }
@@ -157,7 +157,7 @@ class ChunkedAttention : public BlockAttention, public PastAttention {
         if (keys.empty()) continue;
         AttnShape d = span_shape(c, j.span);
         d.ldq = j.ldq;
-        be.attention_backward(j.dq, j.dout, j.q, keys, j.lse, j.delta, d, scratch);
+        be.attention_backward(j.dq, j.dout, j.q, keys, j.final_lse, j.delta, d, scratch);
       }
       send_sums(be, slot, sums, past_[b], past_[b].rows <= T_ ? scratch : Workspace{});
       if (b + 2 < past_.size()) load(b + 2);

@@ -59,11 +59,12 @@ struct PastQueries {
   i64 from = 0;             // keys before it are another document's (Subseq::doc_start)
   const void* q = nullptr;  // [rows, ldq]
   int ldq = 0;              // row stride of q and, in backward, of dq
-  float* lse = nullptr;     // [Z, rows]: forward merges into it; backward reads the final one
-  void* out = nullptr;      // forward: [rows, H] merged into with the blocks' attention
+  float* lse = nullptr;     // forward: [Z, rows] merged into with the blocks' attention
+  void* out = nullptr;      // forward: [rows, H], likewise
   void* dq = nullptr;       // backward: [rows, ldq] accumulates
   const void* dout = nullptr;    // backward: [rows, H] d attn_out
-  const float* delta = nullptr;  // backward: [Z, rows]
+  const float* final_lse = nullptr;  // backward: [Z, rows] the queries' LSE over every key
+  const float* delta = nullptr;      // backward: [Z, rows]
 };
 
 // The attention of many query spans against a rank's streamed earlier blocks of one layer,

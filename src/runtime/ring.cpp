@@ -263,7 +263,7 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
     j.ldq = int(H);
     j.dq = dq_rows;
     j.dout = dout_rows;
-    j.lse = const_cast<float*>(lse);  // read only in backward
+    j.final_lse = lse;
     j.delta = dlt;
     past_queries.push_back(j);
   };
