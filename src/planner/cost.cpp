@@ -138,10 +138,12 @@ namespace {
 
 // How a rank's earlier blocks of subsequence i reach the attention of its T query rows
 // (HostKvCache::chunks): chunks of kv_chunk_rows(T) of the rank's rows in position order,
-// each split into one piece per span of an earlier block it holds rows of (a block: the
-// whole earlier subsequence, or on a ring this piece's share of it, one span or two).
-// `rows`: the earlier rows the rank holds; `queries`: the query spans that meet each chunk
-// (the piece's own, or on a ring every member's).
+// each split into one piece per span of an earlier block it holds rows of. Alone, a rank
+// holds every earlier position (o of them), each subsequence one span; a ring member (and
+// an MSP owner on a ring, with its helpers' pieces paired with it) its share, o / R, in
+// one span a subsequence (two on a zigzag ring), counted as each adding a piece (at most
+// that many start inside a chunk). `queries`: the query spans that meet each chunk (the
+// piece's own, or on a ring or MSP task every member's).
 struct StreamShape {
   i64 chunks = 0;
   i64 pieces = 0;
@@ -149,15 +151,21 @@ struct StreamShape {
   i64 queries = 1;
 };
 
-StreamShape stream_shape(const Schedule& s, const Op& op, i64 T) {
+StreamShape stream_shape(const Schedule& s, const Op& op, i64 o, i64 T) {
   const i64 C = kv_chunk_rows(T);
   StreamShape sh;
-  const bool msp = !op.group.empty();  // an MSP owner holds every earlier position
-  for (int j = 0; j < op.subseq; ++j)
-    for (const auto& [b, e] : msp ? sched::Spans{{0, s.lengths[std::size_t(j)]}} : s.spans(j, op.piece, op.pieces)) {
-      if (sh.rows % C != 0) ++sh.pieces;  // a span that starts inside a chunk adds a piece to it
-      sh.rows += e - b;
+  const bool msp = !op.group.empty();
+  const int share = msp ? s.ring : op.pieces;
+  if (share == 1) {
+    for (int j = 0; j < op.subseq; ++j) {
+      if (sh.rows % C != 0) ++sh.pieces;  // a block that starts inside a chunk adds a piece to it
+      sh.rows += s.lengths[std::size_t(j)];
     }
+  } else {
+    sh.rows = o / share;
+    const bool zigzag = !msp && s.ring_layout == sched::RingLayout::Zigzag;
+    sh.pieces = i64(op.subseq) * (zigzag ? 2 : 1);
+  }
   sh.chunks = (sh.rows + C - 1) / C;
   sh.pieces += sh.chunks;
   if (op.pieces > 1) {
@@ -185,7 +193,7 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
   const double attention =
       (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)], &s.doc_starts) / s.tp;
-  const StreamShape shape = o > 0 ? stream_shape(s, op, T) : StreamShape{};
+  const StreamShape shape = o > 0 ? stream_shape(s, op, o, T) : StreamShape{};
   // Every backward but the first (that of the last subsequence) finds sums that later
   // subsequences' backward left on the host, for its own block and every earlier one.
   const bool sums_back = backward && op.subseq + 1 < int(s.lengths.size());

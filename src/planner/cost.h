@@ -38,10 +38,11 @@
 // backward the K and V of its own tokens.
 // Streamed K/V (Schedule::kv_streamed; runtime/kv_stream.h): a layer whose K/V live on the
 // host, or are recomputed, brings the rank's rows of the earlier subsequences (all o of
-// them; a ring member its own pieces, o/R) in chunks of C = kv_chunk_rows(T) rows, a chunk
-// cut into one piece per span of an earlier block it holds rows of: chunks = ceil(rows /
-// C), pieces = chunks + the spans that start inside a chunk. Every query span that meets
-// the chunks (a ring's: every member's) runs a kernel on each. Per layer, with in and out
+// them; a ring member its own pieces, o/R; an MSP owner its own and its helpers') in chunks
+// of C = kv_chunk_rows(T) rows, a chunk cut into one piece per span of an earlier block it
+// holds rows of: chunks = ceil(rows / C), pieces = chunks + the spans that start inside a
+// chunk (on a ring: every span). Every query span that meets the chunks (a ring's or an
+// MSP task's: every member's) runs a kernel on each. Per layer, with in and out
 // the stream's bytes over h2d_bw and d2h_bw and s = copy_compute_share (Note [Streamed
 // chunks], planner/profile.h):
 //   s (in + out) + (1 - s) max(0, max(in', out') - attention)    (in', out': at the duplex
