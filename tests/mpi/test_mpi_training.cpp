@@ -196,5 +196,37 @@ TEST_F(Training, RunsThePlannedLayout) {
   EXPECT_LT(h.back()["measured_peak_device_bytes"].get<i64>(), t.back()["measured_peak_device_bytes"].get<i64>());
 }
 
+// A plan's MSP reach (Note [MSP reach]) and its K/V on the host run as planned: three stages
+// whose split tasks reach the nearest idle stage only; the traffic is the simulator's, and
+// against a plan reaching every idle stage the last stage sends less (it helps one stage).
+TEST_F(Training, RunsAPlannedMspReach) {
+  const std::string plan = path("msp.json");
+  auto r = run_command(sppo_binary() + " plan --model tiny --seq-len 512 --gpus 3 --hardware a100-80gb --out " + plan);
+  ASSERT_EQ(r.status, 0) << r.output;
+  nlohmann::json p = testing::read_json(plan);
+  p["model_config"]["layers"] = 6;
+  p["sp"] = 1, p["tp"] = 1, p["pp"] = 3, p["dp"] = 1, p["msp"] = true, p["msp_reach"] = 2;
+  p["stage_layers"] = {2, 2, 2};
+  p["subseqs"] = 4, p["lengths"] = {160, 128, 128, 96}, p["alpha"] = {0.5, 0.5, 0.0, 0.0};
+  p["kv_host_layers"] = {0, 1, 2, 3, 4, 5};
+  const std::string run = "train --model tiny --layers 6 --seq-len 512 --threads 1 --quiet --steps 2 --plan " + plan +
+                          " --hardware a100-80gb --metrics " + path("msp.jsonl");
+  std::vector<nlohmann::json> last;
+  for (int reach : {2, 0}) {
+    p["msp_reach"] = reach;
+    std::ofstream(plan) << p.dump(2);
+    r = mpirun(3, run);
+    ASSERT_EQ(r.status, 0) << r.output;
+    const auto m = read_jsonl(path("msp.jsonl"));
+    ASSERT_EQ(m.size(), 3u);
+    EXPECT_EQ(m[2]["measured_sent_bytes_per_rank"], m[2]["predicted_sent_bytes_per_rank"]) << m[2].dump();
+    EXPECT_EQ(m[2]["measured_peak_host_bytes"], m[2]["predicted_peak_host_bytes"]) << m[2].dump();
+    EXPECT_LE(m[2]["measured_peak_device_bytes"].get<i64>(), m[2]["predicted_peak_device_bytes"].get<i64>());
+    last.push_back(m[2]);
+  }
+  EXPECT_LT(last[0]["measured_sent_bytes_per_rank"][2].get<i64>(), last[1]["measured_sent_bytes_per_rank"][2].get<i64>())
+      << "reaching one stage, the last stage helps and sends gradients back to fewer stages";
+}
+
 }  // namespace
 }  // namespace sppo
