@@ -241,6 +241,7 @@ expect "--pp 1 x --tp 2 x --dp 1 = 2 ranks" train --model tiny --seq-len 32 --st
 expect "--tp must be 1 to 8" train --model tiny --seq-len 32 --steps 1 --tp 0
 expect "--msp must be on or off" train --model tiny --seq-len 32 --steps 1 --msp maybe
 expect "--msp on splits subsequences over pipeline stages" train --model tiny --seq-len 32 --steps 1 --subseqs 4 --msp on
+expect "--msp-reach 1: use 0 (every idle stage group) or 2 or more" train --model tiny --seq-len 32 --steps 1 --msp-reach 1
 expect "--ring 'spiral'" train --model tiny --seq-len 32 --steps 1 --ring spiral
 expect "--ring rsa is the two-pass" train --model tiny --seq-len 32 --steps 1 --ring rsa
 expect "--attention 'sideways'" train --model tiny --seq-len 32 --steps 1 --attention sideways
