@@ -95,6 +95,28 @@ double StageMessages::wait_receive(std::size_t k) {
   return waited;
 }
 
+namespace {
+
+// The row of rows `q` that holds global position `pos`, and how many rows from it on stay
+// consecutive positions (to the end of its span).
+std::pair<i64, i64> row_at(const Subseq& q, i64 pos) {
+  if (q.spans.empty()) {
+    SPPO_ASSERT(pos >= q.offset && pos < q.offset + q.T);
+    return {pos - q.offset, q.offset + q.T - pos};
+  }
+  for (const PosSpan& s : q.spans)
+    if (pos >= s.pos0 && pos < s.pos0 + s.rows) return {s.row0 + (pos - s.pos0), s.pos0 + s.rows - pos};
+  SPPO_ASSERT_MSG(false, "position " << pos << " is not in the rows");
+  return {0, 0};
+}
+
+// q's rows as runs of consecutive positions.
+std::vector<PosSpan> runs_of(const Subseq& q) {
+  return q.spans.empty() ? std::vector<PosSpan>{PosSpan{q.offset, q.T, 0}} : q.spans;
+}
+
+}  // namespace
+
 void StageMessages::produce(const HiddenKey& key, Buffer buf, const Subseq& rows) {
   const int sends = sends_of_.count(key) ? sends_of_.at(key) : 0;
   const bool local = taken_here_.count(key) > 0;
@@ -119,26 +141,30 @@ Buffer StageMessages::take_input(const HiddenKey& key, const Subseq& q) {
   const bool local = mine != produced_.end() && mine->second.local;
   // One message of the whole piece (under tensor parallelism, of this member's rows of it).
   if (!local && parts.size() == 1 && (parts[0].first < 0 || parts[0].tokens == q.T)) return std::move(parts[0].buf);
-  // Pieces that split the subsequence differently (MSP): one contiguous [T, H] from the
-  // received parts and the rows this rank produced itself.
-  SPPO_ASSERT_MSG(q.spans.size() <= 1, "hidden-state parts of a piece with several spans");
-  const i64 start = q.offset - sched_.offset(std::get<2>(key));  // in the subsequence
+  // Pieces that split the subsequence differently (MSP, beside a zigzag ring's two-span
+  // pieces): one [T, H] in q's row order from the received parts, each a run of consecutive
+  // positions, and the rows this rank produced itself.
+  const i64 base = sched_.offset(std::get<2>(key));  // parts' positions are in the subsequence
   Buffer whole = device_.alloc(i64(q.T) * row_bytes, "hidden state assembled from parts");
   i64 filled = 0;
   for (const auto& part : parts) {
-    SPPO_ASSERT(part.first >= start && part.first + part.tokens <= start + q.T);
-    be_.copy_cols(act_at(whole.data(), (part.first - start) * config_.hidden, act_), part.buf.data(),
-                  int(part.tokens), config_.hidden, config_.hidden, 0);
+    const auto [row, run] = row_at(q, base + part.first);
+    SPPO_ASSERT(part.first >= 0 && part.tokens <= run);
+    be_.copy_cols(act_at(whole.data(), row * config_.hidden, act_), part.buf.data(), int(part.tokens),
+                  config_.hidden, config_.hidden, 0);
     filled += part.tokens;
   }
   if (local) {
     const Subseq& p = mine->second.rows;
-    const i64 b = std::max(p.offset, q.offset), e = std::min(p.offset + p.T, q.offset + q.T);
-    SPPO_ASSERT(e > b);
-    be_.copy_cols(act_at(whole.data(), (b - q.offset) * config_.hidden, act_),
-                  act_at(mine->second.buf->data(), (b - p.offset) * config_.hidden, act_), int(e - b),
-                  config_.hidden, config_.hidden, 0);
-    filled += e - b;
+    for (const PosSpan& a : runs_of(p))
+      for (const PosSpan& c : runs_of(q)) {
+        const i64 b = std::max(a.pos0, c.pos0), e = std::min(a.pos0 + a.rows, c.pos0 + c.rows);
+        if (e <= b) continue;
+        be_.copy_cols(act_at(whole.data(), (c.row0 + (b - c.pos0)) * config_.hidden, act_),
+                      act_at(mine->second.buf->data(), (a.row0 + (b - a.pos0)) * config_.hidden, act_), int(e - b),
+                      config_.hidden, config_.hidden, 0);
+        filled += e - b;
+      }
     mine->second.local = false;
     if (mine->second.sends_left == 0) produced_.erase(mine);
   }
@@ -160,9 +186,9 @@ void StageMessages::send(const sched::Op& op) {
   const i64 row_bytes = i64(config_.hidden) * dtype_bytes(act_);
   const void* data = buf->data();
   i64 bytes = buf->bytes();
-  if (op.first >= 0) {  // part of this rank's rows
-    const i64 row = op.first - (rows.offset - sched_.offset(op.subseq));
-    SPPO_ASSERT(rows.spans.size() <= 1 && row >= 0 && row + op.tokens <= rows.T);
+  if (op.first >= 0) {  // part of this rank's rows: a run of consecutive positions
+    const auto [row, run] = row_at(rows, sched_.offset(op.subseq) + op.first);
+    SPPO_ASSERT(op.tokens <= run);
     data = act_at(buf->data(), row * config_.hidden, act_);
     bytes = op.tokens * row_bytes;
   }

@@ -42,11 +42,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
                                         << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";
   }
   const bool msp = std::any_of(ops.begin(), ops.end(), [](const sched::Op& op) { return !op.group.empty() && is_compute(op); });
-  SPPO_CHECK(!msp || (sc.tp == 1 && o.comm && act == DType::F32 &&
-                      (sc.ring == 1 || (sc.ring_layout == sched::RingLayout::Contiguous && !o.ring_rsa))),
-             "runtime")
-      << "multiplexed sequence partitioning (MSP) runs with pipeline, data and contiguous one-pass context "
-         "parallelism on CPU ranks in fp32; drop --tp, use --ring contiguous, or use --msp off";
+  SPPO_CHECK(!msp || (sc.tp == 1 && o.comm && act == DType::F32 && (sc.ring == 1 || !o.ring_rsa)), "runtime")
+      << "multiplexed sequence partitioning (MSP) runs with pipeline, data and one-pass context parallelism on CPU "
+         "ranks in fp32; drop --tp and --ring rsa, or use --msp off";
   SPPO_CHECK(sc.kv_place.empty() ||
                  (int(sc.kv_place.size()) == c.layers && !o.recompute && !(sc.ring > 1 && o.ring_rsa)),
              "runtime")

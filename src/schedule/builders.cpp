@@ -230,12 +230,22 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     op.layer_end = ranges[stage].second;
     return op;
   };
-  // A hidden-state message between tasks whose pieces differ carries part of a piece:
-  // the first position of the overlap of the producer's piece `from` and the consumer's `to`.
-  auto part = [](Op op, const Task& producer, const Task& consumer, const Piece& from, const Piece& to) {
-    if (producer.pieces.size() != consumer.pieces.size())
-      op.first = std::max(from.spans.front().first, to.spans.front().first);
-    return op;
+  // Hidden-state messages from producer piece `from` to consumer piece `to`: the whole piece
+  // where both tasks split the subsequence alike, else one a run of positions they share
+  // (`first`: its first; a zigzag piece and a contiguous one can share two), ascending.
+  auto parts = [](const Op& op, const Task& producer, const Task& consumer, const Piece& from, const Piece& to) {
+    std::vector<Op> out;
+    if (producer.pieces.size() == consumer.pieces.size()) {
+      const i64 ov = overlap(from.spans, to.spans);
+      if (ov > 0) out.push_back(op), out.back().tokens = ov;
+      return out;
+    }
+    for (const auto& [b, e] : overlaps(from.spans, to.spans)) {
+      out.push_back(op);
+      out.back().first = b;
+      out.back().tokens = e - b;
+    }
+    return out;
   };
   auto msg = [&](OpKind kind, Payload payload, int subseq, int stage, int peer, i64 tokens, const Piece& pc) {
     Op op = with_layers(make(kind, subseq), stage);
@@ -293,11 +303,9 @@ Schedule build_pipeline(const PipelineSpec& spec) {
         ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, span_tokens(pc.spans), pc));
       // Input activations (or their gradients) from the producer pieces that overlap.
       if (src)
-        for (const Piece& q : src->pieces) {
-          const i64 ov = overlap(q.spans, pc.spans);
-          if (ov > 0 && q.rank != pc.rank)
-            ops.push_back(part(msg(OpKind::Recv, act, k, i, q.rank, ov, pc), *src, t, q, pc));
-        }
+        for (const Piece& q : src->pieces)
+          if (q.rank != pc.rank)
+            for (const Op& op : parts(msg(OpKind::Recv, act, k, i, q.rank, 0, pc), *src, t, q, pc)) ops.push_back(op);
       // Backward of an offloaded unit: prefetch the next one down while this one runs.
       int prefetch = -1;
       if (!t.forward && !pc.helper) {
@@ -381,11 +389,10 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     if (dst_stage >= 0 && dst_stage < P) {
       const Task& dst = tasks[index[slot_of(t.d, dst_stage, k, t.forward)]];
       for (const Piece& pc : t.pieces)
-        for (const Piece& q : dst.pieces) {
-          const i64 ov = overlap(q.spans, pc.spans);
-          if (ov > 0 && q.rank != pc.rank)
-            s.ops[pc.rank].push_back(part(msg(OpKind::Send, act, k, dst_stage, q.rank, ov, q), t, dst, pc, q));
-        }
+        for (const Piece& q : dst.pieces)
+          if (q.rank != pc.rank)
+            for (const Op& op : parts(msg(OpKind::Send, act, k, dst_stage, q.rank, 0, q), t, dst, pc, q))
+              s.ops[pc.rank].push_back(op);
     }
     // Helpers whose last piece of this stage this was send their weight gradients home; the
     // owner takes them now, so that they do not wait on the helper for the rest of the step.

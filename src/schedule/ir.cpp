@@ -46,6 +46,15 @@ i64 overlap(const Spans& a, const Spans& b) {
   return n;
 }
 
+std::vector<std::pair<i64, i64>> overlaps(const Spans& a, const Spans& b) {
+  std::vector<std::pair<i64, i64>> out;
+  for (const auto& [ab, ae] : a)
+    for (const auto& [bb, be] : b)
+      if (std::min(ae, be) > std::max(ab, bb)) out.push_back({std::max(ab, bb), std::min(ae, be)});
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout) {
   SPPO_ASSERT(piece >= 0 && piece < pieces);
   if (layout == RingLayout::Contiguous || pieces == 1) return {piece_range(l, piece, pieces)};

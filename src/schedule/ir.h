@@ -118,6 +118,8 @@ class Spans {
 i64 span_tokens(const Spans& s);
 // Tokens two pieces share.
 i64 overlap(const Spans& a, const Spans& b);
+// The token ranges [b, e) two pieces share, ascending.
+std::vector<std::pair<i64, i64>> overlaps(const Spans& a, const Spans& b);
 // Piece `piece` of `pieces` of a subsequence of l tokens laid out by `layout`.
 Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout);
 

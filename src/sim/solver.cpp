@@ -678,8 +678,7 @@ std::vector<int> divisors(int n) {
 // recomputed, MLP tiles) splits over its own and the nearest idle group only (reach 2, Note
 // [MSP reach] in schedule/msp.h): over every group, helpers borrow most stages' weights (at
 // gpt-13b 512K on 128 A100s, 70 of a 96 GiB peak in 32 stages, and no fit), and searching
-// those layouts took 70 s for gpt-65b at 640K. On a ring (sp > 1) MSP runs contiguous pieces
-// (the runtime does not pass hidden states between them and zigzag ones) at reach 2 (over
+// those layouts took 70 s for gpt-65b at 640K. On a ring (sp > 1) MSP runs at reach 2 (over
 // every group: 134 s for gpt-13b at 512K, and no fit). --msp on searches it; --msp auto
 // weighs MSP for its sp 1 finalists only, since on a ring it won none of the README's plans
 // and doubled the time of the longest searches (gpt-7b 8M on 128 H200s: 8.0 s against 3.8).
@@ -689,21 +688,17 @@ int msp_search_reach(const plan::Plan& p) {
   return saving || p.sp > 1 ? 2 : 0;
 }
 
-// Layout p with MSP as the search runs it: its reach, and on a ring contiguous pieces (the
-// runtime splits a task over stage groups as contiguous pieces, and passes hidden states
-// between those and a zigzag ring's two-span pieces nowhere).
+// Layout p with MSP as the search runs it, at its reach.
 plan::Plan with_msp(plan::Plan p) {
   p.msp = true;
   p.msp_reach = msp_search_reach(p);
-  if (p.sp > 1) p.ring_layout = "contiguous";
   return p;
 }
 
 bool msp_possible(const plan::Plan& p) {
-  // The runtime runs MSP's pieces as one ring over the stage groups (Note [MSP pieces]),
-  // with pipeline and data parallelism only.
-  // Recomputed K/V need a rank's own rows of x of every earlier position: not under MSP. On
-  // a ring MSP runs contiguous pieces (with_msp).
+  // The runtime runs MSP's pieces as one ring over the stage groups' SP ranks (Note [MSP
+  // pieces]), without tensor parallelism. Recomputed K/V need a rank's own rows of x of
+  // every earlier position: not under MSP.
   if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty())
     return false;
   for (i64 l : p.lengths)
@@ -1221,7 +1216,6 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   plan::Plan off = layout, on = layout;
   off.msp = false;
   off.msp_reach = 0;
-  if (off.sp > 1 && layout.msp) off.ring_layout = sched::to_string(req.ring_layout);
   on = with_msp(on);
   Candidate c_off = evaluate(req, off, cost, budget);
   m.off = c_off.plan;

@@ -389,14 +389,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     }
     if (shape.msp) {
       const int N = int(s.lengths.size());
-      const bool ring_ok = shape.sp == 1 || (shape.ring_layout == sched::RingLayout::Contiguous && !shape.ring_rsa);
-      SPPO_CHECK(shape.pp > 1 && shape.tp == 1 && ring_ok, "options")
-          << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, runs without --tp, and "
-             "with --cp on a contiguous one-pass ring only (--ring contiguous: its split tasks' pieces are "
-             "contiguous) (got --pp "
-          << shape.pp << " --tp " << shape.tp << " --cp " << shape.sp
-          << (shape.sp > 1 ? std::string(" --ring ") + (shape.ring_rsa ? "rsa," : "") + sched::to_string(shape.ring_layout) : "")
-          << ")";
+      SPPO_CHECK(shape.pp > 1 && shape.tp == 1 && !(shape.sp > 1 && shape.ring_rsa), "options")
+          << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --tp and "
+             "--ring rsa (got --pp "
+          << shape.pp << " --tp " << shape.tp << (shape.sp > 1 && shape.ring_rsa ? " --ring rsa" : "") << ")";
       SPPO_CHECK(N >= shape.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
                                            << ", --pp " << shape.pp << "); use --subseqs " << shape.pp << " or more";
       SPPO_CHECK(s.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "

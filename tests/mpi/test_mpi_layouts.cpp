@@ -253,9 +253,15 @@ TEST_F(Layouts, HostKvCacheUnderMsp) {
   check_peaks(3, "--pp 3 --subseqs 5 --offload 0.5 --msp on --msp-reach 2", "llama1", kLlama, false);
 }
 
-// MSP on a contiguous ring: each split task's pieces run over the SP ranks of every stage
-// group it spans, a helper's SP rank r beside the owner's; with the K/V on the host too.
+// MSP on a ring: each split task's pieces run over the SP ranks of every stage group it
+// spans, a helper's SP rank r beside the owner's, as contiguous pieces; beside a zigzag
+// ring's two-span pieces the hidden states move as runs of consecutive positions. With the
+// K/V on the host too.
 TEST_F(Layouts, MspOnTheRing) {
+  check_peaks(4, "--pp 2 --cp 2 --ring zigzag --subseqs 4 --msp on", "ref1", kModel, false);
+  check_peaks(6, "--pp 3 --cp 2 --ring zigzag --subseqs 5 --msp on --msp-reach 2 --kv-cache host", "ref1", kModel,
+              false);
+  check_peaks(4, "--pp 2 --cp 2 --ring zigzag --subseqs 4 --msp on", "packed", packed_, false);
   check_peaks(4, "--pp 2 --cp 2 --ring contiguous --subseqs 4 --msp on", "ref1", kModel, false);
   check_peaks(6, "--pp 3 --cp 2 --ring contiguous --subseqs 5 --offload 0.5 --msp on", "ref1", kModel, false);
   check_peaks(4, "--pp 2 --cp 2 --ring contiguous --subseqs 4 --msp on --kv-cache host", "ref1", kModel, false);
