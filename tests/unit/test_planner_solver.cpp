@@ -242,8 +242,7 @@ TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
 }
 
 // Note [MSP in the search]: the paper's Table 3 case fits with MSP once a split task reaches
-// the nearest idle group only and runs on a contiguous ring; the plan says so, and its
-// JSON keeps the reach.
+// the nearest idle group only, on a ring; the plan says so, and its JSON keeps the reach.
 TEST(Solver, MspFitsGpt13bAt512KOn128Gpus) {
   auto req = request("gpt-13b", i64(512) * 1024, 128, "sppo");
   req.msp = 1;
@@ -252,7 +251,7 @@ TEST(Solver, MspFitsGpt13bAt512KOn128Gpus) {
   const Plan& p = out.plan;
   EXPECT_TRUE(p.msp);
   EXPECT_EQ(p.msp_reach, 2);
-  EXPECT_TRUE(p.sp == 1 || p.ring_layout == "contiguous") << p.ring_layout;
+  EXPECT_GT(p.sp, 1);
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   EXPECT_EQ(plan_from_json(to_json(p)).msp_reach, 2);
 }
