@@ -488,14 +488,13 @@ int rows_of(const std::vector<PosSpan>& spans) {
 
 }  // namespace
 
-void HostKvCache::store(int l, int i, Buffer& k, Buffer& v, const std::vector<PosSpan>& spans) {
-  Block& blk = blocks_[l][i];
-  SPPO_ASSERT_MSG(!blk.k, "K/V of layer " << l << " subseq " << i << " stored twice");
+void HostKvCache::copy_out(Block& blk, int i, const std::vector<PosSpan>& spans, Buffer& k, Buffer& v,
+                           const std::string& name) {
   blk.spans = spans;
   blk.rows = rows_of(spans);
   blk.subseq = i;
-  blk.k = host_.alloc(k.bytes(), block_name(l, i) + "K on the host");
-  blk.v = host_.alloc(v.bytes(), block_name(l, i) + "V on the host");
+  blk.k = host_.alloc(k.bytes(), name + "K on the host");
+  blk.v = host_.alloc(v.bytes(), name + "V on the host");
   // The device bytes are released once the copies are done: at once, as the memory rules
   // count them.
   d2h_.copy(blk.k.data(), k.data(), std::size_t(k.bytes()), {});
@@ -504,59 +503,50 @@ void HostKvCache::store(int l, int i, Buffer& k, Buffer& v, const std::vector<Po
   v.reset();
 }
 
+std::shared_ptr<Event> HostKvCache::sums_in(const Block& blk, Buffer* dk, Buffer* dv, const std::string& name) {
+  const i64 f32 = i64(blk.rows) * width_ * i64(sizeof(float));
+  *dk = device_.alloc(f32, name + "dK");
+  *dv = device_.alloc(f32, name + "dV");
+  if (!blk.dk) {  // no later backward reached the block
+    be_.fill_zero(dk->data(), std::size_t(f32));
+    be_.fill_zero(dv->data(), std::size_t(f32));
+    return nullptr;
+  }
+  SPPO_ASSERT(blk.summed == blk.rows);  // every row was reached
+  h2d_.copy(dk->data(), blk.dk.data(), std::size_t(f32), {});
+  return h2d_.copy(dv->data(), blk.dv.data(), std::size_t(f32), {});
+}
+
+void HostKvCache::store(int l, int i, Buffer& k, Buffer& v, const std::vector<PosSpan>& spans) {
+  Block& blk = blocks_[l][i];
+  SPPO_ASSERT_MSG(!blk.k, "K/V of layer " << l << " subseq " << i << " stored twice");
+  copy_out(blk, i, spans, k, v, block_name(l, i));
+}
+
 void HostKvCache::restore(int l, int i, Buffer* k, Buffer* v, Buffer* dk, Buffer* dv) {
   Block& blk = blocks_[l][i];
   SPPO_ASSERT_MSG(blk.k, "backward of layer " << l << " subseq " << i << " before its K/V were stored");
   const std::string name = block_name(l, i);
   *k = device_.alloc(blk.k.bytes(), name + "k");
   *v = device_.alloc(blk.v.bytes(), name + "v");
-  const i64 f32 = i64(blk.rows) * width_ * i64(sizeof(float));
   h2d_.copy(k->data(), blk.k.data(), std::size_t(blk.k.bytes()), {});
   std::shared_ptr<Event> done = h2d_.copy(v->data(), blk.v.data(), std::size_t(blk.v.bytes()), {});
-  *dk = device_.alloc(f32, name + "dK");
-  *dv = device_.alloc(f32, name + "dV");
-  if (blk.dk) {  // every row was reached by a later backward
-    SPPO_ASSERT(blk.summed == blk.rows);
-    h2d_.copy(dk->data(), blk.dk.data(), std::size_t(f32), {});
-    done = h2d_.copy(dv->data(), blk.dv.data(), std::size_t(f32), {});
-  } else {
-    be_.fill_zero(dk->data(), std::size_t(f32));
-    be_.fill_zero(dv->data(), std::size_t(f32));
-  }
+  if (std::shared_ptr<Event> sums = sums_in(blk, dk, dv, name)) done = sums;
   *waited_s_ += done->wait();
   blk = Block{};
 }
 
 void HostKvCache::store_held(int l, int i, Buffer& k, Buffer& v, const PosSpan& rows) {
-  Block& blk = held_[l][i].emplace_back();
-  blk.spans = {PosSpan{rows.pos0, rows.rows, 0}};
-  blk.rows = rows.rows;
-  blk.subseq = i;
-  const std::string name = block_name(l, i) + "an MSP piece's ";
-  blk.k = host_.alloc(k.bytes(), name + "K on the host");
-  blk.v = host_.alloc(v.bytes(), name + "V on the host");
-  d2h_.copy(blk.k.data(), k.data(), std::size_t(k.bytes()), {});
-  *waited_s_ += d2h_.copy(blk.v.data(), v.data(), std::size_t(v.bytes()), {})->wait();
-  k.reset();
-  v.reset();
+  copy_out(held_[l][i].emplace_back(), i, {PosSpan{rows.pos0, rows.rows, 0}}, k, v,
+           block_name(l, i) + "an MSP piece's ");
 }
 
 void HostKvCache::take_held(int l, int i, i64 pos0, Buffer* dk, Buffer* dv) {
   auto& held = held_[l][i];
   auto blk = std::find_if(held.begin(), held.end(), [&](const Block& b) { return b.spans.front().pos0 == pos0; });
   SPPO_ASSERT_MSG(blk != held.end(), "layer " << l << " subseq " << i << ": no MSP piece at position " << pos0);
-  const std::string name = block_name(l, i) + "an MSP piece's ";
-  const i64 f32 = i64(blk->rows) * width_ * i64(sizeof(float));
-  *dk = device_.alloc(f32, name + "dK");
-  *dv = device_.alloc(f32, name + "dV");
-  if (blk->dk) {  // every row was reached by a later backward
-    SPPO_ASSERT(blk->summed == blk->rows);
-    h2d_.copy(dk->data(), blk->dk.data(), std::size_t(f32), {});
-    *waited_s_ += h2d_.copy(dv->data(), blk->dv.data(), std::size_t(f32), {})->wait();
-  } else {
-    be_.fill_zero(dk->data(), std::size_t(f32));
-    be_.fill_zero(dv->data(), std::size_t(f32));
-  }
+  if (std::shared_ptr<Event> sums = sums_in(*blk, dk, dv, block_name(l, i) + "an MSP piece's "))
+    *waited_s_ += sums->wait();
   held.erase(blk);
 }
 

@@ -45,6 +45,7 @@
 #include <functional>
 #include <list>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -160,6 +161,12 @@ class HostKvCache {
     int rows = 0;
     i64 pos0 = 0;  // of its first row
   };
+  // Block blk of subsequence i (positions `spans`) takes K, V to the host; their device
+  // buffers are released.
+  void copy_out(Block& blk, int i, const std::vector<PosSpan>& spans, Buffer& k, Buffer& v, const std::string& name);
+  // Device dK/dV accumulators for block blk with the sums later backwards left on the host
+  // (zeros where none did); the event of their copy in, or null.
+  std::shared_ptr<Event> sums_in(const Block& blk, Buffer* dk, Buffer* dv, const std::string& name);
   // The earlier blocks of subsequence i at layer l as chunks for T query rows; *largest:
   // the most rows of one.
   std::vector<Chunk> chunks(int l, int i, i64 T, i64* largest);

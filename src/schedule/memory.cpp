@@ -394,6 +394,8 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       const i64 T = tokens_of(op);
       const auto [kv, unit, rc, ws] = layer_bytes(T);
       const i64 ring = piece_fwd_extra(op, T);
+      // The longest query span that meets a streamed window (once an op, not a layer).
+      const i64 span_rows = op.pieces > 1 && s_.any_kv_streamed() ? ring_span_max(op) : T;
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
       // layer, the head's input, freed once used, or the next stage's input, freed as its
@@ -404,7 +406,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_begin + k;
         const double at = double(k) / n, end = double(k + 1) / n;
-        const i64 window = kv_window(l, op.subseq, T, op.pieces > 1 ? ring_span_max(op) : T, false);
+        const i64 window = kv_window(l, op.subseq, T, span_rows, false);
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
         emit(out, at, kv, T::KVCache);
         emit(out, at, unit - (k > 0 || input_held ? x_bytes : 0), T::Units);
