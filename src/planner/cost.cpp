@@ -313,11 +313,13 @@ double CostModel::message_s(i64 bytes, int src, int dst) const {
   return hw_.inter_node_latency + double(bytes) / hw_.inter_node_bw;
 }
 
-double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group) const {
-  const int g = int(group.size());
+double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group, bool across_replicas) const {
+  const int copies = across_replicas ? replicas_ : 1;
+  const int g = int(group.size()) * copies;
   if (g <= 1) return 0;
   bool intra = true;
-  for (int r : group) intra &= same_node(r, group.front());
+  for (int d = 0; d < copies; ++d)
+    for (int r : group) intra &= same_node(r + d * replica_ranks_, group.front());
   const double bw = intra ? hw_.intra_node_bw : hw_.inter_node_bw;
   const double lat = intra ? hw_.intra_node_latency : hw_.inter_node_latency;
   return 2.0 * (g - 1) / g * double(bytes) / bw + 2.0 * (g - 1) * lat;

@@ -160,8 +160,17 @@ class CostModel {
   double host_update_s(i64 params) const;
   double message_s(i64 bytes, int src, int dst) const;
   bool same_node(int a, int b) const { return a / hw_.devices_per_node == b / hw_.devices_per_node; }
-  // Ring all-reduce over `group` of `bytes` per rank.
-  double allreduce_s(i64 bytes, const std::vector<int>& group) const;
+  // Ring all-reduce over `group` of `bytes` per rank. `across_replicas`: the group's
+  // ranks in every replica priced (price_replicas), as a weight-gradient all-reduce spans
+  // them in the whole plan.
+  double allreduce_s(i64 bytes, const std::vector<int>& group, bool across_replicas = false) const;
+  // The schedule priced is one of `replicas` identical data-parallel replicas, each of
+  // `ranks` ranks numbered one replica after another (the planner's search simulates one):
+  // see allreduce_s.
+  void price_replicas(int replicas, int ranks) {
+    replicas_ = replicas;
+    replica_ranks_ = ranks;
+  }
 
   // Bytes a Send/Recv/RingStep of `rank` moves (its tensor-parallel shards: members may
   // hold different numbers of heads).
@@ -175,6 +184,7 @@ class CostModel {
   i64 kv_per_token_;
   double gemm_rate_;
   double attention_rate_;
+  int replicas_ = 1, replica_ranks_ = 0;
 };
 
 }  // namespace sppo::plan

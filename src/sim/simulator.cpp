@@ -412,7 +412,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             if (it == reduced.end()) {
               const double start = *std::max_element(there.begin(), there.end());
               const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.tp});
-              it = reduced.emplace(key, start + cost.allreduce_s(bytes, all.group)).first;
+              it = reduced.emplace(key, start + cost.allreduce_s(bytes, all.group, all.payload == Payload::WeightGrads)).first;
             }
             const double start = std::max(rs.t_compute, rs.t_net);
             record(r, Lane::Network, rs.pc, start, it->second);

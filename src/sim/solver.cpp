@@ -647,13 +647,17 @@ struct Candidate {
 Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, i64 budget, double no_use_s = 0) {
   sched::PipelineSpec spec = spec_of(p);
   spec.dp = 1;  // replicas are identical: the search simulates one, the final check all
+  // and the weight gradients' all-reduce as the whole plan runs it, over every replica
+  // (across nodes where they are).
+  CostModel priced = cost;
+  priced.price_replicas(p.dp, spec.ranks() * p.tp);
   const MemoryRules rules = plan_rules(p, cost.precision(), true);
   auto build = [&](const std::vector<double>& a) {
     sched::PipelineSpec s = spec;
     s.alpha = a;
     return build_plan_schedule(p, s);
   };
-  Candidate c{p, solve_alpha(build, p.subseqs, cost, rules, budget, req.offload, no_use_s)};
+  Candidate c{p, solve_alpha(build, p.subseqs, priced, rules, budget, req.offload, no_use_s)};
   c.plan.alpha = c.alpha.alpha;
   c.plan.alpha_rule = c.alpha.rule;
   return c;
