@@ -144,7 +144,6 @@ expect "no saved tensor 'fc_post'" plan --model gpt-7b --recompute-tensors fc_po
 expect "--kv-cache recompute" train --model tiny --recompute-tensors k
 expect "--kv-cache recompute recomputes K/V from a rank's whole rows" train --model tiny --kv-cache recompute --recompute
 expect "--recompute already recomputes whole blocks" train --model tiny --recompute --recompute-tensors fc_pre
-expect "--recompute-tensors attention runs with the K/V on the device" train --model tiny --kv-cache host --recompute-tensors attention
 expect "\"recompute_tensors\"" train --plan plan_recompute.json
 expect "--optimizer-state 'sideways' is unknown; use device" train --model tiny --optimizer-state sideways
 expect "--optimizer-state host moves AdamW's m and v" train --model medium --seq-len 4096 --device-memory 20MiB --steps 1

@@ -236,7 +236,9 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 //   fc_pre     fc_pre                        LN2 output x W_fc              2 T H F
 // x, the block's input, is never recomputed (it is the previous block's output). k and v
 // are the K/V cache, placed per layer by Schedule::kv_place (device, host, or recomputed
-// from x when a later subsequence or the backward needs them).
+// from x when a later subsequence or the backward needs them). On a layer whose K/V stream
+// (host or recomputed), the attention recomputed runs its forward through a window of its
+// own before the backward's: the earlier blocks stream in twice (K/V recomputed: made twice).
 // A set of a block's saved tensors: bit k is block_saved_specs()[k].
 using SavedSet = std::uint32_t;
 inline constexpr int kBlockSavedTensors = 14;

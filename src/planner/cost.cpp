@@ -177,7 +177,7 @@ StreamShape stream_shape(const Schedule& s, const Op& op, i64 o, i64 T) {
 
 }  // namespace
 
-double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
+double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backward, bool again) const {
   if (!s.any_kv_streamed()) return 0;
   // An MSP helper keeps its pieces of another stage's layers on the device.
   if (!op.group.empty() && !s.owned.empty()) {
@@ -221,6 +221,7 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
          double(shape.chunks * shape.queries) * hw_.attention_chunk;
     // The subsequence's own block, waited for whole: K, V out after the forward; before
     // the backward K, V back with their sums (a Recompute layer: the sums only).
+    if (again) continue;
     const double own = recompute ? (sums_back ? summed : 0.0) : (backward ? kv + (sums_back ? sums : 0.0) : kv);
     const int own_copies = recompute ? (sums_back ? 1 : 0) : 2 * (1 + (sums_back ? 1 : 0));
     if (own > 0) t += backward ? h2d_s(i64(double(T) * own), false) : d2h_s(i64(double(T) * own), false);
@@ -255,9 +256,13 @@ double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet g
   // RoPE; in backward their gradients also go into the layer input's sums and the weight
   // gradients (Note [dK/dV into the layer input], runtime/kv_stream.h): four GEMMs more,
   // and RoPE.
-  if (kv)
-    t += (backward ? 12 : 4) * H * KV * double(o) / gemm_rate_ +
-         words_s(2 * H + (backward ? 6 : 2) * KV, double(o));
+  // A backward that recomputes the attention first recomputes them once more for its
+  // forward.
+  if (kv) {
+    const double passes = backward && has(2) ? 2 : 1;
+    t += ((backward ? 12 : 4) + (passes - 1) * 4) * H * KV * double(o) / gemm_rate_ +
+         words_s(2 * H + (backward ? 6 : 2) * KV + (passes - 1) * (2 * H + 2 * KV), double(o));
+  }
   if (!backward) return t;
   double flops = 0, words = 0, attention = 0;
   int collectives = 0;
@@ -284,6 +289,9 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
     t += n * (rsa_attention_s(sched::span_tokens(spans), keys, true, tp) - 2.5 * attention_s(o, spans, keys) / tp);
   // Backward gathers four times and reduce-scatters twice a layer, the embedding once.
   if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
+  // A recomputed attention first runs its forward again: on a streamed layer its earlier
+  // blocks stream in once more.
+  if (s.recompute & recompute_groups()[2].tensors) t += kv_stream_s(op, s, o, false, true);
   return t + n * mlp_tiles_s(sched::span_tokens(spans), s.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
          recompute_s(op, s, o, true);
 }

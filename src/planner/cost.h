@@ -132,8 +132,10 @@ class CostModel {
   // costs of each copy and chunk that the compute stream pays (Note [Streamed chunks] in
   // planner/profile.h); the subsequence's own K, V going out after the forward (coming
   // back, or on a Recompute layer only its sums, before the backward) wait whole. The
-  // copies' contention with offloads on the same link is not priced.
-  double kv_stream_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
+  // copies' contention with offloads on the same link is not priced. `again`: the forward
+  // pass that a backward recomputing the attention runs first (its blocks in, nothing of
+  // its own out).
+  double kv_stream_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward, bool again = false) const;
   // Seconds a Forward (Backward) op spends recomputing: K, V of the earlier positions on
   // Recompute layers and, in backward, the recomputed groups and the own K, V.
   double recompute_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;

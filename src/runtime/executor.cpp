@@ -294,21 +294,27 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get(), tiles);
     st.kv.restore(l, i);
-    const LayerAttention attn = st.kv.attention(op, l, true, layer_weights(st, wt, l));
     // Note [Recomputed tensors]: the tensors the schedule recomputes, and on a layer that
-    // recomputes K/V this subsequence's own K, V, made again before the backward.
+    // recomputes K/V this subsequence's own K, V, made again before the backward. A
+    // recomputed attention runs its forward again, on a layer whose K/V stream through a
+    // forward window of its own, released before the backward's opens (the earlier
+    // blocks stream twice).
     const bool kv = st.sched.kv_recomputed(l);
     if (st.sched.recompute || kv) {
       for (int k = 0; k < kSavedTensors; ++k)
         if ((in_set(st.sched.recompute, k) && !tiled_away(tiles, k)) || (kv && (k == kK || k == kV)))
           unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       BlockSaved s = block_saved_from(ptrs(unit));
+      const bool attention = (st.sched.recompute & recompute_groups()[2].tensors) != 0;
+      const LayerAttention again = attention ? st.kv.attention(op, l, false, layer_weights(st, wt, l)) : LayerAttention{};
+      BlockAttention* a = attention ? &*again : nullptr;
       if (st.tp)
-        block_recompute_tp(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, *st.tp,
-                           config_, blocks);
+        block_recompute_tp(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, *st.tp, config_,
+                           blocks);
       else
-        block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, &*attn, config_, blocks);
+        block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, config_, blocks);
     }
+    const LayerAttention attn = st.kv.attention(op, l, true, layer_weights(st, wt, l));
     if (opts_.recompute) {
       for (int k = 1; k < kSavedTensors; ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);

@@ -62,10 +62,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
       << "tensors (core/layout.h)";
   SPPO_CHECK(sc.recompute == 0 || !o.recompute, "runtime")
       << "--recompute already recomputes whole blocks; drop --recompute-tensors";
-  SPPO_CHECK(!(sc.recompute & recompute_groups()[2].tensors) || (sc.ring == 1 && !msp && !sc.any_kv_streamed()),
-             "runtime")
-      << "recomputing the attention (--recompute-tensors attention) runs it again inside the backward, on the K/V "
-         "of the device: it runs without --cp, --msp on and --kv-cache host or recompute";
+  SPPO_CHECK(!(sc.recompute & recompute_groups()[2].tensors) || (sc.ring == 1 && !msp), "runtime")
+      << "recomputing the attention (--recompute-tensors attention) runs it again inside the backward, on a rank's "
+         "whole rows: it runs without --cp and --msp on";
   SPPO_CHECK(sc.mlp_tile_rows >= 0, "runtime") << "MLP tiles of " << sc.mlp_tile_rows << " rows; use 0 (none) or more";
   SPPO_CHECK(sc.mlp_tile_rows == 0 || (sc.tp == 1 && !o.recompute), "runtime")
       << "MLP tiles (--mlp-tile-rows) run without --tp and --recompute";

@@ -454,6 +454,13 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           emit(out, at, (acc_pt_ + (recomputed ? sums_pt : 0)) * T, T::KVGradAccum);
           int& below = sums_below_[l];
           host_change(-(recomputed ? 0 : kv) - (op.subseq < below ? sums_pt * T : 0));
+          // A recomputed attention runs its forward first, through a forward window that
+          // closes before the backward's opens.
+          const i64 again = s_.recompute & recompute_groups()[2].tensors ? kv_window(l, op.subseq, T, T, false) : 0;
+          if (again) {
+            emit(out, at, again, T::KVWindow);
+            emit(out, at, -again, T::KVWindow);
+          }
           const i64 window = kv_window(l, op.subseq, T, T, true);
           if (window) {
             emit(out, at, window, T::KVWindow);

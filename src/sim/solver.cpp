@@ -701,9 +701,10 @@ plan::Plan with_msp(plan::Plan p) {
 
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups' SP ranks (Note [MSP
-  // pieces]), without tensor parallelism. Recomputed K/V need a rank's own rows of x of
-  // every earlier position: not under MSP.
-  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty())
+  // pieces]), without tensor parallelism. Recomputed K/V, and the attention recomputed in
+  // backward, need a rank's own rows of every earlier position: not under MSP.
+  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty() ||
+      (p.recompute & recompute_groups()[2].tensors))
     return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
@@ -870,9 +871,6 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         if (std::find(sets.begin(), sets.end(), level | req.recompute) == sets.end()) sets.push_back(level | req.recompute);
     for (sched::KvPlace kv : kvs)
       for (SavedSet set : sets) {
-        // The attention is recomputed with the K/V on the device only (a streamed layer's
-        // backward would stream its earlier blocks twice).
-        if (kv != sched::KvPlace::Device && (set & attention_group)) continue;
         const Placement pl{kv, set};
         if (!(pl == first)) wider.push_back(pl);
       }
@@ -893,6 +891,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
   // x of every earlier position (no tensor parallelism, no ring, no MSP).
   auto runs = [&](const plan::Plan& p, const Placement& pl) {
+    // The attention recomputed in backward needs a rank's whole rows (no ring, no MSP); on
+    // a streamed layer its earlier blocks stream twice, once to remake the output and LSE.
+    if ((pl.recompute & attention_group) && (p.sp > 1 || req.msp == 1)) return false;
     if (pl.mlp_tile_rows > 0 &&
         (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
       return false;

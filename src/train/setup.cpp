@@ -336,9 +336,6 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(!(shape.recompute & attention_group) || attention_ok, "options")
       << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or MSP "
          "pieces do not; recompute other tensors, or drop --cp and --msp on";
-  SPPO_CHECK(!(shape.recompute & attention_group) || (o.kv_cache == "device" || o.kv_cache == "auto"), "options")
-      << "--recompute-tensors attention runs with the K/V on the device (--kv-cache device); a streamed layer would "
-         "stream its earlier blocks twice";
   const int L = s.config.layers;
   auto all_layers = [&](sched::KvPlace p) { return std::vector<sched::KvPlace>(std::size_t(L), p); };
   auto host_layers = [&](int per_stage) {  // the first `per_stage` layers of every stage
@@ -436,16 +433,14 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   // the search below is skipped.
   auto widest_fits = [&] {
     std::vector<std::pair<std::vector<sched::KvPlace>, SavedSet>> widest;
-    const SavedSet most = recompute_auto && !o.recompute ? recompute_levels().back() | asked.recompute : asked.recompute;
-    const SavedSet most_streamed = recompute_auto && !o.recompute
-                                       ? recompute_levels()[recompute_levels().size() - 2] | asked.recompute
-                                       : asked.recompute;
+    const SavedSet all = recompute_auto && !o.recompute ? recompute_levels().back() | asked.recompute : asked.recompute;
+    const SavedSet most = attention_ok ? all : all & ~attention_group;
     if (o.kv_cache == "auto") {
-      widest.push_back({{}, attention_ok ? most : most & ~attention_group});
-      if (kv_host_ok) widest.push_back({all_layers(sched::KvPlace::Host), most_streamed & ~attention_group});
-      if (kv_recompute_ok) widest.push_back({all_layers(sched::KvPlace::Recompute), most_streamed & ~attention_group});
+      widest.push_back({{}, most});
+      if (kv_host_ok) widest.push_back({all_layers(sched::KvPlace::Host), most});
+      if (kv_recompute_ok) widest.push_back({all_layers(sched::KvPlace::Recompute), most});
     } else {
-      widest.push_back({asked.kv_place, asked.kv_place.empty() && attention_ok ? most : most_streamed & ~attention_group});
+      widest.push_back({asked.kv_place, most});
     }
     for (const auto& [kv, set] : widest) {
       if (kv == asked.kv_place && set == asked.recompute) continue;  // tried
@@ -488,7 +483,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         const bool recomputed = !kv.empty() && kv.front() == sched::KvPlace::Recompute;
         const std::size_t level = recomputed ? tier - 1 : tier;
         if (level >= sets.size()) continue;
-        if ((sets[level] & attention_group) && (!attention_ok || !kv.empty())) continue;
+        if ((sets[level] & attention_group) && !attention_ok) continue;
         shape.kv_place = kv;
         shape.recompute = sets[level];
         if (fits() && (!best || r.step_time_s < best_s)) best = shape, best_s = r.step_time_s;

@@ -192,8 +192,8 @@ TEST(Llama, GroupedKvShrinksTheCache) {
 
 // K/V on the host and K/V recomputed from the layer input (Schedule::kv_place; the
 // streams of runtime/kv_stream.h with grouped-query K/V, G A wide, and dq dense): N 1, 3,
-// 8, offloaded or not, with recomputed tensors (the attention itself is recomputed with
-// the K/V on the device only), every layer or one of each; the whole-sequence run's loss
+// 8, offloaded or not, with recomputed tensors (the attention too: its forward streams
+// the earlier blocks again inside the backward), every layer or one of each; the whole-sequence run's loss
 // and gradients to fp32 rounding. With and without the q/k/v bias (a Recompute layer's
 // K/V weight gradients then have no bias to add to), and with earlier blocks longer than a
 // chunk (kv_chunk_rows), so that the window streams several chunks, some of two blocks.
@@ -218,7 +218,7 @@ TEST(Llama, HostAndRecomputedKvMatchTheWholeSequence) {
     for (const auto& [name, kv] : places)
       for (int N : {1, 3, 8})
         for (double a : {0.0, 0.6})
-          for (SavedSet rc : {SavedSet(0), levels[2], levels[3]}) {
+          for (SavedSet rc : {SavedSet(0), levels[2], levels[3], levels.back()}) {
             const std::string what = config + " K/V " + name + " N=" + std::to_string(N) + " alpha=" +
                                      std::to_string(a) + " recompute " + recompute_tensors_text(rc);
             const StepRun got = run_engine(c, params, tokens, {equal_lengths(kS, N), alphas(N, a), rc, 0, kv});

@@ -200,12 +200,16 @@ TEST(Subsequences, RecomputedTensorsMatch) {
         const Grads got = run(c, equal_lengths(S, N), alphas(N, a), tokens, false, {}, set);
         expect_matches(c, ref, got, "recompute " + what);
       }
-  const SavedSet streamed = recompute_levels()[3];  // no attention: it runs with K/V on the device only
+  // Streamed K/V, with the attention kept and recomputed (its forward streams the earlier
+  // blocks again inside the backward).
   for (KvPlace kv : {KvPlace::Host, KvPlace::Recompute})
-    expect_matches(c, ref,
-                   run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false,
-                       std::vector<KvPlace>(std::size_t(c.layers), kv), streamed),
-                   std::string("recompute with ") + sched::to_string(kv) + " K/V");
+    for (SavedSet set : {recompute_levels()[3], recompute_groups()[2].tensors, recompute_levels().back()})
+      for (int N : {1, 3, 8})
+        expect_matches(c, ref,
+                       run(c, equal_lengths(S, N), alphas(N, 0.5), tokens, false,
+                           std::vector<KvPlace>(std::size_t(c.layers), kv), set),
+                       std::string("recompute ") + recompute_tensors_text(set) + " with " + sched::to_string(kv) +
+                           " K/V, N=" + std::to_string(N));
 }
 
 // MLP tiles (Note [MLP tiles] in core/layout.h): a tile of one row, tiles that do not

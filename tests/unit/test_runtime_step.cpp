@@ -126,6 +126,9 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"small", 1024, "8", "full", 0, "device", "length", "all"},
       {"small", 1024, "8", "0.5", 0, "host", "length", "ln1,q,x_mid,ln2,fc_pre"},
       {"tiny", 1000, "3", "full", 0, "recompute", "flops", "q,fc_pre"},
+      // The attention recomputed on streamed layers: a forward window, then the backward's.
+      {"small", 1024, "8", "0.5", 0, "host", "length", "all"},
+      {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all"},
       // Under a budget nothing else fits: auto recomputes.
       {"small", 2048, "8", "adaptive", 0.3, "auto", "length", "auto"},
       // The optimizer state on the host: its master, m, v and gradients' copy there too.
