@@ -292,7 +292,7 @@ void add_plan_commands(CLI::App& app) {
       ->capture_default_str();
   p->add_option("--recompute-tensors", plan.recompute_tensors,
                 "Saved tensors backward recomputes (as train --recompute-tensors: tensors or groups ln1, q, "
-                "attention, x_mid, ln2, fc_pre), none, or auto (more only where nothing fits otherwise)")
+                "attention, x_mid, ln2, fc_pre, head_grad), none, or auto (more only where nothing fits otherwise)")
       ->capture_default_str();
   p->add_option("--optimizer-state", plan.optimizer_state,
                 "Where the fp32 master weights and AdamW state live and update: device, host (train "

@@ -110,7 +110,9 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "
                   "ln1_rstd, ln1_out, q, attn_out, lse, x_mid, ln2_mean, ln2_rstd, ln2_out, fc_pre, or of the "
                   "groups ln1, q, attention, x_mid, ln2, fc_pre (a tensor brings its group: one forward step "
-                  "makes them); none; all; or auto (none unless nothing else fits the budgets)")
+                  "makes them); head_grad (the last stage runs the LM head in the last layer's backward, not "
+                  "its forward, and keeps no loss gradient between them); none; all; or auto (none unless "
+                  "nothing else fits the budgets)")
       ->capture_default_str();
   f.mlp_tile_rows_option =
       cmd->add_option("--mlp-tile-rows", f.mlp_tile_rows,

@@ -294,6 +294,7 @@ const std::vector<RecomputeGroup>& recompute_groups() {
       {"x_mid", 1u << 9},
       {"ln2", 1u << 10 | 1u << 11 | 1u << 12},
       {"fc_pre", 1u << 13},
+      {"head_grad", 1u << kSavedHeadGrad},
   };
   return groups;
 }
@@ -316,7 +317,7 @@ SavedSet parse_recompute_tensors(const std::string& list) {
     for (const RecomputeGroup& g : recompute_groups())
       for (int k = 0; k < kBlockSavedTensors; ++k)
         if (in_set(g.tensors, k)) names += (names.empty() ? "" : ", ") + table[std::size_t(k)].name;
-    return names;
+    return names + ", head_grad";
   };
   SavedSet s = 0;
   std::size_t at = 0;
@@ -326,8 +327,9 @@ SavedSet parse_recompute_tensors(const std::string& list) {
     const std::string name = list.substr(at, end - at);
     at = end + 1;
     if (name.empty() || name == "none") continue;
-    if (name == "all") {
-      for (const RecomputeGroup& g : recompute_groups()) s |= g.tensors;
+    if (name == "all") {  // the block's tensors (head_grad is the last stage's, named alone)
+      for (const RecomputeGroup& g : recompute_groups())
+        if (!in_set(g.tensors, kSavedHeadGrad)) s |= g.tensors;
       continue;
     }
     SPPO_CHECK(name != "k" && name != "v", "options")
@@ -343,7 +345,7 @@ SavedSet parse_recompute_tensors(const std::string& list) {
       if (name == table[std::size_t(k)].name) s |= 1u << k, found = true;
     SPPO_CHECK(found, "options") << "--recompute-tensors: no saved tensor '" << name
                                  << "'; the tensors backward can recompute are " << choices()
-                                 << " (or the groups ln1, q, attention, x_mid, ln2, fc_pre; all; none)";
+                                 << " (or the groups ln1, q, attention, x_mid, ln2, fc_pre, head_grad; all; none)";
   }
   return recompute_closure(s);
 }
@@ -361,7 +363,8 @@ const std::vector<SavedSet>& recompute_levels() {
     const SavedSet norms = g[0].tensors | g[4].tensors;
     const SavedSet mlp = norms | g[5].tensors;
     const SavedSet projections = mlp | g[1].tensors | g[3].tensors;
-    return std::vector<SavedSet>{0, norms, mlp, projections, projections | g[2].tensors};
+    const SavedSet loss = projections | g[6].tensors;
+    return std::vector<SavedSet>{0, norms, mlp, projections, loss, loss | g[2].tensors};
   }();
   return levels;
 }

@@ -234,6 +234,9 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 //   x_mid      x_mid                         x + attn_out W_out             2 T H^2
 //   ln2        ln2_mean, ln2_rstd, ln2_out   LayerNorm of x_mid             elementwise
 //   fc_pre     fc_pre                        LN2 output x W_fc              2 T H F
+//   head_grad  (the last stage's)            the last block's output again  2 T H F
+//              d(final hidden): the loss     and the LM head (moved from the
+//              gradient                      forward, not repeated)
 // x, the block's input, is never recomputed (it is the previous block's output). k and v
 // are the K/V cache, placed per layer by Schedule::kv_place (device, host, or recomputed
 // from x when a later subsequence or the backward needs them). On a layer whose K/V stream
@@ -243,6 +246,17 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 using SavedSet = std::uint32_t;
 inline constexpr int kBlockSavedTensors = 14;
 inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6, kSavedFcPre = 13;
+// Note [The loss in backward]: head_grad, the loss's gradient at the last block's output,
+// is saved by the stage that runs the LM head (head_saved_specs), from that subsequence's
+// forward to its backward: H values a token. Recomputing it (bit kSavedHeadGrad of a set,
+// beside the block's tensors) moves the head from the forward to the backward: the
+// backward of the last block first makes that block's output again from x_mid and fc_pre
+// (kept or recomputed: one GEMM, proj), then runs the head (the loss and its gradient, the
+// head's weight gradients) as the forward would have. The same kernels on the same
+// inputs, so the loss and every gradient are those of the head in the forward, bit for
+// bit. It needs a rank's whole rows of the head's input: no tensor parallelism, ring or
+// MSP.
+inline constexpr int kSavedHeadGrad = kBlockSavedTensors;
 inline constexpr bool in_set(SavedSet s, int k) { return (s >> k) & 1u; }
 struct RecomputeGroup {
   const char* name;
@@ -253,7 +267,7 @@ const std::vector<RecomputeGroup>& recompute_groups();
 // Every tensor of a group one of `s`'s tensors belongs to.
 SavedSet recompute_closure(SavedSet s);
 // A comma-separated list of tensor or group names ("fc_pre,ln1_out", "ln1,ln2"; "none" or
-// "" for none; "all" for every group) as a closed set. Throws sppo::Error naming the
+// "" for none; "all" for every group of the block, not head_grad) as a closed set. Throws sppo::Error naming the
 // tensors that can be recomputed.
 SavedSet parse_recompute_tensors(const std::string& list);
 // The canonical text of a closed set: its groups' names in forward order, comma-separated
@@ -261,7 +275,8 @@ SavedSet parse_recompute_tensors(const std::string& list);
 std::string recompute_tensors_text(SavedSet s);
 // The nested sets the planner tries, cheapest seconds per byte saved first: none; the
 // LayerNorm outputs (elementwise); with fc_pre (the largest, one GEMM); with q and x_mid;
-// with the attention (everything but x, k, v).
+// with head_grad (a GEMM of the last layer, H a token of the last stage); with the
+// attention (everything but x, k, v).
 const std::vector<SavedSet>& recompute_levels();
 
 // Convenience sums.

@@ -379,9 +379,14 @@ SavedSet every_group() {
 
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, BlockAttention& attn, const ModelConfig& c, const Subseq& q) {
-  const int T = q.T, H = c.hidden, F = c.ffn();
-  const DType a = be.act();
   forward_steps(be, s, every_group(), true, p, m, w, &attn, c, q);
+  block_output(be, x_out, s, m, w, c, q.T);
+}
+
+void block_output(Backend& be, void* x_out, const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w,
+                  const ModelConfig& c, int T) {
+  const int H = c.hidden, F = c.ffn();
+  const DType a = be.act();
   // x_out = x_mid + proj(gelu(fc_pre)), or proj(swiglu(fc_pre))
   for_mlp_tiles(w, T, [&](int t0, int rows) {
     mlp_act_forward(be, c, w.mlp_act, fc_pre_rows(be, s, m, w, c, t0, rows), rows);

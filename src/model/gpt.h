@@ -226,6 +226,13 @@ void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p
 void block_forward(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, const KVBlocks& past, const ModelConfig& c, const Subseq& q);
 
+// x_out[T, H] = s.x_mid + proj(act(fc_pre)): the block's output from its saved (or
+// recomputed) x_mid and fc_pre (under MLP tiles, ln2_out: fc_pre a tile at a time in
+// w.fc_tile). The last step of block_forward; Note [The loss in backward] runs it again.
+// w.mlp_act is scratch.
+void block_output(Backend& be, void* x_out, const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w,
+                  const ModelConfig& c, int T);
+
 // Before the backward of one block: recomputes the saved tensors of `groups` (a closed set,
 // Note [Recomputed tensors] in core/layout.h) into s and, when `kv`, this subsequence's own
 // s.k, s.v, by running again the forward steps that make them, from what s keeps (x always;

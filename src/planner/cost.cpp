@@ -128,7 +128,8 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   const i64 keys = s.lengths[std::size_t(op.subseq)];
   double t = n * (layer_forward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   if (s.rsa_piece(op)) t += n * (rsa_attention_s(T, keys, false, tp) - attention_s(o, spans, keys) / tp);
-  if (op.layer_end == s.layers) t += head_flops(T) / gemm_rate_ / tp;
+  // Note [The loss in backward] (core/layout.h): the head moves to the backward.
+  if (op.layer_end == s.layers && !in_set(s.recompute, kSavedHeadGrad)) t += head_flops(T) / gemm_rate_ / tp;
   if (tp > 1)
     t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (op.layer_end == s.layers ? 2 : 0));
   return t + n * mlp_tiles_s(T, s.mlp_tile_rows) + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
@@ -292,6 +293,14 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   // A recomputed attention first runs its forward again: on a streamed layer its earlier
   // blocks stream in once more.
   if (s.recompute & recompute_groups()[2].tensors) t += kv_stream_s(op, s, o, false, true);
+  // Note [The loss in backward]: the last layer's output again (its MLP activation and the
+  // proj GEMM, as the forward's), then the head.
+  if (op.layer_end == s.layers && in_set(s.recompute, kSavedHeadGrad)) {
+    const double T = double(sched::span_tokens(spans)), F = model_.ffn(), H = model_.hidden;
+    const double words = model_.fc_width() + F + 2 * H;  // the activation's in and out, the residual add
+    const double act = hw_.elementwise_bw > 0 ? words * act_bytes_ * T / hw_.elementwise_bw : 0.0;
+    t += (2 * T * F * H / gemm_rate_ + act + head_flops(i64(T)) / gemm_rate_) / tp;
+  }
   return t + n * mlp_tiles_s(sched::span_tokens(spans), s.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
          recompute_s(op, s, o, true);
 }

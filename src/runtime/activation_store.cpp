@@ -56,7 +56,7 @@ i64 ActivationStore::offload(int i, double fraction) {
         sizes.push_back(dev_[i][l][k].bytes());
         x_layer.push_back(k == kSavedX ? l : -1);
       }
-  if (le_ == config_.layers) {
+  if (le_ == config_.layers && !in_set(recompute_, kSavedHeadGrad)) {  // Note [The loss in backward]
     tensors.push_back({&head_grad_[i], &head_grad_host_[i]});
     sizes.push_back(head_grad_[i].bytes());
   }

@@ -239,7 +239,8 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     st.messages.produce({sched::Payload::Hidden, e, i}, std::move(out), q);
   } else {
     if (own) await_weights(L);
-    head(st, op, q, wt, out);
+    // Note [The loss in backward] (core/layout.h): else the backward runs the head.
+    if (!in_set(st.sched.recompute, kSavedHeadGrad)) head(st, op, q, wt, out);
   }
 }
 
@@ -279,9 +280,11 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int H = config_.hidden;
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   const MlpTiles tiles = st.sched.mlp_tiles();
-  // The residual gradient: the head's on the last stage, else the next stage's.
+  // The residual gradient: the head's on the last stage (Note [The loss in backward]: made
+  // below, with the last layer's output), else the next stage's.
+  const bool loss_here = e == L && in_set(st.sched.recompute, kSavedHeadGrad);
   Buffer d_buf = e == L ? std::move(st.act.head_grad(i)) : st.messages.take_input(input_key(op), q);
-  SPPO_ASSERT_MSG(d_buf, "backward of subsequence " << i << " before its forward or its gradient arrived");
+  SPPO_ASSERT_MSG(d_buf || loss_here, "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
 
   for (int l = e - 1; l >= b; --l) {
@@ -306,13 +309,21 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
           unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       BlockSaved s = block_saved_from(ptrs(unit));
       const bool attention = (st.sched.recompute & recompute_groups()[2].tensors) != 0;
-      const LayerAttention again = attention ? st.kv.attention(op, l, false, layer_weights(st, wt, l)) : LayerAttention{};
+      const LayerAttention again =
+          attention ? st.kv.attention(op, l, false, layer_weights(st, wt, l)) : LayerAttention{};
       BlockAttention* a = attention ? &*again : nullptr;
       if (st.tp)
         block_recompute_tp(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, *st.tp, config_,
                            blocks);
       else
         block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, config_, blocks);
+    }
+    if (loss_here && l == L - 1) {  // the last layer's output again, and the head on it
+      Buffer out = device_->alloc(specs[0].bytes(), "final hidden");
+      block_output(be_, out.data(), block_saved_from(ptrs(unit)), wt.m->blocks[l], w, config_, T);
+      head(st, op, q, wt, out);
+      d_buf = std::move(st.act.head_grad(i));
+      d = d_buf.data();
     }
     const LayerAttention attn = st.kv.attention(op, l, true, layer_weights(st, wt, l));
     if (opts_.recompute) {

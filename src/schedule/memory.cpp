@@ -212,7 +212,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
           layer = &it->second;
         }
         for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer->begin(), layer->end());
-        if (op.layer_end == L)
+        if (op.layer_end == L && !loss_in_backward())
           for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
       }
     } else if (op.kind == OpKind::Recv && op.payload == Payload::KV) {
@@ -422,7 +422,9 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (streamed(l)) emit(out, end, -kv, T::KVCache);
         if (streamed(l) && s_.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
       }
-      if (op.layer_end == L) {
+      if (op.layer_end == L && loss_in_backward()) {  // Note [The loss in backward]: no head here
+        emit(out, 1.0, -x_bytes, T::Hidden);
+      } else if (op.layer_end == L) {
         const i64 hws = head_ws(T);
         emit(out, 1.0, head_bytes(T), T::Units);
         emit(out, 1.0, hws, T::HeadWorkspace);
@@ -436,8 +438,10 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       const auto [kv, unit, rc, ws] = layer_bytes(T);
       const i64 ring = piece_bwd_extra(op, T);
       // The residual gradient starts as head_grad (part of the unit) on the rank that ran
-      // the head, else as the received gradient.
-      if (op.layer_end == L) move(out, 0.0, head_bytes(T), T::Units, T::Hidden);
+      // the head, else as the received gradient. Note [The loss in backward]: the head
+      // runs below, once the last layer's tensors are back.
+      const bool loss_here = op.layer_end == L && loss_in_backward();
+      if (op.layer_end == L && !loss_here) move(out, 0.0, head_bytes(T), T::Units, T::Hidden);
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
         const double at = double(k) / n, end = double(k + 1) / n;
@@ -461,11 +465,6 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
             emit(out, at, again, T::KVWindow);
             emit(out, at, -again, T::KVWindow);
           }
-          const i64 window = kv_window(l, op.subseq, T, T, true);
-          if (window) {
-            emit(out, at, window, T::KVWindow);
-            emit(out, end, -window, T::KVWindow);
-          }
           if (op.subseq > below) {
             const auto& before = kv_rows_before_[l];
             host_change(sums_pt * (before[std::size_t(op.subseq)] - before[std::size_t(below)]));
@@ -474,6 +473,20 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         } else if (!acc_live_[l]) {
           acc_live_[l] = true;
           emit(out, at, acc_pt_ * acc_tokens_[l], T::KVGradAccum);
+        }
+        if (loss_here && l == L - 1) {
+          // The last layer's output again, then the head on it: its gradient stays as the
+          // residual gradient, the output and the head's workspace go.
+          const i64 x_bytes = h_bytes * rows_of(T), hws = head_ws(T);
+          emit(out, at, x_bytes, T::Hidden);
+          emit(out, at, head_bytes(T), T::Hidden);
+          emit(out, at, hws, T::HeadWorkspace);
+          emit(out, at, -hws, T::HeadWorkspace);
+          emit(out, at, -x_bytes, T::Hidden);
+        }
+        if (const i64 window = kv_window(l, op.subseq, T, T, true)) {
+          emit(out, at, window, T::KVWindow);
+          emit(out, end, -window, T::KVWindow);
         }
         emit(out, end, -kv, T::KVCache);
         emit(out, end, -(acc_pt_ + (s_.kv_recomputed(l) ? sums_per_token(l) : 0)) * T, T::KVGradAccum);

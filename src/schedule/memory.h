@@ -254,6 +254,8 @@ class RankMemory {
   i64 kv_bytes(i64 T) const;
   i64 unit_bytes(i64 T) const;
   i64 ws_bytes(i64 T) const;
+  // Note [The loss in backward] (core/layout.h): the head runs in the last layer's backward.
+  bool loss_in_backward() const { return in_set(s_.recompute, kSavedHeadGrad); }
   i64 head_bytes(i64 T) const;
   i64 rows_of(i64 T) const { return tp_.row_count(T); }  // of the residual regions
   // A layer's K/V, unit and workspace bytes on T tokens, worked out once per T: under

@@ -124,11 +124,22 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
                                          : "2 H F FLOPs a token (the MLP's first GEMM)"};
   for (std::size_t g = 0; g < recompute_groups().size(); ++g) {
     const RecomputeGroup& group = recompute_groups()[g];
+    if (in_set(group.tensors, kSavedHeadGrad)) continue;  // the last stage's, below
     const bool rc = (p.recompute & group.tensors) != 0;
     out.push_back({names_of(group.tensors), bytes_of(group.tensors), rc ? "recomputed" : offloaded,
                    rc ? recompute_why + "; costs " + costs[g]
                       : std::string("kept: recomputing it would cost ") + costs[g]});
   }
+  // Note [The loss in backward] (core/layout.h).
+  const i64 head_row = total_bytes(head_saved_specs(c, n, prec, tp)) / n;
+  if (in_set(p.recompute, kSavedHeadGrad))
+    out.push_back({"head_grad (the last stage's)", head_row, "recomputed",
+                   recompute_why + "; costs the last layer's MLP output again (2 H F FLOPs a token), and the LM "
+                                   "head runs in its backward rather than its forward"});
+  else
+    out.push_back({"head_grad (the last stage's)", head_row, offloaded,
+                   "kept: the loss's gradient at the last layer's output, from the head in the forward; "
+                   "recomputing it would cost the last layer's MLP output again (2 H F FLOPs a token)"});
   const i64 kv = bytes_of(1u << kSavedK | 1u << kSavedV);
   const i64 sums = 2 * i64(tp.local_kv_width(c)) * 4;
   // The k and v rows of the projection: [G A, H] each with grouped-query attention.
@@ -224,8 +235,12 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank)) - mem.host_fixed_bytes();
   lines.push_back({Row::Units, units, host,
                    num(double(unit_pt)) + " B per token and layer (x, LN outputs and statistics, q, attention output, "
-                   "LSE, MLP input and pre-activation" + shards + ") + head_grad " + num(double(h_row)) +
-                       " B per token" + (p.tp > 1 ? " of this rank's rows" : "") + ": " +
+                   "LSE, MLP input and pre-activation" + shards + ")" +
+                       (in_set(p.recompute, kSavedHeadGrad)
+                            ? std::string(" (head_grad recomputed: the head runs in the last layer's backward)")
+                            : " + head_grad " + num(double(h_row)) + " B per token" +
+                                  (p.tp > 1 ? " of this rank's rows" : "")) +
+                       ": " +
                        num(double(units) / double(unit_pt)) + " token-layers' worth on the device; the host holds "
                        "the offloaded part (alpha " + p.alpha_rule + ")"});
   lines.push_back({Row::Checkpoints, 0, 0, "none: SPPO keeps activations and does not recompute"});

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -701,10 +702,10 @@ plan::Plan with_msp(plan::Plan p) {
 
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups' SP ranks (Note [MSP
-  // pieces]), without tensor parallelism. Recomputed K/V, and the attention recomputed in
-  // backward, need a rank's own rows of every earlier position: not under MSP.
+  // pieces]), without tensor parallelism. Recomputed K/V, and the attention and head_grad
+  // recomputed in backward, need a rank's whole rows: not under MSP.
   if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty() ||
-      (p.recompute & recompute_groups()[2].tensors))
+      (p.recompute & (recompute_groups()[2].tensors | recompute_groups()[6].tensors)))
     return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
@@ -855,7 +856,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     i64 mlp_tile_rows = 0;
     bool operator==(const Placement&) const = default;
   };
-  const SavedSet attention_group = recompute_groups()[2].tensors;
+  const SavedSet attention_group = recompute_groups()[2].tensors, head_group = recompute_groups()[6].tensors;
   auto kv_choice = [&](const std::string& name) {
     return name == "host" ? sched::KvPlace::Host
                           : name == "recompute" ? sched::KvPlace::Recompute : sched::KvPlace::Device;
@@ -878,8 +879,17 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     wider.push_back({first.kv, first.recompute, kPlanMlpTileRows});
     for (std::size_t k = 0; k < untiled; ++k) wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows});
   }
+  // What a layout can recompute: the attention and head_grad need a rank's whole rows (no
+  // ring, no MSP; head_grad no tensor parallelism either: Note [The loss in backward] in
+  // core/layout.h). A placement recomputes the rest of its set there.
+  auto runnable = [&](const plan::Plan& p) {
+    SavedSet out = ~SavedSet(0);
+    if (p.sp > 1 || req.msp == 1) out &= ~(attention_group | head_group);
+    if (p.tp > 1) out &= ~head_group;
+    return out;
+  };
   auto placed = [&](plan::Plan p, const Placement& pl) {
-    p.recompute = pl.recompute;
+    p.recompute = pl.recompute & runnable(p);
     p.mlp_tile_rows = pl.mlp_tile_rows;
     for (int l = 0; l < c.layers; ++l) {
       if (pl.kv == sched::KvPlace::Host) p.kv_host_layers.push_back(l);
@@ -891,9 +901,6 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
   // x of every earlier position (no tensor parallelism, no ring, no MSP).
   auto runs = [&](const plan::Plan& p, const Placement& pl) {
-    // The attention recomputed in backward needs a rank's whole rows (no ring, no MSP); on
-    // a streamed layer its earlier blocks stream twice, once to remake the output and LSE.
-    if ((pl.recompute & attention_group) && (p.sp > 1 || req.msp == 1)) return false;
     if (pl.mlp_tile_rows > 0 &&
         (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
       return false;
@@ -928,9 +935,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     const i64 kv_acc = pl.kv == sched::KvPlace::Device ? (kv_pt + acc_pt) * heads_share / c.heads : 0;
     // A Recompute layer keeps no K/V, and sums its dK/dV into the layer input's gradient
     // (H fp32 a position, not 2H).
-    const i64 per_token = unit_pt(pl.recompute) +
+    const i64 per_token = unit_pt(p.recompute) +
                           (pl.kv == sched::KvPlace::Recompute ? i64(c.hidden) * rules.accum_bytes : kv_pt + acc_pt);
-    const i64 head_grad_pt = i64(c.hidden) * rules.act_bytes();
+    const i64 head_grad_pt = in_set(p.recompute, kSavedHeadGrad) ? 0 : i64(c.hidden) * rules.act_bytes();
     // Stage by stage: its weights (tensor parallelism divides them and the K/V by heads;
     // member 0's shards are the largest); the device holds them with the K/V and the
     // dK/dV accumulators, whatever alpha is. What cannot be on the device is on the host:
@@ -957,10 +964,10 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     const bool kv_rc = pl.kv == sched::KvPlace::Recompute;
     for (i64 l : p.lengths) {
       double layer = busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp);
-      if (pl.recompute || kv_rc) {
+      if (p.recompute || kv_rc) {
         const sched::Spans whole{{0, l}};
-        layer += (cost.layer_recompute_s(o, whole, pl.recompute, kv_rc, false, p.tp) +
-                  cost.layer_recompute_s(o, whole, pl.recompute, kv_rc, true, p.tp)) / p.sp;
+        layer += (cost.layer_recompute_s(o, whole, p.recompute, kv_rc, false, p.tp) +
+                  cost.layer_recompute_s(o, whole, p.recompute, kv_rc, true, p.tp)) / p.sp;
       }
       compute += n_s * layer;
       o += l;
@@ -1000,6 +1007,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     }
     return most;
   };
+  std::set<std::tuple<std::size_t, int, SavedSet, i64, bool>> placements_tried;
   auto search = [&](const std::vector<Placement>& pls) {
     const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
     std::vector<plan::Plan> cands;
@@ -1015,9 +1023,11 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
           if (!msp_possible(p)) continue;
           p = with_msp(p);
         }
+        // A set the layout cannot recompute whole may equal one already tried there.
+        if (!placements_tried.emplace(base, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second) continue;
+        key.emplace_back(base, int(pl.kv), p.recompute, pl.mlp_tile_rows);
         cands.push_back(std::move(p));
         cand_pl.push_back(pl);
-        key.emplace_back(base, int(pl.kv), pl.recompute, pl.mlp_tile_rows);
         group.push_back((base * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0));
         level.push_back(std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
           return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && (o.recompute & pl.recompute) == o.recompute &&

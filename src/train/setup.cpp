@@ -336,6 +336,13 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(!(shape.recompute & attention_group) || attention_ok, "options")
       << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or MSP "
          "pieces do not; recompute other tensors, or drop --cp and --msp on";
+  const SavedSet head_group = recompute_groups()[6].tensors;
+  const bool head_ok = shape.tp == 1 && shape.sp == 1 && !shape.msp;
+  SPPO_CHECK(!(shape.recompute & head_group) || head_ok, "options")
+      << "--recompute-tensors head_grad runs the LM head inside the last layer's backward, on a rank's whole rows, "
+         "which --tp, --cp and MSP pieces do not have; recompute other tensors, or drop them";
+  // The groups this layout can recompute.
+  const SavedSet runnable = ~((attention_ok ? 0 : attention_group) | (head_ok ? 0 : head_group));
   const int L = s.config.layers;
   auto all_layers = [&](sched::KvPlace p) { return std::vector<sched::KvPlace>(std::size_t(L), p); };
   auto host_layers = [&](int per_stage) {  // the first `per_stage` layers of every stage
@@ -434,7 +441,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   auto widest_fits = [&] {
     std::vector<std::pair<std::vector<sched::KvPlace>, SavedSet>> widest;
     const SavedSet all = recompute_auto && !o.recompute ? recompute_levels().back() | asked.recompute : asked.recompute;
-    const SavedSet most = attention_ok ? all : all & ~attention_group;
+    const SavedSet most = all & runnable;
     if (o.kv_cache == "auto") {
       widest.push_back({{}, most});
       if (kv_host_ok) widest.push_back({all_layers(sched::KvPlace::Host), most});
@@ -483,9 +490,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         const bool recomputed = !kv.empty() && kv.front() == sched::KvPlace::Recompute;
         const std::size_t level = recomputed ? tier - 1 : tier;
         if (level >= sets.size()) continue;
-        if ((sets[level] & attention_group) && !attention_ok) continue;
+        // A level adds nothing where this layout cannot recompute what it adds.
+        if (level > 0 && (sets[level] & runnable) == (sets[level - 1] & runnable)) continue;
         shape.kv_place = kv;
-        shape.recompute = sets[level];
+        shape.recompute = sets[level] & runnable;
         if (fits() && (!best || r.step_time_s < best_s)) best = shape, best_s = r.step_time_s;
       }
       if (best) {

@@ -126,6 +126,10 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"small", 1024, "8", "full", 0, "device", "length", "all"},
       {"small", 1024, "8", "0.5", 0, "host", "length", "ln1,q,x_mid,ln2,fc_pre"},
       {"tiny", 1000, "3", "full", 0, "recompute", "flops", "q,fc_pre"},
+      // The loss in backward (Note [The loss in backward]): the last layer's output and the
+      // head's workspace inside its backward; head_grad is not offloaded.
+      {"tiny", 1000, "3", "0.3", 0, "device", "length", "head_grad"},
+      {"small", 1024, "8", "full", 0, "device", "flops", "fc_pre,head_grad", "device", 100},
       // The attention recomputed on streamed layers: a forward window, then the backward's.
       {"small", 1024, "8", "0.5", 0, "host", "length", "all"},
       {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all"},
