@@ -279,6 +279,11 @@ TEST_F(Layouts, RecomputedTensorsAndKv) {
   check(2, "--cp 2 --subseqs 3 --recompute-tensors ln1,q,x_mid,ln2,fc_pre", "ref1");
   check(2, "--dp 2 --subseqs 3 --kv-cache recompute --recompute-tensors fc_pre", "ref2");
   check(2, "--pp 2 --subseqs 4 --msp on --recompute-tensors ln1,ln2,fc_pre", "ref1");
+  // The attention recomputed on streamed layers, and the loss in backward on the last
+  // stage (Note [The loss in backward]), with data parallel replicas too.
+  check(2, "--pp 2 --subseqs 3 --offload 0.5 --kv-cache recompute --recompute-tensors all,head_grad", "ref1");
+  check(2, "--pp 2 --subseqs 8 --kv-cache host --recompute-tensors attention,head_grad --mlp-tile-rows 5", "ref1");
+  check(2, "--dp 2 --zero 1 --subseqs 3 --kv-cache host --recompute-tensors head_grad", "ref2");
 }
 
 // MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and
