@@ -1,6 +1,7 @@
 #include "cli/cmd_plan.h"
 
 #include <CLI/CLI.hpp>
+#include <omp.h>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -8,9 +9,11 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "backends/cpu/cpu_backend.h"
 #include "core/check.h"
 #include "core/config.h"
 #include "planner/profile.h"
+#include "runtime/step_io.h"
 #include "sim/explain.h"
 #include "sim/solver.h"
 
@@ -55,6 +58,16 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   if (!r.recompute_auto) r.recompute = parse_recompute_tensors(o.recompute_tensors);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
   if (!o.host_budget.empty()) r.hw.host_memory = parse_bytes(o.host_budget, "--host-budget");
+  // A CPU profile's ranks run the CPU backend's kernels at its threads, whose scratch comes
+  // from the device tier as train counts it (GPU kernels keep theirs outside the budget).
+  if (r.hw.threads > 0 && r.hw.precision == "f32") {
+    const int before = omp_get_max_threads();
+    omp_set_num_threads(r.hw.threads);
+    const std::unique_ptr<Backend> cpu = make_cpu_backend();
+    r.block_scratch = cpu->block_scratch(r.model);
+    r.head_scratch = cpu->head_scratch(r.model, RuntimeOptions{}.head_chunk);
+    omp_set_num_threads(before);
+  }
   return r;
 }
 

@@ -47,6 +47,9 @@ nlohmann::json to_json(const Plan& p) {
       {"kv_window_tokens", p.kv_window_tokens()},
       {"recompute_tensors", recompute_tensors_text(p.recompute)},
       {"mlp_tile_rows", p.mlp_tile_rows},
+      {"kernel_scratch",
+       {{"block", {p.block_scratch.fixed_bytes, p.block_scratch.bytes_per_token}},
+        {"head", {p.head_scratch.fixed_bytes, p.head_scratch.bytes_per_token}}}},
       {"predicted",
        {{"step_time_s", p.predicted.step_time_s},
         {"tokens_per_gpu_per_s", p.predicted.tokens_per_gpu_per_s},
@@ -121,6 +124,22 @@ Plan plan_from_json(const nlohmann::json& j) {
   // the optimizer state on the device.
   p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
   p.mlp_tile_rows = integer(j, "mlp_tile_rows", 0, 0, kIntMax);
+  if (j.contains("kernel_scratch")) {  // plans written before it: none
+    const nlohmann::json& k = j["kernel_scratch"];
+    auto scratch = [&](const char* name) {
+      constexpr i64 kMost = i64(1) << 50;
+      auto in_range = [&](const nlohmann::json& v) {
+        return v.is_number_integer() && v.get<i64>() >= 0 && v.get<i64>() <= kMost;
+      };
+      const bool ok = k.is_object() && k.contains(name) && k[name].is_array() && k[name].size() == 2 &&
+                      in_range(k[name][0]) && in_range(k[name][1]);
+      SPPO_CHECK(ok, "planner") << kWhere << "\"kernel_scratch\" needs \"" << name
+                                << "\": [fixed bytes, bytes a token], two integers from 0 to 2^50";
+      return KernelScratch{k[name][0].get<i64>(), k[name][1].get<i64>()};
+    };
+    p.block_scratch = scratch("block");
+    p.head_scratch = scratch("head");
+  }
   p.msp_reach = int(integer(j, "msp_reach", 0, 0, kIntMax));
   SPPO_CHECK(p.msp_reach != 1, "planner")
       << kWhere << "\"msp_reach\" 1: a split task runs on its own stage and at least one other; use 0 (every "

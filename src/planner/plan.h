@@ -58,6 +58,11 @@ struct Plan {
   // Rows of every layer's MLP tiles (Note [MLP tiles] in core/layout.h; JSON
   // "mlp_tile_rows"); 0: none.
   i64 mlp_tile_rows = 0;
+  // The kernels' scratch a rank draws from its device memory (Backend::block_scratch and
+  // head_scratch for the profile's backend: a CPU profile's at its threads; none on GPUs),
+  // counted in the peaks as train counts it. JSON "kernel_scratch": {"block": [fixed
+  // bytes, bytes a token], "head": [...]}; absent: none.
+  KernelScratch block_scratch, head_scratch;
   Prediction predicted;
   std::vector<std::string> notes;
 };

@@ -284,7 +284,8 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   // below, with the last layer's output), else the next stage's.
   const bool loss_here = e == L && in_set(st.sched.recompute, kSavedHeadGrad);
   Buffer d_buf = e == L ? std::move(st.act.head_grad(i)) : st.messages.take_input(input_key(op), q);
-  SPPO_ASSERT_MSG(d_buf || loss_here, "backward of subsequence " << i << " before its forward or its gradient arrived");
+  SPPO_ASSERT_MSG(d_buf || loss_here,
+                  "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
 
   for (int l = e - 1; l >= b; --l) {

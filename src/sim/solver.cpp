@@ -823,6 +823,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
           if (p.lengths.back() < i64(sp) * tp) continue;
           p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
           p.optimizer_state = req.optimizer_state == "host" ? "host" : "device";
+          p.block_scratch = req.block_scratch;
+          p.head_scratch = req.head_scratch;
           p.ring_layout = sched::to_string(req.ring_layout);
           p.offload = to_string(req.offload);
           p.budget = budget;
@@ -1270,6 +1272,8 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
 MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, bool search) {
   MemoryRules m = memory_rules(p.model, prec, p.zero == 1, search ? p.sp * p.dp : 0);
   m.optimizer_host = p.optimizer_state == "host";
+  m.block_scratch = p.block_scratch;
+  m.head_scratch = p.head_scratch;
   return m;
 }
 

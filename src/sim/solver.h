@@ -154,6 +154,8 @@ struct PlanRequest {
   // planner chooses (Note [Placing every tensor] in solver.cpp), from these at least.
   SavedSet recompute = 0;
   bool recompute_auto = true;
+  // The kernels' scratch on the profile's backend (plan::Plan::block_scratch, head_scratch).
+  KernelScratch block_scratch, head_scratch;
 };
 
 struct PlanOutcome {
