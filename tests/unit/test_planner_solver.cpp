@@ -117,6 +117,14 @@ TEST(Solver, SppoPlanFitsAndRoundTrips) {
   EXPECT_EQ(to_json(q), to_json(p));
   const auto r = sim::simulate_plan(q, load_profile("a100-80gb"));
   EXPECT_NEAR(r.step_time_s, p.predicted.step_time_s, 1e-9 * p.predicted.step_time_s);
+  // The kernels' scratch goes through the JSON and into the peak.
+  Plan scratched = p;
+  scratched.block_scratch = {1000, 24};
+  scratched.head_scratch = {512, 8};
+  const Plan back = plan_from_json(nlohmann::json::parse(to_json(scratched).dump()));
+  EXPECT_EQ(back.block_scratch.bytes(100), scratched.block_scratch.bytes(100));
+  EXPECT_EQ(back.head_scratch.bytes(100), scratched.head_scratch.bytes(100));
+  EXPECT_GT(sim::simulate_plan(back, load_profile("a100-80gb")).peak_device_bytes, r.peak_device_bytes);
 }
 
 // The paper's SP (tensor parallel with sequence-parallel regions) divides the K/V cache
@@ -324,6 +332,8 @@ TEST(PlanJson, RefusesValuesASimulationCannotUse) {
   EXPECT_ERROR_WITH(plan_from_json(with("alpha", {0.5, 1.5})), "alpha[1]");
   EXPECT_ERROR_WITH(plan_from_json(with("gpus", 0)), "gpus");
   EXPECT_ERROR_WITH(plan_from_json(with("budget_bytes", -1)), "budget_bytes");
+  EXPECT_ERROR_WITH(plan_from_json(with("kernel_scratch", {{"block", {-1, 0}}, {"head", {0, 0}}})), "kernel_scratch");
+  EXPECT_ERROR_WITH(plan_from_json(with("kernel_scratch", {{"block", {0, 0}}})), "\"head\"");
   EXPECT_ERROR_WITH(plan_from_json(with("sp", "two")), "\"sp\" must be an integer");
   EXPECT_ERROR_WITH(plan_from_json(with("gpus", 1e300)), "\"gpus\" must be an integer");
   EXPECT_ERROR_WITH(plan_from_json(with("lengths", {6.5, 3.5})), "\"lengths\"[0] must be an integer");
