@@ -220,9 +220,9 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
     const int per_piece = tensors * (1 + (backward ? 1 : 0) + (sums_back ? 1 : 0));
     t += double(shape.pieces) * per_piece * hw_.copy_issue +
          double(shape.chunks * shape.queries) * hw_.attention_chunk;
+    if (again) continue;  // a forward run again inside the backward moves nothing of its own
     // The subsequence's own block, waited for whole: K, V out after the forward; before
     // the backward K, V back with their sums (a Recompute layer: the sums only).
-    if (again) continue;
     const double own = recompute ? (sums_back ? summed : 0.0) : (backward ? kv + (sums_back ? sums : 0.0) : kv);
     const int own_copies = recompute ? (sums_back ? 1 : 0) : 2 * (1 + (sums_back ? 1 : 0));
     if (own > 0) t += backward ? h2d_s(i64(double(T) * own), false) : d2h_s(i64(double(T) * own), false);
