@@ -446,7 +446,6 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         const int l = op.layer_end - 1 - k;
         const double at = double(k) / n, end = double(k + 1) / n;
         emit(out, at, ws, T::Workspace);
-        if (ring) emit(out, at, ring, T::RingBuffers);
         if (rc) emit(out, at, rc, T::Recomputed);
         if (streamed(l)) {
           // K_i, V_i come back from the host (or are recomputed), with the dK/dV sums of i
@@ -484,6 +483,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           emit(out, at, -hws, T::HeadWorkspace);
           emit(out, at, -x_bytes, T::Hidden);
         }
+        if (ring) emit(out, at, ring, T::RingBuffers);  // the ring's, from its backward on
         if (const i64 window = kv_window(l, op.subseq, T, T, true)) {
           emit(out, at, window, T::KVWindow);
           emit(out, end, -window, T::KVWindow);

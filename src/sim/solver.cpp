@@ -702,8 +702,9 @@ plan::Plan with_msp(plan::Plan p) {
 
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups' SP ranks (Note [MSP
-  // pieces]), without tensor parallelism. Recomputed K/V, and the attention and head_grad
-  // recomputed in backward, need a rank's whole rows: not under MSP.
+  // pieces]), without tensor parallelism. Recomputed K/V and the attention recomputed in
+  // backward need a rank's whole rows, head_grad recomputed a stage's own head: not under
+  // MSP.
   if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty() ||
       (p.recompute & (recompute_groups()[2].tensors | recompute_groups()[6].tensors)))
     return false;
@@ -881,13 +882,13 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     wider.push_back({first.kv, first.recompute, kPlanMlpTileRows});
     for (std::size_t k = 0; k < untiled; ++k) wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows});
   }
-  // What a layout can recompute: the attention and head_grad need a rank's whole rows (no
-  // ring, no MSP; head_grad no tensor parallelism either: Note [The loss in backward] in
-  // core/layout.h). A placement recomputes the rest of its set there.
+  // What a layout can recompute: the attention needs a rank's whole rows (no ring, no MSP),
+  // head_grad the rows a rank computes whole (no tensor parallelism, no MSP: Note [The loss
+  // in backward] in core/layout.h). A placement recomputes the rest of its set there.
   auto runnable = [&](const plan::Plan& p) {
     SavedSet out = ~SavedSet(0);
-    if (p.sp > 1 || req.msp == 1) out &= ~(attention_group | head_group);
-    if (p.tp > 1) out &= ~head_group;
+    if (p.sp > 1 || req.msp == 1) out &= ~attention_group;
+    if (p.tp > 1 || req.msp == 1) out &= ~head_group;
     return out;
   };
   auto placed = [&](plan::Plan p, const Placement& pl) {

@@ -284,6 +284,11 @@ TEST_F(Layouts, RecomputedTensorsAndKv) {
   check(2, "--pp 2 --subseqs 3 --offload 0.5 --kv-cache recompute --recompute-tensors all,head_grad", "ref1");
   check(2, "--pp 2 --subseqs 8 --kv-cache host --recompute-tensors attention,head_grad --mlp-tile-rows 5", "ref1");
   check(2, "--dp 2 --zero 1 --subseqs 3 --kv-cache host --recompute-tensors head_grad", "ref2");
+  // head_grad on a ring: each member runs the head on its own rows, in either layout.
+  check(2, "--cp 2 --subseqs 3 --offload 0.5 --recompute-tensors ln1,q,x_mid,ln2,fc_pre,head_grad", "ref1");
+  check_peaks(2, "--cp 2 --ring contiguous --subseqs 2 --kv-cache host --recompute-tensors fc_pre,head_grad", "ref1",
+              kModel, true);
+  check(4, "--pp 2 --cp 2 --subseqs 4 --recompute-tensors head_grad", "ref1");
 }
 
 // MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and
