@@ -254,8 +254,9 @@ inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6, kSavedFcPre = 13;
 // (kept or recomputed: one GEMM, proj), then runs the head (the loss and its gradient, the
 // head's weight gradients) as the forward would have. The same kernels on the same
 // inputs, so the loss and every gradient are those of the head in the forward, bit for
-// bit. It needs the rows of the head's input a rank computes whole: a ring member's piece
-// (it runs the head on its own rows), but no tensor-parallel member or MSP piece.
+// bit. A ring member runs it on its own rows, a tensor-parallel member with the group's
+// collectives as the forward's head does; not for MSP's pieces, which run on borrowed
+// weights.
 inline constexpr int kSavedHeadGrad = kBlockSavedTensors;
 inline constexpr bool in_set(SavedSet s, int k) { return (s >> k) & 1u; }
 struct RecomputeGroup {

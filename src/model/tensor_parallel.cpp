@@ -98,13 +98,18 @@ void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, cons
 void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                       const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
                       const Subseq& q) {
-  const TpShard& tp = sp.shard();
-  const int T = q.T, H = c.hidden;
-  const auto [f0, f1] = tp.ffn(c);
-  const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
   SavedSet all = 0;
   for (const RecomputeGroup& g : recompute_groups()) all |= g.tensors;
   forward_steps_tp(be, s, all, true, p, m, w, &attn, sp, c, q);
+  block_output_tp(be, x_out, s, m, w, sp, c, q.T);
+}
+
+void block_output_tp(Backend& be, void* x_out, const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w,
+                     SeqParallel& sp, const ModelConfig& c, int T) {
+  const TpShard& tp = sp.shard();
+  const int H = c.hidden;
+  const auto [f0, f1] = tp.ffn(c);
+  const int Fr = int(f1 - f0), Ts = int(tp.row_count(T));
   // x_out = x_mid + reduce_scatter(proj(gelu(fc_pre))), or proj(swiglu(fc_pre))
   mlp_act_tp(be, c, w.mlp_act, s.fc_pre, T, Fr);
   be.linear_forward(w.tp_full, w.mlp_act, m.proj_w, tp.index == 0 ? m.proj_b : nullptr, T, Fr, H, 0, 0);

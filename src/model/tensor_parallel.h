@@ -59,6 +59,10 @@ class SeqParallel {
 void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
                       const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
                       const Subseq& q);
+// block_output as a member of the group: x_out [Ts, H] = s.x_mid + reduce_scatter(proj of
+// this member's fc columns), block_forward_tp's last step.
+void block_output_tp(Backend& be, void* x_out, const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w,
+                     SeqParallel& sp, const ModelConfig& c, int T);
 // block_recompute as a member of the group: the same steps, with their collectives (every
 // member recomputes the same groups).
 void block_recompute_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,

@@ -128,10 +128,10 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   const i64 keys = s.lengths[std::size_t(op.subseq)];
   double t = n * (layer_forward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   if (s.rsa_piece(op)) t += n * (rsa_attention_s(T, keys, false, tp) - attention_s(o, spans, keys) / tp);
-  // Note [The loss in backward] (core/layout.h): the head moves to the backward.
-  if (op.layer_end == s.layers && !in_set(s.recompute, kSavedHeadGrad)) t += head_flops(T) / gemm_rate_ / tp;
-  if (tp > 1)
-    t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (op.layer_end == s.layers ? 2 : 0));
+  // Note [The loss in backward] (core/layout.h): the head may move to the backward.
+  const bool head_here = op.layer_end == s.layers && !in_set(s.recompute, kSavedHeadGrad);
+  if (head_here) t += head_flops(T) / gemm_rate_ / tp;
+  if (tp > 1) t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (head_here ? 2 : 0));
   return t + n * mlp_tiles_s(T, s.mlp_tile_rows) + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
 }
 
@@ -300,6 +300,7 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
     const double words = model_.fc_width() + F + 2 * H;  // the activation's in and out, the residual add
     const double act = hw_.elementwise_bw > 0 ? words * act_bytes_ * T / hw_.elementwise_bw : 0.0;
     t += (2 * T * F * H / gemm_rate_ + act + head_flops(i64(T)) / gemm_rate_) / tp;
+    if (tp > 1) t += 3 * tp_collective_s(i64(T), tp);  // proj's reduce-scatter, the head's two
   }
   return t + n * mlp_tiles_s(sched::span_tokens(spans), s.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
          recompute_s(op, s, o, true);

@@ -321,7 +321,10 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     }
     if (loss_here && l == L - 1) {  // the last layer's output again, and the head on it
       Buffer out = device_->alloc(specs[0].bytes(), "final hidden");
-      block_output(be_, out.data(), block_saved_from(ptrs(unit)), wt.m->blocks[l], w, config_, T);
+      if (st.tp)
+        block_output_tp(be_, out.data(), block_saved_from(ptrs(unit)), wt.m->blocks[l], w, *st.tp, config_, T);
+      else
+        block_output(be_, out.data(), block_saved_from(ptrs(unit)), wt.m->blocks[l], w, config_, T);
       head(st, op, q, wt, out);
       d_buf = std::move(st.act.head_grad(i));
       d = d_buf.data();

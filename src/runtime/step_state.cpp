@@ -65,9 +65,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
   SPPO_CHECK(!(sc.recompute & recompute_groups()[2].tensors) || (sc.ring == 1 && !msp), "runtime")
       << "recomputing the attention (--recompute-tensors attention) runs it again inside the backward, on a rank's "
          "whole rows: it runs without --cp and --msp on";
-  SPPO_CHECK(!in_set(sc.recompute, kSavedHeadGrad) || (sc.tp == 1 && !msp), "runtime")
-      << "recomputing head_grad (--recompute-tensors head_grad) runs the LM head inside the last layer's backward, on "
-         "the rows a rank computes whole: it runs without --tp and --msp on";
+  SPPO_CHECK(!in_set(sc.recompute, kSavedHeadGrad) || !msp, "runtime")
+      << "recomputing head_grad (--recompute-tensors head_grad) runs a stage's own LM head inside its last layer's "
+         "backward: it runs without --msp on";
   SPPO_CHECK(sc.mlp_tile_rows >= 0, "runtime") << "MLP tiles of " << sc.mlp_tile_rows << " rows; use 0 (none) or more";
   SPPO_CHECK(sc.mlp_tile_rows == 0 || (sc.tp == 1 && !o.recompute), "runtime")
       << "MLP tiles (--mlp-tile-rows) run without --tp and --recompute";

@@ -883,12 +883,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     for (std::size_t k = 0; k < untiled; ++k) wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows});
   }
   // What a layout can recompute: the attention needs a rank's whole rows (no ring, no MSP),
-  // head_grad the rows a rank computes whole (no tensor parallelism, no MSP: Note [The loss
-  // in backward] in core/layout.h). A placement recomputes the rest of its set there.
+  // head_grad a stage's own head (no MSP: Note [The loss in backward] in core/layout.h). A
+  // placement recomputes the rest of its set there.
   auto runnable = [&](const plan::Plan& p) {
     SavedSet out = ~SavedSet(0);
     if (p.sp > 1 || req.msp == 1) out &= ~attention_group;
-    if (p.tp > 1 || req.msp == 1) out &= ~head_group;
+    if (req.msp == 1) out &= ~head_group;
     return out;
   };
   auto placed = [&](plan::Plan p, const Placement& pl) {

@@ -337,10 +337,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or MSP "
          "pieces do not; recompute other tensors, or drop --cp and --msp on";
   const SavedSet head_group = recompute_groups()[6].tensors;
-  const bool head_ok = shape.tp == 1 && !shape.msp;
+  const bool head_ok = !shape.msp;
   SPPO_CHECK(!(shape.recompute & head_group) || head_ok, "options")
-      << "--recompute-tensors head_grad runs the LM head inside the last layer's backward, on the rows a rank "
-         "computes whole, which --tp members and MSP pieces do not; recompute other tensors, or drop them";
+      << "--recompute-tensors head_grad runs a stage's own LM head inside its last layer's backward, which MSP "
+         "pieces on borrowed weights do not; recompute other tensors, or use --msp off";
   // The groups this layout can recompute.
   const SavedSet runnable = ~((attention_ok ? 0 : attention_group) | (head_ok ? 0 : head_group));
   const int L = s.config.layers;

@@ -289,6 +289,9 @@ TEST_F(Layouts, RecomputedTensorsAndKv) {
   check_peaks(2, "--cp 2 --ring contiguous --subseqs 2 --kv-cache host --recompute-tensors fc_pre,head_grad", "ref1",
               kModel, true);
   check(4, "--pp 2 --cp 2 --subseqs 4 --recompute-tensors head_grad", "ref1");
+  // ... and tensor parallel: the head's collectives run inside the backward.
+  check_peaks(2, "--tp 2 --subseqs 3 --offload 0.5 --recompute-tensors fc_pre,head_grad", "ref1", kModel, true);
+  check(4, "--pp 2 --tp 2 --subseqs 3 --recompute-tensors all,head_grad", "ref1");
 }
 
 // MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and
@@ -358,6 +361,7 @@ TEST_F(Layouts, LlamaTensorParallel) {
   check(4, "--tp 2 --cp 2 --ring zigzag --subseqs 2", "llama1", kLlama);
   check(4, "--tp 2 --dp 2 --zero 1 --subseqs 2", "llama2", kLlama);
   check(2, "--tp 2 --subseqs 3 --offload 0.5 --recompute-tensors all", "llama1", kLlama);
+  check(2, "--tp 2 --subseqs 3 --kv-cache host --recompute-tensors all,head_grad", "llama1", kLlama);
   // More members than key/value heads: each head on two members, summed gradients.
   check(4, "--tp 4", "llama1", kLlama);
   for (const char* layout : {"--tp 4 --subseqs 3 --offload 0.5", "--tp 4 --subseqs 2 --kv-cache host"}) {
