@@ -299,9 +299,9 @@ void add_plan_commands(CLI::App& app) {
       ->capture_default_str();
   p->add_option("--kv-cache", plan.kv_cache,
                 "Where each layer keeps the K/V cache and its dK/dV sums: device, host (streamed back through a "
-                "window; a ring member streams its own pieces; not searched with MSP), recompute (no K/V kept: recomputed from each "
-                "layer's input, the sums on the host; no ring, MSP or TP), or auto (the others only where nothing fits "
-                "with the device)")
+                "window; a ring member, or an MSP stage's owner, streams its own pieces), recompute (no K/V kept: "
+                "recomputed from each layer's input, the sums on the host; no ring, MSP or TP), or auto (the others "
+                "only where nothing fits with the device)")
       ->capture_default_str();
   p->add_option("--recompute-tensors", plan.recompute_tensors,
                 "Saved tensors backward recomputes (as train --recompute-tensors: tensors or groups ln1, q, "

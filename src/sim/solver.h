@@ -147,8 +147,8 @@ struct PlanRequest {
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   i64 budget = 0;             // 0: the profile's usable device memory
   // Where layers keep the K/V cache (--kv-cache): "device"; "host" or "recompute" (every
-  // layer, layouts without ring or MSP; recompute without tensor parallelism either);
-  // "auto": the device, and where no plan with it fits, whichever of the three is fastest.
+  // layer; recompute without ring, MSP or tensor parallelism); "auto": the device, and
+  // where no plan with it fits, whichever of the three is fastest.
   std::string kv_cache = "auto";
   // Saved tensors to recompute (--recompute-tensors, a closed set); `recompute_auto`: the
   // planner chooses (Note [Placing every tensor] in solver.cpp), from these at least.
