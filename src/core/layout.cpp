@@ -290,11 +290,11 @@ const std::vector<RecomputeGroup>& recompute_groups() {
   static const std::vector<RecomputeGroup> groups = {
       {"ln1", 1u << 1 | 1u << 2 | 1u << 3},
       {"q", 1u << 4},
-      {"attention", 1u << 7 | 1u << 8},
+      {"attention", kAttentionGroup},
       {"x_mid", 1u << 9},
       {"ln2", 1u << 10 | 1u << 11 | 1u << 12},
       {"fc_pre", 1u << 13},
-      {"head_grad", 1u << kSavedHeadGrad},
+      {"head_grad", kHeadGradGroup},
   };
   return groups;
 }

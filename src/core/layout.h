@@ -258,6 +258,9 @@ inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6, kSavedFcPre = 13;
 // collectives as the forward's head does; not for MSP's pieces, which run on borrowed
 // weights.
 inline constexpr int kSavedHeadGrad = kBlockSavedTensors;
+// Two groups of recompute_groups() that some layouts cannot recompute, by name.
+inline constexpr SavedSet kAttentionGroup = 1u << 7 | 1u << 8;     // attn_out, lse
+inline constexpr SavedSet kHeadGradGroup = 1u << kSavedHeadGrad;  // Note [The loss in backward]
 inline constexpr bool in_set(SavedSet s, int k) { return (s >> k) & 1u; }
 struct RecomputeGroup {
   const char* name;

@@ -292,7 +292,7 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
   // A recomputed attention first runs its forward again: on a streamed layer its earlier
   // blocks stream in once more.
-  if (s.recompute & recompute_groups()[2].tensors) t += kv_stream_s(op, s, o, false, true);
+  if (s.recompute & kAttentionGroup) t += kv_stream_s(op, s, o, false, true);
   // Note [The loss in backward]: the last layer's output again (its MLP activation and the
   // proj GEMM, as the forward's), then the head.
   if (op.layer_end == s.layers && in_set(s.recompute, kSavedHeadGrad)) {

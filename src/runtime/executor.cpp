@@ -309,7 +309,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
         if ((in_set(st.sched.recompute, k) && !tiled_away(tiles, k)) || (kv && (k == kK || k == kV)))
           unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       BlockSaved s = block_saved_from(ptrs(unit));
-      const bool attention = (st.sched.recompute & recompute_groups()[2].tensors) != 0;
+      const bool attention = (st.sched.recompute & kAttentionGroup) != 0;
       const LayerAttention again =
           attention ? st.kv.attention(op, l, false, layer_weights(st, wt, l)) : LayerAttention{};
       BlockAttention* a = attention ? &*again : nullptr;

@@ -62,7 +62,7 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
       << "tensors (core/layout.h)";
   SPPO_CHECK(sc.recompute == 0 || !o.recompute, "runtime")
       << "--recompute already recomputes whole blocks; drop --recompute-tensors";
-  SPPO_CHECK(!(sc.recompute & recompute_groups()[2].tensors) || (sc.ring == 1 && !msp), "runtime")
+  SPPO_CHECK(!(sc.recompute & kAttentionGroup) || (sc.ring == 1 && !msp), "runtime")
       << "recomputing the attention (--recompute-tensors attention) runs it again inside the backward, on a rank's "
          "whole rows: it runs without --cp and --msp on";
   SPPO_CHECK(!in_set(sc.recompute, kSavedHeadGrad) || !msp, "runtime")

@@ -459,7 +459,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           host_change(-(recomputed ? 0 : kv) - (op.subseq < below ? sums_pt * T : 0));
           // A recomputed attention runs its forward first, through a forward window that
           // closes before the backward's opens.
-          const i64 again = s_.recompute & recompute_groups()[2].tensors ? kv_window(l, op.subseq, T, T, false) : 0;
+          const i64 again = s_.recompute & kAttentionGroup ? kv_window(l, op.subseq, T, T, false) : 0;
           if (again) {
             emit(out, at, again, T::KVWindow);
             emit(out, at, -again, T::KVWindow);

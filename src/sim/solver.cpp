@@ -706,7 +706,7 @@ bool msp_possible(const plan::Plan& p) {
   // backward need a rank's whole rows, head_grad recomputed a stage's own head: not under
   // MSP.
   if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty() ||
-      (p.recompute & (recompute_groups()[2].tensors | recompute_groups()[6].tensors)))
+      (p.recompute & (kAttentionGroup | kHeadGradGroup)))
     return false;
   for (i64 l : p.lengths)
     if (l < i64(p.sp) * p.pp) return false;
@@ -859,7 +859,6 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     i64 mlp_tile_rows = 0;
     bool operator==(const Placement&) const = default;
   };
-  const SavedSet attention_group = recompute_groups()[2].tensors, head_group = recompute_groups()[6].tensors;
   auto kv_choice = [&](const std::string& name) {
     return name == "host" ? sched::KvPlace::Host
                           : name == "recompute" ? sched::KvPlace::Recompute : sched::KvPlace::Device;
@@ -887,8 +886,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // placement recomputes the rest of its set there.
   auto runnable = [&](const plan::Plan& p) {
     SavedSet out = ~SavedSet(0);
-    if (p.sp > 1 || req.msp == 1) out &= ~attention_group;
-    if (req.msp == 1) out &= ~head_group;
+    if (p.sp > 1 || req.msp == 1) out &= ~kAttentionGroup;
+    if (req.msp == 1) out &= ~kHeadGradGroup;
     return out;
   };
   auto placed = [&](plan::Plan p, const Placement& pl) {

@@ -331,18 +331,16 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(!o.recompute || shape.recompute == 0, "options")
       << "--recompute already recomputes whole blocks from their inputs; drop --recompute-tensors "
       << recompute_tensors_text(shape.recompute) << " (or --recompute)";
-  const SavedSet attention_group = recompute_groups()[2].tensors;
   const bool attention_ok = shape.sp == 1 && !shape.msp;
-  SPPO_CHECK(!(shape.recompute & attention_group) || attention_ok, "options")
+  SPPO_CHECK(!(shape.recompute & kAttentionGroup) || attention_ok, "options")
       << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or MSP "
          "pieces do not; recompute other tensors, or drop --cp and --msp on";
-  const SavedSet head_group = recompute_groups()[6].tensors;
   const bool head_ok = !shape.msp;
-  SPPO_CHECK(!(shape.recompute & head_group) || head_ok, "options")
+  SPPO_CHECK(!(shape.recompute & kHeadGradGroup) || head_ok, "options")
       << "--recompute-tensors head_grad runs a stage's own LM head inside its last layer's backward, which MSP "
          "pieces on borrowed weights do not; recompute other tensors, or use --msp off";
   // The groups this layout can recompute.
-  const SavedSet runnable = ~((attention_ok ? 0 : attention_group) | (head_ok ? 0 : head_group));
+  const SavedSet runnable = ~((attention_ok ? 0 : kAttentionGroup) | (head_ok ? 0 : kHeadGradGroup));
   const int L = s.config.layers;
   auto all_layers = [&](sched::KvPlace p) { return std::vector<sched::KvPlace>(std::size_t(L), p); };
   auto host_layers = [&](int per_stage) {  // the first `per_stage` layers of every stage

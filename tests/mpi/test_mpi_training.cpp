@@ -37,6 +37,15 @@ class Training : public ::testing::Test {
   void SetUp() override { tmp_ = std::make_unique<io::TempDir>("sppo-mpi-train"); }
   std::string path(const std::string& name) const { return tmp_->path() + "/" + name; }
 
+  // `sppo plan` of the tiny model's 512 tokens on `gpus` A100s, written to `file` and read
+  // back as JSON a test edits.
+  nlohmann::json tiny_plan(const std::string& file, int gpus) {
+    const auto r = run_command(sppo_binary() + " plan --model tiny --seq-len 512 --gpus " + std::to_string(gpus) +
+                               " --hardware a100-80gb --out " + file);
+    EXPECT_EQ(r.status, 0) << r.output;
+    return testing::read_json(file);
+  }
+
   // One process, started without a launcher.
   std::vector<double> alone(const std::string& args, const std::string& name) {
     const auto r = run_command(sppo_binary() + " " + kRun + " " + args + " --metrics " + path(name));
@@ -153,9 +162,8 @@ TEST_F(Training, ResumeAcrossLayouts) {
 TEST_F(Training, RunsThePlannedLayout) {
   // A plan is JSON a user can edit: plan two devices, then ask for a two-stage pipeline.
   const std::string plan = path("plan.json");
-  auto r = run_command(sppo_binary() + " plan --model tiny --seq-len 512 --gpus 2 --hardware a100-80gb --out " + plan);
-  ASSERT_EQ(r.status, 0) << r.output;
-  nlohmann::json p = testing::read_json(plan);
+  nlohmann::json p = tiny_plan(plan, 2);
+  ASSERT_FALSE(HasFailure());
   p["model_config"]["layers"] = 4;
   p["sp"] = 1, p["tp"] = 1, p["pp"] = 2, p["dp"] = 1, p["msp"] = false;
   p["stage_layers"] = {3, 1};
@@ -163,7 +171,7 @@ TEST_F(Training, RunsThePlannedLayout) {
   std::ofstream(plan) << p.dump(2);
   const std::string run = "train --model tiny --layers 4 --seq-len 512 --threads 1 --quiet --steps 2 --plan " + plan +
                           " --hardware a100-80gb --metrics " + path("plan.jsonl");
-  r = mpirun(2, run);
+  auto r = mpirun(2, run);
   ASSERT_EQ(r.status, 0) << r.output;
   const auto m = read_jsonl(path("plan.jsonl"));
   ASSERT_EQ(m.size(), 3u);
@@ -201,9 +209,8 @@ TEST_F(Training, RunsThePlannedLayout) {
 // against a plan reaching every idle stage the last stage sends less (it helps one stage).
 TEST_F(Training, RunsAPlannedMspReach) {
   const std::string plan = path("msp.json");
-  auto r = run_command(sppo_binary() + " plan --model tiny --seq-len 512 --gpus 3 --hardware a100-80gb --out " + plan);
-  ASSERT_EQ(r.status, 0) << r.output;
-  nlohmann::json p = testing::read_json(plan);
+  nlohmann::json p = tiny_plan(plan, 3);
+  ASSERT_FALSE(HasFailure());
   p["model_config"]["layers"] = 6;
   p["sp"] = 1, p["tp"] = 1, p["pp"] = 3, p["dp"] = 1, p["msp"] = true, p["msp_reach"] = 2;
   p["stage_layers"] = {2, 2, 2};
@@ -215,7 +222,7 @@ TEST_F(Training, RunsAPlannedMspReach) {
   for (int reach : {2, 0}) {
     p["msp_reach"] = reach;
     std::ofstream(plan) << p.dump(2);
-    r = mpirun(3, run);
+    const auto r = mpirun(3, run);
     ASSERT_EQ(r.status, 0) << r.output;
     const auto m = read_jsonl(path("msp.jsonl"));
     ASSERT_EQ(m.size(), 3u);
