@@ -79,7 +79,7 @@ std::string layout_text(const plan::Plan& p) {
   std::ostringstream os;
   if (p.system == "megatron") os << "tp " << p.tp << " cp " << p.sp;
   else if (p.system == "deepspeed") os << "ulysses " << p.sp;
-  else if (p.tp > 1) os << "tp " << p.tp;
+  else if (p.tp > 1) os << "tp " << p.tp << (p.sp > 1 ? " sp " + std::to_string(p.sp) : std::string());
   else os << "sp " << p.sp;
   os << " pp " << p.pp << " dp " << p.dp;
   if (p.system != "megatron") os << " N " << p.subseqs;

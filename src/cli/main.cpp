@@ -139,9 +139,10 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "split over the stages that would idle (needs --subseqs >= --pp), off does not")
       ->capture_default_str();
   cmd->add_option("--msp-reach", o.msp_reach,
-                  "With --msp on: the stage groups a split subsequence runs on, the stage's own and the nearest idle "
-                  "ones (2 or more; 0: every idle one, the paper's). A helper holds the weights and gradients of up "
-                  "to reach - 1 other stages")
+                  "With --msp on: how far a split subsequence reaches, over the stage's own group and those within "
+                  "reach - 1 stages that idle in its slot (2 or more; 0: the paper's Table 3, every stage group "
+                  "before or after its steady phase). A helper holds the weights and gradients of up to reach - 1 "
+                  "other stages")
       ->capture_default_str();
   cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
   cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1)")

@@ -169,13 +169,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
 
   // Stage groups that run task (stage, k).
   auto groups_of = [&](int stage, int k) {
-    if (!msp) return std::vector<int>{stage};
-    const MspPhases m = msp_phases(P, N, stage, spec.msp_reach);
-    for (int x : m.left)
-      if (x == k) return m.left_gpus;
-    for (int x : m.right)
-      if (x == k) return m.right_gpus;
-    return std::vector<int>{stage};
+    return msp ? msp_groups(P, N, stage, k, spec.msp_reach) : std::vector<int>{stage};
   };
 
   std::vector<Task> tasks;

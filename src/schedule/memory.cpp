@@ -546,8 +546,9 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       if (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad) {
         emit(out, 1.0, -h_bytes * op.tokens, T::Hidden);
       } else if (op.payload == Payload::WeightGrads) {
+        // The weights go as the send starts; the gradients once it has gone.
         borrowed_grads_.erase({op.layer_begin, op.layer_end});
-        emit(out, 1.0, -borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
+        emit(out, 0.0, -borrowed_params() * rules_.act_bytes(), T::BorrowedWeights);
         emit(out, 1.0, -borrowed_params() * (weight_work_pp_ - rules_.act_bytes()), T::BorrowedGrads);
       } else if (op.payload == Payload::KVGrad) {
         int held = 0;  // layers whose K, V and sums of the piece the device holds

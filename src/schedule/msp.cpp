@@ -23,4 +23,20 @@ MspPhases msp_phases(int pp, int n, int stage, int reach) {
   return m;
 }
 
+std::vector<int> msp_groups(int pp, int n, int stage, int k, int reach) {
+  const MspPhases m = msp_phases(pp, n, stage, reach);
+  SPPO_CHECK(k >= 0 && k < n, "schedule") << "subsequence " << k << " outside [0, " << n << ")";
+  if (reach == 0) {
+    for (int x : m.left)
+      if (x == k) return m.left_gpus;
+    for (int x : m.right)
+      if (x == k) return m.right_gpus;
+    return {stage};
+  }
+  std::vector<int> g;
+  for (int j = std::max(0, stage - reach + 1); j < std::min(pp, stage + reach); ++j)
+    if (j == stage || (j > stage && k <= j - stage - 1) || (j < stage && k >= n - (stage - j))) g.push_back(j);
+  return g;
+}
+
 }  // namespace sppo::sched

@@ -4,7 +4,9 @@
 // a plan's layout run as planned.
 #include <gtest/gtest.h>
 
+#include "core/config.h"
 #include "io/fileutil.h"
+#include "schedule/memory.h"
 #include "support/mpi_run.h"
 
 namespace sppo {
@@ -218,6 +220,8 @@ TEST_F(Training, RunsAPlannedMspReach) {
   p["kv_host_layers"] = {0, 1, 2, 3, 4, 5};
   const std::string run = "train --model tiny --layers 6 --seq-len 512 --threads 1 --quiet --steps 2 --plan " + plan +
                           " --hardware a100-80gb --metrics " + path("msp.jsonl");
+  ModelConfig config = preset("tiny");
+  config.layers = 6;
   std::vector<nlohmann::json> last;
   for (int reach : {2, 0}) {
     p["msp_reach"] = reach;
@@ -228,11 +232,16 @@ TEST_F(Training, RunsAPlannedMspReach) {
     ASSERT_EQ(m.size(), 3u);
     EXPECT_EQ(m[2]["measured_sent_bytes_per_rank"], m[2]["predicted_sent_bytes_per_rank"]) << m[2].dump();
     EXPECT_EQ(m[2]["measured_peak_host_bytes"], m[2]["predicted_peak_host_bytes"]) << m[2].dump();
-    // As MspCurveEqualsOneProcess: to within the few rows of the hidden-state parts a split
-    // piece assembles (a run under load measured one 48-row part, 0.18%, over).
-    EXPECT_NEAR(m[2]["measured_peak_device_bytes"].get<double>() / m[2]["predicted_peak_device_bytes"].get<double>(),
-                1.0, 0.01)
-        << m[2].dump();
+    // As MspCurveEqualsOneProcess: no more than the prediction but the few rows of the
+    // hidden-state parts a split piece assembles (a run under load measured one 48-row
+    // part, 0.18%, over), and no less than it but a helper's fp32 gradients of one stage:
+    // the simulator, timed for A100s, still sends them home while the helper's next
+    // backward starts; on these CPU ranks the send may be done by then.
+    const double measured = m[2]["measured_peak_device_bytes"].get<double>();
+    const double predicted = m[2]["predicted_peak_device_bytes"].get<double>();
+    const double in_flight = 4.0 * double(sched::param_count(config, 4, 6, false, true));  // the largest stage
+    EXPECT_LE(measured, 1.01 * predicted) << m[2].dump();
+    EXPECT_GE(measured, 0.99 * (predicted - in_flight)) << m[2].dump();
     last.push_back(m[2]);
   }
   EXPECT_LT(last[0]["measured_sent_bytes_per_rank"][2].get<i64>(), last[1]["measured_sent_bytes_per_rank"][2].get<i64>())

@@ -2,6 +2,8 @@
 // ring steps, each checked by the one validator over a grid (STYLE.md 2).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "core/check.h"
 #include "core/config.h"
 #include "schedule/builders.h"
@@ -119,6 +121,43 @@ TEST(Msp, GeneralFormulasOverAGrid) {
       }
     }
   EXPECT_THROW(msp_phases(4, 3, 0), Error);
+}
+
+// At reach >= 2 a task goes only to groups that idle through its slot in the pipeline
+// without MSP. Here that pipeline is laid out in time units (a forward 1, a backward 2, each
+// stage as early as its inputs allow) and the idle groups read off it.
+TEST(Msp, IdleGroupsAreIdleInThePipelineWithoutMsp) {
+  for (int P = 2; P <= 6; ++P)
+    for (int N = P; N <= 9; ++N) {
+      // start[f][i][k]: when stage i starts its forward (f 1) or backward (f 0) of k.
+      std::vector<std::vector<int>> fs(P, std::vector<int>(N)), bs(P, std::vector<int>(N));
+      for (int i = 0; i < P; ++i)
+        for (int k = 0; k < N; ++k)
+          fs[i][k] = std::max(i > 0 ? fs[i - 1][k] + 1 : 0, k > 0 ? fs[i][k - 1] + 1 : 0);
+      for (int i = P - 1; i >= 0; --i)
+        for (int k = N - 1; k >= 0; --k)
+          bs[i][k] = std::max({i < P - 1 ? bs[i + 1][k] + 2 : 0, k < N - 1 ? bs[i][k + 1] + 2 : 0,
+                               i == P - 1 ? fs[i][N - 1] + 1 : 0});
+      auto busy = [&](int g, int from, int to) {  // does group g work in [from, to)?
+        for (int k = 0; k < N; ++k)
+          if ((fs[g][k] < to && from < fs[g][k] + 1) || (bs[g][k] < to && from < bs[g][k] + 2)) return true;
+        return false;
+      };
+      for (int reach : {2, 3, P})
+        for (int i = 0; i < P; ++i)
+          for (int k = 0; k < N; ++k) {
+            const std::vector<int> g = msp_groups(P, N, i, k, reach);
+            std::vector<int> want;
+            for (int j = std::max(0, i - reach + 1); j < std::min(P, i + reach); ++j)
+              if (j == i || (!busy(j, fs[i][k], fs[i][k] + 1) && !busy(j, bs[i][k], bs[i][k] + 2))) want.push_back(j);
+            EXPECT_EQ(g, want) << "P " << P << " N " << N << " reach " << reach << " stage " << i << " k " << k;
+          }
+    }
+  // Reach 0 is Table 3's: stage 1 of P 4, N 8 splits its subsequence 0 over 1..3, 7 over 0..1.
+  EXPECT_EQ(msp_groups(4, 8, 1, 0, 0), (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(msp_groups(4, 8, 1, 7, 0), (std::vector<int>{0, 1}));
+  EXPECT_EQ(msp_groups(4, 8, 1, 3, 0), (std::vector<int>{1}));
+  EXPECT_THROW(msp_groups(4, 8, 1, 8, 2), Error);
 }
 
 TEST(BuildPipeline, GridIsValid) {
