@@ -93,7 +93,9 @@ void MspExchange::send(const sched::Op& op) {
       SPPO_ASSERT_MSG(*g, "'" << sched::to_string(op) << "' before any backward on the borrowed layers");
       lease.w.reset();
       be_.synchronize();
-      isend(g, g->data(), g->bytes());
+      // Gone before this rank computes on: the owner takes them at the end of the same
+      // task, and the memory rules free them with this send.
+      messages_.send_now(g->data(), g->bytes(), op);
       if (e == config_.layers) {
         be_.to_host(&helper_loss_, loss_sum_.data(), sizeof(double));
         isend(nullptr, &helper_loss_, sizeof(double));

@@ -14,7 +14,9 @@
 //    accumulators of the piece before its backward of it;
 //  - WeightGrads: a helper's gradients of the borrowed layers (allocated zeroed at its
 //    first backward on them, or at the first forward through the LM head) and, after the
-//    last stage, its loss sum and per-position losses, added to the owner's (+=).
+//    last stage, its loss sum and per-position losses, added to the owner's (+=). The
+//    helper waits for the gradients to leave before it computes on (send_now), so they
+//    are freed where the memory rules free them.
 // At the end of a step nothing is borrowed (check_empty).
 #pragma once
 

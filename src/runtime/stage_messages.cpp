@@ -201,6 +201,13 @@ void StageMessages::start_send(std::shared_ptr<Buffer> keep, const void* data, i
                     sched::to_string(op)});
 }
 
+void StageMessages::send_now(const void* data, i64 bytes, const sched::Op& op) {
+  const double start = now_s();
+  const std::string name = sched::to_string(op);
+  comm::wait(*comm_, comm_->isend(data, bytes, op.peer, sched::message_tag(op)), "the send '" + name + "'");
+  add_span(result_, name, sched::OpKind::Send, Lane::Network, start, now_s());
+}
+
 void StageMessages::poll() {
   if (!comm_) return;
   comm_->progress();

@@ -65,6 +65,8 @@ class StageMessages {
   // Sends `bytes` from `data` with Send op's peer and tag; `keep` (may be null) is
   // released when the send completes.
   void start_send(std::shared_ptr<Buffer> keep, const void* data, i64 bytes, const sched::Op& op);
+  // Sends `bytes` from `data` with Send op's peer and tag, and waits until it has gone.
+  void send_now(const void* data, i64 bytes, const sched::Op& op);
   // Completes the sends that have finished, releasing their buffers.
   void poll();
   // Waits for the oldest send (an allocation over the budget waits for the memory it

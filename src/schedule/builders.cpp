@@ -1,6 +1,7 @@
 #include "schedule/builders.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <set>
 #include <tuple>
@@ -84,7 +85,9 @@ Schedule build_single(int layers, const std::vector<i64>& lengths, const std::ve
 //  - the stage's weights come from the owner twice, for the helper's forwards of that stage
 //    (sent at the start) and again for its backwards (sent when the owner starts its
 //    backwards): Left pieces run at both ends of the step, so the copy is not held through
-//    the middle, where memory peaks. The weight gradients (and, on the stage with the LM
+//    the middle, where memory peaks. A helper that runs nothing between its last forward
+//    piece of the stage and its first backward one (a Right piece on an idle group, Note
+//    [MSP idle groups] in schedule/msp.h) keeps the first copy instead. The weight gradients (and, on the stage with the LM
 //    head, the loss of the helper's rows) go back after the helper's last backward of that
 //    stage (Send WeightGrads), and the owner receives them at the end of that task;
 //  - forward: after it, each helper piece's K, V go to the owner (KV), which from then on
@@ -215,6 +218,29 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   for (size_t t = 0; t < tasks.size(); ++t)
     for (const Piece& pc : tasks[t].pieces)
       if (pc.helper) last_helper_task[{pc.rank, tasks[t].stage}] = t;
+  // (helper rank, stage) whose forward lease carries on into its backwards: the helper runs
+  // nothing between its last forward piece of the stage and its first backward one (a
+  // stage's last subsequence, on the idle group before it), so the weights need not go
+  // home and come back, with the owner's backward waiting on them.
+  std::set<std::pair<int, int>> lease_kept;
+  {
+    std::map<std::pair<int, int>, std::pair<size_t, size_t>> ends;  // last forward, first backward task
+    std::map<int, std::vector<size_t>> tasks_of;                    // rank -> its tasks, in order
+    for (size_t t = 0; t < tasks.size(); ++t)
+      for (const Piece& pc : tasks[t].pieces) {
+        tasks_of[pc.rank].push_back(t);
+        if (!pc.helper) continue;
+        auto [it, fresh] = ends.try_emplace({pc.rank, tasks[t].stage}, SIZE_MAX, SIZE_MAX);
+        if (tasks[t].forward) it->second.first = t;
+        else if (it->second.second == SIZE_MAX) it->second.second = t;
+      }
+    for (const auto& [key, fb] : ends) {
+      if (fb.first == SIZE_MAX || fb.second == SIZE_MAX) continue;
+      const auto& mine = tasks_of[key.first];
+      const auto after = std::upper_bound(mine.begin(), mine.end(), fb.first);
+      if (after != mine.end() && *after == fb.second) lease_kept.insert(key);
+    }
+  }
 
   auto owner_of = [&](const Task& t, const Piece& pc) {
     return spec.rank_of(t.d, t.stage, pc.piece % R);
@@ -277,14 +303,15 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     for (const Piece& pc : t.pieces) {
       auto& ops = s.ops[pc.rank];
       const int owner = owner_of(t, pc);
-      if (pc.helper && borrowed.insert({pc.rank, i, t.forward}).second) {
+      if (pc.helper && borrowed.insert({pc.rank, i, t.forward}).second && (t.forward || !lease_kept.count({pc.rank, i}))) {
         Piece whole{pc.rank, {}, 0, 1, true};
         ops.push_back(msg(OpKind::Recv, Payload::Weights, 0, i, owner, 0, whole));
       }
       // The owner sends the backward lease of its helpers when its own backwards begin.
       if (!t.forward && !pc.helper && owner_backward_started.insert(pc.rank * P + i).second)
         for (const auto& [key, last] : last_helper_task)
-          if (key.second == i && (key.first / (P * R)) == t.d && key.first % R == pc.rank % R) {
+          if (key.second == i && (key.first / (P * R)) == t.d && key.first % R == pc.rank % R &&
+              !lease_kept.count(key)) {
             Piece whole{key.first, {}, 0, 1, true};
             ops.push_back(msg(OpKind::Send, Payload::Weights, 0, i, key.first, 0, whole));
           }
