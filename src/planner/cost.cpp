@@ -179,6 +179,18 @@ StreamShape stream_shape(const Schedule& s, const Op& op, i64 o, i64 T) {
 }  // namespace
 
 double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backward, bool again) const {
+  return kv_stream(op, s, o, backward, again, nullptr);
+}
+
+CostModel::StreamCopies CostModel::kv_stream_copies(const Op& op, const Schedule& s, i64 o, bool backward,
+                                                    bool again) const {
+  StreamCopies c;
+  kv_stream(op, s, o, backward, again, &c);
+  return c;
+}
+
+double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backward, bool again,
+                            StreamCopies* copies) const {
   if (!s.any_kv_streamed()) return 0;
   // An MSP helper keeps its pieces of another stage's layers on the device.
   if (!op.group.empty() && !s.owned.empty()) {
@@ -212,8 +224,16 @@ double CostModel::kv_stream_s(const Op& op, const Schedule& s, i64 o, bool backw
     const double in = h2d_s(in_bytes, backward), out = backward ? d2h_s(out_bytes, true) : 0.0;
     // Note [Streamed chunks]: the share of the copies the compute stream loses, and of
     // the rest what the attention does not cover.
-    t += share * (h2d_s(in_bytes, false) + d2h_s(out_bytes, false)) +
-         (1 - share) * std::max(0.0, std::max(in, out) - attention);
+    const double exposed = (1 - share) * std::max(0.0, std::max(in, out) - attention);
+    t += share * (h2d_s(in_bytes, false) + d2h_s(out_bytes, false)) + exposed;
+    if (copies) {
+      copies->in_bytes += in_bytes;
+      copies->out_bytes += out_bytes;
+      copies->in_s += in;
+      copies->out_s += out;
+      copies->cover_s += attention;
+      copies->exposed_s += exposed;
+    }
     // A piece's copies: K and V (a Recompute layer: x) in; in backward its sums out, and
     // in once there are some.
     const int tensors = recompute ? 1 : 2;

@@ -131,11 +131,22 @@ class CostModel {
   // the attention does not cover shows, besides the share of the copies and the fixed
   // costs of each copy and chunk that the compute stream pays (Note [Streamed chunks] in
   // planner/profile.h); the subsequence's own K, V going out after the forward (coming
-  // back, or on a Recompute layer only its sums, before the backward) wait whole. The
-  // copies' contention with offloads on the same link is not priced. `again`: the forward
+  // back, or on a Recompute layer only its sums, before the backward) wait whole. Priced
+  // with the copy streams free; the simulator queues the chunks behind the copies already
+  // on them (Note [Streams on the copy streams] in sim/simulator.cpp). `again`: the forward
   // pass that a backward recomputing the attention runs first (its blocks in, nothing of
   // its own out).
   double kv_stream_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward, bool again = false) const;
+  // What of kv_stream_s the streamed chunks decide, summed over the op's streamed layers:
+  // the chunks' bytes in (K, V or x, with sums) and out (sums), their seconds alone on the
+  // link, the attention they hide behind, and the seconds of them it does not hide, which
+  // kv_stream_s charges: (1 - copy_compute_share) max(0, max(in, out) - cover).
+  struct StreamCopies {
+    i64 in_bytes = 0, out_bytes = 0;
+    double in_s = 0, out_s = 0, cover_s = 0, exposed_s = 0;
+  };
+  StreamCopies kv_stream_copies(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward,
+                                bool again = false) const;
   // Seconds a Forward (Backward) op spends recomputing: K, V of the earlier positions on
   // Recompute layers and, in backward, the recomputed groups and the own K, V.
   double recompute_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
@@ -179,6 +190,8 @@ class CostModel {
   i64 message_bytes(const sched::Op& op, const sched::Schedule& s, int rank = 0) const;
 
  private:
+  double kv_stream(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward, bool again,
+                   StreamCopies* copies) const;
   HardwareProfile hw_;
   ModelConfig model_;
   ActPrecision precision_;

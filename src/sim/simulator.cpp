@@ -47,16 +47,60 @@ struct SimOp {
   int subseq = 0;
   int peer = -1, recv_peer = -1;
   int layers = 1;     // max(1, layers of the op)
-  double seconds = 0; // F, B: its time (the same in every pass)
+  double seconds = 0; // F, B: its time with the copy streams free (the same in every pass)
   i64 bytes = 0;      // Offload, Prefetch, Send, RingStep: the bytes it moves
   sched::MessageKey key;  // Send, Recv, RingStep
+  int stream = -1;    // F, B: its streamed K/V chunks (RankEvents::streams), -1: none
 };
 
 SimOp sim_op(const Op& op) {
-  SimOp o{op.kind, op.payload, op.subseq, op.peer, op.recv_peer, std::max(1, op.layer_end - op.layer_begin), 0, 0, {}};
+  SimOp o{op.kind, op.payload, op.subseq, op.peer, op.recv_peer, std::max(1, op.layer_end - op.layer_begin), 0, 0, {}, -1};
   if (op.kind == OpKind::Send || op.kind == OpKind::Recv || op.kind == OpKind::RingStep) o.key = sched::message_key(op);
   return o;
 }
+
+// Note [Streams on the copy streams]: the chunks a streamed layer's window brings in (and,
+// in backward, the sums it sends out) go on the device's copy streams, one a direction,
+// behind whatever copies are already queued there (runtime/kv_stream.h shares them with
+// the activations' offloads and prefetches), at the pace the attention takes them.
+// CostModel prices them with the streams free (kv_stream_s): only what the attention does
+// not hide shows, (1 - share) max(0, max(in, out) - cover). Here an F/B op's first chunks
+// wait for its copy streams (a backward's, most often, for the prefetch of the unit the
+// next backward needs, queued just before it), which shows as (1 - share) max(0, max(wait_in
+// + max(in, cover), wait_out + max(out, cover)) - cover); and the streams are then busy
+// until the chunks are through, so a copy queued after the op waits for them. A backward
+// that recomputes the attention streams twice, its forward's chunks first. Not priced:
+// devices that share a PCIe switch or a NUMA node streaming at once (their copies share
+// those links, Note [Shared host links]; replaying the streams there too took gpt-65b's
+// 640K `--msp on` search from 6 to 21 s).
+struct KvStream {
+  i64 in_bytes = 0, out_bytes = 0;
+  CostModel::StreamCopies parts[2];  // in the order they run
+  int n = 0;
+  double paced_in = 0, paced_out = 0;  // seconds the chunks hold each copy stream
+  double exposed = 0;                  // their seconds in SimOp::seconds
+
+  void add(const CostModel::StreamCopies& c) {
+    if (c.in_bytes + c.out_bytes == 0) return;
+    parts[n++] = c;
+    in_bytes += c.in_bytes;
+    out_bytes += c.out_bytes;
+    if (c.in_bytes > 0) paced_in += std::max(c.in_s, c.cover_s);
+    if (c.out_bytes > 0) paced_out += std::max(c.out_s, c.cover_s);
+    exposed += c.exposed_s;
+  }
+  // Their seconds when the first chunks wait `wait_in` (`wait_out`) for the copy stream.
+  double exposed_after(double wait_in, double wait_out, double share) const {
+    double t = 0;
+    for (int k = 0; k < n; ++k) {
+      const CostModel::StreamCopies& c = parts[k];
+      const double in = c.in_bytes > 0 ? (k == 0 ? wait_in : 0) + std::max(c.in_s, c.cover_s) : 0;
+      const double out = c.out_bytes > 0 ? (k == 0 ? wait_out : 0) + std::max(c.out_s, c.cover_s) : 0;
+      t += (1 - share) * std::max(0.0, std::max(in, out) - c.cover_s);
+    }
+    return t;
+  }
+};
 
 // What a rank's ops do to device and host memory. It follows program order only, not
 // time, so it is worked out once per simulate() and every contention pass reuses it; the
@@ -78,6 +122,7 @@ struct RankEvents {
     i64 delta, rise;
   };
   std::vector<KvHostOp> kv_host;
+  std::vector<KvStream> streams;    // of the F/B ops whose K/V chunks stream (SimOp::stream)
   // Per subsequence: its offloadable tensors' bytes on this rank (RankMemory::unit_tensors),
   // from which refit_copies sizes the copies for other fractions.
   std::vector<std::vector<i64>> unit_tensors;
@@ -146,6 +191,17 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     SimOp& o = out.ops[k];
     if (op.kind == OpKind::Forward) o.seconds = cost.forward_s(op, s, offsets[size_t(op.subseq)]);
     if (op.kind == OpKind::Backward) o.seconds = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
+    if ((op.kind == OpKind::Forward || op.kind == OpKind::Backward) && s.any_kv_streamed()) {
+      const i64 at = offsets[size_t(op.subseq)];
+      const bool backward = op.kind == OpKind::Backward;
+      KvStream stream;
+      if (backward && (s.recompute & kAttentionGroup)) stream.add(cost.kv_stream_copies(op, s, at, false, true));
+      stream.add(cost.kv_stream_copies(op, s, at, backward));
+      if (stream.n > 0) {
+        o.stream = int(out.streams.size());
+        out.streams.push_back(stream);
+      }
+    }
     if (op.kind == OpKind::Offload) o.bytes = mem.offload_bytes(op);
     if (op.kind == OpKind::Prefetch) o.bytes = mem.prefetch_bytes(op);
     if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) o.bytes = cost.message_bytes(op, s, r);
@@ -311,8 +367,16 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
         switch (op.kind) {
           case OpKind::Forward:
           case OpKind::Backward: {
-            const double dur = op.seconds;
+            double dur = op.seconds;
             const double start = rs.t_compute;
+            if (op.stream >= 0) {  // Note [Streams on the copy streams]
+              const KvStream& kv = mem[size_t(r)].streams[size_t(op.stream)];
+              const double in_at = kv.in_bytes > 0 ? std::max(start, rs.t_in) : start;
+              const double out_at = kv.out_bytes > 0 ? std::max(start, rs.t_out) : start;
+              dur += kv.exposed_after(in_at - start, out_at - start, hw.copy_compute_share) - kv.exposed;
+              if (kv.in_bytes > 0) rs.t_in = in_at + kv.paced_in;
+              if (kv.out_bytes > 0) rs.t_out = out_at + kv.paced_out;
+            }
             double end = start + dur;
             if (rs.ring_steps > 0) {
               // The last ring block's attention follows its arrival.
@@ -780,6 +844,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
   out->host_fixed = old.host_fixed;
   out->host_state = old.host_state;
   out->unit_tensors = old.unit_tensors;
+  out->streams = old.streams;
   out->ops.reserve(ops.size());
   for (const Op& op : ops) out->ops.push_back(sim_op(op));
   out->first.reserve(ops.size() + 1);
@@ -797,6 +862,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
     out->ev.insert(out->ev.end(), old.ev.begin() + std::ptrdiff_t(old.first[j]),
                    old.ev.begin() + std::ptrdiff_t(old.first[j + 1]));
     out->ops[k].seconds = old.ops[j].seconds;
+    out->ops[k].stream = old.ops[j].stream;
     out->ops[k].bytes = old.ops[j].bytes;
     if (kv != old.kv_host.end() && kv->op == j) out->kv_host.push_back({k, kv->delta, (kv++)->rise});
     ++j;

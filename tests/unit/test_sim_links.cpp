@@ -94,6 +94,47 @@ void expect_same(const SimResult& got, const SimResult& want, const std::string&
   EXPECT_EQ(got.backward_start, want.backward_start) << what;
 }
 
+// Note [Streams on the copy streams]: a backward's K/V chunks go on the copy stream behind
+// the prefetch queued before it, so over a slow host link that backward waits for the
+// prefetch, then takes its chunks; a copy queued after it waits for the chunks in turn.
+TEST(HostLinks, StreamedChunksQueueBehindThePrefetch) {
+  const ModelConfig c = preset("medium");
+  nlohmann::json j = plan::to_json(plan::load_profile("a100-80gb"));
+  j["d2h_gbps"] = j["h2d_gbps"] = 0.5;
+  const HardwareProfile hw = plan::profile_from_json(j, "test");
+  const CostModel cost(hw, c, ActPrecision::F32);
+  const auto rules = memory_rules(c, ActPrecision::F32);
+  const std::vector<i64> lengths = plan::partition_length(4096, 3);
+  auto with_host_kv = [&](std::vector<double> alpha) {
+    sched::Schedule s = sched::build_single(c.layers, lengths, alpha);
+    s.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Host);
+    SimOptions o;
+    o.record = true;
+    return simulate(s, cost, rules, o);
+  };
+  const SimResult plain = with_host_kv({0, 0, 0});
+  const SimResult off = with_host_kv({1, 1, 0});
+  auto event = [](const SimResult& r, const std::string& name) {
+    for (const TraceEvent& e : r.events)
+      if (e.name == name) return e;
+    ADD_FAILURE() << "no event " << name;
+    return TraceEvent{};
+  };
+  // The prefetch of s1 is queued just before B s2; B s2's chunks (s0 and s1's K, V and
+  // sums) follow it on the copy stream.
+  const TraceEvent prefetch = event(off, "P s1 1");
+  const TraceEvent b2 = event(off, "B L0-" + std::to_string(c.layers - 1) + " s2");
+  const TraceEvent b2_plain = event(plain, "B L0-" + std::to_string(c.layers - 1) + " s2");
+  const double b2_alone = b2_plain.dur;
+  EXPECT_GT(prefetch.dur, 0.1 * b2_alone) << "the prefetch should be long over this link";
+  EXPECT_GE(b2.dur, b2_alone + 0.5 * (prefetch.start + prefetch.dur - b2.start))
+      << "B s2 should wait for the prefetch queued before its chunks";
+  // And the prefetch of s0, queued after B s2, starts once B s2's chunks are through.
+  const TraceEvent prefetch0 = event(off, "P s0 1");
+  EXPECT_GE(prefetch0.start, prefetch.start + prefetch.dur);
+  EXPECT_GT(off.step_time_s, plain.step_time_s);
+}
+
 TEST(Resimulator, EqualsSimulatingFromScratch) {
   const ModelConfig c = preset("medium");
   const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
