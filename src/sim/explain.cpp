@@ -85,9 +85,10 @@ std::vector<MemoryLine> complete(std::vector<MemoryLine> given) {
 // Note [Why each tensor sits where it does]: per kind of saved tensor of a layer, its bytes
 // per token and layer and its placement in the plan, with the reason: a tensor is kept
 // (and offloaded at the plan's alpha, hidden behind compute where the copies allow) unless
-// the plan recomputes it, which it does only where no plan recomputing less fits the
-// budgets (Note [Placing every tensor] in solver.cpp); K/V stay on the device unless no
-// plan with them there fits.
+// the plan recomputes it, which it does only where no plan with the K/V on the device and
+// nothing more recomputed fits the budgets, and then because the fastest plan that fits
+// does (Note [Placing every tensor] in solver.cpp); K/V stay on the device unless no plan
+// with them there fits.
 std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision prec, const TpShard& tp) {
   const ModelConfig& c = p.model;
   // One token's bytes a member, as the memory rules count them: tp tokens' over tp.
@@ -99,7 +100,8 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
                                                     num(alpha_max) + ", " + p.alpha_rule + ")"
                                               : "device";
   const bool kv_host = !p.kv_host_layers.empty(), kv_rc = !p.kv_recompute_layers.empty();
-  const std::string recompute_why = "recomputed in backward: no plan recomputing less fits the budgets, or "
+  const std::string recompute_why = "recomputed in backward: no plan with the K/V on the device and nothing more "
+                                    "recomputed fits the budgets, and the fastest that fits recomputes it; or "
                                     "--recompute-tensors named it";
   std::vector<TensorPlacement> out;
   auto bytes_of = [&](SavedSet set) {
