@@ -87,9 +87,10 @@ Schedule build_single(int layers, const std::vector<i64>& lengths, const std::ve
 //    backwards): Left pieces run at both ends of the step, so the copy is not held through
 //    the middle, where memory peaks. A helper that runs nothing between its last forward
 //    piece of the stage and its first backward one (a Right piece on an idle group, Note
-//    [MSP idle groups] in schedule/msp.h) keeps the first copy instead. The weight gradients (and, on the stage with the LM
-//    head, the loss of the helper's rows) go back after the helper's last backward of that
-//    stage (Send WeightGrads), and the owner receives them at the end of that task;
+//    [MSP idle groups] in schedule/msp.h) keeps the first copy instead. The weight
+//    gradients (and, on the stage with the LM head, the loss of the helper's rows) go back
+//    after the helper's last backward of that stage (Send WeightGrads), and the owner
+//    receives them at the end of that task;
 //  - forward: after it, each helper piece's K, V go to the owner (KV), which from then on
 //    holds them for the later subsequences and gathers their dK, dV; the helper keeps its
 //    own copy as a saved tensor for its backward;
@@ -230,7 +231,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
       for (const Piece& pc : tasks[t].pieces) {
         tasks_of[pc.rank].push_back(t);
         if (!pc.helper) continue;
-        auto [it, fresh] = ends.try_emplace({pc.rank, tasks[t].stage}, SIZE_MAX, SIZE_MAX);
+        auto it = ends.try_emplace({pc.rank, tasks[t].stage}, SIZE_MAX, SIZE_MAX).first;
         if (tasks[t].forward) it->second.first = t;
         else if (it->second.second == SIZE_MAX) it->second.second = t;
       }
@@ -303,7 +304,9 @@ Schedule build_pipeline(const PipelineSpec& spec) {
     for (const Piece& pc : t.pieces) {
       auto& ops = s.ops[pc.rank];
       const int owner = owner_of(t, pc);
-      if (pc.helper && borrowed.insert({pc.rank, i, t.forward}).second && (t.forward || !lease_kept.count({pc.rank, i}))) {
+      const bool lease_begins = pc.helper && borrowed.insert({pc.rank, i, t.forward}).second &&
+                                (t.forward || !lease_kept.count({pc.rank, i}));
+      if (lease_begins) {
         Piece whole{pc.rank, {}, 0, 1, true};
         ops.push_back(msg(OpKind::Recv, Payload::Weights, 0, i, owner, 0, whole));
       }

@@ -54,7 +54,8 @@ struct SimOp {
 };
 
 SimOp sim_op(const Op& op) {
-  SimOp o{op.kind, op.payload, op.subseq, op.peer, op.recv_peer, std::max(1, op.layer_end - op.layer_begin), 0, 0, {}, -1};
+  SimOp o{op.kind,      op.payload, op.subseq, op.peer, op.recv_peer, std::max(1, op.layer_end - op.layer_begin),
+          0,           0,          {},        -1};
   if (op.kind == OpKind::Send || op.kind == OpKind::Recv || op.kind == OpKind::RingStep) o.key = sched::message_key(op);
   return o;
 }
