@@ -224,7 +224,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   // stage's last subsequence, on the idle group before it), so the weights need not go
   // home and come back, with the owner's backward waiting on them.
   std::set<std::pair<int, int>> lease_kept;
-  {
+  if (msp) {  // only MSP has helpers; a plain pipeline skips the walk
     std::map<std::pair<int, int>, std::pair<size_t, size_t>> ends;  // last forward, first backward task
     std::map<int, std::vector<size_t>> tasks_of;                    // rank -> its tasks, in order
     for (size_t t = 0; t < tasks.size(); ++t)
