@@ -380,11 +380,12 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s, int rank) const {
     case Payload::None: return 0;
     case Payload::Hidden:
     case Payload::HiddenGrad: return tokens * H * act_bytes_;
-    case Payload::KV: return tokens * kv_per_token_ * n;
-    case Payload::KVGrad: return tokens * 2 * i64(model_.kv_width()) * 4 * n;  // an MSP piece's fp32 dK, dV
-    case Payload::Weights:
-      return sched::param_count(model_, op.layer_begin, op.layer_end, op.layer_begin == 0,
-                                op.layer_end == s.layers) * act_bytes_;
+    // An MSP piece's K, V and fp32 dK, dV: of the member's heads.
+    case Payload::KV: return s.tp > 1 ? tokens * 2 * member.local_kv_width(model_) * act_bytes_ * n
+                                      : tokens * kv_per_token_ * n;
+    case Payload::KVGrad: return tokens * 2 * i64(member.local_kv_width(model_)) * 4 * n;
+    case Payload::Weights:  // the member's shard
+      return sched::param_count(model_, op.layer_begin, op.layer_end, member) * act_bytes_;
     case Payload::WeightGrads:
       // An MSP helper's gradients of the stage it borrowed; from the head's stage, with its
       // loss sum (fp64) and per-position losses (fp32).

@@ -190,7 +190,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   if (b > 0) {  // the previous stage's output is this stage's first saved input
-    st.act.unit(i, b)[0] = st.messages.take_input(input_key(op), q);
+    st.act.unit(i, b)[0] = st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
     SPPO_ASSERT_MSG(st.act.unit(i, b)[0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
   const bool own = lb_ <= b && e <= le_;  // else an MSP helper's, on borrowed weights
@@ -236,7 +236,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     st.messages.poll();
   }
   if (e < L) {
-    st.messages.produce({sched::Payload::Hidden, e, i}, std::move(out), q);
+    st.messages.produce({sched::Payload::Hidden, e, i}, std::move(out), member_rows(st.sched, op, opts_.tp.index));
   } else {
     if (own) await_weights(L);
     // Note [The loss in backward] (core/layout.h): else the backward runs the head.
@@ -283,7 +283,8 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   // The residual gradient: the head's on the last stage (Note [The loss in backward]: made
   // below, with the last layer's output), else the next stage's.
   const bool loss_here = e == L && in_set(st.sched.recompute, kSavedHeadGrad);
-  Buffer d_buf = e == L ? std::move(st.act.head_grad(i)) : st.messages.take_input(input_key(op), q);
+  Buffer d_buf = e == L ? std::move(st.act.head_grad(i))
+                         : st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
   SPPO_ASSERT_MSG(d_buf || loss_here,
                   "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
@@ -359,7 +360,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     st.messages.poll();
   }
   if (b > 0) {
-    st.messages.produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf), q);
+    st.messages.produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf), member_rows(st.sched, op, opts_.tp.index));
     return;
   }
   if (st.tp) return;  // the embedding's gradient came with layer 0
@@ -420,13 +421,13 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         if (waited > kShownWaitS) add_span(result, "wait P" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
       case sched::OpKind::Send:
-        if (is_hidden_message(op))
+        if (sched::is_hidden_message(op))
           st.messages.send(op);
         else
           st.msp.send(op);
         break;
       case sched::OpKind::Recv:
-        waited = is_hidden_message(op) ? st.messages.wait_receive(k) : st.msp.receive(op, k);
+        waited = sched::is_hidden_message(op) ? st.messages.wait_receive(k) : st.msp.receive(op, k);
         result.comm_wait_s += waited;
         if (waited > kShownWaitS) add_span(result, "wait " + sched::to_string(op), op.kind, Lane::Compute, t0, now_s());
         break;

@@ -10,7 +10,7 @@
 
 namespace sppo {
 
-MspExchange::MspExchange(comm::Comm* comm, Backend& be, MemoryTier& device, const ModelConfig& c,
+MspExchange::MspExchange(comm::Comm* comm, Backend& be, MemoryTier& device, const ModelConfig& c, const TpShard& tp,
                          const sched::Schedule& sc, const std::vector<sched::Op>& ops, std::pair<int, int> layers,
                          OwnWeights own, KvStore& kv, StageMessages& messages, GradReduce& grads,
                          const Buffer& loss_sum, StepResult& result)
@@ -18,6 +18,7 @@ MspExchange::MspExchange(comm::Comm* comm, Backend& be, MemoryTier& device, cons
       be_(be),
       device_(device),
       config_(c),
+      tp_(tp),
       act_(be.act()),
       sched_(sc),
       lb_(layers.first),
@@ -55,7 +56,7 @@ StageWeights MspExchange::weights_for(const sched::Op& op) {
     b.g = device_.alloc_zeroed(b.count * i64(sizeof(float)), "borrowed gradients of layers " +
                                                                  std::to_string(op.layer_begin) + "-" +
                                                                  std::to_string(op.layer_end - 1));
-    b.gv = param_view(config_, b.g.f32(), op.layer_begin, op.layer_end);
+    b.gv = param_view(config_, b.g.f32(), op.layer_begin, op.layer_end, tp_);
   }
   return {&b.wv, &b.gv, &b.mv};
 }
@@ -114,17 +115,17 @@ double MspExchange::receive(const sched::Op& op, std::size_t index) {
   const std::string what = "op " + std::to_string(index) + " '" + sched::to_string(op) + "'";
   double waited = 0;
   auto recv = [&](void* data, i64 bytes) { waited += comm::wait(*comm_, comm_->irecv(data, bytes, op.peer, tag), what); };
-  const i64 H = config_.kv_width();  // the K/V cache's width
+  const i64 H = tp_.local_kv_width(config_);  // the K/V cache's width (this member's heads)
   switch (op.payload) {
     case sched::Payload::Weights: {
       auto& lease = borrowed_[{b, e}];
       SPPO_ASSERT(!lease.w);
-      lease.count = sched::param_count(config_, b, e, b == 0, e == config_.layers);
+      lease.count = sched::param_count(config_, b, e, tp_);
       lease.w = device_.alloc(lease.count * i64(sizeof(float)),
                               "borrowed weights of layers " + std::to_string(b) + "-" + std::to_string(e - 1));
       recv(lease.w.data(), lease.w.bytes());
-      lease.wv = param_view(config_, lease.w.f32(), b, e);
-      lease.mv = matrix_view(config_, lease.w.data(), act_, b, e);
+      lease.wv = param_view(config_, lease.w.f32(), b, e, tp_);
+      lease.mv = matrix_view(config_, lease.w.data(), act_, b, e, tp_);
       break;
     }
     case sched::Payload::KV: {

@@ -5,7 +5,8 @@
 //
 // Contract: every MSP message is a set of arrays sent one after another with the op's tag,
 // which MPI keeps in order between two ranks:
-//  - Weights: the owner's parameters (all it owns) to a helper, which holds them from that
+//  - Weights: the owner's parameters (all it owns: under tensor parallelism its shard, to
+//    the helper group's member of the same index) to a helper, which holds them from that
 //    Recv until its last F/B on those layers before the next lease of them, or until it
 //    sends their gradients (weights_for hands them to F and B);
 //  - KV: a helper's K, V of its piece, per layer, to the owner, which holds them in the
@@ -55,10 +56,13 @@ struct OwnWeights {
 
 class MspExchange {
  public:
-  // `ops`: this rank's. `loss_sum`: the step's loss sum on the device (one double).
-  MspExchange(comm::Comm* comm, Backend& be, MemoryTier& device, const ModelConfig& c, const sched::Schedule& sc,
-              const std::vector<sched::Op>& ops, std::pair<int, int> layers, OwnWeights own, KvStore& kv,
-              StageMessages& messages, GradReduce& grads, const Buffer& loss_sum, StepResult& result);
+  // `ops`: this rank's. `tp`: its tensor-parallel shard, which an owner lends and a helper
+  // borrows (member t of the owner's group to member t of the helper's). `loss_sum`: the
+  // step's loss sum on the device (one double).
+  MspExchange(comm::Comm* comm, Backend& be, MemoryTier& device, const ModelConfig& c, const TpShard& tp,
+              const sched::Schedule& sc, const std::vector<sched::Op>& ops, std::pair<int, int> layers,
+              OwnWeights own, KvStore& kv, StageMessages& messages, GradReduce& grads, const Buffer& loss_sum,
+              StepResult& result);
 
   // The weights F/B op `op` runs with: this rank's own, or another stage's lent to it.
   StageWeights weights_for(const sched::Op& op);
@@ -84,6 +88,7 @@ class MspExchange {
   Backend& be_;
   MemoryTier& device_;
   const ModelConfig& config_;
+  TpShard tp_;
   DType act_;
   const sched::Schedule& sched_;
   int lb_, le_;

@@ -28,6 +28,21 @@ inline Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
   return q;
 }
 
+// The rows of them that tensor-parallel member `t` holds between the sequence-parallel
+// regions (sched::member_spans): the hidden states it passes on and takes in; all of them
+// without tensor parallelism.
+inline Subseq member_rows(const sched::Schedule& sc, const sched::Op& op, int t) {
+  if (sc.tp == 1) return rows_of(sc, op);
+  const i64 o = sc.offset(op.subseq);
+  Subseq q;
+  for (const auto& [b, e] : sched::member_spans(sc.spans(op), t, sc.tp)) {
+    q.spans.push_back({o + b, int(e - b), q.T});
+    q.T += int(e - b);
+  }
+  q.offset = q.spans.front().pos0;
+  return q;
+}
+
 // q as the blocks see it: with the step's packed documents (StepControl::docs), if any.
 inline Subseq with_docs(Subseq q, const std::vector<i64>* docs) {
   q.docs = docs && !docs->empty() ? docs : nullptr;

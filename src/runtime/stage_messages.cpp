@@ -8,26 +8,6 @@
 
 namespace sppo {
 
-HiddenKey hidden_key(const sched::Op& op) {
-  const bool fwd = op.payload == sched::Payload::Hidden;
-  return {op.payload, fwd ? op.layer_begin : op.layer_end, op.subseq};
-}
-
-HiddenKey input_key(const sched::Op& op) {
-  if (op.kind == sched::OpKind::Forward) return {sched::Payload::Hidden, op.layer_begin, op.subseq};
-  return {sched::Payload::HiddenGrad, op.layer_end, op.subseq};
-}
-
-HiddenKey output_key(const sched::Op& op) {
-  if (op.kind == sched::OpKind::Forward) return {sched::Payload::Hidden, op.layer_end, op.subseq};
-  return {sched::Payload::HiddenGrad, op.layer_begin, op.subseq};
-}
-
-bool is_hidden_message(const sched::Op& op) {
-  return (op.kind == sched::OpKind::Send || op.kind == sched::OpKind::Recv) &&
-         (op.payload == sched::Payload::Hidden || op.payload == sched::Payload::HiddenGrad);
-}
-
 StageMessages::StageMessages(comm::Comm* comm, int rank, Backend& be, MemoryTier& device, const ModelConfig& c,
                              const sched::Schedule& sc, const std::vector<sched::Op>& ops, int& sent,
                              StepResult& result)
@@ -41,27 +21,29 @@ StageMessages::StageMessages(comm::Comm* comm, int rank, Backend& be, MemoryTier
       ops_(ops),
       sent_(sent),
       result_(result) {
-  std::map<HiddenKey, Subseq> made_here;  // outputs of this rank's F/B ops, and their rows
+  // Outputs of this rank's F/B ops, and the rows of them it holds (its tensor-parallel
+  // member's).
+  std::map<HiddenKey, Subseq> made_here;
+  const int member = sc.tp > 1 ? rank % sc.tp : 0;
   for (const sched::Op& op : ops) {
     if (is_compute(op)) {
       // Under MSP a piece may take rows that this rank produced for it (Note [MSP pieces]).
-      const bool has_input = op.kind == sched::OpKind::Forward ? op.layer_begin > 0 : op.layer_end < c.layers;
-      auto made = made_here.find(input_key(op));
-      if (has_input && made != made_here.end()) {
-        const Subseq q = rows_of(sc, op);
+      auto made = made_here.find(sched::input_id(op));
+      if (sched::has_input(op, c.layers) && made != made_here.end()) {
+        const Subseq q = member_rows(sc, op, member);
         const Subseq& p = made->second;
         if (std::min(p.offset + p.T, q.offset + q.T) > std::max(p.offset, q.offset)) taken_here_.insert(made->first);
       }
-      made_here[output_key(op)] = rows_of(sc, op);
+      made_here[sched::output_id(op)] = member_rows(sc, op, member);
     }
-    if (is_hidden_message(op) && op.kind == sched::OpKind::Send) ++sends_of_[hidden_key(op)];
+    if (sched::is_hidden_message(op) && op.kind == sched::OpKind::Send) ++sends_of_[sched::hidden_id(op)];
   }
   // Receives are posted as the compute op before them starts (schedule/memory.h).
   posts_.assign(ops.size(), {});
   std::size_t post = 0;
   for (std::size_t k = 0; k < ops.size(); ++k) {
     if (is_compute(ops[k])) post = k;
-    if (ops[k].kind == sched::OpKind::Recv && is_hidden_message(ops[k])) posts_[post].push_back(k);
+    if (ops[k].kind == sched::OpKind::Recv && sched::is_hidden_message(ops[k])) posts_[post].push_back(k);
   }
 }
 
@@ -82,12 +64,12 @@ void StageMessages::post_receive(std::size_t index) {
   in.buf = device_.alloc(bytes, "received " + std::string(sched::to_string(op.payload)) + " of subseq " +
                                     std::to_string(i));
   in.req = comm_->irecv(in.buf.data(), bytes, op.peer, sched::message_tag(op));
-  incoming_[hidden_key(op)].push_back(std::move(in));
+  incoming_[sched::hidden_id(op)].push_back(std::move(in));
 }
 
 double StageMessages::wait_receive(std::size_t k) {
   const sched::Op& op = ops_[k];
-  auto& parts = incoming_[hidden_key(op)];
+  auto& parts = incoming_[sched::hidden_id(op)];
   auto part = std::find_if(parts.begin(), parts.end(), [k](const Incoming& in) { return in.op == k; });
   SPPO_ASSERT(part != parts.end());
   const double waited = comm::wait(*comm_, part->req, "op " + std::to_string(k) + " '" + sched::to_string(op) + "'");
@@ -173,7 +155,7 @@ Buffer StageMessages::take_input(const HiddenKey& key, const Subseq& q) {
 }
 
 void StageMessages::send(const sched::Op& op) {
-  auto it = produced_.find(hidden_key(op));
+  auto it = produced_.find(sched::hidden_id(op));
   SPPO_ASSERT_MSG(it != produced_.end() && it->second.sends_left > 0,
                   "send of " << sched::to_string(op) << " before its data was computed");
   Produced& p = it->second;

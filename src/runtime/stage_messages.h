@@ -32,17 +32,8 @@
 
 namespace sppo {
 
-// Identity of a hidden state (or its gradient) passed between stages: its payload, the
-// layer at the boundary (the consumer's first layer for a hidden state, its last + 1 for a
-// gradient) and the subsequence.
-using HiddenKey = std::tuple<sched::Payload, int, int>;
-HiddenKey hidden_key(const sched::Op& op);  // of a Send or Recv
-// The key of what F/B op `op` starts from (for a stage after the first, or before the last).
-HiddenKey input_key(const sched::Op& op);
-// The key of what it produces for the next stage (the previous, in backward).
-HiddenKey output_key(const sched::Op& op);
-// A Send or Recv of a hidden state or its gradient (the others are MSP's).
-bool is_hidden_message(const sched::Op& op);
+// Hidden states are kept by their sched::HiddenId.
+using HiddenKey = sched::HiddenId;
 
 class StageMessages {
  public:

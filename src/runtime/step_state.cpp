@@ -42,9 +42,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
                                         << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";
   }
   const bool msp = std::any_of(ops.begin(), ops.end(), [](const sched::Op& op) { return !op.group.empty() && is_compute(op); });
-  SPPO_CHECK(!msp || (sc.tp == 1 && o.comm && act == DType::F32 && (sc.ring == 1 || !o.ring_rsa)), "runtime")
-      << "multiplexed sequence partitioning (MSP) runs with pipeline, data and one-pass context parallelism on CPU "
-         "ranks in fp32; drop --tp and --ring rsa, or use --msp off";
+  SPPO_CHECK(!msp || (o.comm && act == DType::F32 && (sc.ring == 1 || !o.ring_rsa)), "runtime")
+      << "multiplexed sequence partitioning (MSP) runs with pipeline, data, tensor and one-pass context parallelism "
+         "on CPU ranks in fp32; drop --ring rsa, or use --msp off";
   SPPO_CHECK(sc.kv_place.empty() ||
                  (int(sc.kv_place.size()) == c.layers && !o.recompute && !(sc.ring > 1 && o.ring_rsa)),
              "runtime")
@@ -87,7 +87,7 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
       kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
       messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
       grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),
-      msp(c.opts.comm, c.be, c.device, c.config, sc, ops, c.layers, c.own, kv, messages, grads, loss_sum, res) {
+      msp(c.opts.comm, c.be, c.device, c.config, c.opts.tp, sc, ops, c.layers, c.own, kv, messages, grads, loss_sum, res) {
   const int L = c.config.layers;
   result.has_loss = c.layers.second == L;
   // An MSP helper of the last stage computes the loss of its rows too, and sends it home.

@@ -101,7 +101,8 @@ Schedule build_single(int layers, const std::vector<i64>& lengths, const std::ve
 // Hidden states between a split task and its neighbours move as the overlaps of the
 // producer's and the consumer's pieces (`first` says which rows); rows a rank produced
 // for itself stay there.
-// A helper piece pairs SP rank r of its group with SP rank r of the owner group.
+// A helper piece pairs SP rank r of its group with SP rank r of the owner group (and, once
+// expand_tensor_parallel makes the members, TP member t with member t).
 namespace {
 
 struct Piece {
@@ -464,6 +465,21 @@ void set_offload_fractions(Schedule* s, const std::vector<double>& alpha) {
       }
 }
 
+namespace {
+
+bool is_compute(const Op& op) { return op.kind == OpKind::Forward || op.kind == OpKind::Backward; }
+
+}  // namespace
+
+// Note [Hidden states of MSP pieces under tensor parallelism]: between the sequence-parallel
+// regions member t of a group holds rows piece_range(T, t, tp) of its piece (member_spans).
+// Where a producer's and a consumer's pieces split a subsequence alike, member t sends its
+// rows to member t. Where they do not (an MSP split task beside an unsplit one), a member's
+// rows of the producer's piece meet several members' rows of the consumer's: each shared run
+// of positions moves as its own message, member to member, and rows a group produced for
+// itself move between its members where they change hands (a member keeps those that stay
+// its own). The messages of one member pair go in ascending position, the same order on
+// both sides.
 Schedule expand_tensor_parallel(Schedule s, int tp) {
   SPPO_CHECK(tp >= 1, "schedule") << "tensor parallelism needs at least one rank a group (got " << tp << ")";
   SPPO_CHECK(s.tp == 1, "schedule") << "the schedule is already tensor parallel";
@@ -479,19 +495,87 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
   out.tp = tp;
   out.ops.assign(std::size_t(out.ranks), {});
   out.owned.clear();
+  const int L = out.layers;
+  // Under MSP: where each hidden state is made and taken, by rank (Note above).
+  bool msp = false;
+  for (const auto& ops : ops_of)
+    for (const Op& op : ops) msp |= is_compute(op) && !op.group.empty();
+  std::vector<std::map<HiddenId, const Op*>> made(ops_of.size()), taken(ops_of.size());
+  if (msp)
+    for (std::size_t r = 0; r < ops_of.size(); ++r)
+      for (const Op& op : ops_of[r]) {
+        if (!is_compute(op)) continue;
+        SPPO_CHECK(span_tokens(out.spans(op)) >= tp, "schedule")
+            << "a piece of subsequence " << op.subseq << " has " << span_tokens(out.spans(op))
+            << " tokens, fewer than the " << tp << " tensor-parallel ranks that split it; use fewer --subseqs";
+        if (has_output(op, L)) made[r][output_id(op)] = &op;
+        if (has_input(op, L)) taken[r][input_id(op)] = &op;
+      }
+  // The runs of positions that member a of producer p and member b of consumer c share,
+  // within `run`.
+  auto shared = [&](const Op& p, int a, const Op& c, int b, const Spans& run) {
+    std::vector<std::pair<i64, i64>> runs;
+    for (const auto& [lo, hi] : overlaps(member_spans(out.spans(p), a, tp), member_spans(out.spans(c), b, tp)))
+      for (const auto& [rb, re] : run)
+        if (std::min(hi, re) > std::max(lo, rb)) runs.push_back({std::max(lo, rb), std::min(hi, re)});
+    return runs;
+  };
+  auto part = [](Op op, int peer, std::pair<i64, i64> run) {
+    op.peer = peer;
+    op.first = run.first;
+    op.tokens = run.second - run.first;
+    return op;
+  };
+  // A message of rows a rank made for itself, between two of its members.
+  auto local = [&](OpKind kind, const Op& consumer) {
+    Op op;
+    op.kind = kind;
+    op.payload = consumer.kind == OpKind::Forward ? Payload::Hidden : Payload::HiddenGrad;
+    op.layer_begin = consumer.layer_begin;
+    op.layer_end = consumer.layer_end;
+    op.subseq = consumer.subseq;
+    op.piece = consumer.piece;
+    op.pieces = consumer.pieces;
+    return op;
+  };
   for (int r = 0; r < int(ops_of.size()); ++r)
     for (int t = 0; t < tp; ++t) {
       auto map = [&](int rank) { return rank < 0 ? rank : rank * tp + t; };
       if (!owned.empty()) out.owned.push_back(owned.at(std::size_t(r)));
       auto& ops = out.ops[std::size_t(r * tp + t)];
       ops.reserve(ops_of[std::size_t(r)].size());
-      for (Op op : ops_of[std::size_t(r)]) {
+      for (const Op& src : ops_of[std::size_t(r)]) {
+        const bool send = src.kind == OpKind::Send;
+        if (msp && is_hidden_message(src)) {
+          const HiddenId id = hidden_id(src);
+          const Op& p = *made.at(std::size_t(send ? r : src.peer)).at(id);
+          const Op& c = *taken.at(std::size_t(send ? src.peer : r)).at(id);
+          const Spans run = src.first < 0 ? out.spans(p) : Spans{{src.first, src.first + src.tokens}};
+          if (src.first < 0 && out.spans(p) == out.spans(c)) {  // alike: member t's rows to member t
+            Op op = src;
+            op.peer = map(src.peer);
+            op.tokens = span_tokens(member_spans(run, t, tp));
+            ops.push_back(std::move(op));
+            continue;
+          }
+          for (int u = 0; u < tp; ++u)
+            for (const auto& shared_run : send ? shared(p, t, c, u, run) : shared(p, u, c, t, run))
+              ops.push_back(part(src, src.peer * tp + u, shared_run));
+          continue;
+        }
+        if (msp && has_input(src, L) && made[std::size_t(r)].count(input_id(src))) {
+          // this rank's own rows its other members hold
+          const Op& p = *made[std::size_t(r)].at(input_id(src));
+          for (int u = 0; u < tp; ++u)
+            if (u != t)
+              for (const auto& shared_run : shared(p, u, src, t, out.spans(p)))
+                ops.push_back(part(local(OpKind::Recv, src), r * tp + u, shared_run));
+        }
+        Op op = src;
         op.peer = map(op.peer);
         op.recv_peer = map(op.recv_peer);
         for (int& g : op.group) g = map(g);
-        const bool hidden = (op.kind == OpKind::Send || op.kind == OpKind::Recv) &&
-                            (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad);
-        if (hidden) {
+        if (is_hidden_message(op)) {
           const i64 whole = op.tokens > 0 ? op.tokens : span_tokens(out.spans(op));
           SPPO_CHECK(whole >= tp, "schedule")
               << "subsequence " << op.subseq << " has " << whole << " tokens, fewer than the " << tp
@@ -500,6 +584,14 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
           op.tokens = e - b;
         }
         ops.push_back(std::move(op));
+        if (msp && has_output(src, L) && taken[std::size_t(r)].count(output_id(src))) {
+          // ... and what its other members take of what this one made
+          const Op& c = *taken[std::size_t(r)].at(output_id(src));
+          for (int u = 0; u < tp; ++u)
+            if (u != t)
+              for (const auto& shared_run : shared(src, t, c, u, out.spans(src)))
+                ops.push_back(part(local(OpKind::Send, c), r * tp + u, shared_run));
+        }
       }
     }
   return out;

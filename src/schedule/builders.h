@@ -53,7 +53,10 @@ Schedule build_pipeline(const PipelineSpec& spec);
 // rank r of `s` becomes the tp consecutive ranks r * tp + t, t = 0 .. tp - 1, which run r's
 // op list together, member t on its shards. Peers and all-reduce groups map to the member
 // with the same index (its shards have the same shapes), and a hidden-state message
-// carries that member's rows piece_range(tokens, t, tp) of the piece. Ranks are then
+// carries that member's rows piece_range(tokens, t, tp) of the piece; under MSP, where two
+// tasks split a subsequence differently, the runs of positions two members' rows share,
+// inside a group too (Note [Hidden states of MSP pieces under tensor parallelism] in
+// builders.cpp). Ranks are then
 //   rank = ((d * pp + p) * sp + r) * tp + t
 // so a tensor-parallel group is innermost, inside one node as the paper keeps it.
 Schedule expand_tensor_parallel(Schedule s, int tp);  // tp 1: s itself

@@ -66,6 +66,45 @@ Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout) {
   return s;
 }
 
+bool is_hidden_message(const Op& op) {
+  return (op.kind == OpKind::Send || op.kind == OpKind::Recv) &&
+         (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad);
+}
+
+HiddenId hidden_id(const Op& op) {
+  return {op.payload, op.payload == Payload::Hidden ? op.layer_begin : op.layer_end, op.subseq};
+}
+
+bool has_input(const Op& op, int layers) {
+  return op.kind == OpKind::Forward ? op.layer_begin > 0 : op.kind == OpKind::Backward && op.layer_end < layers;
+}
+
+bool has_output(const Op& op, int layers) {
+  return op.kind == OpKind::Forward ? op.layer_end < layers : op.kind == OpKind::Backward && op.layer_begin > 0;
+}
+
+HiddenId input_id(const Op& op) {
+  if (op.kind == OpKind::Forward) return {Payload::Hidden, op.layer_begin, op.subseq};
+  return {Payload::HiddenGrad, op.layer_end, op.subseq};
+}
+
+HiddenId output_id(const Op& op) {
+  if (op.kind == OpKind::Forward) return {Payload::Hidden, op.layer_end, op.subseq};
+  return {Payload::HiddenGrad, op.layer_begin, op.subseq};
+}
+
+Spans member_spans(const Spans& piece, int t, int tp) {
+  const auto [rb, re] = piece_range(span_tokens(piece), t, tp);
+  Spans out;
+  i64 row = 0;  // the piece's row at the start of each range
+  for (const auto& [b, e] : piece) {
+    const i64 lo = std::max(rb, row), hi = std::min(re, row + (e - b));
+    if (hi > lo) out.push_back({b + (lo - row), b + (hi - row)});
+    row += e - b;
+  }
+  return out;
+}
+
 Spans Schedule::spans(const Op& op) const { return spans(op.subseq, op.piece, op.pieces); }
 
 Spans Schedule::spans(int subseq, int piece, int pieces) const {

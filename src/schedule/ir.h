@@ -9,6 +9,7 @@
 #include <array>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -80,6 +81,21 @@ struct Op {
   bool operator==(const Op&) const = default;
 };
 
+// A hidden state (or its gradient) passed between stages: its payload, the layer at the
+// boundary (the consumer's first layer for a hidden state, its last + 1 for a gradient) and
+// the subsequence. The runtime keeps its buffers by it (runtime/stage_messages.h), and
+// expand_tensor_parallel matches its makers to its takers by it.
+using HiddenId = std::tuple<Payload, int, int>;
+bool is_hidden_message(const Op& op);  // a Send or Recv of a hidden state or its gradient
+HiddenId hidden_id(const Op& op);      // of such a message
+// F/B op `op` starts from a hidden state but on the first stage's forward and the last's
+// backward, and makes one for the next stage (the previous, in backward) but on the last
+// stage's forward and the first's backward.
+bool has_input(const Op& op, int layers);
+bool has_output(const Op& op, int layers);
+HiddenId input_id(const Op& op);
+HiddenId output_id(const Op& op);
+
 // How the R pieces of a ring (the SP ranks of one stage group) hold a subsequence's tokens.
 // Note [Ring attention load balance]: under causal attention a query attends to every
 // position before it, so a contiguous split gives piece r of R about (2r + 1) / R^2 of the
@@ -122,6 +138,9 @@ i64 overlap(const Spans& a, const Spans& b);
 std::vector<std::pair<i64, i64>> overlaps(const Spans& a, const Spans& b);
 // Piece `piece` of `pieces` of a subsequence of l tokens laid out by `layout`.
 Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout);
+// What tensor-parallel member t of tp holds of a piece between the sequence-parallel
+// regions: its rows piece_range(T, t, tp), T the piece's tokens in position order.
+Spans member_spans(const Spans& piece, int t, int tp);
 
 struct Schedule {
   int ranks = 1;

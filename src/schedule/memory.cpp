@@ -171,8 +171,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
           if ((ops[k].kind == OpKind::Forward || ops[k].kind == OpKind::Backward) &&
               ops[k].layer_begin == range.first && ops[k].layer_end == range.second)
             last = k;
-        release_after_[last] += param_count(c, range.first, range.second, range.first == 0, range.second == L) *
-                                rules.act_bytes();
+        release_after_[last] += param_count(c, range.first, range.second, tp_) * rules.act_bytes();
       }
   }
   // A receive of hidden states (or their gradients) is posted, and its buffer allocated,
@@ -183,7 +182,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     for (size_t k = 0; k < ops.size(); ++k) {
       const Op& op = ops[k];
       if (op.kind == OpKind::Forward || op.kind == OpKind::Backward) post = k;
-      if (op.kind == OpKind::Recv && (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad))
+      if (op.kind == OpKind::Recv && is_hidden_message(op))
         posted_at_[post] += op.tokens * i64(c.hidden) * rules.act_bytes();
     }
   }
@@ -379,7 +378,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   SPPO_ASSERT_MSG(index < s_.ops[rank_].size() && &op == &s_.ops[rank_][index],
                   "RankMemory::events must see every op of its rank in program order");
   auto borrowed_params = [&] {
-    return param_count(rules_.model, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == L);
+    return param_count(rules_.model, op.layer_begin, op.layer_end, tp_);  // this member's shard
   };
   if (auto it = posted_at_.find(index); it != posted_at_.end()) emit(out, 0.0, it->second, T::Hidden);
   // Borrowed layers' gradients: from the first backward on them, or the first forward
@@ -543,7 +542,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       }
       break;
     case OpKind::Send:
-      if (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad) {
+      if (is_hidden_message(op)) {
         emit(out, 1.0, -h_bytes * op.tokens, T::Hidden);
       } else if (op.payload == Payload::WeightGrads) {
         // The weights go as the send starts; the gradients once it has gone.

@@ -702,14 +702,14 @@ plan::Plan with_msp(plan::Plan p) {
 
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups' SP ranks (Note [MSP
-  // pieces]), without tensor parallelism. Recomputed K/V and the attention recomputed in
-  // backward need a rank's whole rows, head_grad recomputed a stage's own head: not under
-  // MSP.
-  if (p.pp == 1 || p.subseqs < p.pp || p.tp > 1 || !p.kv_recompute_layers.empty() ||
+  // pieces]), each piece's rows over the group's TP members. Recomputed K/V and the
+  // attention recomputed in backward need a rank's whole rows, head_grad recomputed a
+  // stage's own head: not under MSP.
+  if (p.pp == 1 || p.subseqs < p.pp || !p.kv_recompute_layers.empty() ||
       (p.recompute & (kAttentionGroup | kHeadGradGroup)))
     return false;
   for (i64 l : p.lengths)
-    if (l < i64(p.sp) * p.pp) return false;
+    if (l < i64(p.sp) * p.pp * p.tp) return false;
   return true;
 }
 
@@ -1250,7 +1250,7 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   m.chosen = neither ? (layout.msp && msp_possible(on) ? m.on : m.off) : use_on ? m.on : m.off;
   std::string note;
   if (!msp_possible(on))
-    note = "MSP off: it needs N >= P, every subsequence at least P tokens, and no --tp or ring (sp 1)";
+    note = "MSP off: it needs N >= P and every subsequence at least P x sp x tp tokens";
   else if (use_on)
     note = std::string(req.msp == 1 ? "MSP on (--msp on): " : "MSP on: ") + seconds_text(t_on) + " per step, against " +
            (m.off_fits ? seconds_text(t_off) + " without it" : "no plan without it that fits (peak " +

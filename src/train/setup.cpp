@@ -391,18 +391,20 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
     }
     if (shape.msp) {
       const int N = int(s.lengths.size());
-      SPPO_CHECK(shape.pp > 1 && shape.tp == 1 && !(shape.sp > 1 && shape.ring_rsa), "options")
-          << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --tp and "
-             "--ring rsa (got --pp "
-          << shape.pp << " --tp " << shape.tp << (shape.sp > 1 && shape.ring_rsa ? " --ring rsa" : "") << ")";
+      SPPO_CHECK(shape.pp > 1 && !(shape.sp > 1 && shape.ring_rsa), "options")
+          << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --ring rsa "
+             "(got --pp "
+          << shape.pp << (shape.sp > 1 && shape.ring_rsa ? " --ring rsa" : "") << ")";
       SPPO_CHECK(N >= shape.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
                                            << ", --pp " << shape.pp << "); use --subseqs " << shape.pp << " or more";
       SPPO_CHECK(s.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
                                                                "--precision fp32";
+      // A piece on every stage group, over its SP ranks, each piece's rows over its TP members.
+      const i64 split = i64(shape.pp) * shape.sp * shape.tp;
       for (int i = 0; i < N; ++i)
-        SPPO_CHECK(s.lengths[i] >= shape.pp, "options")
-            << "--msp on splits subsequence " << i << " of " << s.lengths[i] << " tokens over up to " << shape.pp
-            << " stages; use fewer --subseqs";
+        SPPO_CHECK(s.lengths[i] >= split, "options")
+            << "--msp on splits subsequence " << i << " of " << s.lengths[i] << " tokens into up to " << split
+            << " rows' shares (stages x --cp x --tp); use fewer --subseqs";
     }
     s.schedule = sim::build_step(s.config, s.lengths, s.alpha, shape);
     if (!o.recompute) r = sim::simulate(s.schedule, plan::CostModel(profile(), s.config, precision),

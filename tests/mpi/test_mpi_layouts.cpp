@@ -317,6 +317,21 @@ TEST_F(Layouts, MultiplexedSequencePartitioning) {
   check(4, "--pp 2 --dp 2 --zero 1 --subseqs 4 --msp on", "ref2");
 }
 
+// MSP with tensor parallelism: each member borrows its shard from the owner's member of the
+// same index, and where a split task and its neighbours split a subsequence differently the
+// members' rows meet across members, inside a group too (Note [Hidden states of MSP pieces
+// under tensor parallelism] in schedule/builders.cpp). Uneven groups (tp 3), the ring,
+// data parallelism, K/V on the host and replicated key/value heads (tp 4 over 2).
+TEST_F(Layouts, MspWithTensorParallelism) {
+  check_peaks(4, "--pp 2 --tp 2 --subseqs 4 --msp on", "ref1", kModel, false);
+  check_peaks(6, "--pp 3 --tp 2 --subseqs 5 --partition flops --offload 0.5 --msp on --kv-cache host", "ref1", kModel,
+              false);
+  check(6, "--pp 2 --tp 3 --subseqs 4 --msp on --msp-reach 2", "ref1");
+  check(8, "--pp 2 --tp 2 --cp 2 --ring zigzag --subseqs 4 --msp on", "ref1");
+  check(8, "--pp 2 --tp 2 --dp 2 --zero 1 --subseqs 3 --msp on", "ref2");
+  check(8, "--pp 2 --tp 4 --subseqs 4 --msp on", "llama6", kLlama6);
+}
+
 // Grouped-query K/V (2 heads for 4 queries' heads) through the pipeline, the ring (the
 // queries travel, the narrower keys stay), MSP pieces, data parallelism with ZeRO-1, and
 // the saved-tensor placements; the untied LM head on the last stage alone.

@@ -4,7 +4,9 @@
 // rules count each member's shards.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <numeric>
+#include <tuple>
 
 #include "core/check.h"
 #include "core/layout.h"
@@ -143,6 +145,76 @@ TEST(TensorParallel, ExpandedGridIsValid) {
               }
             }
         }
+}
+
+// Under MSP a split task's pieces and its unsplit neighbours' split a subsequence
+// differently, so a member's rows meet several members' rows of the other side, its own
+// group's among them (Note [Hidden states of MSP pieces under tensor parallelism]). Every
+// expanded schedule is valid, and each member's input to each F/B is exactly its rows of
+// the piece: what it receives (each row once) and what it made itself.
+TEST(TensorParallel, MspMembersReceiveExactlyTheirRows) {
+  const MemoryRules rl = rules();
+  int local_messages = 0;
+  for (int pp : {2, 3})
+    for (int tp : {2, 3})
+      for (int sp : {1, 2})
+        for (int reach : {0, 2})
+          for (int n : {pp, pp + 2}) {
+            PipelineSpec spec;
+            spec.layers = 3;
+            spec.pp = pp;
+            spec.sp = sp;
+            spec.msp = true;
+            spec.msp_reach = reach;
+            for (int i = 0; i < n; ++i) spec.lengths.push_back(40 - 3 * i);
+            const Schedule base = build_pipeline(spec);
+            const Schedule s = expand_tensor_parallel(base, tp);
+            const std::string at = "pp " + std::to_string(pp) + " tp " + std::to_string(tp) + " sp " +
+                                   std::to_string(sp) + " reach " + std::to_string(reach) + " n " + std::to_string(n);
+            const Validation v = validate(s, {&rl, 0});
+            EXPECT_TRUE(v.ok()) << at << "\n" << v.message();
+            for (int rank = 0; rank < s.ranks; ++rank) {
+              const int t = rank % tp;
+              std::map<std::tuple<Payload, int, int>, std::vector<std::pair<i64, i64>>> got;  // rows received
+              std::map<std::tuple<Payload, int, int>, Spans> made;                            // rows made here
+              for (const Op& op : s.ops[std::size_t(rank)]) {
+                const bool fwd = op.kind == OpKind::Forward;
+                if ((op.kind == OpKind::Recv || op.kind == OpKind::Send) &&
+                    (op.payload == Payload::Hidden || op.payload == Payload::HiddenGrad)) {
+                  if (op.peer / tp == rank / tp) ++local_messages;
+                  if (op.kind == OpKind::Send) continue;
+                  const auto key = std::tuple{op.payload, op.payload == Payload::Hidden ? op.layer_begin : op.layer_end,
+                                              op.subseq};
+                  const Spans whole = member_spans(s.spans(op), t, tp);
+                  got[key].push_back(op.first < 0 ? whole.front() : std::pair{op.first, op.first + op.tokens});
+                  continue;
+                }
+                if (op.kind != OpKind::Forward && op.kind != OpKind::Backward) continue;
+                const Spans mine = member_spans(s.spans(op), t, tp);
+                const bool input = fwd ? op.layer_begin > 0 : op.layer_end < spec.layers;
+                if (input) {
+                  const auto key = std::tuple{fwd ? Payload::Hidden : Payload::HiddenGrad,
+                                              fwd ? op.layer_begin : op.layer_end, op.subseq};
+                  // Each of its rows once: from messages or from what this member made.
+                  std::vector<int> seen(std::size_t(s.lengths[std::size_t(op.subseq)]), 0);
+                  for (const auto& [b, e] : got[key])
+                    for (i64 p = b; p < e; ++p) ++seen[std::size_t(p)];
+                  if (made.count(key))
+                    for (const auto& [b, e] : overlaps(made.at(key), mine))
+                      for (i64 p = b; p < e; ++p) ++seen[std::size_t(p)];
+                  for (std::size_t p = 0; p < seen.size(); ++p) {
+                    const bool wanted = overlap(mine, Spans{{i64(p), i64(p) + 1}}) > 0;
+                    ASSERT_EQ(seen[p], wanted ? 1 : 0) << at << " rank " << rank << " " << to_string(op) << " row " << p;
+                  }
+                }
+                const bool output = fwd ? op.layer_end < spec.layers : op.layer_begin > 0;
+                if (output)
+                  made[std::tuple{fwd ? Payload::Hidden : Payload::HiddenGrad, fwd ? op.layer_end : op.layer_begin,
+                                  op.subseq}] = mine;
+              }
+            }
+          }
+  EXPECT_GT(local_messages, 0) << "rows changing hands inside a group";
 }
 
 TEST(TensorParallel, MembersHoldTheirShardsOfTheWeights) {
