@@ -684,9 +684,15 @@ std::vector<int> divisors(int n) {
 // [MSP reach] in schedule/msp.h): over every group, helpers borrow most stages' weights (at
 // gpt-13b 512K on 128 A100s, 70 of a 96 GiB peak in 32 stages, and no fit), and searching
 // those layouts took 70 s for gpt-65b at 640K. On a ring (sp > 1) MSP runs at reach 2 (over
-// every group: 134 s for gpt-13b at 512K, and no fit). --msp on searches it; --msp auto
-// weighs MSP for its sp 1 finalists only, since on a ring it won none of the README's plans
-// and doubled the time of the longest searches (gpt-7b 8M on 128 H200s: 8.0 s against 3.8).
+// every group: 134 s for gpt-13b at 512K, and no fit). --msp on searches it. --msp auto
+// weighs MSP for ring-less layouts only, since on a ring it won none of the README's plans
+// and doubled the time of the longest searches (gpt-7b 8M on 128 H200s: 8.0 s against 3.8):
+// it simulates each such layout with MSP as well where the first placement is searched and
+// the pipeline has at most kAutoMspTasks tasks a replica (pp x N; with every one, gpt-7b 4M
+// on 32 A100s took 55 s against 0.6 s, and MSP gains least where N is large), and weighs
+// MSP again for its sp 1 finalists. So gpt-13b at 512K on 128 A100s finds tp 8 pp 4 dp 4
+// with MSP (198.0 tokens/GPU/s), which without MSP (87.02 s a step) the search prunes.
+constexpr int kAutoMspTasks = 256;
 int msp_search_reach(const plan::Plan& p) {
   const bool saving = !p.kv_host_layers.empty() || !p.kv_recompute_layers.empty() || p.recompute != 0 ||
                       p.mlp_tile_rows > 0;
@@ -1010,32 +1016,40 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     return most;
   };
   std::set<std::tuple<std::size_t, int, SavedSet, i64, bool>> placements_tried;
-  auto search = [&](const std::vector<Placement>& pls) {
+  // `weigh_msp`: under --msp auto, ring-less layouts are simulated with MSP too.
+  auto search = [&](const std::vector<Placement>& pls, bool weigh_msp) {
     const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
     std::vector<plan::Plan> cands;
     std::vector<Placement> cand_pl;
     std::vector<std::size_t> group, level;  // (layout, K/V placement), and the rank of its set in it
     std::vector<FloorKey> key;
+    // --msp on runs every layout with MSP; --msp auto, with its first placement, each
+    // ring-less one both ways too (Note [MSP in the search]).
     for (std::size_t base = 0; base < layouts.size(); ++base)
-      for (std::size_t q = 0; q < pls.size(); ++q) {
-        const Placement& pl = pls[q];
-        if (!runs(layouts[base], pl)) continue;
-        plan::Plan p = placed(layouts[base], pl);
-        if (req.msp == 1) {
-          if (!msp_possible(p)) continue;
-          p = with_msp(p);
+      for (std::size_t q = 0; q < pls.size(); ++q)
+        for (const bool msp : {false, true}) {
+          const Placement& pl = pls[q];
+          if (!runs(layouts[base], pl)) continue;
+          plan::Plan p = placed(layouts[base], pl);
+          const bool weighed = weigh_msp && req.msp == -1 && p.sp == 1 && p.pp * p.subseqs <= kAutoMspTasks;
+          if (!(msp ? req.msp == 1 || weighed : req.msp != 1)) continue;
+          if (msp) {
+            if (!msp_possible(p)) continue;
+            p = with_msp(p);
+          }
+          // A set the layout cannot recompute whole may equal one already tried there.
+          const std::size_t variant = base * 2 + (msp ? 1 : 0);
+          if (!placements_tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second)
+            continue;
+          key.emplace_back(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows);
+          cands.push_back(std::move(p));
+          cand_pl.push_back(pl);
+          group.push_back((variant * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0));
+          level.push_back(std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
+            return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows &&
+                   (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
+          })));
         }
-        // A set the layout cannot recompute whole may equal one already tried there.
-        if (!placements_tried.emplace(base, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second) continue;
-        key.emplace_back(base, int(pl.kv), p.recompute, pl.mlp_tile_rows);
-        cands.push_back(std::move(p));
-        cand_pl.push_back(pl);
-        group.push_back((base * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0));
-        level.push_back(std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
-          return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && (o.recompute & pl.recompute) == o.recompute &&
-                 o.recompute != pl.recompute;
-        })));
-      }
     std::vector<std::tuple<i64, double, i64>> bound(cands.size());
     std::vector<std::size_t> order(cands.size());
     for (std::size_t k = 0; k < cands.size(); ++k) {
@@ -1139,12 +1153,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     }
     layouts_tried += int(cands.size());
   };
-  search({first});
-  if (fits.empty() && !wider.empty()) search(wider);
+  search({first}, true);
+  if (fits.empty() && !wider.empty()) search(wider, false);
   if (fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
     for (plan::Plan& p : layouts) p.optimizer_state = "host";
-    search({first});
-    if (fits.empty() && !wider.empty()) search(wider);
+    search({first}, false);
+    if (fits.empty() && !wider.empty()) search(wider, false);
   }
   if (layouts_tried == 0) {
     // Every layout needs more subsequences than the search allows (or has subsequences
