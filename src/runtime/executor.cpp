@@ -360,7 +360,8 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     st.messages.poll();
   }
   if (b > 0) {
-    st.messages.produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf), member_rows(st.sched, op, opts_.tp.index));
+    st.messages.produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf),
+                        member_rows(st.sched, op, opts_.tp.index));
     return;
   }
   if (st.tp) return;  // the embedding's gradient came with layer 0

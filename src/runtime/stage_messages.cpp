@@ -8,6 +8,36 @@
 
 namespace sppo {
 
+namespace {
+
+// The row of rows `q` that holds global position `pos`, and how many rows from it on stay
+// consecutive positions (to the end of its span).
+std::pair<i64, i64> row_at(const Subseq& q, i64 pos) {
+  if (q.spans.empty()) {
+    SPPO_ASSERT(pos >= q.offset && pos < q.offset + q.T);
+    return {pos - q.offset, q.offset + q.T - pos};
+  }
+  for (const PosSpan& s : q.spans)
+    if (pos >= s.pos0 && pos < s.pos0 + s.rows) return {s.row0 + (pos - s.pos0), s.pos0 + s.rows - pos};
+  SPPO_ASSERT_MSG(false, "position " << pos << " is not in the rows");
+  return {0, 0};
+}
+
+// q's rows as runs of consecutive positions.
+std::vector<PosSpan> runs_of(const Subseq& q) {
+  return q.spans.empty() ? std::vector<PosSpan>{PosSpan{q.offset, q.T, 0}} : q.spans;
+}
+
+// Whether rows p and q share a position.
+bool share(const Subseq& p, const Subseq& q) {
+  for (const PosSpan& a : runs_of(p))
+    for (const PosSpan& c : runs_of(q))
+      if (std::min(a.pos0 + a.rows, c.pos0 + c.rows) > std::max(a.pos0, c.pos0)) return true;
+  return false;
+}
+
+}  // namespace
+
 StageMessages::StageMessages(comm::Comm* comm, int rank, Backend& be, MemoryTier& device, const ModelConfig& c,
                              const sched::Schedule& sc, const std::vector<sched::Op>& ops, int& sent,
                              StepResult& result)
@@ -30,9 +60,7 @@ StageMessages::StageMessages(comm::Comm* comm, int rank, Backend& be, MemoryTier
       // Under MSP a piece may take rows that this rank produced for it (Note [MSP pieces]).
       auto made = made_here.find(sched::input_id(op));
       if (sched::has_input(op, c.layers) && made != made_here.end()) {
-        const Subseq q = member_rows(sc, op, member);
-        const Subseq& p = made->second;
-        if (std::min(p.offset + p.T, q.offset + q.T) > std::max(p.offset, q.offset)) taken_here_.insert(made->first);
+        if (share(made->second, member_rows(sc, op, member))) taken_here_.insert(made->first);
       }
       made_here[sched::output_id(op)] = member_rows(sc, op, member);
     }
@@ -77,27 +105,6 @@ double StageMessages::wait_receive(std::size_t k) {
   return waited;
 }
 
-namespace {
-
-// The row of rows `q` that holds global position `pos`, and how many rows from it on stay
-// consecutive positions (to the end of its span).
-std::pair<i64, i64> row_at(const Subseq& q, i64 pos) {
-  if (q.spans.empty()) {
-    SPPO_ASSERT(pos >= q.offset && pos < q.offset + q.T);
-    return {pos - q.offset, q.offset + q.T - pos};
-  }
-  for (const PosSpan& s : q.spans)
-    if (pos >= s.pos0 && pos < s.pos0 + s.rows) return {s.row0 + (pos - s.pos0), s.pos0 + s.rows - pos};
-  SPPO_ASSERT_MSG(false, "position " << pos << " is not in the rows");
-  return {0, 0};
-}
-
-// q's rows as runs of consecutive positions.
-std::vector<PosSpan> runs_of(const Subseq& q) {
-  return q.spans.empty() ? std::vector<PosSpan>{PosSpan{q.offset, q.T, 0}} : q.spans;
-}
-
-}  // namespace
 
 void StageMessages::produce(const HiddenKey& key, Buffer buf, const Subseq& rows) {
   const int sends = sends_of_.count(key) ? sends_of_.at(key) : 0;

@@ -87,7 +87,8 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
       kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
       messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
       grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),
-      msp(c.opts.comm, c.be, c.device, c.config, c.opts.tp, sc, ops, c.layers, c.own, kv, messages, grads, loss_sum, res) {
+      msp(c.opts.comm, c.be, c.device, c.config, c.opts.tp, sc, ops, c.layers, c.own, kv, messages, grads, loss_sum,
+          res) {
   const int L = c.config.layers;
   result.has_loss = c.layers.second == L;
   // An MSP helper of the last stage computes the loss of its rows too, and sends it home.
