@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "io/fileutil.h"
 #include "planner/cost.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
@@ -185,8 +186,21 @@ nlohmann::json point_json(const Point& p) {
 
 }  // namespace
 
-nlohmann::json bench_memory(const BenchModelOptions& b) {
-  SPPO_CHECK(b.budget > 0, "bench") << "bench memory needs a device budget (--device-memory)";
+nlohmann::json bench_memory(const BenchModelOptions& given) {
+  SPPO_CHECK(given.budget > 0, "bench") << "bench memory needs a device budget (--device-memory)";
+  // On the CPU every mode is priced with one full profile measured here, unless --hardware
+  // names one: the quick profile a run measures for itself varies between runs on a shared
+  // machine by more than the 15% the comparison at sppo_auto's longest length is held to
+  // (two a minute apart: the prefix attention's chunk cost 17.9 against 73.9 us, the share
+  // of compute a copy takes 0.02 against 0.71).
+  BenchModelOptions b = given;
+  io::TempDir dir("sppo-bench-memory");
+  if (b.hardware.empty() && b.backend == "cpu") {
+    b.hardware = dir.path() + "/profile.json";
+    plan::save_profile(measure_cpu_profile(false), b.hardware);
+  }
+  const nlohmann::json profile =
+      b.hardware.empty() ? nlohmann::json(nullptr) : plan::to_json(plan::load_profile(b.hardware));
   if (b.at_seq_len > 0) {
     const Mode& m = kModes[kAdaptive];
     const auto [S, probe] = longest(b, m, b.budget);
@@ -200,7 +214,8 @@ nlohmann::json bench_memory(const BenchModelOptions& b) {
                         {"at_longest", point_json(probe)},
                         {"at_seq_len", b.at_seq_len},
                         {"step_time_at_seq_s", p.ok ? nlohmann::json(p.step_s) : nlohmann::json(nullptr)},
-                        {"at_seq", point_json(p)}};
+                        {"at_seq", point_json(p)},
+                        {"profile", profile}};
     return j;
   }
   nlohmann::json modes = nlohmann::json::object();
@@ -236,7 +251,8 @@ nlohmann::json bench_memory(const BenchModelOptions& b) {
                       {"config", to_json(b.model)},
                       {"budget_bytes", b.budget},
                       {"recompute_max_seq_len", S_rc},
-                      {"modes", modes}};
+                      {"modes", modes},
+                      {"profile", profile}};
   j["host_budget_bytes"] = b.host_budget;
   if (ref > 0) j["sppo_adaptive_over_reference_length"] = modes["sppo_adaptive"]["max_seq_len"].get<double>() / ref;
   if (ref > 0) j["sppo_auto_over_reference_length"] = modes["sppo_auto"]["max_seq_len"].get<double>() / ref;
