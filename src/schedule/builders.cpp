@@ -546,18 +546,13 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
       ops.reserve(ops_of[std::size_t(r)].size());
       for (const Op& src : ops_of[std::size_t(r)]) {
         const bool send = src.kind == OpKind::Send;
-        if (msp && is_hidden_message(src)) {
+        // A whole piece (first < 0: the two tasks split the subsequence alike) goes member t
+        // to member t, as without MSP, below.
+        if (msp && is_hidden_message(src) && src.first >= 0) {
           const HiddenId id = hidden_id(src);
           const Op& p = *made.at(std::size_t(send ? r : src.peer)).at(id);
           const Op& c = *taken.at(std::size_t(send ? src.peer : r)).at(id);
-          const Spans run = src.first < 0 ? out.spans(p) : Spans{{src.first, src.first + src.tokens}};
-          if (src.first < 0 && out.spans(p) == out.spans(c)) {  // alike: member t's rows to member t
-            Op op = src;
-            op.peer = map(src.peer);
-            op.tokens = span_tokens(member_spans(run, t, tp));
-            ops.push_back(std::move(op));
-            continue;
-          }
+          const Spans run{{src.first, src.first + src.tokens}};
           for (int u = 0; u < tp; ++u)
             for (const auto& shared_run : send ? shared(p, t, c, u, run) : shared(p, u, c, t, run))
               ops.push_back(part(src, src.peer * tp + u, shared_run));
