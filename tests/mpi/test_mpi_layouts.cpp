@@ -5,9 +5,10 @@
 // data parallelism against one process training the same two sequences; ZeRO-1; ring
 // attention over 2 and 4 ranks, contiguous and zigzag, alone and with the others; tensor
 // parallelism with sequence-parallel regions over 2, 3 (heads, MLP and vocabulary split
-// unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages; the K/V
-// cache on the host under pipeline, tensor, data and context parallelism and MSP; K/V and saved tensors
-// recomputed under each layout that runs them; MLP tiles.
+// unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages, alone and
+// with tensor, data and context parallelism; the K/V cache on the host under pipeline,
+// tensor, data and context parallelism and MSP; K/V and saved tensors recomputed under
+// each layout that runs them; MLP tiles.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
