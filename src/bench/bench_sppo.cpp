@@ -195,12 +195,15 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
   // of compute a copy takes 0.02 against 0.71).
   BenchModelOptions b = given;
   io::TempDir dir("sppo-bench-memory");
+  nlohmann::json profile = nullptr;  // the one every mode is priced with, where the bench knows it
   if (b.hardware.empty() && b.backend == "cpu") {
+    const plan::HardwareProfile hw = measure_cpu_profile(false);
     b.hardware = dir.path() + "/profile.json";
-    plan::save_profile(measure_cpu_profile(false), b.hardware);
+    plan::save_profile(hw, b.hardware);
+    profile = plan::to_json(hw);
+  } else if (!b.hardware.empty()) {
+    profile = plan::to_json(plan::load_profile(b.hardware));
   }
-  const nlohmann::json profile =
-      b.hardware.empty() ? nlohmann::json(nullptr) : plan::to_json(plan::load_profile(b.hardware));
   if (b.at_seq_len > 0) {
     const Mode& m = kModes[kAdaptive];
     const auto [S, probe] = longest(b, m, b.budget);

@@ -526,17 +526,22 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
     op.tokens = run.second - run.first;
     return op;
   };
-  // A message of rows a rank made for itself, between two of its members.
-  auto local = [&](OpKind kind, const Op& consumer) {
+  // Member t's messages with the group's other members of rows rank r made (maker p) for
+  // itself (taker c): sent after p, received before c.
+  auto in_group = [&](std::vector<Op>& ops, OpKind kind, int r, int t, const Op& p, const Op& c) {
     Op op;
     op.kind = kind;
-    op.payload = consumer.kind == OpKind::Forward ? Payload::Hidden : Payload::HiddenGrad;
-    op.layer_begin = consumer.layer_begin;
-    op.layer_end = consumer.layer_end;
-    op.subseq = consumer.subseq;
-    op.piece = consumer.piece;
-    op.pieces = consumer.pieces;
-    return op;
+    op.payload = c.kind == OpKind::Forward ? Payload::Hidden : Payload::HiddenGrad;
+    op.layer_begin = c.layer_begin;
+    op.layer_end = c.layer_end;
+    op.subseq = c.subseq;
+    op.piece = c.piece;
+    op.pieces = c.pieces;
+    const bool send = kind == OpKind::Send;
+    for (int u = 0; u < tp; ++u)
+      if (u != t)
+        for (const auto& run : send ? shared(p, t, c, u, out.spans(p)) : shared(p, u, c, t, out.spans(p)))
+          ops.push_back(part(op, r * tp + u, run));
   };
   for (int r = 0; r < int(ops_of.size()); ++r)
     for (int t = 0; t < tp; ++t) {
@@ -558,14 +563,8 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
               ops.push_back(part(src, src.peer * tp + u, shared_run));
           continue;
         }
-        if (msp && has_input(src, L) && made[std::size_t(r)].count(input_id(src))) {
-          // this rank's own rows its other members hold
-          const Op& p = *made[std::size_t(r)].at(input_id(src));
-          for (int u = 0; u < tp; ++u)
-            if (u != t)
-              for (const auto& shared_run : shared(p, u, src, t, out.spans(p)))
-                ops.push_back(part(local(OpKind::Recv, src), r * tp + u, shared_run));
-        }
+        if (msp && has_input(src, L) && made[std::size_t(r)].count(input_id(src)))
+          in_group(ops, OpKind::Recv, r, t, *made[std::size_t(r)].at(input_id(src)), src);
         Op op = src;
         op.peer = map(op.peer);
         op.recv_peer = map(op.recv_peer);
@@ -579,14 +578,8 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
           op.tokens = e - b;
         }
         ops.push_back(std::move(op));
-        if (msp && has_output(src, L) && taken[std::size_t(r)].count(output_id(src))) {
-          // ... and what its other members take of what this one made
-          const Op& c = *taken[std::size_t(r)].at(output_id(src));
-          for (int u = 0; u < tp; ++u)
-            if (u != t)
-              for (const auto& shared_run : shared(src, t, c, u, out.spans(src)))
-                ops.push_back(part(local(OpKind::Send, c), r * tp + u, shared_run));
-        }
+        if (msp && has_output(src, L) && taken[std::size_t(r)].count(output_id(src)))
+          in_group(ops, OpKind::Send, r, t, src, *taken[std::size_t(r)].at(output_id(src)));
       }
     }
   return out;

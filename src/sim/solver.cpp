@@ -1026,17 +1026,16 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     // --msp on runs every layout with MSP; --msp auto, with its first placement, each
     // ring-less one both ways too (Note [MSP in the search]).
     for (std::size_t base = 0; base < layouts.size(); ++base)
-      for (std::size_t q = 0; q < pls.size(); ++q)
+      for (std::size_t q = 0; q < pls.size(); ++q) {
+        const Placement& pl = pls[q];
+        if (!runs(layouts[base], pl)) continue;
+        const plan::Plan without = placed(layouts[base], pl);
+        const bool weighed =
+            weigh_msp && req.msp == -1 && without.sp == 1 && without.pp * without.subseqs <= kAutoMspTasks;
         for (const bool msp : {false, true}) {
-          const Placement& pl = pls[q];
-          if (!runs(layouts[base], pl)) continue;
-          plan::Plan p = placed(layouts[base], pl);
-          const bool weighed = weigh_msp && req.msp == -1 && p.sp == 1 && p.pp * p.subseqs <= kAutoMspTasks;
           if (!(msp ? req.msp == 1 || weighed : req.msp != 1)) continue;
-          if (msp) {
-            if (!msp_possible(p)) continue;
-            p = with_msp(p);
-          }
+          if (msp && !msp_possible(without)) continue;
+          plan::Plan p = msp ? with_msp(without) : without;
           // A set the layout cannot recompute whole may equal one already tried there.
           const std::size_t variant = base * 2 + (msp ? 1 : 0);
           if (!placements_tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second)
@@ -1050,6 +1049,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
                    (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
           })));
         }
+      }
     std::vector<std::tuple<i64, double, i64>> bound(cands.size());
     std::vector<std::size_t> order(cands.size());
     for (std::size_t k = 0; k < cands.size(); ++k) {
