@@ -429,7 +429,7 @@ Schedule build_pipeline(const PipelineSpec& spec) {
   }
 
   // Replicas and SP ranks all-reduce the weight gradients.
-  if (R * D > 1)
+  if (R * D > 1 || spec.replicated)
     for (int p = 0; p < P; ++p) {
       std::vector<int> group;
       for (int d = 0; d < D; ++d)

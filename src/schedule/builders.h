@@ -27,6 +27,10 @@ struct PipelineSpec {
   int pp = 1;                      // P stages
   int sp = 1;                      // R: ring-attention degree inside a stage
   int dp = 1;                      // replicas; an all-reduce of weight gradients at the end
+  // One of several identical replicas, built alone (the planner's search simulates one and
+  // prices its all-reduce across all: CostModel::price_replicas): the step ends in the
+  // all-reduce even where this replica's own group is a single rank.
+  bool replicated = false;
   bool msp = false;                // multiplexed sequence partitioning (DESIGN.md 6)
   int msp_reach = 0;               // groups a split task runs on: 0 every idle one (Note [MSP reach])
   std::vector<int> stage_layers;   // layers per stage; empty means as even as possible

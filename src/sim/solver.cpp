@@ -647,9 +647,11 @@ struct Candidate {
 // no_use_s: stop early when it cannot be faster than that).
 Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, i64 budget, double no_use_s = 0) {
   sched::PipelineSpec spec = spec_of(p);
-  spec.dp = 1;  // replicas are identical: the search simulates one, the final check all
-  // and the weight gradients' all-reduce as the whole plan runs it, over every replica
-  // (across nodes where they are).
+  // Replicas are identical: the search simulates one, the final check all, and the weight
+  // gradients' all-reduce as the whole plan runs it, over every replica (across nodes where
+  // they are), even where one replica's own group is a single rank.
+  spec.dp = 1;
+  spec.replicated = p.dp > 1;
   CostModel priced = cost;
   priced.price_replicas(p.dp, spec.ranks() * p.tp);
   const MemoryRules rules = plan_rules(p, cost.precision(), true);

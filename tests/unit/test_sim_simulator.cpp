@@ -203,6 +203,47 @@ TEST(Simulator, PipelineBubbleIsPMinusOneOverN) {
   (void)rules;
 }
 
+// The planner's search simulates one data-parallel replica and prices its weight
+// gradients' all-reduce across all of them (CostModel::price_replicas): its step must be
+// the whole plan's, also where one replica's own group is a single rank (no ring, one
+// replica of each stage), which once built no all-reduce at all and made such layouts look
+// faster than they run. No copies, so that no host link is shared between replicas.
+TEST(Simulator, OneReplicaPricedAcrossReplicasStepsAsTheWholePlan) {
+  const ModelConfig c = small();
+  const auto rules = memory_rules(c, ActPrecision::BF16);
+  const HardwareProfile hw = plan::load_profile("a100-80gb");
+  struct Shape {
+    int pp, sp, dp, per_node;
+  };
+  for (const Shape& sh : {Shape{1, 1, 4, 8}, Shape{2, 1, 4, 8}, Shape{2, 1, 4, 2}, Shape{1, 2, 2, 8}, Shape{2, 2, 2, 4}}) {
+    sched::PipelineSpec spec;
+    spec.layers = c.layers;
+    spec.pp = sh.pp;
+    spec.sp = sh.sp;
+    spec.dp = sh.dp;
+    spec.lengths = plan::partition_flops(c, 8192, 4);
+    HardwareProfile h = hw;
+    h.devices_per_node = sh.per_node;
+    const CostModel cost(h, c, ActPrecision::BF16);
+    const SimResult whole = simulate(sched::build_pipeline(spec), cost, rules);
+    CostModel priced = cost;
+    priced.price_replicas(sh.dp, sh.pp * sh.sp);
+    spec.dp = 1;
+    spec.replicated = true;
+    const SimResult one = simulate(sched::build_pipeline(spec), priced, rules);
+    const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " dp " +
+                             std::to_string(sh.dp) + ", " + std::to_string(sh.per_node) + " a node";
+    EXPECT_NEAR(one.step_time_s, whole.step_time_s, 1e-9 * whole.step_time_s) << what;
+    EXPECT_EQ(one.peak_device_bytes, whole.peak_device_bytes) << what;
+    // Built as a lone replica (no all-reduce where its group is one rank), it is faster.
+    spec.replicated = false;
+    const SimResult alone = simulate(sched::build_pipeline(spec), priced, rules);
+    if (sh.sp == 1) {
+      EXPECT_LT(alone.step_time_s, whole.step_time_s) << what;
+    }
+  }
+}
+
 TEST(Simulator, PeakMatchesTheRulesWithoutCopies) {
   const ModelConfig c = small();
   const auto rules = memory_rules(c, ActPrecision::F32);
