@@ -189,6 +189,36 @@ CostModel::StreamCopies CostModel::kv_stream_copies(const Op& op, const Schedule
   return c;
 }
 
+double CostModel::stream_chunks_s(double rows, double block, double summed, double attention, bool backward,
+                                  bool sums_back, StreamCopies* copies) const {
+  const double share = hw_.copy_compute_share;
+  const i64 in_bytes = i64(rows * (sums_back ? block + summed : block));
+  const i64 out_bytes = backward ? i64(rows * summed) : 0;
+  const double in = h2d_s(in_bytes, backward), out = backward ? d2h_s(out_bytes, true) : 0.0;
+  // Note [Streamed chunks]: the share of the copies the compute stream loses, and of the
+  // rest what the attention does not cover.
+  const double exposed = (1 - share) * std::max(0.0, std::max(in, out) - attention);
+  if (copies) {
+    copies->in_bytes += in_bytes;
+    copies->out_bytes += out_bytes;
+    copies->in_s += in;
+    copies->out_s += out;
+    copies->cover_s += attention;
+    copies->exposed_s += exposed;
+  }
+  return share * (h2d_s(in_bytes, false) + d2h_s(out_bytes, false)) + exposed;
+}
+
+double CostModel::layer_stream_s(i64 o, const sched::Spans& spans, i64 l, int sp, int tp, bool recompute_kv,
+                                 bool backward, bool sums_back) const {
+  if (o == 0) return 0;
+  const double width = double(TpShard{0, tp}.local_kv_width(model_));
+  const double block = recompute_kv ? double(act_bytes_) * model_.hidden : 2.0 * act_bytes_ * width;
+  const double summed = recompute_kv ? 4.0 * model_.hidden : 2.0 * 4 * width;
+  const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans, l) / tp;
+  return stream_chunks_s(double(o / sp), block, summed, attention, backward, sums_back, nullptr);
+}
+
 double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backward, bool again,
                             StreamCopies* copies) const {
   if (!s.any_kv_streamed()) return 0;
@@ -210,30 +240,13 @@ double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backwar
   // Every backward but the first (that of the last subsequence) finds sums that later
   // subsequences' backward left on the host, for its own block and every earlier one.
   const bool sums_back = backward && op.subseq + 1 < int(s.lengths.size());
-  const double share = hw_.copy_compute_share;
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l) {
     if (!s.kv_streamed(l)) continue;
     const bool recompute = s.kv_recomputed(l);
-    const double block = recompute ? x : kv;  // what a token of an earlier block brings in
     // A Recompute layer's sums are its d(LayerNorm-1 output), H fp32 a position.
     const double summed = recompute ? 4.0 * model_.hidden : sums;
-    const double past = double(shape.rows);   // every earlier block's rows on this rank
-    const i64 in_bytes = i64(past * (sums_back ? block + summed : block));
-    const i64 out_bytes = backward ? i64(past * summed) : 0;
-    const double in = h2d_s(in_bytes, backward), out = backward ? d2h_s(out_bytes, true) : 0.0;
-    // Note [Streamed chunks]: the share of the copies the compute stream loses, and of
-    // the rest what the attention does not cover.
-    const double exposed = (1 - share) * std::max(0.0, std::max(in, out) - attention);
-    t += share * (h2d_s(in_bytes, false) + d2h_s(out_bytes, false)) + exposed;
-    if (copies) {
-      copies->in_bytes += in_bytes;
-      copies->out_bytes += out_bytes;
-      copies->in_s += in;
-      copies->out_s += out;
-      copies->cover_s += attention;
-      copies->exposed_s += exposed;
-    }
+    t += stream_chunks_s(double(shape.rows), recompute ? x : kv, summed, attention, backward, sums_back, copies);
     // A piece's copies: K and V (a Recompute layer: x) in; in backward its sums out, and
     // in once there are some.
     const int tensors = recompute ? 1 : 2;

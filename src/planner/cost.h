@@ -147,6 +147,17 @@ class CostModel {
   };
   StreamCopies kv_stream_copies(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward,
                                 bool again = false) const;
+  // The chunks of one streamed layer: `rows` earlier rows bring `block` bytes each in (and,
+  // with sums_back, their `summed` bytes of sums), and in backward send the sums out; the
+  // seconds kv_stream_s charges for them beside `attention` seconds of attention.
+  double stream_chunks_s(double rows, double block, double summed, double attention, bool backward, bool sums_back,
+                         StreamCopies* copies) const;
+  // The same for one layer of a subsequence at offset o, length l, on the tokens `spans` of
+  // one of sp ring members (its share of the earlier rows) and tp tensor-parallel ones, its
+  // K/V streamed or (recompute_kv) recomputed from x: the chunks alone, none of the copies
+  // of the subsequence's own block or their fixed costs (a lower bound on kv_stream_s).
+  double layer_stream_s(i64 o, const sched::Spans& spans, i64 l, int sp, int tp, bool recompute_kv, bool backward,
+                        bool sums_back) const;
   // Seconds a Forward (Backward) op spends recomputing: K, V of the earlier positions on
   // Recompute layers and, in backward, the recomputed groups and the own K, V.
   double recompute_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;

@@ -148,7 +148,8 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
   const std::string kv_flops = c.kv_head_count() == c.heads ? "4 H^2" : "4 H G A";
   if (kv_rc) {
     out.push_back({"k, v", kv, "recomputed from x",
-                   "--kv-cache recompute, or no plan with K/V on the device or the host fits: each later "
+                   "--kv-cache recompute, or the planner's choice (no plan with K/V on the device or the host fits, "
+                   "or none is as fast): each later "
                    "subsequence and the backward recompute an earlier block's K, V from its x, a chunk at a time "
                    "(" + kv_flops + " FLOPs a token each time)"});
     out.push_back({"dK/dV sums", i64(c.hidden) * 4, "host, as d(LayerNorm-1 output)",
@@ -159,7 +160,8 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
                        "; Note [dK/dV into the layer input])"});
   } else if (kv_host) {
     out.push_back({"k, v", kv, "host, streamed back through a window",
-                   "--kv-cache host, or no plan with K/V on the device fits: copied out after the forward, streamed "
+                   "--kv-cache host, or the planner's choice (no plan with K/V on the device fits, or none is as "
+                   "fast): copied out after the forward, streamed "
                    "back to each later subsequence's attention"});
     out.push_back({"dK/dV sums", sums, "host", "fp32 sums of the later subsequences' gradients, streamed in and "
                                                 "out with the K/V chunks"});

@@ -362,7 +362,7 @@ std::vector<double> filled(const std::vector<Segment>& seg, int N, size_t k, dou
 
 AlphaResult solve_alpha_floored(const std::function<Schedule(const std::vector<double>&)>& build, int N,
                                 const CostModel& cost, const MemoryRules& rules, i64 budget, OffloadMode mode,
-                                double no_use_s, i64* floor_seen) {
+                                double no_use_s, i64* floor_seen, double* least_seen) {
   Trials trials(build, cost, rules);
   const i64 host_limit = cost.hw().host_memory;
   auto eval = [&](const std::vector<double>& alpha, const char* rule) {
@@ -411,6 +411,7 @@ AlphaResult solve_alpha_floored(const std::function<Schedule(const std::vector<d
     if (auto a = over_floor()) return *a;
   // No copies is never slower (copies only add), so a fitting alpha = 0 is the optimum.
   AlphaResult none = eval(zeros, "none");
+  *least_seen = none.step_time_s;
   if (none.fits) return none;
   if (no_use_s > 0 && none.step_time_s >= no_use_s) {
     none.fits = false;
@@ -510,8 +511,10 @@ AlphaResult solve_alpha(const std::function<Schedule(const std::vector<double>&)
                         double no_use_s) {
   SPPO_CHECK(N >= 1, "planner") << "no subsequences";
   i64 floor = 0;
-  AlphaResult a = solve_alpha_floored(build, N, cost, rules, budget, mode, no_use_s, &floor);
+  double least = 0;
+  AlphaResult a = solve_alpha_floored(build, N, cost, rules, budget, mode, no_use_s, &floor, &least);
   a.floor_bytes = floor;
+  a.least_step_s = least;
   return a;
 }
 
@@ -686,7 +689,11 @@ std::vector<int> divisors(int n) {
 // [MSP reach] in schedule/msp.h): over every group, helpers borrow most stages' weights (at
 // gpt-13b 512K on 128 A100s, 70 of a 96 GiB peak in 32 stages, and no fit), and searching
 // those layouts took 70 s for gpt-65b at 640K. On a ring (sp > 1) MSP runs at reach 2 (over
-// every group: 134 s for gpt-13b at 512K, and no fit). --msp on searches it. --msp auto
+// every group: 134 s for gpt-13b at 512K, and no fit), and so it does past
+// kMspEveryGroupStages stages, where a split task has up to pp pieces, each helper
+// borrowing a stage's weights (gpt-65b at 384K, tp 2 pp 64 N 96 over every group: 17 GB of
+// memory and 83 s to simulate its alpha = 0, a step of 261 s; at reach 2, 0.04 s for a step
+// of 84 s). --msp on searches it. --msp auto
 // weighs MSP for ring-less layouts only, since on a ring it won none of the README's plans
 // and doubled the time of the longest searches (gpt-7b 8M on 128 H200s: 8.0 s against 3.8):
 // it simulates each such layout with MSP as well where the first placement is searched and
@@ -695,10 +702,12 @@ std::vector<int> divisors(int n) {
 // MSP again for its sp 1 finalists. So gpt-13b at 512K on 128 A100s finds tp 8 pp 4 dp 4
 // with MSP (198.0 tokens/GPU/s), which without MSP (87.02 s a step) the search prunes.
 constexpr int kAutoMspTasks = 256;
+constexpr int kMspEveryGroupStages = 16;
+constexpr int kMspWiderTasks = 512;
 int msp_search_reach(const plan::Plan& p) {
   const bool saving = !p.kv_host_layers.empty() || !p.kv_recompute_layers.empty() || p.recompute != 0 ||
                       p.mlp_tile_rows > 0;
-  return saving || p.sp > 1 ? 2 : 0;
+  return saving || p.sp > 1 || p.pp > kMspEveryGroupStages ? 2 : 0;
 }
 
 // Layout p with MSP as the search runs it, at its reach.
@@ -729,14 +738,24 @@ std::string seconds_text(double s) {
 
 // Forward (backward) seconds of one layer on the busiest piece of a subsequence [o, o+l)
 // split over `sp` ring ranks laid out by `layout`, each piece's layer split over `tp`
-// tensor-parallel ranks (CostModel::forward_s: compute over tp, ten collectives).
-double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingLayout layout, int tp = 1) {
+// tensor-parallel ranks (CostModel::forward_s: compute over tp, ten collectives). With the
+// K/V streamed (kv Host or Recompute), what the attention does not hide of the earlier
+// rows' chunks (CostModel::layer_stream_s; `last`: the sequence's last subsequence, whose
+// backward finds no sums on the host).
+double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingLayout layout, int tp = 1,
+                       sched::KvPlace kv = sched::KvPlace::Device, bool last = false) {
   double most = 0;
   for (int r = 0; r < sp; ++r) {
     const sched::Spans sp_r = sched::piece_spans(l, r, sp, sp > 1 ? layout : sched::RingLayout::Contiguous);
     const double overhead = 2 * cost.hw().layer_overhead;
     const double t = cost.layer_forward_s(o, sp_r, l) + cost.layer_backward_s(o, sp_r, l) - overhead;
-    most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(sp_r), tp));
+    double streamed = 0;
+    if (kv != sched::KvPlace::Device) {
+      const bool rc = kv == sched::KvPlace::Recompute;
+      streamed = cost.layer_stream_s(o, sp_r, l, sp, tp, rc, false, false) +
+                 cost.layer_stream_s(o, sp_r, l, sp, tp, rc, true, !last);
+    }
+    most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(sp_r), tp) + streamed);
   }
   return most;
 }
@@ -852,10 +871,14 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // layer's saved tensors (kept or offloaded, or recomputed: one of recompute_levels(),
   // which add groups in order of their seconds per byte saved). One placement serves every
   // layer. The search runs twice: first with the K/V on the device and nothing recomputed
-  // beyond --recompute-tensors (so a plan that fits that way is the plan it was before
-  // these placements existed), then, only when nothing fits, over every other placement
-  // --kv-cache and --recompute-tensors allow, each (layout, placement) a candidate with
-  // its own bounds, and the fastest that fits wins. The wider search also runs each of
+  // beyond --recompute-tensors, then over every other placement --kv-cache and
+  // --recompute-tensors allow, each (layout, placement) a candidate with its own bounds,
+  // and the fastest that fits of both wins. The first search's best prunes most of the
+  // second (Note [Pruning the search]). A placement that saves memory can be faster where
+  // it lets a faster layout fit: gpt-65b at 640K on 128 A100s, tp 4 sp 2 pp 8 dp 2 with the
+  // K/V on the host and five groups recomputed, 42.6 tokens/GPU/s, against 37.7 for the
+  // best plan that keeps the K/V on the device (tp 2 sp 4 pp 16), which was the plan while
+  // the second search ran only where the first found nothing. The wider search also runs each of
   // those placements with the MLP in tiles of kPlanMlpTileRows rows (Note [MLP tiles] in
   // core/layout.h) on layouts without tensor parallelism whose subsequences are longer:
   // the workspace's [T, F] MLP activation, and a recomputed fc_pre, become [R, F]. The
@@ -934,8 +957,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   //    where they are recomputed) and of the other subsequences' kept activations the
   //    device cannot hold must fit the host memory;
   //  - time: a step takes at least its compute (forward + backward of the stage's layers
-  //    on every subsequence, on the busiest ring piece, with what it recomputes) times
-  //    1 + (P-1)/N without MSP.
+  //    on every subsequence, on the busiest ring piece, with what it recomputes and, with
+  //    the K/V streamed, what the attention does not hide of the earlier rows' chunks)
+  //    times 1 + (P-1)/N without MSP.
   // Candidates are tried in order of the time bound, so the second prunes most of the rest.
   auto bounds = [&](const plan::Plan& p, const Placement& pl) {
     const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
@@ -953,27 +977,39 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     // dK/dV accumulators, whatever alpha is. What cannot be on the device is on the host:
     // when B(N-1) ends, a stage holds the saved activations, K/V and dK/dV sums of every
     // other subsequence, at least their share a member (the last stage with their head
-    // gradients), less what the device holds beside its weights. (Under MSP other stages
-    // hold some of them: no bound.)
+    // gradients), less what the device holds beside its weights. Under MSP helpers hold
+    // the pieces of a stage's split subsequences (msp_phases: its first pp - 1 - st and last
+    // st), so the host bound counts its steady ones alone, which it holds whole once its
+    // forwards end.
     i64 mem = 0, host = 0;
     int first = 0;
     const bool state_host = p.optimizer_state == "host";
+    const int N = p.subseqs;
     for (std::size_t st = 0; st < p.stage_layers.size(); ++st) {
       const int n = p.stage_layers[st], end = first + n;
       const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
                                   : sched::param_count(c, first, end, first == 0, end == c.layers);
       const i64 weights = device_fixed(params, shards, state_host);
       mem = std::max(mem, weights + i64(n) * kv_acc * before_last);
-      const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * before_last / p.tp;
-      const i64 spilled = p.msp ? 0 : std::max<i64>(0, weights + saved - budget);
+      i64 held = before_last;
+      if (p.msp) {
+        held = 0;
+        for (int k = p.pp - 1 - int(st); k <= std::min(N - 1 - int(st), N - 2); ++k) held += p.lengths[std::size_t(k)];
+        held /= p.sp;
+      }
+      const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * held / p.tp;
+      const i64 spilled = std::max<i64>(0, weights + saved - budget);
       host = std::max(host, host_fixed(params, shards, state_host) + spilled);
       first = end;
     }
     double compute = 0;
     i64 o = 0;
     const bool kv_rc = pl.kv == sched::KvPlace::Recompute;
-    for (i64 l : p.lengths) {
-      double layer = busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp);
+    for (std::size_t i = 0; i < p.lengths.size(); ++i) {
+      const i64 l = p.lengths[i];
+      // An MSP helper keeps its pieces on the device: no stream where tasks may split.
+      const sched::KvPlace streamed = p.msp ? sched::KvPlace::Device : pl.kv;
+      double layer = busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp, streamed, i + 1 == p.lengths.size());
       if (p.recompute || kv_rc) {
         const sched::Spans whole{{0, l}};
         layer += (cost.layer_recompute_s(o, whole, p.recompute, kv_rc, false, p.tp) +
@@ -1018,8 +1054,23 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     return most;
   };
   std::set<std::tuple<std::size_t, int, SavedSet, i64, bool>> placements_tried;
+  // Note [Pruning the search], continued: a placement's alpha = 0 step bounds from below
+  // every placement of the same layout that adds to it: K/V streamed from the host or
+  // recomputed rather than kept, more tensors recomputed, the MLP in tiles (each only adds
+  // copies or compute to the same schedule). So once such a step is no faster than the best
+  // plan found, the placements that add to it are not simulated. (MSP's reach changes with
+  // the placement, and with it the schedule: only placements at one reach compare.)
+  struct LeastStep {
+    sched::KvPlace kv;
+    SavedSet recompute;
+    i64 tiles;
+    int reach;
+    double step_s;
+  };
+  std::map<std::size_t, std::vector<LeastStep>> least_steps;  // by layout variant (key's first)
   // `weigh_msp`: under --msp auto, ring-less layouts are simulated with MSP too.
-  auto search = [&](const std::vector<Placement>& pls, bool weigh_msp) {
+  // `msp_tasks`: under --msp on, MSP layouts of at most that many tasks a replica (0: all).
+  auto search = [&](const std::vector<Placement>& pls, bool weigh_msp, int msp_tasks) {
     const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
     std::vector<plan::Plan> cands;
     std::vector<Placement> cand_pl;
@@ -1036,7 +1087,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
             weigh_msp && req.msp == -1 && without.sp == 1 && without.pp * without.subseqs <= kAutoMspTasks;
         for (const bool msp : {false, true}) {
           if (!(msp ? req.msp == 1 || weighed : req.msp != 1)) continue;
-          if (msp && !msp_possible(without)) continue;
+          if (msp && (!msp_possible(without) || (msp_tasks > 0 && without.pp * without.subseqs > msp_tasks))) continue;
           plan::Plan p = msp ? with_msp(without) : without;
           // A set the layout cannot recompute whole may equal one already tried there.
           const std::size_t variant = base * 2 + (msp ? 1 : 0);
@@ -1111,6 +1162,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       }
       Candidate cand = evaluate(req, p, cost, budget, no_use_s);
       if (!state_host && cand.alpha.floor_bytes > 0) device_floors[key[k]] = cand.alpha.floor_bytes;
+      if (cand.alpha.least_step_s > 0)
+        least_steps[std::get<0>(key[k])].push_back(
+            {cand_pl[k].kv, p.recompute, p.mlp_tile_rows, p.msp_reach, cand.alpha.least_step_s});
       if (cand.alpha.slow) return true;
       if (cand.alpha.fits) {
         best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
@@ -1136,15 +1190,28 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       auto f = fails_below.find(group[k]);
       return f != fails_below.end() && level[k] < f->second;
     };
+    // Whether a placement of k's layout that k adds to is already no faster than the best.
+    auto outrun = [&](std::size_t k) {
+      const plan::Plan& p = cands[k];
+      const double limit = no_use_s(p);
+      const auto seen = least_steps.find(std::get<0>(key[k]));
+      if (limit == 0 || seen == least_steps.end()) return false;
+      for (const LeastStep& l : seen->second)
+        if (l.step_s >= limit && l.reach == p.msp_reach &&
+            (l.kv == sched::KvPlace::Device || l.kv == cand_pl[k].kv) && (l.recompute & p.recompute) == l.recompute &&
+            (l.tiles == 0 || l.tiles == p.mlp_tile_rows))
+          return true;
+      return false;
+    };
     for (const std::size_t k : order) {
       if (done[k] || dropped(k)) continue;
       const plan::Plan& p = cands[k];
       const double tput_bound = std::get<1>(bound[k]);
       if (out_of_bounds(k)) continue;
-      if (tput_bound <= best_tput) continue;
+      if (tput_bound <= best_tput || outrun(k)) continue;
       // The group's highest level first: where it does not fit, nothing of the group does.
       const std::size_t t = top.at(group[k]);
-      if (t != k && !done[t] && !out_of_bounds(t)) {
+      if (t != k && !done[t] && !out_of_bounds(t) && !outrun(t)) {
         try_candidate(t, no_use_s(cands[t]));
         if (dropped(k)) continue;
       }
@@ -1155,12 +1222,14 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     }
     layouts_tried += int(cands.size());
   };
-  search({first}, true);
-  if (fits.empty() && !wider.empty()) search(wider, false);
+  search({first}, true, 0);
+  double first_best = 0;  // tokens/GPU/s of the best plan of the first placement, as searched
+  for (const Candidate& f : fits) first_best = std::max(first_best, double(S) * f.plan.dp / (G * f.alpha.step_time_s));
+  if (!wider.empty()) search(wider, false, fits.empty() ? 0 : kMspWiderTasks);
   if (fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
     for (plan::Plan& p : layouts) p.optimizer_state = "host";
-    search({first}, false);
-    if (fits.empty() && !wider.empty()) search(wider, false);
+    search({first}, false, 0);
+    if (fits.empty() && !wider.empty()) search(wider, false, 0);
   }
   if (layouts_tried == 0) {
     // Every layout needs more subsequences than the search allows (or has subsequences
@@ -1204,7 +1273,14 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   if (best.tp > 1)
     best.notes.push_back("SP is tensor parallel with sequence-parallel regions over " + std::to_string(best.tp) +
                          " devices (train --tp): weights, K/V cache and activations divided among them");
-  const std::string why_wider = "no plan with K/V on the device and no more recomputed fits";
+  std::string why_wider = "no plan with K/V on the device and no more recomputed fits";
+  if (first_best > 0) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf,
+                  "faster than the best plan with K/V on the device and no more recomputed, %.1f tokens/GPU/s",
+                  first_best);
+    why_wider = buf;
+  }
   if (!best.kv_host_layers.empty())
     best.notes.push_back(std::string("K/V and their dK/dV sums on the host, every layer (") +
                          (req.kv_cache == "host" ? "--kv-cache host" : why_wider) +

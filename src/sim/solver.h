@@ -37,6 +37,9 @@ struct AlphaResult {
   std::string reason;             // why not, when !fits
   std::string rule;               // "none", "paper", "hidden", "exposed", "directed", "full"
   bool slow = false;              // stopped at alpha = 0: no faster than solve_alpha's no_use_s
+  // The step at alpha = 0, where solve_alpha simulated it (0 where not): no alpha is faster
+  // (copies only add).
+  double least_step_s = 0;
   // The least peak any alpha can reach (Note [A floor under the peak] in simulator.cpp),
   // where solve_alpha worked it out; 0 where it did not. A layout's floor falls with N as
   // its simulated peaks do, and is one measure for every N whatever the search did.
