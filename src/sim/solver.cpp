@@ -693,9 +693,10 @@ std::vector<int> divisors(int n) {
 // kMspEveryGroupStages stages, where a split task has up to pp pieces, each helper
 // borrowing a stage's weights (gpt-65b at 384K, tp 2 pp 64 N 96 over every group: 17 GB of
 // memory and 83 s to simulate its alpha = 0, a step of 261 s; at reach 2, 0.04 s for a step
-// of 84 s). --msp on searches it. --msp auto
-// weighs MSP for ring-less layouts only, since on a ring it won none of the README's plans
-// and doubled the time of the longest searches (gpt-7b 8M on 128 H200s: 8.0 s against 3.8):
+// of 84 s). --msp on searches it (with the placements that save memory, where a plan fits
+// without them, on pipelines of at most kMspWiderTasks tasks a replica). --msp auto weighs
+// MSP for ring-less layouts only, since on a ring it won none of the README's plans and
+// doubled the time of the longest searches (gpt-7b 8M on 128 H200s: 8.0 s against 3.8):
 // it simulates each such layout with MSP as well where the first placement is searched and
 // the pipeline has at most kAutoMspTasks tasks a replica (pp x N; with every one, gpt-7b 4M
 // on 32 A100s took 55 s against 0.6 s, and MSP gains least where N is large), and weighs
@@ -876,11 +877,11 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // and the fastest that fits of both wins. The first search's best prunes most of the
   // second (Note [Pruning the search]). A placement that saves memory can be faster where
   // it lets a faster layout fit: gpt-65b at 640K on 128 A100s, tp 4 sp 2 pp 8 dp 2 with the
-  // K/V on the host and five groups recomputed, 42.6 tokens/GPU/s, against 37.7 for the
-  // best plan that keeps the K/V on the device (tp 2 sp 4 pp 16), which was the plan while
-  // the second search ran only where the first found nothing. The wider search also runs each of
-  // those placements with the MLP in tiles of kPlanMlpTileRows rows (Note [MLP tiles] in
-  // core/layout.h) on layouts without tensor parallelism whose subsequences are longer:
+  // K/V on the host and ln1, ln2 and fc_pre recomputed, 42.6 tokens/GPU/s, against 37.7 for
+  // the best plan that keeps the K/V on the device (tp 2 sp 4 pp 16), which was the plan
+  // while the second search ran only where the first found nothing. The wider search also
+  // runs each of those placements with the MLP in tiles of kPlanMlpTileRows rows (Note [MLP
+  // tiles] in core/layout.h) on layouts without tensor parallelism whose subsequences are longer:
   // the workspace's [T, F] MLP activation, and a recomputed fc_pre, become [R, F]. The
   // same FLOPs in GEMMs of R rows, which run at the rate of whole ones; the cost model
   // prices the tiles' kernel launches (CostModel::mlp_tiles_s).

@@ -215,7 +215,8 @@ TEST(Simulator, OneReplicaPricedAcrossReplicasStepsAsTheWholePlan) {
   struct Shape {
     int pp, sp, dp, per_node;
   };
-  for (const Shape& sh : {Shape{1, 1, 4, 8}, Shape{2, 1, 4, 8}, Shape{2, 1, 4, 2}, Shape{1, 2, 2, 8}, Shape{2, 2, 2, 4}}) {
+  for (const Shape& sh :
+       {Shape{1, 1, 4, 8}, Shape{2, 1, 4, 8}, Shape{2, 1, 4, 2}, Shape{1, 2, 2, 8}, Shape{2, 2, 2, 4}}) {
     sched::PipelineSpec spec;
     spec.layers = c.layers;
     spec.pp = sh.pp;
