@@ -13,6 +13,7 @@
 #include "core/check.h"
 #include "planner/partition.h"
 #include "schedule/builders.h"
+#include "schedule/msp.h"
 #include "sim/baselines.h"
 
 namespace sppo::sim {
@@ -995,7 +996,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
       i64 held = before_last;
       if (p.msp) {
         held = 0;
-        for (int k = p.pp - 1 - int(st); k <= std::min(N - 1 - int(st), N - 2); ++k) held += p.lengths[std::size_t(k)];
+        for (int k : sched::msp_phases(p.pp, N, int(st), p.msp_reach).steady)
+          if (k < N - 1) held += p.lengths[std::size_t(k)];
         held /= p.sp;
       }
       const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * held / p.tp;
@@ -1224,8 +1226,9 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     layouts_tried += int(cands.size());
   };
   search({first}, true, 0);
+  auto tput = [&](const Candidate& a) { return double(S) * a.plan.dp / (G * a.alpha.step_time_s); };
   double first_best = 0;  // tokens/GPU/s of the best plan of the first placement, as searched
-  for (const Candidate& f : fits) first_best = std::max(first_best, double(S) * f.plan.dp / (G * f.alpha.step_time_s));
+  for (const Candidate& f : fits) first_best = std::max(first_best, tput(f));
   if (!wider.empty()) search(wider, false, fits.empty() ? 0 : kMspWiderTasks);
   if (fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
     for (plan::Plan& p : layouts) p.optimizer_state = "host";
@@ -1250,7 +1253,6 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
                 " tokens in " + format_bytes(double(budget)) + " per device; the closest: " + last_reason;
     return out;
   }
-  auto tput = [&](const Candidate& a) { return double(S) * a.plan.dp / (G * a.alpha.step_time_s); };
   std::sort(fits.begin(), fits.end(), [&](const Candidate& a, const Candidate& b) { return tput(a) > tput(b); });
   // MSP when it pays: each of the best few pipelined layouts is simulated with and without
   // it as a whole plan; the faster that fits stays, and says both figures.
