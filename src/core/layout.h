@@ -206,7 +206,18 @@ i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<b
 // A host-resident K/V cache (Schedule::kv_host, runtime/kv_stream.h) streams the earlier
 // blocks' rows to the attention of T query rows in chunks of kv_chunk_rows(T) consecutive
 // positions (the last one shorter).
-inline constexpr i64 kKvChunkMinRows = 256;
+//
+// Note [Chunks of at least 1024 rows]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every chunk costs its kernel calls a fixed part besides its FLOPs (the profile's
+// attention_chunk), and short subsequences at long offsets stream thousands of chunks.
+// With 256 rows at least, the chunk cost alone moved the simulated step at `sppo bench
+// memory`'s longest length (176-token subsequences at 90K) from 392 s to 478 s between the
+// two states of a CPU whose two cores at times share a cache and at times do not (a chunk
+// call on both 22 us over its FLOPs, or 82). 1024 rows call a quarter as often for a
+// window of 1024 rows of K, V (and sums) a layer: the measured step there fell about 10%,
+// and the two states simulate it within 11% of each other (chunk costs 13 and 118 us).
+inline constexpr i64 kKvChunkMinRows = 1024;
 inline i64 kv_chunk_rows(i64 T) { return T > kKvChunkMinRows ? T : kKvChunkMinRows; }
 // Slots of a streamed layer's window for the gradient sums in backward: three, where the
 // K/V rotate over two (Note [A third slot in backward] in runtime/kv_stream.cpp).

@@ -13,6 +13,7 @@
 
 #include "backends/cpu/attention.h"
 #include "backends/cpu/ops.h"
+#include "core/layout.h"
 #include "model/gpt.h"
 #include "train/peak.h"
 
@@ -59,13 +60,14 @@ Workspace aligned_workspace(std::vector<char>& storage, i64 bytes) {
 
 // Note [Streamed chunks] (planner/profile.h), measured in the pattern of
 // runtime/kv_stream.cpp on the backend's own kernels and copy streams: the attention of
-// 256 query rows of H 128 (2 heads of 64) on chunks of 256 keys, all before the queries.
+// 256 query rows of H 128 (2 heads of 64) on chunks of kKvChunkMinRows keys (the chunks of
+// short subsequences, whose fixed costs count), all before the queries.
 struct StreamCosts {
   double copy_issue = 0, copy_compute_share = 0, attention_chunk = 0;
 };
 
 StreamCosts measure_stream_costs(double copy_bw, bool quick) {
-  constexpr int Tq = 256, C = 256, Z = 2, A = 64, D = Z * A;
+  constexpr int Tq = 256, C = int(kKvChunkMinRows), Z = 2, A = 64, D = Z * A;
   const auto be = make_backend("cpu");
   ModelConfig c;
   c.vocab = 64;
@@ -74,7 +76,7 @@ StreamCosts measure_stream_costs(double copy_bw, bool quick) {
   c.layers = 1;
   std::vector<char> scratch_storage;
   const Workspace scratch = aligned_workspace(scratch_storage, be->block_scratch(c).bytes(C));
-  const int n = quick ? 8 : 16;  // chunks
+  const int n = quick ? 4 : 8;  // chunks
   auto q = randn(i64(Tq) * D, 21), dout = randn(i64(Tq) * D, 22), k = randn(i64(n) * C * D, 23),
        v = randn(i64(n) * C * D, 24);
   std::vector<float> out(q.size()), lse(std::size_t(Z) * Tq), part(q.size()), part_lse(lse.size()),

@@ -230,16 +230,16 @@ TEST(Llama, HostAndRecomputedKvMatchTheWholeSequence) {
       expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, config + " K/V " + name + " uneven, tiles of 4");
     }
   }
-  // Several chunks: subsequence 1 (50 rows) streams 400 earlier rows in chunks of 256,
-  // subsequence 2 (150 rows) 450, its second chunk of two blocks.
-  const i64 S = 600;
+  // Several chunks: subsequence 1 (50 rows) streams 2400 earlier rows in chunks of 1024
+  // (kKvChunkMinRows), subsequence 2 (150 rows) 2450, its third chunk of two blocks.
+  const i64 S = 2600;
   const ModelConfig c = llama_config(2, false, RopeScaling::Type::None, S);
   const std::vector<float> params = random_params(c, 11);
   const Tokens tokens = random_tokens(S, c.vocab, 31);
   const StepRun whole = run_engine(c, params, tokens, {{S}, {0.0}});
   for (KvPlace kv : {KvPlace::Host, KvPlace::Recompute}) {
     const StepRun got = run_engine(c, params, tokens,
-                                   {{400, 50, 150}, {1.0, 0.5, 0.0}, 0, 0, std::vector<KvPlace>(2, kv)});
+                                   {{2400, 50, 150}, {1.0, 0.5, 0.0}, 0, 0, std::vector<KvPlace>(2, kv)});
     expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, std::string("chunks, K/V ") + sched::to_string(kv));
   }
 }

@@ -112,9 +112,10 @@ TEST(Profiles, PackedAttentionPricesEachDocumentAlone) {
 TEST(Profiles, StreamedChunksPriceTheirFixedCosts) {
   const ModelConfig c = preset("small");
   HardwareProfile hw = plan::load_profile("h100-sxm");
-  // Three subsequences of 300 (no multiple of 256): the third at offset 600 streams
-  // chunks of 300 rows, [0, 300) one piece and [300, 600) one: 2 chunks, 2 pieces.
-  sched::Schedule s = sched::build_single(c.layers, {300, 300, 300}, {0, 0, 0});
+  // Three subsequences of 1100 (longer than kKvChunkMinRows, no multiple of it): the third
+  // at offset 2200 streams chunks of 1100 rows, [0, 1100) one piece and [1100, 2200) one:
+  // 2 chunks, 2 pieces.
+  sched::Schedule s = sched::build_single(c.layers, {1100, 1100, 1100}, {0, 0, 0});
   s.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Host);
   const sched::Op* f2 = nullptr;
   for (const auto& op : s.ops[0])
