@@ -151,8 +151,8 @@ TEST(Subsequences, HostKvCacheMatches) {
     }
   expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, all), "host K/V uneven");
   // Earlier blocks longer than a chunk (kv_chunk_rows of the later, shorter subsequences):
-  // subsequence 1 streams 2400 rows in three chunks (both K/V slots and the three sums'
-  // turn round), subsequence 2 2500, its last chunk of two blocks.
+  // subsequence 1 streams 2400 rows in three chunks (a K/V slot used twice, each of the
+  // three sums slots once), subsequence 2 2500, its last chunk of two blocks.
   const auto long_tokens = random_tokens(3200, c.vocab, 8);
   const Grads long_ref = run(c, {3200}, {0.0}, long_tokens);
   expect_matches(c, long_ref, run(c, {2400, 100, 700}, {1.0, 0.5, 0.0}, long_tokens, false, all), "host K/V chunks");
