@@ -96,6 +96,36 @@ struct KVRef {
   i64 k_pos0 = 0;
 };
 
+// Which kernels run attention (--attention): the backend's own; a fused attention library's
+// (the CUDA backend: cuDNN's SDPA, backends/cuda/library_attention.h); or auto: per shape
+// class as measured (prefer_attention), else the library wherever it takes a call.
+enum class AttentionKernels { Auto, Own, Library };
+
+// A shape class measured for --attention auto (sppo profile --backend cuda): calls of this
+// head size, with a causal piece (a subsequence's own block) or with keys all before their
+// queries, whose query rows are nearest `rows` (in ratio), run the library's kernels or not.
+struct AttentionClassChoice {
+  int head_size = 0;
+  bool causal = false;
+  int rows = 0;
+  bool library = false;
+};
+
+// What runs a model's attention (Backend::prepare_attention): `library` true for a fused
+// attention library's kernels (cuDNN's), false for the backend's own; `description` says
+// which, and why auto fell back to the own kernels where it did.
+struct AttentionServed {
+  bool library = false;
+  std::string description = "own kernels";
+};
+
+// A fused attention library's graphs built so far in this process, and the seconds their
+// builds took (the first one's apart).
+struct AttentionBuildStats {
+  int graphs = 0;
+  double seconds = 0, first_seconds = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -199,6 +229,15 @@ class Backend {
   virtual void xent_shard(void* dlogits, float* losses, double* loss_sum, float* logits, const float* lse_parts, int parts,
                           const std::int32_t* targets, int T, int V, int v0, float grad_scale, const Workspace& ws) = 0;
 
+  // ---- attention kernels (--attention) ----------------------------------------------------
+  // Readies attention for a model's heads and says what serves it. Throws sppo::Error where
+  // the kernels asked for (make_backend's `attention`) cannot serve the model, naming what
+  // would. Call before block_scratch: the scratch follows the choice.
+  virtual AttentionServed prepare_attention(const ModelConfig& c) { return {}; }
+  // The measured classes --attention auto follows; empty: the library wherever it takes a call.
+  virtual void prefer_attention(const std::vector<AttentionClassChoice>& classes) {}
+  virtual AttentionBuildStats attention_build_stats() const { return {}; }
+
   // ---- softmax over rows of materialised scores (fp32; the two-pass ring, runtime/ring.h) --
   // forward: x[rows, cols] becomes softmax(x) per row and lse[rows] its log-sum-exp;
   // with_lse: x becomes exp(x - lse) from a given lse (the softmax again, in backward).
@@ -227,7 +266,11 @@ class Backend {
 // (SPPO_CUDA) and a GPU is visible.
 std::vector<std::string> available_backends();
 // `name`: cpu | cuda | auto (cuda when available, else cpu); `precision`: fp32 | bf16
-// ("" : the backend's default, bf16 on CUDA). Throws sppo::Error naming what is missing.
-std::unique_ptr<Backend> make_backend(const std::string& name, const std::string& precision = "");
+// ("" : the backend's default, bf16 on CUDA); `attention`: auto | own | cudnn (--attention).
+// Throws sppo::Error naming what is missing.
+std::unique_ptr<Backend> make_backend(const std::string& name, const std::string& precision = "",
+                                      const std::string& attention = "auto");
+// --attention's kernel word: auto, own, cudnn. Throws sppo::Error for another.
+AttentionKernels parse_attention_kernels(const std::string& word);
 
 }  // namespace sppo

@@ -7,7 +7,7 @@ namespace sppo {
 
 bool cuda_device_visible() { return false; }
 
-std::unique_ptr<Backend> make_cuda_backend(DType) {
+std::unique_ptr<Backend> make_cuda_backend(DType, AttentionKernels) {
   SPPO_CHECK(false, "backend") << "this sppo was built without CUDA (no nvcc when it was configured); rebuild on a "
                                   "machine with the CUDA toolkit (cmake -DSPPO_CUDA=ON) to use --backend cuda";
   return nullptr;

@@ -74,24 +74,61 @@ __global__ void __launch_bounds__(kDeltaWarps * 32)
 
 // One warp per (query row, head): the two results' weights from their LSEs, then the
 // row's A outputs.
+// out, part_out: row strides ldo, ld_part; lse, part_lse: head strides ld_lse, ld_part_lse.
 template <typename T>
 __global__ void __launch_bounds__(kDeltaWarps * 32)
-    merge_kernel(T* out, float* lse, const T* part_out, const float* part_lse, int Tq, int Z, int A, i64 ldo) {
+    merge_kernel(T* out, float* lse, const T* part_out, const float* part_lse, int Tq, int Z, int A, i64 ldo,
+                 i64 ld_part, i64 ld_lse, i64 ld_part_lse) {
   const i64 pair = static_cast<i64>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (pair >= static_cast<i64>(Tq) * Z) return;
   const i64 t = pair / Z;
   const int z = static_cast<int>(pair % Z);
-  const i64 li = static_cast<i64>(z) * Tq + t;
-  const float a = lse[li], b = part_lse[li];
+  const i64 li = static_cast<i64>(z) * ld_lse + t;
+  const float a = lse[li], b = part_lse[static_cast<i64>(z) * ld_part_lse + t];
   const float m = fmaxf(a, b);
   if (m == -INFINITY) return;  // neither side sees a key: out stays 0
   const float wa = expf(a - m), wb = expf(b - m), sum = wa + wb;
   T* orow = out + t * ldo + static_cast<i64>(z) * A;
-  const T* prow = part_out + t * ldo + static_cast<i64>(z) * A;
+  const T* prow = part_out + t * ld_part + static_cast<i64>(z) * A;
   for (int k = lane; k < A; k += 32) store_f(orow + k, (wa * load_f(orow + k) + wb * load_f(prow + k)) / sum);
   __syncwarp();
   if (lane == 0) lse[li] = m + logf(sum);
+}
+
+// Rows of a query that sees no key: out 0, lse -inf.
+template <typename T>
+__global__ void unseen_kernel(T* out, float* lse, int Tq, int Z, int A, i64 ldo, i64 ld_lse) {
+  const i64 width = static_cast<i64>(Z) * A, n = static_cast<i64>(Tq) * width;
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n; i += i64{gridDim.x} * blockDim.x) {
+    const i64 t = i / width, c = i % width;
+    store_f(out + t * ldo + c, 0.0f);
+    if (c % A == 0) lse[(c / A) * ld_lse + t] = -INFINITY;
+  }
+}
+
+// One warp per (query row, head): o = dout * delta / |dout|^2 (Note [The library's backward
+// from delta] in library_attention.cpp).
+template <typename T>
+__global__ void __launch_bounds__(kDeltaWarps * 32)
+    synthetic_out_kernel(T* o, const T* dout, const float* delta, int Tq, int Z, int A, i64 ld_dout, i64 ld_delta) {
+  const i64 pair = static_cast<i64>(blockIdx.x) * kDeltaWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (pair >= static_cast<i64>(Tq) * Z) return;
+  const i64 t = pair / Z;
+  const int z = static_cast<int>(pair % Z);
+  const T* dr = dout + t * ld_dout + static_cast<i64>(z) * A;
+  double norm = 0.0;
+  for (int a = lane; a < A; a += 32) norm += static_cast<double>(load_f(dr + a)) * load_f(dr + a);
+  norm = warp_sum(norm);
+  const float c = norm > 0.0 ? static_cast<float>(delta[static_cast<i64>(z) * ld_delta + t] / norm) : 0.0f;
+  T* orow = o + t * static_cast<i64>(Z) * A + static_cast<i64>(z) * A;
+  for (int a = lane; a < A; a += 32) store_f(orow + a, c * load_f(dr + a));
+}
+
+__global__ void set_lengths_kernel(int* p, int rows, int keys) {
+  p[0] = rows;
+  p[1] = keys;
 }
 
 // ---- SIMT kernels ----------------------------------------------------------------------
@@ -515,9 +552,51 @@ void attention_merge(void* out, float* lse, const void* part_out, const float* p
     using E = decltype(tag);
     const i64 grid = ceil_div(static_cast<i64>(p.Tq) * p.Z, kDeltaWarps);
     merge_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
-        static_cast<E*>(out), lse, static_cast<const E*>(part_out), part_lse, p.Tq, p.Z, p.A, p.ldo);
+        static_cast<E*>(out), lse, static_cast<const E*>(part_out), part_lse, p.Tq, p.Z, p.A, p.ldo, p.ldo, p.Tq,
+        p.Tq);
     SPPO_CUDA_CHECK_LAUNCH();
   });
+}
+
+void attention_merge_rows(void* out, float* lse, const void* part_out, const float* part_lse, int Tq, int Z, int A,
+                          i64 ldo, i64 ld_part, i64 ld_lse, i64 ld_part_lse, DType act, cudaStream_t stream) {
+  if (Tq == 0) return;
+  dispatch_act(act, "attention_merge_rows", [&](auto tag) {
+    using E = decltype(tag);
+    const i64 grid = ceil_div(static_cast<i64>(Tq) * Z, kDeltaWarps);
+    merge_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
+        static_cast<E*>(out), lse, static_cast<const E*>(part_out), part_lse, Tq, Z, A, ldo, ld_part, ld_lse,
+        ld_part_lse);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void attention_unseen_rows(void* out, float* lse, int Tq, int Z, int A, i64 ldo, i64 ld_lse, DType act,
+                           cudaStream_t stream) {
+  if (Tq == 0) return;
+  dispatch_act(act, "attention_unseen_rows", [&](auto tag) {
+    using E = decltype(tag);
+    unseen_kernel<E><<<grid_for(static_cast<i64>(Tq) * Z * A), kThreads, 0, stream>>>(static_cast<E*>(out), lse, Tq,
+                                                                                       Z, A, ldo, ld_lse);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void attention_synthetic_out(void* o, const void* dout, const float* delta, int Tq, int Z, int A, i64 ld_dout,
+                             i64 ld_delta, DType act, cudaStream_t stream) {
+  if (Tq == 0) return;
+  dispatch_act(act, "attention_synthetic_out", [&](auto tag) {
+    using E = decltype(tag);
+    const i64 grid = ceil_div(static_cast<i64>(Tq) * Z, kDeltaWarps);
+    synthetic_out_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
+        static_cast<E*>(o), static_cast<const E*>(dout), delta, Tq, Z, A, ld_dout, ld_delta);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void attention_set_lengths(int* p, int rows, int keys, cudaStream_t stream) {
+  set_lengths_kernel<<<1, 1, 0, stream>>>(p, rows, keys);
+  SPPO_CUDA_CHECK_LAUNCH();
 }
 
 void attention_backward_delta(float* delta, const void* dout, const void* out, const AttnDims& d,

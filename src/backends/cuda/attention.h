@@ -89,4 +89,19 @@ void attention_backward_blocks(void* dq, const void* dout, const void* q,
                                const float* delta, const AttnDims& d, DType act,
                                cudaStream_t stream, AttnKernel kernel = AttnKernel::Auto);
 
+// ---- around a fused attention library's calls (library_attention.cpp) ----------------------
+// attention_merge over rows with their own strides: out [Tq, ldo] and lse [Z, ld_lse] joined
+// with part_out [Tq, ld_part] and part_lse [Z, ld_part_lse].
+void attention_merge_rows(void* out, float* lse, const void* part_out, const float* part_lse, int Tq, int Z, int A,
+                          i64 ldo, i64 ld_part, i64 ld_lse, i64 ld_part_lse, DType act, cudaStream_t stream);
+// out [Tq, ldo] = 0 (Z A columns) and lse [Z, ld_lse] = -inf: rows that see no key.
+void attention_unseen_rows(void* out, float* lse, int Tq, int Z, int A, i64 ldo, i64 ld_lse, DType act,
+                           cudaStream_t stream);
+// o [Tq, Z A] (dense) = dout [Tq, ld_dout] * delta[z, t] / |dout[t, z, :]|^2 per row and head
+// (0 where dout is 0): an output whose rowsum with dout is delta [Z, ld_delta].
+void attention_synthetic_out(void* o, const void* dout, const float* delta, int Tq, int Z, int A, i64 ld_dout,
+                             i64 ld_delta, DType act, cudaStream_t stream);
+// p[0] = rows, p[1] = keys, in stream order (a library call's actual lengths).
+void attention_set_lengths(int* p, int rows, int keys, cudaStream_t stream);
+
 }  // namespace sppo::cuda

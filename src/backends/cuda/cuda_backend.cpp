@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <vector>
 
+#include "backend/attention_pieces.h"
 #include "backends/cuda/attention.h"
 #include "backends/cuda/check.h"
+#include "backends/cuda/library_attention.h"
 #include "backends/cuda/ops.h"
 #include "core/adamw.h"
 #include "core/check.h"
@@ -27,10 +30,14 @@ double steady_now_s() {
 // with 256-byte alignment and coalesced on free, so that allocation costs no CUDA call and
 // no synchronisation, and a block freed from a copy stream's host callback (an offload's
 // release) is bookkeeping only (no CUDA call may run there). The runtime's MemoryTier keeps
-// the budget and the byte counts above it; the slab only has to be large enough.
+// the budget and the byte counts above it; the slab only has to be large enough. Its last
+// kGuard bytes are never handed out: a library attention call with a padding mask may read a
+// tile of rows past a tensor's last row (Note [Length classes] in sdpa.h), which must stay
+// inside the allocation.
 class Slab {
  public:
   static constexpr std::size_t kAlign = 256;
+  static constexpr std::size_t kGuard = std::size_t{64} << 20;
 
   ~Slab() {
     if (base_) cudaFree(base_);
@@ -85,7 +92,7 @@ class Slab {
     void* p = nullptr;
     SPPO_CUDA_CHECK(cudaMalloc(&p, bytes));
     base_ = static_cast<char*>(p);
-    free_[0] = bytes;
+    free_[0] = bytes - kGuard;
   }
 
   std::mutex mu_;
@@ -232,12 +239,15 @@ class PinnedPool {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(DType act) : act_(act) {
+  CudaBackend(DType act, AttentionKernels kernels) : act_(act), kernels_(kernels) {
     SPPO_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
     blas_ = std::make_unique<cuda::Blas>();
+    if (kernels_ != AttentionKernels::Own) open_library();
+    library_usable_ = library_ && act_ == DType::BF16;
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(compute_);
+    library_.reset();
     blas_.reset();
     cudaStreamDestroy(compute_);
   }
@@ -271,8 +281,12 @@ class CudaBackend final : public Backend {
   }
 
   // The CUDA kernels take their small scratch (row-block partials, the loss and norm
-  // reductions, the embedding sort) from CUDA's stream-ordered pool, outside the budget.
-  KernelScratch block_scratch(const ModelConfig&) const override { return {}; }
+  // reductions, the embedding sort) from CUDA's stream-ordered pool, outside the budget; a
+  // fused attention library's calls take theirs from the block's scratch, so that the device
+  // budget covers it (Note [Library scratch] in backend/attention_pieces.h).
+  KernelScratch block_scratch(const ModelConfig& c) const override {
+    return serve(c, false).library ? library_attention_scratch(c, std::size_t(dtype_bytes(act_))) : KernelScratch{};
+  }
   KernelScratch head_scratch(const ModelConfig&, int) const override { return {}; }
 
   void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const void* a, int lda, const void* b, int ldb,
@@ -343,8 +357,9 @@ class CudaBackend final : public Backend {
     cuda::zero_cols(dst, act_, T, width, ld, col, compute_);
   }
   void attention_forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks, const AttnShape& d,
-                         const Workspace&) override {
-    cuda::attention_forward_blocks(out, lse, q, blocks_of(blocks), dims_of(d), act_, compute_);
+                         const Workspace& ws) override {
+    if (use_library(d, blocks)) library_->forward(out, lse, q, blocks, d, ws, compute_);
+    else cuda::attention_forward_blocks(out, lse, q, blocks_of(blocks), dims_of(d), act_, compute_);
   }
   void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse,
                        const AttnShape& d) override {
@@ -354,8 +369,9 @@ class CudaBackend final : public Backend {
     cuda::attention_backward_delta(delta, dout, out, dims_of(d), act_, compute_);
   }
   void attention_backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
-                          const float* lse, const float* delta, const AttnShape& d, const Workspace&) override {
-    cuda::attention_backward_blocks(dq, dout, q, blocks_of(blocks), lse, delta, dims_of(d), act_, compute_);
+                          const float* lse, const float* delta, const AttnShape& d, const Workspace& ws) override {
+    if (use_library(d, blocks)) library_->backward(dq, dout, q, blocks, lse, delta, d, ws, compute_);
+    else cuda::attention_backward_blocks(dq, dout, q, blocks_of(blocks), lse, delta, dims_of(d), act_, compute_);
   }
   void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T, int V,
             float grad_scale, const Workspace&) override {
@@ -381,6 +397,14 @@ class CudaBackend final : public Backend {
     return result;
   }
   void scale(float* x, i64 n, float s) override { cuda::scale_inplace(x, n, s, compute_); }
+  AttentionServed prepare_attention(const ModelConfig& c) override { return serve(c, true); }
+  void prefer_attention(const std::vector<AttentionClassChoice>& classes) override { classes_ = classes; }
+  AttentionBuildStats attention_build_stats() const override {
+    if (!library_) return {};
+    const auto s = library_->library().build_stats();
+    return {s.graphs, s.seconds, s.first_seconds};
+  }
+
   void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse) override {
     cuda::softmax_rows(x, lse, rows, cols, with_lse, compute_);
   }
@@ -405,7 +429,80 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // cuDNN's fused attention; where it cannot open, --attention cudnn ends here and auto
+  // keeps the reason for prepare_attention.
+  void open_library() {
+    try {
+      const char* lengths = std::getenv("SPPO_CUDNN_LENGTHS");  // Note [Length classes] in sdpa.h
+      const bool exact = lengths && std::string(lengths) == "exact";
+      library_ = std::make_unique<cuda::LibraryAttention>(cuda::open_cudnn_sdpa(), act_, !exact);
+    } catch (const Error& e) {
+      if (kernels_ == AttentionKernels::Library) throw;
+      library_error_ = e.what();
+    }
+  }
+
+  // What runs a model's attention; `refuse`: --attention cudnn where the library cannot
+  // serve it ends here, naming what would.
+  AttentionServed serve(const ModelConfig& c, bool refuse) const {
+    if (kernels_ == AttentionKernels::Own) return {false, "own kernels (--attention own)"};
+    if (!library_) return {false, "own kernels (" + library_error_ + ")"};
+    const bool must = refuse && kernels_ == AttentionKernels::Library;
+    const std::string lib = library_->library().name();
+    if (act_ != DType::BF16) {
+      SPPO_CHECK(!must, "attention") << "--attention cudnn: " << lib << "'s fused attention computes in bf16, and "
+                                     << "this run's activations are fp32; use --precision bf16, or --attention own "
+                                     << "for fp32";
+      return {false, "own kernels (fp32 activations; " + lib + " computes in bf16)"};
+    }
+    // The model's calls: q and dq at H (the forward, a Llama block's backward) or at 3H (a
+    // GPT block's backward reads q where its dq goes, in dqkv).
+    std::string why;
+    for (const int ldq : {c.hidden, 3 * c.hidden}) {
+      AttnShape d;
+      d.Z = c.heads, d.Zkv = c.kv_head_count(), d.A = c.head_size();
+      d.ldq = ldq, d.ldo = c.hidden, d.ldk = d.ldv = c.kv_width();
+      if (why.empty()) why = library_->check(d);
+    }
+    if (!why.empty()) {
+      SPPO_CHECK(!must, "attention") << "--attention cudnn: " << lib << " cannot take this model's attention ("
+                                     << why << "); use --attention own, or auto (the own kernels wherever cuDNN "
+                                     << "refuses)";
+      return {false, "own kernels (" + lib + " refuses the model's heads: " + why + ")"};
+    }
+    return {true, lib + " fused attention" + (library_->length_classes() ? "" : " (a graph per exact length)")};
+  }
+
+  // Whether a call runs on the library: as --attention says; under auto, as the measured
+  // class nearest the call says (the library where none was measured for its head size).
+  bool use_library(const AttnShape& d, const std::vector<KVRef>& blocks) {
+    if (!library_usable_) return false;
+    const std::string why = library_->check(d);  // kept per head layout
+    if (!why.empty()) {
+      SPPO_CHECK(kernels_ != AttentionKernels::Library, "attention")
+          << "--attention cudnn: " << library_->library().name() << " refuses an attention call (" << why
+          << "); use --attention own or auto";
+      return false;
+    }
+    if (kernels_ == AttentionKernels::Library || classes_.empty()) return true;
+    bool causal = false;
+    for (const KVRef& b : blocks) causal = causal || b.k_pos0 + b.Tk - 1 > d.q_pos0;
+    const AttentionClassChoice* best = nullptr;
+    double best_gap = 0;
+    for (const AttentionClassChoice& k : classes_) {
+      if (k.head_size != d.A || k.causal != causal || k.rows <= 0) continue;
+      const double gap = std::abs(std::log(double(d.Tq) / k.rows));
+      if (!best || gap < best_gap) best = &k, best_gap = gap;
+    }
+    return !best || best->library;
+  }
+
   DType act_;
+  AttentionKernels kernels_;
+  std::unique_ptr<cuda::LibraryAttention> library_;
+  std::string library_error_;
+  bool library_usable_ = false;  // opened, and the activations bf16
+  std::vector<AttentionClassChoice> classes_;
   cudaStream_t compute_ = nullptr;
   std::unique_ptr<cuda::Blas> blas_;
   Slab slab_;
@@ -416,11 +513,11 @@ class CudaBackend final : public Backend {
 
 bool cuda_device_visible() { return cuda::device_available(); }
 
-std::unique_ptr<Backend> make_cuda_backend(DType act) {
+std::unique_ptr<Backend> make_cuda_backend(DType act, AttentionKernels attention) {
   SPPO_CHECK(cuda::device_available(), "backend")
       << "--backend cuda: no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)";
   SPPO_CHECK(act == DType::F32 || act == DType::BF16, "backend") << "activations are fp32 or bf16";
-  return std::make_unique<CudaBackend>(act);
+  return std::make_unique<CudaBackend>(act, attention);
 }
 
 }  // namespace sppo

@@ -14,7 +14,8 @@ namespace sppo {
 // True when this program was built with CUDA and a GPU is visible.
 bool cuda_device_visible();
 // act: F32 (fp32 everywhere, TF32 off: for exact comparisons with the CPU) or BF16.
+// attention: whose kernels run attention (Library: cuDNN's fused attention, which must open).
 // Throws sppo::Error when CUDA is not built in or no GPU is visible.
-std::unique_ptr<Backend> make_cuda_backend(DType act);
+std::unique_ptr<Backend> make_cuda_backend(DType act, AttentionKernels attention = AttentionKernels::Auto);
 
 }  // namespace sppo

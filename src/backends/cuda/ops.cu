@@ -57,6 +57,17 @@ __global__ void copy_2d_kernel(D* dst, i64 ld_dst, const S* src, i64 ld_src, int
   }
 }
 
+// dst[t * ld_dst + c] += src[t * ld_src + c] for t < T, c < width.
+template <typename D, typename S>
+__global__ void add_2d_kernel(D* dst, i64 ld_dst, const S* src, i64 ld_src, int T, int width) {
+  const i64 n = static_cast<i64>(T) * width;
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n;
+       i += i64{gridDim.x} * blockDim.x) {
+    const i64 t = i / width, c = i % width;
+    store_f(dst + t * ld_dst + c, load_f(dst + t * ld_dst + c) + load_f(src + t * ld_src + c));
+  }
+}
+
 template <typename T>
 __global__ void zero_2d_kernel(T* dst, i64 ld, int rows, int width) {
   const i64 n = static_cast<i64>(rows) * width;
@@ -548,6 +559,25 @@ void copy_2d(void* dst, DType dst_type, i64 ld_dst, const void* src, DType src_t
 }
 
 }  // namespace
+
+void copy_rows(void* dst, DType dst_type, i64 ld_dst, const void* src, DType src_type, i64 ld_src, int T, int width,
+               cudaStream_t stream) {
+  copy_2d(dst, dst_type, ld_dst, src, src_type, ld_src, T, width, stream);
+}
+
+void add_rows(void* dst, DType dst_type, i64 ld_dst, const void* src, DType src_type, i64 ld_src, int T, int width,
+              cudaStream_t stream) {
+  if (T == 0 || width == 0) return;
+  dispatch_act(dst_type, "add_rows", [&](auto d) {
+    dispatch_act(src_type, "add_rows", [&](auto s) {
+      using D = decltype(d);
+      using S = decltype(s);
+      add_2d_kernel<D, S><<<grid_for(i64{T} * width), kThreads, 0, stream>>>(
+          static_cast<D*>(dst), ld_dst, static_cast<const S*>(src), ld_src, T, width);
+      SPPO_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
 
 void copy_cols(void* dst, DType dst_type, const void* src, DType src_type, int T, int width,
                int ld_src, int col, cudaStream_t stream) {

@@ -104,6 +104,12 @@ void put_cols(void* dst, DType dst_type, const void* src, DType src_type, int T,
 // Columns [col, col + width) of the [T, ld] buffer dst = 0 (the dq columns before attention's
 // backward accumulates into them).
 void zero_cols(void* dst, DType type, int T, int width, int ld, int col, cudaStream_t stream);
+// dst[t * ld_dst + c] = src[t * ld_src + c] (converted), and += it, for t < T, c < width:
+// e.g. a fused attention library's dense outputs into the strided buffers they belong to.
+void copy_rows(void* dst, DType dst_type, i64 ld_dst, const void* src, DType src_type, i64 ld_src, int T, int width,
+               cudaStream_t stream);
+void add_rows(void* dst, DType dst_type, i64 ld_dst, const void* src, DType src_type, i64 ld_src, int T, int width,
+              cudaStream_t stream);
 
 // ---- embedding ------------------------------------------------------------------------
 // out[T, H] (act) = embed[ids[t]] (fp32 master weights, [V, H]; V only bounds the ids).

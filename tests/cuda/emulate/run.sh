@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Runs tests/cuda/test_cuda_kernels.cpp on the CPU, with the CUDA kernels of src/backends/cuda
-# compiled by the host compiler against emu.h (fibers for threads, warp collectives and the
-# tensor-core instructions emulated from the PTX ISA's definitions). It checks the kernels' index
-# logic, masking, tiling, barriers and fragment layouts without a GPU; it cannot check timing,
-# cuBLASLt or CUB (those tests are filtered out) or the real instructions' rounding.
+# Runs tests/cuda/test_cuda_kernels.cpp and test_library_attention.cpp on the CPU, with the CUDA
+# kernels of src/backends/cuda compiled by the host compiler against emu.h (fibers for threads,
+# warp collectives and the tensor-core instructions emulated from the PTX ISA's definitions),
+# and cuDNN's fused attention replaced by a float64 stand-in with its semantics
+# (sdpa_reference.cpp). It checks the kernels' index logic, masking, tiling, barriers and
+# fragment layouts, and the library attention's pieces, merges and scratch, without a GPU; it
+# cannot check timing, cuBLASLt, CUB or cuDNN itself (those tests are filtered out) or the real
+# instructions' rounding.
 #   bash tests/cuda/emulate/run.sh [BUILD_DIR] [--gtest_filter=...]
 # BUILD_DIR (default build/) must hold libsppo_cpu.a, libsppo_backend.a and libsppo_core.a. The whole run takes
 # 10 to 20 minutes on two cores, most of it in the attention tests; pass a --gtest_filter to
@@ -19,7 +22,7 @@ mkdir -p "$out/backends/cuda"
 src=$root/src/backends/cuda
 for f in common.cuh check.h attention.h attention_impl.cuh ops.h; do cp "$src/$f" "$out/backends/cuda/"; done
 cp "$here/ptx_emu.cuh" "$out/backends/cuda/ptx.cuh"
-cxx=(g++ -std=c++20 -O2 -g -fno-strict-aliasing -w -I"$out" -I"$here/include" -I"$root/src")
+cxx=(g++ -std=c++20 -O2 -g -fno-strict-aliasing -w -I"$out" -I"$here/include" -I"$root/src" -I"$root/tests")
 objs=() pids=()
 for f in ops attention attention_tc; do
   python3 "$here/rewrite.py" "$src/$f.cu" "$out/$f.cpp"
@@ -29,6 +32,10 @@ done
 "${cxx[@]}" -c "$src/check.cpp" -o "$out/check.o" & pids+=($!)
 "${cxx[@]}" -c "$here/stubs.cpp" -o "$out/stubs.o" & pids+=($!)
 "${cxx[@]}" -c "$root/tests/cuda/test_cuda_kernels.cpp" -o "$out/test.o" & pids+=($!)
+"${cxx[@]}" -c "$src/library_attention.cpp" -o "$out/library_attention.o" & pids+=($!)
+"${cxx[@]}" -c "$here/sdpa_reference.cpp" -o "$out/sdpa_reference.o" & pids+=($!)
+"${cxx[@]}" -c "$root/tests/cuda/test_library_attention.cpp" -o "$out/test_library.o" & pids+=($!)
+objs+=("$out/library_attention.o" "$out/sdpa_reference.o" "$out/test_library.o")
 for p in "${pids[@]}"; do wait "$p"; done
 ompblas=/usr/lib/$(gcc -print-multiarch)/openblas-openmp
 g++ -o "$out/test_cuda_kernels_emulated" "$out/test.o" "${objs[@]}" "$out/check.o" "$out/stubs.o" \
