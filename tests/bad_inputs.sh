@@ -219,6 +219,14 @@ expect "--backend 'nope'" train --model tiny --backend nope
 expect "--precision 'fp64'" train --model tiny --precision fp64
 expect "--precision bf16" train --model tiny --backend cpu --precision bf16
 expect "--backend 'nope'" bench attention --backend nope
+# attention kernels: an unknown word, a kind named twice, cuDNN where there is no CUDA backend
+expect "--attention 'causal,flash': 'flash' is unknown" train --model tiny --attention causal,flash
+expect "names the kernels twice" grads --model tiny --attention own,cudnn --out grads_out
+expect "names the mask twice" train --model tiny --attention causal,bidirectional
+expect "--attention cudnn" train --model tiny --backend cpu --attention cudnn
+expect "--attention cudnn" bench attention --backend cpu --attention cudnn
+expect "attention kernels 'sdpa'" bench layer --attention sdpa
+expect "--chunk" bench attention --backend cpu --chunk 0
 expect "--backend 'gpu'" profile --backend gpu --out profile_out.json
 expect "--threads" profile --threads -2 --out profile_out.json
 

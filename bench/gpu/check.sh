@@ -10,6 +10,10 @@
 #   SECTIONS='^(kernels|grads)' bash bench/gpu/check.sh   # only the sections this regex matches
 #   bash bench/gpu/check.sh --smoke     # the same pipeline on the CPU backend, tiny shapes
 #
+# cuDNN's fused attention alone (about 6 minutes): its kernels' test, every mode through it,
+# the attention and block benchmarks beside PyTorch:
+#   SECTIONS='^(kernels_cudnn|cudnn_|attention$|attention_own|layer_|torch)' DEADLINE=400 bash bench/gpu/check.sh
+#
 # Programs come from BIN (default build/; a bundle's bin/ holds them all in one folder).
 # Writes $OUT/check.json with the keys of bench/results/<gpu>-<date>.json (the copy to
 # commit) and every section's log, packed into $OUT/logs.tgz.
@@ -24,7 +28,7 @@ SECTIONS=${SECTIONS:-.}
 DEADLINE=${DEADLINE:-540}
 SMOKE=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
-mkdir -p "$OUT/logs" "$OUT/parts" "$OUT/grads"
+mkdir -p "$OUT/logs" "$OUT/parts" "$OUT/grads" "$OUT/cudnn"
 PY=${PYTHON:-python3}
 started=$(date +%s)
 
@@ -65,9 +69,16 @@ section() {
   return $rc
 }
 
+# cuDNN's fused attention: --attention cudnn (on the CPU smoke, auto: the CPU's own kernels).
+if [ $SMOKE = 1 ]; then LIB=(--attention auto); else LIB=(--attention cudnn); fi
+OWN=(--attention own)
+
 # ---- correctness ----------------------------------------------------------------------------
 if [ $SMOKE = 0 ]; then
   section kernels 90 "$(tool test_cuda_kernels)" --gtest_output=json:"$OUT/parts/kernels.json"
+  # The backend's attention through cuDNN against the CPU's kernels, and cuDNN's verdicts.
+  section kernels_cudnn 90 "$(tool test_library_attention)" --gtest_output=json:"$OUT/parts/kernels_cudnn.json"
+  section cudnn_graphs 30 "$(tool test_cudnn_graphs)" --gtest_output=json:"$OUT/parts/cudnn_graphs.json"
 fi
 
 # A whole step in fp32: the GPU against the CPU backend (relative 1e-4), then every SPPO
@@ -93,6 +104,28 @@ PACK=(--data "$OUT/docs.u16" --doc-sep 0 --pack)
 section packed_cpu 120 "$SPPO" grads "${LLAMA[@]}" "${PACK[@]}" --subseqs 3 --offload 0.5 --backend cpu --out "$OUT/packed/cpu"
 section packed_gpu 60 "$SPPO" grads "${LLAMA[@]}" "${PACK[@]}" --subseqs 3 --offload 0.5 "${FP32[@]}" --out "$OUT/packed/gpu"
 
+# bf16 through cuDNN: every mode against the GPU's whole-sequence step through cuDNN (the
+# same kernels, so rounding apart the same gradients), the whole step against the own kernels'
+# (bf16 rounding), packed documents; GPT (grads/) and Llama with grouped-query heads (llama/).
+for family in grads llama; do
+  if [ $family = grads ]; then shape=("${SMALL[@]}"); else shape=("${LLAMA[@]}"); fi
+  section "cudnn_${family}_whole" 60 "$SPPO" grads "${shape[@]}" "${BF16[@]}" "${LIB[@]}" --out "$OUT/cudnn/$family/whole"
+  section "cudnn_${family}_own" 60 "$SPPO" grads "${shape[@]}" "${BF16[@]}" "${OWN[@]}" --out "$OUT/cudnn/$family/own"
+  for k in "${!modes[@]}"; do
+    # shellcheck disable=SC2086
+    section "cudnn_${family}_mode$k" 60 "$SPPO" grads "${shape[@]}" "${BF16[@]}" "${LIB[@]}" ${modes[$k]} \
+      --out "$OUT/cudnn/$family/mode$k"
+  done
+done
+section cudnn_packed 60 "$SPPO" grads "${LLAMA[@]}" "${PACK[@]}" --subseqs 3 --offload 0.5 "${BF16[@]}" "${LIB[@]}" \
+  --out "$OUT/cudnn/packed/lib"
+section cudnn_packed_own 60 "$SPPO" grads "${LLAMA[@]}" "${PACK[@]}" --subseqs 3 --offload 0.5 "${BF16[@]}" "${OWN[@]}" \
+  --out "$OUT/cudnn/packed/own"
+# The bf16 curve through cuDNN (SPPO, host K/V streamed) within 1% of the fp32 whole-sequence one.
+section cudnn_curve_fp32 120 "$SPPO" train "${LCURVE[@]}" "${FP32[@]}" --quiet --metrics "$OUT/parts/cudnn_curve_fp32.jsonl"
+section cudnn_curve 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" "${LIB[@]}" --subseqs 4 --offload 0.5 --kv-cache host \
+  --quiet --metrics "$OUT/parts/cudnn_curve.jsonl"
+
 # bf16: the loss curve of every mode within 1% of the whole-sequence bf16 curve.
 section curve_whole 120 "$SPPO" train "${CURVE[@]}" "${BF16[@]}" --quiet --metrics "$OUT/parts/curve_whole.jsonl"
 section curve_sppo 120 "$SPPO" train "${CURVE[@]}" "${BF16[@]}" --subseqs 4 --partition flops --offload 0.5 \
@@ -117,10 +150,12 @@ section budget_less 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" "${PIN[@]}" -
 # ---- benchmarks, beside PyTorch in the same run ------------------------------------------------
 if [ $SMOKE = 0 ]; then
   # In the order of their worth, should the deadline cut the last ones.
-  section attention 60 "$SPPO" bench attention "${BF16[@]}" --json
+  section attention 60 "$SPPO" bench attention "${BF16[@]}" "${LIB[@]}" --json
+  section attention_own 90 "$SPPO" bench attention "${BF16[@]}" "${OWN[@]}" --json
   section attention_kernels 60 "$(tool gpu_attention_bench)"  # each tile kernel against the SIMT one
   for S in 16384 65536 131072; do
-    section "layer_$S" 90 "$SPPO" bench layer "${BF16[@]}" --hidden 4096 --heads 32 --seq-len $S --reps 3 --json
+    section "layer_$S" 90 "$SPPO" bench layer "${BF16[@]}" "${LIB[@]}" --hidden 4096 --heads 32 --seq-len $S --reps 3 \
+      --json
   done
   section offload 60 "$SPPO" bench offload "${BF16[@]}" --model medium --seq-len 32768 --subseqs 8 --json
   # MEMORY=1: the longest sequence of PyTorch with checkpointing and of SPPO, and both step
@@ -143,8 +178,10 @@ if [ $SMOKE = 0 ]; then
   # The simulator on the profile just measured, against three real one-GPU SPPO steps.
   section sim 300 "$SPPO" bench sim "${BF16[@]}" --hardware "$OUT/parts/profile.json" --reps 2 --json
 else
-  section attention 60 "$SPPO" bench attention "${BACKEND[@]}" --seq-len 256 --queries 64 --prefix 192 --heads 2 \
-    --reps 1 --json
+  section attention 60 "$SPPO" bench attention "${BACKEND[@]}" "${LIB[@]}" --seq-len 256 --queries 64 --prefix 192 \
+    --heads 2 --chunk 64 --reps 1 --json
+  section attention_own 60 "$SPPO" bench attention "${BACKEND[@]}" "${OWN[@]}" --seq-len 256 --queries 64 --prefix 192 \
+    --heads 2 --chunk 64 --reps 1 --json
   section layer_smoke 60 "$SPPO" bench layer "${BACKEND[@]}" --hidden 64 --heads 4 --seq-len 256 --reps 1 --json
   section offload 120 "$SPPO" bench offload "${BACKEND[@]}" --model tiny --seq-len 512 --subseqs 4 --reps 1 --json
 fi
@@ -153,5 +190,5 @@ fi
 $PY bench/gpu/collect.py "$OUT" "$SMOKE" "${COMMIT:-unknown}"
 # What comes back: check.json and one archive of the logs (the gradients stay behind).
 tar czf "$OUT/logs.tgz" -C "$OUT" logs parts && rm -rf "$OUT/logs" "$OUT/parts" "$OUT/grads" "$OUT/llama" \
-  "$OUT/packed" "$OUT/docs.u16"
+  "$OUT/packed" "$OUT/cudnn" "$OUT/docs.u16"
 echo "check: $(( $(date +%s) - started )) s; results in $OUT/check.json" >&2

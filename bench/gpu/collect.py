@@ -85,10 +85,11 @@ except OSError:
 result["sections"] = [json.loads(l) for l in read(os.path.join(out_dir, "parts", "sections.jsonl")).splitlines() if l]
 
 checks = {}
-kernels = last_json(read(os.path.join(out_dir, "parts", "kernels.json")))
-if kernels:
-    checks["kernels"] = {"tests": kernels.get("tests"), "failures": kernels.get("failures"),
-                         "pass": kernels.get("failures") == 0}
+for name in ("kernels", "kernels_cudnn", "cudnn_graphs"):
+    tests = last_json(read(os.path.join(out_dir, "parts", name + ".json")))
+    if tests:
+        checks[name] = {"tests": tests.get("tests"), "failures": tests.get("failures"),
+                        "pass": tests.get("failures") == 0}
 for family in ("grads", "llama"):
     g = os.path.join(out_dir, family)
     vs_cpu = grad_error(os.path.join(g, "cpu"), os.path.join(g, "whole"))
@@ -104,11 +105,36 @@ for family in ("grads", "llama"):
 packed = grad_error(os.path.join(out_dir, "packed", "cpu"), os.path.join(out_dir, "packed", "gpu"))
 packed["pass"] = packed.get("worst_grad_rel", 1) < 1e-4 and packed.get("loss_rel", 1) < 1e-4
 checks["packed_vs_cpu"] = packed
-for name in ("", "llama_"):
-    cw = curve(os.path.join(out_dir, "parts", "curve_%swhole.jsonl" % name))
-    cs = curve(os.path.join(out_dir, "parts", "curve_%ssppo.jsonl" % name))
+def curve_check(ref_name, name):
+    cw = curve(os.path.join(out_dir, "parts", ref_name + ".jsonl"))
+    cs = curve(os.path.join(out_dir, "parts", name + ".jsonl"))
     dev = max((abs(a - b) / a for a, b in zip(cw, cs)), default=1.0) if cw and len(cw) == len(cs) else 1.0
-    checks[name + "bf16_curve"] = {"steps": len(cw), "max_rel_diff": dev, "pass": dev < 0.01}
+    return {"steps": len(cw), "max_rel_diff": dev, "pass": dev < 0.01}
+
+
+for name in ("", "llama_"):
+    checks[name + "bf16_curve"] = curve_check("curve_%swhole" % name, "curve_%ssppo" % name)
+
+# cuDNN's fused attention, bf16: every mode against the whole step through cuDNN, the whole step
+# against the own kernels, packed documents against the own kernels (bf16 tolerances: the two
+# differ by bf16 roundings of activations, relative 2^-8 each), the curve against fp32.
+BF16_GRAD, BF16_LOSS = 5e-2, 2e-3
+def bf16_check(ref, got):
+    e = grad_error(ref, got)
+    e["pass"] = e.get("worst_grad_rel", 1) < BF16_GRAD and e.get("loss_rel", 1) < BF16_LOSS
+    return e
+
+
+cudnn = {}
+for family in ("grads", "llama"):
+    g = os.path.join(out_dir, "cudnn", family)
+    cudnn[family] = {"whole_vs_own": bf16_check(os.path.join(g, "own"), os.path.join(g, "whole"))}
+    for k in range(7):
+        cudnn[family]["mode%d" % k] = bf16_check(os.path.join(g, "whole"), os.path.join(g, "mode%d" % k))
+cudnn["packed_vs_own"] = bf16_check(os.path.join(out_dir, "cudnn", "packed", "own"),
+                                    os.path.join(out_dir, "cudnn", "packed", "lib"))
+cudnn["bf16_curve_vs_fp32"] = curve_check("cudnn_curve_fp32", "cudnn_curve")
+checks["cudnn"] = cudnn
 rc = {s["section"]: s["rc"] for s in result["sections"]}
 checks["budget"] = {"exact_fits": rc.get("budget_exact") == 0, "one_byte_less_refused": rc.get("budget_less") == 3}
 checks["budget"]["pass"] = checks["budget"]["exact_fits"] and checks["budget"]["one_byte_less_refused"]
@@ -116,14 +142,47 @@ result["checks"] = checks
 
 torch = last_json(read(os.path.join(logs, "torch.out"))) or {}
 attn = last_json(read(os.path.join(logs, "attention.out"))) or {}
+attn_own = last_json(read(os.path.join(logs, "attention_own.out"))) or {}
 tattn = torch.get("attention", {})
-result["attention"] = {k: {"sppo_tflops": (attn.get(k) or {}).get("sppo_tflops"), "torch_tflops": tattn.get(k)}
-                       for k in ("whole_32k", "prefix_16k_after_112k")}
+if not isinstance(tattn, dict):
+    tattn = {}
+
+
+def ratio(a, b):
+    return round(a / b, 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def shape_of(bench, kind):
+    """The bench's figures for a kind of shape (whole, prefix, chunked), whatever its lengths
+    (the smoke run's are short)."""
+    for name, v in bench.items():
+        if not isinstance(v, dict) or "sppo_tflops" not in v:
+            continue
+        chunked = name.endswith("_chunked")
+        if (kind == "whole" and name.startswith("whole_")) or (kind == "chunked" and chunked) or \
+                (kind == "prefix" and name.startswith("prefix_") and not chunked):
+            return v
+    return {}
+
+
+result["attention"] = {"kernels": attn.get("attention"), "graphs": attn.get("attention_graphs")}
+for k, kind in (("whole_32k", "whole"), ("prefix_16k_after_112k", "prefix"), ("prefix_16k_after_112k_chunked", "chunked")):
+    mine = shape_of(attn, kind).get("sppo_tflops")
+    theirs = tattn.get("prefix_16k_after_112k" if kind == "chunked" else k)
+    result["attention"][k] = {"sppo_tflops": mine, "torch_tflops": theirs,
+                              "sppo_own_tflops": shape_of(attn_own, kind).get("sppo_tflops"),
+                              "over_torch": ratio(mine, theirs)}
+chunked = result["attention"]["prefix_16k_after_112k_chunked"]
+chunked["over_one_call"] = ratio(chunked["sppo_tflops"], result["attention"]["prefix_16k_after_112k"]["sppo_tflops"])
+if "prefix_16k_after_112k_paths" in tattn:
+    result["attention"]["torch_prefix_paths"] = tattn["prefix_16k_after_112k_paths"]
 layers = {}
 for S in (16384, 65536, 131072):
     j = last_json(read(os.path.join(logs, "layer_%d.out" % S))) or {}
-    layers[str(S)] = {"sppo_tokens_per_s": j.get("tokens_per_s"),
-                      "torch_tokens_per_s": torch.get("layer_tokens_per_s", {}).get(str(S))}
+    theirs = torch.get("layer_tokens_per_s", {})
+    theirs = theirs.get(str(S)) if isinstance(theirs, dict) else None
+    layers[str(S)] = {"sppo_tokens_per_s": j.get("tokens_per_s"), "torch_tokens_per_s": theirs,
+                      "attention": j.get("attention"), "over_torch": ratio(j.get("tokens_per_s"), theirs)}
 result["layer"] = layers
 off = last_json(read(os.path.join(logs, "offload.out"))) or {}
 result["offload"] = {"adaptive_over_none": off.get("adaptive_over_none_step_time")}

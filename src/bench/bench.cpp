@@ -64,6 +64,7 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps, 
         << " backend has; use --seq-len " << i64(double(S) * have / need * 0.8) << " or less";
   }
   const int T = int(S);
+  const AttentionServed attention = be.prepare_attention(c);
   // The rates the block is measured against, in the same run: on the CPU the FMA peak and
   // OpenBLAS's SGEMM; elsewhere the backend's own GEMM in the activation type.
   FmaPeak fma;
@@ -148,6 +149,7 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps, 
                       {"precision", act == DType::F32 ? "fp32" : "bf16"},
                       {"hidden", hidden},
                       {"heads", heads},
+                      {"attention", attention.description},
                       {"seq_len", S},
                       {"step_time_s", t},
                       {"tokens_per_s", Sd / t},

@@ -74,6 +74,7 @@ StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N
   o.hardware = b.hardware;
   o.backend = b.backend;
   o.precision = b.precision;
+  o.attention_kernels = b.attention;
   return o;
 }
 
@@ -342,7 +343,7 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
       {"gpt-7b", 4, 32768, 4, "none"},
       {"gpt-7b", 4, 65536, 8, "0.5"},
       {"gpt-7b", 4, 131072, 16, "full"}};
-  const auto probe_backend = make_backend(b.backend, b.precision);
+  const auto probe_backend = make_backend(b.backend, b.precision, b.attention);
   const bool on_cpu = std::string(probe_backend->name()) == "cpu";
   const plan::HardwareProfile hw = !b.hardware.empty() ? plan::load_profile(b.hardware)
                                    : on_cpu            ? measure_cpu_profile(false)
@@ -362,6 +363,7 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
     o.recompute_tensors = cfg.recompute;
     o.backend = b.backend;
     o.precision = b.precision;
+    o.attention_kernels = b.attention;
     StepSetup s = make_setup(o);
     const ActPrecision prec = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
     const plan::CostModel cost(hw, s.config, prec);

@@ -19,6 +19,7 @@ struct BenchModelOptions {
   int reps = 2;          // timed steps per point (median), after one warm-up
   std::string hardware;  // profile for adaptive choices ("" = measured now)
   std::string backend = "cpu", precision;  // as train's --backend / --precision
+  std::string attention = "auto";          // as train's --attention kernels
   i64 at_seq_len = 0;    // bench memory: SPPO alone, its longest sequence and its step time here
 };
 

@@ -1,5 +1,7 @@
 #include "cli/cmd_plan.h"
 
+#include "backend/attention_pieces.h"
+
 #include <CLI/CLI.hpp>
 #include <omp.h>
 #include <chrono>
@@ -59,7 +61,11 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
   if (!o.host_budget.empty()) r.hw.host_memory = parse_bytes(o.host_budget, "--host-budget");
   // A CPU profile's ranks run the CPU backend's kernels at its threads, whose scratch comes
-  // from the device tier as train counts it (GPU kernels keep theirs outside the budget).
+  // from the device tier as train counts it. A GPU's runs attention through cuDNN (train's
+  // --attention auto), whose calls take their scratch from the device tier too; its other
+  // kernels keep theirs outside the budget.
+  if (r.hw.threads == 0 && r.hw.precision == "bf16")
+    r.block_scratch = library_attention_scratch(r.model, std::size_t(dtype_bytes(DType::BF16)));
   if (r.hw.threads > 0 && r.hw.precision == "f32") {
     const int before = omp_get_max_threads();
     omp_set_num_threads(r.hw.threads);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <optional>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 
@@ -48,12 +49,46 @@ struct StepFlags {
   CLI::Option* mlp_tile_rows_option = nullptr;
 };
 
+constexpr const char* kAttentionKernelsHelp =
+    "Attention kernels: auto (cuDNN's fused attention on CUDA where it takes the shapes, else the backend's own), "
+    "own, or cudnn";
+
+// --attention: comma-separated words, one of each kind at most: the mask (causal,
+// bidirectional) and the kernels (auto, own, cudnn).
+void parse_attention(const std::string& text, StepOptions& o) {
+  bool mask = false, kernels = false;
+  o.model.causal = true;
+  o.attention_kernels = "auto";
+  std::stringstream in(text);
+  for (std::string word; std::getline(in, word, ',');) {
+    const bool is_mask = word == "causal" || word == "bidirectional";
+    const bool is_kernels = word == "auto" || word == "own" || word == "cudnn";
+    SPPO_CHECK(is_mask || is_kernels, "options")
+        << "--attention '" << text << "'" << (word == text ? "" : ": '" + word + "'")
+        << " is unknown; use causal or bidirectional (the mask) and auto, own or cudnn (the kernels), e.g. "
+        << "--attention cudnn or --attention bidirectional,own";
+    SPPO_CHECK(!(is_mask ? mask : kernels), "options")
+        << "--attention '" << text << "' names " << (is_mask ? "the mask" : "the kernels") << " twice; give one "
+        << (is_mask ? "of causal and bidirectional" : "of auto, own and cudnn");
+    if (is_mask) {
+      mask = true;
+      o.model.causal = word == "causal";
+    } else {
+      kernels = true;
+      o.attention_kernels = word;
+    }
+  }
+}
+
 void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   std::string presets;
   for (const auto& p : preset_names()) presets += (presets.empty() ? "" : ", ") + p;
   f.model_option = cmd->add_option("--model", f.model, "Model preset: " + presets)->capture_default_str();
   cmd->add_option("--attention", f.attention,
-                  "causal, or bidirectional (every position sees every other; trains with --objective mlm)")
+                  "The mask, causal or bidirectional (every position sees every other; trains with --objective "
+                  "mlm), and the kernels, auto (cuDNN's fused attention on CUDA where it takes the model's heads, "
+                  "else the backend's own; a --hardware profile's measured choice per shape class), own, or cudnn; "
+                  "one word of each, comma-separated, e.g. cudnn or bidirectional,own")
       ->capture_default_str();
   cmd->add_option("--objective", o.objective,
                   "lm (next token), or mlm (masked tokens: 15% of positions, 80/10/10 mask/random/keep, the last "
@@ -228,9 +263,7 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
     o.model.rope_theta = float(f.rope_theta);
   }
   if (!f.rope_scaling.empty()) o.model.rope_scaling = parse_rope_scaling(f.rope_scaling, o.model);
-  SPPO_CHECK(f.attention == "causal" || f.attention == "bidirectional", "options")
-      << "--attention '" << f.attention << "' is unknown; use causal or bidirectional";
-  o.model.causal = f.attention == "causal";
+  parse_attention(f.attention, o);
   SPPO_CHECK(o.objective == "lm" || o.objective == "mlm", "options")
       << "--objective '" << o.objective << "' is unknown; use lm (next token) or mlm (masked tokens)";
   SPPO_CHECK(o.model.causal == (o.objective == "lm"), "options")
@@ -360,13 +393,15 @@ int main(int argc, char** argv) {
   cmd_bench_layer->add_flag("--json", bl_json, "Print one JSON object");
   cmd_bench_layer->add_flag("--breakdown", bl_breakdown,
                             "One more step with each kernel timed: attention forward/backward, GEMMs, other");
-  std::string bl_backend = "cpu", bl_precision;
+  std::string bl_backend = "cpu", bl_precision, bl_attention = "auto";
   cmd_bench_layer->add_option("--backend", bl_backend, "cpu, cuda or auto")->capture_default_str();
   cmd_bench_layer->add_option("--precision", bl_precision, "fp32 or bf16 (default: the backend's)");
+  cmd_bench_layer->add_option("--attention", bl_attention, kAttentionKernelsHelp)->capture_default_str();
 
   // bench attention: the GPU's shapes by default (a CPU's are 16 times shorter, 4 heads).
-  std::string ba_backend = "auto", ba_precision, ba_seq, ba_queries, ba_prefix;
+  std::string ba_backend = "auto", ba_precision, ba_seq, ba_queries, ba_prefix, ba_attention = "auto";
   int ba_heads = 0, ba_head_dim = 0, ba_reps = 3;
+  i64 ba_chunk = kKvChunkMinRows;
   bool ba_json = false;
   auto* cmd_bench_attention = cmd_bench->add_subcommand(
       "attention", "Causal attention forward+backward: a whole sequence, and a subsequence after a prefix");
@@ -377,6 +412,11 @@ int main(int argc, char** argv) {
   cmd_bench_attention->add_option("--prefix", ba_prefix, "Tokens before the subsequence (default 112K; 7K on the CPU)");
   cmd_bench_attention->add_option("--heads", ba_heads, "Heads (default 32; 4 on the CPU)");
   cmd_bench_attention->add_option("--head-dim", ba_head_dim, "Head size (default 128)");
+  cmd_bench_attention->add_option("--chunk", ba_chunk,
+                                  "Rows of each streamed K/V chunk of the prefix in the _chunked shape (the runtime's "
+                                  "smallest, for host K/V)")
+      ->capture_default_str();
+  cmd_bench_attention->add_option("--attention", ba_attention, kAttentionKernelsHelp)->capture_default_str();
   cmd_bench_attention->add_option("--reps", ba_reps, "Timed repetitions (median)")->capture_default_str();
   cmd_bench_attention->add_flag("--json", ba_json, "Print one JSON object");
 
@@ -390,7 +430,8 @@ int main(int argc, char** argv) {
   int bo_subseqs = 8, bm_reps = 1, bo_reps = 2, bm_layers = 0;
   std::string bm_host_budget;
   bool bm_json = false, bo_json = false;
-  std::string bm_backend = "cpu", bo_backend = "cpu", bm_precision, bo_precision, bm_at;
+  std::string bm_backend = "cpu", bo_backend = "cpu", bm_precision, bo_precision, bm_at, bm_attention = "auto",
+              bo_attention = "auto";
   auto* cmd_bench_memory = cmd_bench->add_subcommand("memory", "Longest sequence per mode under a device budget");
   cmd_bench_memory->add_option("--model", bm_model, "Model preset")->capture_default_str();
   cmd_bench_memory->add_option("--device-memory", bm_budget,
@@ -402,6 +443,7 @@ int main(int argc, char** argv) {
   cmd_bench_memory->add_option("--at-seq-len", bm_at, "SPPO alone: its longest sequence, and its step time here");
   cmd_bench_memory->add_option("--backend", bm_backend, "cpu, cuda or auto")->capture_default_str();
   cmd_bench_memory->add_option("--precision", bm_precision, "fp32 or bf16 (default: the backend's)");
+  cmd_bench_memory->add_option("--attention", bm_attention, kAttentionKernelsHelp)->capture_default_str();
   cmd_bench_memory->add_option("--reps", bm_reps, "Timed steps per point")->capture_default_str();
   cmd_bench_memory->add_option("--hardware", bm_hardware, "Profile for adaptive choices (default: measured now)");
   cmd_bench_memory->add_flag("--json", bm_json, "Print one JSON object");
@@ -414,6 +456,7 @@ int main(int argc, char** argv) {
   cmd_bench_offload->add_option("--hardware", bo_hardware, "Profile for adaptive choices (default: measured now)");
   cmd_bench_offload->add_option("--backend", bo_backend, "cpu, cuda or auto")->capture_default_str();
   cmd_bench_offload->add_option("--precision", bo_precision, "fp32 or bf16 (default: the backend's)");
+  cmd_bench_offload->add_option("--attention", bo_attention, kAttentionKernelsHelp)->capture_default_str();
   cmd_bench_offload->add_flag("--json", bo_json, "Print one JSON object");
 
   BenchPipelineOptions bp;
@@ -447,6 +490,7 @@ int main(int argc, char** argv) {
   cmd_bench_sim->add_option("--reps", bs.reps, "Timed steps per configuration")->capture_default_str();
   cmd_bench_sim->add_option("--backend", bs.backend, "cpu, cuda or auto")->capture_default_str();
   cmd_bench_sim->add_option("--precision", bs.precision, "fp32 or bf16 (default: the backend's)");
+  cmd_bench_sim->add_option("--attention", bs.attention, kAttentionKernelsHelp)->capture_default_str();
   cmd_bench_sim->add_flag("--json", bs_json, "Print one JSON object");
 
   // profile
@@ -557,7 +601,8 @@ int main(int argc, char** argv) {
       b.model = preset(b.model_name);
       b.reps = mem ? bm_reps : bo_reps;
       b.hardware = mem ? bm_hardware : bo_hardware;
-      b.backend = make_backend(mem ? bm_backend : bo_backend, mem ? bm_precision : bo_precision)->name();
+      b.attention = mem ? bm_attention : bo_attention;
+      b.backend = make_backend(mem ? bm_backend : bo_backend, mem ? bm_precision : bo_precision, b.attention)->name();
       b.precision = mem ? bm_precision : bo_precision;
       if (mem && bm_layers) {
         SPPO_CHECK(bm_layers > 0, "options") << "--layers must be a positive integer (got " << bm_layers << ")";
@@ -674,8 +719,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*cmd_bench_attention) {
-      const auto be = make_backend(ba_backend, ba_precision);
+      const auto be = make_backend(ba_backend, ba_precision, ba_attention);
       BenchAttentionOptions o = default_attention_shapes(*be);
+      o.chunk = ba_chunk;
       if (!ba_seq.empty()) o.seq_len = parse_count(ba_seq, "--seq-len");
       if (!ba_queries.empty()) o.queries = parse_count(ba_queries, "--queries");
       if (!ba_prefix.empty()) o.prefix = parse_count(ba_prefix, "--prefix");
@@ -690,8 +736,8 @@ int main(int argc, char** argv) {
     if (*cmd_bench_layer) {
       if (bl_threads > 0) omp_set_num_threads(bl_threads);
       const i64 S = parse_count(bl_seq, "--seq-len");
-      const auto j = bench_layer(*make_backend(bl_backend, bl_precision), bl_hidden, bl_heads, S, bl_reps,
-                                 bl_breakdown);
+      const auto j = bench_layer(*make_backend(bl_backend, bl_precision, bl_attention), bl_hidden, bl_heads, S,
+                                 bl_reps, bl_breakdown);
       if (bl_json) {
         std::printf("%s\n", j.dump(2).c_str());
       } else {

@@ -310,6 +310,17 @@ nlohmann::json to_json(const HardwareProfile& p) {
       {"attention_chunk_us", p.attention_chunk / kMicro},
   };
   if (p.threads > 0) j["threads"] = p.threads;
+  if (!p.attention_kernels.empty()) {
+    nlohmann::json classes = nlohmann::json::array();
+    for (const auto& k : p.attention_kernels)
+      classes.push_back({{"head_size", k.head_size},
+                         {"pattern", k.causal ? "causal" : "after_keys"},
+                         {"rows", k.rows},
+                         {"kernel", k.kernel},
+                         {"cudnn_tflops", k.cudnn_flops / kTera},
+                         {"own_tflops", k.own_flops / kTera}});
+    j["attention_kernels"] = classes;
+  }
   if (p.gpus_per_pcie_switch > 0) {
     j["gpus_per_pcie_switch"] = p.gpus_per_pcie_switch;
     j["pcie_switch_gbps"] = p.pcie_switch_bw / kGiga;
@@ -387,6 +398,28 @@ HardwareProfile profile_from_json(const nlohmann::json& j, const std::string& wh
   p.copy_issue = optional(j, "copy_issue_us", 0, where) * kMicro;
   p.copy_compute_share = optional(j, "copy_compute_share", 0, where);
   p.attention_chunk = optional(j, "attention_chunk_us", 0, where) * kMicro;
+  if (j.contains("attention_kernels")) {
+    const auto& classes = j["attention_kernels"];
+    SPPO_CHECK(classes.is_array(), "profile") << where << ": attention_kernels must be a list of shape classes";
+    for (const auto& k : classes) {
+      const std::string what = where + ": an attention_kernels entry";
+      SPPO_CHECK(k.is_object(), "profile") << what << " must be an object";
+      HardwareProfile::AttentionClass c;
+      c.head_size = int(count(required(k, "head_size", what, "head size"), "head_size", 4096));
+      c.rows = int(count(required(k, "rows", what, "query rows"), "rows", 1 << 30));
+      const std::string pattern = json_string_field(k, "pattern", "", "profile", what + ": field ");
+      c.kernel = json_string_field(k, "kernel", "", "profile", what + ": field ");
+      SPPO_CHECK(pattern == "causal" || pattern == "after_keys", "profile")
+          << what << ": pattern must be \"causal\" or \"after_keys\" (got \"" << pattern << "\")";
+      SPPO_CHECK(c.kernel == "cudnn" || c.kernel == "own", "profile")
+          << what << ": kernel must be \"cudnn\" or \"own\" (got \"" << c.kernel << "\")";
+      SPPO_CHECK(c.head_size > 0 && c.rows > 0, "profile") << what << ": head_size and rows must be positive";
+      c.causal = pattern == "causal";
+      c.cudnn_flops = optional(k, "cudnn_tflops", 0, what) * kTera;
+      c.own_flops = optional(k, "own_tflops", 0, what) * kTera;
+      p.attention_kernels.push_back(c);
+    }
+  }
 
   SPPO_CHECK(p.attention_prefix_ratio > 0 && p.attention_prefix_ratio <= 100, "profile")
       << where << ": attention_prefix_ratio must be in (0, 100] (the rate after a prefix over the causal rate; "

@@ -89,6 +89,21 @@ struct HardwareProfile {
   double copy_compute_share = 0;   // 0..1
   double attention_chunk = 0;      // s per chunk, forward or backward
 
+  // Note [Attention kernels by shape class]: which kernels run attention faster on this
+  // device, measured by `sppo profile --backend cuda` per head size, pattern and query rows:
+  // a fused library's (cuDNN's) or the backend's own, with both rates (forward + backward,
+  // FLOP/s). `causal`: a subsequence's own block (a causal call of rows x rows); else rows
+  // queries against as many keys all before them (an earlier block, a streamed chunk).
+  // --attention auto follows the class nearest a call. Empty: not measured.
+  struct AttentionClass {
+    int head_size = 0;
+    bool causal = false;
+    int rows = 0;
+    std::string kernel;  // "cudnn" | "own": the faster
+    double cudnn_flops = 0, own_flops = 0;
+  };
+  std::vector<AttentionClass> attention_kernels;
+
   // The GEMM rate for a model of hidden size H: log-linear between measured sizes,
   // clamped at the ends; gemm_flops when nothing was measured.
   double gemm_rate(int hidden) const;
@@ -121,7 +136,8 @@ nlohmann::json to_json(const HardwareProfile& p);
 // description (a string, or a list of strings joined by newlines), elementwise_gbps,
 // memory_reserve_bytes, host_memory_bytes, layer_overhead_us, the tables,
 // attention_prefix_ratio (1 when missing), copy_issue_us, copy_compute_share,
-// attention_chunk_us (0 when missing: profiles written before they were measured), threads
+// attention_chunk_us (0 when missing: profiles written before they were measured),
+// attention_kernels (empty when missing), threads
 // (0 when missing: not a CPU measurement), and the
 // shared links (gpus_per_pcie_switch with pcie_switch_gbps, gpus_per_numa_node with
 // numa_host_gbps, gpus_per_nic with nic_gbps).

@@ -61,4 +61,22 @@ double time_gemm_flops(Backend& be, int n, int reps);
 // `prefix` keys, `heads` heads of `head_dim`; median seconds of `reps`.
 double time_attention(Backend& be, i64 queries, i64 prefix, int heads, int head_dim, int reps);
 
+// How the keys of a timed attention forward + backward lie:
+//   own_block, chunk 0   one buffer of prefix + queries rows, one call (the queries' own
+//                        keys causal at its end);
+//   own_block, chunk > 0 the queries' own block in one call, then the prefix in blocks of
+//                        `chunk` rows, each its own call merged by log-sum-exp, and each
+//                        its own backward from the final lse, as the runtime streams K/V
+//                        from the host (runtime/kv_stream.h);
+//   !own_block           the queries against `prefix` keys all before them, one call.
+struct AttentionTiming {
+  i64 queries = 0, prefix = 0;
+  int heads = 0, head_dim = 0;
+  bool own_block = true;
+  i64 chunk = 0;
+};
+double time_attention(Backend& be, const AttentionTiming& t, int reps);
+// The forward FLOPs of such a call (the causal half of the queries' own block).
+double attention_forward_flops(const AttentionTiming& t);
+
 }  // namespace sppo

@@ -38,6 +38,7 @@ struct StepOptions {
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
   std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
   std::string precision;              // fp32 | bf16 ("": the backend's default)
+  std::string attention_kernels = "auto";  // --attention's kernels: auto | own | cudnn
   std::string plan_path;              // --plan PLAN.json: layout, lengths and alpha from a plan
   // Several processes (mpirun -np pp * tp * cp * dp):
   // rank = ((replica * pp + stage) * cp + ring) * tp + member

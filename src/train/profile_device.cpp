@@ -10,6 +10,45 @@
 
 namespace sppo {
 
+namespace {
+
+ModelConfig attention_model(int heads, int head_size) {
+  ModelConfig c;
+  c.heads = heads;
+  c.hidden = heads * head_size;
+  return c;
+}
+
+// Each class timed with the library's kernels and with the backend's own; the backend then
+// runs the faster of each (prefer_attention).
+void measure_attention_classes(Backend& be, int reps, plan::HardwareProfile& p) {
+  for (const int A : {64, 128}) {
+    const int Z = 4096 / A;
+    if (!be.prepare_attention(attention_model(Z, A)).library) return;
+    for (const bool causal : {true, false})
+      for (const int rows : {1024, 8192}) {
+        const AttentionTiming t{rows, causal ? 0 : rows, Z, A, causal, 0};
+        const double flops = 3.5 * attention_forward_flops(t);
+        plan::HardwareProfile::AttentionClass k{A, causal, rows, "", 0, 0};
+        for (const bool library : {true, false}) {
+          be.prefer_attention({{A, causal, rows, library}});
+          (library ? k.cudnn_flops : k.own_flops) = flops / time_attention(be, t, reps);
+        }
+        k.kernel = k.cudnn_flops >= k.own_flops ? "cudnn" : "own";
+        p.attention_kernels.push_back(k);
+      }
+  }
+  be.prefer_attention(attention_classes(p));
+}
+
+}  // namespace
+
+std::vector<AttentionClassChoice> attention_classes(const plan::HardwareProfile& p) {
+  std::vector<AttentionClassChoice> classes;
+  for (const auto& k : p.attention_kernels) classes.push_back({k.head_size, k.causal, k.rows, k.kernel == "cudnn"});
+  return classes;
+}
+
 plan::HardwareProfile measure_backend_profile(Backend& be, bool quick, nlohmann::json* details) {
   const bool gpu = std::string(be.name()) != "cpu";
   const DType act = be.act();
@@ -41,6 +80,9 @@ plan::HardwareProfile measure_backend_profile(Backend& be, bool quick, nlohmann:
     });
     p.gemm_flops_by_hidden.emplace_back(H, 3.0 * 24.0 * T * double(H) * H / s);
   }
+  // Note [Attention kernels by shape class]: where a fused library serves attention, each
+  // class timed with both kernels first, so that the rates below are the faster kernels'.
+  if (gpu) measure_attention_classes(be, reps, p);
   // Causal attention forward + backward by head size, whole; and queries after a prefix
   // three times their length (the SPPO pattern), recorded beside.
   for (int A : gpu ? std::vector<int>{64, 128} : std::vector<int>{32, 64, 128}) {
@@ -121,6 +163,8 @@ plan::HardwareProfile measure_backend_profile(Backend& be, bool quick, nlohmann:
   p.memory_reserve = gpu ? i64{2} << 30 : 0;  // the CUDA backend's slab leaves this free
   p.devices_per_node = 1;
   p.description = std::string("measured through the ") + be.name() + " backend (" + p.precision + ")";
+  if (!p.attention_kernels.empty())
+    p.description += "; attention by the faster kernels of each shape class (attention_kernels)";
   if (details) *details = more;
   return p;
 }

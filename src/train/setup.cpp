@@ -239,7 +239,10 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       << "state beside the weights) or host (in host memory, updated by the CPU)";
   if (w.size() > 1) profile();
 
-  s.backend = make_backend(o.backend, o.precision);
+  s.backend = make_backend(o.backend, o.precision, o.attention_kernels);
+  s.attention = s.backend->prepare_attention(s.config);
+  // A profile measured on this GPU says, per shape class, whose attention kernels are faster.
+  if (!o.hardware.empty()) s.backend->prefer_attention(attention_classes(profile()));
   const ActPrecision precision = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
   SPPO_CHECK(std::string(s.backend->name()) == "cpu" || w.size() == 1, "options")
       << "several ranks on the " << s.backend->name() << " backend need a device communicator (NCCL), which is not "

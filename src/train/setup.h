@@ -22,6 +22,7 @@ struct StepSetup {
   ModelConfig config;
   std::unique_ptr<io::TokenSource> data;
   std::unique_ptr<Backend> backend;   // before the runtime: it outlives it
+  AttentionServed attention;    // what runs attention (Backend::prepare_attention)
   std::unique_ptr<Runtime> runtime;
   std::vector<i64> lengths;     // l_i
   std::vector<double> alpha;    // alpha_i

@@ -329,7 +329,12 @@ int run_train(const TrainOptions& o) {
                  (long long)S, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
                  rt.state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
                  omp_get_max_threads(), layout_text(lay).c_str());
+    if (std::string(s.backend->name()) != "cpu")
+      std::fprintf(stderr, "attention: %s\n", s.attention.description.c_str());
   }
+  // A fused attention library builds its graphs as a step first meets their shapes: the
+  // first steps pay for it, the steady state does not (reported per step).
+  AttentionBuildStats graphs = s.backend->attention_build_stats();
 
   auto save = [&](int step_done) {
     nlohmann::json state = {{"step", step_done},
@@ -414,6 +419,12 @@ int run_train(const TrainOptions& o) {
                           {"offloaded_bytes", offloaded},
                           {"exposed_copy_s", exposed}};
       if (rt.state_on_host()) m["optimizer_copied_bytes"] = rt.host_update_bytes();
+      const AttentionBuildStats now = s.backend->attention_build_stats();
+      if (now.graphs > graphs.graphs) {
+        m["attention_graphs_built"] = now.graphs - graphs.graphs;
+        m["attention_graph_build_s"] = now.seconds - graphs.seconds;
+      }
+      graphs = now;
       if (s.simulate_packed) m["simulated_step_time_s"] = q.simulated_s;
       std::string halves;
       if (s.repeat_task) {
@@ -494,8 +505,17 @@ int run_train(const TrainOptions& o) {
     summary["simulated_step_time_s"] = simulated;
     summary["profile"] = s.profile.name;
   }
+  const AttentionBuildStats built = s.backend->attention_build_stats();
+  if (built.graphs > 0) {
+    summary["attention"] = s.attention.description;
+    summary["attention_graphs"] = {{"built", built.graphs}, {"build_s", built.seconds},
+                                   {"first_build_s", built.first_seconds}};
+  }
   if (metrics) metrics->write(summary);
   if (!o.quiet) {
+    if (built.graphs > 0)
+      std::fprintf(stderr, "attention graphs: %d built in %.2f s (the first %.2f s)\n", built.graphs, built.seconds,
+                   built.first_seconds);
     std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)", int(step_times.size()), measured);
     if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", simulated, s.profile.name.c_str());
     std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(measured_peak)).c_str());

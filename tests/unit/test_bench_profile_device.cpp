@@ -37,11 +37,13 @@ TEST(BenchAttention, NamesEachShapeByItsLengths) {
   BenchAttentionOptions o;
   o.seq_len = 1024, o.queries = 512, o.prefix = 3072, o.heads = 2, o.head_dim = 32, o.reps = 1;
   const auto j = bench_attention(*be, o);
-  for (const char* name : {"whole_1k", "prefix_512_after_3k"}) {
+  for (const char* name : {"whole_1k", "prefix_512_after_3k", "prefix_512_after_3k_chunked"}) {
     ASSERT_TRUE(j.contains(name)) << j.dump();
     EXPECT_GT(j[name]["sppo_tflops"].get<double>(), 0);
   }
   EXPECT_EQ(j["prefix_512_after_3k"]["prefix"], 3072);
+  EXPECT_EQ(j["prefix_512_after_3k_chunked"]["chunk"], kKvChunkMinRows);
+  EXPECT_EQ(j["attention"], "own kernels");
   o.head_dim = 512;
   EXPECT_THROW(bench_attention(*be, o), Error);
 }

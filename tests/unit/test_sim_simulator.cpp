@@ -163,6 +163,34 @@ TEST(Profiles, ThreadsRoundTrip) {
   EXPECT_THROW(plan::profile_from_json(j, "test"), Error);
 }
 
+// Note [Attention kernels by shape class]: the measured choice per class survives the file,
+// and a class the runtime cannot read is refused naming what is wrong.
+TEST(Profiles, AttentionKernelClassesRoundTrip) {
+  EXPECT_FALSE(plan::to_json(plan::load_profile("h200")).contains("attention_kernels"));
+  nlohmann::json j = plan::to_json(plan::load_profile("h200"));
+  j["attention_kernels"] = {{{"head_size", 128}, {"pattern", "causal"}, {"rows", 8192}, {"kernel", "cudnn"},
+                             {"cudnn_tflops", 600.0}, {"own_tflops", 170.0}},
+                            {{"head_size", 64}, {"pattern", "after_keys"}, {"rows", 1024}, {"kernel", "own"}}};
+  const HardwareProfile p = plan::profile_from_json(j, "test");
+  ASSERT_EQ(p.attention_kernels.size(), 2u);
+  EXPECT_TRUE(p.attention_kernels[0].causal);
+  EXPECT_EQ(p.attention_kernels[0].kernel, "cudnn");
+  EXPECT_DOUBLE_EQ(p.attention_kernels[0].cudnn_flops, 600e12);
+  EXPECT_FALSE(p.attention_kernels[1].causal);
+  EXPECT_EQ(plan::to_json(p)["attention_kernels"], plan::to_json(plan::profile_from_json(plan::to_json(p), "again"))["attention_kernels"]);
+  for (const auto& [key, bad] : {std::pair<std::string, nlohmann::json>{"kernel", "flash"}, {"pattern", "diagonal"},
+                                 {"rows", -1}, {"head_size", 0}}) {
+    nlohmann::json b = j;
+    b["attention_kernels"][0][key] = bad;
+    try {
+      plan::profile_from_json(b, "test");
+      ADD_FAILURE() << key << " " << bad.dump() << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("attention_kernels"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Profiles, MissingFieldIsNamedAndSaveRoundTrips) {
   nlohmann::json j = plan::to_json(plan::load_profile("h100-sxm"));
   j.erase("d2h_gbps");
