@@ -85,7 +85,7 @@ except OSError:
 result["sections"] = [json.loads(l) for l in read(os.path.join(out_dir, "parts", "sections.jsonl")).splitlines() if l]
 
 checks = {}
-for name in ("kernels", "kernels_cudnn", "cudnn_graphs"):
+for name in ("kernels", "kernels_cudnn"):
     tests = last_json(read(os.path.join(out_dir, "parts", name + ".json")))
     if tests:
         checks[name] = {"tests": tests.get("tests"), "failures": tests.get("failures"),
