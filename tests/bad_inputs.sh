@@ -227,6 +227,10 @@ expect "--attention cudnn" train --model tiny --backend cpu --attention cudnn
 expect "--attention cudnn" bench attention --backend cpu --attention cudnn
 expect "attention kernels 'sdpa'" bench layer --attention sdpa
 expect "--chunk" bench attention --backend cpu --chunk 0
+# several ranks: an unknown transport, NCCL on the CPU, a GPU picked on the CPU
+expect "--comm 'tcp'" train --model tiny --comm tcp
+expect "--comm nccl connects GPUs" train --model tiny --backend cpu --comm nccl
+expect "--device 1 picks a GPU" grads --model tiny --backend cpu --device 1 --out grads_out
 expect "--backend 'gpu'" profile --backend gpu --out profile_out.json
 expect "--threads" profile --threads -2 --out profile_out.json
 

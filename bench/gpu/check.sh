@@ -15,6 +15,8 @@
 # test_library_attention only; built for the H100/H200 alone (-DCMAKE_CUDA_ARCHITECTURES=90a-real)
 # they travel in about 57 MiB with their libraries:
 #   SECTIONS='^(kernels_cudnn|cudnn_|attention$|attention_own|layer_|torch)' DEADLINE=400 bash bench/gpu/check.sh
+# Several ranks (about 2 minutes; also tests/test_nccl_comm and mpirun on the machine):
+#   SECTIONS='^ranks_' DEADLINE=300 bash bench/gpu/check.sh
 #
 # Programs come from BIN (default build/; a bundle's bin/ holds them all in one folder).
 # Writes $OUT/check.json with the keys of bench/results/<gpu>-<date>.json (the copy to
@@ -149,6 +151,34 @@ section budget_exact 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" "${PIN[@]}" 
 section budget_less 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" "${PIN[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
   --device-memory "$((peak - 1))B"
 
+# ---- several ranks ------------------------------------------------------------------------------
+# Two ranks on the one GPU, their messages staged through pinned host memory (--comm mpi: NCCL
+# refuses two ranks of a communicator on one device), for each parallelism with subsequences
+# and offload, in fp32 against the one-rank GPU run (relative 1e-5); NCCL on one rank through
+# every collective and messages to itself; and a plan for 2 GPUs run as planned. On the CPU
+# smoke, the same on CPU ranks.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MPIRUN=(mpirun --oversubscribe --bind-to none -np 2)
+if [ $SMOKE = 1 ]; then RANKS=(--backend cpu); else RANKS=(--backend cuda --precision fp32); fi
+mkdir -p "$OUT/ranks"
+section ranks_ref 60 "$SPPO" grads "${SMALL[@]}" "${RANKS[@]}" --out "$OUT/ranks/ref"
+section ranks_ref2 60 "$SPPO" grads "${SMALL[@]}" "${RANKS[@]}" --batch 2 --out "$OUT/ranks/ref2"
+layouts=("pp2:--pp 2 --subseqs 4 --offload 0.5" "cp2:--cp 2 --ring zigzag --subseqs 2 --offload 0.5"
+         "tp2:--tp 2 --subseqs 3" "dp2:--dp 2 --zero 1 --subseqs 2 --offload 0.5")
+for entry in "${layouts[@]}"; do
+  name=${entry%%:*}
+  # shellcheck disable=SC2086
+  section "ranks_$name" 90 "${MPIRUN[@]}" "$SPPO" grads "${SMALL[@]}" "${RANKS[@]}" --comm mpi ${entry#*:} \
+    --out "$OUT/ranks/$name"
+done
+if [ $SMOKE = 0 ]; then
+  section ranks_nccl_self 60 "$(tool test_nccl_comm)" --gtest_output=json:"$OUT/parts/ranks_nccl_self.json"
+  section ranks_plan_make 30 "$SPPO" plan --model small --seq-len 16K --gpus 2 --gpus-per-node 2 --hardware h100-sxm \
+    --out "$OUT/ranks/plan2.json"
+  section ranks_plan 120 "${MPIRUN[@]}" "$SPPO" train --plan "$OUT/ranks/plan2.json" --backend cuda --steps 2 --quiet \
+    --metrics "$OUT/parts/ranks_plan.jsonl"
+fi
+
 # ---- benchmarks, beside PyTorch in the same run ------------------------------------------------
 if [ $SMOKE = 0 ]; then
   # In the order of their worth, should the deadline cut the last ones.
@@ -192,5 +222,5 @@ fi
 $PY bench/gpu/collect.py "$OUT" "$SMOKE" "${COMMIT:-unknown}"
 # What comes back: check.json and one archive of the logs (the gradients stay behind).
 tar czf "$OUT/logs.tgz" -C "$OUT" logs parts && rm -rf "$OUT/logs" "$OUT/parts" "$OUT/grads" "$OUT/llama" \
-  "$OUT/packed" "$OUT/cudnn" "$OUT/docs.u16"
+  "$OUT/packed" "$OUT/cudnn" "$OUT/ranks" "$OUT/docs.u16"
 echo "check: $(( $(date +%s) - started )) s; results in $OUT/check.json" >&2

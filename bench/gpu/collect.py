@@ -135,6 +135,33 @@ cudnn["packed_vs_own"] = bf16_check(os.path.join(out_dir, "cudnn", "packed", "ow
                                     os.path.join(out_dir, "cudnn", "packed", "lib"))
 cudnn["bf16_curve_vs_fp32"] = curve_check("cudnn_curve_fp32", "cudnn_curve")
 checks["cudnn"] = cudnn
+
+# Several ranks: fp32 against the one-rank run on the same device (relative 1e-5), the fullest
+# rank's device peak equal to its prediction; NCCL on one rank; a plan for 2 GPUs stepping.
+ranks = {}
+for name in ("pp2", "cp2", "tp2", "dp2"):
+    ref = os.path.join(out_dir, "ranks", "ref2" if name == "dp2" else "ref")
+    e = grad_error(ref, os.path.join(out_dir, "ranks", name))
+    try:
+        r = json.load(open(os.path.join(out_dir, "ranks", name, "result.json")))
+        e["peak_device_bytes"], e["predicted_peak_device_bytes"] = r.get("peak_device_bytes"), r.get(
+            "predicted_peak_device_bytes")
+    except (OSError, ValueError):
+        pass
+    e["max_rel_err"] = max(e.get("worst_grad_rel", 1), e.get("loss_rel", 1))
+    e["ok"] = e["max_rel_err"] < 1e-5 and e.get("peak_device_bytes") == e.get("predicted_peak_device_bytes")
+    ranks[name] = e
+nccl_self = last_json(read(os.path.join(out_dir, "parts", "ranks_nccl_self.json")))
+if nccl_self:
+    ranks["nccl_self"] = {"tests": nccl_self.get("tests"), "failures": nccl_self.get("failures"),
+                          "max_rel_err": 0.0 if nccl_self.get("failures") == 0 else None,
+                          "ok": nccl_self.get("failures") == 0}
+plan_steps = curve(os.path.join(out_dir, "parts", "ranks_plan.jsonl"))
+if not smoke:
+    ranks["plan"] = {"steps": len(plan_steps), "ok": len(plan_steps) == 2}
+result["ranks"] = ranks
+checks["ranks"] = {k: v.get("ok") for k, v in ranks.items()}
+checks["ranks"]["pass"] = all(v.get("ok") for v in ranks.values())
 rc = {s["section"]: s["rc"] for s in result["sections"]}
 checks["budget"] = {"exact_fits": rc.get("budget_exact") == 0, "one_byte_less_refused": rc.get("budget_less") == 3}
 checks["budget"]["pass"] = checks["budget"]["exact_fits"] and checks["budget"]["one_byte_less_refused"]

@@ -2,6 +2,9 @@
 
 #include <chrono>
 
+#include "comm/comm.h"
+#include "core/check.h"
+
 namespace sppo {
 
 double Event::wait() {
@@ -24,6 +27,12 @@ void Event::signal(double start_s, double end_s) {
     done_ = true;
   }
   cv_.notify_all();
+}
+
+std::unique_ptr<comm::Comm> Backend::make_nccl_comm(comm::Comm&) {
+  SPPO_CHECK(false, "comm") << "--comm nccl connects GPUs; the " << name()
+                            << " backend's ranks talk over MPI (--comm auto or mpi)";
+  return nullptr;
 }
 
 }  // namespace sppo

@@ -37,6 +37,10 @@
 
 namespace sppo {
 
+namespace comm {
+class Comm;
+}
+
 // Completion of work submitted to a stream, with when it ran (for traces and for
 // exposed-time accounting). Signalled by the backend from the host once the work is done.
 // Times are seconds on std::chrono::steady_clock since its epoch, a clock every process of
@@ -139,6 +143,9 @@ class Backend {
   virtual void* host_alloc(std::size_t bytes) = 0;    // pinned where that matters
   virtual void host_free(void* p) = 0;
   virtual std::unique_ptr<CopyStream> make_copy_stream() = 0;
+  // Whether p is device memory that the host (and so MPI) cannot read: CUDA's device memory;
+  // never on the CPU, whose device tier is host memory.
+  virtual bool device_pointer(const void* p) const { return false; }
   // Blocking copies between host memory and device memory (after the compute stream's work).
   virtual void to_host(void* dst, const void* src, std::size_t bytes) = 0;
   virtual void to_device(void* dst, const void* src, std::size_t bytes) = 0;
@@ -238,6 +245,12 @@ class Backend {
   virtual void prefer_attention(const std::vector<AttentionClassChoice>& classes) {}
   virtual AttentionBuildStats attention_build_stats() const { return {}; }
 
+  // ---- communication between ranks (--comm) ---------------------------------------------
+  // NCCL between the ranks' devices over `host` (the MPI world, which carries NCCL's id),
+  // made collectively. Throws sppo::Error where the backend has none (the CPU's, a CUDA build
+  // without NCCL), naming what would run.
+  virtual std::unique_ptr<comm::Comm> make_nccl_comm(comm::Comm& host);
+
   // ---- softmax over rows of materialised scores (fp32; the two-pass ring, runtime/ring.h) --
   // forward: x[rows, cols] becomes softmax(x) per row and lse[rows] its log-sum-exp;
   // with_lse: x becomes exp(x - lse) from a given lse (the softmax again, in backward).
@@ -262,6 +275,13 @@ class Backend {
                           float eps, float weight_decay, int t) = 0;
 };
 
+// Which device a process drives, and how many processes of its machine share that device
+// (CUDA ranks sharing one GPU: each takes its share of the device's memory).
+struct DevicePlacement {
+  int device = -1;  // -1: the default (the first)
+  int sharing = 1;
+};
+
 // The backends this program was built with: "cpu" always; "cuda" when built with it
 // (SPPO_CUDA) and a GPU is visible.
 std::vector<std::string> available_backends();
@@ -269,7 +289,7 @@ std::vector<std::string> available_backends();
 // ("" : the backend's default, bf16 on CUDA); `attention`: auto | own | cudnn (--attention).
 // Throws sppo::Error naming what is missing.
 std::unique_ptr<Backend> make_backend(const std::string& name, const std::string& precision = "",
-                                      const std::string& attention = "auto");
+                                      const std::string& attention = "auto", const DevicePlacement& place = {});
 // --attention's kernel word: auto, own, cudnn. Throws sppo::Error for another.
 AttentionKernels parse_attention_kernels(const std::string& word);
 

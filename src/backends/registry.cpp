@@ -25,7 +25,7 @@ AttentionKernels parse_attention_kernels(const std::string& word) {
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& name, const std::string& precision,
-                                      const std::string& attention) {
+                                      const std::string& attention, const DevicePlacement& place) {
   SPPO_CHECK(name == "cpu" || name == "cuda" || name == "auto", "backend")
       << "--backend '" << name << "' is unknown; use cpu, cuda or auto";
   SPPO_CHECK(precision.empty() || precision == "fp32" || precision == "bf16", "backend")
@@ -40,7 +40,7 @@ std::unique_ptr<Backend> make_backend(const std::string& name, const std::string
            "--attention own or auto, or --backend cuda)";
     return make_cpu_backend();
   }
-  return make_cuda_backend(precision == "fp32" ? DType::F32 : DType::BF16, kernels);
+  return make_cuda_backend(precision == "fp32" ? DType::F32 : DType::BF16, kernels, place);
 }
 
 }  // namespace sppo

@@ -156,6 +156,14 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--hardware", o.hardware, "Hardware profile for adaptive choices (default: measured here)");
   cmd->add_option("--backend", o.backend, "cpu, cuda, or auto (cuda when a GPU is visible)")->capture_default_str();
   cmd->add_option("--precision", o.precision, "fp32 or bf16 (default: bf16 on CUDA, fp32 on the CPU)");
+  cmd->add_option("--device", o.device,
+                  "The GPU this process drives (default: its local rank among the launcher's ranks on this "
+                  "machine, modulo the GPUs it sees)");
+  cmd->add_option("--comm", o.comm,
+                  "How several ranks talk: auto (on CUDA, NCCL where every rank has a GPU of its own, else MPI "
+                  "through host memory; on the CPU, MPI), nccl, or mpi (device memory staged through pinned host "
+                  "buffers; on the CPU the same staging, for testing it)")
+      ->capture_default_str();
   cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
   cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x tp x cp x dp; start with mpirun -np)")->capture_default_str();
   cmd->add_option("--tp", o.tp,

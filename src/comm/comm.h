@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dims.h"
@@ -60,6 +61,11 @@ class Comm {
   // Communicators for groups are made collectively over the world: call this on every
   // rank with the same list before a collective over any of them is used.
   virtual void prepare_groups(const std::vector<Group>& groups) = 0;
+  // The pairs (from, to) of ranks that messages on device memory will travel between, the
+  // same list on every rank: a transport that connects pairs ahead (NCCL's, one communicator
+  // a direction: Note [Rendezvous] in comm/rendezvous.h) makes their connections here,
+  // collectively. Others need nothing.
+  virtual void prepare_peers(const std::vector<std::pair<int, int>>& pairs) {}
 
   // Ends the job on every rank: prints "[component] rank R: message" and exits with `code`.
   [[noreturn]] virtual void abort(const std::string& message, int code) = 0;

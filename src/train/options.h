@@ -55,6 +55,8 @@ struct StepOptions {
   std::string optimizer_state;
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
+  std::string comm = "auto";          // --comm: auto | nccl | mpi (train/setup.cpp Note [Ranks and GPUs])
+  int device = -1;                    // --device: the GPU this process drives (-1: by its local rank)
 };
 
 struct TrainOptions {

@@ -1,6 +1,7 @@
 #include "train/parallel.h"
 
 #include <algorithm>
+#include <set>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -115,6 +116,23 @@ void prepare_groups(comm::Comm& world, const sched::Schedule& s, const ModelConf
     }
   }
   world.prepare_groups(groups);
+  // The pairs device messages travel between: the schedule's sends and receives, and every
+  // two members of a ring or MSP task (kv_store.cpp: a ring piece's members are ranks tp
+  // apart in piece order; an MSP task's, its group). The same list on every rank.
+  std::set<std::pair<int, int>> pairs;
+  for (int r = 0; r < int(s.ops.size()); ++r)
+    for (const sched::Op& op : s.ops[std::size_t(r)]) {
+      if (op.kind == sched::OpKind::Send) pairs.insert({r, op.peer});
+      if (op.kind == sched::OpKind::Recv) pairs.insert({op.peer, r});
+      if (op.pieces <= 1 || op.kind == sched::OpKind::AllReduce) continue;
+      std::vector<int> members;
+      for (int h = 0; h < op.pieces; ++h)
+        members.push_back(op.group.empty() ? r + (h - op.piece) * s.tp : op.group[std::size_t(h)]);
+      for (int a : members)
+        for (int b : members)
+          if (a != b) pairs.insert({a, b});
+    }
+  world.prepare_peers(std::vector<std::pair<int, int>>(pairs.begin(), pairs.end()));
 }
 
 void check_same_options(comm::Comm& world, const nlohmann::json& options) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <unistd.h>
 
 #include "core/check.h"
 #include "planner/plan.h"
@@ -17,6 +18,8 @@
 #include "train/partition.h"
 #include "train/profile_device.h"
 #include "train/profile_machine.h"
+#include "backends/cuda/cuda_backend.h"
+#include "runtime/staged_comm.h"
 
 namespace sppo {
 
@@ -200,6 +203,77 @@ plan::HardwareProfile agreed_profile(const std::string& hardware, comm::Comm& w)
 
 }  // namespace
 
+namespace {
+
+// Note [Ranks and GPUs]: a CUDA rank drives one GPU: --device N, else its local rank (the
+// launcher's: OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID) modulo the GPUs it
+// sees. Ranks of one machine that land on the same GPU share it: each takes its share of the
+// device's memory, and their messages go through pinned host memory over MPI, since NCCL
+// (2.28) refuses two ranks of one communicator on one device; ranks with a GPU each talk over
+// NCCL. --comm nccl|mpi forces the transport (mpi on the CPU stages its messages all the same,
+// which is how the CPU's tests run the GPUs' staging).
+int local_rank(const comm::Comm& w) {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"})
+    if (const char* x = std::getenv(v)) return std::max(0, std::atoi(x));
+  return w.rank();
+}
+
+DevicePlacement place_on_device(const StepOptions& o, comm::Comm& w) {
+  DevicePlacement p;
+  const bool cuda = o.backend == "cuda" || (o.backend == "auto" && cuda_device_visible());
+  const int n = cuda ? cuda_device_count() : 0;
+  SPPO_CHECK(o.device < 0 || cuda, "options") << "--device " << o.device << " picks a GPU; this run is on the CPU "
+                                              << "backend (drop --device, or use --backend cuda)";
+  if (n == 0) return p;  // make_backend says what is missing
+  SPPO_CHECK(o.device < n, "options") << "--device " << o.device << ": this process sees " << n << " GPU"
+                                      << (n == 1 ? "" : "s") << " (0.." << n - 1 << ")";
+  p.device = o.device >= 0 ? o.device : local_rank(w) % n;
+  if (w.size() > 1) {
+    char host[256] = {0};
+    gethostname(host, sizeof host - 1);
+    const std::string mine = std::string(host) + "/" + cuda_device_id(p.device);
+    const auto all = comm::allgather_strings(w, mine, "every rank's GPU");
+    p.sharing = int(std::count(all.begin(), all.end(), mine));
+  }
+  return p;
+}
+
+// The communicator for device memory, or null where the world serves (Note [Ranks and GPUs]).
+std::unique_ptr<comm::Comm> device_comm(const StepOptions& o, comm::Comm& w, Backend& be, const DevicePlacement& p,
+                                        std::string* name) {
+  SPPO_CHECK(o.comm == "auto" || o.comm == "nccl" || o.comm == "mpi", "options")
+      << "--comm '" << o.comm << "' is unknown; use auto, nccl or mpi";
+  const bool cpu = std::string(be.name()) == "cpu";
+  SPPO_CHECK(!cpu || o.comm != "nccl", "options") << "--comm nccl connects GPUs; the CPU backend's ranks talk over "
+                                                     "MPI (--comm auto, or mpi to stage every message as on GPUs)";
+  if (w.size() == 1) {
+    *name = "";
+    return nullptr;
+  }
+  if (cpu) {
+    if (o.comm == "auto") {
+      *name = "mpi";
+      return nullptr;
+    }
+    *name = "mpi, every message staged through the copy streams (--comm mpi)";
+    return std::make_unique<StagedComm>(w, be, true);
+  }
+  const bool nccl = o.comm == "nccl" || (o.comm == "auto" && p.sharing == 1 && cuda_nccl_built());
+  if (nccl) {
+    SPPO_CHECK(p.sharing == 1, "options")
+        << "--comm nccl: " << p.sharing << " ranks drive GPU " << p.device << " of this machine, and NCCL refuses "
+        << "two ranks of one communicator on one device; use --comm mpi (messages through pinned host memory), or "
+        << "start one rank per GPU (mpirun -np <GPUs per node> per node)";
+    *name = "nccl";
+    return be.make_nccl_comm(w);
+  }
+  *name = p.sharing > 1 ? "mpi through pinned host memory (" + std::to_string(p.sharing) + " ranks share a GPU)"
+                        : "mpi through pinned host memory";
+  return std::make_unique<StagedComm>(w, be, false);
+}
+
+}  // namespace
+
 StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   StepSetup s;
   s.config = o.model;
@@ -239,14 +313,13 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
       << "state beside the weights) or host (in host memory, updated by the CPU)";
   if (w.size() > 1) profile();
 
-  s.backend = make_backend(o.backend, o.precision, o.attention_kernels);
+  const DevicePlacement place = place_on_device(o, w);
+  s.backend = make_backend(o.backend, o.precision, o.attention_kernels, place);
   s.attention = s.backend->prepare_attention(s.config);
   // A profile measured on this GPU says, per shape class, whose attention kernels are faster.
   if (!o.hardware.empty()) s.backend->prefer_attention(attention_classes(profile()));
   const ActPrecision precision = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
-  SPPO_CHECK(std::string(s.backend->name()) == "cpu" || w.size() == 1, "options")
-      << "several ranks on the " << s.backend->name() << " backend need a device communicator (NCCL), which is not "
-      << "built yet; run one process per job, or --backend cpu";
+  s.device_comm = device_comm(o, w, *s.backend, place, &s.comm_name);
   s.data = io::open_data(o.data, s.config.vocab, o.seed, io::DataOptions{0, o.data_dtype});
   s.data->check_vocab(s.config.vocab);
   s.repeat_task = o.data.empty() || o.data.rfind("repeat", 0) == 0;
@@ -587,7 +660,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   ro.host_budget = o.host_memory;
   ro.recompute = o.recompute;
   ro.rank = s.layout.rank;
-  ro.comm = s.layout.ranks() > 1 ? &w : nullptr;
+  ro.comm = s.layout.ranks() > 1 ? &s.comm(w) : nullptr;
   ro.layers = s.layout.stage_layers.at(std::size_t(s.layout.stage()));
   ro.zero_shards = o.zero == 1 ? s.layout.dp * s.layout.cp : 1;
   ro.zero_index = o.zero == 1 ? s.layout.stage_index() : 0;

@@ -23,6 +23,13 @@ struct StepSetup {
   std::unique_ptr<io::TokenSource> data;
   std::unique_ptr<Backend> backend;   // before the runtime: it outlives it
   AttentionServed attention;    // what runs attention (Backend::prepare_attention)
+  // Several ranks on a backend whose device memory the host cannot read (or --comm mpi): the
+  // communicator for device memory (NCCL, or MPI staged through host memory); null: the world
+  // serves. Before the runtime: it outlives it.
+  std::unique_ptr<comm::Comm> device_comm;
+  std::string comm_name;        // what carries the ranks' messages ("" alone)
+  // The communicator for the runtime's and the trainer's messages.
+  comm::Comm& comm(comm::Comm& world) { return device_comm ? *device_comm : world; }
   std::unique_ptr<Runtime> runtime;
   std::vector<i64> lengths;     // l_i
   std::vector<double> alpha;    // alpha_i

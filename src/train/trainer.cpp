@@ -319,7 +319,9 @@ int run_train(const TrainOptions& o) {
   const ModelConfig& c = s.config;
   const ParallelLayout& lay = s.layout;
   const i64 S = o.step.seq_len;
-  prepare_groups(world, s.schedule, s.config);
+  // From here the ranks' messages, device memory's too, go through the setup's communicator.
+  comm::Comm& cm = s.comm(world);
+  prepare_groups(cm, s.schedule, s.config);
   rt.record_memory(!o.trace_path.empty() || !o.svg_path.empty());
 
   const bool tty = isatty(STDERR_FILENO);
@@ -331,6 +333,7 @@ int run_train(const TrainOptions& o) {
                  omp_get_max_threads(), layout_text(lay).c_str());
     if (std::string(s.backend->name()) != "cpu")
       std::fprintf(stderr, "attention: %s\n", s.attention.description.c_str());
+    if (lay.ranks() > 1) std::fprintf(stderr, "ranks: %d, talking over %s\n", lay.ranks(), s.comm_name.c_str());
   }
   // A fused attention library builds its graphs as a step first meets their shapes: the
   // first steps pay for it, the steady state does not (reported per step).
@@ -346,7 +349,7 @@ int run_train(const TrainOptions& o) {
                             {"schedule_steps", planned},
                             {"optimizer_steps", updates},
                             {"options", numeric_options(o)}};
-    save_consolidated(rt, lay, world, o.save_dir, state);
+    save_consolidated(rt, lay, cm, o.save_dir, state);
   };
 
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
@@ -360,19 +363,19 @@ int run_train(const TrainOptions& o) {
     const FaultPlan& fault = fault_plan();
     if (fault.kind == FaultPlan::Kind::Die && fault.rank == world.rank() && fault.count == step + 1) raise(SIGKILL);
     Sequences q;
-    on_this_rank(world, [&] { q = run_sequences(s, tokens, nullptr); });
+    on_this_rank(cm, [&] { q = run_sequences(s, tokens, nullptr); });
     if (fault.kind == FaultPlan::Kind::Nan && fault.rank == world.rank() && step + 1 == fault.count) {
       const float nan = std::nanf("");  // a poisoned gradient
       rt.write_device(rt.grads(), &nan, 1);
     }
     std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
-    comm::allreduce_sum(world, losses, comm::world_group(world), "the step's loss");
+    comm::allreduce_sum(cm, losses, comm::world_group(world), "the step's loss");
     const double loss = losses[0] / lay.batch;
     const float lr = lr_at(o, step, planned);
     AdamWSettings hp{lr, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.clip};
     // A step whose loss or gradient is not finite changes nothing (optimizer_step leaves
     // the weights alone); too many in a row end the run, keeping the last checkpoint.
-    const double norm = std::isfinite(loss) ? optimizer_step(rt, lay, world, hp, updates + 1) : loss;
+    const double norm = std::isfinite(loss) ? optimizer_step(rt, lay, cm, hp, updates + 1) : loss;
     if (!std::isfinite(norm)) {
       ++bad_in_a_row;
       if (root && !o.quiet)
@@ -388,7 +391,7 @@ int run_train(const TrainOptions& o) {
     }
     bad_in_a_row = 0;
     ++updates;
-    const std::vector<RankFigures> ranks = all_figures(world, q);
+    const std::vector<RankFigures> ranks = all_figures(cm, q);
     double step_s = 0, exposed = 0;
     i64 peak = 0, offloaded = 0, host_peak = 0;
     for (const RankFigures& f : ranks) {
@@ -460,7 +463,7 @@ int run_train(const TrainOptions& o) {
     const bool stopping = o.stop_after > 0 && done == o.stop_after && done < o.steps;
     if (done == o.steps || stopping) {
       if (!o.trace_path.empty() || !o.svg_path.empty()) {
-        const sim::SimResult m = measured_timeline(world, q.last, lay, S * lay.batch);
+        const sim::SimResult m = measured_timeline(cm, q.last, lay, S * lay.batch);
         if (root)
           sim::write_timelines(m, o.trace_path, o.svg_path,
                                "measured step: S " + std::to_string(S) + ", " + o.step.model_name + layout_text(lay));
@@ -468,7 +471,7 @@ int run_train(const TrainOptions& o) {
     }
     if (!o.save_dir.empty() &&
         ((o.save_every > 0 && done % o.save_every == 0) || done == o.steps || stopping))
-      on_this_rank(world, [&] { save(done); });
+      on_this_rank(cm, [&] { save(done); });
     if (stopping) break;
   }
   // Summary: the measured step time (median, the first step excluded as warm-up) beside the
@@ -598,16 +601,17 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
   const ModelConfig& c = s.config;
   const ParallelLayout& lay = s.layout;
   const i64 S = o.seq_len;
-  prepare_groups(world, s.schedule, s.config);
+  comm::Comm& cm = s.comm(world);
+  prepare_groups(cm, s.schedule, s.config);
   std::vector<std::int32_t> tokens(std::size_t(S + 1)), all_tokens;
   Sequences q;
-  on_this_rank(world, [&] { q = run_sequences(s, tokens, &all_tokens); });
+  on_this_rank(cm, [&] { q = run_sequences(s, tokens, &all_tokens); });
   std::vector<double> losses{q.loss_sum};
-  comm::allreduce_sum(world, losses, comm::world_group(world), "the step's loss");
+  comm::allreduce_sum(cm, losses, comm::world_group(world), "the step's loss");
   if (lay.batch > 1)
     for (const ShardSpan& sp : rt.shard()) rt.backend().scale(rt.grads() + sp.offset, sp.count, 1.0f / float(lay.batch));
-  const FullState full = gather_full(rt, lay, world, true, false);
-  const std::vector<RankFigures> ranks = all_figures(world, q);
+  const FullState full = gather_full(rt, lay, cm, true, false);
+  const std::vector<RankFigures> ranks = all_figures(cm, q);
   if (!root) return 0;
   i64 peak = 0, offloaded = 0, host_peak = 0;
   double step_s = 0;

@@ -8,7 +8,8 @@
 // unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages, alone and
 // with tensor, data and context parallelism; the K/V cache on the host under pipeline,
 // tensor, data and context parallelism and MSP; K/V and saved tensors recomputed under
-// each layout that runs them; MLP tiles.
+// each layout that runs them; MLP tiles; every layout's messages staged as on GPUs
+// (--comm mpi).
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -153,6 +154,23 @@ TEST_F(Layouts, DataParallel) {
   check(2, "--dp 2", "ref2");
   check(2, "--dp 2 --zero 1", "ref2");
   check(2, "--dp 2 --subseqs 3 --offload full", "ref2");
+}
+
+// Note [Staged messages] (runtime/staged_comm.h): --comm mpi stages every message and
+// collective through the backend's copy streams and host buffers, as CUDA ranks that share a
+// GPU (or have no NCCL) do; on the CPU the same code runs, and every layout's gradients, peaks
+// and traffic are what they are without it.
+TEST_F(Layouts, EveryLayoutThroughStagedMessages) {
+  const std::string staged = " --comm mpi";
+  check(2, "--pp 2 --subseqs 4 --offload 0.5" + staged, "ref1");
+  check(2, "--cp 2 --ring zigzag --subseqs 2" + staged, "ref1");
+  check(2, "--cp 2 --ring contiguous --kv-cache host --subseqs 3" + staged, "ref1");
+  check(3, "--tp 3 --subseqs 2" + staged, "ref1");
+  check(2, "--dp 2 --zero 1" + staged, "ref2");
+  check(2, "--pp 2 --subseqs 4 --msp on" + staged, "ref1");
+  check(4, "--pp 2 --dp 2 --zero 1 --subseqs 4 --offload 0.5" + staged, "ref2");
+  check(2, kBidirectional + " --cp 2 --ring rsa,zigzag" + staged, "refb");
+  check(4, "--tp 4" + staged, "llama6", kLlama6);
 }
 
 TEST_F(Layouts, PipelineTimesDataParallel) {

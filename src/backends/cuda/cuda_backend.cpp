@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -14,8 +15,10 @@
 #include "backends/cuda/attention.h"
 #include "backends/cuda/check.h"
 #include "backends/cuda/library_attention.h"
+#include "backends/cuda/nccl_comm.h"
 #include "backends/cuda/ops.h"
 #include "core/adamw.h"
+#include "comm/comm.h"
 #include "core/check.h"
 
 namespace sppo {
@@ -38,6 +41,9 @@ class Slab {
  public:
   static constexpr std::size_t kAlign = 256;
   static constexpr std::size_t kGuard = std::size_t{64} << 20;
+
+  // sharing: processes that drive this device, each with its share of the memory.
+  explicit Slab(int sharing) : sharing_(std::max(1, sharing)) {}
 
   ~Slab() {
     if (base_) cudaFree(base_);
@@ -83,18 +89,23 @@ class Slab {
  private:
   // All the memory the device has free, less a reserve for cuBLASLt's workspaces, the
   // kernels' stream-ordered scratch and the CUDA context.
+  // Where several processes share the device, each takes at most its share of the whole.
   void reserve() {
     std::size_t free_bytes = 0, total = 0;
     SPPO_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
     constexpr std::size_t kReserve = std::size_t{2} << 30;
-    SPPO_CHECK(free_bytes > kReserve, "backend") << "the GPU has only " << free_bytes << " bytes free";
-    const std::size_t bytes = (free_bytes - kReserve) / kAlign * kAlign;
+    SPPO_CHECK(free_bytes > kReserve + kGuard, "backend") << "the GPU has only " << free_bytes << " bytes free";
+    const std::size_t share = total / std::size_t(sharing_) > kReserve ? total / std::size_t(sharing_) - kReserve : 0;
+    SPPO_CHECK(share > kGuard, "backend") << sharing_ << " ranks share a GPU of " << total
+                                          << " bytes: too little for each; start fewer ranks on it";
+    const std::size_t bytes = std::min(free_bytes - kReserve, share) / kAlign * kAlign;
     void* p = nullptr;
     SPPO_CUDA_CHECK(cudaMalloc(&p, bytes));
     base_ = static_cast<char*>(p);
     free_[0] = bytes - kGuard;
   }
 
+  int sharing_;
   std::mutex mu_;
   char* base_ = nullptr;
   std::map<std::size_t, std::size_t> free_, used_;  // offset -> bytes
@@ -239,7 +250,9 @@ class PinnedPool {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(DType act, AttentionKernels kernels) : act_(act), kernels_(kernels) {
+  CudaBackend(DType act, AttentionKernels kernels, const DevicePlacement& place)
+      : act_(act), kernels_(kernels), slab_(place.sharing) {
+    if (place.device >= 0) SPPO_CUDA_CHECK(cudaSetDevice(place.device));
     SPPO_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
     blas_ = std::make_unique<cuda::Blas>();
     if (kernels_ != AttentionKernels::Own) open_library();
@@ -266,6 +279,14 @@ class CudaBackend final : public Backend {
   // May run in a copy stream's host callback, where no CUDA call is allowed: bookkeeping
   // only (Note [Pinned host pool]).
   void host_free(void* p) override { pinned_.free(p); }
+  bool device_pointer(const void* p) const override {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();  // memory CUDA does not know: the host's
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  }
   std::unique_ptr<CopyStream> make_copy_stream() override { return std::make_unique<CudaCopyStream>(compute_); }
   void to_host(void* dst, const void* src, std::size_t bytes) override {
     SPPO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_));
@@ -399,6 +420,9 @@ class CudaBackend final : public Backend {
   void scale(float* x, i64 n, float s) override { cuda::scale_inplace(x, n, s, compute_); }
   AttentionServed prepare_attention(const ModelConfig& c) override { return serve(c, true); }
   void prefer_attention(const std::vector<AttentionClassChoice>& classes) override { classes_ = classes; }
+  std::unique_ptr<comm::Comm> make_nccl_comm(comm::Comm& host) override {
+    return cuda::make_nccl_comm(host, compute_);
+  }
   AttentionBuildStats attention_build_stats() const override {
     if (!library_) return {};
     const auto s = library_->library().build_stats();
@@ -499,13 +523,13 @@ class CudaBackend final : public Backend {
 
   DType act_;
   AttentionKernels kernels_;
+  Slab slab_;
   std::unique_ptr<cuda::LibraryAttention> library_;
   std::string library_error_;
   bool library_usable_ = false;  // opened, and the activations bf16
   std::vector<AttentionClassChoice> classes_;
   cudaStream_t compute_ = nullptr;
   std::unique_ptr<cuda::Blas> blas_;
-  Slab slab_;
   PinnedPool pinned_;
 };
 
@@ -513,11 +537,35 @@ class CudaBackend final : public Backend {
 
 bool cuda_device_visible() { return cuda::device_available(); }
 
-std::unique_ptr<Backend> make_cuda_backend(DType act, AttentionKernels attention) {
+bool cuda_nccl_built() { return cuda::nccl_built(); }
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::string cuda_device_id(int device) {
+  cudaDeviceProp p{};
+  SPPO_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+  char id[2 * sizeof p.uuid.bytes + 1];
+  for (std::size_t k = 0; k < sizeof p.uuid.bytes; ++k)
+    std::snprintf(id + 2 * k, 3, "%02x", static_cast<unsigned char>(p.uuid.bytes[k]));
+  return id;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(DType act, AttentionKernels attention, const DevicePlacement& place) {
   SPPO_CHECK(cuda::device_available(), "backend")
       << "--backend cuda: no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)";
   SPPO_CHECK(act == DType::F32 || act == DType::BF16, "backend") << "activations are fp32 or bf16";
-  return std::make_unique<CudaBackend>(act, attention);
+  const int n = cuda_device_count();
+  SPPO_CHECK(place.device < n, "backend") << "--device " << place.device << ": this process sees " << n
+                                          << " GPU" << (n == 1 ? "" : "s") << " (0.." << n - 1
+                                          << "; CUDA_VISIBLE_DEVICES may hide others)";
+  return std::make_unique<CudaBackend>(act, attention, place);
 }
 
 }  // namespace sppo
