@@ -171,6 +171,11 @@ for entry in "${layouts[@]}"; do
   section "ranks_$name" 90 "${MPIRUN[@]}" "$SPPO" grads "${SMALL[@]}" "${RANKS[@]}" --comm mpi ${entry#*:} \
     --out "$OUT/ranks/$name"
 done
+# TP in bf16 (bf16 rows gathered, fp32 sums): against the one-rank bf16 run, bf16's rounding.
+BRANKS=("${BF16[@]}")
+section ranks_ref_bf16 60 "$SPPO" grads "${SMALL[@]}" "${BRANKS[@]}" --out "$OUT/ranks/ref_bf16"
+section ranks_tp2_bf16 90 "${MPIRUN[@]}" "$SPPO" grads "${SMALL[@]}" "${BRANKS[@]}" --comm mpi --tp 2 --subseqs 3 \
+  --out "$OUT/ranks/tp2_bf16"
 if [ $SMOKE = 0 ]; then
   section ranks_nccl_self 60 "$(tool test_nccl_comm)" --gtest_output=json:"$OUT/parts/ranks_nccl_self.json"
   section ranks_plan_make 30 "$SPPO" plan --model small --seq-len 16K --gpus 2 --gpus-per-node 2 --hardware h100-sxm \

@@ -151,6 +151,10 @@ for name in ("pp2", "cp2", "tp2", "dp2"):
     e["max_rel_err"] = max(e.get("worst_grad_rel", 1), e.get("loss_rel", 1))
     e["ok"] = e["max_rel_err"] < 1e-5 and e.get("peak_device_bytes") == e.get("predicted_peak_device_bytes")
     ranks[name] = e
+tp_bf16 = bf16_check(os.path.join(out_dir, "ranks", "ref_bf16"), os.path.join(out_dir, "ranks", "tp2_bf16"))
+tp_bf16["max_rel_err"] = max(tp_bf16.get("worst_grad_rel", 1), tp_bf16.get("loss_rel", 1))
+tp_bf16["ok"] = tp_bf16["pass"]
+ranks["tp2_bf16"] = tp_bf16
 nccl_self = last_json(read(os.path.join(out_dir, "parts", "ranks_nccl_self.json")))
 if nccl_self:
     ranks["nccl_self"] = {"tests": nccl_self.get("tests"), "failures": nccl_self.get("failures"),

@@ -267,6 +267,8 @@ class Backend {
                      float weight_decay, int t, void* p_act) = 0;
   // dst[n] = src[n] converted from fp32 to the activation type (the weights' working copy).
   virtual void to_act(void* dst, const float* src, i64 n) = 0;
+  // dst[n] = src[n] converted from the activation type to fp32 (a sum's fp32 operands).
+  virtual void to_f32(float* dst, const void* src, i64 n) = 0;
   // AdamW on host memory (p, m, v, g all from host_alloc), run by the host's processor on
   // the calling thread: the update of optimizer state kept on the host
   // (runtime/host_optimizer.h). The formula of adamw; on the CPU backend its very kernel,

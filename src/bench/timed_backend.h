@@ -161,6 +161,7 @@ class TimedBackend final : public Backend {
     be_.host_adamw(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t);
   }
   void to_act(void* dst, const float* src, i64 n) override { timed(t_.other_s, [&] { be_.to_act(dst, src, n); }); }
+  void to_f32(float* dst, const void* src, i64 n) override { timed(t_.other_s, [&] { be_.to_f32(dst, src, n); }); }
 
  private:
   template <typename F>

@@ -223,7 +223,8 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
   if (tiles.on() && tiles.fc_pre_recomputed) s.push_back({"fc_tile", {tiles.tile_rows(T), Wr}, a, R::Workspace});
   if (tp.on()) {
     s.push_back({"tp_full", {T, H}, a, R::Workspace});
-    s.push_back({"tp_pad", {tp.padded_rows(T), H}, a, R::Workspace});
+    // fp32 whatever the activations: a reduce-scatter sums bf16 rows in fp32 (runtime/tensor_parallel.cpp).
+    s.push_back({"tp_pad", {tp.padded_rows(T), H}, DType::F32, R::Workspace});
     s.push_back({"tp_rows", {tp.row_count(T), H}, a, R::Workspace});
   }
   return s;
@@ -252,7 +253,7 @@ std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 ch
   if (p == ActPrecision::BF16) s.push_back({"dlogits", {rows, V}, DType::BF16, Role::Workspace});
   if (tp.on()) {
     s.push_back({"tp_full", {T, H}, act_dtype(p), Role::Workspace});
-    s.push_back({"tp_pad", {tp.padded_rows(T), H}, act_dtype(p), Role::Workspace});
+    s.push_back({"tp_pad", {tp.padded_rows(T), H}, DType::F32, Role::Workspace});  // as the block's
     s.push_back({"lse_parts", {i64(tp.size), rows}, DType::F32, Role::Workspace});
   }
   return s;

@@ -17,34 +17,37 @@ void TpGroup::wait(comm::Request r, const char* what) {
   if (waited_s_) *waited_s_ += s;
 }
 
+// The padded slots travel as bytes of the activation type (bf16 rows move as they are); a
+// reduce-scatter sums them in fp32: pad is [padded_rows, H] fp32 (core/layout.cpp tp_pad),
+// room for either.
 void TpGroup::all_gather(Backend& be, void* full, const void* mine, void* pad, int T, int H) {
-  SPPO_ASSERT(be.act() == DType::F32);
+  const DType a = be.act();
   const i64 slot = tp_.padded_rows(T) / tp_.size;  // rows a slot
   const auto [b, e] = tp_.rows(T);
-  be.copy_cols(act_at(pad, i64(tp_.index) * slot * H, DType::F32), mine, int(e - b), H, H, 0);
+  be.copy_cols(act_at(pad, i64(tp_.index) * slot * H, a), mine, int(e - b), H, H, 0);
   be.synchronize();
-  wait(comm_.iallgather(static_cast<float*>(pad), tp_.padded_rows(T) * H, group_), "all-gather");
+  wait(comm_.iallgather_bytes(pad, slot * H * dtype_bytes(a), group_), "all-gather");
   for (int k = 0; k < tp_.size; ++k) {
     const auto [kb, ke] = piece_range(T, k, tp_.size);
-    if (ke > kb)
-      be.copy_cols(act_at(full, kb * H, DType::F32), act_at(pad, i64(k) * slot * H, DType::F32), int(ke - kb), H, H, 0);
+    if (ke > kb) be.copy_cols(act_at(full, kb * H, a), act_at(pad, i64(k) * slot * H, a), int(ke - kb), H, H, 0);
   }
 }
 
 void TpGroup::reduce_scatter(Backend& be, void* mine, void* full, void* pad, int T, int H) {
-  SPPO_ASSERT(be.act() == DType::F32);
+  const DType a = be.act();
   const i64 slot = tp_.padded_rows(T) / tp_.size;
+  float* sums = static_cast<float*>(pad);
   for (int k = 0; k < tp_.size; ++k) {
     const auto [kb, ke] = piece_range(T, k, tp_.size);
-    void* dst = act_at(pad, i64(k) * slot * H, DType::F32);
-    if (ke > kb) be.copy_cols(dst, act_at(full, kb * H, DType::F32), int(ke - kb), H, H, 0);
+    float* dst = sums + i64(k) * slot * H;
+    if (ke > kb) be.to_f32(dst, act_at(full, kb * H, a), (ke - kb) * H);
     // The slot's padding rows are summed too: zeros keep them finite.
-    if (slot > ke - kb) be.fill_zero(act_at(dst, (ke - kb) * H, DType::F32), std::size_t((slot - (ke - kb)) * H) * 4);
+    if (slot > ke - kb) be.fill_zero(dst + (ke - kb) * H, std::size_t((slot - (ke - kb)) * H) * 4);
   }
   be.synchronize();
-  wait(comm_.ireduce_scatter(static_cast<float*>(pad), tp_.padded_rows(T) * H, group_), "reduce-scatter");
+  wait(comm_.ireduce_scatter(sums, tp_.padded_rows(T) * H, group_), "reduce-scatter");
   const auto [b, e] = tp_.rows(T);
-  be.copy_cols(mine, act_at(pad, i64(tp_.index) * slot * H, DType::F32), int(e - b), H, H, 0);
+  be.put_cols(mine, sums + i64(tp_.index) * slot * H, true, int(e - b), H, H, 0);
 }
 
 void TpGroup::all_gather_rows(float* parts, int rows) {

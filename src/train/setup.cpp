@@ -341,8 +341,6 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
              if (sched::llama_tp_runs(s.config, t)) ok += (ok.empty() ? "" : ", ") + std::to_string(t);
            return ok;
          }() << " (a divisor of " << s.config.kv_head_count() << ", or a multiple whose ranks share each key/value head)";
-  SPPO_CHECK(s.layout.tp == 1 || s.backend->act() == DType::F32, "options")
-      << "--tp runs fp32 activations on CPU ranks; use --precision fp32";
   SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")
       << "--recompute is the one-process baseline; drop --pp and --dp";
   sim::StepShape shape;

@@ -301,6 +301,9 @@ class CpuBackend final : public Backend {
   void to_act(void* dst, const float* src, i64 n) override {
     if (dst != src) std::memcpy(dst, src, std::size_t(n) * sizeof(float));
   }
+  void to_f32(float* dst, const void* src, i64 n) override {
+    if (dst != src) std::memcpy(dst, src, std::size_t(n) * sizeof(float));
+  }
   void host_adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
                   float weight_decay, int t) override {
     cpu::adamw_step(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t);

@@ -439,6 +439,9 @@ class CudaBackend final : public Backend {
              float weight_decay, int t, void* p_act) override {
     cuda::adamw_step(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t, compute_, p_act);
   }
+  void to_f32(float* dst, const void* src, i64 n) override {
+    if (dst != src) cuda::convert(dst, DType::F32, src, act_, n, compute_);
+  }
   void to_act(void* dst, const float* src, i64 n) override {
     if (dst != src) cuda::convert(dst, act_, src, DType::F32, n, compute_);
   }
