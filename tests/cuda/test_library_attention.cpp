@@ -122,10 +122,11 @@ class LibraryAttentionTest : public Cuda {
     Dev ws_d(ws_bytes + 256);
     // A workspace off the 256-byte grid, as one carved from inside a larger buffer may be.
     const Workspace ws{ws_bytes ? static_cast<char*>(ws_d.get()) + 8 : nullptr, ws_bytes};
-    lib->forward(out_d.get(), lse_d.as<float>(), q_d.get(), refs, d, ws, stream_);
+    ASSERT_TRUE(lib->forward(out_d.get(), lse_d.as<float>(), q_d.get(), refs, d, ws, stream_)) << lib->refused();
     // The backward from the CPU's delta and the library's own lse, as the runtime calls it.
-    lib->backward(dq_d.get(), dout_d.get(), q_d.get(), refs, lse_d.as<float>(), delta_d.as<float>(), d, ws,
-                  stream_);
+    ASSERT_TRUE(lib->backward(dq_d.get(), dout_d.get(), q_d.get(), refs, lse_d.as<float>(), delta_d.as<float>(), d,
+                              ws, stream_))
+        << lib->refused();
     SPPO_CUDA_CHECK(cudaStreamSynchronize(stream_));
 
     expect_near_tensor(download(out_d, q.size(), DType::BF16), out_ref, "out");
@@ -180,6 +181,27 @@ TEST_F(LibraryAttentionTest, ScratchTooSmallCutsKeysAndQueries) {
   // About what a backward on 64 query rows against 128-key parts needs, plus the library's own.
   const std::size_t small = 64 * za * (ab + 4) + 2 * 128 * za * ab + 128 * za * ab + 64 * 4 * c.Z + (4 << 20);
   compare(c, true, small);
+}
+
+// A head size the library does not take (20: not a multiple of 8): the call says so and
+// leaves its outputs as they were, so that the backend can run its own kernels instead.
+TEST_F(LibraryAttentionTest, ACallTheLibraryRefusesIsLeftUndone) {
+  auto lib = open(true);
+  if (!lib) GTEST_SKIP() << "this build has no fused attention library (SPPO_CUDNN off)";
+  const int Tq = 16, Z = 2, A = 20;
+  const Vec q = rounded(randn(std::size_t(Tq) * Z * A, rng_), DType::BF16);
+  const Vec before = rounded(randn(q.size(), rng_), DType::BF16);
+  Dev q_d = upload(q, DType::BF16), k_d = upload(q, DType::BF16), out_d = upload(before, DType::BF16);
+  Dev lse_d = upload(Vec(std::size_t(Z) * Tq, 7.0f), DType::F32);
+  AttnShape d;
+  d.Tq = Tq, d.Z = Z, d.A = A, d.Zkv = Z;
+  const std::vector<KVRef> refs{{k_d.get(), k_d.get(), nullptr, nullptr, Tq, 0}};
+  EXPECT_FALSE(lib->forward(out_d.get(), lse_d.as<float>(), q_d.get(), refs, d, Workspace{}, stream_));
+  EXPECT_NE(lib->refused().find("head"), std::string::npos) << lib->refused();
+  SPPO_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  expect_equal(download(out_d, q.size(), DType::BF16), before, "out of a refused call");
+  expect_equal(download(lse_d, std::size_t(Z) * Tq, DType::F32), Vec(std::size_t(Z) * Tq, 7.0f),
+               "lse of a refused call");
 }
 
 TEST_F(LibraryAttentionTest, GraphsPerExactLengthAgree) {

@@ -379,8 +379,8 @@ class CudaBackend final : public Backend {
   }
   void attention_forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks, const AttnShape& d,
                          const Workspace& ws) override {
-    if (use_library(d, blocks)) library_->forward(out, lse, q, blocks, d, ws, compute_);
-    else cuda::attention_forward_blocks(out, lse, q, blocks_of(blocks), dims_of(d), act_, compute_);
+    if (use_library(d, blocks) && ran_on_library(library_->forward(out, lse, q, blocks, d, ws, compute_))) return;
+    cuda::attention_forward_blocks(out, lse, q, blocks_of(blocks), dims_of(d), act_, compute_);
   }
   void attention_merge(void* out, float* lse, const void* part_out, const float* part_lse,
                        const AttnShape& d) override {
@@ -391,8 +391,10 @@ class CudaBackend final : public Backend {
   }
   void attention_backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
                           const float* lse, const float* delta, const AttnShape& d, const Workspace& ws) override {
-    if (use_library(d, blocks)) library_->backward(dq, dout, q, blocks, lse, delta, d, ws, compute_);
-    else cuda::attention_backward_blocks(dq, dout, q, blocks_of(blocks), lse, delta, dims_of(d), act_, compute_);
+    if (use_library(d, blocks) &&
+        ran_on_library(library_->backward(dq, dout, q, blocks, lse, delta, d, ws, compute_)))
+      return;
+    cuda::attention_backward_blocks(dq, dout, q, blocks_of(blocks), lse, delta, dims_of(d), act_, compute_);
   }
   void xent(void* dlogits, float* losses, double* loss_sum, float* logits, const std::int32_t* targets, int T, int V,
             float grad_scale, const Workspace&) override {
@@ -498,6 +500,15 @@ class CudaBackend final : public Backend {
       return {false, "own kernels (" + lib + " refuses the model's heads: " + why + ")"};
     }
     return {true, lib + " fused attention" + (library_->length_classes() ? "" : " (a graph per exact length)")};
+  }
+
+  // A call the library refused a graph of (nothing of it ran): --attention cudnn stops here;
+  // auto runs the own kernels.
+  bool ran_on_library(bool ran) {
+    SPPO_CHECK(ran || kernels_ != AttentionKernels::Library, "attention")
+        << "--attention cudnn: " << library_->library().name() << " refuses an attention call ("
+        << library_->refused() << "); use --attention own or auto";
+    return ran;
   }
 
   // Whether a call runs on the library: as --attention says; under auto, as the measured

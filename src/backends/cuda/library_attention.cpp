@@ -99,11 +99,19 @@ struct LibraryAttention::Heads {
   }
 };
 
-// The library calls of (part of) a call and the scratch they need.
+// The library calls of (part of) a call and the scratch they need; `refused`: why the library
+// takes one of their graphs not.
 struct LibraryAttention::CallPlan {
   std::vector<KVRef> blocks;  // the call's blocks, cut to key parts
   std::vector<AttnPiece> pieces;
   std::size_t need = 0;
+  std::string refused;
+};
+
+// A chunk of a call's query rows, [row0, row0 + rows), and its plan.
+struct LibraryAttention::Chunk {
+  int row0 = 0, rows = 0;
+  CallPlan plan;
 };
 
 LibraryAttention::LibraryAttention(std::unique_ptr<SdpaLibrary> lib, DType act, bool length_classes)
@@ -158,6 +166,10 @@ LibraryAttention::CallPlan LibraryAttention::plan(bool backward, const Heads& h,
     std::size_t rows_side = 0, rest = 0;
     for (const AttnPiece& pc : p.pieces) {
       const SdpaGraphKey key = key_of(backward, h, pc.rows, pc.keys, pc.mask);
+      if (const std::string why = lib_->check(key); !why.empty()) {
+        p.refused = describe(key) + ": " + why;
+        return p;
+      }
       const LibraryCallBytes b =
           library_call_bytes(backward, Tq, key.rows, int(p.pieces.size()), h.Z, h.Zkv, h.A, h.ab);
       rows_side = std::max(rows_side, b.rows_side);
@@ -169,31 +181,49 @@ LibraryAttention::CallPlan LibraryAttention::plan(bool backward, const Heads& h,
   }
 }
 
-void LibraryAttention::forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks,
-                               const AttnShape& d, const Workspace& ws, cudaStream_t stream) {
-  const Heads h = Heads::of(d, act_);
-  const std::vector<KVRef> joined = join_adjacent_blocks(blocks, d, h.ab);
-  // Query chunks of kLibraryQueryRows within a block's scratch (Note [Library scratch]), cut
-  // further where one does not fit; without a scratch, the span whole.
-  const int chunk = ws.bytes > 0 ? std::min(d.Tq, kLibraryQueryRows) : d.Tq;
-  for (int r0 = 0; r0 < d.Tq; r0 += chunk) {
-    const int n = std::min(chunk, d.Tq - r0);
-    forward_rows(advance(out, r0 * h.ldo, h.ab), lse + r0, advance(q, r0 * h.ldq, h.ab), joined, h, n, d.q_pos0 + r0,
-                 ws, stream);
+bool LibraryAttention::chunks(bool backward, const Heads& h, const std::vector<KVRef>& blocks, int row0, int Tq,
+                              i64 q_pos0, std::size_t limit, std::vector<Chunk>& out) {
+  CallPlan p = plan(backward, h, blocks, Tq, q_pos0 + row0, limit);
+  if (!p.refused.empty()) {
+    refused_ = p.refused;
+    return false;
   }
+  if (limit > 0 && p.need > limit && Tq > kMinRows) {  // too long for the scratch: in halves
+    const int half = Tq / 2;
+    return chunks(backward, h, blocks, row0, half, q_pos0, limit, out) &&
+           chunks(backward, h, blocks, row0 + half, Tq - half, q_pos0, limit, out);
+  }
+  out.push_back({row0, Tq, std::move(p)});
+  return true;
 }
 
-void LibraryAttention::forward_rows(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks,
-                                    const Heads& h, int Tq, i64 q_pos0, const Workspace& ws, cudaStream_t stream) {
-  const CallPlan p = plan(false, h, blocks, Tq, q_pos0, ws.bytes);
+bool LibraryAttention::plan_call(bool backward, const Heads& h, const std::vector<KVRef>& blocks, int Tq,
+                                 i64 q_pos0, const Workspace& ws, std::vector<Chunk>& out) {
+  // Query chunks of kLibraryQueryRows within a block's scratch (Note [Library scratch]), cut
+  // further where one does not fit; without a scratch, the span whole. Every chunk is planned
+  // before any runs, so that a graph the library refuses leaves the call undone.
+  const int chunk = ws.bytes > 0 ? std::min(Tq, kLibraryQueryRows) : Tq;
+  for (int r0 = 0; r0 < Tq; r0 += chunk)
+    if (!chunks(backward, h, blocks, r0, std::min(chunk, Tq - r0), q_pos0, ws.bytes, out)) return false;
+  return true;
+}
+
+bool LibraryAttention::forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks,
+                               const AttnShape& d, const Workspace& ws, cudaStream_t stream) {
+  const Heads h = Heads::of(d, act_);
+  std::vector<Chunk> cs;
+  if (!plan_call(false, h, join_adjacent_blocks(blocks, d, h.ab), d.Tq, d.q_pos0, ws, cs)) return false;
+  for (const Chunk& c : cs)
+    forward_chunk(advance(out, c.row0 * h.ldo, h.ab), lse + c.row0, advance(q, c.row0 * h.ldq, h.ab), h, c, ws,
+                  stream);
+  return true;
+}
+
+void LibraryAttention::forward_chunk(void* out, float* lse, const void* q, const Heads& h, const Chunk& c,
+                                     const Workspace& ws, cudaStream_t stream) {
+  const CallPlan& p = c.plan;
+  const int Tq = c.rows;
   const i64 za = i64(h.Z) * h.A;
-  if (ws.bytes > 0 && p.need > ws.bytes && Tq > kMinRows) {  // too long for the scratch: in halves
-    const int half = Tq / 2;
-    forward_rows(out, lse, q, blocks, h, half, q_pos0, ws, stream);
-    forward_rows(advance(out, half * h.ldo, h.ab), lse + half, advance(q, half * h.ldq, h.ab), blocks, h, Tq - half,
-                 q_pos0 + half, ws, stream);
-    return;
-  }
   // The first piece over every row is copied into out/lse; every other is merged into them.
   const AttnPiece* first = nullptr;
   for (const AttnPiece& pc : p.pieces)
@@ -228,31 +258,23 @@ void LibraryAttention::forward_rows(void* out, float* lse, const void* q, const 
   }
 }
 
-void LibraryAttention::backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
+bool LibraryAttention::backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
                                 const float* lse, const float* delta, const AttnShape& d, const Workspace& ws,
                                 cudaStream_t stream) {
   const Heads h = Heads::of(d, act_);
-  const std::vector<KVRef> joined = join_adjacent_blocks(blocks, d, h.ab);
-  const int chunk = ws.bytes > 0 ? std::min(d.Tq, kLibraryQueryRows) : d.Tq;
-  for (int r0 = 0; r0 < d.Tq; r0 += chunk) {
-    const int n = std::min(chunk, d.Tq - r0);
-    backward_rows(advance(dq, r0 * h.ldq, h.ab), advance(dout, r0 * h.ldo, h.ab), advance(q, r0 * h.ldq, h.ab),
-                  joined, lse + r0, delta + r0, h, n, d.q_pos0 + r0, ws, stream);
-  }
+  std::vector<Chunk> cs;
+  if (!plan_call(true, h, join_adjacent_blocks(blocks, d, h.ab), d.Tq, d.q_pos0, ws, cs)) return false;
+  for (const Chunk& c : cs)
+    backward_chunk(advance(dq, c.row0 * h.ldq, h.ab), advance(dout, c.row0 * h.ldo, h.ab),
+                   advance(q, c.row0 * h.ldq, h.ab), lse + c.row0, delta + c.row0, h, c, ws, stream);
+  return true;
 }
 
-void LibraryAttention::backward_rows(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks,
-                                     const float* lse, const float* delta, const Heads& h, int Tq, i64 q_pos0,
-                                     const Workspace& ws, cudaStream_t stream) {
-  const CallPlan p = plan(true, h, blocks, Tq, q_pos0, ws.bytes);
+void LibraryAttention::backward_chunk(void* dq, const void* dout, const void* q, const float* lse, const float* delta,
+                                      const Heads& h, const Chunk& c, const Workspace& ws, cudaStream_t stream) {
+  const CallPlan& p = c.plan;
+  const int Tq = c.rows;
   if (p.pieces.empty()) return;
-  if (ws.bytes > 0 && p.need > ws.bytes && Tq > kMinRows) {  // too long for the scratch: in halves
-    const int half = Tq / 2;
-    backward_rows(dq, dout, q, blocks, lse, delta, h, half, q_pos0, ws, stream);
-    backward_rows(advance(dq, half * h.ldq, h.ab), advance(dout, half * h.ldo, h.ab), advance(q, half * h.ldq, h.ab),
-                  blocks, lse + half, delta + half, h, Tq - half, q_pos0 + half, ws, stream);
-    return;
-  }
   const i64 za = i64(h.Z) * h.A, zkva = i64(h.Zkv) * h.A;
   CallScratch scratch(ws, p.need, stream);
   int* lengths = static_cast<int*>(scratch.take(2 * sizeof(int)));

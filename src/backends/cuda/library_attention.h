@@ -40,27 +40,35 @@ class LibraryAttention {
   // at `rows` query and key rows), else its reason. Kept per layout.
   std::string check(const AttnShape& d, int rows = 1024);
 
-  void forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks, const AttnShape& d,
+  // False, with nothing run, where the library refuses a graph the call needs (refused()
+  // says which and why): the caller runs its own kernels, or stops.
+  bool forward(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks, const AttnShape& d,
                const Workspace& ws, cudaStream_t stream);
-  void backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks, const float* lse,
+  bool backward(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks, const float* lse,
                 const float* delta, const AttnShape& d, const Workspace& ws, cudaStream_t stream);
+  const std::string& refused() const { return refused_; }
 
  private:
   struct Heads;
   struct CallPlan;
+  struct Chunk;
   SdpaGraphKey key_of(bool backward, const Heads& h, int rows, int keys, PieceMask mask) const;
   CallPlan plan(bool backward, const Heads& h, const std::vector<KVRef>& blocks, int Tq, i64 q_pos0,
                 std::size_t limit);
-  void forward_rows(void* out, float* lse, const void* q, const std::vector<KVRef>& blocks, const Heads& h, int Tq,
-                    i64 q_pos0, const Workspace& ws, cudaStream_t stream);
-  void backward_rows(void* dq, const void* dout, const void* q, const std::vector<KVRef>& blocks, const float* lse,
-                     const float* delta, const Heads& h, int Tq, i64 q_pos0, const Workspace& ws,
+  bool chunks(bool backward, const Heads& h, const std::vector<KVRef>& blocks, int row0, int Tq, i64 q_pos0,
+              std::size_t limit, std::vector<Chunk>& out);
+  bool plan_call(bool backward, const Heads& h, const std::vector<KVRef>& blocks, int Tq, i64 q_pos0,
+                 const Workspace& ws, std::vector<Chunk>& out);
+  void forward_chunk(void* out, float* lse, const void* q, const Heads& h, const Chunk& c, const Workspace& ws,
                      cudaStream_t stream);
+  void backward_chunk(void* dq, const void* dout, const void* q, const float* lse, const float* delta,
+                      const Heads& h, const Chunk& c, const Workspace& ws, cudaStream_t stream);
 
   std::unique_ptr<SdpaLibrary> lib_;
   DType act_;
   bool classes_;
   std::map<std::tuple<int, int, int, i64, i64, i64, i64, int>, std::string> checked_;
+  std::string refused_;
 };
 
 }  // namespace sppo::cuda
