@@ -29,7 +29,7 @@ ModelConfig gpt(int vocab, int hidden, int layers, int heads) {
 }
 
 ModelConfig llama(int vocab, int hidden, int layers, int heads, int kv_heads, int ffn_size, float theta, float eps,
-                  i64 max_positions, bool qkv_bias) {
+                  i64 max_positions, bool qkv_bias, bool tied = false) {
   ModelConfig c = gpt(vocab, hidden, layers, heads);
   c.rope_theta = theta;
   c.ln_eps = eps;
@@ -38,6 +38,18 @@ ModelConfig llama(int vocab, int hidden, int layers, int heads, int kv_heads, in
   c.ffn_size = ffn_size;
   c.qkv_bias = qkv_bias;
   c.max_positions = max_positions;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+// Llama 3.2's RoPE: llama3 scaling by 32 from the 8192 positions Llama 3 was trained at.
+ModelConfig llama32(int hidden, int layers, int heads, int ffn_size) {
+  ModelConfig c = llama(128256, hidden, layers, heads, 8, ffn_size, 500000.0f, 1e-5f, 131072, false, true);
+  c.rope_scaling.type = RopeScaling::Type::Llama3;
+  c.rope_scaling.factor = 32.0;
+  c.rope_scaling.original_max_positions = 8192;
+  c.rope_scaling.low_freq_factor = 1.0;
+  c.rope_scaling.high_freq_factor = 4.0;
   return c;
 }
 
@@ -63,9 +75,15 @@ const Preset kPresets[] = {
     {"gpt-13b", gpt(50304, 5120, 40, 40)},
     {"gpt-65b", gpt(50304, 8192, 80, 64)},
     {"llama-tiny", llama(64, 64, 2, 4, 2, 256, 10000.0f, 1e-5f, 256, false)},
+    {"llama-tiny-tied", llama(64, 64, 2, 4, 2, 256, 10000.0f, 1e-5f, 256, true, true)},  // Qwen2.5's small shape
     {"llama-3-8b", llama(128256, 4096, 32, 32, 8, 14336, 500000.0f, 1e-5f, 8192, false)},
     {"llama-3-70b", llama(128256, 8192, 80, 64, 8, 28672, 500000.0f, 1e-5f, 8192, false)},
     {"qwen2.5-7b", llama(152064, 3584, 28, 28, 4, 18944, 1000000.0f, 1e-6f, 32768, true)},
+    // The small ones people start from on modest hardware: their LM head is their embedding.
+    {"llama-3.2-1b", llama32(2048, 16, 32, 8192)},
+    {"llama-3.2-3b", llama32(3072, 28, 24, 8192)},
+    {"qwen2.5-0.5b", llama(151936, 896, 24, 14, 2, 4864, 1000000.0f, 1e-6f, 32768, true, true)},
+    {"qwen2.5-1.5b", llama(151936, 1536, 28, 12, 2, 8960, 1000000.0f, 1e-6f, 32768, true, true)},
 };
 
 }  // namespace
@@ -179,6 +197,7 @@ nlohmann::json to_json(const ModelConfig& c) {
     j["ffn_size"] = c.ffn_size;
     j["qkv_bias"] = c.qkv_bias;
     j["max_positions"] = c.max_positions;
+    if (c.tie_embeddings) j["tie_embeddings"] = true;
     const RopeScaling& r = c.rope_scaling;
     if (r.type != RopeScaling::Type::None) {
       nlohmann::json s = {{"type", rope_scaling_name(r.type)}, {"factor", r.factor}};
@@ -272,6 +291,10 @@ ModelConfig model_config_from_json(const nlohmann::json& j) {
       c.qkv_bias = bias->get<bool>();
     }
     c.max_positions = json_integer_field(j, "max_positions", 0, 0, i64{1} << 40, "config", "model config: ");
+    if (const auto tie = j.find("tie_embeddings"); tie != j.end()) {
+      SPPO_CHECK(tie->is_boolean(), "config") << "model config: \"tie_embeddings\" must be true or false";
+      c.tie_embeddings = tie->get<bool>();
+    }
     const auto rs = j.find("rope_scaling");
     if (rs != j.end() && !rs->is_null()) c.rope_scaling = rope_scaling_from_json(*rs);
   }

@@ -52,6 +52,9 @@ struct ModelConfig {
   i64 max_positions = 0;      // max_position_embeddings: "dynamic" and "yarn" scaling's reference length
   RopeScaling rope_scaling;
   i64 rope_seq_len = 0;       // "dynamic" scaling: the sequence length trained at (set by the run)
+  // A Llama-family model whose LM head is its embedding (Hugging Face's tie_word_embeddings:
+  // Llama 3.2 1B/3B, Qwen2.5 up to 3B, Qwen3 up to 4B). GPT's always is.
+  bool tie_embeddings = false;
 
   bool llama() const { return family == Family::Llama; }
   int head_size() const { return hidden / heads; }  // A
@@ -62,7 +65,7 @@ struct ModelConfig {
   bool gated() const { return llama(); }                          // SwiGLU: fc makes gate and up
   int fc_width() const { return gated() ? 2 * ffn() : ffn(); }    // outputs of the fc projection
   bool biases() const { return !llama(); }                        // every linear but q/k/v
-  bool tied_embeddings() const { return !llama(); }               // the LM head is the embedding
+  bool tied_embeddings() const { return !llama() || tie_embeddings; }  // the LM head is the embedding
   // Weights of a block's four projections (q/k/v, out, fc, proj): a token's forward GEMMs
   // take twice as many FLOPs.
   double layer_matmul_params() const {
@@ -80,8 +83,9 @@ ModelConfig preset(const std::string& name);
 
 // The `sppo grads` config.json fields: vocab, hidden, layers, heads, ffn_mult, rope_theta, ln_eps,
 // and "attention": "bidirectional" for a bidirectional model (absent: causal); a Llama-family
-// model adds "family": "llama", kv_heads, ffn_size, qkv_bias, max_positions and
-// "rope_scaling" {"type", "factor", ...} (HF's field names).
+// model adds "family": "llama", kv_heads, ffn_size, qkv_bias, max_positions, "tie_embeddings"
+// where its head is its embedding, and "rope_scaling" {"type", "factor", ...} (HF's field
+// names).
 nlohmann::json to_json(const ModelConfig& c);
 // HF's "rope_scaling" object ("rope_type" or "type", "factor", ...); throws naming the field.
 RopeScaling rope_scaling_from_json(const nlohmann::json& j);

@@ -159,9 +159,6 @@ ModelConfig hf_model_config(const nlohmann::json& j, const std::string& file) {
   const std::string act = json_string_field(j, "hidden_act", "silu", kComponent, where);
   SPPO_CHECK(act == "silu", kComponent) << where << "\"hidden_act\": \"" << act
                                         << "\" is not supported; Llama-family MLPs use silu (SwiGLU)";
-  SPPO_CHECK(!flag("tie_word_embeddings", false), kComponent)
-      << where << "\"tie_word_embeddings\": true is not supported; sppo's Llama-family models have their own LM "
-      << "head (lm_head.weight)";
   SPPO_CHECK(!flag("attention_bias", false), kComponent)
       << where << "\"attention_bias\": true (biases on q, k, v and o) is not supported; only Qwen2's q/k/v biases are";
   SPPO_CHECK(!flag("mlp_bias", false), kComponent) << where << "\"mlp_bias\": true is not supported";
@@ -181,6 +178,8 @@ ModelConfig hf_model_config(const nlohmann::json& j, const std::string& file) {
   c.rope_theta = float(real("rope_theta", 10000.0));
   c.max_positions = json_integer_field(j, "max_position_embeddings", 2048, 1, i64{1} << 40, kComponent, where);
   c.qkv_bias = qwen2;
+  // Absent, false: transformers' LlamaConfig and Qwen2Config default to a head of its own.
+  c.tie_embeddings = flag("tie_word_embeddings", false);
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     const i64 head_dim = json_integer_field(j, "head_dim", 0, 1, kIntMax, kComponent, where);
     SPPO_CHECK(c.heads > 0 && head_dim * c.heads == c.hidden, kComponent)
@@ -262,8 +261,10 @@ void hf_read_weights(const std::string& dir, const ModelConfig& c, float* params
   for (const auto& [name, reader] : holder) {
     if (used.count(name)) continue;
     const bool rotary_buffer = name.size() > 20 && name.compare(name.size() - 20, 20, "rotary_emb.inv_freq") == 0;
-    SPPO_CHECK(rotary_buffer, kComponent) << reader->path() << " holds " << name
-                                          << ", which this model (config.json) has no place for";
+    // A tied model's checkpoint may hold its head as well: the embedding's copy.
+    const bool tied_head = name == "lm_head.weight" && c.tied_embeddings();
+    SPPO_CHECK(rotary_buffer || tied_head, kComponent) << reader->path() << " holds " << name
+                                                       << ", which this model (config.json) has no place for";
   }
   float* out = params;
   std::vector<std::uint16_t> half;
@@ -305,7 +306,7 @@ nlohmann::json hf_config_json(const ModelConfig& c, const std::string& torch_dty
       {"max_position_embeddings", positions},
       {"rms_norm_eps", c.ln_eps},
       {"rope_theta", c.rope_theta},
-      {"tie_word_embeddings", false},
+      {"tie_word_embeddings", c.tied_embeddings()},
       {"torch_dtype", torch_dtype},
       {"initializer_range", 0.02},
       {"use_cache", true},

@@ -2,7 +2,8 @@
 """sppo's Llama-family block held to an independent implementation: Hugging Face transformers.
 
 For small random LlamaForCausalLM models (grouped-query attention, every RoPE scaling type
-HF's config.json names) and a Qwen2ForCausalLM (q/k/v biases), saved with save_pretrained
+HF's config.json names, an LM head tied to the embedding as Llama 3.2's) and Qwen2ForCausalLM
+models (q/k/v biases; tied as Qwen2.5's small ones), saved with save_pretrained
 (one file, and sharded), `sppo grads --init HF_DIR` must give transformers' loss and every
 parameter gradient in fp32: max |a - b| <= 1e-5 (1 + |b|) per element. Then `sppo import`
 and `sppo export --format hf` must give a directory transformers loads with no missing,
@@ -70,9 +71,11 @@ def hf_loss_and_grads(model, tokens):
 
 
 def as_sppo(hf, layers):
-    """HF tensors (by HF name) as sppo's parameters (io/hf.h's table)."""
-    out = {"embed.weight": hf["model.embed_tokens.weight"], "ln_f.weight": hf["model.norm.weight"],
-           "lm_head.weight": hf["lm_head.weight"]}
+    """HF tensors (by HF name) as sppo's parameters (io/hf.h's table); a tied model has no
+    lm_head of its own (transformers' named_parameters() lists the shared tensor once)."""
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "ln_f.weight": hf["model.norm.weight"]}
+    if "lm_head.weight" in hf:
+        out["lm_head.weight"] = hf["lm_head.weight"]
     for l in range(layers):
         p, b = f"model.layers.{l}.", f"blocks.{l}."
         out[b + "ln1.weight"] = hf[p + "input_layernorm.weight"]
@@ -131,6 +134,9 @@ def export_case(name, d, model, tokens, logits):
         for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
             if info[k]:
                 failures.append(f"{name} export {dtype}: {k} {info[k]}")
+        if loaded.config.tie_word_embeddings != model.config.tie_word_embeddings:
+            failures.append(f"{name} export {dtype}: tie_word_embeddings {loaded.config.tie_word_embeddings}, "
+                            f"the original's {model.config.tie_word_embeddings}")
         with torch.no_grad():
             again = loaded(input_ids=torch.tensor(tokens[:S]).unsqueeze(0)).logits[0]
         err = (again - logits).abs().max().item()
@@ -230,6 +236,17 @@ def main():
     export_case("qwen2", d, model, tokens, logits)
     d, model, tokens, logits = grads_case("llama-export", transformers.LlamaForCausalLM, cases[4][1], 40, sharded=True)
     export_case("llama", d, model, tokens, logits)
+    # Tied heads: the gradient of the shared tensor is the embedding's plus the head's; the
+    # export keeps them tied (no lm_head.weight, tie_word_embeddings true).
+    tied_llama = L(**base_config(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}))
+    td, tmodel, ttokens, tlogits = grads_case("llama-tied", transformers.LlamaForCausalLM, tied_llama, 50,
+                                              sppo_flags=("--subseqs", "3", "--offload", "0.5"))
+    export_case("llama-tied", td, tmodel, ttokens, tlogits)
+    tied_qwen = transformers.Qwen2Config(**base_config(rope_theta=1000.0, tie_word_embeddings=True))
+    td, tmodel, ttokens, tlogits = grads_case("qwen2-tied", transformers.Qwen2ForCausalLM, tied_qwen, 60)
+    export_case("qwen2-tied", td, tmodel, ttokens, tlogits)
     bad_inputs(d)
     tokenizer_case(d, cases[4][1].vocab_size)
     if failures:

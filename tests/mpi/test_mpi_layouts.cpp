@@ -31,13 +31,20 @@ const std::string kBidirectional = "--attention bidirectional --objective mlm";
 // layouts it runs.
 const std::string kLlama = "--model llama-tiny --layers 4 --seq-len 96 --seed 3 --threads 1";
 
+// The Llama block with its LM head tied to the embedding and q/k/v biases (Qwen2.5's small
+// models, Llama 3.2's): the head's gradient sums into the embedding's across the first and
+// last stage, and shares the vocabulary's shards under TP.
+const std::string kTied = "--model llama-tiny-tied --layers 4 --seq-len 96 --seed 3 --threads 1";
+
 // Six query heads of 16 over the preset's two key/value heads: under --tp 4 each K/V head
 // sits on two ranks whose query heads split its three 2 + 1 (Note [Replicated key/value
 // heads]).
 const std::string kLlama6 = kLlama + " --hidden 96 --heads 6";
 
 ModelConfig model(const std::string& flags = kModel) {
-  ModelConfig c = preset(flags.rfind(kLlama, 0) == 0 ? "llama-tiny" : "tiny");
+  ModelConfig c = preset(flags.rfind(kTied, 0) == 0    ? "llama-tiny-tied"
+                         : flags.rfind(kLlama, 0) == 0 ? "llama-tiny"
+                                                       : "tiny");
   c.layers = 4;
   if (flags.rfind(kLlama6, 0) == 0) c.hidden = 96, c.heads = 6;
   return c;
@@ -75,6 +82,8 @@ class Layouts : public ::testing::Test {
                                      {"llama2", kLlama + " --batch 2"},
                                      {"llama6", kLlama6},
                                      {"llama6b", kLlama6 + " --batch 2"},
+                                     {"tied1", kTied},
+                                     {"tied2", kTied + " --batch 2"},
                                      {"packed", packed_}}) {
       const auto r = testing::run_command(testing::sppo_binary() + " grads " + flags + " --out " +
                                           tmp_->path() + "/" + dir);
@@ -171,6 +180,15 @@ TEST_F(Layouts, EveryLayoutThroughStagedMessages) {
   check(4, "--pp 2 --dp 2 --zero 1 --subseqs 4 --offload 0.5" + staged, "ref2");
   check(2, kBidirectional + " --cp 2 --ring rsa,zigzag" + staged, "refb");
   check(4, "--tp 4" + staged, "llama6", kLlama6);
+}
+
+TEST_F(Layouts, TiedLlamaEmbeddings) {
+  check(2, "--pp 2 --subseqs 3 --offload 0.5", "tied1", kTied);
+  check(4, "--pp 4 --subseqs 4", "tied1", kTied);
+  check(2, "--tp 2 --subseqs 2", "tied1", kTied);
+  check(2, "--cp 2 --subseqs 2", "tied1", kTied);
+  check(4, "--pp 2 --dp 2 --zero 1 --subseqs 2", "tied2", kTied);
+  check(2, "--pp 2 --subseqs 4 --msp on", "tied1", kTied);
 }
 
 TEST_F(Layouts, PipelineTimesDataParallel) {

@@ -21,7 +21,8 @@
 //               [gate | up] = h2 fc.weight^T,   act = silu(gate) * up,  silu(g) = g / (1 + e^-g)
 //               x   = x + act proj.weight^T
 //   head:       logits = (RMSNorm(x) * ln_f.weight) lm_head.weight^T; mean cross-entropy.
-// No biases anywhere but the optional q/k/v one (Qwen2); the LM head is its own matrix.
+// No biases anywhere but the optional q/k/v one (Qwen2); the LM head is its own matrix, or the
+// embedding where the config ties them (c.tied_embeddings()).
 //
 // Parameters: one flat buffer in the export order (PyTorch Linear, [out, in]):
 //   embed.weight [V, H]
@@ -30,7 +31,7 @@
 //     [Z A + 2 G A] only with qkv_bias, attn.out.weight [H, H], ln2.weight [H],
 //     mlp.fc.weight [2F, H] (rows [0, F) gate, [F, 2F) up), mlp.proj.weight [H, F]
 //   ln_f.weight [H]
-//   lm_head.weight [V, H]
+//   lm_head.weight [V, H] (none where tied)
 // The layout is written out here again on purpose: tests compare it with parameter_specs().
 //
 // RoPE frequencies (transformers 4.46 modeling_rope_utils, in float64 here): see
@@ -132,6 +133,7 @@ struct Dims {
   bool qkv_bias;
   Rope rope;
   bool causal = true;  // a Llama is causal; false (every key visible) only for tests
+  bool tied = false;   // the LM head is the embedding
   i64 keys(i64 s, i64 S) const { return causal ? s + 1 : S; }
   i64 group() const { return Z / G; }  // query heads per key/value head
   i64 kv_width() const { return G * A; }
@@ -142,7 +144,7 @@ inline Dims dims_of(const ModelConfig& c) {
   const i64 Z = c.heads, G = c.kv_heads > 0 ? c.kv_heads : c.heads;
   const i64 F = c.ffn_size > 0 ? c.ffn_size : i64(c.ffn_mult) * c.hidden;
   return Dims{c.vocab, c.hidden, c.layers, Z, G, c.hidden / Z, F, double(c.ln_eps), c.qkv_bias,
-              rope_frequencies(c), c.causal};
+              rope_frequencies(c), c.causal, c.tied_embeddings()};
 }
 
 struct Tensor {
@@ -188,7 +190,8 @@ inline Layout layout_of(const Dims& d) {
     lay.blocks.push_back(o);
   }
   lay.lnf_w = add("ln_f.weight", {H});
-  lay.lm_head = add("lm_head.weight", {d.V, H});
+  // A tied head is the embedding: its gradient adds into embed.weight's.
+  lay.lm_head = d.tied ? lay.embed : add("lm_head.weight", {d.V, H});
   return lay;
 }
 

@@ -27,7 +27,7 @@ using testing::equal_lengths;
 
 using Tokens = std::vector<std::int32_t>;
 
-ModelConfig llama_config(int G, bool bias, RopeScaling::Type type, i64 S) {
+ModelConfig llama_config(int G, bool bias, RopeScaling::Type type, i64 S, bool tied = false) {
   ModelConfig c = preset("llama-tiny");
   c.vocab = 37;
   c.hidden = 32;
@@ -42,6 +42,7 @@ ModelConfig llama_config(int G, bool bias, RopeScaling::Type type, i64 S) {
   if (type != RopeScaling::Type::None) c.rope_scaling.factor = 4.0;
   if (type == RopeScaling::Type::Llama3) c.rope_scaling.original_max_positions = 16;
   c.rope_seq_len = S;
+  c.tie_embeddings = tied;
   c.validate();
   return c;
 }
@@ -144,12 +145,14 @@ TEST(Llama, WholeSequenceMatchesFloat64) {
     int G;
     bool bias;
     Type type;
+    bool tied = false;
   };
   for (const Case k : {Case{2, false, Type::None}, Case{1, false, Type::Linear}, Case{4, true, Type::Dynamic},
-                       Case{2, true, Type::Yarn}, Case{2, false, Type::Llama3}}) {
-    const ModelConfig c = llama_config(k.G, k.bias, k.type, kS);
+                       Case{2, true, Type::Yarn}, Case{2, false, Type::Llama3}, Case{2, true, Type::None, true},
+                       Case{1, false, Type::Llama3, true}}) {
+    const ModelConfig c = llama_config(k.G, k.bias, k.type, kS, k.tied);
     const std::string what = std::string("G=") + std::to_string(k.G) + (k.bias ? " qkv bias " : " ") +
-                             rope_scaling_name(k.type);
+                             rope_scaling_name(k.type) + (k.tied ? " tied" : "");
     const std::vector<float> params = random_params(c, 3 + unsigned(k.G));
     const Tokens tokens = random_tokens(kS, c.vocab, 17);
     const StepRun ref = run_ref(c, params, tokens);
@@ -177,6 +180,23 @@ TEST(Llama, EveryOneProcessModeMatchesTheWholeSequence) {
           const StepRun got = run_engine(c, params, tokens, {equal_lengths(kS, N), alphas(N, a), rc, tiles});
           expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, what);
         }
+}
+
+// Tied embeddings (Llama 3.2, Qwen2.5's small ones): the head's gradient lands in the
+// embedding's, and every one-process mode gives the whole-sequence run's.
+TEST(Llama, TiedEmbeddingsInEveryOneProcessMode) {
+  const ModelConfig c = llama_config(2, true, RopeScaling::Type::None, kS, true);
+  const std::vector<float> params = random_params(c, 9);
+  const Tokens tokens = random_tokens(kS, c.vocab, 29);
+  const StepRun whole = run_engine(c, params, tokens, {{kS}, {0.0}});
+  expect_grads_match(c, whole, run_ref(c, params, tokens), 1e-4, 1e-4, 1e-3, "tied, whole");
+  const auto& levels = recompute_levels();
+  for (int N : {3, 8})
+    for (double a : {0.0, 0.6}) {
+      const std::string what = "tied, N=" + std::to_string(N) + " alpha=" + std::to_string(a);
+      expect_grads_match(c, run_engine(c, params, tokens, {equal_lengths(kS, N), alphas(N, a), levels.back(), 0}),
+                         whole, 1e-5, 1e-5, 1e-4, what);
+    }
 }
 
 // The engine's bytes: GQA's K/V and dK/dV are G / Z of multi-head attention's.

@@ -92,6 +92,34 @@ TEST(ModelConfigJson, RefusesWrongTypesAndAbsurdSizes) {
   EXPECT_ERROR_WITH(model_config_from_json(missing), "lacks \"heads\"");
 }
 
+// The presets of the released models count the published parameters exactly (their
+// config.json shapes; the small ones tie their LM head to the embedding).
+TEST(Presets, CountThePublishedParameters) {
+  const std::pair<const char*, i64> released[] = {{"llama-3-8b", 8030261248},   {"qwen2.5-7b", 7615616512},
+                                                  {"llama-3.2-1b", 1235814400}, {"llama-3.2-3b", 3212749824},
+                                                  {"qwen2.5-0.5b", 494032768},  {"qwen2.5-1.5b", 1543714304}};
+  for (const auto& [name, params] : released) EXPECT_EQ(preset(name).num_params(), params) << name;
+  EXPECT_TRUE(preset("llama-3.2-1b").tied_embeddings());
+  EXPECT_FALSE(preset("llama-3-8b").tied_embeddings());
+  EXPECT_TRUE(preset("tiny").tied_embeddings());  // GPT's head is its embedding
+}
+
+// A Llama-family model's tied head survives the config's JSON; absent, the head is its own.
+TEST(ModelConfigJson, TiedEmbeddingsRoundTrip) {
+  ModelConfig c = preset("llama-tiny");
+  EXPECT_FALSE(to_json(c).contains("tie_embeddings"));
+  c.tie_embeddings = true;
+  const nlohmann::json j = to_json(c);
+  EXPECT_EQ(j["tie_embeddings"], true);
+  const ModelConfig back = model_config_from_json(j);
+  EXPECT_TRUE(back.tied_embeddings());
+  EXPECT_EQ(back.num_params(), c.num_params());
+  EXPECT_EQ(c.num_params(), preset("llama-tiny").num_params() - i64(c.vocab) * c.hidden);
+  nlohmann::json bad = j;
+  bad["tie_embeddings"] = "yes";
+  EXPECT_ERROR_WITH(model_config_from_json(bad), "\"tie_embeddings\" must be true or false");
+}
+
 // --recompute-tensors: tensor or group names close over their groups (one forward step
 // makes a group); k, v and x are refused naming what does recompute them; the text form
 // is the groups in forward order.
