@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Installs what tests/hf/check_hf.py holds sppo's Llama-family models to: PyTorch from
-# Debian (python3-torch, CPU only) and Hugging Face transformers 4.46.3 from PyPI, in a
-# virtual environment at build/hf-venv that sees Debian's packages. Idempotent. Without
-# it the test is skipped, saying so; with --optional (CI) a failed install (no network to
-# PyPI, say) is reported and the script succeeds, so that the rest still runs.
+# Debian (python3-torch, CPU only; python3-jinja2 for chat templates) and Hugging Face
+# transformers 4.46.3 from PyPI, in a virtual environment at build/hf-venv that sees
+# Debian's packages. Idempotent. Without it the test is skipped, saying so; with --optional
+# (CI) a failed install (no network to PyPI, say) is reported and the script succeeds, so
+# that the rest still runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 optional=false
 [ "${1:-}" = "--optional" ] && optional=true
 install() {
   source scripts/apt.sh
-  apt_install python3-torch python3-venv python3-pip
+  apt_install python3-torch python3-venv python3-pip python3-jinja2
   local venv=build/hf-venv
   if ! "$venv/bin/python" -c "import torch, transformers" 2>/dev/null; then
     mkdir -p build

@@ -268,21 +268,23 @@ expect "garbage.json holds no step record" plot garbage.json --out loss.svg
 expect "--out run.jsonl should name an .svg file" plot run.jsonl --out run.jsonl
 expect "array.json line 1 is not a JSON object" plot array.json --out loss.svg
 # Llama-family models and Hugging Face checkpoints (the weights' checks: tests/hf/check_hf.py).
-mkdir -p hf_gpt2 hf_noweights hf_tied not_hf
+mkdir -p hf_gpt2 hf_noweights hf_window hf_rope not_hf
 echo '{"architectures": ["GPT2LMHeadModel"], "vocab_size": 64}' >hf_gpt2/config.json
 llama_cfg='"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4'
 echo "{\"architectures\": [\"LlamaForCausalLM\"], $llama_cfg}" >hf_noweights/config.json
-echo "{\"architectures\": [\"LlamaForCausalLM\"], $llama_cfg, \"tie_word_embeddings\": true}" >hf_tied/config.json
+echo "{\"architectures\": [\"MistralForCausalLM\"], $llama_cfg, \"sliding_window\": 16}" >hf_window/config.json
+echo "{\"architectures\": [\"LlamaForCausalLM\"], $llama_cfg, \"rope_scaling\": {\"rope_type\": \"longrope\", \"factor\": 4}}" >hf_rope/config.json
 expect "architecture GPT2LMHeadModel is not supported" import hf_gpt2 --out imported
 expect "neither model.safetensors nor model.safetensors.index.json" import hf_noweights --out imported
-expect "\"tie_word_embeddings\": true is not supported" train --init hf_tied --seq-len 32 --steps 1
+expect "\"sliding_window\" attention is not supported" train --init hf_window --seq-len 32 --steps 1
+expect "longrope" import hf_rope --out imported
 expect "not a Hugging Face model directory" import not_hf --out imported
 expect "--rope-scaling applies to Llama-family models" train --model tiny --seq-len 32 --steps 1 --rope-scaling linear:2
 expect "rope_scaling type 'ntk' is not supported" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling ntk:2
 expect "--rope-scaling 'yarn'" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling yarn
 expect "rope_scaling factor must be at least 1" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling linear:0.5
 expect "--rope-theta must be positive" train --model llama-tiny --seq-len 32 --steps 1 --rope-theta -5
-expect "--init starts a new run" train --model tiny --seq-len 32 --steps 4 --init hf_tied --resume ckpt
+expect "--init starts a new run" train --model tiny --seq-len 32 --steps 4 --init hf_window --resume ckpt
 expect "holds the model" train --model small --seq-len 32 --steps 1 --init ckpt
 expect "holds a GPT model" export ckpt --format hf --out hf_out
 expect "--format 'gguf'" export ckpt --format gguf --out hf_out
@@ -290,6 +292,22 @@ expect "--dtype 'fp8'" export ckpt --format hf --dtype fp8 --out hf_out
 expect "--pack packs documents that --doc-sep ID ends" train --model llama-tiny --seq-len 32 --steps 1 --pack
 expect "--doc-sep 99 is not a token id" train --model llama-tiny --seq-len 32 --steps 1 --doc-sep 99 --pack
 expect "--pack keeps each document's causal attention to itself" train --model tiny --seq-len 32 --steps 1 --doc-sep 0 --pack --attention bidirectional --objective mlm
+# Labels beside the data (--labels).
+le16 $(seq 1 40) >d40.u16
+le32 $(seq 1 39) >l39.i32
+le32 -100 2 3 4 5 99 $(seq 7 40) >l40bad.i32
+le32 $(for k in $(seq 1 40); do echo -100; done) >l40none.i32
+le32 $(seq 1 40) >l40.i32
+cp l40.i32 l40.txt
+labeled=(train --model tiny --seq-len 32 --steps 1 --data d40.u16)
+expect "holds 39 labels, but --data d40.u16 holds 40 tokens" "${labeled[@]}" --labels l39.i32
+expect "label 99 at token offset 5" "${labeled[@]}" --labels l40bad.i32
+expect "is -100 everywhere" "${labeled[@]}" --labels l40none.i32
+expect "the file name says no label type" "${labeled[@]}" --labels l40.txt
+expect "--labels missing.i32 is not a file" "${labeled[@]}" --labels missing.i32
+expect "the built-in task has its own" train --model tiny --seq-len 32 --steps 1 --labels l40.i32
+expect "--labels gives a causal model's next-token targets" "${labeled[@]}" --labels l40.i32 --attention bidirectional --objective mlm
+expect '--labels "l40.i32" differs from the checkpoint' train --resume ckpt --labels l40.i32 --steps 4
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -115,6 +115,10 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Training data: empty for the built-in repeat task, a text file (bytes), raw "
                   "tokens (.u16/.u32), or a Megatron .bin/.idx prefix");
   cmd->add_option("--data-dtype", o.data_dtype, "Read --data as raw tokens of this type (u16, u32)");
+  cmd->add_option("--labels", o.labels,
+                  "The targets of --data, one per token as Hugging Face writes labels (the label of token i+1 is what "
+                  "position i predicts), -100 where no loss is taken: a raw PATH.i32/.i64 file or a Megatron "
+                  ".bin/.idx pair; the loss averages over the step's counted tokens");
   cmd->add_option("--doc-sep", o.doc_sep,
                   "The token id that ends each document of --data (e.g. the tokenizer's end-of-text id); with --pack");
   cmd->add_flag("--pack", o.pack,

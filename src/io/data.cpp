@@ -107,7 +107,8 @@ class WindowedTokens final : public TokenSource {
  public:
   WindowedTokens(std::string kind, std::string description, std::unique_ptr<MappedFile> file,
                  TokenDType dtype, std::vector<Segment> segments, std::int64_t limit,
-                 std::int64_t hint, std::optional<std::vector<std::int64_t>> doc_starts = std::nullopt)
+                 std::int64_t hint, std::optional<std::vector<std::int64_t>> doc_starts = std::nullopt,
+                 bool labels = false)
       : kind_(std::move(kind)),
         description_(std::move(description)),
         file_(std::move(file)),
@@ -116,7 +117,8 @@ class WindowedTokens final : public TokenSource {
         segments_(std::move(segments)),
         limit_(limit),
         hint_(hint),
-        doc_starts_(std::move(doc_starts)) {
+        doc_starts_(std::move(doc_starts)),
+        labels_(labels) {
     total_ = segments_.empty() ? 0 : segments_.back().start + segments_.back().count;
     SPPO_CHECK(total_ > 0, kComponent) << file_->path() << " holds no tokens; " << kAcceptedFormats;
   }
@@ -133,7 +135,7 @@ class WindowedTokens final : public TokenSource {
       std::int32_t* dst = out + done;
       std::int64_t bad = -1, bad_value = 0;
       visit_tokens(dtype_, p, n, [&](std::int64_t i, std::int64_t v) {
-        if (v < 0 || v >= limit_) {
+        if (!valid(v, limit_)) {
           bad = i, bad_value = v;
           return false;
         }
@@ -151,6 +153,7 @@ class WindowedTokens final : public TokenSource {
     return {{"kind", kind_}, {"offset", offset_}, {"tokens", total_}};
   }
 
+  std::int64_t size() const override { return total_; }
   bool has_documents() const override { return doc_starts_.has_value(); }
   std::vector<std::int64_t> last_document_starts() const override { return last_starts_; }
 
@@ -208,6 +211,11 @@ class WindowedTokens final : public TokenSource {
     }
   }
 
+  // An id in [0, limit), or a label's kIgnoreLabel.
+  bool valid(std::int64_t v, std::int64_t limit) const {
+    return (v >= 0 && v < limit) || (labels_ && v == kIgnoreLabel);
+  }
+
   const Segment& segment_of(std::int64_t g) const {
     auto it = std::upper_bound(segments_.begin(), segments_.end(), g,
                                [](std::int64_t x, const Segment& s) { return x < s.start; });
@@ -223,25 +231,27 @@ class WindowedTokens final : public TokenSource {
                                std::int64_t limit) const {
     const std::uint64_t byte = s.byte_offset + static_cast<std::uint64_t>((g - s.start) * esize_);
     SPPO_CHECK(false, kComponent)
-        << file_->path() << ": token id " << value << " at token offset " << g << " (byte offset "
-        << byte << ") is outside [0, " << limit << ")"
+        << file_->path() << ": " << (labels_ ? "label " : "token id ") << value << " at token offset " << g
+        << " (byte offset " << byte << ") is outside [0, " << limit << ")"
+        << (labels_ ? " and is not " + std::to_string(kIgnoreLabel) + " (no loss taken)" : "")
         << (limit == kInt32Limit ? "" : "; raise the vocabulary size or check the token dtype ("
                                            + std::string(token_dtype_name(dtype_)) + ")");
     __builtin_unreachable();
   }
 
-  // Max id over all tokens; throws at the first id outside [0, limit).
+  // Max id over all tokens (labels: but kIgnoreLabel); throws at the first id outside [0, limit).
   std::int64_t scan(std::int64_t limit) const {
-    std::int64_t mx = std::numeric_limits<std::int64_t>::min();
+    std::int64_t mx = labels_ ? kIgnoreLabel : std::numeric_limits<std::int64_t>::min();
     for (const Segment& s : segments_) {
       std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = mx;
       visit_tokens(dtype_, base(s, s.start), s.count, [&](std::int64_t, std::int64_t v) {
+        if (labels_ && v == kIgnoreLabel) return true;
         lo = std::min(lo, v), hi = std::max(hi, v);
         return true;
       });
       if (lo < 0 || hi >= limit) {
         visit_tokens(dtype_, base(s, s.start), s.count, [&](std::int64_t i, std::int64_t v) {
-          if (v < 0 || v >= limit) fail_token(s, s.start + i, v, limit);
+          if (!valid(v, limit)) fail_token(s, s.start + i, v, limit);
           return true;
         });
       }
@@ -264,6 +274,7 @@ class WindowedTokens final : public TokenSource {
   // Where documents begin (a document index only): ascending, in (0, total_).
   std::optional<std::vector<std::int64_t>> doc_starts_;
   std::vector<std::int64_t> last_starts_;  // last_document_starts()
+  bool labels_ = false;                    // open_labels: kIgnoreLabel is valid too
 };
 
 std::int64_t id_limit(std::int64_t vocab) { return vocab > 0 ? std::min(vocab, kInt32Limit) : kInt32Limit; }
@@ -384,23 +395,26 @@ std::unique_ptr<TokenSource> open_bytes(const std::string& path, std::int64_t vo
                                           std::move(segs), id_limit(vocab), 256);
 }
 
-std::unique_ptr<TokenSource> open_raw_tokens(const std::string& path, TokenDType dtype, std::int64_t vocab) {
+namespace {
+
+std::unique_ptr<TokenSource> open_raw(const std::string& path, TokenDType dtype, std::int64_t vocab, bool labels) {
   auto file = std::make_unique<MappedFile>(path);
   const std::uint64_t esize = token_size(dtype);
   SPPO_CHECK(file->size() % esize == 0, kComponent)
       << path << " is " << file->size() << " bytes, not a multiple of " << esize << " ("
       << token_dtype_name(dtype) << " tokens); is the dtype right?";
   const auto n = static_cast<std::int64_t>(file->size() / esize);
-  std::string description = std::string(token_dtype_name(dtype)) + " tokens of " + path + " (" +
-                            std::to_string(n) + " tokens)";
+  const char* what = labels ? "labels" : "tokens";
+  std::string description = std::string(token_dtype_name(dtype)) + " " + what + " of " + path + " (" +
+                            std::to_string(n) + " " + what + ")";
   std::vector<Segment> segs;
   if (n > 0) segs.push_back({0, 0, n});
-  return std::make_unique<WindowedTokens>(std::string("tokens-") + token_dtype_name(dtype), description,
-                                          std::move(file), dtype, std::move(segs), id_limit(vocab),
-                                          vocab);
+  return std::make_unique<WindowedTokens>(std::string(what) + "-" + token_dtype_name(dtype), description,
+                                          std::move(file), dtype, std::move(segs), id_limit(vocab), vocab,
+                                          std::nullopt, labels);
 }
 
-std::unique_ptr<TokenSource> open_megatron(const std::string& path, std::int64_t vocab) {
+std::unique_ptr<TokenSource> open_megatron_pair(const std::string& path, std::int64_t vocab, bool labels) {
   std::string prefix = path;
   if (has_suffix(prefix, ".bin") || has_suffix(prefix, ".idx")) prefix.resize(prefix.size() - 4);
   const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
@@ -478,10 +492,38 @@ std::unique_ptr<TokenSource> open_megatron(const std::string& path, std::int64_t
   std::ostringstream description;
   description << "Megatron dataset " << prefix << ".{bin,idx} ("
               << (num_docs > 0 ? num_docs - 1 : 0) << " documents, " << total << " "
-              << token_dtype_name(dtype) << " tokens)";
+              << token_dtype_name(dtype) << (labels ? " labels)" : " tokens)");
   while (!doc_starts.empty() && doc_starts.back() >= total) doc_starts.pop_back();  // empty last documents
-  return std::make_unique<WindowedTokens>("megatron", description.str(), std::move(bin), dtype,
-                                          std::move(segs), id_limit(vocab), vocab, std::move(doc_starts));
+  return std::make_unique<WindowedTokens>(labels ? "labels-megatron" : "megatron", description.str(), std::move(bin),
+                                          dtype, std::move(segs), id_limit(vocab), vocab, std::move(doc_starts),
+                                          labels);
+}
+
+}  // namespace
+
+std::unique_ptr<TokenSource> open_raw_tokens(const std::string& path, TokenDType dtype, std::int64_t vocab) {
+  return open_raw(path, dtype, vocab, false);
+}
+
+std::unique_ptr<TokenSource> open_megatron(const std::string& path, std::int64_t vocab) {
+  return open_megatron_pair(path, vocab, false);
+}
+
+std::unique_ptr<TokenSource> open_labels(const std::string& path, std::int64_t vocab) {
+  constexpr const char* kAccepted =
+      "labels are one signed integer per token of --data, -100 where no loss is taken: a raw file PATH.i32 "
+      "or PATH.i64 (PATH.i16), or a Megatron dataset PATH.bin + PATH.idx of int16/int32/int64";
+  std::error_code ec;
+  std::string prefix = path;
+  if (has_suffix(path, ".bin") || has_suffix(path, ".idx")) prefix.resize(path.size() - 4);
+  if (fs::is_regular_file(prefix + ".bin", ec) && fs::is_regular_file(prefix + ".idx", ec))
+    return open_megatron_pair(prefix, vocab, true);
+  SPPO_CHECK(fs::is_regular_file(path, ec), kComponent) << "--labels " << path << " is not a file; " << kAccepted;
+  if (has_suffix(path, ".i16")) return open_raw(path, TokenDType::I16, vocab, true);
+  if (has_suffix(path, ".i32")) return open_raw(path, TokenDType::I32, vocab, true);
+  if (has_suffix(path, ".i64")) return open_raw(path, TokenDType::I64, vocab, true);
+  SPPO_CHECK(false, kComponent) << "--labels " << path << ": the file name says no label type; " << kAccepted;
+  __builtin_unreachable();
 }
 
 // ---- factory -------------------------------------------------------------------------

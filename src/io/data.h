@@ -52,6 +52,8 @@ class TokenSource {
   // the data would repeat it within one sequence. next() checks it too; calling it first
   // refuses a run before it starts.
   virtual void check_length(std::int64_t count) const = 0;
+  // Tokens in the whole source (-1: generated, no end).
+  virtual std::int64_t size() const { return -1; }
   // Whether the source knows where its documents begin (a Megatron dataset's document
   // index); others mark documents with a separator token (--doc-sep).
   virtual bool has_documents() const { return false; }
@@ -97,6 +99,16 @@ std::unique_ptr<TokenSource> open_raw_tokens(const std::string& path, TokenDType
                                              std::int64_t vocab);
 // `path` is the .bin, the .idx, or their common prefix.
 std::unique_ptr<TokenSource> open_megatron(const std::string& path, std::int64_t vocab);
+
+// Labels beside the data (--labels): one per token, the target of the position before it
+// (as Hugging Face's labels are shifted inside the model), or kIgnoreLabel where no loss is
+// taken. A labels source is read in windows in step with the data's and holds as many labels
+// as the data holds tokens; next() writes kIgnoreLabel through, any other label outside
+// [0, vocab) is an error naming its offset.
+inline constexpr std::int32_t kIgnoreLabel = -100;
+// `path`: a raw signed file PATH.i32 or PATH.i64 (PATH.i16 too), or a Megatron dataset
+// PATH.bin + PATH.idx of a signed integer type.
+std::unique_ptr<TokenSource> open_labels(const std::string& path, std::int64_t vocab);
 
 struct DataOptions {
   std::int64_t alphabet = 0;  // RepeatTask symbols; 0: min(vocab, kDefaultRepeatAlphabet)

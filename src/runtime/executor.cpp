@@ -254,7 +254,7 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
   head_grad = device_->alloc(out.bytes(), "subseq " + std::to_string(i) + " head_grad");  // [T, H] as out
   if (st.tp) {
     head_forward_backward_tp(be_, head_grad.data(), static_cast<double*>(st.loss_sum.data()), out.data(),
-                             st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.predicted);
+                             st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.loss_tokens);
     be_.synchronize();
     st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
     for (const PosSpan& part : q.parts())
@@ -265,7 +265,7 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
     const i64 at = i64(part.row0) * H;
     head_forward_backward(be_, act_at(head_grad.data(), at, act_), static_cast<double*>(st.loss_sum.data()),
                           act_at(out.data(), at, act_), st.targets + part.pos0, *wt.w, *wt.m, *wt.g, hw,
-                          config_, part.rows, st.predicted);
+                          config_, part.rows, st.loss_tokens);
     be_.to_host(st.result.losses.data() + part.pos0, hw.losses, sizeof(float) * std::size_t(part.rows));
   }
 }

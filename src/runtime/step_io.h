@@ -60,8 +60,8 @@ struct TraceSpan {
 };
 
 struct StepResult {
-  double loss = 0;                // mean cross-entropy over the predicted tokens (last stage)
-  i64 predicted = 0;              // how many: S, or the masked positions of a masked-token step
+  double loss = 0;                // summed cross-entropy over StepControl::loss_tokens (last stage)
+  i64 predicted = 0;              // positions of this sequence predicted: S, or those with targets
   bool has_loss = false;          // this rank holds the LM head, so loss and losses are set
   std::vector<float> losses;      // [S] per-position losses
   MemoryStats device;             // device tier over the step (peak = high-water mark)
@@ -82,14 +82,18 @@ struct StepResult {
 struct StepControl {
   bool accumulate = false;  // add to the gradients instead of zeroing them first
   bool reduce = true;       // run the schedule's AllReduce ops (the last micro-batch only)
-  // A bidirectional model's masked-token targets [S] for the inputs tokens[0..S) (kNoTarget
-  // where a position is not predicted); null for a causal model, whose targets are the
-  // next tokens.
+  // The targets [S] of the inputs tokens[0..S) (kNoTarget where a position is not
+  // predicted): a bidirectional model's masked tokens, or a causal model's next tokens under
+  // packed documents or labels (Schedule::targets_given); else null, the next tokens.
   const std::int32_t* targets = nullptr;
   // Packed documents (--pack; Schedule::packed): the starts of the step's documents
   // (sorted, the first 0), which the blocks' attention and RoPE keep apart, and `targets`
   // (kNoTarget at each document's last position, which would predict the next document).
   const std::vector<i64>* docs = nullptr;
+  // The positions the loss averages over: those predicted in all the sequences of the
+  // optimizer step, so that each sequence's loss and gradients are its share of the step's
+  // mean (0: this sequence's predicted positions alone).
+  i64 loss_tokens = 0;
 };
 
 // Seconds on the steady clock, which every process on a machine shares, so that the

@@ -107,14 +107,16 @@ void StepState::load_inputs(const std::int32_t* tokens) {
   // step_input_bytes).
   // A causal model's targets are its inputs shifted by one; a bidirectional model's
   // (masked tokens) come beside them.
-  SPPO_CHECK(c.causal == (control.targets == nullptr) || (c.causal && sched.packed), "runtime")
-      << (c.causal ? "a causal model predicts the next token; masked-token targets need --attention bidirectional"
-                   : "a bidirectional model trains on masked tokens (--objective mlm), which need targets");
-  SPPO_CHECK(!sched.packed || (control.targets && control.docs), "runtime")
-      << "a schedule of packed documents runs with the step's documents and targets";
+  SPPO_CHECK(c.causal ? sched.targets_given() == (control.targets != nullptr) : control.targets != nullptr, "runtime")
+      << (!c.causal ? "a bidirectional model trains on masked tokens (--objective mlm), which need targets"
+          : control.targets ? "a causal model's targets are its next tokens, unless the schedule was built for "
+                              "packed documents or labels"
+                            : "a schedule built for packed documents or labels runs with the step's targets");
+  SPPO_CHECK(!sched.packed || control.docs, "runtime")
+      << "a schedule of packed documents runs with the step's documents";
   // Inputs, then the targets when they are not the inputs shifted by one.
   const i64 inputs = c.causal ? S + 1 : S;
-  const i64 ids_count = sched::step_input_bytes(c, S, sched.packed) / 4 - 2;
+  const i64 ids_count = sched::step_input_bytes(c, S, sched.targets_given()) / 4 - 2;
   ids = ctx.device.alloc(i64(sizeof(std::int32_t)) * ids_count, "token ids");
   be.to_device(ids.data(), tokens, sizeof(std::int32_t) * std::size_t(inputs));
   targets = static_cast<const std::int32_t*>(ids.data()) + (control.targets ? inputs : 1);
@@ -123,8 +125,11 @@ void StepState::load_inputs(const std::int32_t* tokens) {
     be.to_device(static_cast<std::int32_t*>(ids.data()) + inputs, control.targets,
                  sizeof(std::int32_t) * std::size_t(S));
     predicted = std::count_if(control.targets, control.targets + S, [](std::int32_t t) { return t != kNoTarget; });
-    SPPO_CHECK(predicted > 0, "runtime") << "no position of the sequence is predicted (every target is masked out)";
   }
+  loss_tokens = control.loss_tokens > 0 ? control.loss_tokens : predicted;
+  SPPO_CHECK(loss_tokens >= predicted, "runtime")
+      << "the step's " << loss_tokens << " predicted positions cannot be fewer than this sequence's " << predicted;
+  SPPO_CHECK(loss_tokens > 0, "runtime") << "no position of the step is predicted (every target is masked out)";
   loss_sum = ctx.device.alloc_zeroed(i64(sizeof(double)), "loss sum");
 }
 
@@ -166,7 +171,7 @@ void StepState::finish() {
     comm::allreduce_sum(*ctx.opts.comm, parts, tp->group(), "the tensor-parallel sum of the loss");
     sum = parts[0];
   }
-  result.loss = sum / double(predicted);
+  result.loss = sum / double(loss_tokens);
   result.predicted = predicted;
   result.device = ctx.device.stats();
   result.host = ctx.host.stats();

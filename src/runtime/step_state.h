@@ -76,7 +76,8 @@ struct StepState {
   const StepControl control;
   StepResult& result;
   const i64 S;                            // tokens of the sequence
-  i64 predicted = 0;                      // positions whose token is predicted (the loss's mean)
+  i64 predicted = 0;                      // positions of this sequence whose token is predicted
+  i64 loss_tokens = 0;                    // what the loss divides by (StepControl::loss_tokens)
   const std::int32_t* targets = nullptr;  // on the device: [S] target of every position
   Buffer ids;                             // [S + 1] token ids, or [2S] ids and targets, on the device
   Buffer loss_sum;                        // one double on the device, accumulate (+=)

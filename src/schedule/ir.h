@@ -178,6 +178,10 @@ struct Schedule {
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.
   bool packed = false;
+  // Labels (--labels): a causal model's targets come beside its token ids too, kNoTarget
+  // where the data takes no loss.
+  bool labeled = false;
+  bool targets_given() const { return packed || labeled; }
   // Where a packed step's documents begin (ascending, from 0): the simulator prices each
   // query's attention against its own document's keys. Empty: one document, the most a
   // packed step can cost (a plan's and the setup's prediction); the trainer prices each

@@ -151,7 +151,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       host_fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
     }
   }
-  fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(rules.model, s.seq_len(), s.packed);
+  fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(rules.model, s.seq_len(), s.targets_given());
   for (i64 bytes : fixed_terms_) fixed_ += bytes;
   for (i64 bytes : host_fixed_terms_) host_fixed_ += bytes;
   host_ = host_peak_ = host_fixed_;

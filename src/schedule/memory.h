@@ -118,9 +118,10 @@ i64 param_count(const ModelConfig& c, int b, int e, bool embed, bool head);
 // The step's inputs on the device: S + 1 token ids (int32; a causal model's targets are its
 // inputs shifted by one), or S inputs and S targets (a bidirectional model's masked-token
 // objective), and the loss sum (a double).
-// Packed documents add a causal model's S targets.
-inline i64 step_input_bytes(const ModelConfig& c, i64 S, bool packed = false) {
-  return (c.causal ? S + 1 + (packed ? S : 0) : 2 * S) * 4 + 8;
+// Targets given beside the ids (Schedule::targets_given: packed documents, labels) add a
+// causal model's S targets.
+inline i64 step_input_bytes(const ModelConfig& c, i64 S, bool targets_given = false) {
+  return (c.causal ? S + 1 + (targets_given ? S : 0) : 2 * S) * 4 + 8;
 }
 
 // Parameters whose AdamW state rank `index` of `shards` keeps under ZeRO-1 for layers

@@ -87,6 +87,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   s.recompute = shape.recompute;
   s.mlp_tile_rows = shape.mlp_tile_rows;
   s.packed = shape.packed;
+  s.labeled = shape.labeled;
   return s;
 }
 

@@ -65,6 +65,7 @@ struct StepShape {
   SavedSet recompute = 0;          // saved tensors backward recomputes (Schedule::recompute)
   i64 mlp_tile_rows = 0;           // Schedule::mlp_tile_rows
   bool packed = false;             // Schedule::packed
+  bool labeled = false;            // Schedule::labeled
 };
 // The schedule of one step of that shape (build_single for one process), expanded for
 // tensor parallelism (sched::expand_tensor_parallel) when tp > 1.

@@ -21,6 +21,7 @@ struct StepOptions {
   std::int64_t doc_sep = -1;          // --doc-sep: the token that ends each document (-1: none)
   bool pack = false;                  // --pack: documents packed, attention and positions kept apart
   std::string data_dtype;             // "u16" / "u32" for raw token files with other names
+  std::string labels;                 // --labels: one label per token of --data (io::open_labels)
   int threads = 0;                    // 0 = OpenMP default
   // SPPO on one process
   std::string objective = "lm";       // lm (next token) | mlm (masked tokens; bidirectional models)

@@ -165,8 +165,6 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   float* g = rt.grads();
   const auto& spans = rt.shard();
   const auto& buckets = rt.buckets();
-  if (lay.batch > 1)
-    for (const ShardSpan& sp : spans) be.scale(g + sp.offset, sp.count, 1.0f / float(lay.batch));
   // The global norm counts every parameter once: the tied embedding on the first stage
   // only, and replicated gradients (data parallel without ZeRO) on the first replica only.
   double ss = 0;

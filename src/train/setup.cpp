@@ -323,6 +323,20 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   s.data = io::open_data(o.data, s.config.vocab, o.seed, io::DataOptions{0, o.data_dtype});
   s.data->check_vocab(s.config.vocab);
   s.repeat_task = o.data.empty() || o.data.rfind("repeat", 0) == 0;
+  if (!o.labels.empty()) {
+    SPPO_CHECK(!s.repeat_task, "options")
+        << "--labels gives the targets of the tokens of --data (a token file); the built-in task has its own";
+    SPPO_CHECK(s.config.causal, "options")
+        << "--labels gives a causal model's next-token targets; a bidirectional model (--attention bidirectional) "
+           "trains on masked tokens: drop --labels";
+    s.labels = io::open_labels(o.labels, s.config.vocab);
+    SPPO_CHECK(s.labels->size() == s.data->size(), "options")
+        << "--labels " << o.labels << " holds " << s.labels->size() << " labels, but --data " << o.data << " holds "
+        << s.data->size() << " tokens; give one label per token (scripts/tokenize_text.py --chat writes both)";
+    s.labels->check_vocab(s.config.vocab);
+    SPPO_CHECK(s.labels->max_token() >= 0, "options")
+        << "--labels " << o.labels << " is " << io::kIgnoreLabel << " everywhere: no token would be trained on";
+  }
 
   std::optional<plan::Plan> from_plan;
   if (!o.plan_path.empty()) from_plan = read_plan(o, s.config);
@@ -380,6 +394,7 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   SPPO_CHECK(o.doc_sep < s.config.vocab, "options")
       << "--doc-sep " << o.doc_sep << " is not a token id of the model's vocabulary of " << s.config.vocab;
   shape.packed = o.pack;
+  shape.labeled = s.labels != nullptr;
   s.doc_sep = o.doc_sep;
   // The kernels' scratch comes from the device tier too.
   shape.block_scratch = s.backend->block_scratch(s.config);

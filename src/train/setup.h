@@ -21,6 +21,7 @@ namespace sppo {
 struct StepSetup {
   ModelConfig config;
   std::unique_ptr<io::TokenSource> data;
+  std::unique_ptr<io::TokenSource> labels;  // --labels, read in step with `data`; null without
   std::unique_ptr<Backend> backend;   // before the runtime: it outlives it
   AttentionServed attention;    // what runs attention (Backend::prepare_attention)
   // Several ranks on a backend whose device memory the host cannot read (or --comm mpi): the

@@ -145,9 +145,76 @@ void on_this_rank(comm::Comm& world, F&& f) {
   }
 }
 
+// The targets of one sequence (tokens: S + 1 ids; labels: S + 1 or empty), when they are not
+// the next tokens: a masked-token model's (masking `tokens`), or a causal model's under packed
+// documents or labels, which combine (a position predicts the label of the token after it,
+// none where its document ends).
+struct SequenceTargets {
+  std::vector<std::int32_t> targets;
+  PackedDocs docs;
+  i64 predicted(i64 S) const {
+    return targets.empty() ? S : std::count_if(targets.begin(), targets.end(), [](std::int32_t t) { return t != kNoTarget; });
+  }
+};
+
+SequenceTargets sequence_targets(StepSetup& s, std::vector<std::int32_t>& tokens,
+                                 const std::vector<std::int32_t>& labels) {
+  const i64 S = s.schedule.seq_len();
+  SequenceTargets t;
+  if (!s.config.causal) t.targets = mask_tokens(tokens.data(), S, s.config.vocab, s.seed);
+  if (s.schedule.packed) {
+    // A separator when one is given, else the source's document index.
+    t.docs = s.doc_sep >= 0 ? pack_documents(tokens.data(), S, std::int32_t(s.doc_sep))
+                            : pack_at_starts(tokens.data(), S, s.data->last_document_starts());
+    t.targets = t.docs.targets;
+  }
+  if (!labels.empty()) {
+    if (t.targets.empty()) t.targets.assign(std::size_t(S), 0);
+    for (i64 i = 0; i < S; ++i) {
+      const std::int32_t label = labels[std::size_t(i + 1)];
+      auto& target = t.targets[std::size_t(i)];
+      target = target == kNoTarget || label == io::kIgnoreLabel ? kNoTarget : label;
+    }
+  }
+  return t;
+}
+
+// Reads the next sequence (and its labels) from the step's sources.
+void read_sequence(StepSetup& s, std::vector<std::int32_t>& tokens, std::vector<std::int32_t>& labels) {
+  const i64 S = s.schedule.seq_len();
+  s.data->next(tokens.data(), S + 1);
+  if (s.labels) {
+    labels.resize(std::size_t(S + 1));
+    s.labels->next(labels.data(), S + 1);
+  }
+}
+
+// The positions the loss of one optimizer step averages over: those predicted in all its
+// sequences. Where targets differ from sequence to sequence (packed documents, labels), the
+// step's sequences are read once to count them and the sources put back where they were.
+i64 step_loss_tokens(StepSetup& s, std::vector<std::int32_t>& tokens) {
+  const i64 S = s.schedule.seq_len();
+  const int batch = s.layout.batch;
+  if (s.config.causal && !s.schedule.targets_given()) return S * batch;
+  const nlohmann::json data_at = s.data->position();
+  const nlohmann::json labels_at = s.labels ? s.labels->position() : nlohmann::json();
+  std::vector<std::int32_t> labels;
+  i64 n = 0;
+  for (int k = 0; k < batch; ++k) {
+    read_sequence(s, tokens, labels);
+    n += sequence_targets(s, tokens, labels).predicted(S);
+  }
+  s.data->seek(data_at);
+  if (s.labels) s.labels->seek(labels_at);
+  SPPO_CHECK(n > 0, "data") << "the " << batch << " sequence(s) of this step predict no token: every label is "
+                            << io::kIgnoreLabel << " (or ends a document); check the labels against the data";
+  return n;
+}
+
 // One optimizer step's sequences: every rank reads all `batch` of them from the stream
 // (so the stream's position stays the same everywhere) and runs the schedule on its
-// replica's share, accumulating gradients; the last one reduces them.
+// replica's share, accumulating gradients; the last one reduces them. The loss and the
+// gradients are the mean over the step's predicted positions (step_loss_tokens).
 struct Sequences {
   double loss_sum = 0, first_sum = 0, second_sum = 0;  // over this rank's sequences (last stage)
   double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
@@ -155,6 +222,7 @@ struct Sequences {
   i64 host_peak = 0;  // offloaded bytes held on the host at once
   i64 sent = 0;  // point-to-point bytes of one sequence's step (each sends the same)
   double simulated_s = 0;  // --pack, on rank 0: the simulator's time for these sequences' documents
+  i64 loss_tokens = 0;     // the positions the step's loss averages over
   StepResult last;
 };
 
@@ -162,23 +230,18 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
   const ParallelLayout& lay = s.layout;
   const i64 S = s.schedule.seq_len(), half = io::repeat_start(S);
   Sequences q;
+  q.loss_tokens = step_loss_tokens(s, tokens);
+  std::vector<std::int32_t> labels;
   for (int k = 0; k < lay.batch; ++k) {
-    s.data->next(tokens.data(), S + 1);
+    read_sequence(s, tokens, labels);
     if (all_tokens) all_tokens->insert(all_tokens->end(), tokens.begin(), tokens.end());
     const int j = k - lay.replica() * lay.per_replica();
     if (j < 0 || j >= lay.per_replica()) continue;  // another replica's sequence
-    std::vector<std::int32_t> targets;
-    if (!s.config.causal) targets = mask_tokens(tokens.data(), S, s.config.vocab, s.seed);
-    PackedDocs docs;
-    if (s.schedule.packed) {
-      // A separator when one is given, else the source's document index.
-      docs = s.doc_sep >= 0 ? pack_documents(tokens.data(), S, std::int32_t(s.doc_sep))
-                            : pack_at_starts(tokens.data(), S, s.data->last_document_starts());
-      targets = docs.targets;
-      if (s.simulate_packed && lay.rank == 0) q.simulated_s += s.simulate_packed(docs.starts);
-    }
+    const SequenceTargets st = sequence_targets(s, tokens, labels);
+    const std::vector<std::int32_t>& targets = st.targets;
+    if (s.schedule.packed && s.simulate_packed && lay.rank == 0) q.simulated_s += s.simulate_packed(st.docs.starts);
     StepControl control{j > 0, j + 1 == lay.per_replica(), targets.empty() ? nullptr : targets.data(),
-                        s.schedule.packed ? &docs.starts : nullptr};
+                        s.schedule.packed ? &st.docs.starts : nullptr, q.loss_tokens};
     StepResult r = s.runtime->step(s.schedule, tokens.data(), control);
     if (r.has_loss && lay.tp_index() == 0) {  // tensor-parallel members hold the same loss
       q.loss_sum += r.loss;
@@ -303,6 +366,12 @@ int run_train(const TrainOptions& o) {
       planned = state.json.value("schedule_steps", o.steps);
       updates = state.json.value("optimizer_steps", start_step);
       s.data->seek(state.data_position);
+      if (s.labels) {
+        SPPO_CHECK(state.json.contains("labels_position"), "checkpoint")
+            << "checkpoint " << from << " was saved by a run without --labels; resume it without --labels, or "
+               "start a new run from its weights with --init";
+        s.labels->seek(state.json["labels_position"]);
+      }
       SPPO_CHECK(start_step <= o.steps, "checkpoint")
           << "checkpoint is at step " << start_step << " but --steps is " << o.steps
           << "; raise --steps to continue training";
@@ -331,6 +400,8 @@ int run_train(const TrainOptions& o) {
                  (long long)S, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
                  rt.state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
                  omp_get_max_threads(), layout_text(lay).c_str());
+    if (s.labels) std::fprintf(stderr, "labels: %s (the loss counts the tokens whose label is not -100)\n",
+                               s.labels->describe().c_str());
     if (std::string(s.backend->name()) != "cpu")
       std::fprintf(stderr, "attention: %s\n", s.attention.description.c_str());
     if (lay.ranks() > 1) std::fprintf(stderr, "ranks: %d, talking over %s\n", lay.ranks(), s.comm_name.c_str());
@@ -349,6 +420,7 @@ int run_train(const TrainOptions& o) {
                             {"schedule_steps", planned},
                             {"optimizer_steps", updates},
                             {"options", numeric_options(o)}};
+    if (s.labels) state["labels_position"] = s.labels->position();
     save_consolidated(rt, lay, cm, o.save_dir, state);
   };
 
@@ -370,7 +442,7 @@ int run_train(const TrainOptions& o) {
     }
     std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
     comm::allreduce_sum(cm, losses, comm::world_group(world), "the step's loss");
-    const double loss = losses[0] / lay.batch;
+    const double loss = losses[0];
     const float lr = lr_at(o, step, planned);
     AdamWSettings hp{lr, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.clip};
     // A step whose loss or gradient is not finite changes nothing (optimizer_step leaves
@@ -429,6 +501,7 @@ int run_train(const TrainOptions& o) {
       }
       graphs = now;
       if (s.simulate_packed) m["simulated_step_time_s"] = q.simulated_s;
+      if (s.schedule.targets_given()) m["loss_tokens"] = q.loss_tokens;  // what the loss averaged over
       std::string halves;
       if (s.repeat_task) {
         const double first = losses[1] / lay.batch, second = losses[2] / lay.batch;
@@ -558,6 +631,7 @@ nlohmann::json numeric_options(const TrainOptions& o) {
           {"--seed", std::to_string(st.seed)},
           {"--data", st.data},
           {"--data-dtype", st.data_dtype},
+          {"--labels", st.labels},
           {"--doc-sep", std::to_string(st.doc_sep)},
           {"--pack", st.pack},
           {"--subseqs", st.subseqs},
@@ -608,8 +682,6 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
   on_this_rank(cm, [&] { q = run_sequences(s, tokens, &all_tokens); });
   std::vector<double> losses{q.loss_sum};
   comm::allreduce_sum(cm, losses, comm::world_group(world), "the step's loss");
-  if (lay.batch > 1)
-    for (const ShardSpan& sp : rt.shard()) rt.backend().scale(rt.grads() + sp.offset, sp.count, 1.0f / float(lay.batch));
   const FullState full = gather_full(rt, lay, cm, true, false);
   const std::vector<RankFigures> ranks = all_figures(cm, q);
   if (!root) return 0;
@@ -637,7 +709,7 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
   };
   io::write_safetensors(out_dir + "/weights.safetensors", views(full.params));
   io::write_safetensors(out_dir + "/grads.safetensors", views(full.grads));
-  const double loss = losses[0] / lay.batch;
+  const double loss = losses[0];
   nlohmann::json result = {{"loss", loss},
                            {"seq_len", S},
                            {"batch", lay.batch},

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# ctest's entry to check_hf.py: the interpreter of build/hf-venv (scripts/install-hf.sh)
-# when it is there, else python3; check_hf.py exits 77 (skipped) without torch.
+# ctest's entry to check_hf.py (with --chat: check_chat.py): the interpreter of
+# build/hf-venv (scripts/install-hf.sh) when it is there, else python3; each exits 77
+# (skipped) without what it compares against.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 python=python3
 [ -x "$here/../../build/hf-venv/bin/python" ] && python="$here/../../build/hf-venv/bin/python"
-exec "$python" "$here/check_hf.py" "$@"
+script=check_hf.py
+[ "${1:-}" = "--chat" ] && script=check_chat.py && shift
+exec "$python" "$here/$script" "$@"

@@ -72,6 +72,13 @@ class Layouts : public ::testing::Test {
       }
       testing::write_megatron<std::uint16_t>(tmp_->path() + "/docs-megatron", 8, megatron, 0);
       megatron_ = kLlama + " --data " + tmp_->path() + "/docs-megatron --pack";
+      // Labels of those tokens: a third -100 (no loss), the rest random ids, not the tokens.
+      std::vector<std::int32_t> labels(docs.size());
+      std::uint32_t x = 11;
+      for (auto& l : labels) l = (x = x * 1103515245u + 12345u) % 3 == 0 ? -100 : std::int32_t(x % 61);
+      io::write_file_atomic(tmp_->path() + "/labels.i32",
+                            std::string_view(reinterpret_cast<const char*>(labels.data()), labels.size() * 4));
+      labeled_ = kTied + " --data " + tmp_->path() + "/docs.u16 --labels " + tmp_->path() + "/labels.i32";
     }
     // The references: one process started without a launcher, the whole sequence; and one
     // process with two sequences a step (what two data-parallel replicas train together).
@@ -84,7 +91,10 @@ class Layouts : public ::testing::Test {
                                      {"llama6b", kLlama6 + " --batch 2"},
                                      {"tied1", kTied},
                                      {"tied2", kTied + " --batch 2"},
-                                     {"packed", packed_}}) {
+                                     {"packed", packed_},
+                                     {"labeled1", labeled_},
+                                     {"labeled2", labeled_ + " --batch 2"},
+                                     {"packlabel", labeled_ + " --doc-sep 0 --pack"}}) {
       const auto r = testing::run_command(testing::sppo_binary() + " grads " + flags + " --out " +
                                           tmp_->path() + "/" + dir);
       ASSERT_EQ(r.status, 0) << r.output;
@@ -148,12 +158,14 @@ class Layouts : public ::testing::Test {
   static io::TempDir* tmp_;
   static std::string packed_;    // the Llama model on packed documents
   static std::string megatron_;  // the same documents from a Megatron dataset's index
+  static std::string labeled_;   // the tied Llama model on those tokens with --labels
   int runs_ = 0;
 };
 
 io::TempDir* Layouts::tmp_ = nullptr;
 std::string Layouts::packed_;
 std::string Layouts::megatron_;
+std::string Layouts::labeled_;
 
 TEST_F(Layouts, Pipeline2) { pipeline(2); }
 
@@ -189,6 +201,20 @@ TEST_F(Layouts, TiedLlamaEmbeddings) {
   check(2, "--cp 2 --subseqs 2", "tied1", kTied);
   check(4, "--pp 2 --dp 2 --zero 1 --subseqs 2", "tied2", kTied);
   check(2, "--pp 2 --subseqs 4 --msp on", "tied1", kTied);
+}
+
+// Labels (--labels): the loss averages over the step's counted positions in every layout;
+// with --batch 2 the two sequences count different numbers of positions.
+TEST_F(Layouts, Labels) {
+  check_peaks(2, "--pp 2 --subseqs 3 --offload 0.5", "labeled1", labeled_, true);
+  check(2, "--tp 2 --subseqs 2", "labeled1", labeled_);
+  check(2, "--cp 2 --ring zigzag --subseqs 2", "labeled1", labeled_);
+  check(2, "--pp 2 --subseqs 4 --msp on", "labeled1", labeled_);
+  check(2, "--dp 2 --zero 1", "labeled2", labeled_);
+  check(4, "--pp 2 --dp 2 --subseqs 3 --offload 0.5", "labeled2", labeled_);
+  const std::string packed = labeled_ + " --doc-sep 0 --pack";
+  check(2, "--pp 2 --subseqs 4 --offload 0.5", "packlabel", packed);
+  check(2, "--cp 2 --ring contiguous --subseqs 2", "packlabel", packed);
 }
 
 TEST_F(Layouts, PipelineTimesDataParallel) {

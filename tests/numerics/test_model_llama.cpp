@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "core/layout.h"
 #include "model_reference64.h"
 #include "model_reference64_llama.h"
@@ -418,6 +419,104 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
     // The whole-block recompute baseline (--recompute): backward reruns each block's forward.
     check(sched::build_single(c.layers, {S}, {0.0}), "--recompute", true);
   }
+}
+
+}  // namespace
+}  // namespace sppo
+
+namespace sppo {
+namespace {
+
+// Labels (--labels): a position predicts the label of the token after it, which need not be
+// that token, and none where the label is -100; the loss and the gradients are the mean over
+// the counted positions of all the step's sequences (StepControl::loss_tokens), each
+// sequence its share. Two sequences of a step, with a third of their positions uncounted,
+// against the float64 reference with the same targets, in every one-process mode; for the
+// tied Llama block and a GPT block.
+TEST(Labels, TheLossAveragesOverTheStepsCountedPositions) {
+  ModelConfig gpt = preset("tiny");
+  gpt.vocab = 37;
+  for (const ModelConfig& c : {llama_config(2, false, RopeScaling::Type::None, kS, true), gpt}) {
+    std::mt19937 rng(53);
+    std::vector<Tokens> tokens, targets;
+    i64 counted = 0;
+    for (unsigned k = 0; k < 2; ++k) {
+      tokens.push_back(random_tokens(kS, c.vocab, 60 + k));
+      Tokens t(static_cast<std::size_t>(kS));
+      for (auto& x : t) x = rng() % 3 == 0 ? kNoTarget : std::int32_t(rng() % unsigned(c.vocab));
+      counted += std::count_if(t.begin(), t.end(), [](std::int32_t x) { return x != kNoTarget; });
+      targets.push_back(t);
+    }
+    const std::vector<float> params = random_params(c, 17);
+    const std::vector<double> p64(params.begin(), params.end());
+    StepRun ref;
+    ref.grads.assign(params.size(), 0.0);
+    for (std::size_t k = 0; k < 2; ++k) {
+      const double n = double(std::count_if(targets[k].begin(), targets[k].end(), [](std::int32_t x) { return x != kNoTarget; }));
+      std::vector<double> g(params.size(), 0.0);
+      double loss = 0;
+      if (c.llama()) {
+        const ref64llama::Dims d = ref64llama::dims_of(c);
+        ref64llama::Cache cache;
+        loss = ref64llama::forward(d, p64.data(), tokens[k].data(), kS, &cache, {}, targets[k].data());
+        ref64llama::backward(d, p64.data(), tokens[k].data(), kS, cache, g.data(), {}, targets[k].data());
+      } else {
+        const ref64::Dims d = ref64::dims_of(c);
+        ref64::Cache cache;
+        loss = ref64::forward(d, p64.data(), tokens[k].data(), kS, &cache, {}, targets[k].data());
+        ref64::backward(d, p64.data(), tokens[k].data(), kS, cache, g.data(), {}, targets[k].data());
+      }
+      ref.loss += loss * n / double(counted);
+      for (std::size_t e = 0; e < g.size(); ++e) ref.grads[e] += g[e] * n / double(counted);
+    }
+    auto check = [&](sched::Schedule s, const std::string& what) {
+      RuntimeOptions o;
+      o.head_chunk = 7;
+      Runtime rt(c, o);
+      std::copy(params.begin(), params.end(), rt.params());
+      s.labeled = true;
+      StepRun got;
+      for (std::size_t k = 0; k < 2; ++k) {
+        StepControl control;
+        control.accumulate = k > 0;
+        control.targets = targets[k].data();
+        control.loss_tokens = counted;
+        got.loss += rt.step(s, tokens[k].data(), control).loss;
+      }
+      got.grads.assign(rt.grads(), rt.grads() + rt.num_params());
+      expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3, std::string(c.llama() ? "llama" : "gpt") + " labels " + what);
+    };
+    for (int N : {1, 3, 8})
+      for (double a : {0.0, 0.6})
+        for (SavedSet rc : {SavedSet(0), recompute_levels().back()}) {
+          sched::Schedule s = sched::build_single(c.layers, equal_lengths(kS, N), alphas(N, a));
+          s.recompute = rc;
+          check(s, "N=" + std::to_string(N) + " alpha=" + std::to_string(a) + " recompute " + recompute_tensors_text(rc));
+        }
+    for (const sched::KvPlace place : {sched::KvPlace::Host, sched::KvPlace::Recompute}) {
+      sched::Schedule s = sched::build_single(c.layers, equal_lengths(kS, 3), alphas(3, 0.6));
+      s.kv_place.assign(std::size_t(c.layers), place);
+      check(s, place == sched::KvPlace::Host ? "K/V on the host" : "K/V recomputed");
+    }
+  }
+}
+
+// A schedule built for labels refuses a step without targets, and a plain one a step with
+// them: the step's inputs on the device are laid out for one or the other.
+TEST(Labels, TheScheduleSaysWhetherTargetsComeBesideTheIds) {
+  const ModelConfig c = llama_config(2, false, RopeScaling::Type::None, kS);
+  Runtime rt(c, RuntimeOptions{});
+  const Tokens tokens = random_tokens(kS, c.vocab, 5);
+  const Tokens targets(tokens.begin() + 1, tokens.end());
+  sched::Schedule s = sched::build_single(c.layers, {kS}, {0.0});
+  StepControl with;
+  with.targets = targets.data();
+  EXPECT_THROW(rt.step(s, tokens.data(), with), Error);
+  const double plain = rt.step(s, tokens.data()).loss;
+  s.labeled = true;
+  EXPECT_THROW(rt.step(s, tokens.data()), Error);
+  // The next tokens as labels: the very same step.
+  EXPECT_EQ(rt.step(s, tokens.data(), with).loss, plain);
 }
 
 }  // namespace

@@ -155,6 +155,37 @@ TEST_F(IoDataFiles, RawTokenWindowsAndResume) {
   EXPECT_EQ(a->max_token(), 999);
 }
 
+// Labels (--labels): windows like the data's, -100 written through, any other id outside
+// the vocabulary named; raw .i32/.i64 and a signed Megatron pair; a position of the data
+// is not a position of its labels.
+TEST_F(IoDataFiles, LabelsReadLikeTheDataWithMinus100Kept) {
+  std::vector<std::int64_t> labels(100);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = i % 3 == 0 ? -100 : std::int64_t(i % 50);
+  write_file_atomic(tmp.file("l.i64"), le_bytes(labels));
+  std::vector<std::int32_t> narrow(labels.begin(), labels.end());
+  write_file_atomic(tmp.file("l.i32"), le_bytes(narrow));
+  write_megatron<std::int32_t>(tmp.file("lm"), 4, {{{narrow.begin(), narrow.begin() + 40}}, {{narrow.begin() + 40, narrow.end()}}}, 3);
+  for (const std::string& path : {tmp.file("l.i64"), tmp.file("l.i32"), tmp.file("lm")}) {
+    auto src = open_labels(path, 50);
+    EXPECT_EQ(src->size(), 100) << path;
+    EXPECT_EQ(src->max_token(), 49) << path;
+    src->check_vocab(50);
+    for (int k = 0; k < 4; ++k) {  // windows of 33 with stride 32: the fourth wraps
+      const auto w = take(*src, 33);
+      for (int j = 0; j < 33; ++j) ASSERT_EQ(w[j], narrow[(k * 32 + j) % 100]) << path << " window " << k;
+    }
+    EXPECT_ERROR_WITH(src->check_vocab(40), "label 40 at token offset 40");
+  }
+  EXPECT_ERROR_WITH(open_labels(tmp.file("l.i64"), 50)->seek(open_data(tmp.file("l.i64"), 0, 0, {0, "u16"})->position()),
+                    "another source");
+  std::vector<std::int32_t> bad = narrow;
+  bad[7] = -5;
+  write_file_atomic(tmp.file("bad.i32"), le_bytes(bad));
+  EXPECT_ERROR_WITH(take(*open_labels(tmp.file("bad.i32"), 50), 33), "label -5 at token offset 7");
+  write_file_atomic(tmp.file("l.u16"), le_bytes(std::vector<std::uint16_t>(10, 1)));
+  EXPECT_ERROR_WITH(open_labels(tmp.file("l.u16"), 50), "the file name says no label type");
+}
+
 TEST_F(IoDataFiles, OutOfRangeTokensAreNamedByOffsetAndValue) {
   std::vector<std::uint16_t> u16(100, 3);
   u16[70] = 5000;
