@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <nlohmann/json.hpp>
 
@@ -563,6 +564,7 @@ int main(int argc, char** argv) {
           << "--init starts a new run at step 0 from a model's weights, --resume continues a run; give one of them";
       // --resume restores every option that changes the numbers and was not given again.
       nlohmann::json recorded;
+      std::set<std::string> restored_keys;  // options the checkpoint gave
       if (!train.resume_dir.empty()) {
         std::string from;
         const nlohmann::json state = io::read_checkpoint_state(train.resume_dir, &from);  // types checked
@@ -589,6 +591,7 @@ int main(int argc, char** argv) {
           } else if (!it.value().get<std::string>().empty()) {
             args.push_back(it.key() + "=" + it.value().get<std::string>());
           }
+          restored_keys.insert(it.key());
         }
         std::vector<const char*> restored;
         for (const auto& a : args) restored.push_back(a.c_str());
@@ -596,6 +599,13 @@ int main(int argc, char** argv) {
         app.parse(int(restored.size()), restored.data());
       }
       resolve_step_options(train_flags, train.step);
+      apply_finetune_defaults(train, cmd_train->get_option("--lr")->count() > 0,
+                              cmd_train->get_option("--warmup")->count() > 0,
+                              cmd_train->get_option("--weight-decay")->count() > 0);
+      const std::string from_checkpoint = "from the checkpoint";
+      if (restored_keys.count("--lr")) train.lr_from = from_checkpoint;
+      if (restored_keys.count("--warmup")) train.warmup_from = from_checkpoint;
+      if (restored_keys.count("--weight-decay")) train.weight_decay_from = from_checkpoint;
       const std::string differs = first_difference(numeric_options(train), recorded);
       SPPO_CHECK(differs.empty(), "checkpoint")
           << differs << " in " << train.resume_dir << "; drop it to continue the run as it was saved, or start a "

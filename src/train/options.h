@@ -60,6 +60,16 @@ struct StepOptions {
   int device = -1;                    // --device: the GPU this process drives (-1: by its local rank)
 };
 
+// Note [Continuing a trained model]: `train --init` starts from weights a model was trained
+// to, which the from-scratch defaults (a peak learning rate of 5e-3, weight decay 0.1) would
+// wreck. Unless given, such a run takes a fine-tuning learning rate of 2e-5 (where the
+// published long-context and instruction fine-tunes of Llama and Qwen models sit), warm-up
+// over 3% of the steps (at least 1) and no weight decay; the cosine decay to a tenth stays.
+// The run states each value and where it came from (apply_finetune_defaults).
+inline constexpr float kFinetuneLr = 2e-5f;
+inline constexpr double kFinetuneWarmupFraction = 0.03;
+inline constexpr float kFinetuneWeightDecay = 0.0f;
+
 struct TrainOptions {
   StepOptions step;
   int steps = 200;
@@ -67,6 +77,9 @@ struct TrainOptions {
   float min_lr_ratio = 0.1f;          // cosine decays to lr * min_lr_ratio
   int warmup = 20;
   float weight_decay = 0.1f;
+  // Where lr, warmup and weight_decay came from, as the start-up line states it: the option
+  // ("--lr"), or the default that set it.
+  std::string lr_from = "default", warmup_from = "default", weight_decay_from = "default";
   float beta1 = 0.9f, beta2 = 0.95f, adam_eps = 1e-8f;
   float clip = 1.0f;                  // global gradient-norm clip; 0 = off
   std::string save_dir;

@@ -340,6 +340,20 @@ std::string layout_text(const ParallelLayout& lay) {
 
 }  // namespace
 
+void apply_finetune_defaults(TrainOptions& o, bool lr_given, bool warmup_given, bool weight_decay_given) {
+  if (lr_given) o.lr_from = "--lr";
+  if (warmup_given) o.warmup_from = "--warmup";
+  if (weight_decay_given) o.weight_decay_from = "--weight-decay";
+  if (o.step.init.empty()) return;
+  constexpr const char* kWhy = "fine-tuning default for --init";
+  if (!lr_given) o.lr = kFinetuneLr, o.lr_from = kWhy;
+  if (!warmup_given) {
+    o.warmup = std::max(1, int(std::lround(kFinetuneWarmupFraction * o.steps)));
+    o.warmup_from = std::string("3% of --steps, ") + kWhy;
+  }
+  if (!weight_decay_given) o.weight_decay = kFinetuneWeightDecay, o.weight_decay_from = kWhy;
+}
+
 int run_train(const TrainOptions& o) {
   comm::Comm& world = comm::world();
   world.set_timeout_s(o.step.comm_timeout_s);
@@ -400,6 +414,11 @@ int run_train(const TrainOptions& o) {
                  (long long)S, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
                  rt.state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
                  omp_get_max_threads(), layout_text(lay).c_str());
+    std::fprintf(stderr,
+                 "optimizer: AdamW, lr %g (%s), warm-up %d steps (%s), cosine decay to %g, weight decay %g (%s), "
+                 "clip %g\n",
+                 o.lr, o.lr_from.c_str(), o.warmup, o.warmup_from.c_str(), o.lr * o.min_lr_ratio, o.weight_decay,
+                 o.weight_decay_from.c_str(), o.clip);
     if (s.labels) std::fprintf(stderr, "labels: %s (the loss counts the tokens whose label is not -100)\n",
                                s.labels->describe().c_str());
     if (std::string(s.backend->name()) != "cpu")

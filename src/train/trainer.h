@@ -11,6 +11,10 @@ namespace sppo {
 // Trains for o.steps steps (resuming from o.resume_dir when given), printing a progress
 // line, writing metrics, checkpoints and a trace as asked. Returns the process exit status.
 int run_train(const TrainOptions& o);
+// Note [Continuing a trained model] (train/options.h): with --init, the fine-tuning values of
+// the settings not given on the command line (`given`: whether --lr, --warmup and
+// --weight-decay were), and where each value came from.
+void apply_finetune_defaults(TrainOptions& o, bool lr_given, bool warmup_given, bool weight_decay_given);
 
 // The options that change a run's numbers, as command-line flags and canonical values
 // ({"--seq-len": "65536", "--recompute": false, ...}). A checkpoint records them, and

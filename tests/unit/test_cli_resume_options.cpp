@@ -57,6 +57,30 @@ TEST_F(Resume, StepsExtendAtTheFinalLearningRate) {
   }
 }
 
+// Note [Continuing a trained model]: --init takes a fine-tuning learning rate (2e-5), warm-up
+// over 3% of the steps and no weight decay unless given, says so at start-up, and a resumed
+// run keeps them.
+TEST_F(Resume, InitTakesFineTuningDefaultsAndSaysWhere) {
+  ASSERT_EQ(run_command(sppo() + kRun + " --save " + path("base")).status, 0);
+  const std::string init = " train --init " + path("base") + " --seq-len 64 --steps 100";
+  auto r = run_command(sppo() + init + " --stop-after 2 --save " + path("ft") + " --metrics " + path("m.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("lr 2e-05 (fine-tuning default for --init), warm-up 3 steps (3% of --steps, fine-tuning "
+                          "default for --init), cosine decay to 2e-06, weight decay 0 (fine-tuning default for --init)"),
+            std::string::npos)
+      << r.output;
+  const auto m = read_jsonl(path("m.jsonl"));
+  EXPECT_FLOAT_EQ(m[0]["lr"].get<float>(), 2e-5f / 3);  // the first of 3 warm-up steps
+  r = run_command(sppo() + " train --resume " + path("ft") + " --stop-after 3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("lr 2e-05 (from the checkpoint)"), std::string::npos) << r.output;
+  // Given: kept, and said so; a run from scratch keeps the from-scratch defaults.
+  r = run_command(sppo() + init + " --lr 1e-4 --stop-after 1");
+  EXPECT_NE(r.output.find("lr 0.0001 (--lr), warm-up 3 steps (3% of --steps"), std::string::npos) << r.output;
+  r = run_command(sppo() + " train --model tiny --seq-len 64 --steps 1");
+  EXPECT_NE(r.output.find("lr 0.005 (default), warm-up 20 steps (default)"), std::string::npos) << r.output;
+}
+
 TEST_F(Resume, AnOptionGivenAgainDifferentlyIsRefused) {
   ASSERT_EQ(run_command(sppo() + kRun + " --stop-after 2 --save " + path("ck")).status, 0);
   const std::string before = file_bytes(path("ck/model.safetensors"));
