@@ -9,9 +9,11 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <sstream>
 
 #include "backends/cpu/cpu_backend.h"
+#include "cli/commands.h"
 #include "core/check.h"
 #include "core/config.h"
 #include "planner/profile.h"
@@ -22,8 +24,6 @@
 namespace sppo::cli {
 
 namespace {
-
-std::optional<int> g_result;
 
 sim::PlanRequest request_of(const PlanOptions& o) {
   sim::PlanRequest r;
@@ -279,9 +279,11 @@ int run_simulate(const SimulateOptions& o) {
   });
 }
 
-void add_plan_commands(CLI::App& app) {
-  static PlanOptions plan;
-  static SimulateOptions simulate;
+void add_plan_commands(CLI::App& app, Commands& out) {
+  auto plan_options = std::make_shared<PlanOptions>();
+  auto simulate_options = std::make_shared<SimulateOptions>();
+  PlanOptions& plan = *plan_options;
+  SimulateOptions& simulate = *simulate_options;
   auto* p = app.add_subcommand("plan", "Choose SP, PP, N, alpha and MSP for a model on a cluster and predict the step");
   std::string presets;
   for (const auto& n : preset_names()) presets += (presets.empty() ? "" : ", ") + n;
@@ -326,7 +328,7 @@ void add_plan_commands(CLI::App& app) {
   p->add_option("--out", plan.out, "Also write the plan JSON to this file (for `sppo simulate`)");
   p->add_flag("--json", plan.json, "Print one JSON object");
   p->add_flag("--table", plan.table, "Print the sppo/megatron/deepspeed comparison table for gpt-7b/13b/65b");
-  p->callback([] { g_result = run_plan(plan); });
+  out.push_back({p, [plan_options](const Invocation&) { return run_plan(*plan_options); }});
 
   auto* s = app.add_subcommand("simulate", "Simulate a plan's step: time, bubbles, copies, memory; trace and SVG");
   s->add_option("plan", simulate.plan, "PLAN.json written by `sppo plan --out` or `--json`")->required();
@@ -334,9 +336,7 @@ void add_plan_commands(CLI::App& app) {
   s->add_option("--trace", simulate.trace, "Write a Chrome trace (chrome://tracing, Perfetto)");
   s->add_option("--svg", simulate.svg, "Write an SVG timeline");
   s->add_flag("--json", simulate.json, "Print one JSON object");
-  s->callback([] { g_result = run_simulate(simulate); });
+  out.push_back({s, [simulate_options](const Invocation&) { return run_simulate(*simulate_options); }});
 }
-
-std::optional<int> plan_command_result() { return g_result; }
 
 }  // namespace sppo::cli

@@ -45,9 +45,5 @@ int run_plan(const PlanOptions& o);
 int run_plan_table(const PlanOptions& o);
 int run_simulate(const SimulateOptions& o);
 
-// Registers `plan` and `simulate`; their callbacks run during app.parse(). After parsing,
-// main returns plan_command_result() when it holds a value.
-void add_plan_commands(CLI::App& app);
-std::optional<int> plan_command_result();
 
 }  // namespace sppo::cli
