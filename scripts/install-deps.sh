@@ -10,6 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin # ranks for the multi-process modes and their tests
   nlohmann-json3-dev         # JSON for plans, configs, metrics, safetensors headers
   libcli11-dev               # the command line
+  libtomlplusplus-dev        # --config files (TOML)
   libgtest-dev               # tests
   libbenchmark-dev           # micro-benchmarks
   python3                    # the CUDA kernels' CPU emulation (tests/cuda/emulate) rewrites sources

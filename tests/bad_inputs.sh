@@ -292,6 +292,19 @@ expect "--dtype 'fp8'" export ckpt --format hf --dtype fp8 --out hf_out
 expect "--pack packs documents that --doc-sep ID ends" train --model llama-tiny --seq-len 32 --steps 1 --pack
 expect "--doc-sep 99 is not a token id" train --model llama-tiny --seq-len 32 --steps 1 --doc-sep 99 --pack
 expect "--pack keeps each document's causal attention to itself" train --model tiny --seq-len 32 --steps 1 --doc-sep 0 --pack --attention bidirectional --objective mlm
+# --config files: a bad key, a bad value, a file that does not parse, each naming its line.
+printf 'model = "tiny"\nseq-len = 32\nstepz = 3\n' >bad_key.toml
+printf 'model = "tiny"\nsteps = "many"\n' >bad_value.toml
+printf 'model = "tiny"\nsteps = \n' >bad_toml.toml
+printf '[train]\nsteps = 3\n' >section.toml
+expect "bad_key.toml line 3: stepz is not an option of sppo train" train --config bad_key.toml
+expect "bad_value.toml line 2: steps = many" train --config bad_value.toml
+expect "bad_toml.toml line 2:" train --config bad_toml.toml
+expect "section.toml line 1: train is a section" train --config section.toml
+expect "bad_key.toml line 3: stepz is not an option of sppo grads" grads --config bad_key.toml --out g
+expect "line 3: stepz is not an option of sppo plan" plan --config bad_key.toml
+expect "cannot read --config missing.toml" train --config missing.toml
+expect "sppo grads needs --out DIR" grads --model tiny --seq-len 32
 # Labels beside the data (--labels).
 le16 $(seq 1 40) >d40.u16
 le32 $(seq 1 39) >l39.i32

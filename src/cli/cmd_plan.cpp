@@ -14,6 +14,7 @@
 
 #include "backends/cpu/cpu_backend.h"
 #include "cli/commands.h"
+#include "cli/config_file.h"
 #include "core/check.h"
 #include "core/config.h"
 #include "planner/profile.h"
@@ -285,6 +286,8 @@ void add_plan_commands(CLI::App& app, Commands& out) {
   PlanOptions& plan = *plan_options;
   SimulateOptions& simulate = *simulate_options;
   auto* p = app.add_subcommand("plan", "Choose SP, PP, N, alpha and MSP for a model on a cluster and predict the step");
+  auto config = std::make_shared<std::string>();
+  add_config_option(p, *config);
   std::string presets;
   for (const auto& n : preset_names()) presets += (presets.empty() ? "" : ", ") + n;
   p->add_option("--model", plan.model, "Model preset: " + presets)->capture_default_str();
@@ -328,7 +331,10 @@ void add_plan_commands(CLI::App& app, Commands& out) {
   p->add_option("--out", plan.out, "Also write the plan JSON to this file (for `sppo simulate`)");
   p->add_flag("--json", plan.json, "Print one JSON object");
   p->add_flag("--table", plan.table, "Print the sppo/megatron/deepspeed comparison table for gpt-7b/13b/65b");
-  out.push_back({p, [plan_options](const Invocation&) { return run_plan(*plan_options); }});
+  out.push_back({p, [plan_options, config, p](const Invocation&) {
+                   apply_config_file(p, *config);
+                   return run_plan(*plan_options);
+                 }});
 
   auto* s = app.add_subcommand("simulate", "Simulate a plan's step: time, bubbles, copies, memory; trace and SVG");
   s->add_option("plan", simulate.plan, "PLAN.json written by `sppo plan --out` or `--json`")->required();

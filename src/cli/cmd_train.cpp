@@ -1,5 +1,6 @@
 // `sppo train` and `sppo grads`: a training run, and one step's gradients exported.
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/config_file.h"
 #include "cli/step_options.h"
 #include "comm/comm.h"
 #include "core/check.h"
@@ -44,8 +46,25 @@ void check_ranks_agree(const Invocation& inv) {
 struct Train {
   TrainOptions options;
   StepFlags flags;
+  std::string config;  // --config
   CLI::App* cmd = nullptr;
 };
+
+std::string float_text(float v) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+}
+
+// The run's options as config.toml: those given, and the optimizer's as resolved (Note
+// [Continuing a trained model]); a resumed run keeps its checkpoint's.
+std::string run_config(const Train& t) {
+  const TrainOptions& o = t.options;
+  if (!o.resume_dir.empty()) return io::read_checkpoint_config(o.resume_dir);
+  return config_toml(t.cmd, {"resume", "stop-after"},
+                     {{"lr", float_text(o.lr)}, {"warmup", std::to_string(o.warmup)},
+                      {"weight-decay", float_text(o.weight_decay)}},
+                     "sppo train: the options of this run; `sppo train --config FILE` repeats it");
+}
 
 // --resume restores every option that changes the numbers and was not given again: the
 // command line is parsed again with the checkpoint's values added. Returns the options the
@@ -84,6 +103,7 @@ nlohmann::json restore_recorded_options(Train& t, const Invocation& inv, std::se
   for (const auto& a : args) again.push_back(a.c_str());
   inv.app.clear();
   inv.app.parse(int(again.size()), again.data());
+  apply_config_file(t.cmd, t.config);
   return recorded;
 }
 
@@ -92,6 +112,7 @@ int run_train_command(Train& t, const Invocation& inv) {
   TrainOptions& train = t.options;
   SPPO_CHECK(train.resume_dir.empty() || train.step.init.empty(), "options")
       << "--init starts a new run at step 0 from a model's weights, --resume continues a run; give one of them";
+  apply_config_file(t.cmd, t.config);
   std::set<std::string> restored;
   const nlohmann::json recorded = restore_recorded_options(t, inv, restored);
   resolve_step_options(t.flags, train.step);
@@ -105,6 +126,7 @@ int run_train_command(Train& t, const Invocation& inv) {
   SPPO_CHECK(differs.empty(), "checkpoint")
       << differs << " in " << train.resume_dir << "; drop it to continue the run as it was saved, or start a "
       << "new run without --resume";
+  train.config_toml = run_config(t);
   return run_train(train);
 }
 
@@ -112,6 +134,7 @@ void add_train(CLI::App& app, Commands& out) {
   auto t = std::make_shared<Train>();
   TrainOptions& o = t->options;
   CLI::App* cmd = t->cmd = app.add_subcommand("train", "Train a model on long sequences");
+  add_config_option(cmd, t->config);
   add_step_options(cmd, t->flags, o.step);
   cmd->add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
   cmd->add_option("--lr", o.lr,
@@ -144,14 +167,18 @@ void add_grads(CLI::App& app, Commands& out) {
   struct Grads {
     StepOptions options;
     StepFlags flags;
-    std::string out;
+    std::string out, config;
   };
   auto g = std::make_shared<Grads>();
   CLI::App* cmd = app.add_subcommand("grads", "Run one forward/backward and export weights, gradients and loss");
+  add_config_option(cmd, g->config);
   add_step_options(cmd, g->flags, g->options);
-  cmd->add_option("--out", g->out, "Output directory")->required();
-  out.push_back({cmd, [g](const Invocation& inv) {
+  cmd->add_option("--out", g->out, "Output directory (required)");
+  out.push_back({cmd, [g, cmd](const Invocation& inv) {
                    check_ranks_agree(inv);
+                   apply_config_file(cmd, g->config);
+                   SPPO_CHECK(!g->out.empty(), "options") << "sppo grads needs --out DIR, where it writes the "
+                                                             "weights, gradients and loss";
                    resolve_step_options(g->flags, g->options);
                    return run_grads(g->options, g->out, "");
                  }});

@@ -35,8 +35,8 @@ void save_step(int k, const char* what) {
   if (g_save_step_hook != nullptr) g_save_step_hook(k, what);
 }
 
-const char* const kCheckpointFiles[] = {kCheckpointModelFile, kCheckpointOptimizerFile,
-                                        kCheckpointStateFile, kCheckpointManifestFile};
+const char* const kCheckpointFiles[] = {kCheckpointModelFile, kCheckpointOptimizerFile, kCheckpointStateFile,
+                                        kCheckpointManifestFile, kCheckpointConfigFile};
 
 // "ckpt/" and "ckpt" name the same checkpoint; siblings are formed from the last component.
 fs::path normalize(const std::string& dir) {
@@ -291,7 +291,8 @@ CheckpointState parse_checkpoint_state(const nlohmann::json& state, const std::s
 }
 
 void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
-                     const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state) {
+                     const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state,
+                     const std::string& config) {
   const fs::path p = normalize(dir);
   parse_checkpoint_state(state, (p / kCheckpointStateFile).string());
   const fs::path parent = parent_of(p);
@@ -321,6 +322,7 @@ void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>
     save_step(3, "optimizer written");
     record(kCheckpointStateFile, write_file_atomic((tmp / kCheckpointStateFile).string(), state.dump(2) + "\n"));
     save_step(4, "state written");
+    if (!config.empty()) record(kCheckpointConfigFile, write_file_atomic((tmp / kCheckpointConfigFile).string(), config));
     const nlohmann::json manifest = {{"format", kFormat}, {"version", kVersion}, {"files", files}};
     write_file_atomic((tmp / kCheckpointManifestFile).string(), manifest.dump(2) + "\n");
     save_step(5, "manifest written");
@@ -371,6 +373,13 @@ nlohmann::json read_checkpoint_state(const std::string& dir, std::string* loaded
   nlohmann::json state = parse_json_file(file);
   parse_checkpoint_state(state, file.string());
   return state;
+}
+
+std::string read_checkpoint_config(const std::string& dir) {
+  const fs::path file = fs::path(verify_checkpoint(dir)) / kCheckpointConfigFile;
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return "";
+  return read_file(file.string());
 }
 
 nlohmann::json load_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,

@@ -52,6 +52,8 @@ inline constexpr const char* kCheckpointModelFile = "model.safetensors";
 inline constexpr const char* kCheckpointOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kCheckpointStateFile = "state.json";
 inline constexpr const char* kCheckpointManifestFile = "manifest.json";
+// The options of the run that wrote it, as TOML (`sppo train --config` reads it); optional.
+inline constexpr const char* kCheckpointConfigFile = "config.toml";
 
 // The fields of state.json every checkpoint has, read and checked.
 struct CheckpointState {
@@ -66,9 +68,10 @@ struct CheckpointState {
 // read_checkpoint_state call it, and save_checkpoint refuses a state it would reject.
 CheckpointState parse_checkpoint_state(const nlohmann::json& state, const std::string& file);
 
-// `state` must pass parse_checkpoint_state.
+// `state` must pass parse_checkpoint_state. `config`: config.toml's text (none when empty).
 void save_checkpoint(const std::string& dir, const std::vector<CheckpointTensor>& weights,
-                     const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state);
+                     const std::vector<CheckpointTensor>& optimizer, const nlohmann::json& state,
+                     const std::string& config = {});
 
 // Fills the caller's buffers and returns the saved state. Names and shapes must match the
 // checkpoint exactly: a tensor missing from either side is an error. `loaded_from`, when
@@ -86,6 +89,8 @@ nlohmann::json load_checkpoint_weights(const std::string& dir, const std::vector
 // reads first to rebuild its model and optimizer from the saved config. The state passed
 // parse_checkpoint_state.
 nlohmann::json read_checkpoint_state(const std::string& dir, std::string* loaded_from = nullptr);
+// The checkpoint's config.toml (verified as the rest), or "" when it has none.
+std::string read_checkpoint_config(const std::string& dir);
 
 // For crash-consistency tests: when set, save_checkpoint calls hook(k, what) at each of its
 // steps in order (k = 0, 1, ...; `what` names the step, see Note [Checkpoint crash

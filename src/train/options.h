@@ -90,6 +90,9 @@ struct TrainOptions {
   std::string metrics_path;
   std::string trace_path;             // Chrome trace JSON of the last step
   std::string svg_path;               // SVG timeline of the last step
+  // The run's options as TOML (cli/config_file.h), written as config.toml into each
+  // checkpoint and beside the metrics; empty: none.
+  std::string config_toml;
   bool quiet = false;
   int max_bad_steps = 3;              // stop after this many non-finite steps in a row
 };

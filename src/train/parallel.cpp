@@ -376,13 +376,13 @@ ModelConfig init_model(const std::string& path) {
 }
 
 void save_consolidated(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const std::string& dir,
-                       const nlohmann::json& state) {
+                       const nlohmann::json& state, const std::string& config) {
   FullState full = gather_full(rt, lay, world, false, true);
   if (lay.rank != 0) return;
   const ModelConfig& c = rt.config();
   auto opt = full_tensors(c, full.m.data(), ".m");
   for (auto& t : full_tensors(c, full.v.data(), ".v")) opt.push_back(t);
-  io::save_checkpoint(dir, full_tensors(c, full.params.data(), ""), opt, state);
+  io::save_checkpoint(dir, full_tensors(c, full.params.data(), ""), opt, state, config);
 }
 
 }  // namespace sppo

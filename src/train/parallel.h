@@ -110,9 +110,10 @@ void init_from(Runtime& rt, const std::string& path);
 // The model --init PATH holds: its checkpoint's config, or its config.json's.
 ModelConfig init_model(const std::string& path);
 
-// Saves a consolidated checkpoint: rank 0 writes what gather_full collects.
+// Saves a consolidated checkpoint: rank 0 writes what gather_full collects (and `config`,
+// the run's options, as its config.toml).
 void save_consolidated(Runtime& rt, const ParallelLayout& lay, comm::Comm& world, const std::string& dir,
-                       const nlohmann::json& state);
+                       const nlohmann::json& state, const std::string& config = {});
 
 // The io tensor list of a full-model array (names from parameter_specs, "<name><suffix>").
 std::vector<io::CheckpointTensor> full_tensors(const ModelConfig& c, float* base, const char* suffix);

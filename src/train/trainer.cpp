@@ -338,6 +338,20 @@ std::string layout_text(const ParallelLayout& lay) {
   return t + " (" + std::to_string(lay.ranks()) + " ranks)";
 }
 
+// config.toml beside the metrics file: the run's options, so that `--config` repeats it.
+// A config.toml there that sppo did not write (the user's own) is left alone.
+void write_config_beside(const std::string& metrics_path, const std::string& config) {
+  if (config.empty()) return;
+  const std::filesystem::path path = std::filesystem::path(metrics_path).parent_path() / io::kCheckpointConfigFile;
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && io::read_file(path.string()).rfind(config.substr(0, config.find('\n')), 0) != 0) {
+    std::fprintf(stderr, "sppo: %s is not one sppo wrote; left alone (the checkpoints keep the run's options)\n",
+                 path.string().c_str());
+    return;
+  }
+  io::write_file_atomic(path.string(), config);
+}
+
 }  // namespace
 
 void apply_finetune_defaults(TrainOptions& o, bool lr_given, bool warmup_given, bool weight_decay_given) {
@@ -394,9 +408,11 @@ int run_train(const TrainOptions& o) {
     } else {
       init_owned(*s.runtime, o.step.seed);
     }
-    if (root && !o.metrics_path.empty())
+    if (root && !o.metrics_path.empty()) {
       metrics = std::make_unique<io::JsonlWriter>(
           o.metrics_path, start_step > 0 ? io::JsonlWriter::Mode::Append : io::JsonlWriter::Mode::Truncate);
+      write_config_beside(o.metrics_path, o.config_toml);
+    }
   });
   Runtime& rt = *s.runtime;
   const ModelConfig& c = s.config;
@@ -440,7 +456,7 @@ int run_train(const TrainOptions& o) {
                             {"optimizer_steps", updates},
                             {"options", numeric_options(o)}};
     if (s.labels) state["labels_position"] = s.labels->position();
-    save_consolidated(rt, lay, cm, o.save_dir, state);
+    save_consolidated(rt, lay, cm, o.save_dir, state, o.config_toml);
   };
 
   std::vector<std::int32_t> tokens(std::size_t(S + 1));
