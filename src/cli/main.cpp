@@ -13,7 +13,7 @@
 int main(int argc, char** argv) {
   using namespace sppo;
   cpu::select_blas_core(argv);  // first: OpenBLAS reads OPENBLAS_CORETYPE only when it loads
-  CLI::App app{"sppo: long-sequence transformer training with sequence pipeline parallel offloading"};
+  CLI::App app{"sppo: long-sequence transformer training with sequence pipeline parallel offloading", "sppo"};
   app.require_subcommand(1);
   cli::Commands commands;
   cli::add_train_commands(app, commands);
