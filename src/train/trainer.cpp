@@ -368,19 +368,40 @@ void apply_finetune_defaults(TrainOptions& o, bool lr_given, bool warmup_given, 
   if (!weight_decay_given) o.weight_decay = kFinetuneWeightDecay, o.weight_decay_from = kWhy;
 }
 
-int run_train(const TrainOptions& o) {
-  comm::Comm& world = comm::world();
-  world.set_timeout_s(o.step.comm_timeout_s);
-  const bool root = world.rank() == 0;
+namespace {
+
+// A training run between its steps: the setup, where the run stands, and what each step
+// measured, for the summary.
+struct Run {
+  Run(const TrainOptions& options, comm::Comm& w) : o(options), world(w), root(w.rank() == 0) {}
+  const TrainOptions& o;
+  comm::Comm& world;
+  const bool root;
+  const bool tty = isatty(STDERR_FILENO);
   StepSetup s;
+  comm::Comm* cm = nullptr;  // the ranks' communicator once set up (StepSetup::comm)
   int start_step = 0;
-  int planned = o.steps;  // the steps the learning-rate schedule is laid out for
-  int updates = 0;        // optimizer updates so far (AdamW's bias correction counts them)
+  int planned = 0;           // the steps the learning-rate schedule is laid out for
+  int updates = 0;           // optimizer updates so far (AdamW's bias correction counts them)
+  int bad_in_a_row = 0;      // steps skipped for a non-finite loss or gradient
   std::unique_ptr<io::JsonlWriter> metrics;
-  on_every_rank(world, [&] {
+  AttentionBuildStats graphs;  // the attention library's graphs built before this step
+  std::chrono::steady_clock::time_point started;
+  std::vector<double> step_times;
+  std::vector<double> simulated_times;  // --pack: each step priced with its own documents
+  std::vector<i64> peaks, host_peaks, sent;  // per rank
+};
+
+// The setup, the weights (a checkpoint to resume, --init's, or fresh ones) and the metrics
+// file, on every rank.
+void start_run(Run& r) {
+  const TrainOptions& o = r.o;
+  r.planned = o.steps;
+  on_every_rank(r.world, [&] {
     check_train_options(o);
-    apply_threads(o.step.threads, world);
-    s = make_setup(o.step, &world);
+    apply_threads(o.step.threads, r.world);
+    r.s = make_setup(o.step, &r.world);
+    StepSetup& s = r.s;
     const ModelConfig& c = s.config;
     if (!o.resume_dir.empty()) {
       std::string from;
@@ -390,9 +411,9 @@ int run_train(const TrainOptions& o) {
       SPPO_CHECK(to_json(state.config) == to_json(c), "checkpoint")
           << "checkpoint " << from << " holds a model " << to_json(state.config).dump() << ", not the requested "
           << to_json(c).dump() << "; pass the same model options";
-      start_step = state.step;
-      planned = state.json.value("schedule_steps", o.steps);
-      updates = state.json.value("optimizer_steps", start_step);
+      r.start_step = state.step;
+      r.planned = state.json.value("schedule_steps", o.steps);
+      r.updates = state.json.value("optimizer_steps", r.start_step);
       s.data->seek(state.data_position);
       if (s.labels) {
         SPPO_CHECK(state.json.contains("labels_position"), "checkpoint")
@@ -400,215 +421,250 @@ int run_train(const TrainOptions& o) {
                "start a new run from its weights with --init";
         s.labels->seek(state.json["labels_position"]);
       }
-      SPPO_CHECK(start_step <= o.steps, "checkpoint")
-          << "checkpoint is at step " << start_step << " but --steps is " << o.steps
+      SPPO_CHECK(r.start_step <= o.steps, "checkpoint")
+          << "checkpoint is at step " << r.start_step << " but --steps is " << o.steps
           << "; raise --steps to continue training";
     } else if (!o.step.init.empty()) {
       init_from(*s.runtime, o.step.init);
     } else {
       init_owned(*s.runtime, o.step.seed);
     }
-    if (root && !o.metrics_path.empty()) {
-      metrics = std::make_unique<io::JsonlWriter>(
-          o.metrics_path, start_step > 0 ? io::JsonlWriter::Mode::Append : io::JsonlWriter::Mode::Truncate);
+    if (r.root && !o.metrics_path.empty()) {
+      r.metrics = std::make_unique<io::JsonlWriter>(
+          o.metrics_path, r.start_step > 0 ? io::JsonlWriter::Mode::Append : io::JsonlWriter::Mode::Truncate);
       write_config_beside(o.metrics_path, o.config_toml);
     }
   });
-  Runtime& rt = *s.runtime;
-  const ModelConfig& c = s.config;
-  const ParallelLayout& lay = s.layout;
-  const i64 S = o.step.seq_len;
   // From here the ranks' messages, device memory's too, go through the setup's communicator.
-  comm::Comm& cm = s.comm(world);
-  prepare_groups(cm, s.schedule, s.config);
-  rt.record_memory(!o.trace_path.empty() || !o.svg_path.empty());
-
-  const bool tty = isatty(STDERR_FILENO);
-  if (!o.quiet && root) {
-    std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s%s | data %s | %d threads%s\n",
-                 o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
-                 (long long)S, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
-                 rt.state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
-                 omp_get_max_threads(), layout_text(lay).c_str());
-    std::fprintf(stderr,
-                 "optimizer: AdamW, lr %g (%s), warm-up %d steps (%s), cosine decay to %g, weight decay %g (%s), "
-                 "clip %g\n",
-                 o.lr, o.lr_from.c_str(), o.warmup, o.warmup_from.c_str(), o.lr * o.min_lr_ratio, o.weight_decay,
-                 o.weight_decay_from.c_str(), o.clip);
-    if (s.labels) std::fprintf(stderr, "labels: %s (the loss counts the tokens whose label is not -100)\n",
-                               s.labels->describe().c_str());
-    if (std::string(s.backend->name()) != "cpu")
-      std::fprintf(stderr, "attention: %s\n", s.attention.description.c_str());
-    if (lay.ranks() > 1) std::fprintf(stderr, "ranks: %d, talking over %s\n", lay.ranks(), s.comm_name.c_str());
-  }
+  r.cm = &r.s.comm(r.world);
+  prepare_groups(*r.cm, r.s.schedule, r.s.config);
+  r.s.runtime->record_memory(!o.trace_path.empty() || !o.svg_path.empty());
+  const int ranks = r.s.layout.ranks();
+  r.peaks.assign(std::size_t(ranks), 0);
+  r.host_peaks.assign(std::size_t(ranks), 0);
+  r.sent.assign(std::size_t(ranks), 0);
   // A fused attention library builds its graphs as a step first meets their shapes: the
   // first steps pay for it, the steady state does not (reported per step).
-  AttentionBuildStats graphs = s.backend->attention_build_stats();
+  r.graphs = r.s.backend->attention_build_stats();
+  r.started = std::chrono::steady_clock::now();
+}
 
-  auto save = [&](int step_done) {
-    nlohmann::json state = {{"step", step_done},
-                            {"data_position", s.data->position()},
-                            {"config", to_json(c)},
-                            {"seed", o.step.seed},
-                            {"seq_len", S},
-                            {"batch", lay.batch},
-                            {"schedule_steps", planned},
-                            {"optimizer_steps", updates},
-                            {"options", numeric_options(o)}};
-    if (s.labels) state["labels_position"] = s.labels->position();
-    save_consolidated(rt, lay, cm, o.save_dir, state, o.config_toml);
-  };
+// What runs, on what, with which optimizer settings and where they came from.
+void print_start(const Run& r) {
+  const TrainOptions& o = r.o;
+  const StepSetup& s = r.s;
+  const ModelConfig& c = s.config;
+  const ParallelLayout& lay = s.layout;
+  std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s%s | data %s | %d threads%s\n",
+               o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
+               (long long)o.step.seq_len, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
+               s.runtime->state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
+               omp_get_max_threads(), layout_text(lay).c_str());
+  std::fprintf(stderr,
+               "optimizer: AdamW, lr %g (%s), warm-up %d steps (%s), cosine decay to %g, weight decay %g (%s), "
+               "clip %g\n",
+               o.lr, o.lr_from.c_str(), o.warmup, o.warmup_from.c_str(), o.lr * o.min_lr_ratio, o.weight_decay,
+               o.weight_decay_from.c_str(), o.clip);
+  if (s.labels) std::fprintf(stderr, "labels: %s (the loss counts the tokens whose label is not -100)\n",
+                             s.labels->describe().c_str());
+  if (std::string(s.backend->name()) != "cpu")
+    std::fprintf(stderr, "attention: %s\n", s.attention.description.c_str());
+  if (lay.ranks() > 1) std::fprintf(stderr, "ranks: %d, talking over %s\n", lay.ranks(), s.comm_name.c_str());
+}
 
-  std::vector<std::int32_t> tokens(std::size_t(S + 1));
-  const auto t_run = std::chrono::steady_clock::now();
-  std::vector<double> step_times;
-  std::vector<double> simulated_times;  // --pack: each step priced with its own documents
-  int bad_in_a_row = 0;
-  std::vector<i64> peaks(std::size_t(lay.ranks()), 0), host_peaks(peaks);
-  std::vector<i64> sent(std::size_t(lay.ranks()), 0);
-  for (int step = start_step; step < o.steps; ++step) {
-    const FaultPlan& fault = fault_plan();
-    if (fault.kind == FaultPlan::Kind::Die && fault.rank == world.rank() && fault.count == step + 1) raise(SIGKILL);
-    Sequences q;
-    on_this_rank(cm, [&] { q = run_sequences(s, tokens, nullptr); });
-    if (fault.kind == FaultPlan::Kind::Nan && fault.rank == world.rank() && step + 1 == fault.count) {
-      const float nan = std::nanf("");  // a poisoned gradient
-      rt.write_device(rt.grads(), &nan, 1);
-    }
-    std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
-    comm::allreduce_sum(cm, losses, comm::world_group(world), "the step's loss");
-    const double loss = losses[0];
-    const float lr = lr_at(o, step, planned);
-    AdamWSettings hp{lr, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.clip};
-    // A step whose loss or gradient is not finite changes nothing (optimizer_step leaves
-    // the weights alone); too many in a row end the run, keeping the last checkpoint.
-    const double norm = std::isfinite(loss) ? optimizer_step(rt, lay, cm, hp, updates + 1) : loss;
-    if (!std::isfinite(norm)) {
-      ++bad_in_a_row;
-      if (root && !o.quiet)
-        std::fprintf(stderr, "%sstep %d: the %s is not finite; step skipped (%d in a row, at most --max-bad-steps %d)\n",
-                     tty ? "\r\033[K" : "", step + 1, std::isfinite(loss) ? "gradient" : "loss", bad_in_a_row,
-                     o.max_bad_steps);
-      if (root && metrics) metrics->write({{"step", step + 1}, {"skipped", true}});
-      SPPO_CHECK(bad_in_a_row < o.max_bad_steps, "train")
-          << "--max-bad-steps " << o.max_bad_steps << " reached: step " << step + 1
-          << " is the last of that many in a row with a non-finite loss or gradient; stopped" << (o.save_dir.empty() ? "" : ", keeping the last checkpoint in " + o.save_dir)
-          << "; lower --lr or --clip and resume";
-      continue;
-    }
-    bad_in_a_row = 0;
-    ++updates;
-    const std::vector<RankFigures> ranks = all_figures(cm, q);
-    double step_s = 0, exposed = 0;
-    i64 peak = 0, offloaded = 0, host_peak = 0;
-    for (const RankFigures& f : ranks) {
-      step_s = std::max(step_s, f.step_s);
-      exposed = std::max(exposed, f.exposed_s);
-      peak = std::max(peak, f.peak);
-      host_peak = std::max(host_peak, f.host_peak);
-      offloaded += f.offloaded;
-      peaks[std::size_t(f.rank)] = std::max(peaks[std::size_t(f.rank)], f.peak);
-      host_peaks[std::size_t(f.rank)] = std::max(host_peaks[std::size_t(f.rank)], f.host_peak);
-      sent[std::size_t(f.rank)] = f.sent;
-    }
-    step_times.push_back(step_s);
-    if (s.simulate_packed) simulated_times.push_back(q.simulated_s);
-    const int done = step + 1;
-    if (root) {
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
-      const double eta = elapsed / double(done - start_step) * double(o.steps - done);
-      const double tps = double(S) * lay.batch / step_s;
-      nlohmann::json m = {{"step", done},
-                          {"loss", loss},
-                          {"lr", lr},
-                          {"grad_norm", norm},
-                          {"step_time_s", step_s},
-                          {"tokens_per_s", tps},
-                          {"peak_device_bytes", peak},
-                          {"peak_host_bytes", host_peak},
-                          {"offloaded_bytes", offloaded},
-                          {"exposed_copy_s", exposed}};
-      if (rt.state_on_host()) m["optimizer_copied_bytes"] = rt.host_update_bytes();
-      const AttentionBuildStats now = s.backend->attention_build_stats();
-      if (now.graphs > graphs.graphs) {
-        m["attention_graphs_built"] = now.graphs - graphs.graphs;
-        m["attention_graph_build_s"] = now.seconds - graphs.seconds;
-      }
-      graphs = now;
-      if (s.simulate_packed) m["simulated_step_time_s"] = q.simulated_s;
-      if (s.schedule.targets_given()) m["loss_tokens"] = q.loss_tokens;  // what the loss averaged over
-      std::string halves;
-      if (s.repeat_task) {
-        const double first = losses[1] / lay.batch, second = losses[2] / lay.batch;
-        m["loss_first_half"] = first;
-        m["loss_second_half"] = second;
-        char buf[64];
-        std::snprintf(buf, sizeof buf, " (1st half %.3f, 2nd %.3f)", first, second);
-        halves = buf;
-      }
-      if (lay.ranks() > 1) {
-        nlohmann::json per = nlohmann::json::array();
-        for (const RankFigures& f : ranks)
-          per.push_back({{"rank", f.rank},
-                         {"stage", lay.stage_of(f.rank)},
-                         {"replica", lay.replica_of(f.rank)},
-                         {"step_time_s", f.step_s},
-                         {"compute_s", f.compute_s},
-                         {"bubble", f.bubble()},
-                         {"comm_wait_s", f.comm_wait_s},
-                         {"peak_device_bytes", f.peak},
-                         {"peak_host_bytes", f.host_peak}});
-        m["ranks"] = std::move(per);
-      }
-      if (metrics) metrics->write(m);
-      if (!o.quiet) {
-        std::fprintf(stderr, "%sstep %d/%d | loss %.4f%s | %s tok/s | peak %s | offloaded %s | ETA %s%s",
-                     tty ? "\r\033[K" : "", done, o.steps, loss, halves.c_str(), fmt_rate(tps).c_str(),
-                     format_bytes(double(peak)).c_str(), format_bytes(double(offloaded)).c_str(),
-                     fmt_duration(eta).c_str(), tty && done < o.steps ? "" : "\n");
-      }
-    }
-    const bool stopping = o.stop_after > 0 && done == o.stop_after && done < o.steps;
-    if (done == o.steps || stopping) {
-      if (!o.trace_path.empty() || !o.svg_path.empty()) {
-        const sim::SimResult m = measured_timeline(cm, q.last, lay, S * lay.batch);
-        if (root)
-          sim::write_timelines(m, o.trace_path, o.svg_path,
-                               "measured step: S " + std::to_string(S) + ", " + o.step.model_name + layout_text(lay));
-      }
-    }
-    if (!o.save_dir.empty() &&
-        ((o.save_every > 0 && done % o.save_every == 0) || done == o.steps || stopping))
-      on_this_rank(cm, [&] { save(done); });
-    if (stopping) break;
+void save_run(Run& r, int step_done) {
+  const TrainOptions& o = r.o;
+  const StepSetup& s = r.s;
+  nlohmann::json state = {{"step", step_done},
+                          {"data_position", s.data->position()},
+                          {"config", to_json(s.config)},
+                          {"seed", o.step.seed},
+                          {"seq_len", o.step.seq_len},
+                          {"batch", s.layout.batch},
+                          {"schedule_steps", r.planned},
+                          {"optimizer_steps", r.updates},
+                          {"options", numeric_options(o)}};
+  if (s.labels) state["labels_position"] = s.labels->position();
+  save_consolidated(*s.runtime, s.layout, *r.cm, o.save_dir, state, o.config_toml);
+}
+
+// A step whose loss or gradient is not finite changes nothing (optimizer_step leaves the
+// weights alone); too many in a row end the run, keeping the last checkpoint.
+void skip_step(Run& r, int step, bool loss_finite) {
+  const TrainOptions& o = r.o;
+  ++r.bad_in_a_row;
+  if (r.root && !o.quiet)
+    std::fprintf(stderr, "%sstep %d: the %s is not finite; step skipped (%d in a row, at most --max-bad-steps %d)\n",
+                 r.tty ? "\r\033[K" : "", step + 1, loss_finite ? "gradient" : "loss", r.bad_in_a_row,
+                 o.max_bad_steps);
+  if (r.root && r.metrics) r.metrics->write({{"step", step + 1}, {"skipped", true}});
+  SPPO_CHECK(r.bad_in_a_row < o.max_bad_steps, "train")
+      << "--max-bad-steps " << o.max_bad_steps << " reached: step " << step + 1
+      << " is the last of that many in a row with a non-finite loss or gradient; stopped"
+      << (o.save_dir.empty() ? "" : ", keeping the last checkpoint in " + o.save_dir) << "; lower --lr or --clip and resume";
+}
+
+// What one step trained: its loss (and the built-in task's halves), its learning rate and
+// gradient norm.
+struct StepOutcome {
+  int done = 0;
+  double loss = 0, first = 0, second = 0, norm = 0;
+  float lr = 0;
+};
+
+// One step's figures over every rank, into the run's records; on rank 0, its metrics line
+// and progress.
+void report_step(Run& r, const Sequences& q, const StepOutcome& t) {
+  const TrainOptions& o = r.o;
+  const StepSetup& s = r.s;
+  const ParallelLayout& lay = s.layout;
+  const std::vector<RankFigures> ranks = all_figures(*r.cm, q);
+  double step_s = 0, exposed = 0;
+  i64 peak = 0, offloaded = 0, host_peak = 0;
+  for (const RankFigures& f : ranks) {
+    step_s = std::max(step_s, f.step_s);
+    exposed = std::max(exposed, f.exposed_s);
+    peak = std::max(peak, f.peak);
+    host_peak = std::max(host_peak, f.host_peak);
+    offloaded += f.offloaded;
+    r.peaks[std::size_t(f.rank)] = std::max(r.peaks[std::size_t(f.rank)], f.peak);
+    r.host_peaks[std::size_t(f.rank)] = std::max(r.host_peaks[std::size_t(f.rank)], f.host_peak);
+    r.sent[std::size_t(f.rank)] = f.sent;
   }
-  // Summary: the measured step time (median, the first step excluded as warm-up) beside the
-  // simulator's prediction of the same schedule on this machine's profile.
-  const std::size_t warmup = step_times.size() > 1 ? 1 : 0;
-  std::vector<double> timed(step_times.begin() + std::ptrdiff_t(warmup), step_times.end());
-  std::sort(timed.begin(), timed.end());
-  const double measured = timed.empty() ? 0 : timed[timed.size() / 2];
+  r.step_times.push_back(step_s);
+  if (s.simulate_packed) r.simulated_times.push_back(q.simulated_s);
+  if (!r.root) return;
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
+  const double eta = elapsed / double(t.done - r.start_step) * double(o.steps - t.done);
+  const double tps = double(o.step.seq_len) * lay.batch / step_s;
+  nlohmann::json m = {{"step", t.done},
+                      {"loss", t.loss},
+                      {"lr", t.lr},
+                      {"grad_norm", t.norm},
+                      {"step_time_s", step_s},
+                      {"tokens_per_s", tps},
+                      {"peak_device_bytes", peak},
+                      {"peak_host_bytes", host_peak},
+                      {"offloaded_bytes", offloaded},
+                      {"exposed_copy_s", exposed}};
+  if (s.runtime->state_on_host()) m["optimizer_copied_bytes"] = s.runtime->host_update_bytes();
+  const AttentionBuildStats now = s.backend->attention_build_stats();
+  if (now.graphs > r.graphs.graphs) {
+    m["attention_graphs_built"] = now.graphs - r.graphs.graphs;
+    m["attention_graph_build_s"] = now.seconds - r.graphs.seconds;
+  }
+  r.graphs = now;
+  if (s.simulate_packed) m["simulated_step_time_s"] = q.simulated_s;
+  if (s.schedule.targets_given()) m["loss_tokens"] = q.loss_tokens;  // what the loss averaged over
+  std::string halves;
+  if (s.repeat_task) {
+    m["loss_first_half"] = t.first;
+    m["loss_second_half"] = t.second;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " (1st half %.3f, 2nd %.3f)", t.first, t.second);
+    halves = buf;
+  }
+  if (lay.ranks() > 1) {
+    nlohmann::json per = nlohmann::json::array();
+    for (const RankFigures& f : ranks)
+      per.push_back({{"rank", f.rank},
+                     {"stage", lay.stage_of(f.rank)},
+                     {"replica", lay.replica_of(f.rank)},
+                     {"step_time_s", f.step_s},
+                     {"compute_s", f.compute_s},
+                     {"bubble", f.bubble()},
+                     {"comm_wait_s", f.comm_wait_s},
+                     {"peak_device_bytes", f.peak},
+                     {"peak_host_bytes", f.host_peak}});
+    m["ranks"] = std::move(per);
+  }
+  if (r.metrics) r.metrics->write(m);
+  if (!o.quiet)
+    std::fprintf(stderr, "%sstep %d/%d | loss %.4f%s | %s tok/s | peak %s | offloaded %s | ETA %s%s",
+                 r.tty ? "\r\033[K" : "", t.done, o.steps, t.loss, halves.c_str(), fmt_rate(tps).c_str(),
+                 format_bytes(double(peak)).c_str(), format_bytes(double(offloaded)).c_str(),
+                 fmt_duration(eta).c_str(), r.tty && t.done < o.steps ? "" : "\n");
+}
+
+// One optimizer step: the step's sequences, the reduced loss, the update, the figures, and
+// at the end of the run (or of this process's share, --stop-after) the timelines and the
+// checkpoint. Returns false when the run stops here.
+bool train_step(Run& r, int step, std::vector<std::int32_t>& tokens) {
+  const TrainOptions& o = r.o;
+  StepSetup& s = r.s;
+  Runtime& rt = *s.runtime;
+  const ParallelLayout& lay = s.layout;
+  comm::Comm& cm = *r.cm;
+  const FaultPlan& fault = fault_plan();
+  if (fault.kind == FaultPlan::Kind::Die && fault.rank == r.world.rank() && fault.count == step + 1) raise(SIGKILL);
+  Sequences q;
+  on_this_rank(cm, [&] { q = run_sequences(s, tokens, nullptr); });
+  if (fault.kind == FaultPlan::Kind::Nan && fault.rank == r.world.rank() && step + 1 == fault.count) {
+    const float nan = std::nanf("");  // a poisoned gradient
+    rt.write_device(rt.grads(), &nan, 1);
+  }
+  std::vector<double> losses{q.loss_sum, q.first_sum, q.second_sum};
+  comm::allreduce_sum(cm, losses, comm::world_group(r.world), "the step's loss");
+  StepOutcome t;
+  t.done = step + 1;
+  t.loss = losses[0];
+  t.first = losses[1] / lay.batch, t.second = losses[2] / lay.batch;
+  t.lr = lr_at(o, step, r.planned);
+  const AdamWSettings hp{t.lr, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.clip};
+  t.norm = std::isfinite(t.loss) ? optimizer_step(rt, lay, cm, hp, r.updates + 1) : t.loss;
+  if (!std::isfinite(t.norm)) {
+    skip_step(r, step, std::isfinite(t.loss));
+    return true;
+  }
+  r.bad_in_a_row = 0;
+  ++r.updates;
+  report_step(r, q, t);
+  const bool stopping = o.stop_after > 0 && t.done == o.stop_after && t.done < o.steps;
+  if ((t.done == o.steps || stopping) && (!o.trace_path.empty() || !o.svg_path.empty())) {
+    const i64 S = o.step.seq_len;
+    const sim::SimResult m = measured_timeline(cm, q.last, lay, S * lay.batch);
+    if (r.root)
+      sim::write_timelines(m, o.trace_path, o.svg_path,
+                           "measured step: S " + std::to_string(S) + ", " + o.step.model_name + layout_text(lay));
+  }
+  if (!o.save_dir.empty() && ((o.save_every > 0 && t.done % o.save_every == 0) || t.done == o.steps || stopping))
+    on_this_rank(cm, [&] { save_run(r, t.done); });
+  return !stopping;
+}
+
+// The median of the values past the first `skip`, or `otherwise` when there are none.
+double median_after(std::vector<double> v, std::size_t skip, double otherwise) {
+  if (v.size() <= skip) return otherwise;
+  v.erase(v.begin(), v.begin() + std::ptrdiff_t(skip));
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Summary: the measured step time (median, the first step excluded as warm-up) beside the
+// simulator's prediction of the same schedule on this machine's profile, and the peaks
+// beside the memory model's.
+void finish_run(const Run& r) {
+  const TrainOptions& o = r.o;
+  const StepSetup& s = r.s;
+  const ParallelLayout& lay = s.layout;
+  const std::size_t warmup = r.step_times.size() > 1 ? 1 : 0;
+  const double measured = median_after(r.step_times, warmup, 0);
   // Packed steps differ in their documents: the median of each step's own prediction.
-  double simulated = s.predicted_step_s;
-  if (simulated_times.size() > warmup) {
-    std::vector<double> sims(simulated_times.begin() + std::ptrdiff_t(warmup), simulated_times.end());
-    std::sort(sims.begin(), sims.end());
-    simulated = sims[sims.size() / 2];
-  }
-  const i64 measured_peak = *std::max_element(peaks.begin(), peaks.end());
-  const i64 measured_host_peak = *std::max_element(host_peaks.begin(), host_peaks.end());
-  if (!root) return 0;
+  const double simulated = median_after(r.simulated_times, warmup, s.predicted_step_s);
+  const i64 measured_peak = *std::max_element(r.peaks.begin(), r.peaks.end());
+  const i64 measured_host_peak = *std::max_element(r.host_peaks.begin(), r.host_peaks.end());
+  if (!r.root) return;
   nlohmann::json summary = {{"summary", true},
-                            {"step", start_step + int(step_times.size())},
+                            {"step", r.start_step + int(r.step_times.size())},
                             {"measured_step_time_s", measured},
                             {"predicted_peak_device_bytes", s.predicted_peak_bytes},
                             {"measured_peak_device_bytes", measured_peak},
                             {"predicted_peak_host_bytes", s.predicted_host_bytes},
                             {"measured_peak_host_bytes", measured_host_peak}};
   if (lay.ranks() > 1) {
-    summary["measured_peak_device_bytes_per_rank"] = peaks;
+    summary["measured_peak_device_bytes_per_rank"] = r.peaks;
     summary["predicted_peak_device_bytes_per_rank"] = s.predicted_peak_per_rank;
-    summary["measured_sent_bytes_per_rank"] = sent;
+    summary["measured_sent_bytes_per_rank"] = r.sent;
     summary["predicted_sent_bytes_per_rank"] = s.predicted_sent_per_rank;
     summary["simulated_bubble"] = s.predicted_bubble;
   }
@@ -622,31 +678,44 @@ int run_train(const TrainOptions& o) {
     summary["attention_graphs"] = {{"built", built.graphs}, {"build_s", built.seconds},
                                    {"first_build_s", built.first_seconds}};
   }
-  if (metrics) metrics->write(summary);
-  if (!o.quiet) {
-    if (built.graphs > 0)
-      std::fprintf(stderr, "attention graphs: %d built in %.2f s (the first %.2f s)\n", built.graphs, built.seconds,
-                   built.first_seconds);
-    std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)", int(step_times.size()), measured);
-    if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", simulated, s.profile.name.c_str());
-    std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(measured_peak)).c_str());
-    if (s.predicted_peak_bytes > 0)
-      std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
-    if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
-      std::fprintf(stderr, "; host memory (%s%s) %s measured, %s predicted",
-                   s.schedule.any_kv_streamed() ? "offloaded, K/V and their sums" : "offloaded",
-                   rt.state_on_host() ? ", optimizer state" : "",
-                   format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
-    if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
-    std::fprintf(stderr, "\n");
-    // A CPU profile prices one device at the threads it was measured with.
-    const int threads = omp_get_max_threads();
-    if (s.profile_measured && s.profile.threads > 0 && s.profile.threads != threads)
-      std::fprintf(stderr,
-                   "note: profile %s was measured at %d threads a device and this rank ran %d, so the simulated "
-                   "time prices other cores; measure one with `sppo profile --threads %d`\n",
-                   s.profile.name.c_str(), s.profile.threads, threads, threads);
-  }
+  if (r.metrics) r.metrics->write(summary);
+  if (o.quiet) return;
+  if (built.graphs > 0)
+    std::fprintf(stderr, "attention graphs: %d built in %.2f s (the first %.2f s)\n", built.graphs, built.seconds,
+                 built.first_seconds);
+  std::fprintf(stderr, "done: %d steps, step time %.3f s measured (median)", int(r.step_times.size()), measured);
+  if (s.profile_measured) std::fprintf(stderr, ", %.3f s simulated on profile %s", simulated, s.profile.name.c_str());
+  std::fprintf(stderr, "; peak device memory %s measured", format_bytes(double(measured_peak)).c_str());
+  if (s.predicted_peak_bytes > 0)
+    std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
+  if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
+    std::fprintf(stderr, "; host memory (%s%s) %s measured, %s predicted",
+                 s.schedule.any_kv_streamed() ? "offloaded, K/V and their sums" : "offloaded",
+                 s.runtime->state_on_host() ? ", optimizer state" : "",
+                 format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
+  if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
+  std::fprintf(stderr, "\n");
+  // A CPU profile prices one device at the threads it was measured with.
+  const int threads = omp_get_max_threads();
+  if (s.profile_measured && s.profile.threads > 0 && s.profile.threads != threads)
+    std::fprintf(stderr,
+                 "note: profile %s was measured at %d threads a device and this rank ran %d, so the simulated "
+                 "time prices other cores; measure one with `sppo profile --threads %d`\n",
+                 s.profile.name.c_str(), s.profile.threads, threads, threads);
+}
+
+}  // namespace
+
+int run_train(const TrainOptions& o) {
+  comm::Comm& world = comm::world();
+  world.set_timeout_s(o.step.comm_timeout_s);
+  Run r(o, world);
+  start_run(r);
+  if (!o.quiet && r.root) print_start(r);
+  std::vector<std::int32_t> tokens(std::size_t(o.step.seq_len + 1));
+  for (int step = r.start_step; step < o.steps; ++step)
+    if (!train_step(r, step, tokens)) break;
+  finish_run(r);
   return 0;
 }
 
