@@ -141,121 +141,338 @@ std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec) {
   return r;
 }
 
-Schedule build_pipeline(const PipelineSpec& spec) {
-  const int P = spec.pp, R = spec.sp, D = spec.dp;
-  const int N = int(spec.lengths.size());
-  SPPO_CHECK(R >= 1 && D >= 1, "schedule") << "sp and dp must be at least 1";
-  SPPO_CHECK(N >= 1, "schedule") << "at least one subsequence is needed";
-  std::vector<double> alpha = spec.alpha.empty() ? std::vector<double>(N, 0.0) : spec.alpha;
-  SPPO_CHECK(int(alpha.size()) == N, "schedule") << "alpha has " << alpha.size() << " entries for " << N
-                                                 << " subsequences";
-  SPPO_CHECK(alpha.back() == 0, "schedule") << "alpha of the last subsequence must be 0";
-  for (int i = 0; i < N; ++i) {
-    SPPO_CHECK(spec.lengths[i] >= R * (spec.msp ? P : 1), "schedule")
-        << "subsequence " << i << " of " << spec.lengths[i] << " tokens is shorter than its pieces";
-    SPPO_CHECK(alpha[i] >= 0 && alpha[i] <= 1, "schedule") << "alpha[" << i << "] outside [0, 1]";
+namespace {
+
+// build_pipeline in steps (Notes [Pipeline as tasks] and [MSP pieces] above): check the
+// spec, lay out the tasks and their pieces in slot order, find what MSP's helpers borrow,
+// then emit each task's ops on its pieces' ranks, and last the gradient reductions.
+class PipelineBuilder {
+ public:
+  explicit PipelineBuilder(const PipelineSpec& spec)
+      : spec_(spec), P_(spec.pp), R_(spec.sp), D_(spec.dp), N_(int(spec.lengths.size())) {}
+
+  Schedule build() {
+    check();
+    ranges_ = stage_ranges(spec_);
+    start_schedule();
+    make_tasks();
+    find_helper_leases();
+    send_helper_weights();
+    pending_wait_.assign(std::size_t(s_.ranks), -1);
+    offloaded_.assign(std::size_t(s_.ranks), {});
+    prefetched_.assign(std::size_t(s_.ranks), {});
+    for (std::size_t ti = 0; ti < tasks_.size(); ++ti) emit_task(ti);
+    reduce_gradients();
+    return std::move(s_);
   }
-  const bool msp = spec.msp && P > 1;
-  SPPO_CHECK(!msp || N >= P, "schedule") << "MSP needs N >= P (N = " << N << ", P = " << P << ")";
-  const auto ranges = stage_ranges(spec);
 
-  Schedule s;
-  s.ranks = spec.ranks();
-  s.replicas = D;
-  s.layers = spec.layers;
-  s.lengths = spec.lengths;
-  s.ring = R;
-  s.ring_layout = spec.ring_layout;
-  s.ops.resize(s.ranks);
-  s.owned.resize(s.ranks);
-  for (int d = 0; d < D; ++d)
-    for (int p = 0; p < P; ++p)
-      for (int r = 0; r < R; ++r) s.owned[spec.rank_of(d, p, r)] = ranges[p];
+ private:
+  void check() {
+    SPPO_CHECK(R_ >= 1 && D_ >= 1, "schedule") << "sp and dp must be at least 1";
+    SPPO_CHECK(N_ >= 1, "schedule") << "at least one subsequence is needed";
+    alpha_ = spec_.alpha.empty() ? std::vector<double>(std::size_t(N_), 0.0) : spec_.alpha;
+    SPPO_CHECK(int(alpha_.size()) == N_, "schedule") << "alpha has " << alpha_.size() << " entries for " << N_
+                                                     << " subsequences";
+    SPPO_CHECK(alpha_.back() == 0, "schedule") << "alpha of the last subsequence must be 0";
+    for (int i = 0; i < N_; ++i) {
+      SPPO_CHECK(spec_.lengths[std::size_t(i)] >= R_ * (spec_.msp ? P_ : 1), "schedule")
+          << "subsequence " << i << " of " << spec_.lengths[std::size_t(i)] << " tokens is shorter than its pieces";
+      SPPO_CHECK(alpha_[std::size_t(i)] >= 0 && alpha_[std::size_t(i)] <= 1, "schedule")
+          << "alpha[" << i << "] outside [0, 1]";
+    }
+    msp_ = spec_.msp && P_ > 1;
+    SPPO_CHECK(!msp_ || N_ >= P_, "schedule") << "MSP needs N >= P (N = " << N_ << ", P = " << P_ << ")";
+  }
 
-  // Stage groups that run task (stage, k).
-  auto groups_of = [&](int stage, int k) {
-    return msp ? msp_groups(P, N, stage, k, spec.msp_reach) : std::vector<int>{stage};
-  };
+  void start_schedule() {
+    s_.ranks = spec_.ranks();
+    s_.replicas = D_;
+    s_.layers = spec_.layers;
+    s_.lengths = spec_.lengths;
+    s_.ring = R_;
+    s_.ring_layout = spec_.ring_layout;
+    s_.ops.resize(std::size_t(s_.ranks));
+    s_.owned.resize(std::size_t(s_.ranks));
+    for (int d = 0; d < D_; ++d)
+      for (int p = 0; p < P_; ++p)
+        for (int r = 0; r < R_; ++r) s_.owned[std::size_t(spec_.rank_of(d, p, r))] = ranges_[std::size_t(p)];
+  }
 
-  std::vector<Task> tasks;
-  for (int d = 0; d < D; ++d)
-    for (int i = 0; i < P; ++i)
-      for (int k = 0; k < N; ++k)
-        for (bool fwd : {true, false}) {
-          Task t{fwd, i, k, d, fwd ? i + k : (N + P - 1) + (P - 1 - i) + (N - 1 - k), {}};
-          const std::vector<int> g = groups_of(i, k);
-          const int pieces = int(g.size()) * R;
-          for (size_t h = 0; h < g.size(); ++h)
-            for (int r = 0; r < R; ++r) {
-              const int piece = int(h) * R + r;
-              const RingLayout layout = pieces == R ? spec.ring_layout : RingLayout::Contiguous;
-              t.pieces.push_back({spec.rank_of(d, g[h], r), piece_spans(spec.lengths[k], piece, pieces, layout),
-                                  piece, pieces, g[h] != i});
-            }
-          tasks.push_back(std::move(t));
-        }
-  {
-    std::vector<size_t> order(tasks.size());
-    for (size_t t = 0; t < order.size(); ++t) order[t] = t;
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      return std::tie(tasks[a].d, tasks[a].slot, tasks[a].stage) < std::tie(tasks[b].d, tasks[b].slot, tasks[b].stage);
+  // Every (replica, stage, subsequence, direction) with its pieces, sorted by slot; and
+  // where each sits in that order.
+  void make_tasks() {
+    for (int d = 0; d < D_; ++d)
+      for (int i = 0; i < P_; ++i)
+        for (int k = 0; k < N_; ++k)
+          for (bool fwd : {true, false}) {
+            Task t{fwd, i, k, d, fwd ? i + k : (N_ + P_ - 1) + (P_ - 1 - i) + (N_ - 1 - k), {}};
+            // Stage groups that run the task.
+            const std::vector<int> g = msp_ ? msp_groups(P_, N_, i, k, spec_.msp_reach) : std::vector<int>{i};
+            const int pieces = int(g.size()) * R_;
+            for (std::size_t h = 0; h < g.size(); ++h)
+              for (int r = 0; r < R_; ++r) {
+                const int piece = int(h) * R_ + r;
+                const RingLayout layout = pieces == R_ ? spec_.ring_layout : RingLayout::Contiguous;
+                t.pieces.push_back({spec_.rank_of(d, g[h], r),
+                                    piece_spans(spec_.lengths[std::size_t(k)], piece, pieces, layout), piece, pieces,
+                                    g[h] != i});
+              }
+            tasks_.push_back(std::move(t));
+          }
+    std::stable_sort(tasks_.begin(), tasks_.end(), [](const Task& a, const Task& b) {
+      return std::tie(a.d, a.slot, a.stage) < std::tie(b.d, b.slot, b.stage);
     });
-    std::vector<Task> sorted;
-    sorted.reserve(tasks.size());
-    for (size_t t : order) sorted.push_back(std::move(tasks[t]));
-    tasks = std::move(sorted);
+    for (auto& ops : s_.ops) ops.reserve(std::size_t(N_) * (R_ > 1 ? 2 * R_ + 6 : 8));
+    index_.resize(tasks_.size());
+    for (std::size_t t = 0; t < tasks_.size(); ++t)
+      index_[slot_of(tasks_[t].d, tasks_[t].stage, tasks_[t].subseq, tasks_[t].forward)] = t;
   }
-  for (auto& ops : s.ops) ops.reserve(size_t(N) * (R > 1 ? 2 * R + 6 : 8));
 
-  // Index of task (d, stage, k, forward) in the sorted list.
-  std::vector<size_t> index(tasks.size());
-  auto slot_of = [&](int d, int stage, int k, bool fwd) { return ((size_t(d) * P + stage) * N + k) * 2 + (fwd ? 0 : 1); };
-  for (size_t t = 0; t < tasks.size(); ++t)
-    index[slot_of(tasks[t].d, tasks[t].stage, tasks[t].subseq, tasks[t].forward)] = t;
-
-  // Last backward task of each (helper rank, stage): where its weight gradients go home.
-  std::map<std::pair<int, int>, size_t> last_helper_task;
-  std::set<std::tuple<int, int, bool>> borrowed;  // (helper rank, stage, forward) leases begun
-  std::set<int> owner_backward_started;           // stages whose owners sent the backward lease
-  for (size_t t = 0; t < tasks.size(); ++t)
-    for (const Piece& pc : tasks[t].pieces)
-      if (pc.helper) last_helper_task[{pc.rank, tasks[t].stage}] = t;
-  // (helper rank, stage) whose forward lease carries on into its backwards: the helper runs
-  // nothing between its last forward piece of the stage and its first backward one (a
-  // stage's last subsequence, on the idle group before it), so the weights need not go
-  // home and come back, with the owner's backward waiting on them.
-  std::set<std::pair<int, int>> lease_kept;
-  if (msp) {  // only MSP has helpers; a plain pipeline skips the walk
-    std::map<std::pair<int, int>, std::pair<size_t, size_t>> ends;  // last forward, first backward task
-    std::map<int, std::vector<size_t>> tasks_of;                    // rank -> its tasks, in order
-    for (size_t t = 0; t < tasks.size(); ++t)
-      for (const Piece& pc : tasks[t].pieces) {
+  // MSP: the last backward task of each (helper rank, stage), where its weight gradients go
+  // home; and the (helper rank, stage) whose forward lease carries on into its backwards:
+  // the helper runs nothing between its last forward piece of the stage and its first
+  // backward one (a stage's last subsequence, on the idle group before it), so the weights
+  // need not go home and come back, with the owner's backward waiting on them.
+  void find_helper_leases() {
+    for (std::size_t t = 0; t < tasks_.size(); ++t)
+      for (const Piece& pc : tasks_[t].pieces)
+        if (pc.helper) last_helper_task_[{pc.rank, tasks_[t].stage}] = t;
+    if (!msp_) return;  // only MSP has helpers; a plain pipeline skips the walk
+    std::map<std::pair<int, int>, std::pair<std::size_t, std::size_t>> ends;  // last forward, first backward task
+    std::map<int, std::vector<std::size_t>> tasks_of;                         // rank -> its tasks, in order
+    for (std::size_t t = 0; t < tasks_.size(); ++t)
+      for (const Piece& pc : tasks_[t].pieces) {
         tasks_of[pc.rank].push_back(t);
         if (!pc.helper) continue;
-        auto it = ends.try_emplace({pc.rank, tasks[t].stage}, SIZE_MAX, SIZE_MAX).first;
-        if (tasks[t].forward) it->second.first = t;
+        auto it = ends.try_emplace({pc.rank, tasks_[t].stage}, SIZE_MAX, SIZE_MAX).first;
+        if (tasks_[t].forward) it->second.first = t;
         else if (it->second.second == SIZE_MAX) it->second.second = t;
       }
     for (const auto& [key, fb] : ends) {
       if (fb.first == SIZE_MAX || fb.second == SIZE_MAX) continue;
       const auto& mine = tasks_of[key.first];
       const auto after = std::upper_bound(mine.begin(), mine.end(), fb.first);
-      if (after != mine.end() && *after == fb.second) lease_kept.insert(key);
+      if (after != mine.end() && *after == fb.second) lease_kept_.insert(key);
     }
   }
 
-  auto owner_of = [&](const Task& t, const Piece& pc) {
-    return spec.rank_of(t.d, t.stage, pc.piece % R);
-  };
-  auto with_layers = [&](Op op, int stage) {
-    op.layer_begin = ranges[stage].first;
-    op.layer_end = ranges[stage].second;
+  // Weights for helpers go out first.
+  void send_helper_weights() {
+    for (const auto& [key, t] : last_helper_task_) {
+      const auto [rank, stage] = key;
+      const int d = rank / (P_ * R_), r = rank % R_;
+      s_.ops[std::size_t(spec_.rank_of(d, stage, r))].push_back(
+          msg(OpKind::Send, Payload::Weights, 0, stage, rank, 0, whole(rank)));
+    }
+  }
+
+  // One task: on each piece's rank its leases, dK/dV returns, inputs, prefetches, ring
+  // steps, the compute, K/V gathers, offload and weight-gradient returns; then its outputs
+  // to the consumer task's pieces and the helpers' weight gradients taken home.
+  void emit_task(std::size_t ti) {
+    const Task& t = tasks_[ti];
+    const int i = t.stage;
+    // Producer of this task's input: F(i-1, k) or B(i+1, k).
+    const int src_stage = t.forward ? i - 1 : i + 1;
+    const Task* src =
+        src_stage >= 0 && src_stage < P_ ? &tasks_[index_[slot_of(t.d, src_stage, t.subseq, t.forward)]] : nullptr;
+    for (const Piece& pc : t.pieces) emit_piece(ti, pc, src);
+    emit_outputs(t);
+    // Helpers whose last piece of this stage this was send their weight gradients home; the
+    // owner takes them now, so that they do not wait on the helper for the rest of the step.
+    for (const Piece& h : t.pieces)
+      if (h.helper && last_helper_task_[{h.rank, i}] == ti)
+        s_.ops[std::size_t(owner_of(t, h))].push_back(msg(OpKind::Recv, Payload::WeightGrads, 0, i, h.rank, 0, whole(h.rank)));
+  }
+
+  void emit_piece(std::size_t ti, const Piece& pc, const Task* src) {
+    const Task& t = tasks_[ti];
+    const int i = t.stage, k = t.subseq;
+    const bool split = t.pieces.size() > std::size_t(R_);
+    auto& ops = s_.ops[std::size_t(pc.rank)];
+    const int owner = owner_of(t, pc);
+    emit_leases(t, pc, owner);
+    // Backward of a split task: the owner returns each helper piece's dK, dV rows.
+    if (!t.forward && !pc.helper && split)
+      for (const Piece& h : t.pieces)
+        if (h.helper && owner_of(t, h) == pc.rank)
+          ops.push_back(msg(OpKind::Send, Payload::KVGrad, k, i, h.rank, span_tokens(h.spans), h));
+    if (!t.forward && pc.helper) ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, span_tokens(pc.spans), pc));
+    // Input activations (or their gradients) from the producer pieces that overlap.
+    const Payload act = t.forward ? Payload::Hidden : Payload::HiddenGrad;
+    if (src)
+      for (const Piece& q : src->pieces)
+        if (q.rank != pc.rank)
+          for (const Op& op : parts(msg(OpKind::Recv, act, k, i, q.rank, 0, pc), *src, t, q, pc)) ops.push_back(op);
+    const int prefetch = !t.forward && !pc.helper ? bring_back_units(pc.rank, k) : -1;
+    emit_ring(t, pc);
+    Op c = with_layers(make(t.forward ? OpKind::Forward : OpKind::Backward, k), i);
+    c.piece = pc.piece;
+    c.pieces = pc.pieces;
+    if (split)
+      for (const Piece& q : t.pieces) c.group.push_back(q.rank);
+    ops.push_back(std::move(c));
+    if (prefetch >= 0) ops.push_back(make(OpKind::WaitPrefetch, prefetch));
+    // Forward of a split task: the owner gathers a copy of each helper piece's K, V.
+    if (t.forward && !pc.helper && split)
+      for (const Piece& h : t.pieces)
+        if (h.helper && owner_of(t, h) == pc.rank)
+          ops.push_back(msg(OpKind::Recv, Payload::KV, k, i, h.rank, span_tokens(h.spans), h));
+    if (t.forward && pc.helper) ops.push_back(msg(OpKind::Send, Payload::KV, k, i, owner, span_tokens(pc.spans), pc));
+    if (t.forward && !pc.helper) offload_unit(pc.rank, k, split);
+    if (pc.helper && !t.forward && last_helper_task_[{pc.rank, i}] == ti)
+      ops.push_back(msg(OpKind::Send, Payload::WeightGrads, 0, i, owner, 0, whole(pc.rank)));
+  }
+
+  // A helper's lease of the stage's weights begins (Recv Weights); the owner sends its
+  // helpers' backward leases when its own backwards begin.
+  void emit_leases(const Task& t, const Piece& pc, int owner) {
+    const int i = t.stage;
+    auto& ops = s_.ops[std::size_t(pc.rank)];
+    const bool lease_begins = pc.helper && borrowed_.insert({pc.rank, i, t.forward}).second &&
+                              (t.forward || !lease_kept_.count({pc.rank, i}));
+    if (lease_begins) ops.push_back(msg(OpKind::Recv, Payload::Weights, 0, i, owner, 0, whole(pc.rank)));
+    if (!t.forward && !pc.helper && owner_backward_started_.insert(pc.rank * P_ + i).second)
+      for (const auto& [key, last] : last_helper_task_)
+        if (key.second == i && (key.first / (P_ * R_)) == t.d && key.first % R_ == pc.rank % R_ &&
+            !lease_kept_.count(key))
+          ops.push_back(msg(OpKind::Send, Payload::Weights, 0, i, key.first, 0, whole(key.first)));
+  }
+
+  // Before the backward of subsequence k on `rank`: the offload started after the last
+  // forward is waited for; k's unit comes back now (exposed) unless an earlier backward
+  // prefetched it; the next offloaded unit down starts coming back, and is returned, to be
+  // waited for after this backward (-1: none).
+  int bring_back_units(int rank, int k) {
+    auto& ops = s_.ops[std::size_t(rank)];
+    if (pending_wait_[std::size_t(rank)] >= 0) {
+      ops.push_back(make(OpKind::WaitOffload, pending_wait_[std::size_t(rank)]));
+      pending_wait_[std::size_t(rank)] = -1;
+    }
+    // Offloaded subsequences of this rank, ascending; the top is the next to need its unit.
+    auto& stack = offloaded_[std::size_t(rank)];
+    auto& prefetched = prefetched_[std::size_t(rank)];
+    if (!stack.empty() && stack.back() == k) {
+      if (!prefetched.count(k)) {
+        ops.push_back(prefetch_op(k));
+        ops.push_back(make(OpKind::WaitPrefetch, k));
+      }
+      stack.pop_back();
+    }
+    if (stack.empty() || stack.back() >= k || prefetched.count(stack.back())) return -1;
+    const int next = stack.back();
+    prefetched.insert(next);
+    ops.push_back(prefetch_op(next));
+    return next;
+  }
+
+  // After an own-stage forward of subsequence k: wait for the previous offload, start this one.
+  void offload_unit(int rank, int k, bool split) {
+    auto& ops = s_.ops[std::size_t(rank)];
+    if (pending_wait_[std::size_t(rank)] >= 0) {
+      ops.push_back(make(OpKind::WaitOffload, pending_wait_[std::size_t(rank)]));
+      pending_wait_[std::size_t(rank)] = -1;
+    }
+    if (split || alpha_[std::size_t(k)] <= 0) return;
+    Op off = make(OpKind::Offload, k);
+    off.fraction = alpha_[std::size_t(k)];
+    ops.push_back(std::move(off));
+    pending_wait_[std::size_t(rank)] = k;
+    offloaded_[std::size_t(rank)].push_back(k);
+  }
+
+  // Ring attention over the task's pieces (a stage group's SP ranks, or with MSP every
+  // group's): M-1 steps in forward, M in backward (the last brings dK, dV home).
+  void emit_ring(const Task& t, const Piece& pc) {
+    const int M = int(t.pieces.size());
+    if (M <= 1) return;
+    const bool split = t.pieces.size() > std::size_t(R_);
+    const int steps = t.forward ? M - 1 : M;
+    for (int st = 1; st <= steps; ++st) {
+      Op ring = with_layers(make(OpKind::RingStep, t.subseq), t.stage);
+      ring.payload = t.forward ? Payload::KV : Payload::KVGrad;
+      ring.step = st;
+      ring.piece = pc.piece;
+      ring.pieces = pc.pieces;
+      ring.tokens = span_tokens(pc.spans);
+      ring.peer = t.pieces[std::size_t((pc.piece + 1) % M)].rank;
+      ring.recv_peer = t.pieces[std::size_t((pc.piece + M - 1) % M)].rank;
+      if (split)  // who holds which keys (sched::ring_first_key)
+        for (const Piece& q : t.pieces) ring.group.push_back(q.rank);
+      s_.ops[std::size_t(pc.rank)].push_back(std::move(ring));
+    }
+  }
+
+  // Outputs to the consumer pieces: F(i+1, k) or B(i-1, k).
+  void emit_outputs(const Task& t) {
+    const int dst_stage = t.forward ? t.stage + 1 : t.stage - 1;
+    if (dst_stage < 0 || dst_stage >= P_) return;
+    const Task& dst = tasks_[index_[slot_of(t.d, dst_stage, t.subseq, t.forward)]];
+    const Payload act = t.forward ? Payload::Hidden : Payload::HiddenGrad;
+    for (const Piece& pc : t.pieces)
+      for (const Piece& q : dst.pieces)
+        if (q.rank != pc.rank)
+          for (const Op& op : parts(msg(OpKind::Send, act, t.subseq, dst_stage, q.rank, 0, q), t, dst, pc, q))
+            s_.ops[std::size_t(pc.rank)].push_back(op);
+  }
+
+  // Replicas and SP ranks all-reduce the weight gradients; the tied embedding's (the first
+  // stage's input embedding and the last stage's LM head are one parameter) are summed
+  // between the two.
+  void reduce_gradients() {
+    if (R_ * D_ > 1 || spec_.replicated)
+      for (int p = 0; p < P_; ++p) {
+        std::vector<int> group;
+        for (int d = 0; d < D_; ++d)
+          for (int r = 0; r < R_; ++r) group.push_back(spec_.rank_of(d, p, r));
+        for (int rank : group) {
+          Op ar = with_layers(make(OpKind::AllReduce, 0), p);
+          ar.payload = Payload::WeightGrads;
+          ar.group = group;
+          s_.ops[std::size_t(rank)].push_back(ar);
+        }
+      }
+    if (P_ > 1 && spec_.tied)
+      for (int d = 0; d < D_; ++d)
+        for (int r = 0; r < R_; ++r) {
+          Op tied = make(OpKind::AllReduce, 0);
+          tied.payload = Payload::TiedGrads;
+          tied.group = {spec_.rank_of(d, 0, r), spec_.rank_of(d, P_ - 1, r)};
+          for (int rank : tied.group) s_.ops[std::size_t(rank)].push_back(tied);
+        }
+  }
+
+  // Index of task (d, stage, k, forward) in index_.
+  std::size_t slot_of(int d, int stage, int k, bool fwd) const {
+    return ((std::size_t(d) * std::size_t(P_) + std::size_t(stage)) * std::size_t(N_) + std::size_t(k)) * 2 +
+           (fwd ? 0 : 1);
+  }
+  int owner_of(const Task& t, const Piece& pc) const { return spec_.rank_of(t.d, t.stage, pc.piece % R_); }
+  static Piece whole(int rank) { return Piece{rank, {}, 0, 1, true}; }
+  Op with_layers(Op op, int stage) const {
+    op.layer_begin = ranges_[std::size_t(stage)].first;
+    op.layer_end = ranges_[std::size_t(stage)].second;
     return op;
-  };
+  }
+  Op prefetch_op(int k) const {
+    Op p = make(OpKind::Prefetch, k);
+    p.fraction = alpha_[std::size_t(k)];
+    return p;
+  }
+  Op msg(OpKind kind, Payload payload, int subseq, int stage, int peer, i64 tokens, const Piece& pc) const {
+    Op op = with_layers(make(kind, subseq), stage);
+    op.payload = payload;
+    op.peer = peer;
+    op.tokens = tokens;
+    op.piece = pc.piece;
+    op.pieces = pc.pieces;
+    return op;
+  }
   // Hidden-state messages from producer piece `from` to consumer piece `to`: the whole piece
   // where both tasks split the subsequence alike, else one a run of positions they share
   // (`first`: its first; a zigzag piece and a contiguous one can share two), ascending.
-  auto parts = [](const Op& op, const Task& producer, const Task& consumer, const Piece& from, const Piece& to) {
+  static std::vector<Op> parts(const Op& op, const Task& producer, const Task& consumer, const Piece& from,
+                               const Piece& to) {
     std::vector<Op> out;
     if (producer.pieces.size() == consumer.pieces.size()) {
       const i64 ov = overlap(from.spans, to.spans);
@@ -268,191 +485,30 @@ Schedule build_pipeline(const PipelineSpec& spec) {
       out.back().tokens = e - b;
     }
     return out;
-  };
-  auto msg = [&](OpKind kind, Payload payload, int subseq, int stage, int peer, i64 tokens, const Piece& pc) {
-    Op op = with_layers(make(kind, subseq), stage);
-    op.payload = payload;
-    op.peer = peer;
-    op.tokens = tokens;
-    op.piece = pc.piece;
-    op.pieces = pc.pieces;
-    return op;
-  };
-
-  // Weights for helpers go out first.
-  for (const auto& [key, t] : last_helper_task) {
-    const auto [rank, stage] = key;
-    const int d = rank / (P * R), r = rank % R;
-    Piece whole{rank, {}, 0, 1, true};
-    s.ops[spec.rank_of(d, stage, r)].push_back(msg(OpKind::Send, Payload::Weights, 0, stage, rank, 0, whole));
   }
 
-  // Offload bookkeeping per rank (own-stage, unsplit subsequences only).
-  std::vector<int> pending_wait(s.ranks, -1);
-  std::vector<std::vector<int>> offloaded(s.ranks);
-  std::vector<std::set<int>> prefetched(s.ranks);
+  const PipelineSpec& spec_;
+  const int P_, R_, D_, N_;
+  std::vector<double> alpha_;
+  bool msp_ = false;
+  std::vector<std::pair<int, int>> ranges_;
+  Schedule s_;
+  std::vector<Task> tasks_;
+  std::vector<std::size_t> index_;
+  std::map<std::pair<int, int>, std::size_t> last_helper_task_;
+  std::set<std::tuple<int, int, bool>> borrowed_;  // (helper rank, stage, forward) leases begun
+  std::set<int> owner_backward_started_;           // stages whose owners sent the backward lease
+  std::set<std::pair<int, int>> lease_kept_;
+  // Offload bookkeeping per rank (own-stage, unsplit subsequences only): the offload to wait
+  // for, the offloaded subsequences in order, those already prefetched.
+  std::vector<int> pending_wait_;
+  std::vector<std::vector<int>> offloaded_;
+  std::vector<std::set<int>> prefetched_;
+};
 
-  for (size_t ti = 0; ti < tasks.size(); ++ti) {
-    const Task& t = tasks[ti];
-    const int i = t.stage, k = t.subseq;
-    const bool split = t.pieces.size() > size_t(R);
-    // Producer pieces of this task's input: F(i-1, k) or B(i+1, k).
-    const int src_stage = t.forward ? i - 1 : i + 1;
-    const Task* src =
-        src_stage >= 0 && src_stage < P ? &tasks[index[slot_of(t.d, src_stage, k, t.forward)]] : nullptr;
-    const Payload act = t.forward ? Payload::Hidden : Payload::HiddenGrad;
+}  // namespace
 
-    for (const Piece& pc : t.pieces) {
-      auto& ops = s.ops[pc.rank];
-      const int owner = owner_of(t, pc);
-      const bool lease_begins = pc.helper && borrowed.insert({pc.rank, i, t.forward}).second &&
-                                (t.forward || !lease_kept.count({pc.rank, i}));
-      if (lease_begins) {
-        Piece whole{pc.rank, {}, 0, 1, true};
-        ops.push_back(msg(OpKind::Recv, Payload::Weights, 0, i, owner, 0, whole));
-      }
-      // The owner sends the backward lease of its helpers when its own backwards begin.
-      if (!t.forward && !pc.helper && owner_backward_started.insert(pc.rank * P + i).second)
-        for (const auto& [key, last] : last_helper_task)
-          if (key.second == i && (key.first / (P * R)) == t.d && key.first % R == pc.rank % R &&
-              !lease_kept.count(key)) {
-            Piece whole{key.first, {}, 0, 1, true};
-            ops.push_back(msg(OpKind::Send, Payload::Weights, 0, i, key.first, 0, whole));
-          }
-      // Backward of a split task: the owner returns each helper piece's dK, dV rows.
-      if (!t.forward && !pc.helper && split)
-        for (const Piece& h : t.pieces)
-          if (h.helper && owner_of(t, h) == pc.rank)
-            ops.push_back(msg(OpKind::Send, Payload::KVGrad, k, i, h.rank, span_tokens(h.spans), h));
-      if (!t.forward && pc.helper)
-        ops.push_back(msg(OpKind::Recv, Payload::KVGrad, k, i, owner, span_tokens(pc.spans), pc));
-      // Input activations (or their gradients) from the producer pieces that overlap.
-      if (src)
-        for (const Piece& q : src->pieces)
-          if (q.rank != pc.rank)
-            for (const Op& op : parts(msg(OpKind::Recv, act, k, i, q.rank, 0, pc), *src, t, q, pc)) ops.push_back(op);
-      // Backward of an offloaded unit: prefetch the next one down while this one runs.
-      int prefetch = -1;
-      if (!t.forward && !pc.helper) {
-        if (pending_wait[pc.rank] >= 0) {
-          ops.push_back(make(OpKind::WaitOffload, pending_wait[pc.rank]));
-          pending_wait[pc.rank] = -1;
-        }
-        // Offloaded subsequences of this rank, ascending; the top is the next to need its
-        // unit. One not prefetched behind an earlier backward comes back now, exposed.
-        auto& stack = offloaded[pc.rank];
-        if (!stack.empty() && stack.back() == k) {
-          if (!prefetched[pc.rank].count(k)) {
-            Op p = make(OpKind::Prefetch, k);
-            p.fraction = alpha[k];
-            ops.push_back(std::move(p));
-            ops.push_back(make(OpKind::WaitPrefetch, k));
-          }
-          stack.pop_back();
-        }
-        if (!stack.empty() && stack.back() < k && !prefetched[pc.rank].count(stack.back())) prefetch = stack.back();
-        if (prefetch >= 0) {
-          prefetched[pc.rank].insert(prefetch);
-          Op p = make(OpKind::Prefetch, prefetch);
-          p.fraction = alpha[prefetch];
-          ops.push_back(std::move(p));
-        }
-      }
-      // Ring attention over the task's pieces (a stage group's SP ranks, or with MSP every
-      // group's): M-1 steps in forward, M in backward (the last brings dK, dV home).
-      const int M = int(t.pieces.size());
-      if (M > 1) {
-        const int steps = t.forward ? M - 1 : M;
-        for (int st = 1; st <= steps; ++st) {
-          Op ring = with_layers(make(OpKind::RingStep, k), i);
-          ring.payload = t.forward ? Payload::KV : Payload::KVGrad;
-          ring.step = st;
-          ring.piece = pc.piece;
-          ring.pieces = pc.pieces;
-          ring.tokens = span_tokens(pc.spans);
-          ring.peer = t.pieces[size_t((pc.piece + 1) % M)].rank;
-          ring.recv_peer = t.pieces[size_t((pc.piece + M - 1) % M)].rank;
-          if (split)  // who holds which keys (sched::ring_first_key)
-            for (const Piece& q : t.pieces) ring.group.push_back(q.rank);
-          ops.push_back(std::move(ring));
-        }
-      }
-      Op c = with_layers(make(t.forward ? OpKind::Forward : OpKind::Backward, k), i);
-      c.piece = pc.piece;
-      c.pieces = pc.pieces;
-      if (split)
-        for (const Piece& q : t.pieces) c.group.push_back(q.rank);
-      ops.push_back(std::move(c));
-      if (prefetch >= 0) ops.push_back(make(OpKind::WaitPrefetch, prefetch));
-      // Forward of a split task: the owner gathers a copy of each helper piece's K, V.
-      if (t.forward && !pc.helper && split)
-        for (const Piece& h : t.pieces)
-          if (h.helper && owner_of(t, h) == pc.rank)
-            ops.push_back(msg(OpKind::Recv, Payload::KV, k, i, h.rank, span_tokens(h.spans), h));
-      if (t.forward && pc.helper) ops.push_back(msg(OpKind::Send, Payload::KV, k, i, owner, span_tokens(pc.spans), pc));
-      // Offload after an own-stage forward: wait for the previous one, start this one.
-      if (t.forward && !pc.helper) {
-        if (pending_wait[pc.rank] >= 0) {
-          ops.push_back(make(OpKind::WaitOffload, pending_wait[pc.rank]));
-          pending_wait[pc.rank] = -1;
-        }
-        if (!split && alpha[k] > 0) {
-          Op off = make(OpKind::Offload, k);
-          off.fraction = alpha[k];
-          ops.push_back(std::move(off));
-          pending_wait[pc.rank] = k;
-          offloaded[pc.rank].push_back(k);
-        }
-      }
-      if (pc.helper && !t.forward && last_helper_task[{pc.rank, i}] == ti) {
-        Piece whole{pc.rank, {}, 0, 1, true};
-        ops.push_back(msg(OpKind::Send, Payload::WeightGrads, 0, i, owner, 0, whole));
-      }
-    }
-    // Outputs to the consumer pieces: F(i+1, k) or B(i-1, k).
-    const int dst_stage = t.forward ? i + 1 : i - 1;
-    if (dst_stage >= 0 && dst_stage < P) {
-      const Task& dst = tasks[index[slot_of(t.d, dst_stage, k, t.forward)]];
-      for (const Piece& pc : t.pieces)
-        for (const Piece& q : dst.pieces)
-          if (q.rank != pc.rank)
-            for (const Op& op : parts(msg(OpKind::Send, act, k, dst_stage, q.rank, 0, q), t, dst, pc, q))
-              s.ops[pc.rank].push_back(op);
-    }
-    // Helpers whose last piece of this stage this was send their weight gradients home; the
-    // owner takes them now, so that they do not wait on the helper for the rest of the step.
-    for (const Piece& h : t.pieces)
-      if (h.helper && last_helper_task[{h.rank, i}] == ti) {
-        Piece whole{h.rank, {}, 0, 1, true};
-        s.ops[owner_of(t, h)].push_back(msg(OpKind::Recv, Payload::WeightGrads, 0, i, h.rank, 0, whole));
-      }
-  }
-
-  // Replicas and SP ranks all-reduce the weight gradients.
-  if (R * D > 1 || spec.replicated)
-    for (int p = 0; p < P; ++p) {
-      std::vector<int> group;
-      for (int d = 0; d < D; ++d)
-        for (int r = 0; r < R; ++r) group.push_back(spec.rank_of(d, p, r));
-      for (int rank : group) {
-        Op ar = with_layers(make(OpKind::AllReduce, 0), p);
-        ar.payload = Payload::WeightGrads;
-        ar.group = group;
-        s.ops[rank].push_back(ar);
-      }
-    }
-  // The tied embedding: the first stage's input embedding and the last stage's LM head
-  // are one parameter; their gradients are summed between the two.
-  if (P > 1 && spec.tied)
-    for (int d = 0; d < D; ++d)
-      for (int r = 0; r < R; ++r) {
-        Op tied = make(OpKind::AllReduce, 0);
-        tied.payload = Payload::TiedGrads;
-        tied.group = {spec.rank_of(d, 0, r), spec.rank_of(d, P - 1, r)};
-        for (int rank : tied.group) s.ops[rank].push_back(tied);
-      }
-  return s;
-}
+Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec).build(); }
 
 void set_offload_fractions(Schedule* s, const std::vector<double>& alpha) {
   SPPO_CHECK(alpha.size() == s->lengths.size(), "schedule")
