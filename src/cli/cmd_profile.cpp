@@ -36,6 +36,7 @@ void add_profile_command(CLI::App& app, Commands& out) {
                   "`mpirun -np R sppo train --threads T` runs, T")
       ->capture_default_str();
   out.push_back({cmd, [o](const Invocation&) {
+                   io::check_output_file(o->out, "--out", true);  // before a minute of measuring
                    // The CPU is measured with its own kernels; other devices through the backend.
                    const auto be = make_backend(o->backend, o->precision);
                    SPPO_CHECK(o->threads >= 0, "options")

@@ -333,4 +333,21 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);  // best effort: a destructor must not throw
 }
 
+void check_output_file(const std::string& path, const char* option, bool make_parents) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path p(path);
+  SPPO_CHECK(!fs::is_directory(p, ec), "options") << option << " " << path << " is a directory; give a file name";
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (make_parents && !fs::exists(dir, ec)) {
+    fs::create_directories(dir, ec);
+    SPPO_CHECK(!ec, "options") << option << " " << path << ": cannot create " << dir.string() << ": " << ec.message();
+  }
+  SPPO_CHECK(fs::is_directory(dir, ec), "options")
+      << option << " " << path << ": the directory " << dir.string() << " does not exist; create it first";
+  SPPO_CHECK(::access(dir.c_str(), W_OK) == 0 && (!fs::exists(p, ec) || ::access(p.c_str(), W_OK) == 0), "options")
+      << option << " " << path << " is not writable";
+}
+
 }  // namespace sppo::io

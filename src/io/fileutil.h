@@ -117,6 +117,11 @@ class MappedFile {
 // Whole small file (configs, manifests) into a string.
 std::string read_file(const std::string& path);
 
+// A file a command writes at its end (possibly hours later), checked before any work:
+// throws naming `option` unless `path` names a writable file in a directory that exists
+// (with `make_parents`, made first). An empty path is no file.
+void check_output_file(const std::string& path, const char* option, bool make_parents = false);
+
 // Atomic replace of `path`; see the contract above. Returns the size and checksum of what
 // was written.
 FileDigest write_file_atomic(const std::string& path, const std::function<void(OutFile&)>& fill);

@@ -73,20 +73,6 @@ void write_json_file(const std::string& path, const nlohmann::json& j) {
   SPPO_CHECK(f.good(), "io") << "error writing " << path;
 }
 
-// A file the run writes (at its end, possibly hours later): checked before any work.
-void check_output_file(const std::string& path, const char* option) {
-  namespace fs = std::filesystem;
-  if (path.empty()) return;
-  std::error_code ec;
-  const fs::path p(path);
-  SPPO_CHECK(!fs::is_directory(p, ec), "options") << option << " " << path << " is a directory; give a file name";
-  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  SPPO_CHECK(fs::is_directory(dir, ec), "options")
-      << option << " " << path << ": the directory " << dir.string() << " does not exist; create it first";
-  SPPO_CHECK(::access(dir.c_str(), W_OK) == 0 && (!fs::exists(p, ec) || ::access(p.c_str(), W_OK) == 0), "options")
-      << option << " " << path << " is not writable";
-}
-
 // A directory the run writes: a checkpoint (replaced atomically) or an export.
 void check_output_dir(const std::string& path, const char* option, bool checkpoint) {
   namespace fs = std::filesystem;
@@ -127,9 +113,9 @@ void check_train_options(const TrainOptions& o) {
   SPPO_CHECK(o.resume_dir.empty() || o.step.init.empty() || o.step.init == o.resume_dir, "options")
       << "--init starts a new run at step 0 from a model's weights, --resume continues a run; give one of them";
   check_output_dir(o.save_dir, "--save", true);
-  check_output_file(o.metrics_path, "--metrics");
-  check_output_file(o.trace_path, "--trace");
-  check_output_file(o.svg_path, "--svg");
+  io::check_output_file(o.metrics_path, "--metrics");
+  io::check_output_file(o.trace_path, "--trace");
+  io::check_output_file(o.svg_path, "--svg");
 }
 
 // Work on this rank alone: an error here leaves the other ranks waiting on messages, so
