@@ -112,15 +112,23 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
   };
   auto names_of = [&](SavedSet set) {
     std::string names;
-    for (int k = 0; k < kBlockSavedTensors; ++k)
-      if (in_set(set, k)) names += (names.empty() ? "" : ", ") + specs[std::size_t(k)].name;
+    for (int k = 0; k < kBlockSavedTensors; ++k)  // the query/key norms' only where the model has them
+      if (in_set(set, k) && (c.qk_norm || !in_set(kQkNormTensors, k)))
+        names += (names.empty() ? "" : ", ") + specs[std::size_t(k)].name;
     return names;
   };
   out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
                  "the block's input, the previous block's output: kept (recomputing it is the whole previous "
                  "block); offloaded where the device needs the room"});
-  const std::string costs[] = {"a LayerNorm of x again, elementwise", "2 H^2 FLOPs a token (q's rows of the projection)",
-                         "the attention again", "2 H^2 FLOPs a token (the output projection)",
+  // Note [Head size]: q and the output projection are Z A wide where A is not H / Z.
+  const bool wide = c.q_width() != c.hidden;
+  const std::string costs[] = {"a LayerNorm of x again, elementwise",
+                               c.qk_norm ? "2 H (Z A + G A) FLOPs a token (q's and k's rows of the projection, their norms)"
+                               : wide    ? "2 H Z A FLOPs a token (q's rows of the projection)"
+                                         : "2 H^2 FLOPs a token (q's rows of the projection)",
+                               "the attention again",
+                               wide ? "2 H Z A FLOPs a token (the output projection)"
+                                    : "2 H^2 FLOPs a token (the output projection)",
                          "a LayerNorm of x_mid again, elementwise",
                          p.model.gated() ? "4 H F FLOPs a token (the MLP's gate and up GEMM)"
                                          : "2 H F FLOPs a token (the MLP's first GEMM)"};

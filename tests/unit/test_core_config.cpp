@@ -104,6 +104,39 @@ TEST(Presets, CountThePublishedParameters) {
   EXPECT_TRUE(preset("tiny").tied_embeddings());  // GPT's head is its embedding
 }
 
+// A head size of its own and query/key norms survive the config's JSON; a GPT block and
+// impossible sizes are refused naming the field.
+TEST(ModelConfigJson, HeadSizeAndQueryKeyNorms) {
+  const ModelConfig c = preset("qwen3-tiny");
+  const nlohmann::json j = to_json(c);
+  EXPECT_EQ(j["head_dim"], c.head_dim);
+  EXPECT_EQ(j["qk_norm"], true);
+  const ModelConfig back = model_config_from_json(j);
+  EXPECT_EQ(back.head_size(), c.head_size());
+  EXPECT_TRUE(back.qk_norm);
+  EXPECT_EQ(back.num_params(), c.num_params());
+  EXPECT_FALSE(to_json(preset("llama-tiny")).contains("head_dim"));
+  auto with = [&](const char* key, nlohmann::json v) {
+    nlohmann::json x = j;
+    x[key] = std::move(v);
+    return x;
+  };
+  EXPECT_ERROR_WITH(model_config_from_json(with("head_dim", 7)), "head_dim 7 must be even");
+  EXPECT_ERROR_WITH(model_config_from_json(with("head_dim", 4096)), "\"head_dim\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("qk_norm", "yes")), "\"qk_norm\" must be true or false");
+  ModelConfig gpt = preset("tiny");
+  gpt.head_dim = 32;
+  EXPECT_ERROR_WITH(gpt.validate(), "head_dim 32 belongs to Llama-family models");
+  gpt.head_dim = 0;
+  gpt.qk_norm = true;
+  EXPECT_ERROR_WITH(gpt.validate(), "qk_norm");
+  ModelConfig wide = preset("qwen3-tiny");
+  wide.heads = 1 << 14;
+  wide.kv_heads = 2;
+  wide.head_dim = 128;
+  EXPECT_ERROR_WITH(wide.validate(), "make queries 2097152 wide");
+}
+
 // A Llama-family model's tied head survives the config's JSON; absent, the head is its own.
 TEST(ModelConfigJson, TiedEmbeddingsRoundTrip) {
   ModelConfig c = preset("llama-tiny");
