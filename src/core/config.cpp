@@ -53,6 +53,15 @@ ModelConfig llama32(int hidden, int layers, int heads, int ffn_size) {
   return c;
 }
 
+// Qwen3: 128-wide heads over any hidden size (Note [Head size]), their queries and keys
+// normed (Note [Query/key norms]), 8 key/value heads, RoPE theta 1e6 over 40960 positions.
+ModelConfig qwen3(int hidden, int layers, int heads, int ffn_size, bool tied) {
+  ModelConfig c = llama(151936, hidden, layers, heads, 8, ffn_size, 1000000.0f, 1e-6f, 40960, false, tied);
+  c.head_dim = 128;
+  c.qk_norm = true;
+  return c;
+}
+
 // Qwen3's block in small: 4 heads of 24 on H 64 (A not H / Z), 2 key/value heads, tied.
 ModelConfig qwen3_tiny() {
   ModelConfig c = llama(64, 64, 2, 4, 2, 192, 1000000.0f, 1e-6f, 256, false, true);
@@ -93,6 +102,11 @@ const Preset kPresets[] = {
     {"llama-3.2-3b", llama32(3072, 28, 24, 8192)},
     {"qwen2.5-0.5b", llama(151936, 896, 24, 14, 2, 4864, 1000000.0f, 1e-6f, 32768, true, true)},
     {"qwen2.5-1.5b", llama(151936, 1536, 28, 12, 2, 8960, 1000000.0f, 1e-6f, 32768, true, true)},
+    {"qwen3-0.6b", qwen3(1024, 28, 16, 3072, true)},
+    {"qwen3-1.7b", qwen3(2048, 28, 16, 6144, true)},
+    {"qwen3-4b", qwen3(2560, 36, 32, 9728, true)},
+    {"qwen3-8b", qwen3(4096, 36, 32, 12288, false)},
+    {"qwen3-32b", qwen3(5120, 64, 64, 25600, false)},
 };
 
 }  // namespace

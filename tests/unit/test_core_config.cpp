@@ -104,6 +104,31 @@ TEST(Presets, CountThePublishedParameters) {
   EXPECT_TRUE(preset("tiny").tied_embeddings());  // GPT's head is its embedding
 }
 
+// Qwen3: heads of 128 whatever H is, q_norm and k_norm [128] a layer, the three small ones
+// tied. Their counts from the published config.json shapes, the tied head counted once (as
+// transformers' num_parameters() does): 2,031,739,904 for Qwen3-1.7B would count its
+// embedding twice (V H = 311,164,928 more), as an untied head would.
+TEST(Presets, Qwen3CountsTheirShapes) {
+  const std::pair<const char*, i64> released[] = {{"qwen3-0.6b", 596049920}, {"qwen3-1.7b", 1720574976},
+                                                  {"qwen3-4b", 4022468096},  {"qwen3-8b", 8190735360},
+                                                  {"qwen3-32b", 32762123264}};
+  for (const auto& [name, params] : released) {
+    const ModelConfig c = preset(name);
+    EXPECT_EQ(c.num_params(), params) << name;
+    EXPECT_EQ(c.head_size(), 128) << name;
+    EXPECT_TRUE(c.qk_norm) << name;
+    EXPECT_EQ(total_bytes(parameter_specs(c)) / 4, params) << name;
+  }
+  EXPECT_EQ(preset("qwen3-0.6b").q_width(), 2048);  // 16 heads of 128 on H 1024
+  EXPECT_EQ(preset("qwen3-32b").q_width(), 8192);   // 64 of 128 on H 5120
+  EXPECT_TRUE(preset("qwen3-4b").tied_embeddings());
+  EXPECT_FALSE(preset("qwen3-8b").tied_embeddings());
+  const ModelConfig tiny = preset("qwen3-tiny");
+  EXPECT_NE(tiny.head_size(), tiny.hidden / tiny.heads);
+  EXPECT_LT(tiny.kv_head_count(), tiny.heads);
+  EXPECT_TRUE(tiny.tied_embeddings() && tiny.qk_norm);
+}
+
 // A head size of its own and query/key norms survive the config's JSON; a GPT block and
 // impossible sizes are refused naming the field.
 TEST(ModelConfigJson, HeadSizeAndQueryKeyNorms) {
