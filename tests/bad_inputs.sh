@@ -287,12 +287,14 @@ qwen3 hf_qwen3_huge '"head_dim": 4096'
 qwen3 hf_qwen3_wide '"head_dim": 1024, "num_attention_heads": 2048, "num_key_value_heads": 2'
 qwen3 hf_qwen3_rope '"head_dim": 16, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}'
 qwen3 hf_qwen3_bias '"head_dim": 16, "attention_bias": true'
+qwen3 hf_qwen3_layers '"head_dim": 16, "layer_types": ["full_attention", "sliding_attention"]'
 expect "\"use_sliding_window\": true: sliding-window attention is not supported" import hf_qwen3_window --out imported
 expect "head_dim 15 must be even" import hf_qwen3_odd --out imported
 expect "\"head_dim\" must be an integer in [1, 1024]" import hf_qwen3_huge --out imported
 expect "make queries 2097152 wide" import hf_qwen3_wide --out imported
 expect "rope_scaling type 'longrope' is not supported" import hf_qwen3_rope --out imported
 expect "\"attention_bias\": true" train --init hf_qwen3_bias --seq-len 32 --steps 1
+expect "\"layer_types\" names \"sliding_attention\"" import hf_qwen3_layers --out imported
 expect "--rope-scaling applies to Llama-family models" train --model tiny --seq-len 32 --steps 1 --rope-scaling linear:2
 expect "rope_scaling type 'ntk' is not supported" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling ntk:2
 expect "--rope-scaling 'yarn'" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling yarn

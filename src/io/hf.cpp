@@ -174,6 +174,14 @@ ModelConfig hf_model_config(const nlohmann::json& j, const std::string& file) {
   SPPO_CHECK(!window, kComponent) << where << (qwen ? "\"use_sliding_window\": true" : "\"sliding_window\"")
                                   << ": sliding-window attention is not supported; sppo attends to every earlier "
                                      "position";
+  // Newer configs also list each layer's kind (transformers 4.53 on): all must be full.
+  if (const auto kinds = j.find("layer_types"); kinds != j.end() && !kinds->is_null()) {
+    SPPO_CHECK(kinds->is_array(), kComponent) << where << "\"layer_types\" must be a list of layer kinds";
+    for (const auto& k : *kinds)
+      SPPO_CHECK(k == "full_attention", kComponent)
+          << where << "\"layer_types\" names " << k.dump()
+          << ": only full attention is supported (sppo attends to every earlier position)";
+  }
   ModelConfig c = preset("llama-tiny");
   c.vocab = int(integer("vocab_size", -1));
   c.hidden = int(integer("hidden_size", -1));
