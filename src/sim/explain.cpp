@@ -247,7 +247,9 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank)) - mem.host_fixed_bytes();
   lines.push_back({Row::Units, units, host,
                    num(double(unit_pt)) + " B per token and layer (x, LN outputs and statistics, q, attention output, "
-                   "LSE, MLP input and pre-activation" + shards + ")" +
+                   "LSE, MLP input and pre-activation" +
+                       (c.qk_norm ? std::string(", q and k before their norms with the norms' statistics") : "") +
+                       shards + ")" +
                        (in_set(p.recompute, kSavedHeadGrad)
                             ? std::string(" (head_grad recomputed: the head runs in the last layer's backward)")
                             : " + head_grad " + num(double(h_row)) + " B per token" +
