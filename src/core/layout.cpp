@@ -179,11 +179,9 @@ std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecis
   const i64 Fr = tp.local_fc_width(c);
   const i64 Ts = tp.row_count(T);  // this member's rows of the LayerNorm / residual regions
   const i64 Tm = c.llama() ? 0 : Ts;  // RMSNorm keeps no mean: its rows are empty
-  // Note [Query/key norms] (model/gpt.h): their inputs and statistics, empty without them.
-  const i64 Tn = c.qk_norm ? T : 0, Gr = KVr / c.head_size();
   const DType a = act_dtype(p);
   using R = Role;
-  return {
+  std::vector<TensorSpec> s = {
       {"x", {Ts, H}, a, R::Offloadable},            // block input = LN1 input
       {"ln1_mean", {Tm}, DType::F32, R::Offloadable},
       {"ln1_rstd", {Ts}, DType::F32, R::Offloadable},
@@ -198,11 +196,16 @@ std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecis
       {"ln2_rstd", {Ts}, DType::F32, R::Offloadable},
       {"ln2_out", {Ts, H}, a, R::Offloadable},      // input of the fc projection
       {"fc_pre", {T, Fr}, a, R::Offloadable},       // fc output before GeLU (SwiGLU: gate | up)
-      {"q_pre", {Tn, Hr}, a, R::Offloadable},       // queries before their norm
-      {"q_rstd", {Tn, Zr}, DType::F32, R::Offloadable},  // the norm's statistics, a row per head
-      {"k_pre", {Tn, KVr}, a, R::Offloadable},      // keys before their norm
-      {"k_rstd", {Tn, Gr}, DType::F32, R::Offloadable},
   };
+  if (c.qk_norm) {  // Note [Query/key norms] (model/gpt.h): their inputs and statistics
+    const i64 Gr = KVr / c.head_size();
+    s.push_back({"q_pre", {T, Hr}, a, R::Offloadable});          // queries before their norm
+    s.push_back({"q_rstd", {T, Zr}, DType::F32, R::Offloadable});  // the norm's statistics, a row per head
+    s.push_back({"k_pre", {T, KVr}, a, R::Offloadable});         // keys before their norm
+    s.push_back({"k_rstd", {T, Gr}, DType::F32, R::Offloadable});
+  }
+  SPPO_ASSERT(int(s.size()) == block_saved_count(c));
+  return s;
 }
 
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p) {
@@ -324,9 +327,12 @@ SavedSet recompute_closure(SavedSet s) {
 }
 
 SavedSet parse_recompute_tensors(const std::string& list) {
-  // Tensor names from the activation table (block_saved_specs, T and H do not matter).
+  // Tensor names from the activation table (block_saved_specs, T and H do not matter), of a
+  // model that saves every one.
   ModelConfig c;
   c.hidden = c.heads = 1;
+  c.family = Family::Llama;
+  c.qk_norm = true;
   const std::vector<TensorSpec> table = block_saved_specs(c, 1, ActPrecision::F32);
   SPPO_ASSERT(int(table.size()) == kBlockSavedTensors);
   auto choices = [&] {

@@ -263,10 +263,14 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 // own before the backward's: the earlier blocks stream in twice (K/V recomputed: made twice).
 // A set of a block's saved tensors: bit k is block_saved_specs()[k].
 using SavedSet = std::uint32_t;
-inline constexpr int kBlockSavedTensors = 18;
+inline constexpr int kBlockSavedTensors = 18;  // the most a block saves
 inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6, kSavedFcPre = 13;
-// q_pre, q_rstd, k_pre, k_rstd: empty without query/key norms.
+// q_pre, q_rstd, k_pre, k_rstd, the last four: saved by a model with query/key norms alone
+// (Note [Query/key norms] in model/gpt.h); the table of one without them ends before them.
+inline constexpr int kSavedQPre = 14;
 inline constexpr SavedSet kQkNormTensors = 1u << 14 | 1u << 15 | 1u << 16 | 1u << 17;
+// The entries of block_saved_specs(c, ...).
+inline int block_saved_count(const ModelConfig& c) { return c.qk_norm ? kBlockSavedTensors : kSavedQPre; }
 // Note [The loss in backward]: head_grad, the loss's gradient at the last block's output,
 // is saved by the stage that runs the LM head (head_saved_specs), from that subsequence's
 // forward to its backward: H values a token. Recomputing it (bit kSavedHeadGrad of a set,

@@ -116,10 +116,17 @@ MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begi
 }
 
 BlockSaved block_saved_from(const std::vector<void*>& t) {
-  SPPO_ASSERT(t.size() == kBlockSavedTensors);
+  SPPO_ASSERT(t.size() == kSavedQPre || t.size() == kBlockSavedTensors);
   auto f = [](void* p) { return static_cast<float*>(p); };
-  return {t[0], f(t[1]),  f(t[2]),  t[3],  t[4],  t[5],  t[6],     t[7],  f(t[8]),
-          t[9], f(t[10]), f(t[11]), t[12], t[13], t[14], f(t[15]), t[16], f(t[17])};
+  BlockSaved s{t[0], f(t[1]), f(t[2]), t[3], t[4], t[5], t[6], t[7], f(t[8]), t[9], f(t[10]), f(t[11]), t[12], t[13],
+               nullptr, nullptr, nullptr, nullptr};
+  if (t.size() == kBlockSavedTensors) {  // Note [Query/key norms]
+    s.q_pre = t[14];
+    s.q_rstd = f(t[15]);
+    s.k_pre = t[16];
+    s.k_rstd = f(t[17]);
+  }
+  return s;
 }
 
 BlockWorkspace block_workspace_from(const std::vector<void*>& t, Workspace scratch, const MlpTiles& tiles) {

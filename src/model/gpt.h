@@ -92,14 +92,15 @@ struct BlockSaved {
   float* ln2_rstd;  // [T]
   void* ln2_out;    // [T, H]
   void* fc_pre;     // [T, W]
-  // Note [Query/key norms]: empty without them.
+  // Note [Query/key norms]: null without them.
   void* q_pre;      // [T, Z A] queries before their norm
   float* q_rstd;    // [T, Z] the norm's statistics, a row per head
   void* k_pre;      // [T, G A] keys before their norm
   float* k_rstd;    // [T, G]
 };
 
-// Builds a BlockSaved from pointers in block_saved_specs order.
+// Builds a BlockSaved from pointers in block_saved_specs order (14 of them without
+// query/key norms, 18 with).
 BlockSaved block_saved_from(const std::vector<void*>& ptrs);
 
 struct BlockWorkspace {
@@ -262,9 +263,9 @@ void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockP
 // with q_pre the q rows of the projection, the RMS over each head's A values, and one
 // weight w_q [A] shared by the heads (k likewise, w_k). As [T Z, A] rows, that is the
 // block's RMSNorm kernel on T Z rows of width A (T G for the keys), so it adds no kernel.
-// The block saves q_pre and k_pre and the norms' rstd [T, Z], [T, G] (block_saved_specs;
-// empty without norms), and the saved q and k stay the attention's inputs, after norm and
-// RoPE. Backward takes d q through RoPE's backward, then the norm's (from q_pre and its
+// The block saves q_pre and k_pre and the norms' rstd [T, Z], [T, G] (the last four of
+// block_saved_specs, which a model without norms does not have), and the saved q and k stay
+// the attention's inputs, after norm and RoPE. Backward takes d q through RoPE's backward, then the norm's (from q_pre and its
 // rstd; d w_q accumulates over every row of every head), and only then the projection's;
 // the keys' complete dK of this subsequence (every later one has added its part) likewise
 // from k_pre. The group "q" of Note [Recomputed tensors] (core/layout.h) makes q, q_pre,

@@ -106,15 +106,14 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
   std::vector<TensorPlacement> out;
   auto bytes_of = [&](SavedSet set) {
     i64 b = 0;
-    for (int k = 0; k < kBlockSavedTensors; ++k)
-      if (in_set(set, k)) b += specs[std::size_t(k)].bytes();
+    for (std::size_t k = 0; k < specs.size(); ++k)
+      if (in_set(set, int(k))) b += specs[k].bytes();
     return b / n;
   };
   auto names_of = [&](SavedSet set) {
     std::string names;
-    for (int k = 0; k < kBlockSavedTensors; ++k)  // the query/key norms' only where the model has them
-      if (in_set(set, k) && (c.qk_norm || !in_set(kQkNormTensors, k)))
-        names += (names.empty() ? "" : ", ") + specs[std::size_t(k)].name;
+    for (std::size_t k = 0; k < specs.size(); ++k)
+      if (in_set(set, int(k))) names += (names.empty() ? "" : ", ") + specs[k].name;
     return names;
   };
   out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
