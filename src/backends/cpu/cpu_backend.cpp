@@ -154,9 +154,9 @@ class CpuBackend final : public Backend {
     return std::size_t(sysconf(_SC_PHYS_PAGES)) * std::size_t(sysconf(_SC_PAGE_SIZE));
   }
   void* device_alloc(std::size_t bytes) override { return aligned(bytes); }
-  void device_free(void* p) override { release(p); }
+  void device_free(void* p) override { std::free(p); }
   void* host_alloc(std::size_t bytes) override { return aligned(bytes); }
-  void host_free(void* p) override { release(p); }
+  void host_free(void* p) override { std::free(p); }
   std::unique_ptr<CopyStream> make_copy_stream() override { return std::make_unique<WorkerStream>(); }
   void to_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
   void to_device(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
@@ -313,19 +313,10 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  static constexpr std::size_t kAlign = 64;  // one cache line; AVX-512 loads stay aligned
-  // Every zero-byte buffer (a tensor the model does not have: RMSNorm's mean, the query/key
-  // norms' inputs without them) is this address, which takes no chunk of the heap. Such
-  // chunks between a step's large buffers fragmented it: with four empty tensors more a
-  // block, a GPT step's resident growth rose by 8 MiB (tests/unit/test_train_resident.cpp).
-  alignas(kAlign) static inline char empty_[kAlign];
   static void* aligned(std::size_t bytes) {
-    if (bytes == 0) return empty_;
+    constexpr std::size_t kAlign = 64;  // one cache line; AVX-512 loads stay aligned
     const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
-    return std::aligned_alloc(kAlign, rounded);
-  }
-  static void release(void* p) {
-    if (p != empty_) std::free(p);
+    return std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
   }
 };
 
