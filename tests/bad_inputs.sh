@@ -276,9 +276,26 @@ echo "{\"architectures\": [\"MistralForCausalLM\"], $llama_cfg, \"sliding_window
 echo "{\"architectures\": [\"LlamaForCausalLM\"], $llama_cfg, \"rope_scaling\": {\"rope_type\": \"longrope\", \"factor\": 4}}" >hf_rope/config.json
 expect "architecture GPT2LMHeadModel is not supported" import hf_gpt2 --out imported
 expect "neither model.safetensors nor model.safetensors.index.json" import hf_noweights --out imported
-expect "\"sliding_window\" attention is not supported" train --init hf_window --seq-len 32 --steps 1
+expect "\"sliding_window\": sliding-window attention is not supported" train --init hf_window --seq-len 32 --steps 1
 expect "longrope" import hf_rope --out imported
 expect "not a Hugging Face model directory" import not_hf --out imported
+# Qwen3's config fields sppo cannot honour, refused from config.json before any weight is read.
+qwen3_cfg='"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2'
+qwen3() { mkdir -p "$1" && echo "{\"architectures\": [\"Qwen3ForCausalLM\"], $qwen3_cfg, $2}" >"$1/config.json"; }
+qwen3 hf_qwen3_window '"head_dim": 16, "use_sliding_window": true, "sliding_window": 4096'
+qwen3 hf_qwen3_odd '"head_dim": 15'
+qwen3 hf_qwen3_huge '"head_dim": 4096'
+qwen3 hf_qwen3_wide '"head_dim": 1024, "num_attention_heads": 2048, "num_key_value_heads": 2'
+qwen3 hf_qwen3_rope '"head_dim": 16, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}'
+qwen3 hf_qwen3_bias '"head_dim": 16, "attention_bias": true'
+qwen3 hf_qwen3_layers '"head_dim": 16, "layer_types": ["full_attention", "sliding_attention"]'
+expect "\"use_sliding_window\": true: sliding-window attention is not supported" import hf_qwen3_window --out imported
+expect "head_dim 15 must be even" import hf_qwen3_odd --out imported
+expect "\"head_dim\" must be an integer in [1, 1024]" import hf_qwen3_huge --out imported
+expect "make queries 2097152 wide" import hf_qwen3_wide --out imported
+expect "rope_scaling type 'longrope' is not supported" import hf_qwen3_rope --out imported
+expect "\"attention_bias\": true" train --init hf_qwen3_bias --seq-len 32 --steps 1
+expect "\"layer_types\" names \"sliding_attention\"" import hf_qwen3_layers --out imported
 expect "--rope-scaling applies to Llama-family models" train --model tiny --seq-len 32 --steps 1 --rope-scaling linear:2
 expect "rope_scaling type 'ntk' is not supported" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling ntk:2
 expect "--rope-scaling 'yarn'" train --model llama-tiny --seq-len 32 --steps 1 --rope-scaling yarn

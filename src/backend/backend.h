@@ -180,7 +180,9 @@ class Backend {
   virtual void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
                                   const float* mean, const float* rstd, int T, int H, const Workspace& ws) = 0;
   // RMSNorm (Llama family): out = x * rstd * w, rstd[t] = 1 / sqrt(mean_j x[t, j]^2 + eps)
-  // (fp32). Backward as layernorm_backward: dx and dw ACCUMULATE (+=).
+  // (fp32; rstd may be null, then not stored). Backward as layernorm_backward: dx and dw
+  // ACCUMULATE (+=). A model's per-head norms run these on [T Z, A] rows (Note [Query/key
+  // norms], model/gpt.h).
   virtual void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) = 0;
   virtual void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w,
                                 const float* rstd, int T, int H, const Workspace& ws) = 0;

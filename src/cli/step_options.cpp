@@ -88,7 +88,7 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--vocab", f.vocab, "Vocabulary size V (overrides the preset)");
   cmd->add_option("--hidden", f.hidden, "Hidden size H (overrides the preset)");
   cmd->add_option("--layers", f.layers, "Number of blocks L (overrides the preset)");
-  cmd->add_option("--heads", f.heads, "Attention heads Z; H/Z must be even (overrides the preset)");
+  cmd->add_option("--heads", f.heads, "Attention heads Z (overrides the preset); the head size A (H / Z, or the model's head_dim) must be even");
   cmd->add_option("--rope-theta", f.rope_theta,
                   "RoPE base theta (overrides the model's; raising it is the usual first step of context extension)");
   cmd->add_option("--rope-scaling", f.rope_scaling,

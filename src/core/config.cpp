@@ -53,6 +53,23 @@ ModelConfig llama32(int hidden, int layers, int heads, int ffn_size) {
   return c;
 }
 
+// Qwen3: 128-wide heads over any hidden size (Note [Head size]), their queries and keys
+// normed (Note [Query/key norms]), 8 key/value heads, RoPE theta 1e6 over 40960 positions.
+ModelConfig qwen3(int hidden, int layers, int heads, int ffn_size, bool tied) {
+  ModelConfig c = llama(151936, hidden, layers, heads, 8, ffn_size, 1000000.0f, 1e-6f, 40960, false, tied);
+  c.head_dim = 128;
+  c.qk_norm = true;
+  return c;
+}
+
+// Qwen3's block in small: 4 heads of 24 on H 64 (A not H / Z), 2 key/value heads, tied.
+ModelConfig qwen3_tiny() {
+  ModelConfig c = llama(64, 64, 2, 4, 2, 192, 1000000.0f, 1e-6f, 256, false, true);
+  c.head_dim = 24;
+  c.qk_norm = true;
+  return c;
+}
+
 struct ScalingName {
   RopeScaling::Type type;
   const char* name;
@@ -76,6 +93,7 @@ const Preset kPresets[] = {
     {"gpt-65b", gpt(50304, 8192, 80, 64)},
     {"llama-tiny", llama(64, 64, 2, 4, 2, 256, 10000.0f, 1e-5f, 256, false)},
     {"llama-tiny-tied", llama(64, 64, 2, 4, 2, 256, 10000.0f, 1e-5f, 256, true, true)},  // Qwen2.5's small shape
+    {"qwen3-tiny", qwen3_tiny()},
     {"llama-3-8b", llama(128256, 4096, 32, 32, 8, 14336, 500000.0f, 1e-5f, 8192, false)},
     {"llama-3-70b", llama(128256, 8192, 80, 64, 8, 28672, 500000.0f, 1e-5f, 8192, false)},
     {"qwen2.5-7b", llama(152064, 3584, 28, 28, 4, 18944, 1000000.0f, 1e-6f, 32768, true)},
@@ -84,6 +102,11 @@ const Preset kPresets[] = {
     {"llama-3.2-3b", llama32(3072, 28, 24, 8192)},
     {"qwen2.5-0.5b", llama(151936, 896, 24, 14, 2, 4864, 1000000.0f, 1e-6f, 32768, true, true)},
     {"qwen2.5-1.5b", llama(151936, 1536, 28, 12, 2, 8960, 1000000.0f, 1e-6f, 32768, true, true)},
+    {"qwen3-0.6b", qwen3(1024, 28, 16, 3072, true)},
+    {"qwen3-1.7b", qwen3(2048, 28, 16, 6144, true)},
+    {"qwen3-4b", qwen3(2560, 36, 32, 9728, true)},
+    {"qwen3-8b", qwen3(4096, 36, 32, 12288, false)},
+    {"qwen3-32b", qwen3(5120, 64, 64, 25600, false)},
 };
 
 }  // namespace
@@ -95,10 +118,11 @@ const char* rope_scaling_name(RopeScaling::Type t) {
 }
 
 i64 ModelConfig::num_params() const {
-  const i64 H = hidden, F = ffn(), Q = qkv_width(), W = fc_width();
+  const i64 H = hidden, F = ffn(), Q = qkv_width(), W = fc_width(), QW = q_width();
   const i64 norms = llama() ? 1 : 2;  // LayerNorm's weight and bias, RMSNorm's weight
   const i64 b = biases() ? 1 : 0;
-  const i64 per_layer = 2 * norms * H + (Q * H + (qkv_bias ? Q : 0)) + (H * H + b * H) + (W * H + b * W) +
+  const i64 qk_norms = qk_norm ? 2 * i64(head_size()) : 0;  // q_norm and k_norm [A]
+  const i64 per_layer = 2 * norms * H + (Q * H + (qkv_bias ? Q : 0)) + qk_norms + (H * QW + b * H) + (W * H + b * W) +
                         (H * F + b * H);
   return i64(vocab) * H * (tied_embeddings() ? 1 : 2) + i64(layers) * per_layer + norms * H;
 }
@@ -114,7 +138,18 @@ void ModelConfig::validate() const {
   SPPO_CHECK(hidden <= kMaxHidden && ffn_mult <= kMaxFfnMult && layers <= kMaxLayers, "config")
       << "--hidden " << hidden << ", --layers " << layers << ", ffn_mult " << ffn_mult
       << ": at most " << kMaxHidden << ", " << kMaxLayers << " and " << kMaxFfnMult << " are accepted";
-  if (hidden % heads != 0 || (hidden / heads) % 2 != 0) {
+  if (head_dim != 0) {
+    // Note [Head size]: a Llama-family model's heads need not split H.
+    SPPO_CHECK(llama(), "config") << "head_dim " << head_dim
+                                  << " belongs to Llama-family models (\"family\": \"llama\"); a GPT block's "
+                                     "heads split the hidden size (head size hidden / heads)";
+    SPPO_CHECK(head_dim >= 2 && head_dim <= kMaxHeadDim && head_dim % 2 == 0, "config")
+        << "head_dim " << head_dim << " must be even and between 2 and " << kMaxHeadDim
+        << " (RoPE rotates pairs of dims; e.g. head_dim 64 or 128)";
+    SPPO_CHECK(heads <= kMaxHidden && i64(heads) * head_dim <= kMaxHidden, "config")
+        << "--heads " << heads << " of head_dim " << head_dim << " make queries " << i64(heads) * head_dim
+        << " wide; at most " << kMaxHidden << " are accepted";
+  } else if (hidden % heads != 0 || (hidden / heads) % 2 != 0) {
     std::string ok;  // head counts that work: divide H with an even head size of at most 256
     for (int z = std::max(1, hidden / 256), shown = 0; z <= hidden && shown < 4; ++z)
       if (hidden % z == 0 && (hidden / z) % 2 == 0 && hidden / z <= 256) {
@@ -139,8 +174,8 @@ void ModelConfig::validate() const {
   } else {
     SPPO_CHECK(kv_heads == 0 || kv_heads == heads, "config")
         << "kv_heads " << kv_heads << ": grouped-query attention needs a Llama-family model (\"family\": \"llama\")";
-    SPPO_CHECK(ffn_size == 0 && qkv_bias && rope_scaling.type == RopeScaling::Type::None, "config")
-        << "ffn_size, qkv_bias and rope_scaling belong to Llama-family models (\"family\": \"llama\")";
+    SPPO_CHECK(ffn_size == 0 && qkv_bias && rope_scaling.type == RopeScaling::Type::None && !qk_norm, "config")
+        << "ffn_size, qkv_bias, qk_norm and rope_scaling belong to Llama-family models (\"family\": \"llama\")";
   }
   SPPO_CHECK(max_positions >= 0 && max_positions <= (i64{1} << 40), "config")
       << "max_positions must be between 0 and 2^40 (got " << max_positions << ")";
@@ -165,7 +200,8 @@ void ModelConfig::validate() const {
   }
   SPPO_CHECK(std::isfinite(rope_theta) && rope_theta > 0, "config") << "rope_theta must be positive (got " << rope_theta << ")";
   SPPO_CHECK(std::isfinite(ln_eps) && ln_eps > 0, "config") << "ln_eps must be positive (got " << ln_eps << ")";
-  const double params = double(vocab) * hidden * 2 + double(layers) * (4.0 * hidden + 3.0 * ffn()) * double(hidden);
+  const double params =
+      double(vocab) * hidden * 2 + double(layers) * (double(qkv_width()) + q_width() + 3.0 * ffn()) * double(hidden);
   SPPO_CHECK(params <= kMaxParams, "config")
       << "the model would have about " << params << " parameters; at most " << kMaxParams << " are accepted";
 }
@@ -198,6 +234,8 @@ nlohmann::json to_json(const ModelConfig& c) {
     j["qkv_bias"] = c.qkv_bias;
     j["max_positions"] = c.max_positions;
     if (c.tie_embeddings) j["tie_embeddings"] = true;
+    if (c.head_dim != 0) j["head_dim"] = c.head_dim;
+    if (c.qk_norm) j["qk_norm"] = true;
     const RopeScaling& r = c.rope_scaling;
     if (r.type != RopeScaling::Type::None) {
       nlohmann::json s = {{"type", rope_scaling_name(r.type)}, {"factor", r.factor}};
@@ -294,6 +332,11 @@ ModelConfig model_config_from_json(const nlohmann::json& j) {
     if (const auto tie = j.find("tie_embeddings"); tie != j.end()) {
       SPPO_CHECK(tie->is_boolean(), "config") << "model config: \"tie_embeddings\" must be true or false";
       c.tie_embeddings = tie->get<bool>();
+    }
+    c.head_dim = int(json_integer_field(j, "head_dim", 0, 0, kMaxHeadDim, "config", "model config: "));
+    if (const auto norms = j.find("qk_norm"); norms != j.end()) {
+      SPPO_CHECK(norms->is_boolean(), "config") << "model config: \"qk_norm\" must be true or false";
+      c.qk_norm = norms->get<bool>();
     }
     const auto rs = j.find("rope_scaling");
     if (rs != j.end() && !rs->is_null()) c.rope_scaling = rope_scaling_from_json(*rs);

@@ -1,7 +1,8 @@
 // Dimension letters, used everywhere in the engine (STYLE.md 8):
 //   S  full sequence length (tokens in one step)
 //   T  subsequence length (tokens processed by one forward/backward call)
-//   H  hidden size             Z  attention heads        A  head size = H / Z
+//   H  hidden size             Z  attention heads        A  head size: H / Z, or given
+//                                                          (Note [Head size], core/config.h)
 //   L  layers                  V  vocabulary size        F  ffn size = 4H
 //   N  subsequences per step   P  pipeline stages        R  sequence-parallel ranks
 // Offsets: o_i is the global position of the first token of subsequence i.

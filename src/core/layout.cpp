@@ -54,7 +54,7 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end
 
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end, const TpShard& tp) {
   SPPO_ASSERT(0 <= begin && begin < end && end <= c.layers);
-  const i64 H = c.hidden;
+  const i64 H = c.hidden, A = c.head_size();
   const i64 Hr = tp.local_hidden(c), Qr = tp.local_qkv_width(c), Wr = tp.local_fc_width(c);
   const auto [f0, f1] = tp.ffn(c);
   const auto [v0, v1] = tp.vocab(c);
@@ -71,6 +71,10 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end
     if (bias) add(b + "ln1.bias", {H});
     add(b + "attn.qkv.weight", {Qr, H});
     if (c.qkv_bias) add(b + "attn.qkv.bias", {Qr});
+    if (c.qk_norm) {
+      add(b + "attn.q_norm.weight", {A});
+      add(b + "attn.k_norm.weight", {A});
+    }
     add(b + "attn.out.weight", {H, Hr});
     if (bias) add(b + "attn.out.bias", {H});
     add(b + "ln2.weight", {H});
@@ -91,6 +95,7 @@ std::vector<TensorSpec> parameter_specs(const ModelConfig& c, int begin, int end
 ModelConfig attention_view(const ModelConfig& c, const TpShard& tp) {
   ModelConfig a = c;
   a.heads = tp.local_heads(c);
+  a.head_dim = c.head_size();
   a.hidden = tp.local_hidden(c);
   const auto [g0, g1] = tp.kv_heads(c);
   a.kv_heads = int(g1 - g0);
@@ -103,7 +108,8 @@ bool tp_replicated(const std::string& name) {
     return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
   };
   return name.rfind("ln_f.", 0) == 0 || ends(".ln1.weight") || ends(".ln1.bias") || ends(".ln2.weight") ||
-         ends(".ln2.bias") || ends("attn.out.bias") || ends("mlp.proj.bias");
+         ends(".ln2.bias") || ends(".q_norm.weight") || ends(".k_norm.weight") || ends("attn.out.bias") ||
+         ends("mlp.proj.bias");
 }
 
 std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, const TpShard& tp) {
@@ -112,7 +118,7 @@ std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, c
     i64 off = 0;
     for (const auto& s : parameter_specs(c)) full_offset[s.name] = off, off += s.numel();
   }
-  const i64 H = c.hidden, F = c.ffn(), A = c.head_size(), KV = c.kv_width();
+  const i64 H = c.hidden, F = c.ffn(), A = c.head_size(), KV = c.kv_width(), QW = c.q_width();
   const auto [z0, z1] = tp.heads(c);
   const auto [g0, g1] = tp.kv_heads(c);
   const auto [f0, f1] = tp.ffn(c);
@@ -120,7 +126,7 @@ std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, c
   const i64 c0 = z0 * A, Hr = (z1 - z0) * A, k0 = g0 * A, KVr = (g1 - g0) * A;
   const int m = tp.kv_replicas(c);
   // Where the q, k and v rows of this member's heads start in the whole projection, and how many.
-  const i64 qkv_from[3] = {c0, H + k0, H + KV + k0}, qkv_rows[3] = {Hr, KVr, KVr};
+  const i64 qkv_from[3] = {c0, QW + k0, QW + KV + k0}, qkv_rows[3] = {Hr, KVr, KVr};
   std::vector<ParamSlice> out;
   i64 local = 0;
   for (const auto& s : parameter_specs(c, begin, end, tp)) {
@@ -145,7 +151,7 @@ std::vector<ParamSlice> param_slices(const ModelConfig& c, int begin, int end, c
     } else if (ends("attn.qkv.bias")) {
       for (int j = 0; j < 3; ++j) take(qkv_from[j], qkv_rows[j], false, j > 0 && m > 1);
     } else if (ends("attn.out.weight")) {
-      for (i64 r = 0; r < H; ++r) take(r * H + c0, Hr);  // its heads' columns of every row
+      for (i64 r = 0; r < H; ++r) take(r * QW + c0, Hr);  // its heads' columns of every row
     } else if (ends("mlp.fc.weight")) {
       for (int j = 0; j < fc_parts; ++j) take((j * F + f0) * H, (f1 - f0) * H);
     } else if (ends("mlp.fc.bias")) {
@@ -175,7 +181,7 @@ std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecis
   const i64 Tm = c.llama() ? 0 : Ts;  // RMSNorm keeps no mean: its rows are empty
   const DType a = act_dtype(p);
   using R = Role;
-  return {
+  std::vector<TensorSpec> s = {
       {"x", {Ts, H}, a, R::Offloadable},            // block input = LN1 input
       {"ln1_mean", {Tm}, DType::F32, R::Offloadable},
       {"ln1_rstd", {Ts}, DType::F32, R::Offloadable},
@@ -191,6 +197,15 @@ std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecis
       {"ln2_out", {Ts, H}, a, R::Offloadable},      // input of the fc projection
       {"fc_pre", {T, Fr}, a, R::Offloadable},       // fc output before GeLU (SwiGLU: gate | up)
   };
+  if (c.qk_norm) {  // Note [Query/key norms] (model/gpt.h): their inputs and statistics
+    const i64 Gr = KVr / c.head_size();
+    s.push_back({"q_pre", {T, Hr}, a, R::Offloadable});          // queries before their norm
+    s.push_back({"q_rstd", {T, Zr}, DType::F32, R::Offloadable});  // the norm's statistics, a row per head
+    s.push_back({"k_pre", {T, KVr}, a, R::Offloadable});         // keys before their norm
+    s.push_back({"k_rstd", {T, Gr}, DType::F32, R::Offloadable});
+  }
+  SPPO_ASSERT(int(s.size()) == block_saved_count(c));
+  return s;
 }
 
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p) {
@@ -208,16 +223,18 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
 std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp,
                                               const MlpTiles& tiles) {
   SPPO_ASSERT(!(tp.on() && tiles.on()));
-  const i64 H = c.hidden, Zr = tp.local_heads(c), Wr = tp.local_fc_width(c);
+  const i64 H = c.hidden, Hr = tp.local_hidden(c), Zr = tp.local_heads(c), Wr = tp.local_fc_width(c);
   const DType a = act_dtype(p);
   using R = Role;
   // Forward needs qkv and the MLP activation; backward reuses them for their gradients
-  // (the residual gradient runs in place in head_grad) plus one [T, H] gradient and delta.
-  // A gated MLP's activation is [T, F], but its backward makes d gate | d up in place there.
+  // (the residual gradient runs in place in head_grad) plus one gradient row of both the
+  // residual stream's width and the attention's (d attn_out), and delta. A gated MLP's
+  // activation is [T, F], but its backward makes d gate | d up in place there. qkv also
+  // carries the K/V's sums into the layer input, [T, H] (Note [dK/dV into the layer input]).
   std::vector<TensorSpec> s = {
-      {"qkv", {T, tp.local_qkv_width(c)}, a, R::Workspace},
+      {"qkv", {T, std::max<i64>(tp.local_qkv_width(c), H)}, a, R::Workspace},
       {"mlp_act", {tiles.tile_rows(T), Wr}, a, R::Workspace},
-      {"d_tmp", {T, H}, a, R::Workspace},
+      {"d_tmp", {T, std::max(H, Hr)}, a, R::Workspace},
       {"delta", {Zr, T}, DType::F32, R::Workspace},
   };
   if (tiles.on() && tiles.fc_pre_recomputed) s.push_back({"fc_tile", {tiles.tile_rows(T), Wr}, a, R::Workspace});
@@ -274,12 +291,14 @@ i64 select_offload(const std::vector<i64>& sizes, double fraction, std::vector<b
 }
 
 i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward,
-                    i64 recompute_hidden) {
+                    i64 recompute_hidden, int k_norm_heads) {
   if (chunks == 0) return 0;
   const i64 f32 = 4;
   const bool recompute = recompute_hidden > 0;
+  // A recomputed chunk's keys before their norm and its statistics, for the norm's backward.
+  const i64 k_norm = backward && recompute && k_norm_heads > 0 ? width * act_bytes + k_norm_heads * f32 : 0;
   const i64 slot = largest * (width * (2 * act_bytes + (backward && recompute ? 2 * f32 : 0)) +
-                              recompute_hidden * act_bytes);
+                              recompute_hidden * act_bytes + k_norm);
   const i64 sums = backward ? largest * (recompute ? recompute_hidden * f32 : width * 2 * f32) : 0;
   const i64 partial = backward ? 0 : T * width * act_bytes + i64(heads) * T * f32;
   const i64 norm = recompute ? largest * (recompute_hidden * act_bytes + 2 * f32) : 0;
@@ -290,7 +309,7 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 const std::vector<RecomputeGroup>& recompute_groups() {
   static const std::vector<RecomputeGroup> groups = {
       {"ln1", 1u << 1 | 1u << 2 | 1u << 3},
-      {"q", 1u << 4},
+      {"q", 1u << 4 | kQkNormTensors},
       {"attention", kAttentionGroup},
       {"x_mid", 1u << 9},
       {"ln2", 1u << 10 | 1u << 11 | 1u << 12},
@@ -308,9 +327,12 @@ SavedSet recompute_closure(SavedSet s) {
 }
 
 SavedSet parse_recompute_tensors(const std::string& list) {
-  // Tensor names from the activation table (block_saved_specs, T and H do not matter).
+  // Tensor names from the activation table (block_saved_specs, T and H do not matter), of a
+  // model that saves every one.
   ModelConfig c;
   c.hidden = c.heads = 1;
+  c.family = Family::Llama;
+  c.qk_norm = true;
   const std::vector<TensorSpec> table = block_saved_specs(c, 1, ActPrecision::F32);
   SPPO_ASSERT(int(table.size()) == kBlockSavedTensors);
   auto choices = [&] {

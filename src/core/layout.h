@@ -4,7 +4,7 @@
 // disagree on bytes.
 //
 // Saved activations of one block on one subsequence of T tokens (DESIGN.md 4):
-//   skeletal    k, v [T, H] (after RoPE): kept on the device for the whole step (KV cache)
+//   skeletal    k, v [T, G A] (after RoPE): kept on the device for the whole step (KV cache)
 //   offloadable everything else below: the unit U(l, i) that offloading moves to the host
 // The LM head's backward runs right after the forward of a subsequence (its loss gradient
 // is known then), so only head_grad [T, H], the gradient reaching the last block's output,
@@ -51,8 +51,8 @@ std::pair<i64, i64> piece_range(i64 n, int piece, int pieces);
 // projection, their part of the K/V cache), columns piece_range(F, ...) of the MLP (rows of
 // fc, columns of proj), rows piece_range(V, ...) of the embedding (vocabulary-parallel
 // embedding and cross-entropy), and, in the LayerNorm / residual regions, rows
-// piece_range(T, index, size) of every subsequence. LayerNorm weights and the biases of the
-// two row-parallel projections are whole on every member.
+// piece_range(T, index, size) of every subsequence. LayerNorm weights, the query/key norms'
+// weights and the biases of the two row-parallel projections are whole on every member.
 //
 // Note [Replicated key/value heads]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -114,8 +114,10 @@ ModelConfig attention_view(const ModelConfig& c, const TpShard& tp);
 // Parameters in checkpoint order, with the exact names of the export format:
 // embed.weight, blocks.{l}.ln1.weight, ..., ln_f.weight, ln_f.bias. A Llama-family model
 // has no biases but attn.qkv.bias with qkv_bias, its qkv rows are the Z query heads then
-// G key and G value heads, mlp.fc is [2F, H] (gate rows, then up rows), and an untied
-// lm_head.weight [V, H] comes last.
+// G key and G value heads ([Z A + 2 G A, H]), attn.out is [H, Z A], attn.q_norm.weight and
+// attn.k_norm.weight [A] follow the q/k/v projection where it has query/key norms,
+// mlp.fc is [2F, H] (gate rows, then up rows), and an untied lm_head.weight [V, H] comes
+// last.
 std::vector<TensorSpec> parameter_specs(const ModelConfig& c);
 // The parameters a pipeline stage holding layers [begin, end) owns, in the same order:
 // the embedding with the first layer and, tied as the LM head, with the last (an untied
@@ -183,6 +185,7 @@ struct MlpTiles {
 
 // Scratch one block needs while it runs forward or backward on T tokens (freed after).
 std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p);
+// qkv is [T, max(Z A + 2 G A, H)] and d_tmp [T, max(H, Z A)] (of this member's heads).
 // Under tensor parallelism two more: "tp_full" [T, H], a gathered input or a partial sum
 // before its reduce-scatter, and "tp_pad" [tp.padded_rows(T), H], the collectives' buffer.
 // With MLP tiles, mlp_act has tiles.tile_rows(T) rows and, when fc_pre is recomputed,
@@ -229,10 +232,13 @@ inline int kv_window_sum_slots(bool backward) { return backward ? 3 : 0; }
 // (`recompute_hidden` = H, the width of its input x) adds to each slot the chunk's rows of x
 // and, in backward, fresh dK, dV, and its sums are the d(LayerNorm-1 output) [largest, H]
 // fp32 instead (Note [dK/dV into the layer input] in runtime/kv_stream.h); once, the
-// LayerNorm of a chunk: its output [largest, H] and its mean and rstd [largest] fp32. Zero
-// without an earlier block.
+// LayerNorm of a chunk: its output [largest, H] and its mean and rstd [largest] fp32. In
+// backward, a layer that recomputes K/V with key norms (`k_norm_heads` = G, Note
+// [Query/key norms] in model/gpt.h) adds to each slot the chunk's keys before their norm
+// [largest, width] and the norm's statistics [largest, G] fp32. Zero without an earlier
+// block.
 i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int act_bytes, bool backward,
-                    i64 recompute_hidden = 0);
+                    i64 recompute_hidden = 0, int k_norm_heads = 0);
 
 // Note [Recomputed tensors]: a block's saved tensors (block_saved_specs) are kept on the
 // device, offloaded (a fraction alpha of the unit), or recomputed in backward. Recomputing
@@ -240,9 +246,11 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 // before it), at the start of the layer's backward; the step writes all its outputs, so
 // they are recomputed together, as one group:
 //   ln1        ln1_mean, ln1_rstd, ln1_out   LayerNorm of x                 elementwise
-//   q          q                             x's queries: LN1 output x W_q, RoPE   2 T H^2
-//   attention  attn_out, lse                 the attention again           4 T H (o + T/2)
-//   x_mid      x_mid                         x + attn_out W_out             2 T H^2
+//   q          q                             x's queries: LN1 output x W_q, RoPE   2 T H Z A
+//              (with query/key norms:        and the keys' W_k and norm          + 2 T H G A
+//              q_pre, q_rstd, k_pre, k_rstd) (not RoPE: k is the K/V cache's)
+//   attention  attn_out, lse                 the attention again           4 T Z A (o + T/2)
+//   x_mid      x_mid                         x + attn_out W_out             2 T H Z A
 //   ln2        ln2_mean, ln2_rstd, ln2_out   LayerNorm of x_mid             elementwise
 //   fc_pre     fc_pre                        LN2 output x W_fc              2 T H F
 //   head_grad  (the last stage's)            the last block's output again  2 T H F
@@ -255,8 +263,14 @@ i64 kv_window_bytes(i64 chunks, i64 largest, i64 T, i64 width, int heads, int ac
 // own before the backward's: the earlier blocks stream in twice (K/V recomputed: made twice).
 // A set of a block's saved tensors: bit k is block_saved_specs()[k].
 using SavedSet = std::uint32_t;
-inline constexpr int kBlockSavedTensors = 14;
+inline constexpr int kBlockSavedTensors = 18;  // the most a block saves
 inline constexpr int kSavedX = 0, kSavedK = 5, kSavedV = 6, kSavedFcPre = 13;
+// q_pre, q_rstd, k_pre, k_rstd, the last four: saved by a model with query/key norms alone
+// (Note [Query/key norms] in model/gpt.h); the table of one without them ends before them.
+inline constexpr int kSavedQPre = 14;
+inline constexpr SavedSet kQkNormTensors = 1u << 14 | 1u << 15 | 1u << 16 | 1u << 17;
+// The entries of block_saved_specs(c, ...).
+inline int block_saved_count(const ModelConfig& c) { return c.qk_norm ? kBlockSavedTensors : kSavedQPre; }
 // Note [The loss in backward]: head_grad, the loss's gradient at the last block's output,
 // is saved by the stage that runs the LM head (head_saved_specs), from that subsequence's
 // forward to its backward: H values a token. Recomputing it (bit kSavedHeadGrad of a set,

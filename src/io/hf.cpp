@@ -23,7 +23,8 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kComponent = "hf";
-constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"};
+constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM"};
 
 nlohmann::json read_json(const std::string& path) {
   try {
@@ -79,7 +80,7 @@ struct Mapping {
 };
 
 std::vector<Mapping> mappings(const ModelConfig& c) {
-  const i64 H = c.hidden, KV = c.kv_width(), F = c.ffn();
+  const i64 H = c.hidden, KV = c.kv_width(), F = c.ffn(), QW = c.q_width(), A = c.head_size();
   std::vector<Mapping> out;
   for (const TensorSpec& t : parameter_specs(c)) {
     const std::string& n = t.name;
@@ -94,9 +95,11 @@ std::vector<Mapping> mappings(const ModelConfig& c) {
       else if (what == "ln2.weight") m.sources = {{l + "post_attention_layernorm.weight", H}};
       else if (what == "attn.qkv.weight" || what == "attn.qkv.bias") {
         const std::string kind = what == "attn.qkv.weight" ? "weight" : "bias";
-        m.sources = {{l + "self_attn.q_proj." + kind, H}, {l + "self_attn.k_proj." + kind, KV},
+        m.sources = {{l + "self_attn.q_proj." + kind, QW}, {l + "self_attn.k_proj." + kind, KV},
                      {l + "self_attn.v_proj." + kind, KV}};
-      } else if (what == "attn.out.weight") m.sources = {{l + "self_attn.o_proj.weight", H}};
+      } else if (what == "attn.q_norm.weight") m.sources = {{l + "self_attn.q_norm.weight", A}};
+      else if (what == "attn.k_norm.weight") m.sources = {{l + "self_attn.k_norm.weight", A}};
+      else if (what == "attn.out.weight") m.sources = {{l + "self_attn.o_proj.weight", H}};
       else if (what == "mlp.fc.weight") m.sources = {{l + "mlp.gate_proj.weight", F}, {l + "mlp.up_proj.weight", F}};
       else if (what == "mlp.proj.weight") m.sources = {{l + "mlp.down_proj.weight", H}};
       else SPPO_ASSERT_MSG(false, "no Hugging Face name for " << n);
@@ -136,9 +139,9 @@ ModelConfig hf_model_config(const nlohmann::json& j, const std::string& file) {
   bool known = false;
   for (const char* k : kArchitectures) known = known || a == k;
   SPPO_CHECK(known, kComponent) << where << "architecture " << a
-                                << " is not supported; sppo imports LlamaForCausalLM, MistralForCausalLM and "
-                                   "Qwen2ForCausalLM";
-  const bool qwen2 = a == "Qwen2ForCausalLM";
+                                << " is not supported; sppo imports LlamaForCausalLM, MistralForCausalLM, "
+                                   "Qwen2ForCausalLM and Qwen3ForCausalLM";
+  const bool qwen2 = a == "Qwen2ForCausalLM", qwen3 = a == "Qwen3ForCausalLM";
   constexpr i64 kIntMax = std::numeric_limits<int>::max();
   auto integer = [&](const char* key, i64 fallback) {
     SPPO_CHECK(fallback >= 0 || j.contains(key), kComponent) << where << "lacks \"" << key << "\"";
@@ -164,9 +167,21 @@ ModelConfig hf_model_config(const nlohmann::json& j, const std::string& file) {
   SPPO_CHECK(!flag("mlp_bias", false), kComponent) << where << "\"mlp_bias\": true is not supported";
   SPPO_CHECK(real("partial_rotary_factor", 1.0) == 1.0, kComponent)
       << where << "\"partial_rotary_factor\" other than 1 is not supported (RoPE rotates every head dim)";
-  const bool window = qwen2 ? flag("use_sliding_window", false) : j.contains("sliding_window") && !j["sliding_window"].is_null();
-  SPPO_CHECK(!window, kComponent) << where << "\"sliding_window\" attention is not supported; sppo attends to "
-                                  << "every earlier position";
+  // Qwen2 and Qwen3 name a window they may not use (use_sliding_window false); Llama and
+  // Mistral have one where they name it.
+  const bool qwen = qwen2 || qwen3;
+  const bool window = qwen ? flag("use_sliding_window", false) : j.contains("sliding_window") && !j["sliding_window"].is_null();
+  SPPO_CHECK(!window, kComponent) << where << (qwen ? "\"use_sliding_window\": true" : "\"sliding_window\"")
+                                  << ": sliding-window attention is not supported; sppo attends to every earlier "
+                                     "position";
+  // Newer configs also list each layer's kind (transformers 4.53 on): all must be full.
+  if (const auto kinds = j.find("layer_types"); kinds != j.end() && !kinds->is_null()) {
+    SPPO_CHECK(kinds->is_array(), kComponent) << where << "\"layer_types\" must be a list of layer kinds";
+    for (const auto& k : *kinds)
+      SPPO_CHECK(k == "full_attention", kComponent)
+          << where << "\"layer_types\" names " << k.dump()
+          << ": only full attention is supported (sppo attends to every earlier position)";
+  }
   ModelConfig c = preset("llama-tiny");
   c.vocab = int(integer("vocab_size", -1));
   c.hidden = int(integer("hidden_size", -1));
@@ -178,13 +193,16 @@ ModelConfig hf_model_config(const nlohmann::json& j, const std::string& file) {
   c.rope_theta = float(real("rope_theta", 10000.0));
   c.max_positions = json_integer_field(j, "max_position_embeddings", 2048, 1, i64{1} << 40, kComponent, where);
   c.qkv_bias = qwen2;
-  // Absent, false: transformers' LlamaConfig and Qwen2Config default to a head of its own.
+  c.qk_norm = qwen3;  // Note [Query/key norms]: q_norm and k_norm of each layer
+  // Absent, false: transformers' LlamaConfig, Qwen2Config and Qwen3Config default to a
+  // head of its own.
   c.tie_embeddings = flag("tie_word_embeddings", false);
-  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    const i64 head_dim = json_integer_field(j, "head_dim", 0, 1, kIntMax, kComponent, where);
-    SPPO_CHECK(c.heads > 0 && head_dim * c.heads == c.hidden, kComponent)
-        << where << "\"head_dim\" " << head_dim << " is not hidden_size / num_attention_heads = "
-        << c.hidden / std::max(1, c.heads) << "; sppo's heads split the hidden size";
+  // Note [Head size]: A as given, where it is not hidden / heads. Absent: Qwen3Config's
+  // default, 128; the others' hidden / heads.
+  const bool has_head_dim = j.contains("head_dim") && !j["head_dim"].is_null();
+  if (has_head_dim || qwen3) {
+    const i64 head_dim = has_head_dim ? json_integer_field(j, "head_dim", 0, 1, kMaxHeadDim, kComponent, where) : 128;
+    if (c.heads <= 0 || head_dim * c.heads != c.hidden) c.head_dim = int(head_dim);
   }
   if (const auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
     try {
@@ -287,15 +305,18 @@ void hf_read_weights(const std::string& dir, const ModelConfig& c, float* params
 
 nlohmann::json hf_config_json(const ModelConfig& c, const std::string& torch_dtype, i64 max_positions) {
   SPPO_CHECK(c.llama(), kComponent) << "only Llama-family models export to Hugging Face's format (the model is GPT)";
-  const bool qwen2 = c.qkv_bias;
+  SPPO_CHECK(!(c.qkv_bias && c.qk_norm), kComponent)
+      << "a model with both q/k/v biases and query/key norms has no Hugging Face class (Qwen2ForCausalLM has the "
+         "biases, Qwen3ForCausalLM the norms)";
+  const bool qwen2 = c.qkv_bias, qwen3 = c.qk_norm;
   using Type = RopeScaling::Type;
   const Type t = c.rope_scaling.type;
   // dynamic and yarn scale from max_position_embeddings: it stays, so the frequencies do.
   const bool keeps_reference = t == Type::Dynamic || t == Type::Yarn;
   const i64 positions = keeps_reference || max_positions <= 0 ? c.max_positions : std::max(max_positions, c.max_positions);
   nlohmann::json j = {
-      {"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
-      {"model_type", qwen2 ? "qwen2" : "llama"},
+      {"architectures", {qwen3 ? "Qwen3ForCausalLM" : qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama"},
       {"vocab_size", c.vocab},
       {"hidden_size", c.hidden},
       {"intermediate_size", c.ffn()},
@@ -311,11 +332,14 @@ nlohmann::json hf_config_json(const ModelConfig& c, const std::string& torch_dty
       {"initializer_range", 0.02},
       {"use_cache", true},
   };
-  if (qwen2) {
+  // Qwen3Config's head_dim defaults to 128 whatever the shape: it is always written.
+  if (qwen3 || c.head_dim != 0) j["head_dim"] = c.head_size();
+  if (qwen2 || qwen3) {
     j["use_sliding_window"] = false;
     j["sliding_window"] = nullptr;
     j["max_window_layers"] = c.layers;
     j["attention_dropout"] = 0.0;
+    if (qwen3) j["attention_bias"] = false;
   } else {
     j["attention_bias"] = false;
     j["mlp_bias"] = false;

@@ -9,6 +9,7 @@
 //   model.layers.{l}.input_layernorm.weight         blocks.{l}.ln1.weight
 //   model.layers.{l}.self_attn.{q,k,v}_proj.weight  blocks.{l}.attn.qkv.weight, rows q | k | v
 //   model.layers.{l}.self_attn.{q,k,v}_proj.bias    blocks.{l}.attn.qkv.bias (Qwen2)
+//   model.layers.{l}.self_attn.{q,k}_norm.weight    blocks.{l}.attn.{q,k}_norm.weight (Qwen3)
 //   model.layers.{l}.self_attn.o_proj.weight        blocks.{l}.attn.out.weight
 //   model.layers.{l}.post_attention_layernorm.weight  blocks.{l}.ln2.weight
 //   model.layers.{l}.mlp.{gate,up}_proj.weight      blocks.{l}.mlp.fc.weight, rows gate | up
@@ -16,9 +17,10 @@
 //   model.norm.weight                               ln_f.weight
 //   lm_head.weight                                  lm_head.weight
 // HF's rotary layout (each head's dims j and j + A/2 rotate together) is sppo's, so q and k
-// rows need no permutation. Whatever sppo cannot represent (another architecture, tied
-// embeddings, sliding windows, biases beyond q/k/v, partial rotary) is refused, naming the
-// config field or tensor.
+// rows need no permutation. config.json's head_dim is A (Note [Head size] in
+// core/config.h; Qwen3's default 128). Whatever sppo cannot represent (another
+// architecture, sliding windows, biases beyond q/k/v, partial rotary) is refused, naming
+// the config field or tensor.
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>

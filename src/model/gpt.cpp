@@ -22,7 +22,9 @@ namespace {
 // Calls put(slot, offset) for every parameter a stage (and TP member) holds, in
 // parameter_specs order, offsets in elements; slot names the view's pointer. The one walk
 // both views take, so they cannot disagree with the table.
-enum class Slot { Embed, Ln1W, Ln1B, QkvW, QkvB, OutW, OutB, Ln2W, Ln2B, FcW, FcB, ProjW, ProjB, LnfW, LnfB, LmHead };
+enum class Slot {
+  Embed, Ln1W, Ln1B, QkvW, QkvB, QNormW, KNormW, OutW, OutB, Ln2W, Ln2B, FcW, FcB, ProjW, ProjB, LnfW, LnfB, LmHead
+};
 
 template <typename Put>
 void walk_parameters(const ModelConfig& c, int begin, int end, const TpShard& tp, Put put) {
@@ -38,7 +40,8 @@ void walk_parameters(const ModelConfig& c, int begin, int end, const TpShard& tp
     }
     static const std::pair<const char*, Slot> kSlots[] = {
         {"embed.weight", Slot::Embed},      {"ln1.weight", Slot::Ln1W},        {"ln1.bias", Slot::Ln1B},
-        {"attn.qkv.weight", Slot::QkvW},    {"attn.qkv.bias", Slot::QkvB},     {"attn.out.weight", Slot::OutW},
+        {"attn.qkv.weight", Slot::QkvW},    {"attn.qkv.bias", Slot::QkvB},     {"attn.q_norm.weight", Slot::QNormW},
+        {"attn.k_norm.weight", Slot::KNormW}, {"attn.out.weight", Slot::OutW},
         {"attn.out.bias", Slot::OutB},      {"ln2.weight", Slot::Ln2W},        {"ln2.bias", Slot::Ln2B},
         {"mlp.fc.weight", Slot::FcW},       {"mlp.fc.bias", Slot::FcB},        {"mlp.proj.weight", Slot::ProjW},
         {"mlp.proj.bias", Slot::ProjB},     {"ln_f.weight", Slot::LnfW},       {"ln_f.bias", Slot::LnfB},
@@ -65,6 +68,8 @@ ParamView param_view(const ModelConfig& c, float* base, int begin, int end, cons
       case Slot::Ln1B: b->ln1_b = p; break;
       case Slot::QkvW: b->qkv_w = p; break;
       case Slot::QkvB: b->qkv_b = p; break;
+      case Slot::QNormW: b->q_norm_w = p; break;
+      case Slot::KNormW: b->k_norm_w = p; break;
       case Slot::OutW: b->out_w = p; break;
       case Slot::OutB: b->out_b = p; break;
       case Slot::Ln2W: b->ln2_w = p; break;
@@ -111,9 +116,17 @@ MatrixView matrix_view(const ModelConfig& c, const void* base, DType t, int begi
 }
 
 BlockSaved block_saved_from(const std::vector<void*>& t) {
-  SPPO_ASSERT(t.size() == 14);
+  SPPO_ASSERT(t.size() == kSavedQPre || t.size() == kBlockSavedTensors);
   auto f = [](void* p) { return static_cast<float*>(p); };
-  return {t[0], f(t[1]), f(t[2]), t[3], t[4], t[5], t[6], t[7], f(t[8]), t[9], f(t[10]), f(t[11]), t[12], t[13]};
+  BlockSaved s{t[0], f(t[1]), f(t[2]), t[3], t[4], t[5], t[6], t[7], f(t[8]), t[9], f(t[10]), f(t[11]), t[12], t[13],
+               nullptr, nullptr, nullptr, nullptr};
+  if (t.size() == kBlockSavedTensors) {  // Note [Query/key norms]
+    s.q_pre = t[14];
+    s.q_rstd = f(t[15]);
+    s.k_pre = t[16];
+    s.k_rstd = f(t[17]);
+  }
+  return s;
 }
 
 BlockWorkspace block_workspace_from(const std::vector<void*>& t, Workspace scratch, const MlpTiles& tiles) {
@@ -175,7 +188,7 @@ AttnShape span_shape(const ModelConfig& c, const PosSpan& p) {
   d.Z = c.heads;
   d.A = c.head_size();
   d.q_pos0 = c.causal ? p.pos0 : kAfterEveryKey;
-  d.ldq = d.ldo = c.hidden;
+  d.ldq = d.ldo = c.q_width();
   d.Zkv = c.kv_head_count();
   d.ldk = d.ldv = c.kv_width();
   return d;
@@ -213,10 +226,10 @@ std::vector<KVRef> attention_key_blocks(const KVBlocks& past, const void* k_self
 void LocalAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q,
                              const Workspace& scratch) {
   const DType a = be.act();
-  const i64 H = c.hidden;
+  const i64 QW = c.q_width();
   // Every earlier block and the diagonal one in one call per span: one online softmax, no merge.
   for (const PosSpan& part : q.parts()) {
-    const i64 at = i64(part.row0) * H;
+    const i64 at = i64(part.row0) * QW;
     be.attention_forward(act_at(s.attn_out, at, a), s.lse + i64(c.heads) * part.row0, act_at(s.q, at, a),
                          attention_key_blocks(past_, s.k, s.v, nullptr, nullptr, q, part, c, a), span_shape(c, part), scratch);
   }
@@ -227,10 +240,11 @@ void LocalAttention::backward(Backend& be, void* dqkv, const void* dout, const f
                               const Workspace& scratch) {
   const DType a = be.act();
   const int T = q.T, H = c.hidden;
-  if (c.llama()) {  // dq dense [T, H] (block_backward's planar dqkv): q read in place
-    be.fill_zero(dqkv, std::size_t(i64(T) * H * dtype_bytes(a)));
+  if (c.llama()) {  // dq dense [T, Z A] (block_backward's planar dqkv): q read in place
+    const i64 QW = c.q_width();
+    be.fill_zero(dqkv, std::size_t(i64(T) * QW * dtype_bytes(a)));
     for (const PosSpan& part : q.parts()) {
-      const i64 at = i64(part.row0) * H, z0 = i64(c.heads) * part.row0;
+      const i64 at = i64(part.row0) * QW, z0 = i64(c.heads) * part.row0;
       be.attention_backward(act_at(dqkv, at, a), act_at(dout, at, a), act_at(s.q, at, a),
                             attention_key_blocks(past_, s.k, s.v, dk_self, dv_self, q, part, c, a), s.lse + z0, delta + z0,
                             span_shape(c, part), scratch);
@@ -280,7 +294,7 @@ namespace {
 // The element `off` past a bias, or null for a layer without one.
 const void* bias_at(const void* b, i64 off, DType t) { return b ? act_at(b, off, t) : nullptr; }
 
-// The q/k/v projection's backward from a planar dqkv (w.qkv): dq dense [T, H] as the
+// The q/k/v projection's backward from a planar dqkv (w.qkv): dq dense [T, Z A] as the
 // attention wrote it, then this subsequence's complete dK | dV [T, 2 G A] after it, so that
 // grouped-query attention's narrower K/V need no [T, 2H] of room beside dq. d(LN1 output)
 // lands in w.d_tmp.
@@ -288,19 +302,20 @@ void qkv_backward_planar(Backend& be, BlockParams& g, const float* dk_self, cons
                          const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w, const ModelConfig& c,
                          const Subseq& q, const RopeTable& rope) {
   const DType a = be.act();
-  const int T = q.T, H = c.hidden, KV = c.kv_width();
+  const int T = q.T, H = c.hidden, KV = c.kv_width(), QW = c.q_width();
   void* dq = w.qkv;
-  void* dkv = act_at(w.qkv, i64(T) * H, a);
+  void* dkv = act_at(w.qkv, i64(T) * QW, a);
   be.put_cols(dkv, dk_self, true, T, KV, 2 * KV, 0);
   be.put_cols(dkv, dv_self, true, T, KV, 2 * KV, KV);
   for (const PosSpan& part : q.parts()) {
-    be.rope_backward(act_at(dq, i64(part.row0) * H, a), part.rows, c.heads, c.head_size(), q.rope_pos(part), rope, H);
+    be.rope_backward(act_at(dq, i64(part.row0) * QW, a), part.rows, c.heads, c.head_size(), q.rope_pos(part), rope,
+                     QW);
     be.rope_backward(act_at(dkv, i64(part.row0) * 2 * KV, a), part.rows, c.kv_head_count(), c.head_size(),
                      q.rope_pos(part), rope, 2 * KV);
   }
-  const i64 kv_rows = i64(H) * H;  // where the k rows start in the weight, and the bias
-  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dq, s.ln1_out, m.qkv_w, T, H, H, 0, 0, w.scratch);
-  be.linear_backward(nullptr, g.qkv_w + kv_rows, g.qkv_b ? g.qkv_b + H : nullptr, dkv, s.ln1_out,
+  const i64 kv_rows = i64(QW) * H;  // where the k rows start in the weight, and the bias
+  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dq, s.ln1_out, m.qkv_w, T, H, QW, 0, 0, w.scratch);
+  be.linear_backward(nullptr, g.qkv_w + kv_rows, g.qkv_b ? g.qkv_b + QW : nullptr, dkv, s.ln1_out,
                      act_at(m.qkv_w, kv_rows, a), T, H, 2 * KV, 0, 0, w.scratch);
   be.gemm(false, false, T, H, 2 * KV, 1.0f, dkv, 2 * KV, act_at(m.qkv_w, kv_rows, a), H, 1.0f, w.d_tmp, H, a, a);
 }
@@ -310,38 +325,43 @@ void qkv_backward_planar(Backend& be, BlockParams& g, const float* dk_self, cons
 // what earlier steps wrote or what s keeps. block_forward runs every one of them.
 void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p, const BlockMatrices& m,
                    const BlockWorkspace& w, BlockAttention* attn, const ModelConfig& c, const Subseq& q) {
-  const int T = q.T, H = c.hidden, KV = c.kv_width(), Q = c.qkv_width(), W = c.fc_width();
+  const int T = q.T, H = c.hidden, KV = c.kv_width(), Q = c.qkv_width(), W = c.fc_width(), QW = c.q_width();
   const DType a = be.act();
   const auto& g = recompute_groups();
   auto has = [&](int k) { return (groups & g[std::size_t(k)].tensors) != 0; };
   // Attention half: x_mid = x + out(attn(rope(qkv(LN1(x)))))
   if (has(0)) norm_forward(be, c, s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, T);
   const bool want_q = has(1);
-  if (want_q && kv) {
-    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, Q, 0, 0);
-  } else if (want_q) {  // the q rows of the projection
-    be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, H, Q, 0);
-  } else if (kv) {      // the k and v rows
-    be.linear_forward(act_at(w.qkv, H, a), s.ln1_out, act_at(m.qkv_w, i64(H) * H, a), bias_at(m.qkv_b, H, a), T, H,
-                      2 * KV, Q, 0);
-  }
-  const RopeTable rope = rope_table(c);
-  for (const PosSpan& part : q.parts()) {
-    void* rows = act_at(w.qkv, i64(part.row0) * Q, a);
-    if (want_q) be.rope_forward(rows, part.rows, c.heads, c.head_size(), q.rope_pos(part), rope, Q);
-    if (kv) be.rope_forward(act_at(rows, H, a), part.rows, c.kv_head_count(), c.head_size(), q.rope_pos(part), rope, Q);
-  }
-  if (want_q) be.copy_cols(s.q, w.qkv, T, H, Q, 0);
-  if (kv) {
-    be.copy_cols(s.k, w.qkv, T, KV, Q, H);
-    be.copy_cols(s.v, w.qkv, T, KV, Q, H + KV);
+  if (c.qk_norm) {
+    qk_norm_forward(be, s, want_q, kv, p, m, w, s.ln1_out, H, c, q);
+  } else {
+    if (want_q && kv) {
+      be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, Q, 0, 0);
+    } else if (want_q) {  // the q rows of the projection
+      be.linear_forward(w.qkv, s.ln1_out, m.qkv_w, m.qkv_b, T, H, QW, Q, 0);
+    } else if (kv) {      // the k and v rows
+      be.linear_forward(act_at(w.qkv, QW, a), s.ln1_out, act_at(m.qkv_w, i64(QW) * H, a), bias_at(m.qkv_b, QW, a),
+                        T, H, 2 * KV, Q, 0);
+    }
+    const RopeTable rope = rope_table(c);
+    for (const PosSpan& part : q.parts()) {
+      void* rows = act_at(w.qkv, i64(part.row0) * Q, a);
+      if (want_q) be.rope_forward(rows, part.rows, c.heads, c.head_size(), q.rope_pos(part), rope, Q);
+      if (kv)
+        be.rope_forward(act_at(rows, QW, a), part.rows, c.kv_head_count(), c.head_size(), q.rope_pos(part), rope, Q);
+    }
+    if (want_q) be.copy_cols(s.q, w.qkv, T, QW, Q, 0);
+    if (kv) {
+      be.copy_cols(s.k, w.qkv, T, KV, Q, QW);
+      be.copy_cols(s.v, w.qkv, T, KV, Q, QW + KV);
+    }
   }
   if (has(2)) {
     SPPO_ASSERT(attn);
     attn->forward(be, s, c, q, w.scratch);
   }
   if (has(3)) {
-    be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, H, H, 0, 0);
+    be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, QW, H, 0, 0);
     be.add_inplace(s.x_mid, s.x, i64(T) * H);
   }
   // MLP half, up to its pre-activation: fc_pre = fc(LN2(x_mid)), unless the MLP's tiles
@@ -395,18 +415,89 @@ void block_output(Backend& be, void* x_out, const BlockSaved& s, const BlockMatr
   be.add_inplace(x_out, s.x_mid, i64(T) * H);
 }
 
+void qk_norm_forward(Backend& be, BlockSaved& s, bool want_q, bool kv, const BlockParams& p, const BlockMatrices& m,
+                     const BlockWorkspace& w, const void* in, int H, const ModelConfig& ac, const Subseq& q) {
+  const DType a = be.act();
+  const int T = q.T, A = ac.head_size(), Z = ac.heads, G = ac.kv_head_count(), QW = ac.q_width(),
+            KV = ac.kv_width();
+  const RopeTable rope = rope_table(ac);
+  if (want_q) {
+    be.linear_forward(s.q_pre, in, m.qkv_w, m.qkv_b, T, H, QW, 0, 0);
+    be.rmsnorm_forward(s.q, s.q_rstd, s.q_pre, p.q_norm_w, T * Z, A, ac.ln_eps);
+    for (const PosSpan& part : q.parts())
+      be.rope_forward(act_at(s.q, i64(part.row0) * QW, a), part.rows, Z, A, q.rope_pos(part), rope, QW);
+  }
+  if (want_q || kv) {
+    // The keys before their norm and its statistics are q's group's; recomputing K/V alone
+    // makes them in scratch (the saved ones are kept), and q's group alone discards k.
+    void* k_pre = want_q ? s.k_pre : w.qkv;
+    be.linear_forward(k_pre, in, act_at(m.qkv_w, i64(QW) * H, a), bias_at(m.qkv_b, QW, a), T, H, KV, 0, 0);
+    be.rmsnorm_forward(kv ? s.k : w.qkv, want_q ? s.k_rstd : nullptr, k_pre, p.k_norm_w, T * G, A, ac.ln_eps);
+  }
+  if (!kv) return;
+  for (const PosSpan& part : q.parts())
+    be.rope_forward(act_at(s.k, i64(part.row0) * KV, a), part.rows, G, A, q.rope_pos(part), rope, KV);
+  be.linear_forward(s.v, in, act_at(m.qkv_w, i64(QW + KV) * H, a), bias_at(m.qkv_b, QW + KV, a), T, H, KV, 0, 0);
+}
+
+void qk_norm_backward(Backend& be, BlockParams& g, const float* dk_self, const float* dv_self, const BlockSaved& s,
+                      const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, const void* in, int H,
+                      const ModelConfig& ac, const Subseq& q) {
+  const DType a = be.act();
+  const int T = q.T, A = ac.head_size(), Z = ac.heads, G = ac.kv_head_count(), QW = ac.q_width(),
+            KV = ac.kv_width();
+  const std::size_t e = std::size_t(dtype_bytes(a));
+  const RopeTable rope = rope_table(ac);
+  // w.qkv becomes d q_pre [T, Z A], d k_pre [T, G A] and dv [T, G A], one after another.
+  void* dq = w.qkv;
+  void* dk = act_at(w.qkv, i64(T) * QW, a);
+  void* dv = act_at(w.qkv, i64(T) * (QW + KV), a);
+  // Queries: RoPE's backward in place, then the norm's (which accumulates) from zero in
+  // d_tmp, back into dq.
+  for (const PosSpan& part : q.parts())
+    be.rope_backward(act_at(dq, i64(part.row0) * QW, a), part.rows, Z, A, q.rope_pos(part), rope, QW);
+  be.fill_zero(w.d_tmp, std::size_t(T) * std::size_t(QW) * e);
+  be.rmsnorm_backward(w.d_tmp, g.q_norm_w, dq, s.q_pre, p.q_norm_w, s.q_rstd, T * Z, A, w.scratch);
+  be.copy_cols(dq, w.d_tmp, T, QW, QW, 0);
+  // Keys: the complete dK through RoPE's backward in d_tmp, the norm's into dk.
+  be.put_cols(w.d_tmp, dk_self, true, T, KV, KV, 0);
+  for (const PosSpan& part : q.parts())
+    be.rope_backward(act_at(w.d_tmp, i64(part.row0) * KV, a), part.rows, G, A, q.rope_pos(part), rope, KV);
+  be.fill_zero(dk, std::size_t(T) * std::size_t(KV) * e);
+  be.rmsnorm_backward(dk, g.k_norm_w, w.d_tmp, s.k_pre, p.k_norm_w, s.k_rstd, T * G, A, w.scratch);
+  be.put_cols(dv, dv_self, true, T, KV, KV, 0);
+  // The projection's q, k and v rows, each from its own dense gradient.
+  be.linear_backward(w.d_tmp, g.qkv_w, g.qkv_b, dq, in, m.qkv_w, T, H, QW, 0, 0, w.scratch);
+  for (int j = 0; j < 2; ++j) {
+    const i64 row = QW + i64(j) * KV;
+    const void* wj = act_at(m.qkv_w, row * H, a);
+    void* dj = j == 0 ? dk : dv;
+    be.linear_backward(nullptr, g.qkv_w + row * H, g.qkv_b ? g.qkv_b + row : nullptr, dj, in, wj, T, H, KV, 0, 0,
+                       w.scratch);
+    be.gemm(false, false, T, H, KV, 1.0f, dj, KV, wj, H, 1.0f, w.d_tmp, H, a, a);
+  }
+}
+
 void block_recompute(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,
                      const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, const ModelConfig& c,
                      const Subseq& q) {
   forward_steps(be, s, groups, kv, p, m, w, attn, c, q);
 }
 
-void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockMatrices& m, const ModelConfig& c,
-                i64 pos0, int rows) {
+void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockParams& p, const BlockMatrices& m,
+                const ModelConfig& c, i64 pos0, int rows, void* k_pre, float* k_rstd) {
   const DType a = be.act();
-  const int H = c.hidden, KV = c.kv_width();
-  be.linear_forward(k, ln1_out, act_at(m.qkv_w, i64(H) * H, a), bias_at(m.qkv_b, H, a), rows, H, KV, 0, 0);
-  be.linear_forward(v, ln1_out, act_at(m.qkv_w, i64(H + KV) * H, a), bias_at(m.qkv_b, H + KV, a), rows, H, KV, 0, 0);
+  const int H = c.hidden, KV = c.kv_width(), QW = c.q_width();
+  const void* w_k = act_at(m.qkv_w, i64(QW) * H, a);
+  if (c.qk_norm) {  // the keys before their norm: into k_pre, or into v until v is made
+    void* pre = k_pre ? k_pre : v;
+    be.linear_forward(pre, ln1_out, w_k, bias_at(m.qkv_b, QW, a), rows, H, KV, 0, 0);
+    be.rmsnorm_forward(k, k_rstd, pre, p.k_norm_w, rows * c.kv_head_count(), c.head_size(), c.ln_eps);
+  } else {
+    be.linear_forward(k, ln1_out, w_k, bias_at(m.qkv_b, QW, a), rows, H, KV, 0, 0);
+  }
+  be.linear_forward(v, ln1_out, act_at(m.qkv_w, i64(QW + KV) * H, a), bias_at(m.qkv_b, QW + KV, a), rows, H, KV, 0,
+                    0);
   be.rope_forward(k, rows, c.kv_head_count(), c.head_size(), pos0, rope_table(c), KV);
 }
 
@@ -438,16 +529,19 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
   });
   norm_backward(be, c, d, g.ln2_w, g.ln2_b, w.d_tmp, s.x_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, T, w.scratch);
   // Attention half. d is now the gradient w.r.t. x_mid = x + out(attn_out).
-  be.linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, m.out_w, T, H, H, 0, 0, w.scratch);
+  const int QW = c.q_width();
+  be.linear_backward(w.d_tmp, g.out_w, g.out_b, d, s.attn_out, m.out_w, T, QW, H, 0, 0, w.scratch);
   for (const PosSpan& part : q.parts()) {
-    const i64 at = i64(part.row0) * H;
+    const i64 at = i64(part.row0) * QW;
     be.attention_backward_delta(w.delta + i64(c.heads) * part.row0, act_at(w.d_tmp, at, a),
                                 act_at(s.attn_out, at, a), span_shape(c, part));
   }
   void* dqkv = w.qkv;
   attn.backward(be, dqkv, w.d_tmp, w.delta, s, dk_self, dv_self, c, q, w.scratch);
   const RopeTable rope = rope_table(c);
-  if (c.llama()) {
+  if (c.qk_norm) {
+    qk_norm_backward(be, g, dk_self, dv_self, s, p, m, w, s.ln1_out, H, c, q);
+  } else if (c.llama()) {
     qkv_backward_planar(be, g, dk_self, dv_self, s, m, w, c, q, rope);
   } else {
     // dK/dV of this subsequence are complete: every later subsequence has contributed.

@@ -27,8 +27,9 @@ namespace sppo {
 // with the same offsets, for their gradients and the AdamW moments.
 struct BlockParams {
   float* ln1_w; float* ln1_b;    // [H], [H]
-  float* qkv_w; float* qkv_b;    // [Q, H], [Q]: Q = H + 2 G A (3H without GQA)
-  float* out_w; float* out_b;    // [H, H], [H]
+  float* qkv_w; float* qkv_b;    // [Q, H], [Q]: Q = Z A + 2 G A (3H without GQA)
+  float* q_norm_w; float* k_norm_w;  // [A], [A]: Note [Query/key norms]
+  float* out_w; float* out_b;    // [H, Z A], [H]
   float* ln2_w; float* ln2_b;    // [H], [H]
   float* fc_w; float* fc_b;      // [W, H], [W]: W = F, or 2F (gate | up) when gated
   float* proj_w; float* proj_b;  // [H, F], [H]
@@ -56,8 +57,8 @@ ParamView param_view(const ModelConfig& c, float* base, int begin, int end, cons
 // the fp32 masters laid out like them (parameter_specs(c, begin, end), every tensor
 // converted), or the masters.
 struct BlockMatrices {
-  const void* qkv_w; const void* qkv_b;    // [Q, H], [Q]: Q = H + 2 G A (3H without GQA)
-  const void* out_w; const void* out_b;    // [H, H], [H]
+  const void* qkv_w; const void* qkv_b;    // [Q, H], [Q]: Q = Z A + 2 G A (3H without GQA)
+  const void* out_w; const void* out_b;    // [H, Z A], [H]
   const void* fc_w; const void* fc_b;      // [W, H], [W]
   const void* proj_w; const void* proj_b;  // [H, F], [H]
 };
@@ -81,25 +82,31 @@ struct BlockSaved {
   float* ln1_mean;  // [T]
   float* ln1_rstd;  // [T]
   void* ln1_out;    // [T, H]
-  void* q;          // [T, H] after RoPE
+  void* q;          // [T, Z A] after RoPE
   void* k;          // [T, G A] after RoPE (KV cache block of this subsequence)
   void* v;          // [T, G A]
-  void* attn_out;   // [T, H]
+  void* attn_out;   // [T, Z A]
   float* lse;       // [Z, T]
   void* x_mid;      // [T, H]
   float* ln2_mean;  // [T]
   float* ln2_rstd;  // [T]
   void* ln2_out;    // [T, H]
   void* fc_pre;     // [T, W]
+  // Note [Query/key norms]: null without them.
+  void* q_pre;      // [T, Z A] queries before their norm
+  float* q_rstd;    // [T, Z] the norm's statistics, a row per head
+  void* k_pre;      // [T, G A] keys before their norm
+  float* k_rstd;    // [T, G]
 };
 
-// Builds a BlockSaved from pointers in block_saved_specs order.
+// Builds a BlockSaved from pointers in block_saved_specs order (14 of them without
+// query/key norms, 18 with).
 BlockSaved block_saved_from(const std::vector<void*>& ptrs);
 
 struct BlockWorkspace {
-  void* qkv;           // [T, Q]
+  void* qkv;           // [T, max(Q, H)]
   void* mlp_act;       // [Tm, W]: Tm = T, or min(T, mlp_rows) with MLP tiles
-  void* d_tmp;         // [T, H]
+  void* d_tmp;         // [T, max(H, Z A)]
   float* delta;        // [Z, T]
   Workspace scratch;   // the kernels' (Backend::block_scratch); empty: their own
   // Note [MLP tiles] (core/layout.h): rows of a tile (0: no tiles), and the tile's rows
@@ -168,10 +175,9 @@ class BlockAttention {
   virtual void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) = 0;
   // dq into columns [0, H) of dqkv [T, 3H] (overwritten; columns [H, 3H) are free scratch
   // until the caller writes dK, dV there); for a Llama-family model (grouped-query K/V
-  // may leave less room beside dq) dense into its first T H elements. From dout [T, H] =
-  // d attn_out and delta (laid out
-  // as the LSE). dk_self, dv_self [T, H] and every earlier block's accumulators accumulate;
-  // this block's are complete on return.
+  // may leave less room beside dq) dense into its first T Z A elements. From dout [T, Z A]
+  // = d attn_out and delta (laid out as the LSE). dk_self, dv_self [T, G A] and every
+  // earlier block's accumulators accumulate; this block's are complete on return.
   virtual void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s,
                         float* dk_self, float* dv_self, const ModelConfig& c, const Subseq& q,
                         const Workspace& scratch) = 0;
@@ -206,7 +212,7 @@ void norm_backward(Backend& be, const ModelConfig& c, void* dx, float* dw, float
 // The MLP's activation of `rows` rows: gelu(fc_pre) [rows, F], or swiglu(gate | up).
 void mlp_act_forward(Backend& be, const ModelConfig& c, void* out, const void* fc_pre, int rows);
 
-// The AttnShape of one span of a block's queries (q, out strides H; k, v strides G A).
+// The AttnShape of one span of a block's queries (q, out strides Z A; k, v strides G A).
 AttnShape span_shape(const ModelConfig& c, const PosSpan& p);
 
 // The KV blocks the span `queries` of subsequence q attends to, in position order: the
@@ -242,12 +248,49 @@ void block_recompute(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const
                      const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, const ModelConfig& c,
                      const Subseq& q);
 
-// k, v [rows, H] of the positions pos0 .. pos0 + rows - 1 from their LayerNorm-1 output
-// ln1_out [rows, H]: the k and v rows of the qkv projection, RoPE on k (as block_forward
-// computes them, to fp32 rounding). A layer that recomputes its K/V (KvPlace::Recompute)
-// makes the earlier blocks' this way, a chunk at a time.
-void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockMatrices& m, const ModelConfig& c,
-                i64 pos0, int rows);
+// k, v [rows, G A] of the positions pos0 .. pos0 + rows - 1 from their LayerNorm-1 output
+// ln1_out [rows, H]: the k and v rows of the qkv projection, the key norm (Note
+// [Query/key norms]; its weight p.k_norm_w) and RoPE on k (as block_forward computes them,
+// to fp32 rounding). k_pre [rows, G A] and k_rstd [rows, G] (may be null, then not kept)
+// receive the keys before their norm and its statistics. A layer that recomputes its K/V
+// (KvPlace::Recompute) makes the earlier blocks' this way, a chunk at a time.
+void kv_project(Backend& be, void* k, void* v, const void* ln1_out, const BlockParams& p, const BlockMatrices& m,
+                const ModelConfig& c, i64 pos0, int rows, void* k_pre = nullptr, float* k_rstd = nullptr);
+
+// Note [Query/key norms]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Qwen3 normalises each query and key head before RoPE: q = RoPE(rmsnorm(q_pre) * w_q)
+// with q_pre the q rows of the projection, the RMS over each head's A values, and one
+// weight w_q [A] shared by the heads (k likewise, w_k). As [T Z, A] rows, that is the
+// block's RMSNorm kernel on T Z rows of width A (T G for the keys), so it adds no kernel.
+// The block saves q_pre and k_pre and the norms' rstd [T, Z], [T, G] (the last four of
+// block_saved_specs, which a model without norms does not have), and the saved q and k stay
+// the attention's inputs, after norm and RoPE. Backward takes d q through RoPE's backward, then the norm's (from q_pre and its
+// rstd; d w_q accumulates over every row of every head), and only then the projection's;
+// the keys' complete dK of this subsequence (every later one has added its part) likewise
+// from k_pre. The group "q" of Note [Recomputed tensors] (core/layout.h) makes q, q_pre,
+// q_rstd, k_pre and k_rstd again (the k rows of the projection and their norm; k itself
+// is the K/V cache's). A layer that recomputes its K/V makes them from the LayerNorm-1
+// output through the norm too (kv_project); under Note [dK/dV into the layer input] each
+// later subsequence's part of an earlier block's dK goes through the norm's backward
+// before the projection: the norm's backward is linear in its output gradient, so the
+// parts sum to the whole. Under tensor parallelism the norms' weights are whole on every
+// member, each member's d w is its own heads' part (a replicated key/value head's: its
+// own query heads' part of dK), and the runtime sums them over the group as it does the
+// LayerNorm weights'.
+// The forward steps of those norms as the block and a tensor-parallel member run them:
+// from the LayerNorm-1 output `in` [T, H] (a member's gathered rows) and the projection's
+// rows of the model `ac` (attention_view for a member), q (with q_pre, q_rstd, k_pre,
+// k_rstd) when `want_q`, and k (RoPE too) and v when `kv`. w.qkv is scratch.
+void qk_norm_forward(Backend& be, BlockSaved& s, bool want_q, bool kv, const BlockParams& p, const BlockMatrices& m,
+                     const BlockWorkspace& w, const void* in, int H, const ModelConfig& ac, const Subseq& q);
+// Their backward with the projection's, after the attention's: from dq [T, Z A] dense in
+// w.qkv (RoPE's output gradient) and this subsequence's complete dK, dV (dk_self, dv_self
+// [T, G A]), through RoPE, the norms and the projection: w.d_tmp [T, H] = d in, and
+// g.qkv_w (g.qkv_b), g.q_norm_w and g.k_norm_w accumulate. w.qkv is scratch.
+void qk_norm_backward(Backend& be, BlockParams& g, const float* dk_self, const float* dv_self, const BlockSaved& s,
+                      const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, const void* in, int H,
+                      const ModelConfig& ac, const Subseq& q);
 
 // d[T, H]: in the gradient w.r.t. the block output, out w.r.t. its input. A null s.fc_pre
 // is made again a tile at a time into w.fc_tile (Note [MLP tiles]). dk_self/dv_self

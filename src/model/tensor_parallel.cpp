@@ -11,7 +11,7 @@ namespace {
 // RoPE on the q and k columns of qkv [T, 3Hr], at the subsequence's positions.
 void rope_qk(Backend& be, void* qkv, bool backward, const ModelConfig& ac, const Subseq& q) {
   const DType a = be.act();
-  const int Hr = ac.hidden;
+  const int Hr = ac.q_width();
   for (const PosSpan& part : q.parts()) {
     void* rows = act_at(qkv, i64(part.row0) * 3 * Hr, a);
     for (void* x : {rows, act_at(rows, Hr, a)}) {
@@ -46,7 +46,7 @@ void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, cons
   const ModelConfig ac = attention_view(c, tp);
   // The member's q/k/v projection makes Qr = Hr + 2 KVr columns: the q of its heads, then
   // the k and v of its key/value heads (KVr = Hr without grouped-query attention).
-  const int T = q.T, H = c.hidden, Hr = ac.hidden, KVr = ac.kv_width(), Qr = ac.qkv_width();
+  const int T = q.T, H = c.hidden, Hr = ac.q_width(), KVr = ac.kv_width(), Qr = ac.qkv_width();
   const int Wr = tp.local_fc_width(c), Ts = int(tp.row_count(T));
   const bool adds_bias = tp.index == 0;  // row-parallel biases enter the sum once
   const DType a = be.act();
@@ -57,7 +57,9 @@ void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, cons
   if (has(0)) norm_forward(be, c, s.ln1_out, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w, p.ln1_b, Ts);
   const bool want_q = has(1);
   if (want_q || kv) sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
-  if (want_q || kv) {
+  if (c.qk_norm) {  // Note [Query/key norms] (model/gpt.h), on the member's heads
+    qk_norm_forward(be, s, want_q, kv, p, m, w, w.tp_full, H, ac, q);
+  } else if (want_q || kv) {
     // Both, or one of the two: the q rows of the projection, or the k and v rows, into their columns.
     const i64 first = want_q ? 0 : Hr;
     const int outs = want_q && kv ? Qr : want_q ? Hr : 2 * KVr;
@@ -70,11 +72,11 @@ void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, cons
       if (kv)
         be.rope_forward(act_at(rows, Hr, a), part.rows, ac.kv_head_count(), ac.head_size(), part.pos0, rope, Qr);
     }
-  }
-  if (want_q) be.copy_cols(s.q, w.qkv, T, Hr, Qr, 0);
-  if (kv) {
-    be.copy_cols(s.k, w.qkv, T, KVr, Qr, Hr);
-    be.copy_cols(s.v, w.qkv, T, KVr, Qr, Hr + KVr);
+    if (want_q) be.copy_cols(s.q, w.qkv, T, Hr, Qr, 0);
+    if (kv) {
+      be.copy_cols(s.k, w.qkv, T, KVr, Qr, Hr);
+      be.copy_cols(s.v, w.qkv, T, KVr, Qr, Hr + KVr);
+    }
   }
   if (has(2)) {
     SPPO_ASSERT(attn);
@@ -128,7 +130,7 @@ void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, flo
                        SeqParallel& sp, const ModelConfig& c, const Subseq& q) {
   const TpShard& tp = sp.shard();
   const ModelConfig ac = attention_view(c, tp);
-  const int T = q.T, H = c.hidden, Hr = ac.hidden, KVr = ac.kv_width();
+  const int T = q.T, H = c.hidden, Hr = ac.q_width(), KVr = ac.kv_width();
   const auto [f0, f1] = tp.ffn(c);
   const int Fr = int(f1 - f0), Wr = tp.local_fc_width(c), Ts = int(tp.row_count(T));
   const DType a = be.act();
@@ -156,7 +158,10 @@ void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, flo
   }
   void* dqkv = w.qkv;  // [T, Qr]
   attn.backward(be, dqkv, w.d_tmp, w.delta, s, dk_self, dv_self, ac, q, w.scratch);
-  if (c.llama()) {
+  if (c.qk_norm) {
+    sp.all_gather(be, w.tp_full, s.ln1_out, w.tp_pad, T, H);
+    qk_norm_backward(be, g, dk_self, dv_self, s, p, m, w, w.tp_full, H, ac, q);
+  } else if (c.llama()) {
     // Planar, as model/gpt.cpp's qkv_backward_planar: the attention wrote dq dense [T, Hr];
     // this subsequence's complete dK | dV [T, 2 KVr] follow it.
     void* dq = dqkv;

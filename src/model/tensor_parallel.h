@@ -10,9 +10,11 @@
 // A Llama-family block runs the same regions with its own pieces: RMSNorm for LayerNorm
 // (norm_forward / norm_backward), a q/k/v projection of Hr + 2 KVr outputs (the q of the
 // member's query heads, then the k and v of its key/value heads: the group size divides
-// G, so its queries read exactly those), a SwiGLU over fc_pre [T, 2Fr] (the gate, then the
-// up rows of its Fr columns), no row-parallel biases, and the untied LM head (p.head,
-// vocabulary-parallel like the embedding).
+// G, so its queries read exactly those), the query/key norms of its heads (Note
+// [Query/key norms] in model/gpt.h: their weights whole on every member, their gradients
+// summed over the group), a SwiGLU over fc_pre [T, 2Fr] (the gate, then the up rows of its
+// Fr columns), no row-parallel biases, and the untied LM head (p.head, vocabulary-parallel
+// like the embedding). Hr = Zr A may exceed H (Note [Head size] in core/config.h).
 //
 // Note [Sequence-parallel regions]: between the tensor-parallel regions each member holds
 // rows tp.rows(T) of the residual stream, and LayerNorm and the residual adds run on those

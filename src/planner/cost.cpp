@@ -25,11 +25,13 @@ double CostModel::gemm_flops(i64 tokens) const {
 
 double CostModel::attention_flops(i64 o, i64 b, i64 e, i64 keys) const {
   const double n = double(e - b);
+  // Scores and values: 2 Z A FLOPs each a query and key (Note [Head size]: Z A, not H).
+  const double QW = model_.q_width();
   // Bidirectional: every query sees the o keys before and all of the subsequence's.
-  if (!model_.causal) return 4.0 * model_.hidden * n * double(o + (keys > 0 ? keys : e));
+  if (!model_.causal) return 4.0 * QW * n * double(o + (keys > 0 ? keys : e));
   // Causal: sum over q in [b, e) of (o + q + 1)
   const double sum = n * double(o) + (double(e) * double(e + 1) - double(b) * double(b + 1)) / 2;
-  return 4.0 * model_.hidden * sum;
+  return 4.0 * QW * sum;
 }
 
 double CostModel::head_flops(i64 tokens) const { return 6.0 * double(tokens) * model_.hidden * model_.vocab; }
@@ -46,7 +48,7 @@ namespace {
 
 // Packed documents: the attention FLOPs of the queries at positions [x, y) of the step (a
 // causal model), each against its own document's keys up to itself; `prefix` receives the
-// part against keys before position o (an earlier subsequence's).
+// part against keys before position o (an earlier subsequence's). H: the queries' width, Z A.
 double packed_attention_flops(double H, const std::vector<i64>& docs, i64 o, i64 x, i64 y, double* prefix) {
   double all = 0, before = 0;
   auto d = std::upper_bound(docs.begin(), docs.end(), x);  // the document of x begins at d[-1]
@@ -73,8 +75,8 @@ double CostModel::attention_s(i64 o, const sched::Spans& spans, i64 keys, const 
   const bool packed = docs && !docs->empty() && model_.causal;
   double prefix = 0, prefix_s = 0, all = 0;
   for (const auto& [b, e] : spans) {
-    double f = 4.0 * model_.hidden * double(e - b) * double(o);
-    if (packed) all += packed_attention_flops(model_.hidden, *docs, o, o + b, o + e, &f);
+    double f = 4.0 * model_.q_width() * double(e - b) * double(o);
+    if (packed) all += packed_attention_flops(model_.q_width(), *docs, o, o + b, o + e, &f);
     prefix += f;
     if (f > 0) prefix_s += f / hw_.attention_prefix_rate(model_.head_size(), e - b);
   }
@@ -84,7 +86,7 @@ double CostModel::attention_s(i64 o, const sched::Spans& spans, i64 keys, const 
 
 double CostModel::rsa_attention_s(i64 T, i64 L, bool backward, int tp) const {
   const double scores = double(model_.heads) * double(T) * double(L) / tp;
-  const double flops = (backward ? 10.0 : 4.0) * double(T) * double(L) * model_.hidden / tp;
+  const double flops = (backward ? 10.0 : 4.0) * double(T) * double(L) * model_.q_width() / tp;
   double t = flops / hw_.gemm_rate(model_.head_size());
   if (hw_.elementwise_bw > 0)
     t += (backward ? kRsaScoreWordsBackward : kRsaScoreWords) * 4 * scores / hw_.elementwise_bw;
@@ -277,7 +279,10 @@ double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backw
 double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward,
                                     int tp, i64 keys, const std::vector<i64>* docs) const {
   const double T = double(sched::span_tokens(spans));
-  const double H = model_.hidden, KV = model_.kv_width();
+  const double H = model_.hidden, KV = model_.kv_width(), QW = model_.q_width();
+  // With query/key norms (Note [Query/key norms]) each key is normed before RoPE: its
+  // words again; q's group makes the keys before their norm too.
+  const double k_norm = model_.qk_norm ? 2 * KV : 0, qk_norms = model_.qk_norm ? 2 * (QW + KV) : 0;
   // Elementwise words of a token: a LayerNorm reads and writes H twice; RoPE and a
   // residual add read and write H (RoPE on k: KV, the K/V's width G A).
   auto words_s = [&](double words, double tokens) {
@@ -295,19 +300,23 @@ double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet g
   if (kv) {
     const double passes = backward && has(2) ? 2 : 1;
     t += ((backward ? 12 : 4) + (passes - 1) * 4) * H * KV * double(o) / gemm_rate_ +
-         words_s(2 * H + (backward ? 6 : 2) * KV + (passes - 1) * (2 * H + 2 * KV), double(o));
+         words_s(2 * H + (backward ? 6 : 2) * KV + passes * k_norm + (backward ? k_norm : 0) +
+                     (passes - 1) * (2 * H + 2 * KV),
+                 double(o));
   }
   if (!backward) return t;
   double flops = 0, words = 0, attention = 0;
   int collectives = 0;
   if (has(0)) words += 2 * H;  // ln1
   if (has(1) || kv) {          // q, and the own K, V of a layer that recomputes them
-    flops += ((has(1) ? 2 * H : 0) + (kv ? 4.0 * model_.kv_width() : 0)) * T * H;
-    words += (has(1) ? 2 * H : 0) + (kv ? 2 * KV : 0);
+    // q's group with key norms makes the keys before their norm: the k rows once with K, V.
+    const double k_rows = has(1) && model_.qk_norm ? 2 * KV : 0;
+    flops += ((has(1) ? 2 * QW : 0) + std::max(k_rows, kv ? 4 * KV : 0.0)) * T * H;
+    words += (has(1) ? 2 * QW + qk_norms : 0) + (kv ? 2 * KV + (has(1) ? 0 : k_norm) : 0);
     ++collectives;
   }
   if (has(2)) attention = attention_s(o, spans, keys, docs);
-  if (has(3)) flops += 2 * T * H * H, words += 3 * H, ++collectives;  // x_mid
+  if (has(3)) flops += 2 * T * H * QW, words += 3 * H, ++collectives;  // x_mid
   if (has(4)) words += 2 * H;                                          // ln2
   if (has(5)) flops += 2 * T * H * model_.fc_width(), ++collectives;   // fc_pre
   return t + (flops / gemm_rate_ + attention + words_s(words, T)) / tp +
@@ -379,11 +388,11 @@ double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group, bool acr
 i64 CostModel::message_bytes(const Op& op, const Schedule& s, int rank) const {
   // Ring steps of a tensor-parallel member move its heads only (members are consecutive ranks).
   const TpShard member{rank % s.tp, s.tp};
-  const i64 H = model_.hidden;
+  const i64 H = model_.hidden, QW = model_.q_width();  // the ring moves queries: Z A a row
   const int n = std::max(1, op.layer_end - op.layer_begin);
   if (op.kind == OpKind::RingStep) {
-    const i64 bytes = (s.rsa_piece(op) ? sched::rsa_step_bytes(s, op, H, act_bytes_)
-                                        : sched::ring_step_bytes(s, op, H, model_.heads, act_bytes_, model_.causal)) *
+    const i64 bytes = (s.rsa_piece(op) ? sched::rsa_step_bytes(s, op, QW, act_bytes_)
+                                        : sched::ring_step_bytes(s, op, QW, model_.heads, act_bytes_, model_.causal)) *
                       n;
     return s.tp > 1 ? bytes * member.local_heads(model_) / model_.heads : bytes;
   }

@@ -14,14 +14,15 @@ std::vector<i64> partition_length(i64 S, int N) {
 }
 
 double subseq_flops(const ModelConfig& c, i64 o, i64 l) {
-  const double H = c.hidden;
-  return double(l) * 2.0 * c.layer_matmul_params() + 4.0 * H * double(l) * (double(o) + (double(l) + 1) / 2);
+  const double QW = c.q_width();  // the attention's width, Z A (Note [Head size])
+  return double(l) * 2.0 * c.layer_matmul_params() + 4.0 * QW * double(l) * (double(o) + (double(l) + 1) / 2);
 }
 
 std::vector<i64> partition_flops(const ModelConfig& c, i64 S, int N, i64 quantum) {
   SPPO_CHECK(N >= 1 && S >= N, "planner") << "cannot cut " << S << " tokens into " << N << " subsequences";
-  // Prefix cost G(x) = g x + 2 H x (x + 1) = 2H x^2 + (g + 2H) x, g = GEMM FLOPs per token.
-  const double H = c.hidden, g = 2.0 * c.layer_matmul_params();
+  // Prefix cost G(x) = g x + 2 H x (x + 1) = 2H x^2 + (g + 2H) x, g = GEMM FLOPs per token,
+  // H here the attention's width Z A (Note [Head size]).
+  const double H = c.q_width(), g = 2.0 * c.layer_matmul_params();
   const double a = 2 * H, b = g + 2 * H;
   const double total = a * double(S) * double(S) + b * double(S);
   std::vector<i64> bound(N + 1, 0);

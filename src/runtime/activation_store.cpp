@@ -20,10 +20,11 @@ ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& ho
     dev_[i].resize(L);
     host_copies_[i].resize(L);
   }
+  const std::size_t tensors = std::size_t(block_saved_count(c));
   for (int i = 0; i < N; ++i)
     for (int l = 0; l < L; ++l) {
-      dev_[i][l].resize(kSavedTensors);
-      host_copies_[i][l].resize(kSavedTensors);
+      dev_[i][l].resize(tensors);
+      host_copies_[i][l].resize(tensors);
     }
   head_grad_.resize(N);
   head_grad_host_.resize(N);
@@ -35,7 +36,7 @@ ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& ho
   x_copied_.assign(std::size_t(N), std::vector<std::shared_ptr<Event>>(std::size_t(L)));
   prefetched_.assign(std::size_t(N), 0);
   for (const auto& s : block_saved_specs(c, 1, precision)) roles_.push_back(s.role);
-  SPPO_ASSERT(int(roles_.size()) == kSavedTensors);
+  SPPO_ASSERT(roles_.size() == tensors);
   d2h_ = be.make_copy_stream();
   h2d_ = be.make_copy_stream();
 }
@@ -50,7 +51,7 @@ i64 ActivationStore::offload(int i, double fraction) {
   std::vector<i64> sizes;
   std::vector<int> x_layer;  // the layer of each tensor that is an x, else -1
   for (int l = lb_; l < le_; ++l)
-    for (int k = 0; k < kSavedTensors; ++k)
+    for (int k = 0; k < int(roles_.size()); ++k)
       if (roles_[k] == Role::Offloadable && !in_set(recompute_, k)) {
         tensors.push_back({&dev_[i][l][k], &host_copies_[i][l][k]});
         sizes.push_back(dev_[i][l][k].bytes());
@@ -107,7 +108,7 @@ void ActivationStore::prefetch(int i) {
   };
   move_in(head_grad_[i], head_grad_host_[i], "head_grad");
   for (int l = le_ - 1; l >= lb_; --l)
-    for (int k = 0; k < kSavedTensors; ++k) move_in(dev_[i][l][k], host_copies_[i][l][k], unit_name(l, i));
+    for (std::size_t k = 0; k < roles_.size(); ++k) move_in(dev_[i][l][k], host_copies_[i][l][k], unit_name(l, i));
 }
 
 double ActivationStore::wait_offload(int i) { return offload_last_[i] ? offload_last_[i]->wait() : 0; }
@@ -142,7 +143,7 @@ void ActivationStore::trace(StepResult& result) const {
 void ActivationStore::check_empty() const {
   for (std::size_t i = 0; i < dev_.size(); ++i)
     for (std::size_t l = 0; l < dev_[i].size(); ++l)
-      for (int k = 0; k < kSavedTensors; ++k)
+      for (std::size_t k = 0; k < roles_.size(); ++k)
         SPPO_ASSERT_MSG(!dev_[i][l][k] && !host_copies_[i][l][k],
                         "tensor left over after the step: layer " << l << " subseq " << i);
 }

@@ -27,8 +27,7 @@
 
 namespace sppo {
 
-inline constexpr int kSavedTensors = kBlockSavedTensors;  // block_saved_specs() entries (core/layout.h)
-inline constexpr int kK = kSavedK, kV = kSavedV;          // where k and v are among them
+inline constexpr int kK = kSavedK, kV = kSavedV;  // where k and v are among block_saved_specs() (core/layout.h)
 
 // The prefix of the names of unit (l, i)'s buffers in the tiers' accounting.
 std::string unit_name(int l, int i);
@@ -41,7 +40,7 @@ class ActivationStore {
                   int subseqs, std::pair<int, int> layers, SavedSet recompute);
   ~ActivationStore();
 
-  // [kSavedTensors] the saved tensors of subsequence i at layer l, in table order; a
+  // [block_saved_count(c)] the saved tensors of subsequence i at layer l, in table order; a
   // tensor not on the device is an empty Buffer.
   std::vector<Buffer>& unit(int i, int l) { return dev_[i][l]; }
   // [T, H] the gradient of the loss at subsequence i's final hidden state (the head's).
@@ -75,7 +74,7 @@ class ActivationStore {
   MemoryTier& host_;
   const ModelConfig& config_;
   int lb_, le_;
-  std::vector<std::vector<std::vector<Buffer>>> dev_;   // [N][L][kSavedTensors] device copies
+  std::vector<std::vector<std::vector<Buffer>>> dev_;   // [N][L][block_saved_count] device copies
   std::vector<std::vector<std::vector<Buffer>>> host_copies_;  // same shape: offloaded parts
   std::vector<Buffer> head_grad_, head_grad_host_;      // [N]
   std::vector<std::shared_ptr<Event>> offload_first_, offload_last_;    // [N]

@@ -199,7 +199,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   for (int l = b; l < e; ++l) {
     if (own) await_weights(l);
     auto& unit = st.act.unit(i, l);
-    for (int k = 0; k < kSavedTensors; ++k)
+    for (int k = 0; k < int(specs.size()); ++k)
       if (!unit[k] && !tiled_away(tiles, k)) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
     auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp, tiles), "workspace ");
     const BlockWorkspace w_ptrs = block_workspace_from(ptrs(ws), {}, tiles);
@@ -227,8 +227,8 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     else
       block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, blocks);
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
-      for (int k = 1; k < kSavedTensors; ++k) unit[k].reset();
-    for (int k = 0; k < kSavedTensors; ++k)  // what backward recomputes (Note [Recomputed tensors])
+      for (int k = 1; k < int(specs.size()); ++k) unit[k].reset();
+    for (int k = 0; k < int(specs.size()); ++k)  // what backward recomputes (Note [Recomputed tensors])
       if (in_set(st.sched.recompute, k)) unit[k].reset();
     st.kv.after_forward(l, i, q);
     scratch = {};
@@ -306,7 +306,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     // blocks stream twice).
     const bool kv = st.sched.kv_recomputed(l);
     if (st.sched.recompute || kv) {
-      for (int k = 0; k < kSavedTensors; ++k)
+      for (int k = 0; k < int(specs.size()); ++k)
         if ((in_set(st.sched.recompute, k) && !tiled_away(tiles, k)) || (kv && (k == kK || k == kV)))
           unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       BlockSaved s = block_saved_from(ptrs(unit));
@@ -332,13 +332,13 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     }
     const LayerAttention attn = st.kv.attention(op, l, true, layer_weights(st, wt, l));
     if (opts_.recompute) {
-      for (int k = 1; k < kSavedTensors; ++k)
+      for (int k = 1; k < int(specs.size()); ++k)
         unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       Buffer out = device_->alloc(specs[0].bytes(), "recomputed block output");
       BlockSaved s = block_saved_from(ptrs(unit));
       block_forward(be_, out.data(), s, weights_.blocks[l], matrices_.blocks[l], w, *attn, config_, blocks);
     }
-    for (int k = 0; k < kSavedTensors; ++k)
+    for (int k = 0; k < int(specs.size()); ++k)
       SPPO_ASSERT_MSG(unit[k] || tiled_away(tiles, k), "saved tensor " << specs[k].name << " of layer " << l
                                                << " subseq " << i << " is not on the device");
     const BlockSaved s = block_saved_from(ptrs(unit));

@@ -126,12 +126,14 @@ void GradReduce::reduce(const sched::Op& op, std::size_t index) {
 void GradReduce::reduce_replicated(Backend& be, TpGroup* tp, const ModelConfig& c) {
   if (!tp || !reduce_) return;
   // Each member's LayerNorm gradients come from its own rows (Note [Sequence-parallel
-  // regions]): the sum over the group is the whole gradient. Sums commute, so this may
-  // follow the data-parallel reduction.
+  // regions]), its query/key norms' from its own heads (Note [Query/key norms]): the sum
+  // over the group is the whole gradient. Sums commute, so this may follow the
+  // data-parallel reduction.
   be.synchronize();
   i64 off = 0;
   for (const TensorSpec& spec : specs_) {
-    const bool layernorm = spec.name.rfind("ln_f.", 0) == 0 || spec.name.find(".ln") != std::string::npos;
+    const bool layernorm = spec.name.rfind("ln_f.", 0) == 0 || spec.name.find(".ln") != std::string::npos ||
+                           spec.name.find("_norm.") != std::string::npos;
     if (layernorm) tp->all_reduce(grads_ + off, spec.numel(), spec.name);
     off += spec.numel();
   }

@@ -51,9 +51,10 @@ class ChunkedAttention : public BlockAttention, public PastAttention {
   // meets the streamed chunks, from its document's start on.
   void forward(Backend& be, BlockSaved& s, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
     const DType a = be.act();
+    const i64 QW = c.q_width();
     const std::vector<PosSpan> parts = q.parts();
     for (const PosSpan& part : parts) {
-      const i64 at = i64(part.row0) * c.hidden;
+      const i64 at = i64(part.row0) * QW;
       be.attention_forward(act_at(s.attn_out, at, a), s.lse + i64(c.heads) * part.row0, act_at(s.q, at, a),
                            attention_key_blocks(KVBlocks{}, s.k, s.v, nullptr, nullptr, q, part, c, a),
                            span_shape(c, part), scratch);
@@ -62,9 +63,9 @@ class ChunkedAttention : public BlockAttention, public PastAttention {
     PastQueries j;
     j.span = first;
     j.from = q.doc_start(first.pos0);
-    j.q = act_at(s.q, i64(first.row0) * c.hidden, a);
-    j.ldq = c.hidden;
-    j.out = act_at(s.attn_out, i64(first.row0) * c.hidden, a);
+    j.q = act_at(s.q, i64(first.row0) * QW, a);
+    j.ldq = int(QW);
+    j.out = act_at(s.attn_out, i64(first.row0) * QW, a);
     j.lse = s.lse + i64(c.heads) * first.row0;
     forward_past(be, c, {j}, scratch);
   }
@@ -80,7 +81,7 @@ class ChunkedAttention : public BlockAttention, public PastAttention {
     }
     from_ = queries[0].from;  // a Recompute layer's: one span (no ring)
     const std::string name = "blocks." + std::to_string(l_);
-    Buffer out = c_.device_.alloc(rows * c.hidden * dtype_bytes(a), name + " partial output");
+    Buffer out = c_.device_.alloc(rows * c.q_width() * dtype_bytes(a), name + " partial output");
     Buffer lse = c_.device_.alloc(i64(c.heads) * rows * i64(sizeof(float)), name + " partial LSE");
     // Chunks wholly before every span's document are not brought in (backward still moves
     // them: their sums pass through, Note [dK/dV with host-resident K/V]).
@@ -105,10 +106,10 @@ class ChunkedAttention : public BlockAttention, public PastAttention {
   void backward(Backend& be, void* dqkv, const void* dout, const float* delta, const BlockSaved& s, float* dk_self,
                 float* dv_self, const ModelConfig& c, const Subseq& q, const Workspace& scratch) override {
     const DType a = be.act();
-    const int T = q.T, H = c.hidden;
+    const int T = q.T, H = c.q_width();  // the queries' width, Z A
     const void* queries = s.q;
     int ldq = H;
-    if (c.llama()) {  // as LocalAttention: dq dense [T, H] (block_backward's planar dqkv), q read in place
+    if (c.llama()) {  // as LocalAttention: dq dense [T, Z A] (block_backward's planar dqkv), q read in place
       be.fill_zero(dqkv, std::size_t(i64(T) * H * dtype_bytes(a)));
     } else {
       // As LocalAttention: dq accumulates in columns [0, H) of dqkv, the queries are read
@@ -170,6 +171,7 @@ class ChunkedAttention : public BlockAttention, public PastAttention {
   // layer's also x [rows, H] and the d(LayerNorm-1 output) sums [rows, H] fp32.
   struct Slot {
     Buffer k, v, dk, dv, x, du;
+    Buffer k_pre, k_rstd;  // a Recompute layer's with key norms, in backward
     std::shared_ptr<Event> loaded, saved;
   };
   using Piece = HostKvCache::Piece;
@@ -335,6 +337,10 @@ class RecomputedAttention final : public ChunkedAttention {
         slot.dk = c_.device_.alloc(kv_rows * f32, what + "dK");
         slot.dv = c_.device_.alloc(kv_rows * f32, what + "dV");
       }
+      if (backward_ && c.qk_norm) {
+        slot.k_pre = c_.device_.alloc(kv_rows * act, what + "K before its norm");
+        slot.k_rstd = c_.device_.alloc(largest_ * c.kv_head_count() * f32, what + "key norm rstd");
+      }
     }
     for (std::size_t s = 0; s < sum_slots(); ++s) sums_[s].du = c_.device_.alloc(rows * f32, what + "d LayerNorm-1 output");
     if (!past_.empty()) {
@@ -390,34 +396,49 @@ class RecomputedAttention final : public ChunkedAttention {
     }
     // Only the rows the queries attend get K, V: those from the first span's document start
     // (RoPE positions from it, as that document's own keys had them).
-    const i64 skip = skipped(ch), KV = config_.kv_width();
+    const i64 skip = skipped(ch), KV = config_.kv_width(), G = config_.kv_head_count();
+    // In backward, key norms keep the keys before the norm and its statistics for theirs.
+    const bool keep = backward_ && config_.qk_norm;
     if (skip < ch.rows)
       kv_project(be, act_at(slot.k.data(), skip * KV, a), act_at(slot.v.data(), skip * KV, a),
-                 act_at(norm_.data(), skip * H, a), *w_.m, config_, ch.pos0 + skip - from_, int(ch.rows - skip));
+                 act_at(norm_.data(), skip * H, a), *w_.p, *w_.m, config_, ch.pos0 + skip - from_,
+                 int(ch.rows - skip), keep ? act_at(slot.k_pre.data(), skip * KV, a) : nullptr,
+                 keep ? slot.k_rstd.f32() + skip * G : nullptr);
     if (!backward_) return;
     const std::size_t f32 = std::size_t(ch.rows) * std::size_t(c_.width_) * sizeof(float);
     be.fill_zero(slot.dk.data(), f32);
     be.fill_zero(slot.dv.data(), f32);
   }
 
-  // Note [dK/dV into the layer input]: dK (after RoPE's backward) and dV [rows, G A] go
-  // through the k and v rows [G A, H] of the projection into the sums of d(LayerNorm-1
-  // output) [rows, H], and into the projection's weight gradients (and its biases', where
-  // it has them), each through the x slot in the activation type.
+  // Note [dK/dV into the layer input]: dK (after RoPE's backward, and the key norm's: Note
+  // [Query/key norms] in model/gpt.h) and dV [rows, G A] go through the k and v rows
+  // [G A, H] of the projection into the sums of d(LayerNorm-1 output) [rows, H], and into
+  // the projection's weight gradients (and its biases', where it has them), each through
+  // the x slot in the activation type (the key norm's output through the K slot, whose
+  // keys the attention has used).
   void send_sums(Backend& be, Slot& slot, Slot& sums, const Chunk& ch, const Workspace& scratch) override {
     const DType a = be.act();
-    const int H = config_.hidden, KV = config_.kv_width();
+    const int H = config_.hidden, KV = config_.kv_width(), QW = config_.q_width(), G = config_.kv_head_count();
     for (int kv = 0; kv < 2; ++kv) {
-      const i64 row = H + i64(kv) * KV;  // the k (v) rows of the qkv projection
+      const i64 row = QW + i64(kv) * KV;  // the k (v) rows of the qkv projection
       be.put_cols(slot.x.data(), kv == 0 ? slot.dk.f32() : slot.dv.f32(), true, ch.rows, KV, KV, 0);
       const i64 skip = skipped(ch);  // their dK, dV are zero: nothing attended them
       if (kv == 0 && skip < ch.rows)
         be.rope_backward(act_at(slot.x.data(), skip * KV, a), int(ch.rows - skip), config_.kv_head_count(),
                          config_.head_size(), ch.pos0 + skip - from_, rope_table(config_), KV);
+      const void* d = slot.x.data();
+      if (kv == 0 && config_.qk_norm) {  // rows before the skip stay zero: no keys were made there
+        be.fill_zero(slot.k.data(), std::size_t(ch.rows) * std::size_t(KV) * std::size_t(dtype_bytes(a)));
+        if (skip < ch.rows)
+          be.rmsnorm_backward(act_at(slot.k.data(), skip * KV, a), w_.g->k_norm_w, act_at(slot.x.data(), skip * KV, a),
+                              act_at(slot.k_pre.data(), skip * KV, a), w_.p->k_norm_w, slot.k_rstd.f32() + skip * G,
+                              int(ch.rows - skip) * G, config_.head_size(), scratch);
+        d = slot.k.data();
+      }
       const void* w = act_at(w_.m->qkv_w, row * H, a);
-      be.gemm(false, false, ch.rows, H, KV, 1.0f, slot.x.data(), KV, w, H, 1.0f, sums.du.data(), H, a, DType::F32);
-      be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b ? w_.g->qkv_b + row : nullptr, slot.x.data(),
-                         norm_.data(), w, ch.rows, H, KV, 0, 0, scratch);
+      be.gemm(false, false, ch.rows, H, KV, 1.0f, d, KV, w, H, 1.0f, sums.du.data(), H, a, DType::F32);
+      be.linear_backward(nullptr, w_.g->qkv_w + row * H, w_.g->qkv_b ? w_.g->qkv_b + row : nullptr, d, norm_.data(),
+                         w, ch.rows, H, KV, 0, 0, scratch);
     }
     const std::size_t f32_row = std::size_t(H) * sizeof(float);
     for (const Piece& pc : ch.pieces)

@@ -60,7 +60,7 @@ void RingAttention::forward(Backend& be, BlockSaved& s, const ModelConfig& c, co
                             const Workspace& scratch) {
   const int R = size(), me = ctx_.me, Z = c.heads;
   const DType a = be.act();
-  const i64 H = c.hidden, act = dtype_bytes(a);
+  const i64 H = c.q_width(), act = dtype_bytes(a);  // the queries' and outputs' rows: Z A
   comm::Comm& cm = *ctx_.comm;
   const int next = ctx_.members[std::size_t((me + 1) % R)], prev = ctx_.members[std::size_t((me + R - 1) % R)];
   const std::string where = " (ring, layer " + std::to_string(ctx_.layer) + ", subseq " + std::to_string(ctx_.subseq) + ")";
@@ -191,7 +191,7 @@ void RingAttention::backward(Backend& be, void* dqkv, const void* dout, const fl
                              const Workspace& scratch) {
   const int R = size(), me = ctx_.me, Z = c.heads, T = q.T;
   const DType a = be.act();
-  const i64 H = c.hidden, act = dtype_bytes(a), f32 = sizeof(float);
+  const i64 H = c.q_width(), act = dtype_bytes(a), f32 = sizeof(float);  // Z A, as in forward
   comm::Comm& cm = *ctx_.comm;
   const int next = ctx_.members[std::size_t((me + 1) % R)], prev = ctx_.members[std::size_t((me + R - 1) % R)];
   const std::string where = " (ring backward, layer " + std::to_string(ctx_.layer) + ", subseq " +

@@ -26,7 +26,9 @@ i64 layer_params(const ModelConfig& c, const TpShard& tp) {
   const i64 H = c.hidden, Hr = tp.local_hidden(c), Qr = tp.local_qkv_width(c), Wr = tp.local_fc_width(c);
   const auto [f0, f1] = tp.ffn(c);
   const i64 Fr = f1 - f0, norm = c.llama() ? H : 2 * H, b = c.biases() ? 1 : 0;
-  return 2 * norm + (Qr * H + (c.qkv_bias ? Qr : 0)) + (H * Hr + b * H) + (Wr * H + b * Wr) + (H * Fr + b * H);
+  const i64 qk_norms = c.qk_norm ? 2 * i64(c.head_size()) : 0;  // whole on every member
+  return 2 * norm + (Qr * H + (c.qkv_bias ? Qr : 0)) + qk_norms + (H * Hr + b * H) + (Wr * H + b * Wr) +
+         (H * Fr + b * H);
 }
 
 i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp) {
@@ -333,13 +335,15 @@ i64 RankMemory::kv_window(int l, int subseq, i64 T, i64 span_rows, bool backward
   // output and LSE are one query span's, the longest.
   const i64 C = kv_chunk_rows(T), rows = kv_rows_before_[l][std::size_t(subseq)], chunks = (rows + C - 1) / C;
   // The slots' K, V and dK, dV are the K/V's width (G A of this member's key/value heads);
-  // the forward's partial output is the queries' [T, H]: kv_window_bytes counts it at the
+  // the forward's partial output is the queries' [T, Z A]: kv_window_bytes counts it at the
   // width it is given, so the rest of its row is added here (none without grouped-query
   // attention).
   const i64 kv_width = tp_.local_kv_width(rules_.model), q_width = tp_.local_hidden(rules_.model);
   const i64 partial_rest = backward || chunks == 0 ? 0 : span_rows * (q_width - kv_width) * rules_.act_bytes();
+  const bool recompute = s_.kv_recomputed(l);
   return kv_window_bytes(chunks, std::min(rows, C), span_rows, kv_width, tp_.local_heads(rules_.model), rules_.act_bytes(),
-                         backward, s_.kv_recomputed(l) ? rules_.model.hidden : 0) +
+                         backward, recompute ? rules_.model.hidden : 0,
+                         recompute && rules_.model.qk_norm ? rules_.model.kv_head_count() : 0) +
          partial_rest;
 }
 

@@ -114,12 +114,13 @@ i64 total_device(const Estimate& e) {
 //   loss is not chunked).
 // Bytes a token keeps in one layer's activations at bf16 with sequence parallelism and
 // flash attention: Korthikanti et al.'s 34 H for the GPT block; for a Llama-family block
-// (no dropout) its inputs of the two norms 4 H, the q/k/v input, q and the attention
-// output 6 H, k and v 4 G A, the MLP input 2 H and gate, up, silu(gate) and their
-// product 8 F.
+// (no dropout) its inputs of the two norms 4 H, the q/k/v input 2 H, q and the attention
+// output 4 Z A, k and v 4 G A, the MLP input 2 H and gate, up, silu(gate) and their
+// product 8 F; query/key norms keep their inputs, 2 Z A + 2 G A more.
 double layer_activation_bytes(const ModelConfig& c) {
   if (!c.llama()) return 34.0 * c.hidden;
-  return 12.0 * c.hidden + 4.0 * c.kv_width() + 8.0 * c.ffn();
+  const double qk_norms = c.qk_norm ? 2.0 * (c.q_width() + c.kv_width()) : 0.0;
+  return 8.0 * c.hidden + 4.0 * c.q_width() + 4.0 * c.kv_width() + 8.0 * c.ffn() + qk_norms;
 }
 
 Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel& cost) {
@@ -152,7 +153,7 @@ Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel&
     // The layer phase.
     const double KV = c.kv_width();  // K and V's width (H without grouped-query attention)
     const double recompute = layer_activation_bytes(c) * s / t * (e / 2);
-    const double fa = 4 * s * H / t;
+    const double fa = 4 * s * c.q_width() / t;  // Z A (H for GPT's heads)
     const double kv_ring = l.cp > 1 ? 2 * 2 * s * KV * e / t : 0;
     const double dkv_ring = l.cp > 1 ? 2 * 2 * s * KV * e / t : 0;
     const double dkv = 2 * s * KV * e / t;
@@ -168,7 +169,9 @@ Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel&
         c.llama() ? "(12 H + 4 G A + 8 F) s / t x (e / 2) (a Llama-family block's activations, as Korthikanti et al. "
                     "2022 count them, with sequence parallelism, flash attention)"
                   : "34 s H / t x (e / 2) (Korthikanti et al. 2022, with sequence parallelism, flash attention)");
-    add(&est, Row::AttentionWorkspace, at_loss ? 0 : fa, 0, "4 s H / t (flash attention's fp32 dQ accumulator)");
+    add(&est, Row::AttentionWorkspace, at_loss ? 0 : fa, 0,
+        c.q_width() == c.hidden ? "4 s H / t (flash attention's fp32 dQ accumulator)"
+                                : "4 s Z A / t (flash attention's fp32 dQ accumulator)");
     add(&est, Row::Logits, at_loss ? logits : 0, 0,
         last ? "(2 + 4) s V / t: bf16 logits and their fp32 copy for the cross entropy" : "on the last stage only");
     std::string comm;
@@ -230,18 +233,19 @@ Estimate deepspeed(const ModelConfig& c, i64 S, const Layout& l, int gpus, const
   const double ckpt_host = c.layers * s * H * e;
   add(&est, Row::Checkpoints, 0, ckpt_host, "L s H e on the host, s = S / u = " + num(s));
   const double KV = c.kv_width();  // K and V's width (H without grouped-query attention)
+  const double QW = c.q_width();   // q's and o's, Z A (H for GPT's heads)
   const double kv_dev = 2 * 2 * ch * KV * e;
-  const double layer_host = (2 * H + 2 * KV) * s * e + 4 * s * H;
+  const double layer_host = (2 * QW + 2 * KV) * s * e + 4 * s * QW;
   add(&est, Row::KVCache, kv_dev, 0, "K, V chunks double-buffered, 2 x 2 c H e, c = " + num(ch));
-  add(&est, Row::Units, 3 * ch * H * e, layer_host,
+  add(&est, Row::Units, 3 * ch * QW * e, layer_host,
       "device: q, o, dO of a chunk 3 c H e; host: one layer's q, k, v, o 4 s H e and fp32 dQ 4 s H");
-  add(&est, Row::KVGradAccum, (2 * KV + H) * ch * 4, 0, "fp32 dK, dV, dQ of the running chunks, 3 x 4 c H");
-  add(&est, Row::Recompute, (layer_activation_bytes(c) - 4 * H - 4 * KV) * ch * (e / 2), 0,
+  add(&est, Row::KVGradAccum, (2 * KV + QW) * ch * 4, 0, "fp32 dK, dV, dQ of the running chunks, 3 x 4 c H");
+  add(&est, Row::Recompute, (layer_activation_bytes(c) - 4 * QW - 4 * KV) * ch * (e / 2), 0,
       "the chunk's other activations, (34 - 8) c H (e / 2) (Korthikanti et al. 2022, q, k, v, o counted above)");
   add(&est, Row::Hidden, 4 * s * H * e, 0,
       "whole local sequence: layer input, gathered attention output, two gradients, 4 s H e");
-  add(&est, Row::AttentionWorkspace, (H + 2 * KV) * ch * e, 0, "the chunk's dq, dk, dv before accumulation, 3 c H e");
-  add(&est, Row::CommBuffers, 2 * (H + 2 * KV) * ch * e, 0, "all-to-all send + receive of a chunk's q, k, v, 2 x 3 c H e");
+  add(&est, Row::AttentionWorkspace, (QW + 2 * KV) * ch * e, 0, "the chunk's dq, dk, dv before accumulation, 3 c H e");
+  add(&est, Row::CommBuffers, 2 * (QW + 2 * KV) * ch * e, 0, "all-to-all send + receive of a chunk's q, k, v, 2 x 3 c H e");
   const double logits = (2 + 4) * s * V;
   add(&est, Row::Logits, logits, 0, "(2 + 4) s V: bf16 logits of the local sequence and their fp32 copy");
   // The loss and the layers' backward do not overlap: the larger phase is the peak.

@@ -106,21 +106,28 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
   std::vector<TensorPlacement> out;
   auto bytes_of = [&](SavedSet set) {
     i64 b = 0;
-    for (int k = 0; k < kBlockSavedTensors; ++k)
-      if (in_set(set, k)) b += specs[std::size_t(k)].bytes();
+    for (std::size_t k = 0; k < specs.size(); ++k)
+      if (in_set(set, int(k))) b += specs[k].bytes();
     return b / n;
   };
   auto names_of = [&](SavedSet set) {
     std::string names;
-    for (int k = 0; k < kBlockSavedTensors; ++k)
-      if (in_set(set, k)) names += (names.empty() ? "" : ", ") + specs[std::size_t(k)].name;
+    for (std::size_t k = 0; k < specs.size(); ++k)
+      if (in_set(set, int(k))) names += (names.empty() ? "" : ", ") + specs[k].name;
     return names;
   };
   out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
                  "the block's input, the previous block's output: kept (recomputing it is the whole previous "
                  "block); offloaded where the device needs the room"});
-  const std::string costs[] = {"a LayerNorm of x again, elementwise", "2 H^2 FLOPs a token (q's rows of the projection)",
-                         "the attention again", "2 H^2 FLOPs a token (the output projection)",
+  // Note [Head size]: q and the output projection are Z A wide where A is not H / Z.
+  const bool wide = c.q_width() != c.hidden;
+  const std::string costs[] = {"a LayerNorm of x again, elementwise",
+                               c.qk_norm ? "2 H (Z A + G A) FLOPs a token (q's and k's rows of the projection, their norms)"
+                               : wide    ? "2 H Z A FLOPs a token (q's rows of the projection)"
+                                         : "2 H^2 FLOPs a token (q's rows of the projection)",
+                               "the attention again",
+                               wide ? "2 H Z A FLOPs a token (the output projection)"
+                                    : "2 H^2 FLOPs a token (the output projection)",
                          "a LayerNorm of x_mid again, elementwise",
                          p.model.gated() ? "4 H F FLOPs a token (the MLP's gate and up GEMM)"
                                          : "2 H F FLOPs a token (the MLP's first GEMM)"};
@@ -239,7 +246,9 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank)) - mem.host_fixed_bytes();
   lines.push_back({Row::Units, units, host,
                    num(double(unit_pt)) + " B per token and layer (x, LN outputs and statistics, q, attention output, "
-                   "LSE, MLP input and pre-activation" + shards + ")" +
+                   "LSE, MLP input and pre-activation" +
+                       (c.qk_norm ? std::string(", q and k before their norms with the norms' statistics") : "") +
+                       shards + ")" +
                        (in_set(p.recompute, kSavedHeadGrad)
                             ? std::string(" (head_grad recomputed: the head runs in the last layer's backward)")
                             : " + head_grad " + num(double(h_row)) + " B per token" +

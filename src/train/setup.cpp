@@ -133,7 +133,10 @@ void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
       const float sd = resid ? std_resid : std_w;
       for (i64 k = 0; k < n; ++k) p[k] = sd * normal(rng);
     } else {
-      const float fill = (ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("ln_f.weight")) ? 1.0f : 0.0f;
+      const float fill = (ends_with("ln1.weight") || ends_with("ln2.weight") || ends_with("ln_f.weight") ||
+                          ends_with("_norm.weight"))  // Qwen3's q_norm, k_norm
+                             ? 1.0f
+                             : 0.0f;
       std::fill(p, p + n, fill);
     }
     p += n;

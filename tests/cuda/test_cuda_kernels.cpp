@@ -454,10 +454,12 @@ TEST_F(Cuda, LayerNorm) {
   }
 }
 
+// Rows of the hidden size, and (H = A) the rows of a model's per-head query/key norms: T Z
+// rows of one head's A values, many row blocks of a narrow dw (Note [Query/key norms]).
 TEST_F(Cuda, RmsNorm) {
-  for (const int H : {96, 1000}) {
+  for (const int H : {96, 1000, 24, 128}) {
     for (const DType act : {DType::F32, DType::BF16}) {
-      const int T = 300;  // more than one row block of the dw reduction
+      const int T = H <= 128 ? 300 * 4 : 300;  // more than one row block of the dw reduction
       const std::string tag = std::string(name(act)) + " H=" + std::to_string(H);
       Vec x = randn(std::size_t(T) * H, rng_, 2.0f);
       for (std::size_t i = 0; i < x.size(); ++i) x[i] += 1.5f;  // not centred (no mean taken)
@@ -473,6 +475,11 @@ TEST_F(Cuda, RmsNorm) {
       const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
       expect_close(download(od, x.size(), act), out, 1e-5 * max_abs(out), rtol,
                    "rmsnorm out " + tag);
+      // Without rstd (a recomputed key norm keeps none): the same output, bit for bit.
+      Dev od2(x.size() * 4);
+      cuda::rmsnorm_forward(od2.get(), nullptr, xd.get(), wd.as<float>(), T, H, 1e-6f, act, stream_);
+      expect_close(download(od2, x.size(), act), download(od, x.size(), act), 0.0, 0.0,
+                   "rmsnorm out without rstd " + tag);
 
       // Backward: dx and dw accumulate into non-zero starts.
       const Vec dout = rounded(randn(x.size(), rng_), act);

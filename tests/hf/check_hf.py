@@ -2,14 +2,19 @@
 """sppo's Llama-family block held to an independent implementation: Hugging Face transformers.
 
 For small random LlamaForCausalLM models (grouped-query attention, every RoPE scaling type
-HF's config.json names, an LM head tied to the embedding as Llama 3.2's) and Qwen2ForCausalLM
-models (q/k/v biases; tied as Qwen2.5's small ones), saved with save_pretrained
-(one file, and sharded), `sppo grads --init HF_DIR` must give transformers' loss and every
-parameter gradient in fp32: max |a - b| <= 1e-5 (1 + |b|) per element. Then `sppo import`
-and `sppo export --format hf` must give a directory transformers loads with no missing,
-unexpected or mismatched weights, whose logits are the original model's. Bad inputs (an
-unsupported architecture or field, a missing shard, a tensor of the wrong shape) must exit
-2 and write nothing.
+HF's config.json names, an LM head tied to the embedding as Llama 3.2's), Qwen2ForCausalLM
+models (q/k/v biases; tied as Qwen2.5's small ones) and Qwen3ForCausalLM models (q_norm and
+k_norm on each head, a head_dim that is not hidden / heads, every RoPE scaling type, tied
+and untied), saved with save_pretrained (one file, and sharded), `sppo grads --init HF_DIR`
+must give transformers' loss and every parameter gradient in fp32: max |a - b| <= 1e-5
+(1 + |b|) per element. Then `sppo import` and `sppo export --format hf` must give a
+directory transformers loads with no missing, unexpected or mismatched weights, whose
+logits are the original model's. Bad inputs (an unsupported architecture or field, a
+missing shard, a tensor of the wrong shape; for Qwen3 a sliding window, a head_dim the
+weights do not have) must exit 2 and write nothing.
+
+Qwen3 needs transformers 4.51 or later (which needs PyTorch 2); with an older one its cases
+are skipped, saying so, and the rest runs.
 
 Usage: check_hf.py SPPO_BINARY WORK_DIR. Exits 77 (skipped) without torch and transformers.
 """
@@ -83,6 +88,9 @@ def as_sppo(hf, layers):
         out[b + "attn.qkv.weight"] = torch.cat([hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
         if p + "self_attn.q_proj.bias" in hf:
             out[b + "attn.qkv.bias"] = torch.cat([hf[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        for x in "qk":  # Qwen3's per-head norms
+            if p + f"self_attn.{x}_norm.weight" in hf:
+                out[b + f"attn.{x}_norm.weight"] = hf[p + f"self_attn.{x}_norm.weight"]
         out[b + "attn.out.weight"] = hf[p + "self_attn.o_proj.weight"]
         out[b + "mlp.fc.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         out[b + "mlp.proj.weight"] = hf[p + "mlp.down_proj.weight"]
@@ -183,6 +191,56 @@ def bad_inputs(good):
     refused("tensor of the wrong shape", d, "gate_proj.weight")
 
 
+def qwen3_bad_inputs(good):
+    """Qwen3's config fields sppo cannot honour, each refused with exit 2 naming the field."""
+    def refused(label, change, needle):
+        d = os.path.join(WORK, "bad-qwen3-" + label)
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(good, d)
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        change(cfg)
+        json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+        out = os.path.join(WORK, "refused")
+        r = run("import", d, "--out", out, expect=2)
+        if os.path.exists(out):
+            failures.append(f"qwen3 {label}: {out} was written")
+        if needle not in r.stderr:
+            failures.append(f"qwen3 {label}: the message does not name '{needle}': {r.stderr.strip()}")
+        print(f"refused (qwen3 {label}): {r.stderr.strip()}")
+
+    refused("sliding window", lambda c: c.update(use_sliding_window=True), "use_sliding_window")
+    refused("head_dim of other weights", lambda c: c.update(head_dim=16), "q_proj.weight")
+    refused("odd head_dim", lambda c: c.update(head_dim=7), "head_dim")
+    refused("unknown rope_scaling", lambda c: c.update(rope_scaling={"rope_type": "longrope", "factor": 2.0}),
+            "rope_scaling")
+    refused("attention_bias", lambda c: c.update(attention_bias=True), "attention_bias")
+
+
+def qwen3_cases():
+    """Qwen3ForCausalLM: heads of 12 on hidden 32 (not 32 / 4), q_norm and k_norm, G 2 of 4."""
+    if not hasattr(transformers, "Qwen3ForCausalLM"):
+        print(f"skipped Qwen3ForCausalLM: transformers {transformers.__version__} lacks it (4.51 or later has it, "
+              "with PyTorch 2)")
+        return
+    Q = transformers.Qwen3Config
+    scalings = [None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
+                {"rope_type": "yarn", "factor": 4.0},
+                {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 16}]
+    for k, scaling in enumerate(scalings):
+        tied = k % 2 == 0
+        name = f"qwen3-{(scaling or {}).get('rope_type', 'default')}-{'tied' if tied else 'untied'}"
+        config = Q(**base_config(head_dim=12, rope_theta=1000.0, tie_word_embeddings=tied, rope_scaling=scaling,
+                                 num_key_value_heads=1 if k == 1 else 2))
+        flags = ("--subseqs", "3", "--offload", "0.5") if k == 3 else ()
+        d, model, tokens, logits = grads_case(name, transformers.Qwen3ForCausalLM, config, 70 + k,
+                                              sharded=k == 2, sppo_flags=flags)
+        if k in (0, 1):
+            export_case(name, d, model, tokens, logits)
+        if k == 0:
+            qwen3_bad_inputs(d)
+
+
 def tokenizer_case(hf_dir, vocab):
     """scripts/tokenize_text.py: text and a tokenizer.json into files train --data reads."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -248,6 +306,7 @@ def main():
     td, tmodel, ttokens, tlogits = grads_case("qwen2-tied", transformers.Qwen2ForCausalLM, tied_qwen, 60)
     export_case("qwen2-tied", td, tmodel, ttokens, tlogits)
     bad_inputs(d)
+    qwen3_cases()
     tokenizer_case(d, cases[4][1].vocab_size)
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))

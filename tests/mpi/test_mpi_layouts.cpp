@@ -9,7 +9,7 @@
 // with tensor, data and context parallelism; the K/V cache on the host under pipeline,
 // tensor, data and context parallelism and MSP; K/V and saved tensors recomputed under
 // each layout that runs them; MLP tiles; every layout's messages staged as on GPUs
-// (--comm mpi).
+// (--comm mpi); Qwen3's block (query/key norms, heads wider than H / Z) under each of them.
 #include <gtest/gtest.h>
 
 #include "io/fileutil.h"
@@ -41,9 +41,14 @@ const std::string kTied = "--model llama-tiny-tied --layers 4 --seq-len 96 --see
 // heads]).
 const std::string kLlama6 = kLlama + " --hidden 96 --heads 6";
 
+// Qwen3's block: query/key norms before RoPE, 4 heads of 24 (queries 96 wide on H 64) over
+// 2 key/value heads, the LM head tied to the embedding.
+const std::string kQwen3 = "--model qwen3-tiny --layers 4 --seq-len 96 --seed 3 --threads 1";
+
 ModelConfig model(const std::string& flags = kModel) {
   ModelConfig c = preset(flags.rfind(kTied, 0) == 0    ? "llama-tiny-tied"
                          : flags.rfind(kLlama, 0) == 0 ? "llama-tiny"
+                         : flags.rfind(kQwen3, 0) == 0 ? "qwen3-tiny"
                                                        : "tiny");
   c.layers = 4;
   if (flags.rfind(kLlama6, 0) == 0) c.hidden = 96, c.heads = 6;
@@ -91,6 +96,8 @@ class Layouts : public ::testing::Test {
                                      {"llama6b", kLlama6 + " --batch 2"},
                                      {"tied1", kTied},
                                      {"tied2", kTied + " --batch 2"},
+                                     {"qwen3", kQwen3},
+                                     {"qwen3b", kQwen3 + " --batch 2"},
                                      {"packed", packed_},
                                      {"labeled1", labeled_},
                                      {"labeled2", labeled_ + " --batch 2"},
@@ -451,6 +458,32 @@ TEST_F(Layouts, LlamaTensorParallel) {
   // Members of 2 or 1 query heads send ring messages of their own sizes.
   check(8, "--tp 4 --cp 2", "llama6", kLlama6);
   check(8, "--tp 4 --dp 2 --zero 1 --subseqs 2", "llama6b", kLlama6);
+}
+
+// Qwen3 (Note [Query/key norms] in model/gpt.h): the norms' weights whole on every
+// tensor-parallel member and their gradients summed over the group, on members of whole
+// key/value heads (tp 2) and on members that split the query heads of one (tp 4: two
+// replicas a head); the ring's queries Z A wide (Note [Head size]); MSP pieces on borrowed
+// norms; ZeRO-1's buckets; the K/V on the host and recomputed (the key norm inside the
+// recompute) with q's group recomputed; the tied head across the pipeline's ends. The
+// peaks are the memory model's to the byte where its bounds are exact.
+TEST_F(Layouts, Qwen3) {
+  check_peaks(2, "--pp 2 --subseqs 3 --offload 0.5", "qwen3", kQwen3, true);
+  check(4, "--pp 4 --subseqs 4", "qwen3", kQwen3);
+  check_peaks(2, "--tp 2 --subseqs 3 --offload 0.5", "qwen3", kQwen3, true);
+  check_peaks(4, "--tp 4 --subseqs 3 --offload 0.5 --recompute-tensors q,fc_pre", "qwen3", kQwen3, true);
+  check(4, "--tp 4 --subseqs 2 --kv-cache host --recompute-tensors all,head_grad", "qwen3", kQwen3);
+  check(2, "--cp 2 --ring zigzag --subseqs 3", "qwen3", kQwen3);
+  check_peaks(2, "--cp 2 --ring contiguous --subseqs 3 --kv-cache host", "qwen3", kQwen3, true);
+  check(4, "--tp 2 --cp 2 --ring zigzag --subseqs 2", "qwen3", kQwen3);
+  check(4, "--pp 2 --dp 2 --zero 1 --subseqs 3", "qwen3b", kQwen3);
+  check(4, "--tp 2 --dp 2 --zero 1 --subseqs 2", "qwen3b", kQwen3);
+  check(2, "--pp 2 --subseqs 4 --msp on", "qwen3", kQwen3);
+  check(3, "--pp 3 --subseqs 5 --partition flops --offload 0.5 --msp on --kv-cache host", "qwen3", kQwen3);
+  check(2, "--pp 2 --subseqs 4 --kv-cache host --recompute-tensors q", "qwen3", kQwen3);
+  check(2, "--pp 2 --subseqs 4 --offload 0.5 --kv-cache recompute --recompute-tensors ln1,q,ln2,fc_pre", "qwen3",
+        kQwen3);
+  check(2, "--pp 2 --subseqs 8 --mlp-tile-rows 5 --recompute-tensors fc_pre", "qwen3", kQwen3);
 }
 
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {

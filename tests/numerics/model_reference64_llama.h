@@ -1,5 +1,5 @@
 // A deliberately naive float64 Llama-family model (STYLE.md 7), the companion of
-// model_reference64.h: Llama 2/3, Mistral and Qwen2 blocks written from their specification
+// model_reference64.h: Llama 2/3, Mistral, Qwen2 and Qwen3 blocks written from their specification
 // with plain loops and nothing shared with the engine (not even core/rope.h: the RoPE
 // frequencies are computed here again from Hugging Face's formulas), so that tests can
 // compare the engine's fp32 loss and gradients against it. Forward and an analytic
@@ -7,13 +7,15 @@
 // (tests/numerics/test_model_reference_llama.cpp).
 //
 // Dimension letters as in core/dims.h: S tokens, H hidden, Z query heads, G key/value heads
-// (grouped-query attention: query head z reads key/value head z / (Z / G)), A = H / Z head
-// size, L layers, V vocab, F the MLP's intermediate size. Buffers are row-major; "[S, H]" is
-// S rows of H doubles.
+// (grouped-query attention: query head z reads key/value head z / (Z / G)), A head size
+// (config.json's head_dim where given, else H / Z), L layers, V vocab, F the MLP's
+// intermediate size. Buffers are row-major; "[S, H]" is S rows of H doubles.
 //
 // The model, per token row x (starting from embed.weight[token]):
 //   per block:  h   = RMSNorm(x) * ln1.weight,   RMSNorm(x) = x / sqrt(mean(x^2) + eps)
 //               qkv = h qkv.weight^T (+ qkv.bias)          q: Z heads, k and v: G heads
+//               q, k <- RMSNorm of each head's A values * q_norm.weight, k_norm.weight
+//                       (Qwen3 only; eps as the block's)
 //               q, k <- RoPE at the token's position (rotate-half, see rope() below)
 //               attn = causal softmax(q k^T / sqrt(A)) v    per query head, GQA
 //               x   = x + attn out.weight^T
@@ -28,7 +30,8 @@
 //   embed.weight [V, H]
 //   per block l: ln1.weight [H], attn.qkv.weight [Z A + 2 G A, H] (rows: the Z query heads,
 //     then G key heads, then G value heads, A consecutive rows each), attn.qkv.bias
-//     [Z A + 2 G A] only with qkv_bias, attn.out.weight [H, H], ln2.weight [H],
+//     [Z A + 2 G A] only with qkv_bias, attn.q_norm.weight [A] and attn.k_norm.weight [A]
+//     only with query/key norms (Qwen3), attn.out.weight [H, Z A], ln2.weight [H],
 //     mlp.fc.weight [2F, H] (rows [0, F) gate, [F, 2F) up), mlp.proj.weight [H, F]
 //   ln_f.weight [H]
 //   lm_head.weight [V, H] (none where tied)
@@ -79,8 +82,10 @@ struct Rope {
 //            orig / high_freq_factor <= wl_j <= orig / low_freq_factor: with
 //            s = (orig / wl_j - low_freq_factor) / (high_freq_factor - low_freq_factor),
 //            (1 - s) inv_freq[j] / factor + s inv_freq[j]; shorter wavelengths unchanged.
+inline i64 head_size_of(const ModelConfig& c) { return c.head_dim > 0 ? c.head_dim : c.hidden / c.heads; }
+
 inline Rope rope_frequencies(const ModelConfig& c) {
-  const i64 A = c.hidden / c.heads, half = A / 2;
+  const i64 A = head_size_of(c), half = A / 2;
   const RopeScaling& rs = c.rope_scaling;
   using Type = RopeScaling::Type;
   const double pi = std::numbers::pi;
@@ -134,6 +139,7 @@ struct Dims {
   Rope rope;
   bool causal = true;  // a Llama is causal; false (every key visible) only for tests
   bool tied = false;   // the LM head is the embedding
+  bool qk_norm = false;  // Qwen3's per-head norms of q and k
   i64 keys(i64 s, i64 S) const { return causal ? s + 1 : S; }
   i64 group() const { return Z / G; }  // query heads per key/value head
   i64 kv_width() const { return G * A; }
@@ -143,8 +149,8 @@ struct Dims {
 inline Dims dims_of(const ModelConfig& c) {
   const i64 Z = c.heads, G = c.kv_heads > 0 ? c.kv_heads : c.heads;
   const i64 F = c.ffn_size > 0 ? c.ffn_size : i64(c.ffn_mult) * c.hidden;
-  return Dims{c.vocab, c.hidden, c.layers, Z, G, c.hidden / Z, F, double(c.ln_eps), c.qkv_bias,
-              rope_frequencies(c), c.causal, c.tied_embeddings()};
+  return Dims{c.vocab,        c.hidden,           c.layers,   Z, G, head_size_of(c), F, double(c.ln_eps), c.qkv_bias,
+              rope_frequencies(c), c.causal, c.tied_embeddings(), c.qk_norm};
 }
 
 struct Tensor {
@@ -155,7 +161,7 @@ struct Tensor {
 };
 
 struct BlockOffsets {
-  i64 ln1_w, qkv_w, qkv_b, out_w, ln2_w, fc_w, proj_w;  // qkv_b: -1 without qkv_bias
+  i64 ln1_w, qkv_w, qkv_b, q_norm_w, k_norm_w, out_w, ln2_w, fc_w, proj_w;  // -1: the model has none
 };
 
 struct Layout {
@@ -175,7 +181,7 @@ inline Layout layout_of(const Dims& d) {
     lay.total += n;
     return lay.tensors.back().offset;
   };
-  const i64 H = d.H, F = d.F, Q = d.qkv_width();
+  const i64 H = d.H, F = d.F, Q = d.qkv_width(), ZA = d.Z * d.A;
   lay.embed = add("embed.weight", {d.V, H});
   for (i64 l = 0; l < d.L; ++l) {
     const std::string b = "blocks." + std::to_string(l) + ".";
@@ -183,7 +189,9 @@ inline Layout layout_of(const Dims& d) {
     o.ln1_w = add(b + "ln1.weight", {H});
     o.qkv_w = add(b + "attn.qkv.weight", {Q, H});
     o.qkv_b = d.qkv_bias ? add(b + "attn.qkv.bias", {Q}) : -1;
-    o.out_w = add(b + "attn.out.weight", {H, H});
+    o.q_norm_w = d.qk_norm ? add(b + "attn.q_norm.weight", {d.A}) : -1;
+    o.k_norm_w = d.qk_norm ? add(b + "attn.k_norm.weight", {d.A}) : -1;
+    o.out_w = add(b + "attn.out.weight", {H, ZA});
     o.ln2_w = add(b + "ln2.weight", {H});
     o.fc_w = add(b + "mlp.fc.weight", {2 * F, H});
     o.proj_w = add(b + "mlp.proj.weight", {H, F});
@@ -293,10 +301,11 @@ inline void rope(Vec& x, const std::vector<i64>& pos, i64 S, i64 heads, const Di
 struct BlockCache {
   Vec x;                       // [S, H] block input
   Vec ln1_out, ln1_xhat, ln1_rstd;
+  Vec q_xhat, q_rstd, k_xhat, k_rstd;  // the query/key norms' (qk_norm): [S Z, A], [S Z], ...
   Vec q;                       // [S, Z A] after RoPE
   Vec k, v;                    // [S, G A], k after RoPE
   Vec probs;                   // [Z, S, S] softmax (zero above the diagonal when causal)
-  Vec attn;                    // [S, H] attention output before projection
+  Vec attn;                    // [S, Z A] attention output before projection
   Vec x_mid;                   // [S, H]
   Vec ln2_out, ln2_xhat, ln2_rstd;
   Vec gu;                      // [S, 2F] gate | up
@@ -344,6 +353,11 @@ inline double forward(const Dims& d, const double* p, const std::int32_t* tokens
         b.k[s * KW + i] = qkv[s * Q + ZA + i];
         b.v[s * KW + i] = qkv[s * Q + ZA + KW + i];
       }
+    }
+    if (d.qk_norm) {  // each head's A values as one row: [S Z, A] and [S G, A]
+      const Vec q_pre = b.q, k_pre = b.k;
+      rms_norm(b.q, b.q_xhat, b.q_rstd, q_pre, p + o.q_norm_w, S * d.Z, A, d.eps);
+      rms_norm(b.k, b.k_xhat, b.k_rstd, k_pre, p + o.k_norm_w, S * d.G, A, d.eps);
     }
     rope(b.q, pos, S, d.Z, d, 1.0);
     rope(b.k, pos, S, d.G, d, 1.0);
@@ -485,6 +499,13 @@ inline void backward(const Dims& d, const double* p, const std::int32_t* tokens,
     }
     rope(dq, pos, S, d.Z, d, -1.0);
     rope(dk, pos, S, d.G, d, -1.0);
+    if (d.qk_norm) {
+      Vec dq_pre, dk_pre;
+      rms_norm_back(dq_pre, grad + o.q_norm_w, dq, b.q_xhat, b.q_rstd, p + o.q_norm_w, S * d.Z, A);
+      rms_norm_back(dk_pre, grad + o.k_norm_w, dk, b.k_xhat, b.k_rstd, p + o.k_norm_w, S * d.G, A);
+      dq = dq_pre;
+      dk = dk_pre;
+    }
     Vec dqkv(S * Q);
     for (i64 s = 0; s < S; ++s) {
       for (i64 i = 0; i < ZA; ++i) dqkv[s * Q + i] = dq[s * ZA + i];

@@ -561,6 +561,10 @@ TEST(RmsNorm, ForwardMatchesFloat64) {
       const std::string name = "rmsnorm H=" + std::to_string(H) + " T=" + std::to_string(T);
       expect_close(out, r.out, 1e-5, kRtol, name + " out");
       expect_close(rstd, r.rstd, 0.0, kRtol, name + " rstd");
+      // Without rstd (not kept): the same output.
+      Vec again(c.x.size(), kNaN);
+      rmsnorm_forward(again.data(), nullptr, c.x.data(), c.w.data(), T, H, eps);
+      EXPECT_EQ(again, out) << name;
     }
   }
 }
@@ -650,6 +654,32 @@ TEST(RmsNorm, BackwardSameBitsForAnyThreadCountAndWithScratch) {
   const RmsCase with_scratch = run(2, &scratch);
   EXPECT_EQ(with_scratch.dw0, one.dw0);
   EXPECT_EQ(with_scratch.dx0, one.dx0);
+}
+
+// A model's per-head norms (Note [Query/key norms]): Z rows of A a token, their partials in
+// rmsnorm_backward_scratch(A, Z) for T tokens, for token counts on and off the row blocks.
+TEST(RmsNorm, PerHeadRowsFitTheirScratch) {
+  std::mt19937 rng(135);
+  const int A = 24, Z = 7;
+  for (int T : {1, 37, 256, 301}) {
+    const int rows = T * Z;
+    const RmsCase c = make_rms_case(rows, A, rng);
+    Vec out(c.x.size()), rstd(rows);
+    rmsnorm_forward(out.data(), rstd.data(), c.x.data(), c.w.data(), rows, A, 1e-6f);
+    RmsCase own = c;
+    rmsnorm_backward(own.dx0.data(), own.dw0.data(), c.dout.data(), c.x.data(), c.w.data(), rstd.data(), rows, A);
+    const std::size_t bytes = static_cast<std::size_t>(rmsnorm_backward_scratch(A, Z).bytes(T));
+    std::vector<double> buf((bytes + Scratch::kAlign) / sizeof(double), kNaN);
+    void* base = buf.data();
+    std::size_t space = buf.size() * sizeof(double);
+    ASSERT_NE(std::align(Scratch::kAlign, bytes, base, space), nullptr);
+    Scratch scratch(base, bytes);
+    RmsCase with = c;
+    rmsnorm_backward(with.dx0.data(), with.dw0.data(), c.dout.data(), c.x.data(), c.w.data(), rstd.data(), rows, A,
+                     &scratch);
+    EXPECT_EQ(with.dw0, own.dw0) << "T " << T;
+    EXPECT_EQ(with.dx0, own.dx0) << "T " << T;
+  }
 }
 
 // ---- GeLU -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 // The Llama-family block (RMSNorm, SwiGLU, grouped-query attention, scaled RoPE, untied
-// head, the optional q/k/v bias) against the float64 reference of
-// model_reference64_llama.h, and every one-process mode of it (subsequences, offload,
-// recomputed tensors, MLP tiles) against the whole-sequence engine run (DESIGN.md 3).
+// head, the optional q/k/v bias; Qwen3's query/key norms and a head size that is not H / Z)
+// against the float64 reference of model_reference64_llama.h, and every one-process mode of
+// it (subsequences, offload, recomputed tensors, MLP tiles, K/V on the host or recomputed)
+// against the whole-sequence engine run (DESIGN.md 3).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -44,6 +45,17 @@ ModelConfig llama_config(int G, bool bias, RopeScaling::Type type, i64 S, bool t
   if (type == RopeScaling::Type::Llama3) c.rope_scaling.original_max_positions = 16;
   c.rope_seq_len = S;
   c.tie_embeddings = tied;
+  c.validate();
+  return c;
+}
+
+// Qwen3's block (Note [Query/key norms], Note [Head size]) on llama_config's shape: heads of
+// head_dim (12: queries 48 wide on H 32; 6: 24 wide, narrower than H), with or without
+// the norms.
+ModelConfig qwen3_config(int G, RopeScaling::Type type, i64 S, bool tied, int head_dim = 12, bool qk_norm = true) {
+  ModelConfig c = llama_config(G, false, type, S, tied);
+  c.head_dim = head_dim;
+  c.qk_norm = qk_norm;
   c.validate();
   return c;
 }
@@ -200,6 +212,79 @@ TEST(Llama, TiedEmbeddingsInEveryOneProcessMode) {
     }
 }
 
+// Qwen3 (query/key norms before RoPE, heads of 12 on H 32: q and attn_out 48 wide) under
+// every RoPE scaling, G 1, 2 and 4, tied and untied; heads narrower than H / Z; and a head
+// size of its own without the norms (Llama's and Mistral's head_dim).
+TEST(Qwen3, WholeSequenceMatchesFloat64) {
+  using Type = RopeScaling::Type;
+  struct Case {
+    int G;
+    Type type;
+    bool tied;
+    int head_dim = 12;
+    bool qk_norm = true;
+  };
+  double worst = 0;
+  for (const Case k : {Case{2, Type::None, true}, Case{1, Type::Linear, false}, Case{4, Type::Dynamic, true},
+                       Case{2, Type::Yarn, false}, Case{2, Type::Llama3, true}, Case{2, Type::None, false, 6},
+                       Case{1, Type::Yarn, true, 6}, Case{2, Type::Llama3, false, 12, false}}) {
+    const ModelConfig c = qwen3_config(k.G, k.type, kS, k.tied, k.head_dim, k.qk_norm);
+    const std::string what = std::string(k.qk_norm ? "qwen3" : "llama") + " A=" + std::to_string(k.head_dim) +
+                             " G=" + std::to_string(k.G) + " " + rope_scaling_name(k.type) + (k.tied ? " tied" : "");
+    const std::vector<float> params = random_params(c, 13 + unsigned(k.G));
+    const Tokens tokens = random_tokens(kS, c.vocab, 19);
+    const StepRun ref = run_ref(c, params, tokens);
+    const StepRun got = run_engine(c, params, tokens, {{kS}, {0.0}});
+    const double e = expect_grads_match(c, got, ref, 1e-4, 1e-4, 1e-3, what);
+    worst = std::max(worst, e);
+    std::printf("[qwen3 vs float64] %s: loss %.8f vs %.8f (rel %.2e), worst tensor rel L2 %.2e\n", what.c_str(),
+                got.loss, ref.loss, std::fabs(got.loss - ref.loss) / ref.loss, e);
+  }
+  std::printf("[qwen3 vs float64] worst tensor rel L2 over every case %.2e\n", worst);
+}
+
+// Every one-process mode of Qwen3's block against its whole-sequence run: subsequences N 1,
+// 3, 8, offloaded or not, with every recompute level (q's group makes q, the keys before
+// their norm and both norms' statistics again), MLP tiles; the K/V on the host or
+// recomputed from the layer input (the key norm inside the recompute, and each later
+// subsequence's part of dK through the norm's backward: Note [dK/dV into the layer
+// input]), alone and with the recomputed groups, uneven lengths.
+TEST(Qwen3, EveryOneProcessModeMatchesTheWholeSequence) {
+  using sched::KvPlace;
+  const ModelConfig c = qwen3_config(2, RopeScaling::Type::Yarn, kS, true);
+  const std::vector<float> params = random_params(c, 5);
+  const Tokens tokens = random_tokens(kS, c.vocab, 23);
+  const StepRun whole = run_engine(c, params, tokens, {{kS}, {0.0}});
+  const auto& levels = recompute_levels();
+  double worst = 0;
+  for (int N : {1, 3, 8})
+    for (double a : {0.0, 0.6})
+      for (SavedSet rc : {SavedSet(0), levels[2], levels[3], levels.back()})
+        for (i64 tiles : {i64(0), i64(4)}) {
+          const std::string what = "N=" + std::to_string(N) + " alpha=" + std::to_string(a) + " recompute " +
+                                   recompute_tensors_text(rc) + " tiles " + std::to_string(tiles);
+          const StepRun got = run_engine(c, params, tokens, {equal_lengths(kS, N), alphas(N, a), rc, tiles});
+          worst = std::max(worst, expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, what));
+        }
+  const std::vector<std::pair<std::string, std::vector<KvPlace>>> places = {
+      {"host", std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Host)},
+      {"recompute", std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Recompute)},
+      {"recompute, host", {KvPlace::Recompute, KvPlace::Host}}};
+  for (const auto& [name, kv] : places) {
+    for (int N : {1, 3, 8})
+      for (double a : {0.0, 0.6})
+        for (SavedSet rc : {SavedSet(0), levels[2], levels[3], levels.back()}) {
+          const std::string what = "K/V " + name + " N=" + std::to_string(N) + " alpha=" + std::to_string(a) +
+                                   " recompute " + recompute_tensors_text(rc);
+          const StepRun got = run_engine(c, params, tokens, {equal_lengths(kS, N), alphas(N, a), rc, 0, kv});
+          worst = std::max(worst, expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, what));
+        }
+    const StepRun got = run_engine(c, params, tokens, {{5, 1, 22, 17}, {0.5, 1.0, 0.3, 0.0}, levels[3], 4, kv});
+    worst = std::max(worst, expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, "K/V " + name + " uneven, tiles of 4"));
+  }
+  std::printf("[qwen3 modes vs whole sequence] worst tensor rel L2 %.2e\n", worst);
+}
+
 // The engine's bytes: GQA's K/V and dK/dV are G / Z of multi-head attention's.
 TEST(Llama, GroupedKvShrinksTheCache) {
   const ModelConfig gqa = llama_config(1, false, RopeScaling::Type::None, kS);
@@ -267,7 +352,9 @@ TEST(Llama, HostAndRecomputedKvMatchTheWholeSequence) {
 
 // The device arena's measured peak and the host tier's equal the simulator's prediction
 // (schedule/memory.cpp: the window's K, V and dK, dV are G A wide, its forward's partial
-// output H; a Recompute layer's x, LayerNorm-1 output and sums H) on llama-tiny (G 2 of Z 4).
+// output Z A; a Recompute layer's x, LayerNorm-1 output and sums H, and with key norms its
+// keys before the norm and their statistics) on llama-tiny (G 2 of Z 4) and qwen3-tiny
+// (its saved q_pre, k_pre and the norms' statistics too).
 TEST(Llama, StreamedKvPeakEqualsTheSimulatorsPrediction) {
   struct Case {
     i64 S;
@@ -285,10 +372,11 @@ TEST(Llama, StreamedKvPeakEqualsTheSimulatorsPrediction) {
       {512, "4", "none", "recompute", "length", "ln1,q,x_mid,ln2,fc_pre"},
       {1536, "6", "0.5", "recompute"},   {1536, "5", "none", "recompute", "flops"},
   };
+  for (const char* model : {"llama-tiny", "qwen3-tiny"})
   for (const Case& k : cases) {
     StepOptions o;
-    o.model = preset("llama-tiny");
-    o.model_name = o.model_preset = "llama-tiny";
+    o.model = preset(model);
+    o.model_name = o.model_preset = model;
     o.seq_len = k.S;
     o.subseqs = k.subseqs;
     o.offload = k.offload;
@@ -303,8 +391,9 @@ TEST(Llama, StreamedKvPeakEqualsTheSimulatorsPrediction) {
     s.data->next(tokens.data(), k.S + 1);
     s.runtime->device().reset_peak();
     const StepResult r = s.runtime->step(s.schedule, tokens.data());
-    const std::string what = "S " + std::to_string(k.S) + " N " + k.subseqs + " offload " + k.offload + " kv-cache " +
-                             k.kv_cache + " partition " + k.partition + " recompute " + k.recompute;
+    const std::string what = std::string(model) + " S " + std::to_string(k.S) + " N " + k.subseqs + " offload " +
+                             k.offload + " kv-cache " + k.kv_cache + " partition " + k.partition + " recompute " +
+                             k.recompute;
     EXPECT_EQ(s.runtime->device().stats().peak, s.predicted_peak_bytes) << what;
     EXPECT_EQ(r.device.peak, s.predicted_peak_bytes) << what;
     EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;

@@ -1,15 +1,15 @@
 // The naive float64 Llama-family model of model_reference64_llama.h checked on its own
 // (STYLE.md 7), before the engine is compared with it:
 //   1. its analytic backward against central finite differences of its forward, every
-//      parameter of a tiny random model, with and without the q/k/v bias and for every RoPE
-//      scaling (none, linear, dynamic, yarn, llama3), and once at given positions with a
-//      targets array;
+//      parameter of a tiny random model, with and without the q/k/v bias, with Qwen3's
+//      query/key norms and a head size that is not H / Z, and for every RoPE scaling (none,
+//      linear, dynamic, yarn, llama3), and once at given positions with a targets array;
 //   2. its RoPE frequencies: plain theta^(-2j/A) without scaling, hand-evaluated values for
 //      each scaling, and the engine's table (core/rope.h, written separately) for every
 //      scaling type on tiny and released shapes;
 //   3. properties any correct model has: grouped-query attention equals full attention with
 //      each key/value head repeated, and a shift of every position leaves the loss unchanged;
-//   4. its parameter layout against the engine's parameter_specs().
+//   4. its parameter layout against the engine's parameter_specs(), Qwen3's too.
 // Parameters are random everywhere (norm gains away from 1, biases away from 0), large
 // enough that attention is far from uniform, so a missing factor or a wrong index moves the
 // results well past the tolerances. Each check prints one line with the largest error it saw.
@@ -51,8 +51,11 @@ struct Shape {
 constexpr Shape kTiny{11, 32, 2, 4, 2, 12};  // A = 8: four frequencies per head
 constexpr i64 kTinyS = 7;
 
+// Qwen3's block: heads of 12 (not H / Z = 8: queries 48 wide on H 32), query/key norms.
+constexpr int kQwen3HeadDim = 12;
+
 ModelConfig make_config(const Shape& k, bool qkv_bias, RopeScaling scaling = {}, i64 max_positions = 2048,
-                        i64 rope_seq_len = 0) {
+                        i64 rope_seq_len = 0, bool qwen3 = false) {
   ModelConfig c;
   c.vocab = k.V;
   c.hidden = k.H;
@@ -67,6 +70,10 @@ ModelConfig make_config(const Shape& k, bool qkv_bias, RopeScaling scaling = {},
   c.max_positions = max_positions;
   c.rope_scaling = scaling;
   c.rope_seq_len = rope_seq_len;
+  if (qwen3) {
+    c.head_dim = kQwen3HeadDim;
+    c.qk_norm = true;
+  }
   c.validate();
   return c;
 }
@@ -110,7 +117,7 @@ Vec make_params(const R::Dims& d, std::uint32_t seed) {
   Vec p(static_cast<std::size_t>(lay.total));
   for (const R::Tensor& t : lay.tensors) {
     const bool matrix = t.shape.size() == 2;
-    const bool gain = t.name.find("ln") != std::string::npos;  // ln1, ln2, ln_f
+    const bool gain = t.name.find("ln") != std::string::npos || t.name.find("_norm") != std::string::npos;  // ln1, ln2, ln_f, q_norm, k_norm
     const bool table = t.name == "embed.weight";
     for (i64 i = t.offset; i < t.offset + t.numel; ++i) {
       const double n = normal(rng);
@@ -245,6 +252,15 @@ TEST(ModelReferenceLlama, BackwardMatchesFiniteDifferences) {
       const ModelConfig c = make_config(kTiny, bias, s.scaling, s.max_positions, s.rope_seq_len);
       check_backward(c, std::string(s.name) + (bias ? ", qkv bias" : ", no bias"), seed++);
     }
+}
+
+// Qwen3: each query and key head normed before RoPE, heads of 12 on H 32.
+TEST(ModelReferenceLlama, Qwen3BackwardMatchesFiniteDifferences) {
+  std::uint32_t seed = 101;
+  for (const ScalingCase& s : tiny_scalings()) {
+    const ModelConfig c = make_config(kTiny, false, s.scaling, s.max_positions, s.rope_seq_len, true);
+    check_backward(c, std::string(s.name) + ", qwen3 (q/k norms, A 12)", seed++);
+  }
 }
 
 // Given positions far apart (large angles on every frequency) and a targets array with
@@ -465,16 +481,17 @@ TEST(ModelReferenceLlama, ShiftingAllPositionsLeavesLossUnchanged) {
 // ---- 4. layout ----------------------------------------------------------------------------------
 
 TEST(ModelReferenceLlama, LayoutMatchesParameterSpecs) {
-  for (const bool bias : {false, true}) {
-    const ModelConfig c = make_config(kTiny, bias);
+  for (const int kind : {0, 1, 2}) {  // no bias, qkv bias, Qwen3
+    const bool bias = kind == 1;
+    const ModelConfig c = make_config(kTiny, bias, {}, 2048, 0, kind == 2);
     const R::Layout lay = R::layout_of(R::dims_of(c));
     const std::vector<TensorSpec> specs = parameter_specs(c);
-    ASSERT_EQ(lay.tensors.size(), specs.size()) << "qkv_bias " << bias;
+    ASSERT_EQ(lay.tensors.size(), specs.size()) << "kind " << kind;
     for (std::size_t i = 0; i < specs.size(); ++i) {
       EXPECT_EQ(lay.tensors[i].name, specs[i].name);
       EXPECT_EQ(lay.tensors[i].shape, specs[i].shape) << specs[i].name;
     }
-    EXPECT_EQ(lay.total, c.num_params()) << "qkv_bias " << bias;
+    EXPECT_EQ(lay.total, c.num_params()) << "kind " << kind;
   }
 }
 

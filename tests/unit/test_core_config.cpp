@@ -104,6 +104,64 @@ TEST(Presets, CountThePublishedParameters) {
   EXPECT_TRUE(preset("tiny").tied_embeddings());  // GPT's head is its embedding
 }
 
+// Qwen3: heads of 128 whatever H is, q_norm and k_norm [128] a layer, the three small ones
+// tied. Their counts from the published config.json shapes, the tied head counted once (as
+// transformers' num_parameters() does): 2,031,739,904 for Qwen3-1.7B would count its
+// embedding twice (V H = 311,164,928 more), as an untied head would.
+TEST(Presets, Qwen3CountsTheirShapes) {
+  const std::pair<const char*, i64> released[] = {{"qwen3-0.6b", 596049920}, {"qwen3-1.7b", 1720574976},
+                                                  {"qwen3-4b", 4022468096},  {"qwen3-8b", 8190735360},
+                                                  {"qwen3-32b", 32762123264}};
+  for (const auto& [name, params] : released) {
+    const ModelConfig c = preset(name);
+    EXPECT_EQ(c.num_params(), params) << name;
+    EXPECT_EQ(c.head_size(), 128) << name;
+    EXPECT_TRUE(c.qk_norm) << name;
+    EXPECT_EQ(total_bytes(parameter_specs(c)) / 4, params) << name;
+  }
+  EXPECT_EQ(preset("qwen3-0.6b").q_width(), 2048);  // 16 heads of 128 on H 1024
+  EXPECT_EQ(preset("qwen3-32b").q_width(), 8192);   // 64 of 128 on H 5120
+  EXPECT_TRUE(preset("qwen3-4b").tied_embeddings());
+  EXPECT_FALSE(preset("qwen3-8b").tied_embeddings());
+  const ModelConfig tiny = preset("qwen3-tiny");
+  EXPECT_NE(tiny.head_size(), tiny.hidden / tiny.heads);
+  EXPECT_LT(tiny.kv_head_count(), tiny.heads);
+  EXPECT_TRUE(tiny.tied_embeddings() && tiny.qk_norm);
+}
+
+// A head size of its own and query/key norms survive the config's JSON; a GPT block and
+// impossible sizes are refused naming the field.
+TEST(ModelConfigJson, HeadSizeAndQueryKeyNorms) {
+  const ModelConfig c = preset("qwen3-tiny");
+  const nlohmann::json j = to_json(c);
+  EXPECT_EQ(j["head_dim"], c.head_dim);
+  EXPECT_EQ(j["qk_norm"], true);
+  const ModelConfig back = model_config_from_json(j);
+  EXPECT_EQ(back.head_size(), c.head_size());
+  EXPECT_TRUE(back.qk_norm);
+  EXPECT_EQ(back.num_params(), c.num_params());
+  EXPECT_FALSE(to_json(preset("llama-tiny")).contains("head_dim"));
+  auto with = [&](const char* key, nlohmann::json v) {
+    nlohmann::json x = j;
+    x[key] = std::move(v);
+    return x;
+  };
+  EXPECT_ERROR_WITH(model_config_from_json(with("head_dim", 7)), "head_dim 7 must be even");
+  EXPECT_ERROR_WITH(model_config_from_json(with("head_dim", 4096)), "\"head_dim\" must be an integer");
+  EXPECT_ERROR_WITH(model_config_from_json(with("qk_norm", "yes")), "\"qk_norm\" must be true or false");
+  ModelConfig gpt = preset("tiny");
+  gpt.head_dim = 32;
+  EXPECT_ERROR_WITH(gpt.validate(), "head_dim 32 belongs to Llama-family models");
+  gpt.head_dim = 0;
+  gpt.qk_norm = true;
+  EXPECT_ERROR_WITH(gpt.validate(), "qk_norm");
+  ModelConfig wide = preset("qwen3-tiny");
+  wide.heads = 1 << 14;
+  wide.kv_heads = 2;
+  wide.head_dim = 128;
+  EXPECT_ERROR_WITH(wide.validate(), "make queries 2097152 wide");
+}
+
 // A Llama-family model's tied head survives the config's JSON; absent, the head is its own.
 TEST(ModelConfigJson, TiedEmbeddingsRoundTrip) {
   ModelConfig c = preset("llama-tiny");

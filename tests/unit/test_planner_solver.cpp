@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "planner/cost.h"
 #include "planner/partition.h"
 #include "planner/plan.h"
 #include "planner/profile.h"
@@ -125,6 +126,25 @@ TEST(Solver, SppoPlanFitsAndRoundTrips) {
   EXPECT_EQ(back.block_scratch.bytes(100), scratched.block_scratch.bytes(100));
   EXPECT_EQ(back.head_scratch.bytes(100), scratched.head_scratch.bytes(100));
   EXPECT_GT(sim::simulate_plan(back, load_profile("a100-80gb")).peak_device_bytes, r.peak_device_bytes);
+}
+
+// Qwen3 (Note [Head size]): qwen3-0.6b runs 16 heads of 128 on H 1024, so its attention
+// costs 4 Z A FLOPs a query and key, twice 4 H, and its projections' GEMMs are [Z A + 2 G A,
+// H] and [H, Z A]; the FLOPs-balanced partition weighs the same attention. qwen3-8b plans on
+// 8 GPUs under the budget, as the simulator checks it.
+TEST(Solver, Qwen3CountsItsHeadsWidth) {
+  const ModelConfig c = preset("qwen3-0.6b");
+  const CostModel cost(load_profile("h100-sxm"), c, ActPrecision::BF16);
+  const i64 L = 4096;
+  EXPECT_DOUBLE_EQ(cost.attention_flops(0, sched::Spans{{0, L}}), 4.0 * 2048 * double(L) * double(L + 1) / 2.0);
+  EXPECT_DOUBLE_EQ(cost.gemm_flops(1), 2.0 * 1024 * ((2048 + 2 * 1024) + 2048 + 2 * 3072 + 3072));
+  const double attention = cost.attention_flops(1000, 0, 10);
+  EXPECT_NEAR(subseq_flops(c, 1000, 10) - cost.gemm_flops(10), attention, 1e-9 * attention);
+  const auto out = sim::solve_plan(request("qwen3-8b", i64(128) * 1024, 8, "sppo"));
+  ASSERT_TRUE(out.ok) << out.error;
+  EXPECT_LE(out.plan.predicted.peak_device_bytes, out.plan.budget);
+  const auto r = sim::simulate_plan(out.plan, load_profile("a100-80gb"));
+  EXPECT_EQ(r.peak_device_bytes, out.plan.predicted.peak_device_bytes);
 }
 
 // The paper's SP (tensor parallel with sequence-parallel regions) divides the K/V cache

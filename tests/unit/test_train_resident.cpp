@@ -16,8 +16,13 @@ namespace {
 
 // The allowance, for what the step's first allocations leave behind in the heap beyond the
 // bytes asked (the allocator's rounding and bookkeeping). OpenBLAS's buffers and the
-// thread pools are made by a warm-up step before the measurement starts.
-constexpr i64 kAllowanceBytes = i64{32} << 20;
+// thread pools are made by a warm-up step before the measurement starts. Where the heap
+// places the step's blocks moves the growth in steps of one [S, H] buffer (4 MiB here)
+// from build to build and run to run, the live heap's peak unchanged (213.9 MB by
+// heaptrack both times): 206-233.5 MiB before Qwen3's block, 229-238 MiB after, over an
+// arena peak of 203.3 MiB. 40 MiB holds those; the scratch this test exists to catch
+// outside the budget is over 40 MiB (one_head below), on top of at least 3 MiB of them.
+constexpr i64 kAllowanceBytes = i64{40} << 20;
 
 i64 status_bytes(const char* key) {
   std::ifstream f("/proc/self/status");

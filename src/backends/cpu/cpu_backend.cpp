@@ -3,6 +3,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -167,7 +168,9 @@ class CpuBackend final : public Backend {
     KernelScratch s = cpu::attention_forward_scratch(c.head_size(), threads);
     s = cpu::max(s, cpu::attention_backward_scratch(c.heads, c.head_size(), threads, c.kv_head_count()));
     s = cpu::max(s, cpu::layernorm_backward_scratch(c.hidden));
-    return cpu::max(s, cpu::linear_backward_scratch(std::max(3 * c.hidden, c.ffn())));
+    // Note [Query/key norms]: the norm of Z heads of A a token.
+    if (c.qk_norm) s = cpu::max(s, cpu::rmsnorm_backward_scratch(c.head_size(), c.heads));
+    return cpu::max(s, cpu::linear_backward_scratch(std::max({3 * c.hidden, c.qkv_width(), c.ffn()})));
   }
   KernelScratch head_scratch(const ModelConfig& c, int chunk) const override {
     return cpu::max(cpu::layernorm_backward_scratch(c.hidden), cpu::xent_scratch(chunk));

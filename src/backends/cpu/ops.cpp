@@ -336,7 +336,7 @@ void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, in
     const float r = static_cast<float>(1.0 / std::sqrt(ssq / H + eps));
 #pragma omp simd
     for (int h = 0; h < H; ++h) outr[h] = xr[h] * r * w[h];
-    rstd[t] = r;
+    if (rstd) rstd[t] = r;
   }
 }
 
@@ -745,7 +745,12 @@ KernelScratch partials_scratch(i64 C, int copies) {
 
 KernelScratch linear_backward_scratch(int O) { return partials_scratch(O, 1); }
 KernelScratch layernorm_backward_scratch(int H) { return partials_scratch(H, 2); }
-KernelScratch rmsnorm_backward_scratch(int H) { return partials_scratch(H, 1); }
+KernelScratch rmsnorm_backward_scratch(int H, int rows_per_token) {
+  // ceil(n T / kRowBlock) row blocks of H doubles: at most n T H doubles / kRowBlock and
+  // one block more.
+  const i64 row = H * i64(sizeof(double));
+  return {row + i64(Scratch::kAlign), (rows_per_token * row + kRowBlock - 1) / kRowBlock};
+}
 KernelScratch xent_scratch(int rows) { return {i64(Scratch::cost(std::size_t(rows) * sizeof(double))), 0}; }
 
 }  // namespace sppo::cpu

@@ -63,14 +63,16 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
 KernelScratch layernorm_backward_scratch(int H);
 
 // ---- RMSNorm (Llama family; eps inside the sqrt) --------------------------------------
-// out[T, H], rstd[T] <- x[T, H], w[H]: out = x rstd w, rstd = 1 / sqrt(mean_h x^2 + eps).
+// out[T, H], rstd[T] <- x[T, H], w[H]: out = x rstd w, rstd = 1 / sqrt(mean_h x^2 + eps)
+// (rstd may be null: not stored).
 void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int T, int H,
                      float eps);
 // dx[T, H] accumulates; dw[H] accumulates (as layernorm_backward).
-// Scratch: rmsnorm_backward_scratch(H).
+// Scratch: rmsnorm_backward_scratch(H), or (rows_per_token, H) for rows_per_token rows of
+// each of T tokens (a model's per-head norms: Z rows of A a token).
 void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
                       const float* rstd, int T, int H, Scratch* scratch = nullptr);
-KernelScratch rmsnorm_backward_scratch(int H);
+KernelScratch rmsnorm_backward_scratch(int H, int rows_per_token = 1);
 
 // ---- GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -----------------
 void gelu_forward(float* out, const float* in, i64 n);

@@ -484,13 +484,13 @@ class CudaBackend final : public Backend {
                                      << "for fp32";
       return {false, "own kernels (fp32 activations; " + lib + " computes in bf16)"};
     }
-    // The model's calls: q and dq at H (the forward, a Llama block's backward) or at 3H (a
-    // GPT block's backward reads q where its dq goes, in dqkv).
+    // The model's calls: q and dq at Z A (the forward, a Llama block's backward; H for GPT's
+    // heads) or at 3H (a GPT block's backward reads q where its dq goes, in dqkv).
     std::string why;
-    for (const int ldq : {c.hidden, 3 * c.hidden}) {
+    for (const int ldq : {c.q_width(), 3 * c.hidden}) {
       AttnShape d;
       d.Z = c.heads, d.Zkv = c.kv_head_count(), d.A = c.head_size();
-      d.ldq = ldq, d.ldo = c.hidden, d.ldk = d.ldv = c.kv_width();
+      d.ldq = ldq, d.ldo = c.q_width(), d.ldk = d.ldv = c.kv_width();
       if (why.empty()) why = library_->check(d);
     }
     if (!why.empty()) {

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kLnWarps * 32)
   }
   const float r = static_cast<float>(1.0 / sqrt(warp_sum(ssq) / H + eps));
   for (int h = lane; h < H; h += 32) store_f(outr + h, load_f(xr + h) * r * w[h]);
-  if (lane == 0) rstd[row] = r;
+  if (lane == 0 && rstd) rstd[row] = r;
 }
 
 // dx += rstd (g - xhat mean_h(g xhat)),  g = dout * w, xhat = x rstd (accumulating).

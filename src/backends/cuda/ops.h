@@ -141,7 +141,8 @@ void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const 
 
 // ---- RMSNorm (Llama family; eps inside the sqrt) --------------------------------------
 // out[T, H] (act), rstd[T] <- x[T, H] (act), w[H] (fp32): out = x rstd w,
-// rstd = 1 / sqrt(mean_h x^2 + eps) (the sum of squares in double, as on the CPU).
+// rstd = 1 / sqrt(mean_h x^2 + eps) (the sum of squares in double, as on the CPU; rstd
+// may be null: not stored).
 void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H,
                      float eps, DType act, cudaStream_t stream);
 // dx[T, H] (act) accumulates; dw[H] accumulates (scratch: ceil(T/256) * H doubles).
