@@ -1,4 +1,4 @@
-// The backend interface (DESIGN.md 8): what model/ and runtime/ are written against, in the
+// The backend interface (docs/design.md 8): what model/ and runtime/ are written against, in the
 // spirit of ggml-backend and MLX. One implementation per folder below src/backends; a
 // program picks one at start-up (make_backend), and nothing above this header includes a
 // backend's own headers or tests for one with #ifdef.

@@ -1,4 +1,4 @@
-// Communication between ranks (DESIGN.md 8): one small interface that the runtime and the
+// Communication between ranks (docs/design.md 8): one small interface that the runtime and the
 // trainer are written against, with an MPI implementation for CPU ranks (comm/mpi) and a
 // one-rank implementation for a process started without a launcher. No MPI type appears
 // here, so an NCCL implementation (bootstrapped by MPI) can sit beside it.

@@ -1,4 +1,4 @@
-// Two kinds of check (STYLE.md 6):
+// Two kinds of check (docs/design.md, Conventions 6):
 //  - SPPO_CHECK(cond, component) << "message": bad input from a user. Throws sppo::Error
 //    whose text is "[component] message"; the CLI turns it into exit status 2.
 //    SPPO_CHECK_FITS is the same for a run that does not fit its memory (a budget, the

@@ -18,7 +18,7 @@ inline constexpr int kMaxFfnMult = 64;
 inline constexpr int kMaxHeadDim = 1024;  // A given directly (head_dim)
 inline constexpr double kMaxParams = 1e15;
 
-// The block a model is built from (DESIGN.md 2 for GPT). Llama-family blocks (Llama 2/3,
+// The block a model is built from (docs/design.md 2 for GPT). Llama-family blocks (Llama 2/3,
 // Mistral, Qwen2, Qwen3) use RMSNorm, a SwiGLU MLP of their own intermediate size F,
 // grouped-query attention (G key/value heads shared by groups of Z / G query heads), no
 // biases but optionally the q/k/v projection's (Qwen2), and an LM head of its own. Their

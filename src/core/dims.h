@@ -1,4 +1,4 @@
-// Dimension letters, used everywhere in the engine (STYLE.md 8):
+// Dimension letters, used everywhere in the engine (docs/design.md, Conventions 8):
 //   S  full sequence length (tokens in one step)
 //   T  subsequence length (tokens processed by one forward/backward call)
 //   H  hidden size             Z  attention heads        A  head size: H / Z, or given

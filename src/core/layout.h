@@ -1,9 +1,9 @@
-// Layout tables (STYLE.md 3): every parameter and every activation that backward needs is
-// described once, here, as a TensorSpec list built from the config. The runtime carves its
-// buffers from these lists and the planner sums the same lists, so a plan and a run cannot
-// disagree on bytes.
+// Layout tables (docs/design.md, Conventions 3): every parameter and every activation that
+// backward needs is described once, here, as a TensorSpec list built from the config. The
+// runtime carves its buffers from these lists and the planner sums the same lists, so a
+// plan and a run cannot disagree on bytes.
 //
-// Saved activations of one block on one subsequence of T tokens (DESIGN.md 4):
+// Saved activations of one block on one subsequence of T tokens (docs/design.md 4):
 //   skeletal    k, v [T, G A] (after RoPE): kept on the device for the whole step (KV cache)
 //   offloadable everything else below: the unit U(l, i) that offloading moves to the host
 // The LM head's backward runs right after the forward of a subsequence (its loss gradient
@@ -45,7 +45,7 @@ i64 total_bytes(const std::vector<TensorSpec>& specs);
 // shards.
 std::pair<i64, i64> piece_range(i64 n, int piece, int pieces);
 
-// Tensor parallelism with sequence-parallel regions (Megatron-LM's; DESIGN.md 6, --tp).
+// Tensor parallelism with sequence-parallel regions (Megatron-LM's; docs/design.md 6, --tp).
 // Member `index` of a group of `size` ranks holds heads piece_range(Z, index, size) of the
 // attention (their rows of the q, k and v projections, their columns of the output
 // projection, their part of the K/V cache), columns piece_range(F, ...) of the MLP (rows of
@@ -296,8 +296,8 @@ const std::vector<RecomputeGroup>& recompute_groups();
 // Every tensor of a group one of `s`'s tensors belongs to.
 SavedSet recompute_closure(SavedSet s);
 // A comma-separated list of tensor or group names ("fc_pre,ln1_out", "ln1,ln2"; "none" or
-// "" for none; "all" for every group of the block, not head_grad) as a closed set. Throws sppo::Error naming the
-// tensors that can be recomputed.
+// "" for none; "all" for every group of the block, not head_grad) as a closed set. Throws
+// sppo::Error naming the tensors that can be recomputed.
 SavedSet parse_recompute_tensors(const std::string& list);
 // The canonical text of a closed set: its groups' names in forward order, comma-separated
 // ("none" when empty).

@@ -1,4 +1,4 @@
-// RoPE's frequencies (DESIGN.md 2): head dims j and j + A/2 of every head rotate together by
+// RoPE's frequencies (docs/design.md 2): head dims j and j + A/2 of every head rotate together by
 // the angle pos * inv_freq[j], j < A/2 (the rotate-half layout of GPT-NeoX and Hugging Face's
 // Llama). Without scaling inv_freq[j] = theta^(-2j/A); the scalings of HF's config.json
 // ("rope_scaling") change the frequencies and, for yarn, scale cos and sin by a factor:

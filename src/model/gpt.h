@@ -1,4 +1,4 @@
-// The GPT model of DESIGN.md 2, as forward and backward functions of ONE block (or the
+// The GPT model of docs/design.md 2, as forward and backward functions of ONE block (or the
 // head) on ONE subsequence of T tokens at global offset o, written once against the
 // backend interface (backend/backend.h). The model owns no memory: the runtime allocates
 // every buffer named below from the layout tables (core/layout.h) and decides where each

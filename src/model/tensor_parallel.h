@@ -1,5 +1,5 @@
 // Tensor parallelism with sequence-parallel regions (Megatron-LM's; the SPPO paper's SP,
-// DESIGN.md 6, `--tp`): one block's and the head's forward and backward as one member of a
+// docs/design.md 6, `--tp`): one block's and the head's forward and backward as one member of a
 // tensor-parallel group computes them, written against the backend and against
 // SeqParallel, the group's collectives (runtime/tensor_parallel.h implements them).
 // Shards and shapes: core/layout.h TpShard; dimension letters: core/dims.h, plus

@@ -1,6 +1,6 @@
 // The cost model: seconds of every op of the IR on a hardware profile.
 //
-// Compute (DESIGN.md 3), per layer on T tokens of subsequence i at offset o:
+// Compute (docs/design.md 3), per layer on T tokens of subsequence i at offset o:
 //   GEMMs      24 T H^2 (generally 8 T H^2 + 4 T F H) FLOPs forward, 2x in backward
 //   attention  4 H * sum over the T query positions q of (q + 1) FLOPs forward
 //              (= 4 T H (o + (T + 1) / 2) for a whole subsequence), 2.5x in backward;

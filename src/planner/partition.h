@@ -1,4 +1,4 @@
-// Cutting a sequence of S tokens into N subsequences (DESIGN.md 3).
+// Cutting a sequence of S tokens into N subsequences (docs/design.md 3).
 #pragma once
 
 #include <vector>
@@ -11,7 +11,7 @@ namespace sppo::plan {
 // Equal lengths; the first S % N subsequences get one token more.
 std::vector<i64> partition_length(i64 S, int N);
 
-// Equal forward FLOPs per subsequence with the per-layer formulas of DESIGN.md 3
+// Equal forward FLOPs per subsequence with the per-layer formulas of docs/design.md 3
 // (GEMMs 24 l H^2, attention 4 l H (o + (l + 1) / 2)): later subsequences are shorter.
 // Boundaries solve the quadratic prefix cost exactly, then round; every length >= 1.
 // With quantum > 1 (and S / N >= 4 quantum) boundaries fall on multiples of quantum, the

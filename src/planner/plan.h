@@ -1,5 +1,5 @@
 // A plan: everything needed to build and run one training step's schedule, and what the
-// simulator predicts for it. Read and written as JSON a user can edit (DESIGN.md 5).
+// simulator predicts for it. Read and written as JSON a user can edit (docs/design.md 5).
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>

@@ -1,4 +1,4 @@
-// Hardware profiles (DESIGN.md 5): the rates the cost model divides by, as JSON files a
+// Hardware profiles (docs/design.md 5): the rates the cost model divides by, as JSON files a
 // user can edit (profiles/<name>.json). Files store friendly units (TFLOP/s, GB/s, us);
 // the struct holds SI units (FLOP/s, B/s, s). `sppo profile` measures this machine and
 // fills the same struct.

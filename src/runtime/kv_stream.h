@@ -1,5 +1,5 @@
 // The K/V cache on the host (Schedule::kv_place: KvPlace::Host, and KvPlace::Recompute's
-// streaming; DESIGN.md Note [dK/dV with host-resident K/V]).
+// streaming; docs/design.md Note [dK/dV with host-resident K/V]).
 //
 // On a host layer, a subsequence's K and V leave the device when its forward of the layer
 // is done (copied, then freed). The attention of each later subsequence attends to its own

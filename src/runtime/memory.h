@@ -1,4 +1,4 @@
-// Memory tiers with exact byte accounting (DESIGN.md 4, STYLE.md 4).
+// Memory tiers with exact byte accounting (docs/design.md 4, docs/design.md, Conventions 4).
 //
 // Contract: every byte the runtime holds for a step lives in a Buffer allocated from a
 // MemoryTier. The device tier has a hard budget: an allocation that would exceed it throws

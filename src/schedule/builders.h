@@ -1,5 +1,6 @@
-// Schedule builders: pure functions from a plan's shape to a Schedule (STYLE.md 1). They
-// print nothing and keep no state; passes that need a cost model live in sim/.
+// Schedule builders: pure functions from a plan's shape to a Schedule (docs/design.md,
+// Conventions 1). They print nothing and keep no state; passes that need a cost model live
+// in sim/.
 #pragma once
 
 #include <vector>
@@ -9,7 +10,7 @@
 
 namespace sppo::sched {
 
-// The single-process SPPO schedule (DESIGN.md 4), one rank, layers [0, layers):
+// The single-process SPPO schedule (docs/design.md 4), one rank, layers [0, layers):
 //   F s0, O s0 a0, F s1, WO s0, O s1 a1, F s2, WO s1, ..., F s(N-1), WO s(N-2),
 //   P s(N-2), B s(N-1), WP s(N-2), P s(N-3), B s(N-2), WP s(N-3), ..., B s0.
 // The offload of i hides behind the forward of i+1; the prefetch of i behind the backward
@@ -31,7 +32,7 @@ struct PipelineSpec {
   // prices its all-reduce across all: CostModel::price_replicas): the step ends in the
   // all-reduce even where this replica's own group is a single rank.
   bool replicated = false;
-  bool msp = false;                // multiplexed sequence partitioning (DESIGN.md 6)
+  bool msp = false;                // multiplexed sequence partitioning (docs/design.md 6)
   int msp_reach = 0;               // groups a split task runs on: 0 every idle one (Note [MSP reach])
   std::vector<int> stage_layers;   // layers per stage; empty means as even as possible
   RingLayout ring_layout = RingLayout::Contiguous;  // how the sp ranks split a subsequence
@@ -45,7 +46,7 @@ struct PipelineSpec {
 // remainder on the first stages.
 std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec);
 
-// The sequence pipeline (DESIGN.md 6): stage p runs F(0..N-1) then B(N-1..0) over its
+// The sequence pipeline (docs/design.md 6): stage p runs F(0..N-1) then B(N-1..0) over its
 // layer block; Send/Recv Hidden after each F to p+1 and HiddenGrad after each B to p-1;
 // with sp > 1 every F and B is preceded by its ring-attention steps; with msp the
 // bubble-adjacent subsequences run in pieces on the idle stages; with dp > 1 the step

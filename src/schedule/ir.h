@@ -1,8 +1,8 @@
-// The schedule IR (DESIGN.md 7, STYLE.md 1): for every rank an ordered list of ops.
-// Builders (schedule/builders.h) turn a plan into a Schedule; two executors interpret it:
-// the runtime (runtime/executor.h) with real tensors and copies, and the simulator
-// (sim/) with a cost model. Both switch over OpKind, so adding a kind breaks the build
-// of every executor until it handles it.
+// The schedule IR (docs/design.md 7, docs/design.md, Conventions 1): for every rank an
+// ordered list of ops. Builders (schedule/builders.h) turn a plan into a Schedule; two
+// executors interpret it: the runtime (runtime/executor.h) with real tensors and copies,
+// and the simulator (sim/) with a cost model. Both switch over OpKind, so adding a kind
+// breaks the build of every executor until it handles it.
 #pragma once
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Device-memory rules of a schedule (DESIGN.md 4), shared by the validator (program order)
+// Device-memory rules of a schedule (docs/design.md 4), shared by the validator (program order)
 // and the simulator (timed). They mirror the runtime's arena exactly:
 //  - fixed for the step: the token ids and the loss sum (step_input_bytes); weights,
 //    their working copy in the activation type (bf16 only), gradients and AdamW m, v of the

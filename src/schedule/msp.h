@@ -1,4 +1,4 @@
-// Multiplexed sequence partitioning (DESIGN.md 6, the paper's 6.2 and Table 3).
+// Multiplexed sequence partitioning (docs/design.md 6, the paper's 6.2 and Table 3).
 //
 // Note [MSP phases]: in the forward flow stage i runs subsequence k in time slot i + k.
 // Its Left subsequences {0 .. P-2-i} run while the later stages {i+1 .. P-1} still idle,

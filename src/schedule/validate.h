@@ -1,4 +1,4 @@
-// The one validator of schedules (STYLE.md 2), run by every builder test:
+// The one validator of schedules (docs/design.md, Conventions 2), run by every builder test:
 //  - every B after its F (same layers, subsequence, piece), each exactly once;
 //  - every offload after its forward, every prefetch after its offload, every wait after
 //    its start, every backward of an offloaded subsequence after its prefetch wait;

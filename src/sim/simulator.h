@@ -1,5 +1,5 @@
 // The simulator: a discrete-event executor of the schedule IR on the cost model
-// (DESIGN.md 7). Every device has four resources, each a timeline: compute, copy-out
+// (docs/design.md 7). Every device has four resources, each a timeline: compute, copy-out
 // (d2h), copy-in (h2d) and network. Ops are taken in each rank's program order:
 //   F, B       run on compute when it is free; a ring-attention F/B ends no earlier than
 //              its last ring step's arrival plus the attention of one block

@@ -1,4 +1,4 @@
-// The solver: the planner's search (DESIGN.md 5) with the simulator as its judge. It lives
+// The solver: the planner's search (docs/design.md 5) with the simulator as its judge. It lives
 // beside the simulator because every candidate is priced by simulating its schedule.
 //
 // Note [Alpha under a budget]: offloading never makes a step faster; it only buys memory.
@@ -168,7 +168,7 @@ struct PlanOutcome {
   std::string error;          // why nothing fits, when !ok
 };
 
-// The heuristic solver of DESIGN.md 5 for system "sppo"; the baselines for "megatron"
+// The heuristic solver of docs/design.md 5 for system "sppo"; the baselines for "megatron"
 // and "deepspeed" (sim/baselines.h).
 PlanOutcome solve_plan(const PlanRequest& req);
 

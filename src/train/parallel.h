@@ -1,4 +1,4 @@
-// How a job's ranks share one training step (DESIGN.md 6), and the parts of a step that
+// How a job's ranks share one training step (docs/design.md 6), and the parts of a step that
 // live outside the schedule: which sequences each replica trains, the optimizer over each
 // rank's own (or ZeRO-sharded) parameters, consolidated checkpoints and exports, and
 // errors that every rank must agree on.

@@ -1,4 +1,4 @@
-// Every multi-rank layout reproduces the single-process reference (DESIGN.md 3): the same
+// Every multi-rank layout reproduces the single-process reference (docs/design.md 3): the same
 // loss and every gradient within relative 1e-5, through `sppo grads` exports made under a
 // real mpirun with one thread a rank. Pipelines of 2 and 4 stages with 1, 4 and 7
 // subsequences and offload none, full and adaptive (under a budget that makes it offload);

@@ -1,8 +1,9 @@
-// A deliberately naive float64 GPT (STYLE.md 7): the model of DESIGN.md 2 / issue 2 written
-// from its specification with plain loops, no blocking, no fused kernels and nothing shared
-// with the engine, so that tests can compare the engine's fp32 loss and gradients against
-// it. Forward and an analytic backward; the backward itself is checked against central
-// finite differences of the forward (tests/numerics/test_model_reference.cpp).
+// A deliberately naive float64 GPT (docs/design.md, Conventions 7): the model of
+// docs/design.md 2 / issue 2 written from its specification with plain loops, no blocking,
+// no fused kernels and nothing shared with the engine, so that tests can compare the
+// engine's fp32 loss and gradients against it. Forward and an analytic backward; the
+// backward itself is checked against central finite differences of the forward
+// (tests/numerics/test_model_reference.cpp).
 //
 // Dimension letters as in core/dims.h: S tokens, H hidden, Z heads, A = H / Z head size,
 // L layers, V vocab, F = 4H. Buffers are row-major; "[S, H]" is S rows of H doubles.

@@ -1,4 +1,4 @@
-// A deliberately naive float64 Llama-family model (STYLE.md 7), the companion of
+// A deliberately naive float64 Llama-family model (docs/design.md, Conventions 7), the companion of
 // model_reference64.h: Llama 2/3, Mistral, Qwen2 and Qwen3 blocks written from their specification
 // with plain loops and nothing shared with the engine (not even core/rope.h: the RoPE
 // frequencies are computed here again from Hugging Face's formulas), so that tests can

@@ -1,5 +1,5 @@
-// Numerics of the CPU kernels of kernels/ops.h (STYLE.md 7): every kernel against a
-// deliberately naive float64 reference written here, element-wise
+// Numerics of the CPU kernels of kernels/ops.h (docs/design.md, Conventions 7): every
+// kernel against a deliberately naive float64 reference written here, element-wise
 // |got - ref| <= atol + rtol |ref| plus a norm-relative bound, on fresh random inputs and
 // odd shapes; backward kernels also against central finite differences of a float64
 // forward; accumulation (+=) and overwrite (=) semantics checked from non-zero starts;

@@ -2,7 +2,7 @@
 // head, the optional q/k/v bias; Qwen3's query/key norms and a head size that is not H / Z)
 // against the float64 reference of model_reference64_llama.h, and every one-process mode of
 // it (subsequences, offload, recomputed tensors, MLP tiles, K/V on the host or recomputed)
-// against the whole-sequence engine run (DESIGN.md 3).
+// against the whole-sequence engine run (docs/design.md 3).
 #include <gtest/gtest.h>
 
 #include <algorithm>

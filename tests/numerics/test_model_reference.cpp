@@ -1,5 +1,5 @@
 // The whole GPT model of the engine (fp32, CPU runtime) against the naive float64 model of
-// model_reference64.h (STYLE.md 7):
+// model_reference64.h (docs/design.md, Conventions 7):
 //   1. the loss on the same weights, relative error < 1e-5;
 //   2. every parameter gradient of a tiny model against central finite differences of the
 //      float64 model, and a larger model's gradients against the float64 analytic backward

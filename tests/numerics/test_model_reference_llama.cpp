@@ -1,5 +1,5 @@
 // The naive float64 Llama-family model of model_reference64_llama.h checked on its own
-// (STYLE.md 7), before the engine is compared with it:
+// (docs/design.md, Conventions 7), before the engine is compared with it:
 //   1. its analytic backward against central finite differences of its forward, every
 //      parameter of a tiny random model, with and without the q/k/v bias, with Qwen3's
 //      query/key norms and a head size that is not H / Z, and for every RoPE scaling (none,

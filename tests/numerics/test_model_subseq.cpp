@@ -1,6 +1,6 @@
 // Every subsequence, offload and recompute mode must reproduce the whole-sequence reference
 // (one process, N = 1, no offload): the loss and every parameter gradient, to fp32 rounding
-// (DESIGN.md 3). Also a 20-step training run must give the same loss curve.
+// (docs/design.md 3). Also a 20-step training run must give the same loss curve.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,5 +1,5 @@
 // Builders of the schedule IR: the single-process order, the sequence pipeline, MSP and
-// ring steps, each checked by the one validator over a grid (STYLE.md 2).
+// ring steps, each checked by the one validator over a grid (docs/design.md, Conventions 2).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -91,7 +91,7 @@ TEST(Msp, ReproducesTable3) {
 TEST(Msp, GeneralFormulasOverAGrid) {
   for (int P = 1; P <= 8; ++P)
     for (int N = P; N <= 12; ++N) {
-      // Every subsequence is in exactly one phase; the phase sets follow DESIGN.md 6.
+      // Every subsequence is in exactly one phase; the phase sets follow docs/design.md 6.
       for (int i = 0; i < P; ++i) {
         const MspPhases m = msp_phases(P, N, i);
         std::vector<int> all;

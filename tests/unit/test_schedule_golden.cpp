@@ -1,5 +1,6 @@
-// Canonical text of small schedules against files in tests/golden/ (STYLE.md 1). After a
-// deliberate change, rewrite them with SPPO_UPDATE_GOLDEN=1 and review the diff by eye.
+// Canonical text of small schedules against files in tests/golden/ (docs/design.md,
+// Conventions 1). After a deliberate change, rewrite them with SPPO_UPDATE_GOLDEN=1 and
+// review the diff by eye.
 #include <gtest/gtest.h>
 
 #include <cstdlib>

@@ -1,4 +1,5 @@
-// Checked calls into the CUDA runtime and cuBLASLt (STYLE.md 6: every foreign call is checked).
+// Checked calls into the CUDA runtime and cuBLASLt (docs/design.md, Conventions 6: every
+// foreign call is checked).
 //
 //   SPPO_CUDA_CHECK(cudaMemsetAsync(p, 0, n, stream));
 //   SPPO_CUBLAS_CHECK(cublasLtMatmul(...));
