@@ -8,14 +8,16 @@
 
 Every command's help, in the order `sppo --help` lists them (bench's subcommands too).
 --names accepts the options of sppo's commands, of scripts/tokenize_text.py and of the
-launchers and peer scripts the docs show (mpirun, srun, bench/peers).
+launchers, peer scripts and install scripts the docs show (OTHERS).
 """
 import re
 import subprocess
 import sys
 
-LAUNCHERS = {"--hostfile", "--ntasks-per-node", "--mpi", "--oversubscribe", "--bind-to", "--profile", "--json",
-             "--seq-len"}
+# Options of the launchers, peer scripts and install scripts the docs show (mpirun, srun,
+# bench/peers, scripts/install-hf.sh).
+OTHERS = {"--hostfile", "--ntasks-per-node", "--mpi", "--oversubscribe", "--bind-to", "--profile", "--json",
+          "--seq-len", "--qwen3", "--optional"}
 
 
 def help_text(sppo, path):
@@ -63,7 +65,7 @@ def markdown(sppo):
 
 
 def option_names(sppo):
-    names = set(LAUNCHERS)
+    names = set(OTHERS)
     for _, text in commands(sppo):
         names |= set(re.findall(r"--[a-z][a-z0-9-]*", text))
     tok = subprocess.run([sys.executable, "scripts/tokenize_text.py", "--help"], capture_output=True, text=True)

@@ -6,6 +6,8 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 python=python3
 [ -x "$here/../../build/hf-venv/bin/python" ] && python="$here/../../build/hf-venv/bin/python"
+# Qwen3's cases need transformers 4.51 or later: `scripts/install-hf.sh --qwen3` puts it here.
+[ -x "$here/../../build/hf3-venv/bin/python" ] && python="$here/../../build/hf3-venv/bin/python"
 script=check_hf.py
 [ "${1:-}" = "--chat" ] && script=check_chat.py && shift
 exec "$python" "$here/$script" "$@"
