@@ -277,233 +277,317 @@ std::unique_ptr<comm::Comm> device_comm(const StepOptions& o, comm::Comm& w, Bac
 
 }  // namespace
 
-StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
-  StepSetup s;
-  s.config = o.model;
-  s.config.rope_seq_len = o.seq_len;  // "dynamic" RoPE scaling scales to the length trained at
-  s.seed = o.seed;
-  s.config.validate();
-  SPPO_CHECK(o.seq_len >= 2, "options") << "--seq-len " << o.seq_len << " is too short; use at least 2";
-  const i64 S = o.seq_len;
-  static const std::unique_ptr<comm::Comm> alone = comm::make_solo();
-  comm::Comm& w = world ? *world : *alone;
-  // Timing matters to plans and adaptive choices only; a budget check needs the memory
-  // model alone. With several ranks the profile comes first: it is a collective, and
-  // nothing that can fail on one rank alone may run before it. One process measures it
-  // only once the options and data have been checked.
-  s.profile_measured = !o.plan_path.empty() || o.partition == "adaptive" || o.offload == "adaptive" ||
-                       !o.hardware.empty();
-  SPPO_CHECK(o.host_memory >= 0, "options") << "--host-memory must not be negative";
-  s.profile = nominal_cpu_profile();
-  bool profiled = false;
-  // --host-memory is the host memory a device has, to every choice made with the profile.
-  auto profile = [&]() -> const plan::HardwareProfile& {
-    if (s.profile_measured && !profiled) {
+namespace {
+
+// make_setup in named stages, each readable alone: check the options, open the backend and
+// the data, lay out the ranks, describe the step's shape, check the placements asked for,
+// place the tensors under the budgets, predict and check the memory, make the runtime.
+class SetupBuilder {
+ public:
+  SetupBuilder(const StepOptions& o, comm::Comm& w) : o_(o), w_(w), S_(o.seq_len) {}
+
+  StepSetup build() {
+    check_options();
+    open_backend();
+    open_data();
+    lay_out_ranks();
+    describe_shape();
+    check_placements();
+    place_under_budget();
+    predict();
+    check_machine_memory();
+    make_runtime();
+    return std::move(s_);
+  }
+
+ private:
+  void check_options() {
+    s_.config = o_.model;
+    s_.config.rope_seq_len = o_.seq_len;  // "dynamic" RoPE scaling scales to the length trained at
+    s_.seed = o_.seed;
+    s_.config.validate();
+    SPPO_CHECK(o_.seq_len >= 2, "options") << "--seq-len " << o_.seq_len << " is too short; use at least 2";
+    // Timing matters to plans and adaptive choices only; a budget check needs the memory
+    // model alone. With several ranks the profile comes first: it is a collective, and
+    // nothing that can fail on one rank alone may run before it. One process measures it
+    // only once the options and data have been checked.
+    s_.profile_measured = !o_.plan_path.empty() || o_.partition == "adaptive" || o_.offload == "adaptive" ||
+                          !o_.hardware.empty();
+    SPPO_CHECK(o_.host_memory >= 0, "options") << "--host-memory must not be negative";
+    s_.profile = nominal_cpu_profile();
+    SPPO_CHECK(o_.partition == "length" || o_.partition == "flops" || o_.partition == "adaptive", "options")
+        << "--partition '" << o_.partition << "' is unknown; use length, flops or adaptive";
+    SPPO_CHECK(o_.optimizer_state.empty() || o_.optimizer_state == "device" || o_.optimizer_state == "host",
+               "options")
+        << "--optimizer-state '" << o_.optimizer_state << "' is unknown; use device (the fp32 master weights and "
+        << "AdamW state beside the weights) or host (in host memory, updated by the CPU)";
+    if (w_.size() > 1) profile();
+  }
+
+  // The profile adaptive choices price with, measured once when they need timings;
+  // --host-memory is the host memory a device has, to every choice made with it.
+  const plan::HardwareProfile& profile() {
+    if (s_.profile_measured && !profiled_) {
       // A device is priced by its own measurement (a quick one, once per process), not by
       // the processor's: without --hardware a GPU run's offload ratios and lengths were
       // chosen with the CPU's rates.
-      const bool device = o.hardware.empty() && s.backend && std::string(s.backend->name()) != "cpu";
-      s.profile = device ? measured_device_profile(*s.backend) : agreed_profile(o.hardware, w);
+      const bool device = o_.hardware.empty() && s_.backend && std::string(s_.backend->name()) != "cpu";
+      s_.profile = device ? measured_device_profile(*s_.backend) : agreed_profile(o_.hardware, w_);
     }
-    if (o.host_memory > 0) s.profile.host_memory = o.host_memory;
-    profiled = true;
-    return s.profile;
-  };
-  SPPO_CHECK(o.partition == "length" || o.partition == "flops" || o.partition == "adaptive", "options")
-      << "--partition '" << o.partition << "' is unknown; use length, flops or adaptive";
-  SPPO_CHECK(o.optimizer_state.empty() || o.optimizer_state == "device" || o.optimizer_state == "host", "options")
-      << "--optimizer-state '" << o.optimizer_state << "' is unknown; use device (the fp32 master weights and AdamW "
-      << "state beside the weights) or host (in host memory, updated by the CPU)";
-  if (w.size() > 1) profile();
+    if (o_.host_memory > 0) s_.profile.host_memory = o_.host_memory;
+    profiled_ = true;
+    return s_.profile;
+  }
 
-  const DevicePlacement place = place_on_device(o, w);
-  s.backend = make_backend(o.backend, o.precision, o.attention_kernels, place);
-  s.attention = s.backend->prepare_attention(s.config);
-  // A profile measured on this GPU says, per shape class, whose attention kernels are faster.
-  if (!o.hardware.empty()) s.backend->prefer_attention(attention_classes(profile()));
-  const ActPrecision precision = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
-  s.device_comm = device_comm(o, w, *s.backend, place, &s.comm_name);
-  s.data = io::open_data(o.data, s.config.vocab, o.seed, io::DataOptions{0, o.data_dtype});
-  s.data->check_vocab(s.config.vocab);
-  s.repeat_task = o.data.empty() || o.data.rfind("repeat", 0) == 0;
-  if (!o.labels.empty()) {
-    SPPO_CHECK(!s.repeat_task, "options")
+  void open_backend() {
+    const DevicePlacement place = place_on_device(o_, w_);
+    s_.backend = make_backend(o_.backend, o_.precision, o_.attention_kernels, place);
+    s_.attention = s_.backend->prepare_attention(s_.config);
+    // A profile measured on this GPU says, per shape class, whose attention kernels are faster.
+    if (!o_.hardware.empty()) s_.backend->prefer_attention(attention_classes(profile()));
+    precision_ = s_.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
+    s_.device_comm = device_comm(o_, w_, *s_.backend, place, &s_.comm_name);
+  }
+
+  void open_data() {
+    s_.data = io::open_data(o_.data, s_.config.vocab, o_.seed, io::DataOptions{0, o_.data_dtype});
+    s_.data->check_vocab(s_.config.vocab);
+    s_.repeat_task = o_.data.empty() || o_.data.rfind("repeat", 0) == 0;
+    if (o_.labels.empty()) return;
+    SPPO_CHECK(!s_.repeat_task, "options")
         << "--labels gives the targets of the tokens of --data (a token file); the built-in task has its own";
-    SPPO_CHECK(s.config.causal, "options")
+    SPPO_CHECK(s_.config.causal, "options")
         << "--labels gives a causal model's next-token targets; a bidirectional model (--attention bidirectional) "
            "trains on masked tokens: drop --labels";
-    s.labels = io::open_labels(o.labels, s.config.vocab);
-    SPPO_CHECK(s.labels->size() == s.data->size(), "options")
-        << "--labels " << o.labels << " holds " << s.labels->size() << " labels, but --data " << o.data << " holds "
-        << s.data->size() << " tokens; give one label per token (scripts/tokenize_text.py --chat writes both)";
-    s.labels->check_vocab(s.config.vocab);
-    SPPO_CHECK(s.labels->max_token() >= 0, "options")
-        << "--labels " << o.labels << " is " << io::kIgnoreLabel << " everywhere: no token would be trained on";
+    s_.labels = io::open_labels(o_.labels, s_.config.vocab);
+    SPPO_CHECK(s_.labels->size() == s_.data->size(), "options")
+        << "--labels " << o_.labels << " holds " << s_.labels->size() << " labels, but --data " << o_.data
+        << " holds " << s_.data->size()
+        << " tokens; give one label per token (scripts/tokenize_text.py --chat writes both)";
+    s_.labels->check_vocab(s_.config.vocab);
+    SPPO_CHECK(s_.labels->max_token() >= 0, "options")
+        << "--labels " << o_.labels << " is " << io::kIgnoreLabel << " everywhere: no token would be trained on";
   }
 
-  std::optional<plan::Plan> from_plan;
-  if (!o.plan_path.empty()) from_plan = read_plan(o, s.config);
-  const RingChoice ring = parse_ring(o.ring);
-  s.layout = make_layout(from_plan ? from_plan->pp : o.pp, from_plan ? from_plan->dp : o.dp, o.zero, o.batch, w,
-                         from_plan ? from_plan->sp : o.cp, from_plan ? from_plan->tp : o.tp);
-  SPPO_CHECK(s.layout.tp <= s.config.heads, "options")
-      << "--tp " << s.layout.tp << " splits the attention heads over its ranks, but the model has " << s.config.heads
-      << "; use --tp " << s.config.heads << " or fewer";
-  SPPO_CHECK(!s.config.llama() || sched::llama_tp_runs(s.config, s.layout.tp), "options")
-      << "--tp " << s.layout.tp << " does not split the " << s.config.heads << " query heads over "
-      << s.config.kv_head_count() << " key/value heads of the Llama-family model (--model " << o.model_preset
-      << ") so that each rank's queries read its own key/value heads; use one of --tp " << [&] {
-           std::string ok;
-           for (int t = 1; t <= s.config.heads; ++t)
-             if (sched::llama_tp_runs(s.config, t)) ok += (ok.empty() ? "" : ", ") + std::to_string(t);
-           return ok;
-         }() << " (a divisor of " << s.config.kv_head_count() << ", or a multiple whose ranks share each key/value head)";
-  SPPO_CHECK(!o.recompute || s.layout.ranks() == 1, "options")
-      << "--recompute is the one-process baseline; drop --pp and --dp";
-  sim::StepShape shape;
-  shape.pp = s.layout.pp;
-  shape.dp = s.layout.dp;
-  shape.sp = s.layout.cp;
-  shape.tp = s.layout.tp;
-  shape.ring_layout = from_plan ? sched::parse_ring_layout(from_plan->ring_layout) : ring.layout;
-  shape.ring_rsa = ring.algorithm == "rsa";
-  shape.zero = o.zero == 1;
-  shape.optimizer_host = o.optimizer_state.empty() ? from_plan && from_plan->optimizer_state == "host"
-                                                   : o.optimizer_state == "host";
-  SPPO_CHECK(o.msp == "on" || o.msp == "off", "options") << "--msp must be on or off (got '" << o.msp << "')";
-  shape.msp = from_plan ? from_plan->msp : o.msp == "on";
-  shape.msp_reach = from_plan ? from_plan->msp_reach : o.msp_reach;
-  SPPO_CHECK(shape.msp_reach == 0 || shape.msp_reach >= 2, "options")
-      << "--msp-reach " << shape.msp_reach << ": use 0 (every idle stage group) or 2 or more";
-  if (from_plan && (!from_plan->kv_host_layers.empty() || !from_plan->kv_recompute_layers.empty())) {
-    // The plan's placement, unless --kv-cache says otherwise.
-    shape.kv_place.assign(std::size_t(s.config.layers), sched::KvPlace::Device);
-    for (int l : from_plan->kv_host_layers) shape.kv_place[std::size_t(l)] = sched::KvPlace::Host;
-    for (int l : from_plan->kv_recompute_layers) shape.kv_place[std::size_t(l)] = sched::KvPlace::Recompute;
+  // The ranks' layout: a plan's, or the options'; what tensor parallelism can split.
+  void lay_out_ranks() {
+    if (!o_.plan_path.empty()) from_plan_ = read_plan(o_, s_.config);
+    ring_ = parse_ring(o_.ring);
+    const auto& fp = from_plan_;
+    s_.layout = make_layout(fp ? fp->pp : o_.pp, fp ? fp->dp : o_.dp, o_.zero, o_.batch, w_, fp ? fp->sp : o_.cp,
+                            fp ? fp->tp : o_.tp);
+    const ModelConfig& c = s_.config;
+    SPPO_CHECK(s_.layout.tp <= c.heads, "options")
+        << "--tp " << s_.layout.tp << " splits the attention heads over its ranks, but the model has " << c.heads
+        << "; use --tp " << c.heads << " or fewer";
+    SPPO_CHECK(!c.llama() || sched::llama_tp_runs(c, s_.layout.tp), "options")
+        << "--tp " << s_.layout.tp << " does not split the " << c.heads << " query heads over "
+        << c.kv_head_count() << " key/value heads of the Llama-family model (--model " << o_.model_preset
+        << ") so that each rank's queries read its own key/value heads; use one of --tp " << [&] {
+             std::string ok;
+             for (int t = 1; t <= c.heads; ++t)
+               if (sched::llama_tp_runs(c, t)) ok += (ok.empty() ? "" : ", ") + std::to_string(t);
+             return ok;
+           }() << " (a divisor of " << c.kv_head_count() << ", or a multiple whose ranks share each key/value head)";
+    SPPO_CHECK(!o_.recompute || s_.layout.ranks() == 1, "options")
+        << "--recompute is the one-process baseline; drop --pp and --dp";
   }
-  shape.precision = precision;
-  if (from_plan) shape.stage_layers = from_plan->stage_layers;
-  SPPO_CHECK(o.mlp_tile_rows == 0 || (shape.tp == 1 && !o.recompute), "options")
-      << "--mlp-tile-rows runs the MLP of whole rows a tile at a time; it runs without --tp and --recompute "
-         "(use --mlp-tile-rows 0 there)";
-  shape.mlp_tile_rows = o.mlp_tile_rows;
-  // Packed documents: the blocks keep them apart through the K/V on the device of one rank.
-  SPPO_CHECK(!o.pack || o.doc_sep >= 0 || s.data->has_documents(), "options")
-      << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id), or those of a "
-         "Megatron dataset's document index; " << s.data->describe() << " has no index";
-  SPPO_CHECK(!o.pack || s.config.causal, "options")
-      << "--pack keeps each document's causal attention to itself; a bidirectional model (--attention "
-         "bidirectional, and so --ring rsa) has none to keep: drop --pack";
-  SPPO_CHECK(o.doc_sep < s.config.vocab, "options")
-      << "--doc-sep " << o.doc_sep << " is not a token id of the model's vocabulary of " << s.config.vocab;
-  shape.packed = o.pack;
-  shape.labeled = s.labels != nullptr;
-  s.doc_sep = o.doc_sep;
-  // The kernels' scratch comes from the device tier too.
-  shape.block_scratch = s.backend->block_scratch(s.config);
-  shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);
+
+  // The step's shape: the layout, the ring, MSP, the plan's placements, precision, tiles,
+  // packed documents and labels, and the kernels' scratch.
+  void describe_shape() {
+    const auto& fp = from_plan_;
+    shape_.pp = s_.layout.pp;
+    shape_.dp = s_.layout.dp;
+    shape_.sp = s_.layout.cp;
+    shape_.tp = s_.layout.tp;
+    shape_.ring_layout = fp ? sched::parse_ring_layout(fp->ring_layout) : ring_.layout;
+    shape_.ring_rsa = ring_.algorithm == "rsa";
+    shape_.zero = o_.zero == 1;
+    shape_.optimizer_host =
+        o_.optimizer_state.empty() ? fp && fp->optimizer_state == "host" : o_.optimizer_state == "host";
+    SPPO_CHECK(o_.msp == "on" || o_.msp == "off", "options") << "--msp must be on or off (got '" << o_.msp << "')";
+    shape_.msp = fp ? fp->msp : o_.msp == "on";
+    shape_.msp_reach = fp ? fp->msp_reach : o_.msp_reach;
+    SPPO_CHECK(shape_.msp_reach == 0 || shape_.msp_reach >= 2, "options")
+        << "--msp-reach " << shape_.msp_reach << ": use 0 (every idle stage group) or 2 or more";
+    if (fp && (!fp->kv_host_layers.empty() || !fp->kv_recompute_layers.empty())) {
+      // The plan's placement, unless --kv-cache says otherwise.
+      shape_.kv_place.assign(std::size_t(s_.config.layers), sched::KvPlace::Device);
+      for (int l : fp->kv_host_layers) shape_.kv_place[std::size_t(l)] = sched::KvPlace::Host;
+      for (int l : fp->kv_recompute_layers) shape_.kv_place[std::size_t(l)] = sched::KvPlace::Recompute;
+    }
+    shape_.precision = precision_;
+    if (fp) shape_.stage_layers = fp->stage_layers;
+    SPPO_CHECK(o_.mlp_tile_rows == 0 || (shape_.tp == 1 && !o_.recompute), "options")
+        << "--mlp-tile-rows runs the MLP of whole rows a tile at a time; it runs without --tp and --recompute "
+           "(use --mlp-tile-rows 0 there)";
+    shape_.mlp_tile_rows = o_.mlp_tile_rows;
+    // Packed documents: the blocks keep them apart through the K/V on the device of one rank.
+    SPPO_CHECK(!o_.pack || o_.doc_sep >= 0 || s_.data->has_documents(), "options")
+        << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id), or those of a "
+           "Megatron dataset's document index; " << s_.data->describe() << " has no index";
+    SPPO_CHECK(!o_.pack || s_.config.causal, "options")
+        << "--pack keeps each document's causal attention to itself; a bidirectional model (--attention "
+           "bidirectional, and so --ring rsa) has none to keep: drop --pack";
+    SPPO_CHECK(o_.doc_sep < s_.config.vocab, "options")
+        << "--doc-sep " << o_.doc_sep << " is not a token id of the model's vocabulary of " << s_.config.vocab;
+    shape_.packed = o_.pack;
+    shape_.labeled = s_.labels != nullptr;
+    s_.doc_sep = o_.doc_sep;
+    // The kernels' scratch comes from the device tier too.
+    shape_.block_scratch = s_.backend->block_scratch(s_.config);
+    shape_.head_scratch = s_.backend->head_scratch(s_.config, RuntimeOptions{}.head_chunk);
+  }
 
   // Where the K/V cache lives (--kv-cache) and what backward recomputes
-  // (--recompute-tensors); Note [Placing tensors under a budget] below says what auto does.
-  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "recompute" || o.kv_cache == "auto",
-             "options")
-      << "--kv-cache '" << o.kv_cache << "' is unknown; use device, host, recompute or auto";
-  const bool kv_host_ok = !o.recompute && !(shape.sp > 1 && shape.ring_rsa);
-  const bool kv_recompute_ok = kv_host_ok && shape.tp == 1 && shape.sp == 1 && !shape.msp;
-  SPPO_CHECK(o.kv_cache != "host" || kv_host_ok, "options")
-      << "--kv-cache host streams K/V blocks of a rank's own subsequences; it runs without --ring rsa and "
-         "--recompute (use --kv-cache device there)";
-  SPPO_CHECK(o.kv_cache != "recompute" || kv_recompute_ok, "options")
-      << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
-         "subsequences at a time; it runs without --tp, --cp, --msp on and --recompute (use --kv-cache host "
-         "or device there)";
-  const bool recompute_auto = o.recompute_tensors == "auto";
-  if (!recompute_auto) shape.recompute = parse_recompute_tensors(o.recompute_tensors);
-  else if (from_plan) shape.recompute = from_plan->recompute;
-  SPPO_CHECK(!o.recompute || shape.recompute == 0, "options")
-      << "--recompute already recomputes whole blocks from their inputs; drop --recompute-tensors "
-      << recompute_tensors_text(shape.recompute) << " (or --recompute)";
-  const bool attention_ok = shape.sp == 1 && !shape.msp;
-  SPPO_CHECK(!(shape.recompute & kAttentionGroup) || attention_ok, "options")
-      << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or MSP "
-         "pieces do not; recompute other tensors, or drop --cp and --msp on";
-  const bool head_ok = !shape.msp;
-  SPPO_CHECK(!(shape.recompute & kHeadGradGroup) || head_ok, "options")
-      << "--recompute-tensors head_grad runs a stage's own LM head inside its last layer's backward, which MSP "
-         "pieces on borrowed weights do not; recompute other tensors, or use --msp off";
-  // The groups this layout can recompute.
-  const SavedSet runnable = ~((attention_ok ? 0 : kAttentionGroup) | (head_ok ? 0 : kHeadGradGroup));
-  const int L = s.config.layers;
-  auto all_layers = [&](sched::KvPlace p) { return std::vector<sched::KvPlace>(std::size_t(L), p); };
-  auto host_layers = [&](int per_stage) {  // the first `per_stage` layers of every stage
-    std::vector<sched::KvPlace> host(std::size_t(L), sched::KvPlace::Device);
+  // (--recompute-tensors): what this layout can run.
+  void check_placements() {
+    SPPO_CHECK(o_.kv_cache == "device" || o_.kv_cache == "host" || o_.kv_cache == "recompute" ||
+                   o_.kv_cache == "auto",
+               "options")
+        << "--kv-cache '" << o_.kv_cache << "' is unknown; use device, host, recompute or auto";
+    kv_host_ok_ = !o_.recompute && !(shape_.sp > 1 && shape_.ring_rsa);
+    kv_recompute_ok_ = kv_host_ok_ && shape_.tp == 1 && shape_.sp == 1 && !shape_.msp;
+    SPPO_CHECK(o_.kv_cache != "host" || kv_host_ok_, "options")
+        << "--kv-cache host streams K/V blocks of a rank's own subsequences; it runs without --ring rsa and "
+           "--recompute (use --kv-cache device there)";
+    SPPO_CHECK(o_.kv_cache != "recompute" || kv_recompute_ok_, "options")
+        << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
+           "subsequences at a time; it runs without --tp, --cp, --msp on and --recompute (use --kv-cache host "
+           "or device there)";
+    recompute_auto_ = o_.recompute_tensors == "auto";
+    if (!recompute_auto_) shape_.recompute = parse_recompute_tensors(o_.recompute_tensors);
+    else if (from_plan_) shape_.recompute = from_plan_->recompute;
+    SPPO_CHECK(!o_.recompute || shape_.recompute == 0, "options")
+        << "--recompute already recomputes whole blocks from their inputs; drop --recompute-tensors "
+        << recompute_tensors_text(shape_.recompute) << " (or --recompute)";
+    const bool attention_ok = shape_.sp == 1 && !shape_.msp;
+    SPPO_CHECK(!(shape_.recompute & kAttentionGroup) || attention_ok, "options")
+        << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or "
+           "MSP pieces do not; recompute other tensors, or drop --cp and --msp on";
+    const bool head_ok = !shape_.msp;
+    SPPO_CHECK(!(shape_.recompute & kHeadGradGroup) || head_ok, "options")
+        << "--recompute-tensors head_grad runs a stage's own LM head inside its last layer's backward, which MSP "
+           "pieces on borrowed weights do not; recompute other tensors, or use --msp off";
+    // The groups this layout can recompute.
+    runnable_ = ~((attention_ok ? 0 : kAttentionGroup) | (head_ok ? 0 : kHeadGradGroup));
+    if (o_.kv_cache == "host") shape_.kv_place = all_layers(sched::KvPlace::Host);
+    if (o_.kv_cache == "recompute") shape_.kv_place = all_layers(sched::KvPlace::Recompute);
+    if (o_.kv_cache == "device") shape_.kv_place.clear();
+  }
+
+  std::vector<sched::KvPlace> all_layers(sched::KvPlace p) const {
+    return std::vector<sched::KvPlace>(std::size_t(s_.config.layers), p);
+  }
+  // The K/V of the first `per_stage` layers of every stage on the host.
+  std::vector<sched::KvPlace> host_layers(int per_stage) const {
+    std::vector<sched::KvPlace> host(std::size_t(s_.config.layers), sched::KvPlace::Device);
     sched::PipelineSpec stages;
-    stages.layers = L;
-    stages.pp = shape.pp;
-    stages.stage_layers = shape.stage_layers;
+    stages.layers = s_.config.layers;
+    stages.pp = shape_.pp;
+    stages.stage_layers = shape_.stage_layers;
     for (const auto& [b, e] : sched::stage_ranges(stages))
       for (int l = b; l < std::min(e, b + per_stage); ++l) host[std::size_t(l)] = sched::KvPlace::Host;
     return host;
-  };
-  if (o.kv_cache == "host") shape.kv_place = all_layers(sched::KvPlace::Host);
-  if (o.kv_cache == "recompute") shape.kv_place = all_layers(sched::KvPlace::Recompute);
-  if (o.kv_cache == "device") shape.kv_place.clear();
-  sim::SimResult r;
-  // Lengths, fractions and the schedule for this shape, and its prediction.
-  auto choose = [&] {
-    if (from_plan) {
-      s.lengths = from_plan->lengths;
-      s.alpha = from_plan->alpha;
+  }
+
+  // Lengths, fractions and the schedule for the current shape, and its prediction; whether
+  // it fits the budgets.
+  bool choose() {
+    const ModelConfig& c = s_.config;
+    if (from_plan_) {
+      s_.lengths = from_plan_->lengths;
+      s_.alpha = from_plan_->alpha;
     } else {
-      int N = resolve_subseqs(o, S);
+      int N = resolve_subseqs(o_, S_);
       const plan::HardwareProfile& hw = profile();
-      if (o.subseqs == "auto" && o.device_memory > 0 && !o.recompute) {
+      if (o_.subseqs == "auto" && o_.device_memory > 0 && !o_.recompute) {
         // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
-        const auto fit = sim::smallest_fitting_n(s.config, S, hw, precision, o.device_memory,
-                                                 o.partition != "length", 1, int(std::min<i64>(S, 4096)), shape,
-                                                 kTileTokens);
+        const auto fit = sim::smallest_fitting_n(c, S_, hw, precision_, o_.device_memory, o_.partition != "length",
+                                                 1, int(std::min<i64>(S_, 4096)), shape_, kTileTokens);
         if (fit.found) N = fit.subseqs;
       }
-      SPPO_CHECK(!o.recompute || N == 1, "options")
+      SPPO_CHECK(!o_.recompute || N == 1, "options")
           << "--recompute runs the whole sequence at once; drop --subseqs or set it to 1";
-      if (!s.config.causal) {
+      if (!c.causal) {
         // Subsequences run one after another, so a position cannot see later ones.
-        SPPO_CHECK(o.subseqs == "1" || o.subseqs == "auto" || N == 1, "options")
+        SPPO_CHECK(o_.subseqs == "1" || o_.subseqs == "auto" || N == 1, "options")
             << "--attention bidirectional sees the whole sequence at once, which subsequences run one after another "
                "cannot; use --subseqs 1 (ring attention, --cp, splits it over ranks instead)";
         N = 1;
       }
       // The simulator does not model recomputation: that baseline is checked by the arena
       // alone, and has no prediction.
-      SubseqChoice choice = choose_subseqs(o.partition, o.offload, s.config, S, N,
-                                           o.recompute ? 0 : o.device_memory, hw, shape);
-      s.lengths = choice.lengths;
-      s.alpha = choice.alpha;
-      s.profile_measured = s.profile_measured && !o.recompute;
+      SubseqChoice choice =
+          choose_subseqs(o_.partition, o_.offload, c, S_, N, o_.recompute ? 0 : o_.device_memory, hw, shape_);
+      s_.lengths = choice.lengths;
+      s_.alpha = choice.alpha;
+      s_.profile_measured = s_.profile_measured && !o_.recompute;
     }
-    if (shape.msp) {
-      const int N = int(s.lengths.size());
-      SPPO_CHECK(shape.pp > 1 && !(shape.sp > 1 && shape.ring_rsa), "options")
-          << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --ring rsa "
-             "(got --pp "
-          << shape.pp << (shape.sp > 1 && shape.ring_rsa ? " --ring rsa" : "") << ")";
-      SPPO_CHECK(N >= shape.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
-                                           << ", --pp " << shape.pp << "); use --subseqs " << shape.pp << " or more";
-      SPPO_CHECK(s.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
-                                                               "--precision fp32";
-      // A piece on every stage group, over its SP ranks, each piece's rows over its TP members.
-      const i64 split = i64(shape.pp) * shape.sp * shape.tp;
-      for (int i = 0; i < N; ++i)
-        SPPO_CHECK(s.lengths[i] >= split, "options")
-            << "--msp on splits subsequence " << i << " of " << s.lengths[i] << " tokens into up to " << split
-            << " rows' shares (stages x --cp x --tp); use fewer --subseqs";
+    if (shape_.msp) check_msp();
+    s_.schedule = sim::build_step(c, s_.lengths, s_.alpha, shape_);
+    if (!o_.recompute)
+      r_ = sim::simulate(s_.schedule, plan::CostModel(profile(), c, precision_),
+                         sim::memory_rules(c, precision_, shape_));
+    return o_.device_memory == 0 || o_.recompute ||
+           (r_.peak_device_bytes <= o_.device_memory && (o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory));
+  }
+
+  void check_msp() const {
+    const int N = int(s_.lengths.size());
+    SPPO_CHECK(shape_.pp > 1 && !(shape_.sp > 1 && shape_.ring_rsa), "options")
+        << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --ring rsa "
+           "(got --pp "
+        << shape_.pp << (shape_.sp > 1 && shape_.ring_rsa ? " --ring rsa" : "") << ")";
+    SPPO_CHECK(N >= shape_.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
+                                          << ", --pp " << shape_.pp << "); use --subseqs " << shape_.pp << " or more";
+    SPPO_CHECK(s_.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
+                                                              "--precision fp32";
+    // A piece on every stage group, over its SP ranks, each piece's rows over its TP members.
+    const i64 split = i64(shape_.pp) * shape_.sp * shape_.tp;
+    for (int i = 0; i < N; ++i)
+      SPPO_CHECK(s_.lengths[std::size_t(i)] >= split, "options")
+          << "--msp on splits subsequence " << i << " of " << s_.lengths[std::size_t(i)] << " tokens into up to "
+          << split << " rows' shares (stages x --cp x --tp); use fewer --subseqs";
+  }
+
+  // choose(), where a choice that cannot fit ends itself (DoesNotFit): under auto that is
+  // the answer only when nothing else fits, so it is kept and the search goes on.
+  bool fits() {
+    try {
+      return choose();
+    } catch (const DoesNotFit& e) {
+      if (!any_auto_) throw;
+      if (!first_error_) first_error_ = e;
+      return false;
     }
-    s.schedule = sim::build_step(s.config, s.lengths, s.alpha, shape);
-    if (!o.recompute) r = sim::simulate(s.schedule, plan::CostModel(profile(), s.config, precision),
-                                        sim::memory_rules(s.config, precision, shape));
-    return o.device_memory == 0 || o.recompute || (r.peak_device_bytes <= o.device_memory &&
-                                                   (o.host_memory == 0 || r.peak_host_bytes <= o.host_memory));
-  };
+  }
+
+  // The widest placements auto may reach, each the least memory of its kind: where none of
+  // them fits, nothing narrower does (more recomputed or streamed never needs more), so
+  // the search is skipped.
+  bool widest_fits(const sim::StepShape& asked) {
+    std::vector<std::pair<std::vector<sched::KvPlace>, SavedSet>> widest;
+    const SavedSet all =
+        recompute_auto_ && !o_.recompute ? recompute_levels().back() | asked.recompute : asked.recompute;
+    const SavedSet most = all & runnable_;
+    if (o_.kv_cache == "auto") {
+      widest.push_back({{}, most});
+      if (kv_host_ok_) widest.push_back({all_layers(sched::KvPlace::Host), most});
+      if (kv_recompute_ok_) widest.push_back({all_layers(sched::KvPlace::Recompute), most});
+    } else {
+      widest.push_back({asked.kv_place, most});
+    }
+    for (const auto& [kv, set] : widest) {
+      if (kv == asked.kv_place && set == asked.recompute) continue;  // tried
+      shape_.kv_place = kv;
+      shape_.recompute = set;
+      if (fits()) return true;
+    }
+    return false;
+  }
+
   // Note [Placing tensors under a budget]: the placement asked for is tried first (for
   // auto: every K/V on the device, nothing recomputed beyond --recompute-tensors). Where
   // it does not fit, --kv-cache auto puts the K/V of the fewest layers a stage on the host
@@ -514,68 +598,62 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
   // in core/layout.h); the fastest predicted that fits in the first tier with one wins.
   // A choice that cannot fit may end itself (DoesNotFit); under auto that is the answer
   // only when nothing else fits.
-  const bool any_auto = (o.kv_cache == "auto" && kv_host_ok) || (recompute_auto && !o.recompute);
-  std::optional<DoesNotFit> first_error;
-  auto fits = [&] {
-    try {
-      return choose();
-    } catch (const DoesNotFit& e) {
-      if (!any_auto) throw;
-      if (!first_error) first_error = e;
-      return false;
+  void place_under_budget() {
+    any_auto_ = (o_.kv_cache == "auto" && kv_host_ok_) || (recompute_auto_ && !o_.recompute);
+    const sim::StepShape asked = shape_;
+    fitted_ = fits();
+    const bool reachable = fitted_ || (any_auto_ && widest_fits(asked));
+    shape_ = asked;
+    if (!fitted_ && reachable && o_.kv_cache == "auto" && kv_host_ok_) fewest_host_layers();
+    if (!fitted_ && reachable) widen_in_tiers(asked);
+    // Nothing fits: the placement asked for, and its answer, saying that auto tried more.
+    exhausted_ = !fitted_ && any_auto_
+                     ? "; nor does any placement --kv-cache auto and --recompute-tensors auto tried (K/V on the "
+                       "host or recomputed, saved tensors recomputed)"
+                     : "";
+    // With the optimizer state on the device, moving it is one more way to fit (it costs
+    // each step the update's copies and the host's update, Note [Optimizer state on the host]).
+    state_hint_ = shape_.optimizer_host ? ""
+                                        : "; --optimizer-state host moves AdamW's m and v (8 B a parameter of each "
+                                          "rank's share) and the fp32 master weights to the host";
+    if (!fitted_ && any_auto_) {
+      shape_ = asked;
+      if (first_error_) throw DoesNotFit(first_error_->what() + exhausted_ + state_hint_);
+      choose();
     }
-  };
-  const sim::StepShape asked = shape;
-  bool fitted = fits();
-  // The widest placements auto may reach, each the least memory of its kind: where none of
-  // them fits, nothing narrower does (more recomputed or streamed never needs more), so
-  // the search below is skipped.
-  auto widest_fits = [&] {
-    std::vector<std::pair<std::vector<sched::KvPlace>, SavedSet>> widest;
-    const SavedSet all = recompute_auto && !o.recompute ? recompute_levels().back() | asked.recompute : asked.recompute;
-    const SavedSet most = all & runnable;
-    if (o.kv_cache == "auto") {
-      widest.push_back({{}, most});
-      if (kv_host_ok) widest.push_back({all_layers(sched::KvPlace::Host), most});
-      if (kv_recompute_ok) widest.push_back({all_layers(sched::KvPlace::Recompute), most});
-    } else {
-      widest.push_back({asked.kv_place, most});
-    }
-    for (const auto& [kv, set] : widest) {
-      if (kv == asked.kv_place && set == asked.recompute) continue;  // tried
-      shape.kv_place = kv;
-      shape.recompute = set;
-      if (fits()) return true;
-    }
-    return false;
-  };
-  const bool reachable = fitted || (any_auto && widest_fits());
-  shape = asked;
-  if (!fitted && reachable && o.kv_cache == "auto" && kv_host_ok) {
-    int lo = 1, hi = L;
-    shape.kv_place = host_layers(hi);
-    if (fits()) {
-      while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        shape.kv_place = host_layers(mid);
-        if (fits()) hi = mid;
-        else lo = mid + 1;
-      }
-      shape.kv_place = host_layers(hi);
-      fitted = choose();
-    }
+    for (int p = 0; p < s_.layout.pp; ++p)
+      s_.layout.stage_layers.push_back(s_.schedule.owned.empty()
+                                           ? std::pair<int, int>{0, s_.config.layers}
+                                           : s_.schedule.owned.at(std::size_t(s_.layout.rank_of(0, p))));
   }
-  if (!fitted && reachable) {
+
+  // --kv-cache auto: the K/V of the fewest layers a stage on the host that fit.
+  void fewest_host_layers() {
+    int lo = 1, hi = s_.config.layers;
+    shape_.kv_place = host_layers(hi);
+    if (!fits()) return;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      shape_.kv_place = host_layers(mid);
+      if (fits()) hi = mid;
+      else lo = mid + 1;
+    }
+    shape_.kv_place = host_layers(hi);
+    fitted_ = choose();
+  }
+
+  // The tiers of rising recompute, the fastest fitting placement of the first tier with one.
+  void widen_in_tiers(const sim::StepShape& asked) {
     std::vector<std::vector<sched::KvPlace>> kvs = {asked.kv_place};
-    if (o.kv_cache == "auto") {
+    if (o_.kv_cache == "auto") {
       kvs = {{}};
-      if (kv_host_ok) kvs.push_back(all_layers(sched::KvPlace::Host));
-      if (kv_recompute_ok) kvs.push_back(all_layers(sched::KvPlace::Recompute));
+      if (kv_host_ok_) kvs.push_back(all_layers(sched::KvPlace::Host));
+      if (kv_recompute_ok_) kvs.push_back(all_layers(sched::KvPlace::Recompute));
     }
     std::vector<SavedSet> sets = {asked.recompute};
-    if (recompute_auto && !o.recompute)
+    if (recompute_auto_ && !o_.recompute)
       for (std::size_t k = 1; k < recompute_levels().size(); ++k) sets.push_back(recompute_levels()[k] | asked.recompute);
-    for (std::size_t tier = 1; tier <= sets.size() && !fitted; ++tier) {
+    for (std::size_t tier = 1; tier <= sets.size() && !fitted_; ++tier) {
       std::optional<sim::StepShape> best;
       double best_s = 0;
       for (const auto& kv : kvs) {
@@ -583,114 +661,126 @@ StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
         const std::size_t level = recomputed ? tier - 1 : tier;
         if (level >= sets.size()) continue;
         // A level adds nothing where this layout cannot recompute what it adds.
-        if (level > 0 && (sets[level] & runnable) == (sets[level - 1] & runnable)) continue;
-        shape.kv_place = kv;
-        shape.recompute = sets[level] & runnable;
-        if (fits() && (!best || r.step_time_s < best_s)) best = shape, best_s = r.step_time_s;
+        if (level > 0 && (sets[level] & runnable_) == (sets[level - 1] & runnable_)) continue;
+        shape_.kv_place = kv;
+        shape_.recompute = sets[level] & runnable_;
+        if (fits() && (!best || r_.step_time_s < best_s)) best = shape_, best_s = r_.step_time_s;
       }
       if (best) {
-        shape = *best;
-        fitted = choose();
+        shape_ = *best;
+        fitted_ = choose();
       }
     }
   }
-  // Nothing fits: the placement asked for, and its answer, saying that auto tried more.
-  const std::string exhausted =
-      !fitted && any_auto ? "; nor does any placement --kv-cache auto and --recompute-tensors auto tried (K/V on the "
-                            "host or recomputed, saved tensors recomputed)"
-                          : "";
-  // With the optimizer state on the device, moving it is one more way to fit (it costs each
-  // step the update's copies and the host's update, Note [Optimizer state on the host]).
-  const std::string state_hint =
-      shape.optimizer_host ? ""
-                           : "; --optimizer-state host moves AdamW's m and v (8 B a parameter of each rank's share) "
-                             "and the fp32 master weights to the host";
-  if (!fitted && any_auto) {
-    shape = asked;
-    if (first_error) throw DoesNotFit(first_error->what() + exhausted + state_hint);
-    choose();
-  }
-  for (int p = 0; p < s.layout.pp; ++p)
-    s.layout.stage_layers.push_back(s.schedule.owned.empty() ? std::pair<int, int>{0, s.config.layers}
-                                                              : s.schedule.owned.at(std::size_t(s.layout.rank_of(0, p))));
-  if (o.recompute) {
-    // The simulator does not run the recompute schedule; its memory follows in closed form.
-    const sched::MemoryRules rules = sim::memory_rules(s.config, precision, shape);
-    s.predicted_peak_bytes = sched::recompute_peak_bytes(rules, S);
-    s.predicted_peak_per_rank = {s.predicted_peak_bytes};
-    s.predicted_host_bytes = sched::param_count(s.config, 0, L, true, true) * rules.host_state_bytes();
-    SPPO_CHECK_FITS(o.device_memory == 0 || s.predicted_peak_bytes <= o.device_memory, "memory")
-        << "--recompute needs " << format_bytes(double(s.predicted_peak_bytes)) << " of device memory at --seq-len "
-        << S << ", over the --device-memory budget of " << format_bytes(double(o.device_memory))
-        << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
-  } else {
-    s.predicted_peak_bytes = r.peak_device_bytes;
-    s.predicted_peak_per_rank = r.peak_bytes;
-    s.predicted_sent_per_rank = r.sent_bytes;
-    s.predicted_step_s = r.step_time_s;
-    if (s.schedule.packed && s.profile_measured)
-      s.simulate_packed = [sched = s.schedule, cost = plan::CostModel(profile(), s.config, precision),
-                           rules = sim::memory_rules(s.config, precision, shape)](const std::vector<i64>& docs) mutable {
+
+  // The predictions of the chosen schedule, and the budgets checked against them.
+  void predict() {
+    if (o_.recompute) {
+      // The simulator does not run the recompute schedule; its memory follows in closed form.
+      const sched::MemoryRules rules = sim::memory_rules(s_.config, precision_, shape_);
+      s_.predicted_peak_bytes = sched::recompute_peak_bytes(rules, S_);
+      s_.predicted_peak_per_rank = {s_.predicted_peak_bytes};
+      s_.predicted_host_bytes = sched::param_count(s_.config, 0, s_.config.layers, true, true) * rules.host_state_bytes();
+      SPPO_CHECK_FITS(o_.device_memory == 0 || s_.predicted_peak_bytes <= o_.device_memory, "memory")
+          << "--recompute needs " << format_bytes(double(s_.predicted_peak_bytes)) << " of device memory at --seq-len "
+          << S_ << ", over the --device-memory budget of " << format_bytes(double(o_.device_memory))
+          << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
+      return;
+    }
+    s_.predicted_peak_bytes = r_.peak_device_bytes;
+    s_.predicted_peak_per_rank = r_.peak_bytes;
+    s_.predicted_sent_per_rank = r_.sent_bytes;
+    s_.predicted_step_s = r_.step_time_s;
+    if (s_.schedule.packed && s_.profile_measured)
+      s_.simulate_packed = [sched = s_.schedule, cost = plan::CostModel(profile(), s_.config, precision_),
+                            rules = sim::memory_rules(s_.config, precision_, shape_)](
+                               const std::vector<i64>& docs) mutable {
         sched.doc_starts = docs;
         return sim::simulate(sched, cost, rules).step_time_s;
       };
-    s.predicted_bubble = r.bubble_ratio;
-    s.predicted_host_bytes = r.peak_host_bytes;
-    SPPO_CHECK_FITS(o.device_memory == 0 || r.peak_device_bytes <= o.device_memory, "memory")
-        << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " needs "
-        << format_bytes(double(r.peak_device_bytes)) << " of device memory on its fullest rank, over the "
-        << "--device-memory budget of " << format_bytes(double(o.device_memory))
-        << (!exhausted.empty() ? exhausted
-            : !s.schedule.any_kv_streamed() && kv_host_ok
+    s_.predicted_bubble = r_.bubble_ratio;
+    s_.predicted_host_bytes = r_.peak_host_bytes;
+    const std::string what = from_plan_ ? "--plan " + o_.plan_path : std::string("this layout");
+    SPPO_CHECK_FITS(o_.device_memory == 0 || r_.peak_device_bytes <= o_.device_memory, "memory")
+        << what << " needs " << format_bytes(double(r_.peak_device_bytes))
+        << " of device memory on its fullest rank, over the --device-memory budget of "
+        << format_bytes(double(o_.device_memory))
+        << (!exhausted_.empty() ? exhausted_
+            : !s_.schedule.any_kv_streamed() && kv_host_ok_
                 ? "; --kv-cache host or recompute keeps K/V and their gradients off the device"
                 : "")
-        << state_hint;
-    SPPO_CHECK_FITS(o.host_memory == 0 || r.peak_host_bytes <= o.host_memory, "memory")
-        << (from_plan ? "--plan " + o.plan_path : std::string("this layout")) << " holds "
-        << format_bytes(double(r.peak_host_bytes)) << " (" << r.peak_host_bytes << " B) in host memory ("
-        << (!s.schedule.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
-        << (shape.optimizer_host ? ", the optimizer state" : "")
-        << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o.host_memory))
-        << "; use --host-memory " << r.peak_host_bytes
+        << state_hint_;
+    SPPO_CHECK_FITS(o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory, "memory")
+        << what << " holds " << format_bytes(double(r_.peak_host_bytes)) << " (" << r_.peak_host_bytes
+        << " B) in host memory ("
+        << (!s_.schedule.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
+        << (shape_.optimizer_host ? ", the optimizer state" : "")
+        << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o_.host_memory))
+        << "; use --host-memory " << r_.peak_host_bytes
         << " or more, or offload less (more --subseqs, a lower --offload ratio, --kv-cache device, or more "
            "--device-memory)";
   }
 
   // On the CPU both tiers are this machine's memory: what the step holds on its fullest
   // rank, times the ranks sharing the machine, must be there before the run starts.
-  {
-    const i64 per_rank = s.predicted_peak_bytes + s.predicted_host_bytes + kProcessAllowanceBytes;
+  void check_machine_memory() const {
+    const i64 per_rank = s_.predicted_peak_bytes + s_.predicted_host_bytes + kProcessAllowanceBytes;
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
     const i64 available = available_memory_bytes();
     SPPO_CHECK_FITS(available <= 0 || per_rank <= available / ranks_here, "memory")
         << "this run needs " << format_bytes(double(per_rank)) << " of memory"
         << (ranks_here > 1 ? " per rank (" + std::to_string(ranks_here) + " ranks here)" : "") << " (device tier "
-        << format_bytes(double(s.predicted_peak_bytes)) << ", host tier " << format_bytes(double(s.predicted_host_bytes))
-        << ", " << format_bytes(double(kProcessAllowanceBytes)) << " for the process itself) but this machine has "
-        << format_bytes(double(available)) << " available; shorten --seq-len or use a smaller model";
+        << format_bytes(double(s_.predicted_peak_bytes)) << ", host tier "
+        << format_bytes(double(s_.predicted_host_bytes)) << ", " << format_bytes(double(kProcessAllowanceBytes))
+        << " for the process itself) but this machine has " << format_bytes(double(available))
+        << " available; shorten --seq-len or use a smaller model";
   }
 
-  RuntimeOptions ro;
-  ro.device_budget = o.device_memory;
-  ro.host_budget = o.host_memory;
-  ro.recompute = o.recompute;
-  ro.rank = s.layout.rank;
-  ro.comm = s.layout.ranks() > 1 ? &s.comm(w) : nullptr;
-  ro.layers = s.layout.stage_layers.at(std::size_t(s.layout.stage()));
-  ro.zero_shards = o.zero == 1 ? s.layout.dp * s.layout.cp : 1;
-  ro.zero_index = o.zero == 1 ? s.layout.stage_index() : 0;
-  ro.optimizer_host = shape.optimizer_host;
-  ro.tp = s.layout.tp_shard();
-  ro.block_scratch = shape.block_scratch;
-  ro.head_scratch = shape.head_scratch;
-  ro.backend = s.backend.get();
-  ro.ring_rsa = ring.algorithm == "rsa";
-  SPPO_CHECK(!ro.ring_rsa || (!s.config.causal && s.backend->act() == DType::F32), "options")
-      << "--ring rsa is the two-pass Ring Self-Attention of bidirectional models (--attention bidirectional), in "
-         "fp32; a causal model uses --ring flash";
-  s.runtime = std::make_unique<Runtime>(s.config, ro);
-  return s;
+  void make_runtime() {
+    RuntimeOptions ro;
+    ro.device_budget = o_.device_memory;
+    ro.host_budget = o_.host_memory;
+    ro.recompute = o_.recompute;
+    ro.rank = s_.layout.rank;
+    ro.comm = s_.layout.ranks() > 1 ? &s_.comm(w_) : nullptr;
+    ro.layers = s_.layout.stage_layers.at(std::size_t(s_.layout.stage()));
+    ro.zero_shards = o_.zero == 1 ? s_.layout.dp * s_.layout.cp : 1;
+    ro.zero_index = o_.zero == 1 ? s_.layout.stage_index() : 0;
+    ro.optimizer_host = shape_.optimizer_host;
+    ro.tp = s_.layout.tp_shard();
+    ro.block_scratch = shape_.block_scratch;
+    ro.head_scratch = shape_.head_scratch;
+    ro.backend = s_.backend.get();
+    ro.ring_rsa = ring_.algorithm == "rsa";
+    SPPO_CHECK(!ro.ring_rsa || (!s_.config.causal && s_.backend->act() == DType::F32), "options")
+        << "--ring rsa is the two-pass Ring Self-Attention of bidirectional models (--attention bidirectional), in "
+           "fp32; a causal model uses --ring flash";
+    s_.runtime = std::make_unique<Runtime>(s_.config, ro);
+  }
+
+  const StepOptions& o_;
+  comm::Comm& w_;
+  const i64 S_;
+  StepSetup s_;
+  bool profiled_ = false;
+  ActPrecision precision_ = ActPrecision::F32;
+  std::optional<plan::Plan> from_plan_;
+  RingChoice ring_;
+  sim::StepShape shape_;
+  sim::SimResult r_;  // the simulation of the last choice
+  bool kv_host_ok_ = false, kv_recompute_ok_ = false, recompute_auto_ = false, any_auto_ = false;
+  SavedSet runnable_ = 0;
+  bool fitted_ = false;
+  std::optional<DoesNotFit> first_error_;
+  std::string exhausted_, state_hint_;
+};
+
+}  // namespace
+
+StepSetup make_setup(const StepOptions& o, comm::Comm* world) {
+  static const std::unique_ptr<comm::Comm> alone = comm::make_solo();
+  return SetupBuilder(o, world ? *world : *alone).build();
 }
 
 }  // namespace sppo
