@@ -20,6 +20,8 @@
 #                                            ASan's shadow memory and quarantine inflate
 #   fuzz_replay_*                            replay the fuzz corpus and past crashes, which
 #                                            scripts/fuzz.sh runs first under ASan + UBSan
+#   readme_walkthroughs                      runs the README's commands end to end, minutes
+#                                            under ASan, through code bad_inputs reaches
 #
 # Both builds compile at -O1 with line tables only (-g1): GCC at -O2 -g with UBSan took
 # 2.3x as long for the same findings, and a report still names file and line. Each builds
@@ -50,7 +52,7 @@ show_ctest() {
   fi
 }
 
-asan_skip='^(test_train_longrange|test_model_subseq|test_bench_profile_device|test_train_resident|fuzz_replay_.*)$'
+asan_skip='^(test_train_longrange|test_model_subseq|test_bench_profile_device|test_train_resident|readme_walkthroughs|fuzz_replay_.*)$'
 
 # -O1 -g1: see above.
 sanitizer_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DSPPO_CUDA=OFF)
@@ -58,11 +60,13 @@ sanitizer_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEB
 run_asan() {
   local t0=$(date +%s)
   configure build-asan -S . "${sanitizer_flags[@]}" -DSPPO_SANITIZE=ON
-  # The tests it runs are targets of the same name; bad_inputs runs sppo and rewrite_state.
+  # Most tests are executables of the same name; the rest are scripts that run sppo and
+  # rewrite_state, built always.
   local targets
-  targets=$(cd build-asan && ctest -N -L 'unit|numerics' -E "$asan_skip" | sed -n 's/^ *Test *#[0-9]*: //p' |
-    sed 's/^bad_inputs$/sppo rewrite_state/; s/^hf_transformers$/sppo/' | tr '\n' ' ')
-  nice -n 10 cmake --build build-asan -j"$jobs" --target sppo $targets >/dev/null
+  targets=$(comm -12 \
+    <(cd build-asan && ctest -N -L 'unit|numerics' -E "$asan_skip" | sed -n 's/^ *Test *#[0-9]*: //p' | sort) \
+    <(cmake --build build-asan --target help | sed -n 's/^\([A-Za-z0-9_]*\): phony$/\1/p' | sort) | tr '\n' ' ')
+  nice -n 10 cmake --build build-asan -j"$jobs" --target sppo rewrite_state $targets >/dev/null
   local t1=$(date +%s)
   (
     cd build-asan
