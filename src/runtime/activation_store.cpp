@@ -34,7 +34,7 @@ ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& ho
   prefetch_last_.resize(N);
   x_host_.assign(std::size_t(N), std::vector<const void*>(std::size_t(L), nullptr));
   x_copied_.assign(std::size_t(N), std::vector<std::shared_ptr<Event>>(std::size_t(L)));
-  prefetched_.assign(std::size_t(N), 0);
+  x_back_ = x_copied_;
   for (const auto& s : block_saved_specs(c, 1, precision)) roles_.push_back(s.role);
   SPPO_ASSERT(roles_.size() == tensors);
   d2h_ = be.make_copy_stream();
@@ -89,38 +89,45 @@ i64 ActivationStore::offload(int i, double fraction) {
 std::pair<const void*, const void*> ActivationStore::saved_input(int i, int l, double* waited_s) {
   const void* host = x_host_[i][std::size_t(l)];
   if (!host) return {dev_[i][l][kSavedX].data(), nullptr};
-  if (prefetched_[i]) {
-    *waited_s += prefetch_last_[i]->wait();
+  if (const auto& back = x_back_[i][std::size_t(l)]) {
+    *waited_s += back->wait();
     return {dev_[i][l][kSavedX].data(), nullptr};
   }
   *waited_s += x_copied_[i][std::size_t(l)]->wait();
   return {nullptr, host};
 }
 
-void ActivationStore::prefetch(int i) {
-  prefetched_[i] = 1;
+void ActivationStore::prefetch(int i) { prefetch(i, lb_, le_); }
+
+void ActivationStore::prefetch(int i, int b, int e) {
+  std::shared_ptr<Event> last;
   auto move_in = [&](Buffer& dev, Buffer& host, const std::string& what) {
     if (!host) return;
     dev = device_.alloc(host.bytes(), what);
-    auto ev = h2d_->copy(dev.data(), host.data(), std::size_t(host.bytes()), {});
-    if (!prefetch_first_[i]) prefetch_first_[i] = ev;
-    prefetch_last_[i] = ev;
+    last = h2d_->copy(dev.data(), host.data(), std::size_t(host.bytes()), {});
+    if (!prefetch_first_[i]) prefetch_first_[i] = last;
   };
-  move_in(head_grad_[i], head_grad_host_[i], "head_grad");
-  for (int l = le_ - 1; l >= lb_; --l)
+  if (e == le_) move_in(head_grad_[i], head_grad_host_[i], "head_grad");
+  for (int l = e - 1; l >= b; --l)
     for (std::size_t k = 0; k < roles_.size(); ++k) move_in(dev_[i][l][k], host_copies_[i][l][k], unit_name(l, i));
+  if (!last) return;
+  prefetch_last_[i] = last;
+  for (int l = b; l < e; ++l) x_back_[i][std::size_t(l)] = last;
 }
 
 double ActivationStore::wait_offload(int i) { return offload_last_[i] ? offload_last_[i]->wait() : 0; }
 
-double ActivationStore::wait_prefetch(int i) {
+double ActivationStore::wait_prefetch(int i) { return wait_prefetch(i, lb_, le_); }
+
+double ActivationStore::wait_prefetch(int i, int b, int e) {
   const double waited = prefetch_last_[i] ? prefetch_last_[i]->wait() : 0;
   // The copies back are done: their host copies go (Note [Host copies leave at the wait]
   // in schedule/memory.h).
-  head_grad_host_[i].reset();
-  for (auto& layer : host_copies_[i])
-    for (Buffer& b : layer) b.reset();
-  std::fill(x_host_[i].begin(), x_host_[i].end(), nullptr);
+  if (e == le_) head_grad_host_[i].reset();
+  for (int l = b; l < e; ++l) {
+    for (Buffer& buf : host_copies_[i][std::size_t(l)]) buf.reset();
+    x_host_[i][std::size_t(l)] = nullptr;
+  }
   return waited;
 }
 

@@ -56,11 +56,15 @@ class ActivationStore {
   // seconds waited add to *waited_s. Called on the compute thread, which alone issues O
   // and P, so the buffers it reads are not changing under it.
   std::pair<const void*, const void*> saved_input(int i, int l, double* waited_s);
-  // P(i): every tensor of subsequence i on the host comes back.
+  // P(i): every tensor of subsequence i on the host comes back; with a layer range (a
+  // layer-major backward's), those of layers [b, e), with head_grad where e is the last.
   void prefetch(int i);
-  // The seconds spent waiting for O(i)'s (P(i)'s) last copy; 0 if it copied nothing.
+  void prefetch(int i, int b, int e);
+  // The seconds spent waiting for O(i)'s (P(i)'s, of layers [b, e)) last copy; 0 if it
+  // copied nothing.
   double wait_offload(int i);
   double wait_prefetch(int i);
+  double wait_prefetch(int i, int b, int e);
   // Waits for every copy on both streams.
   void synchronize();
   // Adds the span of each O(i) and P(i) to the timeline: its first copy's start to its
@@ -82,10 +86,9 @@ class ActivationStore {
   std::vector<Role> roles_;                             // of the saved tensors
   SavedSet recompute_;                                  // tensors recomputed in backward: never offloaded
   // Per unit, its x's host copy and the copy's event, from O(i) ([N][L]; null: not
-  // offloaded), and whether P(i) has been issued ([N]).
+  // offloaded), and the last copy of the P that brought it back ([N][L]; null: none yet).
   std::vector<std::vector<const void*>> x_host_;
-  std::vector<std::vector<std::shared_ptr<Event>>> x_copied_;
-  std::vector<char> prefetched_;
+  std::vector<std::vector<std::shared_ptr<Event>>> x_copied_, x_back_;
   // Declared last, so destroyed first: their pending copies finish before the buffers go.
   std::unique_ptr<CopyStream> d2h_, h2d_;
 };

@@ -281,10 +281,14 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
   const MlpTiles tiles = st.sched.mlp_tiles();
   // The residual gradient: the head's on the last stage (Note [The loss in backward]: made
-  // below, with the last layer's output), else the next stage's.
+  // below, with the last layer's output), the layer above's in a layer-major backward
+  // (kept where head_grad was: Note [Layer-major backward] in schedule/builders.cpp), else
+  // the next stage's.
   const bool loss_here = e == L && in_set(st.sched.recompute, kSavedHeadGrad);
-  Buffer d_buf = e == L ? std::move(st.act.head_grad(i))
-                         : st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
+  const bool carried = own && e < le_;
+  Buffer d_buf = e == L || carried
+                     ? std::move(st.act.head_grad(i))
+                     : st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
   SPPO_ASSERT_MSG(d_buf || loss_here,
                   "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
@@ -359,6 +363,10 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     if (own) st.grads.layer_done(index, l);
     st.messages.poll();
   }
+  if (own && b > lb_) {  // the layers below run later (a layer-major backward)
+    st.act.head_grad(i) = std::move(d_buf);
+    return;
+  }
   if (b > 0) {
     st.messages.produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf),
                         member_rows(st.sched, op, opts_.tp.index));
@@ -411,13 +419,17 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         result.offloaded_bytes += st.act.offload(i, op.fraction);
         break;
       case sched::OpKind::Prefetch:
-        st.act.prefetch(i);
+        if (op.layer_end > op.layer_begin)  // one layer's part (a layer-major backward)
+          st.act.prefetch(i, op.layer_begin, op.layer_end);
+        else
+          st.act.prefetch(i);
         break;
       case sched::OpKind::WaitOffload:
         result.exposed_copy_s += st.act.wait_offload(i);
         break;
       case sched::OpKind::WaitPrefetch:
-        waited = st.act.wait_prefetch(i);
+        waited = op.layer_end > op.layer_begin ? st.act.wait_prefetch(i, op.layer_begin, op.layer_end)
+                                               : st.act.wait_prefetch(i);
         result.exposed_copy_s += waited;
         if (waited > kShownWaitS) add_span(result, "wait P" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;

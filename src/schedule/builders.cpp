@@ -510,6 +510,78 @@ class PipelineBuilder {
 
 Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec).build(); }
 
+// Note [Layer-major backward]: the forward runs as in the paper's order; the backward takes
+// the layers from the last, each over the subsequences in reverse. Each subsequence's
+// backward block of the paper's order (its prefetch of the next subsequence to come back,
+// its ring steps, its B, the waits that follow) becomes one block per layer, the same ops on
+// that layer alone, and the blocks run layer by layer. So:
+//  - a layer's dK/dV sums are allocated by its first backward (on B(l, N-1)) and the last
+//    rows go with B(l, 0): one layer's sums are alive at a time, not every layer's;
+//  - a prefetch brings back one layer's part of its subsequence's unit (the last layer's
+//    with head_grad), P(l, i-1) beside B(l, i) as P(i-1) beside B(i);
+//  - the residual gradient of every subsequence waits between its layers: [S, H] in the
+//    activation type on the device from the first layer's backward to the last's;
+//  - a weight gradient is complete after B(l, 0), so its bucket's reduction starts while
+//    the layers below run.
+// Only one stage (pp 1): between stages, the previous stage would wait for this stage's
+// whole backward before its first. The builders refuse it there (and under MSP).
+Schedule to_layer_major(Schedule s) {
+  if (s.backward == BackwardOrder::Layer) return s;
+  for (int r = 0; r < s.ranks; ++r) {
+    std::vector<Op>& ops = s.ops[std::size_t(r)];
+    for (const Op& op : ops)
+      SPPO_CHECK(!(op.kind == OpKind::Send || op.kind == OpKind::Recv), "options")
+          << "the layer-major backward (--backward-order layer) runs inside one pipeline stage: give --pp 1 "
+             "without --msp, or --backward-order subseq";
+    // The backward's part: from the first op that belongs to a subsequence's backward block.
+    std::size_t first = ops.size();
+    for (std::size_t k = 0; k < ops.size() && first == ops.size(); ++k) {
+      const Op& op = ops[k];
+      if (op.kind == OpKind::Prefetch || op.kind == OpKind::Backward ||
+          (op.kind == OpKind::RingStep && op.payload == Payload::KVGrad))
+        first = k;
+    }
+    if (first == ops.size()) continue;
+    // Blocks: the ops up to and including a B, then the waits for prefetches after it;
+    // all-reduces end the step.
+    std::vector<std::vector<Op>> blocks;
+    std::vector<Op> block, tail;
+    bool has_b = false;
+    int lb = s.layers, le = 0;
+    for (std::size_t k = first; k < ops.size(); ++k) {
+      const Op& op = ops[k];
+      if (op.kind == OpKind::AllReduce) {
+        tail.push_back(op);
+        continue;
+      }
+      SPPO_CHECK(tail.empty(), "schedule") << "an op after the step's all-reduces: " << to_string(op);
+      if (has_b && op.kind != OpKind::WaitPrefetch) {
+        blocks.push_back(std::move(block));
+        block.clear();
+        has_b = false;
+      }
+      block.push_back(op);
+      if (op.kind == OpKind::Backward) {
+        has_b = true;
+        lb = std::min(lb, op.layer_begin);
+        le = std::max(le, op.layer_end);
+      }
+    }
+    if (!block.empty()) blocks.push_back(std::move(block));
+    ops.resize(first);
+    for (int l = le - 1; l >= lb; --l)
+      for (const auto& block : blocks)
+        for (Op op : block) {
+          op.layer_begin = l;
+          op.layer_end = l + 1;
+          ops.push_back(std::move(op));
+        }
+    ops.insert(ops.end(), tail.begin(), tail.end());
+  }
+  s.backward = BackwardOrder::Layer;
+  return s;
+}
+
 void set_offload_fractions(Schedule* s, const std::vector<double>& alpha) {
   SPPO_CHECK(alpha.size() == s->lengths.size(), "schedule")
       << "alpha has " << alpha.size() << " entries for " << s->lengths.size() << " subsequences";

@@ -66,6 +66,11 @@ Schedule build_pipeline(const PipelineSpec& spec);
 // so a tensor-parallel group is innermost, inside one node as the paper keeps it.
 Schedule expand_tensor_parallel(Schedule s, int tp);  // tp 1: s itself
 
+// The same schedule with a layer-major backward (BackwardOrder::Layer; Note [Layer-major
+// backward] in builders.cpp): one stage (no hidden-state messages) only, else throws
+// naming what runs.
+Schedule to_layer_major(Schedule s);
+
 // Gives every Offload and Prefetch of `s` the fraction alpha[subseq]. The builders' ops
 // depend on alpha only through which subsequences offload (alpha_i > 0 adds the copies and
 // their waits) and those fractions, so for an alpha under which the same subsequences

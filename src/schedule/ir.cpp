@@ -28,6 +28,15 @@ RingLayout parse_ring_layout(const std::string& text) {
   return RingLayout::Contiguous;
 }
 
+const char* to_string(BackwardOrder o) { return o == BackwardOrder::Layer ? "layer" : "subseq"; }
+
+BackwardOrder parse_backward_order(const std::string& text) {
+  if (text == "subseq") return BackwardOrder::Subseq;
+  if (text == "layer") return BackwardOrder::Layer;
+  SPPO_CHECK(false, "options") << "backward order must be subseq or layer (got '" << text << "')";
+  return BackwardOrder::Subseq;
+}
+
 void Spans::push_back(const value_type& r) {
   SPPO_CHECK(n_ < kMax, "schedule") << "a piece holds at most " << kMax << " token ranges";
   r_[std::size_t(n_++)] = r;
@@ -260,12 +269,14 @@ std::string to_string(const Op& op) {
       break;
     case OpKind::Offload:
     case OpKind::Prefetch:
+      if (op.layer_end > op.layer_begin) put_layers(os, op), os << ' ';  // a layer's part
       put_subseq(os, op);
       os << ' ';
       put_fraction(os, op.fraction);
       break;
     case OpKind::WaitOffload:
     case OpKind::WaitPrefetch:
+      if (op.layer_end > op.layer_begin) put_layers(os, op), os << ' ';
       put_subseq(os, op);
       break;
     case OpKind::Send:
@@ -317,6 +328,7 @@ std::string to_string(const Schedule& s) {
   }
   if (s.recompute) os << " recompute=" << recompute_tensors_text(s.recompute);
   if (s.mlp_tile_rows) os << " mlp_tile_rows=" << s.mlp_tile_rows;
+  if (s.backward != BackwardOrder::Subseq) os << " backward=" << to_string(s.backward);
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {
     os << "rank " << r << ":\n";

@@ -23,9 +23,11 @@ enum class OpKind {
   Backward,      // B: backward of the same
   Offload,       // O: start copying `fraction` of the offloadable unit of (subseq) to host;
                  //    its device memory is released when the copy completes
-  Prefetch,      // P: start copying the host part of (subseq) back to the device
+  Prefetch,      // P: start copying the host part of (subseq) back to the device; with a
+                 //    layer range (layer_end > layer_begin; a layer-major backward) only
+                 //    that of layers [layer_begin, layer_end), the last layer's with head_grad
   WaitOffload,   // wait until the offload of (subseq) has completed
-  WaitPrefetch,  // wait until the prefetch of (subseq) has completed
+  WaitPrefetch,  // wait until the prefetch of (subseq) (of its layer range) has completed
   Send,          // send `payload` of (subseq, piece) to rank `peer`
   Recv,          // receive `payload` of (subseq, piece) from rank `peer`
   RingStep,      // one ring-attention step `step` of (layer range, subseq, piece) with `peer`
@@ -33,6 +35,16 @@ enum class OpKind {
                  //   layer_end) (payload WeightGrads: data-parallel and SP replicas), or of the
                  //   tied embedding's gradient (payload TiedGrads: first and last stage)
 };
+
+// The order of a stage's backward (Schedule::backward).
+// Subseq, the paper's: the subsequences in reverse, each through all the stage's layers, so
+// every layer's dK/dV sums live until the backward reaches the first subsequence.
+// Layer: the layers from the last, each over the subsequences in reverse, so only one
+// layer's sums live at a time; each subsequence's residual gradient waits between its
+// layers (Note [Layer-major backward] in builders.cpp).
+enum class BackwardOrder : char { Subseq, Layer };
+const char* to_string(BackwardOrder o);                 // "subseq" | "layer"
+BackwardOrder parse_backward_order(const std::string& text);  // throws sppo::Error naming the choices
 
 // Where a layer keeps the K/V of finished subsequences (Schedule::kv_place).
 enum class KvPlace : char { Device, Host, Recompute };
@@ -175,6 +187,9 @@ struct Schedule {
   // Recompute layer runs ops of one piece only, without tensor parallelism (its rows of x
   // are split over the group).
   std::vector<KvPlace> kv_place;
+  // The order of each stage's backward; Layer: its B ops and their prefetches, ring steps
+  // and waits are of one layer each (layer_major).
+  BackwardOrder backward = BackwardOrder::Subseq;
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.
   bool packed = false;

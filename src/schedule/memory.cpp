@@ -212,9 +212,16 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
           if (fresh) it->second = unit_tensor_bytes(rules, T, tp_, s.recompute);
           layer = &it->second;
         }
-        for (int l = op.layer_begin; l < op.layer_end; ++l) sizes.insert(sizes.end(), layer->begin(), layer->end());
+        auto& layers = unit_layers_[op.subseq];
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {
+          sizes.insert(sizes.end(), layer->begin(), layer->end());
+          layers.insert(layers.end(), layer->size(), l);
+        }
         if (op.layer_end == L && !loss_in_backward())
-          for (const auto& t : head_saved_specs(c, T, p, tp_)) sizes.push_back(t.bytes());
+          for (const auto& t : head_saved_specs(c, T, p, tp_)) {
+            sizes.push_back(t.bytes());
+            layers.push_back(L - 1);
+          }
       }
     } else if (op.kind == OpKind::Recv && op.payload == Payload::KV) {
       for (int l = op.layer_begin; l < op.layer_end; ++l) {
@@ -363,14 +370,27 @@ std::vector<i64> RankMemory::unit_tensors(int subseq) const {
   return it == unit_tensors_.end() ? std::vector<i64>{} : it->second;
 }
 
+std::vector<int> RankMemory::unit_layers(int subseq) const {
+  auto it = unit_layers_.find(subseq);
+  return it == unit_layers_.end() ? std::vector<int>{} : it->second;
+}
+
 i64 RankMemory::offload_bytes(const Op& op) const {
   auto it = unit_tensors_.find(op.subseq);
   return it == unit_tensors_.end() ? 0 : select_offload(it->second, op.fraction, nullptr);
 }
 
 i64 RankMemory::prefetch_bytes(const Op& op) const {
+  if (op.layer_end > op.layer_begin) return offloaded_layers(op.subseq, op.layer_begin, op.layer_end);
   auto it = offloaded_.find(op.subseq);
   return it == offloaded_.end() ? 0 : it->second;
+}
+
+i64 RankMemory::offloaded_layers(int subseq, int b, int e) const {
+  i64 bytes = 0;
+  for (int l = b; l < e; ++l)
+    if (auto it = offloaded_layer_.find({subseq, l}); it != offloaded_layer_.end()) bytes += it->second;
+  return bytes;
 }
 
 void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
@@ -506,6 +526,14 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::Offload: {
       const i64 bytes = offload_bytes(op);
       offloaded_[op.subseq] += bytes;
+      if (s_.backward == BackwardOrder::Layer) {  // what each layer's prefetch will bring
+        std::vector<bool> take;
+        const auto& sizes = unit_tensors_[op.subseq];
+        select_offload(sizes, op.fraction, &take);
+        const auto& layers = unit_layers_[op.subseq];
+        for (std::size_t t = 0; t < sizes.size(); ++t)
+          if (take[t]) offloaded_layer_[{op.subseq, layers[t]}] += sizes[t];
+      }
       host_change(bytes);
       emit(out, 1.0, -bytes, T::Units);
       break;
@@ -513,12 +541,27 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::Prefetch: {
       // Its host copies leave at the wait (Note [Host copies leave at the wait]).
       const i64 bytes = prefetch_bytes(op);
-      offloaded_[op.subseq] = 0;
-      coming_back_[op.subseq] += bytes;
+      if (op.layer_end > op.layer_begin) {
+        offloaded_[op.subseq] -= bytes;
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {
+          coming_back_layer_[{op.subseq, l}] += offloaded_layer_[{op.subseq, l}];
+          offloaded_layer_[{op.subseq, l}] = 0;
+        }
+      } else {
+        offloaded_[op.subseq] = 0;
+        coming_back_[op.subseq] += bytes;
+      }
       emit(out, 0.0, bytes, T::Units);
       break;
     }
     case OpKind::WaitPrefetch:
+      if (op.layer_end > op.layer_begin) {
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {
+          host_change(-coming_back_layer_[{op.subseq, l}]);
+          coming_back_layer_[{op.subseq, l}] = 0;
+        }
+        break;
+      }
       host_change(-coming_back_[op.subseq]);
       coming_back_[op.subseq] = 0;
       break;

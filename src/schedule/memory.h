@@ -222,6 +222,8 @@ class RankMemory {
   // The sizes of subsequence i's offloadable tensors on this rank, in select_offload order
   // (empty when this rank offloads none of it).
   std::vector<i64> unit_tensors(int subseq) const;
+  // The layer of each of them (head_grad's: the last layer's).
+  std::vector<int> unit_layers(int subseq) const;
   // Bytes an Offload op moves (valid after the F ops of its subsequence were seen).
   i64 offload_bytes(const Op& op) const;
   i64 prefetch_bytes(const Op& op) const;
@@ -304,8 +306,15 @@ class RankMemory {
   i64 host_peak_ = 0, op_host_peak_ = 0;
   std::map<int, std::vector<i64>> unit_tensors_;  // subsequence -> its offloadable tensors' bytes
                                                  // on this rank, in select_offload order
+  std::map<int, std::vector<int>> unit_layers_;   // subsequence -> the layer of each of those tensors
+                                                 // (head_grad's: the last layer)
   std::map<int, i64> offloaded_;       // subsequence -> bytes on the host
   std::map<int, i64> coming_back_;     // subsequence -> bytes P(i) copies back, freed on the host at its wait
+  // A layer-major backward's prefetches of one layer: (subsequence, layer) -> bytes of O(i)
+  // that are that layer's, and those its P copies back.
+  std::map<std::pair<int, int>, i64> offloaded_layer_, coming_back_layer_;
+  // The bytes of subsequence i's offload of layers [b, e) still on the host.
+  i64 offloaded_layers(int subseq, int b, int e) const;
   std::map<i64, LayerBytes> layer_bytes_;          // tokens -> layer_bytes
   mutable std::map<std::pair<int, int>, i64> piece_max_;  // (subsequence, pieces) -> ring_piece_max
   std::map<size_t, i64> release_after_;            // op index -> borrowed weight bytes freed at its end

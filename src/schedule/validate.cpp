@@ -28,19 +28,29 @@ struct Errors {
   }
 };
 
-using Compute = std::tuple<int, int, int, int, int>;  // layer_begin, layer_end, subseq, piece, pieces
+using Compute = std::tuple<int, int, int, int>;  // layer, subseq, piece, pieces
 
-Compute key(const Op& op) { return {op.layer_begin, op.layer_end, op.subseq, op.piece, op.pieces}; }
+Compute key(const Op& op, int l) { return {l, op.subseq, op.piece, op.pieces}; }
 
-// Per-rank order checks: forward/backward pairing and the offload state machine.
+// Per-rank order checks: forward/backward pairing per layer and the offload state machine.
 void check_order(const Schedule& s, int r, Errors& err) {
   std::set<Compute> forwarded, backwarded;
   std::set<int> fwd_subseq;
   // Offload state of a subsequence: 0 none, 1 offloading, 2 offloaded, 3 prefetching, 4 back.
+  // A layer-major backward prefetches a layer at a time: the subsequence stays at 2 and
+  // each of its layers goes 3, then 4 (layer_state).
   std::map<int, int> state;
+  std::map<std::pair<int, int>, int> layer_state;  // (subseq, layer)
   // Offloads move units of the rank's own layers; pieces of other stages are not offloaded.
   const std::pair<int, int> own = s.owned.empty() ? std::make_pair(0, s.layers) : s.owned[r];
   const auto& ops = s.ops[r];
+  auto layered = [](const Op& op) { return op.layer_end > op.layer_begin; };
+  // Unit (i, l) is on the device for a backward.
+  auto back = [&](int i, int l) {
+    const int st = state[i];
+    if (st == 0 || st == 4) return true;
+    return st == 2 && layer_state[{i, l}] == 4;
+  };
   for (size_t k = 0; k < ops.size(); ++k) {
     const Op& op = ops[k];
     const int N = int(s.lengths.size());
@@ -53,16 +63,40 @@ void check_order(const Schedule& s, int r, Errors& err) {
       case OpKind::Forward:
         if (op.layer_begin < 0 || op.layer_end > s.layers || op.layer_begin >= op.layer_end)
           err.add(r, k, op, "bad layer range");
-        if (!forwarded.insert(key(op)).second) err.add(r, k, op, "forward repeated");
+        for (int l = op.layer_begin; l < op.layer_end; ++l)
+          if (!forwarded.insert(key(op, l)).second) {
+            err.add(r, k, op, "forward repeated");
+            break;
+          }
         fwd_subseq.insert(op.subseq);
         break;
-      case OpKind::Backward:
-        if (!forwarded.count(key(op))) err.add(r, k, op, "backward before its forward");
-        if (!backwarded.insert(key(op)).second) err.add(r, k, op, "backward repeated");
-        if (op.layer_begin >= own.first && op.layer_end <= own.second &&
-            (state[op.subseq] == 1 || state[op.subseq] == 2 || state[op.subseq] == 3))
-          err.add(r, k, op, "backward while its unit is not back on the device");
+      case OpKind::Backward: {
+        bool own_op = op.layer_begin >= own.first && op.layer_end <= own.second;
+        for (int l = op.layer_begin; l < op.layer_end; ++l) {
+          if (!forwarded.count(key(op, l))) {
+            err.add(r, k, op, "backward before its forward");
+            break;
+          }
+          if (!backwarded.insert(key(op, l)).second) {
+            err.add(r, k, op, "backward repeated");
+            break;
+          }
+          // The layers above this one are done for the subsequence (the residual
+          // gradient runs from the last layer down).
+          if (l + 1 < op.layer_end) continue;
+          if (l + 1 < own.second && own_op && !backwarded.count(key(op, l + 1))) {
+            err.add(r, k, op, "backward of a layer before the layer above it");
+            break;
+          }
+        }
+        if (own_op)
+          for (int l = op.layer_begin; l < op.layer_end; ++l)
+            if (!back(op.subseq, l)) {
+              err.add(r, k, op, "backward while its unit is not back on the device");
+              break;
+            }
         break;
+      }
       case OpKind::Offload:
         if (!fwd_subseq.count(op.subseq)) err.add(r, k, op, "offload before the forward");
         if (state[op.subseq] != 0) err.add(r, k, op, "offload repeated");
@@ -74,12 +108,25 @@ void check_order(const Schedule& s, int r, Errors& err) {
         else state[op.subseq] = 2;
         break;
       case OpKind::Prefetch:
-        if (state[op.subseq] != 2) err.add(r, k, op, "prefetch before the offload completed");
-        else state[op.subseq] = 3;
+        if (state[op.subseq] != 2) {
+          err.add(r, k, op, "prefetch before the offload completed");
+        } else if (!layered(op)) {
+          state[op.subseq] = 3;
+        } else {
+          for (int l = op.layer_begin; l < op.layer_end; ++l)
+            if (layer_state[{op.subseq, l}] != 0) err.add(r, k, op, "prefetch of a layer repeated");
+            else layer_state[{op.subseq, l}] = 3;
+        }
         break;
       case OpKind::WaitPrefetch:
-        if (state[op.subseq] != 3) err.add(r, k, op, "wait without a running prefetch");
-        else state[op.subseq] = 4;
+        if (!layered(op)) {
+          if (state[op.subseq] != 3) err.add(r, k, op, "wait without a running prefetch");
+          else state[op.subseq] = 4;
+        } else {
+          for (int l = op.layer_begin; l < op.layer_end; ++l)
+            if (layer_state[{op.subseq, l}] != 3) err.add(r, k, op, "wait without a running prefetch");
+            else layer_state[{op.subseq, l}] = 4;
+        }
         break;
       case OpKind::Send:
       case OpKind::Recv:
@@ -95,16 +142,23 @@ void check_order(const Schedule& s, int r, Errors& err) {
   for (const auto& f : forwarded)
     if (!backwarded.count(f)) {
       Op op;
-      std::tie(op.layer_begin, op.layer_end, op.subseq, op.piece, op.pieces) = f;
+      std::tie(op.layer_begin, op.subseq, op.piece, op.pieces) = f;
+      op.layer_end = op.layer_begin + 1;
       err.add(r, ops.size(), op, "forward without a backward");
     }
-  for (const auto& [i, st] : state)
-    if (st != 0 && st != 4) {
+  for (const auto& [i, st] : state) {
+    bool done = st == 0 || st == 4;
+    if (st == 2) {  // every own layer prefetched a layer at a time and waited for
+      done = true;
+      for (int l = own.first; l < own.second; ++l) done = done && layer_state[{i, l}] == 4;
+    }
+    if (!done) {
       Op op;
       op.kind = OpKind::Offload;
       op.subseq = i;
       err.add(r, ops.size(), op, "offload never prefetched back and waited for");
     }
+  }
 }
 
 // Removes the first message equal to `key`; false when none has been sent yet.

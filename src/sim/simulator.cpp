@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <utility>
 
 #include "core/check.h"
 #include "schedule/builders.h"
@@ -127,6 +128,7 @@ struct RankEvents {
   // Per subsequence: its offloadable tensors' bytes on this rank (RankMemory::unit_tensors),
   // from which refit_copies sizes the copies for other fractions.
   std::vector<std::vector<i64>> unit_tensors;
+  std::vector<std::vector<int>> unit_layers;  // and the layer of each (RankMemory::unit_layers)
 };
 
 // Note [Simulating again with other fractions]: only the copies depend on the fractions of
@@ -137,6 +139,9 @@ struct RankEvents {
 // whatever is on the host. A test holds it to simulating from scratch.
 void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
   std::vector<i64> on_host(re->unit_tensors.size(), 0), coming_back(re->unit_tensors.size(), 0);
+  // A layer-major backward's prefetches bring one layer's part each.
+  std::map<std::pair<size_t, int>, i64> layer_on_host, layer_coming_back;
+  auto layered = [](const Op& op) { return op.layer_end > op.layer_begin; };
   i64 host = re->host_fixed;
   re->peak_host = host;
   auto kv = re->kv_host.begin();
@@ -150,6 +155,10 @@ void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
     }
     const size_t i = size_t(op.subseq);
     if (op.kind == OpKind::WaitPrefetch) {  // Note [Host copies leave at the wait]
+      if (layered(op)) {
+        for (int l = op.layer_begin; l < op.layer_end; ++l) host -= std::exchange(layer_coming_back[{i, l}], 0);
+        continue;
+      }
       host -= coming_back[i];
       coming_back[i] = 0;
       continue;
@@ -158,11 +167,23 @@ void refit_copies(RankEvents* re, const std::vector<Op>& ops) {
     SPPO_ASSERT(re->first[k + 1] == re->first[k] + 1);
     i64 bytes = 0;
     if (op.kind == OpKind::Offload) {
-      bytes = select_offload(re->unit_tensors[i], op.fraction, nullptr);
+      std::vector<bool> take;
+      bytes = select_offload(re->unit_tensors[i], op.fraction, &take);
+      for (size_t t = 0; t < take.size(); ++t)
+        if (take[t] && i < re->unit_layers.size() && !re->unit_layers[i].empty())
+          layer_on_host[{i, re->unit_layers[i][t]}] += re->unit_tensors[i][t];
       on_host[i] += bytes;
       host += bytes;
       re->peak_host = std::max(re->peak_host, host);
       re->ev[re->first[k]].delta = -bytes;
+    } else if (layered(op)) {
+      for (int l = op.layer_begin; l < op.layer_end; ++l) {
+        const i64 part = std::exchange(layer_on_host[{i, l}], 0);
+        layer_coming_back[{i, l}] += part;
+        bytes += part;
+      }
+      on_host[i] -= bytes;
+      re->ev[re->first[k]].delta = bytes;
     } else {
       bytes = on_host[i];
       on_host[i] = 0;
@@ -218,7 +239,11 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   out.peak_host = mem.host_peak();
   out.first.push_back(out.ev.size());
   out.unit_tensors.resize(s.lengths.size());
-  for (size_t i = 0; i < s.lengths.size(); ++i) out.unit_tensors[i] = mem.unit_tensors(int(i));
+  out.unit_layers.resize(s.lengths.size());
+  for (size_t i = 0; i < s.lengths.size(); ++i) {
+    out.unit_tensors[i] = mem.unit_tensors(int(i));
+    out.unit_layers[i] = mem.unit_layers(int(i));
+  }
   return out;
 }
 
@@ -845,6 +870,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
   out->host_fixed = old.host_fixed;
   out->host_state = old.host_state;
   out->unit_tensors = old.unit_tensors;
+  out->unit_layers = old.unit_layers;
   out->streams = old.streams;
   out->ops.reserve(ops.size());
   for (const Op& op : ops) out->ops.push_back(sim_op(op));
@@ -934,7 +960,7 @@ bool Resimulator::replace(Schedule s) {
   mem.resize(st.mem.size());
   bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
               s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute &&
-              s.mlp_tile_rows == st.schedule.mlp_tile_rows;
+              s.mlp_tile_rows == st.schedule.mlp_tile_rows && s.backward == st.schedule.backward;
   if (same) {
     std::vector<char> ok(size_t(s.ranks), 0);
     for_each_rank(s.ranks, [&](int r) {

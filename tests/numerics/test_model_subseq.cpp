@@ -48,7 +48,7 @@ std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
 
 Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
           const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<sched::KvPlace> kv = {},
-          SavedSet recompute_tensors = 0, i64 mlp_tile_rows = 0) {
+          SavedSet recompute_tensors = 0, i64 mlp_tile_rows = 0, bool layer_major = false) {
   RuntimeOptions o;
   o.recompute = recompute;
   o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
@@ -59,6 +59,7 @@ Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vect
   std::normal_distribution<float> n(0.0f, 0.05f);
   for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
   sched::Schedule sc = sched::build_single(c.layers, lengths, alpha);
+  if (layer_major) sc = sched::to_layer_major(std::move(sc));
   sc.kv_place = std::move(kv);
   sc.recompute = recompute_tensors;
   sc.mlp_tile_rows = mlp_tile_rows;
@@ -212,6 +213,40 @@ TEST(Subsequences, RecomputedTensorsMatch) {
                            std::vector<KvPlace>(std::size_t(c.layers), kv), set),
                        std::string("recompute ") + recompute_tensors_text(set) + " with " + sched::to_string(kv) +
                            " K/V, N=" + std::to_string(N));
+}
+
+// The layer-major backward (Note [Layer-major backward] in schedule/builders.cpp): the
+// layers from the last, each over the subsequences in reverse, with every K/V placement,
+// offload (a layer's part prefetched at a time), recomputed tensors and the loss in
+// backward, even and uneven lengths: the reference's loss and gradients. With the K/V on
+// the device, one layer's dK/dV sums at a time lower the peak.
+TEST(Subsequences, LayerMajorBackwardMatches) {
+  using sched::KvPlace;
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 13);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const std::vector<std::vector<KvPlace>> kvs = {{},
+                                                 std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Host),
+                                                 std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Recompute),
+                                                 {KvPlace::Recompute, KvPlace::Host, KvPlace::Device}};
+  const SavedSet all = recompute_levels().back();
+  for (const auto& kv : kvs)
+    for (SavedSet set : {SavedSet{0}, recompute_levels()[3], all})
+      for (int N : {1, 3, 8})
+        for (double a : {0.0, 0.5, 1.0}) {
+          const std::string what = std::string("layer-major, K/V ") + (kv.empty() ? "device" : sched::to_string(kv[1])) +
+                                   ", recompute " + recompute_tensors_text(set) + ", N=" + std::to_string(N) +
+                                   " alpha=" + std::to_string(a);
+          expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, kv, set, 0, true), what);
+        }
+  expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, {}, 0, 0, true),
+                 "layer-major uneven");
+  expect_matches(c, ref, run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false, {}, 0, 7, true),
+                 "layer-major with MLP tiles");
+  const Grads subseq = run(c, equal_lengths(S, 8), alphas(8, 0.0), tokens);
+  const Grads layer = run(c, equal_lengths(S, 8), alphas(8, 0.0), tokens, false, {}, 0, 0, true);
+  EXPECT_LT(layer.peak, subseq.peak) << "one layer's dK/dV sums at a time should lower the peak";
 }
 
 // MLP tiles (Note [MLP tiles] in core/layout.h): a tile of one row, tiles that do not

@@ -71,6 +71,74 @@ TEST(BuildPipeline, OneStageEqualsSingle) {
   EXPECT_EQ(build_pipeline(spec).ops, build_single(3, spec.lengths, spec.alpha).ops);
 }
 
+// Note [Layer-major backward]: the same forward; then each layer from the last, its blocks
+// of the paper's order on that layer alone, prefetches included.
+TEST(LayerMajor, OrderIsTheLayersFromTheLast) {
+  const Schedule s = to_layer_major(build_single(2, {4, 3, 2}, {0.5, 1.0, 0.0}));
+  const std::vector<std::string> want = {
+      "F L0-1 s0", "O s0 0.5",     "F L0-1 s1",  "WO s0",        "O s1 1",       "F L0-1 s2",  "WO s1",
+      "P L1-1 s1 1", "B L1-1 s2",  "WP L1-1 s1", "P L1-1 s0 0.5", "B L1-1 s1",   "WP L1-1 s0", "B L1-1 s0",
+      "P L0-0 s1 1", "B L0-0 s2",  "WP L0-0 s1", "P L0-0 s0 0.5", "B L0-0 s1",   "WP L0-0 s0", "B L0-0 s0"};
+  EXPECT_EQ(texts(s.ops[0]), want);
+  EXPECT_EQ(s.backward, BackwardOrder::Layer);
+  EXPECT_EQ(to_layer_major(s).ops, s.ops);  // once is enough
+}
+
+// One stage of any ring and replicas: valid, every byte freed at the end; a layer's
+// dK/dV sums never outlive it, so the peak is no higher than the paper's order's. Between
+// pipeline stages it is refused, naming what runs.
+TEST(LayerMajor, ValidOverAGridOfOneStage) {
+  MemoryRules rules = tiny_rules();
+  rules.model.layers = 4;
+  for (int sp : {1, 2, 3})
+    for (int n : {1, 2, 5})
+      for (int dp : {1, 2})
+        for (double a : {0.0, 0.5, 1.0}) {
+          PipelineSpec spec;
+          spec.layers = 4;
+          spec.sp = sp;
+          spec.dp = dp;
+          for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
+          spec.alpha.assign(n, a);
+          spec.alpha.back() = 0;
+          const Schedule paper = build_pipeline(spec);
+          const Schedule s = to_layer_major(paper);
+          const Validation v = validate(s, {&rules, 0});
+          ASSERT_TRUE(v.ok()) << "sp " << sp << " n " << n << " dp " << dp << " alpha " << a << "\n"
+                              << v.message() << "\n" << to_string(s);
+          const Validation w = validate(paper, {&rules, 0});
+          for (int r = 0; r < s.ranks; ++r) EXPECT_LE(v.peak_bytes[r], w.peak_bytes[r]) << "sp " << sp << " n " << n;
+        }
+  PipelineSpec two;
+  two.layers = 4;
+  two.pp = 2;
+  two.lengths = {8, 8};
+  two.alpha = {0.0, 0.0};
+  try {
+    to_layer_major(build_pipeline(two));
+    ADD_FAILURE() << "a layer-major backward between pipeline stages should be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--pp 1"), std::string::npos) << e.what();
+  }
+}
+
+// The validator holds a layer-major backward to its order: a layer before the one above
+// it, a backward whose layer was not prefetched back.
+TEST(LayerMajor, ValidatorCatchesItsBreaks) {
+  const MemoryRules rules = tiny_rules();
+  Schedule s = to_layer_major(build_single(2, {4, 3, 2}, {0.5, 1.0, 0.0}));
+  ASSERT_TRUE(validate(s, {&rules, 0}).ok());
+  Schedule early = s;  // B L0 s2 before B L1 s2
+  std::swap(early.ops[0][8], early.ops[0][15]);
+  EXPECT_FALSE(validate(early, {&rules, 0}).ok()) << to_string(early);
+  Schedule unfetched = s;  // P L1 s1 dropped with its wait
+  unfetched.ops[0].erase(unfetched.ops[0].begin() + 9);
+  unfetched.ops[0].erase(unfetched.ops[0].begin() + 7);
+  const Validation v = validate(unfetched, {&rules, 0});
+  EXPECT_FALSE(v.ok());
+  EXPECT_NE(v.message().find("not back on the device"), std::string::npos) << v.message();
+}
+
 TEST(Msp, ReproducesTable3) {
   using V = std::vector<int>;
   const V left[] = {{0, 1, 2}, {0, 1}, {0}, {}};
