@@ -136,6 +136,8 @@ expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subse
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --kv-cache host --host-memory 1KiB --out g
 expect "--kv-cache 'sometimes'" train --model tiny --kv-cache sometimes
 expect "--kv-cache must be device, host, recompute or auto" plan --kv-cache sometimes
+expect "--backward-order 'sideways' is unknown; use subseq, layer or auto" train --model tiny --backward-order sideways
+expect "--backward-order must be subseq, layer or auto" plan --backward-order sideways
 expect "names layer 99" train --plan plan_kv_layer.json
 expect "--kv-cache host" train --model tiny --recompute --kv-cache host
 expect "no saved tensor 'fc_post'" train --model tiny --recompute-tensors fc_post

@@ -25,18 +25,22 @@ struct Mode {
   std::string offload;            // none | adaptive
   std::string kv_cache;           // device | auto (the planner's placement of every layer's K/V)
   std::string recompute_tensors;  // none | auto (train --recompute-tensors)
+  std::string backward = "subseq";  // train --backward-order
 };
 
 // sppo_auto: the planner's placements: adaptive offload, each layer's K/V where it fits
-// (device, host, or recomputed) and the saved tensors recomputed where nothing else fits.
+// (device, host, or recomputed) and the saved tensors recomputed where nothing else fits,
+// in the paper's backward order. sppo_layer: the same with the layer-major backward (one
+// layer's dK/dV sums at a time; Note [Layer-major backward] in schedule/builders.cpp).
 const Mode kModes[] = {
     {"reference", false, "none", "device", "none"},
     {"recompute", true, "none", "device", "none"},
     {"sppo_none", false, "none", "device", "none"},
     {"sppo_adaptive", false, "adaptive", "device", "none"},
     {"sppo_auto", false, "adaptive", "auto", "auto"},
+    {"sppo_layer", false, "adaptive", "auto", "auto", "layer"},
 };
-constexpr int kAdaptive = 3, kAuto = 4;
+constexpr int kAdaptive = 3, kAuto = 4, kLayer = 5;
 
 struct Point {
   bool ok = false;
@@ -69,6 +73,7 @@ StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N
   o.recompute = m.recompute;
   o.kv_cache = m.kv_cache;
   o.recompute_tensors = m.recompute_tensors;
+  o.backward_order = m.backward;
   o.device_memory = budget;
   o.host_memory = budget > 0 ? b.host_budget : 0;
   o.hardware = b.hardware;
@@ -227,7 +232,7 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
   for (const Mode& m : kModes) {
     // sppo_auto's lengths are probed by prediction, up to 64x sppo_adaptive's, and its
     // longest confirmed by real steps below.
-    const bool automatic = &m == &kModes[kAuto];
+    const bool automatic = &m == &kModes[kAuto] || &m == &kModes[kLayer];
     auto [S, probe] = longest(b, m, b.budget, automatic, automatic ? 64 * max_len[kAdaptive] : 0);
     // Time the longest length properly (the probes ran one step each).
     Point p = S > 0 ? run_point(b, m, S, probe.subseqs, b.budget, b.reps) : Point{};
@@ -270,6 +275,11 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
   }
   if (const auto& a = j["modes"]["sppo_auto"]["at_max"]; a["simulated_step_time_s"].get<double>() > 0) {
     j["sppo_auto_measured_over_simulated_at_max"] =
+        a["step_time_s"].get<double>() / a["simulated_step_time_s"].get<double>();
+  }
+  if (max_len[kAuto] > 0) j["sppo_layer_over_auto_length"] = double(max_len[kLayer]) / double(max_len[kAuto]);
+  if (const auto& a = j["modes"]["sppo_layer"]["at_max"]; a["simulated_step_time_s"].get<double>() > 0) {
+    j["sppo_layer_measured_over_simulated_at_max"] =
         a["step_time_s"].get<double>() / a["simulated_step_time_s"].get<double>();
   }
   const auto rc_t = modes["recompute"]["step_time_at_recompute_max_s"], sp_t = modes["sppo_adaptive"]["step_time_at_recompute_max_s"];
@@ -435,7 +445,7 @@ void print_bench_memory(const nlohmann::json& j) {
   std::printf("| mode | max seq len | N | step s | peak (measured) | peak (predicted) | step s at S=%lld |\n",
               (long long)j["recompute_max_seq_len"].get<i64>());
   std::printf("|---|---|---|---|---|---|---|\n");
-  for (const char* m : {"reference", "recompute", "sppo_none", "sppo_adaptive", "sppo_auto"}) {
+  for (const char* m : {"reference", "recompute", "sppo_none", "sppo_adaptive", "sppo_auto", "sppo_layer"}) {
     const auto& r = j["modes"][m];
     const auto& a = r["at_max"];
     const auto& rc = r["at_recompute_max"];
@@ -463,6 +473,12 @@ void print_bench_memory(const nlohmann::json& j) {
                 format_bytes(a["peak_host_bytes"].get<double>()).c_str(),
                 format_bytes(a["predicted_peak_host_bytes"].get<double>()).c_str());
   }
+  if (j.contains("sppo_layer_over_auto_length"))
+    std::printf("sppo layer (the layer-major backward) trains %.2fx sppo auto's length\n",
+                j["sppo_layer_over_auto_length"].get<double>());
+  if (j.contains("sppo_layer_measured_over_simulated_at_max"))
+    std::printf("at its longest, sppo layer's step took %.3fx the simulated time\n",
+                j["sppo_layer_measured_over_simulated_at_max"].get<double>());
   if (j.contains("sppo_auto_measured_over_simulated_at_max"))
     std::printf("at its longest, sppo auto's step took %.3fx the simulated time\n",
                 j["sppo_auto_measured_over_simulated_at_max"].get<double>());

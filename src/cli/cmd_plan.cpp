@@ -54,6 +54,9 @@ sim::PlanRequest request_of(const PlanOptions& o) {
              "options")
       << "--kv-cache must be device, host, recompute or auto (got '" << o.kv_cache << "')";
   r.kv_cache = o.kv_cache;
+  SPPO_CHECK(o.backward_order == "subseq" || o.backward_order == "layer" || o.backward_order == "auto", "options")
+      << "--backward-order must be subseq, layer or auto (got '" << o.backward_order << "')";
+  r.backward_order = o.backward_order;
   SPPO_CHECK(o.optimizer_state == "device" || o.optimizer_state == "host" || o.optimizer_state == "auto", "options")
       << "--optimizer-state must be device, host or auto (got '" << o.optimizer_state << "')";
   r.optimizer_state = o.optimizer_state;
@@ -313,6 +316,11 @@ void add_plan_commands(CLI::App& app, Commands& out) {
                 "window; a ring member, or an MSP stage's owner, streams its own pieces), recompute (no K/V kept: "
                 "recomputed from each layer's input, the sums on the host; no ring, MSP or TP), or auto (the others "
                 "only where nothing fits with the device)")
+      ->capture_default_str();
+  p->add_option("--backward-order", plan.backward_order,
+                "The backward's order (as train --backward-order): subseq (the paper's), layer (the layers from "
+                "the last, one layer's dK/dV sums at a time; layouts of one pipeline stage), or auto (layer only "
+                "where nothing fits otherwise)")
       ->capture_default_str();
   p->add_option("--recompute-tensors", plan.recompute_tensors,
                 "Saved tensors backward recomputes (as train --recompute-tensors: tensors or groups ln1, q, "

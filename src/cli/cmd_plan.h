@@ -22,6 +22,7 @@ struct PlanOptions {
   std::string zero = "auto";        // auto | 0 | 1: ZeRO-1 over each stage's all-reduce group
   std::string ring_layout = "zigzag";  // zigzag | contiguous
   std::string kv_cache = "auto";    // device | host | recompute | auto (the others where nothing fits on the device)
+  std::string backward_order = "auto";  // subseq | layer | auto (layer on one stage where nothing else fits)
   std::string optimizer_state = "auto";  // device | host | auto (the host where nothing fits with the device)
   std::string recompute_tensors = "auto";  // a list of tensors or groups, none, or auto (the planner's choice)
   bool explain = false;             // also print device memory term by term

@@ -136,6 +136,12 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "from each layer's input when needed; the sums on the host), or auto (the device unless that "
                   "does not fit the budgets, then the host on the fewest layers that fit, then recompute)")
       ->capture_default_str();
+  cmd->add_option("--backward-order", o.backward_order,
+                  "The backward's order: subseq (the paper's: the subsequences in reverse, each through every "
+                  "layer), layer (the layers from the last, each over every subsequence, so that one layer's "
+                  "dK/dV sums live at a time; one pipeline stage), or auto (the plan's under --plan, else "
+                  "layer where subseq does not fit the budgets)")
+      ->capture_default_str();
   cmd->add_option("--recompute-tensors", o.recompute_tensors,
                   "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "
                   "ln1_rstd, ln1_out, q, attn_out, lse, x_mid, ln2_mean, ln2_rstd, ln2_out, fc_pre, or of the "

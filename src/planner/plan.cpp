@@ -46,6 +46,7 @@ nlohmann::json to_json(const Plan& p) {
       {"kv_recompute_layers", p.kv_recompute_layers},
       {"kv_window_tokens", p.kv_window_tokens()},
       {"recompute_tensors", recompute_tensors_text(p.recompute)},
+      {"backward_order", p.backward_order},
       {"mlp_tile_rows", p.mlp_tile_rows},
       {"kernel_scratch",
        {{"block", {p.block_scratch.fixed_bytes, p.block_scratch.bytes_per_token}},
@@ -149,6 +150,7 @@ Plan plan_from_json(const nlohmann::json& j) {
       << ": MLP tiles run without tensor parallelism; set one of them to its default";
   p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
   p.optimizer_state = json_string_field(j, "optimizer_state", "device", "planner", kWhere);
+  p.backward_order = json_string_field(j, "backward_order", "subseq", "planner", kWhere);
   p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
   for (const i64 l : integers("kv_host_layers", 0, kIntMax)) {
     SPPO_CHECK(l < p.model.layers, "planner")
@@ -211,6 +213,11 @@ Plan plan_from_json(const nlohmann::json& j) {
   SPPO_CHECK(p.zero == 0 || p.zero == 1, "planner") << "plan: zero must be 0 or 1 (got " << p.zero << ")";
   SPPO_CHECK(p.optimizer_state == "device" || p.optimizer_state == "host", "planner")
       << "plan: optimizer_state must be device or host (got '" << p.optimizer_state << "')";
+  SPPO_CHECK(p.backward_order == "subseq" || p.backward_order == "layer", "planner")
+      << "plan: backward_order must be subseq or layer (got '" << p.backward_order << "')";
+  SPPO_CHECK(p.backward_order == "subseq" || (p.pp == 1 && !p.msp), "planner")
+      << "plan: backward_order layer runs inside one pipeline stage, but the plan has pp " << p.pp
+      << (p.msp ? " and msp" : "") << "; use backward_order subseq";
   SPPO_CHECK(p.ring_layout == "zigzag" || p.ring_layout == "contiguous", "planner")
       << "plan: ring_layout must be zigzag or contiguous (got '" << p.ring_layout << "')";
   SPPO_CHECK(p.gpus >= 1 && p.gpus <= kMaxPlanDevices && p.gpus_per_node >= 1, "planner")

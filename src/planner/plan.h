@@ -55,6 +55,9 @@ struct Plan {
   // The saved tensors every layer's backward recomputes (Note [Recomputed tensors] in
   // core/layout.h; JSON "recompute_tensors", their groups: "ln1,ln2,fc_pre", or "none").
   SavedSet recompute = 0;
+  // The backward's order (sched::BackwardOrder; JSON "backward_order": "subseq", the
+  // paper's, or "layer", one layer's dK/dV sums at a time, in one pipeline stage).
+  std::string backward_order = "subseq";
   // Rows of every layer's MLP tiles (Note [MLP tiles] in core/layout.h; JSON
   // "mlp_tile_rows"); 0: none.
   i64 mlp_tile_rows = 0;

@@ -82,6 +82,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
     spec.tied = c.tied_embeddings();
     s = sched::build_pipeline(spec);
   }
+  if (shape.backward == sched::BackwardOrder::Layer) s = sched::to_layer_major(std::move(s));
   s.kv_place = shape.kv_place;
   s.ring_rsa = shape.ring_rsa && shape.sp > 1;
   s.recompute = shape.recompute;
@@ -613,7 +614,9 @@ std::vector<sched::KvPlace> kv_place_of(const plan::Plan& p) {
 
 // A plan's schedule, built by `spec` (spec_of(p), with other fractions or one replica).
 Schedule build_plan_schedule(const plan::Plan& p, const sched::PipelineSpec& spec) {
-  Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), p.tp);
+  Schedule one = sched::build_pipeline(spec);
+  if (p.backward_order == "layer") one = sched::to_layer_major(std::move(one));
+  Schedule s = sched::expand_tensor_parallel(std::move(one), p.tp);
   s.kv_place = kv_place_of(p);
   s.recompute = p.recompute;
   s.mlp_tile_rows = p.mlp_tile_rows;

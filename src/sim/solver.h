@@ -66,6 +66,7 @@ struct StepShape {
   i64 mlp_tile_rows = 0;           // Schedule::mlp_tile_rows
   bool packed = false;             // Schedule::packed
   bool labeled = false;            // Schedule::labeled
+  sched::BackwardOrder backward = sched::BackwardOrder::Subseq;  // Schedule::backward (one stage)
 };
 // The schedule of one step of that shape (build_single for one process), expanded for
 // tensor parallelism (sched::expand_tensor_parallel) when tp > 1.
@@ -158,6 +159,9 @@ struct PlanRequest {
   // planner chooses (Note [Placing every tensor] in solver.cpp), from these at least.
   SavedSet recompute = 0;
   bool recompute_auto = true;
+  // The backward's order (--backward-order): "subseq", "layer" (one pipeline stage), or
+  // "auto": the paper's order, and the layers' on one stage where nothing else fits.
+  std::string backward_order = "auto";
   // The kernels' scratch on the profile's backend (plan::Plan::block_scratch, head_scratch).
   KernelScratch block_scratch, head_scratch;
 };

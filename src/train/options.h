@@ -32,6 +32,9 @@ struct StepOptions {
   i64 host_memory = 0;                // bytes of the host tier (offloaded activations, host K/V, optimizer state); 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   std::string kv_cache = "auto";      // device | host | recompute | auto (schedule/ir.h Schedule::kv_place)
+  // subseq | layer | auto (schedule/ir.h BackwardOrder; auto: the plan's under --plan, else
+  // layer where subseq does not fit the budgets)
+  std::string backward_order = "auto";
   // Saved tensors backward recomputes (core/layout.h Note [Recomputed tensors]): a list of
   // tensor or group names, "none", or "auto" (none unless nothing else fits the budgets).
   std::string recompute_tensors = "auto";

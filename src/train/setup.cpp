@@ -475,6 +475,19 @@ class SetupBuilder {
     if (o_.kv_cache == "host") shape_.kv_place = all_layers(sched::KvPlace::Host);
     if (o_.kv_cache == "recompute") shape_.kv_place = all_layers(sched::KvPlace::Recompute);
     if (o_.kv_cache == "device") shape_.kv_place.clear();
+    // The backward's order (Note [Layer-major backward] in schedule/builders.cpp): a layer
+    // at a time runs inside one pipeline stage.
+    SPPO_CHECK(o_.backward_order == "subseq" || o_.backward_order == "layer" || o_.backward_order == "auto",
+               "options")
+        << "--backward-order '" << o_.backward_order << "' is unknown; use subseq, layer or auto";
+    layer_ok_ = shape_.pp == 1 && !shape_.msp;
+    SPPO_CHECK(o_.backward_order != "layer" || layer_ok_, "options")
+        << "--backward-order layer runs the backward a layer at a time inside one pipeline stage; between stages "
+           "the previous stage would wait for this stage's whole backward. Use --pp 1 (and --msp off), or "
+           "--backward-order subseq";
+    if (o_.backward_order == "layer" || (o_.backward_order == "auto" && from_plan_))
+      shape_.backward = o_.backward_order == "layer" ? sched::BackwardOrder::Layer
+                                                     : sched::parse_backward_order(from_plan_->backward_order);
   }
 
   std::vector<sched::KvPlace> all_layers(sched::KvPlace p) const {
@@ -599,9 +612,18 @@ class SetupBuilder {
   // A choice that cannot fit may end itself (DoesNotFit); under auto that is the answer
   // only when nothing else fits.
   void place_under_budget() {
-    any_auto_ = (o_.kv_cache == "auto" && kv_host_ok_) || (recompute_auto_ && !o_.recompute);
-    const sim::StepShape asked = shape_;
+    const bool order_auto = o_.backward_order == "auto" && layer_ok_ && !from_plan_;
+    any_auto_ = (o_.kv_cache == "auto" && kv_host_ok_) || (recompute_auto_ && !o_.recompute) || order_auto;
+    sim::StepShape asked = shape_;
     fitted_ = fits();
+    // --backward-order auto: the layer-major backward costs no compute (the same ops in
+    // another order) and holds one layer's dK/dV sums, so it comes before any placement
+    // that streams or recomputes; every placement after it keeps it.
+    if (!fitted_ && order_auto) {
+      shape_.backward = sched::BackwardOrder::Layer;
+      asked = shape_;
+      fitted_ = fits();
+    }
     const bool reachable = fitted_ || (any_auto_ && widest_fits(asked));
     shape_ = asked;
     if (!fitted_ && reachable && o_.kv_cache == "auto" && kv_host_ok_) fewest_host_layers();
@@ -709,6 +731,9 @@ class SetupBuilder {
             : !s_.schedule.any_kv_streamed() && kv_host_ok_
                 ? "; --kv-cache host or recompute keeps K/V and their gradients off the device"
                 : "")
+        << (shape_.backward == sched::BackwardOrder::Subseq && layer_ok_
+                ? "; --backward-order layer holds one layer's dK/dV sums at a time, not every layer's"
+                : "")
         << state_hint_;
     SPPO_CHECK_FITS(o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory, "memory")
         << what << " holds " << format_bytes(double(r_.peak_host_bytes)) << " (" << r_.peak_host_bytes
@@ -770,6 +795,7 @@ class SetupBuilder {
   sim::StepShape shape_;
   sim::SimResult r_;  // the simulation of the last choice
   bool kv_host_ok_ = false, kv_recompute_ok_ = false, recompute_auto_ = false, any_auto_ = false;
+  bool layer_ok_ = false;  // the layer-major backward runs in this layout
   SavedSet runnable_ = 0;
   bool fitted_ = false;
   std::optional<DoesNotFit> first_error_;

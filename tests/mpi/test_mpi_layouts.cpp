@@ -364,6 +364,25 @@ TEST_F(Layouts, RecomputedTensorsAndKv) {
   check(4, "--pp 2 --tp 2 --subseqs 3 --recompute-tensors all,head_grad", "ref1");
 }
 
+// The layer-major backward (--backward-order layer, Note [Layer-major backward]) inside one
+// stage of every other layout: the ring (each layer's steps on that layer alone), tensor
+// parallelism, replicas (each layer's bucket reduced as soon as B(l, 0) ends), with K/V on
+// the host, offload, recomputed tensors and packed documents; the device and host peaks
+// are the memory model's to the byte. Between pipeline stages it is refused before any work.
+TEST_F(Layouts, LayerMajorBackward) {
+  check_peaks(2, "--cp 2 --ring zigzag --subseqs 3 --offload 0.5 --backward-order layer", "ref1", kModel, true);
+  check_peaks(2, "--cp 2 --ring contiguous --subseqs 4 --kv-cache host --backward-order layer", "ref1", kModel, true);
+  check_peaks(2, "--tp 2 --subseqs 3 --offload 0.5 --recompute-tensors fc_pre,head_grad --backward-order layer", "ref1",
+              kModel, true);
+  check(4, "--tp 2 --cp 2 --subseqs 2 --backward-order layer", "llama1", kLlama);
+  check(2, "--dp 2 --zero 1 --subseqs 3 --kv-cache recompute --offload full --backward-order layer", "ref2");
+  check_peaks(2, "--cp 2 --subseqs 3 --kv-cache host --backward-order layer", "packed", packed_, true);
+  const auto r = mpirun(2, "grads " + kModel + " --pp 2 --subseqs 3 --backward-order layer --out " + tmp_->path() +
+                               "/refused");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--pp 1"), std::string::npos) << r.output;
+}
+
 // MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and
 // recomputed a tile at a time: N 1, 3, 8 on a pipeline of 2 stages and a ring of 2 ranks,
 // and MSP pieces.

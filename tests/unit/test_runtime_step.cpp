@@ -101,6 +101,7 @@ struct PeakCase {
   const char* recompute = "none";  // --recompute-tensors
   const char* optimizer = "device";  // --optimizer-state
   i64 mlp_tile_rows = 0;           // --mlp-tile-rows
+  const char* backward = "subseq"; // --backward-order
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -146,6 +147,17 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"small", 1024, "8", "full", 0, "host", "length", "fc_pre", "device", 37},
       {"small", 1024, "1", "none", 0, "device", "length", "all", "device", 256},
       {"tiny", 1000, "3", "full", 0, "device", "flops", "q,fc_pre", "device", 5000},
+      // The layer-major backward (Note [Layer-major backward]): one layer's dK/dV sums, each
+      // layer's part of a unit prefetched alone, the residual gradients waiting between
+      // layers; with every placement and the loss in backward.
+      {"tiny", 1024, "4", "none", 0, "device", "length", "none", "device", 0, "layer"},
+      {"tiny", 1000, "3", "0.3", 0, "device", "length", "none", "device", 0, "layer"},
+      {"small", 1024, "8", "full", 0, "device", "flops", "none", "device", 0, "layer"},
+      {"small", 1024, "8", "0.5", 0, "host", "length", "none", "device", 0, "layer"},
+      {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all", "device", 0, "layer"},
+      {"small", 1024, "8", "full", 0, "device", "length", "fc_pre,head_grad", "host", 100, "layer"},
+      // Under a budget the subsequence order does not fit: auto runs the layers' order.
+      {"small", 2048, "8", "adaptive", 0.45, "device", "length", "none", "device", 0, "auto"},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -159,6 +171,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     o.recompute_tensors = c.recompute;
     o.optimizer_state = c.optimizer;
     o.mlp_tile_rows = c.mlp_tile_rows;
+    o.backward_order = c.backward;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
@@ -167,7 +180,10 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
                              std::to_string(s.lengths.size()) + ") offload " + c.offload + " budget " +
                              std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute +
                              " optimizer state " + c.optimizer +
-                             " mlp tiles " + std::to_string(c.mlp_tile_rows);
+                             " mlp tiles " + std::to_string(c.mlp_tile_rows) + " backward " + c.backward;
+    if (std::string(c.backward) != "subseq") {
+      EXPECT_EQ(s.schedule.backward, sched::BackwardOrder::Layer) << what;
+    }
     if (std::string(c.recompute) == "auto") {
       const bool kv_recomputed = std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(),
                                             sched::KvPlace::Recompute) > 0;

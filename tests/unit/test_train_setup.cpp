@@ -27,6 +27,7 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   o.device_memory = 128 << 20;
   o.kv_cache = "device";
   o.recompute_tensors = "none";
+  o.backward_order = "subseq";
   StepSetup s = make_setup(o);
   EXPECT_GT(s.lengths.size(), 1u);
   EXPECT_LE(s.predicted_peak_bytes, o.device_memory);
@@ -40,6 +41,14 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   const StepSetup host = make_setup(fewer);
   EXPECT_FALSE(host.schedule.kv_place.empty());
   EXPECT_LE(host.predicted_peak_bytes, o.device_memory);
+  // With --backward-order auto it fits too, the K/V on the device, holding one layer's
+  // dK/dV sums at a time (Note [Layer-major backward]).
+  fewer.kv_cache = "device";
+  fewer.backward_order = "auto";
+  const StepSetup layer = make_setup(fewer);
+  EXPECT_EQ(layer.schedule.backward, sched::BackwardOrder::Layer);
+  EXPECT_TRUE(layer.schedule.kv_place.empty());
+  EXPECT_LE(layer.predicted_peak_bytes, o.device_memory);
 }
 
 TEST(Setup, FlopsPartitionMakesLaterSubsequencesShorter) {
