@@ -766,66 +766,126 @@ double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingL
   return most;
 }
 
-PlanOutcome solve_sppo(const PlanRequest& req) {
-  const ModelConfig& c = req.model;
-  const HardwareProfile hw = plan_hardware(req.hw, req.gpus_per_node);
-  const ActPrecision prec = precision_of(hw);
-  const MemoryRules rules = memory_rules(c, prec);
-  const CostModel cost(hw, c, prec);
-  const i64 budget = req.budget > 0 ? req.budget : hw.usable_memory();
-  const i64 S = req.seq_len;
-  const int G = req.gpus, gpn = req.gpus_per_node;
-  PlanOutcome out;
+// solve_sppo's search, in passes. A SearchContext holds what the request fixes, a
+// SearchState what the searches learn and keep from one to the next. The passes, in the
+// order a plan goes through them:
+//  1. layouts (layout_pass): every (tp, sp, dp, pp) and the N of each the search considers;
+//  2. placements (placement_pass): each layout under each placement of its tensors (K/V,
+//     recompute set, MLP tiles) and MSP setting, a candidate apiece;
+//  3. bounds (bound_pass): each candidate's memory, host and throughput bounds, which rule
+//     candidates out and set the order the next pass tries them in;
+//  4. alpha (alpha_pass): the candidates the bounds leave, simulated for their best alpha
+//     (offload ratios) under the budget, pruned as faster plans are found;
+//  5. ranking (rank_pass): the fastest that fit, MSP weighed for the best few, and the
+//     notes that explain the plan (or why nothing fits).
+// Passes 2 to 4 run once a search (search()), and solve_sppo runs up to four searches:
+// the first placement, the wider ones, and both again with the optimizer state on the host.
 
+// What the request fixes for every pass.
+struct SearchContext {
+  explicit SearchContext(const PlanRequest& r)
+      : req(r),
+        c(r.model),
+        hw(plan_hardware(r.hw, r.gpus_per_node)),
+        prec(precision_of(hw)),
+        rules(memory_rules(c, prec)),
+        cost(hw, c, prec),
+        budget(r.budget > 0 ? r.budget : hw.usable_memory()),
+        S(r.seq_len),
+        G(r.gpus),
+        gpn(r.gpus_per_node),
+        host_allowed(r.optimizer_state != "device"),
+        kv_pt(skeletal_bytes_per_token(c, prec)),
+        acc_pt(2 * i64(c.kv_width()) * rules.accum_bytes),
+        saved_table(block_saved_specs(c, 1, prec)),
+        host_limit(hw.host_memory) {}
+  SearchContext(const SearchContext&) = delete;
+  SearchContext& operator=(const SearchContext&) = delete;
+
+  const PlanRequest& req;
+  const ModelConfig& c;
+  const HardwareProfile hw;
+  const ActPrecision prec;
+  const MemoryRules rules;
+  const CostModel cost;
+  const i64 budget;
+  const i64 S;
+  const int G, gpn;
   // Note [Optimizer state under a budget]: the fp32 master weights and AdamW m, v stay
   // on the device unless --optimizer-state says host, or, under auto, no plan fits with
   // them there (every layout, K/V placement and recompute level tried): moving them costs
   // each step its gradients' and weights' copies and the host's update (CostModel::
   // host_update_s), which only buys memory. Then the whole search runs again with the
   // state on the host, where the device keeps the weights and gradients alone.
-  const bool host_allowed = req.optimizer_state != "device";
+  const bool host_allowed;
+  // Bytes a token of the K/V and of their dK/dV accumulators, and a layer's saved tensors
+  // (the bounds' per-token rates).
+  const i64 kv_pt, acc_pt;
+  const std::vector<TensorSpec> saved_table;
+  const i64 host_limit;
+
   // Device bytes of the weights, gradients and (on the device) AdamW state of `params`
   // parameters, the state sharded `shards` ways; and the host's, with the state there.
-  auto device_fixed = [&](i64 params, int shards, bool host) {
+  i64 device_fixed(i64 params, int shards, bool host) const {
     return params * (rules.param_state_bytes - rules.optimizer_bytes) + (host ? 0 : params * rules.optimizer_bytes / shards);
-  };
-  auto host_fixed = [&](i64 params, int shards, bool host) {
-    return host ? params / shards * rules.param_state_bytes : i64(0);
-  };
-
-  // Weights alone: even split over the most stages possible, optimizer state sharded over
-  // the rest of the devices when ZeRO-1 may be used.
-  const int max_pp = std::min(G, c.layers);
-  const int most_shards = req.zero == 0 ? 1 : G / max_pp;
-  const i64 least_params = sched::param_count(c, 0, (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
-  const i64 least_weights = device_fixed(least_params, most_shards, host_allowed);
-  if (least_weights > budget) {
-    out.error = std::string(host_allowed ? "weights and gradients alone (the optimizer state on the host) need "
-                                         : "weights, gradients and optimizer state alone need ") +
-                format_bytes(double(least_weights)) + " per device even over " + std::to_string(max_pp) +
-                " pipeline stages, more than the budget of " + format_bytes(double(budget));
-    return out;
   }
+  i64 host_fixed(i64 params, int shards, bool host) const {
+    return host ? params / shards * rules.param_state_bytes : i64(0);
+  }
+  i64 unit_pt(SavedSet recompute) const {  // offloadable bytes a token, less the recomputed
+    i64 b = 0;
+    for (std::size_t k = 0; k < saved_table.size(); ++k)
+      if (saved_table[k].role == Role::Offloadable && !in_set(recompute, int(k))) b += saved_table[k].bytes();
+    return b;
+  }
+  // Tokens/GPU/s of layout p at a step of `step_s` seconds.
+  double tput(const plan::Plan& p, double step_s) const { return double(S) * p.dp / (G * step_s); }
+};
 
-  // The LM head in layers' worth of compute, over the whole sequence (Note [Stage split]:
-  // the last stage runs it after every forward, so it gets fewer layers).
-  auto head_layers = [&](const std::vector<i64>& lengths, int sp, int tp) {
-    double layer = 0, head = 0;
-    i64 o = 0;
-    for (i64 l : lengths) {
-      layer += busiest_piece_s(cost, o, l, sp, req.ring_layout, tp);
-      head += cost.head_flops((l + sp - 1) / sp) / hw.gemm_flops / tp;
-      o += l;
-    }
-    return layer > 0 ? head / layer : 0.0;
-  };
-  std::vector<Candidate> fits;
-  std::string last_reason;
-  i64 least_peak = 0;
-  int layouts_tried = 0;
-  i64 least_host = 0;  // the least host memory a layout pruned by its host bound needs
+std::string sp_text(const plan::Plan& p) {
+  return p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP";
+}
 
-  // The layouts: (tp, sp, dp, pp) and N at a few sizes of subsequence per device.
+// Takes the context; gives the error when no layout can hold even the weights: an even
+// split over the most stages possible, optimizer state sharded over the rest of the
+// devices when ZeRO-1 may be used.
+std::optional<std::string> weights_alone_error(const SearchContext& ctx) {
+  const ModelConfig& c = ctx.c;
+  const int max_pp = std::min(ctx.G, c.layers);
+  const int most_shards = ctx.req.zero == 0 ? 1 : ctx.G / max_pp;
+  const i64 least_params = sched::param_count(c, 0, (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
+  const i64 least_weights = ctx.device_fixed(least_params, most_shards, ctx.host_allowed);
+  if (least_weights <= ctx.budget) return std::nullopt;
+  return std::string(ctx.host_allowed ? "weights and gradients alone (the optimizer state on the host) need "
+                                      : "weights, gradients and optimizer state alone need ") +
+         format_bytes(double(least_weights)) + " per device even over " + std::to_string(max_pp) +
+         " pipeline stages, more than the budget of " + format_bytes(double(ctx.budget));
+}
+
+// ---- 1. Layouts
+
+// The LM head in layers' worth of compute, over the whole sequence (Note [Stage split]:
+// the last stage runs it after every forward, so it gets fewer layers).
+double head_layers(const SearchContext& ctx, const std::vector<i64>& lengths, int sp, int tp) {
+  double layer = 0, head = 0;
+  i64 o = 0;
+  for (i64 l : lengths) {
+    layer += busiest_piece_s(ctx.cost, o, l, sp, ctx.req.ring_layout, tp);
+    head += ctx.cost.head_flops((l + sp - 1) / sp) / ctx.hw.gemm_flops / tp;
+    o += l;
+  }
+  return layer > 0 ? head / layer : 0.0;
+}
+
+// The layouts pass. Takes the context; gives every layout the search considers, as plans
+// with no placement: (tp, sp, dp, pp), and N at a few sizes of subsequence per device,
+// each with its FLOPs-balanced lengths and stage split. Empty where every layout needs
+// more subsequences than the search allows.
+std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
+  const PlanRequest& req = ctx.req;
+  const ModelConfig& c = ctx.c;
+  const i64 S = ctx.S;
+  const int G = ctx.G, gpn = ctx.gpn;
   std::vector<plan::Plan> layouts;
   // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
   // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (sp).
@@ -861,8 +921,8 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
           p.head_scratch = req.head_scratch;
           p.ring_layout = sched::to_string(req.ring_layout);
           p.offload = to_string(req.offload);
-          p.budget = budget;
-          p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(p.lengths, sp, tp));
+          p.budget = ctx.budget;
+          p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(ctx, p.lengths, sp, tp));
           if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
                 return q.sp == p.sp && q.tp == p.tp && q.pp == p.pp && q.dp == p.dp && q.subseqs == p.subseqs;
               }) != layouts.end())
@@ -871,172 +931,298 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
         }
       }
     }
+  return layouts;
+}
 
-  // Note [Placing every tensor]: besides alpha, a plan places the K/V of its layers (kept
-  // on the device, on the host, or recomputed from the layer input) and the rest of each
-  // layer's saved tensors (kept or offloaded, or recomputed: one of recompute_levels(),
-  // which add groups in order of their seconds per byte saved). One placement serves every
-  // layer. The search runs twice: first with the K/V on the device and nothing recomputed
-  // beyond --recompute-tensors, then over every other placement --kv-cache and
-  // --recompute-tensors allow, each (layout, placement) a candidate with its own bounds,
-  // and the fastest that fits of both wins. The first search's best prunes most of the
-  // second (Note [Pruning the search]). A placement that saves memory can be faster where
-  // it lets a faster layout fit: gpt-65b at 640K on 128 A100s, tp 4 sp 2 pp 8 dp 2 with the
-  // K/V on the host and ln1, ln2 and fc_pre recomputed, 42.6 tokens/GPU/s, against 37.7 for
-  // the best plan that keeps the K/V on the device (tp 2 sp 4 pp 16), which was the plan
-  // while the second search ran only where the first found nothing. The wider search also
-  // runs each of those placements with the MLP in tiles of kPlanMlpTileRows rows (Note [MLP
-  // tiles] in core/layout.h) on layouts without tensor parallelism whose subsequences are longer:
-  // the workspace's [T, F] MLP activation, and a recomputed fc_pre, become [R, F]. The
-  // same FLOPs in GEMMs of R rows, which run at the rate of whole ones; the cost model
-  // prices the tiles' kernel launches (CostModel::mlp_tiles_s).
-  struct Placement {
-    sched::KvPlace kv = sched::KvPlace::Device;
-    SavedSet recompute = 0;
-    i64 mlp_tile_rows = 0;
-    bool operator==(const Placement&) const = default;
-  };
-  auto kv_choice = [&](const std::string& name) {
-    return name == "host" ? sched::KvPlace::Host
-                          : name == "recompute" ? sched::KvPlace::Recompute : sched::KvPlace::Device;
-  };
-  const Placement first{req.kv_cache == "auto" ? sched::KvPlace::Device : kv_choice(req.kv_cache), req.recompute};
+// ---- 2. Placements
+
+// Note [Placing every tensor]: besides alpha, a plan places the K/V of its layers (kept
+// on the device, on the host, or recomputed from the layer input) and the rest of each
+// layer's saved tensors (kept or offloaded, or recomputed: one of recompute_levels(),
+// which add groups in order of their seconds per byte saved). One placement serves every
+// layer. The search runs twice: first with the K/V on the device and nothing recomputed
+// beyond --recompute-tensors, then over every other placement --kv-cache and
+// --recompute-tensors allow, each (layout, placement) a candidate with its own bounds,
+// and the fastest that fits of both wins. The first search's best prunes most of the
+// second (Note [Pruning the search]). A placement that saves memory can be faster where
+// it lets a faster layout fit: gpt-65b at 640K on 128 A100s, tp 4 sp 2 pp 8 dp 2 with the
+// K/V on the host and ln1, ln2 and fc_pre recomputed, 42.6 tokens/GPU/s, against 37.7 for
+// the best plan that keeps the K/V on the device (tp 2 sp 4 pp 16), which was the plan
+// while the second search ran only where the first found nothing. The wider search also
+// runs each of those placements with the MLP in tiles of kPlanMlpTileRows rows (Note [MLP
+// tiles] in core/layout.h) on layouts without tensor parallelism whose subsequences are longer:
+// the workspace's [T, F] MLP activation, and a recomputed fc_pre, become [R, F]. The
+// same FLOPs in GEMMs of R rows, which run at the rate of whole ones; the cost model
+// prices the tiles' kernel launches (CostModel::mlp_tiles_s).
+struct Placement {
+  sched::KvPlace kv = sched::KvPlace::Device;
+  SavedSet recompute = 0;
+  i64 mlp_tile_rows = 0;
+  bool operator==(const Placement&) const = default;
+};
+
+sched::KvPlace kv_choice(const std::string& name) {
+  return name == "host" ? sched::KvPlace::Host
+                        : name == "recompute" ? sched::KvPlace::Recompute : sched::KvPlace::Device;
+}
+
+// The placements the request allows: the first search's, and the wider search's (every
+// other one, then the first and those others with the MLP in tiles).
+struct PlacementSets {
+  Placement first;
   std::vector<Placement> wider;
-  {
-    std::vector<sched::KvPlace> kvs = {first.kv};
-    if (req.kv_cache == "auto") kvs = {sched::KvPlace::Device, sched::KvPlace::Host, sched::KvPlace::Recompute};
-    std::vector<SavedSet> sets = {req.recompute};
-    if (req.recompute_auto)
-      for (SavedSet level : recompute_levels())
-        if (std::find(sets.begin(), sets.end(), level | req.recompute) == sets.end()) sets.push_back(level | req.recompute);
-    for (sched::KvPlace kv : kvs)
-      for (SavedSet set : sets) {
-        const Placement pl{kv, set};
-        if (!(pl == first)) wider.push_back(pl);
-      }
-    const std::size_t untiled = wider.size();
-    wider.push_back({first.kv, first.recompute, kPlanMlpTileRows});
-    for (std::size_t k = 0; k < untiled; ++k) wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows});
-  }
-  // What a layout can recompute: the attention needs a rank's whole rows (no ring, no MSP),
-  // head_grad a stage's own head (no MSP: Note [The loss in backward] in core/layout.h). A
-  // placement recomputes the rest of its set there.
-  auto runnable = [&](const plan::Plan& p) {
-    SavedSet out = ~SavedSet(0);
-    if (p.sp > 1 || req.msp == 1) out &= ~kAttentionGroup;
-    if (req.msp == 1) out &= ~kHeadGradGroup;
-    return out;
-  };
-  auto placed = [&](plan::Plan p, const Placement& pl) {
-    p.recompute = pl.recompute & runnable(p);
-    p.mlp_tile_rows = pl.mlp_tile_rows;
-    for (int l = 0; l < c.layers; ++l) {
-      if (pl.kv == sched::KvPlace::Host) p.kv_host_layers.push_back(l);
-      if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
+};
+PlacementSets placement_sets(const PlanRequest& req) {
+  PlacementSets out;
+  out.first = {req.kv_cache == "auto" ? sched::KvPlace::Device : kv_choice(req.kv_cache), req.recompute};
+  const Placement& first = out.first;
+  std::vector<Placement>& wider = out.wider;
+  std::vector<sched::KvPlace> kvs = {first.kv};
+  if (req.kv_cache == "auto") kvs = {sched::KvPlace::Device, sched::KvPlace::Host, sched::KvPlace::Recompute};
+  std::vector<SavedSet> sets = {req.recompute};
+  if (req.recompute_auto)
+    for (SavedSet level : recompute_levels())
+      if (std::find(sets.begin(), sets.end(), level | req.recompute) == sets.end())
+        sets.push_back(level | req.recompute);
+  for (sched::KvPlace kv : kvs)
+    for (SavedSet set : sets) {
+      const Placement pl{kv, set};
+      if (!(pl == first)) wider.push_back(pl);
     }
-    return p;
-  };
-  // Whether a layout can run a placement: streamed K/V are a rank's own blocks (its ring
-  // pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
-  // x of every earlier position (no tensor parallelism, no ring, no MSP).
-  auto runs = [&](const plan::Plan& p, const Placement& pl) {
-    if (pl.mlp_tile_rows > 0 &&
-        (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
-      return false;
-    if (pl.kv != sched::KvPlace::Recompute) return true;
-    return req.msp != 1 && p.tp == 1 && p.sp == 1;
-  };
+  const std::size_t untiled = wider.size();
+  wider.push_back({first.kv, first.recompute, kPlanMlpTileRows});
+  for (std::size_t k = 0; k < untiled; ++k) wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows});
+  return out;
+}
 
-  const i64 kv_pt = skeletal_bytes_per_token(c, prec), acc_pt = 2 * i64(c.kv_width()) * rules.accum_bytes;
-  const std::vector<TensorSpec> saved_table = block_saved_specs(c, 1, prec);
-  auto unit_pt = [&](SavedSet recompute) {  // offloadable bytes a token, less the recomputed
-    i64 b = 0;
-    for (std::size_t k = 0; k < saved_table.size(); ++k)
-      if (saved_table[k].role == Role::Offloadable && !in_set(recompute, int(k))) b += saved_table[k].bytes();
-    return b;
-  };
-  const i64 host_limit = hw.host_memory;
-  // Note [Pruning the search]: two bounds skip simulations that cannot win.
-  //  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
-  //    subsequence and the dK/dV accumulators of every layer, whatever alpha is (with
-  //    K/V streamed, the weights alone on the device); and what of those (K/V not at all
-  //    where they are recomputed) and of the other subsequences' kept activations the
-  //    device cannot hold must fit the host memory;
-  //  - time: a step takes at least its compute (forward + backward of the stage's layers
-  //    on every subsequence, on the busiest ring piece, with what it recomputes and, with
-  //    the K/V streamed, what the attention does not hide of the earlier rows' chunks)
-  //    times 1 + (P-1)/N without MSP.
-  // Candidates are tried in order of the time bound, so the second prunes most of the rest.
-  auto bounds = [&](const plan::Plan& p, const Placement& pl) {
-    const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
-    const int shards = p.zero == 1 ? p.sp * p.dp : 1;
-    const i64 heads_share = TpShard{0, p.tp}.local_heads(c);
-    const i64 before_last = (S - p.lengths.back()) / p.sp;
-    const i64 kv_acc = pl.kv == sched::KvPlace::Device ? (kv_pt + acc_pt) * heads_share / c.heads : 0;
-    // A Recompute layer keeps no K/V, and sums its dK/dV into the layer input's gradient
-    // (H fp32 a position, not 2H).
-    const i64 per_token = unit_pt(p.recompute) +
-                          (pl.kv == sched::KvPlace::Recompute ? i64(c.hidden) * rules.accum_bytes : kv_pt + acc_pt);
-    const i64 head_grad_pt = in_set(p.recompute, kSavedHeadGrad) ? 0 : i64(c.hidden) * rules.act_bytes();
-    // Stage by stage: its weights (tensor parallelism divides them and the K/V by heads;
-    // member 0's shards are the largest); the device holds them with the K/V and the
-    // dK/dV accumulators, whatever alpha is. What cannot be on the device is on the host:
-    // when B(N-1) ends, a stage holds the saved activations, K/V and dK/dV sums of every
-    // other subsequence, at least their share a member (the last stage with their head
-    // gradients), less what the device holds beside its weights. Under MSP helpers hold
-    // the pieces of a stage's split subsequences (msp_phases: its first pp - 1 - st and last
-    // st), so the host bound counts its steady ones alone, which it holds whole once its
-    // forwards end.
-    i64 mem = 0, host = 0;
-    int first = 0;
-    const bool state_host = p.optimizer_state == "host";
-    const int N = p.subseqs;
-    for (std::size_t st = 0; st < p.stage_layers.size(); ++st) {
-      const int n = p.stage_layers[st], end = first + n;
-      const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
-                                  : sched::param_count(c, first, end, first == 0, end == c.layers);
-      const i64 weights = device_fixed(params, shards, state_host);
-      mem = std::max(mem, weights + i64(n) * kv_acc * before_last);
-      i64 held = before_last;
-      if (p.msp) {
-        held = 0;
-        for (int k : sched::msp_phases(p.pp, N, int(st), p.msp_reach).steady)
-          if (k < N - 1) held += p.lengths[std::size_t(k)];
-        held /= p.sp;
+// What a layout can recompute: the attention needs a rank's whole rows (no ring, no MSP),
+// head_grad a stage's own head (no MSP: Note [The loss in backward] in core/layout.h). A
+// placement recomputes the rest of its set there.
+SavedSet runnable(const PlanRequest& req, const plan::Plan& p) {
+  SavedSet out = ~SavedSet(0);
+  if (p.sp > 1 || req.msp == 1) out &= ~kAttentionGroup;
+  if (req.msp == 1) out &= ~kHeadGradGroup;
+  return out;
+}
+
+// Layout p under placement pl: the set it recomputes cut to what it can, its K/V placed
+// on every layer.
+plan::Plan placed(const PlanRequest& req, plan::Plan p, const Placement& pl) {
+  p.recompute = pl.recompute & runnable(req, p);
+  p.mlp_tile_rows = pl.mlp_tile_rows;
+  for (int l = 0; l < req.model.layers; ++l) {
+    if (pl.kv == sched::KvPlace::Host) p.kv_host_layers.push_back(l);
+    if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
+  }
+  return p;
+}
+
+// Whether a layout can run a placement: streamed K/V are a rank's own blocks (its ring
+// pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
+// x of every earlier position (no tensor parallelism, no ring, no MSP).
+bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
+  if (pl.mlp_tile_rows > 0 &&
+      (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
+    return false;
+  if (pl.kv != sched::KvPlace::Recompute) return true;
+  return req.msp != 1 && p.tp == 1 && p.sp == 1;
+}
+
+// A candidate's (layout variant, K/V placement, recomputed set, MLP tile rows): what the
+// pruning of the alpha pass tells candidates apart by. The variant is the layout's index
+// times two, plus one with MSP.
+using FloorKey = std::tuple<std::size_t, int, SavedSet, i64>;
+// The candidates searched so far: a FloorKey and whether the optimizer state is on the host.
+using PlacementsTried = std::set<std::tuple<std::size_t, int, SavedSet, i64, bool>>;
+
+// One candidate of a search: a layout placed, with MSP or without.
+// Note [Pruning the search], continued: the recompute sets are nested (each level holds
+// the one before), so within one layout and K/V placement a level that does not fit
+// means no lower one does. `group` names that (layout variant, K/V placement, tiled or
+// not), `level` the rank of the candidate's set in it.
+struct SearchCandidate {
+  plan::Plan plan;
+  Placement pl;
+  std::size_t group = 0, level = 0;
+  FloorKey key;
+};
+
+// The placements pass. Takes the layouts and the placements `pls` of one search, and the
+// candidates earlier searches tried (`tried`, which it adds to); gives a candidate for
+// every (layout, placement, MSP setting) a layout runs and no search has tried yet, in
+// that order. `weigh_msp`: under --msp auto, ring-less layouts are simulated with MSP too.
+// `msp_tasks`: under --msp on, MSP layouts of at most that many tasks a replica (0: all).
+// Every choice a candidate makes is enumerated here; a new one (a field of Placement, or a
+// loop beside MSP's) enters the candidate's keys too (the variant, FloorKey, group,
+// LeastStep), since the alpha pass prunes a candidate only by others that share them.
+std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std::vector<plan::Plan>& layouts,
+                                            const std::vector<Placement>& pls, bool weigh_msp, int msp_tasks,
+                                            bool state_host, PlacementsTried& tried) {
+  const PlanRequest& req = ctx.req;
+  std::vector<SearchCandidate> cands;
+  // --msp on runs every layout with MSP; --msp auto, with its first placement, each
+  // ring-less one both ways too (Note [MSP in the search]).
+  for (std::size_t base = 0; base < layouts.size(); ++base)
+    for (std::size_t q = 0; q < pls.size(); ++q) {
+      const Placement& pl = pls[q];
+      if (!runs(req, layouts[base], pl)) continue;
+      const plan::Plan without = placed(req, layouts[base], pl);
+      const bool weighed =
+          weigh_msp && req.msp == -1 && without.sp == 1 && without.pp * without.subseqs <= kAutoMspTasks;
+      for (const bool msp : {false, true}) {
+        if (!(msp ? req.msp == 1 || weighed : req.msp != 1)) continue;
+        if (msp && (!msp_possible(without) || (msp_tasks > 0 && without.pp * without.subseqs > msp_tasks))) continue;
+        SearchCandidate cand;
+        cand.plan = msp ? with_msp(without) : without;
+        cand.pl = pl;
+        const plan::Plan& p = cand.plan;
+        // A set the layout cannot recompute whole may equal one already tried there.
+        const std::size_t variant = base * 2 + (msp ? 1 : 0);
+        if (!tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second) continue;
+        cand.key = {variant, int(pl.kv), p.recompute, pl.mlp_tile_rows};
+        cand.group = (variant * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0);
+        cand.level = std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
+          return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && (o.recompute & pl.recompute) == o.recompute &&
+                 o.recompute != pl.recompute;
+        }));
+        cands.push_back(std::move(cand));
       }
-      const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * held / p.tp;
-      const i64 spilled = std::max<i64>(0, weights + saved - budget);
-      host = std::max(host, host_fixed(params, shards, state_host) + spilled);
-      first = end;
     }
-    double compute = 0;
-    i64 o = 0;
-    const bool kv_rc = pl.kv == sched::KvPlace::Recompute;
-    for (std::size_t i = 0; i < p.lengths.size(); ++i) {
-      const i64 l = p.lengths[i];
-      // An MSP helper keeps its pieces on the device: no stream where tasks may split.
-      const sched::KvPlace streamed = p.msp ? sched::KvPlace::Device : pl.kv;
-      double layer = busiest_piece_s(cost, o, l, p.sp, req.ring_layout, p.tp, streamed, i + 1 == p.lengths.size());
-      if (p.recompute || kv_rc) {
-        const sched::Spans whole{{0, l}};
-        layer += (cost.layer_recompute_s(o, whole, p.recompute, kv_rc, false, p.tp) +
-                  cost.layer_recompute_s(o, whole, p.recompute, kv_rc, true, p.tp)) / p.sp;
-      }
-      compute += n_s * layer;
-      o += l;
+  return cands;
+}
+
+// ---- 3. Bounds
+
+// Note [Pruning the search]: two bounds skip simulations that cannot win.
+//  - memory: at the end of B(N-1) a stage holds its weights, the K/V of every other
+//    subsequence and the dK/dV accumulators of every layer, whatever alpha is (with
+//    K/V streamed, the weights alone on the device); and what of those (K/V not at all
+//    where they are recomputed) and of the other subsequences' kept activations the
+//    device cannot hold must fit the host memory;
+//  - time: a step takes at least its compute (forward + backward of the stage's layers
+//    on every subsequence, on the busiest ring piece, with what it recomputes and, with
+//    the K/V streamed, what the attention does not hide of the earlier rows' chunks)
+//    times 1 + (P-1)/N without MSP.
+// Candidates are tried in order of the time bound, so the second prunes most of the rest.
+struct Bounds {
+  i64 mem = 0;      // device bytes, at least
+  double tput = 0;  // tokens/GPU/s, at most
+  i64 host = 0;     // host bytes, at least
+};
+
+// The bounds of candidate p, placed by pl.
+Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Placement& pl) {
+  const ModelConfig& c = ctx.c;
+  const MemoryRules& rules = ctx.rules;
+  const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
+  const int shards = p.zero == 1 ? p.sp * p.dp : 1;
+  const i64 heads_share = TpShard{0, p.tp}.local_heads(c);
+  const i64 before_last = (ctx.S - p.lengths.back()) / p.sp;
+  const i64 kv_acc = pl.kv == sched::KvPlace::Device ? (ctx.kv_pt + ctx.acc_pt) * heads_share / c.heads : 0;
+  // A Recompute layer keeps no K/V, and sums its dK/dV into the layer input's gradient
+  // (H fp32 a position, not 2H).
+  const i64 per_token =
+      ctx.unit_pt(p.recompute) +
+      (pl.kv == sched::KvPlace::Recompute ? i64(c.hidden) * rules.accum_bytes : ctx.kv_pt + ctx.acc_pt);
+  const i64 head_grad_pt = in_set(p.recompute, kSavedHeadGrad) ? 0 : i64(c.hidden) * rules.act_bytes();
+  // Stage by stage: its weights (tensor parallelism divides them and the K/V by heads;
+  // member 0's shards are the largest); the device holds them with the K/V and the
+  // dK/dV accumulators, whatever alpha is. What cannot be on the device is on the host:
+  // when B(N-1) ends, a stage holds the saved activations, K/V and dK/dV sums of every
+  // other subsequence, at least their share a member (the last stage with their head
+  // gradients), less what the device holds beside its weights. Under MSP helpers hold
+  // the pieces of a stage's split subsequences (msp_phases: its first pp - 1 - st and last
+  // st), so the host bound counts its steady ones alone, which it holds whole once its
+  // forwards end.
+  i64 mem = 0, host = 0;
+  int first = 0;
+  const bool state_host = p.optimizer_state == "host";
+  const int N = p.subseqs;
+  for (std::size_t st = 0; st < p.stage_layers.size(); ++st) {
+    const int n = p.stage_layers[st], end = first + n;
+    const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
+                                : sched::param_count(c, first, end, first == 0, end == c.layers);
+    const i64 weights = ctx.device_fixed(params, shards, state_host);
+    mem = std::max(mem, weights + i64(n) * kv_acc * before_last);
+    i64 held = before_last;
+    if (p.msp) {
+      held = 0;
+      for (int k : sched::msp_phases(p.pp, N, int(st), p.msp_reach).steady)
+        if (k < N - 1) held += p.lengths[std::size_t(k)];
+      held /= p.sp;
     }
-    const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
-    return std::make_tuple(mem, double(S) * p.dp / (G * step), host);
-  };
-  auto sp_text = [](const plan::Plan& p) {
-    return p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP";
-  };
-  // One search over every layout in each of `pls`.
-  // Note [Pruning the search], continued: the recompute sets are nested (each level holds
-  // the one before), so within one layout and K/V placement a level that does not fit
-  // means no lower one does. The wider search first simulates each such group's highest
-  // level; a group where that does not fit is dropped whole, and a level that does not fit
-  // drops the levels below it.
+    const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * held / p.tp;
+    const i64 spilled = std::max<i64>(0, weights + saved - ctx.budget);
+    host = std::max(host, ctx.host_fixed(params, shards, state_host) + spilled);
+    first = end;
+  }
+  double compute = 0;
+  i64 o = 0;
+  const bool kv_rc = pl.kv == sched::KvPlace::Recompute;
+  for (std::size_t i = 0; i < p.lengths.size(); ++i) {
+    const i64 l = p.lengths[i];
+    // An MSP helper keeps its pieces on the device: no stream where tasks may split.
+    const sched::KvPlace streamed = p.msp ? sched::KvPlace::Device : pl.kv;
+    double layer =
+        busiest_piece_s(ctx.cost, o, l, p.sp, ctx.req.ring_layout, p.tp, streamed, i + 1 == p.lengths.size());
+    if (p.recompute || kv_rc) {
+      const sched::Spans whole{{0, l}};
+      layer += (ctx.cost.layer_recompute_s(o, whole, p.recompute, kv_rc, false, p.tp) +
+                ctx.cost.layer_recompute_s(o, whole, p.recompute, kv_rc, true, p.tp)) / p.sp;
+    }
+    compute += n_s * layer;
+    o += l;
+  }
+  const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
+  return {mem, ctx.tput(p, step), host};
+}
+
+// The bounds pass. Takes a search's candidates; gives each one's bounds (by index) and the
+// order the alpha pass tries them in: the highest throughput bound first, ties in the
+// candidates' order.
+struct BoundedCandidates {
+  std::vector<Bounds> bound;
+  std::vector<std::size_t> order;
+};
+BoundedCandidates bound_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& cands) {
+  BoundedCandidates b;
+  b.bound.resize(cands.size());
+  b.order.resize(cands.size());
+  for (std::size_t k = 0; k < cands.size(); ++k) {
+    b.bound[k] = candidate_bounds(ctx, cands[k].plan, cands[k].pl);
+    b.order[k] = k;
+  }
+  std::stable_sort(b.order.begin(), b.order.end(),
+                   [&](std::size_t i, std::size_t j) { return b.bound[i].tput > b.bound[j].tput; });
+  return b;
+}
+
+// ---- 4. Alpha
+
+// Note [Pruning the search], continued: a placement's alpha = 0 step bounds from below
+// every placement of the same layout that adds to it: K/V streamed from the host or
+// recomputed rather than kept, more tensors recomputed, the MLP in tiles (each only adds
+// copies or compute to the same schedule). So once such a step is no faster than the best
+// plan found, the placements that add to it are not simulated. (MSP's reach changes with
+// the placement, and with it the schedule: only placements at one reach compare.)
+struct LeastStep {
+  sched::KvPlace kv;
+  SavedSet recompute;
+  i64 tiles;
+  int reach;
+  double step_s;
+};
+
+// What the searches learn, kept from one to the next.
+struct SearchState {
+  std::vector<Candidate> fits;  // every candidate that fitted, with its alpha
+  // The closest miss (the least peak, or before any peak the least host memory, that a
+  // candidate needed), for the error when nothing fits.
+  std::string last_reason;
+  i64 least_peak = 0;
+  i64 least_host = 0;  // the least host memory a layout pruned by its host bound needs
+  int layouts_tried = 0;
+  PlacementsTried placements_tried;
   // Note [Optimizer state under a budget], continued: when nothing fits, every layout the
   // device-state search simulated was ruled out by its floor (Note [A floor under the peak]),
   // and the host-state search would rebuild the same schedules: moving the state changes a
@@ -1044,239 +1230,192 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // and a layout's by at most its largest stage's. The floors are kept by (layout,
   // placement), and a layout whose kept floor less that still exceeds the budget is dropped
   // as a simulation would drop it.
-  using FloorKey = std::tuple<std::size_t, int, SavedSet, i64>;
   std::map<FloorKey, i64> device_floors;
-  auto state_bound = [&](const plan::Plan& p) {  // the most AdamW bytes of one rank
-    i64 most = 0;
-    int first = 0;
-    for (int n : p.stage_layers) {
-      const int end = first + n;
-      const TpShard tp{0, p.tp};
-      const int shards = p.zero == 1 ? p.sp * p.dp : 1;  // plan_rules(p, ..., true): shard 0 everywhere
-      const i64 state = shards > 1 ? sched::zero_state_params(c, first, end, shards, 0, tp)
-                                   : sched::param_count(c, first, end, tp);
-      most = std::max(most, state * rules.optimizer_bytes);
-      first = end;
-    }
-    return most;
-  };
-  std::set<std::tuple<std::size_t, int, SavedSet, i64, bool>> placements_tried;
-  // Note [Pruning the search], continued: a placement's alpha = 0 step bounds from below
-  // every placement of the same layout that adds to it: K/V streamed from the host or
-  // recomputed rather than kept, more tensors recomputed, the MLP in tiles (each only adds
-  // copies or compute to the same schedule). So once such a step is no faster than the best
-  // plan found, the placements that add to it are not simulated. (MSP's reach changes with
-  // the placement, and with it the schedule: only placements at one reach compare.)
-  struct LeastStep {
-    sched::KvPlace kv;
-    SavedSet recompute;
-    i64 tiles;
-    int reach;
-    double step_s;
-  };
   std::map<std::size_t, std::vector<LeastStep>> least_steps;  // by layout variant (key's first)
-  // `weigh_msp`: under --msp auto, ring-less layouts are simulated with MSP too.
-  // `msp_tasks`: under --msp on, MSP layouts of at most that many tasks a replica (0: all).
-  auto search = [&](const std::vector<Placement>& pls, bool weigh_msp, int msp_tasks) {
-    const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
-    std::vector<plan::Plan> cands;
-    std::vector<Placement> cand_pl;
-    std::vector<std::size_t> group, level;  // (layout, K/V placement), and the rank of its set in it
-    std::vector<FloorKey> key;
-    // --msp on runs every layout with MSP; --msp auto, with its first placement, each
-    // ring-less one both ways too (Note [MSP in the search]).
-    for (std::size_t base = 0; base < layouts.size(); ++base)
-      for (std::size_t q = 0; q < pls.size(); ++q) {
-        const Placement& pl = pls[q];
-        if (!runs(layouts[base], pl)) continue;
-        const plan::Plan without = placed(layouts[base], pl);
-        const bool weighed =
-            weigh_msp && req.msp == -1 && without.sp == 1 && without.pp * without.subseqs <= kAutoMspTasks;
-        for (const bool msp : {false, true}) {
-          if (!(msp ? req.msp == 1 || weighed : req.msp != 1)) continue;
-          if (msp && (!msp_possible(without) || (msp_tasks > 0 && without.pp * without.subseqs > msp_tasks))) continue;
-          plan::Plan p = msp ? with_msp(without) : without;
-          // A set the layout cannot recompute whole may equal one already tried there.
-          const std::size_t variant = base * 2 + (msp ? 1 : 0);
-          if (!placements_tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second)
-            continue;
-          key.emplace_back(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows);
-          cands.push_back(std::move(p));
-          cand_pl.push_back(pl);
-          group.push_back((variant * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0));
-          level.push_back(std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
-            return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows &&
-                   (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
-          })));
-        }
-      }
-    std::vector<std::tuple<i64, double, i64>> bound(cands.size());
-    std::vector<std::size_t> order(cands.size());
-    for (std::size_t k = 0; k < cands.size(); ++k) {
-      bound[k] = bounds(cands[k], cand_pl[k]);
-      order[k] = k;
-    }
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return std::get<1>(bound[a]) > std::get<1>(bound[b]); });
-    double best_tput = 0;
-    std::map<std::size_t, std::size_t> fails_below;  // group -> levels under this do not fit
-    std::vector<char> done(cands.size(), 0);
-    // Whether candidate k cannot fit by its bounds (and why, kept for the error).
-    auto out_of_bounds = [&](std::size_t k) {
-      const plan::Plan& p = cands[k];
-      const auto [mem_bound, tput_bound, host_bound] = bound[k];
-      if (host_limit > 0 && host_bound > host_limit) {
-        if (least_peak == 0 && (least_host == 0 || host_bound < least_host)) {
-          least_host = host_bound;
-          last_reason = "with " + sp_text(p) + " and " + std::to_string(p.pp) +
-                        " stages, the activations, K/V and dK/dV sums that do not fit the device need at least " +
-                        format_bytes(double(host_bound)) + " of host memory, over its " +
-                        format_bytes(double(host_limit));
-        }
-        return true;
-      }
-      if (mem_bound > budget) {
-        if (least_peak == 0 || mem_bound < least_peak) {
-          least_peak = mem_bound;
-          last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
-                        format_bytes(double(mem_bound)) + " with " + sp_text(p) + " and " + std::to_string(p.pp) +
-                        " stages";
-        }
-        return true;
-      }
-      return false;
-    };
-    // Simulates candidate k (no_use_s as below); false when it does not fit.
-    auto try_candidate = [&](std::size_t k, double no_use_s) {
-      const plan::Plan& p = cands[k];
-      done[k] = 1;
-      auto mark_failed = [&] {
-        std::size_t& below = fails_below[group[k]];
-        below = std::max(below, level[k] + 1);
-        return false;
-      };
-      if (state_host) {
-        const auto kept = device_floors.find(key[k]);
-        const i64 lower = kept == device_floors.end() ? 0 : kept->second - state_bound(p);
-        if (lower > budget) {
-          if (least_peak == 0 || lower < least_peak) {
-            least_peak = lower;
-            last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
-                          std::to_string(p.subseqs) + ": peak device memory of at least " + bytes_text(lower) +
-                          " with the optimizer state on the host exceeds the budget of " + bytes_text(budget);
-          }
-          return mark_failed();
-        }
-      }
-      Candidate cand = evaluate(req, p, cost, budget, no_use_s);
-      if (!state_host && cand.alpha.floor_bytes > 0) device_floors[key[k]] = cand.alpha.floor_bytes;
-      if (cand.alpha.least_step_s > 0)
-        least_steps[std::get<0>(key[k])].push_back(
-            {cand_pl[k].kv, p.recompute, p.mlp_tile_rows, p.msp_reach, cand.alpha.least_step_s});
-      if (cand.alpha.slow) return true;
-      if (cand.alpha.fits) {
-        best_tput = std::max(best_tput, double(S) * p.dp / (G * cand.alpha.step_time_s));
-        fits.push_back(std::move(cand));
-        return true;
-      }
-      if (least_peak == 0 || cand.alpha.peak_device_bytes < least_peak) {
-        least_peak = cand.alpha.peak_device_bytes;
-        last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
-                      std::to_string(p.subseqs) + ": " + cand.alpha.reason;
-      }
-      return mark_failed();
-    };
-    std::map<std::size_t, std::size_t> top;  // group -> its candidate of the highest level
-    for (std::size_t k = 0; k < cands.size(); ++k) {
-      auto [it, fresh] = top.try_emplace(group[k], k);
-      if (!fresh && level[k] > level[it->second]) it->second = k;
-    }
-    auto no_use_s = [&](const plan::Plan& p) {
-      return best_tput > 0 ? double(S) * p.dp / (G * best_tput) * (1 + 1e-9) : 0.0;
-    };
-    auto dropped = [&](std::size_t k) {
-      auto f = fails_below.find(group[k]);
-      return f != fails_below.end() && level[k] < f->second;
-    };
-    // Whether a placement of k's layout that k adds to is already no faster than the best.
-    auto outrun = [&](std::size_t k) {
-      const plan::Plan& p = cands[k];
-      const double limit = no_use_s(p);
-      const auto seen = least_steps.find(std::get<0>(key[k]));
-      if (limit == 0 || seen == least_steps.end()) return false;
-      for (const LeastStep& l : seen->second)
-        if (l.step_s >= limit && l.reach == p.msp_reach &&
-            (l.kv == sched::KvPlace::Device || l.kv == cand_pl[k].kv) && (l.recompute & p.recompute) == l.recompute &&
-            (l.tiles == 0 || l.tiles == p.mlp_tile_rows))
-          return true;
-      return false;
-    };
-    for (const std::size_t k : order) {
-      if (done[k] || dropped(k)) continue;
-      const plan::Plan& p = cands[k];
-      const double tput_bound = std::get<1>(bound[k]);
-      if (out_of_bounds(k)) continue;
-      if (tput_bound <= best_tput || outrun(k)) continue;
-      // The group's highest level first: where it does not fit, nothing of the group does.
-      const std::size_t t = top.at(group[k]);
-      if (t != k && !done[t] && !out_of_bounds(t) && !outrun(t)) {
-        try_candidate(t, no_use_s(cands[t]));
-        if (dropped(k)) continue;
-      }
-      // Note [Pruning the search], continued: alpha = 0 is a layout's fastest alpha (copies
-      // only add), so a layout whose alpha = 0 step is already slower than the best found, by
-      // more than rounding, is dropped after that one simulation.
-      try_candidate(k, no_use_s(p));
-    }
-    layouts_tried += int(cands.size());
-  };
-  search({first}, true, 0);
-  auto tput = [&](const Candidate& a) { return double(S) * a.plan.dp / (G * a.alpha.step_time_s); };
-  double first_best = 0;  // tokens/GPU/s of the best plan of the first placement, as searched
-  for (const Candidate& f : fits) first_best = std::max(first_best, tput(f));
-  if (!wider.empty()) search(wider, false, fits.empty() ? 0 : kMspWiderTasks);
-  if (fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
-    for (plan::Plan& p : layouts) p.optimizer_state = "host";
-    search({first}, false, 0);
-    if (fits.empty() && !wider.empty()) search(wider, false, 0);
+};
+
+// The most AdamW bytes of one rank of layout p (what a floor drops by with the state on
+// the host).
+i64 state_bound(const SearchContext& ctx, const plan::Plan& p) {
+  i64 most = 0;
+  int first = 0;
+  for (int n : p.stage_layers) {
+    const int end = first + n;
+    const TpShard tp{0, p.tp};
+    const int shards = p.zero == 1 ? p.sp * p.dp : 1;  // plan_rules(p, ..., true): shard 0 everywhere
+    const i64 state = shards > 1 ? sched::zero_state_params(ctx.c, first, end, shards, 0, tp)
+                                 : sched::param_count(ctx.c, first, end, tp);
+    most = std::max(most, state * ctx.rules.optimizer_bytes);
+    first = end;
   }
-  if (layouts_tried == 0) {
+  return most;
+}
+
+// The alpha pass. Takes a search's candidates with their bounds and order; simulates, in
+// that order, each one that its bounds and what the search has found so far do not rule
+// out, for its best alpha under the budget (evaluate). Gives, in `st`: the candidates that
+// fit, the closest miss, and the floors and alpha = 0 steps that prune later candidates.
+void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& cands, const BoundedCandidates& b,
+                bool state_host, SearchState& st) {
+  const i64 budget = ctx.budget;
+  double best_tput = 0;
+  // Note [Pruning the search], continued: the wider search first simulates each group's
+  // highest level; a group where that does not fit is dropped whole, and a level that does
+  // not fit drops the levels below it.
+  std::map<std::size_t, std::size_t> fails_below;  // group -> levels under this do not fit
+  std::vector<char> done(cands.size(), 0);
+  // Whether candidate k cannot fit by its bounds (and why, kept for the error).
+  auto out_of_bounds = [&](std::size_t k) {
+    const plan::Plan& p = cands[k].plan;
+    const Bounds& bk = b.bound[k];
+    if (ctx.host_limit > 0 && bk.host > ctx.host_limit) {
+      if (st.least_peak == 0 && (st.least_host == 0 || bk.host < st.least_host)) {
+        st.least_host = bk.host;
+        st.last_reason = "with " + sp_text(p) + " and " + std::to_string(p.pp) +
+                         " stages, the activations, K/V and dK/dV sums that do not fit the device need at least " +
+                         format_bytes(double(bk.host)) + " of host memory, over its " +
+                         format_bytes(double(ctx.host_limit));
+      }
+      return true;
+    }
+    if (bk.mem > budget) {
+      if (st.least_peak == 0 || bk.mem < st.least_peak) {
+        st.least_peak = bk.mem;
+        st.last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
+                         format_bytes(double(bk.mem)) + " with " + sp_text(p) + " and " + std::to_string(p.pp) +
+                         " stages";
+      }
+      return true;
+    }
+    return false;
+  };
+  // Simulates candidate k (no_use_s as below); false when it does not fit.
+  auto try_candidate = [&](std::size_t k, double no_use_s) {
+    const SearchCandidate& ck = cands[k];
+    const plan::Plan& p = ck.plan;
+    done[k] = 1;
+    auto mark_failed = [&] {
+      std::size_t& below = fails_below[ck.group];
+      below = std::max(below, ck.level + 1);
+      return false;
+    };
+    if (state_host) {
+      const auto kept = st.device_floors.find(ck.key);
+      const i64 lower = kept == st.device_floors.end() ? 0 : kept->second - state_bound(ctx, p);
+      if (lower > budget) {
+        if (st.least_peak == 0 || lower < st.least_peak) {
+          st.least_peak = lower;
+          st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
+                           std::to_string(p.subseqs) + ": peak device memory of at least " + bytes_text(lower) +
+                           " with the optimizer state on the host exceeds the budget of " + bytes_text(budget);
+        }
+        return mark_failed();
+      }
+    }
+    Candidate cand = evaluate(ctx.req, p, ctx.cost, budget, no_use_s);
+    if (!state_host && cand.alpha.floor_bytes > 0) st.device_floors[ck.key] = cand.alpha.floor_bytes;
+    if (cand.alpha.least_step_s > 0)
+      st.least_steps[std::get<0>(ck.key)].push_back(
+          {ck.pl.kv, p.recompute, p.mlp_tile_rows, p.msp_reach, cand.alpha.least_step_s});
+    if (cand.alpha.slow) return true;
+    if (cand.alpha.fits) {
+      best_tput = std::max(best_tput, ctx.tput(p, cand.alpha.step_time_s));
+      st.fits.push_back(std::move(cand));
+      return true;
+    }
+    if (st.least_peak == 0 || cand.alpha.peak_device_bytes < st.least_peak) {
+      st.least_peak = cand.alpha.peak_device_bytes;
+      st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
+                       std::to_string(p.subseqs) + ": " + cand.alpha.reason;
+    }
+    return mark_failed();
+  };
+  std::map<std::size_t, std::size_t> top;  // group -> its candidate of the highest level
+  for (std::size_t k = 0; k < cands.size(); ++k) {
+    auto [it, fresh] = top.try_emplace(cands[k].group, k);
+    if (!fresh && cands[k].level > cands[it->second].level) it->second = k;
+  }
+  auto no_use_s = [&](const plan::Plan& p) {
+    return best_tput > 0 ? double(ctx.S) * p.dp / (ctx.G * best_tput) * (1 + 1e-9) : 0.0;
+  };
+  auto dropped = [&](std::size_t k) {
+    auto f = fails_below.find(cands[k].group);
+    return f != fails_below.end() && cands[k].level < f->second;
+  };
+  // Whether a placement of k's layout that k adds to is already no faster than the best.
+  auto outrun = [&](std::size_t k) {
+    const plan::Plan& p = cands[k].plan;
+    const double limit = no_use_s(p);
+    const auto seen = st.least_steps.find(std::get<0>(cands[k].key));
+    if (limit == 0 || seen == st.least_steps.end()) return false;
+    for (const LeastStep& l : seen->second)
+      if (l.step_s >= limit && l.reach == p.msp_reach &&
+          (l.kv == sched::KvPlace::Device || l.kv == cands[k].pl.kv) && (l.recompute & p.recompute) == l.recompute &&
+          (l.tiles == 0 || l.tiles == p.mlp_tile_rows))
+        return true;
+    return false;
+  };
+  for (const std::size_t k : b.order) {
+    if (done[k] || dropped(k)) continue;
+    const plan::Plan& p = cands[k].plan;
+    if (out_of_bounds(k)) continue;
+    if (b.bound[k].tput <= best_tput || outrun(k)) continue;
+    // The group's highest level first: where it does not fit, nothing of the group does.
+    const std::size_t t = top.at(cands[k].group);
+    if (t != k && !done[t] && !out_of_bounds(t) && !outrun(t)) {
+      try_candidate(t, no_use_s(cands[t].plan));
+      if (dropped(k)) continue;
+    }
+    // Note [Pruning the search], continued: alpha = 0 is a layout's fastest alpha (copies
+    // only add), so a layout whose alpha = 0 step is already slower than the best found, by
+    // more than rounding, is dropped after that one simulation.
+    try_candidate(k, no_use_s(p));
+  }
+}
+
+// One search over every layout in each of `pls`: the placements, bounds and alpha passes
+// (`weigh_msp` and `msp_tasks` as placement_pass takes them). Adds what it finds to `st`.
+void search(const SearchContext& ctx, const std::vector<plan::Plan>& layouts, const std::vector<Placement>& pls,
+            bool weigh_msp, int msp_tasks, SearchState& st) {
+  const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
+  const std::vector<SearchCandidate> cands =
+      placement_pass(ctx, layouts, pls, weigh_msp, msp_tasks, state_host, st.placements_tried);
+  const BoundedCandidates b = bound_pass(ctx, cands);
+  alpha_pass(ctx, cands, b, state_host, st);
+  st.layouts_tried += int(cands.size());
+}
+
+// ---- 5. Ranking
+
+// Takes the context and the searches' state; gives why no plan came out, where none did.
+std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchState& st) {
+  const i64 S = ctx.S;
+  const int G = ctx.G;
+  if (st.layouts_tried == 0) {
     // Every layout needs more subsequences than the search allows (or has subsequences
     // shorter than its SP degree): say which lengths it covers.
     i64 longest = 0;
-    for (int sp : divisors(std::min(G, gpn)))
+    for (int sp : divisors(std::min(G, ctx.gpn)))
       if (G % sp == 0) longest = std::max(longest, (kMaxPlanSubseqs + 1) * kMaxTokensPerSubseq * sp - 1);
-    out.error = "no layout of " + std::to_string(G) + " devices was tried for " + std::to_string(S) +
-                " tokens: the planner cuts a sequence into at most " + std::to_string(kMaxPlanSubseqs) +
-                " subsequences of about " + std::to_string(kMaxTokensPerSubseq) +
-                " tokens per device at the longest, so the longest sequence it plans on " + std::to_string(G) +
-                " devices is " + std::to_string(longest) + " tokens; use a shorter --seq-len or more --gpus";
-    return out;
+    return "no layout of " + std::to_string(G) + " devices was tried for " + std::to_string(S) +
+           " tokens: the planner cuts a sequence into at most " + std::to_string(kMaxPlanSubseqs) +
+           " subsequences of about " + std::to_string(kMaxTokensPerSubseq) +
+           " tokens per device at the longest, so the longest sequence it plans on " + std::to_string(G) +
+           " devices is " + std::to_string(longest) + " tokens; use a shorter --seq-len or more --gpus";
   }
-  if (fits.empty()) {
-    out.error = "no layout of " + std::to_string(G) + " devices fits " + std::to_string(S) +
-                " tokens in " + format_bytes(double(budget)) + " per device; the closest: " + last_reason;
-    return out;
-  }
-  std::sort(fits.begin(), fits.end(), [&](const Candidate& a, const Candidate& b) { return tput(a) > tput(b); });
-  // MSP when it pays: each of the best few pipelined layouts is simulated with and without
-  // it as a whole plan; the faster that fits stays, and says both figures.
-  std::vector<plan::Plan> finalists;
-  const size_t top = std::min<size_t>(fits.size(), req.msp == -1 ? 3 : 1);
-  for (size_t k = 0; k < top; ++k) {
-    plan::Plan p = fits[k].plan;
-    // --msp auto weighs MSP for its sp 1 finalists only (Note [MSP in the search]).
-    if (req.msp != 0 && msp_possible(p) && (req.msp == 1 || p.sp == 1)) {
-      finalists.push_back(choose_msp(req, p).chosen);
-    } else {
-      predict(&p, hw);
-      if (req.msp == 0) p.notes.push_back("MSP off (--msp off)");
-      finalists.push_back(p);
-    }
-  }
-  plan::Plan best = *std::max_element(finalists.begin(), finalists.end(), [](const plan::Plan& a, const plan::Plan& b) {
-    return a.predicted.tokens_per_gpu_per_s < b.predicted.tokens_per_gpu_per_s;
-  });
-  if (best.sp * best.tp * best.pp > gpn) best.notes.push_back("pipeline stages span nodes (SP stays inside a node)");
+  if (st.fits.empty())
+    return "no layout of " + std::to_string(G) + " devices fits " + std::to_string(S) + " tokens in " +
+           format_bytes(double(ctx.budget)) + " per device; the closest: " + st.last_reason;
+  return std::nullopt;
+}
+
+// The notes that explain the best plan: how its layout runs, and why it places what it
+// does where that is not K/V on the device with nothing more recomputed (`first_best`:
+// tokens/GPU/s of the best plan of the first placement, 0 where none fits).
+void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best) {
+  const PlanRequest& req = ctx.req;
+  if (best.sp * best.tp * best.pp > ctx.gpn)
+    best.notes.push_back("pipeline stages span nodes (SP stays inside a node)");
   if (best.tp > 1)
     best.notes.push_back("SP is tensor parallel with sequence-parallel regions over " + std::to_string(best.tp) +
                          " devices (train --tp): weights, K/V cache and activations divided among them");
@@ -1316,9 +1455,69 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
                          "shard; each step the gradients go down, the host's processor updates them, the weights "
                          "come back up (" + seconds_text(best.predicted.host_update_s) +
                          " a step, priced in the step time; train --optimizer-state host)");
+}
+
+// The ranking pass. Takes the searches' state (its fits, which it sorts) and `first_best`
+// (as explain_best takes it); gives the outcome: the fastest plan, predicted as a whole,
+// with its notes, or why nothing fits.
+PlanOutcome rank_pass(const SearchContext& ctx, SearchState& st, double first_best) {
+  const PlanRequest& req = ctx.req;
+  PlanOutcome out;
+  if (std::optional<std::string> error = no_plan_error(ctx, st)) {
+    out.error = *error;
+    return out;
+  }
+  std::vector<Candidate>& fits = st.fits;
+  std::sort(fits.begin(), fits.end(), [&](const Candidate& a, const Candidate& b) {
+    return ctx.tput(a.plan, a.alpha.step_time_s) > ctx.tput(b.plan, b.alpha.step_time_s);
+  });
+  // MSP when it pays: each of the best few pipelined layouts is simulated with and without
+  // it as a whole plan; the faster that fits stays, and says both figures.
+  std::vector<plan::Plan> finalists;
+  const size_t top = std::min<size_t>(fits.size(), req.msp == -1 ? 3 : 1);
+  for (size_t k = 0; k < top; ++k) {
+    plan::Plan p = fits[k].plan;
+    // --msp auto weighs MSP for its sp 1 finalists only (Note [MSP in the search]).
+    if (req.msp != 0 && msp_possible(p) && (req.msp == 1 || p.sp == 1)) {
+      finalists.push_back(choose_msp(req, p).chosen);
+    } else {
+      predict(&p, ctx.hw);
+      if (req.msp == 0) p.notes.push_back("MSP off (--msp off)");
+      finalists.push_back(p);
+    }
+  }
+  plan::Plan best = *std::max_element(finalists.begin(), finalists.end(), [](const plan::Plan& a, const plan::Plan& b) {
+    return a.predicted.tokens_per_gpu_per_s < b.predicted.tokens_per_gpu_per_s;
+  });
+  explain_best(ctx, best, first_best);
   out.ok = true;
   out.plan = best;
   return out;
+}
+
+// The planner's search for system "sppo" (docs/design.md 5), pass by pass (above).
+PlanOutcome solve_sppo(const PlanRequest& req) {
+  const SearchContext ctx(req);
+  if (std::optional<std::string> error = weights_alone_error(ctx)) {
+    PlanOutcome out;
+    out.error = *error;
+    return out;
+  }
+  std::vector<plan::Plan> layouts = layout_pass(ctx);
+  const PlacementSets placements = placement_sets(req);
+  const Placement& first = placements.first;
+  const std::vector<Placement>& wider = placements.wider;
+  SearchState st;
+  search(ctx, layouts, {first}, true, 0, st);
+  double first_best = 0;  // tokens/GPU/s of the best plan of the first placement, as searched
+  for (const Candidate& f : st.fits) first_best = std::max(first_best, ctx.tput(f.plan, f.alpha.step_time_s));
+  if (!wider.empty()) search(ctx, layouts, wider, false, st.fits.empty() ? 0 : kMspWiderTasks, st);
+  if (st.fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
+    for (plan::Plan& p : layouts) p.optimizer_state = "host";
+    search(ctx, layouts, {first}, false, 0, st);
+    if (st.fits.empty() && !wider.empty()) search(ctx, layouts, wider, false, 0, st);
+  }
+  return rank_pass(ctx, st, first_best);
 }
 
 }  // namespace
