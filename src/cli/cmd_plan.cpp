@@ -98,6 +98,7 @@ std::string layout_text(const plan::Plan& p) {
   if (!p.kv_recompute_layers.empty()) os << " kv-recompute";
   if (p.recompute) os << " recompute " << recompute_tensors_text(p.recompute);
   if (p.mlp_tile_rows) os << " mlp-tiles " << p.mlp_tile_rows;
+  if (p.system == "sppo" && p.backward_order == "layer") os << " layer-major";
   if (p.system == "sppo" && p.zero) os << " zero-1";
   if (p.system == "sppo" && p.optimizer_state == "host") os << " optimizer-host";
   if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;
@@ -106,8 +107,10 @@ std::string layout_text(const plan::Plan& p) {
 
 void print_plan(const plan::Plan& p) {
   std::printf("system      %s\n", p.system.c_str());
-  std::printf("model       %s (L %d, H %d, Z %d, %.2fB parameters)\n", p.model_name.c_str(), p.model.layers,
-              p.model.hidden, p.model.heads, double(p.model.num_params()) / 1e9);
+  const double params = double(p.model.num_params());
+  std::printf("model       %s (L %d, H %d, Z %d, %.*f%s parameters)\n", p.model_name.c_str(), p.model.layers,
+              p.model.hidden, p.model.heads, params >= 1e9 ? 2 : 1, params >= 1e9 ? params / 1e9 : params / 1e6,
+              params >= 1e9 ? "B" : "M");
   std::printf("sequence    %lld tokens on %d devices (%d per node), %s\n", (long long)p.seq_len, p.gpus,
               p.gpus_per_node, p.hardware.c_str());
   std::printf("layout      %s\n", layout_text(p).c_str());

@@ -242,7 +242,10 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                                   " B (two chunks of K, V, and in backward their dK/dV)")});
   lines.push_back({Row::KVGradAccum, at(sched::MemTerm::KVGradAccum), 0,
                    "2 " + Hw + " x 4 B = " + num(double(acc_pt)) + " B per position and layer x " +
-                       num(double(at(sched::MemTerm::KVGradAccum)) / double(acc_pt)) + " position-layers"});
+                       num(double(at(sched::MemTerm::KVGradAccum)) / double(acc_pt)) + " position-layers" +
+                       (p.backward_order == "layer"
+                            ? std::string(" (the layer-major backward: one layer's at a time)")
+                            : std::string(" (the paper's backward order: every layer's from the first backward)"))});
   const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank)) - mem.host_fixed_bytes();
   lines.push_back({Row::Units, units, host,
                    num(double(unit_pt)) + " B per token and layer (x, LN outputs and statistics, q, attention output, "

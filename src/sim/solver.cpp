@@ -954,10 +954,16 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
 // the workspace's [T, F] MLP activation, and a recomputed fc_pre, become [R, F]. The
 // same FLOPs in GEMMs of R rows, which run at the rate of whole ones; the cost model
 // prices the tiles' kernel launches (CostModel::mlp_tiles_s).
+// Each placement runs in the paper's backward order and, on layouts of one stage under
+// --backward-order auto or layer, in the layer-major order too (Note [Layer-major backward]
+// in schedule/builders.cpp): the same ops in another order, so it costs the prefetches'
+// smaller overlap and the residual gradients' rows, and holds one layer's dK/dV sums (on
+// the device, or the host's for streamed K/V) where the paper's order holds every layer's.
 struct Placement {
   sched::KvPlace kv = sched::KvPlace::Device;
   SavedSet recompute = 0;
   i64 mlp_tile_rows = 0;
+  sched::BackwardOrder backward = sched::BackwardOrder::Subseq;
   bool operator==(const Placement&) const = default;
 };
 
@@ -974,7 +980,8 @@ struct PlacementSets {
 };
 PlacementSets placement_sets(const PlanRequest& req) {
   PlacementSets out;
-  out.first = {req.kv_cache == "auto" ? sched::KvPlace::Device : kv_choice(req.kv_cache), req.recompute};
+  const auto order = req.backward_order == "layer" ? sched::BackwardOrder::Layer : sched::BackwardOrder::Subseq;
+  out.first = {req.kv_cache == "auto" ? sched::KvPlace::Device : kv_choice(req.kv_cache), req.recompute, 0, order};
   const Placement& first = out.first;
   std::vector<Placement>& wider = out.wider;
   std::vector<sched::KvPlace> kvs = {first.kv};
@@ -986,12 +993,23 @@ PlacementSets placement_sets(const PlanRequest& req) {
         sets.push_back(level | req.recompute);
   for (sched::KvPlace kv : kvs)
     for (SavedSet set : sets) {
-      const Placement pl{kv, set};
+      const Placement pl{kv, set, 0, order};
       if (!(pl == first)) wider.push_back(pl);
     }
   const std::size_t untiled = wider.size();
-  wider.push_back({first.kv, first.recompute, kPlanMlpTileRows});
-  for (std::size_t k = 0; k < untiled; ++k) wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows});
+  wider.push_back({first.kv, first.recompute, kPlanMlpTileRows, order});
+  for (std::size_t k = 0; k < untiled; ++k)
+    wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows, order});
+  // --backward-order auto: every placement in the layer-major order too.
+  if (req.backward_order == "auto") {
+    const std::size_t paper = wider.size();
+    wider.push_back({first.kv, first.recompute, 0, sched::BackwardOrder::Layer});
+    for (std::size_t k = 0; k < paper; ++k) {
+      Placement pl = wider[k];
+      pl.backward = sched::BackwardOrder::Layer;
+      wider.push_back(pl);
+    }
+  }
   return out;
 }
 
@@ -1010,6 +1028,7 @@ SavedSet runnable(const PlanRequest& req, const plan::Plan& p) {
 plan::Plan placed(const PlanRequest& req, plan::Plan p, const Placement& pl) {
   p.recompute = pl.recompute & runnable(req, p);
   p.mlp_tile_rows = pl.mlp_tile_rows;
+  p.backward_order = sched::to_string(pl.backward);
   for (int l = 0; l < req.model.layers; ++l) {
     if (pl.kv == sched::KvPlace::Host) p.kv_host_layers.push_back(l);
     if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
@@ -1021,6 +1040,7 @@ plan::Plan placed(const PlanRequest& req, plan::Plan p, const Placement& pl) {
 // pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
 // x of every earlier position (no tensor parallelism, no ring, no MSP).
 bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
+  if (pl.backward == sched::BackwardOrder::Layer && (p.pp > 1 || req.msp == 1)) return false;  // one stage
   if (pl.mlp_tile_rows > 0 &&
       (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
     return false;
@@ -1030,7 +1050,7 @@ bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
 
 // A candidate's (layout variant, K/V placement, recomputed set, MLP tile rows): what the
 // pruning of the alpha pass tells candidates apart by. The variant is the layout's index
-// times two, plus one with MSP.
+// times two, plus one with MSP, times two, plus one in the layer-major backward order.
 using FloorKey = std::tuple<std::size_t, int, SavedSet, i64>;
 // The candidates searched so far: a FloorKey and whether the optimizer state is on the host.
 using PlacementsTried = std::set<std::tuple<std::size_t, int, SavedSet, i64, bool>>;
@@ -1072,18 +1092,19 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
       for (const bool msp : {false, true}) {
         if (!(msp ? req.msp == 1 || weighed : req.msp != 1)) continue;
         if (msp && (!msp_possible(without) || (msp_tasks > 0 && without.pp * without.subseqs > msp_tasks))) continue;
+        if (msp && pl.backward == sched::BackwardOrder::Layer) continue;
         SearchCandidate cand;
         cand.plan = msp ? with_msp(without) : without;
         cand.pl = pl;
         const plan::Plan& p = cand.plan;
         // A set the layout cannot recompute whole may equal one already tried there.
-        const std::size_t variant = base * 2 + (msp ? 1 : 0);
+        const std::size_t variant = (base * 2 + (msp ? 1 : 0)) * 2 + (pl.backward == sched::BackwardOrder::Layer ? 1 : 0);
         if (!tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second) continue;
         cand.key = {variant, int(pl.kv), p.recompute, pl.mlp_tile_rows};
         cand.group = (variant * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0);
         cand.level = std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
-          return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && (o.recompute & pl.recompute) == o.recompute &&
-                 o.recompute != pl.recompute;
+          return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && o.backward == pl.backward &&
+                 (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
         }));
         cands.push_back(std::move(cand));
       }
@@ -1118,12 +1139,18 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
   const int shards = p.zero == 1 ? p.sp * p.dp : 1;
   const i64 heads_share = TpShard{0, p.tp}.local_heads(c);
   const i64 before_last = (ctx.S - p.lengths.back()) / p.sp;
-  const i64 kv_acc = pl.kv == sched::KvPlace::Device ? (ctx.kv_pt + ctx.acc_pt) * heads_share / c.heads : 0;
+  // The paper's backward order holds every layer's dK/dV sums at the end of B(N-1); the
+  // layer-major one, one layer's (and every layer's K/V) at the end of B(L-1, N-1).
+  const bool layer_major = pl.backward == sched::BackwardOrder::Layer;
+  const bool on_device = pl.kv == sched::KvPlace::Device;
+  const i64 kv_dev = on_device ? ctx.kv_pt * heads_share / c.heads : 0;
+  const i64 acc_dev = on_device ? ctx.acc_pt * heads_share / c.heads : 0;
   // A Recompute layer keeps no K/V, and sums its dK/dV into the layer input's gradient
   // (H fp32 a position, not 2H).
-  const i64 per_token =
-      ctx.unit_pt(p.recompute) +
-      (pl.kv == sched::KvPlace::Recompute ? i64(c.hidden) * rules.accum_bytes : ctx.kv_pt + ctx.acc_pt);
+  const bool kv_kept = pl.kv != sched::KvPlace::Recompute;
+  const i64 sums_pt = kv_kept ? ctx.acc_pt : i64(c.hidden) * rules.accum_bytes;
+  const i64 per_token = ctx.unit_pt(p.recompute) + (kv_kept ? ctx.kv_pt : 0) + (layer_major ? 0 : sums_pt);
+  const i64 once_pt = layer_major ? sums_pt : 0;  // a token's sums of the one layer alive
   const i64 head_grad_pt = in_set(p.recompute, kSavedHeadGrad) ? 0 : i64(c.hidden) * rules.act_bytes();
   // Stage by stage: its weights (tensor parallelism divides them and the K/V by heads;
   // member 0's shards are the largest); the device holds them with the K/V and the
@@ -1143,7 +1170,7 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
     const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
                                 : sched::param_count(c, first, end, first == 0, end == c.layers);
     const i64 weights = ctx.device_fixed(params, shards, state_host);
-    mem = std::max(mem, weights + i64(n) * kv_acc * before_last);
+    mem = std::max(mem, weights + (i64(n) * kv_dev + (layer_major ? 1 : n) * acc_dev) * before_last);
     i64 held = before_last;
     if (p.msp) {
       held = 0;
@@ -1151,7 +1178,7 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
         if (k < N - 1) held += p.lengths[std::size_t(k)];
       held /= p.sp;
     }
-    const i64 saved = (i64(n) * per_token + (end == c.layers ? head_grad_pt : 0)) * held / p.tp;
+    const i64 saved = (i64(n) * per_token + once_pt + (end == c.layers ? head_grad_pt : 0)) * held / p.tp;
     const i64 spilled = std::max<i64>(0, weights + saved - ctx.budget);
     host = std::max(host, ctx.host_fixed(params, shards, state_host) + spilled);
     first = end;

@@ -180,10 +180,41 @@ TEST(Solver, RecomputingFitsWhatTheDeviceCacheCannot) {
   device_only.kv_cache = "device";
   device_only.recompute_auto = false;
   EXPECT_FALSE(sim::solve_plan(device_only).ok);
-  const auto short_one = sim::solve_plan(request("gpt-7b", i64(1) << 20, 32, "sppo"));
+  // In the paper's backward order; the layer-major one's faster layouts at 1M keep the
+  // K/V on the host (LayerMajorBackwardFitsWhatThePapersOrderCannot).
+  auto short_req = request("gpt-7b", i64(1) << 20, 32, "sppo");
+  short_req.backward_order = "subseq";
+  const auto short_one = sim::solve_plan(short_req);
   ASSERT_TRUE(short_one.ok) << short_one.error;
   EXPECT_TRUE(short_one.plan.kv_recompute_layers.empty() && short_one.plan.kv_host_layers.empty());
   EXPECT_EQ(short_one.plan.recompute, 0u);
+}
+
+// The layer-major backward (Note [Layer-major backward]): llama-3-8b at 512K on one H200
+// fits only in it (every layer's dK/dV sums do not fit beside the K/V in the paper's
+// order); the plan carries the order through its JSON, and its schedule simulates to the
+// plan's step. --backward-order layer never plans a pipeline of several stages.
+TEST(Solver, LayerMajorBackwardFitsWhatThePapersOrderCannot) {
+  auto req = request("llama-3-8b", i64(512) << 10, 1, "sppo");
+  req.hardware = "h200";
+  req.hw = load_profile("h200");
+  req.backward_order = "subseq";
+  EXPECT_FALSE(sim::solve_plan(req).ok);
+  req.backward_order = "auto";
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  EXPECT_EQ(out.plan.backward_order, "layer");
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(out.plan).dump()));
+  EXPECT_EQ(q.backward_order, "layer");
+  EXPECT_EQ(sim::plan_schedule(q).backward, sched::BackwardOrder::Layer);
+  const auto r = sim::simulate_plan(q, load_profile("h200"));
+  EXPECT_NEAR(r.step_time_s, out.plan.predicted.step_time_s, 1e-9 * out.plan.predicted.step_time_s);
+  auto layered = request("gpt-7b", i64(256) << 10, 16, "sppo");
+  layered.backward_order = "layer";
+  const auto one_stage = sim::solve_plan(layered);
+  ASSERT_TRUE(one_stage.ok) << one_stage.error;
+  EXPECT_EQ(one_stage.plan.pp, 1);
+  EXPECT_EQ(one_stage.plan.backward_order, "layer");
 }
 
 // Note [Optimizer state under a budget]: gpt-7b's weights, gradients and AdamW state (16 B
@@ -277,9 +308,12 @@ TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
 // had no ring, not at all (128K: tp 8 dp 16 looked 0.54 s a step faster than it runs, 632.7
 // against 623.9). At 512K adaptive ties full with the K/V on the device (every copy hides)
 // and wins by a placement that lets a faster layout fit (the K/V on the host).
+// The paper's configurations run its backward order (the layer-major one, on layouts of one
+// stage, outruns MSP's pipelines here: docs/planning.md).
 TEST(Solver, ThePapersOrderOfOffloadAndMsp) {
   for (const i64 S : {i64(128) * 1024, i64(512) * 1024}) {
     auto req = request("gpt-13b", S, 128, "sppo");
+    req.backward_order = "subseq";
     req.msp = 0;
     req.offload = sim::OffloadMode::Full;
     const auto full = sim::solve_plan(req);
