@@ -441,9 +441,10 @@ void print_start(const Run& r) {
   const StepSetup& s = r.s;
   const ModelConfig& c = s.config;
   const ParallelLayout& lay = s.layout;
-  std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s%s | data %s | %d threads%s\n",
+  std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s%s%s | data %s | %d threads%s\n",
                o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
                (long long)o.step.seq_len, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
+               s.schedule.backward == sched::BackwardOrder::Layer ? " | backward a layer at a time" : "",
                s.runtime->state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
                omp_get_max_threads(), layout_text(lay).c_str());
   std::fprintf(stderr,
