@@ -1471,6 +1471,10 @@ void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best)
   if (best.recompute != req.recompute)
     best.notes.push_back("backward recomputes " + recompute_tensors_text(best.recompute) + " (" + why_wider +
                          "; train --recompute-tensors " + recompute_tensors_text(best.recompute) + ")");
+  if (best.backward_order == "layer")
+    best.notes.push_back(std::string("the backward runs a layer at a time, one layer's dK/dV sums alive (") +
+                         (req.backward_order == "layer" ? "--backward-order layer" : why_wider) +
+                         "; train --backward-order layer)");
   if (best.zero == 1)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
                          " ranks of each stage's gradient all-reduce");
