@@ -322,7 +322,7 @@ void add_plan_commands(CLI::App& app, Commands& out) {
       ->capture_default_str();
   p->add_option("--backward-order", plan.backward_order,
                 "The backward's order (as train --backward-order): subseq (the paper's), layer (the layers from "
-                "the last, one layer's dK/dV sums at a time; layouts of one pipeline stage), or auto (layer only "
+                "the last, one layer's dK/dV sums at a time; not with MSP), or auto (layer only "
                 "where nothing fits otherwise)")
       ->capture_default_str();
   p->add_option("--recompute-tensors", plan.recompute_tensors,

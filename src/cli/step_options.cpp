@@ -139,7 +139,8 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
   cmd->add_option("--backward-order", o.backward_order,
                   "The backward's order: subseq (the paper's: the subsequences in reverse, each through every "
                   "layer), layer (the layers from the last, each over every subsequence, so that one layer's "
-                  "dK/dV sums live at a time; one pipeline stage), or auto (the plan's under --plan, else "
+                  "dK/dV sums live at a time; each pipeline stage's layers, not with --msp on), or auto (the "
+                  "plan's under --plan, else "
                   "layer where subseq does not fit the budgets)")
       ->capture_default_str();
   cmd->add_option("--recompute-tensors", o.recompute_tensors,

@@ -215,9 +215,9 @@ Plan plan_from_json(const nlohmann::json& j) {
       << "plan: optimizer_state must be device or host (got '" << p.optimizer_state << "')";
   SPPO_CHECK(p.backward_order == "subseq" || p.backward_order == "layer", "planner")
       << "plan: backward_order must be subseq or layer (got '" << p.backward_order << "')";
-  SPPO_CHECK(p.backward_order == "subseq" || (p.pp == 1 && !p.msp), "planner")
-      << "plan: backward_order layer runs inside one pipeline stage, but the plan has pp " << p.pp
-      << (p.msp ? " and msp" : "") << "; use backward_order subseq";
+  SPPO_CHECK(p.backward_order == "subseq" || !p.msp, "planner")
+      << "plan: backward_order layer does not run MSP's pieces, and the plan has msp; use backward_order subseq "
+         "or msp false";
   SPPO_CHECK(p.ring_layout == "zigzag" || p.ring_layout == "contiguous", "planner")
       << "plan: ring_layout must be zigzag or contiguous (got '" << p.ring_layout << "')";
   SPPO_CHECK(p.gpus >= 1 && p.gpus <= kMaxPlanDevices && p.gpus_per_node >= 1, "planner")

@@ -511,10 +511,12 @@ class PipelineBuilder {
 Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec).build(); }
 
 // Note [Layer-major backward]: the forward runs as in the paper's order; the backward takes
-// the layers from the last, each over the subsequences in reverse. Each subsequence's
-// backward block of the paper's order (its prefetch of the next subsequence to come back,
-// its ring steps, its B, the waits that follow) becomes one block per layer, the same ops on
-// that layer alone, and the blocks run layer by layer. So:
+// each stage's layers from the last, each over the subsequences in reverse. Each
+// subsequence's backward block of the paper's order (the gradient received from the next
+// stage, the prefetch of the next subsequence to come back, its ring steps, its B, the
+// waits that follow, the gradient sent to the previous stage) becomes one block per layer,
+// the same ops on that layer alone, and the blocks run layer by layer; a block receives on
+// the stage's last layer and sends on its first. So:
 //  - a layer's dK/dV sums are allocated by its first backward (on B(l, N-1)) and the last
 //    rows go with B(l, 0): one layer's sums are alive at a time, not every layer's;
 //  - a prefetch brings back one layer's part of its subsequence's unit (the last layer's
@@ -522,28 +524,34 @@ Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec)
 //  - the residual gradient of every subsequence waits between its layers: [S, H] in the
 //    activation type on the device from the first layer's backward to the last's;
 //  - a weight gradient is complete after B(l, 0), so its bucket's reduction starts while
-//    the layers below run.
-// Only one stage (pp 1): between stages, the previous stage would wait for this stage's
-// whole backward before its first. The builders refuse it there (and under MSP).
+//    the layers below run;
+//  - between pipeline stages a stage sends its first gradient only in its last pass, so
+//    the stage before waits for its whole backward: the stages' backwards run one after
+//    another, not overlapped (the simulator prices it; the planner weighs it).
+// MSP's pieces borrow a stage's weights per task, which this order does not pair: refused.
 Schedule to_layer_major(Schedule s) {
   if (s.backward == BackwardOrder::Layer) return s;
+  auto hidden_grad = [](const Op& op) { return is_hidden_message(op) && op.payload == Payload::HiddenGrad; };
+  // The ops a backward block begins with.
+  auto starts_block = [&](const Op& op) {
+    return op.kind == OpKind::Prefetch || op.kind == OpKind::Backward ||
+           (op.kind == OpKind::RingStep && op.payload == Payload::KVGrad) ||
+           (op.kind == OpKind::Recv && hidden_grad(op));
+  };
   for (int r = 0; r < s.ranks; ++r) {
     std::vector<Op>& ops = s.ops[std::size_t(r)];
     for (const Op& op : ops)
-      SPPO_CHECK(!(op.kind == OpKind::Send || op.kind == OpKind::Recv), "options")
-          << "the layer-major backward (--backward-order layer) runs inside one pipeline stage: give --pp 1 "
-             "without --msp, or --backward-order subseq";
+      SPPO_CHECK(!((op.kind == OpKind::Send || op.kind == OpKind::Recv) && !is_hidden_message(op)) &&
+                     !((op.kind == OpKind::Forward || op.kind == OpKind::Backward) && !op.group.empty()),
+                 "options")
+          << "the layer-major backward (--backward-order layer) does not run MSP's pieces: give --msp off, or "
+             "--backward-order subseq";
     // The backward's part: from the first op that belongs to a subsequence's backward block.
     std::size_t first = ops.size();
-    for (std::size_t k = 0; k < ops.size() && first == ops.size(); ++k) {
-      const Op& op = ops[k];
-      if (op.kind == OpKind::Prefetch || op.kind == OpKind::Backward ||
-          (op.kind == OpKind::RingStep && op.payload == Payload::KVGrad))
-        first = k;
-    }
+    for (std::size_t k = 0; k < ops.size() && first == ops.size(); ++k)
+      if (starts_block(ops[k])) first = k;
     if (first == ops.size()) continue;
-    // Blocks: the ops up to and including a B, then the waits for prefetches after it;
-    // all-reduces end the step.
+    // Blocks: from an op that begins one to the next after its B; all-reduces end the step.
     std::vector<std::vector<Op>> blocks;
     std::vector<Op> block, tail;
     bool has_b = false;
@@ -555,7 +563,9 @@ Schedule to_layer_major(Schedule s) {
         continue;
       }
       SPPO_CHECK(tail.empty(), "schedule") << "an op after the step's all-reduces: " << to_string(op);
-      if (has_b && op.kind != OpKind::WaitPrefetch) {
+      SPPO_CHECK(!is_hidden_message(op) || hidden_grad(op), "schedule")
+          << "a forward's message among the backward's ops: " << to_string(op);
+      if (has_b && starts_block(op)) {
         blocks.push_back(std::move(block));
         block.clear();
         has_b = false;
@@ -570,8 +580,12 @@ Schedule to_layer_major(Schedule s) {
     if (!block.empty()) blocks.push_back(std::move(block));
     ops.resize(first);
     for (int l = le - 1; l >= lb; --l)
-      for (const auto& block : blocks)
-        for (Op op : block) {
+      for (const auto& b : blocks)
+        for (Op op : b) {
+          if (is_hidden_message(op)) {  // received on the stage's last layer, sent on its first
+            if ((op.kind == OpKind::Recv && l == le - 1) || (op.kind == OpKind::Send && l == lb)) ops.push_back(op);
+            continue;
+          }
           op.layer_begin = l;
           op.layer_end = l + 1;
           ops.push_back(std::move(op));

@@ -67,8 +67,8 @@ Schedule build_pipeline(const PipelineSpec& spec);
 Schedule expand_tensor_parallel(Schedule s, int tp);  // tp 1: s itself
 
 // The same schedule with a layer-major backward (BackwardOrder::Layer; Note [Layer-major
-// backward] in builders.cpp): one stage (no hidden-state messages) only, else throws
-// naming what runs.
+// backward] in builders.cpp), each stage's layers; throws naming what runs for MSP's
+// pieces.
 Schedule to_layer_major(Schedule s);
 
 // Gives every Offload and Prefetch of `s` the fraction alpha[subseq]. The builders' ops

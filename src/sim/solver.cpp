@@ -954,11 +954,16 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
 // the workspace's [T, F] MLP activation, and a recomputed fc_pre, become [R, F]. The
 // same FLOPs in GEMMs of R rows, which run at the rate of whole ones; the cost model
 // prices the tiles' kernel launches (CostModel::mlp_tiles_s).
-// Each placement runs in the paper's backward order and, on layouts of one stage under
-// --backward-order auto or layer, in the layer-major order too (Note [Layer-major backward]
-// in schedule/builders.cpp): the same ops in another order, so it costs the prefetches'
-// smaller overlap and the residual gradients' rows, and holds one layer's dK/dV sums (on
-// the device, or the host's for streamed K/V) where the paper's order holds every layer's.
+// Note [Layer-major backward in the search]: each placement runs in the paper's backward
+// order and, under --backward-order auto or layer, in the layer-major order too (Note [Layer-major backward] in
+// schedule/builders.cpp): the same ops in another order, so it costs the prefetches'
+// smaller overlap, the residual gradients' rows and, between pipeline stages, the
+// backwards' overlap (a stage sends its first gradient in its last pass), and holds one
+// layer's dK/dV sums (on the device, or the host's for streamed K/V) where the paper's
+// order holds every layer's. It only saves memory, so under auto a third search runs the
+// layer-major twins of the candidates the first two could not fit (SearchState::settled),
+// on layouts of one stage; its schedules have a B op for every (layer, subsequence), and
+// searching every twin took llama-3-8b at 3584K on 8 H100s from 1.2 to 23 s of CPU.
 struct Placement {
   sched::KvPlace kv = sched::KvPlace::Device;
   SavedSet recompute = 0;
@@ -977,6 +982,7 @@ sched::KvPlace kv_choice(const std::string& name) {
 struct PlacementSets {
   Placement first;
   std::vector<Placement> wider;
+  std::vector<Placement> layered;  // --backward-order auto: the first and wider in the layer-major order
 };
 PlacementSets placement_sets(const PlanRequest& req) {
   PlacementSets out;
@@ -1002,12 +1008,10 @@ PlacementSets placement_sets(const PlanRequest& req) {
     wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows, order});
   // --backward-order auto: every placement in the layer-major order too.
   if (req.backward_order == "auto") {
-    const std::size_t paper = wider.size();
-    wider.push_back({first.kv, first.recompute, 0, sched::BackwardOrder::Layer});
-    for (std::size_t k = 0; k < paper; ++k) {
-      Placement pl = wider[k];
+    out.layered.push_back({first.kv, first.recompute, 0, sched::BackwardOrder::Layer});
+    for (Placement pl : wider) {
       pl.backward = sched::BackwardOrder::Layer;
-      wider.push_back(pl);
+      out.layered.push_back(pl);
     }
   }
   return out;
@@ -1040,7 +1044,12 @@ plan::Plan placed(const PlanRequest& req, plan::Plan p, const Placement& pl) {
 // pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
 // x of every earlier position (no tensor parallelism, no ring, no MSP).
 bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
-  if (pl.backward == sched::BackwardOrder::Layer && (p.pp > 1 || req.msp == 1)) return false;  // one stage
+  // The layer-major order: not MSP's pieces; under auto, on layouts of one stage only. A
+  // pipeline loses its backwards' overlap in it, and its schedules have a B op for every
+  // (layer, subsequence): searching them too took llama-3-8b at 3584K on 8 H100s from 1.3
+  // to 23 s of the planner's time, for no plan that won.
+  if (pl.backward == sched::BackwardOrder::Layer && (req.msp == 1 || (p.pp > 1 && req.backward_order == "auto")))
+    return false;
   if (pl.mlp_tile_rows > 0 &&
       (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
     return false;
@@ -1077,7 +1086,8 @@ struct SearchCandidate {
 // LeastStep), since the alpha pass prunes a candidate only by others that share them.
 std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std::vector<plan::Plan>& layouts,
                                             const std::vector<Placement>& pls, bool weigh_msp, int msp_tasks,
-                                            bool state_host, PlacementsTried& tried) {
+                                            bool state_host, PlacementsTried& tried,
+                                            const std::set<FloorKey>& settled) {
   const PlanRequest& req = ctx.req;
   std::vector<SearchCandidate> cands;
   // --msp on runs every layout with MSP; --msp auto, with its first placement, each
@@ -1098,7 +1108,9 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
         cand.pl = pl;
         const plan::Plan& p = cand.plan;
         // A set the layout cannot recompute whole may equal one already tried there.
-        const std::size_t variant = (base * 2 + (msp ? 1 : 0)) * 2 + (pl.backward == sched::BackwardOrder::Layer ? 1 : 0);
+        const bool layer = pl.backward == sched::BackwardOrder::Layer;
+        const std::size_t variant = (base * 2 + (msp ? 1 : 0)) * 2 + (layer ? 1 : 0);
+        if (layer && settled.count({variant - 1, int(pl.kv), p.recompute, pl.mlp_tile_rows})) continue;
         if (!tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second) continue;
         cand.key = {variant, int(pl.kv), p.recompute, pl.mlp_tile_rows};
         cand.group = (variant * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0);
@@ -1259,6 +1271,11 @@ struct SearchState {
   // as a simulation would drop it.
   std::map<FloorKey, i64> device_floors;
   std::map<std::size_t, std::vector<LeastStep>> least_steps;  // by layout variant (key's first)
+  // Candidates that fitted, or whose step was of no use (slower than a plan found): their
+  // twins in the layer-major order, the same ops in another order, are no faster, so only
+  // the twins of candidates that did not fit are searched (Note [Layer-major backward in
+  // the search]).
+  std::set<FloorKey> settled;
 };
 
 // The most AdamW bytes of one rank of layout p (what a floor drops by with the state on
@@ -1283,9 +1300,8 @@ i64 state_bound(const SearchContext& ctx, const plan::Plan& p) {
 // out, for its best alpha under the budget (evaluate). Gives, in `st`: the candidates that
 // fit, the closest miss, and the floors and alpha = 0 steps that prune later candidates.
 void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& cands, const BoundedCandidates& b,
-                bool state_host, SearchState& st) {
+                bool state_host, SearchState& st, double best_tput) {
   const i64 budget = ctx.budget;
-  double best_tput = 0;
   // Note [Pruning the search], continued: the wider search first simulates each group's
   // highest level; a group where that does not fit is dropped whole, and a level that does
   // not fit drops the levels below it.
@@ -1344,8 +1360,12 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
     if (cand.alpha.least_step_s > 0)
       st.least_steps[std::get<0>(ck.key)].push_back(
           {ck.pl.kv, p.recompute, p.mlp_tile_rows, p.msp_reach, cand.alpha.least_step_s});
-    if (cand.alpha.slow) return true;
+    if (cand.alpha.slow) {
+      st.settled.insert(ck.key);
+      return true;
+    }
     if (cand.alpha.fits) {
+      st.settled.insert(ck.key);
       best_tput = std::max(best_tput, ctx.tput(p, cand.alpha.step_time_s));
       st.fits.push_back(std::move(cand));
       return true;
@@ -1402,13 +1422,18 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
 
 // One search over every layout in each of `pls`: the placements, bounds and alpha passes
 // (`weigh_msp` and `msp_tasks` as placement_pass takes them). Adds what it finds to `st`.
+// `prune_by_fits`: candidates no faster than the best plan earlier searches found are of no
+// use (the layer-major twins' search); else only this search's own plans prune.
 void search(const SearchContext& ctx, const std::vector<plan::Plan>& layouts, const std::vector<Placement>& pls,
-            bool weigh_msp, int msp_tasks, SearchState& st) {
+            bool weigh_msp, int msp_tasks, SearchState& st, bool prune_by_fits = false) {
   const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
   const std::vector<SearchCandidate> cands =
-      placement_pass(ctx, layouts, pls, weigh_msp, msp_tasks, state_host, st.placements_tried);
+      placement_pass(ctx, layouts, pls, weigh_msp, msp_tasks, state_host, st.placements_tried, st.settled);
   const BoundedCandidates b = bound_pass(ctx, cands);
-  alpha_pass(ctx, cands, b, state_host, st);
+  double best_tput = 0;
+  if (prune_by_fits)
+    for (const Candidate& f : st.fits) best_tput = std::max(best_tput, ctx.tput(f.plan, f.alpha.step_time_s));
+  alpha_pass(ctx, cands, b, state_host, st, best_tput);
   st.layouts_tried += int(cands.size());
 }
 
@@ -1538,15 +1563,18 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   const PlacementSets placements = placement_sets(req);
   const Placement& first = placements.first;
   const std::vector<Placement>& wider = placements.wider;
+  const std::vector<Placement>& layered = placements.layered;
   SearchState st;
   search(ctx, layouts, {first}, true, 0, st);
   double first_best = 0;  // tokens/GPU/s of the best plan of the first placement, as searched
   for (const Candidate& f : st.fits) first_best = std::max(first_best, ctx.tput(f.plan, f.alpha.step_time_s));
   if (!wider.empty()) search(ctx, layouts, wider, false, st.fits.empty() ? 0 : kMspWiderTasks, st);
+  if (!layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
   if (st.fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
     for (plan::Plan& p : layouts) p.optimizer_state = "host";
     search(ctx, layouts, {first}, false, 0, st);
     if (st.fits.empty() && !wider.empty()) search(ctx, layouts, wider, false, 0, st);
+    if (st.fits.empty() && !layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
   }
   return rank_pass(ctx, st, first_best);
 }

@@ -476,15 +476,14 @@ class SetupBuilder {
     if (o_.kv_cache == "recompute") shape_.kv_place = all_layers(sched::KvPlace::Recompute);
     if (o_.kv_cache == "device") shape_.kv_place.clear();
     // The backward's order (Note [Layer-major backward] in schedule/builders.cpp): a layer
-    // at a time runs inside one pipeline stage.
+    // at a time runs inside each pipeline stage, not with MSP's borrowed weights.
     SPPO_CHECK(o_.backward_order == "subseq" || o_.backward_order == "layer" || o_.backward_order == "auto",
                "options")
         << "--backward-order '" << o_.backward_order << "' is unknown; use subseq, layer or auto";
-    layer_ok_ = shape_.pp == 1 && !shape_.msp;
+    layer_ok_ = !shape_.msp;
     SPPO_CHECK(o_.backward_order != "layer" || layer_ok_, "options")
-        << "--backward-order layer runs the backward a layer at a time inside one pipeline stage; between stages "
-           "the previous stage would wait for this stage's whole backward. Use --pp 1 (and --msp off), or "
-           "--backward-order subseq";
+        << "--backward-order layer runs the backward a layer at a time inside each pipeline stage, which MSP's "
+           "pieces on borrowed weights do not; use --msp off, or --backward-order subseq";
     if (o_.backward_order == "layer" || (o_.backward_order == "auto" && from_plan_))
       shape_.backward = o_.backward_order == "layer" ? sched::BackwardOrder::Layer
                                                      : sched::parse_backward_order(from_plan_->backward_order);

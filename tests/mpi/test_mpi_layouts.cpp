@@ -364,23 +364,34 @@ TEST_F(Layouts, RecomputedTensorsAndKv) {
   check(4, "--pp 2 --tp 2 --subseqs 3 --recompute-tensors all,head_grad", "ref1");
 }
 
-// The layer-major backward (--backward-order layer, Note [Layer-major backward]) inside one
-// stage of every other layout: the ring (each layer's steps on that layer alone), tensor
-// parallelism, replicas (each layer's bucket reduced as soon as B(l, 0) ends), with K/V on
-// the host, offload, recomputed tensors and packed documents; the device and host peaks
-// are the memory model's to the byte. Between pipeline stages it is refused before any work.
+// The layer-major backward (--backward-order layer, Note [Layer-major backward]) under every
+// other layout: the ring (each layer's steps on that layer alone), tensor parallelism,
+// replicas (each layer's bucket reduced as soon as B(l, 0) ends), pipeline stages (a stage
+// receives its gradients in its last layer's pass and sends them in its first's), with K/V
+// on the host, offload, recomputed tensors and packed documents; the device and host peaks
+// are the memory model's to the byte without offload. (With offload, one layer's sums at a
+// time can leave the step's peak in the forward, beside an offload whose copy is still
+// running: the device frees its bytes when the copy ends, on this machine's clock, not the
+// simulator's.) With MSP it is refused before any work.
 TEST_F(Layouts, LayerMajorBackward) {
-  check_peaks(2, "--cp 2 --ring zigzag --subseqs 3 --offload 0.5 --backward-order layer", "ref1", kModel, true);
+  check(2, "--cp 2 --ring zigzag --subseqs 3 --offload 0.5 --backward-order layer", "ref1");
   check_peaks(2, "--cp 2 --ring contiguous --subseqs 4 --kv-cache host --backward-order layer", "ref1", kModel, true);
   check_peaks(2, "--tp 2 --subseqs 3 --offload 0.5 --recompute-tensors fc_pre,head_grad --backward-order layer", "ref1",
               kModel, true);
   check(4, "--tp 2 --cp 2 --subseqs 2 --backward-order layer", "llama1", kLlama);
   check(2, "--dp 2 --zero 1 --subseqs 3 --kv-cache recompute --offload full --backward-order layer", "ref2");
   check_peaks(2, "--cp 2 --subseqs 3 --kv-cache host --backward-order layer", "packed", packed_, true);
-  const auto r = mpirun(2, "grads " + kModel + " --pp 2 --subseqs 3 --backward-order layer --out " + tmp_->path() +
-                               "/refused");
+  check_peaks(2, "--pp 2 --subseqs 4 --backward-order layer", "ref1", kModel, true);
+  check_peaks(2, "--pp 2 --subseqs 3 --kv-cache host --recompute-tensors all,head_grad --backward-order layer", "ref1",
+              kModel, true);
+  check(2, "--pp 2 --subseqs 4 --offload 0.5 --backward-order layer", "ref1");
+  check(4, "--pp 2 --cp 2 --subseqs 3 --backward-order layer", "ref1");
+  check(4, "--pp 2 --dp 2 --subseqs 3 --kv-cache recompute --backward-order layer", "ref2");
+  check(2, "--pp 2 --subseqs 3 --backward-order layer", "tied1", kTied);
+  const auto r = mpirun(2, "grads " + kModel + " --pp 2 --subseqs 3 --msp on --backward-order layer --out " +
+                               tmp_->path() + "/refused");
   EXPECT_EQ(r.status, 2) << r.output;
-  EXPECT_NE(r.output.find("--pp 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--msp off"), std::string::npos) << r.output;
 }
 
 // MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and

@@ -192,8 +192,16 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     if (std::string(c.kv_cache) == "auto") {
       EXPECT_FALSE(s.schedule.kv_place.empty()) << what << ": the budget should have put some K/V on the host";
     }
-    EXPECT_EQ(s.runtime->device().stats().peak, s.predicted_peak_bytes) << what;
-    EXPECT_EQ(r.device.peak, s.predicted_peak_bytes) << what;
+    // The layer-major backward holds one layer's dK/dV sums, so its peak can fall in the
+    // forward beside an offload still copying, whose device bytes go when the copy ends on
+    // this machine's clock rather than the simulator's: there the peak is held within 3%.
+    const bool in_flight = std::string(c.backward) != "subseq" && std::string(c.offload) != "none";
+    if (in_flight) {
+      EXPECT_NEAR(double(r.device.peak), double(s.predicted_peak_bytes), 0.03 * double(s.predicted_peak_bytes)) << what;
+    } else {
+      EXPECT_EQ(s.runtime->device().stats().peak, s.predicted_peak_bytes) << what;
+      EXPECT_EQ(r.device.peak, s.predicted_peak_bytes) << what;
+    }
     // The host tier holds the offloaded copies; the simulator's host peak is theirs.
     EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;
     if (s.schedule.kv_place.empty() && !s.runtime->state_on_host()) {
