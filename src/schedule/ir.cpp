@@ -329,6 +329,7 @@ std::string to_string(const Schedule& s) {
   if (s.recompute) os << " recompute=" << recompute_tensors_text(s.recompute);
   if (s.mlp_tile_rows) os << " mlp_tile_rows=" << s.mlp_tile_rows;
   if (s.backward != BackwardOrder::Subseq) os << " backward=" << to_string(s.backward);
+  if (s.weights_host) os << " weights=host";
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {
     os << "rank " << r << ":\n";

@@ -190,6 +190,12 @@ struct Schedule {
   // The order of each stage's backward; Layer: its B ops and their prefetches, ring steps
   // and waits are of one layer each (layer_major).
   BackwardOrder backward = BackwardOrder::Subseq;
+  // Where the transformer layers' weights live between their uses (--weights host; Note
+  // [Weights on the host] in schedule/weights.h): false, on the device all step; true, on
+  // the host, each layer's working copy brought to the device one layer ahead of the F/B
+  // op that uses it and each layer's fp32 gradient on the device from its first backward
+  // to its last. The embedding, final norm and LM head stay on the device either way.
+  bool weights_host = false;
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.
   bool packed = false;

@@ -36,6 +36,18 @@ i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp) {
   return total_bytes(parameter_specs(c, b, e, tp)) / i64(sizeof(float));
 }
 
+i64 layer_copy_bytes(const ModelConfig& c, ActPrecision p, const TpShard& tp) {
+  const int act = p == ActPrecision::F32 ? 4 : 2;
+  i64 bytes = 0;
+  for (const TensorSpec& t : parameter_specs(c, 0, 1, tp)) {
+    if (t.name.rfind("blocks.", 0) != 0) continue;  // the embedding (and a one-layer model's head)
+    const bool norm = t.name.find(".ln1.") != std::string::npos || t.name.find(".ln2.") != std::string::npos ||
+                      t.name.find("_norm.") != std::string::npos;
+    bytes += t.numel() * (norm ? 4 : act);
+  }
+  return bytes;
+}
+
 i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index, const TpShard& tp) {
   std::vector<i64> buckets;
   const auto [v0, v1] = tp.vocab(c);
@@ -143,14 +155,27 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     }
     owned_params_ = params;
     state_params_ = state;
-    fixed_terms_[int(MemTerm::Weights)] = params * rules.weight_bytes();
-    fixed_terms_[int(MemTerm::WeightCopy)] = params * rules.weight_copy_bytes;
-    fixed_terms_[int(MemTerm::Gradients)] = params * rules.grad_bytes;
+    // Note [Weights on the host]: the device keeps the embedding, final norm and head only.
+    const i64 layers = s.weights_host ? i64(oe - ob) * layer_params(c, tp_) : 0, resident = params - layers;
+    resident_params_ = resident;
+    SPPO_CHECK(!s.weights_host || (rules.optimizer_host && state == params), "memory")
+        << "the layers' weights on the host are the optimizer's master there: --weights host needs "
+           "--optimizer-state host, without --zero 1";
+    fixed_terms_[int(MemTerm::Weights)] = resident * rules.weight_bytes();
+    fixed_terms_[int(MemTerm::WeightCopy)] = resident * rules.weight_copy_bytes;
+    fixed_terms_[int(MemTerm::Gradients)] = resident * rules.grad_bytes;
     fixed_terms_[int(MemTerm::Optimizer)] = state * rules.device_state_bytes();
     if (rules.optimizer_host) {
       host_fixed_terms_[int(MemTerm::Weights)] = state * rules.weight_bytes();
       host_fixed_terms_[int(MemTerm::Gradients)] = state * rules.grad_bytes;
       host_fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
+    }
+    if (s.weights_host) {
+      layer_w_ = layer_copy_bytes(c, rules.precision, tp_);
+      layer_g_ = layer_params(c, tp_) * rules.grad_bytes;
+      // In bf16 the copies bring a working copy the host keeps converted beside its master.
+      if (rules.precision != ActPrecision::F32) host_fixed_terms_[int(MemTerm::WeightCopy)] = (oe - ob) * layer_w_;
+      uses_ = LayerUses(s, rank);
     }
   }
   fixed_terms_[int(MemTerm::StepInputs)] = step_input_bytes(rules.model, s.seq_len(), s.targets_given());
@@ -393,6 +418,22 @@ i64 RankMemory::offloaded_layers(int subseq, int b, int e) const {
   return bytes;
 }
 
+void RankMemory::layer_in(std::vector<MemEvent>* out, size_t index, int k, double at) {
+  if (uses_.empty() || uses_.first(index) == uses_.last(index)) return;
+  const LayerUse& u = uses_.at(index, k);
+  if (u.load_now >= 0) emit(out, at, layer_w_, MemTerm::LayerWeights);
+  if (u.load_next >= 0) emit(out, at, layer_w_, MemTerm::LayerWeights);
+  if (u.grad_first) emit(out, at, layer_g_, MemTerm::LayerGrads);
+}
+
+void RankMemory::layer_out(std::vector<MemEvent>* out, size_t index, int k, double at) {
+  if (uses_.empty() || uses_.first(index) == uses_.last(index)) return;
+  const LayerUse& u = uses_.at(index, k);
+  for (int l : u.grad_free)
+    if (l >= 0) emit(out, at, -layer_g_, MemTerm::LayerGrads);
+  if (u.weights_free) emit(out, at, -layer_w_, MemTerm::LayerWeights);
+}
+
 void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
   using T = MemTerm;
   const int L = s_.layers;
@@ -430,6 +471,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         const int l = op.layer_begin + k;
         const double at = double(k) / n, end = double(k + 1) / n;
         const i64 window = kv_window(l, op.subseq, T, span_rows, false);
+        layer_in(out, index, k, at);
         if (k > 0 || input_held) move(out, at, x_bytes, T::Hidden, T::Units);
         emit(out, at, kv, T::KVCache);
         emit(out, at, unit - (k > 0 || input_held ? x_bytes : 0), T::Units);
@@ -444,6 +486,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (rc) emit(out, end, -rc, T::Recomputed);
         if (streamed(l)) emit(out, end, -kv, T::KVCache);
         if (streamed(l) && s_.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
+        layer_out(out, index, k, end);
       }
       if (op.layer_end == L && loss_in_backward()) {  // Note [The loss in backward]: no head here
         emit(out, 1.0, -x_bytes, T::Hidden);
@@ -468,6 +511,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
         const double at = double(k) / n, end = double(k + 1) / n;
+        layer_in(out, index, k, at);
         emit(out, at, ws, T::Workspace);
         if (rc) emit(out, at, rc, T::Recomputed);
         if (streamed(l)) {
@@ -517,6 +561,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (rc) emit(out, end, -rc, T::Recomputed);
         if (ring) emit(out, end, -ring, T::RingBuffers);
         emit(out, end, -ws, T::Workspace);
+        layer_out(out, index, k, end);
       }
       // The residual gradient runs through every layer: freed at the end on the first
       // stage, else handed to the sends towards the previous stage.
@@ -642,6 +687,8 @@ const char* to_string(MemTerm t) {
     case MemTerm::BorrowedWeights: return "MSP borrowed weights";
     case MemTerm::BorrowedGrads: return "MSP borrowed gradients";
     case MemTerm::StepInputs: return "token ids and loss sum";
+    case MemTerm::LayerWeights: return "layers' weights brought from the host";
+    case MemTerm::LayerGrads: return "layers' gradients before they go to the host";
     case MemTerm::kCount: break;
   }
   SPPO_ASSERT(false);

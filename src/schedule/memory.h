@@ -10,6 +10,15 @@
 //    device keeps the weights and gradients, and the host tier holds, for the parameters
 //    whose state the rank keeps, an fp32 master copy, AdamW m, v and a copy of their
 //    gradients, fixed for the run (host_fixed_terms).
+//  - With the layers' weights on the host (Schedule::weights_host, Note [Weights on the
+//    host] in schedule/weights.h) the fixed part keeps only the embedding's, the final
+//    norm's and the LM head's weights and gradients; each layer's working copy is held
+//    (MemTerm::LayerWeights) from the start of the use before its own (the rank's first:
+//    its own) to the end of its last use in a row, and its fp32 gradient
+//    (MemTerm::LayerGrads) from the start of its first backward to the end of the use after
+//    its last (LayerUses says which). The host's fixed part is the optimizer state's: its
+//    fp32 master is the layers' weights and its gradients' copy their gradients (in bf16 it
+//    also keeps the layers' working copies, which the copies bring over).
 //  - F(i), per layer: workspace (kernel scratch included) for the layer's duration; K_i, V_i (skeletal, until B(i)
 //    of that layer) and the unit U(l, i) (offloadable); the layer's output [T, H], which is
 //    the next layer's saved input (so part of its unit), or, after the last layer, the
@@ -77,6 +86,7 @@
 #include "core/config.h"
 #include "core/layout.h"
 #include "schedule/ir.h"
+#include "schedule/weights.h"
 
 namespace sppo::sched {
 
@@ -133,6 +143,10 @@ i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index,
 // holds them (parameter_specs(c, b, e, tp)).
 i64 layer_params(const ModelConfig& c, const TpShard& tp);
 i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp);
+// Bytes of one layer's working copy on the device (Note [Weights on the host]): the
+// tensors the GEMMs read in the activation type, the norms' weights in fp32 (the kernels
+// read them so); in fp32 the layer's weights.
+i64 layer_copy_bytes(const ModelConfig& c, ActPrecision p, const TpShard& tp = {});
 
 // Peak device bytes of the full-recomputation baseline (one process, the whole sequence
 // of S tokens as one subsequence): the runtime keeps each block's input through forward
@@ -165,6 +179,8 @@ enum class MemTerm {
   BorrowedWeights,  // MSP helpers' working copy of another stage's weights
   BorrowedGrads,    // and its fp32 weight gradients until they go home
   StepInputs,       // the step's token ids and loss sum
+  LayerWeights,     // --weights host: working copies of the layers in use and next (Note [Weights on the host])
+  LayerGrads,       // --weights host: fp32 gradients of the layers the backward has reached and not let go
   kCount
 };
 inline constexpr int kMemTerms = int(MemTerm::kCount);
@@ -215,6 +231,9 @@ class RankMemory {
   const std::array<i64, kMemTerms>& host_fixed_terms() const { return host_fixed_terms_; }
   // Parameters of the owned layers, and those whose AdamW state this rank keeps.
   i64 owned_params() const { return owned_params_; }
+  // Of them, those the device keeps all step: every one, or with the layers' weights on the
+  // host the embedding's, final norm's and LM head's.
+  i64 resident_params() const { return resident_params_; }
   i64 state_params() const { return state_params_; }
   // Appends the events of `op` to `out`: every op of this rank, by reference into the
   // schedule, in program order.
@@ -244,6 +263,9 @@ class RankMemory {
   i64 ws_per_token() const { return ws_pt_; }
   i64 head_grad_per_token() const { return head_pt_; }
   i64 acc_per_token() const { return acc_pt_; }
+  // --weights host: the device bytes of one layer's working copy and of its gradient.
+  i64 layer_copy() const { return layer_w_; }
+  i64 layer_grad() const { return layer_g_; }
   // Host bytes a position's dK/dV sums take on layer l: 2H fp32 (Device and Host layers'
   // dK, dV), or H fp32 (a Recompute layer's d(LayerNorm-1 output)).
   i64 sums_per_token(int l) const { return s_.kv_recomputed(l) ? i64(rules_.model.hidden) * rules_.accum_bytes : acc_pt_; }
@@ -283,7 +305,7 @@ class RankMemory {
   std::array<i64, kMemTerms> fixed_terms_{};
   i64 host_fixed_ = 0;
   std::array<i64, kMemTerms> host_fixed_terms_{};
-  i64 owned_params_ = 0, state_params_ = 0;
+  i64 owned_params_ = 0, state_params_ = 0, resident_params_ = 0;
   i64 kv_pt_ = 0, unit_pt_ = 0, rc_pt_ = 0, ws_pt_ = 0, head_pt_ = 0, acc_pt_ = 0, weight_work_pp_ = 0;
   std::vector<i64> acc_tokens_;        // per layer: positions whose K, V this rank holds
   std::vector<bool> acc_live_;         // per layer: accumulators allocated
@@ -321,6 +343,11 @@ class RankMemory {
   std::map<size_t, i64> posted_at_;                // op index -> receive buffers allocated at its start
   std::set<std::pair<int, int>> borrowed_grads_;   // borrowed layer ranges with gradients
   size_t next_ = 0;                                // index of the next op of this rank
+  LayerUses uses_;                                 // --weights host: the own layers' uses
+  i64 layer_w_ = 0, layer_g_ = 0;                  // their working copy's and gradient's bytes
+  // Events of the weights and gradients at the start (end) of F/B op `index`'s k-th layer.
+  void layer_in(std::vector<MemEvent>* out, size_t index, int k, double at);
+  void layer_out(std::vector<MemEvent>* out, size_t index, int k, double at);
   std::pair<int, int> own_;                        // owned layers [begin, end)
   i64 host_ = 0;
   i64 live_ = 0;

@@ -221,11 +221,15 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const std::string Ps = p.zero ? num(double(state)) + " (this rank's ZeRO-1 shard, P / " + std::to_string(p.sp * p.dp) + ")"
                                 : std::string("P");
   const bool state_host = rules.optimizer_host;
-  lines.push_back({Row::Weights, at(sched::MemTerm::Weights) + at(sched::MemTerm::WeightCopy),
-                   on_host(sched::MemTerm::Weights),
+  // A plan keeps its layers' weights on the device; a schedule with them on the host (Note
+  // [Weights on the host]) counts the layers in flight and their gradients in these rows.
+  lines.push_back({Row::Weights,
+                   at(sched::MemTerm::Weights) + at(sched::MemTerm::WeightCopy) + at(sched::MemTerm::LayerWeights),
+                   on_host(sched::MemTerm::Weights) + on_host(sched::MemTerm::WeightCopy),
                    "4 B x P (fp32 master weights)" + copy + ", P = " + P +
                        (state_host ? "; the host keeps the update's fp32 master, 4 B x " + Ps : "")});
-  lines.push_back({Row::Gradients, at(sched::MemTerm::Gradients), on_host(sched::MemTerm::Gradients),
+  lines.push_back({Row::Gradients, at(sched::MemTerm::Gradients) + at(sched::MemTerm::LayerGrads),
+                   on_host(sched::MemTerm::Gradients),
                    "4 B x P (fp32)" + (state_host ? "; the host a copy the update reads, 4 B x " + Ps : "")});
   lines.push_back({Row::Optimizer, at(sched::MemTerm::Optimizer), on_host(sched::MemTerm::Optimizer),
                    "8 B x " + Ps + " (AdamW m, v" +

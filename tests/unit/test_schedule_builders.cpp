@@ -10,6 +10,7 @@
 #include "schedule/memory.h"
 #include "schedule/msp.h"
 #include "schedule/validate.h"
+#include "schedule/weights.h"
 
 namespace sppo::sched {
 namespace {
@@ -125,6 +126,84 @@ TEST(LayerMajor, ValidOverAGrid) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--msp off"), std::string::npos) << e.what();
   }
+}
+
+// Note [Weights on the host] (schedule/weights.h): a run of uses of one layer brings its
+// weights once, one layer ahead; each layer's gradient lives from its first backward to
+// the use after its last. So the paper's order brings every layer for every subsequence
+// both ways (the last forward and the first backward share a run), the layer order once a
+// layer in backward; at most two layers' weights are on the device, and in the layer order
+// at most two layers' gradients. Valid over a grid of rings, replicas and stages, every
+// byte freed at the end, and never above the weights on the device.
+TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
+  MemoryRules rules = tiny_rules();
+  rules.model.layers = 4;
+  rules.optimizer_host = true;
+  const int L = 4, N = 3;
+  auto loads = [](const LayerUses& u) {
+    int n = 0;
+    for (const LayerUse& x : u.uses()) n += (x.load_now >= 0) + (x.load_next >= 0);
+    return n;
+  };
+  for (bool layer_major : {false, true}) {
+    Schedule s = build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0});
+    if (layer_major) s = to_layer_major(std::move(s));
+    s.weights_host = true;
+    const LayerUses u(s, 0);
+    ASSERT_EQ(int(u.uses().size()), 2 * N * L);
+    EXPECT_EQ(loads(u), layer_major ? N * L + L - 1 : 2 * N * L - 1) << "layer-major " << layer_major;
+    for (int l = 0; l < L; ++l) {
+      int first = 0, last = 0;
+      for (const LayerUse& x : u.uses()) first += x.layer == l && x.grad_first, last += x.layer == l && x.grad_last;
+      EXPECT_EQ(first, 1);
+      EXPECT_EQ(last, 1);
+    }
+    // What is on the device, event by event.
+    RankMemory mem(rules, s, 0);
+    std::vector<MemEvent> ev;
+    i64 w = 0, g = 0, most_w = 0, most_g = 0;
+    for (const Op& op : s.ops[0]) {
+      ev.clear();
+      mem.events(op, &ev);
+      std::stable_sort(ev.begin(), ev.end(), [](const MemEvent& a, const MemEvent& b) { return a.at < b.at; });
+      for (const MemEvent& e : ev) {
+        if (e.term == MemTerm::LayerWeights) most_w = std::max(most_w, w += e.delta);
+        if (e.term == MemTerm::LayerGrads) most_g = std::max(most_g, g += e.delta);
+      }
+    }
+    EXPECT_EQ(w, 0);
+    EXPECT_EQ(g, 0);
+    EXPECT_EQ(most_w, 2 * mem.layer_copy());
+    EXPECT_EQ(most_g, (layer_major ? 2 : L) * mem.layer_grad()) << "layer-major " << layer_major;
+    EXPECT_EQ(mem.layer_copy(), layer_params(rules.model, {}) * 4);
+    EXPECT_EQ(mem.fixed_bytes() + L * (mem.layer_copy() + mem.layer_grad()),
+              RankMemory(rules, build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0}), 0).fixed_bytes());
+  }
+  for (int pp : {1, 2})
+    for (int sp : {1, 2})
+      for (int dp : {1, 2})
+        for (int n : {1, 2, 5})
+          for (bool layer_major : {false, true}) {
+            if (layer_major && pp > 1) continue;
+            PipelineSpec spec;
+            spec.layers = L;
+            spec.pp = pp;
+            spec.sp = sp;
+            spec.dp = dp;
+            for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
+            spec.alpha.assign(std::size_t(n), 0.5);
+            spec.alpha.back() = 0;
+            Schedule device = build_pipeline(spec);
+            if (layer_major) device = to_layer_major(std::move(device));
+            Schedule host = device;
+            host.weights_host = true;
+            const std::string what = "pp " + std::to_string(pp) + " sp " + std::to_string(sp) + " dp " +
+                                     std::to_string(dp) + " n " + std::to_string(n) + " layer-major " +
+                                     std::to_string(layer_major);
+            const Validation v = validate(host, {&rules, 0}), d = validate(device, {&rules, 0});
+            ASSERT_TRUE(v.ok()) << what << "\n" << v.message();
+            for (int r = 0; r < host.ranks; ++r) EXPECT_LE(v.peak_bytes[r], d.peak_bytes[r]) << what;
+          }
 }
 
 // The validator holds a layer-major backward to its order: a layer before the one above

@@ -1,0 +1,58 @@
+#include "schedule/weights.h"
+
+#include <map>
+
+#include "core/check.h"
+
+namespace sppo::sched {
+
+LayerUses::LayerUses(const Schedule& s, int rank) {
+  if (!s.weights_host) return;
+  const auto& ops = s.ops.at(std::size_t(rank));
+  const auto [ob, oe] = s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
+  first_.reserve(ops.size() + 1);
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    first_.push_back(uses_.size());
+    const Op& op = ops[k];
+    const bool fwd = op.kind == OpKind::Forward, bwd = op.kind == OpKind::Backward;
+    if (!(fwd || bwd) || op.layer_begin < ob || op.layer_end > oe) continue;
+    const int n = op.layer_end - op.layer_begin;
+    for (int j = 0; j < n; ++j) {
+      LayerUse u;
+      u.op = k;
+      u.k = j;
+      u.layer = fwd ? op.layer_begin + j : op.layer_end - 1 - j;
+      u.backward = bwd;
+      uses_.push_back(u);
+    }
+  }
+  first_.push_back(uses_.size());
+  // Each layer's first and last backward use.
+  std::map<int, std::size_t> first_b, last_b;
+  for (std::size_t u = 0; u < uses_.size(); ++u) {
+    if (!uses_[u].backward) continue;
+    first_b.try_emplace(uses_[u].layer, u);
+    last_b[uses_[u].layer] = u;
+  }
+  for (const auto& [l, u] : first_b) uses_[u].grad_first = true;
+  for (const auto& [l, u] : last_b) uses_[u].grad_last = true;
+  const std::size_t n = uses_.size();
+  for (std::size_t u = 0; u < n; ++u) {
+    LayerUse& x = uses_[u];
+    if (u == 0) x.load_now = x.layer;
+    const bool next_other = u + 1 < n && uses_[u + 1].layer != x.layer;
+    if (next_other) x.load_next = uses_[u + 1].layer;
+    x.weights_free = u + 1 == n || next_other;
+    int f = 0;
+    if (u > 0 && uses_[u - 1].grad_last) x.grad_free[std::size_t(f++)] = uses_[u - 1].layer;
+    if (u + 1 == n && x.grad_last) x.grad_free[std::size_t(f++)] = x.layer;
+  }
+}
+
+const LayerUse& LayerUses::at(std::size_t index, int k) const {
+  const std::size_t u = first(index) + std::size_t(k);
+  SPPO_ASSERT_MSG(u < last(index) && uses_[u].k == k, "op " << index << " runs no own layer at position " << k);
+  return uses_[u];
+}
+
+}  // namespace sppo::sched

@@ -1,0 +1,87 @@
+// The transformer layers' weights and gradients on the host (--weights host,
+// Schedule::weights_host): when each layer's working copy comes to the device and goes, and
+// when each layer's gradient is there. One pure function of the schedule, which the memory
+// rules (schedule/memory.h), the simulator (sim/simulator.cpp) and the runtime
+// (runtime/host_weights.h) all read, so that the three agree on every byte and every copy.
+//
+// Note [Weights on the host]: with the fp32 master weights, their gradients and AdamW m, v
+// on the host (--optimizer-state host), what the device still holds of a layer between its
+// uses is its weights (fp32, and in bf16 their working copy) and its fp32 gradient: 8 to 10
+// B a parameter, every layer, all step. A layer's weights are read only by the F and B ops
+// that run it, and its gradient is added to only by the B ops, so:
+//  - Its working copy (the GEMMs' tensors in the activation type, the norms' in fp32; the
+//    fp32 weights themselves in fp32) comes from the host's master on the host-to-device
+//    copy stream while the layer before it computes, and goes when the op is done with it
+//    unless the next use is of the same layer (a layer-major backward runs each layer over
+//    every subsequence): at most the layer in use and the next are on the device. The
+//    rank's first use waits for its copy.
+//  - Its fp32 gradient is allocated at the first backward that touches the layer (zeroed,
+//    or the host's copy when a step accumulates several sequences) and leaves at the end of
+//    the last: all-reduced there over the replicas, then copied to the host's gradients on
+//    the device-to-host copy stream while the next layer computes. Its device bytes are
+//    released at the end of that next use, after the wait for the copy, or at once after
+//    the rank's last use. Both are points of the program, not of the copies' timing, so the
+//    peak is the same under every timing and the memory rules predict it to the byte (as
+//    Note [Host copies leave at the wait] in schedule/memory.h does for offloads). In the
+//    layer-major backward (Note [Layer-major backward] in builders.cpp) that is one layer's
+//    gradient at a time (two while one leaves); in the paper's order every layer's lives
+//    from the first backward to the last, which is allowed but saves only the weights.
+//  - The embedding, the final norm and the LM head stay on the device (their weights in
+//    both precisions and their gradients): the first and last layers' neighbours need them
+//    at every subsequence, and a stage's head runs right after its last layer.
+// What it costs: each F and B op brings each of its layers' weights in (2N copies of the
+// model's layers a step, one in a layer-major backward, in the activation type) and each
+// layer's gradient goes out once (fp32); the simulator prices them on the copy lanes and
+// makes a layer's compute wait for weights that arrive late.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <vector>
+
+#include "schedule/ir.h"
+
+namespace sppo::sched {
+
+// One layer run by one F or B op of a rank.
+struct LayerUse {
+  std::size_t op = 0;  // the op's index in the rank's list
+  int k = 0;           // its k-th layer: layer_begin + k in F, layer_end - 1 - k in B
+  int layer = 0;
+  bool backward = false;
+  // At its start, in this order: the copy of this use's own layer is brought and waited
+  // for (the rank's first use only; later uses find theirs brought by the use before);
+  // the next use's layer is brought, when it is another; the layer's gradient is
+  // allocated, at its first backward.
+  int load_now = -1;
+  int load_next = -1;
+  bool grad_first = false;
+  // At its end, in this order: the gradient's copy to the host starts (its last backward);
+  // the gradients in grad_free are released (the one that left at the previous use, and
+  // at the rank's last use its own); this layer's copy goes, unless the next use is of it.
+  bool grad_last = false;
+  std::array<int, 2> grad_free{-1, -1};
+  bool weights_free = false;
+};
+
+// The uses of a rank's own layers in program order (none unless s.weights_host).
+class LayerUses {
+ public:
+  LayerUses() = default;
+  LayerUses(const Schedule& s, int rank);
+
+  const std::vector<LayerUse>& uses() const { return uses_; }
+  bool empty() const { return uses_.empty(); }
+  // The uses of op `index`, [first, last) into uses(); first == last for an op that runs
+  // no own layer.
+  std::size_t first(std::size_t index) const { return index < first_.size() ? first_[index] : uses_.size(); }
+  std::size_t last(std::size_t index) const { return index + 1 < first_.size() ? first_[index + 1] : uses_.size(); }
+  // The use of op `index`'s k-th layer (ASSERT: there is one).
+  const LayerUse& at(std::size_t index, int k) const;
+
+ private:
+  std::vector<LayerUse> uses_;
+  std::vector<std::size_t> first_;  // [ops + 1]
+};
+
+}  // namespace sppo::sched
