@@ -361,9 +361,9 @@ double CostModel::h2d_s(i64 bytes, bool duplex) const {
   return double(bytes) / (hw_.h2d_bw * (duplex ? hw_.duplex_factor : 1.0));
 }
 
-double CostModel::host_update_s(i64 params) const {
+double CostModel::host_update_s(i64 params, i64 moved) const {
   if (params == 0) return 0;
-  const i64 fp32 = 4 * params;
+  const i64 fp32 = 4 * (moved < 0 ? params : moved);
   const double update = hw_.elementwise_bw > 0 ? double(kHostUpdateBytesPerParam * params) / hw_.elementwise_bw : 0.0;
   return d2h_s(fp32, false) + update + h2d_s(fp32, false);
 }

@@ -180,8 +180,11 @@ class CostModel {
   double d2h_s(i64 bytes, bool duplex) const;
   double h2d_s(i64 bytes, bool duplex) const;
   // Seconds of the optimizer's update of `params` parameters whose state is on the host:
-  // their gradients down, the host's AdamW, their weights up, one after another.
-  double host_update_s(i64 params) const;
+  // the gradients of `moved` of them down (-1: all), the host's AdamW over all, those
+  // weights up, one after another. With the layers' weights on the host (Note [Weights on
+  // the host] in schedule/weights.h) only the embedding's, final norm's and head's move:
+  // the layers' gradients reached the host during the step.
+  double host_update_s(i64 params, i64 moved = -1) const;
   double message_s(i64 bytes, int src, int dst) const;
   bool same_node(int a, int b) const { return a / hw_.devices_per_node == b / hw_.devices_per_node; }
   // Ring all-reduce over `group` of `bytes` per rank. `across_replicas`: the group's

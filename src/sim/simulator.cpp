@@ -52,11 +52,12 @@ struct SimOp {
   i64 bytes = 0;      // Offload, Prefetch, Send, RingStep: the bytes it moves
   sched::MessageKey key;  // Send, Recv, RingStep
   int stream = -1;    // F, B: its streamed K/V chunks (RankEvents::streams), -1: none
+  int use = -1;       // F, B with the weights on the host: its first layer's RankEvents::uses, -1: none
 };
 
 SimOp sim_op(const Op& op) {
   SimOp o{op.kind,      op.payload, op.subseq, op.peer, op.recv_peer, std::max(1, op.layer_end - op.layer_begin),
-          0,           0,          {},        -1};
+          0,           0,          {},        -1,          -1};
   if (op.kind == OpKind::Send || op.kind == OpKind::Recv || op.kind == OpKind::RingStep) o.key = sched::message_key(op);
   return o;
 }
@@ -115,6 +116,11 @@ struct RankEvents {
   std::array<i64, sched::kMemTerms> fixed_terms{};
   i64 host_fixed = 0;               // host bytes held for the whole run (the optimizer state)
   i64 host_state = 0;               // parameters whose optimizer state the host updates
+  i64 host_moved = -1;              // of them, those whose gradients and weights the update copies (-1: all)
+  // With the layers' weights on the host (Note [Weights on the host] in schedule/weights.h):
+  // the own layers' uses, and a layer's working copy's and gradient's bytes.
+  std::vector<sched::LayerUse> uses;
+  i64 layer_w = 0, layer_g = 0;
   i64 peak_host = 0;                // host bytes (fixed, offloaded, K/V), at most
   // Ops that move streamed K/V to or from the host (F/B, an MSP owner's Recv KV and Send
   // KVGrad): (op, host bytes it adds, the most it adds at any point inside it), for
@@ -206,6 +212,15 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   out.first.reserve(ops.size() + 1);
   out.ops.reserve(ops.size());
   for (const Op& op : ops) out.ops.push_back(sim_op(op));
+  if (s.weights_host) {
+    const sched::LayerUses uses(s, r);
+    out.uses = uses.uses();
+    out.layer_w = mem.layer_copy();
+    out.layer_g = mem.layer_grad();
+    out.host_moved = mem.resident_params();
+    for (size_t k = 0; k < ops.size(); ++k)
+      if (uses.first(k) < uses.last(k)) out.ops[k].use = int(uses.first(k));
+  }
   std::vector<i64> offsets(s.lengths.size() + 1, 0);
   for (size_t i = 0; i < s.lengths.size(); ++i) offsets[i + 1] = offsets[i] + s.lengths[i];
   for (size_t k = 0; k < ops.size(); ++k) {
@@ -276,6 +291,9 @@ struct RankState {
   size_t waiting_since = kNotWaiting;
   static constexpr size_t kNotWaiting = ~size_t(0);
   std::vector<double> off_end, pre_end;  // per subsequence: when its offload (prefetch) ends
+  // Per layer, with its weights on the host: when its working copy lands on the device, and
+  // when its gradient's copy to the host ends.
+  std::vector<double> weights_in, grads_out;
   std::vector<std::pair<double, double>> mem_span;  // per op: the interval its memory events fall in
 };
 
@@ -337,6 +355,39 @@ struct Pass {
   std::vector<std::vector<std::pair<double, double>>> mem_span;  // per rank and op: RankState::mem_span
 };
 
+// Note [Weights on the host] (schedule/weights.h), priced: an F/B op's layers run one after
+// another, op.seconds / layers each. At a layer's start the copies it issues (the rank's
+// first use: its own layer's; then the next use's layer) go on the copy-in lane behind
+// what is queued there, and the layer waits for its own copy; at its end a gradient that
+// leaves goes on the copy-out lane, and a gradient released there waits for its copy. The
+// seconds waited stretch the op and count as exposed copy time. The copies go before the
+// op's streamed K/V chunks (Note [Streams on the copy streams]), which wait behind them;
+// they are not replayed on shared links (Note [Shared host links]).
+double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double start, const CostModel& cost) {
+  const double layer_s = op.seconds / op.layers;
+  double t = start, waited = 0;
+  auto wait_until = [&](double ready) {
+    if (ready > t) waited += ready - t, t = ready;
+  };
+  for (int k = 0; k < op.layers; ++k) {
+    const sched::LayerUse& u = re.uses[size_t(op.use) + size_t(k)];
+    for (int l : {u.load_now, u.load_next}) {
+      if (l < 0) continue;
+      const double at = std::max(rs.t_in, t);
+      rs.t_in = rs.weights_in[size_t(l)] = at + cost.h2d_s(re.layer_w, rs.t_out > at);
+    }
+    wait_until(rs.weights_in[size_t(u.layer)]);
+    t += layer_s;
+    if (u.grad_last) {
+      const double at = std::max(rs.t_out, t);
+      rs.t_out = rs.grads_out[size_t(u.layer)] = at + cost.d2h_s(re.layer_g, rs.t_in > at);
+    }
+    for (int l : u.grad_free)
+      if (l >= 0) wait_until(rs.grads_out[size_t(l)]);
+  }
+  return waited;
+}
+
 Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<RankEvents>& mem,
                    const SimOptions& options, const Scales& scales, bool want_flows) {
   const int R = s.ranks;
@@ -346,6 +397,10 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     st[r].mem_span.resize(s.ops[r].size());
     st[r].off_end.assign(s.lengths.size(), 0.0);
     st[r].pre_end.assign(s.lengths.size(), 0.0);
+    if (s.weights_host) {
+      st[r].weights_in.assign(size_t(s.layers), 0.0);
+      st[r].grads_out.assign(size_t(s.layers), 0.0);
+    }
   }
   std::vector<Inbox> inbox(R);  // messages in flight, by receiver
   std::map<std::pair<std::vector<int>, int>, std::vector<double>> arrived;
@@ -395,6 +450,11 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
           case OpKind::Backward: {
             double dur = op.seconds;
             const double start = rs.t_compute;
+            if (op.use >= 0) {  // Note [Weights on the host]
+              const double waited = layer_copies(rs, mem[size_t(r)], op, start, cost);
+              dur += waited;
+              rs.exposed += waited;
+            }
             if (op.stream >= 0) {  // Note [Streams on the copy streams]
               const KvStream& kv = mem[size_t(r)].streams[size_t(op.stream)];
               const double in_at = kv.in_bytes > 0 ? std::max(start, rs.t_in) : start;
@@ -830,7 +890,7 @@ SimResult run(const Schedule& s, const CostModel& cost, const std::vector<RankEv
   // layers starting beside the update (runtime/host_optimizer.h) are credited, so this is
   // an upper bound.
   for (const RankEvents& re : mem)
-    pass.res.host_update_s = std::max(pass.res.host_update_s, cost.host_update_s(re.host_state));
+    pass.res.host_update_s = std::max(pass.res.host_update_s, cost.host_update_s(re.host_state, re.host_moved));
   if (pass.res.host_update_s > 0) {
     pass.res.step_time_s += pass.res.host_update_s;
     pass.res.tokens_per_device_per_s = double(s.seq_len()) * s.replicas / (double(s.ranks) * pass.res.step_time_s);
@@ -869,6 +929,10 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
   out->fixed_terms = old.fixed_terms;
   out->host_fixed = old.host_fixed;
   out->host_state = old.host_state;
+  out->host_moved = old.host_moved;
+  out->uses = old.uses;
+  out->layer_w = old.layer_w;
+  out->layer_g = old.layer_g;
   out->unit_tensors = old.unit_tensors;
   out->unit_layers = old.unit_layers;
   out->streams = old.streams;
@@ -890,6 +954,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
                    old.ev.begin() + std::ptrdiff_t(old.first[j + 1]));
     out->ops[k].seconds = old.ops[j].seconds;
     out->ops[k].stream = old.ops[j].stream;
+    out->ops[k].use = old.ops[j].use;
     out->ops[k].bytes = old.ops[j].bytes;
     if (kv != old.kv_host.end() && kv->op == j) out->kv_host.push_back({k, kv->delta, (kv++)->rise});
     ++j;
@@ -960,7 +1025,8 @@ bool Resimulator::replace(Schedule s) {
   mem.resize(st.mem.size());
   bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
               s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute &&
-              s.mlp_tile_rows == st.schedule.mlp_tile_rows && s.backward == st.schedule.backward;
+              s.mlp_tile_rows == st.schedule.mlp_tile_rows && s.backward == st.schedule.backward &&
+              s.weights_host == st.schedule.weights_host;
   if (same) {
     std::vector<char> ok(size_t(s.ranks), 0);
     for_each_rank(s.ranks, [&](int r) {

@@ -89,6 +89,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   s.mlp_tile_rows = shape.mlp_tile_rows;
   s.packed = shape.packed;
   s.labeled = shape.labeled;
+  s.weights_host = shape.weights_host;
   return s;
 }
 
