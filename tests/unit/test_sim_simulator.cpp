@@ -314,6 +314,42 @@ TEST(Simulator, OffloadLowersPeakAndHidesBehindCompute) {
   EXPECT_GT(slow.step_time_s, b.step_time_s);
 }
 
+// Note [Weights on the host]: each layer's weights on the copy-in lane one layer ahead, its
+// gradient on the copy-out lane after its last backward. Over an instant link they cost
+// nothing and the device holds less; over a slow one the layers wait for their weights,
+// which shows as exposed copy time and a longer step, and the update copies only the
+// embedding's, final norm's and head's gradients and weights.
+TEST(Simulator, WeightsOnTheHostWaitForSlowCopies) {
+  const ModelConfig c = small();
+  sched::MemoryRules rules = memory_rules(c, ActPrecision::F32);
+  rules.optimizer_host = true;
+  HardwareProfile hw = ideal();
+  const auto lengths = plan::partition_length(4096, 4);
+  for (bool layer_major : {false, true}) {
+    sched::Schedule device = sched::build_single(c.layers, lengths, {0, 0, 0, 0});
+    if (layer_major) device = sched::to_layer_major(std::move(device));
+    sched::Schedule host = device;
+    host.weights_host = true;
+    const SimResult a = simulate(device, CostModel(hw, c, ActPrecision::F32), rules);
+    const SimResult b = simulate(host, CostModel(hw, c, ActPrecision::F32), rules);
+    EXPECT_LT(b.peak_device_bytes, a.peak_device_bytes);
+    EXPECT_EQ(b.peak_host_bytes, a.peak_host_bytes);
+    EXPECT_LT(b.exposed_copy_s, 1e-20);
+    EXPECT_LT(b.host_update_s, a.host_update_s);
+    EXPECT_NEAR(b.step_time_s - b.host_update_s, a.step_time_s - a.host_update_s, 1e-9 * a.step_time_s);
+    const sched::Validation v = sched::validate(host, {&rules, 0});
+    ASSERT_TRUE(v.ok()) << v.message();
+    EXPECT_EQ(b.peak_device_bytes, v.peak_bytes[0]) << "no copy releases memory at its own time";
+    HardwareProfile slow = hw;
+    slow.h2d_bw = slow.d2h_bw = 1e6;
+    const SimResult w = simulate(host, CostModel(slow, c, ActPrecision::F32), rules);
+    const i64 layer = sched::layer_params(c, TpShard{}) * 4;
+    EXPECT_GT(w.exposed_copy_s, double(layer) / 1e6) << "the first layer's weights, at least";
+    EXPECT_GT(w.step_time_s, b.step_time_s + w.exposed_copy_s * 0.99);
+    EXPECT_EQ(w.peak_device_bytes, b.peak_device_bytes);
+  }
+}
+
 TEST(Simulator, DeadlockIsAnError) {
   sched::PipelineSpec spec;
   spec.layers = 2;
