@@ -277,6 +277,12 @@ class Backend {
   // so the two agree bitwise.
   virtual void host_adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2,
                           float eps, float weight_decay, int t) = 0;
+  // sum_squares and scale of host memory on the host's processor: the gradients' norm and
+  // clipping where the gradients are on the host (--weights host, Note [Weights on the
+  // host] in schedule/weights.h). On the CPU backend its very kernels, so the norm is the
+  // device path's to the bit.
+  virtual double host_sum_squares(const float* g, i64 n) = 0;
+  virtual void host_scale(float* x, i64 n, float s) = 0;
 };
 
 // Which device a process drives, and how many processes of its machine share that device

@@ -160,6 +160,8 @@ class TimedBackend final : public Backend {
                   float weight_decay, int t) override {
     be_.host_adamw(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t);
   }
+  double host_sum_squares(const float* g, i64 n) override { return be_.host_sum_squares(g, n); }
+  void host_scale(float* x, i64 n, float s) override { be_.host_scale(x, n, s); }
   void to_act(void* dst, const float* src, i64 n) override { timed(t_.other_s, [&] { be_.to_act(dst, src, n); }); }
   void to_f32(float* dst, const void* src, i64 n) override { timed(t_.other_s, [&] { be_.to_f32(dst, src, n); }); }
 

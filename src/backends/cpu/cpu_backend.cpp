@@ -311,6 +311,8 @@ class CpuBackend final : public Backend {
                   float weight_decay, int t) override {
     cpu::adamw_step(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t);
   }
+  double host_sum_squares(const float* g, i64 n) override { return cpu::sum_squares(g, n); }
+  void host_scale(float* x, i64 n, float s) override { cpu::scale_inplace(x, n, s); }
 
  private:
   static void* aligned(std::size_t bytes) {

@@ -456,6 +456,16 @@ class CudaBackend final : public Backend {
 #pragma omp parallel for schedule(static)
     for (i64 i = 0; i < n; ++i) p[i] = adamw_update(p[i], m[i], v[i], g[i], k);
   }
+  double host_sum_squares(const float* g, i64 n) override {
+    double s = 0;
+#pragma omp parallel for schedule(static) reduction(+ : s)
+    for (i64 i = 0; i < n; ++i) s += double(g[i]) * g[i];
+    return s;
+  }
+  void host_scale(float* x, i64 n, float s) override {
+#pragma omp parallel for schedule(static)
+    for (i64 i = 0; i < n; ++i) x[i] *= s;
+  }
 
  private:
   // cuDNN's fused attention; where it cannot open, --attention cudnn ends here and auto
