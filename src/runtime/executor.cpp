@@ -75,10 +75,36 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   for (const auto& piece : shard_) num_state_ += piece.count;
   const i64 bytes = num_params_ * i64(sizeof(float));
   const i64 state_bytes = num_state_ * i64(sizeof(float));
-  params_ = device_->alloc_zeroed(bytes, "parameters");
-  grads_ = device_->alloc_zeroed(bytes, "gradients");
+  if (o.weights_host) {
+    // Note [Weights on the host] (schedule/weights.h): every weight and gradient in the
+    // host tier, where the optimizer's update reads and writes them; the device keeps the
+    // embedding's, final norm's and head's, which every subsequence's first and last
+    // layers' neighbours need.
+    SPPO_CHECK(o.optimizer_host && o.zero_shards == 1 && !o.tp.on() && !o.recompute && act_ == DType::F32,
+               "runtime")
+        << "the layers' weights on the host (--weights host) are the optimizer's master there: they need "
+           "--optimizer-state host, and run without --zero 1, --tp and --recompute, with fp32 activations";
+    params_ = host_->alloc_zeroed(bytes, "weights (on the host)");
+    grads_ = host_->alloc_zeroed(bytes, "gradients (on the host)");
+    i64 resident = 0;
+    for (const ParamBucket& b : buckets_) {
+      const bool stays = b.name == "embed" || b.name == "ln_f";
+      resident_at_.push_back(stays ? resident : -1);
+      if (stays) resident += b.count;
+    }
+    resident_params_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head weights");
+    resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
+  } else {
+    params_ = device_->alloc_zeroed(bytes, "parameters");
+    grads_ = device_->alloc_zeroed(bytes, "gradients");
+  }
   if (o.optimizer_host) {
-    host_opt_ = std::make_unique<HostOptimizer>(be_, *host_, buckets_, shard_, num_state_);
+    HostOptimizer::HostArrays arrays{params_.f32(), grads_.f32(), {}};
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      arrays.device.push_back(o.weights_host && resident_at_[b] >= 0 ? resident_params_.f32() + resident_at_[b]
+                                                                     : nullptr);
+    host_opt_ = std::make_unique<HostOptimizer>(be_, *host_, buckets_, shard_, num_state_,
+                                                o.weights_host ? &arrays : nullptr);
   } else {
     adam_m_ = device_->alloc_zeroed(state_bytes, "AdamW first moments");
     adam_v_ = device_->alloc_zeroed(state_bytes, "AdamW second moments");
@@ -89,6 +115,48 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   weights_ = param_view(c, params_.f32(), lb_, le_, o.tp);
   dweights_ = param_view(c, grads_.f32(), lb_, le_, o.tp);
   matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_, o.tp);
+  if (o.weights_host) {
+    // The views of the embedding, final norm and head point at the device's copies; a
+    // layer's, at the host's arrays until a step brings it (HostWeights).
+    for (ParamView* v : {&weights_, &dweights_}) {
+      const Buffer& dev = v == &weights_ ? resident_params_ : resident_grads_;
+      const Buffer& base = v == &weights_ ? params_ : grads_;
+      for (float** p : {&v->embed, &v->lnf_w, &v->lnf_b, &v->head}) *p = resident(*p, base, dev);
+    }
+    matrices_.embed = weights_.embed;
+    matrices_.head = weights_.head;
+    host_layers_ = {params_.f32(), grads_.f32(), &weights_, &dweights_, &matrices_,
+                    [this](std::size_t b) { take_bucket(b); }, {}};
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      host_layers_.device_grads.push_back(resident_at_[b] >= 0 ? resident_grads_.f32() + resident_at_[b] : nullptr);
+  }
+}
+
+float* Runtime::resident(float* p, const Buffer& base, const Buffer& device) const {
+  if (!p) return nullptr;
+  const i64 off = p - base.f32();
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    if (off >= buckets_[b].offset && off < buckets_[b].offset + buckets_[b].count) {
+      SPPO_ASSERT(resident_at_[b] >= 0);
+      return device.f32() + resident_at_[b] + (off - buckets_[b].offset);
+    }
+  SPPO_ASSERT_MSG(false, "a weight outside the rank's parameters");
+  return nullptr;
+}
+
+bool Runtime::in_host_arrays(const float* p) const {
+  if (!opts_.weights_host) return false;
+  for (const Buffer* b : {&params_, &grads_})
+    if (p >= b->f32() && p < b->f32() + num_params_) return true;
+  return false;
+}
+
+void Runtime::resident_grads_to_host() {
+  finish_update();  // the last update has read the host's gradients
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    if (resident_at_[b] >= 0)
+      be_.to_host(grads_.f32() + buckets_[b].offset, resident_grads_.f32() + resident_at_[b],
+                  std::size_t(buckets_[b].count) * sizeof(float));
 }
 
 float* Runtime::params() {
@@ -113,16 +181,25 @@ float* Runtime::adam_v() {
 
 void Runtime::refresh_weights() {
   finish_update();
+  if (opts_.weights_host) {  // the layers' come from the host's array as steps reach them
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (resident_at_[b] >= 0)
+        be_.to_device(resident_params_.f32() + resident_at_[b], params_.f32() + buckets_[b].offset,
+                      std::size_t(buckets_[b].count) * sizeof(float));
+    return;
+  }
   if (params_act_) be_.to_act(params_act_.data(), params_.f32(), num_params_);
   if (host_opt_) host_opt_->load_master(params_.f32());
 }
 
 void Runtime::read_device(float* host, const float* device, i64 n) {
-  be_.to_host(host, device, std::size_t(n) * sizeof(float));
+  if (in_host_arrays(device)) std::copy(device, device + n, host);
+  else be_.to_host(host, device, std::size_t(n) * sizeof(float));
 }
 
 void Runtime::write_device(float* device, const float* host, i64 n) {
-  be_.to_device(device, host, std::size_t(n) * sizeof(float));
+  if (in_host_arrays(device)) std::copy(host, host + n, device);
+  else be_.to_device(device, host, std::size_t(n) * sizeof(float));
 }
 
 void Runtime::read_state(float* host, const float* state, i64 n) {
@@ -138,7 +215,10 @@ void Runtime::write_state(float* state, const float* host, i64 n) {
 void Runtime::start_host_update(std::vector<HostOptimizer::Piece> pieces, const HostOptimizer::Settings& s,
                                 comm::Group zero) {
   SPPO_ASSERT(host_opt_);
-  host_opt_->start(params_.f32(), grads_.f32(), std::move(pieces), s, opts_.comm, std::move(zero));
+  if (opts_.weights_host)  // the gradients are on the host; the resident weights go where HostArrays say
+    host_opt_->start(nullptr, nullptr, std::move(pieces), s, opts_.comm, std::move(zero));
+  else
+    host_opt_->start(params_.f32(), grads_.f32(), std::move(pieces), s, opts_.comm, std::move(zero));
 }
 
 void Runtime::take_bucket(std::size_t b) {
@@ -181,7 +261,7 @@ bool tiled_away(const MlpTiles& tiles, int k) { return k == kSavedFcPre && tiles
 
 }  // namespace
 
-void Runtime::forward(StepState& st, const sched::Op& op) {
+void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(st.sched, op);
   const Subseq blocks = with_docs(q, st.control.docs);
@@ -197,6 +277,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
   const MlpTiles tiles = st.sched.mlp_tiles();
   Buffer out;  // the stage's output
   for (int l = b; l < e; ++l) {
+    st.weights.begin(index, l - b);  // with the weights on the host, this layer's (and the next's on the way)
     if (own) await_weights(l);
     auto& unit = st.act.unit(i, l);
     for (int k = 0; k < int(specs.size()); ++k)
@@ -233,6 +314,7 @@ void Runtime::forward(StepState& st, const sched::Op& op) {
     st.kv.after_forward(l, i, q);
     scratch = {};
     ws.clear();
+    st.weights.end(index, l - b);
     st.messages.poll();
   }
   if (e < L) {
@@ -294,6 +376,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   void* d = d_buf.data();
 
   for (int l = e - 1; l >= b; --l) {
+    st.weights.begin(index, e - 1 - l);  // with the weights on the host: this layer's weights and gradient
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use
     // (on a host layer, this subsequence's own, which restore brings: the host holds the
     // others').
@@ -361,6 +444,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     scratch = {};
     ws.clear();
     if (own) st.grads.layer_done(index, l);
+    st.weights.end(index, e - 1 - l);
     st.messages.poll();
   }
   if (own && b > lb_) {  // the layers below run later (a layer-major backward)
@@ -380,8 +464,19 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
 }
 
 StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, const StepControl& control) {
-  const StepContext ctx{config_, opts_, be_, *device_, *host_, precision_, {lb_, le_}, specs_, buckets_, shard_,
-                        {params_, grads_, num_params_, {&weights_, &dweights_, &matrices_}}, sends_};
+  const StepContext ctx{config_,
+                        opts_,
+                        be_,
+                        *device_,
+                        *host_,
+                        precision_,
+                        {lb_, le_},
+                        specs_,
+                        buckets_,
+                        shard_,
+                        {params_, grads_, num_params_, {&weights_, &dweights_, &matrices_}},
+                        opts_.weights_host ? &host_layers_ : nullptr,
+                        sends_};
   check_schedule(sc, ctx);
   StepResult result;
   StepState st(ctx, sc, control, result);
@@ -394,7 +489,10 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     if (lends) finish_update();
     host_opt_->gradients_taken();
   }
-  if (!control.accumulate) be_.fill_zero(grads_.data(), std::size_t(grads_.bytes()));
+  // With the weights on the host each layer's gradient starts at its first backward
+  // (HostWeights); the device's are the embedding's, final norm's and head's.
+  Buffer& zeroed = opts_.weights_host ? resident_grads_ : grads_;
+  if (!control.accumulate) be_.fill_zero(zeroed.data(), std::size_t(zeroed.bytes()));
   st.load_inputs(tokens);
   st.start();
   for (std::size_t k = 0; k < st.ops.size(); ++k) {
@@ -406,7 +504,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     double waited = 0;  // on a copy or a message, in a wait the trace shows
     switch (op.kind) {
       case sched::OpKind::Forward:
-        forward(st, op);
+        forward(st, op, k);
         result.compute_s += now_s() - t0;
         add_span(result, "F" + std::to_string(i), op.kind, Lane::Compute, t0, now_s());
         break;
@@ -454,6 +552,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
     st.messages.poll();
   }
   st.finish();
+  if (opts_.weights_host) resident_grads_to_host();
   return result;
 }
 

@@ -5,7 +5,9 @@
 // Memory follows the rules the simulator models (schedule/memory.h): the rank's own
 // parameters, gradients and AdamW moments are resident in the device tier (the moments,
 // with an fp32 master, in the host tier under --optimizer-state host, whose update runs on
-// the host beside the next step's start: runtime/host_optimizer.h); F(i) allocates,
+// the host beside the next step's start: runtime/host_optimizer.h; with --weights host the
+// layers' weights and gradients too, each layer's on the device only around the F/B ops
+// that run it: runtime/host_weights.h); F(i) allocates,
 // per layer, the block's saved tensors (block_saved_specs) and its workspace (freed after
 // the layer), then, on the last stage, the head's workspace and head_grad; O(i) moves a
 // fraction of subsequence i's offloadable tensors to the host tier and frees their device
@@ -52,6 +54,7 @@
 #include "model/gpt.h"
 #include "runtime/grad_reduce.h"
 #include "runtime/host_optimizer.h"
+#include "runtime/host_weights.h"
 #include "runtime/memory.h"
 #include "runtime/step_io.h"
 #include "schedule/ir.h"
@@ -90,6 +93,11 @@ class Runtime {
   float* adam_m();
   float* adam_v();
   bool state_on_host() const { return host_opt_ != nullptr; }
+  // With --weights host (RuntimeOptions::weights_host): params() and grads() are arrays in
+  // the host tier (read and write them through read_device / write_device, or directly on
+  // the host), and the device holds the embedding's, final norm's and head's weights and
+  // gradients and, in a step, the layers' that the step is using (runtime/host_weights.h).
+  bool weights_on_host() const { return opts_.weights_host; }
   Backend& backend() { return be_; }
   void read_device(float* host, const float* device, i64 n);
   void write_device(float* device, const float* host, i64 n);
@@ -97,7 +105,8 @@ class Runtime {
   void write_state(float* state, const float* host, i64 n);
   // After every change to params() from outside an update: copies the fp32 weights into
   // the GEMMs' working copy (a no-op in fp32) and, with the optimizer state on the host,
-  // the rank's shard of them into its fp32 master.
+  // the rank's shard of them into its fp32 master; with the weights on the host, the
+  // embedding's, final norm's and head's to the device.
   void refresh_weights();
   // With the optimizer state on the host: starts the update of `pieces` (the rank's
   // AdamW calls, in bucket order) from the gradients, which returns at once; the next
@@ -121,8 +130,8 @@ class Runtime {
   StepResult step(const sched::Schedule& s, const std::int32_t* tokens, const StepControl& control = {});
 
  private:
-  // F op `op`: every layer it runs, then, after the model's last layer, the head.
-  void forward(StepState& st, const sched::Op& op);
+  // F op `op`, the `index`-th: every layer it runs, then, after the model's last layer, the head.
+  void forward(StepState& st, const sched::Op& op, std::size_t index);
   // The LM head on the final hidden state `out` of rows q: the loss, the per-position
   // losses and head_grad, with its weights' gradients (+=).
   void head(StepState& st, const sched::Op& op, const Subseq& q, const StageWeights& wt, const Buffer& out);
@@ -133,6 +142,15 @@ class Runtime {
   // embedding's), or with l == L the head's (the final LayerNorm and the tied embedding).
   void await_weights(int l);
   void take_bucket(std::size_t b);  // HostOptimizer::ready, then the bucket's working copy
+  // With the weights on the host: where `p`, in the host array `base`, has its copy on the
+  // device (the embedding, final norm and head; null stays null).
+  float* resident(float* p, const Buffer& base, const Buffer& device) const;
+  // A pointer into the host arrays of the weights on the host (read_device and
+  // write_device copy those on the host).
+  bool in_host_arrays(const float* p) const;
+  // With the weights on the host, at the end of a step: the embedding's, final norm's and
+  // head's gradients join the layers' in the host array.
+  void resident_grads_to_host();
 
   ModelConfig config_;
   RuntimeOptions opts_;
@@ -149,6 +167,12 @@ class Runtime {
   std::unique_ptr<MemoryTier> device_, host_;
   Buffer params_, grads_, adam_m_, adam_v_;
   Buffer params_act_;         // the weights' working copy in the activation type (bf16)
+  // With the weights on the host (params_, grads_ in the host tier): the device's copies of
+  // the embedding's, final norm's and head's weights and gradients, and where each bucket's
+  // are in them (-1: a layer's, on the host).
+  Buffer resident_params_, resident_grads_;
+  std::vector<i64> resident_at_;
+  HostLayers host_layers_;
   ParamView weights_, dweights_;
   MatrixView matrices_;
   std::unique_ptr<HostOptimizer> host_opt_;  // the optimizer state on the host; null: on the device

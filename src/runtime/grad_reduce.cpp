@@ -57,6 +57,7 @@ GradReduce::GradReduce(const RuntimeOptions& o, const std::vector<sched::Op>& op
       grads_(grads),
       result_(result),
       first_layer_bucket_(!buckets.empty() && buckets[0].name == "embed" ? 1 : 0) {
+  for (const ParamBucket& b : buckets) data_.push_back(grads + b.offset);
   // Gradient buckets: each starts after the last op that adds to it.
   for (const sched::Op& op : ops)
     if (op.kind == sched::OpKind::AllReduce && op.payload == sched::Payload::WeightGrads && reduce)
@@ -86,6 +87,18 @@ void GradReduce::layer_done(std::size_t index, int l) {
   if (reduce_op_ && bucket_ready_[bucket] == index) start(bucket);
 }
 
+void GradReduce::settle_layer(int l) {
+  if (!reduce_op_) return;
+  const std::size_t b = bucket_of_layer(l);
+  start(b);
+  const double t0 = now_s();
+  const std::string what = "the reduction of layer " + std::to_string(l) + "'s gradients before they leave the device";
+  const double waited = comm::wait(*opts_.comm, bucket_req_[b], what);
+  bucket_req_[b] = comm::kDone;
+  result_.comm_wait_s += waited;
+  if (waited > kShownWaitS) add_span(result_, "wait " + what, sched::OpKind::AllReduce, Lane::Compute, t0, now_s());
+}
+
 void GradReduce::helpers_added(std::size_t index) {
   if (reduce_op_)
     for (std::size_t k = 0; k < buckets_.size(); ++k)
@@ -98,7 +111,7 @@ void GradReduce::start(std::size_t b) {
   if (reduce_start_ < 0) reduce_start_ = now_s();
   const ParamBucket& k = buckets_[b];
   const comm::Group& g = reduce_op_->group;
-  float* data = grads_ + k.offset;
+  float* data = data_[b];
   bucket_req_[b] = opts_.zero_shards > 1 ? opts_.comm->ireduce_scatter(data, k.count, g)
                                          : opts_.comm->iallreduce(data, k.count, g);
 }
@@ -112,7 +125,8 @@ void GradReduce::reduce(const sched::Op& op, std::size_t index) {
     // piece of it (their positions in their data-parallel groups are equal).
     SPPO_ASSERT(!buckets_.empty() && buckets_[0].name == "embed");
     const ShardSpan& piece = shard_[0];
-    waited = comm::wait(*opts_.comm, opts_.comm->iallreduce(grads_ + piece.offset, piece.count, op.group), what);
+    float* data = data_[0] + (piece.offset - buckets_[0].offset);
+    waited = comm::wait(*opts_.comm, opts_.comm->iallreduce(data, piece.count, op.group), what);
     add_span(result_, sched::to_string(op), op.kind, Lane::Network, t0, now_s());
   } else {
     for (std::size_t b = 0; b < buckets_.size(); ++b) start(b);

@@ -59,6 +59,15 @@ class GradReduce {
 
   // The backward of B op `index` is done with layer l, one of the rank's own.
   void layer_done(std::size_t index, int l);
+  // The bucket of own layer l.
+  std::size_t bucket_of_layer(int l) const { return first_layer_bucket_ + std::size_t(l - lb_); }
+  // Bucket b's gradient is at `data` from now on (a layer's device buffer, with the
+  // layers' weights on the host: Note [Weights on the host] in schedule/weights.h), not in
+  // the flat array.
+  void place(std::size_t b, float* data) { data_[b] = data; }
+  // In a step that reduces: waits for own layer l's reduction (done with its last
+  // backward), so that its gradient can leave the device.
+  void settle_layer(int l);
   // MSP: Recv op `index` added the helpers' gradients.
   void helpers_added(std::size_t index);
   // AllReduce op `op`, the `index`-th.
@@ -79,6 +88,7 @@ class GradReduce {
   int lb_;
   int layer_count_;
   float* grads_;
+  std::vector<float*> data_;  // where each bucket's gradient is (place)
   StepResult& result_;
   std::size_t first_layer_bucket_;  // the bucket of layer lb_
   // The all-reduce (reduce-scatter) op of this rank, when it reduces, and after which op

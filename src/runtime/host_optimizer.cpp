@@ -14,18 +14,26 @@ std::size_t bytes_of(i64 floats) { return std::size_t(floats) * sizeof(float); }
 }  // namespace
 
 HostOptimizer::HostOptimizer(Backend& be, MemoryTier& host, const std::vector<ParamBucket>& buckets,
-                             const std::vector<ShardSpan>& shard, i64 state)
+                             const std::vector<ShardSpan>& shard, i64 state, const HostArrays* arrays)
     : be_(be),
       buckets_(buckets),
       shard_(shard),
-      master_(host.alloc_zeroed(i64(bytes_of(state)), "fp32 master weights (optimizer on the host)")),
+      master_(arrays ? Buffer() : host.alloc_zeroed(i64(bytes_of(state)), "fp32 master weights (optimizer on the host)")),
       m_(host.alloc_zeroed(i64(bytes_of(state)), "AdamW first moments")),
       v_(host.alloc_zeroed(i64(bytes_of(state)), "AdamW second moments")),
-      grads_(host.alloc_zeroed(i64(bytes_of(state)), "gradients' copy (optimizer on the host)")),
+      grads_(arrays ? Buffer() : host.alloc_zeroed(i64(bytes_of(state)), "gradients' copy (optimizer on the host)")),
+      master_p_(arrays ? arrays->master : master_.f32()),
+      grads_p_(arrays ? arrays->grads : grads_.f32()),
+      device_(arrays ? arrays->device : std::vector<float*>{}),
       down_(be.make_copy_stream()),
       up_(be.make_copy_stream()),
       worker_([this] { work(); }) {
   SPPO_ASSERT(shard.size() == buckets.size());
+  // The runtime's arrays are flat: every bucket whole, its state where its weights are.
+  if (arrays) {
+    SPPO_ASSERT(device_.size() == buckets.size());
+    for (const ShardSpan& sp : shard) SPPO_ASSERT(sp.state_offset == sp.offset);
+  }
 }
 
 HostOptimizer::~HostOptimizer() {
@@ -41,6 +49,7 @@ HostOptimizer::~HostOptimizer() {
 
 void HostOptimizer::load_master(const float* params) {
   SPPO_ASSERT(!in_flight_);
+  if (!device_.empty()) return;  // the runtime's host arrays are the master
   for (const ShardSpan& sp : shard_) be_.to_host(master() + sp.state_offset, params + sp.offset, bytes_of(sp.count));
 }
 
@@ -48,10 +57,16 @@ void HostOptimizer::start(float* params, const float* grads, std::vector<Piece> 
                           comm::Comm* comm, comm::Group zero) {
   SPPO_ASSERT_MSG(!in_flight_, "an optimizer update started before the last one was done");
   // Every bucket's gradients go down at once, in order; the worker takes each as it lands.
+  // With HostArrays they are there: only the device's copies of weights come back up.
   down_done_.clear();
   copied_bytes_ = 0;
-  for (const ShardSpan& sp : shard_) {
-    down_done_.push_back(down_->copy(grads_.f32() + sp.state_offset, grads + sp.offset, bytes_of(sp.count), {}));
+  for (std::size_t b = 0; b < shard_.size(); ++b) {
+    const ShardSpan& sp = shard_[b];
+    if (!device_.empty()) {
+      if (device_[b]) copied_bytes_ += 2 * i64(bytes_of(sp.count));  // down when the step ended, and up
+      continue;
+    }
+    down_done_.push_back(down_->copy(grads_p_ + sp.state_offset, grads + sp.offset, bytes_of(sp.count), {}));
     copied_bytes_ += 2 * i64(bytes_of(sp.count));
   }
   taken_.assign(buckets_.size(), false);
@@ -62,6 +77,7 @@ void HostOptimizer::start(float* params, const float* grads, std::vector<Piece> 
   {
     std::lock_guard<std::mutex> lock(mu_);
     up_done_.assign(buckets_.size(), nullptr);
+    updated_.assign(buckets_.size(), 0);
     next_ = Update{params, std::move(pieces), s};
   }
   cv_.notify_all();
@@ -91,18 +107,20 @@ void HostOptimizer::run(const Update& u) {
   const Settings& s = u.settings;
   std::size_t p = 0;
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    down_done_[b]->wait();
+    if (b < down_done_.size()) down_done_[b]->wait();
     for (; p < u.pieces.size() && u.pieces[p].bucket == b; ++p) {
       const Piece& q = u.pieces[p];
       const i64 at = q.state_offset;
-      be_.host_adamw(master() + at, m() + at, v() + at, grads_.f32() + at, q.count, s.lr, s.beta1, s.beta2, s.eps,
+      be_.host_adamw(master() + at, m() + at, v() + at, grads_p_ + at, q.count, s.lr, s.beta1, s.beta2, s.eps,
                      q.weight_decay, s.t);
     }
     const ShardSpan& sp = shard_[b];
-    auto up = up_->copy(u.params + sp.offset, master() + sp.state_offset, bytes_of(sp.count), {});
+    float* to = device_.empty() ? u.params + sp.offset : device_[b];
+    std::shared_ptr<Event> up = to ? up_->copy(to, master() + sp.state_offset, bytes_of(sp.count), {}) : nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       up_done_[b] = std::move(up);
+      updated_[b] = 1;
     }
     cv_.notify_all();
   }
@@ -114,11 +132,11 @@ bool HostOptimizer::ready(std::size_t b) {
   std::shared_ptr<Event> up;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return up_done_[b] != nullptr || error_; });
+    cv_.wait(lock, [&] { return updated_[b] || error_; });
     if (error_) std::rethrow_exception(error_);
     up = up_done_[b];
   }
-  up->wait();
+  if (up) up->wait();
   if (!zero_.empty()) {
     const ParamBucket& k = buckets_[b];
     comm::wait(*comm_, comm_->iallgather(params_ + k.offset, k.count, zero_), "the all-gather of the updated weights");

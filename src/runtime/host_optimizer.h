@@ -41,6 +41,15 @@
 // before it, so a bucket's weights come in only after the kernels the next step queued by
 // then. On the CPU backend the "device" is the same processor: the worker's AdamW shares
 // the cores with the step's kernels, so the overlap there is one of structure, not time.
+//
+// With the layers' weights on the host too (--weights host, Note [Weights on the host] in
+// schedule/weights.h) nothing needs copying for them: the runtime's host arrays of the
+// weights and gradients are this class's master and gradients' copy (HostArrays), the
+// layers' gradients reached them during the step, and the next step brings each layer's
+// weights from the master once ready(b) says its update is done. Only the embedding's,
+// final norm's and head's weights, which stay on the device, go up after their update; the
+// runtime copies their gradients down when the step ends, and the norm and clipping run on
+// the host's copies (Backend::host_sum_squares, host_scale).
 #pragma once
 
 #include <condition_variable>
@@ -73,10 +82,20 @@ class HostOptimizer {
     float weight_decay = 0;
   };
 
+  // With the layers' weights on the host: the runtime's host arrays of every parameter
+  // (flat, parameter_specs order; no ZeRO-1 shards), which are the master and the
+  // gradients' copy, and per bucket the device's copy of its weights that an update brings
+  // up (null: none, a layer's).
+  struct HostArrays {
+    float* master = nullptr;
+    float* grads = nullptr;
+    std::vector<float*> device;
+  };
+
   // The host arrays of the state `shard` of `buckets` (state elements in all), from the
-  // host tier.
+  // host tier; with `arrays`, only m and v (the master and gradients are those).
   HostOptimizer(Backend& be, MemoryTier& host, const std::vector<ParamBucket>& buckets,
-                const std::vector<ShardSpan>& shard, i64 state);
+                const std::vector<ShardSpan>& shard, i64 state, const HostArrays* arrays = nullptr);
   // Lets an update in flight finish its copies (not its ZeRO-1 all-gathers).
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
@@ -84,7 +103,7 @@ class HostOptimizer {
 
   // Host arrays of `state` elements, packed as the shard's state_offset says. Not while
   // an update is in flight.
-  float* master() { return master_.f32(); }
+  float* master() { return master_p_; }
   float* m() { return m_.f32(); }
   float* v() { return v_.f32(); }
 
@@ -94,7 +113,9 @@ class HostOptimizer {
 
   // Starts the update of `pieces` (in bucket order) from the device's gradients `grads`
   // into the device's weights `params`, and returns. `zero`: the group over which each
-  // bucket's updated pieces are all-gathered (ZeRO-1), through `comm`; empty: none.
+  // bucket's updated pieces are all-gathered (ZeRO-1), through `comm`; empty: none. With
+  // HostArrays, `params` and `grads` are unused (null): the gradients are on the host and
+  // the weights go where HostArrays::device says.
   void start(float* params, const float* grads, std::vector<Piece> pieces, const Settings& s, comm::Comm* comm,
              comm::Group zero);
   bool in_flight() const { return in_flight_; }
@@ -119,7 +140,10 @@ class HostOptimizer {
   Backend& be_;
   const std::vector<ParamBucket>& buckets_;
   const std::vector<ShardSpan>& shard_;
-  Buffer master_, m_, v_, grads_;  // [state] each, host tier
+  Buffer master_, m_, v_, grads_;  // [state] each, host tier (master_, grads_ not with HostArrays)
+  float* master_p_ = nullptr;      // the master and the gradients' copy: those, or HostArrays'
+  float* grads_p_ = nullptr;
+  std::vector<float*> device_;     // HostArrays::device; empty: every bucket goes up to params
   std::unique_ptr<CopyStream> down_, up_;
   i64 copied_bytes_ = 0;
   // The update in flight, on the calling thread: its gradients' copies out, which buckets
@@ -134,7 +158,8 @@ class HostOptimizer {
   std::mutex mu_;
   std::condition_variable cv_;
   std::optional<Update> next_;
-  std::vector<std::shared_ptr<Event>> up_done_;
+  std::vector<std::shared_ptr<Event>> up_done_;  // null where nothing goes up
+  std::vector<char> updated_;                    // the worker is done with bucket b
   std::exception_ptr error_;
   bool stop_ = false;
   std::thread worker_;  // last: it starts once the members above exist

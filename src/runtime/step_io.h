@@ -36,6 +36,10 @@ struct RuntimeOptions {
   // The fp32 master weights and AdamW m, v of the rank's shard in the host tier, updated
   // there (runtime/host_optimizer.h); false: the device tier.
   bool optimizer_host = false;
+  // The layers' fp32 weights and gradients in the host tier too, each layer's brought to
+  // the device for the F/B ops that run it (--weights host; runtime/host_weights.h, Note
+  // [Weights on the host] in schedule/weights.h); needs optimizer_host, whose master they are.
+  bool weights_host = false;
   // Kernel scratch taken from the device tier with each layer's workspace and the head's
   // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;

@@ -71,6 +71,13 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
   SPPO_CHECK(sc.mlp_tile_rows >= 0, "runtime") << "MLP tiles of " << sc.mlp_tile_rows << " rows; use 0 (none) or more";
   SPPO_CHECK(sc.mlp_tile_rows == 0 || (sc.tp == 1 && !o.recompute), "runtime")
       << "MLP tiles (--mlp-tile-rows) run without --tp and --recompute";
+  SPPO_CHECK(sc.weights_host == o.weights_host, "runtime")
+      << "the schedule keeps the layers' weights on the " << (sc.weights_host ? "host" : "device")
+      << " but this runtime holds them on the " << (o.weights_host ? "host" : "device")
+      << "; build both with the same --weights";
+  SPPO_CHECK(!sc.weights_host || (sc.tp == 1 && !msp && !o.recompute && act == DType::F32), "runtime")
+      << "the layers' weights on the host (--weights host) run without --tp, --msp on and --recompute, with fp32 "
+         "activations";
 }
 
 StepState::StepState(const StepContext& c, const sched::Schedule& sc, const StepControl& ctl, StepResult& res)
@@ -88,7 +95,9 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
       messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
       grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),
       msp(c.opts.comm, c.be, c.device, c.config, c.opts.tp, sc, ops, c.layers, c.own, kv, messages, grads, loss_sum,
-          res) {
+          res),
+      weights(c.be, c.device, sc, c.opts.rank, c.layers, c.buckets, c.host_layers, act.h2d(), act.d2h(), grads, ctl,
+              res) {
   const int L = c.config.layers;
   result.has_loss = c.layers.second == L;
   // An MSP helper of the last stage computes the loss of its rows too, and sends it home.
@@ -159,6 +168,7 @@ void StepState::finish() {
   msp.check_empty();
   kv.check_empty();
   act.check_empty();
+  weights.check_empty();
   if (ctx.opts.record_memory) {
     result.memory = ctx.device.take_timeline();
     ctx.device.record_timeline(nullptr);

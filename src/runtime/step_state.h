@@ -8,6 +8,7 @@
 //   messages  hidden states between stages, sends          (runtime/stage_messages.h)
 //   grads     the gradient buckets' reduction              (runtime/grad_reduce.h)
 //   msp       borrowed weights and MSP's messages          (runtime/msp.h)
+//   weights   the layers' weights and gradients on the host (runtime/host_weights.h)
 // and allocates nothing from the memory tiers. load_inputs puts the step's token ids, targets and loss sum on
 // the device (the memory rules' step_input_bytes, schedule/memory.h); start opens the
 // step's accounting and clock; finish waits for every message and copy, checks that
@@ -24,6 +25,7 @@
 #include "core/layout.h"
 #include "runtime/activation_store.h"
 #include "runtime/grad_reduce.h"
+#include "runtime/host_weights.h"
 #include "runtime/kv_store.h"
 #include "runtime/memory.h"
 #include "runtime/msp.h"
@@ -48,6 +50,7 @@ struct StepContext {
   const std::vector<ParamBucket>& buckets;
   const std::vector<ShardSpan>& shard;
   OwnWeights own;
+  const HostLayers* host_layers;  // the layers' weights on the host (--weights host); null: on the device
   int& sent_messages;  // hidden-state sends so far, over the runtime's life (runtime/fault.h)
 };
 
@@ -87,6 +90,7 @@ struct StepState {
   StageMessages messages;
   GradReduce grads;
   MspExchange msp;
+  HostWeights weights;  // the layers' weights and gradients with --weights host
   i64 sent_at_start = 0;  // the communicator's bytes_sent() when the step started
 };
 

@@ -169,10 +169,14 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   // only, and replicated gradients (data parallel without ZeRO) on the first replica only.
   double ss = 0;
   const bool tied_copy = lay.pp > 1 && lay.last_stage() && rt.config().tied_embeddings();
+  // With the weights on the host the gradients are there too (Note [Weights on the host]).
+  const bool on_host = rt.weights_on_host();
+  SPPO_ASSERT(!on_host || lay.tp == 1);
   if (lay.tp == 1) {
     for (std::size_t k = 0; k < spans.size(); ++k) {
       if (tied_copy && buckets[k].name == "embed") continue;
-      ss += be.sum_squares(g + spans[k].offset, spans[k].count);
+      const float* at = g + spans[k].offset;
+      ss += on_host ? be.host_sum_squares(at, spans[k].count) : be.sum_squares(at, spans[k].count);
     }
   } else {
     // Shards add up over the tensor-parallel group; what several members hold (a tensor
@@ -205,7 +209,10 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   const double norm = std::sqrt(total[0]);
   if (!std::isfinite(norm)) return norm;
   if (hp.clip > 0 && norm > hp.clip)
-    for (const ShardSpan& sp : spans) be.scale(g + sp.offset, sp.count, float(hp.clip / norm));
+    for (const ShardSpan& sp : spans) {
+      if (on_host) be.host_scale(g + sp.offset, sp.count, float(hp.clip / norm));
+      else be.scale(g + sp.offset, sp.count, float(hp.clip / norm));
+    }
   // AdamW per tensor, over the part of it whose state this rank keeps, bucket by bucket.
   std::vector<HostOptimizer::Piece> pieces;
   for (std::size_t k = 0; k < spans.size(); ++k) {

@@ -249,6 +249,72 @@ TEST(Subsequences, LayerMajorBackwardMatches) {
   EXPECT_LT(layer.peak, subseq.peak) << "one layer's dK/dV sums at a time should lower the peak";
 }
 
+// One step of `sc` with the layers' weights on the device or the host (Note [Weights on the
+// host] in schedule/weights.h), from run()'s weights, over packed documents when `docs`.
+Grads run_weights(const ModelConfig& c, sched::Schedule sc, const std::vector<std::int32_t>& tokens, bool host,
+                  const PackedDocs* docs = nullptr) {
+  RuntimeOptions o;
+  o.head_chunk = 7;
+  o.optimizer_host = host;  // the layers' master weights on the host are the optimizer's
+  o.weights_host = host;
+  Runtime rt(c, o);
+  init_params(c, rt.params(), 99);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0.0f, 0.05f);
+  for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
+  rt.refresh_weights();  // the embedding, final norm and head to the device
+  sc.weights_host = host;
+  StepControl control;
+  if (docs) {
+    sc.packed = true;
+    control.targets = docs->targets.data();
+    control.docs = &docs->starts;
+  }
+  const StepResult r = rt.step(sc, tokens.data(), control);
+  Grads out;
+  out.loss = r.loss;
+  out.g.assign(rt.grads(), rt.grads() + c.num_params());
+  out.peak = r.device.peak;
+  return out;
+}
+
+// --weights host: each layer's weights come from the host for the F and B ops that run it
+// and its gradient goes there after its last backward. The same kernels run on the same
+// values in the same order, so the loss and every gradient equal those of the weights on
+// the device to the bit, for N 1, 3 and 8, in both backward orders, with offload, with K/V
+// on the host or recomputed, and over packed documents; and the device holds less.
+TEST(Subsequences, WeightsOnTheHostMatchTheDevice) {
+  using sched::KvPlace;
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 17);
+  const PackedDocs docs = pack_documents(tokens.data(), S, tokens[20]);
+  ASSERT_GT(docs.starts.size(), 1u);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const std::vector<std::vector<KvPlace>> kvs = {{},
+                                                 std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Host),
+                                                 std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Recompute)};
+  for (bool layer_major : {false, true})
+    for (const auto& kv : kvs)
+      for (int N : {1, 3, 8})
+        for (double a : {0.0, 0.5})
+          for (bool packed : {false, true}) {
+            sched::Schedule sc = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
+            if (layer_major) sc = sched::to_layer_major(std::move(sc));
+            sc.kv_place = kv;
+            const std::string what = std::string(layer_major ? "layer" : "subseq") + " order, K/V " +
+                                     (kv.empty() ? "device" : sched::to_string(kv[0])) + ", N=" + std::to_string(N) +
+                                     " alpha=" + std::to_string(a) + (packed ? ", packed" : "");
+            const Grads device = run_weights(c, sc, tokens, false, packed ? &docs : nullptr);
+            const Grads host = run_weights(c, sc, tokens, true, packed ? &docs : nullptr);
+            EXPECT_EQ(host.loss, device.loss) << what;
+            EXPECT_TRUE(host.g == device.g) << what << ": the gradients differ from the weights on the device's";
+            expect_matches(c, device, host, what);
+            if (!packed) expect_matches(c, ref, host, what + " against the whole sequence");
+            EXPECT_LT(host.peak, device.peak) << what;
+          }
+}
+
 // MLP tiles (Note [MLP tiles] in core/layout.h): a tile of one row, tiles that do not
 // divide the subsequences, and tiles longer than them, with fc_pre kept or recomputed (a
 // tile at a time), for N 1, 3, 8 with and without offload, and with K/V on the host.

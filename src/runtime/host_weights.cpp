@@ -1,0 +1,161 @@
+#include "runtime/host_weights.h"
+
+#include <initializer_list>
+#include <string>
+
+#include "core/check.h"
+
+namespace sppo {
+
+namespace {
+
+// A block's views moved from one base to another: each pointer keeps its offset.
+BlockParams rebased(const BlockParams& b, const float* from, float* to) {
+  BlockParams r = b;
+  for (float* BlockParams::*f :
+       {&BlockParams::ln1_w, &BlockParams::ln1_b, &BlockParams::qkv_w, &BlockParams::qkv_b, &BlockParams::q_norm_w,
+        &BlockParams::k_norm_w, &BlockParams::out_w, &BlockParams::out_b, &BlockParams::ln2_w, &BlockParams::ln2_b,
+        &BlockParams::fc_w, &BlockParams::fc_b, &BlockParams::proj_w, &BlockParams::proj_b})
+    if (b.*f) r.*f = to + (b.*f - from);
+  return r;
+}
+
+BlockMatrices rebased(const BlockMatrices& b, const float* from, float* to) {
+  BlockMatrices r = b;
+  for (const void* BlockMatrices::*f : {&BlockMatrices::qkv_w, &BlockMatrices::qkv_b, &BlockMatrices::out_w,
+                                        &BlockMatrices::out_b, &BlockMatrices::fc_w, &BlockMatrices::fc_b,
+                                        &BlockMatrices::proj_w, &BlockMatrices::proj_b})
+    if (b.*f) r.*f = to + (static_cast<const float*>(b.*f) - from);
+  return r;
+}
+
+std::size_t bytes_of(i64 floats) { return std::size_t(floats) * sizeof(float); }
+
+}  // namespace
+
+HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule& s, int rank,
+                         std::pair<int, int> layers, const std::vector<ParamBucket>& buckets, const HostLayers* host,
+                         CopyStream& h2d, CopyStream& d2h, GradReduce& grads, const StepControl& control,
+                         StepResult& result)
+    : be_(be),
+      device_(device),
+      host_(host),
+      lb_(layers.first),
+      buckets_(buckets),
+      h2d_(h2d),
+      d2h_(d2h),
+      grads_(grads),
+      control_(control),
+      result_(result) {
+  if (!host_) return;
+  SPPO_ASSERT_MSG(s.weights_host && be.act() == DType::F32, "the layers' weights on the host run fp32 activations");
+  uses_ = sched::LayerUses(s, rank);
+  const std::size_t n = std::size_t(layers.second - layers.first);
+  w_.resize(n);
+  g_.resize(n);
+  w_in_.resize(n);
+  g_out_.resize(n);
+  for (std::size_t b = 0; b < buckets.size(); ++b)
+    if (host_->device_grads.at(b)) grads_.place(b, host_->device_grads[b]);
+  for (int l = layers.first; l < layers.second; ++l) {
+    host_w_.push_back(host_->w->blocks[std::size_t(l)]);
+    host_g_.push_back(host_->g->blocks[std::size_t(l)]);
+    host_m_.push_back(host_->m->blocks[std::size_t(l)]);
+  }
+}
+
+HostWeights::~HostWeights() {
+  // An error mid-step leaves copies in flight: they end before their buffers go, and the
+  // views point at the host's arrays again.
+  if (!host_) return;
+  h2d_.synchronize();
+  d2h_.synchronize();
+  for (std::size_t j = 0; j < w_.size(); ++j) {
+    point_views(lb_ + int(j), false);
+    host_->g->blocks[std::size_t(lb_) + j] = host_g_[j];
+  }
+}
+
+void HostWeights::point_views(int l, bool on_device) {
+  const std::size_t j = std::size_t(l - lb_), at = std::size_t(l);
+  const float* host_base = host_->params + bucket(l).offset;
+  if (on_device) {
+    host_->w->blocks[at] = rebased(host_w_[j], host_base, w_[j].f32());
+    host_->m->blocks[at] = rebased(host_m_[j], host_base, w_[j].f32());
+  } else {
+    host_->w->blocks[at] = host_w_[j];
+    host_->m->blocks[at] = host_m_[j];
+  }
+}
+
+void HostWeights::bring(int l) {
+  const std::size_t j = std::size_t(l - lb_);
+  const ParamBucket& b = bucket(l);
+  SPPO_ASSERT_MSG(!w_[j], "layer " << l << "'s weights brought twice");
+  // The update of the last step writes the host's weights bucket by bucket: this one's
+  // must be done before it is read.
+  if (host_->ready) host_->ready(grads_.bucket_of_layer(l));
+  w_[j] = device_.alloc(i64(bytes_of(b.count)), "blocks." + std::to_string(l) + " weights from the host");
+  w_in_[j] = h2d_.copy(w_[j].data(), host_->params + b.offset, bytes_of(b.count), {});
+}
+
+void HostWeights::begin(std::size_t index, int k) {
+  if (!host_ || uses_.first(index) == uses_.last(index)) return;
+  const sched::LayerUse& u = uses_.at(index, k);
+  for (int l : {u.load_now, u.load_next})
+    if (l >= 0) bring(l);
+  const std::size_t j = std::size_t(u.layer - lb_);
+  if (w_in_[j]) {
+    result_.exposed_copy_s += w_in_[j]->wait();
+    w_in_[j] = nullptr;
+    point_views(u.layer, true);
+  }
+  if (u.grad_first) {
+    const ParamBucket& b = bucket(u.layer);
+    const std::string what = "blocks." + std::to_string(u.layer) + " gradients";
+    if (control_.accumulate) {  // the sum so far, to which this step adds
+      g_[j] = device_.alloc(i64(bytes_of(b.count)), what);
+      result_.exposed_copy_s += h2d_.copy(g_[j].data(), host_->grads + b.offset, bytes_of(b.count), {})->wait();
+    } else {
+      g_[j] = device_.alloc_zeroed(i64(bytes_of(b.count)), what);
+    }
+    host_->g->blocks[std::size_t(u.layer)] = rebased(host_g_[j], host_->grads + b.offset, g_[j].f32());
+    grads_.place(grads_.bucket_of_layer(u.layer), g_[j].f32());
+  }
+}
+
+void HostWeights::release_grad(int l) {
+  const std::size_t j = std::size_t(l - lb_);
+  SPPO_ASSERT_MSG(g_[j] && g_out_[j], "layer " << l << "'s gradients released before they left");
+  result_.exposed_copy_s += g_out_[j]->wait();
+  g_out_[j] = nullptr;
+  g_[j].reset();
+  host_->g->blocks[std::size_t(l)] = host_g_[j];
+}
+
+void HostWeights::end(std::size_t index, int k) {
+  if (!host_ || uses_.first(index) == uses_.last(index)) return;
+  const sched::LayerUse& u = uses_.at(index, k);
+  const std::size_t j = std::size_t(u.layer - lb_);
+  if (u.grad_last) {
+    // Reduced over the replicas first (a step that reduces), then to the host's array.
+    const ParamBucket& b = bucket(u.layer);
+    grads_.settle_layer(u.layer);
+    grads_.place(grads_.bucket_of_layer(u.layer), host_->grads + b.offset);
+    g_out_[j] = d2h_.copy(host_->grads + b.offset, g_[j].data(), bytes_of(b.count), {});
+  }
+  for (int l : u.grad_free)
+    if (l >= 0) release_grad(l);
+  if (u.weights_free) {
+    SPPO_ASSERT(w_[j] && !w_in_[j]);
+    w_[j].reset();
+    point_views(u.layer, false);
+  }
+}
+
+void HostWeights::check_empty() const {
+  for (std::size_t j = 0; j < w_.size(); ++j)
+    SPPO_ASSERT_MSG(!w_[j] && !g_[j], "layer " << lb_ + int(j) << "'s weights or gradients left on the device");
+}
+
+}  // namespace sppo

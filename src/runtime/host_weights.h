@@ -1,0 +1,93 @@
+// The layers' weights and gradients on the host (--weights host): the runtime's side of
+// Note [Weights on the host] (schedule/weights.h), whose LayerUses the memory rules and the
+// simulator read too.
+//
+// Contract: the Runtime keeps every owned parameter's fp32 weights and gradients in host
+// arrays (HostLayers) and on the device only the embedding's, final norm's and head's. In
+// a step, begin(op, k) at the start of own layer k of F/B op `op` and end(op, k) at its end
+// do what the layer's use says, in its order:
+//  - a layer's working copy is allocated and copied from the host's weights on the step's
+//    host-to-device stream, after HostLayers::ready(b) says its bucket's update is done; a
+//    use waits for its own layer's copy, then the views' blocks[l] point at it until it is
+//    released;
+//  - a layer's gradient is allocated at its first backward, zeroed, or when the step
+//    accumulates (StepControl::accumulate) holding the host's copy, so that the sum is the
+//    one the device would make; the gradient view's blocks[l] and the reduction's bucket
+//    point at it; at its last backward it is reduced over the replicas (a step that
+//    reduces), then copied to the host's array on the step's device-to-host stream, and
+//    released (after the wait for that copy) where the uses say.
+// fp32 activations only: in fp32 a layer's working copy is its weights, laid out as the
+// host array's bucket. At the end of a step nothing of it is on the device (check_empty).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/config.h"
+#include "model/gpt.h"
+#include "runtime/grad_reduce.h"
+#include "runtime/memory.h"
+#include "runtime/step_io.h"
+#include "schedule/weights.h"
+
+namespace sppo {
+
+// Where the layers' weights live with --weights host, as the Runtime holds them.
+struct HostLayers {
+  float* params = nullptr;  // host tier: every owned parameter, flat (parameter_specs order)
+  float* grads = nullptr;   // and its gradient, which each layer's leaves into
+  ParamView* w = nullptr;   // the views F and B read: blocks[l] at the device's copies while there
+  ParamView* g = nullptr;
+  MatrixView* m = nullptr;
+  std::function<void(std::size_t)> ready;  // waits until bucket b's weights are updated (may be empty)
+  // Per bucket: the device's gradient of the embedding, final norm and head, which the
+  // reduction reduces there (null: a layer's).
+  std::vector<float*> device_grads;
+};
+
+class HostWeights {
+ public:
+  // `host` null: the weights are on the device and this does nothing. `ops`: the rank's.
+  HostWeights(Backend& be, MemoryTier& device, const sched::Schedule& s, int rank, std::pair<int, int> layers,
+              const std::vector<ParamBucket>& buckets, const HostLayers* host, CopyStream& h2d, CopyStream& d2h,
+              GradReduce& grads, const StepControl& control, StepResult& result);
+  ~HostWeights();
+  HostWeights(const HostWeights&) = delete;
+  HostWeights& operator=(const HostWeights&) = delete;
+
+  // The start and the end of F/B op `index`'s k-th layer (nothing for another stage's).
+  void begin(std::size_t index, int k);
+  void end(std::size_t index, int k);
+  // Nothing of the layers left on the device (ASSERT).
+  void check_empty() const;
+
+ private:
+  const ParamBucket& bucket(int l) const { return buckets_[grads_.bucket_of_layer(l)]; }
+  void bring(int l);               // the working copy of layer l, on its way
+  void release_grad(int l);        // after its copy to the host
+  void point_views(int l, bool on_device);
+
+  Backend& be_;
+  MemoryTier& device_;
+  const HostLayers* host_;
+  int lb_;
+  const std::vector<ParamBucket>& buckets_;
+  CopyStream& h2d_;
+  CopyStream& d2h_;
+  GradReduce& grads_;
+  StepControl control_;
+  StepResult& result_;
+  sched::LayerUses uses_;
+  // Per own layer (index l - lb_): its working copy and the copy bringing it, its gradient
+  // and the copy taking it to the host, and the views' blocks at the host arrays.
+  std::vector<Buffer> w_, g_;
+  std::vector<std::shared_ptr<Event>> w_in_, g_out_;
+  std::vector<BlockParams> host_w_, host_g_;
+  std::vector<BlockMatrices> host_m_;
+};
+
+}  // namespace sppo
