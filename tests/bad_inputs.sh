@@ -148,6 +148,13 @@ expect "--kv-cache recompute recomputes K/V from a rank's whole rows" train --mo
 expect "--recompute already recomputes whole blocks" train --model tiny --recompute --recompute-tensors fc_pre
 expect "\"recompute_tensors\"" train --plan plan_recompute.json
 expect "--optimizer-state 'sideways' is unknown; use device" train --model tiny --optimizer-state sideways
+expect "--weights 'sideways' is unknown; use device" train --model tiny --weights sideways
+expect "--weights 'sideways' is unknown; use device" grads --model tiny --weights sideways --out g
+expect "it needs --optimizer-state host" train --model tiny --weights host
+expect "it needs --optimizer-state host" train --model tiny --weights host --optimizer-state device
+expect "it does not run with --recompute" train --model tiny --weights host --optimizer-state host --recompute
+expect "it does not run with --recompute" grads --model tiny --weights host --recompute --out g
+expect "the weights and gradients) on its fullest rank, over the --host-memory budget" train --model tiny --seq-len 256 --weights host --optimizer-state host --host-memory 64KiB
 expect "--optimizer-state host moves AdamW's m and v" train --model medium --seq-len 4096 --device-memory 20MiB --steps 1
 expect "--optimizer-state must be device, host or auto" plan --optimizer-state sideways
 expect "optimizer_state must be device or host (got 'gpu')" train --plan plan_optimizer.json

@@ -180,6 +180,9 @@ void add_grads(CLI::App& app, Commands& out) {
                    SPPO_CHECK(!g->out.empty(), "options") << "sppo grads needs --out DIR, where it writes the "
                                                              "weights, gradients and loss";
                    resolve_step_options(g->flags, g->options);
+                   // One step takes no update: with the layers' weights on the host the
+                   // optimizer's state (their master) is there too.
+                   if (g->options.weights == "host") g->options.optimizer_state = "host";
                    return run_grads(g->options, g->out, "");
                  }});
 }

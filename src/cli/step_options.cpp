@@ -143,6 +143,13 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "plan's under --plan, else "
                   "layer where subseq does not fit the budgets)")
       ->capture_default_str();
+  cmd->add_option("--weights", o.weights,
+                  "Where the transformer layers' weights and gradients live: device, host (each layer's weights "
+                  "come to the device one layer ahead of the forward or backward that runs it and go after, each "
+                  "layer's gradient goes to the host after its last backward; the embedding, final norm and LM "
+                  "head stay; needs the optimizer state on the host, and runs without --tp, --msp on, --zero 1 "
+                  "and --recompute, in fp32), or auto (device)")
+      ->capture_default_str();
   cmd->add_option("--recompute-tensors", o.recompute_tensors,
                   "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "
                   "ln1_rstd, ln1_out, q, attn_out, lse, x_mid, ln2_mean, ln2_rstd, ln2_out, fc_pre, or of the "

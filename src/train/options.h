@@ -57,6 +57,10 @@ struct StepOptions {
   // Where the fp32 master weights and AdamW m, v live (runtime/host_optimizer.h): device,
   // host, or "" for the plan's (--plan), else device.
   std::string optimizer_state;
+  // Where the transformer layers' weights and gradients live between their uses (Note
+  // [Weights on the host] in schedule/weights.h): device, host (with the optimizer state
+  // on the host), or auto (the device).
+  std::string weights = "auto";
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
   std::string comm = "auto";          // --comm: auto | nccl | mpi (train/setup.cpp Note [Ranks and GPUs])

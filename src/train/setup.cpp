@@ -321,6 +321,10 @@ class SetupBuilder {
                "options")
         << "--optimizer-state '" << o_.optimizer_state << "' is unknown; use device (the fp32 master weights and "
         << "AdamW state beside the weights) or host (in host memory, updated by the CPU)";
+    SPPO_CHECK(o_.weights == "device" || o_.weights == "host" || o_.weights == "auto", "options")
+        << "--weights '" << o_.weights << "' is unknown; use device (every layer's weights and gradients on the "
+        << "device all step), host (each layer's brought for the forward and backward that run it; with "
+        << "--optimizer-state host) or auto (device)";
     if (w_.size() > 1) profile();
   }
 
@@ -438,7 +442,35 @@ class SetupBuilder {
     // The kernels' scratch comes from the device tier too.
     shape_.block_scratch = s_.backend->block_scratch(s_.config);
     shape_.head_scratch = s_.backend->head_scratch(s_.config, RuntimeOptions{}.head_chunk);
+    check_weights();
   }
+
+  // --weights host (Note [Weights on the host] in schedule/weights.h): the layers' weights
+  // on the host are the optimizer's master there, and a layer is brought whole to the one
+  // rank that runs it. auto is the device: the planner does not search this placement.
+  void check_weights() {
+    shape_.weights_host = o_.weights == "host";
+    if (!shape_.weights_host) return;
+    SPPO_CHECK(shape_.optimizer_host, "options")
+        << "--weights host keeps the layers' fp32 weights and gradients in host memory, where the optimizer's "
+           "update reads them: it needs --optimizer-state host (or use --weights device)";
+    const char* layout = weights_refused();
+    SPPO_CHECK(!layout, "options") << "--weights host brings each layer's weights whole to the rank that runs it; "
+                                   << "it does not run with " << (layout ? layout : "")
+                                   << ". It runs on one process, with --pp, --cp and --dp; or use --weights device";
+    SPPO_CHECK(precision_ == ActPrecision::F32, "options")
+        << "--weights host brings each layer's fp32 weights and runs fp32 activations; use --precision fp32 (or "
+           "--weights device)";
+  }
+  // The layout --weights host does not run in, named; null: none.
+  const char* weights_refused() const {
+    return shape_.msp     ? "--msp on (helpers borrow a stage's weights whole)"
+           : shape_.tp > 1 ? "--tp (each rank holds shards of every layer)"
+           : o_.zero == 1  ? "--zero 1 (the master is sharded over the replicas)"
+           : o_.recompute  ? "--recompute (the full-recompute baseline)"
+                           : nullptr;
+  }
+  bool weights_ok() const { return !weights_refused() && precision_ == ActPrecision::F32; }
 
   // Where the K/V cache lives (--kv-cache) and what backward recomputes
   // (--recompute-tensors): what this layout can run.
@@ -637,6 +669,10 @@ class SetupBuilder {
     state_hint_ = shape_.optimizer_host ? ""
                                         : "; --optimizer-state host moves AdamW's m and v (8 B a parameter of each "
                                           "rank's share) and the fp32 master weights to the host";
+    // With it there, the layers' weights and gradients can follow (Note [Weights on the host]).
+    if (shape_.optimizer_host && !shape_.weights_host && weights_ok())
+      state_hint_ = "; --weights host keeps the layers' weights and gradients on the host, bringing each layer's for "
+                    "the forward and backward that run it";
     if (!fitted_ && any_auto_) {
       shape_ = asked;
       if (first_error_) throw DoesNotFit(first_error_->what() + exhausted_ + state_hint_);
@@ -739,6 +775,7 @@ class SetupBuilder {
         << " B) in host memory ("
         << (!s_.schedule.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
         << (shape_.optimizer_host ? ", the optimizer state" : "")
+        << (shape_.weights_host ? ", the weights and gradients" : "")
         << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o_.host_memory))
         << "; use --host-memory " << r_.peak_host_bytes
         << " or more, or offload less (more --subseqs, a lower --offload ratio, --kv-cache device, or more "
@@ -772,6 +809,7 @@ class SetupBuilder {
     ro.zero_shards = o_.zero == 1 ? s_.layout.dp * s_.layout.cp : 1;
     ro.zero_index = o_.zero == 1 ? s_.layout.stage_index() : 0;
     ro.optimizer_host = shape_.optimizer_host;
+    ro.weights_host = shape_.weights_host;
     ro.tp = s_.layout.tp_shard();
     ro.block_scratch = shape_.block_scratch;
     ro.head_scratch = shape_.head_scratch;

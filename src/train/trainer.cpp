@@ -445,7 +445,10 @@ void print_start(const Run& r) {
                o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
                (long long)o.step.seq_len, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
                s.schedule.backward == sched::BackwardOrder::Layer ? " | backward a layer at a time" : "",
-               s.runtime->state_on_host() ? " | optimizer state on the host" : "", s.data->describe().c_str(),
+               s.runtime->weights_on_host()  ? " | weights and optimizer state on the host"
+               : s.runtime->state_on_host() ? " | optimizer state on the host"
+                                            : "",
+               s.data->describe().c_str(),
                omp_get_max_threads(), layout_text(lay).c_str());
   std::fprintf(stderr,
                "optimizer: AdamW, lr %g (%s), warm-up %d steps (%s), cosine decay to %g, weight decay %g (%s), "
@@ -678,7 +681,9 @@ void finish_run(const Run& r) {
   if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
     std::fprintf(stderr, "; host memory (%s%s) %s measured, %s predicted",
                  s.schedule.any_kv_streamed() ? "offloaded, K/V and their sums" : "offloaded",
-                 s.runtime->state_on_host() ? ", optimizer state" : "",
+                 s.runtime->weights_on_host() ? ", weights, gradients, optimizer state"
+                 : s.runtime->state_on_host() ? ", optimizer state"
+                                              : "",
                  format_bytes(double(measured_host_peak)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str());
   if (lay.ranks() > 1) std::fprintf(stderr, " (fullest rank)");
   std::fprintf(stderr, "\n");

@@ -8,7 +8,8 @@
 // unevenly) and 4 ranks, alone and with the others; MSP over 2, 3 and 4 stages, alone and
 // with tensor, data and context parallelism; the K/V cache on the host under pipeline,
 // tensor, data and context parallelism and MSP; K/V and saved tensors recomputed under
-// each layout that runs them; MLP tiles; every layout's messages staged as on GPUs
+// each layout that runs them; MLP tiles; the layers' weights on the host under pipeline,
+// data and context parallelism; every layout's messages staged as on GPUs
 // (--comm mpi); Qwen3's block (query/key norms, heads wider than H / Z) under each of them.
 #include <gtest/gtest.h>
 
@@ -392,6 +393,25 @@ TEST_F(Layouts, LayerMajorBackward) {
                                tmp_->path() + "/refused");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("--msp off"), std::string::npos) << r.output;
+}
+
+// The layers' weights on the host (--weights host, Note [Weights on the host] in
+// schedule/weights.h): each stage's own layers brought to it, the gradients all-reduced over
+// the replicas before they leave the device, each ring member streaming its own copy; the
+// gradients are one process's and the peaks the memory model's (on a ring the device's is
+// bounded: the ring attention's buffers are counted as a bound). Tensor parallelism and
+// ZeRO-1 are refused before any work.
+TEST_F(Layouts, WeightsOnTheHost) {
+  check_peaks(2, "--pp 2 --subseqs 3 --offload 0.5 --weights host", "ref1", kModel, true);
+  check_peaks(2, "--dp 2 --subseqs 3 --weights host --backward-order layer", "ref2", kModel, true);
+  check_peaks(2, "--cp 2 --ring zigzag --subseqs 3 --kv-cache host --weights host --backward-order layer", "ref1",
+              kModel, false);
+  check_peaks(4, "--pp 2 --dp 2 --subseqs 4 --weights host", "ref2", kModel, true);
+  for (const auto& [layout, named] : {std::pair<std::string, std::string>{"--tp 2", "--tp"}, {"--dp 2 --zero 1", "--zero 1"}}) {
+    const auto r = mpirun(2, "grads " + kModel + " " + layout + " --weights host --out " + tmp_->path() + "/refused");
+    EXPECT_EQ(r.status, 2) << layout << "\n" << r.output;
+    EXPECT_NE(r.output.find("does not run with " + named), std::string::npos) << r.output;
+  }
 }
 
 // MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and

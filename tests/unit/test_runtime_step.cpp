@@ -10,6 +10,7 @@
 #include "core/check.h"
 #include "io/fileutil.h"
 #include "runtime/executor.h"
+#include "schedule/memory.h"
 #include "train/parallel.h"
 #include "train/profile_machine.h"
 #include "train/setup.h"
@@ -102,6 +103,8 @@ struct PeakCase {
   const char* optimizer = "device";  // --optimizer-state
   i64 mlp_tile_rows = 0;           // --mlp-tile-rows
   const char* backward = "subseq"; // --backward-order
+  const char* weights = "auto";    // --weights
+  int layers = 0;                  // the preset's layers (0), or these
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -158,20 +161,35 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"small", 1024, "8", "full", 0, "device", "length", "fc_pre,head_grad", "host", 100, "layer"},
       // Under a budget the subsequence order does not fit: auto runs the layers' order.
       {"small", 2048, "8", "adaptive", 0.45, "device", "length", "none", "device", 0, "auto"},
+      // The layers' weights on the host (Note [Weights on the host]): each layer's working
+      // copy from the use before its own to its last in a row, its gradient from its first
+      // backward to the use after its last; in both orders, with offload, every K/V
+      // placement, recomputed tensors, MLP tiles and a budget.
+      {"tiny", 256, "1", "none", 0, "device", "length", "none", "host", 0, "subseq", "host"},
+      {"tiny", 1000, "3", "0.3", 0, "device", "length", "none", "host", 0, "subseq", "host", 5},
+      {"tiny", 1024, "4", "none", 0, "device", "length", "none", "host", 0, "layer", "host", 6},
+      {"small", 1024, "8", "full", 0, "host", "length", "none", "host", 0, "layer", "host"},
+      {"small", 1024, "8", "0.5", 0, "device", "flops", "fc_pre,head_grad", "host", 100, "subseq", "host"},
+      {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all", "host", 0, "layer", "host"},
+      {"small", 2048, "8", "adaptive", 0.3, "device", "length", "none", "host", 0, "layer", "host", 4},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
     if (c.budget_fraction > 0) {
-      const StepSetup whole = make_setup(step_options(c.model, c.S, "1", "none"));
+      StepOptions w = step_options(c.model, c.S, "1", "none");
+      if (c.layers > 0) w.model.layers = c.layers;
+      const StepSetup whole = make_setup(w);
       budget = i64(double(whole.predicted_peak_bytes) * c.budget_fraction);
     }
     StepOptions o = step_options(c.model, c.S, c.subseqs, c.offload, budget);
+    if (c.layers > 0) o.model.layers = c.layers;
     o.kv_cache = c.kv_cache;
     o.partition = c.partition;
     o.recompute_tensors = c.recompute;
     o.optimizer_state = c.optimizer;
     o.mlp_tile_rows = c.mlp_tile_rows;
     o.backward_order = c.backward;
+    o.weights = c.weights;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
@@ -180,7 +198,9 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
                              std::to_string(s.lengths.size()) + ") offload " + c.offload + " budget " +
                              std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute +
                              " optimizer state " + c.optimizer +
-                             " mlp tiles " + std::to_string(c.mlp_tile_rows) + " backward " + c.backward;
+                             " mlp tiles " + std::to_string(c.mlp_tile_rows) + " backward " + c.backward +
+                             " weights " + c.weights;
+    EXPECT_EQ(s.schedule.weights_host, std::string(c.weights) == "host") << what;
     if (std::string(c.backward) != "subseq") {
       EXPECT_EQ(s.schedule.backward, sched::BackwardOrder::Layer) << what;
     }
@@ -315,6 +335,60 @@ TEST(RuntimeStep, OptimizerStateOnTheHostTrainsAsOnTheDevice) {
     }
     EXPECT_EQ(on_host.runtime->host_update_bytes(), 8 * state) << "gradients down, weights up, fp32";
   }
+}
+
+// --weights host (Note [Weights on the host]): the layers' weights come from the host's
+// master for the ops that run them and their gradients go to the host's copy, which the
+// update reads in place, so training gives --weights device's losses, weights and moments
+// to the bit (both with the optimizer state on the host), in both backward orders and with
+// the steps beginning while the last update runs. The device peaks are the predicted ones;
+// in the layer order the device holds every other layer's weights and gradients less (at
+// the first backward only the last layer's are there). With one subsequence that first
+// backward is also the last layer's last: the next layer's weights come in beside it, so
+// the peak falls by a layer's weights less. The host holds what it held with --weights
+// device (its master and gradients' copy are the layers' own), and only the embedding's,
+// final norm's and head's gradients go down and weights up.
+TEST(RuntimeStep, WeightsOnTheHostTrainAsOnTheDevice) {
+  for (const char* backward : {"subseq", "layer"})
+    for (const char* subseqs : {"1", "3", "8"}) {
+      const std::string what = std::string("backward ") + backward + " N " + subseqs;
+      const i64 S = 512;
+      StepOptions o = step_options("tiny", S, subseqs, "0.5");
+      o.model.layers = 6;
+      o.optimizer_state = "host";
+      o.backward_order = backward;
+      o.weights = "device";
+      StepSetup on_device = make_setup(o);
+      o.weights = "host";
+      StepSetup on_host = make_setup(o);
+      ASSERT_TRUE(on_host.runtime->weights_on_host() && on_host.schedule.weights_host) << what;
+      const ModelConfig& c = on_host.config;
+      const i64 layer = sched::layer_params(c, TpShard{}), resident = on_host.runtime->num_params() - c.layers * layer;
+      // Every other layer's fp32 weights and gradients (less a layer's weights on the way
+      // with one subsequence).
+      const i64 less = (c.layers - 1) * layer * 8 - (std::string(subseqs) == "1" ? layer * 4 : 0);
+      if (std::string(backward) == "layer") {
+        EXPECT_GE(on_device.predicted_peak_bytes - on_host.predicted_peak_bytes, less) << what;
+      } else {
+        EXPECT_LT(on_host.predicted_peak_bytes, on_device.predicted_peak_bytes) << what;
+      }
+      EXPECT_EQ(on_host.predicted_host_bytes, on_device.predicted_host_bytes) << what;
+      const Trained a = train_steps(on_device, S, 3), b = train_steps(on_host, S, 3);
+      EXPECT_EQ(a.losses, b.losses) << what;
+      EXPECT_LT(a.losses.back(), a.losses.front()) << "the steps should learn";
+      EXPECT_TRUE(a.params == b.params) << what << ": the weights differ";
+      EXPECT_TRUE(a.m == b.m && a.v == b.v) << what << ": the AdamW moments differ";
+      for (std::size_t k = 0; k < b.steps.size(); ++k) {
+        EXPECT_EQ(b.steps[k].device.peak, on_host.predicted_peak_bytes) << what << " step " << k + 1;
+        EXPECT_EQ(b.steps[k].host.peak, on_host.predicted_host_bytes) << what << " step " << k + 1;
+        EXPECT_EQ(a.steps[k].device.peak, on_device.predicted_peak_bytes) << what << " step " << k + 1;
+        if (std::string(backward) == "layer") {
+          EXPECT_GE(a.steps[k].device.peak - b.steps[k].device.peak, less)
+              << what << " step " << k + 1 << ": the measured peaks";
+        }
+      }
+      EXPECT_EQ(on_host.runtime->host_update_bytes(), 8 * resident) << what;
+    }
 }
 
 }  // namespace
