@@ -97,6 +97,7 @@ void HostWeights::bring(int l) {
   if (host_->ready) host_->ready(grads_.bucket_of_layer(l));
   w_[j] = device_.alloc(i64(bytes_of(b.count)), "blocks." + std::to_string(l) + " weights from the host");
   w_in_[j] = h2d_.copy(w_[j].data(), host_->params + b.offset, bytes_of(b.count), {});
+  copies_.push_back({"weights L" + std::to_string(l), w_in_[j]});
 }
 
 void HostWeights::begin(std::size_t index, int k) {
@@ -143,6 +144,7 @@ void HostWeights::end(std::size_t index, int k) {
     grads_.settle_layer(u.layer);
     grads_.place(grads_.bucket_of_layer(u.layer), host_->grads + b.offset);
     g_out_[j] = d2h_.copy(host_->grads + b.offset, g_[j].data(), bytes_of(b.count), {});
+    copies_.push_back({"grads L" + std::to_string(u.layer), g_out_[j]});
   }
   for (int l : u.grad_free)
     if (l >= 0) release_grad(l);
@@ -150,6 +152,14 @@ void HostWeights::end(std::size_t index, int k) {
     SPPO_ASSERT(w_[j] && !w_in_[j]);
     w_[j].reset();
     point_views(u.layer, false);
+  }
+}
+
+void HostWeights::trace(StepResult& result) const {
+  for (const auto& [name, ev] : copies_) {
+    const bool in = name.rfind("weights", 0) == 0;
+    add_span(result, name, in ? sched::OpKind::Prefetch : sched::OpKind::Offload, in ? Lane::CopyIn : Lane::CopyOut,
+             ev->start_s(), ev->end_s());
   }
 }
 

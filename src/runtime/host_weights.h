@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -64,6 +65,8 @@ class HostWeights {
   void end(std::size_t index, int k);
   // Nothing of the layers left on the device (ASSERT).
   void check_empty() const;
+  // Adds each copy of a layer's weights in and gradient out to the timeline.
+  void trace(StepResult& result) const;
 
  private:
   const ParamBucket& bucket(int l) const { return buckets_[grads_.bucket_of_layer(l)]; }
@@ -88,6 +91,7 @@ class HostWeights {
   std::vector<std::shared_ptr<Event>> w_in_, g_out_;
   std::vector<BlockParams> host_w_, host_g_;
   std::vector<BlockMatrices> host_m_;
+  std::vector<std::pair<std::string, std::shared_ptr<Event>>> copies_;  // for trace()
 };
 
 }  // namespace sppo

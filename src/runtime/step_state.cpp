@@ -164,6 +164,7 @@ void StepState::finish() {
   result.exposed_copy_s += ctx.device.release_wait_s();
   result.comm_wait_s += result.ring_wait_s;
   act.trace(result);
+  weights.trace(result);
   messages.check_empty();
   msp.check_empty();
   kv.check_empty();

@@ -363,7 +363,14 @@ struct Pass {
 // seconds waited stretch the op and count as exposed copy time. The copies go before the
 // op's streamed K/V chunks (Note [Streams on the copy streams]), which wait behind them;
 // they are not replayed on shared links (Note [Shared host links]).
-double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double start, const CostModel& cost) {
+// `copies` (may be null): each copy's lane, layer and span, for the trace.
+struct LayerCopy {
+  Lane lane;
+  int layer;
+  double start, end;
+};
+double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double start, const CostModel& cost,
+                    std::vector<LayerCopy>* copies) {
   const double layer_s = op.seconds / op.layers;
   double t = start, waited = 0;
   auto wait_until = [&](double ready) {
@@ -375,12 +382,14 @@ double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double
       if (l < 0) continue;
       const double at = std::max(rs.t_in, t);
       rs.t_in = rs.weights_in[size_t(l)] = at + cost.h2d_s(re.layer_w, rs.t_out > at);
+      if (copies) copies->push_back({Lane::CopyIn, l, at, rs.t_in});
     }
     wait_until(rs.weights_in[size_t(u.layer)]);
     t += layer_s;
     if (u.grad_last) {
       const double at = std::max(rs.t_out, t);
       rs.t_out = rs.grads_out[size_t(u.layer)] = at + cost.d2h_s(re.layer_g, rs.t_in > at);
+      if (copies) copies->push_back({Lane::CopyOut, u.layer, at, rs.t_out});
     }
     for (int l : u.grad_free)
       if (l >= 0) wait_until(rs.grads_out[size_t(l)]);
@@ -451,9 +460,14 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             double dur = op.seconds;
             const double start = rs.t_compute;
             if (op.use >= 0) {  // Note [Weights on the host]
-              const double waited = layer_copies(rs, mem[size_t(r)], op, start, cost);
+              std::vector<LayerCopy> copies;
+              const double waited = layer_copies(rs, mem[size_t(r)], op, start, cost, options.record ? &copies : nullptr);
               dur += waited;
               rs.exposed += waited;
+              for (const LayerCopy& c : copies)
+                res.events.push_back({r, c.lane, c.lane == Lane::CopyIn ? OpKind::Prefetch : OpKind::Offload,
+                                      (c.lane == Lane::CopyIn ? "weights L" : "grads L") + std::to_string(c.layer),
+                                      c.start, c.end - c.start});
             }
             if (op.stream >= 0) {  // Note [Streams on the copy streams]
               const KvStream& kv = mem[size_t(r)].streams[size_t(op.stream)];
