@@ -403,6 +403,7 @@ TEST_F(Layouts, LayerMajorBackward) {
 // ZeRO-1 are refused before any work.
 TEST_F(Layouts, WeightsOnTheHost) {
   check_peaks(2, "--pp 2 --subseqs 3 --offload 0.5 --weights host", "ref1", kModel, true);
+  check_peaks(2, "--pp 2 --subseqs 3 --backward-order layer --weights host", "ref1", kModel, true);
   check_peaks(2, "--dp 2 --subseqs 3 --weights host --backward-order layer", "ref2", kModel, true);
   check_peaks(2, "--cp 2 --ring zigzag --subseqs 3 --kv-cache host --weights host --backward-order layer", "ref1",
               kModel, false);
