@@ -192,7 +192,7 @@ if [ $SMOKE = 0 ]; then
   section attention_kernels 60 "$(tool gpu_attention_bench)"  # each tile kernel against the SIMT one
   for S in 16384 65536 131072; do
     section "layer_$S" 90 "$SPPO" bench layer "${BF16[@]}" "${LIB[@]}" --hidden 4096 --heads 32 --seq-len $S --reps 3 \
-      --json
+      --breakdown --json
   done
   section offload 60 "$SPPO" bench offload "${BF16[@]}" --model medium --seq-len 32768 --subseqs 8 --json
   # MEMORY=1: the longest sequence of PyTorch with checkpointing and of SPPO, and both step
@@ -219,7 +219,8 @@ else
     --heads 2 --chunk 64 --reps 1 --json
   section attention_own 60 "$SPPO" bench attention "${BACKEND[@]}" "${OWN[@]}" --seq-len 256 --queries 64 --prefix 192 \
     --heads 2 --chunk 64 --reps 1 --json
-  section layer_smoke 60 "$SPPO" bench layer "${BACKEND[@]}" --hidden 64 --heads 4 --seq-len 256 --reps 1 --json
+  section layer_smoke 60 "$SPPO" bench layer "${BACKEND[@]}" --hidden 64 --heads 4 --seq-len 256 --reps 1 --breakdown \
+    --json
   section offload 120 "$SPPO" bench offload "${BACKEND[@]}" --model tiny --seq-len 512 --subseqs 4 --reps 1 --json
 fi
 

@@ -213,7 +213,9 @@ for S in (16384, 65536, 131072):
     theirs = torch.get("layer_tokens_per_s", {})
     theirs = theirs.get(str(S)) if isinstance(theirs, dict) else None
     layers[str(S)] = {"sppo_tokens_per_s": j.get("tokens_per_s"), "torch_tokens_per_s": theirs,
-                      "attention": j.get("attention"), "over_torch": ratio(j.get("tokens_per_s"), theirs)}
+                      "attention": j.get("attention"), "over_torch": ratio(j.get("tokens_per_s"), theirs),
+                      "outside_attention_gemm_fraction": j.get("outside_attention_gemm_fraction"),
+                      "breakdown": j.get("breakdown"), "torch_breakdown": torch.get("layer_breakdown_%d" % S)}
 result["layer"] = layers
 off = last_json(read(os.path.join(logs, "offload.out"))) or {}
 result["offload"] = {"adaptive_over_none": off.get("adaptive_over_none_step_time")}

@@ -1,7 +1,8 @@
 """PyTorch's figures for the patterns bench/gpu/check.sh measures, in the same device call,
 printed as one JSON object: SDPA (whole causal S 32K; 16K queries after a 112K prefix, by
 PyTorch's faster path for it), one
-bf16 GPT block (H 4096, 32 heads) at 16K / 64K / 128K, and an 8-layer stack of those blocks
+bf16 GPT block (H 4096, 32 heads) at 16K / 64K / 128K (at 16K also its step split by
+torch.profiler's kernel times, as sppo's `bench layer --breakdown`), and an 8-layer stack of those blocks
 with activation checkpointing: its longest sequence on this GPU and its step time there
 (with --memory; that step alone takes minutes).
 FLOP counts as in shared/peers/h200/anchors.py: attention fwd 4 S^2 d Z / 2 (causal),
@@ -111,6 +112,47 @@ def layer():
 
 
 section("layer_tokens_per_s", layer)
+
+
+def kernel_part(name):
+    """Which part of sppo's `bench layer --breakdown` a CUDA kernel of PyTorch's belongs to, by
+    its name: attention (flash, cuDNN's SDPA, the memory-efficient kernels) forward or backward,
+    GEMMs (cuBLAS, cuBLASLt, CUTLASS), or other."""
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn")):
+        return "attention_backward_s" if any(k in n for k in ("bwd", "backward", "dq", "dkdv")) \
+            else "attention_forward_s"
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas")):
+        return "gemm_s"
+    return "other_s"
+
+
+def layer_breakdown(S=16384):
+    """The block's step at S split as sppo's --breakdown: torch.profiler's CUDA kernel times by
+    part, and what the step's time (measured apart, unprofiled) leaves between them."""
+    from torch.profiler import profile, ProfilerActivity
+    blk = Block(4096, 32).to(dev, torch.bfloat16)
+    step_s = stack_step([blk], S, False, iters=3)
+    x = torch.randn(1, S, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    blk(x).float().sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        blk(x).float().sum().backward()
+        torch.cuda.synchronize()
+    parts = {"attention_forward_s": 0.0, "attention_backward_s": 0.0, "gemm_s": 0.0, "other_s": 0.0}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            parts[kernel_part(e.name)] += e.time_range.elapsed_us() * 1e-6
+    kernels = sum(parts.values())
+    parts = {k: round(v, 6) for k, v in parts.items()}
+    parts.update(step_s=round(step_s, 6), between_s=round(max(0.0, step_s - kernels), 6),
+                 outside_attention_gemm_fraction=round(
+                     (step_s - parts["attention_forward_s"] - parts["attention_backward_s"] - parts["gemm_s"])
+                     / step_s, 4))
+    return parts
+
+
+section("layer_breakdown_16384", layer_breakdown)
 
 
 def memory():

@@ -28,8 +28,10 @@
 #include <mutex>
 #include <condition_variable>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "core/adamw.h"
 #include "core/config.h"
 #include "core/dims.h"
 #include "core/layout.h"
@@ -130,6 +132,21 @@ struct AttentionBuildStats {
   double seconds = 0, first_seconds = 0;
 };
 
+// Spans of the compute stream's work, timed without stopping the stream where the backend
+// can: a GPU backend records an event at each end of a span and reads the events once the
+// stream has run them (collect); the default, for backends whose kernels have finished when
+// they return, synchronises at each end and reads the wall clock. `bench layer --breakdown`
+// times every kernel of a step through one (bench/timed_backend.h).
+class StreamClock {
+ public:
+  virtual ~StreamClock() = default;
+  virtual void begin() = 0;
+  // Ends the span begun last; its seconds are added to *total by collect() at the latest.
+  virtual void end(double* total) = 0;
+  // Waits for the stream's work and adds every span ended so far to its total.
+  virtual void collect() = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -143,6 +160,7 @@ class Backend {
   virtual void* host_alloc(std::size_t bytes) = 0;    // pinned where that matters
   virtual void host_free(void* p) = 0;
   virtual std::unique_ptr<CopyStream> make_copy_stream() = 0;
+  virtual std::unique_ptr<StreamClock> make_stream_clock();
   // Whether p is device memory that the host (and so MPI) cannot read: CUDA's device memory;
   // never on the CPU, whose device tier is host memory.
   virtual bool device_pointer(const void* p) const { return false; }
@@ -186,6 +204,12 @@ class Backend {
   virtual void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) = 0;
   virtual void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w,
                                 const float* rstd, int T, int H, const Workspace& ws) = 0;
+  // The residual add and the norm after it: y[T, H] += x (activations), then out = the norm
+  // of the new y, RMSNorm when rms (mean and b unused) else LayerNorm, as the two above. The
+  // default runs add_inplace and the norm; a backend may do both in one pass over y, with
+  // the same results to the bit.
+  virtual void add_norm_forward(void* y, const void* x, void* out, float* mean, float* rstd, const float* w,
+                                const float* b, int T, int H, float eps, bool rms);
   virtual void gelu_forward(void* out, const void* in, i64 n) = 0;
   virtual void gelu_backward(void* din, const void* dout, const void* in, i64 n) = 0;
   // SwiGLU (Llama family): gu [T, 2F] holds each row's gate (columns [0, F)) and up
@@ -267,6 +291,13 @@ class Backend {
   // working copy of p, refreshed.
   virtual void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
                      float weight_decay, int t, void* p_act) = 0;
+  // adamw on every span (core/adamw.h), p_act (may be null) indexed as p: a step's update of
+  // all its tensors in as few kernels as the backend can. The default: one adamw a span.
+  virtual void adamw_spans(float* p, float* m, float* v, const float* g, const std::vector<AdamwSpan>& spans,
+                           float lr, float beta1, float beta2, float eps, int t, void* p_act);
+  // sum_squares of each range [first, first + second) of g, in order, with one wait for the
+  // device where the default waits once a range (the gradient norm's one synchronisation).
+  virtual std::vector<double> sum_squares_spans(const float* g, const std::vector<std::pair<i64, i64>>& ranges);
   // dst[n] = src[n] converted from fp32 to the activation type (the weights' working copy).
   virtual void to_act(void* dst, const float* src, i64 n) = 0;
   // dst[n] = src[n] converted from the activation type to fp32 (a sum's fp32 operands).

@@ -171,7 +171,7 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps, 
   }
   if (breakdown) {
     // One more step, every kernel timed on its own (bench/timed_backend.h); "between_s" is
-    // the step's time outside the kernels: allocation, argument set-up, launches.
+    // the step's time outside the kernels: allocation, argument set-up, launches, waits.
     TimedBackend timed(be);
     const double s = step(timed);
     const KernelTimes& k = timed.times();
@@ -181,6 +181,9 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps, 
                       {"gemm_s", k.gemm_s},
                       {"other_s", k.other_s},
                       {"between_s", s - k.attention_forward_s - k.attention_backward_s - k.gemm_s - k.other_s}};
+    // The measure of a lean step: what is neither attention nor a GEMM, the kernels
+    // between them and the gaps, as a fraction of the timed step.
+    j["outside_attention_gemm_fraction"] = (s - k.attention_forward_s - k.attention_backward_s - k.gemm_s) / s;
   }
   return j;
 }

@@ -2,13 +2,14 @@
 // a few parts of a block: attention forward, attention backward, GEMMs, other. `bench layer
 // --breakdown` runs one more step through it to say where the step's time goes.
 //
-// Each kernel is timed with the compute stream synchronised before and after, so a step
-// through it is slower than a step without (on a GPU, by a launch and a wait per kernel;
-// on the CPU, whose kernels are synchronous, barely): the parts say how the time divides,
-// and the step time stays the one measured without it.
+// Each kernel is timed by the backend's StreamClock (backend/backend.h): on a GPU by events
+// around it on the compute stream, which keeps running (Note [Kernel times from events] in
+// backends/cuda/cuda_backend.cpp); on the CPU, whose kernels are synchronous, by the wall
+// clock. The step's time less the kernels' is what ran between them: launches, waits on the
+// host, synchronisations.
 #pragma once
 
-#include <chrono>
+#include <memory>
 
 #include "backend/backend.h"
 
@@ -23,9 +24,16 @@ struct KernelTimes {
 
 class TimedBackend final : public Backend {
  public:
-  explicit TimedBackend(Backend& inner) : be_(inner) {}
-  const KernelTimes& times() const { return t_; }
-  void reset() { t_ = {}; }
+  explicit TimedBackend(Backend& inner) : be_(inner), clock_(inner.make_stream_clock()) {}
+  // The parts so far; waits for the kernels still running.
+  const KernelTimes& times() {
+    clock_->collect();
+    return t_;
+  }
+  void reset() {
+    clock_->collect();
+    t_ = {};
+  }
 
   const char* name() const override { return be_.name(); }
   DType act() const override { return be_.act(); }
@@ -35,6 +43,7 @@ class TimedBackend final : public Backend {
   void* host_alloc(std::size_t bytes) override { return be_.host_alloc(bytes); }
   void host_free(void* p) override { be_.host_free(p); }
   std::unique_ptr<CopyStream> make_copy_stream() override { return be_.make_copy_stream(); }
+  std::unique_ptr<StreamClock> make_stream_clock() override { return be_.make_stream_clock(); }
   void to_host(void* dst, const void* src, std::size_t bytes) override { be_.to_host(dst, src, bytes); }
   void to_device(void* dst, const void* src, std::size_t bytes) override { be_.to_device(dst, src, bytes); }
   void fill_zero(void* p, std::size_t bytes) override { timed(t_.other_s, [&] { be_.fill_zero(p, bytes); }); }
@@ -75,6 +84,10 @@ class TimedBackend final : public Backend {
   void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
                           const float* mean, const float* rstd, int T, int H, const Workspace& ws) override {
     timed(t_.other_s, [&] { be_.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, H, ws); });
+  }
+  void add_norm_forward(void* y, const void* x, void* out, float* mean, float* rstd, const float* w, const float* b,
+                        int T, int H, float eps, bool rms) override {
+    timed(t_.other_s, [&] { be_.add_norm_forward(y, x, out, mean, rstd, w, b, T, H, eps, rms); });
   }
   void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) override {
     timed(t_.other_s, [&] { be_.rmsnorm_forward(out, rstd, x, w, T, H, eps); });
@@ -150,7 +163,16 @@ class TimedBackend final : public Backend {
     timed(t_.other_s, [&] { r = be_.sum_squares(g, n); });
     return r;
   }
+  std::vector<double> sum_squares_spans(const float* g, const std::vector<std::pair<i64, i64>>& ranges) override {
+    std::vector<double> r;
+    timed(t_.other_s, [&] { r = be_.sum_squares_spans(g, ranges); });
+    return r;
+  }
   void scale(float* x, i64 n, float s) override { timed(t_.other_s, [&] { be_.scale(x, n, s); }); }
+  void adamw_spans(float* p, float* m, float* v, const float* g, const std::vector<AdamwSpan>& spans, float lr,
+                   float beta1, float beta2, float eps, int t, void* p_act) override {
+    timed(t_.other_s, [&] { be_.adamw_spans(p, m, v, g, spans, lr, beta1, beta2, eps, t, p_act); });
+  }
   void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t, void* p_act) override {
     timed(t_.other_s, [&] { be_.adamw(p, m, v, g, n, lr, beta1, beta2, eps, weight_decay, t, p_act); });
@@ -168,14 +190,13 @@ class TimedBackend final : public Backend {
  private:
   template <typename F>
   void timed(double& part, F&& f) {
-    be_.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
+    clock_->begin();
     f();
-    be_.synchronize();
-    part += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    clock_->end(&part);
   }
 
   Backend& be_;
+  std::unique_ptr<StreamClock> clock_;
   KernelTimes t_;
 };
 

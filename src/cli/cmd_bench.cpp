@@ -28,9 +28,9 @@ void print_layer_breakdown(const nlohmann::json& j) {
   const double s = b["step_s"].get<double>();
   auto part = [&](const char* key) { return 100.0 * b[key].get<double>() / s; };
   std::printf("timed step %.3f s: attention forward %.0f%%, attention backward %.0f%%, GEMMs %.0f%%, "
-              "other kernels %.0f%%, between kernels %.0f%%\n",
+              "other kernels %.0f%%, between kernels %.0f%% (outside attention and GEMMs: %.0f%%)\n",
               s, part("attention_forward_s"), part("attention_backward_s"), part("gemm_s"), part("other_s"),
-              part("between_s"));
+              part("between_s"), 100.0 * j["outside_attention_gemm_fraction"].get<double>());
 }
 
 void print_bench_layer(const nlohmann::json& j) {

@@ -28,6 +28,14 @@ struct AdamwScalars {
   float decay = 0;      // lr * weight_decay
 };
 
+// One tensor's share of an AdamW step over many (Backend::adamw_spans): elements [offset,
+// offset + count) of the weights and gradients, the moments' from state_offset, and its
+// weight decay.
+struct AdamwSpan {
+  long long offset = 0, count = 0, state_offset = 0;
+  float weight_decay = 0;
+};
+
 inline AdamwScalars adamw_scalars(float lr, float beta1, float beta2, float eps, float weight_decay, int t) {
   SPPO_ASSERT_MSG(t >= 1, "adamw: step " << t << " must be >= 1");
   const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), t);

@@ -360,13 +360,16 @@ void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const B
     SPPO_ASSERT(attn);
     attn->forward(be, s, c, q, w.scratch);
   }
-  if (has(3)) {
-    be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, QW, H, 0, 0);
+  if (has(3)) be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, QW, H, 0, 0);
+  // The residual add and LN2 after it in one call where both run; then the MLP half up to
+  // its pre-activation: fc_pre = fc(LN2(x_mid)), unless the MLP's tiles make it (a null
+  // s.fc_pre)
+  if (has(3) && has(4))
+    be.add_norm_forward(s.x_mid, s.x, s.ln2_out, s.ln2_mean, s.ln2_rstd, p.ln2_w, p.ln2_b, T, H, c.ln_eps, c.llama());
+  else if (has(3))
     be.add_inplace(s.x_mid, s.x, i64(T) * H);
-  }
-  // MLP half, up to its pre-activation: fc_pre = fc(LN2(x_mid)), unless the MLP's tiles
-  // make it (a null s.fc_pre)
-  if (has(4)) norm_forward(be, c, s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T);
+  else if (has(4))
+    norm_forward(be, c, s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T);
   if (has(5) && s.fc_pre) be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, W, 0, 0);
 }
 

@@ -167,7 +167,9 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   const auto& buckets = rt.buckets();
   // The global norm counts every parameter once: the tied embedding on the first stage
   // only, and replicated gradients (data parallel without ZeRO) on the first replica only.
-  double ss = 0;
+  // The ranges of g counted, in order; their sums added in that order (one wait for the
+  // device in all: the norm decides the clipping before the update).
+  std::vector<std::pair<i64, i64>> counted;
   const bool tied_copy = lay.pp > 1 && lay.last_stage() && rt.config().tied_embeddings();
   // With the weights on the host the gradients are there too (Note [Weights on the host]).
   const bool on_host = rt.weights_on_host();
@@ -175,8 +177,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   if (lay.tp == 1) {
     for (std::size_t k = 0; k < spans.size(); ++k) {
       if (tied_copy && buckets[k].name == "embed") continue;
-      const float* at = g + spans[k].offset;
-      ss += on_host ? be.host_sum_squares(at, spans[k].count) : be.sum_squares(at, spans[k].count);
+      counted.emplace_back(spans[k].offset, spans[k].count);
     }
   } else {
     // Shards add up over the tensor-parallel group; what several members hold (a tensor
@@ -188,7 +189,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     auto add = [&](i64 from, i64 to) {
       for (const ShardSpan& sp : spans) {
         const i64 b = std::max(from, sp.offset), e = std::min(to, sp.offset + sp.count);
-        if (b < e) ss += be.sum_squares(g + b, e - b);
+        if (b < e) counted.emplace_back(b, e - b);
       }
     };
     i64 run = embed, end = embed;
@@ -202,6 +203,12 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       }
     }
     add(run, end);
+  }
+  double ss = 0;
+  if (on_host) {
+    for (const auto& [from, count] : counted) ss += be.host_sum_squares(g + from, count);
+  } else {
+    for (double part : be.sum_squares_spans(g, counted)) ss += part;
   }
   if (lay.zero == 0 && (lay.replica() != 0 || lay.ring() != 0)) ss = 0;
   std::vector<double> total{ss};
@@ -232,9 +239,13 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
                          zero ? lay.stage_group() : comm::Group{});
     return norm;
   }
-  for (const HostOptimizer::Piece& q : pieces)
-    be.adamw(rt.params() + q.offset, rt.adam_m() + q.state_offset, rt.adam_v() + q.state_offset, g + q.offset,
-             q.count, hp.lr, hp.beta1, hp.beta2, hp.eps, q.weight_decay, t, nullptr);
+  // Every tensor in a few kernels (Note [AdamW over many tensors] in backends/cuda/ops.cu);
+  // the weights' working copy is refreshed after, in one pass, once ZeRO-1's all-gather has
+  // brought the other ranks' shards.
+  std::vector<AdamwSpan> update;
+  update.reserve(pieces.size());
+  for (const HostOptimizer::Piece& q : pieces) update.push_back({q.offset, q.count, q.state_offset, q.weight_decay});
+  be.adamw_spans(rt.params(), rt.adam_m(), rt.adam_v(), g, update, hp.lr, hp.beta1, hp.beta2, hp.eps, t, nullptr);
   if (zero) {
     const comm::Group group = lay.stage_group();
     std::vector<comm::Request> reqs;

@@ -309,6 +309,49 @@ TEST_F(Cuda, AdamW) {
   }
 }
 
+// AdamW over many tensors at once: the same bits as adamw_step on each, past one launch's table
+// (40 spans), spans of every size from one element, elements between spans left alone, the
+// moments at offsets of their own.
+TEST_F(Cuda, AdamWSpansEqualsOneStepATensor) {
+  std::uniform_int_distribution<int> size(1, 3000);
+  std::vector<AdamwSpan> spans;
+  i64 at = 0, state = 0;
+  for (int j = 0; j < 40; ++j) {
+    const i64 n = j == 0 ? 1 : size(rng_);
+    spans.push_back({at + 3, n, state, j % 3 == 0 ? 0.0f : 0.1f});  // 3 untouched elements before each
+    at += n + 3;
+    state += n;
+  }
+  const i64 n = at, ns = state;
+  const Vec p0 = randn(n, rng_), g = randn(n, rng_), m0 = randn(ns, rng_, 0.1f);
+  Vec v0 = randn(ns, rng_, 0.01f);
+  for (float& e : v0) e = std::fabs(e);
+  const Vec b0 = rounded(randn(n, rng_), DType::BF16);
+  Dev gd = upload(g, DType::F32);
+  Dev pa = upload(p0, DType::F32), ma = upload(m0, DType::F32), va = upload(v0, DType::F32),
+      ba = upload(b0, DType::BF16);
+  for (const AdamwSpan& s : spans)
+    cuda::adamw_step(pa.as<float>() + s.offset, ma.as<float>() + s.state_offset, va.as<float>() + s.state_offset,
+                     gd.as<float>() + s.offset, s.count, 1e-3f, 0.9f, 0.95f, 1e-8f, s.weight_decay, 3, stream_,
+                     static_cast<std::uint16_t*>(ba.get()) + s.offset);
+  Dev pb = upload(p0, DType::F32), mb = upload(m0, DType::F32), vb = upload(v0, DType::F32),
+      bb = upload(b0, DType::BF16);
+  cuda::adamw_spans(pb.as<float>(), mb.as<float>(), vb.as<float>(), gd.as<float>(), spans.data(), int(spans.size()),
+                    1e-3f, 0.9f, 0.95f, 1e-8f, 3, stream_, bb.get());
+  expect_equal(download(pb, n, DType::F32), download(pa, n, DType::F32), "adamw_spans p");
+  expect_equal(download(mb, ns, DType::F32), download(ma, ns, DType::F32), "adamw_spans m");
+  expect_equal(download(vb, ns, DType::F32), download(va, ns, DType::F32), "adamw_spans v");
+  expect_equal(download(bb, n, DType::BF16), download(ba, n, DType::BF16), "adamw_spans p_bf16");
+  // The elements between spans, and the first span's one element, against the inputs and the
+  // formula.
+  const Vec p = download(pb, n, DType::F32);
+  for (const AdamwSpan& s : spans)
+    for (i64 i = s.offset - 3; i < s.offset; ++i) ASSERT_EQ(p[i], p0[i]) << "element " << i << " between spans";
+  Vec p1{p0[3]}, m1{m0[0]}, v1{v0[0]};
+  cpu::adamw_step(p1.data(), m1.data(), v1.data(), &g[3], 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 3);
+  expect_close({p[3]}, p1, 1e-7, 1e-6, "adamw_spans one element");
+}
+
 TEST_F(Cuda, Gelu) {
   const i64 n = 10007;
   Vec x = randn(n, rng_, 3.0f);
@@ -496,6 +539,63 @@ TEST_F(Cuda, RmsNorm) {
       // dw: the same partials of 256 rows in double, added in the same order.
       expect_close(download(dwd, H, DType::F32), dw, 1e-6 * max_abs(dw), 1e-5,
                    "rmsnorm dw " + tag);
+    }
+  }
+}
+
+// The residual add and the norm after it in one kernel: the same bits as add_inplace then the
+// norm (which the tests above check against the CPU), and against a float64 naive norm of the
+// stored sum.
+TEST_F(Cuda, AddNormEqualsTheAddThenTheNorm) {
+  for (const bool rms : {false, true}) {
+    for (const int H : {96, 1000}) {
+      for (const DType act : {DType::F32, DType::BF16}) {
+        const int T = 37;  // rows past a block of eight warps
+        const std::string tag = std::string(rms ? "rmsnorm " : "layernorm ") + name(act) + " H=" + std::to_string(H);
+        Vec y0 = randn(std::size_t(T) * H, rng_, 2.0f);
+        for (float& e : y0) e += 1.5f;  // a mean away from 0
+        y0 = rounded(y0, act);
+        const Vec x = rounded(randn(y0.size(), rng_), act);
+        const Vec w = randn(H, rng_), b = randn(H, rng_);
+        Dev xd = upload(x, act), wd = upload(w, DType::F32), bd = upload(b, DType::F32);
+        // Unfused: the add, then the norm.
+        Dev ya = upload(y0, act), oa(y0.size() * 4), ma(T * 4), ra(T * 4);
+        cuda::add_inplace(ya.get(), act, xd.get(), act, i64(T) * H, stream_);
+        if (rms)
+          cuda::rmsnorm_forward(oa.get(), ra.as<float>(), ya.get(), wd.as<float>(), T, H, 1e-6f, act, stream_);
+        else
+          cuda::layernorm_forward(oa.get(), ma.as<float>(), ra.as<float>(), ya.get(), wd.as<float>(), bd.as<float>(),
+                                  T, H, 1e-6f, act, stream_);
+        // Fused.
+        Dev yf = upload(y0, act), of(y0.size() * 4), mf(T * 4), rf(T * 4);
+        cuda::add_norm_forward(yf.get(), xd.get(), of.get(), mf.as<float>(), rf.as<float>(), wd.as<float>(),
+                               bd.as<float>(), T, H, 1e-6f, rms, act, stream_);
+        const Vec y = download(yf, y0.size(), act), out = download(of, y0.size(), act);
+        expect_equal(y, download(ya, y0.size(), act), "sum " + tag);
+        expect_equal(out, download(oa, y0.size(), act), "out " + tag);
+        expect_equal(download(rf, T, DType::F32), download(ra, T, DType::F32), "rstd " + tag);
+        if (!rms) expect_equal(download(mf, T, DType::F32), download(ma, T, DType::F32), "mean " + tag);
+        // Float64: the sum rounded once to the activation type, then the norm of it.
+        Vec sum(y0.size()), ref(y0.size());
+        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = y0[i] + x[i];
+        sum = rounded(sum, act);
+        expect_equal(y, sum, "sum against float64 " + tag);
+        for (int t = 0; t < T; ++t) {
+          double mu = 0, ss = 0;
+          std::vector<double> v(H);
+          for (int h = 0; h < H; ++h) {
+            v[h] = sum[std::size_t(t) * H + h];
+            mu += v[h];
+          }
+          mu = rms ? 0.0 : mu / H;
+          for (int h = 0; h < H; ++h) ss += (v[h] - mu) * (v[h] - mu);
+          const double r = 1.0 / std::sqrt(ss / H + 1e-6);
+          for (int h = 0; h < H; ++h)
+            ref[std::size_t(t) * H + h] = float((v[h] - mu) * r * w[h] + (rms ? 0.0 : b[h]));
+        }
+        const double rtol = act == DType::BF16 ? kU + kRtol32 : kRtol32;
+        expect_close(out, ref, 1e-5 * max_abs(ref), rtol, "out against float64 " + tag);
+      }
     }
   }
 }

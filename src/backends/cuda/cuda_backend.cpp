@@ -157,6 +157,56 @@ class CudaCopyStream final : public CopyStream {
   cudaStream_t stream_;
 };
 
+// Note [Kernel times from events]: a span of the compute stream is timed by two events
+// recorded around it, read once the stream has passed them, so that timing every kernel of a
+// step neither stops the stream between kernels nor counts a launch's host-side cost as the
+// kernel's: what the kernels leave of the step is the time between them (launch gaps, waits
+// for the host, synchronisations). Events are kept and reused across collects.
+class EventClock final : public StreamClock {
+ public:
+  explicit EventClock(cudaStream_t stream) : stream_(stream) {}
+  ~EventClock() override {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  void begin() override { open_ = record(); }
+  void end(double* total) override {
+    SPPO_ASSERT_MSG(open_ >= 0, "StreamClock::end without begin");
+    spans_.push_back({std::size_t(open_), std::size_t(record()), total});
+    open_ = -1;
+  }
+  void collect() override {
+    SPPO_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (const Span& s : spans_) {
+      float ms = 0;
+      SPPO_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[s.start], events_[s.stop]));
+      *s.total += double(ms) * 1e-3;
+    }
+    spans_.clear();
+    used_ = 0;
+  }
+
+ private:
+  struct Span {
+    std::size_t start, stop;
+    double* total;
+  };
+  long record() {
+    if (used_ == events_.size()) {
+      cudaEvent_t e;
+      SPPO_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    SPPO_CUDA_CHECK(cudaEventRecord(events_[used_], stream_));
+    return long(used_++);
+  }
+
+  cudaStream_t stream_;
+  std::vector<cudaEvent_t> events_;
+  std::size_t used_ = 0;
+  long open_ = -1;
+  std::vector<Span> spans_;
+};
+
 cuda::AttnDims dims_of(const AttnShape& s) {
   cuda::AttnDims d;
   d.Tq = s.Tq;
@@ -288,6 +338,7 @@ class CudaBackend final : public Backend {
     return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
   }
   std::unique_ptr<CopyStream> make_copy_stream() override { return std::make_unique<CudaCopyStream>(compute_); }
+  std::unique_ptr<StreamClock> make_stream_clock() override { return std::make_unique<EventClock>(compute_); }
   void to_host(void* dst, const void* src, std::size_t bytes) override {
     SPPO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_));
     SPPO_CUDA_CHECK(cudaStreamSynchronize(compute_));
@@ -343,6 +394,10 @@ class CudaBackend final : public Backend {
   void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x, const float* w,
                           const float* mean, const float* rstd, int T, int H, const Workspace&) override {
     cuda::layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, H, act_, compute_);
+  }
+  void add_norm_forward(void* y, const void* x, void* out, float* mean, float* rstd, const float* w, const float* b,
+                        int T, int H, float eps, bool rms) override {
+    cuda::add_norm_forward(y, x, out, mean, rstd, w, b, T, H, eps, rms, act_, compute_);
   }
   void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H, float eps) override {
     cuda::rmsnorm_forward(out, rstd, x, w, T, H, eps, act_, compute_);
@@ -419,6 +474,19 @@ class CudaBackend final : public Backend {
     SPPO_CUDA_CHECK(cudaStreamSynchronize(compute_));
     return result;
   }
+  std::vector<double> sum_squares_spans(const float* g, const std::vector<std::pair<i64, i64>>& ranges) override {
+    std::vector<double> sums(ranges.size());
+    if (ranges.empty()) return sums;
+    const std::size_t bytes = sizeof(double) * ranges.size();
+    double* d = nullptr;
+    SPPO_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), bytes, compute_));
+    SPPO_CUDA_CHECK(cudaMemsetAsync(d, 0, bytes, compute_));
+    for (std::size_t i = 0; i < ranges.size(); ++i) cuda::sum_squares(d + i, g + ranges[i].first, ranges[i].second, compute_);
+    SPPO_CUDA_CHECK(cudaMemcpyAsync(sums.data(), d, bytes, cudaMemcpyDeviceToHost, compute_));
+    SPPO_CUDA_CHECK(cudaFreeAsync(d, compute_));
+    SPPO_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    return sums;
+  }
   void scale(float* x, i64 n, float s) override { cuda::scale_inplace(x, n, s, compute_); }
   AttentionServed prepare_attention(const ModelConfig& c) override { return serve(c, true); }
   void prefer_attention(const std::vector<AttentionClassChoice>& classes) override { classes_ = classes; }
@@ -436,6 +504,10 @@ class CudaBackend final : public Backend {
   }
   void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols) override {
     cuda::softmax_backward_rows(dx, p, rows, cols, compute_);
+  }
+  void adamw_spans(float* p, float* m, float* v, const float* g, const std::vector<AdamwSpan>& spans, float lr,
+                   float beta1, float beta2, float eps, int t, void* p_act) override {
+    cuda::adamw_spans(p, m, v, g, spans.data(), int(spans.size()), lr, beta1, beta2, eps, t, compute_, p_act);
   }
   void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t, void* p_act) override {

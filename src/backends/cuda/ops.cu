@@ -6,6 +6,7 @@
 // Most of these are memory-bound passes. Row-local work (LayerNorm, softmax) gives a row to a
 // warp or a block and walks it two or three times (the row stays in L1/L2); cross-row sums
 // (LayerNorm's dw/db) go through per-block partials (common.cuh).
+#include <algorithm>
 #include <cmath>
 
 #include "backends/cuda/common.cuh"
@@ -250,6 +251,48 @@ __global__ void rmsnorm_param_partials_kernel(double* dw_part, const T* dout, co
     dw += load_f(dout + i) * (load_f(x + i) * rstd[t]);
   }
   dw_part[static_cast<i64>(blk) * H + c] = dw;
+}
+
+// ---- the residual add and the norm after it --------------------------------------------------
+// One warp per row: y += x, stored rounded as add_kernel stores it, then the row's norm as
+// layernorm_forward_kernel or rmsnorm_forward_kernel computes it, from the stored values (read
+// back from y: this lane's own stores, so the rounding is the stored one), lane by lane in the
+// same order, so that the statistics and outputs are those kernels' to the bit.
+template <typename T, bool kRms>
+__global__ void __launch_bounds__(kLnWarps * 32)
+    add_norm_forward_kernel(T* y, const T* x, T* out, float* mean, float* rstd, const float* w,
+                            const float* b, int rows, int H, float eps) {
+  const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  T* yr = y + static_cast<i64>(row) * H;
+  const T* xr = x + static_cast<i64>(row) * H;
+  T* outr = out + static_cast<i64>(row) * H;
+  double sum = 0.0;  // LayerNorm: the sum; RMSNorm: the sum of squares
+  for (int h = lane; h < H; h += 32) {
+    store_f(yr + h, load_f(yr + h) + load_f(xr + h));
+    const double v = load_f(yr + h);
+    sum += kRms ? v * v : v;
+  }
+  if constexpr (kRms) {
+    const float r = static_cast<float>(1.0 / sqrt(warp_sum(sum) / H + eps));
+    for (int h = lane; h < H; h += 32) store_f(outr + h, load_f(yr + h) * r * w[h]);
+    if (lane == 0 && rstd) rstd[row] = r;
+  } else {
+    const double mu = warp_sum(sum) / H;
+    double ssq = 0.0;
+    for (int h = lane; h < H; h += 32) {
+      const double d = load_f(yr + h) - mu;
+      ssq += d * d;
+    }
+    const double rs = 1.0 / sqrt(warp_sum(ssq) / H + eps);
+    const float m = static_cast<float>(mu);
+    const float r = static_cast<float>(rs);
+    for (int h = lane; h < H; h += 32) store_f(outr + h, (load_f(yr + h) - m) * r * w[h] + b[h]);
+    if (lane == 0) {
+      mean[row] = m;
+      rstd[row] = r;
+    }
+  }
 }
 
 // ---- SwiGLU -------------------------------------------------------------------------------
@@ -503,6 +546,31 @@ __global__ void adamw_kernel(float* p, float* m, float* v, const float* g, i64 n
   }
 }
 
+// Note [AdamW over many tensors]: one launch updates up to kAdamwSpans tensors, each a grid-
+// stride loop over its span in turn, so that a step's few hundred tensors cost a handful of
+// launches instead of one each; every element runs adamw_update as adamw_kernel does.
+constexpr int kAdamwSpans = 32;
+struct AdamwTable {
+  AdamwSpan span[kAdamwSpans];
+  float decay[kAdamwSpans];  // lr * weight_decay, as adamw_scalars folds it
+  int n;
+};
+
+__global__ void adamw_spans_kernel(float* p, float* m, float* v, const float* g, const AdamwTable tab,
+                                   AdamwScalars k, bf16* p_bf16) {
+  for (int j = 0; j < tab.n; ++j) {
+    k.decay = tab.decay[j];
+    const AdamwSpan s = tab.span[j];
+    for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < s.count;
+         i += i64{gridDim.x} * blockDim.x) {
+      const i64 pi = s.offset + i, si = s.state_offset + i;
+      const float pn = adamw_update(p[pi], m[si], v[si], g[pi], k);
+      p[pi] = pn;
+      if (p_bf16 != nullptr) p_bf16[pi] = __float2bfloat16_rn(pn);
+    }
+  }
+}
+
 }  // namespace
 
 // ---- host wrappers ------------------------------------------------------------------------
@@ -680,6 +748,24 @@ void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, cons
   add_block_partials(dw, dw_part, num_blocks, H, stream);
 }
 
+void add_norm_forward(void* y, const void* x, void* out, float* mean, float* rstd, const float* w,
+                      const float* b, int T, int H, float eps, bool rms, DType act,
+                      cudaStream_t stream) {
+  if (T == 0) return;
+  dispatch_act(act, "add_norm_forward", [&](auto tag) {
+    using E = decltype(tag);
+    const unsigned blocks = static_cast<unsigned>(ceil_div(T, kLnWarps));
+    auto* ye = static_cast<E*>(y);
+    const auto* xe = static_cast<const E*>(x);
+    auto* oe = static_cast<E*>(out);
+    if (rms)
+      add_norm_forward_kernel<E, true><<<blocks, kLnWarps * 32, 0, stream>>>(ye, xe, oe, mean, rstd, w, b, T, H, eps);
+    else
+      add_norm_forward_kernel<E, false><<<blocks, kLnWarps * 32, 0, stream>>>(ye, xe, oe, mean, rstd, w, b, T, H, eps);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
+}
+
 void swiglu_forward(void* out, const void* gu, int T, int F, DType act, cudaStream_t stream) {
   const i64 n = static_cast<i64>(T) * F;
   if (n == 0) return;
@@ -833,6 +919,26 @@ void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, f
   if (n == 0) return;
   adamw_kernel<<<grid_for(n), kThreads, 0, stream>>>(p, m, v, g, n, k, static_cast<bf16*>(p_bf16));
   SPPO_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_spans(float* p, float* m, float* v, const float* g, const AdamwSpan* spans, int n,
+                 float lr, float beta1, float beta2, float eps, int t, cudaStream_t stream,
+                 void* p_bf16) {
+  const AdamwScalars k = adamw_scalars(lr, beta1, beta2, eps, 0.0f, t);
+  for (int j0 = 0; j0 < n; j0 += kAdamwSpans) {
+    AdamwTable tab{};
+    tab.n = std::min(kAdamwSpans, n - j0);
+    i64 widest = 0;
+    for (int j = 0; j < tab.n; ++j) {
+      tab.span[j] = spans[j0 + j];
+      tab.decay[j] = adamw_scalars(lr, beta1, beta2, eps, spans[j0 + j].weight_decay, t).decay;
+      widest = std::max<i64>(widest, tab.span[j].count);
+    }
+    if (widest == 0) continue;
+    adamw_spans_kernel<<<grid_for(widest), kThreads, 0, stream>>>(p, m, v, g, tab, k,
+                                                                  static_cast<bf16*>(p_bf16));
+    SPPO_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace sppo::cuda

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "core/adamw.h"
 #include "core/dims.h"
 #include "core/layout.h"
 #include "core/rope.h"
@@ -149,6 +150,14 @@ void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int 
 void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w,
                       const float* rstd, int T, int H, DType act, cudaStream_t stream);
 
+// ---- the residual add and the norm after it, fused ----------------------------------------
+// y[T, H] += x[T, H] (act), then out = the norm of the new y: RMSNorm when rms (mean and b
+// unused), else LayerNorm, with mean and rstd as the norm's own kernel stores them. One pass
+// over y instead of add_inplace's and the norm's; the results equal theirs to the bit.
+void add_norm_forward(void* y, const void* x, void* out, float* mean, float* rstd, const float* w,
+                      const float* b, int T, int H, float eps, bool rms, DType act,
+                      cudaStream_t stream);
+
 // ---- GeLU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) -----------------
 void gelu_forward(void* out, const void* in, i64 n, DType act, cudaStream_t stream);
 // din = dout * gelu'(in); din may alias dout.
@@ -213,5 +222,10 @@ void scale_inplace(float* x, i64 n, float s, cudaStream_t stream);
 void adamw_step(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1,
                 float beta2, float eps, float weight_decay, int t, cudaStream_t stream,
                 void* p_bf16 = nullptr);
+// adamw_step on each of n spans (core/adamw.h), p_bf16 (may be null) indexed as p: one kernel a
+// kAdamwSpans spans, their table in the kernel's parameters.
+void adamw_spans(float* p, float* m, float* v, const float* g, const AdamwSpan* spans, int n,
+                 float lr, float beta1, float beta2, float eps, int t, cudaStream_t stream,
+                 void* p_bf16);
 
 }  // namespace sppo::cuda
