@@ -12,10 +12,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "io/fileutil.h"
 #include "support/grads.h"
 
 namespace sppo::testing {
@@ -27,6 +29,19 @@ struct RunResult {
 };
 
 inline std::string sppo_binary() { return std::string(SPPO_BINARY_DIR) + "/sppo"; }
+
+// A test whose commands write into a fresh temporary directory, removed after it.
+class CommandTest : public ::testing::Test {
+ protected:
+  explicit CommandTest(const char* prefix) : prefix_(prefix) {}
+  void SetUp() override { tmp_ = std::make_unique<io::TempDir>(prefix_); }
+  std::string path(const std::string& name) const { return tmp_->path() + "/" + name; }
+  std::string sppo() const { return sppo_binary(); }
+
+ private:
+  const char* prefix_;
+  std::unique_ptr<io::TempDir> tmp_;
+};
 
 // Runs `command` with a shell, capturing its output.
 inline RunResult run_command(const std::string& command) {

@@ -3,9 +3,6 @@
 // metrics, and --config of that file repeats the run bit for bit.
 #include <gtest/gtest.h>
 
-#include <fstream>
-#include <iterator>
-
 #include "io/fileutil.h"
 #include "support/mpi_run.h"
 
@@ -16,19 +13,12 @@ using testing::read_json;
 using testing::read_jsonl;
 using testing::run_command;
 
-std::string sppo() { return testing::sppo_binary(); }
+using io::read_file;
 
-std::string file_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-
-class Config : public ::testing::Test {
+class Config : public testing::CommandTest {
  protected:
-  void SetUp() override { tmp_ = std::make_unique<io::TempDir>("sppo-config"); }
-  std::string path(const std::string& name) const { return tmp_->path() + "/" + name; }
+  Config() : CommandTest("sppo-config") {}
   void write(const std::string& name, const std::string& text) const { io::write_file_atomic(path(name), text); }
-  std::unique_ptr<io::TempDir> tmp_;
 };
 
 // Every kind of value: a string, an integer, a float, a flag, a size with a suffix.
@@ -48,17 +38,17 @@ TEST_F(Config, EveryValueKindRoundTripsAndRepeatsTheRun) {
   const std::string run = sppo() + " train --config " + path("run.toml");
   auto r = run_command(run + " --save " + path("a") + " --metrics " + path("a.jsonl"));
   ASSERT_EQ(r.status, 0) << r.output;
-  const std::string written = file_text(path("a/config.toml"));
+  const std::string written = read_file(path("a/config.toml"));
   for (const char* line : {"layers = 2\n", "lr = 0.002\n", "model = 'llama-tiny'\n", "offload = 0.5\n",
                            "quiet = true\n", "seed = 9\n", "seq-len = 128\n", "steps = 4\n", "warmup = 20\n",
                            "weight-decay = 0.1\n", "device-memory = '1GiB'\n"})
     EXPECT_NE(written.find(line), std::string::npos) << line << " is not in\n" << written;
-  EXPECT_EQ(file_text(path("config.toml")), written) << "config.toml beside the metrics";
+  EXPECT_EQ(read_file(path("config.toml")), written) << "config.toml beside the metrics";
   // The written file repeats the run exactly.
   r = run_command(sppo() + " train --config " + path("a/config.toml") + " --save " + path("b") + " --metrics " +
                   path("b.jsonl"));
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_EQ(file_text(path("b/model.safetensors")), file_text(path("a/model.safetensors")));
+  EXPECT_EQ(read_file(path("b/model.safetensors")), read_file(path("a/model.safetensors")));
   // The command line wins over the file; resuming keeps the run's config.toml.
   r = run_command(run + " --steps 2 --save " + path("c") + " --metrics " + path("c.jsonl"));
   ASSERT_EQ(r.status, 0) << r.output;
@@ -67,8 +57,8 @@ TEST_F(Config, EveryValueKindRoundTripsAndRepeatsTheRun) {
   ASSERT_EQ(r.status, 0) << r.output;
   r = run_command(sppo() + " train --resume " + path("d") + " --quiet --save " + path("d"));
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_EQ(file_text(path("d/model.safetensors")), file_text(path("a/model.safetensors")));
-  EXPECT_NE(file_text(path("d/config.toml")).find("steps = 4\n"), std::string::npos);
+  EXPECT_EQ(read_file(path("d/model.safetensors")), read_file(path("a/model.safetensors")));
+  EXPECT_NE(read_file(path("d/config.toml")).find("steps = 4\n"), std::string::npos);
 }
 
 // grads and plan read --config too; a config.toml sppo did not write is left alone.
@@ -87,7 +77,7 @@ TEST_F(Config, GradsAndPlanReadItAndAUsersFileIsKept) {
   r = run_command(sppo() + " train --model tiny --seq-len 64 --config " + path("config.toml") + " --metrics " +
                   path("m.jsonl"));
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_EQ(file_text(path("config.toml")), "steps = 1\n");
+  EXPECT_EQ(read_file(path("config.toml")), "steps = 1\n");
   EXPECT_NE(r.output.find("left alone"), std::string::npos) << r.output;
 }
 

@@ -6,9 +6,6 @@
 // a row stop the run, keeping the last good checkpoint.
 #include <gtest/gtest.h>
 
-#include <fstream>
-#include <iterator>
-
 #include "io/fileutil.h"
 #include "support/mpi_run.h"
 
@@ -19,18 +16,11 @@ using testing::read_json;
 using testing::read_jsonl;
 using testing::run_command;
 
-std::string sppo() { return testing::sppo_binary(); }
+using io::read_file;
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-
-class Resume : public ::testing::Test {
+class Resume : public testing::CommandTest {
  protected:
-  void SetUp() override { tmp_ = std::make_unique<io::TempDir>("sppo-resume"); }
-  std::string path(const std::string& name) const { return tmp_->path() + "/" + name; }
-  std::unique_ptr<io::TempDir> tmp_;
+  Resume() : CommandTest("sppo-resume") {}
 };
 
 const std::string kRun = " train --model tiny --seq-len 64 --seed 5 --warmup 2 --steps 6 --quiet";
@@ -41,8 +31,8 @@ TEST_F(Resume, AloneRestoresTheRunBitIdentically) {
   const auto r = run_command(sppo() + " train --resume " + path("ck") + " --quiet --save " + path("resumed"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(read_json(path("resumed/state.json"))["step"].get<int>(), 6);
-  EXPECT_EQ(file_bytes(path("resumed/model.safetensors")), file_bytes(path("straight/model.safetensors")));
-  EXPECT_EQ(file_bytes(path("resumed/optimizer.safetensors")), file_bytes(path("straight/optimizer.safetensors")));
+  EXPECT_EQ(read_file(path("resumed/model.safetensors")), read_file(path("straight/model.safetensors")));
+  EXPECT_EQ(read_file(path("resumed/optimizer.safetensors")), read_file(path("straight/optimizer.safetensors")));
 }
 
 TEST_F(Resume, StepsExtendAtTheFinalLearningRate) {
@@ -83,14 +73,14 @@ TEST_F(Resume, InitTakesFineTuningDefaultsAndSaysWhere) {
 
 TEST_F(Resume, AnOptionGivenAgainDifferentlyIsRefused) {
   ASSERT_EQ(run_command(sppo() + kRun + " --stop-after 2 --save " + path("ck")).status, 0);
-  const std::string before = file_bytes(path("ck/model.safetensors"));
+  const std::string before = read_file(path("ck/model.safetensors"));
   for (const char* changed : {"--seq-len 128", "--model small", "--lr 0.1", "--seed 6", "--subseqs 2", "--batch 2"}) {
     const auto r = run_command(sppo() + " train --resume " + path("ck") + " " + changed + " --save " + path("ck"));
     EXPECT_EQ(r.status, 2) << changed << "\n" << r.output;
     const std::string flag = std::string(changed).substr(0, std::string(changed).find(' '));
     EXPECT_NE(r.output.find("[checkpoint] " + flag), std::string::npos) << r.output;
   }
-  EXPECT_EQ(file_bytes(path("ck/model.safetensors")), before) << "a refused resume must not touch the checkpoint";
+  EXPECT_EQ(read_file(path("ck/model.safetensors")), before) << "a refused resume must not touch the checkpoint";
   // The same values given again are fine.
   EXPECT_EQ(run_command(sppo() + " train --resume " + path("ck") + " --seq-len 64 --model tiny --quiet").status, 0);
 }

@@ -121,33 +121,6 @@ __global__ void gelu_backward_kernel(T* din, const T* dout, const T* in, i64 n) 
 // ---- LayerNorm ----------------------------------------------------------------------------
 constexpr int kLnWarps = 8;  // rows per block: one warp per row
 
-template <typename T>
-__global__ void __launch_bounds__(kLnWarps * 32)
-    layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* x, const float* w,
-                             const float* b, int rows, int H, float eps) {
-  const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const T* xr = x + static_cast<i64>(row) * H;
-  T* outr = out + static_cast<i64>(row) * H;
-  // Two passes in double, as the CPU: the mean, then the squared deviations.
-  double sum = 0.0;
-  for (int h = lane; h < H; h += 32) sum += load_f(xr + h);
-  const double mu = warp_sum(sum) / H;
-  double ssq = 0.0;
-  for (int h = lane; h < H; h += 32) {
-    const double d = load_f(xr + h) - mu;
-    ssq += d * d;
-  }
-  const double rs = 1.0 / sqrt(warp_sum(ssq) / H + eps);
-  const float m = static_cast<float>(mu);
-  const float r = static_cast<float>(rs);
-  for (int h = lane; h < H; h += 32) store_f(outr + h, (load_f(xr + h) - m) * r * w[h] + b[h]);
-  if (lane == 0) {
-    mean[row] = m;
-    rstd[row] = r;
-  }
-}
-
 // dx row by row (one warp per row), accumulating:
 //   dx += rstd (g - mean_h(g) - xhat mean_h(g xhat)),  g = dout * w, xhat = (x - mean) rstd.
 template <typename T>
@@ -198,24 +171,6 @@ __global__ void layernorm_param_partials_kernel(double* dw_part, double* db_part
 
 // ---- RMSNorm ------------------------------------------------------------------------------
 // As LayerNorm: one warp per row for the statistics and dx, row-block partials for dw.
-template <typename T>
-__global__ void __launch_bounds__(kLnWarps * 32)
-    rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const float* w, int rows, int H,
-                           float eps) {
-  const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const T* xr = x + static_cast<i64>(row) * H;
-  T* outr = out + static_cast<i64>(row) * H;
-  double ssq = 0.0;  // in double, as the CPU
-  for (int h = lane; h < H; h += 32) {
-    const double v = load_f(xr + h);
-    ssq += v * v;
-  }
-  const float r = static_cast<float>(1.0 / sqrt(warp_sum(ssq) / H + eps));
-  for (int h = lane; h < H; h += 32) store_f(outr + h, load_f(xr + h) * r * w[h]);
-  if (lane == 0 && rstd) rstd[row] = r;
-}
-
 // dx += rstd (g - xhat mean_h(g xhat)),  g = dout * w, xhat = x rstd (accumulating).
 template <typename T>
 __global__ void __launch_bounds__(kLnWarps * 32)
@@ -253,23 +208,22 @@ __global__ void rmsnorm_param_partials_kernel(double* dw_part, const T* dout, co
   dw_part[static_cast<i64>(blk) * H + c] = dw;
 }
 
-// ---- the residual add and the norm after it --------------------------------------------------
-// One warp per row: y += x, stored rounded as add_kernel stores it, then the row's norm as
-// layernorm_forward_kernel or rmsnorm_forward_kernel computes it, from the stored values (read
-// back from y: this lane's own stores, so the rounding is the stored one), lane by lane in the
-// same order, so that the statistics and outputs are those kernels' to the bit.
-template <typename T, bool kRms>
+// ---- the norms' forward, with the residual add before them ---------------------------------
+// One warp per row, the statistics in double as on the CPU: LayerNorm (the mean, then the
+// squared deviations) or RMSNorm (kRms: the sum of squares), of the row of y. With kAdd, y
+// += x first, stored rounded as add_kernel stores it; the norm reads the stored values back
+// (this lane's own stores), so that it gives the unfused add and norm to the bit.
+template <typename T, bool kRms, bool kAdd>
 __global__ void __launch_bounds__(kLnWarps * 32)
-    add_norm_forward_kernel(T* y, const T* x, T* out, float* mean, float* rstd, const float* w,
-                            const float* b, int rows, int H, float eps) {
+    norm_forward_kernel(T* out, float* mean, float* rstd, T* y, const T* x, const float* w,
+                        const float* b, int rows, int H, float eps) {
   const int row = blockIdx.x * kLnWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   T* yr = y + static_cast<i64>(row) * H;
-  const T* xr = x + static_cast<i64>(row) * H;
   T* outr = out + static_cast<i64>(row) * H;
   double sum = 0.0;  // LayerNorm: the sum; RMSNorm: the sum of squares
   for (int h = lane; h < H; h += 32) {
-    store_f(yr + h, load_f(yr + h) + load_f(xr + h));
+    if constexpr (kAdd) store_f(yr + h, load_f(yr + h) + load_f(x + static_cast<i64>(row) * H + h));
     const double v = load_f(yr + h);
     sum += kRms ? v * v : v;
   }
@@ -284,15 +238,29 @@ __global__ void __launch_bounds__(kLnWarps * 32)
       const double d = load_f(yr + h) - mu;
       ssq += d * d;
     }
-    const double rs = 1.0 / sqrt(warp_sum(ssq) / H + eps);
     const float m = static_cast<float>(mu);
-    const float r = static_cast<float>(rs);
+    const float r = static_cast<float>(1.0 / sqrt(warp_sum(ssq) / H + eps));
     for (int h = lane; h < H; h += 32) store_f(outr + h, (load_f(yr + h) - m) * r * w[h] + b[h]);
     if (lane == 0) {
       mean[row] = m;
       rstd[row] = r;
     }
   }
+}
+
+template <bool kRms, bool kAdd>
+void norm_forward(void* out, float* mean, float* rstd, void* y, const void* x, const float* w,
+                  const float* b, int T, int H, float eps, DType act, cudaStream_t stream,
+                  const char* what) {
+  if (T == 0) return;
+  dispatch_act(act, what, [&](auto tag) {
+    using E = decltype(tag);
+    norm_forward_kernel<E, kRms, kAdd>
+        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+            static_cast<E*>(out), mean, rstd, static_cast<E*>(y), static_cast<const E*>(x), w, b, T,
+            H, eps);
+    SPPO_CUDA_CHECK_LAUNCH();
+  });
 }
 
 // ---- SwiGLU -------------------------------------------------------------------------------
@@ -677,14 +645,8 @@ void zero_cols(void* dst, DType type, int T, int width, int ld, int col, cudaStr
 
 void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const float* w,
                        const float* b, int T, int H, float eps, DType act, cudaStream_t stream) {
-  if (T == 0) return;
-  dispatch_act(act, "layernorm_forward", [&](auto tag) {
-    using E = decltype(tag);
-    layernorm_forward_kernel<E>
-        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
-            static_cast<E*>(out), mean, rstd, static_cast<const E*>(x), w, b, T, H, eps);
-    SPPO_CUDA_CHECK_LAUNCH();
-  });
+  norm_forward<false, false>(out, mean, rstd, const_cast<void*>(x), nullptr, w, b, T, H, eps, act,
+                             stream, "layernorm_forward");
 }
 
 void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const void* x,
@@ -715,14 +677,8 @@ void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const 
 
 void rmsnorm_forward(void* out, float* rstd, const void* x, const float* w, int T, int H,
                      float eps, DType act, cudaStream_t stream) {
-  if (T == 0) return;
-  dispatch_act(act, "rmsnorm_forward", [&](auto tag) {
-    using E = decltype(tag);
-    rmsnorm_forward_kernel<E>
-        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
-            static_cast<E*>(out), rstd, static_cast<const E*>(x), w, T, H, eps);
-    SPPO_CUDA_CHECK_LAUNCH();
-  });
+  norm_forward<true, false>(out, nullptr, rstd, const_cast<void*>(x), nullptr, w, nullptr, T, H,
+                            eps, act, stream, "rmsnorm_forward");
 }
 
 void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, const float* w,
@@ -751,19 +707,8 @@ void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, cons
 void add_norm_forward(void* y, const void* x, void* out, float* mean, float* rstd, const float* w,
                       const float* b, int T, int H, float eps, bool rms, DType act,
                       cudaStream_t stream) {
-  if (T == 0) return;
-  dispatch_act(act, "add_norm_forward", [&](auto tag) {
-    using E = decltype(tag);
-    const unsigned blocks = static_cast<unsigned>(ceil_div(T, kLnWarps));
-    auto* ye = static_cast<E*>(y);
-    const auto* xe = static_cast<const E*>(x);
-    auto* oe = static_cast<E*>(out);
-    if (rms)
-      add_norm_forward_kernel<E, true><<<blocks, kLnWarps * 32, 0, stream>>>(ye, xe, oe, mean, rstd, w, b, T, H, eps);
-    else
-      add_norm_forward_kernel<E, false><<<blocks, kLnWarps * 32, 0, stream>>>(ye, xe, oe, mean, rstd, w, b, T, H, eps);
-    SPPO_CUDA_CHECK_LAUNCH();
-  });
+  if (rms) norm_forward<true, true>(out, mean, rstd, y, x, w, b, T, H, eps, act, stream, "add_norm_forward");
+  else norm_forward<false, true>(out, mean, rstd, y, x, w, b, T, H, eps, act, stream, "add_norm_forward");
 }
 
 void swiglu_forward(void* out, const void* gu, int T, int F, DType act, cudaStream_t stream) {
