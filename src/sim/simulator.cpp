@@ -644,16 +644,18 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
   auto lane_of = [](OpKind kind) {
     return kind == OpKind::Offload ? 1 : kind == OpKind::Prefetch ? 2 : kind == OpKind::Send ? 3 : 0;
   };
+  const std::size_t subseqs = s.lengths.size();  // more where an op names a later one
   for_each_rank(R, [&](int r) {
-    std::array<std::vector<MemPoint>, 4> lanes;
-    std::vector<MemPoint> points, half;
+    // Kept between calls on each thread: the planner accounts thousands of schedules.
+    thread_local std::array<std::vector<MemPoint>, 4> lanes;
+    thread_local std::vector<i64> coming_back;
     const auto& mem_span = pass->mem_span[size_t(r)];
     const RankEvents& re = mem[r];
     // The memory events at their times; a copy's host bytes are held from the offload's
     // start to the end of the wait for its prefetch (Note [Host copies leave at the wait]).
     for (auto& lane : lanes) lane.clear();
+    coming_back.assign(subseqs, 0);
     i64 seq = 0;
-    std::map<int, i64> coming_back;
     for (size_t k = 0; k < s.ops[r].size(); ++k) {
       const auto [start, end] = mem_span[k];
       const OpKind kind = s.ops[r][k].kind;
@@ -662,29 +664,33 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
         lane.push_back({start + re.ev[e].at * (end - start), seq++, re.ev[e].delta, int(re.ev[e].term)});
       const i64 bytes = re.ops[k].bytes;
       const int subseq = s.ops[r][k].subseq;
+      if ((kind == OpKind::Prefetch || kind == OpKind::WaitPrefetch) && size_t(subseq) >= coming_back.size())
+        coming_back.resize(size_t(subseq) + 1, 0);
       if (kind == OpKind::Offload && bytes > 0) lane.push_back({start, seq++, bytes, -1});
-      if (kind == OpKind::Prefetch) coming_back[subseq] += bytes;
-      if (kind == OpKind::WaitPrefetch && coming_back[subseq] > 0) {
-        lane.push_back({end, seq++, -coming_back[subseq], -1});
-        coming_back[subseq] = 0;
+      if (kind == OpKind::Prefetch) coming_back[size_t(subseq)] += bytes;
+      if (kind == OpKind::WaitPrefetch && coming_back[size_t(subseq)] > 0) {
+        lane.push_back({end, seq++, -coming_back[size_t(subseq)], -1});
+        coming_back[size_t(subseq)] = 0;
       }
     }
     for (auto& lane : lanes)
       if (!std::is_sorted(lane.begin(), lane.end(), before)) std::sort(lane.begin(), lane.end(), before);
-    points.clear();
-    half.clear();
-    std::merge(lanes[0].begin(), lanes[0].end(), lanes[1].begin(), lanes[1].end(), std::back_inserter(points), before);
-    std::merge(lanes[2].begin(), lanes[2].end(), lanes[3].begin(), lanes[3].end(), std::back_inserter(half), before);
-    lanes[0].clear();
-    std::merge(points.begin(), points.end(), half.begin(), half.end(), std::back_inserter(lanes[0]), before);
-    points.swap(lanes[0]);
     i64 cur = re.fixed, peak = cur, host = re.host_fixed;
     std::array<i64, sched::kMemTerms> terms = re.fixed_terms;
     res.fixed_bytes[r] = cur;
     res.peak_terms[r] = terms;
     res.host_at_peak[r] = host;
     if (options.record) res.memory[r].push_back({0.0, cur});
-    for (const auto& p : points) {
+    // The lanes merged as they are read: each step takes the earliest of their next points.
+    std::array<std::size_t, 4> at{};
+    for (;;) {
+      int next = -1;
+      for (int l = 0; l < 4; ++l)
+        if (at[size_t(l)] < lanes[size_t(l)].size() &&
+            (next < 0 || before(lanes[size_t(l)][at[size_t(l)]], lanes[size_t(next)][at[size_t(next)]])))
+          next = l;
+      if (next < 0) break;
+      const MemPoint& p = lanes[size_t(next)][at[size_t(next)]++];
       if (p.term < 0) {
         host += p.delta;
         continue;
