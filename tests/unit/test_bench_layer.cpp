@@ -22,6 +22,11 @@ TEST(BenchLayer, BreakdownPartsAddUpToTheTimedStep) {
   EXPECT_LE(sum, b["step_s"].get<double>()) << b.dump();
   EXPECT_NEAR(b["between_s"].get<double>(), b["step_s"].get<double>() - sum, 1e-9);
   EXPECT_GE(b["between_s"].get<double>(), 0) << b.dump();
+  // What is neither attention nor a GEMM: the other kernels and the time between them.
+  const double outside = j["outside_attention_gemm_fraction"].get<double>();
+  EXPECT_NEAR(outside, (b["other_s"].get<double>() + b["between_s"].get<double>()) / b["step_s"].get<double>(), 1e-12);
+  EXPECT_GT(outside, 0);
+  EXPECT_LT(outside, 1);
 }
 
 TEST(BenchLayer, NoBreakdownUnlessAsked) {
