@@ -284,6 +284,17 @@ void norm_backward(Backend& be, const ModelConfig& c, void* dx, float* dw, float
   else be.layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, T, c.hidden, ws);
 }
 
+void mid_residual_norm(Backend& be, const ModelConfig& c, BlockSaved& s, const BlockParams& p, bool add, bool norm,
+                       int T) {
+  if (add && norm)
+    be.add_norm_forward(s.x_mid, s.x, s.ln2_out, s.ln2_mean, s.ln2_rstd, p.ln2_w, p.ln2_b, T, c.hidden, c.ln_eps,
+                        c.llama());
+  else if (add)
+    be.add_inplace(s.x_mid, s.x, i64(T) * c.hidden);
+  else if (norm)
+    norm_forward(be, c, s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T);
+}
+
 void mlp_act_forward(Backend& be, const ModelConfig& c, void* out, const void* fc_pre, int rows) {
   if (c.gated()) be.swiglu_forward(out, fc_pre, rows, c.ffn());
   else be.gelu_forward(out, fc_pre, i64(rows) * c.ffn());
@@ -361,15 +372,9 @@ void forward_steps(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const B
     attn->forward(be, s, c, q, w.scratch);
   }
   if (has(3)) be.linear_forward(s.x_mid, s.attn_out, m.out_w, m.out_b, T, QW, H, 0, 0);
-  // The residual add and LN2 after it in one call where both run; then the MLP half up to
-  // its pre-activation: fc_pre = fc(LN2(x_mid)), unless the MLP's tiles make it (a null
-  // s.fc_pre)
-  if (has(3) && has(4))
-    be.add_norm_forward(s.x_mid, s.x, s.ln2_out, s.ln2_mean, s.ln2_rstd, p.ln2_w, p.ln2_b, T, H, c.ln_eps, c.llama());
-  else if (has(3))
-    be.add_inplace(s.x_mid, s.x, i64(T) * H);
-  else if (has(4))
-    norm_forward(be, c, s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, T);
+  // The residual add, LN2, then the MLP half up to its pre-activation: fc_pre =
+  // fc(LN2(x_mid)), unless the MLP's tiles make it (a null s.fc_pre)
+  mid_residual_norm(be, c, s, p, has(3), has(4), T);
   if (has(5) && s.fc_pre) be.linear_forward(s.fc_pre, s.ln2_out, m.fc_w, m.fc_b, T, H, W, 0, 0);
 }
 

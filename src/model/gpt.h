@@ -209,6 +209,10 @@ void norm_forward(Backend& be, const ModelConfig& c, void* out, float* mean, flo
                   const float* w, const float* b, int T);
 void norm_backward(Backend& be, const ModelConfig& c, void* dx, float* dw, float* db, const void* dout,
                    const void* x, const float* w, const float* mean, const float* rstd, int T, const Workspace& ws);
+// A block's middle, over its rows [T, H]: with `add`, x_mid += x (the attention's residual);
+// with `norm`, ln2 = LN2(x_mid); both in one backend call where both run.
+void mid_residual_norm(Backend& be, const ModelConfig& c, BlockSaved& s, const BlockParams& p, bool add, bool norm,
+                       int T);
 // The MLP's activation of `rows` rows: gelu(fc_pre) [rows, F], or swiglu(gate | up).
 void mlp_act_forward(Backend& be, const ModelConfig& c, void* out, const void* fc_pre, int rows);
 

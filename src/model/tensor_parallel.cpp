@@ -86,14 +86,9 @@ void forward_steps_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, cons
     be.linear_forward(w.tp_full, s.attn_out, m.out_w, adds_bias ? m.out_b : nullptr, T, Hr, H, 0, 0);
     sp.reduce_scatter(be, s.x_mid, w.tp_full, w.tp_pad, T, H);
   }
-  // The residual add and LN2 after it in one call where both run; then the MLP half up to
-  // its pre-activation: fc_pre = fc(all_gather(LN2(x_mid)))
-  if (has(3) && has(4))
-    be.add_norm_forward(s.x_mid, s.x, s.ln2_out, s.ln2_mean, s.ln2_rstd, p.ln2_w, p.ln2_b, Ts, H, c.ln_eps, c.llama());
-  else if (has(3))
-    be.add_inplace(s.x_mid, s.x, i64(Ts) * H);
-  else if (has(4))
-    norm_forward(be, c, s.ln2_out, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w, p.ln2_b, Ts);
+  // The residual add and LN2 on this member's rows, then the MLP half up to its
+  // pre-activation: fc_pre = fc(all_gather(LN2(x_mid)))
+  mid_residual_norm(be, c, s, p, has(3), has(4), Ts);
   if (has(5)) {
     sp.all_gather(be, w.tp_full, s.ln2_out, w.tp_pad, T, H);
     be.linear_forward(s.fc_pre, w.tp_full, m.fc_w, m.fc_b, T, H, Wr, 0, 0);
