@@ -137,6 +137,14 @@ section curve_sppo 120 "$SPPO" train "${CURVE[@]}" "${BF16[@]}" --subseqs 4 --pa
 section curve_llama_whole 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" --quiet --metrics "$OUT/parts/curve_llama_whole.jsonl"
 section curve_llama_sppo 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" --subseqs 4 --offload 0.5 --kv-cache host \
   --quiet --metrics "$OUT/parts/curve_llama_sppo.jsonl"
+# The layers' weights on the host (--weights host: each layer's fp32 weights brought for the
+# forward and backward that run it, its bf16 working copy converted on the device): the curve
+# within 1% of the same run with the weights on the device (both with the optimizer on the host).
+WHOST=(--subseqs 4 --offload 0.5 --backward-order layer --optimizer-state host --quiet)
+section curve_weights_device 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" "${WHOST[@]}" --weights device \
+  --metrics "$OUT/parts/curve_weights_device.jsonl"
+section curve_weights_host 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" "${WHOST[@]}" --weights host \
+  --metrics "$OUT/parts/curve_weights_host.jsonl"
 
 # The budget: a run at exactly the predicted peak fits; one byte less is refused (exit 3).
 # The placement is pinned: with --kv-cache and --recompute-tensors auto a smaller budget

@@ -114,6 +114,7 @@ def curve_check(ref_name, name):
 
 for name in ("", "llama_"):
     checks[name + "bf16_curve"] = curve_check("curve_%swhole" % name, "curve_%ssppo" % name)
+checks["bf16_weights_host_curve"] = curve_check("curve_weights_device", "curve_weights_host")
 
 # cuDNN's fused attention, bf16: every mode against the whole step through cuDNN, the whole step
 # against the own kernels, packed documents against the own kernels (bf16 tolerances: the two

@@ -80,10 +80,9 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     // host tier, where the optimizer's update reads and writes them; the device keeps the
     // embedding's, final norm's and head's, which every subsequence's first and last
     // layers' neighbours need.
-    SPPO_CHECK(o.optimizer_host && o.zero_shards == 1 && !o.tp.on() && !o.recompute && act_ == DType::F32,
-               "runtime")
+    SPPO_CHECK(o.optimizer_host && o.zero_shards == 1 && !o.tp.on() && !o.recompute, "runtime")
         << "the layers' weights on the host (--weights host) are the optimizer's master there: they need "
-           "--optimizer-state host, and run without --zero 1, --tp and --recompute, with fp32 activations";
+           "--optimizer-state host, and run without --zero 1, --tp and --recompute";
     params_ = host_->alloc_zeroed(bytes, "weights (on the host)");
     grads_ = host_->alloc_zeroed(bytes, "gradients (on the host)");
     i64 resident = 0;
@@ -94,6 +93,8 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     }
     resident_params_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head weights");
     resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
+    if (act_ != DType::F32)
+      resident_act_ = device_->alloc(resident * dtype_bytes(act_), "embedding, final norm and head working copy");
   } else {
     params_ = device_->alloc_zeroed(bytes, "parameters");
     grads_ = device_->alloc_zeroed(bytes, "gradients");
@@ -111,7 +112,10 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   }
   // The GEMMs read the weights in the activation type: the masters themselves in fp32,
   // else a working copy refreshed after every update.
-  if (act_ != DType::F32) params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
+  // With the layers' weights on the host, a layer's comes with it (HostWeights) and the
+  // rest's is resident_act_.
+  if (act_ != DType::F32 && !o.weights_host)
+    params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
   weights_ = param_view(c, params_.f32(), lb_, le_, o.tp);
   dweights_ = param_view(c, grads_.f32(), lb_, le_, o.tp);
   matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_, o.tp);
@@ -123,8 +127,8 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       const Buffer& base = v == &weights_ ? params_ : grads_;
       for (float** p : {&v->embed, &v->lnf_w, &v->lnf_b, &v->head}) *p = resident(*p, base, dev);
     }
-    matrices_.embed = weights_.embed;
-    matrices_.head = weights_.head;
+    matrices_.embed = resident_act(weights_.embed);
+    matrices_.head = resident_act(weights_.head);
     host_layers_ = {params_.f32(), grads_.f32(), &weights_, &dweights_, &matrices_,
                     [this](std::size_t b) { take_bucket(b); }, {}};
     for (std::size_t b = 0; b < buckets_.size(); ++b)
@@ -142,6 +146,17 @@ float* Runtime::resident(float* p, const Buffer& base, const Buffer& device) con
     }
   SPPO_ASSERT_MSG(false, "a weight outside the rank's parameters");
   return nullptr;
+}
+
+const void* Runtime::resident_act(const float* p) const {
+  if (!p || !resident_act_) return p;
+  return act_at(resident_act_.data(), p - resident_params_.f32(), act_);
+}
+
+void Runtime::resident_to_act(std::size_t b) {
+  if (!resident_act_ || resident_at_[b] < 0) return;
+  be_.to_act(act_at(resident_act_.data(), resident_at_[b], act_), resident_params_.f32() + resident_at_[b],
+             buckets_[b].count);
 }
 
 bool Runtime::in_host_arrays(const float* p) const {
@@ -183,9 +198,11 @@ void Runtime::refresh_weights() {
   finish_update();
   if (opts_.weights_host) {  // the layers' come from the host's array as steps reach them
     for (std::size_t b = 0; b < buckets_.size(); ++b)
-      if (resident_at_[b] >= 0)
+      if (resident_at_[b] >= 0) {
         be_.to_device(resident_params_.f32() + resident_at_[b], params_.f32() + buckets_[b].offset,
                       std::size_t(buckets_[b].count) * sizeof(float));
+        resident_to_act(b);
+      }
     return;
   }
   if (params_act_) be_.to_act(params_act_.data(), params_.f32(), num_params_);
@@ -222,7 +239,12 @@ void Runtime::start_host_update(std::vector<HostOptimizer::Piece> pieces, const 
 }
 
 void Runtime::take_bucket(std::size_t b) {
-  if (!host_opt_->ready(b) || !params_act_) return;
+  if (!host_opt_->ready(b)) return;
+  if (opts_.weights_host) {  // the update wrote the resident weights on the device; a layer's converts as it comes
+    resident_to_act(b);
+    return;
+  }
+  if (!params_act_) return;
   const ParamBucket& k = buckets_[b];
   be_.to_act(act_at(params_act_.data(), k.offset, act_), params_.f32() + k.offset, k.count);
 }

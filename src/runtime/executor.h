@@ -145,6 +145,10 @@ class Runtime {
   // With the weights on the host: where `p`, in the host array `base`, has its copy on the
   // device (the embedding, final norm and head; null stays null).
   float* resident(float* p, const Buffer& base, const Buffer& device) const;
+  // In bf16: where resident weight `p` (on the device) has its working copy, and that copy
+  // of bucket b remade from the fp32 weights (nothing for a layer's bucket, or in fp32).
+  const void* resident_act(const float* p) const;
+  void resident_to_act(std::size_t b);
   // A pointer into the host arrays of the weights on the host (read_device and
   // write_device copy those on the host).
   bool in_host_arrays(const float* p) const;
@@ -171,6 +175,7 @@ class Runtime {
   // the embedding's, final norm's and head's weights and gradients, and where each bucket's
   // are in them (-1: a layer's, on the host).
   Buffer resident_params_, resident_grads_;
+  Buffer resident_act_;  // in bf16, their working copy
   std::vector<i64> resident_at_;
   HostLayers host_layers_;
   ParamView weights_, dweights_;

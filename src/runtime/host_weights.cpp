@@ -20,12 +20,14 @@ BlockParams rebased(const BlockParams& b, const float* from, float* to) {
   return r;
 }
 
-BlockMatrices rebased(const BlockMatrices& b, const float* from, float* to) {
+// The same for the GEMMs' views, whose tensors are in the activation type: `from` and `to`
+// are where the bucket starts in the old and the new array.
+BlockMatrices rebased(const BlockMatrices& b, const char* from, char* to) {
   BlockMatrices r = b;
   for (const void* BlockMatrices::*f : {&BlockMatrices::qkv_w, &BlockMatrices::qkv_b, &BlockMatrices::out_w,
                                         &BlockMatrices::out_b, &BlockMatrices::fc_w, &BlockMatrices::fc_b,
                                         &BlockMatrices::proj_w, &BlockMatrices::proj_b})
-    if (b.*f) r.*f = to + (static_cast<const float*>(b.*f) - from);
+    if (b.*f) r.*f = to + (static_cast<const char*>(b.*f) - from);
   return r;
 }
 
@@ -48,7 +50,7 @@ HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule&
       control_(control),
       result_(result) {
   if (!host_) return;
-  SPPO_ASSERT_MSG(s.weights_host && be.act() == DType::F32, "the layers' weights on the host run fp32 activations");
+  SPPO_ASSERT(s.weights_host);
   uses_ = sched::LayerUses(s, rank);
   const std::size_t n = std::size_t(layers.second - layers.first);
   w_.resize(n);
@@ -78,10 +80,17 @@ HostWeights::~HostWeights() {
 
 void HostWeights::point_views(int l, bool on_device) {
   const std::size_t j = std::size_t(l - lb_), at = std::size_t(l);
-  const float* host_base = host_->params + bucket(l).offset;
+  const ParamBucket& b = bucket(l);
+  const float* host_base = host_->params + b.offset;
   if (on_device) {
+    // The GEMMs' views point at the working copy: the fp32 weights themselves, or in bf16
+    // the converted copy after them (bring()); the host's views of it start from the same
+    // base in the activation type (Runtime's matrix view).
+    const std::size_t act = dtype_bytes(be_.act());
+    const char* host_act = reinterpret_cast<const char*>(host_->params) + std::size_t(b.offset) * act;
+    char* device_act = static_cast<char*>(w_[j].data()) + (act == sizeof(float) ? 0 : bytes_of(b.count));
     host_->w->blocks[at] = rebased(host_w_[j], host_base, w_[j].f32());
-    host_->m->blocks[at] = rebased(host_m_[j], host_base, w_[j].f32());
+    host_->m->blocks[at] = rebased(host_m_[j], host_act, device_act);
   } else {
     host_->w->blocks[at] = host_w_[j];
     host_->m->blocks[at] = host_m_[j];
@@ -95,7 +104,9 @@ void HostWeights::bring(int l) {
   // The update of the last step writes the host's weights bucket by bucket: this one's
   // must be done before it is read.
   if (host_->ready) host_->ready(grads_.bucket_of_layer(l));
-  w_[j] = device_.alloc(i64(bytes_of(b.count)), "blocks." + std::to_string(l) + " weights from the host");
+  // In bf16 the GEMMs' working copy follows the fp32 weights, converted once they are here.
+  const i64 copy = be_.act() == DType::F32 ? 0 : b.count * i64(dtype_bytes(be_.act()));
+  w_[j] = device_.alloc(i64(bytes_of(b.count)) + copy, "blocks." + std::to_string(l) + " weights from the host");
   w_in_[j] = h2d_.copy(w_[j].data(), host_->params + b.offset, bytes_of(b.count), {});
   copies_.push_back({"weights L" + std::to_string(l), w_in_[j]});
 }
@@ -109,6 +120,10 @@ void HostWeights::begin(std::size_t index, int k) {
   if (w_in_[j]) {
     result_.exposed_copy_s += w_in_[j]->wait();
     w_in_[j] = nullptr;
+    if (be_.act() != DType::F32) {
+      const i64 count = bucket(u.layer).count;
+      be_.to_act(static_cast<char*>(w_[j].data()) + bytes_of(count), w_[j].f32(), count);
+    }
     point_views(u.layer, true);
   }
   if (u.grad_first) {

@@ -16,8 +16,10 @@
 //    point at it; at its last backward it is reduced over the replicas (a step that
 //    reduces), then copied to the host's array on the step's device-to-host stream, and
 //    released (after the wait for that copy) where the uses say.
-// fp32 activations only: in fp32 a layer's working copy is its weights, laid out as the
-// host array's bucket. At the end of a step nothing of it is on the device (check_empty).
+// A layer on the device is its fp32 weights, laid out as the host array's bucket; in bf16
+// the GEMMs' working copy follows them, converted on the device once they arrive (the
+// host keeps no second copy, and the conversion is the one a device-resident model's
+// refresh makes). At the end of a step nothing of it is on the device (check_empty).
 #pragma once
 
 #include <cstddef>

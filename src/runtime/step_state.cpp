@@ -75,9 +75,8 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
       << "the schedule keeps the layers' weights on the " << (sc.weights_host ? "host" : "device")
       << " but this runtime holds them on the " << (o.weights_host ? "host" : "device")
       << "; build both with the same --weights";
-  SPPO_CHECK(!sc.weights_host || (sc.tp == 1 && !msp && !o.recompute && act == DType::F32), "runtime")
-      << "the layers' weights on the host (--weights host) run without --tp, --msp on and --recompute, with fp32 "
-         "activations";
+  SPPO_CHECK(!sc.weights_host || (sc.tp == 1 && !msp && !o.recompute), "runtime")
+      << "the layers' weights on the host (--weights host) run without --tp, --msp on and --recompute";
 }
 
 StepState::StepState(const StepContext& c, const sched::Schedule& sc, const StepControl& ctl, StepResult& res)

@@ -37,15 +37,7 @@ i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp) {
 }
 
 i64 layer_copy_bytes(const ModelConfig& c, ActPrecision p, const TpShard& tp) {
-  const int act = p == ActPrecision::F32 ? 4 : 2;
-  i64 bytes = 0;
-  for (const TensorSpec& t : parameter_specs(c, 0, 1, tp)) {
-    if (t.name.rfind("blocks.", 0) != 0) continue;  // the embedding (and a one-layer model's head)
-    const bool norm = t.name.find(".ln1.") != std::string::npos || t.name.find(".ln2.") != std::string::npos ||
-                      t.name.find("_norm.") != std::string::npos;
-    bytes += t.numel() * (norm ? 4 : act);
-  }
-  return bytes;
+  return layer_params(c, tp) * (4 + (p == ActPrecision::F32 ? 0 : 2));
 }
 
 i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index, const TpShard& tp) {
@@ -172,9 +164,8 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     }
     if (s.weights_host) {
       layer_w_ = layer_copy_bytes(c, rules.precision, tp_);
+      layer_in_ = layer_params(c, tp_) * i64(sizeof(float));
       layer_g_ = layer_params(c, tp_) * rules.grad_bytes;
-      // In bf16 the copies bring a working copy the host keeps converted beside its master.
-      if (rules.precision != ActPrecision::F32) host_fixed_terms_[int(MemTerm::WeightCopy)] = (oe - ob) * layer_w_;
       uses_ = LayerUses(s, rank);
     }
   }

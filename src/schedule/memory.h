@@ -143,9 +143,8 @@ i64 zero_state_params(const ModelConfig& c, int b, int e, int shards, int index,
 // holds them (parameter_specs(c, b, e, tp)).
 i64 layer_params(const ModelConfig& c, const TpShard& tp);
 i64 param_count(const ModelConfig& c, int b, int e, const TpShard& tp);
-// Bytes of one layer's working copy on the device (Note [Weights on the host]): the
-// tensors the GEMMs read in the activation type, the norms' weights in fp32 (the kernels
-// read them so); in fp32 the layer's weights.
+// Bytes of one layer's weights on the device (Note [Weights on the host]): the fp32 weights
+// that come from the host, and in bf16 beside them their working copy, converted there.
 i64 layer_copy_bytes(const ModelConfig& c, ActPrecision p, const TpShard& tp = {});
 
 // Peak device bytes of the full-recomputation baseline (one process, the whole sequence
@@ -263,8 +262,10 @@ class RankMemory {
   i64 ws_per_token() const { return ws_pt_; }
   i64 head_grad_per_token() const { return head_pt_; }
   i64 acc_per_token() const { return acc_pt_; }
-  // --weights host: the device bytes of one layer's working copy and of its gradient.
+  // --weights host: the device bytes of one layer's weights (in bf16 with their working
+  // copy), the bytes its copy from the host moves (the fp32 weights), and its gradient's.
   i64 layer_copy() const { return layer_w_; }
+  i64 layer_copy_in() const { return layer_in_; }
   i64 layer_grad() const { return layer_g_; }
   // Host bytes a position's dK/dV sums take on layer l: 2H fp32 (Device and Host layers'
   // dK, dV), or H fp32 (a Recompute layer's d(LayerNorm-1 output)).
@@ -344,7 +345,7 @@ class RankMemory {
   std::set<std::pair<int, int>> borrowed_grads_;   // borrowed layer ranges with gradients
   size_t next_ = 0;                                // index of the next op of this rank
   LayerUses uses_;                                 // --weights host: the own layers' uses
-  i64 layer_w_ = 0, layer_g_ = 0;                  // their working copy's and gradient's bytes
+  i64 layer_w_ = 0, layer_in_ = 0, layer_g_ = 0;   // their device bytes, bytes copied in, gradient's bytes
   // Events of the weights and gradients at the start (end) of F/B op `index`'s k-th layer.
   void layer_in(std::vector<MemEvent>* out, size_t index, int k, double at);
   void layer_out(std::vector<MemEvent>* out, size_t index, int k, double at);

@@ -9,9 +9,10 @@
 // uses is its weights (fp32, and in bf16 their working copy) and its fp32 gradient: 8 to 10
 // B a parameter, every layer, all step. A layer's weights are read only by the F and B ops
 // that run it, and its gradient is added to only by the B ops, so:
-//  - Its working copy (the GEMMs' tensors in the activation type, the norms' in fp32; the
-//    fp32 weights themselves in fp32) comes from the host's master on the host-to-device
-//    copy stream while the layer before it computes, and goes when the op is done with it
+//  - Its fp32 weights come from the host's master on the host-to-device copy stream while
+//    the layer before it computes (in bf16 the GEMMs' working copy is converted from them
+//    on the device once they arrive, beside them: 6 B a parameter there, 4 B copied, and
+//    no second copy on the host), and go when the op is done with them
 //    unless the next use is of the same layer (a layer-major backward runs each layer over
 //    every subsequence): at most the layer in use and the next are on the device. The
 //    rank's first use waits for its copy.
@@ -30,7 +31,7 @@
 //    both precisions and their gradients): the first and last layers' neighbours need them
 //    at every subsequence, and a stage's head runs right after its last layer.
 // What it costs: each F and B op brings each of its layers' weights in (2N copies of the
-// model's layers a step, one in a layer-major backward, in the activation type) and each
+// model's layers a step, one in a layer-major backward, fp32) and each
 // layer's gradient goes out once (fp32); the simulator prices them on the copy lanes and
 // makes a layer's compute wait for weights that arrive late.
 #pragma once

@@ -118,9 +118,9 @@ struct RankEvents {
   i64 host_state = 0;               // parameters whose optimizer state the host updates
   i64 host_moved = -1;              // of them, those whose gradients and weights the update copies (-1: all)
   // With the layers' weights on the host (Note [Weights on the host] in schedule/weights.h):
-  // the own layers' uses, and a layer's working copy's and gradient's bytes.
+  // the own layers' uses.
   std::vector<sched::LayerUse> uses;
-  i64 layer_w = 0, layer_g = 0;
+  i64 layer_in = 0, layer_g = 0;  // --weights host: bytes of a layer's weights to the device, its gradient's back
   i64 peak_host = 0;                // host bytes (fixed, offloaded, K/V), at most
   // Ops that move streamed K/V to or from the host (F/B, an MSP owner's Recv KV and Send
   // KVGrad): (op, host bytes it adds, the most it adds at any point inside it), for
@@ -215,7 +215,7 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   if (s.weights_host) {
     const sched::LayerUses uses(s, r);
     out.uses = uses.uses();
-    out.layer_w = mem.layer_copy();
+    out.layer_in = mem.layer_copy_in();
     out.layer_g = mem.layer_grad();
     out.host_moved = mem.resident_params();
     for (size_t k = 0; k < ops.size(); ++k)
@@ -381,7 +381,7 @@ double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double
     for (int l : {u.load_now, u.load_next}) {
       if (l < 0) continue;
       const double at = std::max(rs.t_in, t);
-      rs.t_in = rs.weights_in[size_t(l)] = at + cost.h2d_s(re.layer_w, rs.t_out > at);
+      rs.t_in = rs.weights_in[size_t(l)] = at + cost.h2d_s(re.layer_in, rs.t_out > at);
       if (copies) copies->push_back({Lane::CopyIn, l, at, rs.t_in});
     }
     wait_until(rs.weights_in[size_t(u.layer)]);
@@ -951,7 +951,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
   out->host_state = old.host_state;
   out->host_moved = old.host_moved;
   out->uses = old.uses;
-  out->layer_w = old.layer_w;
+  out->layer_in = old.layer_in;
   out->layer_g = old.layer_g;
   out->unit_tensors = old.unit_tensors;
   out->unit_layers = old.unit_layers;

@@ -458,9 +458,6 @@ class SetupBuilder {
     SPPO_CHECK(!layout, "options") << "--weights host brings each layer's weights whole to the rank that runs it; "
                                    << "it does not run with " << (layout ? layout : "")
                                    << ". It runs on one process, with --pp, --cp and --dp; or use --weights device";
-    SPPO_CHECK(precision_ == ActPrecision::F32, "options")
-        << "--weights host brings each layer's fp32 weights and runs fp32 activations; use --precision fp32 (or "
-           "--weights device)";
   }
   // The layout --weights host does not run in, named; null: none.
   const char* weights_refused() const {
@@ -470,7 +467,7 @@ class SetupBuilder {
            : o_.recompute  ? "--recompute (the full-recompute baseline)"
                            : nullptr;
   }
-  bool weights_ok() const { return !weights_refused() && precision_ == ActPrecision::F32; }
+  bool weights_ok() const { return !weights_refused(); }
 
   // Where the K/V cache lives (--kv-cache) and what backward recomputes
   // (--recompute-tensors): what this layout can run.

@@ -179,6 +179,24 @@ TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
     EXPECT_EQ(mem.fixed_bytes() + L * (mem.layer_copy() + mem.layer_grad()),
               RankMemory(rules, build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0}), 0).fixed_bytes());
   }
+  // In bf16 a layer arrives in fp32 (4 B a parameter copied) and its GEMMs' working copy is
+  // converted beside it (6 B on the device); the host keeps its fp32 master and nothing more,
+  // and the device what a device-resident model keeps less the layers' weights, working
+  // copies and gradients.
+  {
+    MemoryRules bf16 = rules;
+    bf16.precision = ActPrecision::BF16;
+    bf16.weight_copy_bytes = 2;
+    Schedule s = to_layer_major(build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0}));
+    s.weights_host = true;
+    const RankMemory mem(bf16, s, 0);
+    const i64 P = layer_params(bf16.model, {});
+    EXPECT_EQ(mem.layer_copy(), 6 * P);
+    EXPECT_EQ(mem.layer_copy_in(), 4 * P);
+    const RankMemory resident(bf16, to_layer_major(build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0})), 0);
+    EXPECT_EQ(mem.fixed_bytes() + L * P * (4 + 2 + 4), resident.fixed_bytes());
+    EXPECT_EQ(mem.host_fixed_bytes(), resident.host_fixed_bytes());
+  }
   for (int pp : {1, 2})
     for (int sp : {1, 2})
       for (int dp : {1, 2})
