@@ -60,6 +60,15 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(o.optimizer_state == "device" || o.optimizer_state == "host" || o.optimizer_state == "auto", "options")
       << "--optimizer-state must be device, host or auto (got '" << o.optimizer_state << "')";
   r.optimizer_state = o.optimizer_state;
+  SPPO_CHECK(o.weights == "device" || o.weights == "host" || o.weights == "auto", "options")
+      << "--weights must be device, host or auto (got '" << o.weights << "')";
+  SPPO_CHECK(o.weights != "host" || o.optimizer_state != "device", "options")
+      << "--weights host keeps the layers' weights where the optimizer's update reads them, on the host: it needs "
+         "--optimizer-state host or auto (or use --weights device)";
+  SPPO_CHECK(o.weights != "host" || o.zero != "1", "options")
+      << "--weights host keeps each rank's whole master on its host: it runs without ZeRO-1; use --zero 0 or auto";
+  r.weights = o.weights;
+  if (o.weights == "host") r.optimizer_state = "host";
   r.recompute_auto = o.recompute_tensors == "auto";
   if (!r.recompute_auto) r.recompute = parse_recompute_tensors(o.recompute_tensors);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
@@ -101,6 +110,7 @@ std::string layout_text(const plan::Plan& p) {
   if (p.system == "sppo" && p.backward_order == "layer") os << " layer-major";
   if (p.system == "sppo" && p.zero) os << " zero-1";
   if (p.system == "sppo" && p.optimizer_state == "host") os << " optimizer-host";
+  if (p.system == "sppo" && p.weights == "host") os << " weights-host";
   if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;
   return os.str();
 }
@@ -333,6 +343,12 @@ void add_plan_commands(CLI::App& app, Commands& out) {
                 "Where the fp32 master weights and AdamW state live and update: device, host (train "
                 "--optimizer-state host: gradients down, the update on the host's processor, weights up, each "
                 "step), or auto (the host only where no plan fits with the device)")
+      ->capture_default_str();
+  p->add_option("--weights", plan.weights,
+                "Where the transformer layers' weights and gradients live (as train --weights): device, host (each "
+                "layer's brought for the forward and backward that run it; with the optimizer state on the host, "
+                "without tensor parallelism, ZeRO-1 or MSP), or auto (the host only where no plan fits with the "
+                "optimizer state alone there)")
       ->capture_default_str();
   p->add_flag("--explain", plan.explain, "Also print device and host memory term by term, with formulas");
   p->add_option("--budget", plan.budget, "Device memory per device, e.g. 70GiB (default: the profile's usable memory)");

@@ -148,7 +148,7 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "come to the device one layer ahead of the forward or backward that runs it and go after, each "
                   "layer's gradient goes to the host after its last backward; the embedding, final norm and LM "
                   "head stay; needs the optimizer state on the host, and runs without --tp, --msp on, --zero 1 "
-                  "and --recompute, in fp32), or auto (device)")
+                  "and --recompute), or auto (the plan's under --plan, else device)")
       ->capture_default_str();
   cmd->add_option("--recompute-tensors", o.recompute_tensors,
                   "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "

@@ -37,6 +37,7 @@ nlohmann::json to_json(const Plan& p) {
       {"msp_reach", p.msp_reach},
       {"zero", p.zero},
       {"optimizer_state", p.optimizer_state},
+      {"weights", p.weights},
       {"ring_layout", p.ring_layout},
       {"stage_layers", p.stage_layers},
       {"offload", p.offload},
@@ -150,6 +151,7 @@ Plan plan_from_json(const nlohmann::json& j) {
       << ": MLP tiles run without tensor parallelism; set one of them to its default";
   p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
   p.optimizer_state = json_string_field(j, "optimizer_state", "device", "planner", kWhere);
+  p.weights = json_string_field(j, "weights", "device", "planner", kWhere);
   p.backward_order = json_string_field(j, "backward_order", "subseq", "planner", kWhere);
   p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
   for (const i64 l : integers("kv_host_layers", 0, kIntMax)) {
@@ -213,6 +215,11 @@ Plan plan_from_json(const nlohmann::json& j) {
   SPPO_CHECK(p.zero == 0 || p.zero == 1, "planner") << "plan: zero must be 0 or 1 (got " << p.zero << ")";
   SPPO_CHECK(p.optimizer_state == "device" || p.optimizer_state == "host", "planner")
       << "plan: optimizer_state must be device or host (got '" << p.optimizer_state << "')";
+  SPPO_CHECK(p.weights == "device" || p.weights == "host", "planner")
+      << "plan: weights must be device or host (got '" << p.weights << "')";
+  SPPO_CHECK(p.weights == "device" || (p.optimizer_state == "host" && p.tp == 1 && !p.msp && p.zero == 0), "planner")
+      << "plan: weights host needs optimizer_state host, and runs without tp, msp and zero 1; set weights "
+         "device";
   SPPO_CHECK(p.backward_order == "subseq" || p.backward_order == "layer", "planner")
       << "plan: backward_order must be subseq or layer (got '" << p.backward_order << "')";
   SPPO_CHECK(p.backward_order == "subseq" || !p.msp, "planner")

@@ -40,6 +40,9 @@ struct Plan {
   // Where the fp32 master weights and AdamW m, v of each rank's shard live, and where the
   // update runs: "device", or "host" (train --optimizer-state host).
   std::string optimizer_state = "device";
+  // Where the layers' weights and gradients live: "device", or "host" (train --weights
+  // host; with the optimizer state there: Note [Weights on the host] in schedule/weights.h).
+  std::string weights = "device";
   std::string ring_layout = "zigzag";  // how SP ranks split a subsequence: zigzag | contiguous
   std::vector<int> stage_layers;  // layers per pipeline stage
   std::string offload = "adaptive";  // none | full | paper | adaptive

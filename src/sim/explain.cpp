@@ -221,16 +221,28 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const std::string Ps = p.zero ? num(double(state)) + " (this rank's ZeRO-1 shard, P / " + std::to_string(p.sp * p.dp) + ")"
                                 : std::string("P");
   const bool state_host = rules.optimizer_host;
-  // A plan keeps its layers' weights on the device; a schedule with them on the host (Note
-  // [Weights on the host]) counts the layers in flight and their gradients in these rows.
+  // With the layers' weights on the host (Note [Weights on the host]) the device holds the
+  // embedding's, final norm's and head's, and the layers in flight with their gradients.
+  const bool layers_host = p.weights == "host";
+  const std::string in_flight =
+      layers_host ? "; on the device, those of the embedding, final norm and head, and of the layer running and "
+                    "the next, each brought from the host's master for the forward or backward that runs it" +
+                        std::string(rules.weight_copy_bytes > 0 ? " (fp32, its working copy converted there)" : "") +
+                        ": --weights host"
+                  : "";
   lines.push_back({Row::Weights,
                    at(sched::MemTerm::Weights) + at(sched::MemTerm::WeightCopy) + at(sched::MemTerm::LayerWeights),
                    on_host(sched::MemTerm::Weights) + on_host(sched::MemTerm::WeightCopy),
-                   "4 B x P (fp32 master weights)" + copy + ", P = " + P +
+                   "4 B x P (fp32 master weights)" + copy + ", P = " + P + in_flight +
                        (state_host ? "; the host keeps the update's fp32 master, 4 B x " + Ps : "")});
   lines.push_back({Row::Gradients, at(sched::MemTerm::Gradients) + at(sched::MemTerm::LayerGrads),
                    on_host(sched::MemTerm::Gradients),
-                   "4 B x P (fp32)" + (state_host ? "; the host a copy the update reads, 4 B x " + Ps : "")});
+                   "4 B x P (fp32)" +
+                       std::string(layers_host ? "; on the device, those of the embedding, final norm and head, and "
+                                                 "of the layers whose backward runs, each leaving for the host's "
+                                                 "after its last"
+                                               : "") +
+                       (state_host ? "; the host a copy the update reads, 4 B x " + Ps : "")});
   lines.push_back({Row::Optimizer, at(sched::MemTerm::Optimizer), on_host(sched::MemTerm::Optimizer),
                    "8 B x " + Ps + " (AdamW m, v" +
                        (state_host ? ", on the host, updated there: --optimizer-state host)" : ")")});

@@ -621,6 +621,7 @@ Schedule build_plan_schedule(const plan::Plan& p, const sched::PipelineSpec& spe
   s.kv_place = kv_place_of(p);
   s.recompute = p.recompute;
   s.mlp_tile_rows = p.mlp_tile_rows;
+  s.weights_host = p.weights == "host";
   return s;
 }
 
@@ -854,11 +855,16 @@ std::optional<std::string> weights_alone_error(const SearchContext& ctx) {
   const ModelConfig& c = ctx.c;
   const int max_pp = std::min(ctx.G, c.layers);
   const int most_shards = ctx.req.zero == 0 ? 1 : ctx.G / max_pp;
-  const i64 least_params = sched::param_count(c, 0, (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
-  const i64 least_weights = ctx.device_fixed(least_params, most_shards, ctx.host_allowed);
+  // With the layers' weights on the host (Note [Weights in the search]), the embedding and
+  // head alone.
+  const bool layers_host = ctx.host_allowed && ctx.req.weights != "device";
+  const i64 least_params =
+      sched::param_count(c, 0, layers_host ? 0 : (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
+  const i64 least_weights = ctx.device_fixed(least_params, layers_host ? 1 : most_shards, ctx.host_allowed);
   if (least_weights <= ctx.budget) return std::nullopt;
-  return std::string(ctx.host_allowed ? "weights and gradients alone (the optimizer state on the host) need "
-                                      : "weights, gradients and optimizer state alone need ") +
+  return std::string(layers_host          ? "the embedding's and LM head's weights and gradients alone need "
+                     : ctx.host_allowed ? "weights and gradients alone (the optimizer state on the host) need "
+                                        : "weights, gradients and optimizer state alone need ") +
          format_bytes(double(least_weights)) + " per device even over " + std::to_string(max_pp) +
          " pipeline stages, more than the budget of " + format_bytes(double(ctx.budget));
 }
@@ -933,6 +939,26 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
       }
     }
   return layouts;
+}
+
+// Note [Weights in the search]: the layers' weights and gradients go to the host (Note
+// [Weights on the host] in schedule/weights.h) under --weights host, or under auto where no
+// plan fits even with the optimizer state there: it frees 10 B a parameter of the device in
+// bf16 (the fp32 weights, their working copy, the fp32 gradient) but copies every layer's
+// weights in for each forward and backward that runs it, which only buys memory. It runs on
+// layouts without tensor parallelism and with no ZeRO-1 (the host's master is whole on
+// each rank; under --zero auto it is turned off there), and without MSP.
+// Takes the layouts; gives those that can keep their weights on the host, so placed.
+std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vector<plan::Plan>& layouts) {
+  std::vector<plan::Plan> out;
+  for (plan::Plan p : layouts) {
+    if (p.tp > 1 || req.zero == 1) continue;
+    p.zero = 0;
+    p.optimizer_state = "host";
+    p.weights = "host";
+    out.push_back(std::move(p));
+  }
+  return out;
 }
 
 // ---- 2. Placements
@@ -1063,7 +1089,9 @@ bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
 // times two, plus one with MSP, times two, plus one in the layer-major backward order.
 using FloorKey = std::tuple<std::size_t, int, SavedSet, i64>;
 // The candidates searched so far: a FloorKey and whether the optimizer state is on the host.
-using PlacementsTried = std::set<std::tuple<std::size_t, int, SavedSet, i64, bool>>;
+// (variant, K/V place, recompute set, MLP tile rows, where the state and weights are: 0
+// the device, 1 the optimizer state on the host, 2 the layers' weights too)
+using PlacementsTried = std::set<std::tuple<std::size_t, int, SavedSet, i64, int>>;
 
 // One candidate of a search: a layout placed, with MSP or without.
 // Note [Pruning the search], continued: the recompute sets are nested (each level holds
@@ -1087,7 +1115,7 @@ struct SearchCandidate {
 // LeastStep), since the alpha pass prunes a candidate only by others that share them.
 std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std::vector<plan::Plan>& layouts,
                                             const std::vector<Placement>& pls, bool weigh_msp, int msp_tasks,
-                                            bool state_host, PlacementsTried& tried,
+                                            int state_where, PlacementsTried& tried,
                                             const std::set<FloorKey>& settled) {
   const PlanRequest& req = ctx.req;
   std::vector<SearchCandidate> cands;
@@ -1112,7 +1140,8 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
         const bool layer = pl.backward == sched::BackwardOrder::Layer;
         const std::size_t variant = (base * 2 + (msp ? 1 : 0)) * 2 + (layer ? 1 : 0);
         if (layer && settled.count({variant - 1, int(pl.kv), p.recompute, pl.mlp_tile_rows})) continue;
-        if (!tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_host).second) continue;
+        if (msp && p.weights == "host") continue;  // a helper borrows a stage's weights whole
+        if (!tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_where).second) continue;
         cand.key = {variant, int(pl.kv), p.recompute, pl.mlp_tile_rows};
         cand.group = (variant * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0);
         cand.level = std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
@@ -1182,7 +1211,10 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
     const int n = p.stage_layers[st], end = first + n;
     const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
                                 : sched::param_count(c, first, end, first == 0, end == c.layers);
-    const i64 weights = ctx.device_fixed(params, shards, state_host);
+    // With the layers' weights on the host the device keeps the embedding's, final norm's
+    // and head's (and the two layers in flight, not counted: this is a bound).
+    const i64 layers_host = p.weights == "host" ? i64(n) * sched::layer_params(c, TpShard{0, p.tp}) : 0;
+    const i64 weights = ctx.device_fixed(params - layers_host, shards, state_host);
     mem = std::max(mem, weights + (i64(n) * kv_dev + (layer_major ? 1 : n) * acc_dev) * before_last);
     i64 held = before_last;
     if (p.msp) {
@@ -1290,7 +1322,13 @@ i64 state_bound(const SearchContext& ctx, const plan::Plan& p) {
     const int shards = p.zero == 1 ? p.sp * p.dp : 1;  // plan_rules(p, ..., true): shard 0 everywhere
     const i64 state = shards > 1 ? sched::zero_state_params(ctx.c, first, end, shards, 0, tp)
                                  : sched::param_count(ctx.c, first, end, tp);
-    most = std::max(most, state * ctx.rules.optimizer_bytes);
+    // With the layers' weights on the host their weights, working copies and gradients
+    // leave too (less the two layers in flight: not subtracted, so this stays a bound).
+    const i64 layers = p.weights == "host" ? i64(n) * sched::layer_params(ctx.c, tp) *
+                                                 (ctx.rules.weight_bytes() + ctx.rules.weight_copy_bytes +
+                                                  ctx.rules.grad_bytes)
+                                           : 0;
+    most = std::max(most, state * ctx.rules.optimizer_bytes + layers);
     first = end;
   }
   return most;
@@ -1318,7 +1356,8 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
         st.last_reason = "with " + sp_text(p) + " and " + std::to_string(p.pp) +
                          " stages, the activations, K/V and dK/dV sums that do not fit the device need at least " +
                          format_bytes(double(bk.host)) + " of host memory, over its " +
-                         format_bytes(double(ctx.host_limit));
+                         format_bytes(double(ctx.host_limit)) + " (more --gpus, or a larger --host-budget where "
+                         "the host has it)";
       }
       return true;
     }
@@ -1428,8 +1467,9 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
 void search(const SearchContext& ctx, const std::vector<plan::Plan>& layouts, const std::vector<Placement>& pls,
             bool weigh_msp, int msp_tasks, SearchState& st, bool prune_by_fits = false) {
   const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
+  const int where = !state_host ? 0 : layouts.front().weights == "host" ? 2 : 1;
   const std::vector<SearchCandidate> cands =
-      placement_pass(ctx, layouts, pls, weigh_msp, msp_tasks, state_host, st.placements_tried, st.settled);
+      placement_pass(ctx, layouts, pls, weigh_msp, msp_tasks, where, st.placements_tried, st.settled);
   const BoundedCandidates b = bound_pass(ctx, cands);
   double best_tput = 0;
   if (prune_by_fits)
@@ -1512,6 +1552,13 @@ void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best)
                          "shard; each step the gradients go down, the host's processor updates them, the weights "
                          "come back up (" + seconds_text(best.predicted.host_update_s) +
                          " a step, priced in the step time; train --optimizer-state host)");
+  if (best.weights == "host")
+    best.notes.push_back(std::string("the layers' weights and gradients on the host (") +
+                         (req.weights == "host" ? "--weights host" : "no plan with them on the device fits") +
+                         "): each layer's fp32 weights come to the device a layer ahead of the forward or backward "
+                         "that runs it (its bf16 working copy converted there) and go after; its gradient goes to "
+                         "the host after its last backward; the device keeps the embedding, final norm and head "
+                         "(train --weights host)");
 }
 
 // The ranking pass. Takes the searches' state (its fits, which it sorts) and `first_best`
@@ -1561,6 +1608,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     return out;
   }
   std::vector<plan::Plan> layouts = layout_pass(ctx);
+  if (req.weights == "host") layouts = weights_on_host(req, layouts);
   const PlacementSets placements = placement_sets(req);
   const Placement& first = placements.first;
   const std::vector<Placement>& wider = placements.wider;
@@ -1576,6 +1624,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     search(ctx, layouts, {first}, false, 0, st);
     if (st.fits.empty() && !wider.empty()) search(ctx, layouts, wider, false, 0, st);
     if (st.fits.empty() && !layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
+  }
+  if (st.fits.empty() && req.weights == "auto" && req.optimizer_state != "device") {  // Note [Weights in the search]
+    const std::vector<plan::Plan> hosted = weights_on_host(req, layouts);
+    if (!hosted.empty()) search(ctx, hosted, {first}, false, 0, st);
+    if (st.fits.empty() && !hosted.empty() && !wider.empty()) search(ctx, hosted, wider, false, 0, st);
+    if (st.fits.empty() && !hosted.empty() && !layered.empty()) search(ctx, hosted, layered, false, 0, st, true);
   }
   return rank_pass(ctx, st, first_best);
 }

@@ -150,6 +150,10 @@ struct PlanRequest {
   // Where the fp32 master weights and AdamW state live (--optimizer-state): "device",
   // "host", or "auto" (the device, and the host where no plan with it fits).
   std::string optimizer_state = "auto";
+  // Where the layers' weights and gradients live (--weights): "device", "host" (with the
+  // optimizer state there), or "auto" (the device, and the host where no plan fits with
+  // the optimizer state alone there).
+  std::string weights = "auto";
   sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
   i64 budget = 0;             // 0: the profile's usable device memory
   // Where layers keep the K/V cache (--kv-cache): "device"; "host" or "recompute" (every

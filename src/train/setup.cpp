@@ -324,7 +324,7 @@ class SetupBuilder {
     SPPO_CHECK(o_.weights == "device" || o_.weights == "host" || o_.weights == "auto", "options")
         << "--weights '" << o_.weights << "' is unknown; use device (every layer's weights and gradients on the "
         << "device all step), host (each layer's brought for the forward and backward that run it; with "
-        << "--optimizer-state host) or auto (device)";
+        << "--optimizer-state host) or auto (the plan's under --plan, else device)";
     if (w_.size() > 1) profile();
   }
 
@@ -449,7 +449,7 @@ class SetupBuilder {
   // on the host are the optimizer's master there, and a layer is brought whole to the one
   // rank that runs it. auto is the device: the planner does not search this placement.
   void check_weights() {
-    shape_.weights_host = o_.weights == "host";
+    shape_.weights_host = o_.weights == "host" || (o_.weights == "auto" && from_plan_ && from_plan_->weights == "host");
     if (!shape_.weights_host) return;
     SPPO_CHECK(shape_.optimizer_host, "options")
         << "--weights host keeps the layers' fp32 weights and gradients in host memory, where the optimizer's "

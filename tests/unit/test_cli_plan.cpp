@@ -97,6 +97,49 @@ TEST(PlanCli, CpuPlanCountsTheKernelsScratchAsTrainDoes) {
   EXPECT_EQ(summary["measured_peak_device_bytes"].get<long long>(), planned_peak);
 }
 
+// `plan --weights host` writes "weights": "host" with the optimizer state there, and
+// `train --plan` runs it so, at the plan's peak to the byte, below the peak of the same
+// plan with the weights on the device.
+TEST(PlanCli, WeightsOnTheHostReachTheRunAsPlanned) {
+  io::TempDir tmp("sppo-plan-weights");
+  plan::HardwareProfile cpu = plan::load_profile("a100-80gb");
+  cpu.name = "cpu-test";
+  cpu.precision = "f32";
+  cpu.threads = 1;
+  cpu.devices_per_node = 1;
+  cpu.device_memory = i64(1) << 30;
+  cpu.memory_reserve = 0;
+  const std::string profile = tmp.path() + "/cpu.json";
+  plan::save_profile(cpu, profile);
+  auto planned = [&](const std::string& weights) {
+    const std::string out = tmp.path() + "/" + weights + ".json";
+    const auto r = testing::run_command(testing::sppo_binary() + " plan --model small --seq-len 512 --gpus 1 "
+                                        "--gpus-per-node 1 --optimizer-state host --hardware " + profile +
+                                        " --weights " + weights + " --out " + out + " 2>&1");
+    EXPECT_EQ(r.status, 0) << r.output;
+    std::ifstream in(out);
+    return std::make_pair(out, nlohmann::json::parse(in));
+  };
+  const auto [host_path, host] = planned("host");
+  const auto [device_path, device] = planned("device");
+  EXPECT_EQ(host["weights"], "host");
+  EXPECT_EQ(host["optimizer_state"], "host");
+  EXPECT_EQ(device["weights"], "device");
+  const long long host_peak = host["predicted"]["peak_device_bytes"].get<long long>();
+  EXPECT_LT(host_peak, device["predicted"]["peak_device_bytes"].get<long long>());
+  const std::string metrics = tmp.path() + "/m.jsonl";
+  const auto r = testing::run_command(testing::sppo_binary() + " train --plan " + host_path +
+                                      " --steps 1 --threads 1 --metrics " + metrics + " 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream lines(metrics);
+  nlohmann::json summary;
+  for (std::string line; std::getline(lines, line);)
+    if (auto j = nlohmann::json::parse(line); j.contains("summary")) summary = j;
+  ASSERT_FALSE(summary.is_null()) << r.output;
+  EXPECT_EQ(summary["predicted_peak_device_bytes"].get<long long>(), host_peak);
+  EXPECT_EQ(summary["measured_peak_device_bytes"].get<long long>(), host_peak);
+}
+
 TEST(PlanCli, ExplainPrintsTheTableAfterThePlan) {
   const auto r = testing::run_command(testing::sppo_binary() + kPlan + "--explain 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;

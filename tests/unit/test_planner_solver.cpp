@@ -244,6 +244,33 @@ TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
   EXPECT_NE(device.error.find("weights, gradients and optimizer state alone"), std::string::npos) << device.error;
 }
 
+// Note [Weights in the search]: where nothing fits with the optimizer state alone on the
+// host, the layers' weights and gradients follow it (ZeRO-1 off); --weights device keeps them
+// and says what does not fit; the plan simulates as predicted.
+TEST(Solver, WeightsOnTheHostWhereTheStateAloneThereDoesNotFit) {
+  sim::PlanRequest req = request("llama-3.2-1b", i64(16) * 1024, 1, "sppo");
+  req.hw = load_profile("h100-sxm");
+  req.hardware = "h100-sxm";
+  req.gpus_per_node = 1;
+  req.budget = i64(10) << 30;
+  req.hw.host_memory = i64(64) << 30;
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_EQ(p.weights, "host");
+  EXPECT_EQ(p.optimizer_state, "host");
+  EXPECT_EQ(p.zero, 0);
+  EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(to_json(q), to_json(p));
+  const auto r = sim::simulate_plan(q, req.hw);
+  EXPECT_EQ(r.peak_device_bytes, p.predicted.peak_device_bytes);
+  EXPECT_EQ(r.peak_host_bytes, p.predicted.peak_host_bytes);
+  req.weights = "device";
+  const auto device = sim::solve_plan(req);
+  EXPECT_FALSE(device.ok);
+}
+
 // Note [Optimizer state under a budget]: when nothing fits with the state on the device,
 // the host-state search rules layouts out by their device-state floors less their AdamW
 // bytes rather than building their schedules again. The closest layout it then names, and
@@ -354,9 +381,16 @@ TEST(Solver, PlacementsThatSaveMemoryAreWeighedWhenOthersFit) {
 }
 
 TEST(Solver, SaysWhyNothingFits) {
-  const auto out = sim::solve_plan(request("gpt-65b", i64(1) << 20, 4, "sppo"));
+  // gpt-65b on 4 A100s: with the layers' weights on the host the search runs and names the
+  // host memory the activations would need; with them on the device, the weights alone.
+  auto req = request("gpt-65b", i64(1) << 20, 4, "sppo");
+  const auto out = sim::solve_plan(req);
   ASSERT_FALSE(out.ok);
-  EXPECT_NE(out.error.find("weights"), std::string::npos) << out.error;
+  EXPECT_NE(out.error.find("of host memory"), std::string::npos) << out.error;
+  req.weights = "device";
+  const auto kept = sim::solve_plan(req);
+  ASSERT_FALSE(kept.ok);
+  EXPECT_NE(kept.error.find("weights and gradients alone"), std::string::npos) << kept.error;
   const auto big = sim::solve_plan(request("gpt-7b", i64(16) << 20, 8, "sppo"));
   ASSERT_FALSE(big.ok);
   EXPECT_FALSE(big.error.empty());
