@@ -153,6 +153,9 @@ expect "--weights 'sideways' is unknown; use device" grads --model tiny --weight
 expect "it needs --optimizer-state host" train --model tiny --weights host
 expect "it needs --optimizer-state host" train --model tiny --weights host --optimizer-state device
 expect "it does not run with --recompute" train --model tiny --weights host --optimizer-state host --recompute
+expect "--residual-grads 'sideways' is unknown; use device or host" train --model tiny --residual-grads sideways
+expect "it needs --backward-order layer" train --model tiny --residual-grads host --backward-order subseq
+expect "it needs --backward-order layer" grads --model tiny --residual-grads host --backward-order subseq --out g
 expect "it does not run with --recompute" grads --model tiny --weights host --recompute --out g
 expect "the weights and gradients) on its fullest rank, over the --host-memory budget" train --model tiny --seq-len 256 --weights host --optimizer-state host --host-memory 64KiB
 expect "--optimizer-state host moves AdamW's m and v" train --model medium --seq-len 4096 --device-memory 20MiB --steps 1

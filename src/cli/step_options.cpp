@@ -150,6 +150,12 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "head stay; needs the optimizer state on the host, and runs without --tp, --msp on, --zero 1 "
                   "and --recompute), or auto (the plan's under --plan, else device)")
       ->capture_default_str();
+  cmd->add_option("--residual-grads", o.residual_grads,
+                  "Where the layer-major backward keeps each subsequence's residual gradient between its layers: "
+                  "device ([S, H] of the whole sequence there from the first layer's backward to the last's), or "
+                  "host (sent after each layer's backward and brought back for the next: the device holds the "
+                  "running subsequence's; with --backward-order layer, which auto becomes)")
+      ->capture_default_str();
   cmd->add_option("--recompute-tensors", o.recompute_tensors,
                   "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "
                   "ln1_rstd, ln1_out, q, attn_out, lse, x_mid, ln2_mean, ln2_rstd, ln2_out, fc_pre, or of the "

@@ -28,6 +28,7 @@ ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& ho
     }
   head_grad_.resize(N);
   head_grad_host_.resize(N);
+  residual_host_.resize(N);
   offload_first_.resize(N);
   offload_last_.resize(N);
   prefetch_first_.resize(N);
@@ -131,6 +132,24 @@ double ActivationStore::wait_prefetch(int i, int b, int e) {
   return waited;
 }
 
+void ActivationStore::residual_to_host(int i, double* waited_s) {
+  Buffer& dev = head_grad_[std::size_t(i)];
+  SPPO_ASSERT_MSG(dev && !residual_host_[std::size_t(i)], "subsequence " << i << "'s residual gradient is not on the device");
+  Buffer& host = residual_host_[std::size_t(i)];
+  host = host_.alloc(dev.bytes(), "residual gradient " + std::to_string(i));
+  *waited_s += d2h_->copy(host.data(), dev.data(), std::size_t(dev.bytes()), {})->wait();
+  dev.reset();
+}
+
+void ActivationStore::residual_back(int i, double* waited_s) {
+  Buffer& host = residual_host_[std::size_t(i)];
+  SPPO_ASSERT_MSG(host && !head_grad_[std::size_t(i)], "subsequence " << i << "'s residual gradient is not on the host");
+  Buffer& dev = head_grad_[std::size_t(i)];
+  dev = device_.alloc(host.bytes(), "residual gradient " + std::to_string(i));
+  *waited_s += h2d_->copy(dev.data(), host.data(), std::size_t(host.bytes()), {})->wait();
+  host.reset();
+}
+
 void ActivationStore::synchronize() {
   d2h_->synchronize();
   h2d_->synchronize();
@@ -153,6 +172,8 @@ void ActivationStore::check_empty() const {
       for (std::size_t k = 0; k < roles_.size(); ++k)
         SPPO_ASSERT_MSG(!dev_[i][l][k] && !host_copies_[i][l][k],
                         "tensor left over after the step: layer " << l << " subseq " << i);
+  for (std::size_t i = 0; i < residual_host_.size(); ++i)
+    SPPO_ASSERT_MSG(!residual_host_[i], "subsequence " << i << "'s residual gradient left on the host");
 }
 
 }  // namespace sppo

@@ -65,6 +65,11 @@ class ActivationStore {
   double wait_offload(int i);
   double wait_prefetch(int i);
   double wait_prefetch(int i, int b, int e);
+  // Note [Residual gradients on the host] (schedule/builders.cpp): subsequence i's residual
+  // gradient (head_grad(i), which carries it between a layer-major backward's layers) to a
+  // host buffer and back, each copy waited for; the seconds waited add to *waited_s.
+  void residual_to_host(int i, double* waited_s);
+  void residual_back(int i, double* waited_s);
   // Waits for every copy on both streams.
   void synchronize();
   // Adds the span of each O(i) and P(i) to the timeline: its first copy's start to its
@@ -81,6 +86,7 @@ class ActivationStore {
   std::vector<std::vector<std::vector<Buffer>>> dev_;   // [N][L][block_saved_count] device copies
   std::vector<std::vector<std::vector<Buffer>>> host_copies_;  // same shape: offloaded parts
   std::vector<Buffer> head_grad_, head_grad_host_;      // [N]
+  std::vector<Buffer> residual_host_;                    // [N] residual gradients waiting on the host
   std::vector<std::shared_ptr<Event>> offload_first_, offload_last_;    // [N]
   std::vector<std::shared_ptr<Event>> prefetch_first_, prefetch_last_;  // [N]
   std::vector<Role> roles_;                             // of the saved tensors

@@ -390,6 +390,8 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   // the next stage's.
   const bool loss_here = e == L && in_set(st.sched.recompute, kSavedHeadGrad);
   const bool carried = own && e < le_;
+  // Note [Residual gradients on the host] (schedule/builders.cpp): back first.
+  if (carried && st.sched.residual_host) st.act.residual_back(i, &st.result.exposed_copy_s);
   Buffer d_buf = e == L || carried
                      ? std::move(st.act.head_grad(i))
                      : st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
@@ -471,6 +473,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   }
   if (own && b > lb_) {  // the layers below run later (a layer-major backward)
     st.act.head_grad(i) = std::move(d_buf);
+    if (st.sched.residual_host) st.act.residual_to_host(i, &st.result.exposed_copy_s);
     return;
   }
   if (b > 0) {

@@ -529,6 +529,18 @@ Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec)
 //    the stage before waits for its whole backward: the stages' backwards run one after
 //    another, not overlapped (the simulator prices it; the planner weighs it).
 // MSP's pieces borrow a stage's weights per task, which this order does not pair: refused.
+//
+// Note [Residual gradients on the host]: the residual gradients between the layers of a
+// layer-major backward are [S, H] on the device, the whole sequence's, from the first
+// layer's backward to the last's (every other tensor of that order is one subsequence's
+// or one layer's). With Schedule::residual_host each B op of a layer but the stage's first
+// sends its subsequence's residual gradient to the host when it ends, and each B op of a
+// layer but the stage's last brings it back when it starts: the device holds the running
+// subsequence's, the host [S, H]. The copies are the op's own (synchronous: a B op's
+// compute is T tokens of a layer, its copies T rows of H), so that both are points of the
+// program: the memory rules place them so (schedule/memory.cpp), the simulator adds them
+// to the op's time, and the runtime makes them so (ActivationStore::residual_to_host,
+// residual_back).
 Schedule to_layer_major(Schedule s) {
   if (s.backward == BackwardOrder::Layer) return s;
   auto hidden_grad = [](const Op& op) { return is_hidden_message(op) && op.payload == Payload::HiddenGrad; };

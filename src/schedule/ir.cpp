@@ -330,6 +330,7 @@ std::string to_string(const Schedule& s) {
   if (s.mlp_tile_rows) os << " mlp_tile_rows=" << s.mlp_tile_rows;
   if (s.backward != BackwardOrder::Subseq) os << " backward=" << to_string(s.backward);
   if (s.weights_host) os << " weights=host";
+  if (s.residual_host) os << " residual=host";
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {
     os << "rank " << r << ":\n";

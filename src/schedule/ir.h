@@ -190,6 +190,11 @@ struct Schedule {
   // The order of each stage's backward; Layer: its B ops and their prefetches, ring steps
   // and waits are of one layer each (layer_major).
   BackwardOrder backward = BackwardOrder::Subseq;
+  // In a layer-major backward, where each subsequence's residual gradient waits between
+  // its layers (--residual-grads; Note [Residual gradients on the host] in builders.cpp):
+  // false, on the device; true, on the host, sent at the end of each B but the stage's
+  // first layer's and brought back at the start of the next.
+  bool residual_host = false;
   // Where the transformer layers' weights live between their uses (--weights host; Note
   // [Weights on the host] in schedule/weights.h): false, on the device all step; true, on
   // the host, each layer's working copy brought to the device one layer ahead of the F/B

@@ -409,6 +409,10 @@ i64 RankMemory::offloaded_layers(int subseq, int b, int e) const {
   return bytes;
 }
 
+i64 RankMemory::residual_bytes(const Op& op) const {
+  return i64(rules_.model.hidden) * rules_.act_bytes() * rows_of(tokens_of(op));
+}
+
 void RankMemory::layer_in(std::vector<MemEvent>* out, size_t index, int k, double at) {
   if (uses_.empty() || uses_.first(index) == uses_.last(index)) return;
   const LayerUse& u = uses_.at(index, k);
@@ -499,6 +503,12 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       // runs below, once the last layer's tensors are back.
       const bool loss_here = op.layer_end == L && loss_in_backward();
       if (op.layer_end == L && !loss_here) move(out, 0.0, head_bytes(T), T::Units, T::Hidden);
+      // Note [Residual gradients on the host]: back from the host before anything else.
+      const i64 residual = s_.residual_host ? residual_bytes(op) : 0;
+      if (residual && op.layer_end < own_.second) {
+        emit(out, 0.0, residual, T::Hidden);
+        host_change(-residual);
+      }
       for (int k = 0; k < n; ++k) {
         const int l = op.layer_end - 1 - k;
         const double at = double(k) / n, end = double(k + 1) / n;
@@ -555,8 +565,13 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         layer_out(out, index, k, end);
       }
       // The residual gradient runs through every layer: freed at the end on the first
-      // stage, else handed to the sends towards the previous stage.
+      // stage, else handed to the sends towards the previous stage; or it waits on the
+      // host for the layer below, after everything else.
       if (op.layer_begin == 0) emit(out, 1.0, -h_bytes * rows_of(T), T::Hidden);
+      if (residual && op.layer_begin > own_.first) {
+        emit(out, 1.0, -residual, T::Hidden);
+        host_change(residual);
+      }
       break;
     }
     case OpKind::Offload: {

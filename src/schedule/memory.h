@@ -266,6 +266,10 @@ class RankMemory {
   // copy), the bytes its copy from the host moves (the fp32 weights), and its gradient's.
   i64 layer_copy() const { return layer_w_; }
   i64 layer_copy_in() const { return layer_in_; }
+  // The owned layers [begin, end), and the bytes of B op `op`'s residual gradient (Note
+  // [Residual gradients on the host] in builders.cpp).
+  std::pair<int, int> owned() const { return own_; }
+  i64 residual_bytes(const Op& op) const;
   i64 layer_grad() const { return layer_g_; }
   // Host bytes a position's dK/dV sums take on layer l: 2H fp32 (Device and Host layers'
   // dK, dV), or H fp32 (a Recompute layer's d(LayerNorm-1 output)).

@@ -227,7 +227,15 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     const Op& op = ops[k];
     SimOp& o = out.ops[k];
     if (op.kind == OpKind::Forward) o.seconds = cost.forward_s(op, s, offsets[size_t(op.subseq)]);
-    if (op.kind == OpKind::Backward) o.seconds = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
+    if (op.kind == OpKind::Backward) {
+      o.seconds = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
+      // Note [Residual gradients on the host] (schedule/builders.cpp): the op's own copies.
+      if (s.residual_host) {
+        const i64 bytes = mem.residual_bytes(op);
+        if (op.layer_end < mem.owned().second) o.seconds += cost.h2d_s(bytes, false);
+        if (op.layer_begin > mem.owned().first) o.seconds += cost.d2h_s(bytes, false);
+      }
+    }
     if ((op.kind == OpKind::Forward || op.kind == OpKind::Backward) && s.any_kv_streamed()) {
       const i64 at = offsets[size_t(op.subseq)];
       const bool backward = op.kind == OpKind::Backward;

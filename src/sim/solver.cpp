@@ -90,6 +90,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   s.packed = shape.packed;
   s.labeled = shape.labeled;
   s.weights_host = shape.weights_host;
+  s.residual_host = shape.residual_host;
   return s;
 }
 

@@ -57,6 +57,7 @@ struct StepShape {
   bool zero = false;               // ZeRO-1 over the replicas
   bool optimizer_host = false;     // fp32 master and AdamW state on the host (--optimizer-state host)
   bool weights_host = false;       // the layers' weights and gradients on the host (Schedule::weights_host)
+  bool residual_host = false;      // a layer-major backward's residual gradients on the host (Schedule::residual_host)
   bool msp = false;                // multiplexed sequence partitioning (pp > 1)
   int msp_reach = 0;               // its split tasks' groups (Note [MSP reach]; 0: every idle one)
   std::vector<int> stage_layers;   // layers per stage; empty: as even as possible

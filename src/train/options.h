@@ -59,8 +59,12 @@ struct StepOptions {
   std::string optimizer_state;
   // Where the transformer layers' weights and gradients live between their uses (Note
   // [Weights on the host] in schedule/weights.h): device, host (with the optimizer state
-  // on the host), or auto (the device).
+  // on the host), or auto (the plan's under --plan, else the device).
   std::string weights = "auto";
+  // Where a layer-major backward's residual gradients wait between its layers (Note
+  // [Residual gradients on the host] in schedule/builders.cpp): device or host (with
+  // --backward-order layer, or auto, which it makes layer).
+  std::string residual_grads = "device";
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
   std::string comm = "auto";          // --comm: auto | nccl | mpi (train/setup.cpp Note [Ranks and GPUs])

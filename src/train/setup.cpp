@@ -516,6 +516,20 @@ class SetupBuilder {
     if (o_.backward_order == "layer" || (o_.backward_order == "auto" && from_plan_))
       shape_.backward = o_.backward_order == "layer" ? sched::BackwardOrder::Layer
                                                      : sched::parse_backward_order(from_plan_->backward_order);
+    // Note [Residual gradients on the host] (schedule/builders.cpp): only between the
+    // layers of a layer-major backward, which --backward-order auto then is.
+    SPPO_CHECK(o_.residual_grads == "device" || o_.residual_grads == "host", "options")
+        << "--residual-grads '" << o_.residual_grads << "' is unknown; use device or host";
+    shape_.residual_host = o_.residual_grads == "host";
+    if (shape_.residual_host) {
+      SPPO_CHECK(o_.backward_order != "subseq" && layer_ok_ &&
+                     !(o_.backward_order == "auto" && from_plan_ && from_plan_->backward_order == "subseq"),
+                 "options")
+          << "--residual-grads host keeps the residual gradients on the host between the layers of the layer-major "
+             "backward; it needs --backward-order layer (with --msp off" << (from_plan_ ? ", and a plan whose "
+             "backward_order is layer" : "") << "), or use --residual-grads device";
+      shape_.backward = sched::BackwardOrder::Layer;
+    }
   }
 
   std::vector<sched::KvPlace> all_layers(sched::KvPlace p) const {

@@ -48,7 +48,8 @@ std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
 
 Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
           const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<sched::KvPlace> kv = {},
-          SavedSet recompute_tensors = 0, i64 mlp_tile_rows = 0, bool layer_major = false) {
+          SavedSet recompute_tensors = 0, i64 mlp_tile_rows = 0, bool layer_major = false,
+          bool residual_host = false) {
   RuntimeOptions o;
   o.recompute = recompute;
   o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
@@ -60,6 +61,7 @@ Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vect
   for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
   sched::Schedule sc = sched::build_single(c.layers, lengths, alpha);
   if (layer_major) sc = sched::to_layer_major(std::move(sc));
+  sc.residual_host = residual_host;
   sc.kv_place = std::move(kv);
   sc.recompute = recompute_tensors;
   sc.mlp_tile_rows = mlp_tile_rows;
@@ -218,8 +220,9 @@ TEST(Subsequences, RecomputedTensorsMatch) {
 // The layer-major backward (Note [Layer-major backward] in schedule/builders.cpp): the
 // layers from the last, each over the subsequences in reverse, with every K/V placement,
 // offload (a layer's part prefetched at a time), recomputed tensors and the loss in
-// backward, even and uneven lengths: the reference's loss and gradients. With the K/V on
-// the device, one layer's dK/dV sums at a time lower the peak.
+// backward, even and uneven lengths, the residual gradients waiting on the device or on the
+// host (Note [Residual gradients on the host]): the reference's loss and gradients. With
+// the K/V on the device, one layer's dK/dV sums at a time lower the peak.
 TEST(Subsequences, LayerMajorBackwardMatches) {
   using sched::KvPlace;
   const ModelConfig c = small_config();
@@ -239,9 +242,14 @@ TEST(Subsequences, LayerMajorBackwardMatches) {
                                    ", recompute " + recompute_tensors_text(set) + ", N=" + std::to_string(N) +
                                    " alpha=" + std::to_string(a);
           expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, kv, set, 0, true), what);
+          if (a == 0.5)
+            expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, kv, set, 0, true, true),
+                           what + ", residual gradients on the host");
         }
   expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, {}, 0, 0, true),
                  "layer-major uneven");
+  expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, {}, 0, 0, true, true),
+                 "layer-major uneven, residual gradients on the host");
   expect_matches(c, ref, run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false, {}, 0, 7, true),
                  "layer-major with MLP tiles");
   const Grads subseq = run(c, equal_lengths(S, 8), alphas(8, 0.0), tokens);

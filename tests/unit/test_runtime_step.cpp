@@ -105,6 +105,7 @@ struct PeakCase {
   const char* backward = "subseq"; // --backward-order
   const char* weights = "auto";    // --weights
   int layers = 0;                  // the preset's layers (0), or these
+  const char* residual = "device"; // --residual-grads
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -172,6 +173,12 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"small", 1024, "8", "0.5", 0, "device", "flops", "fc_pre,head_grad", "host", 100, "subseq", "host"},
       {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all", "host", 0, "layer", "host"},
       {"small", 2048, "8", "adaptive", 0.3, "device", "length", "none", "host", 0, "layer", "host", 4},
+      // The residual gradients on the host between the layers (Note [Residual gradients on
+      // the host]): sent at each B's end, back at the next one's start.
+      {"tiny", 1024, "4", "none", 0, "device", "length", "none", "device", 0, "layer", "auto", 0, "host"},
+      {"small", 1024, "8", "0.5", 0, "host", "length", "none", "device", 0, "layer", "auto", 0, "host"},
+      {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all", "host", 0, "layer", "host", 0, "host"},
+      {"small", 1024, "8", "full", 0, "device", "length", "fc_pre,head_grad", "host", 100, "auto", "auto", 0, "host"},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -190,6 +197,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     o.mlp_tile_rows = c.mlp_tile_rows;
     o.backward_order = c.backward;
     o.weights = c.weights;
+    o.residual_grads = c.residual;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
@@ -199,8 +207,9 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
                              std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute +
                              " optimizer state " + c.optimizer +
                              " mlp tiles " + std::to_string(c.mlp_tile_rows) + " backward " + c.backward +
-                             " weights " + c.weights;
+                             " weights " + c.weights + " residual gradients " + c.residual;
     EXPECT_EQ(s.schedule.weights_host, std::string(c.weights) == "host") << what;
+    EXPECT_EQ(s.schedule.residual_host, std::string(c.residual) == "host") << what;
     if (std::string(c.backward) != "subseq") {
       EXPECT_EQ(s.schedule.backward, sched::BackwardOrder::Layer) << what;
     }
@@ -224,7 +233,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     }
     // The host tier holds the offloaded copies; the simulator's host peak is theirs.
     EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;
-    if (s.schedule.kv_place.empty() && !s.runtime->state_on_host()) {
+    if (s.schedule.kv_place.empty() && !s.runtime->state_on_host() && !s.schedule.residual_host) {
       EXPECT_EQ(r.host.peak > 0, r.offloaded_bytes > 0) << what;
     }
     if (budget > 0) {
