@@ -132,22 +132,29 @@ double ActivationStore::wait_prefetch(int i, int b, int e) {
   return waited;
 }
 
+namespace {
+
+// `from`'s bytes into a new buffer of `tier` through `stream`, the copy waited for (the
+// seconds added to *waited_s); `from` is released.
+void move_through(Buffer& from, Buffer& into, MemoryTier& tier, CopyStream& stream, const std::string& what,
+                  double* waited_s) {
+  into = tier.alloc(from.bytes(), what);
+  *waited_s += stream.copy(into.data(), from.data(), std::size_t(from.bytes()), {})->wait();
+  from.reset();
+}
+
+}  // namespace
+
 void ActivationStore::residual_to_host(int i, double* waited_s) {
-  Buffer& dev = head_grad_[std::size_t(i)];
-  SPPO_ASSERT_MSG(dev && !residual_host_[std::size_t(i)], "subsequence " << i << "'s residual gradient is not on the device");
-  Buffer& host = residual_host_[std::size_t(i)];
-  host = host_.alloc(dev.bytes(), "residual gradient " + std::to_string(i));
-  *waited_s += d2h_->copy(host.data(), dev.data(), std::size_t(dev.bytes()), {})->wait();
-  dev.reset();
+  const std::size_t at = std::size_t(i);
+  SPPO_ASSERT_MSG(head_grad_[at] && !residual_host_[at], "subsequence " << i << "'s residual gradient is not on the device");
+  move_through(head_grad_[at], residual_host_[at], host_, *d2h_, "residual gradient " + std::to_string(i), waited_s);
 }
 
 void ActivationStore::residual_back(int i, double* waited_s) {
-  Buffer& host = residual_host_[std::size_t(i)];
-  SPPO_ASSERT_MSG(host && !head_grad_[std::size_t(i)], "subsequence " << i << "'s residual gradient is not on the host");
-  Buffer& dev = head_grad_[std::size_t(i)];
-  dev = device_.alloc(host.bytes(), "residual gradient " + std::to_string(i));
-  *waited_s += h2d_->copy(dev.data(), host.data(), std::size_t(host.bytes()), {})->wait();
-  host.reset();
+  const std::size_t at = std::size_t(i);
+  SPPO_ASSERT_MSG(residual_host_[at] && !head_grad_[at], "subsequence " << i << "'s residual gradient is not on the host");
+  move_through(residual_host_[at], head_grad_[at], device_, *h2d_, "residual gradient " + std::to_string(i), waited_s);
 }
 
 void ActivationStore::synchronize() {

@@ -29,6 +29,30 @@ nlohmann::json plan_json(const std::string& args) {
   }
 }
 
+// A one-thread CPU profile (the a100 profile's rates, fp32, 1 GiB, no reserve) written
+// into `dir`; its path.
+std::string cpu_profile(const io::TempDir& dir) {
+  plan::HardwareProfile cpu = plan::load_profile("a100-80gb");
+  cpu.name = "cpu-test";
+  cpu.precision = "f32";
+  cpu.threads = 1;
+  cpu.devices_per_node = 1;
+  cpu.device_memory = i64(1) << 30;
+  cpu.memory_reserve = 0;
+  const std::string path = dir.path() + "/cpu.json";
+  plan::save_profile(cpu, path);
+  return path;
+}
+
+// The summary line of a train --metrics file (null: none).
+nlohmann::json metrics_summary(const std::string& path) {
+  std::ifstream lines(path);
+  nlohmann::json summary;
+  for (std::string line; std::getline(lines, line);)
+    if (auto j = nlohmann::json::parse(line); j.contains("summary")) summary = j;
+  return summary;
+}
+
 TEST(PlanCli, ExplainSumsToThePredictedPeakForEverySystem) {
   std::set<std::string> rows_of_sppo;
   for (const std::string system : {"sppo", "megatron", "deepspeed"}) {
@@ -67,15 +91,7 @@ TEST(PlanCli, ExplainSumsToThePredictedPeakForEverySystem) {
 // it out: a plan at 89.36 MiB ran at 89.71 MiB against a 90 MiB budget.)
 TEST(PlanCli, CpuPlanCountsTheKernelsScratchAsTrainDoes) {
   io::TempDir tmp("sppo-plan-scratch");
-  plan::HardwareProfile cpu = plan::load_profile("a100-80gb");
-  cpu.name = "cpu-test";
-  cpu.precision = "f32";
-  cpu.threads = 1;
-  cpu.devices_per_node = 1;
-  cpu.device_memory = i64(1) << 30;
-  cpu.memory_reserve = 0;
-  const std::string profile = tmp.path() + "/cpu.json", planned = tmp.path() + "/plan.json";
-  plan::save_profile(cpu, profile);
+  const std::string profile = cpu_profile(tmp), planned = tmp.path() + "/plan.json";
   auto r = testing::run_command(testing::sppo_binary() + " plan --model tiny --seq-len 2048 --gpus 1 "
                                 "--gpus-per-node 1 --hardware " + profile + " --out " + planned + " 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -87,10 +103,7 @@ TEST(PlanCli, CpuPlanCountsTheKernelsScratchAsTrainDoes) {
   r = testing::run_command(testing::sppo_binary() + " train --plan " + planned + " --steps 1 --threads 1 --metrics " +
                            metrics + " 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
-  std::ifstream lines(metrics);
-  nlohmann::json summary;
-  for (std::string line; std::getline(lines, line);)
-    if (auto j = nlohmann::json::parse(line); j.contains("summary")) summary = j;
+  const nlohmann::json summary = metrics_summary(metrics);
   ASSERT_FALSE(summary.is_null()) << r.output;
   const long long planned_peak = p["predicted"]["peak_device_bytes"].get<long long>();
   EXPECT_EQ(summary["predicted_peak_device_bytes"].get<long long>(), planned_peak);
@@ -102,15 +115,7 @@ TEST(PlanCli, CpuPlanCountsTheKernelsScratchAsTrainDoes) {
 // plan with the weights on the device.
 TEST(PlanCli, WeightsOnTheHostReachTheRunAsPlanned) {
   io::TempDir tmp("sppo-plan-weights");
-  plan::HardwareProfile cpu = plan::load_profile("a100-80gb");
-  cpu.name = "cpu-test";
-  cpu.precision = "f32";
-  cpu.threads = 1;
-  cpu.devices_per_node = 1;
-  cpu.device_memory = i64(1) << 30;
-  cpu.memory_reserve = 0;
-  const std::string profile = tmp.path() + "/cpu.json";
-  plan::save_profile(cpu, profile);
+  const std::string profile = cpu_profile(tmp);
   auto planned = [&](const std::string& weights) {
     const std::string out = tmp.path() + "/" + weights + ".json";
     const auto r = testing::run_command(testing::sppo_binary() + " plan --model small --seq-len 512 --gpus 1 "
@@ -131,10 +136,7 @@ TEST(PlanCli, WeightsOnTheHostReachTheRunAsPlanned) {
   const auto r = testing::run_command(testing::sppo_binary() + " train --plan " + host_path +
                                       " --steps 1 --threads 1 --metrics " + metrics + " 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
-  std::ifstream lines(metrics);
-  nlohmann::json summary;
-  for (std::string line; std::getline(lines, line);)
-    if (auto j = nlohmann::json::parse(line); j.contains("summary")) summary = j;
+  const nlohmann::json summary = metrics_summary(metrics);
   ASSERT_FALSE(summary.is_null()) << r.output;
   EXPECT_EQ(summary["predicted_peak_device_bytes"].get<long long>(), host_peak);
   EXPECT_EQ(summary["measured_peak_device_bytes"].get<long long>(), host_peak);
