@@ -8,6 +8,8 @@
 #
 # Every finding is a failure: ASan and TSan halt on the first report, UBSan is built with
 # -fno-sanitize-recover, and leaks fail too. Extra arguments after the mode go to ctest.
+# SANITIZE_BUILD_ONLY=1 builds what the mode's tests need and runs nothing (.ci/run builds
+# ahead so).
 # Both builds leave out the CUDA backend (-DSPPO_CUDA=OFF): its kernels run only on a GPU,
 # and compiling them again would cost minutes of CI for nothing the tests here reach.
 #
@@ -23,6 +25,32 @@
 #   readme_walkthroughs                      runs the README's commands end to end, minutes
 #                                            under ASan, through code bad_inputs reaches
 #
+# and, by a gtest filter (asan_skip_cases), the cases of the tests it runs that spend their
+# time repeating what the cases kept run under ASan already; the plain test stage
+# (scripts/test.sh) runs every case. They took 330 of the 630 s the ASan tests ran for on
+# two cores:
+#   Solver.ThePapersOrderOfOffloadAndMsp, Solver.PlacementsThatSaveMemoryAreWeighedWhenOthersFit,
+#   Solver.TensorParallelFitsLongerSequences, Solver.RecomputingFitsWhatTheDeviceCacheCannot
+#                          the planner's longest searches (gpt-13b and gpt-65b on 128 GPUs,
+#                          gpt-7b at 1.5M and 4M on 32): the layout, placement and simulation
+#                          loops that the kept solves run, over more candidates, 15-110 s
+#                          each; Solver.Qwen3CountsItsHeadsWidth, LayerMajorBackward...,
+#                          SaysWhyNothingFits and the small solves stay
+#   Solver.SppoPlanFitsAndRoundTrips, Zero.ShardsTheOptimizerStateOfAPlan
+#                          gpt-7b at 256K on 16 A100s, the search that PlanJson.ZeroAndRing...
+#                          and test_cli_plan's plan commands (--zero 0 and 1 among them) run
+#   PlanCli.CpuPlanCountsTheKernelsScratchAsTrainDoes, PlanCli.WeightsOnTheHostReachTheRunAsPlanned,
+#   Setup.AutoSubseqsIsTheFewestThatFitTheBudget,
+#   Setup.AdaptiveOffload*  name no hardware profile, so the process first times this machine's
+#                          kernels (a quick profile, 50-70 s under ASan), as test_bench_profile_device
+#                          does; test_runtime_step makes the same auto and adaptive choices under
+#                          ASan on a fixed profile, and bad_inputs runs train --plan on bad plans
+#   ModelReferenceLlama.BackwardMatchesFiniteDifferences, ...Qwen3BackwardMatchesFiniteDifferences
+#                          the tests' own float64 model against finite differences, two forward
+#                          passes a parameter through code that shares nothing with the engine;
+#                          ...AtGivenPositionsWithTargets runs the same check once
+# Set GTEST_FILTER to run other cases instead.
+#
 # Both builds compile at -O1 with line tables only (-g1): GCC at -O2 -g with UBSan took
 # 2.3x as long for the same findings, and a report still names file and line. Each builds
 # only the targets its tests run.
@@ -30,6 +58,10 @@
 # ThreadSanitizer runs only tests whose threads are std::thread (the copy streams) with
 # OMP_NUM_THREADS=1: GCC's libgomp is not instrumented, so its own synchronisation shows
 # as false races. Kernels run single-threaded there; the copy streams still run beside them.
+# It runs every case of those tests: each of test_runtime_step's runs steps whose copies go
+# through the copy streams (offload, K/V, weights or optimizer state on the host), and its
+# longest (MeasuredPeakEqualsTheSimulatorsPrediction, most of its 126 s) is the only case
+# here that streams K/V, recomputes, or prefetches for the layer-major backward.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,6 +85,14 @@ show_ctest() {
 }
 
 asan_skip='^(test_train_longrange|test_model_subseq|test_bench_profile_device|test_train_resident|readme_walkthroughs|fuzz_replay_.*)$'
+asan_skip_cases=(
+  Solver.ThePapersOrderOfOffloadAndMsp Solver.PlacementsThatSaveMemoryAreWeighedWhenOthersFit
+  Solver.TensorParallelFitsLongerSequences Solver.RecomputingFitsWhatTheDeviceCacheCannot
+  Solver.SppoPlanFitsAndRoundTrips Zero.ShardsTheOptimizerStateOfAPlan
+  PlanCli.CpuPlanCountsTheKernelsScratchAsTrainDoes PlanCli.WeightsOnTheHostReachTheRunAsPlanned
+  Setup.AutoSubseqsIsTheFewestThatFitTheBudget 'Setup.AdaptiveOffload*'
+  ModelReferenceLlama.BackwardMatchesFiniteDifferences ModelReferenceLlama.Qwen3BackwardMatchesFiniteDifferences
+)
 
 # -O1 -g1: see above.
 sanitizer_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DSPPO_CUDA=OFF)
@@ -68,10 +108,12 @@ run_asan() {
     <(cmake --build build-asan --target help | sed -n 's/^\([A-Za-z0-9_]*\): phony$/\1/p' | sort) | tr '\n' ' ')
   nice -n 10 cmake --build build-asan -j"$jobs" --target sppo rewrite_state $targets >/dev/null
   local t1=$(date +%s)
+  if [ "${SANITIZE_BUILD_ONLY:-0}" = 1 ]; then echo "asan+ubsan: built in $((t1 - t0)) s"; return; fi
   (
     cd build-asan
     export ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=0
     export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+    export GTEST_FILTER=${GTEST_FILTER:--$(IFS=:; echo "${asan_skip_cases[*]}")}
     show_ctest asan ctest -L 'unit|numerics' -E "$asan_skip" --output-on-failure -j"$jobs" "$@"
   )
   echo "asan+ubsan: built in $((t1 - t0)) s, tests ran in $(($(date +%s) - t1)) s"
@@ -83,6 +125,7 @@ run_tsan() {
   configure build-tsan -S . "${sanitizer_flags[@]}" -DSPPO_SANITIZE_THREAD=ON
   nice -n 10 cmake --build build-tsan -j"$jobs" --target "${tests[@]}" >/dev/null
   local t1=$(date +%s)
+  if [ "${SANITIZE_BUILD_ONLY:-0}" = 1 ]; then echo "tsan: built in $((t1 - t0)) s"; return; fi
   (
     cd build-tsan
     export OMP_NUM_THREADS=1
