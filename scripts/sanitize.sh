@@ -39,7 +39,6 @@
 #   Solver.SppoPlanFitsAndRoundTrips, Zero.ShardsTheOptimizerStateOfAPlan
 #                          gpt-7b at 256K on 16 A100s, the search that PlanJson.ZeroAndRing...
 #                          and test_cli_plan's plan commands (--zero 0 and 1 among them) run
-#   PlanCli.CpuPlanCountsTheKernelsScratchAsTrainDoes, PlanCli.WeightsOnTheHostReachTheRunAsPlanned,
 #   Setup.AutoSubseqsIsTheFewestThatFitTheBudget,
 #   Setup.AdaptiveOffload*  name no hardware profile, so the process first times this machine's
 #                          kernels (a quick profile, 50-70 s under ASan), as test_bench_profile_device
@@ -89,7 +88,6 @@ asan_skip_cases=(
   Solver.ThePapersOrderOfOffloadAndMsp Solver.PlacementsThatSaveMemoryAreWeighedWhenOthersFit
   Solver.TensorParallelFitsLongerSequences Solver.RecomputingFitsWhatTheDeviceCacheCannot
   Solver.SppoPlanFitsAndRoundTrips Zero.ShardsTheOptimizerStateOfAPlan
-  PlanCli.CpuPlanCountsTheKernelsScratchAsTrainDoes PlanCli.WeightsOnTheHostReachTheRunAsPlanned
   Setup.AutoSubseqsIsTheFewestThatFitTheBudget 'Setup.AdaptiveOffload*'
   ModelReferenceLlama.BackwardMatchesFiniteDifferences ModelReferenceLlama.Qwen3BackwardMatchesFiniteDifferences
 )

@@ -100,7 +100,9 @@ TEST(PlanCli, CpuPlanCountsTheKernelsScratchAsTrainDoes) {
   EXPECT_GT(p["kernel_scratch"]["block"][1].get<long long>(), 0) << p.dump();
   EXPECT_GT(p["kernel_scratch"]["head"][0].get<long long>() + p["kernel_scratch"]["head"][1].get<long long>(), 0);
   const std::string metrics = tmp.path() + "/m.jsonl";
-  r = testing::run_command(testing::sppo_binary() + " train --plan " + planned + " --steps 1 --threads 1 --metrics " +
+  // Priced on the plan's profile, not on one measured here (seconds, a minute under ASan).
+  r = testing::run_command(testing::sppo_binary() + " train --plan " + planned + " --hardware " + profile +
+                           " --steps 1 --threads 1 --metrics " +
                            metrics + " 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
   const nlohmann::json summary = metrics_summary(metrics);
@@ -133,7 +135,7 @@ TEST(PlanCli, WeightsOnTheHostReachTheRunAsPlanned) {
   const long long host_peak = host["predicted"]["peak_device_bytes"].get<long long>();
   EXPECT_LT(host_peak, device["predicted"]["peak_device_bytes"].get<long long>());
   const std::string metrics = tmp.path() + "/m.jsonl";
-  const auto r = testing::run_command(testing::sppo_binary() + " train --plan " + host_path +
+  const auto r = testing::run_command(testing::sppo_binary() + " train --plan " + host_path + " --hardware " + profile +
                                       " --steps 1 --threads 1 --metrics " + metrics + " 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
   const nlohmann::json summary = metrics_summary(metrics);
