@@ -1290,10 +1290,19 @@ struct LeastStep {
 struct SearchState {
   std::vector<Candidate> fits;  // every candidate that fitted, with its alpha
   // The closest miss (the least peak, or before any peak the least host memory, that a
-  // candidate needed), for the error when nothing fits.
+  // candidate needed), for the error when nothing fits: of the last placement of the state
+  // searched (`state_place`), which moves the most off the device (another_placement).
   std::string last_reason;
   i64 least_peak = 0;
   i64 least_host = 0;  // the least host memory a layout pruned by its host bound needs
+  std::string state_place;
+
+  // A search of the state placed as `place` says (e.g. "the optimizer state on the host")
+  // begins: its misses, not the last one's, are the closest.
+  void another_placement(std::string place) {
+    state_place = std::move(place);
+    least_peak = least_host = 0;
+  }
   int layouts_tried = 0;
   PlacementsTried placements_tried;
   // Note [Optimizer state under a budget], continued: when nothing fits, every layout the
@@ -1499,7 +1508,8 @@ std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchS
   }
   if (st.fits.empty())
     return "no layout of " + std::to_string(G) + " devices fits " + std::to_string(S) + " tokens in " +
-           format_bytes(double(ctx.budget)) + " per device; the closest: " + st.last_reason;
+           format_bytes(double(ctx.budget)) + " per device; the closest" +
+           (st.state_place.empty() ? "" : ", with " + st.state_place) + ": " + st.last_reason;
   return std::nullopt;
 }
 
@@ -1622,12 +1632,14 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   if (!layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
   if (st.fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
     for (plan::Plan& p : layouts) p.optimizer_state = "host";
+    st.another_placement("the optimizer state on the host");
     search(ctx, layouts, {first}, false, 0, st);
     if (st.fits.empty() && !wider.empty()) search(ctx, layouts, wider, false, 0, st);
     if (st.fits.empty() && !layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
   }
   if (st.fits.empty() && req.weights == "auto" && req.optimizer_state != "device") {  // Note [Weights in the search]
     const std::vector<plan::Plan> hosted = weights_on_host(req, layouts);
+    if (!hosted.empty()) st.another_placement("the optimizer state and the layers' weights on the host");
     if (!hosted.empty()) search(ctx, hosted, {first}, false, 0, st);
     if (st.fits.empty() && !hosted.empty() && !wider.empty()) search(ctx, hosted, wider, false, 0, st);
     if (st.fits.empty() && !hosted.empty() && !layered.empty()) search(ctx, hosted, layered, false, 0, st, true);
