@@ -389,6 +389,12 @@ TEST_F(Layouts, LayerMajorBackward) {
   check(4, "--pp 2 --cp 2 --subseqs 3 --backward-order layer", "ref1");
   check(4, "--pp 2 --dp 2 --subseqs 3 --kv-cache recompute --backward-order layer", "ref2");
   check(2, "--pp 2 --subseqs 3 --backward-order layer", "tied1", kTied);
+  // The residual gradients on the host between layers (--residual-grads host): a stage's
+  // first and last layers keep theirs, and the ring's members each send their own.
+  check_peaks(2, "--pp 2 --subseqs 4 --backward-order layer --residual-grads host", "ref1", kModel, true);
+  check_peaks(2, "--cp 2 --ring contiguous --subseqs 3 --kv-cache host --backward-order layer --residual-grads host",
+              "ref1", kModel, true);
+  check(2, "--tp 2 --subseqs 3 --offload 0.5 --backward-order layer --residual-grads host", "ref1");
   const auto r = mpirun(2, "grads " + kModel + " --pp 2 --subseqs 3 --msp on --backward-order layer --out " +
                                tmp_->path() + "/refused");
   EXPECT_EQ(r.status, 2) << r.output;
