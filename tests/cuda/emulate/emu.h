@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -41,10 +42,14 @@ enum class State { Runnable, WaitBlock, WaitWarp, Done };
 
 struct Fiber {
   ucontext_t ctx;
-  std::vector<char> stack;
   State state = State::Runnable;
   uint3 tid;
 };
+
+// The fibers' stacks, kept from launch to launch: allocated and zeroed afresh for each
+// launch (512 KiB a thread), they made most of the tests' time system time, in page faults.
+inline constexpr std::size_t kStackBytes = 512 * 1024;
+inline std::vector<std::unique_ptr<char[]>> g_stacks;
 
 inline constexpr std::size_t kSmemBytes = 256 * 1024;
 alignas(16) inline unsigned char g_smem[kSmemBytes];
@@ -137,7 +142,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t smem, cudaS
   g_grid = grid;
   g_slots.assign(threads + 32, Slot{});
   std::vector<Fiber> fibers(threads);
-  for (Fiber& f : fibers) f.stack.assign(512 * 1024, 0);
+  while (g_stacks.size() < threads) g_stacks.push_back(std::make_unique<char[]>(kStackBytes));
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -150,8 +155,8 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t smem, cudaS
           f.state = State::Runnable;
           f.tid = uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
           getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = f.stack.data();
-          f.ctx.uc_stack.ss_size = f.stack.size();
+          f.ctx.uc_stack.ss_sp = g_stacks[t].get();
+          f.ctx.uc_stack.ss_size = kStackBytes;
           f.ctx.uc_link = nullptr;
           const auto ptr = reinterpret_cast<std::uintptr_t>(&entry);
           makecontext(&f.ctx, reinterpret_cast<void (*)()>(&fiber_main<E>), 2,
