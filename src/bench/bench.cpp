@@ -8,6 +8,7 @@
 #include <random>
 
 #include "core/check.h"
+#include "core/timing.h"
 #include "core/layout.h"
 #include "backends/cpu/blas_setup.h"
 #include "model/gpt.h"
@@ -19,15 +20,6 @@
 namespace sppo {
 
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 void fill_normal(float* p, i64 n, float sd, std::mt19937_64& rng) {
   std::normal_distribution<float> d(0.0f, sd);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/timing.h"
 #include "planner/profile.h"
 #include "train/parallel.h"
 #include "train/profile_machine.h"
@@ -33,11 +34,6 @@ struct Row {
   std::vector<double> compute_s;  // per rank (median), less waits for ring attention's messages
   i64 offloaded = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 // Timed steps of one layout: the step time is the slowest rank's, the bubble the mean
 // over ranks of idle over busy compute time.

@@ -302,9 +302,6 @@ void mlp_act_forward(Backend& be, const ModelConfig& c, void* out, const void* f
 
 namespace {
 
-// The element `off` past a bias, or null for a layer without one.
-const void* bias_at(const void* b, i64 off, DType t) { return b ? act_at(b, off, t) : nullptr; }
-
 // The q/k/v projection's backward from a planar dqkv (w.qkv): dq dense [T, Z A] as the
 // attention wrote it, then this subsequence's complete dK | dV [T, 2 G A] after it, so that
 // grouped-query attention's narrower K/V need no [T, 2H] of room beside dq. d(LN1 output)

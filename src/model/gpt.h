@@ -75,6 +75,8 @@ inline void* act_at(void* p, i64 elems, DType t) { return static_cast<char*>(p) 
 inline const void* act_at(const void* p, i64 elems, DType t) {
   return static_cast<const char*>(p) + elems * dtype_bytes(t);
 }
+// The element `off` past a bias, or null for a layer without one.
+inline const void* bias_at(const void* b, i64 off, DType t) { return b ? act_at(b, off, t) : nullptr; }
 
 // What one block saves for backward on one subsequence (block_saved_specs order).
 struct BlockSaved {

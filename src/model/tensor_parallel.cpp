@@ -23,9 +23,6 @@ void rope_qk(Backend& be, void* qkv, bool backward, const ModelConfig& ac, const
   }
 }
 
-// The element `off` past a bias, or null for a layer without one.
-const void* bias_at(const void* b, i64 off, DType t) { return b ? act_at(b, off, t) : nullptr; }
-
 // The MLP's activation of the member's Fr columns: gelu(fc_pre) [T, Fr], or
 // swiglu(gate | up) from fc_pre [T, 2Fr] (its gate columns, then its up columns).
 void mlp_act_tp(Backend& be, const ModelConfig& c, void* out, const void* fc_pre, int T, int Fr) {

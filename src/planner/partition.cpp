@@ -62,4 +62,11 @@ std::vector<int> balanced_stage_layers(int L, int P, double head_layers) {
   return n;
 }
 
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int k = 1; k <= n; ++k)
+    if (n % k == 0) d.push_back(k);
+  return d;
+}
+
 }  // namespace sppo::plan

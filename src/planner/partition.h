@@ -27,4 +27,7 @@ double subseq_flops(const ModelConfig& c, i64 o, i64 l);
 // the remainder on the first stages, preferring more layers on the last stage on ties.
 std::vector<int> balanced_stage_layers(int L, int P, double head_layers);
 
+// The divisors of n, ascending: the degrees a layout may split n devices (or heads) by.
+std::vector<int> divisors(int n);
+
 }  // namespace sppo::plan

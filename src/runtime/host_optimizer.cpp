@@ -7,21 +7,15 @@
 
 namespace sppo {
 
-namespace {
-
-std::size_t bytes_of(i64 floats) { return std::size_t(floats) * sizeof(float); }
-
-}  // namespace
-
 HostOptimizer::HostOptimizer(Backend& be, MemoryTier& host, const std::vector<ParamBucket>& buckets,
                              const std::vector<ShardSpan>& shard, i64 state, const HostArrays* arrays)
     : be_(be),
       buckets_(buckets),
       shard_(shard),
-      master_(arrays ? Buffer() : host.alloc_zeroed(i64(bytes_of(state)), "fp32 master weights (optimizer on the host)")),
-      m_(host.alloc_zeroed(i64(bytes_of(state)), "AdamW first moments")),
-      v_(host.alloc_zeroed(i64(bytes_of(state)), "AdamW second moments")),
-      grads_(arrays ? Buffer() : host.alloc_zeroed(i64(bytes_of(state)), "gradients' copy (optimizer on the host)")),
+      master_(arrays ? Buffer() : host.alloc_zeroed(i64(fp32_bytes(state)), "fp32 master weights (optimizer on the host)")),
+      m_(host.alloc_zeroed(i64(fp32_bytes(state)), "AdamW first moments")),
+      v_(host.alloc_zeroed(i64(fp32_bytes(state)), "AdamW second moments")),
+      grads_(arrays ? Buffer() : host.alloc_zeroed(i64(fp32_bytes(state)), "gradients' copy (optimizer on the host)")),
       master_p_(arrays ? arrays->master : master_.f32()),
       grads_p_(arrays ? arrays->grads : grads_.f32()),
       device_(arrays ? arrays->device : std::vector<float*>{}),
@@ -50,7 +44,7 @@ HostOptimizer::~HostOptimizer() {
 void HostOptimizer::load_master(const float* params) {
   SPPO_ASSERT(!in_flight_);
   if (!device_.empty()) return;  // the runtime's host arrays are the master
-  for (const ShardSpan& sp : shard_) be_.to_host(master() + sp.state_offset, params + sp.offset, bytes_of(sp.count));
+  for (const ShardSpan& sp : shard_) be_.to_host(master() + sp.state_offset, params + sp.offset, fp32_bytes(sp.count));
 }
 
 void HostOptimizer::start(float* params, const float* grads, std::vector<Piece> pieces, const Settings& s,
@@ -63,11 +57,11 @@ void HostOptimizer::start(float* params, const float* grads, std::vector<Piece> 
   for (std::size_t b = 0; b < shard_.size(); ++b) {
     const ShardSpan& sp = shard_[b];
     if (!device_.empty()) {
-      if (device_[b]) copied_bytes_ += 2 * i64(bytes_of(sp.count));  // down when the step ended, and up
+      if (device_[b]) copied_bytes_ += 2 * i64(fp32_bytes(sp.count));  // down when the step ended, and up
       continue;
     }
-    down_done_.push_back(down_->copy(grads_p_ + sp.state_offset, grads + sp.offset, bytes_of(sp.count), {}));
-    copied_bytes_ += 2 * i64(bytes_of(sp.count));
+    down_done_.push_back(down_->copy(grads_p_ + sp.state_offset, grads + sp.offset, fp32_bytes(sp.count), {}));
+    copied_bytes_ += 2 * i64(fp32_bytes(sp.count));
   }
   taken_.assign(buckets_.size(), false);
   params_ = params;
@@ -116,7 +110,7 @@ void HostOptimizer::run(const Update& u) {
     }
     const ShardSpan& sp = shard_[b];
     float* to = device_.empty() ? u.params + sp.offset : device_[b];
-    std::shared_ptr<Event> up = to ? up_->copy(to, master() + sp.state_offset, bytes_of(sp.count), {}) : nullptr;
+    std::shared_ptr<Event> up = to ? up_->copy(to, master() + sp.state_offset, fp32_bytes(sp.count), {}) : nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
       up_done_[b] = std::move(up);

@@ -31,8 +31,6 @@ BlockMatrices rebased(const BlockMatrices& b, const char* from, char* to) {
   return r;
 }
 
-std::size_t bytes_of(i64 floats) { return std::size_t(floats) * sizeof(float); }
-
 }  // namespace
 
 HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule& s, int rank,
@@ -88,7 +86,7 @@ void HostWeights::point_views(int l, bool on_device) {
     // base in the activation type (Runtime's matrix view).
     const std::size_t act = dtype_bytes(be_.act());
     const char* host_act = reinterpret_cast<const char*>(host_->params) + std::size_t(b.offset) * act;
-    char* device_act = static_cast<char*>(w_[j].data()) + (act == sizeof(float) ? 0 : bytes_of(b.count));
+    char* device_act = static_cast<char*>(w_[j].data()) + (act == sizeof(float) ? 0 : fp32_bytes(b.count));
     host_->w->blocks[at] = rebased(host_w_[j], host_base, w_[j].f32());
     host_->m->blocks[at] = rebased(host_m_[j], host_act, device_act);
   } else {
@@ -106,8 +104,8 @@ void HostWeights::bring(int l) {
   if (host_->ready) host_->ready(grads_.bucket_of_layer(l));
   // In bf16 the GEMMs' working copy follows the fp32 weights, converted once they are here.
   const i64 copy = be_.act() == DType::F32 ? 0 : b.count * i64(dtype_bytes(be_.act()));
-  w_[j] = device_.alloc(i64(bytes_of(b.count)) + copy, "blocks." + std::to_string(l) + " weights from the host");
-  w_in_[j] = h2d_.copy(w_[j].data(), host_->params + b.offset, bytes_of(b.count), {});
+  w_[j] = device_.alloc(i64(fp32_bytes(b.count)) + copy, "blocks." + std::to_string(l) + " weights from the host");
+  w_in_[j] = h2d_.copy(w_[j].data(), host_->params + b.offset, fp32_bytes(b.count), {});
   copies_.push_back({"weights L" + std::to_string(l), w_in_[j]});
 }
 
@@ -122,7 +120,7 @@ void HostWeights::begin(std::size_t index, int k) {
     w_in_[j] = nullptr;
     if (be_.act() != DType::F32) {
       const i64 count = bucket(u.layer).count;
-      be_.to_act(static_cast<char*>(w_[j].data()) + bytes_of(count), w_[j].f32(), count);
+      be_.to_act(static_cast<char*>(w_[j].data()) + fp32_bytes(count), w_[j].f32(), count);
     }
     point_views(u.layer, true);
   }
@@ -130,10 +128,10 @@ void HostWeights::begin(std::size_t index, int k) {
     const ParamBucket& b = bucket(u.layer);
     const std::string what = "blocks." + std::to_string(u.layer) + " gradients";
     if (control_.accumulate) {  // the sum so far, to which this step adds
-      g_[j] = device_.alloc(i64(bytes_of(b.count)), what);
-      result_.exposed_copy_s += h2d_.copy(g_[j].data(), host_->grads + b.offset, bytes_of(b.count), {})->wait();
+      g_[j] = device_.alloc(i64(fp32_bytes(b.count)), what);
+      result_.exposed_copy_s += h2d_.copy(g_[j].data(), host_->grads + b.offset, fp32_bytes(b.count), {})->wait();
     } else {
-      g_[j] = device_.alloc_zeroed(i64(bytes_of(b.count)), what);
+      g_[j] = device_.alloc_zeroed(i64(fp32_bytes(b.count)), what);
     }
     host_->g->blocks[std::size_t(u.layer)] = rebased(host_g_[j], host_->grads + b.offset, g_[j].f32());
     grads_.place(grads_.bucket_of_layer(u.layer), g_[j].f32());
@@ -158,7 +156,7 @@ void HostWeights::end(std::size_t index, int k) {
     const ParamBucket& b = bucket(u.layer);
     grads_.settle_layer(u.layer);
     grads_.place(grads_.bucket_of_layer(u.layer), host_->grads + b.offset);
-    g_out_[j] = d2h_.copy(host_->grads + b.offset, g_[j].data(), bytes_of(b.count), {});
+    g_out_[j] = d2h_.copy(host_->grads + b.offset, g_[j].data(), fp32_bytes(b.count), {});
     copies_.push_back({"grads L" + std::to_string(u.layer), g_out_[j]});
   }
   for (int l : u.grad_free)

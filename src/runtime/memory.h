@@ -23,6 +23,9 @@
 
 namespace sppo {
 
+// The bytes of `count` fp32 values.
+inline std::size_t fp32_bytes(i64 count) { return std::size_t(count) * sizeof(float); }
+
 class MemoryTier;
 
 // Owning handle of one allocation; move-only, frees on destruction.

@@ -11,6 +11,8 @@
 
 namespace sppo::sim {
 
+using plan::divisors;
+
 // Note [Baseline models]
 // Both baselines are closed-form step timelines built from the CostModel's primitives
 // (layer forward/backward seconds, message and copy seconds), with memory from each
@@ -41,10 +43,6 @@ namespace {
 constexpr i64 kFpdtChunk = 8192;           // local tokens per FPDT chunk
 constexpr double kZero3Prefetch = 5e7;     // DeepSpeed's default stage3_prefetch_bucket_size, parameters
 
-ActPrecision precision_of(const HardwareProfile& hw) {
-  return hw.precision == "f32" ? ActPrecision::F32 : ActPrecision::BF16;
-}
-
 struct Layout {
   int tp = 1, cp = 1, pp = 1, dp = 1;
 };
@@ -58,7 +56,7 @@ struct Estimate {
   std::vector<MemoryLine> lines;
 };
 
-std::string num(double v) {
+std::string formula_num(double v) {
   char buf[48];
   if (std::fabs(v) >= 1e6 || (std::fabs(v) < 1e-2 && v != 0)) std::snprintf(buf, sizeof buf, "%.4g", v);
   else std::snprintf(buf, sizeof buf, "%.6g", v);
@@ -140,16 +138,16 @@ Estimate megatron(const ModelConfig& c, i64 S, const Layout& l, const CostModel&
     const int en = last ? c.layers : stage_layers;
     const double psi = double(sched::param_count(c, b, en, first, last));
     Estimate est;
-    const std::string psi_text = "Psi_s = " + num(psi) + " parameters of layers " + std::to_string(b) + "-" +
+    const std::string psi_text = "Psi_s = " + formula_num(psi) + " parameters of layers " + std::to_string(b) + "-" +
                                  std::to_string(en - 1) + (first ? " + embedding" : "") +
                                  (last && !first ? " + output embedding" : "");
     add(&est, Row::Weights, 2 * psi / t, 0, "2 B x Psi_s / t (bf16); " + psi_text);
     add(&est, Row::Gradients, 4 * psi / t, 0, "4 B x Psi_s / t (fp32 main gradients)");
     add(&est, Row::Optimizer, 12 * psi / t / shards, 0,
-        "12 B x Psi_s / (t x d x cp) = 12 x " + num(psi) + " / " + num(t * shards) +
+        "12 B x Psi_s / (t x d x cp) = 12 x " + formula_num(psi) + " / " + formula_num(t * shards) +
             " (fp32 master + Adam m, v; distributed optimizer)");
     add(&est, Row::Checkpoints, stage_layers * s * H * e / t, 0,
-        std::to_string(stage_layers) + " layers x s H e / t, s = S / cp = " + num(s));
+        std::to_string(stage_layers) + " layers x s H e / t, s = S / cp = " + formula_num(s));
     // The layer phase.
     const double KV = c.kv_width();  // K and V's width (H without grouped-query attention)
     const double recompute = layer_activation_bytes(c) * s / t * (e / 2);
@@ -226,17 +224,17 @@ Estimate deepspeed(const ModelConfig& c, i64 S, const Layout& l, int gpus, const
   const double G = gpus;
   add(&est, Row::Weights, 2 * psi / G + 2 * (psi_l + std::min(psi_l, kZero3Prefetch)), 0,
       "2 B x Psi / G + 2 B x (Psi_layer + min(Psi_layer, 5e7)): bf16 shards, the running layer and the ZeRO-3 "
-      "prefetch bucket gathered; Psi = " + num(psi) + ", G = " + std::to_string(gpus));
+      "prefetch bucket gathered; Psi = " + formula_num(psi) + ", G = " + std::to_string(gpus));
   add(&est, Row::Gradients, 2 * psi / G + 2 * psi_l, 0,
       "2 B x Psi / G + 2 B x Psi_layer: bf16 shards and the running layer's gradient before its reduce-scatter");
   add(&est, Row::Optimizer, 12 * psi / G, 0, "12 B x Psi / G (fp32 master + Adam m, v; ZeRO-3)");
   const double ckpt_host = c.layers * s * H * e;
-  add(&est, Row::Checkpoints, 0, ckpt_host, "L s H e on the host, s = S / u = " + num(s));
+  add(&est, Row::Checkpoints, 0, ckpt_host, "L s H e on the host, s = S / u = " + formula_num(s));
   const double KV = c.kv_width();  // K and V's width (H without grouped-query attention)
   const double QW = c.q_width();   // q's and o's, Z A (H for GPT's heads)
   const double kv_dev = 2 * 2 * ch * KV * e;
   const double layer_host = (2 * QW + 2 * KV) * s * e + 4 * s * QW;
-  add(&est, Row::KVCache, kv_dev, 0, "K, V chunks double-buffered, 2 x 2 c H e, c = " + num(ch));
+  add(&est, Row::KVCache, kv_dev, 0, "K, V chunks double-buffered, 2 x 2 c H e, c = " + formula_num(ch));
   add(&est, Row::Units, 3 * ch * QW * e, layer_host,
       "device: q, o, dO of a chunk 3 c H e; host: one layer's q, k, v, o 4 s H e and fp32 dQ 4 s H");
   add(&est, Row::KVGradAccum, (2 * KV + QW) * ch * 4, 0, "fp32 dK, dV, dQ of the running chunks, 3 x 4 c H");
@@ -287,13 +285,6 @@ Estimate deepspeed(const ModelConfig& c, i64 S, const Layout& l, int gpus, const
   est.busy = c.layers * compute + cost.head_flops(T) / cost.gemm_rate();
   est.step = c.layers * layer + cost.head_flops(T) / cost.gemm_rate();
   return est;
-}
-
-std::vector<int> divisors(int n) {
-  std::vector<int> d;
-  for (int k = 1; k <= n; ++k)
-    if (n % k == 0) d.push_back(k);
-  return d;
 }
 
 Estimate estimate(const plan::Plan& p, const CostModel& cost) {

@@ -184,7 +184,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const int rank = r.peak_rank;
   const auto& terms = r.peak_terms.at(std::size_t(rank));
   auto at = [&](sched::MemTerm t) { return terms[std::size_t(t)]; };
-  const ActPrecision prec = hw.precision == "f32" ? ActPrecision::F32 : ActPrecision::BF16;
+  const ActPrecision prec = precision_of(hw);
   const int e = prec == ActPrecision::F32 ? 4 : 2;
   const ModelConfig& c = p.model;
   const sched::Schedule s = plan_schedule(p);

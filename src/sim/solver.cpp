@@ -20,6 +20,7 @@ namespace sppo::sim {
 
 using sched::MemoryRules;
 using sched::Schedule;
+using plan::divisors;
 
 OffloadMode parse_offload(const std::string& text) {
   if (text == "none") return OffloadMode::None;
@@ -593,16 +594,16 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
   return f;
 }
 
+ActPrecision precision_of(const HardwareProfile& hw) {
+  return hw.precision == "f32" ? ActPrecision::F32 : ActPrecision::BF16;
+}
+
 namespace {
 
 // The search's reach (solve_sppo): subsequences per sequence, and the longest subsequence
 // share per device it starts from (it also tries 8K, 4K and 2K).
 constexpr i64 kMaxPlanSubseqs = 4096;
 constexpr i64 kMaxTokensPerSubseq = 16384;
-
-ActPrecision precision_of(const HardwareProfile& hw) {
-  return hw.precision == "f32" ? ActPrecision::F32 : ActPrecision::BF16;
-}
 
 // The plan's host and recompute layers as Schedule::kv_place.
 std::vector<sched::KvPlace> kv_place_of(const plan::Plan& p) {
@@ -681,13 +682,6 @@ void predict(plan::Plan* p, const HardwareProfile& hw) {
   const SimResult r = simulate_plan(*p, hw);
   p->predicted = {r.step_time_s,    r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes,
                   r.exposed_copy_s, r.peak_host_bytes,         r.host_update_s};
-}
-
-std::vector<int> divisors(int n) {
-  std::vector<int> d;
-  for (int k = 1; k <= n; ++k)
-    if (n % k == 0) d.push_back(k);
-  return d;
 }
 
 // Note [MSP in the search]: MSP's split tasks run over every idle stage group (reach 0, the
@@ -1630,20 +1624,20 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   for (const Candidate& f : st.fits) first_best = std::max(first_best, ctx.tput(f.plan, f.alpha.step_time_s));
   if (!wider.empty()) search(ctx, layouts, wider, false, st.fits.empty() ? 0 : kMspWiderTasks, st);
   if (!layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
+  // Where nothing fitted: the same placements again over layouts that keep less on the device.
+  const auto search_again = [&](const std::vector<plan::Plan>& moved, const char* what) {
+    if (moved.empty()) return;
+    st.another_placement(what);
+    search(ctx, moved, {first}, false, 0, st);
+    if (st.fits.empty() && !wider.empty()) search(ctx, moved, wider, false, 0, st);
+    if (st.fits.empty() && !layered.empty()) search(ctx, moved, layered, false, 0, st, true);
+  };
   if (st.fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
     for (plan::Plan& p : layouts) p.optimizer_state = "host";
-    st.another_placement("the optimizer state on the host");
-    search(ctx, layouts, {first}, false, 0, st);
-    if (st.fits.empty() && !wider.empty()) search(ctx, layouts, wider, false, 0, st);
-    if (st.fits.empty() && !layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
+    search_again(layouts, "the optimizer state on the host");
   }
-  if (st.fits.empty() && req.weights == "auto" && req.optimizer_state != "device") {  // Note [Weights in the search]
-    const std::vector<plan::Plan> hosted = weights_on_host(req, layouts);
-    if (!hosted.empty()) st.another_placement("the optimizer state and the layers' weights on the host");
-    if (!hosted.empty()) search(ctx, hosted, {first}, false, 0, st);
-    if (st.fits.empty() && !hosted.empty() && !wider.empty()) search(ctx, hosted, wider, false, 0, st);
-    if (st.fits.empty() && !hosted.empty() && !layered.empty()) search(ctx, hosted, layered, false, 0, st, true);
-  }
+  if (st.fits.empty() && req.weights == "auto" && req.optimizer_state != "device")  // Note [Weights in the search]
+    search_again(weights_on_host(req, layouts), "the optimizer state and the layers' weights on the host");
   return rank_pass(ctx, st, first_best);
 }
 

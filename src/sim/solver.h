@@ -23,6 +23,9 @@
 
 namespace sppo::sim {
 
+// The activations' precision a hardware profile names ("f32" or "bf16").
+ActPrecision precision_of(const plan::HardwareProfile& hw);
+
 enum class OffloadMode { None, Full, Paper, Adaptive };
 OffloadMode parse_offload(const std::string& text);  // none | full | paper | adaptive
 const char* to_string(OffloadMode m);

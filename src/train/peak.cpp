@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/timing.h"
 #include "backends/cpu/blas_setup.h"
 #include "backends/cpu/ops.h"
 
@@ -74,15 +75,6 @@ float fma_loop_sse(i64 iters) {  // no FMA: a multiply and an add, two FLOPs as 
   alignas(16) float lanes[4];
   _mm_store_ps(lanes, sum);
   return lanes[0] + lanes[1] + lanes[2] + lanes[3];
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 void fill_normal(float* p, i64 n, float sd, std::mt19937_64& rng) {

@@ -14,6 +14,7 @@
 #include "backends/cpu/attention.h"
 #include "backends/cpu/ops.h"
 #include "core/layout.h"
+#include "core/timing.h"
 #include "model/gpt.h"
 #include "train/peak.h"
 
@@ -40,15 +41,6 @@ std::vector<float> randn(i64 n, unsigned seed) {
   std::vector<float> v(static_cast<std::size_t>(n));
   for (auto& x : v) x = d(rng);
   return v;
-}
-
-double median(std::vector<double> t) {
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // 64-byte aligned kernel scratch of `bytes` inside `storage`.
@@ -175,7 +167,6 @@ StreamCosts measure_stream_costs(double copy_bw, bool quick) {
   }
   return r;
 }
-
 
 }  // namespace
 
