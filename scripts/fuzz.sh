@@ -7,7 +7,8 @@
 #   FUZZ_SECONDS=10 bash scripts/fuzz.sh plan tokens
 #   FUZZ_BUILD_ONLY=1 bash scripts/fuzz.sh   # builds the targets, fuzzes nothing
 #
-# Builds into build-fuzz/ (its own directory: clang, -fsanitize=fuzzer,address,undefined).
+# Builds into build-fuzz/ (its own directory: clang, -fsanitize=fuzzer,address,undefined; a
+# unity build, as scripts/sanitize.sh explains).
 # The targets fuzz side by side, one a core (FUZZ_JOBS, default nproc, at a time), each for
 # its own FUZZ_SECONDS: libFuzzer runs on one thread, so one after another left all cores
 # but one idle (CI's six targets: 120 s against 60 s on two cores).
@@ -31,7 +32,7 @@ apt_install "${packages[@]}"
 
 source scripts/configure.sh
 t0=$(date +%s)
-configure build-fuzz -S tests/fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None
+configure build-fuzz -S tests/fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None -DCMAKE_UNITY_BUILD=ON
 nice -n 10 cmake --build build-fuzz -j"$jobs" --target $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
 if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then
   echo "fuzz: built ${#targets[@]} targets in $(( $(date +%s) - t0 )) s"
