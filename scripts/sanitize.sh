@@ -28,7 +28,7 @@
 # and, by a gtest filter (asan_skip_cases), the cases of the tests it runs that spend their
 # time repeating what the cases kept run under ASan already; the plain test stage
 # (scripts/test.sh) runs every case. They took 330 of the 630 s the ASan tests ran for on
-# two cores:
+# two cores (the last three, added later, 23 s of the rest):
 #   Solver.ThePapersOrderOfOffloadAndMsp, Solver.PlacementsThatSaveMemoryAreWeighedWhenOthersFit,
 #   Solver.TensorParallelFitsLongerSequences, Solver.RecomputingFitsWhatTheDeviceCacheCannot
 #                          the planner's longest searches (gpt-13b and gpt-65b on 128 GPUs,
@@ -44,10 +44,15 @@
 #                          kernels (a quick profile, 50-70 s under ASan), as test_bench_profile_device
 #                          does; test_runtime_step makes the same auto and adaptive choices under
 #                          ASan on a fixed profile, and bad_inputs runs train --plan on bad plans
-#   ModelReferenceLlama.BackwardMatchesFiniteDifferences, ...Qwen3BackwardMatchesFiniteDifferences
+#   ModelReferenceLlama.BackwardMatchesFiniteDifferences, ...Qwen3BackwardMatchesFiniteDifferences,
+#   ModelReference.TinyGradsMatchFiniteDifferences
 #                          the tests' own float64 model against finite differences, two forward
-#                          passes a parameter through code that shares nothing with the engine;
+#                          passes a parameter through code that shares nothing with the engine
+#                          (the last runs the engine once, as SmallGradsMatchFloat64Backward does);
 #                          ...AtGivenPositionsWithTargets runs the same check once
+#   AttentionBlocks.RepeatedRunsAreBitIdenticalAtAnyThreadCount, AttentionGqa.RepeatedRunsAreBitIdentical
+#                          run the kernels that the other attention cases run, again and again to
+#                          compare bits: nothing for ASan that one run does not reach (12 s of 45)
 # Set GTEST_FILTER to run other cases instead.
 #
 # Both builds compile at -O1 with line tables only (-g1): GCC at -O2 -g with UBSan took
@@ -94,6 +99,8 @@ asan_skip_cases=(
   Solver.SppoPlanFitsAndRoundTrips Zero.ShardsTheOptimizerStateOfAPlan
   Setup.AutoSubseqsIsTheFewestThatFitTheBudget 'Setup.AdaptiveOffload*'
   ModelReferenceLlama.BackwardMatchesFiniteDifferences ModelReferenceLlama.Qwen3BackwardMatchesFiniteDifferences
+  ModelReference.TinyGradsMatchFiniteDifferences
+  AttentionBlocks.RepeatedRunsAreBitIdenticalAtAnyThreadCount AttentionGqa.RepeatedRunsAreBitIdentical
 )
 
 # -O1 -g1: see above.
