@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/timing.h"
 #include "io/fileutil.h"
 #include "planner/cost.h"
 #include "sim/simulator.h"
@@ -118,8 +119,7 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
       p.offloaded = res.offloaded_bytes;
       p.exposed = res.exposed_copy_s;
     }
-    std::sort(times.begin(), times.end());
-    p.step_s = times[times.size() / 2];
+    p.step_s = median(times);
     p.predicted_peak = s.predicted_peak_bytes;
     p.predicted_host_peak = s.predicted_host_bytes;
     p.alpha = s.alpha;
@@ -394,8 +394,7 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
       times.push_back(res.step_s);
       peak = std::max(peak, res.device.peak);
     }
-    std::sort(times.begin(), times.end());
-    const double measured = times[times.size() / 2];
+    const double measured = median(times);
     const double time_err = (sim_r.step_time_s - measured) / measured;
     const double peak_err = double(sim_r.peak_device_bytes - peak) / double(peak);
     worst_time = std::max(worst_time, std::fabs(time_err));

@@ -3,12 +3,12 @@
 // made on the host and copied over, and timing with the backend synchronised around.
 #pragma once
 
-#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/timing.h"
 
 namespace sppo {
 
@@ -32,18 +32,16 @@ std::unique_ptr<DeviceBuffer> random_device(Backend& be, i64 n, bool act, unsign
 // The median of `reps` timed runs of f after one warm-up, the backend synchronised around each.
 template <typename F>
 double median_seconds(Backend& be, int reps, F&& f) {
-  using clock = std::chrono::steady_clock;
   f();
   be.synchronize();
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
-    const auto t0 = clock::now();
+    const auto t0 = std::chrono::steady_clock::now();
     f();
     be.synchronize();
-    t.push_back(std::chrono::duration<double>(clock::now() - t0).count());
+    t.push_back(seconds_since(t0));
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(std::move(t));
 }
 
 // Causal attention forward FLOPs of `queries` queries that follow `prefix` earlier tokens

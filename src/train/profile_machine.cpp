@@ -29,10 +29,9 @@ double median_seconds(int reps, F&& f) {
   for (int r = 0; r < reps; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    t.push_back(seconds_since(t0));
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(std::move(t));
 }
 
 std::vector<float> randn(i64 n, unsigned seed) {

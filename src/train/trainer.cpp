@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "core/check.h"
+#include "core/timing.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
 #include "io/safetensors.h"
@@ -626,8 +627,7 @@ bool train_step(Run& r, int step, std::vector<std::int32_t>& tokens) {
 double median_after(std::vector<double> v, std::size_t skip, double otherwise) {
   if (v.size() <= skip) return otherwise;
   v.erase(v.begin(), v.begin() + std::ptrdiff_t(skip));
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return median(std::move(v));
 }
 
 // Summary: the measured step time (median, the first step excluded as warm-up) beside the
