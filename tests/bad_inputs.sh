@@ -157,6 +157,14 @@ expect "--residual-grads 'sideways' is unknown; use device or host" train --mode
 expect "it needs --backward-order layer" train --model tiny --residual-grads host --backward-order subseq
 expect "it needs --backward-order layer" grads --model tiny --residual-grads host --backward-order subseq --out g
 expect "it does not run with --recompute" grads --model tiny --weights host --recompute --out g
+expect "'7' is not a layer of the model's 2; use none, odd" train --model tiny --rebuild-inputs 7
+expect "'x' is not a layer of the model's 2" grads --model tiny --rebuild-inputs x --kv-cache device --out g
+expect "name where the others keep theirs, --kv-cache device, host or recompute" train --model tiny --rebuild-inputs odd
+expect "only the layer-major backward orders so: use --backward-order layer" train --model tiny --rebuild-inputs odd --kv-cache device --backward-order subseq
+expect "layer 0: the first layer's input has no layer below" train --model tiny --rebuild-inputs 0 --kv-cache device
+expect "layer 2: the layer below (1) must keep its input" train --model medium --rebuild-inputs 1,2 --kv-cache device
+expect "the layer below streams its K/V from the host" train --model tiny --rebuild-inputs odd --kv-cache host
+expect "drop --rebuild-inputs" train --model tiny --rebuild-inputs odd --kv-cache device --recompute
 expect "the weights and gradients) on its fullest rank, over the --host-memory budget" train --model tiny --seq-len 256 --weights host --optimizer-state host --host-memory 64KiB
 expect "--optimizer-state host moves AdamW's m and v" train --model medium --seq-len 4096 --device-memory 20MiB --steps 1
 expect "--optimizer-state must be device, host or auto" plan --optimizer-state sideways

@@ -156,6 +156,15 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "host (sent after each layer's backward and brought back for the next: the device holds the "
                   "running subsequence's; with --backward-order layer, which auto becomes)")
       ->capture_default_str();
+  cmd->add_option("--rebuild-inputs", o.rebuild_inputs,
+                  "Layers whose input x the forward does not keep: none, odd (1, 3, 5, ...), a comma list of "
+                  "layers, or auto (the plan's under --plan, else none). Each of their backward's ops first runs the layer below's forward again on its "
+                  "subsequence (a layer's forward more per rebuilt layer; the gradients are the same bit for bit). "
+                  "A rebuilt layer keeps its K/V (with --kv-cache recompute, on the host); the layer below keeps "
+                  "its input and its K/V on the device or recomputed. Needs the layer-major backward "
+                  "(--backward-order layer, which auto becomes); with --weights host the layer below's weights "
+                  "come with the layer's; no --tp, --cp, --msp on or --recompute")
+      ->capture_default_str();
   cmd->add_option("--recompute-tensors", o.recompute_tensors,
                   "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "
                   "ln1_rstd, ln1_out, q, attn_out, lse, x_mid, ln2_mean, ln2_rstd, ln2_out, fc_pre, or of the "

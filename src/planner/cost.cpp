@@ -344,6 +344,18 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
     t += (2 * T * F * H / gemm_rate_ + act + head_flops(i64(T)) / gemm_rate_) / tp;
     if (tp > 1) t += 3 * tp_collective_s(i64(T), tp);  // proj's reduce-scatter, the head's two
   }
+  // Note [Rebuilt layer inputs] (schedule/builders.cpp): the layer below's forward again,
+  // its input copied into the op's buffer (priced as from the host), its K/V recomputed
+  // and streamed again where they are recomputed.
+  for (int l = op.layer_begin; l < op.layer_end; ++l) {
+    if (!s.input_rebuilt(l)) continue;
+    const i64 T = sched::span_tokens(spans);
+    t += layer_forward_s(o, spans, keys, &s.doc_starts) + mlp_tiles_s(T, s.mlp_tile_rows) +
+         h2d_s(T * model_.hidden * act_bytes_, false);
+    if (s.kv_recomputed(l - 1))
+      t += layer_recompute_s(o, spans, 0, true, false, 1, keys, &s.doc_starts) +
+           layer_stream_s(o, spans, keys, 1, 1, true, false, false);
+  }
   return t + n * mlp_tiles_s(sched::span_tokens(spans), s.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
          recompute_s(op, s, o, true);
 }

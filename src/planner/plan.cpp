@@ -48,6 +48,7 @@ nlohmann::json to_json(const Plan& p) {
       {"kv_window_tokens", p.kv_window_tokens()},
       {"recompute_tensors", recompute_tensors_text(p.recompute)},
       {"backward_order", p.backward_order},
+      {"rebuilt_inputs", p.rebuilt_inputs},
       {"mlp_tile_rows", p.mlp_tile_rows},
       {"kernel_scratch",
        {{"block", {p.block_scratch.fixed_bytes, p.block_scratch.bytes_per_token}},
@@ -167,6 +168,11 @@ Plan plan_from_json(const nlohmann::json& j) {
         << kWhere << "layer " << l << " is in both \"kv_host_layers\" and \"kv_recompute_layers\"; a layer keeps "
         << "its K/V on the host or recomputes them, not both";
     p.kv_recompute_layers.push_back(int(l));
+  }
+  for (const i64 l : integers("rebuilt_inputs", 1, kIntMax)) {
+    SPPO_CHECK(l < p.model.layers, "planner")
+        << kWhere << "\"rebuilt_inputs\" names layer " << l << " of a model of " << p.model.layers << " layers";
+    p.rebuilt_inputs.push_back(int(l));
   }
   try {
     p.recompute = parse_recompute_tensors(json_string_field(j, "recompute_tensors", "none", "planner", kWhere));

@@ -61,6 +61,9 @@ struct Plan {
   // The backward's order (sched::BackwardOrder; JSON "backward_order": "subseq", the
   // paper's, or "layer", one layer's dK/dV sums at a time, in one pipeline stage).
   std::string backward_order = "subseq";
+  // Layers whose input the forward does not keep (Note [Rebuilt layer inputs] in
+  // schedule/builders.cpp; JSON "rebuilt_inputs", their indices): train --rebuild-inputs.
+  std::vector<int> rebuilt_inputs;
   // Rows of every layer's MLP tiles (Note [MLP tiles] in core/layout.h; JSON
   // "mlp_tile_rows"); 0: none.
   i64 mlp_tile_rows = 0;

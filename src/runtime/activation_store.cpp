@@ -11,8 +11,15 @@ std::string unit_name(int l, int i) {
 }
 
 ActivationStore::ActivationStore(Backend& be, MemoryTier& device, MemoryTier& host, const ModelConfig& c,
-                                 ActPrecision precision, int subseqs, std::pair<int, int> layers, SavedSet recompute)
-    : device_(device), host_(host), config_(c), lb_(layers.first), le_(layers.second), recompute_(recompute) {
+                                 ActPrecision precision, int subseqs, std::pair<int, int> layers, SavedSet recompute,
+                                 std::vector<bool> inputs_rebuilt)
+    : device_(device),
+      host_(host),
+      config_(c),
+      lb_(layers.first),
+      le_(layers.second),
+      recompute_(recompute),
+      rebuilt_(std::move(inputs_rebuilt)) {
   const int L = c.layers, N = subseqs;
   dev_.resize(N);
   host_copies_.resize(N);
@@ -51,9 +58,11 @@ i64 ActivationStore::offload(int i, double fraction) {
   std::vector<std::pair<Buffer*, Buffer*>> tensors;
   std::vector<i64> sizes;
   std::vector<int> x_layer;  // the layer of each tensor that is an x, else -1
+  // A rebuilt layer's x is gone by then (Note [Rebuilt layer inputs] in schedule/builders.cpp).
+  auto rebuilt = [&](int l) { return l < int(rebuilt_.size()) && rebuilt_[std::size_t(l)]; };
   for (int l = lb_; l < le_; ++l)
     for (int k = 0; k < int(roles_.size()); ++k)
-      if (roles_[k] == Role::Offloadable && !in_set(recompute_, k)) {
+      if (roles_[k] == Role::Offloadable && !in_set(recompute_, k) && !(k == kSavedX && rebuilt(l))) {
         tensors.push_back({&dev_[i][l][k], &host_copies_[i][l][k]});
         sizes.push_back(dev_[i][l][k].bytes());
         x_layer.push_back(k == kSavedX ? l : -1);

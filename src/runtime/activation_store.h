@@ -37,7 +37,8 @@ class ActivationStore {
   // `layers`: the rank's own layers [begin, end), the ones O and P move; units exist for
   // every layer of the model (an MSP helper runs another stage's).
   ActivationStore(Backend& be, MemoryTier& device, MemoryTier& host, const ModelConfig& c, ActPrecision precision,
-                  int subseqs, std::pair<int, int> layers, SavedSet recompute);
+                  int subseqs, std::pair<int, int> layers, SavedSet recompute,
+                  std::vector<bool> inputs_rebuilt = {});
   ~ActivationStore();
 
   // [block_saved_count(c)] the saved tensors of subsequence i at layer l, in table order; a
@@ -91,6 +92,7 @@ class ActivationStore {
   std::vector<std::shared_ptr<Event>> prefetch_first_, prefetch_last_;  // [N]
   std::vector<Role> roles_;                             // of the saved tensors
   SavedSet recompute_;                                  // tensors recomputed in backward: never offloaded
+  std::vector<bool> rebuilt_;                           // layers whose x is not kept (Schedule::inputs_rebuilt)
   // Per unit, its x's host copy and the copy's event, from O(i) ([N][L]; null: not
   // offloaded), and the last copy of the P that brought it back ([N][L]; null: none yet).
   std::vector<std::vector<const void*>> x_host_;

@@ -334,6 +334,7 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
     for (int k = 0; k < int(specs.size()); ++k)  // what backward recomputes (Note [Recomputed tensors])
       if (in_set(st.sched.recompute, k)) unit[k].reset();
     st.kv.after_forward(l, i, q);
+    if (st.sched.input_rebuilt(l)) unit[kSavedX].reset();  // Note [Rebuilt layer inputs]
     scratch = {};
     ws.clear();
     st.weights.end(index, l - b);
@@ -374,6 +375,34 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
   }
 }
 
+// Note [Rebuilt layer inputs] (schedule/builders.cpp): layer l-1's forward again on the
+// op's subsequence, from its kept input (copied into a buffer of its own, from the device
+// or the host), with a copy of its saved tensors and the attention of its K/V; x of layer
+// l is its output, and everything else goes.
+void Runtime::rebuild_input(StepState& st, const sched::Op& op, int l, const Subseq& q, const Subseq& blocks,
+                            const StageWeights& wt) {
+  const int i = op.subseq, below = l - 1, T = q.T, H = config_.hidden;
+  const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
+  const MlpTiles tiles = st.sched.mlp_tiles();
+  Buffer& x = st.act.unit(i, l)[kSavedX];
+  SPPO_ASSERT_MSG(!x, "layer " << l << "'s input of subsequence " << i << " was kept");
+  x = device_->alloc(specs[kSavedX].bytes(), unit_name(l, i) + "x");
+  std::vector<Buffer> again(specs.size());
+  for (int k = 0; k < int(specs.size()); ++k)
+    if (!tiled_away(tiles, k)) again[k] = device_->alloc(specs[k].bytes(), unit_name(below, i) + specs[k].name + " again");
+  const auto [device, host] = st.act.saved_input(i, below, &st.result.exposed_copy_s);
+  if (device)
+    be_.copy_cols(again[kSavedX].data(), device, T, H, H, 0);
+  else
+    be_.to_device(again[kSavedX].data(), host, std::size_t(specs[kSavedX].bytes()));
+  auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp, tiles), "workspace ");
+  KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
+  const LayerAttention attn = st.kv.attention(op, below, false, layer_weights(st, wt, below));
+  BlockSaved saved = block_saved_from(ptrs(again));
+  block_forward(be_, x.data(), saved, wt.w->blocks[below], wt.m->blocks[below],
+                block_workspace_from(ptrs(ws), scratch.get(), tiles), *attn, config_, blocks);
+}
+
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(st.sched, op);
@@ -401,6 +430,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
 
   for (int l = e - 1; l >= b; --l) {
     st.weights.begin(index, e - 1 - l);  // with the weights on the host: this layer's weights and gradient
+    if (st.sched.input_rebuilt(l)) rebuild_input(st, op, l, q, blocks, wt);
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use
     // (on a host layer, this subsequence's own, which restore brings: the host holds the
     // others').

@@ -137,6 +137,10 @@ class Runtime {
   void head(StepState& st, const sched::Op& op, const Subseq& q, const StageWeights& wt, const Buffer& out);
   // B op `op`, the `index`-th: every layer it runs, in reverse, then the embedding.
   void backward(StepState& st, const sched::Op& op, std::size_t index);
+  // Before B op `op` runs layer l, whose input the forward did not keep: that input again
+  // (Note [Rebuilt layer inputs] in schedule/builders.cpp).
+  void rebuild_input(StepState& st, const sched::Op& op, int l, const Subseq& q, const Subseq& blocks,
+                     const StageWeights& wt);
   // With an update of the host's optimizer state in flight: waits until the weights the
   // forward of owned layer l reads are back (its block's, and before layer 0 the
   // embedding's), or with l == L the head's (the final LayerNorm and the tied embedding).

@@ -109,21 +109,26 @@ void HostWeights::bring(int l) {
   copies_.push_back({"weights L" + std::to_string(l), w_in_[j]});
 }
 
+void HostWeights::arrive(int l) {
+  const std::size_t j = std::size_t(l - lb_);
+  if (!w_in_[j]) return;
+  result_.exposed_copy_s += w_in_[j]->wait();
+  w_in_[j] = nullptr;
+  if (be_.act() != DType::F32) {
+    const i64 count = bucket(l).count;
+    be_.to_act(static_cast<char*>(w_[j].data()) + fp32_bytes(count), w_[j].f32(), count);
+  }
+  point_views(l, true);
+}
+
 void HostWeights::begin(std::size_t index, int k) {
   if (!host_ || uses_.first(index) == uses_.last(index)) return;
   const sched::LayerUse& u = uses_.at(index, k);
-  for (int l : {u.load_now, u.load_next})
+  for (int l : {u.load_now, u.load_next, u.load_below})
     if (l >= 0) bring(l);
+  arrive(u.layer);
+  if (u.load_below >= 0) arrive(u.load_below);
   const std::size_t j = std::size_t(u.layer - lb_);
-  if (w_in_[j]) {
-    result_.exposed_copy_s += w_in_[j]->wait();
-    w_in_[j] = nullptr;
-    if (be_.act() != DType::F32) {
-      const i64 count = bucket(u.layer).count;
-      be_.to_act(static_cast<char*>(w_[j].data()) + fp32_bytes(count), w_[j].f32(), count);
-    }
-    point_views(u.layer, true);
-  }
   if (u.grad_first) {
     const ParamBucket& b = bucket(u.layer);
     const std::string what = "blocks." + std::to_string(u.layer) + " gradients";

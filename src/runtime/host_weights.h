@@ -73,6 +73,7 @@ class HostWeights {
  private:
   const ParamBucket& bucket(int l) const { return buckets_[grads_.bucket_of_layer(l)]; }
   void bring(int l);               // the working copy of layer l, on its way
+  void arrive(int l);              // waits for layer l's copy, if one is on its way; its views to it
   void release_grad(int l);        // after its copy to the host
   void point_views(int l, bool on_device);
 

@@ -5,6 +5,7 @@
 #include "core/check.h"
 #include "runtime/op_rows.h"
 #include "schedule/memory.h"
+#include "schedule/validate.h"
 
 namespace sppo {
 
@@ -21,6 +22,10 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
   SPPO_CHECK(own.first == lb && own.second == le, "runtime")
       << "rank " << o.rank << " holds layers [" << lb << ", " << le << ") but its schedule gives it ["
       << own.first << ", " << own.second << ")";
+  const std::string rebuilt = sched::rebuilt_inputs_error(sc);
+  SPPO_CHECK(rebuilt.empty() && (!sc.any_input_rebuilt() || !o.recompute), "runtime")
+      << (rebuilt.empty() ? "--recompute already recomputes whole blocks from their inputs; drop --rebuild-inputs"
+                          : rebuilt);
   SPPO_CHECK(!o.recompute || sc.lengths.size() == 1, "runtime")
       << "full recomputation runs the whole sequence at once; use --subseqs 1";
   const auto& ops = sc.ops.at(o.rank);
@@ -89,7 +94,8 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
       tp(sc.tp > 1 ? std::make_unique<TpGroup>(*c.opts.comm, c.opts.rank - c.opts.tp.index, c.opts.tp,
                                                c.opts.tp.kv_replicas(c.config), &res.comm_wait_s)
                    : nullptr),
-      act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers, sc.recompute),
+      act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers, sc.recompute,
+          sc.inputs_rebuilt),
       kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
       messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
       grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),

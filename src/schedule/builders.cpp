@@ -541,6 +541,28 @@ Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec)
 // program: the memory rules place them so (schedule/memory.cpp), the simulator adds them
 // to the op's time, and the runtime makes them so (ActivationStore::residual_to_host,
 // residual_back).
+//
+// Note [Rebuilt layer inputs]: in a layer-major backward each layer's saved input x is the
+// largest tensor left once the rest is recomputed, [S, H] a layer over the whole step; with
+// the K/V recomputed from it, it is all a layer keeps. Schedule::inputs_rebuilt names layers
+// whose x the forward drops once the layer's forward has used it. Before its backward needs
+// x_l of subsequence i, B(l, i) runs layer l-1's forward again on i, from x_{l-1} of i
+// (kept: on the device, or on the host, copied into a buffer of the op's), which makes x_l
+// again. That forward needs layer l-1's K/V of every earlier subsequence, and in a
+// layer-major backward they are still there while layer l's backward runs (kept on the
+// device, or recomputed from the kept x_{l-1}); it keeps nothing but its output: its saved
+// tensors are the op's, freed when x_l is made. So:
+//  - each rebuilt layer saves H e bytes a token: half of what a layer keeps with every other
+//    tensor and the K/V recomputed. A rebuilt layer's own K/V stay on the device or the host
+//    (recomputing them would need every earlier subsequence's x_l);
+//  - it costs a layer's forward a B op (with the layer below's K/V recomputed again, where
+//    they are), and, for the op's length, that layer's saved tensors and workspace;
+//  - the forward runs again the same kernels on the same inputs as the step's forward, so
+//    x_l is the forward's bit for bit, and so is every gradient;
+//  - with the layers' weights on the host (Note [Weights on the host] in
+//    schedule/weights.h), the layer below's come with the first B op of the layer's run
+//    and stay for their own run, which follows: still two layers' at a time.
+// Within a stage only (the layer below on the same rank), without TP, rings or MSP.
 Schedule to_layer_major(Schedule s) {
   if (s.backward == BackwardOrder::Layer) return s;
   auto hidden_grad = [](const Op& op) { return is_hidden_message(op) && op.payload == Payload::HiddenGrad; };

@@ -331,6 +331,12 @@ std::string to_string(const Schedule& s) {
   if (s.backward != BackwardOrder::Subseq) os << " backward=" << to_string(s.backward);
   if (s.weights_host) os << " weights=host";
   if (s.residual_host) os << " residual=host";
+  if (s.any_input_rebuilt()) {
+    os << " rebuilt=";
+    bool first = true;
+    for (int l = 0; l < s.layers; ++l)
+      if (s.input_rebuilt(l)) os << (std::exchange(first, false) ? "" : ",") << l;
+  }
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {
     os << "rank " << r << ":\n";

@@ -201,6 +201,19 @@ struct Schedule {
   // op that uses it and each layer's fp32 gradient on the device from its first backward
   // to its last. The embedding, final norm and LM head stay on the device either way.
   bool weights_host = false;
+  // Layers whose input x the forward does not keep ([layers]; empty: none; Note [Rebuilt
+  // layer inputs] in builders.cpp): each B op of such a layer l first runs layer l-1's
+  // forward again on its subsequence, from x of layer l-1 (kept), to make x of layer l.
+  // Only in a layer-major backward, within a stage, on a layer whose K/V are not
+  // recomputed (they would need every earlier subsequence's x) above one whose K/V are not
+  // on the host.
+  std::vector<bool> inputs_rebuilt;
+  bool input_rebuilt(int layer) const {
+    return layer < int(inputs_rebuilt.size()) && inputs_rebuilt[std::size_t(layer)];
+  }
+  bool any_input_rebuilt() const {
+    return std::find(inputs_rebuilt.begin(), inputs_rebuilt.end(), true) != inputs_rebuilt.end();
+  }
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.
   bool packed = false;

@@ -230,8 +230,10 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
         }
         auto& layers = unit_layers_[op.subseq];
         for (int l = op.layer_begin; l < op.layer_end; ++l) {
-          sizes.insert(sizes.end(), layer->begin(), layer->end());
-          layers.insert(layers.end(), layer->size(), l);
+          // A rebuilt layer's x (its first offloadable tensor) is gone before the offload.
+          const auto first = layer->begin() + (s.input_rebuilt(l) ? 1 : 0);
+          sizes.insert(sizes.end(), first, layer->end());
+          layers.insert(layers.end(), std::size_t(layer->end() - first), l);
         }
         if (op.layer_end == L && !loss_in_backward())
           for (const auto& t : head_saved_specs(c, T, p, tp_)) {
@@ -418,6 +420,7 @@ void RankMemory::layer_in(std::vector<MemEvent>* out, size_t index, int k, doubl
   const LayerUse& u = uses_.at(index, k);
   if (u.load_now >= 0) emit(out, at, layer_w_, MemTerm::LayerWeights);
   if (u.load_next >= 0) emit(out, at, layer_w_, MemTerm::LayerWeights);
+  if (u.load_below >= 0) emit(out, at, layer_w_, MemTerm::LayerWeights);
   if (u.grad_first) emit(out, at, layer_g_, MemTerm::LayerGrads);
 }
 
@@ -481,6 +484,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (rc) emit(out, end, -rc, T::Recomputed);
         if (streamed(l)) emit(out, end, -kv, T::KVCache);
         if (streamed(l) && s_.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
+        if (s_.input_rebuilt(l)) emit(out, end, -x_bytes, T::Units);  // Note [Rebuilt layer inputs]
         layer_out(out, index, k, end);
       }
       if (op.layer_end == L && loss_in_backward()) {  // Note [The loss in backward]: no head here
@@ -513,6 +517,21 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         const int l = op.layer_end - 1 - k;
         const double at = double(k) / n, end = double(k + 1) / n;
         layer_in(out, index, k, at);
+        if (s_.input_rebuilt(l)) {
+          // Note [Rebuilt layer inputs] (builders.cpp): x of this layer, made by the layer
+          // below's forward again, through a copy of its saved tensors (its input among
+          // them), its workspace and the attention's window of its K/V.
+          const i64 again = kv + unit + rc, window = kv_window(l - 1, op.subseq, T, T, false);
+          emit(out, at, h_bytes * rows_of(T), T::Units);
+          emit(out, at, again, T::Recomputed);
+          emit(out, at, ws, T::Workspace);
+          if (window) {
+            emit(out, at, window, T::KVWindow);
+            emit(out, at, -window, T::KVWindow);
+          }
+          emit(out, at, -ws, T::Workspace);
+          emit(out, at, -again, T::Recomputed);
+        }
         emit(out, at, ws, T::Workspace);
         if (rc) emit(out, at, rc, T::Recomputed);
         if (streamed(l)) {

@@ -290,8 +290,42 @@ Validation validate(const Schedule& s, const ValidateOptions& o) {
   if (!s.owned.empty() && int(s.owned.size()) != s.ranks) v.errors.push_back("owned layers not given per rank");
   for (int r = 0; r < s.ranks; ++r) check_order(s, r, err);
   check_matching(s, err);
+  if (const std::string why = rebuilt_inputs_error(s); !why.empty()) v.errors.push_back(why);
   if (o.memory && v.errors.empty()) check_memory(s, o, v, err);
   return v;
+}
+
+std::string rebuilt_inputs_error(const Schedule& s) {
+  if (!s.any_input_rebuilt()) return "";
+  const std::string no = "rebuilt layer inputs (--rebuild-inputs): ";
+  if (int(s.inputs_rebuilt.size()) != s.layers)
+    return no + "the list names " + std::to_string(s.inputs_rebuilt.size()) + " layers of " + std::to_string(s.layers);
+  if (s.backward != BackwardOrder::Layer)
+    return no + "the layer below runs again inside a layer's backward, which only the layer-major backward "
+                "orders so; use --backward-order layer";
+  if (s.tp > 1 || s.ring > 1) return no + "they run without --tp and --cp";
+  for (int l = 0; l < s.layers; ++l) {
+    if (!s.input_rebuilt(l)) continue;
+    const std::string at = no + "layer " + std::to_string(l) + ": ";
+    if (l == 0) return at + "the first layer's input has no layer below; name layers from 1";
+    if (s.input_rebuilt(l - 1)) return at + "the layer below (" + std::to_string(l - 1) + ") must keep its input; "
+                                              "name every other layer (odd)";
+    if (s.kv_recomputed(l))
+      return at + "its K/V are recomputed from its input of every earlier subsequence, which it does not keep; "
+                  "keep its K/V on the device or the host (--kv-cache device|host)";
+    if (s.kv_at(l - 1) == KvPlace::Host)
+      return at + "the layer below streams its K/V from the host, which its forward again does not; keep them "
+                  "on the device or recompute them (--kv-cache device|recompute)";
+  }
+  for (const auto& ops : s.ops)  // a layout's checks may come before its ops
+    for (const Op& op : ops) {
+      if (op.kind != OpKind::Forward) continue;
+      if (!op.group.empty()) return no + "MSP's pieces run on borrowed weights; use --msp off";
+      if (s.input_rebuilt(op.layer_begin))
+        return no + "layer " + std::to_string(op.layer_begin) + " is the first of a pipeline stage, whose layer "
+                    "below runs on another rank; name layers inside the stages";
+    }
+  return "";
 }
 
 }  // namespace sppo::sched

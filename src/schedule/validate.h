@@ -32,4 +32,9 @@ struct Validation {
 
 Validation validate(const Schedule& s, const ValidateOptions& options = {});
 
+// Why `s` cannot rebuild the layer inputs it names (Note [Rebuilt layer inputs] in
+// builders.cpp), with what would work; empty when it can (or rebuilds none). validate
+// reports it too; the runtime and the option parsing call it alone.
+std::string rebuilt_inputs_error(const Schedule& s);
+
 }  // namespace sppo::sched

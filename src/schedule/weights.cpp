@@ -37,11 +37,15 @@ LayerUses::LayerUses(const Schedule& s, int rank) {
   for (const auto& [l, u] : first_b) uses_[u].grad_first = true;
   for (const auto& [l, u] : last_b) uses_[u].grad_last = true;
   const std::size_t n = uses_.size();
+  int below = -1;  // the layer a rebuilt layer's run brought (its next run's)
   for (std::size_t u = 0; u < n; ++u) {
     LayerUse& x = uses_[u];
     if (u == 0) x.load_now = x.layer;
+    const bool run_starts = x.backward && (u == 0 || uses_[u - 1].layer != x.layer || !uses_[u - 1].backward);
+    if (run_starts && s.input_rebuilt(x.layer)) below = x.load_below = x.layer - 1;
     const bool next_other = u + 1 < n && uses_[u + 1].layer != x.layer;
-    if (next_other) x.load_next = uses_[u + 1].layer;
+    if (next_other && uses_[u + 1].layer != below) x.load_next = uses_[u + 1].layer;
+    if (next_other && uses_[u + 1].layer == below) below = -1;
     x.weights_free = u + 1 == n || next_other;
     int f = 0;
     if (u > 0 && uses_[u - 1].grad_last) x.grad_free[std::size_t(f++)] = uses_[u - 1].layer;

@@ -56,6 +56,11 @@ struct LayerUse {
   // allocated, at its first backward.
   int load_now = -1;
   int load_next = -1;
+  // Then, on the first use of a run of a layer whose input is rebuilt (Note [Rebuilt layer
+  // inputs] in builders.cpp), the layer below's copy, waited for too: its forward runs again
+  // inside every use of the run, and it stays for its own run, which follows (so no use
+  // brings it as its next).
+  int load_below = -1;
   bool grad_first = false;
   // At its end, in this order: the gradient's copy to the host starts (its last backward);
   // the gradients in grad_free are released (the one that left at the previous use, and

@@ -386,13 +386,14 @@ double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double
   };
   for (int k = 0; k < op.layers; ++k) {
     const sched::LayerUse& u = re.uses[size_t(op.use) + size_t(k)];
-    for (int l : {u.load_now, u.load_next}) {
+    for (int l : {u.load_now, u.load_next, u.load_below}) {
       if (l < 0) continue;
       const double at = std::max(rs.t_in, t);
       rs.t_in = rs.weights_in[size_t(l)] = at + cost.h2d_s(re.layer_in, rs.t_out > at);
       if (copies) copies->push_back({Lane::CopyIn, l, at, rs.t_in});
     }
     wait_until(rs.weights_in[size_t(u.layer)]);
+    if (u.load_below >= 0) wait_until(rs.weights_in[size_t(u.load_below)]);
     t += layer_s;
     if (u.grad_last) {
       const double at = std::max(rs.t_out, t);

@@ -92,6 +92,7 @@ sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths
   s.labeled = shape.labeled;
   s.weights_host = shape.weights_host;
   s.residual_host = shape.residual_host;
+  s.inputs_rebuilt = shape.inputs_rebuilt;
   return s;
 }
 
@@ -624,6 +625,10 @@ Schedule build_plan_schedule(const plan::Plan& p, const sched::PipelineSpec& spe
   s.recompute = p.recompute;
   s.mlp_tile_rows = p.mlp_tile_rows;
   s.weights_host = p.weights == "host";
+  if (!p.rebuilt_inputs.empty()) {
+    s.inputs_rebuilt.assign(std::size_t(p.model.layers), false);
+    for (int l : p.rebuilt_inputs) s.inputs_rebuilt[std::size_t(l)] = true;
+  }
   return s;
 }
 

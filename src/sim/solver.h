@@ -72,6 +72,7 @@ struct StepShape {
   bool packed = false;             // Schedule::packed
   bool labeled = false;            // Schedule::labeled
   sched::BackwardOrder backward = sched::BackwardOrder::Subseq;  // Schedule::backward (one stage)
+  std::vector<bool> inputs_rebuilt;  // Schedule::inputs_rebuilt
 };
 // The schedule of one step of that shape (build_single for one process), expanded for
 // tensor parallelism (sched::expand_tensor_parallel) when tp > 1.

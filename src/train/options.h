@@ -65,6 +65,10 @@ struct StepOptions {
   // [Residual gradients on the host] in schedule/builders.cpp): device or host (with
   // --backward-order layer, or auto, which it makes layer).
   std::string residual_grads = "device";
+  // Layers whose input the forward does not keep (Note [Rebuilt layer inputs] in
+  // schedule/builders.cpp): none, odd, a comma list of layers, or auto (the plan's under
+  // --plan, else none).
+  std::string rebuild_inputs = "auto";
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
   std::string comm = "auto";          // --comm: auto | nccl | mpi (train/setup.cpp Note [Ranks and GPUs])

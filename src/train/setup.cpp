@@ -7,12 +7,15 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <sstream>
+#include <string>
 #include <unistd.h>
 
 #include "core/check.h"
 #include "planner/plan.h"
 #include "schedule/builders.h"
 #include "schedule/memory.h"
+#include "schedule/validate.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
 #include "train/partition.h"
@@ -530,6 +533,69 @@ class SetupBuilder {
              "backward_order is layer" : "") << "), or use --residual-grads device";
       shape_.backward = sched::BackwardOrder::Layer;
     }
+    check_rebuilt_inputs();
+  }
+
+  // --rebuild-inputs (Note [Rebuilt layer inputs] in schedule/builders.cpp): none, odd (1,
+  // 3, 5, ...: each from the layer below, which keeps its input), a comma list of layers,
+  // or auto (the plan's under --plan, else none).
+  // A rebuilt layer cannot recompute its K/V: under --kv-cache recompute it keeps them on
+  // the host. The backward becomes layer-major, as --residual-grads host makes it.
+  void check_rebuilt_inputs() {
+    const std::string& text = o_.rebuild_inputs;
+    const int L = s_.config.layers;
+    if (text == "none" || text.empty() || (text == "auto" && (!from_plan_ || from_plan_->rebuilt_inputs.empty())))
+      return;
+    std::vector<bool> rebuilt(std::size_t(L), false);
+    if (text == "auto") {
+      for (int l : from_plan_->rebuilt_inputs) rebuilt[std::size_t(l)] = true;
+    } else if (text == "odd") {
+      for (int l = 1; l < L; l += 2) rebuilt[std::size_t(l)] = true;
+    } else {
+      std::stringstream list(text);
+      for (std::string item; std::getline(list, item, ',');) {
+        char* end = nullptr;
+        const long l = std::strtol(item.c_str(), &end, 10);
+        SPPO_CHECK(!item.empty() && *end == 0 && l >= 0 && l < L, "options")
+            << "--rebuild-inputs '" << text << "': '" << item << "' is not a layer of the model's " << L
+            << "; use none, odd, or a comma list of layers from 1 to " << L - 1;
+        rebuilt[std::size_t(l)] = true;
+      }
+    }
+    SPPO_CHECK(o_.kv_cache != "auto" || from_plan_ || text == "auto", "options")
+        << "--rebuild-inputs keeps the K/V of the layers it names (they cannot be recomputed without every "
+           "earlier subsequence's input): name where the others keep theirs, --kv-cache device, host or recompute";
+    SPPO_CHECK(o_.backward_order != "subseq" && layer_ok_, "options")
+        << "--rebuild-inputs runs the layer below's forward again inside a layer's backward, which only the "
+           "layer-major backward orders so: use --backward-order layer" << (layer_ok_ ? "" : " and --msp off")
+        << ", or --rebuild-inputs none";
+    SPPO_CHECK(!o_.recompute, "options")
+        << "--recompute already recomputes whole blocks from their inputs; drop --rebuild-inputs";
+    shape_.backward = sched::BackwardOrder::Layer;
+    if (shape_.kv_place.empty()) shape_.kv_place = all_layers(sched::KvPlace::Device);
+    for (int l = 0; l < L; ++l)
+      if (rebuilt[std::size_t(l)] && shape_.kv_place[std::size_t(l)] == sched::KvPlace::Recompute)
+        shape_.kv_place[std::size_t(l)] = sched::KvPlace::Host;
+    shape_.inputs_rebuilt = rebuilt;
+    // The layout's own checks (the schedule's, before any is built).
+    sched::Schedule probe;
+    probe.layers = L;
+    probe.tp = shape_.tp;
+    probe.ring = shape_.sp;
+    probe.backward = shape_.backward;
+    probe.weights_host = shape_.weights_host;
+    probe.kv_place = shape_.kv_place;
+    probe.inputs_rebuilt = rebuilt;
+    const std::string why = sched::rebuilt_inputs_error(probe);
+    SPPO_CHECK(why.empty(), "options") << why;
+    sched::PipelineSpec stages;
+    stages.layers = L;
+    stages.pp = shape_.pp;
+    stages.stage_layers = shape_.stage_layers;
+    for (const auto& [b, e] : sched::stage_ranges(stages))
+      SPPO_CHECK(!rebuilt[std::size_t(b)], "options")
+          << "--rebuild-inputs: layer " << b << " is the first of a pipeline stage, whose layer below runs on "
+             "another rank; name layers inside the stages (odd, with stages of even lengths)";
   }
 
   std::vector<sched::KvPlace> all_layers(sched::KvPlace p) const {

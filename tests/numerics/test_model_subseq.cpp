@@ -49,7 +49,7 @@ std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
 Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
           const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<sched::KvPlace> kv = {},
           SavedSet recompute_tensors = 0, i64 mlp_tile_rows = 0, bool layer_major = false,
-          bool residual_host = false) {
+          bool residual_host = false, std::vector<bool> rebuilt = {}) {
   RuntimeOptions o;
   o.recompute = recompute;
   o.head_chunk = 7;  // several chunks per subsequence, and a partial last one
@@ -65,6 +65,7 @@ Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vect
   sc.kv_place = std::move(kv);
   sc.recompute = recompute_tensors;
   sc.mlp_tile_rows = mlp_tile_rows;
+  sc.inputs_rebuilt = std::move(rebuilt);
   StepResult r = rt.step(sc, tokens.data());
   Grads out;
   out.loss = r.loss;
@@ -257,6 +258,52 @@ TEST(Subsequences, LayerMajorBackwardMatches) {
   EXPECT_LT(layer.peak, subseq.peak) << "one layer's dK/dV sums at a time should lower the peak";
 }
 
+// Rebuilt layer inputs (Note [Rebuilt layer inputs] in schedule/builders.cpp): a layer whose
+// input the forward drops gets it again from the layer below's forward inside each of its
+// B ops. The same kernels on the same inputs: the loss and every gradient equal those of
+// the same schedule keeping every input, bit for bit, and so the whole sequence's, with
+// the layer below's K/V on the device or recomputed, the rebuilt layer's on the device or
+// the host, recomputed tensors, offload (the layer below's input copied back from the
+// host), the residual gradients on the host, MLP tiles and uneven lengths.
+TEST(Subsequences, RebuiltLayerInputsMatch) {
+  using sched::KvPlace;
+  const ModelConfig c = small_config();
+  const i64 S = 61;
+  const auto tokens = random_tokens(S, c.vocab, 19);
+  const Grads ref = run(c, {S}, {0.0}, tokens);
+  const SavedSet all = recompute_levels().back();
+  struct Case {
+    std::vector<bool> rebuilt;
+    std::vector<KvPlace> kv;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {{false, true, false}, {}, "layer 1, K/V on the device"},
+      {{false, true, false}, {KvPlace::Recompute, KvPlace::Host, KvPlace::Recompute}, "layer 1, K/V recomputed below"},
+      {{false, false, true}, {KvPlace::Device, KvPlace::Recompute, KvPlace::Host}, "layer 2, K/V recomputed below"},
+  };
+  for (const Case& k : cases)
+    for (SavedSet set : {SavedSet{0}, all})
+      for (int N : {1, 3, 8})
+        for (double a : {0.0, 0.5, 1.0}) {
+          const std::string what = std::string(k.what) + ", recompute " + recompute_tensors_text(set) +
+                                   ", N=" + std::to_string(N) + " alpha=" + std::to_string(a);
+          const Grads kept = run(c, equal_lengths(S, N), alphas(N, a), tokens, false, k.kv, set, 0, true);
+          const Grads got = run(c, equal_lengths(S, N), alphas(N, a), tokens, false, k.kv, set, 0, true,
+                                a == 0.5, k.rebuilt);
+          EXPECT_EQ(got.loss, kept.loss) << what;
+          EXPECT_TRUE(got.g == kept.g) << what << ": the gradients differ from those keeping every input";
+          expect_matches(c, ref, got, what);
+        }
+  const Case& below = cases[1];
+  expect_matches(c, ref, run(c, {5, 1, 30, 25}, {0.5, 1.0, 0.3, 0.0}, tokens, false, below.kv, all, 0, true, false,
+                             below.rebuilt),
+                 "rebuilt inputs, uneven");
+  expect_matches(c, ref, run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false, {}, all, 7, true, false,
+                             cases[0].rebuilt),
+                 "rebuilt inputs with MLP tiles");
+}
+
 // One step of `sc` with the layers' weights on the device or the host (Note [Weights on the
 // host] in schedule/weights.h), from run()'s weights, over packed documents when `docs`.
 Grads run_weights(const ModelConfig& c, sched::Schedule sc, const std::vector<std::int32_t>& tokens, bool host,
@@ -310,7 +357,10 @@ TEST(Subsequences, WeightsOnTheHostMatchTheDevice) {
             sched::Schedule sc = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
             if (layer_major) sc = sched::to_layer_major(std::move(sc));
             sc.kv_place = kv;
-            const std::string what = std::string(layer_major ? "layer" : "subseq") + " order, K/V " +
+            // Rebuilt layer inputs bring the layer below's weights with the layer's.
+            if (layer_major && kv.empty()) sc.inputs_rebuilt = {false, true, false};
+            const std::string what = std::string(layer_major ? "layer" : "subseq") + " order" +
+                                     (sc.any_input_rebuilt() ? ", layer 1's input rebuilt" : "") + ", K/V " +
                                      (kv.empty() ? "device" : sched::to_string(kv[0])) + ", N=" + std::to_string(N) +
                                      " alpha=" + std::to_string(a) + (packed ? ", packed" : "");
             const Grads device = run_weights(c, sc, tokens, false, packed ? &docs : nullptr);

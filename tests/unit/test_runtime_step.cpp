@@ -106,6 +106,7 @@ struct PeakCase {
   const char* weights = "auto";    // --weights
   int layers = 0;                  // the preset's layers (0), or these
   const char* residual = "device"; // --residual-grads
+  const char* rebuild = "none";    // --rebuild-inputs
 };
 
 TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
@@ -179,6 +180,19 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
       {"small", 1024, "8", "0.5", 0, "host", "length", "none", "device", 0, "layer", "auto", 0, "host"},
       {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all", "host", 0, "layer", "host", 0, "host"},
       {"small", 1024, "8", "full", 0, "device", "length", "fc_pre,head_grad", "host", 100, "auto", "auto", 0, "host"},
+      // Rebuilt layer inputs (Note [Rebuilt layer inputs]): the layer below's forward again
+      // at the start of each B op, its saved tensors, workspace and window with it; the
+      // rebuilt layers' K/V on the host where the others' are recomputed.
+      {"tiny", 1024, "4", "none", 0, "device", "length", "none", "device", 0, "layer", "auto", 0, "device", "odd"},
+      {"small", 1024, "8", "none", 0, "recompute", "length", "all", "device", 0, "auto", "auto", 0, "device", "odd"},
+      {"tiny", 1000, "3", "none", 0, "recompute", "flops", "ln1,ln2,fc_pre", "device", 64, "layer", "auto", 0, "device",
+       "1"},
+      {"tiny", 4096, "8", "0.5", 0, "recompute", "flops", "all", "host", 0, "layer", "auto", 0, "host", "odd"},
+      // With the layers' weights on the host the layer below's come with the first B op of
+      // a rebuilt layer's run.
+      {"small", 1024, "8", "none", 0, "recompute", "length", "all", "host", 0, "layer", "host", 0, "device", "odd"},
+      {"tiny", 1000, "3", "0.3", 0, "device", "flops", "fc_pre,head_grad", "host", 100, "layer", "host", 4, "host",
+       "1,3"},
   };
   for (const PeakCase& c : cases) {
     i64 budget = 0;
@@ -198,6 +212,7 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     o.backward_order = c.backward;
     o.weights = c.weights;
     o.residual_grads = c.residual;
+    o.rebuild_inputs = c.rebuild;
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
@@ -207,7 +222,9 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
                              std::to_string(budget) + " kv-cache " + c.kv_cache + " recompute " + c.recompute +
                              " optimizer state " + c.optimizer +
                              " mlp tiles " + std::to_string(c.mlp_tile_rows) + " backward " + c.backward +
-                             " weights " + c.weights + " residual gradients " + c.residual;
+                             " weights " + c.weights + " residual gradients " + c.residual + " rebuilt inputs " +
+                             c.rebuild;
+    EXPECT_EQ(s.schedule.any_input_rebuilt(), std::string(c.rebuild) != "none") << what;
     EXPECT_EQ(s.schedule.weights_host, std::string(c.weights) == "host") << what;
     EXPECT_EQ(s.schedule.residual_host, std::string(c.residual) == "host") << what;
     if (std::string(c.backward) != "subseq") {

@@ -224,6 +224,79 @@ TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
           }
 }
 
+// Rebuilt layer inputs (Note [Rebuilt layer inputs] in builders.cpp): with the weights on
+// the host the layer below comes with the first B op of a rebuilt layer's run and is not
+// brought again, still two layers at a time; the layouts that cannot rebuild are named.
+TEST(RebuiltInputs, UsesAndRefusals) {
+  MemoryRules rules = tiny_rules();
+  rules.model.layers = 4;
+  rules.optimizer_host = true;
+  const int L = 4;
+  Schedule s = to_layer_major(build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0}));
+  s.inputs_rebuilt = {false, true, false, true};
+  ASSERT_EQ(rebuilt_inputs_error(s), "");
+  ASSERT_TRUE(validate(s, {&rules, 0}).ok()) << validate(s, {&rules, 0}).message();
+  s.weights_host = true;
+  const LayerUses u(s, 0);
+  std::vector<int> below;
+  int brought = 0;
+  for (std::size_t k = 0; k < u.uses().size(); ++k) {
+    const LayerUse& x = u.uses()[k];
+    brought += (x.load_now >= 0) + (x.load_next >= 0) + (x.load_below >= 0);
+    if (x.load_below < 0) continue;
+    below.push_back(x.load_below);
+    EXPECT_TRUE(x.backward && (k == 0 || !u.uses()[k - 1].backward || u.uses()[k - 1].layer != x.layer));
+  }
+  EXPECT_EQ(below, (std::vector<int>{2, 0}));
+  EXPECT_EQ(brought, 3 * L + L - 1) << "each layer once a forward and once in the backward";
+  RankMemory mem(rules, s, 0);
+  std::vector<MemEvent> ev;
+  i64 w = 0, most_w = 0;
+  for (const Op& op : s.ops[0]) {
+    ev.clear();
+    mem.events(op, &ev);
+    std::stable_sort(ev.begin(), ev.end(), [](const MemEvent& a, const MemEvent& b) { return a.at < b.at; });
+    for (const MemEvent& e : ev)
+      if (e.term == MemTerm::LayerWeights) most_w = std::max(most_w, w += e.delta);
+  }
+  EXPECT_EQ(w, 0);
+  EXPECT_EQ(most_w, 2 * mem.layer_copy());
+  ASSERT_TRUE(validate(s, {&rules, 0}).ok()) << validate(s, {&rules, 0}).message();
+
+  auto refused = [&](Schedule t, const std::string& why) {
+    const std::string got = rebuilt_inputs_error(t);
+    EXPECT_NE(got.find(why), std::string::npos) << "'" << got << "' does not say '" << why << "'";
+    EXPECT_FALSE(validate(t).ok()) << why;
+  };
+  Schedule paper = build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0});
+  paper.inputs_rebuilt = s.inputs_rebuilt;
+  refused(paper, "use --backward-order layer");
+  Schedule first = s;
+  first.inputs_rebuilt = {true, false, false, false};
+  refused(first, "the first layer's input has no layer below");
+  Schedule chain = s;
+  chain.inputs_rebuilt = {false, true, true, false};
+  refused(chain, "the layer below (1) must keep its input");
+  Schedule kv = s;
+  kv.kv_place = {KvPlace::Recompute, KvPlace::Recompute, KvPlace::Recompute, KvPlace::Host};
+  refused(kv, "layer 1: its K/V are recomputed");
+  kv.kv_place = {KvPlace::Host, KvPlace::Host, KvPlace::Recompute, KvPlace::Host};
+  refused(kv, "layer 1: the layer below streams its K/V from the host");
+  PipelineSpec spec;
+  spec.layers = L;
+  spec.pp = 2;
+  spec.lengths = {8, 7};
+  spec.alpha = {0.5, 0.0};
+  Schedule staged = to_layer_major(build_pipeline(spec));
+  staged.inputs_rebuilt = {false, false, true, false};
+  refused(staged, "layer 2 is the first of a pipeline stage");
+  staged.inputs_rebuilt = {false, true, false, true};
+  EXPECT_EQ(rebuilt_inputs_error(staged), "");
+  EXPECT_TRUE(validate(staged, {&rules, 0}).ok()) << validate(staged, {&rules, 0}).message();
+  Schedule tp = expand_tensor_parallel(s, 2);
+  refused(tp, "without --tp and --cp");
+}
+
 // The validator holds a layer-major backward to its order: a layer before the one above
 // it, a backward whose layer was not prefetched back.
 TEST(LayerMajor, ValidatorCatchesItsBreaks) {
