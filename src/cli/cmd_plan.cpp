@@ -57,6 +57,19 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(o.backward_order == "subseq" || o.backward_order == "layer" || o.backward_order == "auto", "options")
       << "--backward-order must be subseq, layer or auto (got '" << o.backward_order << "')";
   r.backward_order = o.backward_order;
+  SPPO_CHECK(o.rebuild_inputs == "none" || o.rebuild_inputs == "odd" || o.rebuild_inputs == "auto", "options")
+      << "--rebuild-inputs must be none, odd or auto (got '" << o.rebuild_inputs << "'); a plan rebuilds every "
+         "other layer's input of each stage, or none";
+  r.rebuild_inputs = o.rebuild_inputs;
+  if (o.rebuild_inputs == "odd") {
+    SPPO_CHECK(o.backward_order != "subseq", "options")
+        << "--rebuild-inputs odd runs the layer below's forward again inside a layer's backward, which only the "
+           "layer-major backward orders so: use --backward-order layer (or auto), or --rebuild-inputs auto";
+    SPPO_CHECK(o.kv_cache != "host", "options")
+        << "--rebuild-inputs odd: the layer below a rebuilt one cannot stream its K/V from the host; use "
+           "--kv-cache device, recompute or auto";
+    r.backward_order = "layer";
+  }
   SPPO_CHECK(o.optimizer_state == "device" || o.optimizer_state == "host" || o.optimizer_state == "auto", "options")
       << "--optimizer-state must be device, host or auto (got '" << o.optimizer_state << "')";
   r.optimizer_state = o.optimizer_state;
@@ -108,6 +121,7 @@ std::string layout_text(const plan::Plan& p) {
   if (p.recompute) os << " recompute " << recompute_tensors_text(p.recompute);
   if (p.mlp_tile_rows) os << " mlp-tiles " << p.mlp_tile_rows;
   if (p.system == "sppo" && p.backward_order == "layer") os << " layer-major";
+  if (p.system == "sppo" && !p.rebuilt_inputs.empty()) os << " rebuilt-inputs " << p.rebuilt_inputs.size();
   if (p.system == "sppo" && p.zero) os << " zero-1";
   if (p.system == "sppo" && p.optimizer_state == "host") os << " optimizer-host";
   if (p.system == "sppo" && p.weights == "host") os << " weights-host";
@@ -334,6 +348,12 @@ void add_plan_commands(CLI::App& app, Commands& out) {
                 "The backward's order (as train --backward-order): subseq (the paper's), layer (the layers from "
                 "the last, one layer's dK/dV sums at a time; not with MSP), or auto (layer only "
                 "where nothing fits otherwise)")
+      ->capture_default_str();
+  p->add_option("--rebuild-inputs", plan.rebuild_inputs,
+                "Whether the plan rebuilds every other layer's input of each stage in the layer-major backward "
+                "(as train --rebuild-inputs: the layer below's forward again inside each backward op): none, odd "
+                "(always; with the layer-major order, K/V not on the host), or auto (where the plans keeping every "
+                "input do not fit or already need the layer-major order)")
       ->capture_default_str();
   p->add_option("--recompute-tensors", plan.recompute_tensors,
                 "Saved tensors backward recomputes (as train --recompute-tensors: tensors or groups ln1, q, "

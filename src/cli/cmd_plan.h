@@ -23,6 +23,7 @@ struct PlanOptions {
   std::string ring_layout = "zigzag";  // zigzag | contiguous
   std::string kv_cache = "auto";    // device | host | recompute | auto (the others where nothing fits on the device)
   std::string backward_order = "auto";  // subseq | layer | auto (layer on one stage where nothing else fits)
+  std::string rebuild_inputs = "auto";  // none | auto (every other layer's, where nothing else fits)
   std::string optimizer_state = "auto";  // device | host | auto (the host where nothing fits with the device)
   std::string weights = "auto";     // device | host | auto (the host where nothing fits with the state alone there)
   std::string recompute_tensors = "auto";  // a list of tensors or groups, none, or auto (the planner's choice)

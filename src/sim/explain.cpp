@@ -116,9 +116,16 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
       if (in_set(set, int(k))) names += (names.empty() ? "" : ", ") + specs[k].name;
     return names;
   };
-  out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
-                 "the block's input, the previous block's output: kept (recomputing it is the whole previous "
-                 "block); offloaded where the device needs the room"});
+  if (p.rebuilt_inputs.empty())
+    out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
+                   "the block's input, the previous block's output: kept (recomputing it is the whole previous "
+                   "block); offloaded where the device needs the room"});
+  else
+    out.push_back({"x", bytes_of(1u << kSavedX),
+                   "every other layer's rebuilt; the rest " + offloaded,
+                   "the block's input, the previous block's output: a rebuilt layer's is made again by the layer "
+                   "below's forward in each of its backward's ops (nothing fits keeping every input); the others "
+                   "kept, offloaded where the device needs the room"});
   // Note [Head size]: q and the output projection are Z A wide where A is not H / Z.
   const bool wide = c.q_width() != c.hidden;
   const std::string costs[] = {"a LayerNorm of x again, elementwise",

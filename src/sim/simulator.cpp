@@ -1055,7 +1055,8 @@ bool Resimulator::replace(Schedule s) {
   bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
               s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute &&
               s.mlp_tile_rows == st.schedule.mlp_tile_rows && s.backward == st.schedule.backward &&
-              s.weights_host == st.schedule.weights_host;
+              s.weights_host == st.schedule.weights_host && s.residual_host == st.schedule.residual_host &&
+              s.inputs_rebuilt == st.schedule.inputs_rebuilt;
   if (same) {
     std::vector<char> ok(size_t(s.ranks), 0);
     for_each_rank(s.ranks, [&](int r) {

@@ -961,6 +961,20 @@ std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vecto
   return out;
 }
 
+// Note [Rebuilt inputs in the search]: rebuilding every other layer's input (Note [Rebuilt
+// layer inputs] in schedule/builders.cpp) frees H e bytes a token of each rebuilt layer
+// (less the K/V it keeps where the others recompute theirs) for a layer's forward more in
+// its backward: it buys memory, and with memory fewer, longer subsequences (each
+// subsequence's backward recomputes or streams the K/V of every earlier one, so near the
+// limit a plan keeping every input runs hundreds of short ones and is several times
+// slower). So it is searched last: where the plans found already run the layer-major order
+// (which only memory makes the planner choose), against them, over the layouts searched
+// last; and where nothing fits keeping every input, over each tier of layouts the
+// searches before it tried (the state on the device, then on the host, then the layers'
+// weights there too). In the layer-major order, with every placement whose K/V are on the
+// device or recomputed, on layouts without TP, rings or MSP. A stage rebuilds its second, fourth, ... layers (those at odd offsets
+// from its first), each from the one below it.
+
 // ---- 2. Placements
 
 // Note [Placing every tensor]: besides alpha, a plan places the K/V of its layers (kept
@@ -996,6 +1010,7 @@ struct Placement {
   SavedSet recompute = 0;
   i64 mlp_tile_rows = 0;
   sched::BackwardOrder backward = sched::BackwardOrder::Subseq;
+  bool rebuilt = false;  // every other layer of a stage rebuilds its input (Plan::rebuilt_inputs)
   bool operator==(const Placement&) const = default;
 };
 
@@ -1010,6 +1025,7 @@ struct PlacementSets {
   Placement first;
   std::vector<Placement> wider;
   std::vector<Placement> layered;  // --backward-order auto: the first and wider in the layer-major order
+  std::vector<Placement> rebuilt;  // the layer-major ones that can rebuild inputs, rebuilding them
 };
 PlacementSets placement_sets(const PlanRequest& req) {
   PlacementSets out;
@@ -1041,8 +1057,37 @@ PlacementSets placement_sets(const PlanRequest& req) {
       out.layered.push_back(pl);
     }
   }
+  // Note [Rebuilt inputs in the search]: in the layer-major order, every placement whose
+  // K/V are not on the host (the layer below a rebuilt one cannot stream them) again with
+  // every other layer's input rebuilt; the rebuilt layers keep the K/V that the others
+  // recompute on the host.
+  if (req.rebuild_inputs == "auto")
+    for (const std::vector<Placement>* from : {&out.layered, &out.wider})
+      for (Placement pl : *from)
+        if (pl.backward == sched::BackwardOrder::Layer && pl.kv != sched::KvPlace::Host) {
+          pl.rebuilt = true;
+          if (std::find(out.rebuilt.begin(), out.rebuilt.end(), pl) == out.rebuilt.end()) out.rebuilt.push_back(pl);
+        }
+  if (req.rebuild_inputs == "auto" && out.first.backward == sched::BackwardOrder::Layer &&
+      out.first.kv != sched::KvPlace::Host) {
+    Placement pl = out.first;
+    pl.rebuilt = true;
+    out.rebuilt.insert(out.rebuilt.begin(), pl);
+  }
+  // --rebuild-inputs odd (with --backward-order layer, and K/V not on the host): every
+  // placement rebuilds them.
+  if (req.rebuild_inputs == "odd") {
+    SPPO_ASSERT(out.first.backward == sched::BackwardOrder::Layer && out.first.kv != sched::KvPlace::Host);
+    out.first.rebuilt = true;
+    std::erase_if(out.wider, [](const Placement& pl) { return pl.kv == sched::KvPlace::Host; });
+    for (Placement& pl : out.wider) pl.rebuilt = true;
+    out.layered.clear();
+  }
   return out;
 }
+
+// The layers a stage [b, e) rebuilds the inputs of: every other one from its second.
+bool rebuilt_in_stage(int l, int b) { return l > b && (l - b) % 2 == 1; }
 
 // What a layout can recompute: the attention needs a rank's whole rows (no ring, no MSP),
 // head_grad a stage's own head (no MSP: Note [The loss in backward] in core/layout.h). A
@@ -1060,9 +1105,19 @@ plan::Plan placed(const PlanRequest& req, plan::Plan p, const Placement& pl) {
   p.recompute = pl.recompute & runnable(req, p);
   p.mlp_tile_rows = pl.mlp_tile_rows;
   p.backward_order = sched::to_string(pl.backward);
+  std::vector<char> rebuilt(std::size_t(req.model.layers), 0);
+  if (pl.rebuilt) {
+    int b = 0;
+    for (int n : p.stage_layers) {
+      for (int l = b; l < b + n; ++l)
+        if (rebuilt_in_stage(l, b)) rebuilt[std::size_t(l)] = 1, p.rebuilt_inputs.push_back(l);
+      b += n;
+    }
+  }
   for (int l = 0; l < req.model.layers; ++l) {
-    if (pl.kv == sched::KvPlace::Host) p.kv_host_layers.push_back(l);
-    if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
+    const bool host = pl.kv == sched::KvPlace::Host || (pl.kv == sched::KvPlace::Recompute && rebuilt[std::size_t(l)]);
+    if (host) p.kv_host_layers.push_back(l);
+    else if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
   }
   return p;
 }
@@ -1080,13 +1135,16 @@ bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
   if (pl.mlp_tile_rows > 0 &&
       (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
     return false;
+  // Rebuilt inputs (Note [Rebuilt layer inputs]): without TP, rings and MSP.
+  if (pl.rebuilt && (p.tp > 1 || p.sp > 1 || req.msp == 1)) return false;
   if (pl.kv != sched::KvPlace::Recompute) return true;
   return req.msp != 1 && p.tp == 1 && p.sp == 1;
 }
 
 // A candidate's (layout variant, K/V placement, recomputed set, MLP tile rows): what the
 // pruning of the alpha pass tells candidates apart by. The variant is the layout's index
-// times two, plus one with MSP, times two, plus one in the layer-major backward order.
+// times two, plus one with MSP, times two, plus one rebuilding inputs, times two, plus one
+// in the layer-major backward order.
 using FloorKey = std::tuple<std::size_t, int, SavedSet, i64>;
 // The candidates searched so far: a FloorKey and whether the optimizer state is on the host.
 // (variant, K/V place, recompute set, MLP tile rows, where the state and weights are: 0
@@ -1138,7 +1196,7 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
         const plan::Plan& p = cand.plan;
         // A set the layout cannot recompute whole may equal one already tried there.
         const bool layer = pl.backward == sched::BackwardOrder::Layer;
-        const std::size_t variant = (base * 2 + (msp ? 1 : 0)) * 2 + (layer ? 1 : 0);
+        const std::size_t variant = ((base * 2 + (msp ? 1 : 0)) * 2 + (pl.rebuilt ? 1 : 0)) * 2 + (layer ? 1 : 0);
         if (layer && settled.count({variant - 1, int(pl.kv), p.recompute, pl.mlp_tile_rows})) continue;
         if (msp && p.weights == "host") continue;  // a helper borrows a stage's weights whole
         if (!tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_where).second) continue;
@@ -1192,7 +1250,13 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
   const bool kv_kept = pl.kv != sched::KvPlace::Recompute;
   const i64 sums_pt = kv_kept ? ctx.acc_pt : i64(c.hidden) * rules.accum_bytes;
   const i64 per_token = ctx.unit_pt(p.recompute) + (kv_kept ? ctx.kv_pt : 0) + (layer_major ? 0 : sums_pt);
-  const i64 once_pt = layer_major ? sums_pt : 0;  // a token's sums of the one layer alive
+  // A token's sums of the one layer alive; with rebuilt inputs a rebuilt layer's K/V are
+  // on the host, its sums those of a Host layer (the lesser of the two kinds counts).
+  const i64 once_pt = !layer_major ? 0 : pl.rebuilt && !kv_kept ? std::min(sums_pt, ctx.acc_pt) : sums_pt;
+  // Note [Rebuilt layer inputs]: a rebuilt layer keeps no x but keeps its K/V (those the
+  // placement recomputes, on the host).
+  const i64 rebuilt_pt = i64(c.hidden) * rules.act_bytes() - (kv_kept ? 0 : ctx.kv_pt);
+  const auto rebuilt_of = [&](int n) { return pl.rebuilt ? i64(n / 2) : 0; };
   const i64 head_grad_pt = in_set(p.recompute, kSavedHeadGrad) ? 0 : i64(c.hidden) * rules.act_bytes();
   // Stage by stage: its weights (tensor parallelism divides them and the K/V by heads;
   // member 0's shards are the largest); the device holds them with the K/V and the
@@ -1223,7 +1287,9 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
         if (k < N - 1) held += p.lengths[std::size_t(k)];
       held /= p.sp;
     }
-    const i64 saved = (i64(n) * per_token + once_pt + (end == c.layers ? head_grad_pt : 0)) * held / p.tp;
+    const i64 saved =
+        (i64(n) * per_token - rebuilt_of(n) * rebuilt_pt + once_pt + (end == c.layers ? head_grad_pt : 0)) * held /
+        p.tp;
     const i64 spilled = std::max<i64>(0, weights + saved - ctx.budget);
     host = std::max(host, ctx.host_fixed(params, shards, state_host) + spilled);
     first = end;
@@ -1242,7 +1308,8 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
       layer += (ctx.cost.layer_recompute_s(o, whole, p.recompute, kv_rc, false, p.tp) +
                 ctx.cost.layer_recompute_s(o, whole, p.recompute, kv_rc, true, p.tp)) / p.sp;
     }
-    compute += n_s * layer;
+    // A rebuilt layer's backward runs the layer below's forward again.
+    compute += n_s * layer + double(rebuilt_of(n_s)) * ctx.cost.layer_forward_s(o, l);
     o += l;
   }
   const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
@@ -1551,6 +1618,14 @@ void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best)
     best.notes.push_back(std::string("the backward runs a layer at a time, one layer's dK/dV sums alive (") +
                          (req.backward_order == "layer" ? "--backward-order layer" : why_wider) +
                          "; train --backward-order layer)");
+  if (!best.rebuilt_inputs.empty()) {
+    std::string layers;
+    for (int l : best.rebuilt_inputs) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+    best.notes.push_back("the inputs of layers " + layers + " rebuilt: their forward drops them, and each of their "
+                         "backward's ops runs the layer below's forward again to make them (no plan keeping every "
+                         "input fits; a layer's forward more per rebuilt layer; train --rebuild-inputs " + layers +
+                         ")");
+  }
   if (best.zero == 1)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
                          " ranks of each stage's gradient all-reduce");
@@ -1630,19 +1705,36 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   if (!wider.empty()) search(ctx, layouts, wider, false, st.fits.empty() ? 0 : kMspWiderTasks, st);
   if (!layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
   // Where nothing fitted: the same placements again over layouts that keep less on the device.
-  const auto search_again = [&](const std::vector<plan::Plan>& moved, const char* what) {
+  const auto search_again = [&](const std::vector<plan::Plan>& moved, const std::string& what) {
     if (moved.empty()) return;
     st.another_placement(what);
     search(ctx, moved, {first}, false, 0, st);
     if (st.fits.empty() && !wider.empty()) search(ctx, moved, wider, false, 0, st);
     if (st.fits.empty() && !layered.empty()) search(ctx, moved, layered, false, 0, st, true);
   };
+  // The layouts searched, each keeping less on the device than the one before.
+  std::vector<std::pair<std::vector<plan::Plan>, std::string>> tiers = {{layouts, ""}};
   if (st.fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
     for (plan::Plan& p : layouts) p.optimizer_state = "host";
     search_again(layouts, "the optimizer state on the host");
+    tiers.push_back({layouts, "the optimizer state on the host"});
   }
-  if (st.fits.empty() && req.weights == "auto" && req.optimizer_state != "device")  // Note [Weights in the search]
-    search_again(weights_on_host(req, layouts), "the optimizer state and the layers' weights on the host");
+  if (st.fits.empty() && req.weights == "auto" && req.optimizer_state != "device") {  // Note [Weights in the search]
+    tiers.push_back({weights_on_host(req, layouts), "the optimizer state and the layers' weights on the host"});
+    search_again(tiers.back().first, tiers.back().second);
+  }
+  // Note [Rebuilt inputs in the search]: where nothing fits keeping every layer's input,
+  // every other layer's rebuilt, over each tier of layouts in turn; where the plans that
+  // fit already run the layer-major order, over the last tier, against them.
+  const auto layer_major = [](const Candidate& f) { return f.plan.backward_order == "layer"; };
+  if (!st.fits.empty() && std::any_of(st.fits.begin(), st.fits.end(), layer_major) && !tiers.back().first.empty())
+    search(ctx, tiers.back().first, placements.rebuilt, false, 0, st, true);
+  for (const auto& [tier, what] : tiers) {
+    if (!st.fits.empty() || placements.rebuilt.empty() || tier.empty()) break;
+    st.another_placement(what.empty() ? "every other layer's input rebuilt"
+                                      : what + " and every other layer's input rebuilt");
+    search(ctx, tier, placements.rebuilt, false, 0, st, true);
+  }
   return rank_pass(ctx, st, first_best);
 }
 

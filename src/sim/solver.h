@@ -172,6 +172,12 @@ struct PlanRequest {
   // The backward's order (--backward-order): "subseq", "layer" (one pipeline stage), or
   // "auto": the paper's order, and the layers' on one stage where nothing else fits.
   std::string backward_order = "auto";
+  // Layers whose inputs are rebuilt (--rebuild-inputs, Note [Rebuilt layer inputs] in
+  // schedule/builders.cpp): "none"; "odd": every other layer of each stage, in every plan
+  // (with backward_order "layer", K/V not on the host); or "auto": those, where the plans
+  // that keep them do not fit or need the layer-major order (Note [Rebuilt inputs in the
+  // search] in solver.cpp).
+  std::string rebuild_inputs = "auto";
   // The kernels' scratch on the profile's backend (plan::Plan::block_scratch, head_scratch).
   KernelScratch block_scratch, head_scratch;
 };

@@ -144,6 +144,39 @@ TEST(PlanCli, WeightsOnTheHostReachTheRunAsPlanned) {
   EXPECT_EQ(summary["measured_peak_device_bytes"].get<long long>(), host_peak);
 }
 
+// --rebuild-inputs odd: the plan names every other layer of its stage, and train --plan runs
+// it with the device peak it predicted, to the byte.
+TEST(PlanCli, RebuiltInputsReachTheRunAsPlanned) {
+  io::TempDir tmp("sppo-plan-rebuilt");
+  const std::string profile = cpu_profile(tmp), planned = tmp.path() + "/plan.json";
+  auto r = testing::run_command(testing::sppo_binary() + " plan --model medium --seq-len 1024 --gpus 1 "
+                                "--gpus-per-node 1 --hardware " + profile + " --rebuild-inputs odd --kv-cache "
+                                "recompute --out " + planned + " 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream in(planned);
+  const nlohmann::json p = nlohmann::json::parse(in);
+  EXPECT_EQ(p["rebuilt_inputs"], nlohmann::json::parse("[1, 3]"));
+  EXPECT_EQ(p["kv_host_layers"], nlohmann::json::parse("[1, 3]"));
+  EXPECT_EQ(p["kv_recompute_layers"], nlohmann::json::parse("[0, 2]"));
+  EXPECT_EQ(p["backward_order"], "layer");
+  const long long peak = p["predicted"]["peak_device_bytes"].get<long long>();
+  const std::string metrics = tmp.path() + "/m.jsonl";
+  r = testing::run_command(testing::sppo_binary() + " train --plan " + planned + " --hardware " + profile +
+                           " --steps 1 --threads 1 --metrics " + metrics + " 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json summary = metrics_summary(metrics);
+  ASSERT_FALSE(summary.is_null()) << r.output;
+  EXPECT_EQ(summary["predicted_peak_device_bytes"].get<long long>(), peak);
+  EXPECT_EQ(summary["measured_peak_device_bytes"].get<long long>(), peak);
+  for (const char* bad : {"--rebuild-inputs odd --backward-order subseq", "--rebuild-inputs odd --kv-cache host",
+                          "--rebuild-inputs sideways"}) {
+    const auto e = testing::run_command(testing::sppo_binary() + " plan --model medium --seq-len 1024 --gpus 1 " +
+                                        bad + " 2>&1");
+    EXPECT_EQ(e.status, 2) << bad << "\n" << e.output;
+    EXPECT_NE(e.output.find("--rebuild-inputs"), std::string::npos) << e.output;
+  }
+}
+
 TEST(PlanCli, ExplainPrintsTheTableAfterThePlan) {
   const auto r = testing::run_command(testing::sppo_binary() + kPlan + "--explain 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;

@@ -271,6 +271,45 @@ TEST(Solver, WeightsOnTheHostWhereTheStateAloneThereDoesNotFit) {
   EXPECT_FALSE(device.ok);
 }
 
+// Note [Rebuilt inputs in the search]: llama-3-8b at 1M tokens on one H200 (the profile's
+// 256 GiB of host memory) fits only rebuilding every other layer's input; the plan carries
+// the rebuilt layers, the rebuilt layers keep the K/V the others recompute on the host, and
+// its schedule simulates as planned. At 944K, which fits keeping every input, the rebuilt
+// plan runs longer subsequences and is faster.
+TEST(Solver, RebuiltInputsWhereKeepingThemDoesNotFit) {
+  sim::PlanRequest req = request("llama-3-8b", i64(1) << 20, 1, "sppo");  // a GPU of a node of 8
+  req.hw = load_profile("h200");
+  req.hardware = "h200";
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  std::vector<int> odd;
+  for (int l = 1; l < 32; l += 2) odd.push_back(l);
+  EXPECT_EQ(p.rebuilt_inputs, odd);
+  EXPECT_EQ(p.backward_order, "layer");
+  for (int l : odd) {
+    EXPECT_EQ(std::count(p.kv_recompute_layers.begin(), p.kv_recompute_layers.end(), l), 0) << l;
+  }
+  EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
+  EXPECT_LE(p.predicted.peak_host_bytes, req.hw.host_memory);
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(to_json(q), to_json(p));
+  const auto r = sim::simulate_plan(q, req.hw);
+  EXPECT_EQ(r.peak_device_bytes, p.predicted.peak_device_bytes);
+  EXPECT_EQ(r.peak_host_bytes, p.predicted.peak_host_bytes);
+  req.rebuild_inputs = "none";
+  const auto kept = sim::solve_plan(req);
+  EXPECT_FALSE(kept.ok);
+  req.seq_len = 944 * 1024;
+  const auto keeping = sim::solve_plan(req);
+  req.rebuild_inputs = "auto";
+  const auto rebuilding = sim::solve_plan(req);
+  ASSERT_TRUE(keeping.ok && rebuilding.ok) << keeping.error << rebuilding.error;
+  EXPECT_TRUE(keeping.plan.rebuilt_inputs.empty());
+  EXPECT_FALSE(rebuilding.plan.rebuilt_inputs.empty());
+  EXPECT_GT(rebuilding.plan.predicted.tokens_per_gpu_per_s, 1.5 * keeping.plan.predicted.tokens_per_gpu_per_s);
+}
+
 // Note [Optimizer state under a budget]: when nothing fits with the state on the device,
 // the host-state search rules layouts out by their device-state floors less their AdamW
 // bytes rather than building their schedules again. The closest layout it then names, and
