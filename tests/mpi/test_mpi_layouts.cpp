@@ -421,6 +421,26 @@ TEST_F(Layouts, WeightsOnTheHost) {
   }
 }
 
+// Rebuilt layer inputs (--rebuild-inputs, Note [Rebuilt layer inputs] in
+// schedule/builders.cpp) inside each pipeline stage and on replicas, with K/V recomputed
+// below and on the host at the rebuilt layers, on the device, and with the layers' weights
+// on the host: the gradients are one process's and the peaks the memory model's. A stage's
+// first layer, and a ring, are refused before any work.
+TEST_F(Layouts, RebuiltInputs) {
+  check(2, "--pp 2 --subseqs 3 --offload 0.5 --kv-cache recompute --rebuild-inputs odd", "ref1");
+  check_peaks(2, "--pp 2 --subseqs 4 --kv-cache recompute --recompute-tensors all --rebuild-inputs odd", "ref1",
+              kModel, true);
+  check_peaks(2, "--pp 2 --subseqs 3 --kv-cache device --rebuild-inputs odd --weights host", "ref1", kModel, true);
+  check_peaks(2, "--dp 2 --subseqs 3 --kv-cache recompute --rebuild-inputs 1,3", "ref2", kModel, true);
+  for (const auto& [layout, says] :
+       {std::pair<std::string, std::string>{"--pp 2 --rebuild-inputs 2", "is the first of a pipeline stage"},
+        {"--cp 2 --rebuild-inputs odd", "they run without --tp and --cp"}}) {
+    const auto r = mpirun(2, "grads " + kModel + " " + layout + " --kv-cache device --out " + tmp_->path() + "/refused");
+    EXPECT_EQ(r.status, 2) << layout << "\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << r.output;
+  }
+}
+
 // MLP tiles (--mlp-tile-rows, Note [MLP tiles] in core/layout.h) with fc_pre kept and
 // recomputed a tile at a time: N 1, 3, 8 on a pipeline of 2 stages and a ring of 2 ranks,
 // and MSP pieces.
