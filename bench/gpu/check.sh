@@ -90,7 +90,8 @@ fi
 # (grads/) and the Llama block (llama/: RMSNorm, SwiGLU, RoPE, grouped-query attention).
 modes=("--subseqs 4 --offload 0.5" "--subseqs 5 --partition flops --offload full" "--subseqs 3 --offload adaptive"
        "--recompute" "--subseqs 4 --kv-cache host" "--subseqs 3 --kv-cache recompute --offload 0.5"
-       "--subseqs 3 --recompute-tensors attention,fc_pre --mlp-tile-rows 128")
+       "--subseqs 3 --recompute-tensors attention,fc_pre --mlp-tile-rows 128"
+       "--subseqs 3 --offload 0.5 --kv-cache recompute --recompute-tensors all --rebuild-inputs odd")
 for family in grads llama; do
   if [ $family = grads ]; then shape=("${SMALL[@]}"); else shape=("${LLAMA[@]}"); fi
   section "${family}_cpu" 120 "$SPPO" grads "${shape[@]}" --backend cpu --out "$OUT/$family/cpu"
@@ -148,8 +149,9 @@ section curve_weights_host 120 "$SPPO" train "${LCURVE[@]}" "${BF16[@]}" "${WHOS
 
 # The budget: a run at exactly the predicted peak fits; one byte less is refused (exit 3).
 # The placement is pinned: with --kv-cache and --recompute-tensors auto a smaller budget
-# moves K/V or saved tensors off the device instead of refusing.
-PIN=(--kv-cache device --recompute-tensors none)
+# moves K/V or saved tensors off the device instead of refusing, and with --backward-order
+# auto it runs the layer-major order.
+PIN=(--kv-cache device --recompute-tensors none --backward-order subseq)
 section budget_probe 60 "$SPPO" train "${SMALL[@]}" "${BACKEND[@]}" "${PIN[@]}" --subseqs 4 --offload 0.5 --steps 1 --quiet \
   --metrics "$OUT/parts/budget_probe.jsonl"
 peak=$($PY -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]['predicted_peak_device_bytes'])" \

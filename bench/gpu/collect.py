@@ -95,7 +95,7 @@ for family in ("grads", "llama"):
     vs_cpu = grad_error(os.path.join(g, "cpu"), os.path.join(g, "whole"))
     vs_cpu["pass"] = vs_cpu.get("worst_grad_rel", 1) < 1e-4 and vs_cpu.get("loss_rel", 1) < 1e-4
     modes = {}
-    for k in range(7):
+    for k in range(8):
         e = grad_error(os.path.join(g, "whole"), os.path.join(g, "mode%d" % k))
         e["pass"] = e.get("worst_grad_rel", 1) < 1e-5 and e.get("loss_rel", 1) < 1e-5
         modes["mode%d" % k] = e
@@ -130,7 +130,7 @@ cudnn = {}
 for family in ("grads", "llama"):
     g = os.path.join(out_dir, "cudnn", family)
     cudnn[family] = {"whole_vs_own": bf16_check(os.path.join(g, "own"), os.path.join(g, "whole"))}
-    for k in range(7):
+    for k in range(8):
         cudnn[family]["mode%d" % k] = bf16_check(os.path.join(g, "whole"), os.path.join(g, "mode%d" % k))
 cudnn["packed_vs_own"] = bf16_check(os.path.join(out_dir, "cudnn", "packed", "own"),
                                     os.path.join(out_dir, "cudnn", "packed", "lib"))
