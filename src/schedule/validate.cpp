@@ -314,8 +314,9 @@ std::string rebuilt_inputs_error(const Schedule& s) {
       return at + "its K/V are recomputed from its input of every earlier subsequence, which it does not keep; "
                   "keep its K/V on the device or the host (--kv-cache device|host)";
     if (s.kv_at(l - 1) == KvPlace::Host)
-      return at + "the layer below streams its K/V from the host, which its forward again does not; keep them "
-                  "on the device or recompute them (--kv-cache device|recompute)";
+      return at + "the layer below streams its K/V from the host, and its forward run again reads them from the "
+                  "device or recomputes them; keep them on the device or recompute them (--kv-cache "
+                  "device|recompute)";
   }
   for (const auto& ops : s.ops)  // a layout's checks may come before its ops
     for (const Op& op : ops) {

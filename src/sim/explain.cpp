@@ -124,8 +124,8 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
     out.push_back({"x", bytes_of(1u << kSavedX),
                    "every other layer's rebuilt; the rest " + offloaded,
                    "the block's input, the previous block's output: a rebuilt layer's is made again by the layer "
-                   "below's forward in each of its backward's ops (nothing fits keeping every input); the others "
-                   "kept, offloaded where the device needs the room"});
+                   "below's forward in each of its backward's ops (the notes say why); the others kept, offloaded "
+                   "where the device needs the room"});
   // Note [Head size]: q and the output projection are Z A wide where A is not H / Z.
   const bool wide = c.q_width() != c.hidden;
   const std::string costs[] = {"a LayerNorm of x again, elementwise",

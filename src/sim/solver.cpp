@@ -972,8 +972,8 @@ std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vecto
 // last; and where nothing fits keeping every input, over each tier of layouts the
 // searches before it tried (the state on the device, then on the host, then the layers'
 // weights there too). In the layer-major order, with every placement whose K/V are on the
-// device or recomputed, on layouts without TP, rings or MSP. A stage rebuilds its second, fourth, ... layers (those at odd offsets
-// from its first), each from the one below it.
+// device or recomputed, on layouts without TP, rings or MSP. A stage rebuilds its second,
+// fourth, ... layers (those at odd offsets from its first), each from the one below it.
 
 // ---- 2. Placements
 
@@ -1582,7 +1582,7 @@ std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchS
 // The notes that explain the best plan: how its layout runs, and why it places what it
 // does where that is not K/V on the device with nothing more recomputed (`first_best`:
 // tokens/GPU/s of the best plan of the first placement, 0 where none fits).
-void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best) {
+void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best, double kept_best) {
   const PlanRequest& req = ctx.req;
   if (best.sp * best.tp * best.pp > ctx.gpn)
     best.notes.push_back("pipeline stages span nodes (SP stays inside a node)");
@@ -1621,10 +1621,14 @@ void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best)
   if (!best.rebuilt_inputs.empty()) {
     std::string layers;
     for (int l : best.rebuilt_inputs) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+    char kept[120];
+    std::snprintf(kept, sizeof kept, "faster than the best plan keeping every input, %.1f tokens/GPU/s", kept_best);
+    const std::string why = req.rebuild_inputs == "odd" ? "--rebuild-inputs odd"
+                            : kept_best > 0             ? kept
+                                                        : "no plan keeping every input fits";
     best.notes.push_back("the inputs of layers " + layers + " rebuilt: their forward drops them, and each of their "
-                         "backward's ops runs the layer below's forward again to make them (no plan keeping every "
-                         "input fits; a layer's forward more per rebuilt layer; train --rebuild-inputs " + layers +
-                         ")");
+                         "backward's ops runs the layer below's forward again to make them (" + why +
+                         "; a layer's forward more per rebuilt layer; train --rebuild-inputs " + layers + ")");
   }
   if (best.zero == 1)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
@@ -1678,7 +1682,11 @@ PlanOutcome rank_pass(const SearchContext& ctx, SearchState& st, double first_be
   plan::Plan best = *std::max_element(finalists.begin(), finalists.end(), [](const plan::Plan& a, const plan::Plan& b) {
     return a.predicted.tokens_per_gpu_per_s < b.predicted.tokens_per_gpu_per_s;
   });
-  explain_best(ctx, best, first_best);
+  // The best plan keeping every layer's input, where one fitted (its tokens/GPU/s as searched).
+  double kept_best = 0;
+  for (const Candidate& f : fits)
+    if (f.plan.rebuilt_inputs.empty()) kept_best = std::max(kept_best, ctx.tput(f.plan, f.alpha.step_time_s));
+  explain_best(ctx, best, first_best, kept_best);
   out.ok = true;
   out.plan = best;
   return out;
