@@ -588,11 +588,7 @@ class SetupBuilder {
     probe.inputs_rebuilt = rebuilt;
     const std::string why = sched::rebuilt_inputs_error(probe);
     SPPO_CHECK(why.empty(), "options") << why;
-    sched::PipelineSpec stages;
-    stages.layers = L;
-    stages.pp = shape_.pp;
-    stages.stage_layers = shape_.stage_layers;
-    for (const auto& [b, e] : sched::stage_ranges(stages))
+    for (const auto& [b, e] : stages())
       SPPO_CHECK(!rebuilt[std::size_t(b)], "options")
           << "--rebuild-inputs: layer " << b << " is the first of a pipeline stage, whose layer below runs on "
              "another rank; name layers inside the stages (odd, with stages of even lengths)";
@@ -601,14 +597,18 @@ class SetupBuilder {
   std::vector<sched::KvPlace> all_layers(sched::KvPlace p) const {
     return std::vector<sched::KvPlace>(std::size_t(s_.config.layers), p);
   }
+  // The layers [begin, end) of each pipeline stage of the shape.
+  std::vector<std::pair<int, int>> stages() const {
+    sched::PipelineSpec spec;
+    spec.layers = s_.config.layers;
+    spec.pp = shape_.pp;
+    spec.stage_layers = shape_.stage_layers;
+    return sched::stage_ranges(spec);
+  }
   // The K/V of the first `per_stage` layers of every stage on the host.
   std::vector<sched::KvPlace> host_layers(int per_stage) const {
     std::vector<sched::KvPlace> host(std::size_t(s_.config.layers), sched::KvPlace::Device);
-    sched::PipelineSpec stages;
-    stages.layers = s_.config.layers;
-    stages.pp = shape_.pp;
-    stages.stage_layers = shape_.stage_layers;
-    for (const auto& [b, e] : sched::stage_ranges(stages))
+    for (const auto& [b, e] : stages())
       for (int l = b; l < std::min(e, b + per_stage); ++l) host[std::size_t(l)] = sched::KvPlace::Host;
     return host;
   }
