@@ -577,21 +577,10 @@ class SetupBuilder {
       if (rebuilt[std::size_t(l)] && shape_.kv_place[std::size_t(l)] == sched::KvPlace::Recompute)
         shape_.kv_place[std::size_t(l)] = sched::KvPlace::Host;
     shape_.inputs_rebuilt = rebuilt;
-    // The layout's own checks (the schedule's, before any is built).
-    sched::Schedule probe;
-    probe.layers = L;
-    probe.tp = shape_.tp;
-    probe.ring = shape_.sp;
-    probe.backward = shape_.backward;
-    probe.weights_host = shape_.weights_host;
-    probe.kv_place = shape_.kv_place;
-    probe.inputs_rebuilt = rebuilt;
-    const std::string why = sched::rebuilt_inputs_error(probe);
+    // The schedule's own checks, on this layout's schedule of one subsequence (its stages
+    // and placements are the step's), before any work.
+    const std::string why = sched::rebuilt_inputs_error(sim::build_step(s_.config, {S_}, {0.0}, shape_));
     SPPO_CHECK(why.empty(), "options") << why;
-    for (const auto& [b, e] : stages())
-      SPPO_CHECK(!rebuilt[std::size_t(b)], "options")
-          << "--rebuild-inputs: layer " << b << " is the first of a pipeline stage, whose layer below runs on "
-             "another rank; name layers inside the stages (odd, with stages of even lengths)";
   }
 
   std::vector<sched::KvPlace> all_layers(sched::KvPlace p) const {
