@@ -67,7 +67,7 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
 
 SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
                             const ModelConfig& c, i64 S, int N, i64 budget,
-                            const plan::HardwareProfile& hw, const sim::StepShape& shape) {
+                            const plan::HardwareProfile& hw, const sim::StepShape& shape, bool hint) {
   SPPO_CHECK(partition == "length" || partition == "flops" || partition == "adaptive", "options")
       << "--partition '" << partition << "' is unknown; use length, flops or adaptive";
   double ratio = 0;
@@ -91,27 +91,28 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
   }
 
   if (budget > 0 && ch.predicted_peak_bytes > budget) {
+    const std::string over = "--subseqs " + std::to_string(N) + " --offload " + offload + " needs " +
+                             format_bytes(double(ch.predicted_peak_bytes)) + " (" +
+                             std::to_string(ch.predicted_peak_bytes) + " B) of device memory, over the " +
+                             "--device-memory budget of " + format_bytes(double(budget));
+    SPPO_CHECK_FITS(hint, "memory") << over;
     const auto fit = sim::smallest_fitting_n(c, S, measured, shape.precision, budget, partition != "length",
                                              1, int(std::min<i64>(S, 4096)), shape, kTileTokens);
-    std::string hint;
+    std::string what_fits;
     if (fit.found)
-      hint = "the smallest that fits is --subseqs " + std::to_string(fit.subseqs) +
-             " --offload adaptive (predicted peak " + format_bytes(double(fit.alpha.peak_device_bytes)) + ")";
+      what_fits = "the smallest that fits is --subseqs " + std::to_string(fit.subseqs) +
+                  " --offload adaptive (predicted peak " + format_bytes(double(fit.alpha.peak_device_bytes)) + ")";
     else if (hw.host_memory > 0 && fit.least_peak_bytes <= budget)
-      hint = "nothing fits both budgets: the N that fit the device budget offload more than the host memory of " +
+      what_fits = "nothing fits both budgets: the N that fit the device budget offload more than the host memory of " +
              format_bytes(double(hw.host_memory)) + " (--host-memory) holds; raise --host-memory or --device-memory";
     else
-      hint = "nothing fits: the least any N and offload needs is " +
+      what_fits = "nothing fits: the least any N and offload needs is " +
              format_bytes(double(fit.least_peak_bytes)) + " (at --subseqs " +
              std::to_string(fit.least_peak_subseqs) +
              (shape.kv_place.empty() ? "), since K/V and their gradients stay on the device; --kv-cache host or "
                                        "recompute keeps them off it, or shorten --seq-len or raise --device-memory"
                                      : "); shorten --seq-len or raise --device-memory");
-    SPPO_CHECK_FITS(false, "memory") << "--subseqs " << N << " --offload " << offload << " needs "
-                                << format_bytes(double(ch.predicted_peak_bytes)) << " ("
-                                << ch.predicted_peak_bytes << " B) of device memory, over the "
-                                << "--device-memory budget of " << format_bytes(double(budget))
-                                << "; " << hint;
+    SPPO_CHECK_FITS(false, "memory") << over << "; " << what_fits;
   }
   return ch;
 }

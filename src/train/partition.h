@@ -32,9 +32,10 @@ struct SubseqChoice {
 // budget]): nothing when everything fits, else the least that fits, hidden behind compute
 // where possible. `paper`: the paper's rule (sim/solver.h paper_alpha), whatever the
 // budget. A budget that cannot hold the choice throws sppo::Error naming the bytes
-// needed and the smallest N and offload that would fit, or that nothing does.
+// needed and, with `hint`, the smallest N and offload that would fit, or that nothing
+// does (a search over N: a caller that drops the error asks for none).
 SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
                             const ModelConfig& c, i64 S, int N, i64 budget,
-                            const plan::HardwareProfile& hw, const sim::StepShape& shape = {});
+                            const plan::HardwareProfile& hw, const sim::StepShape& shape = {}, bool hint = true);
 
 }  // namespace sppo

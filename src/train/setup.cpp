@@ -628,9 +628,11 @@ class SetupBuilder {
         N = 1;
       }
       // The simulator does not model recomputation: that baseline is checked by the arena
-      // alone, and has no prediction.
+      // alone, and has no prediction. Under auto only the first refusal is ever shown
+      // (fits()): the later ones skip the search over N that says what would fit.
       SubseqChoice choice =
-          choose_subseqs(o_.partition, o_.offload, c, S_, N, o_.recompute ? 0 : o_.device_memory, hw, shape_);
+          choose_subseqs(o_.partition, o_.offload, c, S_, N, o_.recompute ? 0 : o_.device_memory, hw, shape_,
+                         /*hint=*/!(any_auto_ && first_error_));
       s_.lengths = choice.lengths;
       s_.alpha = choice.alpha;
       s_.profile_measured = s_.profile_measured && !o_.recompute;
