@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -27,12 +28,24 @@ struct Mode {
   std::string kv_cache;           // device | auto (the planner's placement of every layer's K/V)
   std::string recompute_tensors;  // none | auto (train --recompute-tensors)
   std::string backward = "subseq";  // train --backward-order
+  bool host_state = false;  // residual gradients, layers' weights and optimizer state on the host
+  // train --partition: the paper's equal FLOPs, or adaptive: equal FLOPs where they fit and
+  // are no slower, else equal lengths, whose longest subsequence, and so the device's
+  // share of a step, is the shortest
+  std::string partition = "flops";
 };
 
 // sppo_auto: the planner's placements: adaptive offload, each layer's K/V where it fits
 // (device, host, or recomputed) and the saved tensors recomputed where nothing else fits,
 // in the paper's backward order. sppo_layer: the same with the layer-major backward (one
 // layer's dK/dV sums at a time; Note [Layer-major backward] in schedule/builders.cpp).
+// sppo_layer_host: sppo_layer with what else it keeps on the device on the host: the
+// residual gradients waiting between its layers (Note [Residual gradients on the host]),
+// the layers' weights and the optimizer state (Note [Weights on the host]), and the
+// partition adaptive. Equal FLOPs make the first subsequence the longest (S / sqrt(N)
+// tokens), and with everything else on the host that subsequence is what the device
+// holds; the bench also predicts sppo_auto's longest with that partition, so that the
+// two parts of the gain are told apart.
 const Mode kModes[] = {
     {"reference", false, "none", "device", "none"},
     {"recompute", true, "none", "device", "none"},
@@ -40,13 +53,15 @@ const Mode kModes[] = {
     {"sppo_adaptive", false, "adaptive", "device", "none"},
     {"sppo_auto", false, "adaptive", "auto", "auto"},
     {"sppo_layer", false, "adaptive", "auto", "auto", "layer"},
+    {"sppo_layer_host", false, "adaptive", "auto", "auto", "layer", true, "adaptive"},
 };
-constexpr int kAdaptive = 3, kAuto = 4, kLayer = 5;
+constexpr int kAdaptive = 3, kAuto = 4, kLayer = 5, kLayerHost = 6;
 
 struct Point {
   bool ok = false;
   std::string error;
   int subseqs = 1;
+  i64 longest_subseq = 0;  // tokens: the partition's longest subsequence
   double step_s = 0;
   i64 peak = 0, predicted_peak = 0, offloaded = 0;
   i64 host_peak = 0, predicted_host_peak = 0;  // the offloaded copies (and host K/V) on the host
@@ -60,21 +75,26 @@ struct Point {
 
 constexpr int kSubseqCandidates[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512};
 constexpr i64 kLengthQuantum = 256;  // the searches step sequence lengths in these units
+constexpr double kLongStepS = 60;    // a timed point's first step this long is its measurement
 
-StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget,
-                         const std::string& partition) {
+StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget) {
   StepOptions o;
   o.model = b.model;
   o.model_name = b.model_name;
   o.seq_len = S;
   o.data = "repeat";
   o.subseqs = std::to_string(N);
-  o.partition = partition;
+  o.partition = m.partition;
   o.offload = m.offload;
   o.recompute = m.recompute;
   o.kv_cache = m.kv_cache;
   o.recompute_tensors = m.recompute_tensors;
   o.backward_order = m.backward;
+  if (m.host_state) {
+    o.residual_grads = "host";
+    o.weights = "host";
+    o.optimizer_state = "host";
+  }
   o.device_memory = budget;
   o.host_memory = budget > 0 ? b.host_budget : 0;
   o.hardware = b.hardware;
@@ -86,12 +106,12 @@ StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N
 
 // One configuration: set up (the planner refuses what it predicts will not fit), then real
 // steps under the budget (the arena refuses what does not). reps < 0: set up only.
-Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget, int reps,
-                const std::string& partition = "flops") {
+Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 budget, int reps) {
   Point p;
   p.subseqs = N;
   try {
-    StepSetup s = make_setup(step_options(b, m, S, N, budget, partition));
+    StepSetup s = make_setup(step_options(b, m, S, N, budget));
+    p.longest_subseq = *std::max_element(s.lengths.begin(), s.lengths.end());
     p.kv_host_layers = int(std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(), sched::KvPlace::Host));
     p.kv_recompute_layers =
         int(std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(), sched::KvPlace::Recompute));
@@ -109,10 +129,13 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
     init_owned(*s.runtime, 1);  // written through the backend: params() may be device memory
     std::vector<double> times;
     // A probe (reps 0) runs one step and keeps its figures; a timed point discards a
-    // warm-up step first.
-    for (int r = 0; r < reps + 1; ++r) {
+    // warm-up step first, unless that step took kLongStepS or more: what only a first step
+    // pays (the first touch of the arena's and the host pool's pages, the threads' start)
+    // is lost in it, and a second step would double the bench's longest points.
+    bool warm_up = reps > 0;
+    while (int(times.size()) < std::max(reps, 1)) {
       StepResult res = s.runtime->step(s.schedule, tokens.data());
-      if (r == 0 && reps > 0) continue;
+      if (std::exchange(warm_up, false) && res.step_s < kLongStepS) continue;
       times.push_back(res.step_s);
       p.peak = std::max(p.peak, res.device.peak);
       p.host_peak = std::max(p.host_peak, res.host.peak);
@@ -146,10 +169,15 @@ Point fit_at(const BenchModelOptions& b, const Mode& m, i64 S, i64 budget, int r
 // Longest S (in kLengthQuantum steps, at most `cap` when given) at which the mode trains
 // under the budget: doubling, then bisection, each probe a real step, or the prediction
 // when `predicted` (exact to the byte; the caller confirms the answer with a real step).
+// `cap_first`: the cap is probed first, and is the answer where it fits.
 std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 budget, bool predicted = false,
-                              i64 cap = 0) {
+                              i64 cap = 0, bool cap_first = false) {
   // A real step, or the prediction (see the header).
   const int probe = b.backend == "cpu" && !predicted ? 0 : -1;
+  if (cap > 0 && cap_first) {
+    Point p = fit_at(b, m, cap, budget, probe);
+    if (p.ok) return {cap, p};
+  }
   i64 lo = 0, hi = kLengthQuantum;
   Point best;
   for (;;) {
@@ -180,7 +208,8 @@ std::pair<i64, Point> longest(const BenchModelOptions& b, const Mode& m, i64 bud
 }
 
 nlohmann::json point_json(const Point& p) {
-  nlohmann::json j = {{"subseqs", p.subseqs}, {"step_time_s", p.step_s}, {"peak_device_bytes", p.peak},
+  nlohmann::json j = {{"subseqs", p.subseqs}, {"longest_subseq", p.longest_subseq}, {"step_time_s", p.step_s},
+                      {"peak_device_bytes", p.peak},
                       {"predicted_peak_device_bytes", p.predicted_peak}, {"peak_host_bytes", p.host_peak},
                       {"predicted_peak_host_bytes", p.predicted_host_peak}, {"offloaded_bytes", p.offloaded},
                       {"exposed_copy_s", p.exposed}, {"kv_host_layers", p.kv_host_layers},
@@ -194,6 +223,7 @@ nlohmann::json point_json(const Point& p) {
 
 nlohmann::json bench_memory(const BenchModelOptions& given) {
   SPPO_CHECK(given.budget > 0, "bench") << "bench memory needs a device budget (--device-memory)";
+  const auto started = std::chrono::steady_clock::now();
   // On the CPU every mode is priced with one full profile measured here, unless --hardware
   // names one: the quick profile a run measures for itself varies between runs on a shared
   // machine by more than the 15% the comparison at sppo_auto's longest length is held to
@@ -230,15 +260,35 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
   nlohmann::json modes = nlohmann::json::object();
   std::vector<i64> max_len;
   for (const Mode& m : kModes) {
-    // sppo_auto's lengths are probed by prediction, up to 64x sppo_adaptive's, and its
-    // longest confirmed by real steps below.
-    const bool automatic = &m == &kModes[kAuto] || &m == &kModes[kLayer];
-    auto [S, probe] = longest(b, m, b.budget, automatic, automatic ? 64 * max_len[kAdaptive] : 0);
+    const auto mode_started = std::chrono::steady_clock::now();
+    // The lengths of the modes with the planner's placements are probed by prediction, up
+    // to 64x sppo_adaptive's, and their longest confirmed by a real step below.
+    // sppo_layer_host's are probed from twice sppo_auto's, where the search stops if that
+    // fits: a step there is already minutes long (its attention is 4x that at sppo_auto's
+    // longest), and the bench keeps to its 20 minutes.
+    const auto i = &m - kModes;
+    const bool automatic = i >= kAuto;
+    const i64 cap = i == kLayerHost ? 2 * max_len[kAuto] : automatic ? 64 * max_len[kAdaptive] : 0;
+    auto [S, probe] = longest(b, m, b.budget, automatic, cap, i == kLayerHost);
     // Time the longest length properly (the probes ran one step each).
     Point p = S > 0 ? run_point(b, m, S, probe.subseqs, b.budget, b.reps) : Point{};
     max_len.push_back(S);
     nlohmann::json j = {{"max_seq_len", S}, {"step_time_s", p.ok ? nlohmann::json(p.step_s) : nlohmann::json(nullptr)},
-                        {"at_max", point_json(p)}};
+                        {"max_seq_len_is_cap", cap > 0 && S == cap}, {"at_max", point_json(p)}};
+    if (i == kLayerHost) {
+      // Past the cap by prediction alone (no step), up to 64x sppo_adaptive's, and
+      // sppo_auto's with the same partition.
+      const i64 far = 64 * max_len[kAdaptive];
+      const i64 beyond = S == cap ? longest(b, m, b.budget, true, far).first : S;
+      j["predicted_max_seq_len"] = beyond;
+      j["predicted_max_seq_len_is_cap"] = beyond == far;
+      Mode auto_adaptive = kModes[kAuto];
+      auto_adaptive.partition = m.partition;
+      const i64 auto_beyond = longest(b, auto_adaptive, b.budget, true, far).first;
+      modes["sppo_auto"]["predicted_max_seq_len_partition_adaptive"] = auto_beyond;
+      modes["sppo_auto"]["predicted_max_seq_len_partition_adaptive_is_cap"] = auto_beyond == far;
+    }
+    j["search_and_step_s"] = seconds_since(mode_started);
     modes[m.name] = j;
   }
   // Every mode at recompute's longest length; modes that do not fit the budget there run
@@ -277,11 +327,15 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
     j["sppo_auto_measured_over_simulated_at_max"] =
         a["step_time_s"].get<double>() / a["simulated_step_time_s"].get<double>();
   }
-  if (max_len[kAuto] > 0) j["sppo_layer_over_auto_length"] = double(max_len[kLayer]) / double(max_len[kAuto]);
-  if (const auto& a = j["modes"]["sppo_layer"]["at_max"]; a["simulated_step_time_s"].get<double>() > 0) {
-    j["sppo_layer_measured_over_simulated_at_max"] =
-        a["step_time_s"].get<double>() / a["simulated_step_time_s"].get<double>();
+  for (const int i : {kLayer, kLayerHost}) {
+    const std::string name = kModes[i].name;
+    if (max_len[kAuto] > 0) j[name + "_over_auto_length"] = double(max_len[i]) / double(max_len[kAuto]);
+    if (const auto& a = j["modes"][name]["at_max"]; a["simulated_step_time_s"].get<double>() > 0) {
+      j[name + "_measured_over_simulated_at_max"] =
+          a["step_time_s"].get<double>() / a["simulated_step_time_s"].get<double>();
+    }
   }
+  j["bench_s"] = seconds_since(started);  // the whole bench, its profile measurement included
   const auto rc_t = modes["recompute"]["step_time_at_recompute_max_s"], sp_t = modes["sppo_adaptive"]["step_time_at_recompute_max_s"];
   if (rc_t.is_number() && sp_t.is_number()) j["sppo_adaptive_speedup_over_recompute"] = rc_t.get<double>() / sp_t.get<double>();
   return j;
@@ -444,12 +498,14 @@ void print_bench_memory(const nlohmann::json& j) {
   std::printf("| mode | max seq len | N | step s | peak (measured) | peak (predicted) | step s at S=%lld |\n",
               (long long)j["recompute_max_seq_len"].get<i64>());
   std::printf("|---|---|---|---|---|---|---|\n");
-  for (const char* m : {"reference", "recompute", "sppo_none", "sppo_adaptive", "sppo_auto", "sppo_layer"}) {
+  for (const Mode& mode : kModes) {
+    const char* m = mode.name;
     const auto& r = j["modes"][m];
     const auto& a = r["at_max"];
     const auto& rc = r["at_recompute_max"];
     const double predicted = a["predicted_peak_device_bytes"].get<double>();
-    std::printf("| %s | %lld | %d | %.3f | %s | %s | %s%s |\n", m, (long long)r["max_seq_len"].get<i64>(),
+    std::printf("| %s | %s%lld | %d | %.3f | %s | %s | %s%s |\n", m, r.value("max_seq_len_is_cap", false) ? ">= " : "",
+                (long long)r["max_seq_len"].get<i64>(),
                 a["subseqs"].get<int>(), a["step_time_s"].get<double>(),
                 format_bytes(a["peak_device_bytes"].get<double>()).c_str(),
                 predicted > 0 ? format_bytes(predicted).c_str() : "not modelled",
@@ -478,12 +534,35 @@ void print_bench_memory(const nlohmann::json& j) {
   if (j.contains("sppo_layer_measured_over_simulated_at_max"))
     std::printf("at its longest, sppo layer's step took %.3fx the simulated time\n",
                 j["sppo_layer_measured_over_simulated_at_max"].get<double>());
+  if (j.contains("sppo_layer_host_over_auto_length")) {
+    const auto& r = j["modes"]["sppo_layer_host"];
+    const auto& a = r["at_max"];
+    std::printf("sppo layer host (the layer-major backward; residual gradients, weights and optimizer state on the "
+                "host; partition adaptive) trains %s%.2fx sppo auto's length; host peak %s measured, %s predicted\n",
+                r.value("max_seq_len_is_cap", false) ? "at least " : "",
+                j["sppo_layer_host_over_auto_length"].get<double>(),
+                format_bytes(a["peak_host_bytes"].get<double>()).c_str(),
+                format_bytes(a["predicted_peak_host_bytes"].get<double>()).c_str());
+    if (r.contains("predicted_max_seq_len")) {
+      const auto& au = j["modes"]["sppo_auto"];
+      std::printf("predicted longest (no step): sppo layer host %s%lld tokens; sppo auto with its partition (adaptive) "
+                  "%s%lld\n",
+                  r.value("predicted_max_seq_len_is_cap", false) ? "at least " : "",
+                  (long long)r["predicted_max_seq_len"].get<i64>(),
+                  au.value("predicted_max_seq_len_partition_adaptive_is_cap", false) ? "at least " : "",
+                  (long long)au.value("predicted_max_seq_len_partition_adaptive", i64{0}));
+    }
+  }
+  if (j.contains("sppo_layer_host_measured_over_simulated_at_max"))
+    std::printf("at its longest, sppo layer host's step took %.3fx the simulated time\n",
+                j["sppo_layer_host_measured_over_simulated_at_max"].get<double>());
   if (j.contains("sppo_auto_measured_over_simulated_at_max"))
     std::printf("at its longest, sppo auto's step took %.3fx the simulated time\n",
                 j["sppo_auto_measured_over_simulated_at_max"].get<double>());
   if (j.contains("sppo_auto_step_time_over_adaptive_at_its_max"))
     std::printf("at sppo adaptive's longest length, sppo auto takes %.3fx its step time\n",
                 j["sppo_auto_step_time_over_adaptive_at_its_max"].get<double>());
+  if (j.contains("bench_s")) std::printf("the bench took %.1f minutes\n", j["bench_s"].get<double>() / 60);
 }
 
 void print_bench_offload(const nlohmann::json& j) {
