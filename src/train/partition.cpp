@@ -103,15 +103,15 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
       what_fits = "the smallest that fits is --subseqs " + std::to_string(fit.subseqs) +
                   " --offload adaptive (predicted peak " + format_bytes(double(fit.alpha.peak_device_bytes)) + ")";
     else if (hw.host_memory > 0 && fit.least_peak_bytes <= budget)
-      what_fits = "nothing fits both budgets: the N that fit the device budget offload more than the host memory of " +
-             format_bytes(double(hw.host_memory)) + " (--host-memory) holds; raise --host-memory or --device-memory";
+      what_fits = "nothing fits both budgets: the N that fit the device budget offload more than the host memory "
+                  "of " + format_bytes(double(hw.host_memory)) +
+                  " (--host-memory) holds; raise --host-memory or --device-memory";
     else
-      what_fits = "nothing fits: the least any N and offload needs is " +
-             format_bytes(double(fit.least_peak_bytes)) + " (at --subseqs " +
-             std::to_string(fit.least_peak_subseqs) +
-             (shape.kv_place.empty() ? "), since K/V and their gradients stay on the device; --kv-cache host or "
-                                       "recompute keeps them off it, or shorten --seq-len or raise --device-memory"
-                                     : "); shorten --seq-len or raise --device-memory");
+      what_fits = "nothing fits: the least any N and offload needs is " + format_bytes(double(fit.least_peak_bytes)) +
+                  " (at --subseqs " + std::to_string(fit.least_peak_subseqs) +
+                  (shape.kv_place.empty() ? "), since K/V and their gradients stay on the device; --kv-cache host or "
+                                            "recompute keeps them off it, or shorten --seq-len or raise --device-memory"
+                                          : "); shorten --seq-len or raise --device-memory");
     SPPO_CHECK_FITS(false, "memory") << over << "; " << what_fits;
   }
   return ch;
