@@ -45,7 +45,7 @@ sed 's/"mlp_tile_rows":0/"mlp_tile_rows":-3/' plan_tiny.json >plan_tiles.json
 sed 's/"lengths":\[4096\]/"lengths":[4000]/' plan_tiny.json >plan_bad_lengths.json
 sed 's/"lengths":\[4096\]/"lengths":[5000,-904]/; s/"alpha":\[0.0\]/"alpha":[0.0,0.0]/; s/"subseqs":1/"subseqs":2/' \
   plan_tiny.json >plan_negative_length.json
-sed 's/"sp":1/"sp":2147483647/; s/"pp":1/"pp":2147483647/' plan_tiny.json >plan_overflow.json
+sed 's/"cp":1/"cp":2147483647/; s/"pp":1/"pp":2147483647/' plan_tiny.json >plan_overflow.json
 "$sppo" train --model tiny --seq-len 32 --steps 2 --save ckpt --quiet
 model_config='{"vocab":64,"hidden":64,"layers":2,"heads":4}'
 position='{"kind":"repeat","alphabet":32,"seed":1234,"sequence":2}'
@@ -135,9 +135,9 @@ expect "over the --host-memory budget" train --model tiny --seq-len 4096 --subse
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --offload 0.5 --host-memory 1KiB --out g
 expect "over the --host-memory budget" grads --model tiny --seq-len 1024 --subseqs 4 --kv-cache host --host-memory 1KiB --out g
 expect "--kv-cache 'sometimes'" train --model tiny --kv-cache sometimes
-expect "--kv-cache must be device, host, recompute or auto" plan --kv-cache sometimes
+expect "--kv-cache 'sometimes' is unknown; use device, host, recompute or auto" plan --kv-cache sometimes
 expect "--backward-order 'sideways' is unknown; use subseq, layer or auto" train --model tiny --backward-order sideways
-expect "--backward-order must be subseq, layer or auto" plan --backward-order sideways
+expect "--backward-order 'sideways' is unknown; use subseq, layer or auto" plan --backward-order sideways
 expect "names layer 99" train --plan plan_kv_layer.json
 expect "--kv-cache host" train --model tiny --recompute --kv-cache host
 expect "no saved tensor 'fc_post'" train --model tiny --recompute-tensors fc_post
@@ -157,8 +157,8 @@ expect "--residual-grads 'sideways' is unknown; use device or host" train --mode
 expect "it needs --backward-order layer" train --model tiny --residual-grads host --backward-order subseq
 expect "it needs --backward-order layer" grads --model tiny --residual-grads host --backward-order subseq --out g
 expect "it does not run with --recompute" grads --model tiny --weights host --recompute --out g
-expect "'7' is not a layer of the model's 2; use none, odd" train --model tiny --rebuild-inputs 7
-expect "'x' is not a layer of the model's 2" grads --model tiny --rebuild-inputs x --kv-cache device --out g
+expect "--rebuild-inputs names layer 7, not a layer of the model's 2; use none, odd" train --model tiny --rebuild-inputs 7
+expect "'x' is not a layer; use none, odd" grads --model tiny --rebuild-inputs x --kv-cache device --out g
 expect "name where the others keep theirs, --kv-cache device, host or recompute" train --model tiny --rebuild-inputs odd
 expect "only the layer-major backward orders so: use --backward-order layer" train --model tiny --rebuild-inputs odd --kv-cache device --backward-order subseq
 expect "layer 0: the first layer's input has no layer below" train --model tiny --rebuild-inputs 0 --kv-cache device
@@ -167,8 +167,8 @@ expect "the layer below streams its K/V from the host" train --model tiny --rebu
 expect "drop --rebuild-inputs" train --model tiny --rebuild-inputs odd --kv-cache device --recompute
 expect "the weights and gradients) on its fullest rank, over the --host-memory budget" train --model tiny --seq-len 256 --weights host --optimizer-state host --host-memory 64KiB
 expect "--optimizer-state host moves AdamW's m and v" train --model medium --seq-len 4096 --device-memory 20MiB --steps 1
-expect "--optimizer-state must be device, host or auto" plan --optimizer-state sideways
-expect "optimizer_state must be device or host (got 'gpu')" train --plan plan_optimizer.json
+expect "--optimizer-state 'sideways' is unknown; use device, host or auto" plan --optimizer-state sideways
+expect "\"optimizer_state\": optimizer_state 'gpu' is unknown; use device or host" train --plan plan_optimizer.json
 expect "--mlp-tile-rows must be 0 (off) or a positive number of rows (got -4)" train --model tiny --mlp-tile-rows -4
 expect "--mlp-tile-rows must be 0 (off) or a positive number of rows (got -1)" grads --model tiny --mlp-tile-rows -1 --out g
 expect "--mlp-tile-rows" train --model tiny --mlp-tile-rows many
@@ -211,7 +211,7 @@ expect "garbage.json" simulate garbage.json
 expect "JSON object" simulate array.json
 expect "lengths sum to 4000" simulate plan_bad_lengths.json
 expect "lengths[1] = -904" simulate plan_negative_length.json
-expect "sp * pp * dp * tp" simulate plan_overflow.json
+expect "tp * ulysses * cp * pp * dp" simulate plan_overflow.json
 expect "nope" simulate plan_tiny.json --hardware nope
 expect "/nonexistent/dir/x.svg" simulate plan_tiny.json --svg /nonexistent/dir/x.svg
 expect "nope" plan --model nope

@@ -147,8 +147,8 @@ nlohmann::json bench_pipeline(const BenchPipelineOptions& o, comm::Comm& world) 
   const std::string& profile_name = bench.profile_name;
   auto layout = [&](int pp, int dp, int n, const std::string& offload, i64 budget) {
     StepOptions so = base;
-    so.pp = pp;
-    so.dp = dp;
+    so.par.pp = pp;
+    so.par.dp = dp;
     so.subseqs = std::to_string(n);
     so.offload = offload;
     so.device_memory = budget;
@@ -213,9 +213,9 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
                  bool bidirectional = false, int tp = 1) {
     StepOptions so = base;
     so.seq_len = seq_len;
-    so.cp = cp;
-    so.tp = tp;
-    so.ring = ring;
+    so.par.cp = cp;
+    so.par.tp = tp;
+    parse_ring(ring, so.par);
     if (bidirectional) {
       so.model.causal = false;
       so.objective = "mlm";
@@ -266,9 +266,9 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
     nlohmann::json pair;
     for (const char* on : {"off", "on"}) {
       StepOptions so = base;
-      so.pp = 2;
+      so.par.pp = 2;
       so.subseqs = std::to_string(n);
-      so.msp = on;
+      so.par.msp.on = std::string(on) == "on";
       nlohmann::json j = row_json(run(so, o.reps, world));
       j["layout"] = std::string("pp 2, N ") + std::to_string(n) + ", msp " + on;
       j["subseqs"] = n;

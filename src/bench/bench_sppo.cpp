@@ -55,7 +55,7 @@ const Mode kModes[] = {
     {"sppo_layer", false, "adaptive", "auto", "auto", "layer"},
     {"sppo_layer_host", false, "adaptive", "auto", "auto", "layer", true, "adaptive"},
 };
-constexpr int kAdaptive = 3, kAuto = 4, kLayer = 5, kLayerHost = 6;
+constexpr int kAdaptive = 3, kAutoMode = 4, kLayer = 5, kLayerHost = 6;  // indices of kModes
 
 struct Point {
   bool ok = false;
@@ -87,13 +87,13 @@ StepOptions step_options(const BenchModelOptions& b, const Mode& m, i64 S, int N
   o.partition = m.partition;
   o.offload = m.offload;
   o.recompute = m.recompute;
-  o.kv_cache = m.kv_cache;
-  o.recompute_tensors = m.recompute_tensors;
-  o.backward_order = m.backward;
+  o.place.kv = parse_kv_cache(m.kv_cache);
+  o.place.recompute = parse_recompute_option(m.recompute_tensors);
+  o.place.backward = parse_backward_order_option(m.backward);
   if (m.host_state) {
-    o.residual_grads = "host";
-    o.weights = "host";
-    o.optimizer_state = "host";
+    o.place.residual_grads = Tier::Host;
+    o.place.weights = Tier::Host;
+    o.place.optimizer_state = Tier::Host;
   }
   o.device_memory = budget;
   o.host_memory = budget > 0 ? b.host_budget : 0;
@@ -112,10 +112,10 @@ Point run_point(const BenchModelOptions& b, const Mode& m, i64 S, int N, i64 bud
   try {
     StepSetup s = make_setup(step_options(b, m, S, N, budget));
     p.longest_subseq = *std::max_element(s.lengths.begin(), s.lengths.end());
-    p.kv_host_layers = int(std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(), sched::KvPlace::Host));
+    p.kv_host_layers = int(std::count(s.schedule.place.kv.begin(), s.schedule.place.kv.end(), KvPlace::Host));
     p.kv_recompute_layers =
-        int(std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(), sched::KvPlace::Recompute));
-    p.recompute = recompute_tensors_text(s.schedule.recompute);
+        int(std::count(s.schedule.place.kv.begin(), s.schedule.place.kv.end(), KvPlace::Recompute));
+    p.recompute = recompute_tensors_text(s.schedule.place.recompute);
     p.simulated_s = s.profile_measured ? s.predicted_step_s : 0;  // else priced on a nominal profile
     if (reps < 0) {  // a probe by prediction: setup refuses what would not fit
       p.predicted_peak = p.peak = s.predicted_peak_bytes;
@@ -267,8 +267,8 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
     // fits: a step there is already minutes long (its attention is 4x that at sppo_auto's
     // longest), and the bench keeps to its 20 minutes.
     const auto i = &m - kModes;
-    const bool automatic = i >= kAuto;
-    const i64 cap = i == kLayerHost ? 2 * max_len[kAuto] : automatic ? 64 * max_len[kAdaptive] : 0;
+    const bool automatic = i >= kAutoMode;
+    const i64 cap = i == kLayerHost ? 2 * max_len[kAutoMode] : automatic ? 64 * max_len[kAdaptive] : 0;
     auto [S, probe] = longest(b, m, b.budget, automatic, cap, i == kLayerHost);
     // Time the longest length properly (the probes ran one step each).
     Point p = S > 0 ? run_point(b, m, S, probe.subseqs, b.budget, b.reps) : Point{};
@@ -282,7 +282,7 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
       const i64 beyond = S == cap ? longest(b, m, b.budget, true, far).first : S;
       j["predicted_max_seq_len"] = beyond;
       j["predicted_max_seq_len_is_cap"] = beyond == far;
-      Mode auto_adaptive = kModes[kAuto];
+      Mode auto_adaptive = kModes[kAutoMode];
       auto_adaptive.partition = m.partition;
       const i64 auto_beyond = longest(b, auto_adaptive, b.budget, true, far).first;
       modes["sppo_auto"]["predicted_max_seq_len_partition_adaptive"] = auto_beyond;
@@ -316,9 +316,9 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
   if (ref > 0) j["sppo_adaptive_over_reference_length"] = modes["sppo_adaptive"]["max_seq_len"].get<double>() / ref;
   if (ref > 0) j["sppo_auto_over_reference_length"] = modes["sppo_auto"]["max_seq_len"].get<double>() / ref;
   if (max_len[kAdaptive] > 0) {
-    j["sppo_auto_over_adaptive_length"] = double(max_len[kAuto]) / double(max_len[kAdaptive]);
+    j["sppo_auto_over_adaptive_length"] = double(max_len[kAutoMode]) / double(max_len[kAdaptive]);
     // Speed where both fit: sppo_auto at sppo_adaptive's longest length.
-    const Point a = fit_at(b, kModes[kAuto], max_len[kAdaptive], b.budget, b.reps);
+    const Point a = fit_at(b, kModes[kAutoMode], max_len[kAdaptive], b.budget, b.reps);
     const auto& ad = modes["sppo_adaptive"]["step_time_s"];
     j["modes"]["sppo_auto"]["at_adaptive_max"] = point_json(a);
     if (a.ok && ad.is_number()) j["sppo_auto_step_time_over_adaptive_at_its_max"] = a.step_s / ad.get<double>();
@@ -329,7 +329,7 @@ nlohmann::json bench_memory(const BenchModelOptions& given) {
   }
   for (const int i : {kLayer, kLayerHost}) {
     const std::string name = kModes[i].name;
-    if (max_len[kAuto] > 0) j[name + "_over_auto_length"] = double(max_len[i]) / double(max_len[kAuto]);
+    if (max_len[kAutoMode] > 0) j[name + "_over_auto_length"] = double(max_len[i]) / double(max_len[kAutoMode]);
     if (const auto& a = j["modes"][name]["at_max"]; a["simulated_step_time_s"].get<double>() > 0) {
       j[name + "_measured_over_simulated_at_max"] =
           a["step_time_s"].get<double>() / a["simulated_step_time_s"].get<double>();
@@ -423,8 +423,8 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
     o.subseqs = std::to_string(cfg.N);
     o.partition = "flops";
     o.offload = cfg.offload;
-    o.kv_cache = cfg.kv_cache;
-    o.recompute_tensors = cfg.recompute;
+    o.place.kv = parse_kv_cache(cfg.kv_cache);
+    o.place.recompute = parse_recompute_option(cfg.recompute);
     o.backend = b.backend;
     o.precision = b.precision;
     o.attention_kernels = b.attention;
@@ -432,7 +432,7 @@ nlohmann::json bench_sim(const BenchModelOptions& b) {
     const ActPrecision prec = s.backend->act() == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16;
     const plan::CostModel cost(hw, s.config, prec);
     // The runtime's rules, its kernels' scratch from the device tier included.
-    sim::StepShape shape;
+    StepShape shape;
     shape.precision = prec;
     shape.block_scratch = s.backend->block_scratch(s.config);
     shape.head_scratch = s.backend->head_scratch(s.config, RuntimeOptions{}.head_chunk);

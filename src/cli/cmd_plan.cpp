@@ -37,53 +37,44 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   r.gpus_per_node = o.gpus_per_node;
   r.hardware = o.hardware;
   r.hw = plan::load_profile(o.hardware);
-  r.system = o.system;
   SPPO_CHECK(o.system == "sppo" || o.system == "megatron" || o.system == "deepspeed", "options")
       << "--system must be sppo, megatron or deepspeed (got '" << o.system << "')";
+  r.system = plan::parse_system(o.system);
   r.offload = sim::parse_offload(o.offload);
   SPPO_CHECK(o.msp == "auto" || o.msp == "on" || o.msp == "off", "options")
       << "--msp must be on, off or auto (got '" << o.msp << "')";
-  r.msp = o.msp == "on" ? 1 : o.msp == "off" ? 0 : -1;
+  if (o.msp != "auto") r.msp = o.msp == "on";
   SPPO_CHECK(o.zero == "auto" || o.zero == "0" || o.zero == "1", "options")
       << "--zero must be 0, 1 or auto (got '" << o.zero << "')";
-  r.zero = o.zero == "1" ? 1 : o.zero == "0" ? 0 : -1;
+  if (o.zero != "auto") r.zero = o.zero == "1" ? ZeroStage::OptimizerState : ZeroStage::None;
   SPPO_CHECK(o.ring_layout == "zigzag" || o.ring_layout == "contiguous", "options")
       << "--ring-layout must be zigzag or contiguous (got '" << o.ring_layout << "')";
-  r.ring_layout = sched::parse_ring_layout(o.ring_layout);
-  SPPO_CHECK(o.kv_cache == "device" || o.kv_cache == "host" || o.kv_cache == "recompute" || o.kv_cache == "auto",
-             "options")
-      << "--kv-cache must be device, host, recompute or auto (got '" << o.kv_cache << "')";
-  r.kv_cache = o.kv_cache;
-  SPPO_CHECK(o.backward_order == "subseq" || o.backward_order == "layer" || o.backward_order == "auto", "options")
-      << "--backward-order must be subseq, layer or auto (got '" << o.backward_order << "')";
-  r.backward_order = o.backward_order;
-  SPPO_CHECK(o.rebuild_inputs == "none" || o.rebuild_inputs == "odd" || o.rebuild_inputs == "auto", "options")
+  r.ring_layout = parse_ring_layout(o.ring_layout);
+  PlacementRequest& pl = r.place;
+  pl.kv = parse_kv_cache(o.kv_cache);
+  pl.backward = parse_backward_order_option(o.backward_order);
+  pl.rebuild = parse_rebuild_inputs(o.rebuild_inputs);
+  SPPO_CHECK(pl.rebuild.kind != RebuildRequest::Kind::Layers, "options")
       << "--rebuild-inputs must be none, odd or auto (got '" << o.rebuild_inputs << "'); a plan rebuilds every "
          "other layer's input of each stage, or none";
-  r.rebuild_inputs = o.rebuild_inputs;
-  if (o.rebuild_inputs == "odd") {
-    SPPO_CHECK(o.backward_order != "subseq", "options")
+  if (pl.rebuild.kind == RebuildRequest::Kind::Odd) {
+    SPPO_CHECK(pl.backward != BackwardOrder::Subseq, "options")
         << "--rebuild-inputs odd runs the layer below's forward again inside a layer's backward, which only the "
            "layer-major backward orders so: use --backward-order layer (or auto), or --rebuild-inputs auto";
-    SPPO_CHECK(o.kv_cache != "host", "options")
+    SPPO_CHECK(pl.kv != KvPlace::Host, "options")
         << "--rebuild-inputs odd: the layer below a rebuilt one cannot stream its K/V from the host; use "
            "--kv-cache device, recompute or auto";
-    r.backward_order = "layer";
+    pl.backward = BackwardOrder::Layer;
   }
-  SPPO_CHECK(o.optimizer_state == "device" || o.optimizer_state == "host" || o.optimizer_state == "auto", "options")
-      << "--optimizer-state must be device, host or auto (got '" << o.optimizer_state << "')";
-  r.optimizer_state = o.optimizer_state;
-  SPPO_CHECK(o.weights == "device" || o.weights == "host" || o.weights == "auto", "options")
-      << "--weights must be device, host or auto (got '" << o.weights << "')";
-  SPPO_CHECK(o.weights != "host" || o.optimizer_state != "device", "options")
+  pl.optimizer_state = parse_tier_option(o.optimizer_state, "--optimizer-state");
+  pl.weights = parse_tier_option(o.weights, "--weights");
+  SPPO_CHECK(pl.weights != Tier::Host || pl.optimizer_state != Tier::Device, "options")
       << "--weights host keeps the layers' weights where the optimizer's update reads them, on the host: it needs "
          "--optimizer-state host or auto (or use --weights device)";
-  SPPO_CHECK(o.weights != "host" || o.zero != "1", "options")
+  SPPO_CHECK(pl.weights != Tier::Host || r.zero != ZeroStage::OptimizerState, "options")
       << "--weights host keeps each rank's whole master on its host: it runs without ZeRO-1; use --zero 0 or auto";
-  r.weights = o.weights;
-  if (o.weights == "host") r.optimizer_state = "host";
-  r.recompute_auto = o.recompute_tensors == "auto";
-  if (!r.recompute_auto) r.recompute = parse_recompute_tensors(o.recompute_tensors);
+  if (pl.weights == Tier::Host) pl.optimizer_state = Tier::Host;
+  pl.recompute = parse_recompute_option(o.recompute_tensors);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
   if (!o.host_budget.empty()) r.hw.host_memory = parse_bytes(o.host_budget, "--host-budget");
   // A CPU profile's ranks run the CPU backend's kernels at its threads, whose scratch comes
@@ -107,43 +98,21 @@ void print_error_json(const std::string& error) {
   std::cout << nlohmann::json{{"error", error}}.dump() << std::endl;
 }
 
-std::string layout_text(const plan::Plan& p) {
-  std::ostringstream os;
-  if (p.system == "megatron") os << "tp " << p.tp << " cp " << p.sp;
-  else if (p.system == "deepspeed") os << "ulysses " << p.sp;
-  else if (p.tp > 1) os << "tp " << p.tp << (p.sp > 1 ? " sp " + std::to_string(p.sp) : std::string());
-  else os << "sp " << p.sp;
-  os << " pp " << p.pp << " dp " << p.dp;
-  if (p.system != "megatron") os << " N " << p.subseqs;
-  if (p.msp) os << " msp" << (p.msp_reach > 0 ? " reach " + std::to_string(p.msp_reach) : std::string());
-  if (!p.kv_host_layers.empty()) os << " kv-host";
-  if (!p.kv_recompute_layers.empty()) os << " kv-recompute";
-  if (p.recompute) os << " recompute " << recompute_tensors_text(p.recompute);
-  if (p.mlp_tile_rows) os << " mlp-tiles " << p.mlp_tile_rows;
-  if (p.system == "sppo" && p.backward_order == "layer") os << " layer-major";
-  if (p.system == "sppo" && !p.rebuilt_inputs.empty()) os << " rebuilt-inputs " << p.rebuilt_inputs.size();
-  if (p.system == "sppo" && p.zero) os << " zero-1";
-  if (p.system == "sppo" && p.optimizer_state == "host") os << " optimizer-host";
-  if (p.system == "sppo" && p.weights == "host") os << " weights-host";
-  if (p.system == "sppo" && p.sp > 1 && p.ring_layout != "zigzag") os << " " << p.ring_layout;
-  return os.str();
-}
-
 void print_plan(const plan::Plan& p) {
-  std::printf("system      %s\n", p.system.c_str());
+  std::printf("system      %s\n", to_string(p.system));
   const double params = double(p.model.num_params());
   std::printf("model       %s (L %d, H %d, Z %d, %.*f%s parameters)\n", p.model_name.c_str(), p.model.layers,
               p.model.hidden, p.model.heads, params >= 1e9 ? 2 : 1, params >= 1e9 ? params / 1e9 : params / 1e6,
               params >= 1e9 ? "B" : "M");
   std::printf("sequence    %lld tokens on %d devices (%d per node), %s\n", (long long)p.seq_len, p.gpus,
               p.gpus_per_node, p.hardware.c_str());
-  std::printf("layout      %s\n", layout_text(p).c_str());
+  std::printf("layout      %s\n", plan::layout_text(p).c_str());
   if (!p.stage_layers.empty()) {
     std::printf("stages      ");
     for (size_t k = 0; k < p.stage_layers.size(); ++k) std::printf("%s%d", k ? "," : "", p.stage_layers[k]);
     std::printf(" layers\n");
   }
-  if (p.system == "sppo") {
+  if (p.system == plan::System::Sppo) {
     std::printf("lengths     %lld .. %lld tokens (FLOPs-balanced)\n", (long long)p.lengths.front(),
                 (long long)p.lengths.back());
     double mx = 0, sum = 0;
@@ -238,7 +207,7 @@ int run_plan_table(const PlanOptions& o) {
         const double solve_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         nlohmann::json j = {{"model", r.model}, {"seq_len", r.seq}, {"gpus", r.gpus}, {"system", system}};
         if (out.ok) {
-          j["plan"] = layout_text(out.plan);
+          j["plan"] = plan::layout_text(out.plan);
           j["tokens_per_gpu_per_s"] = out.plan.predicted.tokens_per_gpu_per_s;
           j["peak_device_bytes"] = out.plan.predicted.peak_device_bytes;
           j["step_time_s"] = out.plan.predicted.step_time_s;
@@ -250,7 +219,7 @@ int run_plan_table(const PlanOptions& o) {
         if (!o.json) {
           if (out.ok)
             std::printf("%-8s %6s %5d | %-10s %-28s %10.1f %10s\n", r.model, r.seq, r.gpus, system,
-                        layout_text(out.plan).c_str(), out.plan.predicted.tokens_per_gpu_per_s,
+                        plan::layout_text(out.plan).c_str(), out.plan.predicted.tokens_per_gpu_per_s,
                         format_bytes(double(out.plan.predicted.peak_device_bytes)).c_str());
           else
             std::printf("%-8s %6s %5d | %-10s %-28s %10s %10s\n", r.model, r.seq, r.gpus, system, "-", "OOM", "-");
@@ -282,7 +251,8 @@ int run_simulate(const SimulateOptions& o) {
     const sim::SimResult r = sim::simulate_plan(p, hw, so);
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     sim::write_timelines(r, o.trace, o.svg,
-                         p.system + " " + p.model_name + " " + std::to_string(p.seq_len) + " tokens, " + layout_text(p));
+                         std::string(to_string(p.system)) + " " + p.model_name + " " + std::to_string(p.seq_len) +
+                             " tokens, " + plan::layout_text(p));
     const nlohmann::json out = {{"step_time_s", r.step_time_s},
                                 {"tokens_per_gpu_per_s", r.tokens_per_device_per_s},
                                 {"bubble_ratio", r.bubble_ratio},
@@ -334,9 +304,9 @@ void add_plan_commands(CLI::App& app, Commands& out) {
       ->capture_default_str();
   p->add_option("--msp", plan.msp, "Multiplexed sequence partitioning: on, off or auto (the faster in simulation)")
       ->capture_default_str();
-  p->add_option("--zero", plan.zero, "ZeRO-1 (AdamW state sharded over each stage's SP and DP ranks): 0, 1 or auto")
+  p->add_option("--zero", plan.zero, "ZeRO-1 (AdamW state sharded over the ranks that hold the same layers: each stage's cp and dp ranks): 0, 1 or auto")
       ->capture_default_str();
-  p->add_option("--ring-layout", plan.ring_layout, "How SP ranks split a subsequence: zigzag or contiguous")
+  p->add_option("--ring-layout", plan.ring_layout, "How the cp ranks of a ring split a subsequence: zigzag or contiguous")
       ->capture_default_str();
   p->add_option("--kv-cache", plan.kv_cache,
                 "Where each layer keeps the K/V cache and its dK/dV sums: device, host (streamed back through a "

@@ -145,10 +145,11 @@ void add_train(CLI::App& app, Commands& out) {
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay of matrices (with --init the default is 0)")
       ->capture_default_str();
   cmd->add_option("--clip", o.clip, "Gradient-norm clip (0: off)")->capture_default_str();
-  cmd->add_option("--optimizer-state", o.step.optimizer_state,
-                  "Where the fp32 master weights and AdamW m, v live and update: device (default; a --plan's "
-                  "choice when it has one), or host (the gradients go to host memory each step, the CPU "
-                  "updates the state there, and the weights come back while the next step starts)");
+  cmd->add_option("--optimizer-state", t->flags.optimizer_state,
+                  "Where the fp32 master weights and AdamW m, v live and update: device, host (the gradients go "
+                  "to host memory each step, the CPU updates the state there, and the weights come back while "
+                  "the next step starts), or auto (a --plan's choice when it has one, else device)")
+      ->capture_default_str();
   cmd->add_option("--metrics", o.metrics_path, "Write one JSON object per step to this .jsonl file");
   cmd->add_option("--save", o.save_dir, "Checkpoint directory (written atomically)");
   cmd->add_option("--save-every", o.save_every, "Also checkpoint every K steps");
@@ -182,7 +183,7 @@ void add_grads(CLI::App& app, Commands& out) {
                    resolve_step_options(g->flags, g->options);
                    // One step takes no update: with the layers' weights on the host the
                    // optimizer's state (their master) is there too.
-                   if (g->options.weights == "host") g->options.optimizer_state = "host";
+                   if (g->options.place.weights == Tier::Host) g->options.place.optimizer_state = Tier::Host;
                    return run_grads(g->options, g->out, "");
                  }});
 }

@@ -130,33 +130,33 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Host memory budget for offloaded activations, e.g. 2GiB (default: unlimited); adaptive "
                   "offload and --subseqs auto choose within it");
   cmd->add_flag("--recompute", o.recompute, "Baseline: full activation recomputation (checkpoint every block)");
-  cmd->add_option("--kv-cache", o.kv_cache,
+  cmd->add_option("--kv-cache", f.kv_cache,
                   "Where finished subsequences' K/V and their dK/dV sums live: device, host (streamed back to "
                   "each later subsequence's attention, a chunk at a time), recompute (no K/V kept: recomputed "
                   "from each layer's input when needed; the sums on the host), or auto (the device unless that "
                   "does not fit the budgets, then the host on the fewest layers that fit, then recompute)")
       ->capture_default_str();
-  cmd->add_option("--backward-order", o.backward_order,
+  cmd->add_option("--backward-order", f.backward_order,
                   "The backward's order: subseq (the paper's: the subsequences in reverse, each through every "
                   "layer), layer (the layers from the last, each over every subsequence, so that one layer's "
                   "dK/dV sums live at a time; each pipeline stage's layers, not with --msp on), or auto (the "
                   "plan's under --plan, else "
                   "layer where subseq does not fit the budgets)")
       ->capture_default_str();
-  cmd->add_option("--weights", o.weights,
+  cmd->add_option("--weights", f.weights,
                   "Where the transformer layers' weights and gradients live: device, host (each layer's weights "
                   "come to the device one layer ahead of the forward or backward that runs it and go after, each "
                   "layer's gradient goes to the host after its last backward; the embedding, final norm and LM "
                   "head stay; needs the optimizer state on the host, and runs without --tp, --msp on, --zero 1 "
                   "and --recompute), or auto (the plan's under --plan, else device)")
       ->capture_default_str();
-  cmd->add_option("--residual-grads", o.residual_grads,
+  cmd->add_option("--residual-grads", f.residual_grads,
                   "Where the layer-major backward keeps each subsequence's residual gradient between its layers: "
                   "device ([S, H] of the whole sequence there from the first layer's backward to the last's), or "
                   "host (sent after each layer's backward and brought back for the next: the device holds the "
                   "running subsequence's; with --backward-order layer, which auto becomes)")
       ->capture_default_str();
-  cmd->add_option("--rebuild-inputs", o.rebuild_inputs,
+  cmd->add_option("--rebuild-inputs", f.rebuild_inputs,
                   "Layers whose input x the forward does not keep: none, odd (1, 3, 5, ...), a comma list of "
                   "layers, or auto (the plan's under --plan, else none). Each of their backward's ops first runs the layer below's forward again on its "
                   "subsequence (a layer's forward more per rebuilt layer; the gradients are the same bit for bit). "
@@ -165,7 +165,7 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "(--backward-order layer, which auto becomes); with --weights host the layer below's weights "
                   "come with the layer's; no --tp, --cp, --msp on or --recompute")
       ->capture_default_str();
-  cmd->add_option("--recompute-tensors", o.recompute_tensors,
+  cmd->add_option("--recompute-tensors", f.recompute_tensors,
                   "Saved tensors backward recomputes instead of keeping or offloading: a comma list of ln1_mean, "
                   "ln1_rstd, ln1_out, q, attn_out, lse, x_mid, ln2_mean, ln2_rstd, ln2_out, fc_pre, or of the "
                   "groups ln1, q, attention, x_mid, ln2, fc_pre (a tensor brings its group: one forward step "
@@ -189,30 +189,30 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "buffers; on the CPU the same staging, for testing it)")
       ->capture_default_str();
   cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
-  cmd->add_option("--pp", o.pp, "Pipeline stages (ranks = pp x tp x cp x dp; start with mpirun -np)")->capture_default_str();
-  cmd->add_option("--tp", o.tp,
+  cmd->add_option("--pp", o.par.pp, "Pipeline stages (ranks = pp x tp x cp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--tp", o.par.tp,
                   "Tensor parallel with sequence-parallel regions (the SPPO paper's SP, Megatron-LM's): ranks that "
                   "split every layer's heads, MLP and vocabulary, and the LayerNorm regions' tokens")
       ->capture_default_str();
-  cmd->add_option("--cp", o.cp, "Context parallel: ranks of a ring attention that split every subsequence")
+  cmd->add_option("--cp", o.par.cp, "Context parallel: ranks of a ring attention that split every subsequence")
       ->capture_default_str();
-  cmd->add_option("--ring", o.ring,
+  cmd->add_option("--ring", f.ring,
                   "Ring attention with --cp: its layout, zigzag (balances causal work) or contiguous, and its "
                   "algorithm, flash (one pass, LSE merge) or rsa (two-pass Ring Self-Attention, bidirectional models); e.g. "
                   "'contiguous' or 'rsa,zigzag'")
       ->capture_default_str();
-  cmd->add_option("--msp", o.msp,
+  cmd->add_option("--msp", f.msp,
                   "Multiplexed sequence partitioning with --pp: on runs each stage's bubble-adjacent subsequences "
                   "split over the stages that would idle (needs --subseqs >= --pp), off does not")
       ->capture_default_str();
-  cmd->add_option("--msp-reach", o.msp_reach,
+  cmd->add_option("--msp-reach", o.par.msp.reach,
                   "With --msp on: how far a split subsequence reaches, over the stage's own group and those within "
                   "reach - 1 stages that idle in its slot (2 or more; 0: the paper's Table 3, every stage group "
                   "before or after its steady phase). A helper holds the weights and gradients of up to reach - 1 "
                   "other stages")
       ->capture_default_str();
-  cmd->add_option("--dp", o.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
-  cmd->add_option("--zero", o.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1)")
+  cmd->add_option("--dp", o.par.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
+  cmd->add_option("--zero", f.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1)")
       ->capture_default_str();
   cmd->add_option("--batch", o.batch, "Sequences per optimizer step, all replicas together (default: --dp)");
   cmd->add_option("--comm-timeout", o.comm_timeout_s,
@@ -282,7 +282,20 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (!f.host_memory.empty()) o.host_memory = parse_bytes(f.host_memory, "--host-memory");
   SPPO_CHECK(f.mlp_tile_rows >= 0, "options")
       << "--mlp-tile-rows must be 0 (off) or a positive number of rows (got " << f.mlp_tile_rows << ")";
-  o.mlp_tile_rows = from_plan && !f.mlp_tile_rows_option->count() ? from_plan->mlp_tile_rows : f.mlp_tile_rows;
+  o.mlp_tile_rows = from_plan && !f.mlp_tile_rows_option->count() ? from_plan->place.mlp_tile_rows : f.mlp_tile_rows;
+  o.place.kv = parse_kv_cache(f.kv_cache);
+  o.place.recompute = parse_recompute_option(f.recompute_tensors);
+  o.place.backward = parse_backward_order_option(f.backward_order);
+  o.place.optimizer_state = parse_tier_option(f.optimizer_state, "--optimizer-state");
+  o.place.weights = parse_tier_option(f.weights, "--weights");
+  SPPO_CHECK(f.residual_grads == "device" || f.residual_grads == "host", "options")
+      << "--residual-grads '" << f.residual_grads << "' is unknown; use device or host";
+  o.place.residual_grads = parse_tier(f.residual_grads, "--residual-grads");
+  o.place.rebuild = parse_rebuild_inputs(f.rebuild_inputs);
+  parse_ring(f.ring, o.par);
+  SPPO_CHECK(f.msp == "on" || f.msp == "off", "options") << "--msp must be on or off (got '" << f.msp << "')";
+  o.par.msp.on = f.msp == "on";
+  o.par.zero = parse_zero_stage(f.zero, 1, "options", "--zero");
   o.model.validate();
 }
 

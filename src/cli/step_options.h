@@ -25,6 +25,18 @@ struct StepFlags {
   std::string device_memory;
   std::string host_memory;
   i64 mlp_tile_rows = 0;
+  // The placement and layout options as given, parsed into StepOptions::place and ::par by
+  // resolve_step_options.
+  std::string kv_cache = "auto";
+  std::string backward_order = "auto";
+  std::string weights = "auto";
+  std::string optimizer_state = "auto";
+  std::string residual_grads = "device";
+  std::string rebuild_inputs = "auto";
+  std::string recompute_tensors = "auto";
+  std::string ring = "flash,zigzag";
+  std::string msp = "off";
+  int zero = 0;
   CLI::Option* model_option = nullptr;
   CLI::Option* seq_len_option = nullptr;
   CLI::Option* mlp_tile_rows_option = nullptr;
@@ -35,6 +47,7 @@ inline constexpr const char* kAttentionKernelsHelp =
     "own, or cudnn";
 
 void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o);
+
 // After parsing: presets, --init's or the plan's model, the sizes given, the sequence length
 // and budgets; throws sppo::Error naming an option that cannot be.
 void resolve_step_options(const StepFlags& f, StepOptions& o);

@@ -1,7 +1,7 @@
 // Tensor parallelism with sequence-parallel regions (Megatron-LM's; the SPPO paper's SP,
 // docs/design.md 6, `--tp`): one block's and the head's forward and backward as one member of a
 // tensor-parallel group computes them, written against the backend and against
-// SeqParallel, the group's collectives (runtime/tensor_parallel.h implements them).
+// TpCollectives, the group's collectives (runtime/tensor_parallel.h implements them).
 // Shards and shapes: core/layout.h TpShard; dimension letters: core/dims.h, plus
 // Ts = rows of this member in the sequence-parallel regions, Hr = Zr * A its heads' width,
 // KVr its key/value heads' width (Hr without grouped-query attention), Fr its MLP columns,
@@ -41,9 +41,9 @@
 
 namespace sppo {
 
-class SeqParallel {
+class TpCollectives {
  public:
-  virtual ~SeqParallel() = default;
+  virtual ~TpCollectives() = default;
   virtual const TpShard& shard() const = 0;
   // full [T, H] = every member's rows (mine [Ts, H]: this member's), in member order.
   // pad: [shard().padded_rows(T), H] scratch. Blocking.
@@ -59,31 +59,31 @@ class SeqParallel {
 // x_out [Ts, H] = block(s.x [Ts, H]) with this member's shards. Fills every tensor of `s`
 // (block_saved_specs(c, T, p, tp) shapes); `attn` sees the model as attention_view(c, tp).
 void block_forward_tp(Backend& be, void* x_out, BlockSaved& s, const BlockParams& p, const BlockMatrices& m,
-                      const BlockWorkspace& w, BlockAttention& attn, SeqParallel& sp, const ModelConfig& c,
+                      const BlockWorkspace& w, BlockAttention& attn, TpCollectives& tpc, const ModelConfig& c,
                       const Subseq& q);
 // block_output as a member of the group: x_out [Ts, H] = s.x_mid + reduce_scatter(proj of
 // this member's fc columns), block_forward_tp's last step.
 void block_output_tp(Backend& be, void* x_out, const BlockSaved& s, const BlockMatrices& m, const BlockWorkspace& w,
-                     SeqParallel& sp, const ModelConfig& c, int T);
+                     TpCollectives& tpc, const ModelConfig& c, int T);
 // block_recompute as a member of the group: the same steps, with their collectives (every
 // member recomputes the same groups).
 void block_recompute_tp(Backend& be, BlockSaved& s, SavedSet groups, bool kv, const BlockParams& p,
-                        const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, SeqParallel& sp,
+                        const BlockMatrices& m, const BlockWorkspace& w, BlockAttention* attn, TpCollectives& tpc,
                         const ModelConfig& c, const Subseq& q);
 // d [Ts, H]: in, the gradient w.r.t. the block output; out, w.r.t. its input. dk_self and
 // dv_self [T, KVr] as in block_backward.
 void block_backward_tp(Backend& be, void* d, BlockParams& g, float* dk_self, float* dv_self, const BlockSaved& s,
                        const BlockParams& p, const BlockMatrices& m, const BlockWorkspace& w, BlockAttention& attn,
-                       SeqParallel& sp, const ModelConfig& c, const Subseq& q);
+                       TpCollectives& tpc, const ModelConfig& c, const Subseq& q);
 
 // Vocabulary-parallel embedding of the tokens of q (ids: the whole step's, on the device,
 // indexed by position): x_rows [Ts, H] = this member's rows of the lookup, each member
-// adding the rows of its vocabulary. full [q.T, H] and pad as in SeqParallel are scratch.
+// adding the rows of its vocabulary. full [q.T, H] and pad as in TpCollectives are scratch.
 void embedding_forward_tp(Backend& be, void* x_rows, const std::int32_t* ids, const float* embed, void* full, void* pad,
-                          SeqParallel& sp, const ModelConfig& c, const Subseq& q);
+                          TpCollectives& tpc, const ModelConfig& c, const Subseq& q);
 // dembed [Vr, H] += the rows of the gathered d_rows [Ts, H] whose ids are this member's.
 void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const std::int32_t* ids, void* full,
-                           void* pad, SeqParallel& sp, const ModelConfig& c, const Subseq& q);
+                           void* pad, TpCollectives& tpc, const ModelConfig& c, const Subseq& q);
 
 // head_forward_backward with a vocabulary-parallel LM head and cross-entropy on the tokens
 // of q: x [Ts, H] (this member's rows of the last block's output), targets the whole
@@ -93,7 +93,7 @@ void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const
 // head_forward_backward's.
 void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, const void* x,
                               const std::int32_t* targets, const ParamView& p, const MatrixView& m, ParamView& g,
-                              const HeadWorkspace& w, SeqParallel& sp, const ModelConfig& c, const Subseq& q,
+                              const HeadWorkspace& w, TpCollectives& tpc, const ModelConfig& c, const Subseq& q,
                               i64 total_tokens);
 
 }  // namespace sppo

@@ -122,7 +122,7 @@ double CostModel::tp_collective_s(i64 T, int tp) const {
 
 double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   const sched::Spans spans = s.spans(op);
-  const int n = op.layer_end - op.layer_begin, tp = s.tp;
+  const int n = op.layer_end - op.layer_begin, tp = s.par.tp;
   const i64 T = sched::span_tokens(spans);
   // Tensor parallel: every FLOP and element divides over the group; each layer gathers
   // twice and reduce-scatters twice (model/tensor_parallel.h), the embedding once more,
@@ -131,10 +131,10 @@ double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   double t = n * (layer_forward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   if (s.rsa_piece(op)) t += n * (rsa_attention_s(T, keys, false, tp) - attention_s(o, spans, keys) / tp);
   // Note [The loss in backward] (core/layout.h): the head may move to the backward.
-  const bool head_here = op.layer_end == s.layers && !in_set(s.recompute, kSavedHeadGrad);
+  const bool head_here = op.layer_end == s.layers && !in_set(s.place.recompute, kSavedHeadGrad);
   if (head_here) t += head_flops(T) / gemm_rate_ / tp;
   if (tp > 1) t += tp_collective_s(T, tp) * (4.0 * n + (op.layer_begin == 0 ? 1 : 0) + (head_here ? 2 : 0));
-  return t + n * mlp_tiles_s(T, s.mlp_tile_rows) + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
+  return t + n * mlp_tiles_s(T, s.place.mlp_tile_rows) + kv_stream_s(op, s, o, false) + recompute_s(op, s, o, false);
 }
 
 namespace {
@@ -158,7 +158,7 @@ StreamShape stream_shape(const Schedule& s, const Op& op, i64 o, i64 T) {
   const i64 C = kv_chunk_rows(T);
   StreamShape sh;
   const bool msp = !op.group.empty();
-  const int share = msp ? s.ring : op.pieces;
+  const int share = msp ? s.par.cp : op.pieces;
   if (share == 1) {
     for (int j = 0; j < op.subseq; ++j) {
       if (sh.rows % C != 0) ++sh.pieces;  // a block that starts inside a chunk adds a piece to it
@@ -166,7 +166,7 @@ StreamShape stream_shape(const Schedule& s, const Op& op, i64 o, i64 T) {
     }
   } else {
     sh.rows = o / share;
-    const bool zigzag = !msp && s.ring_layout == sched::RingLayout::Zigzag;
+    const bool zigzag = !msp && s.par.ring_layout == RingLayout::Zigzag;
     sh.pieces = i64(op.subseq) * (zigzag ? 2 : 1);
   }
   sh.chunks = (sh.rows + C - 1) / C;
@@ -223,7 +223,7 @@ double CostModel::layer_stream_s(i64 o, const sched::Spans& spans, i64 l, int sp
 
 double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backward, bool again,
                             StreamCopies* copies) const {
-  if (!s.any_kv_streamed()) return 0;
+  if (!s.place.any_kv_streamed()) return 0;
   // An MSP helper keeps its pieces of another stage's layers on the device.
   if (!op.group.empty() && !s.owned.empty()) {
     const auto [b, e] = s.owned.at(std::size_t(op.group.at(std::size_t(op.piece))));
@@ -232,20 +232,20 @@ double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backwar
   const sched::Spans spans = s.spans(op);
   const i64 T = sched::span_tokens(spans);
   // K, V and their sums are the K/V's width: G A of a member's key/value heads.
-  const double width = double(TpShard{0, s.tp}.local_kv_width(model_));
+  const double width = double(TpShard{0, s.par.tp}.local_kv_width(model_));
   const double kv = 2.0 * act_bytes_ * width, sums = 2.0 * 4 * width;  // bytes a token
   const double x = double(act_bytes_) * model_.hidden;
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
   const double attention =
-      (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)], &s.doc_starts) / s.tp;
+      (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)], &s.doc_starts) / s.par.tp;
   const StreamShape shape = o > 0 ? stream_shape(s, op, o, T) : StreamShape{};
   // Every backward but the first (that of the last subsequence) finds sums that later
   // subsequences' backward left on the host, for its own block and every earlier one.
   const bool sums_back = backward && op.subseq + 1 < int(s.lengths.size());
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l) {
-    if (!s.kv_streamed(l)) continue;
-    const bool recompute = s.kv_recomputed(l);
+    if (!s.place.kv_streamed(l)) continue;
+    const bool recompute = s.place.kv_recomputed(l);
     // A Recompute layer's sums are its d(LayerNorm-1 output), H fp32 a position.
     const double summed = recompute ? 4.0 * model_.hidden : sums;
     t += stream_chunks_s(double(shape.rows), recompute ? x : kv, summed, attention, backward, sums_back, copies);
@@ -267,11 +267,11 @@ double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backwar
 }
 
 double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
-  if (s.recompute == 0 && !s.any_kv_streamed()) return 0;
+  if (s.place.recompute == 0 && !s.place.any_kv_streamed()) return 0;
   const sched::Spans spans = s.spans(op);
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l)
-    t += layer_recompute_s(o, spans, s.recompute, s.kv_recomputed(l), backward, s.tp, s.lengths[std::size_t(op.subseq)],
+    t += layer_recompute_s(o, spans, s.place.recompute, s.place.kv_recomputed(l), backward, s.par.tp, s.lengths[std::size_t(op.subseq)],
                            &s.doc_starts);
   return t;
 }
@@ -325,7 +325,7 @@ double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet g
 
 double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   const sched::Spans spans = s.spans(op);
-  const int n = op.layer_end - op.layer_begin, tp = s.tp;
+  const int n = op.layer_end - op.layer_begin, tp = s.par.tp;
   const i64 keys = s.lengths[std::size_t(op.subseq)];
   double t = n * (layer_backward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   if (s.rsa_piece(op))
@@ -334,10 +334,10 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   if (tp > 1) t += tp_collective_s(sched::span_tokens(spans), tp) * (6.0 * n + (op.layer_begin == 0 ? 1 : 0));
   // A recomputed attention first runs its forward again: on a streamed layer its earlier
   // blocks stream in once more.
-  if (s.recompute & kAttentionGroup) t += kv_stream_s(op, s, o, false, true);
+  if (s.place.recompute & kAttentionGroup) t += kv_stream_s(op, s, o, false, true);
   // Note [The loss in backward]: the last layer's output again (its MLP activation and the
   // proj GEMM, as the forward's), then the head.
-  if (op.layer_end == s.layers && in_set(s.recompute, kSavedHeadGrad)) {
+  if (op.layer_end == s.layers && in_set(s.place.recompute, kSavedHeadGrad)) {
     const double T = double(sched::span_tokens(spans)), F = model_.ffn(), H = model_.hidden;
     const double words = model_.fc_width() + F + 2 * H;  // the activation's in and out, the residual add
     const double act = hw_.elementwise_bw > 0 ? words * act_bytes_ * T / hw_.elementwise_bw : 0.0;
@@ -348,15 +348,15 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   // its input copied into the op's buffer (priced as from the host), its K/V recomputed
   // and streamed again where they are recomputed.
   for (int l = op.layer_begin; l < op.layer_end; ++l) {
-    if (!s.input_rebuilt(l)) continue;
+    if (!s.place.input_rebuilt(l)) continue;
     const i64 T = sched::span_tokens(spans);
-    t += layer_forward_s(o, spans, keys, &s.doc_starts) + mlp_tiles_s(T, s.mlp_tile_rows) +
+    t += layer_forward_s(o, spans, keys, &s.doc_starts) + mlp_tiles_s(T, s.place.mlp_tile_rows) +
          h2d_s(T * model_.hidden * act_bytes_, false);
-    if (s.kv_recomputed(l - 1))
+    if (s.place.kv_recomputed(l - 1))
       t += layer_recompute_s(o, spans, 0, true, false, 1, keys, &s.doc_starts) +
            layer_stream_s(o, spans, keys, 1, 1, true, false, false);
   }
-  return t + n * mlp_tiles_s(sched::span_tokens(spans), s.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
+  return t + n * mlp_tiles_s(sched::span_tokens(spans), s.place.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
          recompute_s(op, s, o, true);
 }
 
@@ -399,14 +399,14 @@ double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group, bool acr
 
 i64 CostModel::message_bytes(const Op& op, const Schedule& s, int rank) const {
   // Ring steps of a tensor-parallel member move its heads only (members are consecutive ranks).
-  const TpShard member{rank % s.tp, s.tp};
+  const TpShard member = s.tp_shard(rank);
   const i64 H = model_.hidden, QW = model_.q_width();  // the ring moves queries: Z A a row
   const int n = std::max(1, op.layer_end - op.layer_begin);
   if (op.kind == OpKind::RingStep) {
     const i64 bytes = (s.rsa_piece(op) ? sched::rsa_step_bytes(s, op, QW, act_bytes_)
                                         : sched::ring_step_bytes(s, op, QW, model_.heads, act_bytes_, model_.causal)) *
                       n;
-    return s.tp > 1 ? bytes * member.local_heads(model_) / model_.heads : bytes;
+    return s.par.tp > 1 ? bytes * member.local_heads(model_) / model_.heads : bytes;
   }
   i64 tokens = op.tokens;
   if (tokens == 0) tokens = sched::span_tokens(s.spans(op));
@@ -415,7 +415,7 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s, int rank) const {
     case Payload::Hidden:
     case Payload::HiddenGrad: return tokens * H * act_bytes_;
     // An MSP piece's K, V and fp32 dK, dV: of the member's heads.
-    case Payload::KV: return s.tp > 1 ? tokens * 2 * member.local_kv_width(model_) * act_bytes_ * n
+    case Payload::KV: return s.par.tp > 1 ? tokens * 2 * member.local_kv_width(model_) * act_bytes_ * n
                                       : tokens * kv_per_token_ * n;
     case Payload::KVGrad: return tokens * 2 * i64(member.local_kv_width(model_)) * 4 * n;
     case Payload::Weights:  // the member's shard

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 #include <algorithm>
 #include <limits>
+#include <sstream>
 #include <string>
 
 #include "core/check.h"
@@ -11,45 +12,80 @@
 
 namespace sppo::plan {
 
-std::string sp_kind(const Plan& p) {
-  if (p.system == "deepspeed") return "ulysses";
-  return "ring";
+const char* to_string(System s) {
+  switch (s) {
+    case System::Sppo: return "sppo";
+    case System::Megatron: return "megatron";
+    case System::Deepspeed: return "deepspeed";
+  }
+  return "";
+}
+
+System parse_system(const std::string& text) {
+  if (text == "sppo") return System::Sppo;
+  if (text == "megatron") return System::Megatron;
+  if (text == "deepspeed") return System::Deepspeed;
+  SPPO_CHECK(false, "planner") << "system must be sppo, megatron or deepspeed (got '" << text << "')";
+  return System::Sppo;
+}
+
+OffloadMode parse_offload(const std::string& text) {
+  if (text == "none") return OffloadMode::None;
+  if (text == "full") return OffloadMode::Full;
+  if (text == "paper") return OffloadMode::Paper;
+  if (text == "adaptive") return OffloadMode::Adaptive;
+  SPPO_CHECK(false, "planner") << "--offload must be none, full, paper or adaptive (got '" << text << "')";
+  return OffloadMode::Adaptive;
+}
+
+const char* to_string(OffloadMode m) {
+  switch (m) {
+    case OffloadMode::None: return "none";
+    case OffloadMode::Full: return "full";
+    case OffloadMode::Paper: return "paper";
+    case OffloadMode::Adaptive: return "adaptive";
+  }
+  return "";
 }
 
 nlohmann::json to_json(const Plan& p) {
+  const ParallelDims& d = p.par;
+  const Placements& pl = p.place;
   nlohmann::json j = {
-      {"system", p.system},
+      {"system", to_string(p.system)},
       {"model", p.model_name},
       {"model_config", sppo::to_json(p.model)},
       {"hardware", p.hardware},
       {"seq_len", p.seq_len},
       {"gpus", p.gpus},
       {"gpus_per_node", p.gpus_per_node},
-      {"sp", p.sp},
-      {"sp_kind", sp_kind(p)},
-      {"pp", p.pp},
-      {"dp", p.dp},
-      {"tp", p.tp},
+      {"tp", d.tp},
+      {"ulysses", d.ulysses},
+      {"cp", d.cp},
+      {"pp", d.pp},
+      {"dp", d.dp},
+      {"zero", stage_number(d.zero)},
+      {"msp", d.msp.on},
+      {"msp_reach", d.msp.reach},
+      {"ring_layout", to_string(d.ring_layout)},
+      {"precision", p.precision == ActPrecision::BF16 ? "bf16" : "fp32"},
       {"subseqs", p.subseqs},
       {"lengths", p.lengths},
       {"alpha", p.alpha},
-      {"msp", p.msp},
-      {"msp_reach", p.msp_reach},
-      {"zero", p.zero},
-      {"optimizer_state", p.optimizer_state},
-      {"weights", p.weights},
-      {"ring_layout", p.ring_layout},
+      {"optimizer_state", to_string(pl.optimizer_state)},
+      {"weights", to_string(pl.weights)},
       {"stage_layers", p.stage_layers},
-      {"offload", p.offload},
+      {"offload", to_string(p.offload)},
       {"alpha_rule", p.alpha_rule},
       {"budget_bytes", p.budget},
-      {"kv_host_layers", p.kv_host_layers},
-      {"kv_recompute_layers", p.kv_recompute_layers},
+      {"kv_host_layers", pl.kv_layers(KvPlace::Host)},
+      {"kv_recompute_layers", pl.kv_layers(KvPlace::Recompute)},
       {"kv_window_tokens", p.kv_window_tokens()},
-      {"recompute_tensors", recompute_tensors_text(p.recompute)},
-      {"backward_order", p.backward_order},
-      {"rebuilt_inputs", p.rebuilt_inputs},
-      {"mlp_tile_rows", p.mlp_tile_rows},
+      {"recompute_tensors", recompute_tensors_text(pl.recompute)},
+      {"backward_order", to_string(pl.backward)},
+      {"residual_grads", to_string(pl.residual_grads)},
+      {"rebuilt_inputs", pl.rebuilt_layers()},
+      {"mlp_tile_rows", pl.mlp_tile_rows},
       {"kernel_scratch",
        {{"block", {p.block_scratch.fixed_bytes, p.block_scratch.bytes_per_token}},
         {"head", {p.head_scratch.fixed_bytes, p.head_scratch.bytes_per_token}}}},
@@ -66,8 +102,31 @@ nlohmann::json to_json(const Plan& p) {
   return j;
 }
 
+std::string layout_text(const Plan& p) {
+  const ParallelDims& d = p.par;
+  const Placements& pl = p.place;
+  std::ostringstream os;
+  os << sppo::layout_text(d);
+  if (p.system != System::Megatron) os << " N " << p.subseqs;
+  if (d.msp.on) os << " msp" << (d.msp.reach > 0 ? " reach " + std::to_string(d.msp.reach) : std::string());
+  if (!pl.kv_layers(KvPlace::Host).empty()) os << " kv-host";
+  if (!pl.kv_layers(KvPlace::Recompute).empty()) os << " kv-recompute";
+  if (pl.recompute) os << " recompute " << recompute_tensors_text(pl.recompute);
+  if (pl.mlp_tile_rows) os << " mlp-tiles " << pl.mlp_tile_rows;
+  if (p.system == System::Sppo) {
+    if (pl.layer_major()) os << " layer-major";
+    if (pl.residual_host()) os << " residual-host";
+    if (pl.any_input_rebuilt()) os << " rebuilt-inputs " << pl.rebuilt_layers().size();
+    if (d.zero != ZeroStage::None) os << " zero-" << stage_number(d.zero);
+    if (pl.optimizer_host()) os << " optimizer-host";
+    if (pl.weights_host()) os << " weights-host";
+    if (d.cp > 1 && d.ring_layout != RingLayout::Zigzag) os << " " << to_string(d.ring_layout);
+  }
+  return os.str();
+}
+
 i64 Plan::kv_window_tokens() const {
-  if (kv_host_layers.empty() && kv_recompute_layers.empty()) return 0;
+  if (!place.any_kv_streamed()) return 0;
   // Subsequence i streams the earlier positions in chunks of kv_chunk_rows(l_i) through
   // two slots (one when a single chunk holds them all; runtime/kv_stream.h).
   i64 most = 0, before = 0;
@@ -82,13 +141,15 @@ i64 Plan::kv_window_tokens() const {
 Plan plan_from_json(const nlohmann::json& j) {
   SPPO_CHECK(j.is_object(), "planner") << "a plan is a JSON object, not " << j.type_name();
   std::string missing;
-  for (const char* field : {"hardware", "seq_len", "sp", "pp", "lengths"})
+  for (const char* field : {"hardware", "seq_len", "pp", "lengths"})
     if (!j.contains(field)) missing += std::string(missing.empty() ? "" : ", ") + "\"" + field + "\"";
   if (!j.contains("model_config") && !j.contains("model"))
     missing += std::string(missing.empty() ? "" : ", ") + "\"model_config\" (or \"model\" naming a preset)";
   SPPO_CHECK(missing.empty(), "planner")
       << "plan: missing field(s) " << missing << "; `sppo plan --json` writes a complete plan";
   Plan p;
+  ParallelDims& d = p.par;
+  Placements& pl = p.place;
   // Integers are read with their ranges checked (core/json_fields.h): nlohmann's get<int>()
   // of 1e300 is undefined behaviour.
   constexpr const char* kWhere = "plan: ";
@@ -106,27 +167,57 @@ Plan plan_from_json(const nlohmann::json& j) {
                                  std::string(kWhere) + "\"" + key + "\"[" + std::to_string(k) + "]"));
     return out;
   };
-  p.system = json_string_field(j, "system", "sppo", "planner", kWhere);
-  p.model_name = json_string_field(j, "model", "custom", "planner", kWhere);
+  auto text = [&](const char* key, const char* fallback) {
+    return json_string_field(j, key, fallback, "planner", kWhere);
+  };
+  // A field's text as its type, or an error naming the field.
+  auto typed = [&](const char* key, const char* fallback, auto parse) {
+    const std::string value = text(key, fallback);
+    try {
+      return parse(value);
+    } catch (const Error& e) {
+      // The parser's message, without the component it names: the plan's is the planner.
+      std::string why = e.what();
+      if (why.rfind('[', 0) == 0 && why.find("] ") != std::string::npos) why = why.substr(why.find("] ") + 2);
+      SPPO_CHECK(false, "planner") << kWhere << "\"" << key << "\": " << why;
+      throw;
+    }
+  };
+  p.system = typed("system", "sppo", parse_system);
+  p.model_name = text("model", "custom");
   if (j.contains("model_config")) p.model = model_config_from_json(j.at("model_config"));
   else p.model = preset(p.model_name);
-  p.hardware = json_string_field(j, "hardware", "", "planner", kWhere);
+  p.hardware = text("hardware", "");
   p.seq_len = integer(j, "seq_len", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
   p.gpus = int(integer(j, "gpus", 1, -kIntMax, kIntMax));
   p.gpus_per_node = int(integer(j, "gpus_per_node", 8, -kIntMax, kIntMax));
-  p.sp = int(integer(j, "sp", 1, -kIntMax, kIntMax));
-  p.pp = int(integer(j, "pp", 1, -kIntMax, kIntMax));
-  p.dp = int(integer(j, "dp", 1, -kIntMax, kIntMax));
-  p.tp = int(integer(j, "tp", 1, -kIntMax, kIntMax));
+  d.tp = int(integer(j, "tp", 1, -kIntMax, kIntMax));
+  d.ulysses = int(integer(j, "ulysses", 1, -kIntMax, kIntMax));
+  d.cp = int(integer(j, "cp", 1, -kIntMax, kIntMax));
+  // Plans written before each kind of sequence parallelism had its own name: "sp", of the
+  // kind "sp_kind" names ("ring" for SPPO and Megatron-LM, "ulysses" for DeepSpeed).
+  if (j.contains("sp") && !j.contains("cp") && !j.contains("ulysses")) {
+    const int sp = int(integer(j, "sp", 1, -kIntMax, kIntMax));
+    const std::string kind = text("sp_kind", p.system == System::Deepspeed ? "ulysses" : "ring");
+    SPPO_CHECK(kind == "ring" || kind == "ulysses", "planner")
+        << kWhere << "\"sp_kind\" must be ring or ulysses (got '" << kind << "')";
+    (kind == "ulysses" ? d.ulysses : d.cp) = sp;
+  }
+  d.pp = int(integer(j, "pp", 1, -kIntMax, kIntMax));
+  d.dp = int(integer(j, "dp", 1, -kIntMax, kIntMax));
   p.lengths = integers("lengths", std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
   p.subseqs = int(integer(j, "subseqs", i64(p.lengths.size()), -kIntMax, kIntMax));
   for (const i64 n : integers("stage_layers", -kIntMax, kIntMax)) p.stage_layers.push_back(int(n));
-  p.offload = json_string_field(j, "offload", "adaptive", "planner", kWhere);
-  p.alpha_rule = json_string_field(j, "alpha_rule", "", "planner", kWhere);
+  p.offload = typed("offload", "adaptive", parse_offload);
+  p.alpha_rule = text("alpha_rule", "");
   // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings;
-  // the optimizer state on the device.
-  p.zero = int(integer(j, "zero", 0, -kIntMax, kIntMax));
-  p.mlp_tile_rows = integer(j, "mlp_tile_rows", 0, 0, kIntMax);
+  // the optimizer state on the device; fp32 activations.
+  d.zero = parse_zero_stage(integer(j, "zero", 0, -kIntMax, kIntMax), 1, "planner", "plan: \"zero\"");
+  p.precision = typed("precision", "fp32", [](const std::string& v) {
+    SPPO_CHECK(v == "fp32" || v == "bf16", "planner") << "must be fp32 or bf16 (got '" << v << "')";
+    return v == "bf16" ? ActPrecision::BF16 : ActPrecision::F32;
+  });
+  pl.mlp_tile_rows = integer(j, "mlp_tile_rows", 0, 0, kIntMax);
   if (j.contains("kernel_scratch")) {  // plans written before it: none
     const nlohmann::json& k = j["kernel_scratch"];
     auto scratch = [&](const char* name) {
@@ -143,45 +234,49 @@ Plan plan_from_json(const nlohmann::json& j) {
     p.block_scratch = scratch("block");
     p.head_scratch = scratch("head");
   }
-  p.msp_reach = int(integer(j, "msp_reach", 0, 0, kIntMax));
-  SPPO_CHECK(p.msp_reach != 1, "planner")
+  d.msp.reach = int(integer(j, "msp_reach", 0, 0, kIntMax));
+  SPPO_CHECK(d.msp.reach != 1, "planner")
       << kWhere << "\"msp_reach\" 1: a split task runs on its own stage and at least one other; use 0 (every "
       << "idle group) or 2 or more";
-  SPPO_CHECK(p.mlp_tile_rows == 0 || p.tp == 1, "planner")
-      << kWhere << "\"mlp_tile_rows\" " << p.mlp_tile_rows << " with \"tp\" " << p.tp
+  SPPO_CHECK(pl.mlp_tile_rows == 0 || d.tp == 1, "planner")
+      << kWhere << "\"mlp_tile_rows\" " << pl.mlp_tile_rows << " with \"tp\" " << d.tp
       << ": MLP tiles run without tensor parallelism; set one of them to its default";
-  p.ring_layout = json_string_field(j, "ring_layout", "zigzag", "planner", kWhere);
-  p.optimizer_state = json_string_field(j, "optimizer_state", "device", "planner", kWhere);
-  p.weights = json_string_field(j, "weights", "device", "planner", kWhere);
-  p.backward_order = json_string_field(j, "backward_order", "subseq", "planner", kWhere);
+  d.ring_layout = typed("ring_layout", "zigzag", parse_ring_layout);
+  pl.optimizer_state = typed("optimizer_state", "device", [](const std::string& v) { return parse_tier(v, "optimizer_state"); });
+  pl.weights = typed("weights", "device", [](const std::string& v) { return parse_tier(v, "weights"); });
+  pl.residual_grads = typed("residual_grads", "device", [](const std::string& v) { return parse_tier(v, "residual_grads"); });
+  pl.backward = typed("backward_order", "subseq", parse_backward_order);
   p.budget = integer(j, "budget_bytes", 0, std::numeric_limits<i64>::min(), std::numeric_limits<i64>::max());
-  for (const i64 l : integers("kv_host_layers", 0, kIntMax)) {
+  const auto host_layers = integers("kv_host_layers", 0, kIntMax);
+  const auto recompute_layers = integers("kv_recompute_layers", 0, kIntMax);
+  if (!host_layers.empty() || !recompute_layers.empty()) pl.kv.assign(std::size_t(p.model.layers), KvPlace::Device);
+  for (const i64 l : host_layers) {
     SPPO_CHECK(l < p.model.layers, "planner")
         << kWhere << "\"kv_host_layers\" names layer " << l << " of a model of " << p.model.layers << " layers";
-    p.kv_host_layers.push_back(int(l));
+    pl.kv[std::size_t(l)] = KvPlace::Host;
   }
-  for (const i64 l : integers("kv_recompute_layers", 0, kIntMax)) {
+  for (const i64 l : recompute_layers) {
     SPPO_CHECK(l < p.model.layers, "planner")
         << kWhere << "\"kv_recompute_layers\" names layer " << l << " of a model of " << p.model.layers << " layers";
-    SPPO_CHECK(std::find(p.kv_host_layers.begin(), p.kv_host_layers.end(), int(l)) == p.kv_host_layers.end(),
-               "planner")
+    SPPO_CHECK(pl.kv[std::size_t(l)] != KvPlace::Host, "planner")
         << kWhere << "layer " << l << " is in both \"kv_host_layers\" and \"kv_recompute_layers\"; a layer keeps "
         << "its K/V on the host or recomputes them, not both";
-    p.kv_recompute_layers.push_back(int(l));
+    pl.kv[std::size_t(l)] = KvPlace::Recompute;
   }
   for (const i64 l : integers("rebuilt_inputs", 1, kIntMax)) {
     SPPO_CHECK(l < p.model.layers, "planner")
         << kWhere << "\"rebuilt_inputs\" names layer " << l << " of a model of " << p.model.layers << " layers";
-    p.rebuilt_inputs.push_back(int(l));
+    pl.inputs_rebuilt.resize(std::size_t(p.model.layers), false);
+    pl.inputs_rebuilt[std::size_t(l)] = true;
   }
   try {
-    p.recompute = parse_recompute_tensors(json_string_field(j, "recompute_tensors", "none", "planner", kWhere));
+    pl.recompute = parse_recompute_tensors(text("recompute_tensors", "none"));
   } catch (const Error& e) {
     SPPO_CHECK(false, "planner") << kWhere << "\"recompute_tensors\": " << e.what();
   }
   try {
     p.alpha = j.value("alpha", std::vector<double>(p.lengths.size(), 0.0));
-    p.msp = j.value("msp", false);
+    d.msp.on = j.value("msp", false);
     if (j.contains("predicted")) {
       const auto& q = j.at("predicted");
       SPPO_CHECK(q.is_object(), "planner") << kWhere << "\"predicted\" must be an object";
@@ -198,8 +293,6 @@ Plan plan_from_json(const nlohmann::json& j) {
     SPPO_CHECK(false, "planner") << "plan JSON: " << e.what()
                                  << " (alpha: a list of numbers, msp: true or false, notes: a list of strings)";
   }
-  SPPO_CHECK(p.system == "sppo" || p.system == "megatron" || p.system == "deepspeed", "planner")
-      << "plan: system must be sppo, megatron or deepspeed (got '" << p.system << "')";
   SPPO_CHECK(p.seq_len >= 1, "planner") << "plan: seq_len must be positive (got " << p.seq_len << ")";
   SPPO_CHECK(!p.lengths.empty(), "planner") << "plan: lengths is empty; it lists each subsequence's tokens";
   SPPO_CHECK(int(p.lengths.size()) == p.subseqs, "planner")
@@ -217,30 +310,26 @@ Plan plan_from_json(const nlohmann::json& j) {
   for (std::size_t i = 0; i < p.alpha.size(); ++i)
     SPPO_CHECK(p.alpha[i] >= 0 && p.alpha[i] <= 1, "planner")
         << "plan: alpha[" << i << "] = " << p.alpha[i] << " is outside [0, 1]";
-  SPPO_CHECK(p.sp >= 1 && p.pp >= 1 && p.dp >= 1 && p.tp >= 1, "planner") << "plan: sp, pp, dp, tp must be >= 1";
-  SPPO_CHECK(p.zero == 0 || p.zero == 1, "planner") << "plan: zero must be 0 or 1 (got " << p.zero << ")";
-  SPPO_CHECK(p.optimizer_state == "device" || p.optimizer_state == "host", "planner")
-      << "plan: optimizer_state must be device or host (got '" << p.optimizer_state << "')";
-  SPPO_CHECK(p.weights == "device" || p.weights == "host", "planner")
-      << "plan: weights must be device or host (got '" << p.weights << "')";
-  SPPO_CHECK(p.weights == "device" || (p.optimizer_state == "host" && p.tp == 1 && !p.msp && p.zero == 0), "planner")
+  SPPO_CHECK(d.tp >= 1 && d.ulysses >= 1 && d.cp >= 1 && d.pp >= 1 && d.dp >= 1, "planner")
+      << "plan: tp, ulysses, cp, pp and dp must be >= 1";
+  SPPO_CHECK(!pl.weights_host() || (pl.optimizer_host() && d.tp == 1 && !d.msp.on && d.zero == ZeroStage::None),
+             "planner")
       << "plan: weights host needs optimizer_state host, and runs without tp, msp and zero 1; set weights "
          "device";
-  SPPO_CHECK(p.backward_order == "subseq" || p.backward_order == "layer", "planner")
-      << "plan: backward_order must be subseq or layer (got '" << p.backward_order << "')";
-  SPPO_CHECK(p.backward_order == "subseq" || !p.msp, "planner")
+  SPPO_CHECK(!pl.layer_major() || !d.msp.on, "planner")
       << "plan: backward_order layer does not run MSP's pieces, and the plan has msp; use backward_order subseq "
          "or msp false";
-  SPPO_CHECK(p.ring_layout == "zigzag" || p.ring_layout == "contiguous", "planner")
-      << "plan: ring_layout must be zigzag or contiguous (got '" << p.ring_layout << "')";
+  SPPO_CHECK(!pl.residual_host() || pl.layer_major(), "planner")
+      << "plan: residual_grads host keeps residual gradients between the layers of the layer-major backward; it "
+         "needs backward_order layer (or set residual_grads device)";
   SPPO_CHECK(p.gpus >= 1 && p.gpus <= kMaxPlanDevices && p.gpus_per_node >= 1, "planner")
       << "plan: gpus must be in [1, " << kMaxPlanDevices << "] and gpus_per_node at least 1 (got "
       << p.gpus << ", " << p.gpus_per_node << ")";
   i64 product = 1;
-  for (int d : {p.sp, p.pp, p.dp, p.tp}) product = std::min<i64>(product * d, i64(kMaxPlanDevices) + 1);
+  for (int n : {d.tp, d.ulysses, d.cp, d.pp, d.dp}) product = std::min<i64>(product * n, i64(kMaxPlanDevices) + 1);
   SPPO_CHECK(product == p.gpus, "planner")
-      << "plan: sp * pp * dp * tp = " << (product > kMaxPlanDevices ? "more than " + std::to_string(kMaxPlanDevices)
-                                                                     : std::to_string(product))
+      << "plan: tp * ulysses * cp * pp * dp = "
+      << (product > kMaxPlanDevices ? "more than " + std::to_string(kMaxPlanDevices) : std::to_string(product))
       << " but gpus = " << p.gpus;
   SPPO_CHECK(p.budget >= 0, "planner") << "plan: budget_bytes must not be negative (got " << p.budget << ")";
   return p;

@@ -9,6 +9,7 @@
 #include "core/config.h"
 #include "core/dims.h"
 #include "core/layout.h"
+#include "core/step_shape.h"
 
 namespace sppo::plan {
 
@@ -22,72 +23,61 @@ struct Prediction {
   double host_update_s = 0;       // of step_time_s: the optimizer's update on the host (0: none)
 };
 
-struct Plan {
-  std::string system = "sppo";    // sppo | megatron | deepspeed
+// The systems a plan can be of: SPPO's own, and the paper's two baselines (sim/baselines.h).
+enum class System : char { Sppo, Megatron, Deepspeed };
+const char* to_string(System s);                  // "sppo" | "megatron" | "deepspeed"
+System parse_system(const std::string& text);     // throws sppo::Error naming the choices
+
+// How a plan's alpha was searched (--offload): none; full (every subsequence's unit but the
+// last's); the paper's rule (alpha_i A_i = BW_d2h x balanced compute); adaptive (the least
+// step time under the budget).
+enum class OffloadMode : char { None, Full, Paper, Adaptive };
+OffloadMode parse_offload(const std::string& text);  // none | full | paper | adaptive
+const char* to_string(OffloadMode m);
+
+// A plan is the shape of its step (core/step_shape.h: the layout, the stages' layer split,
+// the placements, the activations' precision and the kernels' scratch), which
+// sched::build_step turns into its schedule, with the sequence's partition, alpha and what
+// the simulator predicts.
+struct Plan : StepShape {
+  System system = System::Sppo;
   std::string model_name;         // preset name, or "custom"
   ModelConfig model;
   std::string hardware;           // profile name or path
   i64 seq_len = 0;                // S per replica
   int gpus = 1;
   int gpus_per_node = 1;
-  int sp = 1, pp = 1, dp = 1, tp = 1;  // tp: tensor parallel (megatron; sppo: train --tp); sp: of the kind sp_kind() names
   int subseqs = 1;                // N (megatron: 1; deepspeed: FPDT chunks)
   std::vector<i64> lengths;
   std::vector<double> alpha;
-  bool msp = false;
-  int msp_reach = 0;  // groups a split task runs on (Note [MSP reach] in schedule/msp.h): 0 every idle one
-  int zero = 0;                   // 1: AdamW state sharded over each stage's all-reduce group (ZeRO-1)
-  // Where the fp32 master weights and AdamW m, v of each rank's shard live, and where the
-  // update runs: "device", or "host" (train --optimizer-state host).
-  std::string optimizer_state = "device";
-  // Where the layers' weights and gradients live: "device", or "host" (train --weights
-  // host; with the optimizer state there: Note [Weights on the host] in schedule/weights.h).
-  std::string weights = "device";
-  std::string ring_layout = "zigzag";  // how SP ranks split a subsequence: zigzag | contiguous
-  std::vector<int> stage_layers;  // layers per pipeline stage
-  std::string offload = "adaptive";  // none | full | paper | adaptive
+  OffloadMode offload = OffloadMode::Adaptive;
   std::string alpha_rule;         // how alpha was chosen
   i64 budget = 0;                 // device bytes the plan must fit
-  // Layers whose K/V cache lives on the host, and layers that keep no K/V but recompute
-  // them from the layer input (sched::Schedule::kv_place; JSON "kv_host_layers",
-  // "kv_recompute_layers", their indices). The device then holds a window of at most
-  // kv_window_tokens() earlier tokens a layer (JSON "kv_window_tokens").
-  std::vector<int> kv_host_layers;
-  std::vector<int> kv_recompute_layers;
+  // The device holds a window of at most kv_window_tokens() earlier tokens a layer whose
+  // K/V stream (JSON "kv_window_tokens").
   i64 kv_window_tokens() const;
-  // The saved tensors every layer's backward recomputes (Note [Recomputed tensors] in
-  // core/layout.h; JSON "recompute_tensors", their groups: "ln1,ln2,fc_pre", or "none").
-  SavedSet recompute = 0;
-  // The backward's order (sched::BackwardOrder; JSON "backward_order": "subseq", the
-  // paper's, or "layer", one layer's dK/dV sums at a time, in one pipeline stage).
-  std::string backward_order = "subseq";
-  // Layers whose input the forward does not keep (Note [Rebuilt layer inputs] in
-  // schedule/builders.cpp; JSON "rebuilt_inputs", their indices): train --rebuild-inputs.
-  std::vector<int> rebuilt_inputs;
-  // Rows of every layer's MLP tiles (Note [MLP tiles] in core/layout.h; JSON
-  // "mlp_tile_rows"); 0: none.
-  i64 mlp_tile_rows = 0;
-  // The kernels' scratch a rank draws from its device memory (Backend::block_scratch and
-  // head_scratch for the profile's backend: a CPU profile's at its threads; none on GPUs),
-  // counted in the peaks as train counts it. JSON "kernel_scratch": {"block": [fixed
-  // bytes, bytes a token], "head": [...]}; absent: none.
-  KernelScratch block_scratch, head_scratch;
   Prediction predicted;
   std::vector<std::string> notes;
+
+  const StepShape& shape() const { return *this; }
 };
 
 // Devices a plan may name; more would be a corrupted file, and simulating it would build a
 // schedule per device.
-inline constexpr int kMaxPlanDevices = 1 << 20;
+inline constexpr int kMaxPlanDevices = kMaxRanks;
 
-// What a plan's `sp` is (the plan JSON's "sp_kind"): "ring" for SPPO and Megatron-LM,
-// context parallelism with ring attention (SPPO's runs as `train --cp`, weights replicated
-// over the ring); "ulysses" for DeepSpeed, all-to-all between sequence and head splits.
-// Tensor parallelism with sequence-parallel regions (Megatron-LM's; the SPPO paper's SP) is
-// `tp`, for Megatron-LM and for SPPO (runs as `train --tp`).
-std::string sp_kind(const Plan& p);
+// The plan JSON (docs/planning.md). The layout is "tp", "ulysses", "cp", "pp", "dp" and
+// "zero", each kind of sequence parallelism by its own name; the placements are
+// "kv_host_layers", "kv_recompute_layers", "recompute_tensors", "mlp_tile_rows",
+// "backward_order", "residual_grads", "weights", "optimizer_state" and "rebuilt_inputs".
 nlohmann::json to_json(const Plan& p);
-// Throws sppo::Error naming the missing or inconsistent field.
+// The plan's layout line as `sppo plan` prints it, e.g. "tp 2 cp 2 pp 4 dp 1 N 64 msp
+// kv-host layer-major zero-1": the layout (layout_text of its parallelism, with N for the
+// systems that cut subsequences), then each choice that is not the default.
+std::string layout_text(const Plan& p);
+// Throws sppo::Error naming the missing or inconsistent field. Plans written before the
+// kinds of sequence parallelism had their names load too: their "sp" is "cp" ("ulysses"
+// where their "sp_kind" says so).
 Plan plan_from_json(const nlohmann::json& j);
 
 }  // namespace sppo::plan

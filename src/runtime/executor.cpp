@@ -273,7 +273,7 @@ namespace {
 // A recompute layer's weights for its K/V stream (KvStore::attention); none elsewhere (an
 // MSP helper's borrowed layers have no gradients before their backward).
 HostKvCache::LayerWeights layer_weights(const StepState& st, const StageWeights& wt, int l) {
-  if (!st.sched.kv_recomputed(l)) return {};
+  if (!st.sched.place.kv_recomputed(l)) return {};
   return {&wt.w->blocks[l], &wt.m->blocks[l], &wt.g->blocks[l]};
 }
 
@@ -296,7 +296,7 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
     SPPO_ASSERT_MSG(st.act.unit(i, b)[0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
   const bool own = lb_ <= b && e <= le_;  // else an MSP helper's, on borrowed weights
-  const MlpTiles tiles = st.sched.mlp_tiles();
+  const MlpTiles tiles = st.sched.place.mlp_tiles();
   Buffer out;  // the stage's output
   for (int l = b; l < e; ++l) {
     st.weights.begin(index, l - b);  // with the weights on the host, this layer's (and the next's on the way)
@@ -332,9 +332,9 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < int(specs.size()); ++k) unit[k].reset();
     for (int k = 0; k < int(specs.size()); ++k)  // what backward recomputes (Note [Recomputed tensors])
-      if (in_set(st.sched.recompute, k)) unit[k].reset();
+      if (in_set(st.sched.place.recompute, k)) unit[k].reset();
     st.kv.after_forward(l, i, q);
-    if (st.sched.input_rebuilt(l)) unit[kSavedX].reset();  // Note [Rebuilt layer inputs]
+    if (st.sched.place.input_rebuilt(l)) unit[kSavedX].reset();  // Note [Rebuilt layer inputs]
     scratch = {};
     ws.clear();
     st.weights.end(index, l - b);
@@ -345,7 +345,7 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
   } else {
     if (own) await_weights(L);
     // Note [The loss in backward] (core/layout.h): else the backward runs the head.
-    if (!in_set(st.sched.recompute, kSavedHeadGrad)) head(st, op, q, wt, out);
+    if (!in_set(st.sched.place.recompute, kSavedHeadGrad)) head(st, op, q, wt, out);
   }
 }
 
@@ -383,7 +383,7 @@ void Runtime::rebuild_input(StepState& st, const sched::Op& op, int l, const Sub
                             const StageWeights& wt) {
   const int i = op.subseq, below = l - 1, T = q.T, H = config_.hidden;
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
-  const MlpTiles tiles = st.sched.mlp_tiles();
+  const MlpTiles tiles = st.sched.place.mlp_tiles();
   Buffer& x = st.act.unit(i, l)[kSavedX];
   SPPO_ASSERT_MSG(!x, "layer " << l << "'s input of subsequence " << i << " was kept");
   x = device_->alloc(specs[kSavedX].bytes(), unit_name(l, i) + "x");
@@ -412,15 +412,16 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int T = q.T, L = config_.layers;
   const int H = config_.hidden;
   const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
-  const MlpTiles tiles = st.sched.mlp_tiles();
+  const MlpTiles tiles = st.sched.place.mlp_tiles();
   // The residual gradient: the head's on the last stage (Note [The loss in backward]: made
   // below, with the last layer's output), the layer above's in a layer-major backward
   // (kept where head_grad was: Note [Layer-major backward] in schedule/builders.cpp), else
   // the next stage's.
-  const bool loss_here = e == L && in_set(st.sched.recompute, kSavedHeadGrad);
+  const bool loss_here = e == L && in_set(st.sched.place.recompute, kSavedHeadGrad);
   const bool carried = own && e < le_;
   // Note [Residual gradients on the host] (schedule/builders.cpp): back first.
-  if (carried && st.sched.residual_host) st.act.residual_back(i, &st.result.exposed_copy_s);
+  const sched::ResidualMove moves = sched::residual_move(st.sched, opts_.rank, op);
+  if (moves.in) st.act.residual_back(i, &st.result.exposed_copy_s);
   Buffer d_buf = e == L || carried
                      ? std::move(st.act.head_grad(i))
                      : st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
@@ -430,7 +431,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
 
   for (int l = e - 1; l >= b; --l) {
     st.weights.begin(index, e - 1 - l);  // with the weights on the host: this layer's weights and gradient
-    if (st.sched.input_rebuilt(l)) rebuild_input(st, op, l, q, blocks, wt);
+    if (st.sched.place.input_rebuilt(l)) rebuild_input(st, op, l, q, blocks, wt);
     // dK/dV accumulators of every subsequence this backward reaches, zeroed on first use
     // (on a host layer, this subsequence's own, which restore brings: the host holds the
     // others').
@@ -445,21 +446,21 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     // recomputed attention runs its forward again, on a layer whose K/V stream through a
     // forward window of its own, released before the backward's opens (the earlier
     // blocks stream twice).
-    const bool kv = st.sched.kv_recomputed(l);
-    if (st.sched.recompute || kv) {
+    const bool kv = st.sched.place.kv_recomputed(l);
+    if (st.sched.place.recompute || kv) {
       for (int k = 0; k < int(specs.size()); ++k)
-        if ((in_set(st.sched.recompute, k) && !tiled_away(tiles, k)) || (kv && (k == kK || k == kV)))
+        if ((in_set(st.sched.place.recompute, k) && !tiled_away(tiles, k)) || (kv && (k == kK || k == kV)))
           unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
       BlockSaved s = block_saved_from(ptrs(unit));
-      const bool attention = (st.sched.recompute & kAttentionGroup) != 0;
+      const bool attention = (st.sched.place.recompute & kAttentionGroup) != 0;
       const LayerAttention again =
           attention ? st.kv.attention(op, l, false, layer_weights(st, wt, l)) : LayerAttention{};
       BlockAttention* a = attention ? &*again : nullptr;
       if (st.tp)
-        block_recompute_tp(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, *st.tp, config_,
+        block_recompute_tp(be_, s, st.sched.place.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, *st.tp, config_,
                            blocks);
       else
-        block_recompute(be_, s, st.sched.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, config_, blocks);
+        block_recompute(be_, s, st.sched.place.recompute, kv, wt.w->blocks[l], wt.m->blocks[l], w, a, config_, blocks);
     }
     if (loss_here && l == L - 1) {  // the last layer's output again, and the head on it
       Buffer out = device_->alloc(specs[0].bytes(), "final hidden");
@@ -503,7 +504,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   }
   if (own && b > lb_) {  // the layers below run later (a layer-major backward)
     st.act.head_grad(i) = std::move(d_buf);
-    if (st.sched.residual_host) st.act.residual_to_host(i, &st.result.exposed_copy_s);
+    if (moves.out) st.act.residual_to_host(i, &st.result.exposed_copy_s);
     return;
   }
   if (b > 0) {

@@ -48,7 +48,7 @@ HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule&
       control_(control),
       result_(result) {
   if (!host_) return;
-  SPPO_ASSERT(s.weights_host);
+  SPPO_ASSERT(s.place.weights_host());
   uses_ = sched::LayerUses(s, rank);
   const std::size_t n = std::size_t(layers.second - layers.first);
   w_.resize(n);

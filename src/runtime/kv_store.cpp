@@ -46,7 +46,7 @@ KvStore::KvStore(ActivationStore& act, Backend& be, MemoryTier& device, MemoryTi
   for (const sched::Op& op : ops)
     if (op.kind == sched::OpKind::Forward)
       for (int l = op.layer_begin; l < op.layer_end; ++l) rows_at_[l][op.subseq] = rows_of(sc, op);
-  if (sc.any_kv_streamed())
+  if (sc.place.any_kv_streamed())
     host_ = std::make_unique<HostKvCache>(be, device, host, act.d2h(), act.h2d(), L, N, width_,
                                           &result.exposed_copy_s);
   double* waited = &result.exposed_copy_s;
@@ -60,7 +60,7 @@ KvStore::~KvStore() = default;
 
 LayerAttention KvStore::attention(const sched::Op& op, int l, bool backward, const HostKvCache::LayerWeights& weights) {
   LayerAttention a;
-  if (sched_.kv_recomputed(l)) {
+  if (sched_.place.kv_recomputed(l)) {
     SPPO_ASSERT(weights.p && weights.m && weights.g);
     a.attn_ = host_->recomputed_attention(l, op.subseq, rows_of(sched_, op).T, backward, weights, inputs_, config_);
     return a;
@@ -85,7 +85,7 @@ void KvStore::after_forward(int l, int i, const Subseq& q) {
   std::vector<Buffer>& unit = act_.unit(i, l);
   // The rank's rows by position (a zigzag ring piece: two spans), not cut at documents.
   const std::vector<PosSpan> spans = q.spans.empty() ? std::vector<PosSpan>{PosSpan{q.offset, q.T, 0}} : q.spans;
-  if (sched_.kv_recomputed(l))
+  if (sched_.place.kv_recomputed(l))
     host_->forget(l, i, unit[kK], unit[kV], spans);
   else
     host_->store(l, i, unit[kK], unit[kV], spans);
@@ -142,7 +142,7 @@ void KvStore::alloc_accumulators(int l, int i) {
 
 void KvStore::restore(int l, int i) {
   if (!streamed(l)) return;
-  if (sched_.kv_recomputed(l)) {  // K_i, V_i are recomputed with the layer's other tensors
+  if (sched_.place.kv_recomputed(l)) {  // K_i, V_i are recomputed with the layer's other tensors
     host_->restore_sums(l, i, config_.hidden, &dk_[l][i], &dv_[l][i], &du_[l][i]);
     return;
   }
@@ -196,17 +196,18 @@ std::unique_ptr<BlockAttention> KvStore::reach(const sched::Op& op, int l, const
                                                PastAttention* streamed) {
   if (op.pieces == 1) return std::make_unique<LocalAttention>(past);
   const auto& sc = sched_;
-  const int R = op.pieces, i = op.subseq, tp = opts_.tp.size;
+  const int R = op.pieces, i = op.subseq;
+  const std::vector<int> ring = op.group.empty() ? sc.par.ring_group(opts_.rank) : std::vector<int>{};
   RingContext ctx;
   ctx.comm = opts_.comm;
   for (int h = 0; h < R; ++h) {
     const sched::Op other = piece_op(op, h);
     ctx.spans.push_back(rows_of(sc, other).parts());
     ctx.first_key.push_back(sched::ring_first_key(sc, op, h));
-    // An MSP task's members are its group (Note [MSP pieces]); a ring piece's are ranks tp
-    // apart in piece order, each with this rank's tensor-parallel index
-    // (sched::PipelineSpec::rank_of, expand_tensor_parallel).
-    ctx.members.push_back(op.group.empty() ? opts_.rank + (h - op.piece) * tp : op.group[std::size_t(h)]);
+    // An MSP task's members are its group (Note [MSP pieces]); a ring piece's are its ring
+    // in piece order, each with this rank's tensor-parallel index (Note [Rank layout] in
+    // core/parallel.h).
+    ctx.members.push_back(op.group.empty() ? ring.at(std::size_t(h)) : op.group[std::size_t(h)]);
   }
   ctx.me = op.piece;
   ctx.subseq = i;
@@ -214,7 +215,7 @@ std::unique_ptr<BlockAttention> KvStore::reach(const sched::Op& op, int l, const
   ctx.causal = config_.causal;
   ctx.device = &device_;
   ctx.waited_s = ring_wait_s_;
-  if (opts_.ring_rsa) return std::make_unique<RsaAttention>(ctx);
+  if (sc.rsa_piece(op)) return std::make_unique<RsaAttention>(ctx);
   return std::make_unique<RingAttention>(ctx, past, streamed);
 }
 

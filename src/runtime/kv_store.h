@@ -111,7 +111,7 @@ class KvStore {
   KVBlocks past_blocks(int l, int i, bool grads);
   // Whether layer l's K/V stream on this rank: a host or recompute layer of its own (an
   // MSP helper keeps its pieces of another stage's layers on the device, as saved tensors).
-  bool streamed(int l) const { return sched_.kv_streamed(l) && l >= lb_ && l < le_; }
+  bool streamed(int l) const { return sched_.place.kv_streamed(l) && l >= lb_ && l < le_; }
   // How F/B op's queries reach their keys at layer l: on this rank, or round its ring
   // (`streamed`: this rank's earlier blocks come from the host rather than `past`).
   std::unique_ptr<BlockAttention> reach(const sched::Op& op, int l, const KVBlocks& past,

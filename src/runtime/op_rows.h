@@ -32,10 +32,10 @@ inline Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
 // regions (sched::member_spans): the hidden states it passes on and takes in; all of them
 // without tensor parallelism.
 inline Subseq member_rows(const sched::Schedule& sc, const sched::Op& op, int t) {
-  if (sc.tp == 1) return rows_of(sc, op);
+  if (sc.par.tp == 1) return rows_of(sc, op);
   const i64 o = sc.offset(op.subseq);
   Subseq q;
-  for (const auto& [b, e] : sched::member_spans(sc.spans(op), t, sc.tp)) {
+  for (const auto& [b, e] : sched::member_spans(sc.spans(op), t, sc.par.tp)) {
     q.spans.push_back({o + b, int(e - b), q.T});
     q.T += int(e - b);
   }

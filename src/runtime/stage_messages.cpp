@@ -54,7 +54,7 @@ StageMessages::StageMessages(comm::Comm* comm, int rank, Backend& be, MemoryTier
   // Outputs of this rank's F/B ops, and the rows of them it holds (its tensor-parallel
   // member's).
   std::map<HiddenKey, Subseq> made_here;
-  const int member = sc.tp > 1 ? rank % sc.tp : 0;
+  const int member = sc.par.coord_of(rank).member;
   for (const sched::Op& op : ops) {
     if (is_compute(op)) {
       // Under MSP a piece may take rows that this rank produced for it (Note [MSP pieces]).

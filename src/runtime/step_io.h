@@ -44,9 +44,6 @@ struct RuntimeOptions {
   // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;
   Backend* backend = nullptr;  // null: a CPU backend of the runtime's own
-  // Ring pieces attend by the two-pass Ring Self-Attention (RsaAttention; bidirectional
-  // models) instead of the one-pass ring.
-  bool ring_rsa = false;
   // Tensor parallelism with sequence-parallel regions (model/tensor_parallel.h): this rank
   // is member tp.index of the group of consecutive world ranks that share its ops; its
   // parameters, saved tensors and workspaces are its shards (core/layout.h TpShard).

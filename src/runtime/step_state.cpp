@@ -15,15 +15,15 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
   const DType act = ctx.be.act();
   const auto [lb, le] = ctx.layers;
   const int ranks = o.comm ? o.comm->size() : 1;
-  SPPO_CHECK(sc.ranks == ranks, "runtime") << "the schedule has " << sc.ranks << " ranks but the job has "
-                                           << ranks << "; start it with mpirun -np " << sc.ranks;
-  SPPO_CHECK(o.rank >= 0 && o.rank < sc.ranks, "runtime") << "rank " << o.rank << " is not in the schedule";
+  SPPO_CHECK(sc.ranks() == ranks, "runtime") << "the schedule has " << sc.ranks() << " ranks but the job has "
+                                           << ranks << "; start it with mpirun -np " << sc.ranks();
+  SPPO_CHECK(o.rank >= 0 && o.rank < sc.ranks(), "runtime") << "rank " << o.rank << " is not in the schedule";
   const auto own = sc.owned.empty() ? std::pair<int, int>{0, c.layers} : sc.owned.at(o.rank);
   SPPO_CHECK(own.first == lb && own.second == le, "runtime")
       << "rank " << o.rank << " holds layers [" << lb << ", " << le << ") but its schedule gives it ["
       << own.first << ", " << own.second << ")";
   const std::string rebuilt = sched::rebuilt_inputs_error(sc);
-  SPPO_CHECK(rebuilt.empty() && (!sc.any_input_rebuilt() || !o.recompute), "runtime")
+  SPPO_CHECK(rebuilt.empty() && (!sc.place.any_input_rebuilt() || !o.recompute), "runtime")
       << (rebuilt.empty() ? "--recompute already recomputes whole blocks from their inputs; drop --rebuild-inputs"
                           : rebuilt);
   SPPO_CHECK(!o.recompute || sc.lengths.size() == 1, "runtime")
@@ -32,55 +32,55 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
   SPPO_CHECK(c.causal || sc.lengths.size() == 1, "runtime")
       << "a bidirectional model attends to later positions, which subsequences computed one after another cannot "
          "give; use --subseqs 1";
-  SPPO_CHECK(!o.ring_rsa || (!c.causal && act == DType::F32), "runtime")
+  SPPO_CHECK(!sc.par.rsa() || (!c.causal && act == DType::F32), "runtime")
       << "the two-pass RSA ring is for bidirectional models in fp32; use --ring flash";
-  SPPO_CHECK(sc.ring == 1 || (o.comm && !o.recompute), "runtime")
+  SPPO_CHECK(sc.par.cp == 1 || (o.comm && !o.recompute), "runtime")
       << "ring attention needs its ranks (mpirun) and cannot recompute";
-  SPPO_CHECK(sc.tp == o.tp.size, "runtime")
-      << "the schedule is tensor parallel over " << sc.tp << " ranks but this runtime holds shards of "
+  SPPO_CHECK(sc.par.tp == o.tp.size, "runtime")
+      << "the schedule is tensor parallel over " << sc.par.tp << " ranks but this runtime holds shards of "
       << o.tp.size;
-  if (sc.tp > 1) {
+  if (sc.par.tp > 1) {
     SPPO_CHECK(o.comm && !o.recompute && act == DType::F32, "runtime")
         << "tensor parallelism needs its ranks (mpirun), fp32 activations, and no --recompute";
     for (i64 l : sc.lengths)
-      SPPO_CHECK(l >= sc.tp, "runtime") << "a subsequence of " << l << " tokens cannot be split over " << sc.tp
+      SPPO_CHECK(l >= sc.par.tp, "runtime") << "a subsequence of " << l << " tokens cannot be split over " << sc.par.tp
                                         << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";
   }
   const bool msp = std::any_of(ops.begin(), ops.end(), [](const sched::Op& op) { return !op.group.empty() && is_compute(op); });
-  SPPO_CHECK(!msp || (o.comm && act == DType::F32 && (sc.ring == 1 || !o.ring_rsa)), "runtime")
+  SPPO_CHECK(!msp || (o.comm && act == DType::F32 && !sc.par.rsa()), "runtime")
       << "multiplexed sequence partitioning (MSP) runs with pipeline, data, tensor and one-pass context parallelism "
          "on CPU ranks in fp32; drop --ring rsa, or use --msp off";
-  SPPO_CHECK(sc.kv_place.empty() ||
-                 (int(sc.kv_place.size()) == c.layers && !o.recompute && !(sc.ring > 1 && o.ring_rsa)),
+  SPPO_CHECK(sc.place.kv.empty() ||
+                 (int(sc.place.kv.size()) == c.layers && !o.recompute && !sc.par.rsa()),
              "runtime")
       << "K/V on the host or recomputed (--kv-cache host, recompute) stream the blocks of a rank's own "
          "subsequences: they run without --ring rsa and --recompute, and name every layer";
   bool kv_recomputed = false;
-  for (int l = 0; l < c.layers; ++l) kv_recomputed |= sc.kv_recomputed(l);
-  SPPO_CHECK(!kv_recomputed || (sc.tp == 1 && sc.ring == 1 && !msp), "runtime")
+  for (int l = 0; l < c.layers; ++l) kv_recomputed |= sc.place.kv_recomputed(l);
+  SPPO_CHECK(!kv_recomputed || (sc.par.tp == 1 && sc.par.cp == 1 && !msp), "runtime")
       << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input: it runs without --tp, "
          "--cp and --msp on";
-  SPPO_CHECK(sc.recompute == recompute_closure(sc.recompute) && !in_set(sc.recompute, kSavedX) &&
-                 !in_set(sc.recompute, kSavedK) && !in_set(sc.recompute, kSavedV),
+  SPPO_CHECK(sc.place.recompute == recompute_closure(sc.place.recompute) && !in_set(sc.place.recompute, kSavedX) &&
+                 !in_set(sc.place.recompute, kSavedK) && !in_set(sc.place.recompute, kSavedV),
              "runtime")
-      << "the schedule recomputes " << sc.recompute << ", which is not a set of whole groups of recomputable "
+      << "the schedule recomputes " << sc.place.recompute << ", which is not a set of whole groups of recomputable "
       << "tensors (core/layout.h)";
-  SPPO_CHECK(sc.recompute == 0 || !o.recompute, "runtime")
+  SPPO_CHECK(sc.place.recompute == 0 || !o.recompute, "runtime")
       << "--recompute already recomputes whole blocks; drop --recompute-tensors";
-  SPPO_CHECK(!(sc.recompute & kAttentionGroup) || (sc.ring == 1 && !msp), "runtime")
+  SPPO_CHECK(!(sc.place.recompute & kAttentionGroup) || (sc.par.cp == 1 && !msp), "runtime")
       << "recomputing the attention (--recompute-tensors attention) runs it again inside the backward, on a rank's "
          "whole rows: it runs without --cp and --msp on";
-  SPPO_CHECK(!in_set(sc.recompute, kSavedHeadGrad) || !msp, "runtime")
+  SPPO_CHECK(!in_set(sc.place.recompute, kSavedHeadGrad) || !msp, "runtime")
       << "recomputing head_grad (--recompute-tensors head_grad) runs a stage's own LM head inside its last layer's "
          "backward: it runs without --msp on";
-  SPPO_CHECK(sc.mlp_tile_rows >= 0, "runtime") << "MLP tiles of " << sc.mlp_tile_rows << " rows; use 0 (none) or more";
-  SPPO_CHECK(sc.mlp_tile_rows == 0 || (sc.tp == 1 && !o.recompute), "runtime")
+  SPPO_CHECK(sc.place.mlp_tile_rows >= 0, "runtime") << "MLP tiles of " << sc.place.mlp_tile_rows << " rows; use 0 (none) or more";
+  SPPO_CHECK(sc.place.mlp_tile_rows == 0 || (sc.par.tp == 1 && !o.recompute), "runtime")
       << "MLP tiles (--mlp-tile-rows) run without --tp and --recompute";
-  SPPO_CHECK(sc.weights_host == o.weights_host, "runtime")
-      << "the schedule keeps the layers' weights on the " << (sc.weights_host ? "host" : "device")
+  SPPO_CHECK(sc.place.weights_host() == o.weights_host, "runtime")
+      << "the schedule keeps the layers' weights on the " << (sc.place.weights_host() ? "host" : "device")
       << " but this runtime holds them on the " << (o.weights_host ? "host" : "device")
       << "; build both with the same --weights";
-  SPPO_CHECK(!sc.weights_host || (sc.tp == 1 && !msp && !o.recompute), "runtime")
+  SPPO_CHECK(!sc.place.weights_host() || (sc.par.tp == 1 && !msp && !o.recompute), "runtime")
       << "the layers' weights on the host (--weights host) run without --tp, --msp on and --recompute";
 }
 
@@ -91,11 +91,11 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
       control(ctl),
       result(res),
       S(sc.seq_len()),
-      tp(sc.tp > 1 ? std::make_unique<TpGroup>(*c.opts.comm, c.opts.rank - c.opts.tp.index, c.opts.tp,
+      tp(sc.par.tp > 1 ? std::make_unique<TpGroup>(*c.opts.comm, c.opts.rank - c.opts.tp.index, c.opts.tp,
                                                c.opts.tp.kv_replicas(c.config), &res.comm_wait_s)
                    : nullptr),
-      act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers, sc.recompute,
-          sc.inputs_rebuilt),
+      act(c.be, c.device, c.host, c.config, c.precision, int(sc.lengths.size()), c.layers, sc.place.recompute,
+          sc.place.inputs_rebuilt),
       kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
       messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
       grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),

@@ -1,5 +1,5 @@
 // The collectives of tensor parallelism's sequence-parallel regions (model/tensor_parallel.h
-// SeqParallel) over a group of ranks of comm::Comm: consecutive world ranks, member k of
+// TpCollectives) over a group of ranks of comm::Comm: consecutive world ranks, member k of
 // the group holding rows piece_range(T, k, size) of each [T, H] activation.
 //
 // Rows do not divide evenly in general (subsequence lengths are the partition's), while
@@ -15,7 +15,7 @@
 
 namespace sppo {
 
-class TpGroup final : public SeqParallel {
+class TpGroup final : public TpCollectives {
  public:
   // `first`: the group's first world rank; this rank is member tp.index. `kv_replicas`:
   // members holding each key/value head (Note [Replicated key/value heads]).

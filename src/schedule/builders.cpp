@@ -14,6 +14,13 @@ namespace sppo::sched {
 
 namespace {
 
+// The ranks the pipeline builder lays out: every dimension but those expand_tensor_parallel
+// adds afterwards (Note [Rank layout] in core/parallel.h numbers them innermost).
+ParallelDims before_expansion(ParallelDims par) {
+  par.tp = 1;
+  return par;
+}
+
 Op make(OpKind kind, int subseq) {
   Op op;
   op.kind = kind;
@@ -38,7 +45,6 @@ Schedule build_single(int layers, const std::vector<i64>& lengths, const std::ve
       << "alpha of the last subsequence must be 0 (its backward runs first), got " << alpha.back();
 
   Schedule s;
-  s.ranks = 1;
   s.layers = layers;
   s.lengths = lengths;
   s.ops.resize(1);
@@ -121,24 +127,27 @@ struct Task {
 
 }  // namespace
 
-std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec) {
-  SPPO_CHECK(spec.pp >= 1 && spec.pp <= spec.layers, "schedule")
-      << "pipeline stages " << spec.pp << " must be in [1, layers = " << spec.layers << "]";
-  std::vector<int> n = spec.stage_layers;
+std::vector<std::pair<int, int>> stage_ranges(int layers, int pp, const std::vector<int>& stage_layers) {
+  SPPO_CHECK(pp >= 1 && pp <= layers, "schedule")
+      << "pipeline stages " << pp << " must be in [1, layers = " << layers << "]";
+  std::vector<int> n = stage_layers;
   if (n.empty()) {
-    for (int p = 0; p < spec.pp; ++p) n.push_back(spec.layers / spec.pp + (p < spec.layers % spec.pp ? 1 : 0));
+    for (int p = 0; p < pp; ++p) n.push_back(layers / pp + (p < layers % pp ? 1 : 0));
   }
-  SPPO_CHECK(int(n.size()) == spec.pp, "schedule")
-      << "layer split has " << n.size() << " stages but pp = " << spec.pp;
+  SPPO_CHECK(int(n.size()) == pp, "schedule") << "layer split has " << n.size() << " stages but pp = " << pp;
   std::vector<std::pair<int, int>> r;
   int b = 0;
-  for (int p = 0; p < spec.pp; ++p) {
+  for (int p = 0; p < pp; ++p) {
     SPPO_CHECK(n[p] >= 1, "schedule") << "stage " << p << " has no layers";
     r.push_back({b, b + n[p]});
     b += n[p];
   }
-  SPPO_CHECK(b == spec.layers, "schedule") << "layer split sums to " << b << ", not " << spec.layers;
+  SPPO_CHECK(b == layers, "schedule") << "layer split sums to " << b << ", not " << layers;
   return r;
+}
+
+std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec) {
+  return stage_ranges(spec.layers, spec.par.pp, spec.stage_layers);
 }
 
 namespace {
@@ -149,7 +158,8 @@ namespace {
 class PipelineBuilder {
  public:
   explicit PipelineBuilder(const PipelineSpec& spec)
-      : spec_(spec), P_(spec.pp), R_(spec.sp), D_(spec.dp), N_(int(spec.lengths.size())) {}
+      : spec_(spec), pre_(before_expansion(spec.par)), P_(pre_.pp), R_(pre_.cp), D_(pre_.dp),
+        N_(int(spec.lengths.size())) {}
 
   Schedule build() {
     check();
@@ -158,9 +168,9 @@ class PipelineBuilder {
     make_tasks();
     find_helper_leases();
     send_helper_weights();
-    pending_wait_.assign(std::size_t(s_.ranks), -1);
-    offloaded_.assign(std::size_t(s_.ranks), {});
-    prefetched_.assign(std::size_t(s_.ranks), {});
+    pending_wait_.assign(std::size_t(s_.ranks()), -1);
+    offloaded_.assign(std::size_t(s_.ranks()), {});
+    prefetched_.assign(std::size_t(s_.ranks()), {});
     for (std::size_t ti = 0; ti < tasks_.size(); ++ti) emit_task(ti);
     reduce_gradients();
     return std::move(s_);
@@ -168,34 +178,31 @@ class PipelineBuilder {
 
  private:
   void check() {
-    SPPO_CHECK(R_ >= 1 && D_ >= 1, "schedule") << "sp and dp must be at least 1";
+    SPPO_CHECK(R_ >= 1 && D_ >= 1, "schedule") << "cp and dp must be at least 1";
     SPPO_CHECK(N_ >= 1, "schedule") << "at least one subsequence is needed";
     alpha_ = spec_.alpha.empty() ? std::vector<double>(std::size_t(N_), 0.0) : spec_.alpha;
     SPPO_CHECK(int(alpha_.size()) == N_, "schedule") << "alpha has " << alpha_.size() << " entries for " << N_
                                                      << " subsequences";
     SPPO_CHECK(alpha_.back() == 0, "schedule") << "alpha of the last subsequence must be 0";
     for (int i = 0; i < N_; ++i) {
-      SPPO_CHECK(spec_.lengths[std::size_t(i)] >= R_ * (spec_.msp ? P_ : 1), "schedule")
+      SPPO_CHECK(spec_.lengths[std::size_t(i)] >= R_ * (pre_.msp.on ? P_ : 1), "schedule")
           << "subsequence " << i << " of " << spec_.lengths[std::size_t(i)] << " tokens is shorter than its pieces";
       SPPO_CHECK(alpha_[std::size_t(i)] >= 0 && alpha_[std::size_t(i)] <= 1, "schedule")
           << "alpha[" << i << "] outside [0, 1]";
     }
-    msp_ = spec_.msp && P_ > 1;
+    msp_ = pre_.msp.on && P_ > 1;
     SPPO_CHECK(!msp_ || N_ >= P_, "schedule") << "MSP needs N >= P (N = " << N_ << ", P = " << P_ << ")";
   }
 
   void start_schedule() {
-    s_.ranks = spec_.ranks();
-    s_.replicas = D_;
+    s_.par = pre_;
     s_.layers = spec_.layers;
     s_.lengths = spec_.lengths;
-    s_.ring = R_;
-    s_.ring_layout = spec_.ring_layout;
-    s_.ops.resize(std::size_t(s_.ranks));
-    s_.owned.resize(std::size_t(s_.ranks));
+    s_.ops.resize(std::size_t(s_.ranks()));
+    s_.owned.resize(std::size_t(s_.ranks()));
     for (int d = 0; d < D_; ++d)
       for (int p = 0; p < P_; ++p)
-        for (int r = 0; r < R_; ++r) s_.owned[std::size_t(spec_.rank_of(d, p, r))] = ranges_[std::size_t(p)];
+        for (int r = 0; r < R_; ++r) s_.owned[std::size_t(rank_of(d, p, r))] = ranges_[std::size_t(p)];
   }
 
   // Every (replica, stage, subsequence, direction) with its pieces, sorted by slot; and
@@ -207,13 +214,13 @@ class PipelineBuilder {
           for (bool fwd : {true, false}) {
             Task t{fwd, i, k, d, fwd ? i + k : (N_ + P_ - 1) + (P_ - 1 - i) + (N_ - 1 - k), {}};
             // Stage groups that run the task.
-            const std::vector<int> g = msp_ ? msp_groups(P_, N_, i, k, spec_.msp_reach) : std::vector<int>{i};
+            const std::vector<int> g = msp_ ? msp_groups(P_, N_, i, k, pre_.msp.reach) : std::vector<int>{i};
             const int pieces = int(g.size()) * R_;
             for (std::size_t h = 0; h < g.size(); ++h)
               for (int r = 0; r < R_; ++r) {
                 const int piece = int(h) * R_ + r;
-                const RingLayout layout = pieces == R_ ? spec_.ring_layout : RingLayout::Contiguous;
-                t.pieces.push_back({spec_.rank_of(d, g[h], r),
+                const RingLayout layout = pieces == R_ ? pre_.ring_layout : RingLayout::Contiguous;
+                t.pieces.push_back({rank_of(d, g[h], r),
                                     piece_spans(spec_.lengths[std::size_t(k)], piece, pieces, layout), piece, pieces,
                                     g[h] != i});
               }
@@ -260,8 +267,8 @@ class PipelineBuilder {
   void send_helper_weights() {
     for (const auto& [key, t] : last_helper_task_) {
       const auto [rank, stage] = key;
-      const int d = rank / (P_ * R_), r = rank % R_;
-      s_.ops[std::size_t(spec_.rank_of(d, stage, r))].push_back(
+      const ParallelDims::Coord at = pre_.coord_of(rank);
+      s_.ops[std::size_t(rank_of(at.replica, stage, at.ring))].push_back(
           msg(OpKind::Send, Payload::Weights, 0, stage, rank, 0, whole(rank)));
     }
   }
@@ -334,7 +341,8 @@ class PipelineBuilder {
     if (lease_begins) ops.push_back(msg(OpKind::Recv, Payload::Weights, 0, i, owner, 0, whole(pc.rank)));
     if (!t.forward && !pc.helper && owner_backward_started_.insert(pc.rank * P_ + i).second)
       for (const auto& [key, last] : last_helper_task_)
-        if (key.second == i && (key.first / (P_ * R_)) == t.d && key.first % R_ == pc.rank % R_ &&
+        if (key.second == i && pre_.coord_of(key.first).replica == t.d &&
+            pre_.coord_of(key.first).ring == pre_.coord_of(pc.rank).ring &&
             !lease_kept_.count(key))
           ops.push_back(msg(OpKind::Send, Payload::Weights, 0, i, key.first, 0, whole(key.first)));
   }
@@ -424,7 +432,7 @@ class PipelineBuilder {
       for (int p = 0; p < P_; ++p) {
         std::vector<int> group;
         for (int d = 0; d < D_; ++d)
-          for (int r = 0; r < R_; ++r) group.push_back(spec_.rank_of(d, p, r));
+          for (int r = 0; r < R_; ++r) group.push_back(rank_of(d, p, r));
         for (int rank : group) {
           Op ar = with_layers(make(OpKind::AllReduce, 0), p);
           ar.payload = Payload::WeightGrads;
@@ -437,7 +445,7 @@ class PipelineBuilder {
         for (int r = 0; r < R_; ++r) {
           Op tied = make(OpKind::AllReduce, 0);
           tied.payload = Payload::TiedGrads;
-          tied.group = {spec_.rank_of(d, 0, r), spec_.rank_of(d, P_ - 1, r)};
+          tied.group = {rank_of(d, 0, r), rank_of(d, P_ - 1, r)};
           for (int rank : tied.group) s_.ops[std::size_t(rank)].push_back(tied);
         }
   }
@@ -447,7 +455,8 @@ class PipelineBuilder {
     return ((std::size_t(d) * std::size_t(P_) + std::size_t(stage)) * std::size_t(N_) + std::size_t(k)) * 2 +
            (fwd ? 0 : 1);
   }
-  int owner_of(const Task& t, const Piece& pc) const { return spec_.rank_of(t.d, t.stage, pc.piece % R_); }
+  int owner_of(const Task& t, const Piece& pc) const { return rank_of(t.d, t.stage, pc.piece % R_); }
+  int rank_of(int d, int p, int r) const { return pre_.rank_of({d, p, r, 0, 0}); }
   static Piece whole(int rank) { return Piece{rank, {}, 0, 1, true}; }
   Op with_layers(Op op, int stage) const {
     op.layer_begin = ranges_[std::size_t(stage)].first;
@@ -488,6 +497,7 @@ class PipelineBuilder {
   }
 
   const PipelineSpec& spec_;
+  const ParallelDims pre_;  // spec_.par before the expansions (tensor parallelism)
   const int P_, R_, D_, N_;
   std::vector<double> alpha_;
   bool msp_ = false;
@@ -508,7 +518,41 @@ class PipelineBuilder {
 
 }  // namespace
 
-Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec).build(); }
+Schedule build_pipeline(const PipelineSpec& spec) {
+  return expand_tensor_parallel(PipelineBuilder(spec).build(), spec.par.tp);
+}
+
+Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
+                    const StepShape& shape, Replicas replicas) {
+  Schedule s;
+  const ParallelDims& par = shape.par;
+  if (par.pp * par.cp * par.dp == 1 && replicas == Replicas::All) {
+    s = expand_tensor_parallel(build_single(c.layers, lengths, alpha), par.tp);
+  } else {
+    PipelineSpec spec;
+    spec.layers = c.layers;
+    spec.lengths = lengths;
+    spec.alpha = alpha;
+    spec.par = par;
+    if (replicas == Replicas::One) {
+      spec.par.dp = 1;
+      spec.replicated = par.dp > 1;
+    }
+    spec.stage_layers = shape.stage_layers;
+    spec.tied = c.tied_embeddings();
+    s = build_pipeline(spec);
+  }
+  if (shape.place.layer_major()) s = to_layer_major(std::move(s));
+  // The schedule's own parallelism is as built (one replica's, under Replicas::One); the
+  // rest of it, and every placement, as the shape says.
+  const int dp = s.par.dp;
+  s.par = par;
+  s.par.dp = dp;
+  s.place = shape.place;
+  s.packed = shape.packed;
+  s.labeled = shape.labeled;
+  return s;
+}
 
 // Note [Layer-major backward]: the forward runs as in the paper's order; the backward takes
 // each stage's layers from the last, each over the subsequences in reverse. Each
@@ -564,7 +608,7 @@ Schedule build_pipeline(const PipelineSpec& spec) { return PipelineBuilder(spec)
 //    and stay for their own run, which follows: still two layers' at a time.
 // Within a stage only (the layer below on the same rank), without TP, rings or MSP.
 Schedule to_layer_major(Schedule s) {
-  if (s.backward == BackwardOrder::Layer) return s;
+  if (s.place.backward == BackwardOrder::Layer) return s;
   auto hidden_grad = [](const Op& op) { return is_hidden_message(op) && op.payload == Payload::HiddenGrad; };
   // The ops a backward block begins with.
   auto starts_block = [&](const Op& op) {
@@ -572,7 +616,7 @@ Schedule to_layer_major(Schedule s) {
            (op.kind == OpKind::RingStep && op.payload == Payload::KVGrad) ||
            (op.kind == OpKind::Recv && hidden_grad(op));
   };
-  for (int r = 0; r < s.ranks; ++r) {
+  for (int r = 0; r < s.ranks(); ++r) {
     std::vector<Op>& ops = s.ops[std::size_t(r)];
     for (const Op& op : ops)
       SPPO_CHECK(!((op.kind == OpKind::Send || op.kind == OpKind::Recv) && !is_hidden_message(op)) &&
@@ -626,7 +670,7 @@ Schedule to_layer_major(Schedule s) {
         }
     ops.insert(ops.end(), tail.begin(), tail.end());
   }
-  s.backward = BackwardOrder::Layer;
+  s.place.backward = BackwardOrder::Layer;
   return s;
 }
 
@@ -658,7 +702,7 @@ bool is_compute(const Op& op) { return op.kind == OpKind::Forward || op.kind == 
 // both sides.
 Schedule expand_tensor_parallel(Schedule s, int tp) {
   SPPO_CHECK(tp >= 1, "schedule") << "tensor parallelism needs at least one rank a group (got " << tp << ")";
-  SPPO_CHECK(s.tp == 1, "schedule") << "the schedule is already tensor parallel";
+  SPPO_CHECK(s.par.tp == 1, "schedule") << "the schedule is already tensor parallel";
   if (tp == 1) return s;
   for (std::size_t i = 0; i < s.lengths.size(); ++i)
     SPPO_CHECK(s.lengths[i] >= tp, "schedule")
@@ -666,11 +710,17 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
         << " tensor-parallel ranks that split it; use fewer --subseqs or a smaller --tp";
   std::vector<std::vector<Op>> ops_of = std::move(s.ops);
   std::vector<std::pair<int, int>> owned = std::move(s.owned);
+  const ParallelDims before = s.par;
   Schedule out = std::move(s);  // the lengths, ring and layers stay; ops and owners are made anew
-  out.ranks = int(ops_of.size()) * tp;
-  out.tp = tp;
-  out.ops.assign(std::size_t(out.ranks), {});
-  out.owned.clear();
+  out.par.tp = tp;
+  // Rank r's member t (Note [Rank layout] in core/parallel.h).
+  const auto member = [&](int r, int t) {
+    ParallelDims::Coord c = before.coord_of(r);
+    c.member = t;
+    return out.par.rank_of(c);
+  };
+  out.ops.assign(std::size_t(out.ranks()), {});
+  out.owned.assign(owned.empty() ? 0 : std::size_t(out.ranks()), {});
   const int L = out.layers;
   // Under MSP: where each hidden state is made and taken, by rank (Note above).
   bool msp = false;
@@ -717,13 +767,13 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
     for (int u = 0; u < tp; ++u)
       if (u != t)
         for (const auto& run : send ? shared(p, t, c, u, out.spans(p)) : shared(p, u, c, t, out.spans(p)))
-          ops.push_back(part(op, r * tp + u, run));
+          ops.push_back(part(op, member(r, u), run));
   };
   for (int r = 0; r < int(ops_of.size()); ++r)
     for (int t = 0; t < tp; ++t) {
-      auto map = [&](int rank) { return rank < 0 ? rank : rank * tp + t; };
-      if (!owned.empty()) out.owned.push_back(owned.at(std::size_t(r)));
-      auto& ops = out.ops[std::size_t(r * tp + t)];
+      auto map = [&](int rank) { return rank < 0 ? rank : member(rank, t); };
+      if (!owned.empty()) out.owned[std::size_t(member(r, t))] = owned.at(std::size_t(r));
+      auto& ops = out.ops[std::size_t(member(r, t))];
       ops.reserve(ops_of[std::size_t(r)].size());
       for (const Op& src : ops_of[std::size_t(r)]) {
         const bool send = src.kind == OpKind::Send;
@@ -736,7 +786,7 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
           const Spans run{{src.first, src.first + src.tokens}};
           for (int u = 0; u < tp; ++u)
             for (const auto& shared_run : send ? shared(p, t, c, u, run) : shared(p, u, c, t, run))
-              ops.push_back(part(src, src.peer * tp + u, shared_run));
+              ops.push_back(part(src, member(src.peer, u), shared_run));
           continue;
         }
         if (msp && has_input(src, L) && made[std::size_t(r)].count(input_id(src)))

@@ -5,7 +5,9 @@
 
 #include <vector>
 
+#include "core/config.h"
 #include "core/dims.h"
+#include "core/step_shape.h"
 #include "schedule/ir.h"
 
 namespace sppo::sched {
@@ -18,52 +20,57 @@ namespace sppo::sched {
 // Requires alpha.size() == lengths.size(), every alpha in [0, 1] and alpha.back() == 0.
 Schedule build_single(int layers, const std::vector<i64>& lengths, const std::vector<double>& alpha);
 
-// The shape of a multi-rank SPPO schedule. Ranks are numbered
-//   rank = (d * pp + p) * sp + r      (DP replica d, pipeline stage p, SP rank r)
-// so an SP group is contiguous (one node) and a pipeline's stages are consecutive groups.
+// The shape of a multi-rank SPPO schedule: its lengths and offload fractions, its
+// parallelism (of which the builder lays out pp, cp and dp, with MSP and the ring's layout;
+// expand_tensor_parallel adds tp), the stages' layer split. Ranks are numbered as Note [Rank
+// layout] in core/parallel.h says (par.rank_of).
 struct PipelineSpec {
   int layers = 0;                  // L
   std::vector<i64> lengths;        // l_i, N = lengths.size()
   std::vector<double> alpha;       // per subsequence; empty means no offload
-  int pp = 1;                      // P stages
-  int sp = 1;                      // R: ring-attention degree inside a stage
-  int dp = 1;                      // replicas; an all-reduce of weight gradients at the end
-  // One of several identical replicas, built alone (the planner's search simulates one and
-  // prices its all-reduce across all: CostModel::price_replicas): the step ends in the
-  // all-reduce even where this replica's own group is a single rank.
+  ParallelDims par;
+  // One of par.dp identical replicas, built alone with par.dp 1 (the planner's search
+  // simulates one and prices its all-reduce across all: CostModel::price_replicas): the
+  // step ends in the all-reduce even where this replica's own group is a single rank.
   bool replicated = false;
-  bool msp = false;                // multiplexed sequence partitioning (docs/design.md 6)
-  int msp_reach = 0;               // groups a split task runs on: 0 every idle one (Note [MSP reach])
   std::vector<int> stage_layers;   // layers per stage; empty means as even as possible
-  RingLayout ring_layout = RingLayout::Contiguous;  // how the sp ranks split a subsequence
   bool tied = true;                // the LM head is the embedding (GPT): its gradients summed across stages
-
-  int ranks() const { return pp * sp * dp; }
-  int rank_of(int d, int p, int r) const { return (d * pp + p) * sp + r; }
 };
 
 // Layer split [begin, end) per stage: `stage_layers` when given, else L/P each with the
 // remainder on the first stages.
 std::vector<std::pair<int, int>> stage_ranges(const PipelineSpec& spec);
+std::vector<std::pair<int, int>> stage_ranges(int layers, int pp, const std::vector<int>& stage_layers);
 
 // The sequence pipeline (docs/design.md 6): stage p runs F(0..N-1) then B(N-1..0) over its
 // layer block; Send/Recv Hidden after each F to p+1 and HiddenGrad after each B to p-1;
-// with sp > 1 every F and B is preceded by its ring-attention steps; with msp the
+// with cp > 1 every F and B is preceded by its ring-attention steps; with MSP the
 // bubble-adjacent subsequences run in pieces on the idle stages; with dp > 1 the step
 // ends in an all-reduce of each stage's weight gradients across replicas, and with pp > 1
-// in one of the tied embedding's gradient between the first and last stage.
+// in one of the tied embedding's gradient between the first and last stage. With tp > 1,
+// expanded for tensor parallelism (expand_tensor_parallel).
 Schedule build_pipeline(const PipelineSpec& spec);
 
+// Whether build_step builds every replica of the shape, or one of shape.par.dp identical
+// replicas alone (PipelineSpec::replicated: the planner's search).
+enum class Replicas : char { All, One };
+
+// The schedule of one step of `shape` (core/step_shape.h) for model `c`: build_single for
+// one process, else the sequence pipeline of the shape's parallelism, in its backward order
+// (to_layer_major), carrying its placements. The one builder the setup, the planner and
+// the benchmarks call.
+Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
+                    const StepShape& shape, Replicas replicas = Replicas::All);
+
 // Tensor parallelism with sequence-parallel regions (--tp; model/tensor_parallel.h): every
-// rank r of `s` becomes the tp consecutive ranks r * tp + t, t = 0 .. tp - 1, which run r's
-// op list together, member t on its shards. Peers and all-reduce groups map to the member
+// rank r of `s` becomes the tp ranks of its tensor-parallel group, members t = 0 .. tp - 1
+// (consecutive: Note [Rank layout] in core/parallel.h), which run r's op list together,
+// member t on its shards. Peers and all-reduce groups map to the member
 // with the same index (its shards have the same shapes), and a hidden-state message
 // carries that member's rows piece_range(tokens, t, tp) of the piece; under MSP, where two
 // tasks split a subsequence differently, the runs of positions two members' rows share,
 // inside a group too (Note [Hidden states of MSP pieces under tensor parallelism] in
-// builders.cpp). Ranks are then
-//   rank = ((d * pp + p) * sp + r) * tp + t
-// so a tensor-parallel group is innermost, inside one node as the paper keeps it.
+// builders.cpp).
 Schedule expand_tensor_parallel(Schedule s, int tp);  // tp 1: s itself
 
 // The same schedule with a layer-major backward (BackwardOrder::Layer; Note [Layer-major

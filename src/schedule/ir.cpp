@@ -19,22 +19,15 @@ i64 Schedule::offset(int i) const {
 
 i64 Schedule::seq_len() const { return offset(int(lengths.size())); }
 
-const char* to_string(RingLayout l) { return l == RingLayout::Zigzag ? "zigzag" : "contiguous"; }
-
-RingLayout parse_ring_layout(const std::string& text) {
-  if (text == "zigzag") return RingLayout::Zigzag;
-  if (text == "contiguous") return RingLayout::Contiguous;
-  SPPO_CHECK(false, "schedule") << "ring layout must be zigzag or contiguous (got '" << text << "')";
-  return RingLayout::Contiguous;
+std::pair<int, int> owned_layers(const Schedule& s, int rank) {
+  return s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
 }
 
-const char* to_string(BackwardOrder o) { return o == BackwardOrder::Layer ? "layer" : "subseq"; }
-
-BackwardOrder parse_backward_order(const std::string& text) {
-  if (text == "subseq") return BackwardOrder::Subseq;
-  if (text == "layer") return BackwardOrder::Layer;
-  SPPO_CHECK(false, "options") << "backward order must be subseq or layer (got '" << text << "')";
-  return BackwardOrder::Subseq;
+ResidualMove residual_move(const Schedule& s, int rank, const Op& op) {
+  if (op.kind != OpKind::Backward || !s.place.residual_host()) return {};
+  const auto [b, e] = owned_layers(s, rank);
+  const bool own = b <= op.layer_begin && op.layer_end <= e;
+  return {own && op.layer_end < e, own && op.layer_begin > b};
 }
 
 void Spans::push_back(const value_type& r) {
@@ -118,8 +111,8 @@ Spans Schedule::spans(const Op& op) const { return spans(op.subseq, op.piece, op
 
 Spans Schedule::spans(int subseq, int piece, int pieces) const {
   const i64 l = lengths.at(std::size_t(subseq));
-  const bool ring_piece = pieces > 1 && pieces == ring;
-  return piece_spans(l, piece, pieces, ring_piece ? ring_layout : RingLayout::Contiguous);
+  const bool ring_piece = pieces > 1 && pieces == par.cp;
+  return piece_spans(l, piece, pieces, ring_piece ? par.ring_layout : RingLayout::Contiguous);
 }
 
 namespace {
@@ -133,7 +126,7 @@ constexpr i64 kBefore = -1;
 i64 first_key_in_subseq(const Schedule& s, const Op& op, int piece) {
   if (!op.group.empty()) {
     const int rank = op.group.at(std::size_t(piece));
-    const auto mine = s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
+    const auto mine = owned_layers(s, rank);
     const bool owner = mine.first <= op.layer_begin && op.layer_end <= mine.second;
     if (owner && op.subseq > 0) return kBefore;
   } else if (op.subseq > 0) {
@@ -307,35 +300,26 @@ std::string to_string(const Op& op) {
   return os.str();
 }
 
-const char* to_string(KvPlace p) {
-  switch (p) {
-    case KvPlace::Device: return "device";
-    case KvPlace::Host: return "host";
-    case KvPlace::Recompute: return "recompute";
-  }
-  SPPO_ASSERT(false);
-  return "";
-}
-
 std::string to_string(const Schedule& s) {
   std::ostringstream os;
-  os << "schedule ranks=" << s.ranks << " layers=" << s.layers << " lengths=";
+  const Placements& pl = s.place;
+  os << "schedule ranks=" << s.ranks() << " layers=" << s.layers << " lengths=";
   for (size_t i = 0; i < s.lengths.size(); ++i) os << (i ? "," : "") << s.lengths[i];
-  if (s.ring > 1 && s.ring_layout != RingLayout::Contiguous) os << " ring=" << to_string(s.ring_layout);
-  if (s.any_kv_streamed()) {
+  if (s.par.cp > 1 && s.par.ring_layout != RingLayout::Contiguous) os << " ring=" << to_string(s.par.ring_layout);
+  if (pl.any_kv_streamed()) {
     os << " kv=";
-    for (size_t l = 0; l < s.kv_place.size(); ++l) os << (l ? "," : "") << to_string(s.kv_place[l]);
+    for (size_t l = 0; l < pl.kv.size(); ++l) os << (l ? "," : "") << to_string(pl.kv[l]);
   }
-  if (s.recompute) os << " recompute=" << recompute_tensors_text(s.recompute);
-  if (s.mlp_tile_rows) os << " mlp_tile_rows=" << s.mlp_tile_rows;
-  if (s.backward != BackwardOrder::Subseq) os << " backward=" << to_string(s.backward);
-  if (s.weights_host) os << " weights=host";
-  if (s.residual_host) os << " residual=host";
-  if (s.any_input_rebuilt()) {
+  if (pl.recompute) os << " recompute=" << recompute_tensors_text(pl.recompute);
+  if (pl.mlp_tile_rows) os << " mlp_tile_rows=" << pl.mlp_tile_rows;
+  if (pl.backward != BackwardOrder::Subseq) os << " backward=" << to_string(pl.backward);
+  if (pl.weights_host()) os << " weights=host";
+  if (pl.residual_host()) os << " residual=host";
+  if (pl.any_input_rebuilt()) {
     os << " rebuilt=";
     bool first = true;
     for (int l = 0; l < s.layers; ++l)
-      if (s.input_rebuilt(l)) os << (std::exchange(first, false) ? "" : ",") << l;
+      if (pl.input_rebuilt(l)) os << (std::exchange(first, false) ? "" : ",") << l;
   }
   os << '\n';
   for (size_t r = 0; r < s.ops.size(); ++r) {

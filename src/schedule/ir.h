@@ -15,6 +15,8 @@
 
 #include "core/dims.h"
 #include "core/layout.h"
+#include "core/parallel.h"
+#include "core/placement.h"
 
 namespace sppo::sched {
 
@@ -35,20 +37,6 @@ enum class OpKind {
                  //   layer_end) (payload WeightGrads: data-parallel and SP replicas), or of the
                  //   tied embedding's gradient (payload TiedGrads: first and last stage)
 };
-
-// The order of a stage's backward (Schedule::backward).
-// Subseq, the paper's: the subsequences in reverse, each through all the stage's layers, so
-// every layer's dK/dV sums live until the backward reaches the first subsequence.
-// Layer: the layers from the last, each over the subsequences in reverse, so only one
-// layer's sums live at a time; each subsequence's residual gradient waits between its
-// layers (Note [Layer-major backward] in builders.cpp).
-enum class BackwardOrder : char { Subseq, Layer };
-const char* to_string(BackwardOrder o);                 // "subseq" | "layer"
-BackwardOrder parse_backward_order(const std::string& text);  // throws sppo::Error naming the choices
-
-// Where a layer keeps the K/V of finished subsequences (Schedule::kv_place).
-enum class KvPlace : char { Device, Host, Recompute };
-const char* to_string(KvPlace p);                 // "device" | "host" | "recompute"
 
 // Tensor parallelism of a Llama-family block: each member's query heads read whole
 // key/value heads of its own: tp divides G = kv_head_count(), or G divides tp and each K/V
@@ -108,16 +96,14 @@ bool has_output(const Op& op, int layers);
 HiddenId input_id(const Op& op);
 HiddenId output_id(const Op& op);
 
-// How the R pieces of a ring (the SP ranks of one stage group) hold a subsequence's tokens.
+// How the R pieces of a ring (the cp ranks of one stage group) hold a subsequence's tokens
+// (RingLayout, core/parallel.h).
 // Note [Ring attention load balance]: under causal attention a query attends to every
 // position before it, so a contiguous split gives piece r of R about (2r + 1) / R^2 of the
 // subsequence's attention work: the last piece does 2R - 1 times the first's. Zigzag cuts
 // the subsequence into 2R chunks and gives piece r chunks r and 2R - 1 - r, so every piece
 // does the same work to within a chunk's diagonal. Pieces of a subsequence split over
 // several stage groups by MSP are always contiguous.
-enum class RingLayout { Contiguous, Zigzag };
-const char* to_string(RingLayout l);             // "contiguous" | "zigzag"
-RingLayout parse_ring_layout(const std::string& text);  // throws sppo::Error naming the choices
 
 // Token ranges [b, e) of a piece, ascending; one range (contiguous) or two (zigzag), held
 // in place: the simulator and the memory rules ask for an op's spans for every op.
@@ -155,65 +141,58 @@ Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout);
 Spans member_spans(const Spans& piece, int t, int tp);
 
 struct Schedule {
-  int ranks = 1;
-  int replicas = 1;                     // DP replicas, each training its own sequence
+  // The step's parallelism (core/parallel.h): ranks par.ranks(), numbered as Note [Rank
+  // layout] says; ops with pieces == par.cp > 1 are ring pieces, held as par.ring_layout
+  // says and attended by par.ring_algorithm. Built one replica at a time (the planner's
+  // search), par.dp is 1. Tensor parallelism (expand_tensor_parallel): the par.tp
+  // consecutive ranks of a group run the same ops, each on its shards.
+  ParallelDims par;
+  int ranks() const { return par.ranks(); }
+  // The tensor-parallel shards rank `rank` holds (its member index in its group).
+  TpShard tp_shard(int rank) const { return {par.coord_of(rank).member, par.tp}; }
   int layers = 0;
   std::vector<i64> lengths;             // l_i of every subsequence
-  int ring = 1;                         // R: ops with pieces == R > 1 are ring pieces
-  RingLayout ring_layout = RingLayout::Contiguous;  // how ring pieces hold their tokens
   // Ring pieces attend by the two-pass Ring Self-Attention (runtime/ring.h RsaAttention,
   // --ring rsa: bidirectional, fp32), which materialises each piece's score rows against
   // the whole subsequence, rather than by the one-pass flash ring.
-  bool ring_rsa = false;
-  bool rsa_piece(const Op& op) const { return ring_rsa && ring > 1 && op.pieces == ring; }
+  bool rsa_piece(const Op& op) const { return par.rsa() && op.pieces == par.cp; }
   std::vector<std::vector<Op>> ops;     // ops[rank] in program order
   // Layers whose weights, gradients and optimizer state each rank owns, [begin, end);
   // empty means every rank owns all layers. The embedding lives with layer 0 and, tied,
   // again with layer L-1 when that is another rank.
   std::vector<std::pair<int, int>> owned;
-  // Tensor parallelism (expand_tensor_parallel): ranks r * tp .. r * tp + tp - 1 run the
-  // same ops, each on its shards; 1: none.
-  int tp = 1;
-  // Where each layer keeps the K/V cache of finished subsequences ([layers]; empty: every
-  // layer on the device). A Host layer copies each subsequence's K, V to the host after
-  // its forward and streams them back, a chunk at a time, to the attention of later
-  // subsequences and to the backward, with their fp32 dK/dV accumulators, which live on
-  // the host too (runtime/kv_stream.h). A Recompute layer keeps no K, V at all: each chunk
-  // is recomputed from the layer input x of its subsequence (wherever the unit holds it)
-  // when a later subsequence or the backward needs it, and its dK/dV sums live on the host
-  // as a Host layer's. A Host layer runs on a ring too (each member streams its own pieces
-  // of the earlier subsequences) and under MSP (a stage's owner streams its helpers' pieces
-  // with its own; a helper keeps its pieces of the owner's layers on the device); a
-  // Recompute layer runs ops of one piece only, without tensor parallelism (its rows of x
-  // are split over the group).
-  std::vector<KvPlace> kv_place;
-  // The order of each stage's backward; Layer: its B ops and their prefetches, ring steps
-  // and waits are of one layer each (layer_major).
-  BackwardOrder backward = BackwardOrder::Subseq;
-  // In a layer-major backward, where each subsequence's residual gradient waits between
-  // its layers (--residual-grads; Note [Residual gradients on the host] in builders.cpp):
-  // false, on the device; true, on the host, sent at the end of each B but the stage's
-  // first layer's and brought back at the start of the next.
-  bool residual_host = false;
-  // Where the transformer layers' weights live between their uses (--weights host; Note
-  // [Weights on the host] in schedule/weights.h): false, on the device all step; true, on
-  // the host, each layer's working copy brought to the device one layer ahead of the F/B
-  // op that uses it and each layer's fp32 gradient on the device from its first backward
-  // to its last. The embedding, final norm and LM head stay on the device either way.
-  bool weights_host = false;
-  // Layers whose input x the forward does not keep ([layers]; empty: none; Note [Rebuilt
-  // layer inputs] in builders.cpp): each B op of such a layer l first runs layer l-1's
-  // forward again on its subsequence, from x of layer l-1 (kept), to make x of layer l.
-  // Only in a layer-major backward, within a stage, on a layer whose K/V are not
-  // recomputed (they would need every earlier subsequence's x) above one whose K/V are not
-  // on the host.
-  std::vector<bool> inputs_rebuilt;
-  bool input_rebuilt(int layer) const {
-    return layer < int(inputs_rebuilt.size()) && inputs_rebuilt[std::size_t(layer)];
-  }
-  bool any_input_rebuilt() const {
-    return std::find(inputs_rebuilt.begin(), inputs_rebuilt.end(), true) != inputs_rebuilt.end();
-  }
+  // Where the step keeps what it saves and holds (core/placement.h):
+  //  - place.kv: where each layer keeps the K/V cache of finished subsequences. A Host layer
+  //    copies each subsequence's K, V to the host after its forward and streams them back,
+  //    a chunk at a time, to the attention of later subsequences and to the backward, with
+  //    their fp32 dK/dV accumulators, which live on the host too (runtime/kv_stream.h). A
+  //    Recompute layer keeps no K, V at all: each chunk is recomputed from the layer input
+  //    x of its subsequence (wherever the unit holds it) when a later subsequence or the
+  //    backward needs it, and its dK/dV sums live on the host as a Host layer's. A Host
+  //    layer runs on a ring too (each member streams its own pieces of the earlier
+  //    subsequences) and under MSP (a stage's owner streams its helpers' pieces with its
+  //    own; a helper keeps its pieces of the owner's layers on the device); a Recompute
+  //    layer runs ops of one piece only, without tensor parallelism (its rows of x are split
+  //    over the group).
+  //  - place.backward: the order of each stage's backward; Layer: its B ops and their
+  //    prefetches, ring steps and waits are of one layer each (to_layer_major).
+  //  - place.residual_grads: in a layer-major backward, where each subsequence's residual
+  //    gradient waits between its layers (Note [Residual gradients on the host] in
+  //    builders.cpp; residual_move says which B op moves it).
+  //  - place.weights: where the transformer layers' weights live between their uses (Note
+  //    [Weights on the host] in schedule/weights.h): on the host, each layer's working copy
+  //    brought to the device one layer ahead of the F/B op that uses it and each layer's
+  //    fp32 gradient on the device from its first backward to its last. The embedding,
+  //    final norm and LM head stay on the device either way.
+  //  - place.inputs_rebuilt: layers whose input x the forward does not keep (Note [Rebuilt
+  //    layer inputs] in builders.cpp): each B op of such a layer l first runs layer l-1's
+  //    forward again on its subsequence, from x of layer l-1 (kept), to make x of layer l.
+  //    Only in a layer-major backward, within a stage, on a layer whose K/V are not
+  //    recomputed (they would need every earlier subsequence's x) above one whose K/V are
+  //    not on the host.
+  //  - place.recompute, place.mlp_tile_rows: the saved tensors every layer's backward
+  //    recomputes, and the rows of its MLP tiles.
+  Placements place;
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.
   bool packed = false;
@@ -226,19 +205,6 @@ struct Schedule {
   // packed step can cost (a plan's and the setup's prediction); the trainer prices each
   // step with its own.
   std::vector<i64> doc_starts;
-  KvPlace kv_at(int layer) const { return kv_place.empty() ? KvPlace::Device : kv_place[std::size_t(layer)]; }
-  // Host or Recompute: earlier blocks stream through a window, their sums on the host.
-  bool kv_streamed(int layer) const { return kv_at(layer) != KvPlace::Device; }
-  bool kv_recomputed(int layer) const { return kv_at(layer) == KvPlace::Recompute; }
-  bool any_kv_streamed() const {
-    return std::any_of(kv_place.begin(), kv_place.end(), [](KvPlace p) { return p != KvPlace::Device; });
-  }
-  // The saved tensors every layer's backward recomputes instead of keeping (Note
-  // [Recomputed tensors] in core/layout.h; a closed set of groups).
-  SavedSet recompute = 0;
-  // Rows of every layer's MLP tiles (Note [MLP tiles] in core/layout.h); 0: none.
-  i64 mlp_tile_rows = 0;
-  MlpTiles mlp_tiles() const { return {mlp_tile_rows, in_set(recompute, kSavedFcPre)}; }
 
   i64 offset(int i) const;              // o_i = l_0 + ... + l_{i-1}
   i64 seq_len() const;                  // S
@@ -249,6 +215,19 @@ struct Schedule {
   Spans spans(const Op& op, int piece) const { return spans(op.subseq, piece, op.pieces); }
   Spans spans(int subseq, int piece, int pieces) const;
 };
+
+// The layers [begin, end) rank `rank` owns (Schedule::owned; every layer when it is empty).
+std::pair<int, int> owned_layers(const Schedule& s, int rank);
+
+// Note [Residual gradients on the host] (builders.cpp), the rule the runtime, the memory
+// rules and the simulator all read: with place.residual_grads on the host, a B op of a
+// rank's own layers brings its subsequence's residual gradient back from the host before it
+// runs when a layer above it on the rank ran before it (`in`), and sends it to the host
+// after when a layer below it on the rank runs later (`out`).
+struct ResidualMove {
+  bool in = false, out = false;
+};
+ResidualMove residual_move(const Schedule& s, int rank, const Op& op);
 
 // Ring attention over the pieces of a task (runtime/ring.h: queries travel, keys stay).
 // The first position whose key member `piece` of F/B/RingStep op `op`'s ring holds: a

@@ -93,12 +93,12 @@ std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShar
 }
 
 UnitSizes::UnitSizes(const MemoryRules& rules, const Schedule& s) {
-  for (int r = 0; r < s.ranks; ++r) {
-    const TpShard tp{s.tp > 1 ? r % s.tp : 0, s.tp};
+  for (int r = 0; r < s.ranks(); ++r) {
+    const TpShard tp = s.tp_shard(r);
     for (const Op& op : s.ops[std::size_t(r)])
       if (op.kind == OpKind::Forward) {
         auto [it, fresh] = sizes_.try_emplace({tp.index, span_tokens(s.spans(op))});
-        if (fresh) it->second = unit_tensor_bytes(rules, it->first.second, tp, s.recompute);
+        if (fresh) it->second = unit_tensor_bytes(rules, it->first.second, tp, s.place.recompute);
       }
   }
 }
@@ -109,7 +109,7 @@ const std::vector<i64>* UnitSizes::find(int member, i64 tokens) const {
 }
 
 RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, const UnitSizes* shared)
-    : rules_(rules), s_(s), rank_(rank), tp_{s.tp > 1 ? rank % s.tp : 0, s.tp} {
+    : rules_(rules), s_(s), rank_(rank), tp_(s.tp_shard(rank)) {
   const ModelConfig& c = rules.model;
   const ActPrecision p = rules.precision;
   kv_pt_ = skeletal_bytes_per_token(c, p);
@@ -148,9 +148,9 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     owned_params_ = params;
     state_params_ = state;
     // Note [Weights on the host]: the device keeps the embedding, final norm and head only.
-    const i64 layers = s.weights_host ? i64(oe - ob) * layer_params(c, tp_) : 0, resident = params - layers;
+    const i64 layers = s.place.weights_host() ? i64(oe - ob) * layer_params(c, tp_) : 0, resident = params - layers;
     resident_params_ = resident;
-    SPPO_CHECK(!s.weights_host || (rules.optimizer_host && state == params), "memory")
+    SPPO_CHECK(!s.place.weights_host() || (rules.optimizer_host && state == params), "memory")
         << "the layers' weights on the host are the optimizer's master there: --weights host needs "
            "--optimizer-state host, without --zero 1";
     fixed_terms_[int(MemTerm::Weights)] = resident * rules.weight_bytes();
@@ -162,7 +162,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       host_fixed_terms_[int(MemTerm::Gradients)] = state * rules.grad_bytes;
       host_fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
     }
-    if (s.weights_host) {
+    if (s.place.weights_host()) {
       layer_w_ = layer_copy_bytes(c, rules.precision, tp_);
       layer_in_ = layer_params(c, tp_) * i64(sizeof(float));
       layer_g_ = layer_params(c, tp_) * rules.grad_bytes;
@@ -225,13 +225,13 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
         const std::vector<i64>* layer = shared ? shared->find(tp_.index, T) : nullptr;
         if (!layer) {  // every layer's unit has the same tensors
           auto [it, fresh] = layer_units.try_emplace(T);
-          if (fresh) it->second = unit_tensor_bytes(rules, T, tp_, s.recompute);
+          if (fresh) it->second = unit_tensor_bytes(rules, T, tp_, s.place.recompute);
           layer = &it->second;
         }
         auto& layers = unit_layers_[op.subseq];
         for (int l = op.layer_begin; l < op.layer_end; ++l) {
           // A rebuilt layer's x (its first offloadable tensor) is gone before the offload.
-          const auto first = layer->begin() + (s.input_rebuilt(l) ? 1 : 0);
+          const auto first = layer->begin() + (s.place.input_rebuilt(l) ? 1 : 0);
           sizes.insert(sizes.end(), first, layer->end());
           layers.insert(layers.end(), std::size_t(layer->end() - first), l);
         }
@@ -265,16 +265,16 @@ i64 RankMemory::saved_bytes(i64 T, Role role) const {
   i64 b = 0;
   const auto specs = block_saved_specs(rules_.model, T, rules_.precision, tp_);
   for (std::size_t k = 0; k < specs.size(); ++k)
-    if (specs[k].role == role && !in_set(s_.recompute, int(k))) b += specs[k].bytes();
+    if (specs[k].role == role && !in_set(s_.place.recompute, int(k))) b += specs[k].bytes();
   return b;
 }
 
 i64 RankMemory::recomputed_bytes(i64 T) const {
   i64 b = 0;
   const auto specs = block_saved_specs(rules_.model, T, rules_.precision, tp_);
-  const MlpTiles tiles = s_.mlp_tiles();
+  const MlpTiles tiles = s_.place.mlp_tiles();
   for (std::size_t k = 0; k < specs.size(); ++k)  // under MLP tiles fc_pre is in the workspace
-    if (in_set(s_.recompute, int(k)) && !(int(k) == kSavedFcPre && tiles.on())) b += specs[k].bytes();
+    if (in_set(s_.place.recompute, int(k)) && !(int(k) == kSavedFcPre && tiles.on())) b += specs[k].bytes();
   return b;
 }
 
@@ -283,7 +283,7 @@ i64 RankMemory::kv_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::S
 i64 RankMemory::unit_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::Offloadable) : unit_pt_ * T; }
 
 i64 RankMemory::ws_bytes(i64 T) const {
-  const MlpTiles tiles = s_.mlp_tiles();
+  const MlpTiles tiles = s_.place.mlp_tiles();
   const i64 layer = tp_.on() || tiles.on()
                         ? total_bytes(block_workspace_specs(rules_.model, T, rules_.precision, tp_, tiles))
                         : ws_pt_ * T;
@@ -365,7 +365,7 @@ i64 RankMemory::kv_window(int l, int subseq, i64 T, i64 span_rows, bool backward
   // attention).
   const i64 kv_width = tp_.local_kv_width(rules_.model), q_width = tp_.local_hidden(rules_.model);
   const i64 partial_rest = backward || chunks == 0 ? 0 : span_rows * (q_width - kv_width) * rules_.act_bytes();
-  const bool recompute = s_.kv_recomputed(l);
+  const bool recompute = s_.place.kv_recomputed(l);
   return kv_window_bytes(chunks, std::min(rows, C), span_rows, kv_width, tp_.local_heads(rules_.model), rules_.act_bytes(),
                          backward, recompute ? rules_.model.hidden : 0,
                          recompute && rules_.model.qk_norm ? rules_.model.kv_head_count() : 0) +
@@ -457,7 +457,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       const auto [kv, unit, rc, ws] = layer_bytes(T);
       const i64 ring = piece_fwd_extra(op, T);
       // The longest query span that meets a streamed window (once an op, not a layer).
-      const i64 span_rows = op.pieces > 1 && s_.any_kv_streamed() ? ring_span_max(op) : T;
+      const i64 span_rows = op.pieces > 1 && s_.place.any_kv_streamed() ? ring_span_max(op) : T;
       // Each layer writes its output into a fresh [T, H] buffer: the next layer's saved
       // input x (already counted when that layer's unit is), or, after the stage's last
       // layer, the head's input, freed once used, or the next stage's input, freed as its
@@ -483,8 +483,8 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (window) emit(out, end, -window, T::KVWindow);
         if (rc) emit(out, end, -rc, T::Recomputed);
         if (streamed(l)) emit(out, end, -kv, T::KVCache);
-        if (streamed(l) && s_.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
-        if (s_.input_rebuilt(l)) emit(out, end, -x_bytes, T::Units);  // Note [Rebuilt layer inputs]
+        if (streamed(l) && s_.place.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
+        if (s_.place.input_rebuilt(l)) emit(out, end, -x_bytes, T::Units);  // Note [Rebuilt layer inputs]
         layer_out(out, index, k, end);
       }
       if (op.layer_end == L && loss_in_backward()) {  // Note [The loss in backward]: no head here
@@ -508,8 +508,9 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       const bool loss_here = op.layer_end == L && loss_in_backward();
       if (op.layer_end == L && !loss_here) move(out, 0.0, head_bytes(T), T::Units, T::Hidden);
       // Note [Residual gradients on the host]: back from the host before anything else.
-      const i64 residual = s_.residual_host ? residual_bytes(op) : 0;
-      if (residual && op.layer_end < own_.second) {
+      const ResidualMove moves = residual_move(s_, rank_, op);
+      const i64 residual = moves.in || moves.out ? residual_bytes(op) : 0;
+      if (moves.in) {
         emit(out, 0.0, residual, T::Hidden);
         host_change(-residual);
       }
@@ -517,7 +518,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         const int l = op.layer_end - 1 - k;
         const double at = double(k) / n, end = double(k + 1) / n;
         layer_in(out, index, k, at);
-        if (s_.input_rebuilt(l)) {
+        if (s_.place.input_rebuilt(l)) {
           // Note [Rebuilt layer inputs] (builders.cpp): x of this layer, made by the layer
           // below's forward again, through a copy of its saved tensors (its input among
           // them), its workspace and the attention's window of its K/V.
@@ -539,14 +540,14 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           // from the host; the window streams the earlier blocks, whose sums the host holds
           // from the first backward on them.
           const i64 sums_pt = sums_per_token(l);
-          const bool recomputed = s_.kv_recomputed(l);
+          const bool recomputed = s_.place.kv_recomputed(l);
           emit(out, at, kv, T::KVCache);
           emit(out, at, (acc_pt_ + (recomputed ? sums_pt : 0)) * T, T::KVGradAccum);
           int& below = sums_below_[l];
           host_change(-(recomputed ? 0 : kv) - (op.subseq < below ? sums_pt * T : 0));
           // A recomputed attention runs its forward first, through a forward window that
           // closes before the backward's opens.
-          const i64 again = s_.recompute & kAttentionGroup ? kv_window(l, op.subseq, T, T, false) : 0;
+          const i64 again = s_.place.recompute & kAttentionGroup ? kv_window(l, op.subseq, T, T, false) : 0;
           if (again) {
             emit(out, at, again, T::KVWindow);
             emit(out, at, -again, T::KVWindow);
@@ -576,7 +577,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
           emit(out, end, -window, T::KVWindow);
         }
         emit(out, end, -kv, T::KVCache);
-        emit(out, end, -(acc_pt_ + (s_.kv_recomputed(l) ? sums_per_token(l) : 0)) * T, T::KVGradAccum);
+        emit(out, end, -(acc_pt_ + (s_.place.kv_recomputed(l) ? sums_per_token(l) : 0)) * T, T::KVGradAccum);
         emit(out, end, -unit, T::Units);
         if (rc) emit(out, end, -rc, T::Recomputed);
         if (ring) emit(out, end, -ring, T::RingBuffers);
@@ -587,7 +588,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
       // stage, else handed to the sends towards the previous stage; or it waits on the
       // host for the layer below, after everything else.
       if (op.layer_begin == 0) emit(out, 1.0, -h_bytes * rows_of(T), T::Hidden);
-      if (residual && op.layer_begin > own_.first) {
+      if (moves.out) {
         emit(out, 1.0, -residual, T::Hidden);
         host_change(residual);
       }
@@ -596,7 +597,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::Offload: {
       const i64 bytes = offload_bytes(op);
       offloaded_[op.subseq] += bytes;
-      if (s_.backward == BackwardOrder::Layer) {  // what each layer's prefetch will bring
+      if (s_.place.backward == BackwardOrder::Layer) {  // what each layer's prefetch will bring
         std::vector<bool> take;
         const auto& sizes = unit_tensors_[op.subseq];
         select_offload(sizes, op.fraction, &take);

@@ -273,7 +273,7 @@ class RankMemory {
   i64 layer_grad() const { return layer_g_; }
   // Host bytes a position's dK/dV sums take on layer l: 2H fp32 (Device and Host layers'
   // dK, dV), or H fp32 (a Recompute layer's d(LayerNorm-1 output)).
-  i64 sums_per_token(int l) const { return s_.kv_recomputed(l) ? i64(rules_.model.hidden) * rules_.accum_bytes : acc_pt_; }
+  i64 sums_per_token(int l) const { return s_.place.kv_recomputed(l) ? i64(rules_.model.hidden) * rules_.accum_bytes : acc_pt_; }
 
  private:
   i64 tokens_of(const Op& op) const;
@@ -285,7 +285,7 @@ class RankMemory {
   i64 unit_bytes(i64 T) const;
   i64 ws_bytes(i64 T) const;
   // Note [The loss in backward] (core/layout.h): the head runs in the last layer's backward.
-  bool loss_in_backward() const { return in_set(s_.recompute, kSavedHeadGrad); }
+  bool loss_in_backward() const { return in_set(s_.place.recompute, kSavedHeadGrad); }
   i64 head_bytes(i64 T) const;
   i64 rows_of(i64 T) const { return tp_.row_count(T); }  // of the residual regions
   // A layer's K/V, unit and workspace bytes on T tokens, worked out once per T: under
@@ -323,7 +323,7 @@ class RankMemory {
   void host_change(i64 delta);
   // Whether layer l's K/V stream on this rank: a host or recompute layer of its own (an MSP
   // helper keeps its pieces of another stage's layers on the device).
-  bool streamed(int l) const { return s_.kv_streamed(l) && l >= own_.first && l < own_.second; }
+  bool streamed(int l) const { return s_.place.kv_streamed(l) && l >= own_.first && l < own_.second; }
   // Device bytes of layer l's K/V window while subsequence `subseq` (T tokens) attends.
   // `span_rows`: the most rows of one query span that meets the window (forward's partial
   // output): T, or on a ring the largest span of any member's piece.

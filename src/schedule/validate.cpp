@@ -131,8 +131,8 @@ void check_order(const Schedule& s, int r, Errors& err) {
       case OpKind::Send:
       case OpKind::Recv:
       case OpKind::RingStep:
-        if (op.peer < 0 || op.peer >= s.ranks || op.peer == r) err.add(r, k, op, "bad peer");
-        if (op.kind == OpKind::RingStep && (op.recv_peer < 0 || op.recv_peer >= s.ranks))
+        if (op.peer < 0 || op.peer >= s.ranks() || op.peer == r) err.add(r, k, op, "bad peer");
+        if (op.kind == OpKind::RingStep && (op.recv_peer < 0 || op.recv_peer >= s.ranks()))
           err.add(r, k, op, "bad ring source");
         break;
       case OpKind::AllReduce:
@@ -174,7 +174,7 @@ bool take(std::deque<MessageKey>& q, const MessageKey& key) {
 // Executes the communication: sends are buffered, receives and ring steps wait for their
 // message, all-reduces wait for their whole group. No progress with ops left = deadlock.
 void check_matching(const Schedule& s, Errors& err) {
-  const int R = s.ranks;
+  const int R = s.ranks();
   std::vector<size_t> pc(R, 0);
   std::map<std::pair<int, int>, std::deque<MessageKey>> channel;  // (src, dst)
   // (group, how many all-reduces of that group a rank passed before) -> ranks arrived
@@ -232,8 +232,8 @@ void check_matching(const Schedule& s, Errors& err) {
 }
 
 void check_memory(const Schedule& s, const ValidateOptions& o, Validation& v, Errors& err) {
-  v.peak_bytes.assign(s.ranks, 0);
-  for (int r = 0; r < s.ranks; ++r) {
+  v.peak_bytes.assign(s.ranks(), 0);
+  for (int r = 0; r < s.ranks(); ++r) {
     RankMemory mem(*o.memory, s, r);
     i64 cur = mem.fixed_bytes(), peak = cur;
     std::map<int, i64> pending;  // offload bytes released at its wait
@@ -282,13 +282,13 @@ void check_memory(const Schedule& s, const ValidateOptions& o, Validation& v, Er
 Validation validate(const Schedule& s, const ValidateOptions& o) {
   Validation v;
   Errors err{&v.errors};
-  if (int(s.ops.size()) != s.ranks) {
+  if (int(s.ops.size()) != s.ranks()) {
     v.errors.push_back("schedule has " + std::to_string(s.ops.size()) + " op lists for " +
-                       std::to_string(s.ranks) + " ranks");
+                       std::to_string(s.ranks()) + " ranks");
     return v;
   }
-  if (!s.owned.empty() && int(s.owned.size()) != s.ranks) v.errors.push_back("owned layers not given per rank");
-  for (int r = 0; r < s.ranks; ++r) check_order(s, r, err);
+  if (!s.owned.empty() && int(s.owned.size()) != s.ranks()) v.errors.push_back("owned layers not given per rank");
+  for (int r = 0; r < s.ranks(); ++r) check_order(s, r, err);
   check_matching(s, err);
   if (const std::string why = rebuilt_inputs_error(s); !why.empty()) v.errors.push_back(why);
   if (o.memory && v.errors.empty()) check_memory(s, o, v, err);
@@ -296,24 +296,24 @@ Validation validate(const Schedule& s, const ValidateOptions& o) {
 }
 
 std::string rebuilt_inputs_error(const Schedule& s) {
-  if (!s.any_input_rebuilt()) return "";
+  if (!s.place.any_input_rebuilt()) return "";
   const std::string no = "rebuilt layer inputs (--rebuild-inputs): ";
-  if (int(s.inputs_rebuilt.size()) != s.layers)
-    return no + "the list names " + std::to_string(s.inputs_rebuilt.size()) + " layers of " + std::to_string(s.layers);
-  if (s.backward != BackwardOrder::Layer)
+  if (int(s.place.inputs_rebuilt.size()) != s.layers)
+    return no + "the list names " + std::to_string(s.place.inputs_rebuilt.size()) + " layers of " + std::to_string(s.layers);
+  if (s.place.backward != BackwardOrder::Layer)
     return no + "the layer below runs again inside a layer's backward, which only the layer-major backward "
                 "orders so; use --backward-order layer";
-  if (s.tp > 1 || s.ring > 1) return no + "they run without --tp and --cp";
+  if (s.par.tp > 1 || s.par.cp > 1) return no + "they run without --tp and --cp";
   for (int l = 0; l < s.layers; ++l) {
-    if (!s.input_rebuilt(l)) continue;
+    if (!s.place.input_rebuilt(l)) continue;
     const std::string at = no + "layer " + std::to_string(l) + ": ";
     if (l == 0) return at + "the first layer's input has no layer below; name layers from 1";
-    if (s.input_rebuilt(l - 1)) return at + "the layer below (" + std::to_string(l - 1) + ") must keep its input; "
+    if (s.place.input_rebuilt(l - 1)) return at + "the layer below (" + std::to_string(l - 1) + ") must keep its input; "
                                               "name every other layer (odd)";
-    if (s.kv_recomputed(l))
+    if (s.place.kv_recomputed(l))
       return at + "its K/V are recomputed from its input of every earlier subsequence, which it does not keep; "
                   "keep its K/V on the device or the host (--kv-cache device|host)";
-    if (s.kv_at(l - 1) == KvPlace::Host)
+    if (s.place.kv_at(l - 1) == KvPlace::Host)
       return at + "the layer below streams its K/V from the host, and its forward run again reads them from the "
                   "device or recomputes them; keep them on the device or recompute them (--kv-cache "
                   "device|recompute)";
@@ -322,7 +322,7 @@ std::string rebuilt_inputs_error(const Schedule& s) {
     for (const Op& op : ops) {
       if (op.kind != OpKind::Forward) continue;
       if (!op.group.empty()) return no + "MSP's pieces run on borrowed weights; use --msp off";
-      if (s.input_rebuilt(op.layer_begin))
+      if (s.place.input_rebuilt(op.layer_begin))
         return no + "layer " + std::to_string(op.layer_begin) + " is the first of a pipeline stage, whose layer "
                     "below runs on another rank; name layers inside the stages";
     }

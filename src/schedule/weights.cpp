@@ -7,7 +7,7 @@
 namespace sppo::sched {
 
 LayerUses::LayerUses(const Schedule& s, int rank) {
-  if (!s.weights_host) return;
+  if (!s.place.weights_host()) return;
   const auto& ops = s.ops.at(std::size_t(rank));
   const auto [ob, oe] = s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
   first_.reserve(ops.size() + 1);
@@ -42,7 +42,7 @@ LayerUses::LayerUses(const Schedule& s, int rank) {
     LayerUse& x = uses_[u];
     if (u == 0) x.load_now = x.layer;
     const bool run_starts = x.backward && (u == 0 || uses_[u - 1].layer != x.layer || !uses_[u - 1].backward);
-    if (run_starts && s.input_rebuilt(x.layer)) below = x.load_below = x.layer - 1;
+    if (run_starts && s.place.input_rebuilt(x.layer)) below = x.load_below = x.layer - 1;
     const bool next_other = u + 1 < n && uses_[u + 1].layer != x.layer;
     if (next_other && uses_[u + 1].layer != below) x.load_next = uses_[u + 1].layer;
     if (next_other && uses_[u + 1].layer == below) below = -1;

@@ -43,6 +43,8 @@ namespace {
 constexpr i64 kFpdtChunk = 8192;           // local tokens per FPDT chunk
 constexpr double kZero3Prefetch = 5e7;     // DeepSpeed's default stage3_prefetch_bucket_size, parameters
 
+// A baseline's layout: for Megatron-LM, its TP, CP (ring), PP and DP; for DeepSpeed, `cp`
+// is its Ulysses degree (ParallelDims::ulysses).
 struct Layout {
   int tp = 1, cp = 1, pp = 1, dp = 1;
 };
@@ -288,8 +290,9 @@ Estimate deepspeed(const ModelConfig& c, i64 S, const Layout& l, int gpus, const
 }
 
 Estimate estimate(const plan::Plan& p, const CostModel& cost) {
-  Layout l{p.tp, p.sp, p.pp, p.dp};
-  return p.system == "megatron" ? megatron(p.model, p.seq_len, l, cost) : deepspeed(p.model, p.seq_len, l, p.gpus, cost);
+  const bool ulysses = p.system == plan::System::Deepspeed;
+  Layout l{p.par.tp, ulysses ? p.par.ulysses : p.par.cp, p.par.pp, p.par.dp};
+  return p.system == plan::System::Megatron ? megatron(p.model, p.seq_len, l, cost) : deepspeed(p.model, p.seq_len, l, p.gpus, cost);
 }
 
 HardwareProfile node_hardware(const HardwareProfile& hw_in, int gpus_per_node) {
@@ -312,13 +315,14 @@ SimResult simulate_baseline(const plan::Plan& p, const HardwareProfile& hw_in, c
   r.peak_device_bytes = est.peak;
   r.peak_host_bytes = est.host;
   r.peak_bytes.assign(p.gpus, est.peak);
-  r.tokens_per_device_per_s = double(p.seq_len) * p.dp / (double(p.gpus) * est.step);
+  r.tokens_per_device_per_s = double(p.seq_len) * p.par.dp / (double(p.gpus) * est.step);
   if (options.record) {
     // One block per device: the busy part of the step, the rest a gap.
     for (int d = 0; d < p.gpus; ++d) {
-      const int stage = (d / (p.tp * p.sp)) % p.pp;
-      const double start = p.system == "megatron" ? stage * est.busy : 0;
-      r.events.push_back({d, Lane::Compute, sched::OpKind::Forward, p.system + " step", start, est.busy});
+      const int stage = p.par.coord_of(d).stage;
+      const double start = p.system == plan::System::Megatron ? stage * est.busy : 0;
+      r.events.push_back({d, Lane::Compute, sched::OpKind::Forward, std::string(to_string(p.system)) + " step", start,
+                          est.busy});
     }
     r.memory.assign(p.gpus, {{0.0, est.peak}, {est.step, est.peak}});
   }
@@ -330,19 +334,19 @@ MemoryExplain explain_baseline(const plan::Plan& p, const HardwareProfile& hw_in
   const CostModel cost(hw, p.model, precision_of(hw));
   const Estimate est = estimate(p, cost);
   MemoryExplain m;
-  m.system = p.system;
+  m.system = to_string(p.system);
   m.where = est.where;
   m.lines = est.lines;
-  if (p.system == "megatron") {
+  if (p.system == plan::System::Megatron) {
     m.notes.push_back("S " + std::to_string(p.seq_len) + ", H " + std::to_string(p.model.hidden) + ", V " +
-                      std::to_string(p.model.vocab) + ", e 2 (bf16); t = tp " + std::to_string(p.tp) + ", cp " +
-                      std::to_string(p.sp) + ", pp " + std::to_string(p.pp) + ", d = dp " + std::to_string(p.dp));
+                      std::to_string(p.model.vocab) + ", e 2 (bf16); t = tp " + std::to_string(p.par.tp) + ", cp " +
+                      std::to_string(p.par.cp) + ", pp " + std::to_string(p.par.pp) + ", d = dp " + std::to_string(p.par.dp));
     m.notes.push_back("sources: Korthikanti et al. 2022 (activations, full recomputation, sequence parallelism); "
                       "Megatron-LM docs, distributed optimizer (6 + 12/d bytes a parameter)");
   } else {
     m.notes.push_back("S " + std::to_string(p.seq_len) + ", H " + std::to_string(p.model.hidden) + ", V " +
-                      std::to_string(p.model.vocab) + ", e 2 (bf16); u = ulysses " + std::to_string(p.sp) + ", dp " +
-                      std::to_string(p.dp) + ", " + std::to_string(est.chunks) + " FPDT chunks");
+                      std::to_string(p.model.vocab) + ", e 2 (bf16); u = ulysses " + std::to_string(p.par.ulysses) + ", dp " +
+                      std::to_string(p.par.dp) + ", " + std::to_string(est.chunks) + " FPDT chunks");
     m.notes.push_back("sources: Rajbhandari et al. 2020 (ZeRO-3: 2 + 2 + 12 bytes a parameter, sharded); "
                       "Yao et al. 2024 and deepspeed/sequence/fpdt_layer.py (FPDT chunks, host tensors)");
   }
@@ -369,18 +373,18 @@ PlanOutcome solve_baseline(const PlanRequest& req) {
     p.seq_len = req.seq_len;
     p.gpus = G;
     p.gpus_per_node = req.gpus_per_node;
-    p.tp = l.tp;
-    p.sp = l.cp;
-    p.pp = l.pp;
-    p.dp = l.dp;
+    p.par.tp = l.tp;
+    (req.system == plan::System::Deepspeed ? p.par.ulysses : p.par.cp) = l.cp;
+    p.par.pp = l.pp;
+    p.par.dp = l.dp;
     p.budget = budget;
-    p.offload = req.system == "deepspeed" ? "full" : "none";
+    p.offload = req.system == plan::System::Deepspeed ? plan::OffloadMode::Full : plan::OffloadMode::None;
     const Estimate est = estimate(p, cost);
     const bool host_ok = hw.host_memory == 0 || est.host <= hw.host_memory;
     if (est.peak > budget || !host_ok) {
       if (least_peak == 0 || est.peak < least_peak) {
         least_peak = est.peak;
-        least_layout = "tp " + std::to_string(l.tp) + ", sp " + std::to_string(l.cp) + ", pp " + std::to_string(l.pp) +
+        least_layout = layout_text(p.par) +
                        (host_ok ? "" : "; host memory " + format_bytes(double(est.host)) + " over " +
                                            format_bytes(double(hw.host_memory)));
       }
@@ -389,15 +393,15 @@ PlanOutcome solve_baseline(const PlanRequest& req) {
     const double tput = double(req.seq_len) * l.dp / (double(G) * est.step);
     if (tput <= best_tput) return;
     best_tput = tput;
-    p.lengths = req.system == "deepspeed" ? plan::partition_length(req.seq_len, est.chunks)
+    p.lengths = req.system == plan::System::Deepspeed ? plan::partition_length(req.seq_len, est.chunks)
                                           : std::vector<i64>{req.seq_len};
     p.subseqs = int(p.lengths.size());
-    p.alpha.assign(p.lengths.size(), req.system == "deepspeed" ? 1.0 : 0.0);
-    p.alpha_rule = req.system == "deepspeed" ? "fpdt: every checkpoint to the host" : "none: full recomputation";
+    p.alpha.assign(p.lengths.size(), req.system == plan::System::Deepspeed ? 1.0 : 0.0);
+    p.alpha_rule = req.system == plan::System::Deepspeed ? "fpdt: every checkpoint to the host" : "none: full recomputation";
     for (int s = 0; s < l.pp; ++s) p.stage_layers.push_back(c.layers / l.pp + (s < c.layers % l.pp ? 1 : 0));
     best = p;
   };
-  if (req.system == "megatron") {
+  if (req.system == plan::System::Megatron) {
     for (int tp : divisors(std::min(G, req.gpus_per_node)))
       if (c.heads % tp == 0)
         for (int pp : divisors(G / tp))
@@ -408,10 +412,10 @@ PlanOutcome solve_baseline(const PlanRequest& req) {
       if (c.heads % u == 0) consider({1, u, 1, G / u});
   }
   if (best_tput == 0) {
-    out.error = req.system + ": no layout of " + std::to_string(G) + " devices fits " +
+    out.error = std::string(to_string(req.system)) + ": no layout of " + std::to_string(G) + " devices fits " +
                 std::to_string(req.seq_len) + " tokens in " + format_bytes(double(budget)) +
                 " per device (least peak " + format_bytes(double(least_peak)) + " with " + least_layout +
-                (req.system == "deepspeed" ? "; Ulysses needs SP <= heads = " + std::to_string(c.heads) : "") + ")";
+                (req.system == plan::System::Deepspeed ? "; Ulysses needs SP <= heads = " + std::to_string(c.heads) : "") + ")";
     return out;
   }
   const SimResult r = simulate_baseline(best, req.hw);

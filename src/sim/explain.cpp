@@ -56,19 +56,6 @@ std::string num(double v) {
   return buf;
 }
 
-std::string layout_of(const plan::Plan& p) {
-  std::ostringstream os;
-  if (p.system == "megatron") os << "tp " << p.tp << " cp " << p.sp;
-  else if (p.system == "deepspeed") os << "ulysses " << p.sp;
-  else if (p.tp > 1) os << "tp " << p.tp;
-  else os << "sp " << p.sp;
-  os << " pp " << p.pp << " dp " << p.dp;
-  if (p.system != "megatron") os << " N " << p.subseqs;
-  if (p.msp) os << " msp" << (p.msp_reach > 0 ? " reach " + std::to_string(p.msp_reach) : std::string());
-  if (p.system == "sppo" && p.zero) os << " zero-1";
-  return os.str();
-}
-
 // Lines in Row order: every row present once.
 std::vector<MemoryLine> complete(std::vector<MemoryLine> given) {
   std::vector<MemoryLine> out(static_cast<std::size_t>(Row::kCount));
@@ -99,7 +86,7 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
   const std::string offloaded = alpha_max > 0 ? "device, offloaded at alpha (mean " + num(alpha) + ", max " +
                                                     num(alpha_max) + ", " + p.alpha_rule + ")"
                                               : "device";
-  const bool kv_host = !p.kv_host_layers.empty(), kv_rc = !p.kv_recompute_layers.empty();
+  const bool kv_host = !p.place.kv_layers(KvPlace::Host).empty(), kv_rc = !p.place.kv_layers(KvPlace::Recompute).empty();
   const std::string recompute_why = "recomputed in backward: no plan with the K/V on the device and nothing more "
                                     "recomputed fits the budgets, and the fastest that fits recomputes it; or "
                                     "--recompute-tensors named it";
@@ -116,7 +103,7 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
       if (in_set(set, int(k))) names += (names.empty() ? "" : ", ") + specs[k].name;
     return names;
   };
-  if (p.rebuilt_inputs.empty())
+  if (!p.place.any_input_rebuilt())
     out.push_back({"x", bytes_of(1u << kSavedX), offloaded,
                    "the block's input, the previous block's output: kept (recomputing it is the whole previous "
                    "block); offloaded where the device needs the room"});
@@ -141,14 +128,14 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
   for (std::size_t g = 0; g < recompute_groups().size(); ++g) {
     const RecomputeGroup& group = recompute_groups()[g];
     if (in_set(group.tensors, kSavedHeadGrad)) continue;  // the last stage's, below
-    const bool rc = (p.recompute & group.tensors) != 0;
+    const bool rc = (p.place.recompute & group.tensors) != 0;
     out.push_back({names_of(group.tensors), bytes_of(group.tensors), rc ? "recomputed" : offloaded,
                    rc ? recompute_why + "; costs " + costs[g]
                       : std::string("kept: recomputing it would cost ") + costs[g]});
   }
   // Note [The loss in backward] (core/layout.h).
   const i64 head_row = total_bytes(head_saved_specs(c, n, prec, tp)) / n;
-  if (in_set(p.recompute, kSavedHeadGrad))
+  if (in_set(p.place.recompute, kSavedHeadGrad))
     out.push_back({"head_grad (the last stage's)", head_row, "recomputed",
                    recompute_why + "; costs the last layer's MLP output again (2 H F FLOPs a token), and the LM "
                                    "head runs in its backward rather than its forward"});
@@ -202,17 +189,17 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const auto [ob, oe] = s.owned.empty() ? std::pair<int, int>{0, c.layers} : s.owned.at(std::size_t(rank));
   const i64 kv_pt = mem.kv_per_token(), acc_pt = mem.acc_per_token(), unit_pt = mem.unit_per_token();
   const i64 h_row = i64(c.hidden) * e;
-  const int stage = (rank / (p.sp * p.tp)) % p.pp;
+  const int stage = (rank / (p.par.cp * p.par.tp)) % p.par.pp;
   // Tensor parallelism divides the heads' tensors by tp: K, V and their accumulators are
   // 2 x (H / tp) wide on each member (core/layout.h TpShard).
   // Grouped-query attention narrows them to G A (G key/value heads).
   const std::string kv_w = c.kv_head_count() == c.heads ? "H" : "G A";
   // More members than key/value heads: each holds one whole head (Note [Replicated key/value heads]).
-  const std::string Hw = p.tp > c.kv_head_count() ? "A (one key/value head, on tp / G = " +
-                                                        std::to_string(p.tp / c.kv_head_count()) + " ranks)"
-                         : p.tp > 1 ? "(" + kv_w + " / tp " + std::to_string(p.tp) + ")"
+  const std::string Hw = p.par.tp > c.kv_head_count() ? "A (one key/value head, on tp / G = " +
+                                                        std::to_string(p.par.tp / c.kv_head_count()) + " ranks)"
+                         : p.par.tp > 1 ? "(" + kv_w + " / tp " + std::to_string(p.par.tp) + ")"
                                     : kv_w;
-  const std::string shards = p.tp > 1 ? " (this rank's tensor-parallel shards)" : "";
+  const std::string shards = p.par.tp > 1 ? " (this rank's tensor-parallel shards)" : "";
   std::vector<MemoryLine> lines;
   const std::string P = num(double(params)) + " parameters of layers " + std::to_string(ob) + "-" +
                         std::to_string(oe - 1) + (ob == 0 ? " + embedding" : "") +
@@ -225,12 +212,13 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                                                              " B x P (their working copy for the GEMMs)"
                                                        : "";
   // The state's parameters: every owned one, or this rank's ZeRO-1 shard of them.
-  const std::string Ps = p.zero ? num(double(state)) + " (this rank's ZeRO-1 shard, P / " + std::to_string(p.sp * p.dp) + ")"
-                                : std::string("P");
+  const std::string Ps = p.par.zero != ZeroStage::None ? num(double(state)) + " (this rank's ZeRO-1 shard, P / " +
+                                                            std::to_string(p.par.zero_shards()) + ")"
+                                                      : std::string("P");
   const bool state_host = rules.optimizer_host;
   // With the layers' weights on the host (Note [Weights on the host]) the device holds the
   // embedding's, final norm's and head's, and the layers in flight with their gradients.
-  const bool layers_host = p.weights == "host";
+  const bool layers_host = p.place.weights_host();
   const std::string in_flight =
       layers_host ? "; on the device, those of the embedding, final norm and head, and of the layer running and "
                     "the next, each brought from the host's master for the forward or backward that runs it" +
@@ -257,16 +245,16 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   lines.push_back({Row::KVCache, at(sched::MemTerm::KVCache) + window, 0,
                    "2 " + Hw + " e = " + num(double(kv_pt)) + " B per token and layer x " +
                        num(double(at(sched::MemTerm::KVCache)) / double(kv_pt)) +
-                       (p.kv_host_layers.empty()
+                       (p.place.kv_layers(KvPlace::Host).empty()
                             ? std::string(" token-layers (every subsequence before its backward)")
                             : " token-layers on the device (the running subsequence's; " +
-                                  std::to_string(p.kv_host_layers.size()) +
+                                  std::to_string(p.place.kv_layers(KvPlace::Host).size()) +
                                   " layers keep the rest on the host) + the streaming window " + num(double(window)) +
                                   " B (two chunks of K, V, and in backward their dK/dV)")});
   lines.push_back({Row::KVGradAccum, at(sched::MemTerm::KVGradAccum), 0,
                    "2 " + Hw + " x 4 B = " + num(double(acc_pt)) + " B per position and layer x " +
                        num(double(at(sched::MemTerm::KVGradAccum)) / double(acc_pt)) + " position-layers" +
-                       (p.backward_order == "layer"
+                       (p.place.layer_major()
                             ? std::string(" (the layer-major backward: one layer's at a time)")
                             : std::string(" (the paper's backward order: every layer's from the first backward)"))});
   const i64 units = at(sched::MemTerm::Units), host = r.host_at_peak.at(std::size_t(rank)) - mem.host_fixed_bytes();
@@ -275,17 +263,17 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                    "LSE, MLP input and pre-activation" +
                        (c.qk_norm ? std::string(", q and k before their norms with the norms' statistics") : "") +
                        shards + ")" +
-                       (in_set(p.recompute, kSavedHeadGrad)
+                       (in_set(p.place.recompute, kSavedHeadGrad)
                             ? std::string(" (head_grad recomputed: the head runs in the last layer's backward)")
                             : " + head_grad " + num(double(h_row)) + " B per token" +
-                                  (p.tp > 1 ? " of this rank's rows" : "")) +
+                                  (p.par.tp > 1 ? " of this rank's rows" : "")) +
                        ": " +
                        num(double(units) / double(unit_pt)) + " token-layers' worth on the device; the host holds "
                        "the offloaded part (alpha " + p.alpha_rule + ")"});
   lines.push_back({Row::Checkpoints, 0, 0, "none: SPPO keeps activations and does not recompute"});
   lines.push_back({Row::Recompute, at(sched::MemTerm::Recomputed), 0,
-                   p.recompute == 0 ? std::string("none")
-                                    : "the recomputed groups " + recompute_tensors_text(p.recompute) + ", " +
+                   p.place.recompute == 0 ? std::string("none")
+                                    : "the recomputed groups " + recompute_tensors_text(p.place.recompute) + ", " +
                                           num(double(mem.recompute_per_token())) +
                                           " B per token and layer, while one layer runs forward or backward"});
   lines.push_back({Row::Hidden, at(sched::MemTerm::Hidden), 0,
@@ -294,15 +282,15 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                        " rows"});
   // Note [MLP tiles]: the MLP activation (and a recomputed fc_pre) a tile of R rows at a time.
   const i64 mlp_row = i64(c.fc_width()) * rules.act_bytes();
-  const bool fc_tile = p.mlp_tile_rows > 0 && in_set(p.recompute, kSavedFcPre);
+  const bool fc_tile = p.place.mlp_tile_rows > 0 && in_set(p.place.recompute, kSavedFcPre);
   lines.push_back(
       {Row::LayerWorkspace, at(sched::MemTerm::Workspace), 0,
-       p.mlp_tile_rows == 0
+       p.place.mlp_tile_rows == 0
            ? "one layer's scratch: qkv, MLP activation, a gradient row, delta (" + num(double(mem.ws_per_token())) +
                  " B per token) + kernel scratch"
            : "one layer's scratch: qkv, a gradient row, delta (" + num(double(mem.ws_per_token() - mlp_row)) +
                  " B per token) + the MLP activation" + (fc_tile ? " and fc_pre" : "") + " in tiles of min(T, " +
-                 std::to_string(p.mlp_tile_rows) + ") rows (" + num(double(mlp_row * (fc_tile ? 2 : 1))) +
+                 std::to_string(p.place.mlp_tile_rows) + ") rows (" + num(double(mlp_row * (fc_tile ? 2 : 1))) +
                  " B per row) + kernel scratch"});
   lines.push_back({Row::AttentionWorkspace, 0, 0, "in the layer workspace (the flash kernel's blocks)"});
   lines.push_back({Row::Logits, at(sched::MemTerm::HeadWorkspace), 0,
@@ -331,16 +319,16 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                                : std::string("optimizer state on the device, beside the weights (--optimizer-state "
                                              "host would move the fp32 master and AdamW m, v to the host)"));
   SPPO_ASSERT(m.device_total() == r.peak_device_bytes);
-  m.placements = placements_of(p, prec, TpShard{0, p.tp});
+  m.placements = placements_of(p, prec, TpShard{0, p.par.tp});
   return m;
 }
 
 }  // namespace
 
 MemoryExplain explain_memory(const plan::Plan& p, const plan::HardwareProfile& hw) {
-  MemoryExplain m = p.system == "sppo" ? explain_sppo(p, hw) : explain_baseline(p, hw);
+  MemoryExplain m = p.system == plan::System::Sppo ? explain_sppo(p, hw) : explain_baseline(p, hw);
   m.lines = complete(std::move(m.lines));
-  m.layout = layout_of(p);
+  m.layout = plan::layout_text(p);
   m.budget = p.budget;
   m.device_memory = hw.device_memory;
   m.reserve = hw.memory_reserve;

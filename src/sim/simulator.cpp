@@ -212,7 +212,7 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   out.first.reserve(ops.size() + 1);
   out.ops.reserve(ops.size());
   for (const Op& op : ops) out.ops.push_back(sim_op(op));
-  if (s.weights_host) {
+  if (s.place.weights_host()) {
     const sched::LayerUses uses(s, r);
     out.uses = uses.uses();
     out.layer_in = mem.layer_copy_in();
@@ -230,17 +230,15 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     if (op.kind == OpKind::Backward) {
       o.seconds = cost.backward_s(op, s, offsets[size_t(op.subseq)]);
       // Note [Residual gradients on the host] (schedule/builders.cpp): the op's own copies.
-      if (s.residual_host) {
-        const i64 bytes = mem.residual_bytes(op);
-        if (op.layer_end < mem.owned().second) o.seconds += cost.h2d_s(bytes, false);
-        if (op.layer_begin > mem.owned().first) o.seconds += cost.d2h_s(bytes, false);
-      }
+      const sched::ResidualMove moves = sched::residual_move(s, r, op);
+      if (moves.in) o.seconds += cost.h2d_s(mem.residual_bytes(op), false);
+      if (moves.out) o.seconds += cost.d2h_s(mem.residual_bytes(op), false);
     }
-    if ((op.kind == OpKind::Forward || op.kind == OpKind::Backward) && s.any_kv_streamed()) {
+    if ((op.kind == OpKind::Forward || op.kind == OpKind::Backward) && s.place.any_kv_streamed()) {
       const i64 at = offsets[size_t(op.subseq)];
       const bool backward = op.kind == OpKind::Backward;
       KvStream stream;
-      if (backward && (s.recompute & kAttentionGroup)) stream.add(cost.kv_stream_copies(op, s, at, false, true));
+      if (backward && (s.place.recompute & kAttentionGroup)) stream.add(cost.kv_stream_copies(op, s, at, false, true));
       stream.add(cost.kv_stream_copies(op, s, at, backward));
       if (stream.n > 0) {
         o.stream = int(out.streams.size());
@@ -408,14 +406,14 @@ double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double
 
 Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<RankEvents>& mem,
                    const SimOptions& options, const Scales& scales, bool want_flows) {
-  const int R = s.ranks;
+  const int R = s.ranks();
   const HardwareProfile& hw = cost.hw();
   std::vector<RankState> st(R);
   for (int r = 0; r < R; ++r) {
     st[r].mem_span.resize(s.ops[r].size());
     st[r].off_end.assign(s.lengths.size(), 0.0);
     st[r].pre_end.assign(s.lengths.size(), 0.0);
-    if (s.weights_host) {
+    if (s.place.weights_host()) {
       st[r].weights_in.assign(size_t(s.layers), 0.0);
       st[r].grads_out.assign(size_t(s.layers), 0.0);
     }
@@ -584,7 +582,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             auto it = reduced.find(key);
             if (it == reduced.end()) {
               const double start = *std::max_element(there.begin(), there.end());
-              const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.tp});
+              const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.par.tp});
               it = reduced.emplace(key, start + cost.allreduce_s(bytes, all.group, all.payload == Payload::WeightGrads)).first;
             }
             const double start = std::max(rs.t_compute, rs.t_net);
@@ -631,14 +629,14 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     pass.mem_span.push_back(std::move(rs.mem_span));
   }
   res.bubble_ratio = busy_ranks ? bubble_sum / busy_ranks : 0;
-  if (step > 0) res.tokens_per_device_per_s = double(s.seq_len()) * s.replicas / (double(R) * step);
+  if (step > 0) res.tokens_per_device_per_s = double(s.seq_len()) * s.par.dp / (double(R) * step);
   return pass;
 }
 
 // Every rank's memory over the step, from its events at the times of the pass: the peak,
 // its terms and moment, and with `record` the timeline.
 void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const SimOptions& options, Pass* pass) {
-  const int R = s.ranks;
+  const int R = s.ranks();
   SimResult& res = pass->res;
   res.peak_bytes.assign(R, 0);
   res.fixed_bytes.assign(R, 0);
@@ -865,7 +863,7 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
     std::swap(active, still);
   }
   }
-  Scales out(size_t(s.ranks));
+  Scales out(size_t(s.ranks()));
   for (size_t k = 0; k < fs.size(); ++k) {
     const auto [rank, pc] = flows[k].first;
     const Flow& f = flows[k].second;
@@ -878,11 +876,11 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
 }
 
 std::vector<RankEvents> prepare(const Schedule& s, const CostModel& cost, const sched::MemoryRules& rules) {
-  SPPO_CHECK(int(s.ops.size()) == s.ranks, "sim") << "schedule has " << s.ops.size()
-                                                  << " op lists for " << s.ranks << " ranks";
+  SPPO_CHECK(int(s.ops.size()) == s.ranks(), "sim") << "schedule has " << s.ops.size()
+                                                  << " op lists for " << s.ranks() << " ranks";
   const sched::UnitSizes sizes(rules, s);
-  std::vector<RankEvents> mem(size_t(s.ranks));
-  for_each_rank(s.ranks, [&](int r) { mem[size_t(r)] = rank_events(rules, cost, s, r, sizes); });
+  std::vector<RankEvents> mem(size_t(s.ranks()));
+  for_each_rank(s.ranks(), [&](int r) { mem[size_t(r)] = rank_events(rules, cost, s, r, sizes); });
   return mem;
 }
 
@@ -922,7 +920,7 @@ SimResult run(const Schedule& s, const CostModel& cost, const std::vector<RankEv
     pass.res.host_update_s = std::max(pass.res.host_update_s, cost.host_update_s(re.host_state, re.host_moved));
   if (pass.res.host_update_s > 0) {
     pass.res.step_time_s += pass.res.host_update_s;
-    pass.res.tokens_per_device_per_s = double(s.seq_len()) * s.replicas / (double(s.ranks) * pass.res.step_time_s);
+    pass.res.tokens_per_device_per_s = double(s.seq_len()) * s.par.dp / (double(s.ranks()) * pass.res.step_time_s);
   }
   pass.res.passes = passes;
   pass.res.copy_slowdown = alone_copy_s > 0 && passes > 1 ? pass.copy_s / alone_copy_s : 1.0;
@@ -1052,14 +1050,10 @@ bool Resimulator::replace(Schedule s) {
   State& st = *st_;
   std::vector<RankEvents>& mem = st.spare;
   mem.resize(st.mem.size());
-  bool same = s.ranks == st.schedule.ranks && s.lengths == st.schedule.lengths && s.tp == st.schedule.tp &&
-              s.kv_place == st.schedule.kv_place && s.recompute == st.schedule.recompute &&
-              s.mlp_tile_rows == st.schedule.mlp_tile_rows && s.backward == st.schedule.backward &&
-              s.weights_host == st.schedule.weights_host && s.residual_host == st.schedule.residual_host &&
-              s.inputs_rebuilt == st.schedule.inputs_rebuilt;
+  bool same = s.par == st.schedule.par && s.lengths == st.schedule.lengths && s.place == st.schedule.place;
   if (same) {
-    std::vector<char> ok(size_t(s.ranks), 0);
-    for_each_rank(s.ranks, [&](int r) {
+    std::vector<char> ok(size_t(s.ranks()), 0);
+    for_each_rank(s.ranks(), [&](int r) {
       ok[size_t(r)] = rebase(st.mem[size_t(r)], st.schedule.ops[size_t(r)], s.ops[size_t(r)], &mem[size_t(r)]);
     });
     same = std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
@@ -1078,13 +1072,13 @@ const Schedule& Resimulator::schedule() const { return st_->schedule; }
 
 void Resimulator::set_fractions(const std::vector<double>& alpha) {
   sched::set_offload_fractions(&st_->schedule, alpha);
-  for_each_rank(st_->schedule.ranks,
+  for_each_rank(st_->schedule.ranks(),
                 [&](int r) { refit_copies(&st_->mem[size_t(r)], st_->schedule.ops[size_t(r)]); });
 }
 
 i64 Resimulator::peak_floor() const {
   i64 most = 0;
-  for (int r = 0; r < st_->schedule.ranks; ++r)
+  for (int r = 0; r < st_->schedule.ranks(); ++r)
     most = std::max(most, sim::peak_floor(st_->mem[size_t(r)], st_->schedule.ops[size_t(r)]));
   return most;
 }

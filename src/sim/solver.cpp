@@ -22,78 +22,23 @@ using sched::MemoryRules;
 using sched::Schedule;
 using plan::divisors;
 
-OffloadMode parse_offload(const std::string& text) {
-  if (text == "none") return OffloadMode::None;
-  if (text == "full") return OffloadMode::Full;
-  if (text == "paper") return OffloadMode::Paper;
-  if (text == "adaptive") return OffloadMode::Adaptive;
-  SPPO_CHECK(false, "planner") << "--offload must be none, full, paper or adaptive (got '" << text << "')";
-  return OffloadMode::Adaptive;
-}
-
-const char* to_string(OffloadMode m) {
-  switch (m) {
-    case OffloadMode::None: return "none";
-    case OffloadMode::Full: return "full";
-    case OffloadMode::Paper: return "paper";
-    case OffloadMode::Adaptive: return "adaptive";
-  }
-  return "";
-}
-
-MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero, int zero_shards) {
+MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision) {
   MemoryRules m;
   m.model = c;
   m.precision = precision;
-  m.zero = zero;
-  m.zero_shards = zero ? zero_shards : 0;
   m.weight_copy_bytes = precision == ActPrecision::BF16 ? 2 : 0;
   return m;
 }
 
-MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape) {
-  MemoryRules m = memory_rules(c, precision, shape.zero);
-  m.optimizer_host = shape.optimizer_host;
+MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape,
+                         sched::Replicas replicas) {
+  MemoryRules m = memory_rules(c, precision);
+  m.zero = shape.par.zero != ZeroStage::None;
+  m.zero_shards = m.zero && replicas == sched::Replicas::One ? shape.par.zero_shards() : 0;
+  m.optimizer_host = shape.place.optimizer_host();
   m.block_scratch = shape.block_scratch;
   m.head_scratch = shape.head_scratch;
   return m;
-}
-
-sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
-                           const StepShape& shape) {
-  sched::Schedule s;
-  if (shape.tp > 1) {
-    StepShape one = shape;
-    one.tp = 1;
-    s = sched::expand_tensor_parallel(build_step(c, lengths, alpha, one), shape.tp);
-  } else if (shape.pp * shape.dp * shape.sp == 1) {
-    s = sched::build_single(c.layers, lengths, alpha);
-  } else {
-    sched::PipelineSpec spec;
-    spec.layers = c.layers;
-    spec.lengths = lengths;
-    spec.alpha = alpha;
-    spec.pp = shape.pp;
-    spec.dp = shape.dp;
-    spec.sp = shape.sp;
-    spec.ring_layout = shape.ring_layout;
-    spec.stage_layers = shape.stage_layers;
-    spec.msp = shape.msp;
-    spec.msp_reach = shape.msp_reach;
-    spec.tied = c.tied_embeddings();
-    s = sched::build_pipeline(spec);
-  }
-  if (shape.backward == sched::BackwardOrder::Layer) s = sched::to_layer_major(std::move(s));
-  s.kv_place = shape.kv_place;
-  s.ring_rsa = shape.ring_rsa && shape.sp > 1;
-  s.recompute = shape.recompute;
-  s.mlp_tile_rows = shape.mlp_tile_rows;
-  s.packed = shape.packed;
-  s.labeled = shape.labeled;
-  s.weights_host = shape.weights_host;
-  s.residual_host = shape.residual_host;
-  s.inputs_rebuilt = shape.inputs_rebuilt;
-  return s;
 }
 
 std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost, const MemoryRules& rules) {
@@ -102,7 +47,7 @@ std::vector<UnitProfile> unit_profiles(const Schedule& s, const CostModel& cost,
   for (int i = 1; i < N; ++i) offsets[i] = offsets[i - 1] + s.lengths[i - 1];
   std::vector<UnitProfile> out;
   const sched::UnitSizes sizes(rules, s);
-  for (int r = 0; r < s.ranks; ++r) {
+  for (int r = 0; r < s.ranks(); ++r) {
     UnitProfile u;
     u.rank = r;
     u.unit_bytes.assign(N, 0);
@@ -530,7 +475,7 @@ AlphaResult solve_alpha_single(const ModelConfig& c, const std::vector<i64>& len
   SPPO_CHECK(!lengths.empty(), "planner") << "no subsequences";
   const MemoryRules rules = memory_rules(c, precision, shape);
   const CostModel cost(hw, c, precision);
-  auto build = [&](const std::vector<double>& a) { return build_step(c, lengths, a, shape); };
+  auto build = [&](const std::vector<double>& a) { return sched::build_step(c, lengths, a, shape); };
   return solve_alpha(build, int(lengths.size()), cost, rules, budget, mode);
 }
 
@@ -606,49 +551,6 @@ namespace {
 constexpr i64 kMaxPlanSubseqs = 4096;
 constexpr i64 kMaxTokensPerSubseq = 16384;
 
-// The plan's host and recompute layers as Schedule::kv_place.
-std::vector<sched::KvPlace> kv_place_of(const plan::Plan& p) {
-  std::vector<sched::KvPlace> place;
-  if (p.kv_host_layers.empty() && p.kv_recompute_layers.empty()) return place;
-  place.assign(std::size_t(p.model.layers), sched::KvPlace::Device);
-  for (int l : p.kv_host_layers) place[std::size_t(l)] = sched::KvPlace::Host;
-  for (int l : p.kv_recompute_layers) place[std::size_t(l)] = sched::KvPlace::Recompute;
-  return place;
-}
-
-// A plan's schedule, built by `spec` (spec_of(p), with other fractions or one replica).
-Schedule build_plan_schedule(const plan::Plan& p, const sched::PipelineSpec& spec) {
-  Schedule one = sched::build_pipeline(spec);
-  if (p.backward_order == "layer") one = sched::to_layer_major(std::move(one));
-  Schedule s = sched::expand_tensor_parallel(std::move(one), p.tp);
-  s.kv_place = kv_place_of(p);
-  s.recompute = p.recompute;
-  s.mlp_tile_rows = p.mlp_tile_rows;
-  s.weights_host = p.weights == "host";
-  if (!p.rebuilt_inputs.empty()) {
-    s.inputs_rebuilt.assign(std::size_t(p.model.layers), false);
-    for (int l : p.rebuilt_inputs) s.inputs_rebuilt[std::size_t(l)] = true;
-  }
-  return s;
-}
-
-sched::PipelineSpec spec_of(const plan::Plan& p) {
-  sched::PipelineSpec s;
-  s.layers = p.model.layers;
-  s.lengths = p.lengths;
-  s.alpha = p.alpha;
-  s.pp = p.pp;
-  s.sp = p.sp;
-  s.dp = p.dp;
-  s.msp = p.msp;
-  s.msp_reach = p.msp_reach;
-  s.stage_layers = p.stage_layers;
-  s.ring_layout = sched::parse_ring_layout(p.ring_layout);
-  s.tied = p.model.tied_embeddings();
-  return s;
-}
-
-
 HardwareProfile plan_hardware(const HardwareProfile& hw_in, int gpus_per_node) {
   HardwareProfile hw = hw_in;
   hw.devices_per_node = gpus_per_node;
@@ -660,22 +562,17 @@ struct Candidate {
   AlphaResult alpha;
 };
 
-// Evaluates one (sp, pp, dp, N, msp) layout: the best alpha under the budget (solve_alpha's
-// no_use_s: stop early when it cannot be faster than that).
+// Evaluates one (tp, cp, pp, dp, N, msp) layout: the best alpha under the budget
+// (solve_alpha's no_use_s: stop early when it cannot be faster than that).
 Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, i64 budget, double no_use_s = 0) {
-  sched::PipelineSpec spec = spec_of(p);
   // Replicas are identical: the search simulates one, the final check all, and the weight
   // gradients' all-reduce as the whole plan runs it, over every replica (across nodes where
   // they are), even where one replica's own group is a single rank.
-  spec.dp = 1;
-  spec.replicated = p.dp > 1;
   CostModel priced = cost;
-  priced.price_replicas(p.dp, spec.ranks() * p.tp);
-  const MemoryRules rules = plan_rules(p, cost.precision(), true);
+  priced.price_replicas(p.par.dp, p.par.ranks() / p.par.dp);
+  const MemoryRules rules = plan_rules(p, cost.precision(), sched::Replicas::One);
   auto build = [&](const std::vector<double>& a) {
-    sched::PipelineSpec s = spec;
-    s.alpha = a;
-    return build_plan_schedule(p, s);
+    return sched::build_step(p.model, p.lengths, a, p, sched::Replicas::One);
   };
   Candidate c{p, solve_alpha(build, p.subseqs, priced, rules, budget, req.offload, no_use_s)};
   c.plan.alpha = c.alpha.alpha;
@@ -695,7 +592,7 @@ void predict(plan::Plan* p, const HardwareProfile& hw) {
 // recomputed, MLP tiles) splits over its own and the nearest idle group only (reach 2, Note
 // [MSP reach] in schedule/msp.h): over every group, helpers borrow most stages' weights (at
 // gpt-13b 512K on 128 A100s, 70 of a 96 GiB peak in 32 stages, and no fit), and searching
-// those layouts took 70 s for gpt-65b at 640K. On a ring (sp > 1) MSP runs at reach 2 (over
+// those layouts took 70 s for gpt-65b at 640K. On a ring (cp > 1) MSP runs at reach 2 (over
 // every group: 134 s for gpt-13b at 512K, and no fit), and so it does past
 // kMspEveryGroupStages stages, where a split task has up to pp pieces, each helper
 // borrowing a stage's weights (gpt-65b at 384K, tp 2 pp 64 N 96 over every group: 17 GB of
@@ -707,34 +604,34 @@ void predict(plan::Plan* p, const HardwareProfile& hw) {
 // it simulates each such layout with MSP as well where the first placement is searched and
 // the pipeline has at most kAutoMspTasks tasks a replica (pp x N; with every one, gpt-7b 4M
 // on 32 A100s took 55 s against 0.6 s, and MSP gains least where N is large), and weighs
-// MSP again for its sp 1 finalists. So gpt-13b at 512K on 128 A100s finds tp 8 pp 4 dp 4
+// MSP again for its cp 1 finalists. So gpt-13b at 512K on 128 A100s finds tp 8 pp 4 dp 4
 // with MSP (198.0 tokens/GPU/s), which without MSP (87.02 s a step) the search prunes.
 constexpr int kAutoMspTasks = 256;
 constexpr int kMspEveryGroupStages = 16;
 constexpr int kMspWiderTasks = 512;
 int msp_search_reach(const plan::Plan& p) {
-  const bool saving = !p.kv_host_layers.empty() || !p.kv_recompute_layers.empty() || p.recompute != 0 ||
-                      p.mlp_tile_rows > 0;
-  return saving || p.sp > 1 || p.pp > kMspEveryGroupStages ? 2 : 0;
+  const bool saving = !p.place.kv_layers(KvPlace::Host).empty() || !p.place.kv_layers(KvPlace::Recompute).empty() || p.place.recompute != 0 ||
+                      p.place.mlp_tile_rows > 0;
+  return saving || p.par.cp > 1 || p.par.pp > kMspEveryGroupStages ? 2 : 0;
 }
 
 // Layout p with MSP as the search runs it, at its reach.
 plan::Plan with_msp(plan::Plan p) {
-  p.msp = true;
-  p.msp_reach = msp_search_reach(p);
+  p.par.msp.on = true;
+  p.par.msp.reach = msp_search_reach(p);
   return p;
 }
 
 bool msp_possible(const plan::Plan& p) {
-  // The runtime runs MSP's pieces as one ring over the stage groups' SP ranks (Note [MSP
+  // The runtime runs MSP's pieces as one ring over the stage groups' cp ranks (Note [MSP
   // pieces]), each piece's rows over the group's TP members. Recomputed K/V and the
   // attention recomputed in backward need a rank's whole rows, head_grad recomputed a
   // stage's own head: not under MSP.
-  if (p.pp == 1 || p.subseqs < p.pp || !p.kv_recompute_layers.empty() ||
-      (p.recompute & (kAttentionGroup | kHeadGradGroup)))
+  if (p.par.pp == 1 || p.subseqs < p.par.pp || !p.place.kv_layers(KvPlace::Recompute).empty() ||
+      (p.place.recompute & (kAttentionGroup | kHeadGradGroup)))
     return false;
   for (i64 l : p.lengths)
-    if (l < i64(p.sp) * p.pp * p.tp) return false;
+    if (l < i64(p.par.cp) * p.par.pp * p.par.tp) return false;
   return true;
 }
 
@@ -745,25 +642,25 @@ std::string seconds_text(double s) {
 }
 
 // Forward (backward) seconds of one layer on the busiest piece of a subsequence [o, o+l)
-// split over `sp` ring ranks laid out by `layout`, each piece's layer split over `tp`
+// split over `cp` ring ranks laid out by `layout`, each piece's layer split over `tp`
 // tensor-parallel ranks (CostModel::forward_s: compute over tp, ten collectives). With the
 // K/V streamed (kv Host or Recompute), what the attention does not hide of the earlier
 // rows' chunks (CostModel::layer_stream_s; `last`: the sequence's last subsequence, whose
 // backward finds no sums on the host).
-double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingLayout layout, int tp = 1,
-                       sched::KvPlace kv = sched::KvPlace::Device, bool last = false) {
+double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int cp, RingLayout layout, int tp = 1,
+                       KvPlace kv = KvPlace::Device, bool last = false) {
   double most = 0;
-  for (int r = 0; r < sp; ++r) {
-    const sched::Spans sp_r = sched::piece_spans(l, r, sp, sp > 1 ? layout : sched::RingLayout::Contiguous);
+  for (int r = 0; r < cp; ++r) {
+    const sched::Spans piece = sched::piece_spans(l, r, cp, cp > 1 ? layout : RingLayout::Contiguous);
     const double overhead = 2 * cost.hw().layer_overhead;
-    const double t = cost.layer_forward_s(o, sp_r, l) + cost.layer_backward_s(o, sp_r, l) - overhead;
+    const double t = cost.layer_forward_s(o, piece, l) + cost.layer_backward_s(o, piece, l) - overhead;
     double streamed = 0;
-    if (kv != sched::KvPlace::Device) {
-      const bool rc = kv == sched::KvPlace::Recompute;
-      streamed = cost.layer_stream_s(o, sp_r, l, sp, tp, rc, false, false) +
-                 cost.layer_stream_s(o, sp_r, l, sp, tp, rc, true, !last);
+    if (kv != KvPlace::Device) {
+      const bool rc = kv == KvPlace::Recompute;
+      streamed = cost.layer_stream_s(o, piece, l, cp, tp, rc, false, false) +
+                 cost.layer_stream_s(o, piece, l, cp, tp, rc, true, !last);
     }
-    most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(sp_r), tp) + streamed);
+    most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(piece), tp) + streamed);
   }
   return most;
 }
@@ -771,7 +668,7 @@ double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int sp, sched::RingL
 // solve_sppo's search, in passes. A SearchContext holds what the request fixes, a
 // SearchState what the searches learn and keep from one to the next. The passes, in the
 // order a plan goes through them:
-//  1. layouts (layout_pass): every (tp, sp, dp, pp) and the N of each the search considers;
+//  1. layouts (layout_pass): every (tp, cp, dp, pp) and the N of each the search considers;
 //  2. placements (placement_pass): each layout under each placement of its tensors (K/V,
 //     recompute set, MLP tiles) and MSP setting, a candidate apiece;
 //  3. bounds (bound_pass): each candidate's memory, host and throughput bounds, which rule
@@ -796,7 +693,7 @@ struct SearchContext {
         S(r.seq_len),
         G(r.gpus),
         gpn(r.gpus_per_node),
-        host_allowed(r.optimizer_state != "device"),
+        host_allowed(r.place.optimizer_state != Tier::Device),
         kv_pt(skeletal_bytes_per_token(c, prec)),
         acc_pt(2 * i64(c.kv_width()) * rules.accum_bytes),
         saved_table(block_saved_specs(c, 1, prec)),
@@ -841,11 +738,18 @@ struct SearchContext {
     return b;
   }
   // Tokens/GPU/s of layout p at a step of `step_s` seconds.
-  double tput(const plan::Plan& p, double step_s) const { return double(S) * p.dp / (G * step_s); }
+  double tput(const plan::Plan& p, double step_s) const { return double(S) * p.par.dp / (G * step_s); }
 };
 
+// The layout's sequence parallelism in words, for the reasons a search gives.
 std::string sp_text(const plan::Plan& p) {
-  return p.tp > 1 ? std::to_string(p.tp) + "-way TP" : std::to_string(p.sp) + "-way SP";
+  if (p.par.tp == 1 && p.par.cp == 1 && p.par.ulysses == 1) return "no sequence parallelism";
+  ParallelDims sp;  // the layout's sequence parallelism alone
+  sp.tp = p.par.tp;
+  sp.ulysses = p.par.ulysses;
+  sp.cp = p.par.cp;
+  const std::string text = layout_text(sp);
+  return text.substr(0, text.find(" pp "));
 }
 
 // Takes the context; gives the error when no layout can hold even the weights: an even
@@ -854,10 +758,10 @@ std::string sp_text(const plan::Plan& p) {
 std::optional<std::string> weights_alone_error(const SearchContext& ctx) {
   const ModelConfig& c = ctx.c;
   const int max_pp = std::min(ctx.G, c.layers);
-  const int most_shards = ctx.req.zero == 0 ? 1 : ctx.G / max_pp;
+  const int most_shards = ctx.req.zero == ZeroStage::None ? 1 : ctx.G / max_pp;
   // With the layers' weights on the host (Note [Weights in the search]), the embedding and
   // head alone.
-  const bool layers_host = ctx.host_allowed && ctx.req.weights != "device";
+  const bool layers_host = ctx.host_allowed && ctx.req.place.weights != Tier::Device;
   const i64 least_params =
       sched::param_count(c, 0, layers_host ? 0 : (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
   const i64 least_weights = ctx.device_fixed(least_params, layers_host ? 1 : most_shards, ctx.host_allowed);
@@ -873,19 +777,19 @@ std::optional<std::string> weights_alone_error(const SearchContext& ctx) {
 
 // The LM head in layers' worth of compute, over the whole sequence (Note [Stage split]:
 // the last stage runs it after every forward, so it gets fewer layers).
-double head_layers(const SearchContext& ctx, const std::vector<i64>& lengths, int sp, int tp) {
+double head_layers(const SearchContext& ctx, const std::vector<i64>& lengths, int cp, int tp) {
   double layer = 0, head = 0;
   i64 o = 0;
   for (i64 l : lengths) {
-    layer += busiest_piece_s(ctx.cost, o, l, sp, ctx.req.ring_layout, tp);
-    head += ctx.cost.head_flops((l + sp - 1) / sp) / ctx.hw.gemm_flops / tp;
+    layer += busiest_piece_s(ctx.cost, o, l, cp, ctx.req.ring_layout, tp);
+    head += ctx.cost.head_flops((l + cp - 1) / cp) / ctx.hw.gemm_flops / tp;
     o += l;
   }
   return layer > 0 ? head / layer : 0.0;
 }
 
 // The layouts pass. Takes the context; gives every layout the search considers, as plans
-// with no placement: (tp, sp, dp, pp), and N at a few sizes of subsequence per device,
+// with no placement: (tp, cp, dp, pp), and N at a few sizes of subsequence per device,
 // each with its FLOPs-balanced lengths and stage split. Empty where every layout needs
 // more subsequences than the search allows.
 std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
@@ -895,43 +799,44 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
   const int G = ctx.G, gpn = ctx.gpn;
   std::vector<plan::Plan> layouts;
   // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
-  // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (sp).
+  // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (cp).
   for (int tp : divisors(std::min(G, gpn)))
-    for (int sp : divisors(std::min(G, gpn) / tp)) {
-      if (G % (sp * tp) || tp > c.heads) continue;
+    for (int cp : divisors(std::min(G, gpn) / tp)) {
+      if (G % (cp * tp) || tp > c.heads) continue;
       if (c.llama() && !sched::llama_tp_runs(c, tp)) continue;
-      for (int dp : divisors(G / sp / tp)) {
-        const int pp = G / sp / tp / dp;
+      for (int dp : divisors(G / cp / tp)) {
+        const int pp = G / cp / tp / dp;
         if (pp > c.layers) continue;
         for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
-          const i64 n64 = std::max<i64>(1, S / (i64(sp) * tp * per_device));
-          if (n64 > kMaxPlanSubseqs || n64 * sp * tp > S) continue;
+          const i64 n64 = std::max<i64>(1, S / (i64(cp) * tp * per_device));
+          if (n64 > kMaxPlanSubseqs || n64 * cp * tp > S) continue;
           const int N = int(n64);
           plan::Plan p;
-          p.system = "sppo";
+          p.system = plan::System::Sppo;
           p.model_name = req.model_name;
           p.model = c;
           p.hardware = req.hardware;
           p.seq_len = S;
           p.gpus = G;
           p.gpus_per_node = gpn;
-          p.sp = sp;
-          p.tp = tp;
-          p.pp = pp;
-          p.dp = dp;
+          p.par.cp = cp;
+          p.par.tp = tp;
+          p.par.pp = pp;
+          p.par.dp = dp;
           p.subseqs = N;
           p.lengths = plan::partition_flops(c, S, N);
-          if (p.lengths.back() < i64(sp) * tp) continue;
-          p.zero = req.zero == -1 ? (sp * dp > 1 ? 1 : 0) : req.zero;
-          p.optimizer_state = req.optimizer_state == "host" ? "host" : "device";
+          if (p.lengths.back() < i64(cp) * tp) continue;
+          p.par.zero = req.zero.value_or(cp * dp > 1 ? ZeroStage::OptimizerState : ZeroStage::None);
+          p.place.optimizer_state = req.place.optimizer_state == Tier::Host ? Tier::Host : Tier::Device;
+          p.precision = ctx.prec;
           p.block_scratch = req.block_scratch;
           p.head_scratch = req.head_scratch;
-          p.ring_layout = sched::to_string(req.ring_layout);
-          p.offload = to_string(req.offload);
+          p.par.ring_layout = req.ring_layout;
+          p.offload = req.offload;
           p.budget = ctx.budget;
-          p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(ctx, p.lengths, sp, tp));
+          p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(ctx, p.lengths, cp, tp));
           if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
-                return q.sp == p.sp && q.tp == p.tp && q.pp == p.pp && q.dp == p.dp && q.subseqs == p.subseqs;
+                return q.par.cp == p.par.cp && q.par.tp == p.par.tp && q.par.pp == p.par.pp && q.par.dp == p.par.dp && q.subseqs == p.subseqs;
               }) != layouts.end())
             continue;
           layouts.push_back(p);
@@ -952,10 +857,10 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
 std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vector<plan::Plan>& layouts) {
   std::vector<plan::Plan> out;
   for (plan::Plan p : layouts) {
-    if (p.tp > 1 || req.zero == 1) continue;
-    p.zero = 0;
-    p.optimizer_state = "host";
-    p.weights = "host";
+    if (p.par.tp > 1 || req.zero == ZeroStage::OptimizerState) continue;
+    p.par.zero = ZeroStage::None;
+    p.place.optimizer_state = Tier::Host;
+    p.place.weights = Tier::Host;
     out.push_back(std::move(p));
   }
   return out;
@@ -986,9 +891,9 @@ std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vecto
 // --recompute-tensors allow, each (layout, placement) a candidate with its own bounds,
 // and the fastest that fits of both wins. The first search's best prunes most of the
 // second (Note [Pruning the search]). A placement that saves memory can be faster where
-// it lets a faster layout fit: gpt-65b at 640K on 128 A100s, tp 4 sp 2 pp 8 dp 2 with the
+// it lets a faster layout fit: gpt-65b at 640K on 128 A100s, tp 4 cp 2 pp 8 dp 2 with the
 // K/V on the host and ln1, ln2 and fc_pre recomputed, 42.6 tokens/GPU/s, against 37.7 for
-// the best plan that keeps the K/V on the device (tp 2 sp 4 pp 16), which was the plan
+// the best plan that keeps the K/V on the device (tp 2 cp 4 pp 16), which was the plan
 // while the second search ran only where the first found nothing. The wider search also
 // runs each of those placements with the MLP in tiles of kPlanMlpTileRows rows (Note [MLP
 // tiles] in core/layout.h) on layouts without tensor parallelism whose subsequences are longer:
@@ -1006,18 +911,13 @@ std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vecto
 // on layouts of one stage; its schedules have a B op for every (layer, subsequence), and
 // searching every twin took llama-3-8b at 3584K on 8 H100s from 1.2 to 23 s of CPU.
 struct Placement {
-  sched::KvPlace kv = sched::KvPlace::Device;
+  KvPlace kv = KvPlace::Device;
   SavedSet recompute = 0;
   i64 mlp_tile_rows = 0;
-  sched::BackwardOrder backward = sched::BackwardOrder::Subseq;
+  BackwardOrder backward = BackwardOrder::Subseq;
   bool rebuilt = false;  // every other layer of a stage rebuilds its input (Plan::rebuilt_inputs)
   bool operator==(const Placement&) const = default;
 };
-
-sched::KvPlace kv_choice(const std::string& name) {
-  return name == "host" ? sched::KvPlace::Host
-                        : name == "recompute" ? sched::KvPlace::Recompute : sched::KvPlace::Device;
-}
 
 // The placements the request allows: the first search's, and the wider search's (every
 // other one, then the first and those others with the MLP in tiles).
@@ -1029,18 +929,18 @@ struct PlacementSets {
 };
 PlacementSets placement_sets(const PlanRequest& req) {
   PlacementSets out;
-  const auto order = req.backward_order == "layer" ? sched::BackwardOrder::Layer : sched::BackwardOrder::Subseq;
-  out.first = {req.kv_cache == "auto" ? sched::KvPlace::Device : kv_choice(req.kv_cache), req.recompute, 0, order};
+  const auto order = req.place.backward == BackwardOrder::Layer ? BackwardOrder::Layer : BackwardOrder::Subseq;
+  out.first = {req.place.kv.value_or(KvPlace::Device), req.recompute_least(), 0, order};
   const Placement& first = out.first;
   std::vector<Placement>& wider = out.wider;
-  std::vector<sched::KvPlace> kvs = {first.kv};
-  if (req.kv_cache == "auto") kvs = {sched::KvPlace::Device, sched::KvPlace::Host, sched::KvPlace::Recompute};
-  std::vector<SavedSet> sets = {req.recompute};
-  if (req.recompute_auto)
+  std::vector<KvPlace> kvs = {first.kv};
+  if (req.place.kv == kAuto) kvs = {KvPlace::Device, KvPlace::Host, KvPlace::Recompute};
+  std::vector<SavedSet> sets = {req.recompute_least()};
+  if (req.recompute_auto())
     for (SavedSet level : recompute_levels())
-      if (std::find(sets.begin(), sets.end(), level | req.recompute) == sets.end())
-        sets.push_back(level | req.recompute);
-  for (sched::KvPlace kv : kvs)
+      if (std::find(sets.begin(), sets.end(), level | req.recompute_least()) == sets.end())
+        sets.push_back(level | req.recompute_least());
+  for (KvPlace kv : kvs)
     for (SavedSet set : sets) {
       const Placement pl{kv, set, 0, order};
       if (!(pl == first)) wider.push_back(pl);
@@ -1050,10 +950,10 @@ PlacementSets placement_sets(const PlanRequest& req) {
   for (std::size_t k = 0; k < untiled; ++k)
     wider.push_back({wider[k].kv, wider[k].recompute, kPlanMlpTileRows, order});
   // --backward-order auto: every placement in the layer-major order too.
-  if (req.backward_order == "auto") {
-    out.layered.push_back({first.kv, first.recompute, 0, sched::BackwardOrder::Layer});
+  if (req.place.backward == kAuto) {
+    out.layered.push_back({first.kv, first.recompute, 0, BackwardOrder::Layer});
     for (Placement pl : wider) {
-      pl.backward = sched::BackwardOrder::Layer;
+      pl.backward = BackwardOrder::Layer;
       out.layered.push_back(pl);
     }
   }
@@ -1061,25 +961,25 @@ PlacementSets placement_sets(const PlanRequest& req) {
   // K/V are not on the host (the layer below a rebuilt one cannot stream them) again with
   // every other layer's input rebuilt; the rebuilt layers keep the K/V that the others
   // recompute on the host.
-  if (req.rebuild_inputs == "auto")
+  if (req.place.rebuild.kind == RebuildRequest::Kind::Auto)
     for (const std::vector<Placement>* from : {&out.layered, &out.wider})
       for (Placement pl : *from)
-        if (pl.backward == sched::BackwardOrder::Layer && pl.kv != sched::KvPlace::Host) {
+        if (pl.backward == BackwardOrder::Layer && pl.kv != KvPlace::Host) {
           pl.rebuilt = true;
           if (std::find(out.rebuilt.begin(), out.rebuilt.end(), pl) == out.rebuilt.end()) out.rebuilt.push_back(pl);
         }
-  if (req.rebuild_inputs == "auto" && out.first.backward == sched::BackwardOrder::Layer &&
-      out.first.kv != sched::KvPlace::Host) {
+  if (req.place.rebuild.kind == RebuildRequest::Kind::Auto && out.first.backward == BackwardOrder::Layer &&
+      out.first.kv != KvPlace::Host) {
     Placement pl = out.first;
     pl.rebuilt = true;
     out.rebuilt.insert(out.rebuilt.begin(), pl);
   }
   // --rebuild-inputs odd (with --backward-order layer, and K/V not on the host): every
   // placement rebuilds them.
-  if (req.rebuild_inputs == "odd") {
-    SPPO_ASSERT(out.first.backward == sched::BackwardOrder::Layer && out.first.kv != sched::KvPlace::Host);
+  if (req.place.rebuild.kind == RebuildRequest::Kind::Odd) {
+    SPPO_ASSERT(out.first.backward == BackwardOrder::Layer && out.first.kv != KvPlace::Host);
     out.first.rebuilt = true;
-    std::erase_if(out.wider, [](const Placement& pl) { return pl.kv == sched::KvPlace::Host; });
+    std::erase_if(out.wider, [](const Placement& pl) { return pl.kv == KvPlace::Host; });
     for (Placement& pl : out.wider) pl.rebuilt = true;
     out.layered.clear();
   }
@@ -1094,30 +994,32 @@ bool rebuilt_in_stage(int l, int b) { return l > b && (l - b) % 2 == 1; }
 // placement recomputes the rest of its set there.
 SavedSet runnable(const PlanRequest& req, const plan::Plan& p) {
   SavedSet out = ~SavedSet(0);
-  if (p.sp > 1 || req.msp == 1) out &= ~kAttentionGroup;
-  if (req.msp == 1) out &= ~kHeadGradGroup;
+  if (p.par.cp > 1 || req.msp == true) out &= ~kAttentionGroup;
+  if (req.msp == true) out &= ~kHeadGradGroup;
   return out;
 }
 
 // Layout p under placement pl: the set it recomputes cut to what it can, its K/V placed
 // on every layer.
 plan::Plan placed(const PlanRequest& req, plan::Plan p, const Placement& pl) {
-  p.recompute = pl.recompute & runnable(req, p);
-  p.mlp_tile_rows = pl.mlp_tile_rows;
-  p.backward_order = sched::to_string(pl.backward);
-  std::vector<char> rebuilt(std::size_t(req.model.layers), 0);
+  p.place.recompute = pl.recompute & runnable(req, p);
+  p.place.mlp_tile_rows = pl.mlp_tile_rows;
+  p.place.backward = pl.backward;
+  const int L = req.model.layers;
   if (pl.rebuilt) {
+    p.place.inputs_rebuilt.assign(std::size_t(L), false);
     int b = 0;
     for (int n : p.stage_layers) {
       for (int l = b; l < b + n; ++l)
-        if (rebuilt_in_stage(l, b)) rebuilt[std::size_t(l)] = 1, p.rebuilt_inputs.push_back(l);
+        if (rebuilt_in_stage(l, b)) p.place.inputs_rebuilt[std::size_t(l)] = true;
       b += n;
     }
   }
-  for (int l = 0; l < req.model.layers; ++l) {
-    const bool host = pl.kv == sched::KvPlace::Host || (pl.kv == sched::KvPlace::Recompute && rebuilt[std::size_t(l)]);
-    if (host) p.kv_host_layers.push_back(l);
-    else if (pl.kv == sched::KvPlace::Recompute) p.kv_recompute_layers.push_back(l);
+  if (pl.kv != KvPlace::Device) {
+    // A rebuilt layer keeps the K/V the others recompute, on the host.
+    p.place.kv.assign(std::size_t(L), pl.kv);
+    for (int l = 0; l < L; ++l)
+      if (pl.kv == KvPlace::Recompute && p.place.input_rebuilt(l)) p.place.kv[std::size_t(l)] = KvPlace::Host;
   }
   return p;
 }
@@ -1130,26 +1032,56 @@ bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
   // pipeline loses its backwards' overlap in it, and its schedules have a B op for every
   // (layer, subsequence): searching them too took llama-3-8b at 3584K on 8 H100s from 1.3
   // to 23 s of the planner's time, for no plan that won.
-  if (pl.backward == sched::BackwardOrder::Layer && (req.msp == 1 || (p.pp > 1 && req.backward_order == "auto")))
+  if (pl.backward == BackwardOrder::Layer && (req.msp == true || (p.par.pp > 1 && req.place.backward == kAuto)))
     return false;
   if (pl.mlp_tile_rows > 0 &&
-      (p.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.sp))
+      (p.par.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.par.cp))
     return false;
   // Rebuilt inputs (Note [Rebuilt layer inputs]): without TP, rings and MSP.
-  if (pl.rebuilt && (p.tp > 1 || p.sp > 1 || req.msp == 1)) return false;
-  if (pl.kv != sched::KvPlace::Recompute) return true;
-  return req.msp != 1 && p.tp == 1 && p.sp == 1;
+  if (pl.rebuilt && (p.par.tp > 1 || p.par.cp > 1 || req.msp == true)) return false;
+  if (pl.kv != KvPlace::Recompute) return true;
+  return req.msp != true && p.par.tp == 1 && p.par.cp == 1;
 }
 
+// A layout as a search varies it: its index among the layouts searched, with MSP or not,
+// rebuilding inputs or not, in the layer-major backward order or not.
+struct Variant {
+  std::size_t layout = 0;
+  bool msp = false, rebuilt = false, layer_major = false;
+  auto operator<=>(const Variant&) const = default;
+};
 // A candidate's (layout variant, K/V placement, recomputed set, MLP tile rows): what the
-// pruning of the alpha pass tells candidates apart by. The variant is the layout's index
-// times two, plus one with MSP, times two, plus one rebuilding inputs, times two, plus one
-// in the layer-major backward order.
-using FloorKey = std::tuple<std::size_t, int, SavedSet, i64>;
-// The candidates searched so far: a FloorKey and whether the optimizer state is on the host.
-// (variant, K/V place, recompute set, MLP tile rows, where the state and weights are: 0
-// the device, 1 the optimizer state on the host, 2 the layers' weights too)
-using PlacementsTried = std::set<std::tuple<std::size_t, int, SavedSet, i64, int>>;
+// pruning of the alpha pass tells candidates apart by.
+struct FloorKey {
+  Variant variant;
+  KvPlace kv = KvPlace::Device;
+  SavedSet recompute = 0;
+  i64 mlp_tile_rows = 0;
+  auto operator<=>(const FloorKey&) const = default;
+};
+// Where a search keeps the optimizer state and the layers' weights: both on the device; the
+// state on the host; the weights there too.
+enum class StateTier : char { Device, OptimizerHost, WeightsHost };
+StateTier state_tier(const plan::Plan& p) {
+  return !p.place.optimizer_host() ? StateTier::Device
+         : p.place.weights_host()  ? StateTier::WeightsHost
+                                   : StateTier::OptimizerHost;
+}
+// The candidates searched so far, with where their search kept the state.
+struct Tried {
+  FloorKey key;
+  StateTier state = StateTier::Device;
+  auto operator<=>(const Tried&) const = default;
+};
+using PlacementsTried = std::set<Tried>;
+// Candidates of one layout variant and K/V placement, tiled or not, whose recompute sets
+// nest (Note [Pruning the search], continued, below).
+struct GroupKey {
+  Variant variant;
+  KvPlace kv = KvPlace::Device;
+  bool tiled = false;
+  auto operator<=>(const GroupKey&) const = default;
+};
 
 // One candidate of a search: a layout placed, with MSP or without.
 // Note [Pruning the search], continued: the recompute sets are nested (each level holds
@@ -1159,7 +1091,8 @@ using PlacementsTried = std::set<std::tuple<std::size_t, int, SavedSet, i64, int
 struct SearchCandidate {
   plan::Plan plan;
   Placement pl;
-  std::size_t group = 0, level = 0;
+  GroupKey group;
+  std::size_t level = 0;
   FloorKey key;
 };
 
@@ -1173,7 +1106,7 @@ struct SearchCandidate {
 // LeastStep), since the alpha pass prunes a candidate only by others that share them.
 std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std::vector<plan::Plan>& layouts,
                                             const std::vector<Placement>& pls, bool weigh_msp, int msp_tasks,
-                                            int state_where, PlacementsTried& tried,
+                                            StateTier state, PlacementsTried& tried,
                                             const std::set<FloorKey>& settled) {
   const PlanRequest& req = ctx.req;
   std::vector<SearchCandidate> cands;
@@ -1185,23 +1118,25 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
       if (!runs(req, layouts[base], pl)) continue;
       const plan::Plan without = placed(req, layouts[base], pl);
       const bool weighed =
-          weigh_msp && req.msp == -1 && without.sp == 1 && without.pp * without.subseqs <= kAutoMspTasks;
+          weigh_msp && req.msp == kAuto && without.par.cp == 1 && without.par.pp * without.subseqs <= kAutoMspTasks;
       for (const bool msp : {false, true}) {
-        if (!(msp ? req.msp == 1 || weighed : req.msp != 1)) continue;
-        if (msp && (!msp_possible(without) || (msp_tasks > 0 && without.pp * without.subseqs > msp_tasks))) continue;
-        if (msp && pl.backward == sched::BackwardOrder::Layer) continue;
+        if (!(msp ? req.msp == true || weighed : req.msp != true)) continue;
+        if (msp && (!msp_possible(without) || (msp_tasks > 0 && without.par.pp * without.subseqs > msp_tasks))) continue;
+        if (msp && pl.backward == BackwardOrder::Layer) continue;
         SearchCandidate cand;
         cand.plan = msp ? with_msp(without) : without;
         cand.pl = pl;
         const plan::Plan& p = cand.plan;
         // A set the layout cannot recompute whole may equal one already tried there.
-        const bool layer = pl.backward == sched::BackwardOrder::Layer;
-        const std::size_t variant = ((base * 2 + (msp ? 1 : 0)) * 2 + (pl.rebuilt ? 1 : 0)) * 2 + (layer ? 1 : 0);
-        if (layer && settled.count({variant - 1, int(pl.kv), p.recompute, pl.mlp_tile_rows})) continue;
-        if (msp && p.weights == "host") continue;  // a helper borrows a stage's weights whole
-        if (!tried.emplace(variant, int(pl.kv), p.recompute, pl.mlp_tile_rows, state_where).second) continue;
-        cand.key = {variant, int(pl.kv), p.recompute, pl.mlp_tile_rows};
-        cand.group = (variant * 3 + std::size_t(pl.kv)) * 2 + (pl.mlp_tile_rows > 0 ? 1 : 0);
+        const bool layer = pl.backward == BackwardOrder::Layer;
+        const Variant variant{base, msp, pl.rebuilt, layer};
+        // Its twin in the paper's order, settled: no faster in this one.
+        if (layer && settled.count({{base, msp, pl.rebuilt, false}, pl.kv, p.place.recompute, pl.mlp_tile_rows}))
+          continue;
+        if (msp && p.place.weights_host()) continue;  // a helper borrows a stage's weights whole
+        cand.key = {variant, pl.kv, p.place.recompute, pl.mlp_tile_rows};
+        if (!tried.insert({cand.key, state}).second) continue;
+        cand.group = {variant, pl.kv, pl.mlp_tile_rows > 0};
         cand.level = std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
           return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && o.backward == pl.backward &&
                  (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
@@ -1236,20 +1171,20 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
   const ModelConfig& c = ctx.c;
   const MemoryRules& rules = ctx.rules;
   const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
-  const int shards = p.zero == 1 ? p.sp * p.dp : 1;
-  const i64 heads_share = TpShard{0, p.tp}.local_heads(c);
-  const i64 before_last = (ctx.S - p.lengths.back()) / p.sp;
+  const int shards = p.par.zero_shards();
+  const i64 heads_share = TpShard{0, p.par.tp}.local_heads(c);
+  const i64 before_last = (ctx.S - p.lengths.back()) / p.par.cp;
   // The paper's backward order holds every layer's dK/dV sums at the end of B(N-1); the
   // layer-major one, one layer's (and every layer's K/V) at the end of B(L-1, N-1).
-  const bool layer_major = pl.backward == sched::BackwardOrder::Layer;
-  const bool on_device = pl.kv == sched::KvPlace::Device;
+  const bool layer_major = pl.backward == BackwardOrder::Layer;
+  const bool on_device = pl.kv == KvPlace::Device;
   const i64 kv_dev = on_device ? ctx.kv_pt * heads_share / c.heads : 0;
   const i64 acc_dev = on_device ? ctx.acc_pt * heads_share / c.heads : 0;
   // A Recompute layer keeps no K/V, and sums its dK/dV into the layer input's gradient
   // (H fp32 a position, not 2H).
-  const bool kv_kept = pl.kv != sched::KvPlace::Recompute;
+  const bool kv_kept = pl.kv != KvPlace::Recompute;
   const i64 sums_pt = kv_kept ? ctx.acc_pt : i64(c.hidden) * rules.accum_bytes;
-  const i64 per_token = ctx.unit_pt(p.recompute) + (kv_kept ? ctx.kv_pt : 0) + (layer_major ? 0 : sums_pt);
+  const i64 per_token = ctx.unit_pt(p.place.recompute) + (kv_kept ? ctx.kv_pt : 0) + (layer_major ? 0 : sums_pt);
   // A token's sums of the one layer alive; with rebuilt inputs a rebuilt layer's K/V are
   // on the host, its sums those of a Host layer (the lesser of the two kinds counts).
   const i64 once_pt = !layer_major ? 0 : pl.rebuilt && !kv_kept ? std::min(sums_pt, ctx.acc_pt) : sums_pt;
@@ -1257,7 +1192,7 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
   // placement recomputes, on the host).
   const i64 rebuilt_pt = i64(c.hidden) * rules.act_bytes() - (kv_kept ? 0 : ctx.kv_pt);
   const auto rebuilt_of = [&](int n) { return pl.rebuilt ? i64(n / 2) : 0; };
-  const i64 head_grad_pt = in_set(p.recompute, kSavedHeadGrad) ? 0 : i64(c.hidden) * rules.act_bytes();
+  const i64 head_grad_pt = in_set(p.place.recompute, kSavedHeadGrad) ? 0 : i64(c.hidden) * rules.act_bytes();
   // Stage by stage: its weights (tensor parallelism divides them and the K/V by heads;
   // member 0's shards are the largest); the device holds them with the K/V and the
   // dK/dV accumulators, whatever alpha is. What cannot be on the device is on the host:
@@ -1269,50 +1204,50 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
   // forwards end.
   i64 mem = 0, host = 0;
   int first = 0;
-  const bool state_host = p.optimizer_state == "host";
+  const bool state_host = p.place.optimizer_host();
   const int N = p.subseqs;
   for (std::size_t st = 0; st < p.stage_layers.size(); ++st) {
     const int n = p.stage_layers[st], end = first + n;
-    const i64 params = p.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.tp})
+    const i64 params = p.par.tp > 1 ? sched::param_count(c, first, end, TpShard{0, p.par.tp})
                                 : sched::param_count(c, first, end, first == 0, end == c.layers);
     // With the layers' weights on the host the device keeps the embedding's, final norm's
     // and head's (and the two layers in flight, not counted: this is a bound).
-    const i64 layers_host = p.weights == "host" ? i64(n) * sched::layer_params(c, TpShard{0, p.tp}) : 0;
+    const i64 layers_host = p.place.weights_host() ? i64(n) * sched::layer_params(c, TpShard{0, p.par.tp}) : 0;
     const i64 weights = ctx.device_fixed(params - layers_host, shards, state_host);
     mem = std::max(mem, weights + (i64(n) * kv_dev + (layer_major ? 1 : n) * acc_dev) * before_last);
     i64 held = before_last;
-    if (p.msp) {
+    if (p.par.msp.on) {
       held = 0;
-      for (int k : sched::msp_phases(p.pp, N, int(st), p.msp_reach).steady)
+      for (int k : sched::msp_phases(p.par.pp, N, int(st), p.par.msp.reach).steady)
         if (k < N - 1) held += p.lengths[std::size_t(k)];
-      held /= p.sp;
+      held /= p.par.cp;
     }
     const i64 saved =
         (i64(n) * per_token - rebuilt_of(n) * rebuilt_pt + once_pt + (end == c.layers ? head_grad_pt : 0)) * held /
-        p.tp;
+        p.par.tp;
     const i64 spilled = std::max<i64>(0, weights + saved - ctx.budget);
     host = std::max(host, ctx.host_fixed(params, shards, state_host) + spilled);
     first = end;
   }
   double compute = 0;
   i64 o = 0;
-  const bool kv_rc = pl.kv == sched::KvPlace::Recompute;
+  const bool kv_rc = pl.kv == KvPlace::Recompute;
   for (std::size_t i = 0; i < p.lengths.size(); ++i) {
     const i64 l = p.lengths[i];
     // An MSP helper keeps its pieces on the device: no stream where tasks may split.
-    const sched::KvPlace streamed = p.msp ? sched::KvPlace::Device : pl.kv;
+    const KvPlace streamed = p.par.msp.on ? KvPlace::Device : pl.kv;
     double layer =
-        busiest_piece_s(ctx.cost, o, l, p.sp, ctx.req.ring_layout, p.tp, streamed, i + 1 == p.lengths.size());
-    if (p.recompute || kv_rc) {
+        busiest_piece_s(ctx.cost, o, l, p.par.cp, ctx.req.ring_layout, p.par.tp, streamed, i + 1 == p.lengths.size());
+    if (p.place.recompute || kv_rc) {
       const sched::Spans whole{{0, l}};
-      layer += (ctx.cost.layer_recompute_s(o, whole, p.recompute, kv_rc, false, p.tp) +
-                ctx.cost.layer_recompute_s(o, whole, p.recompute, kv_rc, true, p.tp)) / p.sp;
+      layer += (ctx.cost.layer_recompute_s(o, whole, p.place.recompute, kv_rc, false, p.par.tp) +
+                ctx.cost.layer_recompute_s(o, whole, p.place.recompute, kv_rc, true, p.par.tp)) / p.par.cp;
     }
     // A rebuilt layer's backward runs the layer below's forward again.
     compute += n_s * layer + double(rebuilt_of(n_s)) * ctx.cost.layer_forward_s(o, l);
     o += l;
   }
-  const double step = compute * (p.msp ? 1.0 : 1.0 + double(p.pp - 1) / p.subseqs);
+  const double step = compute * (p.par.msp.on ? 1.0 : 1.0 + double(p.par.pp - 1) / p.subseqs);
   return {mem, ctx.tput(p, step), host};
 }
 
@@ -1345,7 +1280,7 @@ BoundedCandidates bound_pass(const SearchContext& ctx, const std::vector<SearchC
 // plan found, the placements that add to it are not simulated. (MSP's reach changes with
 // the placement, and with it the schedule: only placements at one reach compare.)
 struct LeastStep {
-  sched::KvPlace kv;
+  KvPlace kv;
   SavedSet recompute;
   i64 tiles;
   int reach;
@@ -1379,7 +1314,7 @@ struct SearchState {
   // placement), and a layout whose kept floor less that still exceeds the budget is dropped
   // as a simulation would drop it.
   std::map<FloorKey, i64> device_floors;
-  std::map<std::size_t, std::vector<LeastStep>> least_steps;  // by layout variant (key's first)
+  std::map<Variant, std::vector<LeastStep>> least_steps;  // by layout variant
   // Candidates that fitted, or whose step was of no use (slower than a plan found): their
   // twins in the layer-major order, the same ops in another order, are no faster, so only
   // the twins of candidates that did not fit are searched (Note [Layer-major backward in
@@ -1394,13 +1329,13 @@ i64 state_bound(const SearchContext& ctx, const plan::Plan& p) {
   int first = 0;
   for (int n : p.stage_layers) {
     const int end = first + n;
-    const TpShard tp{0, p.tp};
-    const int shards = p.zero == 1 ? p.sp * p.dp : 1;  // plan_rules(p, ..., true): shard 0 everywhere
+    const TpShard tp{0, p.par.tp};
+    const int shards = p.par.zero_shards();  // plan_rules(p, ..., Replicas::One): shard 0 everywhere
     const i64 state = shards > 1 ? sched::zero_state_params(ctx.c, first, end, shards, 0, tp)
                                  : sched::param_count(ctx.c, first, end, tp);
     // With the layers' weights on the host their weights, working copies and gradients
     // leave too (less the two layers in flight: not subtracted, so this stays a bound).
-    const i64 layers = p.weights == "host" ? i64(n) * sched::layer_params(ctx.c, tp) *
+    const i64 layers = p.place.weights_host() ? i64(n) * sched::layer_params(ctx.c, tp) *
                                                  (ctx.rules.weight_bytes() + ctx.rules.weight_copy_bytes +
                                                   ctx.rules.grad_bytes)
                                            : 0;
@@ -1420,7 +1355,7 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
   // Note [Pruning the search], continued: the wider search first simulates each group's
   // highest level; a group where that does not fit is dropped whole, and a level that does
   // not fit drops the levels below it.
-  std::map<std::size_t, std::size_t> fails_below;  // group -> levels under this do not fit
+  std::map<GroupKey, std::size_t> fails_below;  // group -> levels under this do not fit
   std::vector<char> done(cands.size(), 0);
   // Whether candidate k cannot fit by its bounds (and why, kept for the error).
   auto out_of_bounds = [&](std::size_t k) {
@@ -1429,7 +1364,7 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
     if (ctx.host_limit > 0 && bk.host > ctx.host_limit) {
       if (st.least_peak == 0 && (st.least_host == 0 || bk.host < st.least_host)) {
         st.least_host = bk.host;
-        st.last_reason = "with " + sp_text(p) + " and " + std::to_string(p.pp) +
+        st.last_reason = "with " + sp_text(p) + " and " + std::to_string(p.par.pp) +
                          " stages, the activations, K/V and dK/dV sums that do not fit the device need at least " +
                          format_bytes(double(bk.host)) + " of host memory, over its " +
                          format_bytes(double(ctx.host_limit)) + " (more --gpus, or a larger --host-budget where "
@@ -1441,7 +1376,7 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
       if (st.least_peak == 0 || bk.mem < st.least_peak) {
         st.least_peak = bk.mem;
         st.last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
-                         format_bytes(double(bk.mem)) + " with " + sp_text(p) + " and " + std::to_string(p.pp) +
+                         format_bytes(double(bk.mem)) + " with " + sp_text(p) + " and " + std::to_string(p.par.pp) +
                          " stages";
       }
       return true;
@@ -1464,7 +1399,7 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
       if (lower > budget) {
         if (st.least_peak == 0 || lower < st.least_peak) {
           st.least_peak = lower;
-          st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
+          st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.par.pp) + " stages and N = " +
                            std::to_string(p.subseqs) + ": peak device memory of at least " + bytes_text(lower) +
                            " with the optimizer state on the host exceeds the budget of " + bytes_text(budget);
         }
@@ -1474,8 +1409,8 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
     Candidate cand = evaluate(ctx.req, p, ctx.cost, budget, no_use_s);
     if (!state_host && cand.alpha.floor_bytes > 0) st.device_floors[ck.key] = cand.alpha.floor_bytes;
     if (cand.alpha.least_step_s > 0)
-      st.least_steps[std::get<0>(ck.key)].push_back(
-          {ck.pl.kv, p.recompute, p.mlp_tile_rows, p.msp_reach, cand.alpha.least_step_s});
+      st.least_steps[ck.key.variant].push_back(
+          {ck.pl.kv, p.place.recompute, p.place.mlp_tile_rows, p.par.msp.reach, cand.alpha.least_step_s});
     if (cand.alpha.slow) {
       st.settled.insert(ck.key);
       return true;
@@ -1488,18 +1423,18 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
     }
     if (st.least_peak == 0 || cand.alpha.peak_device_bytes < st.least_peak) {
       st.least_peak = cand.alpha.peak_device_bytes;
-      st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.pp) + " stages and N = " +
+      st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.par.pp) + " stages and N = " +
                        std::to_string(p.subseqs) + ": " + cand.alpha.reason;
     }
     return mark_failed();
   };
-  std::map<std::size_t, std::size_t> top;  // group -> its candidate of the highest level
+  std::map<GroupKey, std::size_t> top;  // group -> its candidate of the highest level
   for (std::size_t k = 0; k < cands.size(); ++k) {
     auto [it, fresh] = top.try_emplace(cands[k].group, k);
     if (!fresh && cands[k].level > cands[it->second].level) it->second = k;
   }
   auto no_use_s = [&](const plan::Plan& p) {
-    return best_tput > 0 ? double(ctx.S) * p.dp / (ctx.G * best_tput) * (1 + 1e-9) : 0.0;
+    return best_tput > 0 ? double(ctx.S) * p.par.dp / (ctx.G * best_tput) * (1 + 1e-9) : 0.0;
   };
   auto dropped = [&](std::size_t k) {
     auto f = fails_below.find(cands[k].group);
@@ -1509,12 +1444,12 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
   auto outrun = [&](std::size_t k) {
     const plan::Plan& p = cands[k].plan;
     const double limit = no_use_s(p);
-    const auto seen = st.least_steps.find(std::get<0>(cands[k].key));
+    const auto seen = st.least_steps.find(cands[k].key.variant);
     if (limit == 0 || seen == st.least_steps.end()) return false;
     for (const LeastStep& l : seen->second)
-      if (l.step_s >= limit && l.reach == p.msp_reach &&
-          (l.kv == sched::KvPlace::Device || l.kv == cands[k].pl.kv) && (l.recompute & p.recompute) == l.recompute &&
-          (l.tiles == 0 || l.tiles == p.mlp_tile_rows))
+      if (l.step_s >= limit && l.reach == p.par.msp.reach &&
+          (l.kv == KvPlace::Device || l.kv == cands[k].pl.kv) && (l.recompute & p.place.recompute) == l.recompute &&
+          (l.tiles == 0 || l.tiles == p.place.mlp_tile_rows))
         return true;
     return false;
   };
@@ -1542,8 +1477,8 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
 // use (the layer-major twins' search); else only this search's own plans prune.
 void search(const SearchContext& ctx, const std::vector<plan::Plan>& layouts, const std::vector<Placement>& pls,
             bool weigh_msp, int msp_tasks, SearchState& st, bool prune_by_fits = false) {
-  const bool state_host = !layouts.empty() && layouts.front().optimizer_state == "host";
-  const int where = !state_host ? 0 : layouts.front().weights == "host" ? 2 : 1;
+  const bool state_host = !layouts.empty() && layouts.front().place.optimizer_host();
+  const StateTier where = layouts.empty() ? StateTier::Device : state_tier(layouts.front());
   const std::vector<SearchCandidate> cands =
       placement_pass(ctx, layouts, pls, weigh_msp, msp_tasks, where, st.placements_tried, st.settled);
   const BoundedCandidates b = bound_pass(ctx, cands);
@@ -1562,10 +1497,10 @@ std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchS
   const int G = ctx.G;
   if (st.layouts_tried == 0) {
     // Every layout needs more subsequences than the search allows (or has subsequences
-    // shorter than its SP degree): say which lengths it covers.
+    // shorter than its sequence-parallel degree): say which lengths it covers.
     i64 longest = 0;
-    for (int sp : divisors(std::min(G, ctx.gpn)))
-      if (G % sp == 0) longest = std::max(longest, (kMaxPlanSubseqs + 1) * kMaxTokensPerSubseq * sp - 1);
+    for (int n : divisors(std::min(G, ctx.gpn)))
+      if (G % n == 0) longest = std::max(longest, (kMaxPlanSubseqs + 1) * kMaxTokensPerSubseq * n - 1);
     return "no layout of " + std::to_string(G) + " devices was tried for " + std::to_string(S) +
            " tokens: the planner cuts a sequence into at most " + std::to_string(kMaxPlanSubseqs) +
            " subsequences of about " + std::to_string(kMaxTokensPerSubseq) +
@@ -1584,10 +1519,10 @@ std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchS
 // tokens/GPU/s of the best plan of the first placement, 0 where none fits).
 void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best, double kept_best) {
   const PlanRequest& req = ctx.req;
-  if (best.sp * best.tp * best.pp > ctx.gpn)
-    best.notes.push_back("pipeline stages span nodes (SP stays inside a node)");
-  if (best.tp > 1)
-    best.notes.push_back("SP is tensor parallel with sequence-parallel regions over " + std::to_string(best.tp) +
+  if (best.par.stage_ranks() * best.par.pp > ctx.gpn)
+    best.notes.push_back("pipeline stages span nodes (tp and cp stay inside a node)");
+  if (best.par.tp > 1)
+    best.notes.push_back("tp " + std::to_string(best.par.tp) + ": tensor parallel with sequence-parallel regions over " + std::to_string(best.par.tp) +
                          " devices (train --tp): weights, K/V cache and activations divided among them");
   std::string why_wider = "no plan with K/V on the device and no more recomputed fits";
   if (first_best > 0) {
@@ -1597,53 +1532,53 @@ void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best,
                   first_best);
     why_wider = buf;
   }
-  if (!best.kv_host_layers.empty())
+  if (!best.place.kv_layers(KvPlace::Host).empty())
     best.notes.push_back(std::string("K/V and their dK/dV sums on the host, every layer (") +
-                         (req.kv_cache == "host" ? "--kv-cache host" : why_wider) +
+                         (req.place.kv == KvPlace::Host ? "--kv-cache host" : why_wider) +
                          "): later subsequences stream them back through a window of " +
                          std::to_string(best.kv_window_tokens()) + " tokens a layer (train --kv-cache host)");
-  if (!best.kv_recompute_layers.empty())
+  if (!best.place.kv_layers(KvPlace::Recompute).empty())
     best.notes.push_back(std::string("K/V recomputed from each layer's input, every layer, their dK/dV sums on the "
                                      "host (") +
-                         (req.kv_cache == "recompute" ? "--kv-cache recompute" : why_wider) +
+                         (req.place.kv == KvPlace::Recompute ? "--kv-cache recompute" : why_wider) +
                          "): later subsequences stream the inputs of earlier ones through a window of " +
                          std::to_string(best.kv_window_tokens()) + " tokens a layer (train --kv-cache recompute)");
-  if (best.mlp_tile_rows > 0)
-    best.notes.push_back("the MLP runs in tiles of " + std::to_string(best.mlp_tile_rows) + " rows (" + why_wider +
-                         "; train --mlp-tile-rows " + std::to_string(best.mlp_tile_rows) + ")");
-  if (best.recompute != req.recompute)
-    best.notes.push_back("backward recomputes " + recompute_tensors_text(best.recompute) + " (" + why_wider +
-                         "; train --recompute-tensors " + recompute_tensors_text(best.recompute) + ")");
-  if (best.backward_order == "layer")
+  if (best.place.mlp_tile_rows > 0)
+    best.notes.push_back("the MLP runs in tiles of " + std::to_string(best.place.mlp_tile_rows) + " rows (" + why_wider +
+                         "; train --mlp-tile-rows " + std::to_string(best.place.mlp_tile_rows) + ")");
+  if (best.place.recompute != req.recompute_least())
+    best.notes.push_back("backward recomputes " + recompute_tensors_text(best.place.recompute) + " (" + why_wider +
+                         "; train --recompute-tensors " + recompute_tensors_text(best.place.recompute) + ")");
+  if (best.place.layer_major())
     best.notes.push_back(std::string("the backward runs a layer at a time, one layer's dK/dV sums alive (") +
-                         (req.backward_order == "layer" ? "--backward-order layer" : why_wider) +
+                         (req.place.backward == BackwardOrder::Layer ? "--backward-order layer" : why_wider) +
                          "; train --backward-order layer)");
-  if (!best.rebuilt_inputs.empty()) {
+  if (best.place.any_input_rebuilt()) {
     std::string layers;
-    for (int l : best.rebuilt_inputs) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+    for (int l : best.place.rebuilt_layers()) layers += (layers.empty() ? "" : ",") + std::to_string(l);
     char kept[120];
     std::snprintf(kept, sizeof kept, "faster than the best plan keeping every input, %.1f tokens/GPU/s", kept_best);
-    const std::string why = req.rebuild_inputs == "odd" ? "--rebuild-inputs odd"
+    const std::string why = req.place.rebuild.kind == RebuildRequest::Kind::Odd ? "--rebuild-inputs odd"
                             : kept_best > 0             ? kept
                                                         : "no plan keeping every input fits";
     best.notes.push_back("the inputs of layers " + layers + " rebuilt: their forward drops them, and each of their "
                          "backward's ops runs the layer below's forward again to make them (" + why +
                          "; a layer's forward more per rebuilt layer; train --rebuild-inputs " + layers + ")");
   }
-  if (best.zero == 1)
-    best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.sp * best.dp) +
+  if (best.par.zero == ZeroStage::OptimizerState)
+    best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.par.zero_shards()) +
                          " ranks of each stage's gradient all-reduce");
-  if (best.optimizer_state == "host")
+  if (best.place.optimizer_host())
     best.notes.push_back(std::string("optimizer state on the host (") +
-                         (req.optimizer_state == "host" ? "--optimizer-state host"
+                         (req.place.optimizer_state == Tier::Host ? "--optimizer-state host"
                                                         : "no plan with it on the device fits") +
                          "): fp32 master weights, AdamW m, v and a gradient copy, 16 B a parameter of each rank's "
                          "shard; each step the gradients go down, the host's processor updates them, the weights "
                          "come back up (" + seconds_text(best.predicted.host_update_s) +
                          " a step, priced in the step time; train --optimizer-state host)");
-  if (best.weights == "host")
+  if (best.place.weights_host())
     best.notes.push_back(std::string("the layers' weights and gradients on the host (") +
-                         (req.weights == "host" ? "--weights host" : "no plan with them on the device fits") +
+                         (req.place.weights == Tier::Host ? "--weights host" : "no plan with them on the device fits") +
                          "): each layer's fp32 weights come to the device a layer ahead of the forward or backward "
                          "that runs it (its bf16 working copy converted there) and go after; its gradient goes to "
                          "the host after its last backward; the device keeps the embedding, final norm and head "
@@ -1667,15 +1602,15 @@ PlanOutcome rank_pass(const SearchContext& ctx, SearchState& st, double first_be
   // MSP when it pays: each of the best few pipelined layouts is simulated with and without
   // it as a whole plan; the faster that fits stays, and says both figures.
   std::vector<plan::Plan> finalists;
-  const size_t top = std::min<size_t>(fits.size(), req.msp == -1 ? 3 : 1);
+  const size_t top = std::min<size_t>(fits.size(), req.msp == kAuto ? 3 : 1);
   for (size_t k = 0; k < top; ++k) {
     plan::Plan p = fits[k].plan;
-    // --msp auto weighs MSP for its sp 1 finalists only (Note [MSP in the search]).
-    if (req.msp != 0 && msp_possible(p) && (req.msp == 1 || p.sp == 1)) {
+    // --msp auto weighs MSP for its cp 1 finalists only (Note [MSP in the search]).
+    if (req.msp != false && msp_possible(p) && (req.msp == true || p.par.cp == 1)) {
       finalists.push_back(choose_msp(req, p).chosen);
     } else {
       predict(&p, ctx.hw);
-      if (req.msp == 0) p.notes.push_back("MSP off (--msp off)");
+      if (req.msp == false) p.notes.push_back("MSP off (--msp off)");
       finalists.push_back(p);
     }
   }
@@ -1685,7 +1620,7 @@ PlanOutcome rank_pass(const SearchContext& ctx, SearchState& st, double first_be
   // The best plan keeping every layer's input, where one fitted (its tokens/GPU/s as searched).
   double kept_best = 0;
   for (const Candidate& f : fits)
-    if (f.plan.rebuilt_inputs.empty()) kept_best = std::max(kept_best, ctx.tput(f.plan, f.alpha.step_time_s));
+    if (!f.plan.place.any_input_rebuilt()) kept_best = std::max(kept_best, ctx.tput(f.plan, f.alpha.step_time_s));
   explain_best(ctx, best, first_best, kept_best);
   out.ok = true;
   out.plan = best;
@@ -1701,7 +1636,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     return out;
   }
   std::vector<plan::Plan> layouts = layout_pass(ctx);
-  if (req.weights == "host") layouts = weights_on_host(req, layouts);
+  if (req.place.weights == Tier::Host) layouts = weights_on_host(req, layouts);
   const PlacementSets placements = placement_sets(req);
   const Placement& first = placements.first;
   const std::vector<Placement>& wider = placements.wider;
@@ -1722,19 +1657,19 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   };
   // The layouts searched, each keeping less on the device than the one before.
   std::vector<std::pair<std::vector<plan::Plan>, std::string>> tiers = {{layouts, ""}};
-  if (st.fits.empty() && req.optimizer_state == "auto") {  // Note [Optimizer state under a budget]
-    for (plan::Plan& p : layouts) p.optimizer_state = "host";
+  if (st.fits.empty() && req.place.optimizer_state == kAuto) {  // Note [Optimizer state under a budget]
+    for (plan::Plan& p : layouts) p.place.optimizer_state = Tier::Host;
     search_again(layouts, "the optimizer state on the host");
     tiers.push_back({layouts, "the optimizer state on the host"});
   }
-  if (st.fits.empty() && req.weights == "auto" && req.optimizer_state != "device") {  // Note [Weights in the search]
+  if (st.fits.empty() && req.place.weights == kAuto && req.place.optimizer_state != Tier::Device) {  // Note [Weights in the search]
     tiers.push_back({weights_on_host(req, layouts), "the optimizer state and the layers' weights on the host"});
     search_again(tiers.back().first, tiers.back().second);
   }
   // Note [Rebuilt inputs in the search]: where nothing fits keeping every layer's input,
   // every other layer's rebuilt, over each tier of layouts in turn; where the plans that
   // fit already run the layer-major order, over the last tier, against them.
-  const auto layer_major = [](const Candidate& f) { return f.plan.backward_order == "layer"; };
+  const auto layer_major = [](const Candidate& f) { return f.plan.place.layer_major(); };
   if (!st.fits.empty() && std::any_of(st.fits.begin(), st.fits.end(), layer_major) && !tiers.back().first.empty())
     search(ctx, tiers.back().first, placements.rebuilt, false, 0, st, true);
   for (const auto& [tier, what] : tiers) {
@@ -1755,8 +1690,8 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   const i64 budget = layout.budget > 0 ? layout.budget : hw.usable_memory();
   MspChoice m;
   plan::Plan off = layout, on = layout;
-  off.msp = false;
-  off.msp_reach = 0;
+  off.par.msp.on = false;
+  off.par.msp.reach = 0;
   on = with_msp(on);
   Candidate c_off = evaluate(req, off, cost, budget);
   m.off = c_off.plan;
@@ -1769,14 +1704,14 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
     m.on_fits = c_on.alpha.fits && m.on.predicted.peak_device_bytes <= budget;
   }
   const double t_off = m.off.predicted.step_time_s, t_on = m.on.predicted.step_time_s;
-  const bool use_on = m.on_fits && (req.msp == 1 || !m.off_fits || t_on < t_off);
+  const bool use_on = m.on_fits && (req.msp == true || !m.off_fits || t_on < t_off);
   const bool neither = !m.on_fits && !m.off_fits;
-  m.chosen = neither ? (layout.msp && msp_possible(on) ? m.on : m.off) : use_on ? m.on : m.off;
+  m.chosen = neither ? (layout.par.msp.on && msp_possible(on) ? m.on : m.off) : use_on ? m.on : m.off;
   std::string note;
   if (!msp_possible(on))
-    note = "MSP off: it needs N >= P and every subsequence at least P x sp x tp tokens";
+    note = "MSP off: it needs N >= P and every subsequence at least P x cp x tp tokens";
   else if (use_on)
-    note = std::string(req.msp == 1 ? "MSP on (--msp on): " : "MSP on: ") + seconds_text(t_on) + " per step, against " +
+    note = std::string(req.msp == true ? "MSP on (--msp on): " : "MSP on: ") + seconds_text(t_on) + " per step, against " +
            (m.off_fits ? seconds_text(t_off) + " without it" : "no plan without it that fits (peak " +
                                                                    format_bytes(double(m.off.predicted.peak_device_bytes)) + ")") +
            " (both simulated)";
@@ -1793,21 +1728,17 @@ MspChoice choose_msp(const PlanRequest& req, const plan::Plan& layout) {
   return m;
 }
 
-MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, bool search) {
-  MemoryRules m = memory_rules(p.model, prec, p.zero == 1, search ? p.sp * p.dp : 0);
-  m.optimizer_host = p.optimizer_state == "host";
-  m.block_scratch = p.block_scratch;
-  m.head_scratch = p.head_scratch;
-  return m;
+MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, sched::Replicas replicas) {
+  return memory_rules(p.model, prec, p, replicas);
 }
 
-Schedule plan_schedule(const plan::Plan& p) { return build_plan_schedule(p, spec_of(p)); }
+Schedule plan_schedule(const plan::Plan& p) { return sched::build_step(p.model, p.lengths, p.alpha, p); }
 
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw_in, const SimOptions& options) {
-  if (p.system != "sppo") return simulate_baseline(p, hw_in, options);
+  if (p.system != plan::System::Sppo) return simulate_baseline(p, hw_in, options);
   const HardwareProfile hw = plan_hardware(hw_in, p.gpus_per_node);
   const ActPrecision prec = precision_of(hw);
-  return simulate(plan_schedule(p), CostModel(hw, p.model, prec), plan_rules(p, prec, false), options);
+  return simulate(plan_schedule(p), CostModel(hw, p.model, prec), plan_rules(p, prec), options);
 }
 
 PlanOutcome solve_plan(const PlanRequest& req) {
@@ -1815,9 +1746,9 @@ PlanOutcome solve_plan(const PlanRequest& req) {
   SPPO_CHECK(req.gpus >= 1 && req.gpus_per_node >= 1, "planner") << "--gpus and --gpus-per-node must be positive";
   SPPO_CHECK(req.gpus <= req.gpus_per_node || req.gpus % req.gpus_per_node == 0, "planner")
       << "--gpus " << req.gpus << " is not a whole number of nodes of " << req.gpus_per_node;
-  if (req.system == "sppo") return solve_sppo(req);
-  if (req.system == "megatron" || req.system == "deepspeed") return solve_baseline(req);
-  SPPO_CHECK(false, "planner") << "--system must be sppo, megatron or deepspeed (got '" << req.system << "')";
+  if (req.system == plan::System::Sppo) return solve_sppo(req);
+  if (req.system == plan::System::Megatron || req.system == plan::System::Deepspeed) return solve_baseline(req);
+  SPPO_ASSERT(false);
   return {};
 }
 

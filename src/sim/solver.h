@@ -26,9 +26,8 @@ namespace sppo::sim {
 // The activations' precision a hardware profile names ("f32" or "bf16").
 ActPrecision precision_of(const plan::HardwareProfile& hw);
 
-enum class OffloadMode { None, Full, Paper, Adaptive };
-OffloadMode parse_offload(const std::string& text);  // none | full | paper | adaptive
-const char* to_string(OffloadMode m);
+using plan::OffloadMode;
+using plan::parse_offload;
 
 struct AlphaResult {
   std::vector<double> alpha;      // per subsequence, alpha.back() == 0
@@ -48,36 +47,6 @@ struct AlphaResult {
   // its simulated peaks do, and is one measure for every N whatever the search did.
   i64 floor_bytes = 0;
 };
-
-// The layout a runtime step runs its subsequences in: one process, or a sequence pipeline
-// of pp stages times dp replicas (no sequence parallelism).
-struct StepShape {
-  int pp = 1, dp = 1;
-  int sp = 1;                      // ring attention (context parallel) ranks a stage
-  int tp = 1;                      // tensor parallel (sequence-parallel regions) ranks a stage
-  sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
-  bool ring_rsa = false;           // Schedule::ring_rsa (--ring rsa)
-  bool zero = false;               // ZeRO-1 over the replicas
-  bool optimizer_host = false;     // fp32 master and AdamW state on the host (--optimizer-state host)
-  bool weights_host = false;       // the layers' weights and gradients on the host (Schedule::weights_host)
-  bool residual_host = false;      // a layer-major backward's residual gradients on the host (Schedule::residual_host)
-  bool msp = false;                // multiplexed sequence partitioning (pp > 1)
-  int msp_reach = 0;               // its split tasks' groups (Note [MSP reach]; 0: every idle one)
-  std::vector<int> stage_layers;   // layers per stage; empty: as even as possible
-  KernelScratch block_scratch, head_scratch;  // what the runtime's kernels take (MemoryRules)
-  ActPrecision precision = ActPrecision::F32;  // of the activations (bf16 on GPUs)
-  std::vector<sched::KvPlace> kv_place;  // where each layer keeps its K/V (Schedule::kv_place)
-  SavedSet recompute = 0;          // saved tensors backward recomputes (Schedule::recompute)
-  i64 mlp_tile_rows = 0;           // Schedule::mlp_tile_rows
-  bool packed = false;             // Schedule::packed
-  bool labeled = false;            // Schedule::labeled
-  sched::BackwardOrder backward = sched::BackwardOrder::Subseq;  // Schedule::backward (one stage)
-  std::vector<bool> inputs_rebuilt;  // Schedule::inputs_rebuilt
-};
-// The schedule of one step of that shape (build_single for one process), expanded for
-// tensor parallelism (sched::expand_tensor_parallel) when tp > 1.
-sched::Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
-                           const StepShape& shape);
 
 // The runtime's `--offload adaptive`: alpha for `lengths` in a step of `shape` on devices
 // of profile `hw` (its GEMM and copy rates), activations in `precision`, every rank's peak
@@ -130,11 +99,15 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
                              i64 budget, bool flops_balanced, int min_n, int max_n, const StepShape& shape = {},
                              i64 quantum = 1);
 
-// Memory rules of a GPU plan or of this CPU. `zero_shards` > 0: the ZeRO-1 shard count to
-// count (MemoryRules::zero_shards).
-sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, bool zero = false, int zero_shards = 0);
-// The memory rules of a runtime step of `shape`.
-sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape);
+// Memory rules of a GPU plan or of this CPU, with no ZeRO, the optimizer state on the device
+// and no kernel scratch.
+sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision);
+// The memory rules of a step of `shape` (its ZeRO stage, optimizer state and kernels'
+// scratch), activations in `precision`. Replicas::One: the schedule is one replica of
+// shape.par.dp (sched::build_step), and ZeRO's shards are counted over the whole layer
+// group, which that schedule's all-reduces do not show.
+sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape,
+                                sched::Replicas replicas = sched::Replicas::All);
 
 // Rows of the MLP tiles the planner's wider search tries (Note [Placing every tensor] in
 // solver.cpp): GEMMs of 4096 rows run at the rate of whole ones.
@@ -148,38 +121,31 @@ struct PlanRequest {
   int gpus_per_node = 8;
   std::string hardware;       // profile name or path (recorded in the plan)
   HardwareProfile hw;
-  std::string system = "sppo";
+  plan::System system = plan::System::Sppo;
   OffloadMode offload = OffloadMode::Adaptive;
-  int msp = -1;               // -1 auto (when it pays), 0 off, 1 on
-  int zero = -1;              // ZeRO-1: -1 auto (wherever the all-reduce group has 2+ ranks), 0 off, 1 on
-  // Where the fp32 master weights and AdamW state live (--optimizer-state): "device",
-  // "host", or "auto" (the device, and the host where no plan with it fits).
-  std::string optimizer_state = "auto";
-  // Where the layers' weights and gradients live (--weights): "device", "host" (with the
-  // optimizer state there), or "auto" (the device, and the host where no plan fits with
-  // the optimizer state alone there).
-  std::string weights = "auto";
-  sched::RingLayout ring_layout = sched::RingLayout::Zigzag;
+  Auto<bool> msp;             // auto: where it pays (Note [MSP in the search])
+  Auto<ZeroStage> zero;       // auto: ZeRO-1 wherever the all-reduce group has 2+ ranks
+  RingLayout ring_layout = RingLayout::Zigzag;
+  // The placements asked for (core/placement.h; --kv-cache, --recompute-tensors,
+  // --backward-order, --optimizer-state, --weights, --rebuild-inputs). Under auto:
+  //  - kv: the device, and where no plan with it fits, whichever of the three is fastest
+  //    (host or recompute on every layer; recompute without ring, MSP or TP);
+  //  - recompute: the planner chooses (Note [Placing every tensor] in solver.cpp), from
+  //    none; a set given is recomputed at least, the planner adding none;
+  //  - backward: the paper's order, and the layers' on one stage where nothing else fits;
+  //  - optimizer_state: the device, and the host where no plan with it fits;
+  //  - weights: the device, and the host where no plan fits with the optimizer state alone
+  //    there (Host needs the optimizer state on the host too);
+  //  - rebuild: none, odd (every other layer of each stage, in every plan: with the
+  //    layer-major order, K/V not on the host), or auto: those, where the plans that keep
+  //    them do not fit or need the layer-major order (Note [Rebuilt inputs in the search]).
+  PlacementRequest place;
   i64 budget = 0;             // 0: the profile's usable device memory
-  // Where layers keep the K/V cache (--kv-cache): "device"; "host" or "recompute" (every
-  // layer; recompute without ring, MSP or tensor parallelism); "auto": the device, and
-  // where no plan with it fits, whichever of the three is fastest.
-  std::string kv_cache = "auto";
-  // Saved tensors to recompute (--recompute-tensors, a closed set); `recompute_auto`: the
-  // planner chooses (Note [Placing every tensor] in solver.cpp), from these at least.
-  SavedSet recompute = 0;
-  bool recompute_auto = true;
-  // The backward's order (--backward-order): "subseq", "layer" (one pipeline stage), or
-  // "auto": the paper's order, and the layers' on one stage where nothing else fits.
-  std::string backward_order = "auto";
-  // Layers whose inputs are rebuilt (--rebuild-inputs, Note [Rebuilt layer inputs] in
-  // schedule/builders.cpp): "none"; "odd": every other layer of each stage, in every plan
-  // (with backward_order "layer", K/V not on the host); or "auto": those, where the plans
-  // that keep them do not fit or need the layer-major order (Note [Rebuilt inputs in the
-  // search] in solver.cpp).
-  std::string rebuild_inputs = "auto";
   // The kernels' scratch on the profile's backend (plan::Plan::block_scratch, head_scratch).
   KernelScratch block_scratch, head_scratch;
+
+  SavedSet recompute_least() const { return place.recompute.value_or(0); }
+  bool recompute_auto() const { return !place.recompute.has_value(); }
 };
 
 struct PlanOutcome {
@@ -192,14 +158,14 @@ struct PlanOutcome {
 // and "deepspeed" (sim/baselines.h).
 PlanOutcome solve_plan(const PlanRequest& req);
 
-// The memory rules an SPPO plan runs under; `search`: one replica simulated for a layout
-// of p.dp, so ZeRO-1 shards are counted for the whole all-reduce group (sp x dp).
-sched::MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, bool search = false);
+// The memory rules an SPPO plan runs under (memory_rules of its shape; Replicas::One: one
+// replica simulated for a layout of p.par.dp, as the search does).
+sched::MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, sched::Replicas replicas = sched::Replicas::All);
 // The schedule of an SPPO plan, and its simulation on `hw`.
 sched::Schedule plan_schedule(const plan::Plan& p);
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw, const SimOptions& options = {});
 
-// MSP on and off for one SPPO layout (its sp, pp, dp, N, lengths and stage split), each
+// MSP on and off for one SPPO layout (its tp, cp, pp, dp, N, lengths and stage split), each
 // with its best alpha under the request's budget and offload mode, simulated as whole
 // plans. `chosen` is the faster that fits (the layout's own setting when neither does),
 // with a note that states both figures.

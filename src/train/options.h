@@ -5,6 +5,8 @@
 #include <string>
 
 #include "core/config.h"
+#include "core/parallel.h"
+#include "core/placement.h"
 
 namespace sppo {
 
@@ -31,44 +33,22 @@ struct StepOptions {
   i64 device_memory = 0;              // bytes; 0 = unlimited
   i64 host_memory = 0;                // bytes of the host tier (offloaded activations, host K/V, optimizer state); 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
-  std::string kv_cache = "auto";      // device | host | recompute | auto (schedule/ir.h Schedule::kv_place)
-  // subseq | layer | auto (schedule/ir.h BackwardOrder; auto: the plan's under --plan, else
-  // layer where subseq does not fit the budgets)
-  std::string backward_order = "auto";
-  // Saved tensors backward recomputes (core/layout.h Note [Recomputed tensors]): a list of
-  // tensor or group names, "none", or "auto" (none unless nothing else fits the budgets).
-  std::string recompute_tensors = "auto";
+  // Where the step places what it saves and holds (core/placement.h), as --kv-cache,
+  // --recompute-tensors, --backward-order, --optimizer-state, --weights, --residual-grads
+  // and --rebuild-inputs give them; auto: the plan's under --plan, else what fits the
+  // budgets (K/V, recomputed tensors, the backward's order) or the device (the optimizer
+  // state, the weights), as each option's help says.
+  PlacementRequest place;
   i64 mlp_tile_rows = 0;              // rows of the MLP's tiles (Note [MLP tiles] in core/layout.h); 0: off
   std::string hardware;               // profile used by adaptive choices ("" = measured here)
   std::string backend = "auto";       // cpu | cuda | auto (cuda when a GPU is visible)
   std::string precision;              // fp32 | bf16 ("": the backend's default)
   std::string attention_kernels = "auto";  // --attention's kernels: auto | own | cudnn
   std::string plan_path;              // --plan PLAN.json: layout, lengths and alpha from a plan
-  // Several processes (mpirun -np pp * tp * cp * dp):
-  // rank = ((replica * pp + stage) * cp + ring) * tp + member
-  int pp = 1;                         // pipeline stages
-  int dp = 1;                         // data-parallel replicas
-  int cp = 1;                         // context parallel: ring attention over cp ranks a stage
-  int tp = 1;                         // tensor parallel with sequence-parallel regions (Megatron-LM)
-  std::string ring = "flash,zigzag";  // --ring: the ring's algorithm and its layout
-  std::string msp = "off";            // --msp on | off: multiplexed sequence partitioning
-  int msp_reach = 0;                  // --msp-reach: groups a split task runs on (0: every idle one)
-  int zero = 0;                       // 1: AdamW state sharded over the replicas (ZeRO-1)
-  // Where the fp32 master weights and AdamW m, v live (runtime/host_optimizer.h): device,
-  // host, or "" for the plan's (--plan), else device.
-  std::string optimizer_state;
-  // Where the transformer layers' weights and gradients live between their uses (Note
-  // [Weights on the host] in schedule/weights.h): device, host (with the optimizer state
-  // on the host), or auto (the plan's under --plan, else the device).
-  std::string weights = "auto";
-  // Where a layer-major backward's residual gradients wait between its layers (Note
-  // [Residual gradients on the host] in schedule/builders.cpp): device or host (with
-  // --backward-order layer, or auto, which it makes layer).
-  std::string residual_grads = "device";
-  // Layers whose input the forward does not keep (Note [Rebuilt layer inputs] in
-  // schedule/builders.cpp): none, odd, a comma list of layers, or auto (the plan's under
-  // --plan, else none).
-  std::string rebuild_inputs = "auto";
+  // Several processes (mpirun -np of par.ranks(); Note [Rank layout] in core/parallel.h): --tp,
+  // --cp, --pp, --dp, --zero, --msp, --msp-reach and --ring; under --plan the plan's, where
+  // these are left at their defaults.
+  ParallelDims par;
   int batch = 0;                      // sequences per optimizer step, all replicas (0: dp)
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
   std::string comm = "auto";          // --comm: auto | nccl | mpi (train/setup.cpp Note [Ranks and GPUs])

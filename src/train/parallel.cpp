@@ -24,35 +24,25 @@ void copy_floats(float* dst, const float* src, i64 n) { std::memcpy(dst, src, st
 
 }  // namespace
 
-comm::Group ParallelLayout::stage_group() const {
-  comm::Group g;
-  for (int d = 0; d < dp; ++d)
-    for (int r = 0; r < cp; ++r) g.push_back(rank_of(d, stage(), r, tp_index()));
-  return g;
-}
-
-ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world, int cp, int tp) {
-  SPPO_CHECK(pp >= 1, "options") << "--pp must be at least 1 (got " << pp << ")";
-  SPPO_CHECK(dp >= 1, "options") << "--dp must be at least 1 (got " << dp << ")";
-  SPPO_CHECK(cp >= 1 && cp <= 8, "options") << "--cp must be 1 to 8 (got " << cp << ")";
-  SPPO_CHECK(tp >= 1 && tp <= 8, "options") << "--tp must be 1 to 8 (got " << tp << ")";
-  SPPO_CHECK(zero == 0 || zero == 1, "options") << "--zero must be 0 or 1 (got " << zero << ")";
-  const int ranks = pp * cp * dp * tp;
+ParallelLayout make_layout(const ParallelDims& par, int batch, const comm::Comm& world) {
+  SPPO_CHECK(par.pp >= 1, "options") << "--pp must be at least 1 (got " << par.pp << ")";
+  SPPO_CHECK(par.dp >= 1, "options") << "--dp must be at least 1 (got " << par.dp << ")";
+  SPPO_CHECK(par.cp >= 1 && par.cp <= 8, "options") << "--cp must be 1 to 8 (got " << par.cp << ")";
+  SPPO_CHECK(par.tp >= 1 && par.tp <= 8, "options") << "--tp must be 1 to 8 (got " << par.tp << ")";
+  SPPO_CHECK(par.ulysses == 1, "options") << "ulysses " << par.ulysses << ": the runtime runs no Ulysses ranks";
+  par.check("options");
+  const int ranks = par.ranks();
   SPPO_CHECK(ranks == world.size(), "options")
-      << "--pp " << pp << (tp > 1 ? " x --tp " + std::to_string(tp) : std::string())
-      << (cp > 1 ? " x --cp " + std::to_string(cp) : std::string()) << " x --dp " << dp << " = " << ranks
+      << "--pp " << par.pp << (par.tp > 1 ? " x --tp " + std::to_string(par.tp) : std::string())
+      << (par.cp > 1 ? " x --cp " + std::to_string(par.cp) : std::string()) << " x --dp " << par.dp << " = " << ranks
       << " ranks, but the job has " << world.size()
       << (world.size() == 1 ? " (started without mpirun)" : " (mpirun -np " + std::to_string(world.size()) + ")")
       << "; start it with mpirun -np " << ranks << " or change --pp / --tp / --cp / --dp";
   ParallelLayout l;
-  l.pp = pp;
-  l.tp = tp;
-  l.cp = cp;
-  l.dp = dp;
-  l.zero = zero;
-  l.batch = batch == 0 ? dp : batch;
-  SPPO_CHECK(l.batch >= 1 && l.batch % dp == 0, "options")
-      << "--batch " << l.batch << " is not a positive multiple of --dp " << dp
+  l.par = par;
+  l.batch = batch == 0 ? par.dp : batch;
+  SPPO_CHECK(l.batch >= 1 && l.batch % par.dp == 0, "options")
+      << "--batch " << l.batch << " is not a positive multiple of --dp " << par.dp
       << " (every replica trains the same number of sequences a step)";
   l.rank = world.rank();
   return l;
@@ -103,31 +93,29 @@ void prepare_groups(comm::Comm& world, const sched::Schedule& s, const ModelConf
     for (const sched::Op& op : ops)
       if (op.kind == sched::OpKind::AllReduce && std::find(groups.begin(), groups.end(), op.group) == groups.end())
         groups.push_back(op.group);
-  for (int first = 0; s.tp > 1 && first < s.ranks; first += s.tp) {  // tensor-parallel groups
-    comm::Group g;
-    for (int t = 0; t < s.tp; ++t) g.push_back(first + t);
+  for (int r = 0; s.par.tp > 1 && r < s.ranks(); ++r) {  // tensor-parallel groups
+    const comm::Group g = s.par.tp_group(r);
+    if (g.front() != r) continue;
     groups.push_back(g);
     // The members that hold each key/value head (Note [Replicated key/value heads]).
-    const int m = TpShard{0, s.tp}.kv_replicas(c);
-    for (int h = 0; m > 1 && h < s.tp; h += m) {
-      comm::Group kv;
-      for (int t = 0; t < m; ++t) kv.push_back(first + h + t);
-      groups.push_back(kv);
-    }
+    const int m = TpShard{0, s.par.tp}.kv_replicas(c);
+    for (int h = 0; m > 1 && h < s.par.tp; h += m) groups.push_back(comm::Group(g.begin() + h, g.begin() + h + m));
   }
   world.prepare_groups(groups);
   // The pairs device messages travel between: the schedule's sends and receives, and every
-  // two members of a ring or MSP task (kv_store.cpp: a ring piece's members are ranks tp
-  // apart in piece order; an MSP task's, its group). The same list on every rank.
+  // two members of a ring or MSP task (kv_store.cpp: a ring piece's members are its ring's
+  // ranks in piece order; an MSP task's, its group). The same list on every rank.
   std::set<std::pair<int, int>> pairs;
   for (int r = 0; r < int(s.ops.size()); ++r)
     for (const sched::Op& op : s.ops[std::size_t(r)]) {
       if (op.kind == sched::OpKind::Send) pairs.insert({r, op.peer});
       if (op.kind == sched::OpKind::Recv) pairs.insert({op.peer, r});
-      if (op.pieces <= 1 || op.kind == sched::OpKind::AllReduce) continue;
+      const bool task = op.kind == sched::OpKind::Forward || op.kind == sched::OpKind::Backward ||
+                        op.kind == sched::OpKind::RingStep;
+      if (op.pieces <= 1 || !task) continue;
       std::vector<int> members;
       for (int h = 0; h < op.pieces; ++h)
-        members.push_back(op.group.empty() ? r + (h - op.piece) * s.tp : op.group[std::size_t(h)]);
+        members.push_back(op.group.empty() ? s.par.ring_group(r).at(std::size_t(h)) : op.group[std::size_t(h)]);
       for (int a : members)
         for (int b : members)
           if (a != b) pairs.insert({a, b});
@@ -170,11 +158,11 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   // The ranges of g counted, in order; their sums added in that order (one wait for the
   // device in all: the norm decides the clipping before the update).
   std::vector<std::pair<i64, i64>> counted;
-  const bool tied_copy = lay.pp > 1 && lay.last_stage() && rt.config().tied_embeddings();
+  const bool tied_copy = lay.par.pp > 1 && lay.last_stage() && rt.config().tied_embeddings();
   // With the weights on the host the gradients are there too (Note [Weights on the host]).
   const bool on_host = rt.weights_on_host();
-  SPPO_ASSERT(!on_host || lay.tp == 1);
-  if (lay.tp == 1) {
+  SPPO_ASSERT(!on_host || lay.par.tp == 1);
+  if (lay.par.tp == 1) {
     for (std::size_t k = 0; k < spans.size(); ++k) {
       if (tied_copy && buckets[k].name == "embed") continue;
       counted.emplace_back(spans[k].offset, spans[k].count);
@@ -210,7 +198,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   } else {
     for (double part : be.sum_squares_spans(g, counted)) ss += part;
   }
-  if (lay.zero == 0 && (lay.replica() != 0 || lay.ring() != 0)) ss = 0;
+  if (lay.par.zero == ZeroStage::None && !lay.holds_first_copy()) ss = 0;
   std::vector<double> total{ss};
   comm::allreduce_sum(world, total, comm::world_group(world), "the gradient norm");
   const double norm = std::sqrt(total[0]);
@@ -233,7 +221,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       off += n;
     }
   }
-  const bool zero = lay.zero && lay.dp * lay.cp > 1;
+  const bool zero = lay.par.zero != ZeroStage::None && lay.par.zero_shards() > 1;
   if (rt.state_on_host()) {
     rt.start_host_update(std::move(pieces), {hp.lr, hp.beta1, hp.beta2, hp.eps, t},
                          zero ? lay.stage_group() : comm::Group{});
@@ -285,7 +273,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
       for (const ShardSpan& sp : rt.shard()) rt.read_state(a.data() + sp.offset, state + sp.state_offset, sp.count);
       arrays.push_back(std::move(a));
     }
-  if (lay.zero && lay.dp * lay.cp > 1) {
+  if (lay.par.zero != ZeroStage::None && lay.par.zero_shards() > 1) {
     const comm::Group group = lay.stage_group();
     for (std::size_t a = 1; a < arrays.size(); ++a)  // the weights are whole on every replica
       for (const ParamBucket& b : rt.buckets())
@@ -293,7 +281,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
                    "the gathering of the sharded optimizer state");
   }
   FullState full;
-  if (lay.rank != 0 && (lay.replica() != 0 || lay.ring() != 0)) return full;
+  if (lay.rank != 0 && !lay.holds_first_copy()) return full;
   // Stage owners of replica 0 send their arrays to rank 0, which places them by name.
   if (lay.rank != 0) {
     for (std::size_t a = 0; a < arrays.size(); ++a)
@@ -306,10 +294,10 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   if (grads) outs.push_back(&full.grads);
   if (optimizer) outs.push_back(&full.m), outs.push_back(&full.v);
   for (auto* o : outs) o->assign(std::size_t(total), 0.0f);
-  for (int p = 0; p < lay.pp; ++p)
-    for (int t = 0; t < lay.tp; ++t) {
+  for (int p = 0; p < lay.par.pp; ++p)
+    for (int t = 0; t < lay.par.tp; ++t) {
       const auto [b, e] = lay.stage_layers.at(std::size_t(p));
-      const TpShard shard{t, lay.tp};
+      const TpShard shard{t, lay.par.tp};
       i64 count = 0;
       for (const auto& s : parameter_specs(c, b, e, shard)) count += s.numel();
       std::vector<std::vector<float>> got;
@@ -321,7 +309,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
           comm::wait(world,
                      world.irecv(got.back().data(), count * i64(sizeof(float)), lay.rank_of(0, p, 0, t),
                                  kGatherTag + int(a)),
-                     "stage " + std::to_string(p) + (lay.tp > 1 ? " member " + std::to_string(t) : "") + "'s tensors");
+                     "stage " + std::to_string(p) + (lay.par.tp > 1 ? " member " + std::to_string(t) : "") + "'s tensors");
         }
       }
       // The tied embedding is taken from the first stage (the last holds the same values),

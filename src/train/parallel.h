@@ -3,11 +3,10 @@
 // rank's own (or ZeRO-sharded) parameters, consolidated checkpoints and exports, and
 // errors that every rank must agree on.
 //
-// Ranks: rank = ((replica * pp + stage) * cp + ring) * tp + t (the schedule builders'
-// numbering, sched::PipelineSpec::rank_of and sched::expand_tensor_parallel), so a
-// tensor-parallel group is consecutive ranks, a stage's ring members consecutive groups, a
-// replica's stages consecutive blocks, and rank 0 is member 0 of ring member 0 of stage 0
-// of replica 0.
+// Ranks: numbered as Note [Rank layout] in core/parallel.h says (ParallelDims::rank_of), the
+// schedule builders' numbering too, so a tensor-parallel group is consecutive ranks, a
+// stage's ring members consecutive groups, a replica's stages consecutive blocks, and rank 0
+// is member 0 of ring member 0 of stage 0 of replica 0.
 // Data: an optimizer step trains `batch` sequences, drawn from the data stream in order;
 // replica d trains sequences [d * batch / dp, (d + 1) * batch / dp) of them, so dp
 // replicas see exactly the tokens one process sees with --batch dp.
@@ -19,44 +18,47 @@
 
 #include "comm/comm.h"
 #include "core/config.h"
+#include "core/parallel.h"
 #include "io/checkpoint.h"
 #include "runtime/executor.h"
 
 namespace sppo {
 
+// This rank's place in the job's parallelism.
 struct ParallelLayout {
-  int pp = 1, dp = 1;
-  int cp = 1;      // context parallel: ranks of a ring that split every subsequence
-  int tp = 1;      // tensor parallel (with sequence-parallel regions): ranks sharing each layer
-  int zero = 0;    // 1: AdamW state sharded over the ranks that hold the stage's layers
+  ParallelDims par;
   int batch = 1;   // sequences per optimizer step, all replicas together
   int rank = 0;
   std::vector<std::pair<int, int>> stage_layers;  // [begin, end) of each stage (set with the schedule)
 
-  int ranks() const { return pp * cp * dp * tp; }
-  int stage_of(int r) const { return (r / (cp * tp)) % pp; }
-  int replica_of(int r) const { return r / (cp * pp * tp); }
-  int stage() const { return stage_of(rank); }
-  int replica() const { return replica_of(rank); }
-  int ring() const { return (rank / tp) % cp; }
-  int tp_index() const { return rank % tp; }
-  TpShard tp_shard() const { return {tp_index(), tp}; }
-  int per_replica() const { return batch / dp; }
+  int ranks() const { return par.ranks(); }
+  ParallelDims::Coord at() const { return par.coord_of(rank); }
+  int stage_of(int r) const { return par.coord_of(r).stage; }
+  int replica_of(int r) const { return par.coord_of(r).replica; }
+  int stage() const { return at().stage; }
+  int replica() const { return at().replica; }
+  int ring() const { return at().ring; }
+  int tp_index() const { return at().member; }
+  TpShard tp_shard() const { return {tp_index(), par.tp}; }
+  int per_replica() const { return batch / par.dp; }
   bool first_stage() const { return stage() == 0; }
-  bool last_stage() const { return stage() == pp - 1; }
+  bool last_stage() const { return stage() == par.pp - 1; }
   int rank_of(int replica, int stage, int ring = 0, int t = 0) const {
-    return ((replica * pp + stage) * cp + ring) * tp + t;
+    return par.rank_of({replica, stage, ring, 0, t});
   }
-  // The ranks that hold the same layers and shards (every ring member of every replica,
-  // with this rank's tensor-parallel index), in the schedule's all-reduce order; this
-  // rank's index in it is its ZeRO shard.
-  comm::Group stage_group() const;
-  int stage_index() const { return replica() * cp + ring(); }
+  // The ranks that hold the same layers and shards (every ring and Ulysses member of every
+  // replica, with this rank's stage and tensor-parallel index), in the schedule's all-reduce
+  // order; this rank's index in it is its ZeRO shard.
+  comm::Group stage_group() const { return par.layer_group(rank); }
+  int stage_index() const { return par.zero == ZeroStage::None ? 0 : par.zero_index(rank); }
+  // Whether this rank holds what no other rank of its layer group does not also hold: the
+  // first replica's first ring and Ulysses member (the copy consolidated checkpoints take).
+  bool holds_first_copy() const { return at().replica == 0 && at().ring == 0 && at().ulysses == 0; }
 };
 
-// Checks pp, cp, dp, zero and batch against each other and against the job's rank count;
-// throws sppo::Error naming the numbers and the mpirun -np that would work.
-ParallelLayout make_layout(int pp, int dp, int zero, int batch, const comm::Comm& world, int cp = 1, int tp = 1);
+// Checks the layout (its degrees, ZeRO stage and batch) against itself and against the job's
+// rank count; throws sppo::Error naming the numbers and the mpirun -np that would work.
+ParallelLayout make_layout(const ParallelDims& par, int batch, const comm::Comm& world);
 
 // Runs f on every rank; if it throws sppo::Error on any, every rank throws one Error
 // holding the distinct messages (naming the ranks when they differ), so that a bad option

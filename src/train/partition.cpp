@@ -32,7 +32,7 @@ bool fixed_ratio(const std::string& mode, double* ratio) {
 
 SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offload,
                       const ModelConfig& c, i64 budget, const plan::HardwareProfile& hw,
-                      const sim::StepShape& shape) {
+                      const StepShape& shape) {
   SubseqChoice ch;
   ch.lengths = lengths;
   double ratio = 0;
@@ -42,7 +42,7 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
     ch.alpha.back() = 0;
     ch.alpha_rule = offload;
     const plan::CostModel cost(hw, c, shape.precision);
-    const auto r = sim::simulate(sim::build_step(c, lengths, ch.alpha, shape), cost,
+    const auto r = sim::simulate(sched::build_step(c, lengths, ch.alpha, shape), cost,
                                  sim::memory_rules(c, shape.precision, shape));
     ch.predicted_peak_bytes = r.peak_device_bytes;
     step_s = r.step_time_s;
@@ -67,7 +67,7 @@ SubseqChoice evaluate(const std::vector<i64>& lengths, const std::string& offloa
 
 SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
                             const ModelConfig& c, i64 S, int N, i64 budget,
-                            const plan::HardwareProfile& hw, const sim::StepShape& shape, bool hint) {
+                            const plan::HardwareProfile& hw, const StepShape& shape, bool hint) {
   SPPO_CHECK(partition == "length" || partition == "flops" || partition == "adaptive", "options")
       << "--partition '" << partition << "' is unknown; use length, flops or adaptive";
   double ratio = 0;
@@ -109,7 +109,7 @@ SubseqChoice choose_subseqs(const std::string& partition, const std::string& off
     else
       what_fits = "nothing fits: the least any N and offload needs is " + format_bytes(double(fit.least_peak_bytes)) +
                   " (at --subseqs " + std::to_string(fit.least_peak_subseqs) +
-                  (shape.kv_place.empty() ? "), since K/V and their gradients stay on the device; --kv-cache host or "
+                  (!shape.place.any_kv_streamed() ? "), since K/V and their gradients stay on the device; --kv-cache host or "
                                             "recompute keeps them off it, or shorten --seq-len or raise --device-memory"
                                           : "); shorten --seq-len or raise --device-memory");
     SPPO_CHECK_FITS(false, "memory") << over << "; " << what_fits;

@@ -36,6 +36,6 @@ struct SubseqChoice {
 // does (a search over N: a caller that drops the error asks for none).
 SubseqChoice choose_subseqs(const std::string& partition, const std::string& offload,
                             const ModelConfig& c, i64 S, int N, i64 budget,
-                            const plan::HardwareProfile& hw, const sim::StepShape& shape = {}, bool hint = true);
+                            const plan::HardwareProfile& hw, const StepShape& shape = {}, bool hint = true);
 
 }  // namespace sppo

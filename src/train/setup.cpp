@@ -146,39 +146,22 @@ void init_params(const ModelConfig& c, float* params, std::uint64_t seed) {
   }
 }
 
-RingChoice parse_ring(const std::string& text) {
-  RingChoice r;
-  std::size_t b = 0;
-  while (b <= text.size()) {
-    const std::size_t e = std::min(text.find(',', b), text.size());
-    const std::string word = text.substr(b, e - b);
-    if (word == "zigzag" || word == "contiguous") {
-      r.layout = sched::parse_ring_layout(word);
-    } else if (word == "flash" || word == "rsa") {
-      r.algorithm = word;
-    } else {
-      SPPO_CHECK(false, "options") << "--ring '" << text << "': '" << word
-                                   << "' is not a ring layout (zigzag, contiguous) or algorithm (flash, rsa); e.g. "
-                                      "--ring zigzag or --ring rsa,contiguous";
-    }
-    b = e + 1;
-  }
-  return r;
-}
-
 namespace {
 
 // --plan: a plan fixes the layout, the lengths and alpha; the model and S must agree.
 plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
   const plan::Plan p = read_plan_file(o.plan_path);
-  SPPO_CHECK(p.system == "sppo", "options")
-      << "--plan " << o.plan_path << " is a " << p.system << " plan; the runtime runs SPPO plans";
-  SPPO_CHECK((o.pp == 1 || o.pp == p.pp) && (o.dp == 1 || o.dp == p.dp) && (o.cp == 1 || o.cp == p.sp) &&
-                 (o.tp == 1 || o.tp == p.tp),
+  SPPO_CHECK(p.system == plan::System::Sppo, "options")
+      << "--plan " << o.plan_path << " is a " << to_string(p.system) << " plan; the runtime runs SPPO plans";
+  const ParallelDims& a = o.par;
+  const ParallelDims& d = p.par;
+  SPPO_CHECK((a.pp == 1 || a.pp == d.pp) && (a.dp == 1 || a.dp == d.dp) && (a.cp == 1 || a.cp == d.cp) &&
+                 (a.tp == 1 || a.tp == d.tp),
              "options")
-      << "--plan " << o.plan_path << " has pp " << p.pp << ", sp " << p.sp << " and dp " << p.dp << ", but --pp "
-      << o.pp << " --cp " << o.cp << " --dp " << o.dp << (o.tp > 1 ? " --tp " + std::to_string(o.tp) : "")
-      << " were given; drop them (the plan sets the layout)";
+      << "--plan " << o.plan_path << " has the layout " << layout_text(d) << ", but " << layout_text(a)
+      << " was given; drop --pp, --tp, --cp and --dp (the plan sets the layout)";
+  SPPO_CHECK(d.ulysses == 1, "options")
+      << "--plan " << o.plan_path << " has ulysses " << d.ulysses << ": the runtime runs no Ulysses ranks";
   SPPO_CHECK(p.seq_len == o.seq_len, "options")
       << "--plan " << o.plan_path << " is for --seq-len " << p.seq_len << ", not " << o.seq_len;
   SPPO_CHECK(to_json(p.model) == to_json(model), "options")
@@ -320,14 +303,6 @@ class SetupBuilder {
     s_.profile = nominal_cpu_profile();
     SPPO_CHECK(o_.partition == "length" || o_.partition == "flops" || o_.partition == "adaptive", "options")
         << "--partition '" << o_.partition << "' is unknown; use length, flops or adaptive";
-    SPPO_CHECK(o_.optimizer_state.empty() || o_.optimizer_state == "device" || o_.optimizer_state == "host",
-               "options")
-        << "--optimizer-state '" << o_.optimizer_state << "' is unknown; use device (the fp32 master weights and "
-        << "AdamW state beside the weights) or host (in host memory, updated by the CPU)";
-    SPPO_CHECK(o_.weights == "device" || o_.weights == "host" || o_.weights == "auto", "options")
-        << "--weights '" << o_.weights << "' is unknown; use device (every layer's weights and gradients on the "
-        << "device all step), host (each layer's brought for the forward and backward that run it; with "
-        << "--optimizer-state host) or auto (the plan's under --plan, else device)";
     if (w_.size() > 1) profile();
   }
 
@@ -379,16 +354,22 @@ class SetupBuilder {
   // The ranks' layout: a plan's, or the options'; what tensor parallelism can split.
   void lay_out_ranks() {
     if (!o_.plan_path.empty()) from_plan_ = read_plan(o_, s_.config);
-    ring_ = parse_ring(o_.ring);
     const auto& fp = from_plan_;
-    s_.layout = make_layout(fp ? fp->pp : o_.pp, fp ? fp->dp : o_.dp, o_.zero, o_.batch, w_, fp ? fp->sp : o_.cp,
-                            fp ? fp->tp : o_.tp);
+    // A plan's layout, with the ring's algorithm and the ZeRO stage as the options give them.
+    ParallelDims par = o_.par;
+    if (fp) {
+      par = fp->par;
+      par.ring_algorithm = o_.par.ring_algorithm;
+      par.zero = o_.par.zero;
+    }
+    s_.layout = make_layout(par, o_.batch, w_);
     const ModelConfig& c = s_.config;
-    SPPO_CHECK(s_.layout.tp <= c.heads, "options")
-        << "--tp " << s_.layout.tp << " splits the attention heads over its ranks, but the model has " << c.heads
+    const int tp = s_.layout.par.tp;
+    SPPO_CHECK(tp <= c.heads, "options")
+        << "--tp " << tp << " splits the attention heads over its ranks, but the model has " << c.heads
         << "; use --tp " << c.heads << " or fewer";
-    SPPO_CHECK(!c.llama() || sched::llama_tp_runs(c, s_.layout.tp), "options")
-        << "--tp " << s_.layout.tp << " does not split the " << c.heads << " query heads over "
+    SPPO_CHECK(!c.llama() || sched::llama_tp_runs(c, tp), "options")
+        << "--tp " << tp << " does not split the " << c.heads << " query heads over "
         << c.kv_head_count() << " key/value heads of the Llama-family model (--model " << o_.model_preset
         << ") so that each rank's queries read its own key/value heads; use one of --tp " << [&] {
              std::string ok;
@@ -400,36 +381,22 @@ class SetupBuilder {
         << "--recompute is the one-process baseline; drop --pp and --dp";
   }
 
-  // The step's shape: the layout, the ring, MSP, the plan's placements, precision, tiles,
-  // packed documents and labels, and the kernels' scratch.
+  // The step's shape: the layout (with the ring and MSP), the plan's placements, precision,
+  // tiles, packed documents and labels, and the kernels' scratch.
   void describe_shape() {
     const auto& fp = from_plan_;
-    shape_.pp = s_.layout.pp;
-    shape_.dp = s_.layout.dp;
-    shape_.sp = s_.layout.cp;
-    shape_.tp = s_.layout.tp;
-    shape_.ring_layout = fp ? sched::parse_ring_layout(fp->ring_layout) : ring_.layout;
-    shape_.ring_rsa = ring_.algorithm == "rsa";
-    shape_.zero = o_.zero == 1;
-    shape_.optimizer_host =
-        o_.optimizer_state.empty() ? fp && fp->optimizer_state == "host" : o_.optimizer_state == "host";
-    SPPO_CHECK(o_.msp == "on" || o_.msp == "off", "options") << "--msp must be on or off (got '" << o_.msp << "')";
-    shape_.msp = fp ? fp->msp : o_.msp == "on";
-    shape_.msp_reach = fp ? fp->msp_reach : o_.msp_reach;
-    SPPO_CHECK(shape_.msp_reach == 0 || shape_.msp_reach >= 2, "options")
-        << "--msp-reach " << shape_.msp_reach << ": use 0 (every idle stage group) or 2 or more";
-    if (fp && (!fp->kv_host_layers.empty() || !fp->kv_recompute_layers.empty())) {
-      // The plan's placement, unless --kv-cache says otherwise.
-      shape_.kv_place.assign(std::size_t(s_.config.layers), sched::KvPlace::Device);
-      for (int l : fp->kv_host_layers) shape_.kv_place[std::size_t(l)] = sched::KvPlace::Host;
-      for (int l : fp->kv_recompute_layers) shape_.kv_place[std::size_t(l)] = sched::KvPlace::Recompute;
-    }
+    shape_.par = s_.layout.par;
+    SPPO_CHECK(shape_.par.msp.reach == 0 || shape_.par.msp.reach >= 2, "options")
+        << "--msp-reach " << shape_.par.msp.reach << ": use 0 (every idle stage group) or 2 or more";
+    // The plan's placements, where the options leave them to it (each option's own below).
+    if (fp) shape_.place = fp->place;
+    shape_.place.residual_grads = o_.place.residual_grads;
     shape_.precision = precision_;
     if (fp) shape_.stage_layers = fp->stage_layers;
-    SPPO_CHECK(o_.mlp_tile_rows == 0 || (shape_.tp == 1 && !o_.recompute), "options")
+    SPPO_CHECK(o_.mlp_tile_rows == 0 || (shape_.par.tp == 1 && !o_.recompute), "options")
         << "--mlp-tile-rows runs the MLP of whole rows a tile at a time; it runs without --tp and --recompute "
            "(use --mlp-tile-rows 0 there)";
-    shape_.mlp_tile_rows = o_.mlp_tile_rows;
+    shape_.place.mlp_tile_rows = o_.mlp_tile_rows;
     // Packed documents: the blocks keep them apart through the K/V on the device of one rank.
     SPPO_CHECK(!o_.pack || o_.doc_sep >= 0 || s_.data->has_documents(), "options")
         << "--pack packs documents that --doc-sep ID ends (e.g. the tokenizer's end-of-text id), or those of a "
@@ -445,16 +412,19 @@ class SetupBuilder {
     // The kernels' scratch comes from the device tier too.
     shape_.block_scratch = s_.backend->block_scratch(s_.config);
     shape_.head_scratch = s_.backend->head_scratch(s_.config, RuntimeOptions{}.head_chunk);
-    check_weights();
+    check_state();
   }
 
-  // --weights host (Note [Weights on the host] in schedule/weights.h): the layers' weights
-  // on the host are the optimizer's master there, and a layer is brought whole to the one
-  // rank that runs it. auto is the device: the planner does not search this placement.
-  void check_weights() {
-    shape_.weights_host = o_.weights == "host" || (o_.weights == "auto" && from_plan_ && from_plan_->weights == "host");
-    if (!shape_.weights_host) return;
-    SPPO_CHECK(shape_.optimizer_host, "options")
+  // --optimizer-state and --weights (Note [Weights on the host] in schedule/weights.h): the
+  // layers' weights on the host are the optimizer's master there, and a layer is brought
+  // whole to the one rank that runs it. auto is the plan's, else the device: the setup does
+  // not search these placements.
+  void check_state() {
+    Placements& pl = shape_.place;
+    if (o_.place.optimizer_state) pl.optimizer_state = *o_.place.optimizer_state;
+    if (o_.place.weights) pl.weights = *o_.place.weights;
+    if (!pl.weights_host()) return;
+    SPPO_CHECK(pl.optimizer_host(), "options")
         << "--weights host keeps the layers' fp32 weights and gradients in host memory, where the optimizer's "
            "update reads them: it needs --optimizer-state host (or use --weights device)";
     const char* layout = weights_refused();
@@ -464,74 +434,65 @@ class SetupBuilder {
   }
   // The layout --weights host does not run in, named; null: none.
   const char* weights_refused() const {
-    return shape_.msp     ? "--msp on (helpers borrow a stage's weights whole)"
-           : shape_.tp > 1 ? "--tp (each rank holds shards of every layer)"
-           : o_.zero == 1  ? "--zero 1 (the master is sharded over the replicas)"
-           : o_.recompute  ? "--recompute (the full-recompute baseline)"
-                           : nullptr;
+    return shape_.par.msp.on                      ? "--msp on (helpers borrow a stage's weights whole)"
+           : shape_.par.tp > 1                    ? "--tp (each rank holds shards of every layer)"
+           : shape_.par.zero != ZeroStage::None   ? "--zero 1 (the master is sharded over the replicas)"
+           : o_.recompute                         ? "--recompute (the full-recompute baseline)"
+                                                  : nullptr;
   }
   bool weights_ok() const { return !weights_refused(); }
 
   // Where the K/V cache lives (--kv-cache) and what backward recomputes
   // (--recompute-tensors): what this layout can run.
   void check_placements() {
-    SPPO_CHECK(o_.kv_cache == "device" || o_.kv_cache == "host" || o_.kv_cache == "recompute" ||
-                   o_.kv_cache == "auto",
-               "options")
-        << "--kv-cache '" << o_.kv_cache << "' is unknown; use device, host, recompute or auto";
-    kv_host_ok_ = !o_.recompute && !(shape_.sp > 1 && shape_.ring_rsa);
-    kv_recompute_ok_ = kv_host_ok_ && shape_.tp == 1 && shape_.sp == 1 && !shape_.msp;
-    SPPO_CHECK(o_.kv_cache != "host" || kv_host_ok_, "options")
+    const Auto<KvPlace> kv = o_.place.kv;
+    const ParallelDims& par = shape_.par;
+    Placements& pl = shape_.place;
+    kv_host_ok_ = !o_.recompute && !par.rsa();
+    kv_recompute_ok_ = kv_host_ok_ && par.tp == 1 && par.cp == 1 && !par.msp.on;
+    SPPO_CHECK(kv != KvPlace::Host || kv_host_ok_, "options")
         << "--kv-cache host streams K/V blocks of a rank's own subsequences; it runs without --ring rsa and "
            "--recompute (use --kv-cache device there)";
-    SPPO_CHECK(o_.kv_cache != "recompute" || kv_recompute_ok_, "options")
+    SPPO_CHECK(kv != KvPlace::Recompute || kv_recompute_ok_, "options")
         << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
            "subsequences at a time; it runs without --tp, --cp, --msp on and --recompute (use --kv-cache host "
            "or device there)";
-    recompute_auto_ = o_.recompute_tensors == "auto";
-    if (!recompute_auto_) shape_.recompute = parse_recompute_tensors(o_.recompute_tensors);
-    else if (from_plan_) shape_.recompute = from_plan_->recompute;
-    SPPO_CHECK(!o_.recompute || shape_.recompute == 0, "options")
+    recompute_auto_ = !o_.place.recompute;
+    if (!recompute_auto_) pl.recompute = *o_.place.recompute;
+    SPPO_CHECK(!o_.recompute || pl.recompute == 0, "options")
         << "--recompute already recomputes whole blocks from their inputs; drop --recompute-tensors "
-        << recompute_tensors_text(shape_.recompute) << " (or --recompute)";
-    const bool attention_ok = shape_.sp == 1 && !shape_.msp;
-    SPPO_CHECK(!(shape_.recompute & kAttentionGroup) || attention_ok, "options")
+        << recompute_tensors_text(pl.recompute) << " (or --recompute)";
+    const bool attention_ok = par.cp == 1 && !par.msp.on;
+    SPPO_CHECK(!(pl.recompute & kAttentionGroup) || attention_ok, "options")
         << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or "
            "MSP pieces do not; recompute other tensors, or drop --cp and --msp on";
-    const bool head_ok = !shape_.msp;
-    SPPO_CHECK(!(shape_.recompute & kHeadGradGroup) || head_ok, "options")
+    const bool head_ok = !par.msp.on;
+    SPPO_CHECK(!(pl.recompute & kHeadGradGroup) || head_ok, "options")
         << "--recompute-tensors head_grad runs a stage's own LM head inside its last layer's backward, which MSP "
            "pieces on borrowed weights do not; recompute other tensors, or use --msp off";
     // The groups this layout can recompute.
     runnable_ = ~((attention_ok ? 0 : kAttentionGroup) | (head_ok ? 0 : kHeadGradGroup));
-    if (o_.kv_cache == "host") shape_.kv_place = all_layers(sched::KvPlace::Host);
-    if (o_.kv_cache == "recompute") shape_.kv_place = all_layers(sched::KvPlace::Recompute);
-    if (o_.kv_cache == "device") shape_.kv_place.clear();
+    if (kv == KvPlace::Host) pl.kv = all_layers(KvPlace::Host);
+    if (kv == KvPlace::Recompute) pl.kv = all_layers(KvPlace::Recompute);
+    if (kv == KvPlace::Device) pl.kv.clear();
     // The backward's order (Note [Layer-major backward] in schedule/builders.cpp): a layer
     // at a time runs inside each pipeline stage, not with MSP's borrowed weights.
-    SPPO_CHECK(o_.backward_order == "subseq" || o_.backward_order == "layer" || o_.backward_order == "auto",
-               "options")
-        << "--backward-order '" << o_.backward_order << "' is unknown; use subseq, layer or auto";
-    layer_ok_ = !shape_.msp;
-    SPPO_CHECK(o_.backward_order != "layer" || layer_ok_, "options")
+    const Auto<BackwardOrder> order = o_.place.backward;
+    layer_ok_ = !par.msp.on;
+    SPPO_CHECK(order != BackwardOrder::Layer || layer_ok_, "options")
         << "--backward-order layer runs the backward a layer at a time inside each pipeline stage, which MSP's "
            "pieces on borrowed weights do not; use --msp off, or --backward-order subseq";
-    if (o_.backward_order == "layer" || (o_.backward_order == "auto" && from_plan_))
-      shape_.backward = o_.backward_order == "layer" ? sched::BackwardOrder::Layer
-                                                     : sched::parse_backward_order(from_plan_->backward_order);
+    if (order) pl.backward = *order;  // auto: the plan's (else the paper's order, until it does not fit)
     // Note [Residual gradients on the host] (schedule/builders.cpp): only between the
     // layers of a layer-major backward, which --backward-order auto then is.
-    SPPO_CHECK(o_.residual_grads == "device" || o_.residual_grads == "host", "options")
-        << "--residual-grads '" << o_.residual_grads << "' is unknown; use device or host";
-    shape_.residual_host = o_.residual_grads == "host";
-    if (shape_.residual_host) {
-      SPPO_CHECK(o_.backward_order != "subseq" && layer_ok_ &&
-                     !(o_.backward_order == "auto" && from_plan_ && from_plan_->backward_order == "subseq"),
+    if (pl.residual_host()) {
+      SPPO_CHECK(order != BackwardOrder::Subseq && layer_ok_ &&
+                     !(!order && from_plan_ && !from_plan_->place.layer_major()),
                  "options")
           << "--residual-grads host keeps the residual gradients on the host between the layers of the layer-major "
              "backward; it needs --backward-order layer (with --msp off" << (from_plan_ ? ", and a plan whose "
              "backward_order is layer" : "") << "), or use --residual-grads device";
-      shape_.backward = sched::BackwardOrder::Layer;
+      pl.backward = BackwardOrder::Layer;
     }
     check_rebuilt_inputs();
   }
@@ -542,63 +503,56 @@ class SetupBuilder {
   // A rebuilt layer cannot recompute its K/V: under --kv-cache recompute it keeps them on
   // the host. The backward becomes layer-major, as --residual-grads host makes it.
   void check_rebuilt_inputs() {
-    const std::string& text = o_.rebuild_inputs;
+    using Kind = RebuildRequest::Kind;
+    const RebuildRequest& asked = o_.place.rebuild;
+    Placements& pl = shape_.place;
     const int L = s_.config.layers;
-    if (text == "none" || text.empty() || (text == "auto" && (!from_plan_ || from_plan_->rebuilt_inputs.empty())))
-      return;
+    if (asked.kind == Kind::None) pl.inputs_rebuilt.clear();
+    if (asked.kind == Kind::None || (asked.kind == Kind::Auto && !pl.any_input_rebuilt())) return;
     std::vector<bool> rebuilt(std::size_t(L), false);
-    if (text == "auto") {
-      for (int l : from_plan_->rebuilt_inputs) rebuilt[std::size_t(l)] = true;
-    } else if (text == "odd") {
+    if (asked.kind == Kind::Auto) {
+      rebuilt = pl.inputs_rebuilt;
+    } else if (asked.kind == Kind::Odd) {
       for (int l = 1; l < L; l += 2) rebuilt[std::size_t(l)] = true;
     } else {
-      std::stringstream list(text);
-      for (std::string item; std::getline(list, item, ',');) {
-        char* end = nullptr;
-        const long l = std::strtol(item.c_str(), &end, 10);
-        SPPO_CHECK(!item.empty() && *end == 0 && l >= 0 && l < L, "options")
-            << "--rebuild-inputs '" << text << "': '" << item << "' is not a layer of the model's " << L
-            << "; use none, odd, or a comma list of layers from 1 to " << L - 1;
+      for (int l : asked.layers) {
+        SPPO_CHECK(l < L, "options") << "--rebuild-inputs names layer " << l << ", not a layer of the model's " << L
+                                     << "; use none, odd, or a comma list of layers from 1 to " << L - 1;
         rebuilt[std::size_t(l)] = true;
       }
     }
-    SPPO_CHECK(o_.kv_cache != "auto" || from_plan_ || text == "auto", "options")
+    SPPO_CHECK(o_.place.kv || from_plan_ || asked.kind == Kind::Auto, "options")
         << "--rebuild-inputs keeps the K/V of the layers it names (they cannot be recomputed without every "
            "earlier subsequence's input): name where the others keep theirs, --kv-cache device, host or recompute";
-    SPPO_CHECK(o_.backward_order != "subseq" && layer_ok_, "options")
+    SPPO_CHECK(o_.place.backward != BackwardOrder::Subseq && layer_ok_, "options")
         << "--rebuild-inputs runs the layer below's forward again inside a layer's backward, which only the "
            "layer-major backward orders so: use --backward-order layer" << (layer_ok_ ? "" : " and --msp off")
         << ", or --rebuild-inputs none";
     SPPO_CHECK(!o_.recompute, "options")
         << "--recompute already recomputes whole blocks from their inputs; drop --rebuild-inputs";
-    shape_.backward = sched::BackwardOrder::Layer;
-    if (shape_.kv_place.empty()) shape_.kv_place = all_layers(sched::KvPlace::Device);
+    pl.backward = BackwardOrder::Layer;
+    if (pl.kv.empty()) pl.kv = all_layers(KvPlace::Device);
     for (int l = 0; l < L; ++l)
-      if (rebuilt[std::size_t(l)] && shape_.kv_place[std::size_t(l)] == sched::KvPlace::Recompute)
-        shape_.kv_place[std::size_t(l)] = sched::KvPlace::Host;
-    shape_.inputs_rebuilt = rebuilt;
+      if (rebuilt[std::size_t(l)] && pl.kv[std::size_t(l)] == KvPlace::Recompute) pl.kv[std::size_t(l)] = KvPlace::Host;
+    pl.inputs_rebuilt = rebuilt;
     // The schedule's own checks, on this layout's schedule of one subsequence (its stages
     // and placements are the step's), before any work.
-    const std::string why = sched::rebuilt_inputs_error(sim::build_step(s_.config, {S_}, {0.0}, shape_));
+    const std::string why = sched::rebuilt_inputs_error(sched::build_step(s_.config, {S_}, {0.0}, shape_));
     SPPO_CHECK(why.empty(), "options") << why;
   }
 
-  std::vector<sched::KvPlace> all_layers(sched::KvPlace p) const {
-    return std::vector<sched::KvPlace>(std::size_t(s_.config.layers), p);
+  std::vector<KvPlace> all_layers(KvPlace p) const {
+    return std::vector<KvPlace>(std::size_t(s_.config.layers), p);
   }
   // The layers [begin, end) of each pipeline stage of the shape.
   std::vector<std::pair<int, int>> stages() const {
-    sched::PipelineSpec spec;
-    spec.layers = s_.config.layers;
-    spec.pp = shape_.pp;
-    spec.stage_layers = shape_.stage_layers;
-    return sched::stage_ranges(spec);
+    return sched::stage_ranges(s_.config.layers, shape_.par.pp, shape_.stage_layers);
   }
   // The K/V of the first `per_stage` layers of every stage on the host.
-  std::vector<sched::KvPlace> host_layers(int per_stage) const {
-    std::vector<sched::KvPlace> host(std::size_t(s_.config.layers), sched::KvPlace::Device);
+  std::vector<KvPlace> host_layers(int per_stage) const {
+    std::vector<KvPlace> host(std::size_t(s_.config.layers), KvPlace::Device);
     for (const auto& [b, e] : stages())
-      for (int l = b; l < std::min(e, b + per_stage); ++l) host[std::size_t(l)] = sched::KvPlace::Host;
+      for (int l = b; l < std::min(e, b + per_stage); ++l) host[std::size_t(l)] = KvPlace::Host;
     return host;
   }
 
@@ -637,8 +591,8 @@ class SetupBuilder {
       s_.alpha = choice.alpha;
       s_.profile_measured = s_.profile_measured && !o_.recompute;
     }
-    if (shape_.msp) check_msp();
-    s_.schedule = sim::build_step(c, s_.lengths, s_.alpha, shape_);
+    if (shape_.par.msp.on) check_msp();
+    s_.schedule = sched::build_step(c, s_.lengths, s_.alpha, shape_);
     if (!o_.recompute)
       r_ = sim::simulate(s_.schedule, plan::CostModel(profile(), c, precision_),
                          sim::memory_rules(c, precision_, shape_));
@@ -648,16 +602,16 @@ class SetupBuilder {
 
   void check_msp() const {
     const int N = int(s_.lengths.size());
-    SPPO_CHECK(shape_.pp > 1 && !(shape_.sp > 1 && shape_.ring_rsa), "options")
+    SPPO_CHECK(shape_.par.pp > 1 && !(shape_.par.cp > 1 && shape_.par.rsa()), "options")
         << "--msp on splits subsequences over pipeline stages: it needs --pp 2 or more, and runs without --ring rsa "
            "(got --pp "
-        << shape_.pp << (shape_.sp > 1 && shape_.ring_rsa ? " --ring rsa" : "") << ")";
-    SPPO_CHECK(N >= shape_.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
-                                          << ", --pp " << shape_.pp << "); use --subseqs " << shape_.pp << " or more";
+        << shape_.par.pp << (shape_.par.cp > 1 && shape_.par.rsa() ? " --ring rsa" : "") << ")";
+    SPPO_CHECK(N >= shape_.par.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
+                                          << ", --pp " << shape_.par.pp << "); use --subseqs " << shape_.par.pp << " or more";
     SPPO_CHECK(s_.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
                                                               "--precision fp32";
     // A piece on every stage group, over its SP ranks, each piece's rows over its TP members.
-    const i64 split = i64(shape_.pp) * shape_.sp * shape_.tp;
+    const i64 split = i64(shape_.par.pp) * shape_.par.cp * shape_.par.tp;
     for (int i = 0; i < N; ++i)
       SPPO_CHECK(s_.lengths[std::size_t(i)] >= split, "options")
           << "--msp on splits subsequence " << i << " of " << s_.lengths[std::size_t(i)] << " tokens into up to "
@@ -679,22 +633,22 @@ class SetupBuilder {
   // The widest placements auto may reach, each the least memory of its kind: where none of
   // them fits, nothing narrower does (more recomputed or streamed never needs more), so
   // the search is skipped.
-  bool widest_fits(const sim::StepShape& asked) {
-    std::vector<std::pair<std::vector<sched::KvPlace>, SavedSet>> widest;
+  bool widest_fits(const StepShape& asked) {
+    std::vector<std::pair<std::vector<KvPlace>, SavedSet>> widest;
     const SavedSet all =
-        recompute_auto_ && !o_.recompute ? recompute_levels().back() | asked.recompute : asked.recompute;
+        recompute_auto_ && !o_.recompute ? recompute_levels().back() | asked.place.recompute : asked.place.recompute;
     const SavedSet most = all & runnable_;
-    if (o_.kv_cache == "auto") {
+    if (!o_.place.kv) {
       widest.push_back({{}, most});
-      if (kv_host_ok_) widest.push_back({all_layers(sched::KvPlace::Host), most});
-      if (kv_recompute_ok_) widest.push_back({all_layers(sched::KvPlace::Recompute), most});
+      if (kv_host_ok_) widest.push_back({all_layers(KvPlace::Host), most});
+      if (kv_recompute_ok_) widest.push_back({all_layers(KvPlace::Recompute), most});
     } else {
-      widest.push_back({asked.kv_place, most});
+      widest.push_back({asked.place.kv, most});
     }
     for (const auto& [kv, set] : widest) {
-      if (kv == asked.kv_place && set == asked.recompute) continue;  // tried
-      shape_.kv_place = kv;
-      shape_.recompute = set;
+      if (kv == asked.place.kv && set == asked.place.recompute) continue;  // tried
+      shape_.place.kv = kv;
+      shape_.place.recompute = set;
       if (fits()) return true;
     }
     return false;
@@ -711,21 +665,21 @@ class SetupBuilder {
   // A choice that cannot fit may end itself (DoesNotFit); under auto that is the answer
   // only when nothing else fits.
   void place_under_budget() {
-    const bool order_auto = o_.backward_order == "auto" && layer_ok_ && !from_plan_;
-    any_auto_ = (o_.kv_cache == "auto" && kv_host_ok_) || (recompute_auto_ && !o_.recompute) || order_auto;
-    sim::StepShape asked = shape_;
+    const bool order_auto = !o_.place.backward && layer_ok_ && !from_plan_;
+    any_auto_ = (!o_.place.kv && kv_host_ok_) || (recompute_auto_ && !o_.recompute) || order_auto;
+    StepShape asked = shape_;
     fitted_ = fits();
     // --backward-order auto: the layer-major backward costs no compute (the same ops in
     // another order) and holds one layer's dK/dV sums, so it comes before any placement
     // that streams or recomputes; every placement after it keeps it.
     if (!fitted_ && order_auto) {
-      shape_.backward = sched::BackwardOrder::Layer;
+      shape_.place.backward = BackwardOrder::Layer;
       asked = shape_;
       fitted_ = fits();
     }
     const bool reachable = fitted_ || (any_auto_ && widest_fits(asked));
     shape_ = asked;
-    if (!fitted_ && reachable && o_.kv_cache == "auto" && kv_host_ok_) fewest_host_layers();
+    if (!fitted_ && reachable && !o_.place.kv && kv_host_ok_) fewest_host_layers();
     if (!fitted_ && reachable) widen_in_tiers(asked);
     // Nothing fits: the placement asked for, and its answer, saying that auto tried more.
     exhausted_ = !fitted_ && any_auto_
@@ -734,11 +688,11 @@ class SetupBuilder {
                      : "";
     // With the optimizer state on the device, moving it is one more way to fit (it costs
     // each step the update's copies and the host's update, Note [Optimizer state on the host]).
-    state_hint_ = shape_.optimizer_host ? ""
+    state_hint_ = shape_.place.optimizer_host() ? ""
                                         : "; --optimizer-state host moves AdamW's m and v (8 B a parameter of each "
                                           "rank's share) and the fp32 master weights to the host";
     // With it there, the layers' weights and gradients can follow (Note [Weights on the host]).
-    if (shape_.optimizer_host && !shape_.weights_host && weights_ok())
+    if (shape_.place.optimizer_host() && !shape_.place.weights_host() && weights_ok())
       state_hint_ = "; --weights host keeps the layers' weights and gradients on the host, bringing each layer's for "
                     "the forward and backward that run it";
     if (!fitted_ && any_auto_) {
@@ -746,7 +700,7 @@ class SetupBuilder {
       if (first_error_) throw DoesNotFit(first_error_->what() + exhausted_ + state_hint_);
       choose();
     }
-    for (int p = 0; p < s_.layout.pp; ++p)
+    for (int p = 0; p < s_.layout.par.pp; ++p)
       s_.layout.stage_layers.push_back(s_.schedule.owned.empty()
                                            ? std::pair<int, int>{0, s_.config.layers}
                                            : s_.schedule.owned.at(std::size_t(s_.layout.rank_of(0, p))));
@@ -755,40 +709,40 @@ class SetupBuilder {
   // --kv-cache auto: the K/V of the fewest layers a stage on the host that fit.
   void fewest_host_layers() {
     int lo = 1, hi = s_.config.layers;
-    shape_.kv_place = host_layers(hi);
+    shape_.place.kv = host_layers(hi);
     if (!fits()) return;
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
-      shape_.kv_place = host_layers(mid);
+      shape_.place.kv = host_layers(mid);
       if (fits()) hi = mid;
       else lo = mid + 1;
     }
-    shape_.kv_place = host_layers(hi);
+    shape_.place.kv = host_layers(hi);
     fitted_ = choose();
   }
 
   // The tiers of rising recompute, the fastest fitting placement of the first tier with one.
-  void widen_in_tiers(const sim::StepShape& asked) {
-    std::vector<std::vector<sched::KvPlace>> kvs = {asked.kv_place};
-    if (o_.kv_cache == "auto") {
+  void widen_in_tiers(const StepShape& asked) {
+    std::vector<std::vector<KvPlace>> kvs = {asked.place.kv};
+    if (!o_.place.kv) {
       kvs = {{}};
-      if (kv_host_ok_) kvs.push_back(all_layers(sched::KvPlace::Host));
-      if (kv_recompute_ok_) kvs.push_back(all_layers(sched::KvPlace::Recompute));
+      if (kv_host_ok_) kvs.push_back(all_layers(KvPlace::Host));
+      if (kv_recompute_ok_) kvs.push_back(all_layers(KvPlace::Recompute));
     }
-    std::vector<SavedSet> sets = {asked.recompute};
+    std::vector<SavedSet> sets = {asked.place.recompute};
     if (recompute_auto_ && !o_.recompute)
-      for (std::size_t k = 1; k < recompute_levels().size(); ++k) sets.push_back(recompute_levels()[k] | asked.recompute);
+      for (std::size_t k = 1; k < recompute_levels().size(); ++k) sets.push_back(recompute_levels()[k] | asked.place.recompute);
     for (std::size_t tier = 1; tier <= sets.size() && !fitted_; ++tier) {
-      std::optional<sim::StepShape> best;
+      std::optional<StepShape> best;
       double best_s = 0;
       for (const auto& kv : kvs) {
-        const bool recomputed = !kv.empty() && kv.front() == sched::KvPlace::Recompute;
+        const bool recomputed = !kv.empty() && kv.front() == KvPlace::Recompute;
         const std::size_t level = recomputed ? tier - 1 : tier;
         if (level >= sets.size()) continue;
         // A level adds nothing where this layout cannot recompute what it adds.
         if (level > 0 && (sets[level] & runnable_) == (sets[level - 1] & runnable_)) continue;
-        shape_.kv_place = kv;
-        shape_.recompute = sets[level] & runnable_;
+        shape_.place.kv = kv;
+        shape_.place.recompute = sets[level] & runnable_;
         if (fits() && (!best || r_.step_time_s < best_s)) best = shape_, best_s = r_.step_time_s;
       }
       if (best) {
@@ -831,19 +785,19 @@ class SetupBuilder {
         << " of device memory on its fullest rank, over the --device-memory budget of "
         << format_bytes(double(o_.device_memory))
         << (!exhausted_.empty() ? exhausted_
-            : !s_.schedule.any_kv_streamed() && kv_host_ok_
+            : !s_.schedule.place.any_kv_streamed() && kv_host_ok_
                 ? "; --kv-cache host or recompute keeps K/V and their gradients off the device"
                 : "")
-        << (shape_.backward == sched::BackwardOrder::Subseq && layer_ok_
+        << (shape_.place.backward == BackwardOrder::Subseq && layer_ok_
                 ? "; --backward-order layer holds one layer's dK/dV sums at a time, not every layer's"
                 : "")
         << state_hint_;
     SPPO_CHECK_FITS(o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory, "memory")
         << what << " holds " << format_bytes(double(r_.peak_host_bytes)) << " (" << r_.peak_host_bytes
         << " B) in host memory ("
-        << (!s_.schedule.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
-        << (shape_.optimizer_host ? ", the optimizer state" : "")
-        << (shape_.weights_host ? ", the weights and gradients" : "")
+        << (!s_.schedule.place.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
+        << (shape_.place.optimizer_host() ? ", the optimizer state" : "")
+        << (shape_.place.weights_host() ? ", the weights and gradients" : "")
         << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o_.host_memory))
         << "; use --host-memory " << r_.peak_host_bytes
         << " or more, or offload less (more --subseqs, a lower --offload ratio, --kv-cache device, or more "
@@ -874,16 +828,16 @@ class SetupBuilder {
     ro.rank = s_.layout.rank;
     ro.comm = s_.layout.ranks() > 1 ? &s_.comm(w_) : nullptr;
     ro.layers = s_.layout.stage_layers.at(std::size_t(s_.layout.stage()));
-    ro.zero_shards = o_.zero == 1 ? s_.layout.dp * s_.layout.cp : 1;
-    ro.zero_index = o_.zero == 1 ? s_.layout.stage_index() : 0;
-    ro.optimizer_host = shape_.optimizer_host;
-    ro.weights_host = shape_.weights_host;
+    ro.zero_shards = s_.layout.par.zero_shards();
+    ro.zero_index = s_.layout.stage_index();
+    ro.optimizer_host = shape_.place.optimizer_host();
+    ro.weights_host = shape_.place.weights_host();
     ro.tp = s_.layout.tp_shard();
     ro.block_scratch = shape_.block_scratch;
     ro.head_scratch = shape_.head_scratch;
     ro.backend = s_.backend.get();
-    ro.ring_rsa = ring_.algorithm == "rsa";
-    SPPO_CHECK(!ro.ring_rsa || (!s_.config.causal && s_.backend->act() == DType::F32), "options")
+    SPPO_CHECK(shape_.par.ring_algorithm != RingAlgorithm::Rsa || (!s_.config.causal && s_.backend->act() == DType::F32),
+               "options")
         << "--ring rsa is the two-pass Ring Self-Attention of bidirectional models (--attention bidirectional), in "
            "fp32; a causal model uses --ring flash";
     s_.runtime = std::make_unique<Runtime>(s_.config, ro);
@@ -896,8 +850,7 @@ class SetupBuilder {
   bool profiled_ = false;
   ActPrecision precision_ = ActPrecision::F32;
   std::optional<plan::Plan> from_plan_;
-  RingChoice ring_;
-  sim::StepShape shape_;
+  StepShape shape_;
   sim::SimResult r_;  // the simulation of the last choice
   bool kv_host_ok_ = false, kv_recompute_ok_ = false, recompute_auto_ = false, any_auto_ = false;
   bool layer_ok_ = false;  // the layer-major backward runs in this layout

@@ -76,14 +76,6 @@ inline constexpr i64 kProcessAllowanceBytes = i64{256} << 20;
 // message naming the option and what would work.
 StepSetup make_setup(const StepOptions& o, comm::Comm* world = nullptr);
 
-// --ring: a comma-separated list of a layout (zigzag, contiguous) and an algorithm (flash:
-// one pass with LSE merge; rsa: the two-pass Ring Self-Attention of bidirectional models).
-struct RingChoice {
-  sched::RingLayout layout = sched::RingLayout::Zigzag;
-  std::string algorithm = "flash";
-};
-RingChoice parse_ring(const std::string& text);
-
 // Reads a plan written by `sppo plan --out` (throws naming the file and what is wrong).
 plan::Plan read_plan_file(const std::string& path);
 

@@ -318,10 +318,8 @@ sim::SimResult measured_timeline(comm::Comm& world, const StepResult& mine, cons
 
 std::string layout_text(const ParallelLayout& lay) {
   if (lay.ranks() == 1) return "";
-  std::string t = " | pp " + std::to_string(lay.pp) + (lay.tp > 1 ? " tp " + std::to_string(lay.tp) : "") +
-                  (lay.cp > 1 ? " cp " + std::to_string(lay.cp) : "") + " dp " +
-                  std::to_string(lay.dp);
-  if (lay.zero) t += " zero 1";
+  std::string t = " | " + sppo::layout_text(lay.par);
+  if (lay.par.zero != ZeroStage::None) t += " zero " + std::to_string(stage_number(lay.par.zero));
   return t + " (" + std::to_string(lay.ranks()) + " ranks)";
 }
 
@@ -445,7 +443,7 @@ void print_start(const Run& r) {
   std::fprintf(stderr, "sppo train: %s (%.2fM params, H %d, L %d, Z %d, V %d) | S %lld in %zu subseqs | offload %s%s%s | data %s | %d threads%s\n",
                o.step.model_name.c_str(), double(c.num_params()) / 1e6, c.hidden, c.layers, c.heads, c.vocab,
                (long long)o.step.seq_len, s.lengths.size(), o.step.plan_path.empty() ? o.step.offload.c_str() : "as planned",
-               s.schedule.backward == sched::BackwardOrder::Layer ? " | backward a layer at a time" : "",
+               s.schedule.place.layer_major() ? " | backward a layer at a time" : "",
                s.runtime->weights_on_host()  ? " | weights and optimizer state on the host"
                : s.runtime->state_on_host() ? " | optimizer state on the host"
                                             : "",
@@ -680,7 +678,7 @@ void finish_run(const Run& r) {
     std::fprintf(stderr, ", %s predicted", format_bytes(double(s.predicted_peak_bytes)).c_str());
   if (measured_host_peak > 0 || s.predicted_host_bytes > 0)
     std::fprintf(stderr, "; host memory (%s%s) %s measured, %s predicted",
-                 s.schedule.any_kv_streamed() ? "offloaded, K/V and their sums" : "offloaded",
+                 s.schedule.place.any_kv_streamed() ? "offloaded, K/V and their sums" : "offloaded",
                  s.runtime->weights_on_host() ? ", weights, gradients, optimizer state"
                  : s.runtime->state_on_host() ? ", optimizer state"
                                               : "",
@@ -734,7 +732,7 @@ nlohmann::json numeric_options(const TrainOptions& o) {
           {"--partition", st.partition},
           {"--recompute", st.recompute},
           {"--mlp-tile-rows", std::to_string(st.mlp_tile_rows)},
-          {"--batch", std::to_string(st.batch == 0 ? st.dp : st.batch)},
+          {"--batch", std::to_string(st.batch == 0 ? st.par.dp : st.batch)},
           {"--lr", num(o.lr)},
           {"--warmup", std::to_string(o.warmup)},
           {"--weight-decay", num(o.weight_decay)},
@@ -814,11 +812,11 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
                            {"alpha", s.alpha},
                            {"recompute", o.recompute},
                            {"mlp_tile_rows", o.mlp_tile_rows},
-                           {"pp", lay.pp},
-                           {"dp", lay.dp},
-                           {"cp", lay.cp},
-                           {"tp", lay.tp},
-                           {"zero", lay.zero},
+                           {"pp", lay.par.pp},
+                           {"dp", lay.par.dp},
+                           {"cp", lay.par.cp},
+                           {"tp", lay.par.tp},
+                           {"zero", stage_number(lay.par.zero)},
                            {"peak_device_bytes", peak},
                            {"predicted_peak_device_bytes", s.predicted_peak_bytes},
                            {"peak_host_bytes", host_peak},

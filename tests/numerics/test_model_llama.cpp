@@ -92,7 +92,7 @@ struct Mode {
   std::vector<double> alpha;
   SavedSet recompute = 0;
   i64 mlp_tile_rows = 0;
-  std::vector<sched::KvPlace> kv_place = {};  // empty: every layer's K/V on the device
+  std::vector<KvPlace> kv_place = {};  // empty: every layer's K/V on the device
 };
 
 StepRun run_engine(const ModelConfig& c, const std::vector<float>& params, const Tokens& tokens, const Mode& m) {
@@ -101,9 +101,9 @@ StepRun run_engine(const ModelConfig& c, const std::vector<float>& params, const
   Runtime rt(c, o);
   std::copy(params.begin(), params.end(), rt.params());
   sched::Schedule s = sched::build_single(c.layers, m.lengths, m.alpha);
-  s.recompute = m.recompute;
-  s.mlp_tile_rows = m.mlp_tile_rows;
-  s.kv_place = m.kv_place;
+  s.place.recompute = m.recompute;
+  s.place.mlp_tile_rows = m.mlp_tile_rows;
+  s.place.kv = m.kv_place;
   const StepResult r = rt.step(s, tokens.data());
   return {r.loss, std::vector<double>(rt.grads(), rt.grads() + rt.num_params())};
 }
@@ -250,7 +250,6 @@ TEST(Qwen3, WholeSequenceMatchesFloat64) {
 // subsequence's part of dK through the norm's backward: Note [dK/dV into the layer
 // input]), alone and with the recomputed groups, uneven lengths.
 TEST(Qwen3, EveryOneProcessModeMatchesTheWholeSequence) {
-  using sched::KvPlace;
   const ModelConfig c = qwen3_config(2, RopeScaling::Type::Yarn, kS, true);
   const std::vector<float> params = random_params(c, 5);
   const Tokens tokens = random_tokens(kS, c.vocab, 23);
@@ -304,7 +303,6 @@ TEST(Llama, GroupedKvShrinksTheCache) {
 // K/V weight gradients then have no bias to add to), and with earlier blocks longer than a
 // chunk (kv_chunk_rows), so that the window streams several chunks, some of two blocks.
 TEST(Llama, HostAndRecomputedKvMatchTheWholeSequence) {
-  using sched::KvPlace;
   const auto& levels = recompute_levels();
   struct Config {
     int G;
@@ -346,7 +344,7 @@ TEST(Llama, HostAndRecomputedKvMatchTheWholeSequence) {
   for (KvPlace kv : {KvPlace::Host, KvPlace::Recompute}) {
     const StepRun got = run_engine(c, params, tokens,
                                    {{2400, 50, 150}, {1.0, 0.5, 0.0}, 0, 0, std::vector<KvPlace>(2, kv)});
-    expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, std::string("chunks, K/V ") + sched::to_string(kv));
+    expect_grads_match(c, got, whole, 1e-5, 1e-5, 1e-4, std::string("chunks, K/V ") + to_string(kv));
   }
 }
 
@@ -380,11 +378,11 @@ TEST(Llama, StreamedKvPeakEqualsTheSimulatorsPrediction) {
     o.seq_len = k.S;
     o.subseqs = k.subseqs;
     o.offload = k.offload;
-    o.kv_cache = k.kv_cache;
+    o.place.kv = parse_kv_cache(k.kv_cache);
     o.partition = k.partition;
-    o.recompute_tensors = k.recompute;
+    o.place.recompute = parse_recompute_option(k.recompute);
     StepSetup s = make_setup(o);
-    ASSERT_FALSE(s.schedule.kv_place.empty());
+    ASSERT_FALSE(s.schedule.place.kv.empty());
     ASSERT_GT(s.predicted_peak_bytes, 0);
     init_owned(*s.runtime, 1234);
     std::vector<std::int32_t> tokens(std::size_t(k.S + 1));
@@ -492,18 +490,18 @@ TEST(Packed, DocumentsTrainAsSeparateSequences) {
       for (double a : {0.0, 0.6})
         for (SavedSet rc : {SavedSet(0), levels.back()}) {
           sched::Schedule s = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
-          s.recompute = rc;
+          s.place.recompute = rc;
           check(s, named(N, a) + " recompute " + recompute_tensors_text(rc));
         }
     // K/V on the host or recomputed (runtime/kv_stream.h): only a subsequence's first span
     // meets the streamed chunks, cut at its document's start (recomputed keys get their
     // RoPE positions from it).
-    for (const sched::KvPlace place : {sched::KvPlace::Host, sched::KvPlace::Recompute})
+    for (const KvPlace place : {KvPlace::Host, KvPlace::Recompute})
       for (int N : {3, 8})
         for (double a : {0.0, 0.6}) {
           sched::Schedule s = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
-          s.kv_place.assign(std::size_t(c.layers), place);
-          check(s, named(N, a) + (place == sched::KvPlace::Host ? " K/V on the host" : " K/V recomputed"));
+          s.place.kv.assign(std::size_t(c.layers), place);
+          check(s, named(N, a) + (place == KvPlace::Host ? " K/V on the host" : " K/V recomputed"));
         }
     // The whole-block recompute baseline (--recompute): backward reruns each block's forward.
     check(sched::build_single(c.layers, {S}, {0.0}), "--recompute", true);
@@ -579,13 +577,13 @@ TEST(Labels, TheLossAveragesOverTheStepsCountedPositions) {
       for (double a : {0.0, 0.6})
         for (SavedSet rc : {SavedSet(0), recompute_levels().back()}) {
           sched::Schedule s = sched::build_single(c.layers, equal_lengths(kS, N), alphas(N, a));
-          s.recompute = rc;
+          s.place.recompute = rc;
           check(s, "N=" + std::to_string(N) + " alpha=" + std::to_string(a) + " recompute " + recompute_tensors_text(rc));
         }
-    for (const sched::KvPlace place : {sched::KvPlace::Host, sched::KvPlace::Recompute}) {
+    for (const KvPlace place : {KvPlace::Host, KvPlace::Recompute}) {
       sched::Schedule s = sched::build_single(c.layers, equal_lengths(kS, 3), alphas(3, 0.6));
-      s.kv_place.assign(std::size_t(c.layers), place);
-      check(s, place == sched::KvPlace::Host ? "K/V on the host" : "K/V recomputed");
+      s.place.kv.assign(std::size_t(c.layers), place);
+      check(s, place == KvPlace::Host ? "K/V on the host" : "K/V recomputed");
     }
   }
 }

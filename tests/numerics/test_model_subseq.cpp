@@ -47,7 +47,7 @@ std::vector<std::int32_t> random_tokens(i64 S, int V, unsigned seed) {
 }
 
 Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
-          const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<sched::KvPlace> kv = {},
+          const std::vector<std::int32_t>& tokens, bool recompute = false, std::vector<KvPlace> kv = {},
           SavedSet recompute_tensors = 0, i64 mlp_tile_rows = 0, bool layer_major = false,
           bool residual_host = false, std::vector<bool> rebuilt = {}) {
   RuntimeOptions o;
@@ -61,11 +61,11 @@ Grads run(const ModelConfig& c, const std::vector<i64>& lengths, const std::vect
   for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
   sched::Schedule sc = sched::build_single(c.layers, lengths, alpha);
   if (layer_major) sc = sched::to_layer_major(std::move(sc));
-  sc.residual_host = residual_host;
-  sc.kv_place = std::move(kv);
-  sc.recompute = recompute_tensors;
-  sc.mlp_tile_rows = mlp_tile_rows;
-  sc.inputs_rebuilt = std::move(rebuilt);
+  sc.place.residual_grads = residual_host ? Tier::Host : Tier::Device;
+  sc.place.kv = std::move(kv);
+  sc.place.recompute = recompute_tensors;
+  sc.place.mlp_tile_rows = mlp_tile_rows;
+  sc.place.inputs_rebuilt = std::move(rebuilt);
   StepResult r = rt.step(sc, tokens.data());
   Grads out;
   out.loss = r.loss;
@@ -145,7 +145,6 @@ TEST(Subsequences, HostKvCacheMatches) {
   const i64 S = 61;
   const auto tokens = random_tokens(S, c.vocab, 7);
   const Grads ref = run(c, {S}, {0.0}, tokens);
-  using sched::KvPlace;
   const std::vector<KvPlace> all(std::size_t(c.layers), KvPlace::Host), some = {KvPlace::Device, KvPlace::Host, KvPlace::Device};
   for (int N : {1, 3, 8})
     for (double a : {0.0, 1.0}) {
@@ -167,7 +166,6 @@ TEST(Subsequences, HostKvCacheMatches) {
 // Every layer or some, with and without offload (an offloaded x streams back from the
 // host), chunks that pack several blocks and blocks longer than a chunk.
 TEST(Subsequences, RecomputedKvMatches) {
-  using sched::KvPlace;
   const ModelConfig c = small_config();
   const i64 S = 61;
   const auto tokens = random_tokens(S, c.vocab, 9);
@@ -191,7 +189,6 @@ TEST(Subsequences, RecomputedKvMatches) {
 // each group alone, the planner's levels, and every group, with K/V on the device, on the
 // host or recomputed, for N 1, 3, 8 with and without offload.
 TEST(Subsequences, RecomputedTensorsMatch) {
-  using sched::KvPlace;
   const ModelConfig c = small_config();
   const i64 S = 61;
   const auto tokens = random_tokens(S, c.vocab, 11);
@@ -214,7 +211,7 @@ TEST(Subsequences, RecomputedTensorsMatch) {
         expect_matches(c, ref,
                        run(c, equal_lengths(S, N), alphas(N, 0.5), tokens, false,
                            std::vector<KvPlace>(std::size_t(c.layers), kv), set),
-                       std::string("recompute ") + recompute_tensors_text(set) + " with " + sched::to_string(kv) +
+                       std::string("recompute ") + recompute_tensors_text(set) + " with " + to_string(kv) +
                            " K/V, N=" + std::to_string(N));
 }
 
@@ -225,7 +222,6 @@ TEST(Subsequences, RecomputedTensorsMatch) {
 // host (Note [Residual gradients on the host]): the reference's loss and gradients. With
 // the K/V on the device, one layer's dK/dV sums at a time lower the peak.
 TEST(Subsequences, LayerMajorBackwardMatches) {
-  using sched::KvPlace;
   const ModelConfig c = small_config();
   const i64 S = 61;
   const auto tokens = random_tokens(S, c.vocab, 13);
@@ -239,7 +235,7 @@ TEST(Subsequences, LayerMajorBackwardMatches) {
     for (SavedSet set : {SavedSet{0}, recompute_levels()[3], all})
       for (int N : {1, 3, 8})
         for (double a : {0.0, 0.5, 1.0}) {
-          const std::string what = std::string("layer-major, K/V ") + (kv.empty() ? "device" : sched::to_string(kv[1])) +
+          const std::string what = std::string("layer-major, K/V ") + (kv.empty() ? "device" : to_string(kv[1])) +
                                    ", recompute " + recompute_tensors_text(set) + ", N=" + std::to_string(N) +
                                    " alpha=" + std::to_string(a);
           expect_matches(c, ref, run(c, equal_lengths(S, N), alphas(N, a), tokens, false, kv, set, 0, true), what);
@@ -266,7 +262,6 @@ TEST(Subsequences, LayerMajorBackwardMatches) {
 // the host, recomputed tensors, offload (the layer below's input copied back from the
 // host), the residual gradients on the host, MLP tiles and uneven lengths.
 TEST(Subsequences, RebuiltLayerInputsMatch) {
-  using sched::KvPlace;
   const ModelConfig c = small_config();
   const i64 S = 61;
   const auto tokens = random_tokens(S, c.vocab, 19);
@@ -318,7 +313,7 @@ Grads run_weights(const ModelConfig& c, sched::Schedule sc, const std::vector<st
   std::normal_distribution<float> n(0.0f, 0.05f);
   for (i64 k = 0; k < c.num_params(); ++k) rt.params()[k] += n(rng);
   rt.refresh_weights();  // the embedding, final norm and head to the device
-  sc.weights_host = host;
+  sc.place.weights = host ? Tier::Host : Tier::Device;
   StepControl control;
   if (docs) {
     sc.packed = true;
@@ -339,7 +334,6 @@ Grads run_weights(const ModelConfig& c, sched::Schedule sc, const std::vector<st
 // the device to the bit, for N 1, 3 and 8, in both backward orders, with offload, with K/V
 // on the host or recomputed, and over packed documents; and the device holds less.
 TEST(Subsequences, WeightsOnTheHostMatchTheDevice) {
-  using sched::KvPlace;
   const ModelConfig c = small_config();
   const i64 S = 61;
   const auto tokens = random_tokens(S, c.vocab, 17);
@@ -356,12 +350,12 @@ TEST(Subsequences, WeightsOnTheHostMatchTheDevice) {
           for (bool packed : {false, true}) {
             sched::Schedule sc = sched::build_single(c.layers, equal_lengths(S, N), alphas(N, a));
             if (layer_major) sc = sched::to_layer_major(std::move(sc));
-            sc.kv_place = kv;
+            sc.place.kv = kv;
             // Rebuilt layer inputs bring the layer below's weights with the layer's.
-            if (layer_major && kv.empty()) sc.inputs_rebuilt = {false, true, false};
+            if (layer_major && kv.empty()) sc.place.inputs_rebuilt = {false, true, false};
             const std::string what = std::string(layer_major ? "layer" : "subseq") + " order" +
-                                     (sc.any_input_rebuilt() ? ", layer 1's input rebuilt" : "") + ", K/V " +
-                                     (kv.empty() ? "device" : sched::to_string(kv[0])) + ", N=" + std::to_string(N) +
+                                     (sc.place.any_input_rebuilt() ? ", layer 1's input rebuilt" : "") + ", K/V " +
+                                     (kv.empty() ? "device" : to_string(kv[0])) + ", N=" + std::to_string(N) +
                                      " alpha=" + std::to_string(a) + (packed ? ", packed" : "");
             const Grads device = run_weights(c, sc, tokens, false, packed ? &docs : nullptr);
             const Grads host = run_weights(c, sc, tokens, true, packed ? &docs : nullptr);
@@ -391,7 +385,7 @@ TEST(Subsequences, MlpTilesMatch) {
         }
   expect_matches(c, ref,
                  run(c, equal_lengths(S, 3), alphas(3, 0.5), tokens, false,
-                     std::vector<sched::KvPlace>(std::size_t(c.layers), sched::KvPlace::Host),
+                     std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Host),
                      recompute_groups()[5].tensors, 4),
                  "tiles of 4 with host K/V");
 }
@@ -417,7 +411,7 @@ TEST(Subsequences, RecomputingLowersThePeak) {
   const Grads keep = run(c, equal_lengths(S, 4), alphas(4, 0.0), tokens);
   const Grads mlp = run(c, equal_lengths(S, 4), alphas(4, 0.0), tokens, false, {}, recompute_levels()[2]);
   const Grads kv = run(c, equal_lengths(S, 4), alphas(4, 0.0), tokens, false,
-                       std::vector<sched::KvPlace>(std::size_t(c.layers), sched::KvPlace::Recompute));
+                       std::vector<KvPlace>(std::size_t(c.layers), KvPlace::Recompute));
   EXPECT_LT(mlp.peak, keep.peak);
   EXPECT_LT(kv.peak, keep.peak);
 }

@@ -196,7 +196,9 @@ TEST(PlanCli, ZeroRingLayoutAndOffloadReachThePlan) {
   const nlohmann::json zero1 = plan_json("--zero 1 --msp off");
   EXPECT_EQ(zero1["zero"].get<int>(), 1);
   EXPECT_EQ(zero1["ring_layout"], "zigzag");
-  EXPECT_EQ(zero1["sp_kind"], "ring");  // SPPO's sp runs as `train --cp`
+  // Each kind of sequence parallelism by its own name (`train --tp`, `--cp`).
+  EXPECT_FALSE(zero1.contains("sp"));
+  for (const char* kind : {"tp", "ulysses", "cp"}) EXPECT_GE(zero1[kind].get<int>(), 1) << kind;
   const nlohmann::json paper = plan_json("--offload paper --msp off");
   EXPECT_EQ(paper["offload"], "paper");
   const auto alpha = paper["alpha"].get<std::vector<double>>();

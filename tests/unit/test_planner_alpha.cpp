@@ -76,7 +76,7 @@ struct Shape {
 TEST(AdaptiveAlpha, NeverSlowerThanPaperFullOrNone) {
   const ModelConfig c = preset("medium");
   StepShape pipe;
-  pipe.pp = 2;
+  pipe.par.pp = 2;
   for (const Shape& sh : {Shape{"one process", {}}, Shape{"two stages", pipe}})
     for (const HardwareProfile& hw : {plan::load_profile("a100-80gb"), slow_copies()}) {
       const auto lengths = plan::partition_flops(c, 16384, 8);
@@ -198,17 +198,17 @@ TEST(Msp, TheNoteAgreesWithTheTwoSimulatedFigures) {
   PlanRequest req = request("gpt-7b", i64(128) << 10, 16);
   req.budget = i64(160) << 30;
   plan::Plan layout;
-  layout.system = "sppo";
+  layout.system = plan::System::Sppo;
   layout.model_name = req.model_name;
   layout.model = req.model;
   layout.hardware = req.hardware;
   layout.seq_len = req.seq_len;
   layout.gpus = 16;
   layout.gpus_per_node = 8;
-  layout.sp = 1;
-  layout.pp = 4;
-  layout.dp = 4;
-  layout.zero = 1;
+  layout.par.cp = 1;
+  layout.par.pp = 4;
+  layout.par.dp = 4;
+  layout.par.zero = ZeroStage::OptimizerState;
   layout.subseqs = 16;
   layout.lengths = plan::partition_flops(req.model, req.seq_len, 16);
   layout.stage_layers = plan::balanced_stage_layers(req.model.layers, 4, 0.5);
@@ -217,14 +217,14 @@ TEST(Msp, TheNoteAgreesWithTheTwoSimulatedFigures) {
   ASSERT_TRUE(m.off_fits && m.on_fits) << m.note;
   const auto figures = seconds_in(m.note);
   ASSERT_EQ(figures.size(), 2u) << m.note;
-  const plan::Plan& other = m.chosen.msp ? m.off : m.on;
+  const plan::Plan& other = m.chosen.par.msp.on ? m.off : m.on;
   EXPECT_EQ(figures[0], four_digits(m.chosen.predicted.step_time_s)) << m.note;
   EXPECT_EQ(figures[1], four_digits(other.predicted.step_time_s)) << m.note;
   EXPECT_LE(m.chosen.predicted.step_time_s, other.predicted.step_time_s);
   // The figures are those of the plans as simulated whole.
   EXPECT_NEAR(simulate_plan(m.on, req.hw).step_time_s, m.on.predicted.step_time_s, 1e-12);
   EXPECT_NEAR(simulate_plan(m.off, req.hw).step_time_s, m.off.predicted.step_time_s, 1e-12);
-  EXPECT_NE(m.note.find(m.chosen.msp ? "MSP on" : "MSP off"), std::string::npos) << m.note;
+  EXPECT_NE(m.note.find(m.chosen.par.msp.on ? "MSP on" : "MSP off"), std::string::npos) << m.note;
 }
 
 TEST(PlanJson, ZeroAndRingLayoutRoundTripAndOldPlansRead) {
@@ -233,7 +233,7 @@ TEST(PlanJson, ZeroAndRingLayoutRoundTripAndOldPlansRead) {
   const nlohmann::json j = plan::to_json(out.plan);
   EXPECT_TRUE(j.contains("zero"));
   EXPECT_EQ(j["ring_layout"], "zigzag");
-  if (out.plan.sp * out.plan.dp > 1) {
+  if (out.plan.par.cp * out.plan.par.dp > 1) {
     EXPECT_EQ(j["zero"], 1);
   }
   EXPECT_EQ(plan::to_json(plan::plan_from_json(j)), j);
@@ -241,24 +241,24 @@ TEST(PlanJson, ZeroAndRingLayoutRoundTripAndOldPlansRead) {
   old.erase("zero");
   old.erase("ring_layout");
   const plan::Plan p = plan::plan_from_json(old);
-  EXPECT_EQ(p.zero, 0);
-  EXPECT_EQ(p.ring_layout, "zigzag");
+  EXPECT_EQ(p.par.zero, ZeroStage::None);
+  EXPECT_EQ(p.par.ring_layout, RingLayout::Zigzag);
   old["zero"] = 2;
   EXPECT_THROW(plan::plan_from_json(old), Error);
 }
 
 TEST(Zero, ShardsTheOptimizerStateOfAPlan) {
   PlanRequest req = request("gpt-7b", i64(256) << 10, 16);
-  req.zero = 0;
+  req.zero = ZeroStage::None;
   const auto off = solve_plan(req);
-  req.zero = 1;
+  req.zero = ZeroStage::OptimizerState;
   const auto on = solve_plan(req);
   ASSERT_TRUE(off.ok && on.ok);
-  EXPECT_EQ(off.plan.zero, 0);
-  EXPECT_EQ(on.plan.zero, 1);
+  EXPECT_EQ(off.plan.par.zero, ZeroStage::None);
+  EXPECT_EQ(on.plan.par.zero, ZeroStage::OptimizerState);
   plan::Plan flipped = on.plan;
-  flipped.zero = 0;
-  if (on.plan.sp * on.plan.dp > 1) {
+  flipped.par.zero = ZeroStage::None;
+  if (on.plan.par.cp * on.plan.par.dp > 1) {
     EXPECT_LT(simulate_plan(on.plan, req.hw).peak_device_bytes, simulate_plan(flipped, req.hw).peak_device_bytes);
   }
 }

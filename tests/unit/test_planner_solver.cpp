@@ -100,7 +100,7 @@ sim::PlanRequest request(const char* model, i64 S, int gpus, const char* system)
   r.gpus_per_node = 8;
   r.hardware = "a100-80gb";
   r.hw = load_profile("a100-80gb");
-  r.system = system;
+  r.system = plan::parse_system(system);
   return r;
 }
 
@@ -108,12 +108,12 @@ TEST(Solver, SppoPlanFitsAndRoundTrips) {
   const auto out = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 16, "sppo"));
   ASSERT_TRUE(out.ok) << out.error;
   const Plan& p = out.plan;
-  EXPECT_EQ(p.tp * p.sp * p.pp * p.dp, 16);
-  EXPECT_LE(p.tp * p.sp, 8) << "sequence parallelism stays inside a node";
+  EXPECT_EQ(p.par.tp * p.par.cp * p.par.pp * p.par.dp, 16);
+  EXPECT_LE(p.par.tp * p.par.cp, 8) << "sequence parallelism stays inside a node";
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   EXPECT_GT(p.predicted.tokens_per_gpu_per_s, 0);
   EXPECT_EQ(sum(p.lengths), p.seq_len);
-  EXPECT_EQ(p.optimizer_state, "device") << "the device holds it, so it stays there";
+  EXPECT_EQ(p.place.optimizer_state, Tier::Device) << "the device holds it, so it stays there";
   const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
   EXPECT_EQ(to_json(q), to_json(p));
   const auto r = sim::simulate_plan(q, load_profile("a100-80gb"));
@@ -153,12 +153,12 @@ TEST(Solver, Qwen3CountsItsHeadsWidth) {
 TEST(Solver, TensorParallelFitsLongerSequences) {
   const auto out = sim::solve_plan(request("gpt-7b", i64(1536) * 1024, 32, "sppo"));
   ASSERT_TRUE(out.ok) << out.error;
-  EXPECT_GT(out.plan.tp, 1);
+  EXPECT_GT(out.plan.par.tp, 1);
   EXPECT_LE(out.plan.predicted.peak_device_bytes, out.plan.budget);
   // The same layout with ring SP instead needs more than the budget.
   Plan ring = out.plan;
-  ring.sp *= ring.tp;
-  ring.tp = 1;
+  ring.par.cp *= ring.par.tp;
+  ring.par.tp = 1;
   EXPECT_GT(sim::simulate_plan(ring, load_profile("a100-80gb")).peak_device_bytes, out.plan.budget);
 }
 
@@ -170,24 +170,24 @@ TEST(Solver, RecomputingFitsWhatTheDeviceCacheCannot) {
   const auto out = sim::solve_plan(request("gpt-7b", i64(4) << 20, 32, "sppo"));
   ASSERT_TRUE(out.ok) << out.error;
   const Plan& p = out.plan;
-  EXPECT_FALSE(p.kv_recompute_layers.empty() && p.kv_host_layers.empty());
-  EXPECT_NE(p.recompute, 0u);
+  EXPECT_FALSE(p.place.kv_layers(KvPlace::Recompute).empty() && p.place.kv_layers(KvPlace::Host).empty());
+  EXPECT_NE(p.place.recompute, 0u);
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   EXPECT_LE(p.predicted.peak_host_bytes, load_profile("a100-80gb").host_memory);
   const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
   EXPECT_EQ(to_json(q), to_json(p));
   auto device_only = request("gpt-7b", i64(4) << 20, 32, "sppo");
-  device_only.kv_cache = "device";
-  device_only.recompute_auto = false;
+  device_only.place.kv = KvPlace::Device;
+  device_only.place.recompute = SavedSet(0);
   EXPECT_FALSE(sim::solve_plan(device_only).ok);
   // In the paper's backward order; the layer-major one's faster layouts at 1M keep the
   // K/V on the host (LayerMajorBackwardFitsWhatThePapersOrderCannot).
   auto short_req = request("gpt-7b", i64(1) << 20, 32, "sppo");
-  short_req.backward_order = "subseq";
+  short_req.place.backward = BackwardOrder::Subseq;
   const auto short_one = sim::solve_plan(short_req);
   ASSERT_TRUE(short_one.ok) << short_one.error;
-  EXPECT_TRUE(short_one.plan.kv_recompute_layers.empty() && short_one.plan.kv_host_layers.empty());
-  EXPECT_EQ(short_one.plan.recompute, 0u);
+  EXPECT_TRUE(short_one.plan.place.kv_layers(KvPlace::Recompute).empty() && short_one.plan.place.kv_layers(KvPlace::Host).empty());
+  EXPECT_EQ(short_one.plan.place.recompute, 0u);
 }
 
 // The layer-major backward (Note [Layer-major backward]): llama-3-8b at 512K on one H200
@@ -198,23 +198,23 @@ TEST(Solver, LayerMajorBackwardFitsWhatThePapersOrderCannot) {
   auto req = request("llama-3-8b", i64(512) << 10, 1, "sppo");
   req.hardware = "h200";
   req.hw = load_profile("h200");
-  req.backward_order = "subseq";
+  req.place.backward = BackwardOrder::Subseq;
   EXPECT_FALSE(sim::solve_plan(req).ok);
-  req.backward_order = "auto";
+  req.place.backward = kAuto;
   const auto out = sim::solve_plan(req);
   ASSERT_TRUE(out.ok) << out.error;
-  EXPECT_EQ(out.plan.backward_order, "layer");
+  EXPECT_EQ(out.plan.place.backward, BackwardOrder::Layer);
   const Plan q = plan_from_json(nlohmann::json::parse(to_json(out.plan).dump()));
-  EXPECT_EQ(q.backward_order, "layer");
-  EXPECT_EQ(sim::plan_schedule(q).backward, sched::BackwardOrder::Layer);
+  EXPECT_EQ(q.place.backward, BackwardOrder::Layer);
+  EXPECT_EQ(sim::plan_schedule(q).place.backward, BackwardOrder::Layer);
   const auto r = sim::simulate_plan(q, load_profile("h200"));
   EXPECT_NEAR(r.step_time_s, out.plan.predicted.step_time_s, 1e-9 * out.plan.predicted.step_time_s);
   auto layered = request("gpt-7b", i64(256) << 10, 16, "sppo");
-  layered.backward_order = "layer";
+  layered.place.backward = BackwardOrder::Layer;
   const auto layer = sim::solve_plan(layered);
   ASSERT_TRUE(layer.ok) << layer.error;
-  EXPECT_EQ(layer.plan.backward_order, "layer");
-  EXPECT_FALSE(layer.plan.msp);
+  EXPECT_EQ(layer.plan.place.backward, BackwardOrder::Layer);
+  EXPECT_FALSE(layer.plan.par.msp.on);
 }
 
 // Note [Optimizer state under a budget]: gpt-7b's weights, gradients and AdamW state (16 B
@@ -227,7 +227,7 @@ TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
   const auto out = sim::solve_plan(req);
   ASSERT_TRUE(out.ok) << out.error;
   const Plan& p = out.plan;
-  EXPECT_EQ(p.optimizer_state, "host");
+  EXPECT_EQ(p.place.optimizer_state, Tier::Host);
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   EXPECT_GE(p.predicted.peak_host_bytes, 16 * p.model.num_params()) << "master, m, v and gradients on the host";
   const CostModel cost(load_profile("a100-80gb"), p.model, ActPrecision::BF16);
@@ -238,7 +238,7 @@ TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
   const auto r = sim::simulate_plan(q, load_profile("a100-80gb"));
   EXPECT_EQ(r.peak_host_bytes, p.predicted.peak_host_bytes);
   EXPECT_NEAR(r.step_time_s, p.predicted.step_time_s, 1e-9 * p.predicted.step_time_s);
-  req.optimizer_state = "device";
+  req.place.optimizer_state = Tier::Device;
   const auto device = sim::solve_plan(req);
   ASSERT_FALSE(device.ok);
   EXPECT_NE(device.error.find("weights, gradients and optimizer state alone"), std::string::npos) << device.error;
@@ -257,16 +257,16 @@ TEST(Solver, WeightsOnTheHostWhereTheStateAloneThereDoesNotFit) {
   const auto out = sim::solve_plan(req);
   ASSERT_TRUE(out.ok) << out.error;
   const Plan& p = out.plan;
-  EXPECT_EQ(p.weights, "host");
-  EXPECT_EQ(p.optimizer_state, "host");
-  EXPECT_EQ(p.zero, 0);
+  EXPECT_EQ(p.place.weights, Tier::Host);
+  EXPECT_EQ(p.place.optimizer_state, Tier::Host);
+  EXPECT_EQ(p.par.zero, ZeroStage::None);
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
   EXPECT_EQ(to_json(q), to_json(p));
   const auto r = sim::simulate_plan(q, req.hw);
   EXPECT_EQ(r.peak_device_bytes, p.predicted.peak_device_bytes);
   EXPECT_EQ(r.peak_host_bytes, p.predicted.peak_host_bytes);
-  req.weights = "device";
+  req.place.weights = Tier::Device;
   const auto device = sim::solve_plan(req);
   EXPECT_FALSE(device.ok);
 }
@@ -285,10 +285,10 @@ TEST(Solver, RebuiltInputsWhereKeepingThemDoesNotFit) {
   const Plan& p = out.plan;
   std::vector<int> odd;
   for (int l = 1; l < 32; l += 2) odd.push_back(l);
-  EXPECT_EQ(p.rebuilt_inputs, odd);
-  EXPECT_EQ(p.backward_order, "layer");
+  EXPECT_EQ(p.place.rebuilt_layers(), odd);
+  EXPECT_EQ(p.place.backward, BackwardOrder::Layer);
   for (int l : odd) {
-    EXPECT_EQ(std::count(p.kv_recompute_layers.begin(), p.kv_recompute_layers.end(), l), 0) << l;
+    EXPECT_NE(p.place.kv_at(l), KvPlace::Recompute) << l;
   }
   EXPECT_LE(p.predicted.peak_device_bytes, p.budget);
   EXPECT_LE(p.predicted.peak_host_bytes, req.hw.host_memory);
@@ -297,16 +297,16 @@ TEST(Solver, RebuiltInputsWhereKeepingThemDoesNotFit) {
   const auto r = sim::simulate_plan(q, req.hw);
   EXPECT_EQ(r.peak_device_bytes, p.predicted.peak_device_bytes);
   EXPECT_EQ(r.peak_host_bytes, p.predicted.peak_host_bytes);
-  req.rebuild_inputs = "none";
+  req.place.rebuild = parse_rebuild_inputs("none");
   const auto kept = sim::solve_plan(req);
   EXPECT_FALSE(kept.ok);
   req.seq_len = 944 * 1024;
   const auto keeping = sim::solve_plan(req);
-  req.rebuild_inputs = "auto";
+  req.place.rebuild = parse_rebuild_inputs("auto");
   const auto rebuilding = sim::solve_plan(req);
   ASSERT_TRUE(keeping.ok && rebuilding.ok) << keeping.error << rebuilding.error;
-  EXPECT_TRUE(keeping.plan.rebuilt_inputs.empty());
-  EXPECT_FALSE(rebuilding.plan.rebuilt_inputs.empty());
+  EXPECT_FALSE(keeping.plan.place.any_input_rebuilt());
+  EXPECT_TRUE(rebuilding.plan.place.any_input_rebuilt());
   EXPECT_GT(rebuilding.plan.predicted.tokens_per_gpu_per_s, 1.5 * keeping.plan.predicted.tokens_per_gpu_per_s);
 }
 
@@ -318,23 +318,23 @@ TEST(Solver, RebuiltInputsWhereKeepingThemDoesNotFit) {
 TEST(Solver, KeptFloorsRuleOutAsTheHostStateSearchWould) {
   auto req = request("small", i64(64) << 10, 4, "sppo");
   req.gpus_per_node = 1;  // no ring: MSP on one fits here (Note [MSP in the search])
-  req.msp = 1;
+  req.msp = true;
   req.budget = i64(100) << 20;
-  req.kv_cache = "device";  // with the K/V on the host, MSP fits here too
+  req.place.kv = KvPlace::Device;  // with the K/V on the host, MSP fits here too
   auto floor_named = [](const std::string& error) {
     const auto at = error.find("of at least ");
     return at == std::string::npos ? std::string() : error.substr(at, error.find(" MiB", at) - at);
   };
-  req.optimizer_state = "host";
+  req.place.optimizer_state = Tier::Host;
   const auto host = sim::solve_plan(req);
   ASSERT_FALSE(host.ok);
-  req.optimizer_state = "auto";
+  req.place.optimizer_state = kAuto;
   const auto both = sim::solve_plan(req);
   ASSERT_FALSE(both.ok);
   ASSERT_NE(floor_named(host.error), "") << host.error;
   EXPECT_EQ(floor_named(both.error), floor_named(host.error)) << both.error << "\n" << host.error;
   EXPECT_NE(both.error.find("with the optimizer state on the host"), std::string::npos) << both.error;
-  req.optimizer_state = "device";
+  req.place.optimizer_state = Tier::Device;
   const auto device = sim::solve_plan(req);
   ASSERT_FALSE(device.ok);
   EXPECT_NE(floor_named(device.error), floor_named(host.error)) << "the state's bytes must matter here";
@@ -346,25 +346,25 @@ TEST(Solver, KeptFloorsRuleOutAsTheHostStateSearchWould) {
 // fit.
 TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
   auto req = request("bench", i64(256) << 10, 1, "sppo");
-  req.backward_order = "subseq";  // the layer-major order fits under that budget too
+  req.place.backward = BackwardOrder::Subseq;  // the layer-major order fits under that budget too
   req.gpus_per_node = 1;
   req.offload = sim::OffloadMode::None;
-  req.kv_cache = "device";
-  req.recompute_auto = false;
+  req.place.kv = KvPlace::Device;
+  req.place.recompute = SavedSet(0);
   const auto whole = sim::solve_plan(req);
   ASSERT_TRUE(whole.ok) << whole.error;
-  EXPECT_EQ(whole.plan.mlp_tile_rows, 0);
+  EXPECT_EQ(whole.plan.place.mlp_tile_rows, 0);
   req.budget = whole.plan.predicted.peak_device_bytes - 1;
   const auto out = sim::solve_plan(req);
   ASSERT_TRUE(out.ok) << out.error;
   const Plan& p = out.plan;
-  EXPECT_EQ(p.mlp_tile_rows, sim::kPlanMlpTileRows);
+  EXPECT_EQ(p.place.mlp_tile_rows, sim::kPlanMlpTileRows);
   EXPECT_LE(p.predicted.peak_device_bytes, req.budget);
   Plan untiled = p;
-  untiled.mlp_tile_rows = 0;
+  untiled.place.mlp_tile_rows = 0;
   EXPECT_GT(sim::simulate_plan(untiled, load_profile("a100-80gb")).peak_device_bytes, req.budget);
   const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
-  EXPECT_EQ(q.mlp_tile_rows, p.mlp_tile_rows);
+  EXPECT_EQ(q.place.mlp_tile_rows, p.place.mlp_tile_rows);
 }
 
 // Full offload is one of the alphas the adaptive search weighs, so its plan is never the
@@ -380,13 +380,13 @@ TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
 TEST(Solver, ThePapersOrderOfOffloadAndMsp) {
   for (const i64 S : {i64(128) * 1024, i64(512) * 1024}) {
     auto req = request("gpt-13b", S, 128, "sppo");
-    req.backward_order = "subseq";
-    req.msp = 0;
+    req.place.backward = BackwardOrder::Subseq;
+    req.msp = false;
     req.offload = sim::OffloadMode::Full;
     const auto full = sim::solve_plan(req);
     req.offload = sim::OffloadMode::Adaptive;
     const auto adaptive = sim::solve_plan(req);
-    req.msp = 1;
+    req.msp = true;
     const auto msp = sim::solve_plan(req);
     ASSERT_TRUE(full.ok && adaptive.ok && msp.ok) << full.error << adaptive.error << msp.error;
     const double f = full.plan.predicted.tokens_per_gpu_per_s, a = adaptive.plan.predicted.tokens_per_gpu_per_s,
@@ -395,11 +395,11 @@ TEST(Solver, ThePapersOrderOfOffloadAndMsp) {
     EXPECT_LT(a, m) << S << " tokens: adaptive " << a << ", with MSP " << m;
     // The paper's Table 3 case fits with MSP (Note [MSP in the search]), and a plan's JSON
     // keeps MSP's reach.
-    EXPECT_TRUE(msp.plan.msp);
+    EXPECT_TRUE(msp.plan.par.msp.on);
     EXPECT_LE(msp.plan.predicted.peak_device_bytes, msp.plan.budget);
     Plan reach = msp.plan;
-    reach.msp_reach = 2;
-    EXPECT_EQ(plan_from_json(to_json(reach)).msp_reach, 2);
+    reach.par.msp.reach = 2;
+    EXPECT_EQ(plan_from_json(to_json(reach)).par.msp.reach, 2);
   }
 }
 
@@ -409,13 +409,13 @@ TEST(Solver, ThePapersOrderOfOffloadAndMsp) {
 // faster (tp 4 sp 2 pp 8 dp 2, 42.6).
 TEST(Solver, PlacementsThatSaveMemoryAreWeighedWhenOthersFit) {
   auto req = request("gpt-65b", i64(640) * 1024, 128, "sppo");
-  req.msp = 0;
-  req.kv_cache = "device";
+  req.msp = false;
+  req.place.kv = KvPlace::Device;
   const auto device = sim::solve_plan(req);
-  req.kv_cache = "auto";
+  req.place.kv = kAuto;
   const auto any = sim::solve_plan(req);
   ASSERT_TRUE(device.ok && any.ok) << device.error << any.error;
-  EXPECT_TRUE(any.plan.kv_host_layers.size() > 0 || any.plan.recompute != 0);
+  EXPECT_TRUE(!any.plan.place.kv_layers(KvPlace::Host).empty() || any.plan.place.recompute != 0);
   EXPECT_GT(any.plan.predicted.tokens_per_gpu_per_s, device.plan.predicted.tokens_per_gpu_per_s * 1.05);
 }
 
@@ -426,7 +426,7 @@ TEST(Solver, SaysWhyNothingFits) {
   const auto out = sim::solve_plan(req);
   ASSERT_FALSE(out.ok);
   EXPECT_NE(out.error.find("of host memory"), std::string::npos) << out.error;
-  req.weights = "device";
+  req.place.weights = Tier::Device;
   const auto kept = sim::solve_plan(req);
   ASSERT_FALSE(kept.ok);
   EXPECT_NE(kept.error.find("weights and gradients alone"), std::string::npos) << kept.error;
@@ -438,27 +438,56 @@ TEST(Solver, SaysWhyNothingFits) {
 TEST(Solver, Baselines) {
   const auto m = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 16, "megatron"));
   ASSERT_TRUE(m.ok) << m.error;
-  EXPECT_EQ(m.plan.tp * m.plan.sp * m.plan.pp * m.plan.dp, 16);
+  EXPECT_EQ(m.plan.par.tp * m.plan.par.cp * m.plan.par.pp * m.plan.par.dp, 16);
   EXPECT_LE(m.plan.predicted.peak_device_bytes, m.plan.budget);
   const auto d = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 64, "deepspeed"));
   ASSERT_TRUE(d.ok) << d.error;
-  EXPECT_LE(d.plan.sp, 32) << "Ulysses degree above the head count";
-  EXPECT_EQ(d.plan.sp * d.plan.dp, 64);
+  EXPECT_LE(d.plan.par.ulysses, 32) << "Ulysses degree above the head count";
+  EXPECT_EQ(d.plan.par.ulysses * d.plan.par.dp, 64);
+  EXPECT_EQ(d.plan.par.cp, 1);
+  EXPECT_NE(plan::layout_text(d.plan).find("ulysses"), std::string::npos) << plan::layout_text(d.plan);
 }
 
 TEST(PlanJson, NamesBadFields) {
-  nlohmann::json j = {{"hardware", "a100-80gb"}, {"seq_len", 10}, {"sp", 1}, {"pp", 1}, {"lengths", {4, 4}},
+  nlohmann::json j = {{"hardware", "a100-80gb"}, {"seq_len", 10}, {"cp", 1}, {"pp", 1}, {"lengths", {4, 4}},
                       {"gpus", 1}, {"model", "tiny"}};
   EXPECT_THROW(plan_from_json(j), Error);  // lengths sum to 8
   j["lengths"] = {6, 4};
   EXPECT_NO_THROW(plan_from_json(j));
-  j.erase("sp");
+  j.erase("pp");
   EXPECT_THROW(plan_from_json(j), Error);
+}
+
+// Plans written before each kind of sequence parallelism had its own name keep loading:
+// their "sp" is the ring's ("sp_kind" ring), or DeepSpeed's Ulysses; a plan written now
+// names "tp", "ulysses" and "cp" and no "sp".
+TEST(PlanJson, PlansWrittenWithSpStillLoad) {
+  nlohmann::json ring = {{"hardware", "a100-80gb"}, {"seq_len", 12}, {"sp", 2},    {"sp_kind", "ring"}, {"pp", 1},
+                         {"lengths", {6, 6}},       {"gpus", 2},     {"model", "tiny"}};
+  Plan p = plan_from_json(ring);
+  EXPECT_EQ(p.par.cp, 2);
+  EXPECT_EQ(p.par.ulysses, 1);
+  ring.erase("sp_kind");
+  EXPECT_EQ(plan_from_json(ring).par.cp, 2) << "an SPPO plan's sp without a kind is its ring";
+  nlohmann::json ds = ring;
+  ds["system"] = "deepspeed";
+  ds["sp_kind"] = "ulysses";
+  p = plan_from_json(ds);
+  EXPECT_EQ(p.par.ulysses, 2);
+  EXPECT_EQ(p.par.cp, 1);
+  const nlohmann::json now = to_json(plan_from_json(ring));
+  EXPECT_FALSE(now.contains("sp"));
+  EXPECT_FALSE(now.contains("sp_kind"));
+  EXPECT_EQ(now["cp"], 2);
+  EXPECT_EQ(now["ulysses"], 1);
+  EXPECT_EQ(now["tp"], 1);
+  ring["sp_kind"] = "torus";
+  EXPECT_ERROR_WITH(plan_from_json(ring), "\"sp_kind\" must be ring or ulysses");
 }
 
 TEST(PlanJson, EmptyPlanNamesEveryMissingField) {
   const std::string msg = sppo::testing::error_of([] { plan_from_json(nlohmann::json::object()); });
-  for (const char* field : {"\"hardware\"", "\"seq_len\"", "\"sp\"", "\"pp\"", "\"lengths\"", "\"model_config\""})
+  for (const char* field : {"\"hardware\"", "\"seq_len\"", "\"pp\"", "\"lengths\"", "\"model_config\""})
     EXPECT_NE(msg.find(field), std::string::npos) << msg;
   EXPECT_EQ(msg.find("custom"), std::string::npos) << "blames a preset the plan never named: " << msg;
   EXPECT_ERROR_WITH(plan_from_json(nlohmann::json::array()), "JSON object");
@@ -495,10 +524,11 @@ TEST(PlanJson, RefusesValuesASimulationCannotUse) {
   nlohmann::json both = with("kv_recompute_layers", {0});
   both["kv_host_layers"] = {0};
   EXPECT_ERROR_WITH(plan_from_json(both), "in both");
-  // sp * pp * dp * tp of ints near 2^31 must not overflow on the way to the comparison.
+  // The degrees' product of ints near 2^31 must not overflow on the way to the comparison.
   nlohmann::json big = good;
-  for (const char* k : {"sp", "pp", "dp", "tp"}) big[k] = 2147483647;
-  EXPECT_ERROR_WITH(plan_from_json(big), "sp * pp * dp * tp = more than");
+  big.erase("sp");
+  for (const char* k : {"tp", "ulysses", "cp", "pp", "dp"}) big[k] = 2147483647;
+  EXPECT_ERROR_WITH(plan_from_json(big), "tp * ulysses * cp * pp * dp = more than");
 }
 
 TEST(Solver, SequenceBeyondTheSearchSaysHowLongItCanGo) {

@@ -204,15 +204,15 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     }
     StepOptions o = step_options(c.model, c.S, c.subseqs, c.offload, budget);
     if (c.layers > 0) o.model.layers = c.layers;
-    o.kv_cache = c.kv_cache;
+    o.place.kv = parse_kv_cache(c.kv_cache);
     o.partition = c.partition;
-    o.recompute_tensors = c.recompute;
-    o.optimizer_state = c.optimizer;
+    o.place.recompute = parse_recompute_option(c.recompute);
+    o.place.optimizer_state = parse_tier_option(c.optimizer, "--optimizer-state");
     o.mlp_tile_rows = c.mlp_tile_rows;
-    o.backward_order = c.backward;
-    o.weights = c.weights;
-    o.residual_grads = c.residual;
-    o.rebuild_inputs = c.rebuild;
+    o.place.backward = parse_backward_order_option(c.backward);
+    o.place.weights = parse_tier_option(c.weights, "--weights");
+    o.place.residual_grads = parse_tier(c.residual, "--residual-grads");
+    o.place.rebuild = parse_rebuild_inputs(c.rebuild);
     StepSetup s = make_setup(o);
     ASSERT_GT(s.predicted_peak_bytes, 0);
     s.runtime->device().reset_peak();
@@ -224,19 +224,19 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
                              " mlp tiles " + std::to_string(c.mlp_tile_rows) + " backward " + c.backward +
                              " weights " + c.weights + " residual gradients " + c.residual + " rebuilt inputs " +
                              c.rebuild;
-    EXPECT_EQ(s.schedule.any_input_rebuilt(), std::string(c.rebuild) != "none") << what;
-    EXPECT_EQ(s.schedule.weights_host, std::string(c.weights) == "host") << what;
-    EXPECT_EQ(s.schedule.residual_host, std::string(c.residual) == "host") << what;
+    EXPECT_EQ(s.schedule.place.any_input_rebuilt(), std::string(c.rebuild) != "none") << what;
+    EXPECT_EQ(s.schedule.place.weights_host(), std::string(c.weights) == "host") << what;
+    EXPECT_EQ(s.schedule.place.residual_host(), std::string(c.residual) == "host") << what;
     if (std::string(c.backward) != "subseq") {
-      EXPECT_EQ(s.schedule.backward, sched::BackwardOrder::Layer) << what;
+      EXPECT_EQ(s.schedule.place.backward, BackwardOrder::Layer) << what;
     }
     if (std::string(c.recompute) == "auto") {
-      const bool kv_recomputed = std::count(s.schedule.kv_place.begin(), s.schedule.kv_place.end(),
-                                            sched::KvPlace::Recompute) > 0;
-      EXPECT_TRUE(s.schedule.recompute != 0 || kv_recomputed) << what << ": the budget should have demanded recomputing";
+      const bool kv_recomputed = std::count(s.schedule.place.kv.begin(), s.schedule.place.kv.end(),
+                                            KvPlace::Recompute) > 0;
+      EXPECT_TRUE(s.schedule.place.recompute != 0 || kv_recomputed) << what << ": the budget should have demanded recomputing";
     }
     if (std::string(c.kv_cache) == "auto") {
-      EXPECT_FALSE(s.schedule.kv_place.empty()) << what << ": the budget should have put some K/V on the host";
+      EXPECT_FALSE(s.schedule.place.kv.empty()) << what << ": the budget should have put some K/V on the host";
     }
     // The layer-major backward holds one layer's dK/dV sums, so its peak can fall in the
     // forward beside an offload still copying, whose device bytes go when the copy ends on
@@ -250,12 +250,12 @@ TEST(RuntimeStep, MeasuredPeakEqualsTheSimulatorsPrediction) {
     }
     // The host tier holds the offloaded copies; the simulator's host peak is theirs.
     EXPECT_EQ(r.host.peak, s.predicted_host_bytes) << what;
-    if (s.schedule.kv_place.empty() && !s.runtime->state_on_host() && !s.schedule.residual_host) {
+    if (s.schedule.place.kv.empty() && !s.runtime->state_on_host() && !s.schedule.place.residual_host()) {
       EXPECT_EQ(r.host.peak > 0, r.offloaded_bytes > 0) << what;
     }
     if (budget > 0) {
       EXPECT_LE(r.device.peak, budget) << what;
-      if (s.schedule.kv_place.empty()) {
+      if (s.schedule.place.kv.empty()) {
         EXPECT_GT(r.offloaded_bytes, 0) << what << ": the budget should have demanded offloading";
       }
     }
@@ -283,7 +283,7 @@ TEST(RuntimeStep, HostBudgetBoundsTheOffloadedCopies) {
   EXPECT_LE(r.device.peak, o.device_memory);
 
   o.host_memory = unbounded.predicted_host_bytes / 2;
-  o.recompute_tensors = "none";  // recomputing would fit (RecomputeFitsWhereOffloadDoesNot)
+  o.place.recompute = parse_recompute_option("none");  // recomputing would fit (RecomputeFitsWhereOffloadDoesNot)
   try {
     make_setup(o);
     ADD_FAILURE() << "a host budget of half what must leave the device was accepted";
@@ -343,7 +343,7 @@ TEST(RuntimeStep, OptimizerStateOnTheHostTrainsAsOnTheDevice) {
     const i64 S = 512;
     StepOptions o = step_options("tiny", S, subseqs, "0.5");
     StepSetup on_device = make_setup(o);
-    o.optimizer_state = "host";
+    o.place.optimizer_state = Tier::Host;
     StepSetup on_host = make_setup(o);
     ASSERT_TRUE(on_host.runtime->state_on_host());
     const i64 state = on_host.runtime->num_state();
@@ -384,13 +384,13 @@ TEST(RuntimeStep, WeightsOnTheHostTrainAsOnTheDevice) {
       // nothing at their own time: Note [Weights on the host]).
       StepOptions o = step_options("tiny", S, subseqs, "none");
       o.model.layers = 6;
-      o.optimizer_state = "host";
-      o.backward_order = backward;
-      o.weights = "device";
+      o.place.optimizer_state = Tier::Host;
+      o.place.backward = parse_backward_order_option(backward);
+      o.place.weights = Tier::Device;
       StepSetup on_device = make_setup(o);
-      o.weights = "host";
+      o.place.weights = Tier::Host;
       StepSetup on_host = make_setup(o);
-      ASSERT_TRUE(on_host.runtime->weights_on_host() && on_host.schedule.weights_host) << what;
+      ASSERT_TRUE(on_host.runtime->weights_on_host() && on_host.schedule.place.weights_host()) << what;
       const ModelConfig& c = on_host.config;
       const i64 layer = sched::layer_params(c, TpShard{}), resident = on_host.runtime->num_params() - c.layers * layer;
       // Every other layer's fp32 weights and gradients (less a layer's weights on the way

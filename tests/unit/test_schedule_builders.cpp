@@ -81,7 +81,7 @@ TEST(LayerMajor, OrderIsTheLayersFromTheLast) {
       "P L1-1 s1 1", "B L1-1 s2",  "WP L1-1 s1", "P L1-1 s0 0.5", "B L1-1 s1",   "WP L1-1 s0", "B L1-1 s0",
       "P L0-0 s1 1", "B L0-0 s2",  "WP L0-0 s1", "P L0-0 s0 0.5", "B L0-0 s1",   "WP L0-0 s0", "B L0-0 s0"};
   EXPECT_EQ(texts(s.ops[0]), want);
-  EXPECT_EQ(s.backward, BackwardOrder::Layer);
+  EXPECT_EQ(s.place.backward, BackwardOrder::Layer);
   EXPECT_EQ(to_layer_major(s).ops, s.ops);  // once is enough
 }
 
@@ -98,9 +98,10 @@ TEST(LayerMajor, ValidOverAGrid) {
           for (double a : {0.0, 0.5, 1.0}) {
             PipelineSpec spec;
             spec.layers = 4;
-            spec.pp = pp;
-            spec.sp = sp;
-            spec.dp = dp;
+            spec.par.pp = pp;
+            spec.par.cp = sp;
+            spec.par.ring_layout = RingLayout::Contiguous;
+            spec.par.dp = dp;
             for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
             spec.alpha.assign(n, a);
             spec.alpha.back() = 0;
@@ -110,14 +111,14 @@ TEST(LayerMajor, ValidOverAGrid) {
             ASSERT_TRUE(v.ok()) << "pp " << pp << " sp " << sp << " n " << n << " dp " << dp << " alpha " << a
                                 << "\n" << v.message() << "\n" << to_string(s);
             const Validation w = validate(paper, {&rules, 0});
-            for (int r = 0; r < s.ranks && pp == 1; ++r) {
+            for (int r = 0; r < s.ranks() && pp == 1; ++r) {
               EXPECT_LE(v.peak_bytes[r], w.peak_bytes[r]) << "sp " << sp << " n " << n;
             }
           }
   PipelineSpec two;
   two.layers = 4;
-  two.pp = 2;
-  two.msp = true;
+  two.par.pp = 2;
+  two.par.msp.on = true;
   two.lengths = {8, 8, 8};
   two.alpha = {0.0, 0.0, 0.0};
   try {
@@ -148,7 +149,7 @@ TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
   for (bool layer_major : {false, true}) {
     Schedule s = build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0});
     if (layer_major) s = to_layer_major(std::move(s));
-    s.weights_host = true;
+    s.place.weights = true ? Tier::Host : Tier::Device;
     const LayerUses u(s, 0);
     ASSERT_EQ(int(u.uses().size()), 2 * N * L);
     EXPECT_EQ(loads(u), layer_major ? N * L + L - 1 : 2 * N * L - 1) << "layer-major " << layer_major;
@@ -188,7 +189,7 @@ TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
     bf16.precision = ActPrecision::BF16;
     bf16.weight_copy_bytes = 2;
     Schedule s = to_layer_major(build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0}));
-    s.weights_host = true;
+    s.place.weights = true ? Tier::Host : Tier::Device;
     const RankMemory mem(bf16, s, 0);
     const i64 P = layer_params(bf16.model, {});
     EXPECT_EQ(mem.layer_copy(), 6 * P);
@@ -205,22 +206,23 @@ TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
             if (layer_major && pp > 1) continue;
             PipelineSpec spec;
             spec.layers = L;
-            spec.pp = pp;
-            spec.sp = sp;
-            spec.dp = dp;
+            spec.par.pp = pp;
+            spec.par.cp = sp;
+            spec.par.ring_layout = RingLayout::Contiguous;
+            spec.par.dp = dp;
             for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
             spec.alpha.assign(std::size_t(n), 0.5);
             spec.alpha.back() = 0;
             Schedule device = build_pipeline(spec);
             if (layer_major) device = to_layer_major(std::move(device));
             Schedule host = device;
-            host.weights_host = true;
+            host.place.weights = Tier::Host;
             const std::string what = "pp " + std::to_string(pp) + " sp " + std::to_string(sp) + " dp " +
                                      std::to_string(dp) + " n " + std::to_string(n) + " layer-major " +
                                      std::to_string(layer_major);
             const Validation v = validate(host, {&rules, 0}), d = validate(device, {&rules, 0});
             ASSERT_TRUE(v.ok()) << what << "\n" << v.message();
-            for (int r = 0; r < host.ranks; ++r) EXPECT_LE(v.peak_bytes[r], d.peak_bytes[r]) << what;
+            for (int r = 0; r < host.ranks(); ++r) EXPECT_LE(v.peak_bytes[r], d.peak_bytes[r]) << what;
           }
 }
 
@@ -233,10 +235,10 @@ TEST(RebuiltInputs, UsesAndRefusals) {
   rules.optimizer_host = true;
   const int L = 4;
   Schedule s = to_layer_major(build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0}));
-  s.inputs_rebuilt = {false, true, false, true};
+  s.place.inputs_rebuilt = {false, true, false, true};
   ASSERT_EQ(rebuilt_inputs_error(s), "");
   ASSERT_TRUE(validate(s, {&rules, 0}).ok()) << validate(s, {&rules, 0}).message();
-  s.weights_host = true;
+  s.place.weights = true ? Tier::Host : Tier::Device;
   const LayerUses u(s, 0);
   std::vector<int> below;
   int brought = 0;
@@ -269,28 +271,28 @@ TEST(RebuiltInputs, UsesAndRefusals) {
     EXPECT_FALSE(validate(t).ok()) << why;
   };
   Schedule paper = build_single(L, {8, 7, 6}, {0.5, 1.0, 0.0});
-  paper.inputs_rebuilt = s.inputs_rebuilt;
+  paper.place.inputs_rebuilt = s.place.inputs_rebuilt;
   refused(paper, "use --backward-order layer");
   Schedule first = s;
-  first.inputs_rebuilt = {true, false, false, false};
+  first.place.inputs_rebuilt = {true, false, false, false};
   refused(first, "the first layer's input has no layer below");
   Schedule chain = s;
-  chain.inputs_rebuilt = {false, true, true, false};
+  chain.place.inputs_rebuilt = {false, true, true, false};
   refused(chain, "the layer below (1) must keep its input");
   Schedule kv = s;
-  kv.kv_place = {KvPlace::Recompute, KvPlace::Recompute, KvPlace::Recompute, KvPlace::Host};
+  kv.place.kv = {KvPlace::Recompute, KvPlace::Recompute, KvPlace::Recompute, KvPlace::Host};
   refused(kv, "layer 1: its K/V are recomputed");
-  kv.kv_place = {KvPlace::Host, KvPlace::Host, KvPlace::Recompute, KvPlace::Host};
+  kv.place.kv = {KvPlace::Host, KvPlace::Host, KvPlace::Recompute, KvPlace::Host};
   refused(kv, "layer 1: the layer below streams its K/V from the host");
   PipelineSpec spec;
   spec.layers = L;
-  spec.pp = 2;
+  spec.par.pp = 2;
   spec.lengths = {8, 7};
   spec.alpha = {0.5, 0.0};
   Schedule staged = to_layer_major(build_pipeline(spec));
-  staged.inputs_rebuilt = {false, false, true, false};
+  staged.place.inputs_rebuilt = {false, false, true, false};
   refused(staged, "layer 2 is the first of a pipeline stage");
-  staged.inputs_rebuilt = {false, true, false, true};
+  staged.place.inputs_rebuilt = {false, true, false, true};
   EXPECT_EQ(rebuilt_inputs_error(staged), "");
   EXPECT_TRUE(validate(staged, {&rules, 0}).ok()) << validate(staged, {&rules, 0}).message();
   Schedule tp = expand_tensor_parallel(s, 2);
@@ -414,15 +416,16 @@ TEST(BuildPipeline, GridIsValid) {
             if (msp && n < pp) continue;
             PipelineSpec spec;
             spec.layers = 4;
-            spec.pp = pp;
-            spec.sp = sp;
-            spec.dp = dp;
-            spec.msp = msp;
+            spec.par.pp = pp;
+            spec.par.cp = sp;
+            spec.par.ring_layout = RingLayout::Contiguous;
+            spec.par.dp = dp;
+            spec.par.msp.on = msp;
             for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
             spec.alpha.assign(n, 0.5);
             spec.alpha.back() = 0;
             const Schedule s = build_pipeline(spec);
-            ASSERT_EQ(s.ranks, pp * sp * dp);
+            ASSERT_EQ(s.ranks(), pp * sp * dp);
             const Validation v = validate(s, {&rules, 0});
             EXPECT_TRUE(v.ok()) << "pp " << pp << " sp " << sp << " n " << n << " msp " << msp << " dp "
                                 << dp << "\n" << v.message() << "\n" << to_string(s);
@@ -453,9 +456,10 @@ TEST(SetOffloadFractions, EqualsBuildingAgain) {
             if (msp && (n < pp || sp > 1 || tp > 1)) continue;  // MSP runs without rings and TP
             PipelineSpec spec;
             spec.layers = 4;
-            spec.pp = pp;
-            spec.sp = sp;
-            spec.msp = msp;
+            spec.par.pp = pp;
+            spec.par.cp = sp;
+            spec.par.ring_layout = RingLayout::Contiguous;
+            spec.par.msp.on = msp;
             for (int i = 0; i < n; ++i) spec.lengths.push_back(24 - i);
             auto build = [&](int variant) {
               PipelineSpec v = spec;
@@ -497,7 +501,7 @@ TEST(Validate, CatchesBrokenSchedules) {
     // Unmatched receive: a deadlock.
     PipelineSpec spec;
     spec.layers = 2;
-    spec.pp = 2;
+    spec.par.pp = 2;
     spec.lengths = {4, 4};
     Schedule t = build_pipeline(spec);
     for (auto it = t.ops[0].begin(); it != t.ops[0].end(); ++it)

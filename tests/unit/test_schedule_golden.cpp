@@ -31,7 +31,7 @@ TEST(Golden, Single) { check_golden("single_n4", build_single(2, {4, 3, 2, 1}, {
 TEST(Golden, Pipeline) {
   PipelineSpec spec;
   spec.layers = 4;
-  spec.pp = 2;
+  spec.par.pp = 2;
   spec.lengths = {6, 5, 4};
   spec.alpha = {0.5, 0.5, 0.0};
   check_golden("pipeline_p2_n3", build_pipeline(spec));
@@ -40,9 +40,10 @@ TEST(Golden, Pipeline) {
 TEST(Golden, RingAndDataParallel) {
   PipelineSpec spec;
   spec.layers = 2;
-  spec.pp = 1;
-  spec.sp = 2;
-  spec.dp = 2;
+  spec.par.pp = 1;
+  spec.par.cp = 2;
+  spec.par.ring_layout = RingLayout::Contiguous;
+  spec.par.dp = 2;
   spec.lengths = {8, 6};
   check_golden("ring_sp2_dp2_n2", build_pipeline(spec));
 }
@@ -50,18 +51,18 @@ TEST(Golden, RingAndDataParallel) {
 TEST(Golden, ZigzagRingInAPipeline) {
   PipelineSpec spec;
   spec.layers = 2;
-  spec.pp = 2;
-  spec.sp = 2;
+  spec.par.pp = 2;
+  spec.par.cp = 2;
   spec.lengths = {12, 8};
-  spec.ring_layout = RingLayout::Zigzag;
+  spec.par.ring_layout = RingLayout::Zigzag;
   check_golden("ring_zigzag_sp2_p2_n2", build_pipeline(spec));
 }
 
 TEST(Golden, Msp) {
   PipelineSpec spec;
   spec.layers = 3;
-  spec.pp = 3;
-  spec.msp = true;
+  spec.par.pp = 3;
+  spec.par.msp.on = true;
   spec.lengths = {9, 8, 7, 6};
   check_golden("msp_p3_n4", build_pipeline(spec));
 }

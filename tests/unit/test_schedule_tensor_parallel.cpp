@@ -119,18 +119,18 @@ TEST(TensorParallel, ExpandedGridIsValid) {
         for (int dp : {1, 2}) {
           PipelineSpec spec;
           spec.layers = 3;
-          spec.pp = pp;
-          spec.dp = dp;
+          spec.par.pp = pp;
+          spec.par.dp = dp;
           for (int i = 0; i < n; ++i) spec.lengths.push_back(20 - 3 * i);
           spec.alpha.assign(std::size_t(n), 0.5);
           spec.alpha.back() = 0;
           const Schedule base = build_pipeline(spec);
           const Schedule s = expand_tensor_parallel(base, tp);
-          ASSERT_EQ(s.ranks, base.ranks * tp);
+          ASSERT_EQ(s.ranks(), base.ranks() * tp);
           const Validation v = validate(s, {&rl, 0});
           EXPECT_TRUE(v.ok()) << "pp " << pp << " tp " << tp << " n " << n << " dp " << dp << "\n" << v.message();
           // Members run their rank's ops; a hidden state's rows split over them.
-          for (int r = 0; r < base.ranks; ++r)
+          for (int r = 0; r < base.ranks(); ++r)
             for (std::size_t k = 0; k < base.ops[std::size_t(r)].size(); ++k) {
               const Op& op = base.ops[std::size_t(r)][k];
               i64 rows = 0;
@@ -162,10 +162,11 @@ TEST(TensorParallel, MspMembersReceiveExactlyTheirRows) {
           for (int n : {pp, pp + 2}) {
             PipelineSpec spec;
             spec.layers = 3;
-            spec.pp = pp;
-            spec.sp = sp;
-            spec.msp = true;
-            spec.msp_reach = reach;
+            spec.par.pp = pp;
+            spec.par.cp = sp;
+            spec.par.ring_layout = RingLayout::Contiguous;
+            spec.par.msp.on = true;
+            spec.par.msp.reach = reach;
             for (int i = 0; i < n; ++i) spec.lengths.push_back(40 - 3 * i);
             const Schedule base = build_pipeline(spec);
             const Schedule s = expand_tensor_parallel(base, tp);
@@ -173,7 +174,7 @@ TEST(TensorParallel, MspMembersReceiveExactlyTheirRows) {
                                    std::to_string(sp) + " reach " + std::to_string(reach) + " n " + std::to_string(n);
             const Validation v = validate(s, {&rl, 0});
             EXPECT_TRUE(v.ok()) << at << "\n" << v.message();
-            for (int rank = 0; rank < s.ranks; ++rank) {
+            for (int rank = 0; rank < s.ranks(); ++rank) {
               const int t = rank % tp;
               std::map<std::tuple<Payload, int, int>, std::vector<std::pair<i64, i64>>> got;  // rows received
               std::map<std::tuple<Payload, int, int>, Spans> made;                            // rows made here

@@ -102,7 +102,7 @@ TEST(MemoryTerms, RecomputedTensorsByHand) {
   const i64 unit = 6 * 2 * H + 2 * F + 4 * 4 + 4 * Z;
   const i64 mlp = 2 * F + 2 * H + 2 * 4;  // fc_pre, ln2_out, ln2_mean, ln2_rstd
   sched::Schedule s = sched::build_single(c.layers, {T}, {0.0});
-  s.recompute = parse_recompute_tensors("fc_pre,ln2");
+  s.place.recompute = parse_recompute_tensors("fc_pre,ln2");
   const SimResult r = simulate(s, cost, rules);
   EXPECT_EQ(term(r, 0, MemTerm::Units), c.layers * (unit - mlp) * T);
   EXPECT_EQ(term(r, 0, MemTerm::Recomputed), mlp * T);
@@ -111,7 +111,7 @@ TEST(MemoryTerms, RecomputedTensorsByHand) {
   EXPECT_EQ(none.peak_device_bytes - r.peak_device_bytes, (c.layers - 1) * mlp * T);
 
   sched::Schedule k = sched::build_single(c.layers, {T}, {0.0});
-  k.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Recompute);
+  k.place.kv.assign(std::size_t(c.layers), KvPlace::Recompute);
   const SimResult kr = simulate(k, cost, rules);
   EXPECT_EQ(term(kr, 0, MemTerm::KVCache), (2 * H * 2) * T);                   // the running layer's, recomputed
   EXPECT_EQ(term(kr, 0, MemTerm::KVGradAccum), (2 * H * 4 + H * 4) * T);       // its dK, dV and d LN1-output sums
@@ -130,18 +130,18 @@ TEST(MemoryTerms, MlpTilesByHand) {
   const auto rules = memory_rules(c, ActPrecision::BF16);
   const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
   sched::Schedule s = sched::build_single(c.layers, {T}, {0.0});
-  s.mlp_tile_rows = R;
+  s.place.mlp_tile_rows = R;
   const SimResult r = simulate(s, cost, rules);
   EXPECT_EQ(term(r, 0, MemTerm::Workspace), (2 * 3 * H + 2 * H + 4 * Z) * T + 2 * F * R);
   const SimResult none = simulate(sched::build_single(c.layers, {T}, {0.0}), cost, rules);
   EXPECT_EQ(none.peak_device_bytes - r.peak_device_bytes, 2 * F * (T - R));
 
-  s.recompute = parse_recompute_tensors("fc_pre");
+  s.place.recompute = parse_recompute_tensors("fc_pre");
   const SimResult rc = simulate(s, cost, rules);
   EXPECT_EQ(term(rc, 0, MemTerm::Recomputed), 0);
   EXPECT_EQ(term(rc, 0, MemTerm::Workspace), (2 * 3 * H + 2 * H + 4 * Z) * T + 2 * 2 * F * R);
   sched::Schedule whole = sched::build_single(c.layers, {T}, {0.0});
-  whole.recompute = s.recompute;
+  whole.place.recompute = s.place.recompute;
   const SimResult whole_rc = simulate(whole, cost, rules);
   EXPECT_EQ(term(whole_rc, 0, MemTerm::Recomputed), 2 * F * T);
   EXPECT_EQ(whole_rc.peak_device_bytes - rc.peak_device_bytes, 2 * F * T + 2 * F * (T - R) - 2 * F * R);
@@ -172,20 +172,21 @@ TEST(MemoryTerms, SumToThePeakOnEveryRank) {
   const ModelConfig c = small_config();
   sched::PipelineSpec spec;
   spec.layers = 4;
-  spec.pp = 2;
-  spec.sp = 2;
-  spec.dp = 2;
-  spec.msp = true;
+  spec.par.pp = 2;
+  spec.par.cp = 2;
+  spec.par.dp = 2;
+  spec.par.msp.on = true;
   spec.lengths = {96, 80, 64, 48};
   spec.alpha = {0.5, 0.5, 0.25, 0};
-  spec.ring_layout = sched::RingLayout::Zigzag;
+  spec.par.ring_layout = RingLayout::Zigzag;
   ModelConfig c4 = c;
   c4.layers = 4;
-  const auto rules = memory_rules(c4, ActPrecision::BF16, true);
+  auto rules = memory_rules(c4, ActPrecision::BF16);
+  rules.zero = true;
   const sched::Schedule s = sched::build_pipeline(spec);
   const SimResult r = simulate(s, CostModel(plan::load_profile("h100-sxm"), c4, ActPrecision::BF16), rules);
   bool borrowed = false, ring = false;
-  for (int rank = 0; rank < s.ranks; ++rank) {
+  for (int rank = 0; rank < s.ranks(); ++rank) {
     const auto& t = r.peak_terms[std::size_t(rank)];
     EXPECT_EQ(std::accumulate(t.begin(), t.end(), i64(0)), r.peak_bytes[std::size_t(rank)]) << "rank " << rank;
     for (i64 v : t) EXPECT_GE(v, 0) << "rank " << rank;
@@ -199,18 +200,19 @@ TEST(MemoryTerms, SumToThePeakOnEveryRank) {
   EXPECT_TRUE(borrowed || ring);
 }
 
-plan::Plan baseline_plan(const char* system, int tp, int cp, int pp, int dp, i64 S) {
+// A baseline's layout: `sp` is Megatron-LM's ring (cp) or DeepSpeed's Ulysses degree.
+plan::Plan baseline_plan(const char* system, int tp, int sp, int pp, int dp, i64 S) {
   plan::Plan p;
-  p.system = system;
+  p.system = plan::parse_system(system);
   p.model_name = "gpt-7b";
   p.model = preset("gpt-7b");
   p.hardware = "a100-80gb";
   p.seq_len = S;
-  p.tp = tp;
-  p.sp = cp;
-  p.pp = pp;
-  p.dp = dp;
-  p.gpus = tp * cp * pp * dp;
+  p.par.tp = tp;
+  (p.system == plan::System::Deepspeed ? p.par.ulysses : p.par.cp) = sp;
+  p.par.pp = pp;
+  p.par.dp = dp;
+  p.gpus = tp * sp * pp * dp;
   p.gpus_per_node = 8;
   p.lengths = {S};
   p.subseqs = 1;
@@ -301,7 +303,7 @@ TEST(MemoryTerms, ExplainOfAnSppoPlanIsItsPredictedPeak) {
   EXPECT_NE(explain_text(m).find("optimizer state on the device"), std::string::npos);
   // The same plan with its optimizer state on the host: the state's rows move there.
   plan::Plan host = out.plan;
-  host.optimizer_state = "host";
+  host.place.optimizer_state = Tier::Host;
   const SimResult r = simulate_plan(host, req.hw);
   const MemoryExplain h = explain_memory(host, req.hw);
   EXPECT_EQ(h.device_total(), r.peak_device_bytes);
@@ -320,9 +322,9 @@ TEST(MemoryTerms, ExplainOfAnSppoPlanWithMlpTiles) {
   const i64 S = i64(16) << 10;
   plan::Plan one = baseline_plan("sppo", 1, 1, 1, 1, S);
   one.stage_layers = {one.model.layers};
-  one.offload = "none";
+  one.offload = plan::OffloadMode::None;
   plan::Plan tiled = one;
-  tiled.mlp_tile_rows = kPlanMlpTileRows;
+  tiled.place.mlp_tile_rows = kPlanMlpTileRows;
   const auto hw = plan::load_profile("a100-80gb");
   const MemoryExplain m = explain_memory(one, hw), mt = explain_memory(tiled, hw);
   EXPECT_EQ(mt.device_total(), simulate_plan(tiled, hw).peak_device_bytes);

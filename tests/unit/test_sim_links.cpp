@@ -26,7 +26,7 @@ SimResult copy_bound(const HardwareProfile& hw, int dp = 1) {
   spec.layers = c.layers;
   spec.lengths = lengths;
   spec.alpha = full;
-  spec.dp = dp;
+  spec.par.dp = dp;
   return simulate(sched::build_pipeline(spec), CostModel(hw, c, ActPrecision::F32), memory_rules(c, ActPrecision::F32));
 }
 
@@ -107,7 +107,7 @@ TEST(HostLinks, StreamedChunksQueueBehindThePrefetch) {
   const std::vector<i64> lengths = plan::partition_length(4096, 3);
   auto with_host_kv = [&](std::vector<double> alpha) {
     sched::Schedule s = sched::build_single(c.layers, lengths, alpha);
-    s.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Host);
+    s.place.kv.assign(std::size_t(c.layers), KvPlace::Host);
     SimOptions o;
     o.record = true;
     return simulate(s, cost, rules, o);
@@ -153,13 +153,14 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
       spec.layers = c.layers;
       spec.lengths = plan::partition_flops(c, 6 * 4096, N);
       spec.alpha = alpha;
-      spec.pp = sh.pp;
-      spec.sp = sh.sp;
-      spec.dp = sh.dp;
-      spec.msp = sh.msp;
+      spec.par.pp = sh.pp;
+      spec.par.cp = sh.sp;
+      spec.par.ring_layout = RingLayout::Contiguous;
+      spec.par.dp = sh.dp;
+      spec.par.msp.on = sh.msp;
       sched::Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), sh.tp);
       if (sh.kv_host)
-        for (int l = 0; l < c.layers; ++l) s.kv_place.push_back(l % 2 ? sched::KvPlace::Host : sched::KvPlace::Device);
+        for (int l = 0; l < c.layers; ++l) s.place.kv.push_back(l % 2 ? KvPlace::Host : KvPlace::Device);
       return s;
     };
     const std::vector<double> first = {1.0, 0.75, 0.0, 0.5, 0.25, 0.0};
@@ -189,9 +190,10 @@ TEST(Resimulator, EqualsSimulatingFromScratch) {
   one.lengths = plan::partition_flops(c, 4 * 4096, 4);
   two.lengths = plan::partition_length(4 * 4096, 4);
   one.alpha = two.alpha = {0.5, 0.5, 0.5, 0.0};
-  one.pp = 2;
-  two.pp = 2;
-  two.sp = 2;
+  one.par.pp = 2;
+  two.par.pp = 2;
+  two.par.cp = 2;
+  two.par.ring_layout = RingLayout::Contiguous;
   Resimulator again(sched::build_pipeline(one), cost, rules);
   EXPECT_FALSE(again.replace(sched::build_pipeline(two)));
   expect_same(again.simulate(), simulate(sched::build_pipeline(two), cost, rules), "another layout");
@@ -210,29 +212,30 @@ TEST(Resimulator, PeakFloorIsUnderEveryTimedPeak) {
   struct Shape {
     int pp, sp, tp;
     bool msp;
-    sched::KvPlace kv = sched::KvPlace::Device;
+    KvPlace kv = KvPlace::Device;
   };
   const int N = 6;
   const std::vector<double> full = {1, 1, 1, 1, 1, 0}, zeros(N, 0.0);
   bool below = false;
   for (const Shape& sh : {Shape{1, 1, 1, false}, Shape{2, 1, 1, false}, Shape{3, 1, 1, true}, Shape{2, 2, 1, false},
-                          Shape{2, 1, 2, false}, Shape{2, 1, 1, false, sched::KvPlace::Host},
-                          Shape{2, 2, 1, false, sched::KvPlace::Host}, Shape{3, 1, 1, true, sched::KvPlace::Host},
-                          Shape{1, 1, 1, false, sched::KvPlace::Recompute}}) {
+                          Shape{2, 1, 2, false}, Shape{2, 1, 1, false, KvPlace::Host},
+                          Shape{2, 2, 1, false, KvPlace::Host}, Shape{3, 1, 1, true, KvPlace::Host},
+                          Shape{1, 1, 1, false, KvPlace::Recompute}}) {
     auto build = [&](const std::vector<double>& alpha) {
       sched::PipelineSpec spec;
       spec.layers = c.layers;
       spec.lengths = plan::partition_flops(c, 6 * 4096, N);
       spec.alpha = alpha;
-      spec.pp = sh.pp;
-      spec.sp = sh.sp;
-      spec.msp = sh.msp;
+      spec.par.pp = sh.pp;
+      spec.par.cp = sh.sp;
+      spec.par.ring_layout = RingLayout::Contiguous;
+      spec.par.msp.on = sh.msp;
       sched::Schedule s = sched::expand_tensor_parallel(sched::build_pipeline(spec), sh.tp);
-      s.kv_place.assign(std::size_t(c.layers), sh.kv);
+      s.place.kv.assign(std::size_t(c.layers), sh.kv);
       return s;
     };
     const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " tp " +
-                             std::to_string(sh.tp) + " msp " + std::to_string(sh.msp) + " kv " + sched::to_string(sh.kv);
+                             std::to_string(sh.tp) + " msp " + std::to_string(sh.msp) + " kv " + to_string(sh.kv);
     for (const CostModel* cost : {&fast, &slow}) {
       const i64 floor = Resimulator(build(full), *cost, rules).peak_floor();
       EXPECT_GT(floor, 0) << what;
@@ -257,8 +260,9 @@ TEST(HostLinks, ASharedNicSlowsMessagesBetweenNodes) {
   const ModelConfig c = preset("medium");
   sched::PipelineSpec spec;
   spec.layers = c.layers;
-  spec.pp = 2;
-  spec.sp = 2;
+  spec.par.pp = 2;
+  spec.par.cp = 2;
+  spec.par.ring_layout = RingLayout::Contiguous;
   spec.lengths = plan::partition_length(65536, 4);
   HardwareProfile hw = plan::load_profile("a100-80gb");
   hw.devices_per_node = 2;
@@ -279,14 +283,14 @@ TEST(RingLayout, BuilderAndCostModelAgree) {
   // Zigzag: piece r of R holds chunks r and 2R-1-r of 2R; the messages carry those tokens.
   sched::PipelineSpec spec;
   spec.layers = 2;
-  spec.sp = 4;
-  spec.pp = 2;
+  spec.par.cp = 4;
+  spec.par.pp = 2;
   spec.lengths = {800, 640};
-  spec.ring_layout = sched::RingLayout::Zigzag;
+  spec.par.ring_layout = RingLayout::Zigzag;
   const sched::Schedule s = sched::build_pipeline(spec);
   ASSERT_TRUE(sched::validate(s).ok()) << sched::validate(s).message();
-  EXPECT_EQ(s.ring_layout, sched::RingLayout::Zigzag);
-  for (int rank = 0; rank < s.ranks; ++rank)
+  EXPECT_EQ(s.par.ring_layout, RingLayout::Zigzag);
+  for (int rank = 0; rank < s.ranks(); ++rank)
     for (const sched::Op& op : s.ops[rank]) {
       if (op.kind != sched::OpKind::Forward && op.kind != sched::OpKind::RingStep && op.kind != sched::OpKind::Send)
         continue;
@@ -303,7 +307,7 @@ TEST(RingLayout, BuilderAndCostModelAgree) {
   // The cost of a piece is the attention of its own query positions.
   const ModelConfig c = preset("tiny");
   const CostModel cost(plan::load_profile("a100-80gb"), c, ActPrecision::BF16);
-  const sched::Spans z = sched::piece_spans(800, 1, 4, sched::RingLayout::Zigzag);
+  const sched::Spans z = sched::piece_spans(800, 1, 4, RingLayout::Zigzag);
   EXPECT_DOUBLE_EQ(cost.attention_flops(640, z), cost.attention_flops(640, 100, 200) + cost.attention_flops(640, 600, 700));
 }
 
@@ -317,9 +321,9 @@ TEST(RingLayout, ContiguousShowsTheCausalImbalance) {
   for (int k = 0; k < 2; ++k) {
     sched::PipelineSpec spec;
     spec.layers = c.layers;
-    spec.sp = 4;
+    spec.par.cp = 4;
     spec.lengths = plan::partition_flops(c, 65536, 4);
-    spec.ring_layout = k == 0 ? sched::RingLayout::Contiguous : sched::RingLayout::Zigzag;
+    spec.par.ring_layout = k == 0 ? RingLayout::Contiguous : RingLayout::Zigzag;
     SimOptions o;
     o.record = true;
     r[k] = simulate(sched::build_pipeline(spec), cost, rules, o);
@@ -349,26 +353,26 @@ TEST(Bidirectional, EveryQuerySeesTheWholeSubsequence) {
   EXPECT_DOUBLE_EQ(bidi.attention_flops(0, sched::Spans{{0, L}}), 4 * H * L * L);
   EXPECT_DOUBLE_EQ(causal.attention_flops(0, sched::Spans{{0, L}}), 4 * H * L * (L + 1) / 2.0);
   for (int piece = 0; piece < 4; ++piece) {
-    const sched::Spans sp = sched::piece_spans(L, piece, 4, sched::RingLayout::Contiguous);
+    const sched::Spans sp = sched::piece_spans(L, piece, 4, RingLayout::Contiguous);
     EXPECT_DOUBLE_EQ(bidi.attention_flops(0, sp, L), 4 * H * (L / 4) * L) << "piece " << piece;
   }
   // In a step: one ring of 4 over one subsequence, flash against RSA.
   sched::PipelineSpec spec;
   spec.layers = c.layers;
-  spec.sp = 4;
+  spec.par.cp = 4;
   spec.lengths = {L};
-  spec.ring_layout = sched::RingLayout::Contiguous;
+  spec.par.ring_layout = RingLayout::Contiguous;
   sched::Schedule s = sched::build_pipeline(spec);
   const auto rules = memory_rules(c, ActPrecision::F32);
   const SimResult flash = simulate(s, bidi, rules), causal_run = simulate(s, causal, rules);
   EXPECT_GT(flash.step_time_s, causal_run.step_time_s);
-  s.ring_rsa = true;
+  s.par.ring_algorithm = RingAlgorithm::Rsa;
   const SimResult rsa = simulate(s, bidi, rules);
   EXPECT_GT(rsa.step_time_s, flash.step_time_s);
   // Its score rows: [Z, L / 4, L] fp32 forward, twice that in backward, on every rank.
   EXPECT_GE(rsa.peak_device_bytes - flash.peak_device_bytes, 2 * i64(c.heads) * (L / 4) * L * 4 -
                                                                   i64(c.hidden) * L * 8);
-  for (int rank = 0; rank < s.ranks; ++rank)
+  for (int rank = 0; rank < s.ranks(); ++rank)
     for (const sched::Op& op : s.ops[std::size_t(rank)]) {
       if (op.kind != sched::OpKind::RingStep || op.step < 1 || op.step > 3) continue;
       const i64 row = i64(c.hidden) * 4;

@@ -116,7 +116,7 @@ TEST(Profiles, StreamedChunksPriceTheirFixedCosts) {
   // at offset 2200 streams chunks of 1100 rows, [0, 1100) one piece and [1100, 2200) one:
   // 2 chunks, 2 pieces.
   sched::Schedule s = sched::build_single(c.layers, {1100, 1100, 1100}, {0, 0, 0});
-  s.kv_place.assign(std::size_t(c.layers), sched::KvPlace::Host);
+  s.place.kv.assign(std::size_t(c.layers), KvPlace::Host);
   const sched::Op* f2 = nullptr;
   for (const auto& op : s.ops[0])
     if (op.kind == sched::OpKind::Forward && op.subseq == 2) f2 = &op;
@@ -213,7 +213,7 @@ TEST(Simulator, PipelineBubbleIsPMinusOneOverN) {
     for (int N : {4, 8, 16}) {
       sched::PipelineSpec spec;
       spec.layers = c.layers;
-      spec.pp = P;
+      spec.par.pp = P;
       spec.lengths = plan::partition_length(1024 * N, N);
       ASSERT_EQ(c.layers % P, 0);
       // The LM head adds work to the last stage only; leave it out of the balance by
@@ -223,7 +223,7 @@ TEST(Simulator, PipelineBubbleIsPMinusOneOverN) {
       const CostModel cost2(ideal(), c2, ActPrecision::BF16);
       const SimResult r = simulate(sched::build_pipeline(spec), cost2, memory_rules(c2, ActPrecision::BF16));
       EXPECT_NEAR(r.bubble_ratio, double(P - 1) / N, 1e-3) << "P " << P << " N " << N;
-      spec.msp = true;
+      spec.par.msp.on = true;
       const SimResult m = simulate(sched::build_pipeline(spec), cost2, memory_rules(c2, ActPrecision::BF16));
       EXPECT_LT(m.bubble_ratio, r.bubble_ratio) << "MSP does not lower the bubbles, P " << P << " N " << N;
       EXPECT_LT(m.step_time_s, r.step_time_s);
@@ -248,9 +248,10 @@ TEST(Simulator, OneReplicaPricedAcrossReplicasStepsAsTheWholePlan) {
        {Shape{1, 1, 4, 8}, Shape{2, 1, 4, 8}, Shape{2, 1, 4, 2}, Shape{1, 2, 2, 8}, Shape{2, 2, 2, 4}}) {
     sched::PipelineSpec spec;
     spec.layers = c.layers;
-    spec.pp = sh.pp;
-    spec.sp = sh.sp;
-    spec.dp = sh.dp;
+    spec.par.pp = sh.pp;
+    spec.par.cp = sh.sp;
+    spec.par.ring_layout = RingLayout::Contiguous;
+    spec.par.dp = sh.dp;
     spec.lengths = plan::partition_flops(c, 8192, 4);
     HardwareProfile h = hw;
     h.devices_per_node = sh.per_node;
@@ -258,7 +259,7 @@ TEST(Simulator, OneReplicaPricedAcrossReplicasStepsAsTheWholePlan) {
     const SimResult whole = simulate(sched::build_pipeline(spec), cost, rules);
     CostModel priced = cost;
     priced.price_replicas(sh.dp, sh.pp * sh.sp);
-    spec.dp = 1;
+    spec.par.dp = 1;
     spec.replicated = true;
     const SimResult one = simulate(sched::build_pipeline(spec), priced, rules);
     const std::string what = "pp " + std::to_string(sh.pp) + " sp " + std::to_string(sh.sp) + " dp " +
@@ -329,7 +330,7 @@ TEST(Simulator, WeightsOnTheHostWaitForSlowCopies) {
     sched::Schedule device = sched::build_single(c.layers, lengths, {0, 0, 0, 0});
     if (layer_major) device = sched::to_layer_major(std::move(device));
     sched::Schedule host = device;
-    host.weights_host = true;
+    host.place.weights = Tier::Host;
     const SimResult a = simulate(device, CostModel(hw, c, ActPrecision::F32), rules);
     const SimResult b = simulate(host, CostModel(hw, c, ActPrecision::F32), rules);
     EXPECT_LT(b.peak_device_bytes, a.peak_device_bytes);
@@ -353,7 +354,7 @@ TEST(Simulator, WeightsOnTheHostWaitForSlowCopies) {
 TEST(Simulator, DeadlockIsAnError) {
   sched::PipelineSpec spec;
   spec.layers = 2;
-  spec.pp = 2;
+  spec.par.pp = 2;
   spec.lengths = {4, 4};
   sched::Schedule s = sched::build_pipeline(spec);
   for (auto it = s.ops[0].begin(); it != s.ops[0].end(); ++it)
@@ -368,8 +369,9 @@ TEST(Simulator, DeadlockIsAnError) {
 TEST(Simulator, TraceAndSvg) {
   sched::PipelineSpec spec;
   spec.layers = 4;
-  spec.pp = 2;
-  spec.sp = 2;
+  spec.par.pp = 2;
+  spec.par.cp = 2;
+  spec.par.ring_layout = RingLayout::Contiguous;
   spec.lengths = {64, 48, 32};
   spec.alpha = {0.5, 0.5, 0};
   const ModelConfig c = preset("tiny");

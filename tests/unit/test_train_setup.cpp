@@ -25,9 +25,9 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   o.offload = "adaptive";
   o.partition = "flops";
   o.device_memory = 128 << 20;
-  o.kv_cache = "device";
-  o.recompute_tensors = "none";
-  o.backward_order = "subseq";
+  o.place.kv = KvPlace::Device;
+  o.place.recompute = parse_recompute_option("none");
+  o.place.backward = BackwardOrder::Subseq;
   StepSetup s = make_setup(o);
   EXPECT_GT(s.lengths.size(), 1u);
   EXPECT_LE(s.predicted_peak_bytes, o.device_memory);
@@ -37,17 +37,17 @@ TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {
   fewer.subseqs = std::to_string(s.lengths.size() - 1);
   EXPECT_THROW(make_setup(fewer), Error);
   // With --kv-cache auto it fits, with some K/V on the host.
-  fewer.kv_cache = "auto";
+  fewer.place.kv = kAuto;
   const StepSetup host = make_setup(fewer);
-  EXPECT_FALSE(host.schedule.kv_place.empty());
+  EXPECT_FALSE(host.schedule.place.kv.empty());
   EXPECT_LE(host.predicted_peak_bytes, o.device_memory);
   // With --backward-order auto it fits too, the K/V on the device, holding one layer's
   // dK/dV sums at a time (Note [Layer-major backward]).
-  fewer.kv_cache = "device";
-  fewer.backward_order = "auto";
+  fewer.place.kv = KvPlace::Device;
+  fewer.place.backward = kAuto;
   const StepSetup layer = make_setup(fewer);
-  EXPECT_EQ(layer.schedule.backward, sched::BackwardOrder::Layer);
-  EXPECT_TRUE(layer.schedule.kv_place.empty());
+  EXPECT_EQ(layer.schedule.place.backward, BackwardOrder::Layer);
+  EXPECT_TRUE(layer.schedule.place.kv.empty());
   EXPECT_LE(layer.predicted_peak_bytes, o.device_memory);
 }
 
