@@ -34,20 +34,18 @@ class DeviceComm : public Cuda {
     for (const i64 n : {i64{1000}, i64{4096}}) {
       const Vec x = randn(std::size_t(n), rng_);
       Dev d = upload(x, DType::F32);
-      comm::wait(c, c.iallreduce(d.as<float>(), n, one), "all-reduce");
+      comm::wait(c, c.iallreduce(d.get(), n, comm::Type::F32, one), "all-reduce");
       expect_equal(download(d, std::size_t(n), DType::F32), x, "all-reduce of " + std::to_string(n));
-      comm::wait(c, c.ireduce_scatter(d.as<float>(), n, one), "reduce-scatter");
+      comm::wait(c, comm::ireduce_scatter_pieces(c, d.as<float>(), n, one), "reduce-scatter");
       expect_equal(download(d, std::size_t(n), DType::F32), x, "reduce-scatter of " + std::to_string(n));
-      comm::wait(c, c.iallgather(d.as<float>(), n, one), "all-gather");
+      comm::wait(c, comm::iallgather_pieces(c, d.as<float>(), n, one), "all-gather");
       expect_equal(download(d, std::size_t(n), DType::F32), x, "all-gather of " + std::to_string(n));
-      comm::wait(c, c.ibroadcast(d.get(), n * 4, 0, one), "broadcast");
+      comm::wait(c, c.ibroadcast(d.get(), n * 4, comm::Type::U8, 0, one), "broadcast");
       expect_equal(download(d, std::size_t(n), DType::F32), x, "broadcast of " + std::to_string(n));
-      comm::wait(c, c.iallgather_bytes(d.get(), n * 4, one), "all-gather of bytes");
-      expect_equal(download(d, std::size_t(n), DType::F32), x, "all-gather of bytes " + std::to_string(n));
     }
     // Host memory passes through the host's communicator.
     std::vector<double> h{1.5, -2.0};
-    comm::wait(c, c.iallreduce(h.data(), 2, one), "a host all-reduce");
+    comm::wait(c, c.iallreduce(h.data(), 2, comm::Type::F64, one), "a host all-reduce");
     EXPECT_EQ(h[1], -2.0);
   }
   std::unique_ptr<Backend> be_;
