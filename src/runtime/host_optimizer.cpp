@@ -133,7 +133,8 @@ bool HostOptimizer::ready(std::size_t b) {
   if (up) up->wait();
   if (!zero_.empty()) {
     const ParamBucket& k = buckets_[b];
-    comm::wait(*comm_, comm_->iallgather(params_ + k.offset, k.count, zero_), "the all-gather of the updated weights");
+    comm::wait(*comm_, comm::iallgather_pieces(*comm_, params_ + k.offset, k.count, zero_),
+               "the all-gather of the updated weights");
   }
   taken_[b] = true;
   in_flight_ = !std::all_of(taken_.begin(), taken_.end(), [](bool t) { return t; });

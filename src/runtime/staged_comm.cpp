@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "core/check.h"
-#include "core/layout.h"
 
 namespace sppo {
 
@@ -33,13 +32,13 @@ comm::Request StagedComm::post(Op op) {
   std::size_t bytes = 0;
   for (const auto& c : op.out) bytes = std::max(bytes, c.at + c.bytes);
   for (const auto& c : op.in) bytes = std::max(bytes, c.at + c.bytes);
-  if (op.device && bytes > 0) {
+  if (bytes > 0) {
     op.staging = be_.host_alloc(bytes);
     SPPO_CHECK(op.staging != nullptr, "comm") << "rank " << rank() << ": no pinned host memory left for a "
                                               << bytes << "-byte message staged through the host";
     for (const auto& c : op.out) {
-      op.copies_out.push_back(out_stream_->copy(static_cast<char*>(op.staging) + c.at,
-                                                static_cast<const char*>(op.device) + c.at, c.bytes, nullptr));
+      if (c.bytes == 0) continue;
+      op.copies_out.push_back(out_stream_->copy(static_cast<char*>(op.staging) + c.at, c.device, c.bytes, nullptr));
       staged_out_ += i64(c.bytes);
     }
   }
@@ -55,14 +54,15 @@ void StagedComm::advance() {
   for (auto it = ops_.begin(); it != ops_.end();) {
     auto& [r, op] = *it;
     if (!op.started && in_order && done(op.copies_out)) {
-      op.host = op.start(op.staging ? op.staging : op.device);
+      op.host = op.start(static_cast<char*>(op.staging));
       op.started = true;
     }
     in_order = in_order && op.started;
     if (op.started && !op.copied_in && host_.test(op.host)) {
       for (const auto& c : op.in) {
-        op.copies_in.push_back(in_stream_->copy(static_cast<char*>(op.device) + c.at,
-                                                static_cast<const char*>(op.staging) + c.at, c.bytes, nullptr));
+        if (c.bytes == 0) continue;
+        op.copies_in.push_back(
+            in_stream_->copy(c.device, static_cast<const char*>(op.staging) + c.at, c.bytes, nullptr));
         staged_in_ += i64(c.bytes);
       }
       op.copied_in = true;
@@ -94,11 +94,8 @@ void StagedComm::abort(const std::string& message, int code) {
 comm::Request StagedComm::isend(const void* data, i64 bytes, int peer, int tag) {
   count_sent(bytes);
   Op op;
-  if (staged(data)) {
-    op.device = const_cast<void*>(data);
-    op.out.push_back({0, std::size_t(bytes)});
-  }
-  op.start = [this, bytes, peer, tag, data](void* staging) {
+  if (staged(data)) op.out.push_back({const_cast<void*>(data), 0, std::size_t(bytes)});
+  op.start = [this, bytes, peer, tag, data](char* staging) {
     return host_.isend(staging ? staging : data, bytes, peer, tag);
   };
   return post(std::move(op));
@@ -106,103 +103,121 @@ comm::Request StagedComm::isend(const void* data, i64 bytes, int peer, int tag) 
 
 comm::Request StagedComm::irecv(void* data, i64 bytes, int peer, int tag) {
   Op op;
-  if (staged(data)) {
-    op.device = data;
-    op.in.push_back({0, std::size_t(bytes)});
-  }
-  op.start = [this, bytes, peer, tag, data](void* staging) {
+  if (staged(data)) op.in.push_back({data, 0, std::size_t(bytes)});
+  op.start = [this, bytes, peer, tag, data](char* staging) {
     return host_.irecv(staging ? staging : data, bytes, peer, tag);
   };
   return post(std::move(op));
 }
 
-namespace {
+// The collectives check their arguments here, where the caller's pointers are, before any
+// copy; the host's communicator checks the staged ones again.
 
-int index_in(const comm::Group& g, int rank) {
-  for (std::size_t k = 0; k < g.size(); ++k)
-    if (g[k] == rank) return int(k);
-  SPPO_ASSERT_MSG(false, "rank " << rank << " is not in the group of its collective");
-  return -1;
-}
-
-}  // namespace
-
-comm::Request StagedComm::iallreduce(float* data, i64 count, const comm::Group& group) {
+comm::Request StagedComm::iallreduce(void* data, i64 count, comm::Type type, const comm::Group& group) {
+  comm::check_member(*this, group, "all-reduce");
+  SPPO_CHECK(count >= 0, "comm") << "rank " << rank() << ": all-reduce of " << count << " elements";
   Op op;
   if (staged(data)) {
-    op.device = data;
-    op.out.push_back({0, std::size_t(count) * sizeof(float)});
+    op.out.push_back({data, 0, std::size_t(count * comm::type_bytes(type))});
     op.in = op.out;
   }
-  op.start = [this, count, group, data](void* buf) {
-    return host_.iallreduce(buf ? static_cast<float*>(buf) : data, count, group);
+  op.start = [this, count, type, group, data](char* buf) {
+    return host_.iallreduce(buf ? buf : data, count, type, group);
   };
   return post(std::move(op));
 }
 
-comm::Request StagedComm::iallreduce(double* data, i64 count, const comm::Group& group) {
+comm::Request StagedComm::ireduce_scatter(const void* send, void* recv, const comm::Counts& counts, comm::Type type,
+                                          const comm::Group& group) {
+  const comm::OwnBlock own = comm::check_reduce_scatter(*this, send, recv, counts, type, group);
+  const std::size_t e = std::size_t(comm::type_bytes(type)), all = std::size_t(comm::total(counts)) * e,
+                    mine = std::size_t(counts[std::size_t(own.index)]) * e, at = std::size_t(own.offset) * e;
+  char* s = const_cast<char*>(static_cast<const char*>(send));
   Op op;
-  if (staged(data)) {
-    op.device = data;
-    op.out.push_back({0, std::size_t(count) * sizeof(double)});
-    op.in = op.out;
+  if (own.in_place) {
+    // Every block goes out; only this member's comes back (the rest is then unspecified).
+    const bool st = staged(send);
+    if (st) {
+      op.out.push_back({s, 0, all});
+      op.in.push_back({recv, at, mine});
+    }
+    op.start = [this, st, s, at, counts, type, group](char* buf) {
+      char* base = st && buf ? buf : s;
+      return host_.ireduce_scatter(base, base + at, counts, type, group);
+    };
+    return post(std::move(op));
   }
-  op.start = [this, count, group, data](void* buf) {
-    return host_.iallreduce(buf ? static_cast<double*>(buf) : data, count, group);
+  const bool ss = staged(send), rs = staged(recv);
+  const std::size_t recv_at = ss ? all : 0;
+  if (ss) op.out.push_back({s, 0, all});
+  if (rs) op.in.push_back({recv, recv_at, mine});
+  op.start = [this, ss, rs, s, recv, recv_at, counts, type, group](char* buf) {
+    return host_.ireduce_scatter(ss && buf ? buf : s, rs && buf ? buf + recv_at : recv, counts, type, group);
   };
   return post(std::move(op));
 }
 
-comm::Request StagedComm::ireduce_scatter(float* data, i64 count, const comm::Group& group) {
+comm::Request StagedComm::iallgather(const void* send, void* recv, const comm::Counts& counts, comm::Type type,
+                                     const comm::Group& group) {
+  const comm::OwnBlock own = comm::check_allgather(*this, send, recv, counts, type, group);
+  const std::size_t e = std::size_t(comm::type_bytes(type)), all = std::size_t(comm::total(counts)) * e,
+                    mine = std::size_t(counts[std::size_t(own.index)]) * e, at = std::size_t(own.offset) * e;
+  char* s = const_cast<char*>(static_cast<const char*>(send));
+  char* r = static_cast<char*>(recv);
   Op op;
-  if (staged(data)) {
-    // Every piece goes out; only this member's comes back (the rest is then unspecified).
-    const auto [b, e] = piece_range(count, index_in(group, rank()), int(group.size()));
-    op.device = data;
-    op.out.push_back({0, std::size_t(count) * sizeof(float)});
-    op.in.push_back({std::size_t(b) * sizeof(float), std::size_t(e - b) * sizeof(float)});
+  if (own.in_place) {
+    // This member's block goes out; every block comes back.
+    const bool st = staged(recv);
+    if (st) {
+      op.out.push_back({s, at, mine});
+      op.in.push_back({r, 0, all});
+    }
+    op.start = [this, st, r, at, counts, type, group](char* buf) {
+      char* base = st && buf ? buf : r;
+      return host_.iallgather(base + at, base, counts, type, group);
+    };
+    return post(std::move(op));
   }
-  op.start = [this, count, group, data](void* buf) {
-    return host_.ireduce_scatter(buf ? static_cast<float*>(buf) : data, count, group);
+  const bool ss = staged(send), rs = staged(recv);
+  const std::size_t recv_at = ss ? mine : 0;
+  if (ss) op.out.push_back({s, 0, mine});
+  if (rs) op.in.push_back({r, recv_at, all});
+  op.start = [this, ss, rs, s, r, recv_at, counts, type, group](char* buf) {
+    return host_.iallgather(ss && buf ? buf : s, rs && buf ? buf + recv_at : r, counts, type, group);
   };
   return post(std::move(op));
 }
 
-comm::Request StagedComm::iallgather(float* data, i64 count, const comm::Group& group) {
+comm::Request StagedComm::ialltoall(const void* send, const comm::Counts& send_counts, void* recv,
+                                    const comm::Counts& recv_counts, comm::Type type, const comm::Group& group) {
+  comm::check_alltoall(*this, send, send_counts, recv, recv_counts, type, group);
+  const std::size_t e = std::size_t(comm::type_bytes(type)), out = std::size_t(comm::total(send_counts)) * e,
+                    in = std::size_t(comm::total(recv_counts)) * e;
+  char* s = const_cast<char*>(static_cast<const char*>(send));
+  char* r = static_cast<char*>(recv);
+  const bool ss = staged(send), rs = staged(recv);
+  const std::size_t recv_at = ss ? out : 0;
   Op op;
-  if (staged(data)) {
-    // This member's piece goes out; every piece comes back.
-    const auto [b, e] = piece_range(count, index_in(group, rank()), int(group.size()));
-    op.device = data;
-    op.out.push_back({std::size_t(b) * sizeof(float), std::size_t(e - b) * sizeof(float)});
-    op.in.push_back({0, std::size_t(count) * sizeof(float)});
-  }
-  op.start = [this, count, group, data](void* buf) {
-    return host_.iallgather(buf ? static_cast<float*>(buf) : data, count, group);
+  if (ss) op.out.push_back({s, 0, out});
+  if (rs) op.in.push_back({r, recv_at, in});
+  op.start = [this, ss, rs, s, r, recv_at, send_counts, recv_counts, type, group](char* buf) {
+    return host_.ialltoall(ss && buf ? buf : s, send_counts, rs && buf ? buf + recv_at : r, recv_counts, type, group);
   };
   return post(std::move(op));
 }
 
-comm::Request StagedComm::ibroadcast(void* data, i64 bytes, int root, const comm::Group& group) {
+comm::Request StagedComm::ibroadcast(void* data, i64 count, comm::Type type, int root, const comm::Group& group) {
+  comm::check_root(*this, group, root, "broadcast");
+  SPPO_CHECK(count >= 0, "comm") << "rank " << rank() << ": broadcast of " << count << " elements";
   Op op;
   if (staged(data)) {
-    op.device = data;
-    if (rank() == root) op.out.push_back({0, std::size_t(bytes)});
-    else op.in.push_back({0, std::size_t(bytes)});
+    const std::size_t bytes = std::size_t(count * comm::type_bytes(type));
+    if (rank() == root) op.out.push_back({data, 0, bytes});
+    else op.in.push_back({data, 0, bytes});
   }
-  op.start = [this, bytes, root, group, data](void* buf) { return host_.ibroadcast(buf ? buf : data, bytes, root, group); };
-  return post(std::move(op));
-}
-
-comm::Request StagedComm::iallgather_bytes(void* data, i64 bytes, const comm::Group& group) {
-  Op op;
-  if (staged(data)) {
-    const std::size_t slot = std::size_t(bytes), k = std::size_t(index_in(group, rank()));
-    op.device = data;
-    op.out.push_back({k * slot, slot});
-    op.in.push_back({0, slot * group.size()});
-  }
-  op.start = [this, bytes, group, data](void* buf) { return host_.iallgather_bytes(buf ? buf : data, bytes, group); };
+  op.start = [this, count, type, root, group, data](char* buf) {
+    return host_.ibroadcast(buf ? buf : data, count, type, root, group);
+  };
   return post(std::move(op));
 }
 

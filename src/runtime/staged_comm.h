@@ -46,12 +46,14 @@ class StagedComm final : public comm::Comm {
 
   comm::Request isend(const void* data, i64 bytes, int peer, int tag) override;
   comm::Request irecv(void* data, i64 bytes, int peer, int tag) override;
-  comm::Request iallreduce(float* data, i64 count, const comm::Group& group) override;
-  comm::Request iallreduce(double* data, i64 count, const comm::Group& group) override;
-  comm::Request ireduce_scatter(float* data, i64 count, const comm::Group& group) override;
-  comm::Request iallgather(float* data, i64 count, const comm::Group& group) override;
-  comm::Request ibroadcast(void* data, i64 bytes, int root, const comm::Group& group) override;
-  comm::Request iallgather_bytes(void* data, i64 bytes, const comm::Group& group) override;
+  comm::Request iallreduce(void* data, i64 count, comm::Type type, const comm::Group& group) override;
+  comm::Request ireduce_scatter(const void* send, void* recv, const comm::Counts& counts, comm::Type type,
+                                const comm::Group& group) override;
+  comm::Request iallgather(const void* send, void* recv, const comm::Counts& counts, comm::Type type,
+                           const comm::Group& group) override;
+  comm::Request ialltoall(const void* send, const comm::Counts& send_counts, void* recv,
+                          const comm::Counts& recv_counts, comm::Type type, const comm::Group& group) override;
+  comm::Request ibroadcast(void* data, i64 count, comm::Type type, int root, const comm::Group& group) override;
 
   bool test(comm::Request r) override;
   void progress() override;
@@ -64,15 +66,17 @@ class StagedComm final : public comm::Comm {
 
  private:
   // One staged operation: copy `out` (device -> staging) first where it has one, then the host
-  // operation `start` makes on the staging buffer, then `in` (staging -> device).
+  // operation `start` makes on the staging buffer (null where nothing is staged), then `in`
+  // (staging -> device). A collective with a send and a receive buffer stages each in its own
+  // range of the one staging buffer; in place, the one buffer's.
   struct Op {
     struct Copy {
-      std::size_t at = 0, bytes = 0;  // a range of the device buffer and of the staging buffer
+      void* device = nullptr;         // the caller's bytes
+      std::size_t at = 0, bytes = 0;  // and their range of the staging buffer
     };
-    void* device = nullptr;
     void* staging = nullptr;
     std::vector<Copy> out, in;
-    std::function<comm::Request(void* staging)> start;
+    std::function<comm::Request(char* staging)> start;
     std::vector<std::shared_ptr<Event>> copies_out, copies_in;
     comm::Request host = comm::kDone;
     bool started = false, copied_in = false;

@@ -237,7 +237,8 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   if (zero) {
     const comm::Group group = lay.stage_group();
     std::vector<comm::Request> reqs;
-    for (const ParamBucket& b : buckets) reqs.push_back(world.iallgather(rt.params() + b.offset, b.count, group));
+    for (const ParamBucket& b : buckets)
+      reqs.push_back(comm::iallgather_pieces(world, rt.params() + b.offset, b.count, group));
     for (comm::Request r : reqs) comm::wait(world, r, "the all-gather of the updated weights");
   }
   rt.refresh_weights();
@@ -277,7 +278,7 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     const comm::Group group = lay.stage_group();
     for (std::size_t a = 1; a < arrays.size(); ++a)  // the weights are whole on every replica
       for (const ParamBucket& b : rt.buckets())
-        comm::wait(world, world.iallgather(arrays[a].data() + b.offset, b.count, group),
+        comm::wait(world, comm::iallgather_pieces(world, arrays[a].data() + b.offset, b.count, group),
                    "the gathering of the sharded optimizer state");
   }
   FullState full;

@@ -2,6 +2,7 @@
 
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -33,7 +34,8 @@ class Nccl final : public comm::Comm {
     set_timeout_s(host.timeout_s());
     ncclUniqueId id{};
     if (host.rank() == 0) nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
-    comm::wait(host, host.ibroadcast(&id, sizeof id, 0, comm::world_group(host)), "NCCL's unique id from rank 0");
+    comm::wait(host, host.ibroadcast(&id, sizeof id, comm::Type::U8, 0, comm::world_group(host)),
+               "NCCL's unique id from rank 0");
     nccl(ncclCommInitRank(&world_, host.size(), id, host.rank()), "ncclCommInitRank");
     SPPO_CUDA_CHECK(cudaStreamCreateWithFlags(&collective_, cudaStreamNonBlocking));
   }
@@ -78,78 +80,107 @@ class Nccl final : public comm::Comm {
     return r;
   }
 
-  comm::Request iallreduce(float* data, i64 count, const comm::Group& g) override {
-    if (!on_device(data)) return pass(host_.iallreduce(data, count, g));
+  comm::Request iallreduce(void* data, i64 count, comm::Type type, const comm::Group& g) override {
+    comm::check_member(*this, g, "all-reduce");
+    SPPO_CHECK(count >= 0, "comm") << "rank " << rank() << ": all-reduce of " << count << " elements";
+    if (count == 0 || !on_device(data)) return pass(host_.iallreduce(data, count, type, g));
     return collective([&](ncclComm_t c, cudaStream_t s) {
-      nccl(ncclAllReduce(data, data, std::size_t(count), ncclFloat, ncclSum, c, s), "ncclAllReduce");
+      nccl(ncclAllReduce(data, data, std::size_t(count), nccl_type(type), ncclSum, c, s), "ncclAllReduce");
     }, g);
   }
 
-  comm::Request iallreduce(double* data, i64 count, const comm::Group& g) override {
-    if (!on_device(data)) return pass(host_.iallreduce(data, count, g));
-    return collective([&](ncclComm_t c, cudaStream_t s) {
-      nccl(ncclAllReduce(data, data, std::size_t(count), ncclDouble, ncclSum, c, s), "ncclAllReduce");
-    }, g);
-  }
-
-  // Member k ends with the sum of its piece piece_range(count, k, n), in place: one
-  // reduce-scatter where the pieces are equal, else a reduce per piece to its member.
-  comm::Request ireduce_scatter(float* data, i64 count, const comm::Group& g) override {
-    if (!on_device(data)) return pass(host_.ireduce_scatter(data, count, g));
-    const int n = int(g.size()), k = index_in(g);
-    return collective([&](ncclComm_t c, cudaStream_t s) {
-      if (count % n == 0) {
-        const i64 piece = count / n;
-        nccl(ncclReduceScatter(data, data + k * piece, std::size_t(piece), ncclFloat, ncclSum, c, s),
-             "ncclReduceScatter");
+  // One reduce-scatter where the blocks are equal; else a reduce per block to its member
+  // (NCCL's reduce-scatter takes one count), in one NCCL group.
+  comm::Request ireduce_scatter(const void* send, void* recv, const comm::Counts& counts, comm::Type type,
+                                const comm::Group& g) override {
+    const comm::OwnBlock own = comm::check_reduce_scatter(*this, send, recv, counts, type, g);
+    const i64 all = comm::total(counts), mine = counts[std::size_t(own.index)];
+    if (!on_device(send, all * comm::type_bytes(type), recv, mine * comm::type_bytes(type), "reduce-scatter"))
+      return pass(host_.ireduce_scatter(send, recv, counts, type, g));
+    const ncclDataType_t t = nccl_type(type);
+    const char* s = static_cast<const char*>(send);
+    const i64 e = comm::type_bytes(type);
+    return collective([&](ncclComm_t c, cudaStream_t st) {
+      if (equal(counts)) {
+        nccl(ncclReduceScatter(send, recv, std::size_t(mine), t, ncclSum, c, st), "ncclReduceScatter");
         return;
       }
       nccl(ncclGroupStart(), "ncclGroupStart");
-      for (int m = 0; m < n; ++m) {
-        const auto [b, e] = piece_range(count, m, n);
-        nccl(ncclReduce(data + b, data + b, std::size_t(e - b), ncclFloat, ncclSum, m, c, s), "ncclReduce");
+      for (std::size_t m = 0; m < g.size(); ++m) {
+        if (counts[m] == 0) continue;
+        // recvbuff is only the root's (NCCL reads and writes no other member's).
+        const char* from = s + comm::block_offset(counts, int(m)) * e;
+        void* to = int(m) == own.index ? recv : const_cast<char*>(from);
+        nccl(ncclReduce(from, to, std::size_t(counts[m]), t, ncclSum, int(m), c, st), "ncclReduce");
       }
       nccl(ncclGroupEnd(), "ncclGroupEnd");
     }, g);
   }
 
-  // Member k's piece to every member, in place: one all-gather where the pieces are equal,
-  // else a broadcast per piece from its member.
-  comm::Request iallgather(float* data, i64 count, const comm::Group& g) override {
-    if (!on_device(data)) return pass(host_.iallgather(data, count, g));
-    const int n = int(g.size()), k = index_in(g);
-    return collective([&](ncclComm_t c, cudaStream_t s) {
-      if (count % n == 0) {
-        const i64 piece = count / n;
-        nccl(ncclAllGather(data + k * piece, data, std::size_t(piece), ncclFloat, c, s), "ncclAllGather");
+  // One all-gather where the blocks are equal; else this member's block sent to every other
+  // and theirs received, in one NCCL group (NCCL's all-gather takes one count).
+  comm::Request iallgather(const void* send, void* recv, const comm::Counts& counts, comm::Type type,
+                           const comm::Group& g) override {
+    const comm::OwnBlock own = comm::check_allgather(*this, send, recv, counts, type, g);
+    const i64 e = comm::type_bytes(type), all = comm::total(counts), mine = counts[std::size_t(own.index)];
+    if (!on_device(send, mine * e, recv, all * e, "all-gather"))
+      return pass(host_.iallgather(send, recv, counts, type, g));
+    const ncclDataType_t t = nccl_type(type);
+    char* r = static_cast<char*>(recv);
+    return collective([&](ncclComm_t c, cudaStream_t st) {
+      if (equal(counts)) {
+        nccl(ncclAllGather(send, recv, std::size_t(mine), t, c, st), "ncclAllGather");
         return;
       }
+      if (!own.in_place && mine > 0)
+        SPPO_CUDA_CHECK(cudaMemcpyAsync(r + own.offset * e, send, std::size_t(mine * e), cudaMemcpyDeviceToDevice, st));
       nccl(ncclGroupStart(), "ncclGroupStart");
-      for (int m = 0; m < n; ++m) {
-        const auto [b, e] = piece_range(count, m, n);
-        nccl(ncclBroadcast(data + b, data + b, std::size_t(e - b), ncclFloat, m, c, s), "ncclBroadcast");
+      for (std::size_t m = 0; m < g.size(); ++m) {
+        if (int(m) == own.index) continue;
+        if (mine > 0) nccl(ncclSend(send, std::size_t(mine), t, int(m), c, st), "ncclSend");
+        if (counts[m] > 0)
+          nccl(ncclRecv(r + comm::block_offset(counts, int(m)) * e, std::size_t(counts[m]), t, int(m), c, st),
+               "ncclRecv");
       }
       nccl(ncclGroupEnd(), "ncclGroupEnd");
     }, g);
   }
 
-  comm::Request ibroadcast(void* data, i64 bytes, int root, const comm::Group& g) override {
-    if (!on_device(data)) return pass(host_.ibroadcast(data, bytes, root, g));
-    int root_index = -1;
-    for (std::size_t k = 0; k < g.size(); ++k)
-      if (g[k] == root) root_index = int(k);
-    SPPO_ASSERT_MSG(root_index >= 0, "broadcast root " << root << " is not in its group");
-    return collective([&](ncclComm_t c, cudaStream_t s) {
-      nccl(ncclBroadcast(data, data, std::size_t(bytes), ncclUint8, root_index, c, s), "ncclBroadcast");
+  // A send and a receive per other member in one NCCL group; this member's own block a copy.
+  comm::Request ialltoall(const void* send, const comm::Counts& send_counts, void* recv,
+                          const comm::Counts& recv_counts, comm::Type type, const comm::Group& g) override {
+    const int k = comm::check_alltoall(*this, send, send_counts, recv, recv_counts, type, g);
+    const i64 e = comm::type_bytes(type);
+    if (!on_device(send, comm::total(send_counts) * e, recv, comm::total(recv_counts) * e, "all-to-all"))
+      return pass(host_.ialltoall(send, send_counts, recv, recv_counts, type, g));
+    const ncclDataType_t t = nccl_type(type);
+    const char* s = static_cast<const char*>(send);
+    char* r = static_cast<char*>(recv);
+    return collective([&](ncclComm_t c, cudaStream_t st) {
+      if (const i64 n = send_counts[std::size_t(k)]; n > 0)
+        SPPO_CUDA_CHECK(cudaMemcpyAsync(r + comm::block_offset(recv_counts, k) * e,
+                                        s + comm::block_offset(send_counts, k) * e, std::size_t(n * e),
+                                        cudaMemcpyDeviceToDevice, st));
+      nccl(ncclGroupStart(), "ncclGroupStart");
+      for (std::size_t j = 0; j < g.size(); ++j) {
+        if (int(j) == k) continue;
+        if (send_counts[j] > 0)
+          nccl(ncclSend(s + comm::block_offset(send_counts, int(j)) * e, std::size_t(send_counts[j]), t, int(j), c, st),
+               "ncclSend");
+        if (recv_counts[j] > 0)
+          nccl(ncclRecv(r + comm::block_offset(recv_counts, int(j)) * e, std::size_t(recv_counts[j]), t, int(j), c, st),
+               "ncclRecv");
+      }
+      nccl(ncclGroupEnd(), "ncclGroupEnd");
     }, g);
   }
 
-  comm::Request iallgather_bytes(void* data, i64 bytes, const comm::Group& g) override {
-    if (!on_device(data)) return pass(host_.iallgather_bytes(data, bytes, g));
-    const int k = index_in(g);
+  comm::Request ibroadcast(void* data, i64 count, comm::Type type, int root, const comm::Group& g) override {
+    const int root_index = comm::check_root(*this, g, root, "broadcast");
+    SPPO_CHECK(count >= 0, "comm") << "rank " << rank() << ": broadcast of " << count << " elements";
+    if (count == 0 || !on_device(data)) return pass(host_.ibroadcast(data, count, type, root, g));
     return collective([&](ncclComm_t c, cudaStream_t s) {
-      char* d = static_cast<char*>(data);
-      nccl(ncclAllGather(d + i64(k) * bytes, d, std::size_t(bytes), ncclUint8, c, s), "ncclAllGather");
+      nccl(ncclBroadcast(data, data, std::size_t(count), nccl_type(type), root_index, c, s), "ncclBroadcast");
     }, g);
   }
 
@@ -203,7 +234,7 @@ class Nccl final : public comm::Comm {
   void prepare_groups(const std::vector<comm::Group>& groups) override {
     host_.prepare_groups(groups);
     for (const comm::Group& g : groups) {
-      if (groups_.count(g) || int(g.size()) == size()) continue;
+      if (groups_.count(g) || is_world(g)) continue;
       int key = -1;
       for (std::size_t k = 0; k < g.size(); ++k)
         if (g[k] == rank()) key = int(k);
@@ -310,11 +341,40 @@ class Nccl final : public comm::Comm {
     return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
   }
 
-  int index_in(const comm::Group& g) const {
+  // Where a collective's two buffers are (a buffer of no bytes is wherever the other is):
+  // both on the device, or both on the host (true: the device).
+  bool on_device(const void* send, i64 send_bytes, const void* recv, i64 recv_bytes, const char* op) const {
+    if (send_bytes == 0) return recv_bytes > 0 && on_device(recv);
+    const bool s = on_device(send);
+    if (recv_bytes == 0) return s;
+    SPPO_CHECK(s == on_device(recv), "comm") << "rank " << rank() << ": a " << op << " from " << (s ? "device" : "host")
+                                             << " memory into " << (s ? "host" : "device")
+                                             << " memory; give it two buffers on the same side";
+    return s;
+  }
+
+  static bool equal(const comm::Counts& counts) {
+    return std::all_of(counts.begin(), counts.end(), [&](i64 c) { return c == counts[0]; });
+  }
+
+  static ncclDataType_t nccl_type(comm::Type t) {
+    switch (t) {
+      case comm::Type::F32: return ncclFloat32;
+      case comm::Type::F64: return ncclFloat64;
+      case comm::Type::BF16: return ncclBfloat16;
+      case comm::Type::I32: return ncclInt32;
+      case comm::Type::U8: return ncclUint8;
+    }
+    SPPO_ASSERT_MSG(false, "an unknown element type " << int(t));
+    return ncclUint8;
+  }
+
+  // The world's ranks in their own order; a group of every rank in another order is a group.
+  bool is_world(const comm::Group& g) const {
+    if (int(g.size()) != size()) return false;
     for (std::size_t k = 0; k < g.size(); ++k)
-      if (g[k] == rank()) return int(k);
-    SPPO_ASSERT_MSG(false, "rank " << rank() << " is not in the group of its collective");
-    return -1;
+      if (g[k] != int(k)) return false;
+    return true;
   }
 
   comm::Request add(Pending p) {
@@ -338,7 +398,7 @@ class Nccl final : public comm::Comm {
   template <typename F>
   comm::Request collective(F&& enqueue, const comm::Group& g) {
     ncclComm_t c = world_;
-    if (int(g.size()) != size()) {
+    if (!is_world(g)) {
       auto it = groups_.find(g);
       SPPO_ASSERT_MSG(it != groups_.end(), "collective over a group that prepare_groups() did not make");
       c = it->second;

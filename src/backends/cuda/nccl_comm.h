@@ -6,7 +6,10 @@
 // when an event after the call is.
 //   - Collectives: one NCCL communicator per group (ncclCommSplit of the world's, made in
 //     prepare_groups), on one collective stream, in the order posted (the same on every
-//     member, as the interface asks).
+//     member, as the interface asks). NCCL's reduce-scatter and all-gather take one count:
+//     uneven blocks go as a reduce per block to its member, and as grouped sends and
+//     receives; an all-to-all is grouped sends and receives. Every type has NCCL's own
+//     (bf16: ncclBfloat16). Counts are size_t there: no limit of MPI's int.
 //   - Messages: Note [Rendezvous] in comm/rendezvous.h: a notice and a grant over the host
 //     match NCCL's untagged sends and receives to the runtime's tagged ones; each direction
 //     between two ranks has its own communicator and stream (made in prepare_peers from the
