@@ -610,7 +610,7 @@ class SetupBuilder {
                                           << ", --pp " << shape_.par.pp << "); use --subseqs " << shape_.par.pp << " or more";
     SPPO_CHECK(s_.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
                                                               "--precision fp32";
-    // A piece on every stage group, over its SP ranks, each piece's rows over its TP members.
+    // A piece on every stage group, over its cp ranks, each piece's rows over its tp members.
     const i64 split = i64(shape_.par.pp) * shape_.par.cp * shape_.par.tp;
     for (int i = 0; i < N; ++i)
       SPPO_CHECK(s_.lengths[std::size_t(i)] >= split, "options")
