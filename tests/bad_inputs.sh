@@ -129,6 +129,9 @@ expect "--subseqs 'many'" train --model tiny --seq-len 64 --subseqs many
 expect "--device-memory 'lots'" train --model tiny --device-memory lots
 expect "--device-memory '0'" train --model tiny --device-memory 0
 expect "--device-memory '-1GiB'" train --model tiny --device-memory -1GiB
+expect "a percentage above 0 and at most 100 (e.g. 90%)" train --model tiny --device-memory 120%
+expect "a percentage above 0 and at most 100 (e.g. 90%)" train --model tiny --device-memory 0%
+expect "a percentage above 0 and at most 100 (e.g. 90%)" train --model tiny --device-memory lots%
 expect "--device-memory" train --model tiny --seq-len 4096 --subseqs 4 --device-memory 1MiB
 expect "--host-memory 'lots'" train --model tiny --host-memory lots
 expect "over the --host-memory budget" train --model tiny --seq-len 4096 --subseqs 4 --offload full --host-memory 1KiB

@@ -155,6 +155,11 @@ class Backend {
 
   // ---- memory ---------------------------------------------------------------------------
   virtual std::size_t device_memory() const = 0;      // bytes the device has in all
+  // The most the device tier can hold: on CUDA what device_alloc draws from (the memory free
+  // at start less kDeviceReserveBytes for the CUDA context and libraries; its share where
+  // several ranks drive the GPU), the budget a run takes unless --device-memory says
+  // otherwise; 0 on the CPU, whose device tier is bounded by the machine alone.
+  virtual std::size_t device_capacity() { return 0; }
   virtual void* device_alloc(std::size_t bytes) = 0;  // 64-byte aligned; null when out of memory
   virtual void device_free(void* p) = 0;
   virtual void* host_alloc(std::size_t bytes) = 0;    // pinned where that matters
@@ -315,6 +320,10 @@ class Backend {
   virtual double host_sum_squares(const float* g, i64 n) = 0;
   virtual void host_scale(float* x, i64 n, float s) = 0;
 };
+
+// What the CUDA backend leaves free on its GPU for the CUDA context, cuBLASLt's workspaces,
+// cuDNN and NCCL, which allocate outside the device tier.
+inline constexpr std::size_t kDeviceReserveBytes = std::size_t{2} << 30;
 
 // Which device a process drives, and how many processes of its machine share that device
 // (CUDA ranks sharing one GPU: each takes its share of the device's memory).

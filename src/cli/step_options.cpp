@@ -125,7 +125,10 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "Activation offload: none, full, adaptive (sized to hide behind compute and "
                   "fit --device-memory), or a ratio in [0, 1]")
       ->capture_default_str();
-  cmd->add_option("--device-memory", f.device_memory, "Device memory budget, e.g. 512MiB (default: unlimited)");
+  cmd->add_option("--device-memory", f.device_memory,
+                  "Device memory budget: bytes (e.g. 512MiB, 70GiB) or a share of the device's memory (e.g. 90%) "
+                  "(default: on CUDA the GPU's memory less 2 GiB for the CUDA context and libraries, stated in the "
+                  "run's header; on the CPU none)");
   cmd->add_option("--host-memory", f.host_memory,
                   "Host memory budget for offloaded activations, e.g. 2GiB (default: unlimited); adaptive "
                   "offload and --subseqs auto choose within it");
@@ -278,7 +281,17 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   if (!from_init) o.model_preset = f.model;
   if (custom && !from_init && to_json(o.model) != to_json(preset(f.model))) o.model_name = f.model + " (custom)";
   o.seq_len = from_plan && !f.seq_len_option->count() ? from_plan->seq_len : parse_count(f.seq_len, "--seq-len");
-  if (!f.device_memory.empty()) o.device_memory = parse_bytes(f.device_memory, "--device-memory");
+  if (!f.device_memory.empty() && f.device_memory.back() == '%') {
+    const std::string number = f.device_memory.substr(0, f.device_memory.size() - 1);
+    char* end = nullptr;
+    const double percent = std::strtod(number.c_str(), &end);
+    SPPO_CHECK(!number.empty() && *end == 0 && percent > 0 && percent <= 100, "options")
+        << "--device-memory " << f.device_memory << ": a share of the device's memory is a percentage above 0 "
+        << "and at most 100 (e.g. 90%), or give bytes (e.g. 70GiB)";
+    o.device_memory_fraction = percent / 100;
+  } else if (!f.device_memory.empty()) {
+    o.device_memory = parse_bytes(f.device_memory, "--device-memory");
+  }
   if (!f.host_memory.empty()) o.host_memory = parse_bytes(f.host_memory, "--host-memory");
   SPPO_CHECK(f.mlp_tile_rows >= 0, "options")
       << "--mlp-tile-rows must be 0 (off) or a positive number of rows (got " << f.mlp_tile_rows << ")";

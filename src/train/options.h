@@ -30,7 +30,11 @@ struct StepOptions {
   std::string subseqs = "1";          // N, or "auto"
   std::string partition = "length";   // length | flops | adaptive
   std::string offload = "none";       // none | full | adaptive | <ratio in [0, 1]>
-  i64 device_memory = 0;              // bytes; 0 = unlimited
+  // --device-memory: bytes, or a share of the device's memory (device_memory_fraction, from
+  // "90%"); neither: the backend's capacity (CUDA: the GPU less its context's reserve), on the
+  // CPU no budget (resolve_device_budget in train/setup.h).
+  i64 device_memory = 0;
+  double device_memory_fraction = 0;
   i64 host_memory = 0;                // bytes of the host tier (offloaded activations, host K/V, optimizer state); 0 = unlimited
   bool recompute = false;             // full activation recomputation baseline
   // Where the step places what it saves and holds (core/placement.h), as --kv-cache,

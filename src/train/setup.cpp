@@ -38,6 +38,32 @@ plan::Plan read_plan_file(const std::string& path) {
   return plan::plan_from_json(j);
 }
 
+DeviceBudget resolve_device_budget(i64 bytes, double fraction, i64 device_memory, i64 capacity) {
+  DeviceBudget b;
+  if (bytes > 0) {
+    b.bytes = bytes;
+    b.from = "--device-memory";
+  } else if (fraction > 0) {
+    b.bytes = i64(double(device_memory) * fraction);
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "--device-memory %g%% of the device's %s", fraction * 100,
+                  format_bytes(double(device_memory)).c_str());
+    b.from = buf;
+  } else if (capacity > 0) {
+    b.bytes = capacity;
+    b.from = "the device's " + format_bytes(double(device_memory)) + ", less " +
+             format_bytes(double(kDeviceReserveBytes)) + " for the CUDA context and libraries (or its share, where "
+             "ranks share it): --device-memory says otherwise";
+    return b;
+  }
+  SPPO_CHECK(capacity == 0 || b.bytes <= capacity, "options")
+      << "--device-memory of " << format_bytes(double(b.bytes)) << " is more than the device tier can hold, "
+      << format_bytes(double(capacity)) << " (the device's " << format_bytes(double(device_memory)) << " less "
+      << format_bytes(double(kDeviceReserveBytes)) << " for the CUDA context and libraries); use at most "
+      << capacity << " bytes, or " << int(100.0 * double(capacity) / double(device_memory)) << "%";
+  return b;
+}
+
 namespace {
 
 int resolve_subseqs(const StepOptions& o, i64 S) {
@@ -324,6 +350,9 @@ class SetupBuilder {
   void open_backend() {
     const DevicePlacement place = place_on_device(o_, w_);
     s_.backend = make_backend(o_.backend, o_.precision, o_.attention_kernels, place);
+    s_.device_budget = resolve_device_budget(o_.device_memory, o_.device_memory_fraction,
+                                             i64(s_.backend->device_memory()), i64(s_.backend->device_capacity()));
+    budget_ = s_.device_budget.bytes;
     s_.attention = s_.backend->prepare_attention(s_.config);
     // A profile measured on this GPU says, per shape class, whose attention kernels are faster.
     if (!o_.hardware.empty()) s_.backend->prefer_attention(attention_classes(profile()));
@@ -566,9 +595,9 @@ class SetupBuilder {
     } else {
       int N = resolve_subseqs(o_, S_);
       const plan::HardwareProfile& hw = profile();
-      if (o_.subseqs == "auto" && o_.device_memory > 0 && !o_.recompute) {
+      if (o_.subseqs == "auto" && budget_ > 0 && !o_.recompute) {
         // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
-        const auto fit = sim::smallest_fitting_n(c, S_, hw, precision_, o_.device_memory, o_.partition != "length",
+        const auto fit = sim::smallest_fitting_n(c, S_, hw, precision_, budget_, o_.partition != "length",
                                                  1, int(std::min<i64>(S_, 4096)), shape_, kTileTokens);
         if (fit.found) N = fit.subseqs;
       }
@@ -585,7 +614,7 @@ class SetupBuilder {
       // alone, and has no prediction. Under auto only the first refusal is ever shown
       // (fits()): the later ones skip the search over N that says what would fit.
       SubseqChoice choice =
-          choose_subseqs(o_.partition, o_.offload, c, S_, N, o_.recompute ? 0 : o_.device_memory, hw, shape_,
+          choose_subseqs(o_.partition, o_.offload, c, S_, N, o_.recompute ? 0 : budget_, hw, shape_,
                          /*hint=*/!(any_auto_ && first_error_));
       s_.lengths = choice.lengths;
       s_.alpha = choice.alpha;
@@ -596,8 +625,8 @@ class SetupBuilder {
     if (!o_.recompute)
       r_ = sim::simulate(s_.schedule, plan::CostModel(profile(), c, precision_),
                          sim::memory_rules(c, precision_, shape_));
-    return o_.device_memory == 0 || o_.recompute ||
-           (r_.peak_device_bytes <= o_.device_memory && (o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory));
+    return budget_ == 0 || o_.recompute ||
+           (r_.peak_device_bytes <= budget_ && (o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory));
   }
 
   void check_msp() const {
@@ -760,9 +789,9 @@ class SetupBuilder {
       s_.predicted_peak_bytes = sched::recompute_peak_bytes(rules, S_);
       s_.predicted_peak_per_rank = {s_.predicted_peak_bytes};
       s_.predicted_host_bytes = sched::param_count(s_.config, 0, s_.config.layers, true, true) * rules.host_state_bytes();
-      SPPO_CHECK_FITS(o_.device_memory == 0 || s_.predicted_peak_bytes <= o_.device_memory, "memory")
+      SPPO_CHECK_FITS(budget_ == 0 || s_.predicted_peak_bytes <= budget_, "memory")
           << "--recompute needs " << format_bytes(double(s_.predicted_peak_bytes)) << " of device memory at --seq-len "
-          << S_ << ", over the --device-memory budget of " << format_bytes(double(o_.device_memory))
+          << S_ << ", over the device budget of " << budget_text()
           << "; shorten --seq-len, raise --device-memory, or drop --recompute for --subseqs auto --offload adaptive";
       return;
     }
@@ -780,10 +809,9 @@ class SetupBuilder {
     s_.predicted_bubble = r_.bubble_ratio;
     s_.predicted_host_bytes = r_.peak_host_bytes;
     const std::string what = from_plan_ ? "--plan " + o_.plan_path : std::string("this layout");
-    SPPO_CHECK_FITS(o_.device_memory == 0 || r_.peak_device_bytes <= o_.device_memory, "memory")
+    SPPO_CHECK_FITS(budget_ == 0 || r_.peak_device_bytes <= budget_, "memory")
         << what << " needs " << format_bytes(double(r_.peak_device_bytes))
-        << " of device memory on its fullest rank, over the --device-memory budget of "
-        << format_bytes(double(o_.device_memory))
+        << " of device memory on its fullest rank, over the device budget of " << budget_text()
         << (!exhausted_.empty() ? exhausted_
             : !s_.schedule.place.any_kv_streamed() && kv_host_ok_
                 ? "; --kv-cache host or recompute keeps K/V and their gradients off the device"
@@ -822,7 +850,7 @@ class SetupBuilder {
 
   void make_runtime() {
     RuntimeOptions ro;
-    ro.device_budget = o_.device_memory;
+    ro.device_budget = budget_;
     ro.host_budget = o_.host_memory;
     ro.recompute = o_.recompute;
     ro.rank = s_.layout.rank;
@@ -843,9 +871,15 @@ class SetupBuilder {
     s_.runtime = std::make_unique<Runtime>(s_.config, ro);
   }
 
+  std::string budget_text() const {
+    return format_bytes(double(budget_)) + (s_.device_budget.from == "--device-memory" ? " (--device-memory)"
+                                                                                       : " (" + s_.device_budget.from + ")");
+  }
+
   const StepOptions& o_;
   comm::Comm& w_;
   const i64 S_;
+  i64 budget_ = 0;  // the device tier's (StepSetup::device_budget), from open_backend on
   StepSetup s_;
   bool profiled_ = false;
   ActPrecision precision_ = ActPrecision::F32;

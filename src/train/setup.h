@@ -18,11 +18,23 @@
 
 namespace sppo {
 
+// The device tier's budget (--device-memory): `bytes` given, else a share `fraction` of the
+// device's memory, else the backend's capacity (Backend::device_capacity: CUDA's GPU less
+// kDeviceReserveBytes; 0 on the CPU: no budget). A budget over the capacity is refused,
+// naming the largest that fits. `from` says where it came from, as the run's header states
+// it.
+struct DeviceBudget {
+  i64 bytes = 0;  // 0: none
+  std::string from;
+};
+DeviceBudget resolve_device_budget(i64 bytes, double fraction, i64 device_memory, i64 capacity);
+
 struct StepSetup {
   ModelConfig config;
   std::unique_ptr<io::TokenSource> data;
   std::unique_ptr<io::TokenSource> labels;  // --labels, read in step with `data`; null without
   std::unique_ptr<Backend> backend;   // before the runtime: it outlives it
+  DeviceBudget device_budget;   // the device tier's budget (--device-memory, or the backend's)
   AttentionServed attention;    // what runs attention (Backend::prepare_attention)
   // Several ranks on a backend whose device memory the host cannot read (or --comm mpi): the
   // communicator for device memory (NCCL, or MPI staged through host memory); null: the world
@@ -65,6 +77,7 @@ PackedDocs pack_documents(const std::int32_t* tokens, i64 S, std::int32_t sep);
 // document index gives them, io::TokenSource::last_document_starts): the token before each
 // start predicts nothing.
 PackedDocs pack_at_starts(const std::int32_t* tokens, i64 S, const std::vector<i64>& starts);
+
 
 // Memory a run's process holds besides the two tiers (program, thread stacks, OpenBLAS and
 // MPI buffers), counted when checking that a run fits the machine.

@@ -454,6 +454,9 @@ void print_start(const Run& r) {
                "clip %g\n",
                o.lr, o.lr_from.c_str(), o.warmup, o.warmup_from.c_str(), o.lr * o.min_lr_ratio, o.weight_decay,
                o.weight_decay_from.c_str(), o.clip);
+  if (s.device_budget.bytes > 0)
+    std::fprintf(stderr, "device memory: a budget of %s (%s)\n", format_bytes(double(s.device_budget.bytes)).c_str(),
+                 s.device_budget.from.c_str());
   if (s.labels) std::fprintf(stderr, "labels: %s (the loss counts the tokens whose label is not -100)\n",
                              s.labels->describe().c_str());
   if (std::string(s.backend->name()) != "cpu")

@@ -2,6 +2,7 @@
 // checked before any work.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <numeric>
 
 #include "core/check.h"
@@ -11,12 +12,44 @@
 namespace sppo {
 namespace {
 
+std::string testing_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 StepOptions options(i64 S) {
   StepOptions o;
   o.model = preset("small");
   o.model_name = "small";
   o.seq_len = S;
   return o;
+}
+
+// --device-memory: bytes, a share of the device, or the backend's capacity. On a GPU of 80
+// GiB whose tier holds 77.5 GiB (CUDA's Backend::device_capacity: the memory free at start
+// less the context's reserve) a run with no --device-memory budgets that capacity, so that
+// --subseqs auto and adaptive offload size themselves to the GPU; on the CPU (capacity 0) it
+// has no budget, as before.
+TEST(Setup, DeviceBudgetDefaultsToTheGpusCapacity) {
+  const i64 GiB = i64(1) << 30, gpu = 80 * GiB, tier = 77 * GiB + GiB / 2;
+  const DeviceBudget none = resolve_device_budget(0, 0, gpu, tier);
+  EXPECT_EQ(none.bytes, tier);
+  EXPECT_NE(none.from.find("80.00 GiB"), std::string::npos) << none.from;
+  EXPECT_NE(none.from.find("less 2.00 GiB for the CUDA context and libraries"), std::string::npos) << none.from;
+  EXPECT_EQ(resolve_device_budget(0, 0.9, gpu, tier).bytes, 72 * GiB);
+  EXPECT_EQ(resolve_device_budget(40 * GiB, 0, gpu, tier).bytes, 40 * GiB);
+  const std::string over = testing_error([&] { resolve_device_budget(0, 0.99, gpu, tier); });
+  EXPECT_NE(over.find("more than the device tier can hold"), std::string::npos) << over;
+  EXPECT_NE(over.find("or 96%"), std::string::npos) << over;
+  EXPECT_FALSE(testing_error([&] { resolve_device_budget(90 * GiB, 0, gpu, tier); }).empty());
+  // The CPU: no budget unless given; a share of the machine's memory when asked.
+  EXPECT_EQ(resolve_device_budget(0, 0, 24 * GiB, 0).bytes, 0);
+  EXPECT_EQ(resolve_device_budget(0, 0.5, 24 * GiB, 0).bytes, 12 * GiB);
+  EXPECT_EQ(resolve_device_budget(96 << 20, 0, 24 * GiB, 0).bytes, 96 << 20);
 }
 
 TEST(Setup, AutoSubseqsIsTheFewestThatFitTheBudget) {

@@ -49,6 +49,13 @@ class Slab {
     if (base_) cudaFree(base_);
   }
 
+  // The bytes it can hand out in all (the slab is reserved on first use).
+  std::size_t capacity() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!base_) reserve();
+    return capacity_;
+  }
+
   void* alloc(std::size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!base_) reserve();
@@ -93,7 +100,7 @@ class Slab {
   void reserve() {
     std::size_t free_bytes = 0, total = 0;
     SPPO_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
-    constexpr std::size_t kReserve = std::size_t{2} << 30;
+    constexpr std::size_t kReserve = kDeviceReserveBytes;
     SPPO_CHECK(free_bytes > kReserve + kGuard, "backend") << "the GPU has only " << free_bytes << " bytes free";
     const std::size_t share = total / std::size_t(sharing_) > kReserve ? total / std::size_t(sharing_) - kReserve : 0;
     SPPO_CHECK(share > kGuard, "backend") << sharing_ << " ranks share a GPU of " << total
@@ -102,12 +109,13 @@ class Slab {
     void* p = nullptr;
     SPPO_CUDA_CHECK(cudaMalloc(&p, bytes));
     base_ = static_cast<char*>(p);
-    free_[0] = bytes - kGuard;
+    free_[0] = capacity_ = bytes - kGuard;
   }
 
   int sharing_;
   std::mutex mu_;
   char* base_ = nullptr;
+  std::size_t capacity_ = 0;
   std::map<std::size_t, std::size_t> free_, used_;  // offset -> bytes
 };
 
@@ -323,6 +331,7 @@ class CudaBackend final : public Backend {
     SPPO_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
     return total;
   }
+  std::size_t device_capacity() override { return slab_.capacity(); }
   void* device_alloc(std::size_t bytes) override { return slab_.alloc(bytes); }
   void device_free(void* p) override { slab_.free(p); }
   void* host_alloc(std::size_t bytes) override { return pinned_.alloc(bytes); }
