@@ -15,6 +15,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "comm/launcher.h"
 #include "core/check.h"
 #include "core/timing.h"
 #include "io/checkpoint.h"
@@ -61,8 +62,8 @@ void apply_threads(int threads, const comm::Comm& world) {
   if (threads > 0) {
     omp_set_num_threads(threads);
   } else if (world.size() > 1) {
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int ranks_here = local ? std::max(1, std::atoi(local)) : world.size();
+    const int local = comm::launcher_local_size();
+    const int ranks_here = local > 0 ? local : world.size();
     omp_set_num_threads(std::max(1, int(std::thread::hardware_concurrency()) / ranks_here));
   }
 }
