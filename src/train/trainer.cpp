@@ -476,6 +476,8 @@ void save_run(Run& r, int step_done) {
                           {"schedule_steps", r.planned},
                           {"optimizer_steps", r.updates},
                           {"options", numeric_options(o)}};
+  // The sequences a step as run: under --plan its dp, which the options do not hold.
+  state["options"]["--batch"] = std::to_string(s.layout.batch);
   if (s.labels) state["labels_position"] = s.labels->position();
   save_consolidated(*s.runtime, s.layout, *r.cm, o.save_dir, state, o.config_toml);
 }
