@@ -17,7 +17,10 @@ import sys
 # Options of the launchers, peer scripts and install scripts the docs show (mpirun, srun,
 # bench/peers, scripts/install-hf.sh).
 OTHERS = {"--hostfile", "--ntasks-per-node", "--mpi", "--oversubscribe", "--bind-to", "--profile", "--json",
-          "--seq-len", "--qwen3", "--optional"}
+          "--seq-len", "--qwen3", "--optional",
+          # docs/launch.md: srun's and sbatch's, mpirun's, docker's
+          "--nodes", "--cpus-per-task", "--gpus-per-task", "--job-name", "--time", "--output",
+          "--allow-run-as-root", "--mca", "--shm-size", "--ulimit"}
 
 
 def help_text(sppo, path):

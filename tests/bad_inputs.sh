@@ -361,6 +361,9 @@ expect "--labels missing.i32 is not a file" "${labeled[@]}" --labels missing.i32
 expect "the built-in task has its own" train --model tiny --seq-len 32 --steps 1 --labels l40.i32
 expect "--labels gives a causal model's next-token targets" "${labeled[@]}" --labels l40.i32 --attention bidirectional --objective mlm
 expect '--labels "l40.i32" differs from the checkpoint' train --resume ckpt --labels l40.i32 --steps 4
+# srun of two tasks without an MPI plugin (srun --mpi=none): each would train alone as rank 0.
+SLURM_STEP_NUM_TASKS=2 SLURM_PROCID=0 SLURM_LOCALID=0 \
+  expect "srun started 2 tasks without an MPI plugin" train --model tiny --seq-len 32 --steps 1 --save srun_ckpt
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "comm/launcher.h"
 #include "comm/mpi/mpi_comm.h"
 #include "core/check.h"
 
@@ -314,7 +315,7 @@ bool launched_by_mpi() {
 std::unique_ptr<Comm> make_solo() { return std::make_unique<Solo>(); }
 
 Comm& world() {
-  static std::unique_ptr<Comm> w = launched_by_mpi() ? make_mpi() : make_solo();
+  static std::unique_ptr<Comm> w = launched_by_mpi() ? make_mpi() : (check_launch(), make_solo());
   return *w;
 }
 

@@ -152,11 +152,12 @@ Group world_group(const Comm& c);
 // because another rank failed. Cheap: call it before every op.
 void set_activity(const std::string& text);
 
-// True when this process was started by an MPI launcher (mpirun, srun with PMIx).
+// True when this process was started by an MPI launcher (mpirun, mpiexec, srun --mpi=pmix).
 bool launched_by_mpi();
 
-// The process's communicator: MPI when launched by mpirun, else one rank. Made on first
-// use and finalized at exit.
+// The process's communicator: MPI when launched by mpirun or srun, else one rank (refused
+// where srun started several tasks without an MPI plugin: Note [Launchers] in
+// comm/launcher.h). Made on first use and finalized at exit.
 Comm& world();
 
 // The one-rank implementation (also what world() is without a launcher). Its collectives

@@ -11,6 +11,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "comm/launcher.h"
 #include "core/check.h"
 #include "planner/plan.h"
 #include "schedule/builders.h"
@@ -221,16 +222,15 @@ plan::HardwareProfile agreed_profile(const std::string& hardware, comm::Comm& w)
 namespace {
 
 // Note [Ranks and GPUs]: a CUDA rank drives one GPU: --device N, else its local rank (the
-// launcher's: OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID) modulo the GPUs it
-// sees. Ranks of one machine that land on the same GPU share it: each takes its share of the
+// launcher's, mpirun's, mpiexec's or srun's: Note [Launchers] in comm/launcher.h) modulo the
+// GPUs it sees. Ranks of one machine that land on the same GPU share it: each takes its share of the
 // device's memory, and their messages go through pinned host memory over MPI, since NCCL
 // (2.28) refuses two ranks of one communicator on one device; ranks with a GPU each talk over
 // NCCL. --comm nccl|mpi forces the transport (mpi on the CPU stages its messages all the same,
 // which is how the CPU's tests run the GPUs' staging).
 int local_rank(const comm::Comm& w) {
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"})
-    if (const char* x = std::getenv(v)) return std::max(0, std::atoi(x));
-  return w.rank();
+  const int r = comm::launcher_local_rank();
+  return r >= 0 ? r : w.rank();
 }
 
 DevicePlacement place_on_device(const StepOptions& o, comm::Comm& w) {
@@ -836,8 +836,7 @@ class SetupBuilder {
   // rank, times the ranks sharing the machine, must be there before the run starts.
   void check_machine_memory() const {
     const i64 per_rank = s_.predicted_peak_bytes + s_.predicted_host_bytes + kProcessAllowanceBytes;
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
+    const int ranks_here = std::max(1, comm::launcher_local_size());
     const i64 available = available_memory_bytes();
     SPPO_CHECK_FITS(available <= 0 || per_rank <= available / ranks_here, "memory")
         << "this run needs " << format_bytes(double(per_rank)) << " of memory"

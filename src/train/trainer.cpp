@@ -15,6 +15,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "comm/launcher.h"
 #include "core/check.h"
 #include "core/timing.h"
 #include "io/checkpoint.h"
@@ -61,8 +62,8 @@ void apply_threads(int threads, const comm::Comm& world) {
   if (threads > 0) {
     omp_set_num_threads(threads);
   } else if (world.size() > 1) {
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int ranks_here = local ? std::max(1, std::atoi(local)) : world.size();
+    const int local = comm::launcher_local_size();
+    const int ranks_here = local > 0 ? local : world.size();
     omp_set_num_threads(std::max(1, int(std::thread::hardware_concurrency()) / ranks_here));
   }
 }
@@ -476,6 +477,8 @@ void save_run(Run& r, int step_done) {
                           {"schedule_steps", r.planned},
                           {"optimizer_steps", r.updates},
                           {"options", numeric_options(o)}};
+  // The sequences a step as run: under --plan its dp, which the options do not hold.
+  state["options"]["--batch"] = std::to_string(s.layout.batch);
   if (s.labels) state["labels_position"] = s.labels->position();
   save_consolidated(*s.runtime, s.layout, *r.cm, o.save_dir, state, o.config_toml);
 }

@@ -1,7 +1,7 @@
 // Training over ranks: 20-step loss curves equal to one process's, checkpoints that resume
 // under another layout (pipeline 2 -> 1, data parallel 2 -> 1, tensor parallel 2 -> 1,
 // and back) on the same curve, the optimizer state on the host on the device's curve, and
-// a plan's layout run as planned.
+// a plan's layout run as planned, and resumed under it.
 #include <gtest/gtest.h>
 
 #include "core/config.h"
@@ -204,6 +204,28 @@ TEST_F(Training, RunsThePlannedLayout) {
   EXPECT_EQ(h.back()["measured_peak_device_bytes_per_rank"], h.back()["predicted_peak_device_bytes_per_rank"]);
   EXPECT_EQ(h.back()["measured_peak_host_bytes"], h.back()["predicted_peak_host_bytes"]);
   EXPECT_LT(h.back()["measured_peak_device_bytes"].get<i64>(), t.back()["measured_peak_device_bytes"].get<i64>());
+}
+
+// A run of a plan with replicas resumes under the same plan (the checkpoint records the
+// sequences a step as run, the plan's dp, not the options' default of one), on the curve
+// of the run that was not stopped.
+TEST_F(Training, PlannedReplicasResume) {
+  const std::string plan = path("dp.json");
+  nlohmann::json p = tiny_plan(plan, 2);
+  ASSERT_FALSE(HasFailure());
+  p["sp"] = 1, p["tp"] = 1, p["pp"] = 1, p["dp"] = 2, p["msp"] = false;
+  std::ofstream(plan) << p.dump(2);
+  auto planned = [&](const std::string& args, const std::string& name) {
+    const auto r = mpirun(2, "train --threads 1 --quiet --steps 6 --plan " + plan + " --hardware a100-80gb " + args +
+                                 " --metrics " + path(name));
+    EXPECT_EQ(r.status, 0) << args << "\n" << r.output;
+    return losses(path(name));
+  };
+  const auto whole = planned("", "whole.jsonl");
+  planned("--stop-after 3 --save " + path("ck_plan"), "first.jsonl");
+  const auto rest = planned("--resume " + path("ck_plan"), "rest.jsonl");
+  ASSERT_EQ(whole.size(), 6u);
+  expect_same_curve(std::vector<double>(whole.begin() + 3, whole.end()), rest, "plan dp 2, stopped and resumed");
 }
 
 // A plan's MSP reach (Note [MSP reach]) and its K/V on the host run as planned: three stages
