@@ -102,6 +102,8 @@ expect "--budget '99999999999999999999TB' is too large" plan --budget 9999999999
 expect "missing field(s) \"hardware\"" simulate empty.json
 expect "the longest sequence it plans on 8 devices is" plan --seq-len 999999999999
 expect "plan_over_budget.json: the simulated peak" simulate plan_over_budget.json
+expect "--dry-run checks a plan before its run" train --model tiny --dry-run
+expect "over the device budget of 1.00 GiB (the plan's budget_bytes)" train --plan plan_over_budget.json --dry-run
 expect "--seq-len 999999999999" bench layer --seq-len 999999999999
 expect "state.json lacks \"config\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_no_config
 expect "state.json: \"step\" is \"two\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_step_two

@@ -150,6 +150,11 @@ void add_train(CLI::App& app, Commands& out) {
                   "to host memory each step, the CPU updates the state there, and the weights come back while "
                   "the next step starts), or auto (a --plan's choice when it has one, else device)")
       ->capture_default_str();
+  cmd->add_flag("--dry-run", o.step.dry_run,
+                "With --plan: check the plan as its run would before its first step (the options, the schedule, "
+                "each rank's predicted peaks against the plan's budgets) on the plan's backend, precision, hardware "
+                "profile and ranks whatever this machine is, allocating nothing; prints each rank's peaks and one "
+                "JSON object, exit 0 when every rank fits, 3 when one does not");
   cmd->add_option("--metrics", o.metrics_path, "Write one JSON object per step to this .jsonl file");
   cmd->add_option("--save", o.save_dir, "Checkpoint directory (written atomically)");
   cmd->add_option("--save-every", o.save_every, "Also checkpoint every K steps");

@@ -38,6 +38,7 @@ struct StepFlags {
   std::string msp = "off";
   int zero = 0;
   CLI::Option* model_option = nullptr;
+  CLI::Option* zero_option = nullptr;
   CLI::Option* seq_len_option = nullptr;
   CLI::Option* mlp_tile_rows_option = nullptr;
 };

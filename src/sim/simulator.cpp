@@ -714,7 +714,9 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
     }
     res.peak_bytes[r] = peak;
   });
+  res.peak_host_per_rank.assign(size_t(R), 0);
   for (int r = 0; r < R; ++r) {
+    res.peak_host_per_rank[size_t(r)] = mem[size_t(r)].peak_host;
     res.peak_host_bytes = std::max(res.peak_host_bytes, mem[size_t(r)].peak_host);
     if (res.peak_bytes[size_t(r)] > res.peak_device_bytes) {
       res.peak_device_bytes = res.peak_bytes[size_t(r)];

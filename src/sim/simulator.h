@@ -67,6 +67,7 @@ struct SimResult {
   i64 peak_device_bytes = 0;     // max over ranks
   i64 peak_host_bytes = 0;       // max over ranks of the bytes held on the host (offloaded
                                  // copies, host K/V and their sums, the optimizer state)
+  std::vector<i64> peak_host_per_rank;
   double host_update_s = 0;      // the host's optimizer update, in step_time_s (Note
                                  // [Pricing the host's update] in simulator.cpp); 0: none
   std::vector<i64> sent_bytes;   // per rank: point-to-point bytes sent (Send and ring messages)

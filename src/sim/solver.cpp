@@ -607,6 +607,7 @@ void predict(plan::Plan* p, const HardwareProfile& hw) {
 // MSP again for its cp 1 finalists. So gpt-13b at 512K on 128 A100s finds tp 8 pp 4 dp 4
 // with MSP (198.0 tokens/GPU/s), which without MSP (87.02 s a step) the search prunes.
 constexpr int kAutoMspTasks = 256;
+constexpr const char* kMspOffNote = "MSP off (--msp off)";
 constexpr int kMspEveryGroupStages = 16;
 constexpr int kMspWiderTasks = 512;
 int msp_search_reach(const plan::Plan& p) {
@@ -1610,7 +1611,7 @@ PlanOutcome rank_pass(const SearchContext& ctx, SearchState& st, double first_be
       finalists.push_back(choose_msp(req, p).chosen);
     } else {
       predict(&p, ctx.hw);
-      if (req.msp == false) p.notes.push_back("MSP off (--msp off)");
+      if (req.msp == false) p.notes.push_back(kMspOffNote);
       finalists.push_back(p);
     }
   }
@@ -1746,7 +1747,25 @@ PlanOutcome solve_plan(const PlanRequest& req) {
   SPPO_CHECK(req.gpus >= 1 && req.gpus_per_node >= 1, "planner") << "--gpus and --gpus-per-node must be positive";
   SPPO_CHECK(req.gpus <= req.gpus_per_node || req.gpus % req.gpus_per_node == 0, "planner")
       << "--gpus " << req.gpus << " is not a whole number of nodes of " << req.gpus_per_node;
-  if (req.system == plan::System::Sppo) return solve_sppo(req);
+  if (req.system == plan::System::Sppo) {
+    // Note [MSP in bf16]: the runtime runs MSP's pieces with fp32 activations only (its
+    // helpers borrow a stage's fp32 weights and return fp32 gradients, and no GPU has run
+    // them), so a plan for a profile whose activations are bf16 does not use MSP: every plan
+    // returned is one `train --plan` runs on that hardware.
+    if (precision_of(plan_hardware(req.hw, req.gpus_per_node)) == ActPrecision::BF16) {
+      SPPO_CHECK(req.msp != true, "planner")
+          << "--msp on: train runs MSP's pieces with fp32 activations only (CPU ranks), and the profile "
+          << req.hardware << " computes in bf16; use --msp off or auto (auto leaves MSP off on this profile)";
+      PlanRequest off = req;
+      off.msp = false;
+      PlanOutcome out = solve_sppo(off);
+      for (std::string& note : out.plan.notes)
+        if (note == kMspOffNote)
+          note = "MSP off: train runs MSP's pieces with fp32 activations only, and this profile computes in bf16";
+      return out;
+    }
+    return solve_sppo(req);
+  }
   if (req.system == plan::System::Megatron || req.system == plan::System::Deepspeed) return solve_baseline(req);
   SPPO_ASSERT(false);
   return {};

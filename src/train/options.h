@@ -57,6 +57,10 @@ struct StepOptions {
   double comm_timeout_s = 20;         // a wait for a message longer than this ends the job
   std::string comm = "auto";          // --comm: auto | nccl | mpi (train/setup.cpp Note [Ranks and GPUs])
   int device = -1;                    // --device: the GPU this process drives (-1: by its local rank)
+  // train --plan P --dry-run: every check a run makes before its first step, on the plan's
+  // backend, precision, hardware profile and ranks whatever this build and machine are;
+  // nothing is allocated and no step runs (make_setup leaves the backend and runtime null).
+  bool dry_run = false;
 };
 
 // Note [Continuing a trained model]: `train --init` starts from weights a model was trained

@@ -24,13 +24,25 @@ void copy_floats(float* dst, const float* src, i64 n) { std::memcpy(dst, src, st
 
 }  // namespace
 
-ParallelLayout make_layout(const ParallelDims& par, int batch, const comm::Comm& world) {
+ParallelLayout make_layout(const ParallelDims& par, int batch, int rank) {
   SPPO_CHECK(par.pp >= 1, "options") << "--pp must be at least 1 (got " << par.pp << ")";
   SPPO_CHECK(par.dp >= 1, "options") << "--dp must be at least 1 (got " << par.dp << ")";
   SPPO_CHECK(par.cp >= 1 && par.cp <= 8, "options") << "--cp must be 1 to 8 (got " << par.cp << ")";
   SPPO_CHECK(par.tp >= 1 && par.tp <= 8, "options") << "--tp must be 1 to 8 (got " << par.tp << ")";
   SPPO_CHECK(par.ulysses == 1, "options") << "ulysses " << par.ulysses << ": the runtime runs no Ulysses ranks";
   par.check("options");
+  ParallelLayout l;
+  l.par = par;
+  l.batch = batch == 0 ? par.dp : batch;
+  SPPO_CHECK(l.batch >= 1 && l.batch % par.dp == 0, "options")
+      << "--batch " << l.batch << " is not a positive multiple of --dp " << par.dp
+      << " (every replica trains the same number of sequences a step)";
+  l.rank = rank;
+  return l;
+}
+
+ParallelLayout make_layout(const ParallelDims& par, int batch, const comm::Comm& world) {
+  ParallelLayout l = make_layout(par, batch, world.rank());
   const int ranks = par.ranks();
   SPPO_CHECK(ranks == world.size(), "options")
       << "--pp " << par.pp << (par.tp > 1 ? " x --tp " + std::to_string(par.tp) : std::string())
@@ -38,13 +50,6 @@ ParallelLayout make_layout(const ParallelDims& par, int batch, const comm::Comm&
       << " ranks, but the job has " << world.size()
       << (world.size() == 1 ? " (started without mpirun)" : " (mpirun -np " + std::to_string(world.size()) + ")")
       << "; start it with mpirun -np " << ranks << " or change --pp / --tp / --cp / --dp";
-  ParallelLayout l;
-  l.par = par;
-  l.batch = batch == 0 ? par.dp : batch;
-  SPPO_CHECK(l.batch >= 1 && l.batch % par.dp == 0, "options")
-      << "--batch " << l.batch << " is not a positive multiple of --dp " << par.dp
-      << " (every replica trains the same number of sequences a step)";
-  l.rank = world.rank();
   return l;
 }
 

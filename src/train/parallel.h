@@ -59,6 +59,8 @@ struct ParallelLayout {
 // Checks the layout (its degrees, ZeRO stage and batch) against itself and against the job's
 // rank count; throws sppo::Error naming the numbers and the mpirun -np that would work.
 ParallelLayout make_layout(const ParallelDims& par, int batch, const comm::Comm& world);
+// The same checks for a layout not started (a dry run): rank `rank` of par.ranks().
+ParallelLayout make_layout(const ParallelDims& par, int batch, int rank = 0);
 
 // Runs f on every rank; if it throws sppo::Error on any, every rank throws one Error
 // holding the distinct messages (naming the ranks when they differ), so that a bad option

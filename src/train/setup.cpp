@@ -217,6 +217,24 @@ plan::HardwareProfile agreed_profile(const std::string& hardware, comm::Comm& w)
   return plan::profile_from_json(nlohmann::json::parse(all[0]), "rank 0's measurement");
 }
 
+// A run of a plan (--plan, no --hardware) prices with the plan's own profile where this
+// machine has it (a preset, or the file it names), as the plan was priced, rather than
+// measuring this one as it starts; where it does not, null (the caller measures). Rank 0
+// decides for all, so that every rank takes the same profile.
+std::optional<plan::HardwareProfile> plans_profile(const plan::Plan& p, comm::Comm& w) {
+  std::string mine;
+  if (w.rank() == 0) {
+    try {
+      mine = plan::to_json(plan::load_profile(p.hardware)).dump();
+    } catch (const Error&) {
+      mine = "";
+    }
+  }
+  if (w.size() > 1) mine = comm::allgather_strings(w, mine, "rank 0's reading of the plan's profile")[0];
+  if (mine.empty()) return std::nullopt;
+  return plan::profile_from_json(nlohmann::json::parse(mine), "the plan's profile " + p.hardware);
+}
+
 }  // namespace
 
 namespace {
@@ -300,13 +318,18 @@ class SetupBuilder {
 
   StepSetup build() {
     check_options();
-    open_backend();
+    if (o_.dry_run) {
+      take_plans_machine();
+    } else {
+      open_backend();
+    }
     open_data();
     lay_out_ranks();
     describe_shape();
     check_placements();
     place_under_budget();
     predict();
+    if (o_.dry_run) return std::move(s_);  // another machine's run: nothing of this one is checked or made
     check_machine_memory();
     make_runtime();
     return std::move(s_);
@@ -327,9 +350,30 @@ class SetupBuilder {
                           !o_.hardware.empty();
     SPPO_CHECK(o_.host_memory >= 0, "options") << "--host-memory must not be negative";
     s_.profile = nominal_cpu_profile();
+    if (!o_.plan_path.empty()) from_plan_ = read_plan(o_, s_.config);
     SPPO_CHECK(o_.partition == "length" || o_.partition == "flops" || o_.partition == "adaptive", "options")
         << "--partition '" << o_.partition << "' is unknown; use length, flops or adaptive";
-    if (w_.size() > 1) profile();
+    if (w_.size() > 1 && !o_.dry_run) profile();
+  }
+
+  // --dry-run: the machine of the plan (its backend's precision, kernel scratch and hardware
+  // profile, its ranks, its budget) in place of this one's; nothing is allocated.
+  void take_plans_machine() {
+    SPPO_CHECK(from_plan_, "options")
+        << "--dry-run checks a plan before its run, on the plan's machine: give --plan PLAN.json (sppo plan --out)";
+    const plan::Plan& p = *from_plan_;
+    precision_ = p.precision;
+    s_.profile = plan::load_profile(o_.hardware.empty() ? p.hardware : o_.hardware);
+    s_.profile.devices_per_node = p.gpus_per_node;
+    if (o_.host_memory > 0) s_.profile.host_memory = o_.host_memory;
+    s_.profile_measured = true;
+    profiled_ = true;
+    budget_ = o_.device_memory > 0 ? o_.device_memory : p.budget > 0 ? p.budget : s_.profile.usable_memory();
+    s_.device_budget = {budget_, o_.device_memory > 0 ? "--device-memory"
+                                 : p.budget > 0      ? "the plan's budget_bytes"
+                                                     : "the profile's usable memory"};
+    host_budget_ = s_.profile.host_memory;
+    s_.host_budget = host_budget_;
   }
 
   // The profile adaptive choices price with, measured once when they need timings;
@@ -338,9 +382,11 @@ class SetupBuilder {
     if (s_.profile_measured && !profiled_) {
       // A device is priced by its own measurement (a quick one, once per process), not by
       // the processor's: without --hardware a GPU run's offload ratios and lengths were
-      // chosen with the CPU's rates.
+      // chosen with the CPU's rates. A plan's run by the plan's profile, where it is here.
       const bool device = o_.hardware.empty() && s_.backend && std::string(s_.backend->name()) != "cpu";
-      s_.profile = device ? measured_device_profile(*s_.backend) : agreed_profile(o_.hardware, w_);
+      const std::optional<plan::HardwareProfile> planned =
+          from_plan_ && o_.hardware.empty() ? plans_profile(*from_plan_, w_) : std::nullopt;
+      s_.profile = planned ? *planned : device ? measured_device_profile(*s_.backend) : agreed_profile(o_.hardware, w_);
     }
     if (o_.host_memory > 0) s_.profile.host_memory = o_.host_memory;
     profiled_ = true;
@@ -353,6 +399,7 @@ class SetupBuilder {
     s_.device_budget = resolve_device_budget(o_.device_memory, o_.device_memory_fraction,
                                              i64(s_.backend->device_memory()), i64(s_.backend->device_capacity()));
     budget_ = s_.device_budget.bytes;
+    host_budget_ = s_.host_budget = o_.host_memory;
     s_.attention = s_.backend->prepare_attention(s_.config);
     // A profile measured on this GPU says, per shape class, whose attention kernels are faster.
     if (!o_.hardware.empty()) s_.backend->prefer_attention(attention_classes(profile()));
@@ -382,7 +429,6 @@ class SetupBuilder {
 
   // The ranks' layout: a plan's, or the options'; what tensor parallelism can split.
   void lay_out_ranks() {
-    if (!o_.plan_path.empty()) from_plan_ = read_plan(o_, s_.config);
     const auto& fp = from_plan_;
     // A plan's layout, with the ring's algorithm and the ZeRO stage as the options give them.
     ParallelDims par = o_.par;
@@ -391,7 +437,8 @@ class SetupBuilder {
       par.ring_algorithm = o_.par.ring_algorithm;
       par.zero = o_.par.zero;
     }
-    s_.layout = make_layout(par, o_.batch, w_);
+    s_.layout = o_.dry_run ? make_layout(par, o_.batch) : make_layout(par, o_.batch, w_);
+    s_.plan = from_plan_;
     const ModelConfig& c = s_.config;
     const int tp = s_.layout.par.tp;
     SPPO_CHECK(tp <= c.heads, "options")
@@ -438,9 +485,15 @@ class SetupBuilder {
     shape_.packed = o_.pack;
     shape_.labeled = s_.labels != nullptr;
     s_.doc_sep = o_.doc_sep;
-    // The kernels' scratch comes from the device tier too.
-    shape_.block_scratch = s_.backend->block_scratch(s_.config);
-    shape_.head_scratch = s_.backend->head_scratch(s_.config, RuntimeOptions{}.head_chunk);
+    // The kernels' scratch comes from the device tier too (a dry run's: the plan's backend's).
+    shape_.block_scratch = o_.dry_run ? from_plan_->block_scratch : s_.backend->block_scratch(s_.config);
+    shape_.head_scratch =
+        o_.dry_run ? from_plan_->head_scratch : s_.backend->head_scratch(s_.config, RuntimeOptions{}.head_chunk);
+    SPPO_CHECK(shape_.par.ring_algorithm != RingAlgorithm::Rsa ||
+                   (!s_.config.causal && precision_ == ActPrecision::F32),
+               "options")
+        << "--ring rsa is the two-pass Ring Self-Attention of bidirectional models (--attention bidirectional), in "
+           "fp32; a causal model uses --ring flash";
     check_state();
   }
 
@@ -626,7 +679,7 @@ class SetupBuilder {
       r_ = sim::simulate(s_.schedule, plan::CostModel(profile(), c, precision_),
                          sim::memory_rules(c, precision_, shape_));
     return budget_ == 0 || o_.recompute ||
-           (r_.peak_device_bytes <= budget_ && (o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory));
+           (r_.peak_device_bytes <= budget_ && (host_budget_ == 0 || r_.peak_host_bytes <= host_budget_));
   }
 
   void check_msp() const {
@@ -637,8 +690,8 @@ class SetupBuilder {
         << shape_.par.pp << (shape_.par.cp > 1 && shape_.par.rsa() ? " --ring rsa" : "") << ")";
     SPPO_CHECK(N >= shape_.par.pp, "options") << "--msp on needs at least as many subsequences as stages (--subseqs " << N
                                           << ", --pp " << shape_.par.pp << "); use --subseqs " << shape_.par.pp << " or more";
-    SPPO_CHECK(s_.backend->act() == DType::F32, "options") << "--msp on runs fp32 activations on CPU ranks; use "
-                                                              "--precision fp32";
+    SPPO_CHECK(precision_ == ActPrecision::F32, "options")
+        << "--msp on runs fp32 activations only (Note [MSP in bf16] in sim/solver.cpp); use --precision fp32";
     // A piece on every stage group, over its cp ranks, each piece's rows over its tp members.
     const i64 split = i64(shape_.par.pp) * shape_.par.cp * shape_.par.tp;
     for (int i = 0; i < N; ++i)
@@ -695,7 +748,9 @@ class SetupBuilder {
   // only when nothing else fits.
   void place_under_budget() {
     const bool order_auto = !o_.place.backward && layer_ok_ && !from_plan_;
-    any_auto_ = (!o_.place.kv && kv_host_ok_) || (recompute_auto_ && !o_.recompute) || order_auto;
+    // Under --plan, auto is the plan's placement: a plan that does not fit is refused, not
+    // placed anew.
+    any_auto_ = !from_plan_ && ((!o_.place.kv && kv_host_ok_) || (recompute_auto_ && !o_.recompute) || order_auto);
     StepShape asked = shape_;
     fitted_ = fits();
     // --backward-order auto: the layer-major backward costs no compute (the same ops in
@@ -797,6 +852,7 @@ class SetupBuilder {
     }
     s_.predicted_peak_bytes = r_.peak_device_bytes;
     s_.predicted_peak_per_rank = r_.peak_bytes;
+    s_.predicted_host_per_rank = r_.peak_host_per_rank;
     s_.predicted_sent_per_rank = r_.sent_bytes;
     s_.predicted_step_s = r_.step_time_s;
     if (s_.schedule.packed && s_.profile_measured)
@@ -820,13 +876,15 @@ class SetupBuilder {
                 ? "; --backward-order layer holds one layer's dK/dV sums at a time, not every layer's"
                 : "")
         << state_hint_;
-    SPPO_CHECK_FITS(o_.host_memory == 0 || r_.peak_host_bytes <= o_.host_memory, "memory")
+    SPPO_CHECK_FITS(host_budget_ == 0 || r_.peak_host_bytes <= host_budget_, "memory")
         << what << " holds " << format_bytes(double(r_.peak_host_bytes)) << " (" << r_.peak_host_bytes
         << " B) in host memory ("
         << (!s_.schedule.place.any_kv_streamed() ? "offloaded activations" : "offloaded activations, K/V and their dK/dV sums")
         << (shape_.place.optimizer_host() ? ", the optimizer state" : "")
         << (shape_.place.weights_host() ? ", the weights and gradients" : "")
-        << ") on its fullest rank, over the --host-memory budget of " << format_bytes(double(o_.host_memory))
+        << ") on its fullest rank, over the "
+        << (o_.host_memory > 0 ? "--host-memory budget" : "host memory a device has in the plan's profile") << " of "
+        << format_bytes(double(host_budget_))
         << "; use --host-memory " << r_.peak_host_bytes
         << " or more, or offload less (more --subseqs, a lower --offload ratio, --kv-cache device, or more "
            "--device-memory)";
@@ -863,10 +921,6 @@ class SetupBuilder {
     ro.block_scratch = shape_.block_scratch;
     ro.head_scratch = shape_.head_scratch;
     ro.backend = s_.backend.get();
-    SPPO_CHECK(shape_.par.ring_algorithm != RingAlgorithm::Rsa || (!s_.config.causal && s_.backend->act() == DType::F32),
-               "options")
-        << "--ring rsa is the two-pass Ring Self-Attention of bidirectional models (--attention bidirectional), in "
-           "fp32; a causal model uses --ring flash";
     s_.runtime = std::make_unique<Runtime>(s_.config, ro);
   }
 
@@ -879,6 +933,7 @@ class SetupBuilder {
   comm::Comm& w_;
   const i64 S_;
   i64 budget_ = 0;  // the device tier's (StepSetup::device_budget), from open_backend on
+  i64 host_budget_ = 0;  // the host tier's (StepSetup::host_budget)
   StepSetup s_;
   bool profiled_ = false;
   ActPrecision precision_ = ActPrecision::F32;

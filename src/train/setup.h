@@ -4,6 +4,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,10 +52,13 @@ struct StepSetup {
   i64 predicted_peak_bytes = 0; // the simulator's prediction for this schedule, max over
                                 // ranks (0: none, as for --recompute, which it does not model)
   std::vector<i64> predicted_peak_per_rank;
+  std::vector<i64> predicted_host_per_rank;   // bytes held on the host, each rank's most
   std::vector<i64> predicted_sent_per_rank;  // point-to-point bytes each rank sends in a step
   double predicted_step_s = 0;  // on `profile`
   double predicted_bubble = 0;  // idle over busy compute time, mean over ranks
   i64 predicted_host_bytes = 0; // offloaded bytes held in host memory at once (fullest rank)
+  i64 host_budget = 0;          // the host tier's budget (--host-memory; a dry run's profile's); 0: none
+  std::optional<plan::Plan> plan;  // --plan's
   plan::HardwareProfile profile;  // this machine's (measured or loaded), else nominal
   bool profile_measured = false;  // profile prices time (not only memory)
   bool repeat_task = false;     // the built-in task: report both halves' losses
@@ -86,7 +90,9 @@ inline constexpr i64 kProcessAllowanceBytes = i64{256} << 20;
 // Resolves the model (preset or sizes), opens and checks the data, picks the layout of
 // ranks, N, the lengths and alpha, checks the budget of every rank, builds the schedule
 // and this rank's runtime. `world` null means one process. Throws sppo::Error with a
-// message naming the option and what would work.
+// message naming the option and what would work. With o.dry_run (a plan's): no backend,
+// no runtime; the plan's precision, kernel scratch, profile and ranks, and its
+// budget_bytes unless --device-memory is given (DoesNotFit where a rank is over a budget).
 StepSetup make_setup(const StepOptions& o, comm::Comm* world = nullptr);
 
 // Reads a plan written by `sppo plan --out` (throws naming the file and what is wrong).

@@ -702,7 +702,68 @@ void finish_run(const Run& r) {
 
 }  // namespace
 
+namespace {
+
+// train --plan P --dry-run: the plan's step set up on its own machine's terms (no backend, no
+// allocation), each rank's predicted peaks against its budgets. A table on stderr and one
+// JSON object on stdout; exit 3 (DoesNotFit, from the setup) where a rank is over a budget.
+int run_dry_run(const TrainOptions& o) {
+  const StepSetup s = make_setup(o.step);
+  const plan::Plan& p = *s.plan;
+  const ParallelLayout& lay = s.layout;
+  const int R = lay.ranks();
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < R; ++r)
+    ranks.push_back({{"rank", r},
+                     {"stage", lay.stage_of(r)},
+                     {"peak_device_bytes", s.predicted_peak_per_rank.at(std::size_t(r))},
+                     {"peak_host_bytes", s.predicted_host_per_rank.at(std::size_t(r))}});
+  const nlohmann::json j = {{"plan", o.step.plan_path},
+                            {"model", p.model_name},
+                            {"seq_len", o.step.seq_len},
+                            {"layout", plan::layout_text(p)},
+                            {"precision", p.precision == ActPrecision::BF16 ? "bf16" : "fp32"},
+                            {"hardware", s.profile.name},
+                            {"ranks", R},
+                            {"device_budget_bytes", s.device_budget.bytes},
+                            {"host_budget_bytes", s.host_budget},
+                            {"peak_device_bytes", s.predicted_peak_bytes},
+                            {"peak_host_bytes", s.predicted_host_bytes},
+                            {"plan_peak_device_bytes", p.predicted.peak_device_bytes},
+                            {"plan_peak_host_bytes", p.predicted.peak_host_bytes},
+                            {"step_time_s", s.predicted_step_s},
+                            {"per_rank", ranks},
+                            {"fits", true}};
+  if (!o.quiet) {
+    std::fprintf(stderr, "sppo train --dry-run: %s, %s tokens of %s on %d %s ranks (%s, %s activations)\n",
+                 o.step.plan_path.c_str(), std::to_string(o.step.seq_len).c_str(), p.model_name.c_str(), R,
+                 s.profile.name.c_str(), plan::layout_text(p).c_str(), j["precision"].get<std::string>().c_str());
+    std::fprintf(stderr, "device budget %s (%s), host budget %s\n", format_bytes(double(s.device_budget.bytes)).c_str(),
+                 s.device_budget.from.c_str(), s.host_budget > 0 ? format_bytes(double(s.host_budget)).c_str() : "none");
+    // Every rank where there are few; else each stage's fullest.
+    std::fprintf(stderr, "%6s %6s %14s %14s\n", "rank", "stage", "device peak", "host peak");
+    for (int r = 0; r < R; ++r) {
+      const int st = lay.stage_of(r);
+      bool fullest = true;
+      for (int q = 0; q < R && R > 16; ++q)
+        if (lay.stage_of(q) == st && (s.predicted_peak_per_rank[std::size_t(q)] > s.predicted_peak_per_rank[std::size_t(r)] ||
+                                      (s.predicted_peak_per_rank[std::size_t(q)] == s.predicted_peak_per_rank[std::size_t(r)] && q < r)))
+          fullest = false;
+      if (!fullest) continue;
+      std::fprintf(stderr, "%6d %6d %14s %14s\n", r, st, format_bytes(double(s.predicted_peak_per_rank[std::size_t(r)])).c_str(),
+                   format_bytes(double(s.predicted_host_per_rank[std::size_t(r)])).c_str());
+    }
+    std::fprintf(stderr, "fits: every rank under its budgets; a step of %.4g s predicted (the plan: %.4g s, peak %s)\n",
+                 s.predicted_step_s, p.predicted.step_time_s, format_bytes(double(p.predicted.peak_device_bytes)).c_str());
+  }
+  std::printf("%s\n", j.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
 int run_train(const TrainOptions& o) {
+  if (o.step.dry_run) return run_dry_run(o);
   comm::Comm& world = comm::world();
   world.set_timeout_s(o.step.comm_timeout_s);
   Run r(o, world);
