@@ -481,6 +481,17 @@ void save_run(Run& r, int step_done) {
   state["options"]["--batch"] = std::to_string(s.layout.batch);
   if (s.labels) state["labels_position"] = s.labels->position();
   save_consolidated(*s.runtime, s.layout, *r.cm, o.save_dir, state, o.config_toml);
+  // Note [Waiting for a checkpoint]: rank 0 writes the checkpoint while the others would wait
+  // for its messages in the next step under --comm-timeout (20 s), which a large model's
+  // checkpoint outlasts (12 B a parameter: 96 GB for 8B): every rank waits for the write
+  // here instead, under a deadline of its own, 10 minutes plus the bytes at 50 MB/s.
+  if (r.cm->size() > 1) {
+    const double before = r.cm->timeout_s();
+    const double bytes = 12.0 * double(s.config.num_params());
+    r.cm->set_timeout_s(std::max(before, 600.0 + bytes / 50e6));
+    comm::barrier(*r.cm, "rank 0's writing of the checkpoint to " + o.save_dir);
+    r.cm->set_timeout_s(before);
+  }
 }
 
 // A step whose loss or gradient is not finite changes nothing (optimizer_step leaves the
