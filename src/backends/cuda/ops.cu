@@ -148,13 +148,14 @@ __global__ void __launch_bounds__(kLnWarps * 32)
 }
 
 // Per row block (kRowBlock rows) and column: dw_part = sum_t dout xhat, db_part = sum_t dout,
-// in double, rows in order. partials: [num_blocks, H] each.
+// in double, rows in order. partials: [num_blocks, H] each. Grid: (row block, column chunk),
+// Note [Row blocks on the grid's x].
 template <typename T>
 __global__ void layernorm_param_partials_kernel(double* dw_part, double* db_part, const T* dout,
                                                 const T* x, const float* mean, const float* rstd,
                                                 int rows, int H) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int blk = blockIdx.y;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  const int blk = blockIdx.x;
   if (c >= H) return;
   const int t_end = min(rows, (blk + 1) * kRowBlock);
   double dw = 0.0, db = 0.0;
@@ -192,12 +193,12 @@ __global__ void __launch_bounds__(kLnWarps * 32)
 }
 
 // Per row block (kRowBlock rows) and column: dw_part = sum_t dout xhat in double, rows in
-// order. dw_part: [num_blocks, H].
+// order. dw_part: [num_blocks, H]. Grid: (row block, column chunk), as layernorm's.
 template <typename T>
 __global__ void rmsnorm_param_partials_kernel(double* dw_part, const T* dout, const T* x,
                                               const float* rstd, int rows, int H) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int blk = blockIdx.y;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  const int blk = blockIdx.x;
   if (c >= H) return;
   const int t_end = min(rows, (blk + 1) * kRowBlock);
   double dw = 0.0;
@@ -665,8 +666,7 @@ void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const 
         <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
             static_cast<E*>(dx), dout_e, x_e, w, mean, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
-    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)),
-                    static_cast<unsigned>(num_blocks));
+    const dim3 grid = row_block_grid(num_blocks, H);
     layernorm_param_partials_kernel<E>
         <<<grid, kThreads, 0, stream>>>(dw_part, db_part, dout_e, x_e, mean, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -695,8 +695,7 @@ void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, cons
         <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
             static_cast<E*>(dx), dout_e, x_e, w, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
-    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)),
-                    static_cast<unsigned>(num_blocks));
+    const dim3 grid = row_block_grid(num_blocks, H);
     rmsnorm_param_partials_kernel<E>
         <<<grid, kThreads, 0, stream>>>(dw_part, dout_e, x_e, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
