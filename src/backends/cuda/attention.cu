@@ -539,7 +539,7 @@ void attention_forward_blocks(void* out, float* lse, const void* q,
     const std::size_t smem = simt_fwd_smem(p.A);
     set_smem(attn_fwd_simt<E>, smem);
     const i64 grid = ceil_div(p.Tq, kSimtWarps) * p.Z;
-    attn_fwd_simt<E><<<static_cast<unsigned>(grid), kSimtThreads, smem, stream>>>(p, kv);
+    attn_fwd_simt<E><<<grid_x(grid, "attention"), kSimtThreads, smem, stream>>>(p, kv);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }
@@ -551,7 +551,7 @@ void attention_merge(void* out, float* lse, const void* part_out, const float* p
   dispatch_act(act, "attention_merge", [&](auto tag) {
     using E = decltype(tag);
     const i64 grid = ceil_div(static_cast<i64>(p.Tq) * p.Z, kDeltaWarps);
-    merge_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
+    merge_kernel<E><<<grid_x(grid, "attention"), kDeltaWarps * 32, 0, stream>>>(
         static_cast<E*>(out), lse, static_cast<const E*>(part_out), part_lse, p.Tq, p.Z, p.A, p.ldo, p.ldo, p.Tq,
         p.Tq);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -564,7 +564,7 @@ void attention_merge_rows(void* out, float* lse, const void* part_out, const flo
   dispatch_act(act, "attention_merge_rows", [&](auto tag) {
     using E = decltype(tag);
     const i64 grid = ceil_div(static_cast<i64>(Tq) * Z, kDeltaWarps);
-    merge_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
+    merge_kernel<E><<<grid_x(grid, "attention"), kDeltaWarps * 32, 0, stream>>>(
         static_cast<E*>(out), lse, static_cast<const E*>(part_out), part_lse, Tq, Z, A, ldo, ld_part, ld_lse,
         ld_part_lse);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -588,7 +588,7 @@ void attention_synthetic_out(void* o, const void* dout, const float* delta, int 
   dispatch_act(act, "attention_synthetic_out", [&](auto tag) {
     using E = decltype(tag);
     const i64 grid = ceil_div(static_cast<i64>(Tq) * Z, kDeltaWarps);
-    synthetic_out_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
+    synthetic_out_kernel<E><<<grid_x(grid, "attention"), kDeltaWarps * 32, 0, stream>>>(
         static_cast<E*>(o), static_cast<const E*>(dout), delta, Tq, Z, A, ld_dout, ld_delta);
     SPPO_CUDA_CHECK_LAUNCH();
   });
@@ -606,7 +606,7 @@ void attention_backward_delta(float* delta, const void* dout, const void* out, c
   dispatch_act(act, "attention_backward_delta", [&](auto tag) {
     using E = decltype(tag);
     const i64 grid = ceil_div(static_cast<i64>(p.Tq) * p.Z, kDeltaWarps);
-    delta_kernel<E><<<static_cast<unsigned>(grid), kDeltaWarps * 32, 0, stream>>>(
+    delta_kernel<E><<<grid_x(grid, "attention"), kDeltaWarps * 32, 0, stream>>>(
         delta, static_cast<const E*>(dout), static_cast<const E*>(out), p.Tq, p.Z, p.A, p.ldo);
     SPPO_CUDA_CHECK_LAUNCH();
   });
@@ -633,14 +633,14 @@ void attention_backward_blocks(void* dq, const void* dout, const void* q,
     const std::size_t dq_smem = simt_dq_smem(p.A);
     set_smem(attn_dq_simt<E>, dq_smem);
     const i64 dq_grid = ceil_div(p.Tq, kSimtWarps) * p.Z;
-    attn_dq_simt<E><<<static_cast<unsigned>(dq_grid), kSimtThreads, dq_smem, stream>>>(p, kv);
+    attn_dq_simt<E><<<grid_x(dq_grid, "attention"), kSimtThreads, dq_smem, stream>>>(p, kv);
     SPPO_CUDA_CHECK_LAUNCH();
     const int groups = fill_tile_starts(kv, p.q_pos0 + p.Tq - 1, kSimtWarps);
     if (groups == 0) return;
     const std::size_t kv_smem = simt_dkdv_smem(p.A);
     set_smem(attn_dkdv_simt<E>, kv_smem);
     const i64 kv_grid = static_cast<i64>(groups) * p.Zkv;
-    attn_dkdv_simt<E><<<static_cast<unsigned>(kv_grid), kSimtThreads, kv_smem, stream>>>(p, kv);
+    attn_dkdv_simt<E><<<grid_x(kv_grid, "attention"), kSimtThreads, kv_smem, stream>>>(p, kv);
     SPPO_CUDA_CHECK_LAUNCH();
   });
 }

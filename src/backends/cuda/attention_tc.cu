@@ -634,7 +634,7 @@ void launch(Kernel kernel, i64 blocks, int smem, const AttnParams& p, const KVTa
             cudaStream_t stream) {
   if (blocks == 0) return;
   SPPO_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<static_cast<unsigned>(blocks), kTcThreads, smem, stream>>>(p, kv);
+  kernel<<<grid_x(blocks, "attention"), kTcThreads, smem, stream>>>(p, kv);
   SPPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -97,6 +97,18 @@ inline unsigned grid_for(i64 n, int threads = kThreads) {
 
 inline i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
 
+// CUDA's limits on a grid: up to 2^31 - 1 blocks along x, 65535 along y and z.
+constexpr i64 kMaxGridX = (i64{1} << 31) - 1;
+constexpr i64 kMaxGridYZ = 65535;
+
+// A grid's x extent of `blocks` blocks, checked against kMaxGridX (a count cast to unsigned
+// past it would launch a wrong grid or none). `what` names the kernel in the message.
+inline unsigned grid_x(i64 blocks, const char* what) {
+  SPPO_CHECK(blocks >= 1 && blocks <= kMaxGridX, "cuda")
+      << what << ": a grid of " << blocks << " blocks; CUDA launches 1 to 2^31 - 1 along x";
+  return static_cast<unsigned>(blocks);
+}
+
 // ---- stream-ordered scratch -----------------------------------------------------------------
 // Device memory from CUDA's stream-ordered pool, valid for the work enqueued on `stream`
 // between construction and destruction (the free is enqueued after that work).
@@ -124,6 +136,20 @@ class Scratch {
 // Rows per block of a cross-row reduction: the CPU kernels' kRowBlock, so both add the same
 // partials in the same order.
 constexpr int kRowBlock = 256;
+
+// Note [Row blocks on the grid's x]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A cross-row reduction runs one block per (row block, chunk of kThreads columns). The row
+// blocks go on the grid's x (up to 2^31 - 1) and the column chunks on its y (up to 65535, so up
+// to 16.7M columns). With the row blocks on y, no call of more than 65535 * kRowBlock = 16.8M
+// rows could launch, and the per-head norms (on T Z rows of A) pass that at 262K tokens of 64
+// heads.
+inline dim3 row_block_grid(int num_blocks, int columns) {
+  const i64 chunks = ceil_div(columns, kThreads);
+  SPPO_CHECK(chunks <= kMaxGridYZ, "cuda")
+      << columns << " columns are more than a reduction over rows takes (" << kMaxGridYZ * kThreads << ")";
+  return dim3(grid_x(num_blocks, "row-block reduction"), static_cast<unsigned>(chunks));
+}
 
 // dst[c] += sum over b < num_blocks of partials[b * C + c], in order of b, for c < C.
 void add_block_partials(float* dst, const double* partials, int num_blocks, int C,

@@ -26,8 +26,10 @@ __global__ void embedding_forward_kernel(T* out, const std::int32_t* ids, const 
   }
 }
 
+// The loops count in i64: an int index stepping past n would wrap for n near 2^31.
 __global__ void iota_kernel(std::int32_t* x, int n) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = i;
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n; i += i64{gridDim.x} * blockDim.x)
+    x[i] = static_cast<std::int32_t>(i);
 }
 
 // Block (i, column chunk): if sorted position i starts a run of equal ids, its threads add the
@@ -69,12 +71,12 @@ __global__ void embedding_shard_forward_kernel(T* out, const std::int32_t* ids, 
 // positions[i] = i.
 __global__ void shard_keys_kernel(unsigned* keys, std::int32_t* positions, const std::int32_t* ids,
                                   int n, int v0, int Vr) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+  for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < n; i += i64{gridDim.x} * blockDim.x) {
     const int id = ids[i];
     if (id < 0) __trap();
     const i64 r = static_cast<i64>(id) - v0;
     keys[i] = (r >= 0 && r < Vr) ? static_cast<unsigned>(r) : static_cast<unsigned>(Vr);
-    positions[i] = i;
+    positions[i] = static_cast<std::int32_t>(i);
   }
 }
 
@@ -116,7 +118,7 @@ void embedding_backward(float* dembed, const void* dout, const std::int32_t* ids
                                                   values_in, values_out, T, 0, end_bit, stream));
   dispatch_act(act, "embedding_backward", [&](auto tag) {
     using E = decltype(tag);
-    const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(ceil_div(H, kThreads)));
+    const dim3 grid(grid_x(T, "embedding_backward"), static_cast<unsigned>(ceil_div(H, kThreads)));
     embedding_backward_kernel<E><<<grid, kThreads, 0, stream>>>(dembed, static_cast<const E*>(dout),
                                                                 keys_out, values_out, T, H, V);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -161,7 +163,7 @@ void embedding_shard_backward(float* dembed, const void* dout, const std::int32_
                                                   values_in, values_out, T, 0, end_bit, stream));
   dispatch_act(act, "embedding_shard_backward", [&](auto tag) {
     using E = decltype(tag);
-    const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(ceil_div(H, kThreads)));
+    const dim3 grid(grid_x(T, "embedding_backward"), static_cast<unsigned>(ceil_div(H, kThreads)));
     embedding_backward_kernel<E, true><<<grid, kThreads, 0, stream>>>(
         dembed, static_cast<const E*>(dout), keys_out, values_out, T, H, Vr);
     SPPO_CUDA_CHECK_LAUNCH();

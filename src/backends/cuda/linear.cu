@@ -198,10 +198,11 @@ __global__ void fill_rows_kernel(T* out, const T* b, int rows, int O, i64 ld) {
 }
 
 // partials[blk, c] = sum over the rows of row block blk of x[t * ld + c], in double, in order.
+// Grid: (row block, column chunk), Note [Row blocks on the grid's x] in common.cuh.
 template <typename T>
 __global__ void column_partials_kernel(double* partials, const T* x, int rows, int C, i64 ld) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int blk = blockIdx.y;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  const int blk = blockIdx.x;
   if (c >= C) return;
   const int t_end = min(rows, (blk + 1) * kRowBlock);
   double s = 0.0;
@@ -294,8 +295,7 @@ void linear_backward(Blas& blas, void* din, float* dw, float* db, const void* do
     Scratch partials(sizeof(double) * static_cast<std::size_t>(num_blocks) * O, stream);
     dispatch_act(act, "linear_backward", [&](auto tag) {
       using E = decltype(tag);
-      const dim3 grid(static_cast<unsigned>(ceil_div(O, kThreads)),
-                      static_cast<unsigned>(num_blocks));
+      const dim3 grid = row_block_grid(num_blocks, O);
       column_partials_kernel<E><<<grid, kThreads, 0, stream>>>(
           partials.as<double>(), static_cast<const E*>(dout), T, O, ld_dout);
       SPPO_CUDA_CHECK_LAUNCH();

@@ -148,13 +148,14 @@ __global__ void __launch_bounds__(kLnWarps * 32)
 }
 
 // Per row block (kRowBlock rows) and column: dw_part = sum_t dout xhat, db_part = sum_t dout,
-// in double, rows in order. partials: [num_blocks, H] each.
+// in double, rows in order. partials: [num_blocks, H] each. Grid: (row block, column chunk),
+// Note [Row blocks on the grid's x].
 template <typename T>
 __global__ void layernorm_param_partials_kernel(double* dw_part, double* db_part, const T* dout,
                                                 const T* x, const float* mean, const float* rstd,
                                                 int rows, int H) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int blk = blockIdx.y;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  const int blk = blockIdx.x;
   if (c >= H) return;
   const int t_end = min(rows, (blk + 1) * kRowBlock);
   double dw = 0.0, db = 0.0;
@@ -192,12 +193,12 @@ __global__ void __launch_bounds__(kLnWarps * 32)
 }
 
 // Per row block (kRowBlock rows) and column: dw_part = sum_t dout xhat in double, rows in
-// order. dw_part: [num_blocks, H].
+// order. dw_part: [num_blocks, H]. Grid: (row block, column chunk), as layernorm's.
 template <typename T>
 __global__ void rmsnorm_param_partials_kernel(double* dw_part, const T* dout, const T* x,
                                               const float* rstd, int rows, int H) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int blk = blockIdx.y;
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  const int blk = blockIdx.x;
   if (c >= H) return;
   const int t_end = min(rows, (blk + 1) * kRowBlock);
   double dw = 0.0;
@@ -256,7 +257,7 @@ void norm_forward(void* out, float* mean, float* rstd, void* y, const void* x, c
   dispatch_act(act, what, [&](auto tag) {
     using E = decltype(tag);
     norm_forward_kernel<E, kRms, kAdd>
-        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+        <<<grid_x(ceil_div(T, kLnWarps), "norm"), kLnWarps * 32, 0, stream>>>(
             static_cast<E*>(out), mean, rstd, static_cast<E*>(y), static_cast<const E*>(x), w, b, T,
             H, eps);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -438,42 +439,51 @@ __global__ void __launch_bounds__(kXentThreads)
 }
 
 // ---- softmax over rows: one block a row ----------------------------------------------------
+// The rows are i64 (the two-pass ring's materialised scores, Z T rows: runtime/ring.cpp), so
+// each block walks rows blockIdx.x, blockIdx.x + gridDim.x, ... and any count launches; every
+// row is computed alone.
 __global__ void __launch_bounds__(kXentThreads)
-    softmax_rows_kernel(float* x, float* lse, int cols, bool with_lse) {
+    softmax_rows_kernel(float* x, float* lse, i64 rows, int cols, bool with_lse) {
   __shared__ double red[kXentThreads / 32];
   __shared__ float redf[kXentThreads / 32];
-  float* row = x + static_cast<i64>(blockIdx.x) * cols;
-  if (with_lse) {
-    const float l = lse[blockIdx.x];
-    for (int c = threadIdx.x; c < cols; c += kXentThreads) row[c] = expf(row[c] - l);
-    return;
+  for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    float* row = x + r * cols;
+    if (with_lse) {
+      const float l = lse[r];
+      for (int c = threadIdx.x; c < cols; c += kXentThreads) row[c] = expf(row[c] - l);
+      continue;
+    }
+    float mx = -INFINITY;
+    for (int c = threadIdx.x; c < cols; c += kXentThreads) mx = fmaxf(mx, row[c]);
+    mx = block_max<kXentThreads>(mx, redf);
+    double sum = 0.0;
+    for (int c = threadIdx.x; c < cols; c += kXentThreads) sum += expf(row[c] - mx);
+    sum = block_sum<kXentThreads>(sum, red);
+    if (threadIdx.x == 0) red[0] = sum;
+    __syncthreads();
+    sum = red[0];
+    __syncthreads();  // red is read before the next row's block_sum writes it
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int c = threadIdx.x; c < cols; c += kXentThreads) row[c] = expf(row[c] - mx) * inv;
+    if (threadIdx.x == 0) lse[r] = mx + static_cast<float>(log(sum));
   }
-  float mx = -INFINITY;
-  for (int c = threadIdx.x; c < cols; c += kXentThreads) mx = fmaxf(mx, row[c]);
-  mx = block_max<kXentThreads>(mx, redf);
-  double sum = 0.0;
-  for (int c = threadIdx.x; c < cols; c += kXentThreads) sum += expf(row[c] - mx);
-  sum = block_sum<kXentThreads>(sum, red);
-  if (threadIdx.x == 0) red[0] = sum;
-  __syncthreads();
-  sum = red[0];
-  const float inv = static_cast<float>(1.0 / sum);
-  for (int c = threadIdx.x; c < cols; c += kXentThreads) row[c] = expf(row[c] - mx) * inv;
-  if (threadIdx.x == 0) lse[blockIdx.x] = mx + static_cast<float>(log(sum));
 }
 
 __global__ void __launch_bounds__(kXentThreads)
-    softmax_backward_rows_kernel(float* dx, const float* p, int cols) {
+    softmax_backward_rows_kernel(float* dx, const float* p, i64 rows, int cols) {
   __shared__ double red[kXentThreads / 32];
-  float* d = dx + static_cast<i64>(blockIdx.x) * cols;
-  const float* pr = p + static_cast<i64>(blockIdx.x) * cols;
-  double dot = 0.0;
-  for (int c = threadIdx.x; c < cols; c += kXentThreads) dot += static_cast<double>(d[c]) * pr[c];
-  dot = block_sum<kXentThreads>(dot, red);
-  if (threadIdx.x == 0) red[0] = dot;
-  __syncthreads();
-  const float dotf = static_cast<float>(red[0]);
-  for (int c = threadIdx.x; c < cols; c += kXentThreads) d[c] = pr[c] * (d[c] - dotf);
+  for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    float* d = dx + r * cols;
+    const float* pr = p + r * cols;
+    double dot = 0.0;
+    for (int c = threadIdx.x; c < cols; c += kXentThreads) dot += static_cast<double>(d[c]) * pr[c];
+    dot = block_sum<kXentThreads>(dot, red);
+    if (threadIdx.x == 0) red[0] = dot;
+    __syncthreads();
+    const float dotf = static_cast<float>(red[0]);
+    __syncthreads();  // red is read before the next row's block_sum writes it
+    for (int c = threadIdx.x; c < cols; c += kXentThreads) d[c] = pr[c] * (d[c] - dotf);
+  }
 }
 
 // *result += sum of x[n] in a fixed order: thread i sums x[i], x[i + 256], ..., then the block
@@ -546,7 +556,7 @@ __global__ void adamw_spans_kernel(float* p, float* m, float* v, const float* g,
 void add_block_partials(float* dst, const double* partials, int num_blocks, int C,
                         cudaStream_t stream) {
   if (C == 0) return;
-  add_block_partials_kernel<<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0, stream>>>(
+  add_block_partials_kernel<<<grid_x(ceil_div(C, kThreads), "add_block_partials"), kThreads, 0, stream>>>(
       dst, partials, num_blocks, C);
   SPPO_CUDA_CHECK_LAUNCH();
 }
@@ -662,11 +672,10 @@ void layernorm_backward(void* dx, float* dw, float* db, const void* dout, const 
     const E* dout_e = static_cast<const E*>(dout);
     const E* x_e = static_cast<const E*>(x);
     layernorm_backward_dx_kernel<E>
-        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+        <<<grid_x(ceil_div(T, kLnWarps), "norm"), kLnWarps * 32, 0, stream>>>(
             static_cast<E*>(dx), dout_e, x_e, w, mean, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
-    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)),
-                    static_cast<unsigned>(num_blocks));
+    const dim3 grid = row_block_grid(num_blocks, H);
     layernorm_param_partials_kernel<E>
         <<<grid, kThreads, 0, stream>>>(dw_part, db_part, dout_e, x_e, mean, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -692,11 +701,10 @@ void rmsnorm_backward(void* dx, float* dw, const void* dout, const void* x, cons
     const E* dout_e = static_cast<const E*>(dout);
     const E* x_e = static_cast<const E*>(x);
     rmsnorm_backward_dx_kernel<E>
-        <<<static_cast<unsigned>(ceil_div(T, kLnWarps)), kLnWarps * 32, 0, stream>>>(
+        <<<grid_x(ceil_div(T, kLnWarps), "norm"), kLnWarps * 32, 0, stream>>>(
             static_cast<E*>(dx), dout_e, x_e, w, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
-    const dim3 grid(static_cast<unsigned>(ceil_div(H, kThreads)),
-                    static_cast<unsigned>(num_blocks));
+    const dim3 grid = row_block_grid(num_blocks, H);
     rmsnorm_param_partials_kernel<E>
         <<<grid, kThreads, 0, stream>>>(dw_part, dout_e, x_e, rstd, T, H);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -793,7 +801,7 @@ void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, dou
   Scratch row_loss(sizeof(double) * static_cast<std::size_t>(T), stream);
   dispatch_act(dlogits_type, "xent_forward_backward", [&](auto tag) {
     using E = decltype(tag);
-    xent_kernel<E><<<static_cast<unsigned>(T), kXentThreads, 0, stream>>>(
+    xent_kernel<E><<<grid_x(T, "cross-entropy"), kXentThreads, 0, stream>>>(
         static_cast<E*>(dlogits), losses, row_loss.as<double>(), logits, targets, V, grad_scale);
     SPPO_CUDA_CHECK_LAUNCH();
   });
@@ -804,7 +812,7 @@ void xent_forward_backward(void* dlogits, DType dlogits_type, float* losses, dou
 void row_logsumexp(float* lse, const float* logits, int T, int V, cudaStream_t stream) {
   SPPO_ASSERT_MSG(V >= 0, "row_logsumexp: V=" << V);
   if (T == 0) return;
-  row_logsumexp_kernel<<<static_cast<unsigned>(T), kXentThreads, 0, stream>>>(lse, logits, V);
+  row_logsumexp_kernel<<<grid_x(T, "cross-entropy"), kXentThreads, 0, stream>>>(lse, logits, V);
   SPPO_CUDA_CHECK_LAUNCH();
 }
 
@@ -819,7 +827,7 @@ void xent_shard(void* dlogits, DType dlogits_type, float* losses, double* loss_s
   Scratch row_loss(sizeof(double) * static_cast<std::size_t>(T), stream);
   dispatch_act(dlogits_type, "xent_shard", [&](auto tag) {
     using E = decltype(tag);
-    xent_shard_kernel<E><<<static_cast<unsigned>(T), kXentThreads, 0, stream>>>(
+    xent_shard_kernel<E><<<grid_x(T, "cross-entropy"), kXentThreads, 0, stream>>>(
         static_cast<E*>(dlogits), losses, row_loss.as<double>(), logits, lse_parts, parts, targets,
         T, V, v0, grad_scale);
     SPPO_CUDA_CHECK_LAUNCH();
@@ -832,7 +840,7 @@ void sum_squares(double* result, const float* g, i64 n, cudaStream_t stream) {
   if (n == 0) return;
   const i64 num_blocks = ceil_div(n, kSumBlock);
   Scratch partials(sizeof(double) * static_cast<std::size_t>(num_blocks), stream);
-  sum_squares_partials_kernel<<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
+  sum_squares_partials_kernel<<<grid_x(num_blocks, "sum_squares"), kThreads, 0, stream>>>(
       partials.as<double>(), g, n);
   SPPO_CUDA_CHECK_LAUNCH();
   sum_doubles_kernel<<<1, kThreads, 0, stream>>>(result, partials.as<double>(), num_blocks);
@@ -841,13 +849,15 @@ void sum_squares(double* result, const float* g, i64 n, cudaStream_t stream) {
 
 void softmax_rows(float* x, float* lse, i64 rows, int cols, bool with_lse, cudaStream_t stream) {
   if (rows == 0) return;
-  softmax_rows_kernel<<<static_cast<unsigned>(rows), kXentThreads, 0, stream>>>(x, lse, cols, with_lse);
+  softmax_rows_kernel<<<grid_x(std::min(rows, kMaxGridX), "softmax_rows"), kXentThreads, 0, stream>>>(
+      x, lse, rows, cols, with_lse);
   SPPO_CUDA_CHECK_LAUNCH();
 }
 
 void softmax_backward_rows(float* dx, const float* p, i64 rows, int cols, cudaStream_t stream) {
   if (rows == 0) return;
-  softmax_backward_rows_kernel<<<static_cast<unsigned>(rows), kXentThreads, 0, stream>>>(dx, p, cols);
+  softmax_backward_rows_kernel<<<grid_x(std::min(rows, kMaxGridX), "softmax_backward_rows"), kXentThreads, 0,
+                                 stream>>>(dx, p, rows, cols);
   SPPO_CUDA_CHECK_LAUNCH();
 }
 

@@ -126,10 +126,18 @@ void fiber_main(unsigned lo, unsigned hi) {
   swapcontext(&(*g_fibers)[g_cur].ctx, &g_sched);
 }
 
-// Runs kernel<<<grid, block, smem>>>(args...) to completion, block after block.
+// Runs kernel<<<grid, block, smem>>>(args...) to completion, block after block (those
+// g_run_block takes, when set). A grid or block past CUDA's limits (2^31 - 1 blocks along x,
+// 65535 along y and z, 1024 threads) runs nothing and sets g_launch_error, as CUDA refuses it.
 template <typename... P, typename... Args>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t,
             Args&&... args) {
+  const unsigned long long block_threads = 1ull * block.x * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535u ||
+      grid.z > 65535u || block_threads == 0 || block_threads > 1024 || block.z > 64) {
+    g_launch_error = cudaErrorInvalidConfiguration;
+    return;
+  }
   if (smem > kSmemBytes) {
     std::fprintf(stderr, "emu: %zu bytes of dynamic shared memory asked, %zu emulated\n", smem,
                  kSmemBytes);
@@ -147,6 +155,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t smem, cudaS
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         g_bid = uint3{bx, by, bz};
+        if (g_run_block && !g_run_block(grid, block, g_bid)) continue;
         std::memset(g_smem, 0xA5, smem);  // stale data, never zeros
         g_fibers = &fibers;
         g_async.assign(threads, AsyncCopies{});

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs tests/cuda/test_cuda_kernels.cpp and test_library_attention.cpp on the CPU, with the CUDA
+# Runs tests/cuda/test_cuda_kernels.cpp, test_library_attention.cpp and the far-offset tests
+# beside this script (test_offsets64.cpp: tensors past 2^31 elements) on the CPU, with the CUDA
 # kernels of src/backends/cuda compiled by the host compiler against emu.h (fibers for threads,
 # warp collectives and the tensor-core instructions emulated from the PTX ISA's definitions),
 # and cuDNN's fused attention replaced by a float64 stand-in with its semantics
@@ -38,7 +39,8 @@ done
 "${cxx[@]}" -c "$src/library_attention.cpp" -o "$out/library_attention.o" & pids+=($!)
 "${cxx[@]}" -c "$here/sdpa_reference.cpp" -o "$out/sdpa_reference.o" & pids+=($!)
 "${cxx[@]}" -c "$root/tests/cuda/test_library_attention.cpp" -o "$out/test_library.o" & pids+=($!)
-objs+=("$out/library_attention.o" "$out/sdpa_reference.o" "$out/test_library.o")
+"${cxx[@]}" -c "$here/test_offsets64.cpp" -o "$out/test_offsets64.o" & pids+=($!)
+objs+=("$out/library_attention.o" "$out/sdpa_reference.o" "$out/test_library.o" "$out/test_offsets64.o")
 for p in "${pids[@]}"; do wait "$p"; done
 ompblas=/usr/lib/$(gcc -print-multiarch)/openblas-openmp
 g++ -o "$out/test_cuda_kernels_emulated" "$out/test.o" "${objs[@]}" "$out/check.o" "$out/stubs.o" \

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 struct uint3 {
   unsigned x = 0, y = 0, z = 0;
@@ -17,7 +18,7 @@ struct float2 {
   float x, y;
 };
 
-enum cudaError_t { cudaSuccess = 0, cudaErrorMemoryAllocation = 2 };
+enum cudaError_t { cudaSuccess = 0, cudaErrorMemoryAllocation = 2, cudaErrorInvalidConfiguration = 9 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 enum cudaMemcpyKind {
@@ -30,6 +31,19 @@ enum cudaMemcpyKind {
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 constexpr unsigned cudaStreamNonBlocking = 1;
 
+namespace emu {
+// The error of the last launch refused for a grid or block past CUDA's limits (emu.h), which
+// cudaGetLastError reports and clears, as CUDA's does.
+inline cudaError_t g_launch_error = cudaSuccess;
+// Which blocks of a launch run; null: all. The emulation runs every block on the CPU, so a test
+// of a tensor past 2^31 elements runs only the blocks that reach its far end
+// (tests/cuda/emulate/test_offsets64.cpp).
+inline std::function<bool(const dim3& grid, const dim3& block, const uint3& index)> g_run_block;
+// The byte new memory is filled with: never zeros, so that reading what no kernel wrote shows;
+// 0 where blocks left out by g_run_block must leave a sum's partials at zero.
+inline int g_alloc_fill = 0x5A;
+}  // namespace emu
+
 inline cudaError_t cudaGetDeviceCount(int* n) {
   *n = 1;
   return cudaSuccess;
@@ -37,7 +51,7 @@ inline cudaError_t cudaGetDeviceCount(int* n) {
 inline cudaError_t cudaMalloc(void** p, std::size_t n) {
   *p = std::malloc(n > 0 ? n : 1);
   if (*p == nullptr) return cudaErrorMemoryAllocation;
-  std::memset(*p, 0x5A, n);  // never zeros
+  std::memset(*p, emu::g_alloc_fill, n);
   return cudaSuccess;
 }
 inline cudaError_t cudaFree(void* p) {
@@ -74,8 +88,14 @@ inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
 inline cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
-inline cudaError_t cudaGetLastError() { return cudaSuccess; }
-inline const char* cudaGetErrorName(cudaError_t) { return "cudaError (emulated)"; }
+inline cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::g_launch_error;
+  emu::g_launch_error = cudaSuccess;
+  return e;
+}
+inline const char* cudaGetErrorName(cudaError_t e) {
+  return e == cudaErrorInvalidConfiguration ? "cudaErrorInvalidConfiguration" : "cudaError (emulated)";
+}
 inline const char* cudaGetErrorString(cudaError_t) { return "emulated runtime error"; }
 template <typename T>
 cudaError_t cudaFuncSetAttribute(T*, cudaFuncAttribute, int) {
