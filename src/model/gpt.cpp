@@ -1,6 +1,7 @@
 #include "model/gpt.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -426,6 +427,10 @@ void qk_norm_forward(Backend& be, BlockSaved& s, bool want_q, bool kv, const Blo
   const int T = q.T, A = ac.head_size(), Z = ac.heads, G = ac.kv_head_count(), QW = ac.q_width(),
             KV = ac.kv_width();
   const RopeTable rope = rope_table(ac);
+  // The norms run over a row a head (the backend's row counts are ints).
+  SPPO_CHECK(i64(T) * Z <= INT_MAX, "model")
+      << "a subsequence of " << T << " tokens has " << i64(T) * Z << " query heads' rows, over the kernels' 2^31 - 1; "
+      << "use more --subseqs";
   if (want_q) {
     be.linear_forward(s.q_pre, in, m.qkv_w, m.qkv_b, T, H, QW, 0, 0);
     be.rmsnorm_forward(s.q, s.q_rstd, s.q_pre, p.q_norm_w, T * Z, A, ac.ln_eps);

@@ -106,18 +106,25 @@ class Mpi final : public Comm {
   int size() const override { return size_; }
   const char* name() const override { return "mpi"; }
 
+  // A message past MPI's count limit goes as several, in order (Note [Counts past MPI's int]:
+  // messages between two ranks with one tag are not overtaken); one of no bytes is still one.
   Request isend(const void* data, i64 bytes, int peer, int tag) override {
     Pending p;
-    check(MPI_Isend(data, count_of(bytes), MPI_BYTE, peer, tag, MPI_COMM_WORLD, &p.add()), "MPI_Isend");
+    const char* d = static_cast<const char*>(data);
+    for (const Chunk& c : message_chunks(bytes))
+      check(MPI_Isend(d + c.offset, int(c.count), MPI_BYTE, peer, tag, MPI_COMM_WORLD, &p.add()), "MPI_Isend");
     count_sent(bytes);
     return add(std::move(p));
   }
 
   Request irecv(void* data, i64 bytes, int peer, int tag) override {
     Pending p;
-    p.expect_bytes = bytes;
     p.peer = peer;
-    check(MPI_Irecv(data, count_of(bytes), MPI_BYTE, peer, tag, MPI_COMM_WORLD, &p.add()), "MPI_Irecv");
+    char* d = static_cast<char*>(data);
+    for (const Chunk& c : message_chunks(bytes)) {
+      p.expect_bytes.push_back(c.count);
+      check(MPI_Irecv(d + c.offset, int(c.count), MPI_BYTE, peer, tag, MPI_COMM_WORLD, &p.add()), "MPI_Irecv");
+    }
     return add(std::move(p));
   }
 
@@ -277,7 +284,7 @@ class Mpi final : public Comm {
   // One operation: a message (one MPI request), or a collective (one or more).
   struct Pending {
     std::vector<MPI_Request> reqs;
-    i64 expect_bytes = -1;  // receives: the size the schedule expects
+    std::vector<i64> expect_bytes;  // receives: the size the schedule expects of each of reqs
     int peer = -1;
     std::vector<int> counts, displs;  // kept alive until the collective completes
     std::function<void()> done;
@@ -295,12 +302,8 @@ class Mpi final : public Comm {
     abort("[comm] rank " + std::to_string(rank_) + ": " + call + " failed: " + std::string(text, std::size_t(len)), 4);
   }
 
-  int count_of(i64 n) {
-    if (n > INT_MAX)
-      abort("[comm] rank " + std::to_string(rank_) + ": a message of " + std::to_string(n) +
-                " elements is over MPI's count limit of 2^31 - 1; use more pipeline stages or subsequences",
-            4);
-    return int(n);
+  static std::vector<Chunk> message_chunks(i64 bytes) {
+    return bytes == 0 ? std::vector<Chunk>{{0, 0}} : chunks(bytes, g_count_limit);
   }
 
   Request add(Pending p) {
@@ -313,18 +316,20 @@ class Mpi final : public Comm {
   // checked against the schedule's.
   bool poll(Pending& p) {
     int flag = 0;
-    if (p.expect_bytes < 0) {
+    if (p.expect_bytes.empty()) {
       check(MPI_Testall(int(p.reqs.size()), p.reqs.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
     } else {
-      MPI_Status st;
-      check(MPI_Test(&p.reqs[0], &flag, &st), "MPI_Test");
-      int got = 0;
-      if (flag) check(MPI_Get_count(&st, MPI_BYTE, &got), "MPI_Get_count");
-      if (flag && i64(got) != p.expect_bytes)
-        abort("[comm] rank " + std::to_string(rank_) + ": a message from rank " + std::to_string(p.peer) +
-                  " holds " + std::to_string(got) + " bytes where the schedule expects " +
-                  std::to_string(p.expect_bytes) + " (ranks started with different options?)",
-              4);
+      std::vector<MPI_Status> st(p.reqs.size());
+      check(MPI_Testall(int(p.reqs.size()), p.reqs.data(), &flag, st.data()), "MPI_Testall");
+      for (std::size_t k = 0; flag && k < st.size(); ++k) {
+        int got = 0;
+        check(MPI_Get_count(&st[k], MPI_BYTE, &got), "MPI_Get_count");
+        if (i64(got) != p.expect_bytes[k])
+          abort("[comm] rank " + std::to_string(rank_) + ": a message from rank " + std::to_string(p.peer) +
+                    " holds " + std::to_string(got) + " bytes where the schedule expects " +
+                    std::to_string(p.expect_bytes[k]) + " (ranks started with different options?)",
+                4);
+      }
     }
     if (flag && p.done) p.done();
     return flag != 0;
