@@ -5,7 +5,9 @@
 # variables (SEQ=16K STEPS=20  # ...; SEQ=2K STEPS=4 takes seconds) runs, then the
 # assignments in its comment: the small sizes the README gives. Inputs the README leaves to
 # the reader are made here: the Hugging Face model at $HF (a random tiny Qwen2 model with a
-# word-level tokenizer.json, written by transformers) and books/*.txt.
+# word-level tokenizer.json, written by transformers) and books/*.txt. Where build/hf3-venv
+# (scripts/install-hf.sh --qwen3) is there, the Hugging Face walk-through runs again on a
+# random tiny Qwen3 model, each line with a comment "# Qwen3: COMMAND" running COMMAND.
 #
 #   bash tests/readme_walkthroughs.sh [SPPO_BINARY]     (default: build/sppo)
 #
@@ -18,23 +20,32 @@ root=$(cd "$here/.." && pwd)
 sppo=$(readlink -f "${1:-$root/build/sppo}")
 [ -x "$sppo" ] || { echo "readme_walkthroughs: no sppo binary at $sppo (bash scripts/build.sh)"; exit 1; }
 
-# The README's Python lines expect build/hf-venv activated; it sits beside the binary, or in
-# the repository's build/.
-venv=""
-for v in "$(dirname "$sppo")/hf-venv" "$root/build/hf-venv"; do
-  if [ -x "$v/bin/python" ] && "$v/bin/python" -c "import torch, transformers, tokenizers" 2>/dev/null; then
-    venv=$v
-    break
-  fi
-done
+# The README's Python lines activate build/hf-venv (build/hf3-venv for Qwen3); each sits
+# beside the binary, or in the repository's build/.
+find_venv() {  # $1: the folder's name; $2: Python that must run in it
+  local v
+  for v in "$(dirname "$sppo")/$1" "$root/build/$1"; do
+    if [ -x "$v/bin/python" ] && "$v/bin/python" -c "$2" 2>/dev/null; then
+      echo "$v"
+      return
+    fi
+  done
+}
+venv=$(find_venv hf-venv "import torch, transformers, tokenizers")
+venv3=$(find_venv hf3-venv "import torch, transformers, tokenizers; transformers.Qwen3ForCausalLM")
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/build" "$work/profiles"
-# A copy, not a link: sppo looks for profiles/ beside its own folder, as it does in a checkout.
-cp "$sppo" "$work/build/sppo"
-cp "$root"/profiles/*.json "$work/profiles/" 2>/dev/null || true
-ln -s "$root/scripts" "$work/scripts"
+make_root() {  # a folder laid out like the repository root
+  mkdir -p "$1/build" "$1/profiles"
+  # A copy, not a link: sppo looks for profiles/ beside its own folder, as it does in a checkout.
+  cp "$sppo" "$1/build/sppo"
+  cp "$root"/profiles/*.json "$1/profiles/" 2>/dev/null || true
+  ln -s "$root/scripts" "$1/scripts"
+  [ -n "$venv" ] && ln -s "$venv" "$1/build/hf-venv"
+  [ -n "$venv3" ] && ln -s "$venv3" "$1/build/hf3-venv"
+}
+make_root "$work"
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export OMPI_MCA_rmaps_base_oversubscribe=1
 
@@ -71,8 +82,10 @@ if ! grep -q '^C' "$work/walks.txt"; then
 fi
 
 # Inputs of the Hugging Face walk-through: a model at $HF and books/*.txt.
-make_hf_model() {
-  "$venv/bin/python" - "$1" <<'PY'
+make_hf_model() {  # $1: the folder; $2: qwen2 or qwen3
+  local py=$venv/bin/python
+  [ "$2" = qwen3 ] && py=$venv3/bin/python
+  "$py" - "$1" "$2" <<'PY'
 import os, sys, torch, transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 out = sys.argv[1]
@@ -82,16 +95,19 @@ tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
 tok.pre_tokenizer = pre_tokenizers.Whitespace()
 tok.train_from_iterator([words], trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
 tok.save(os.path.join(out, "tokenizer.json"))
-c = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=True, torch_dtype="float32")
+shape = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, torch_dtype="float32")
 torch.manual_seed(0)
-transformers.Qwen2ForCausalLM(c).save_pretrained(out, safe_serialization=True)
+if sys.argv[2] == "qwen3":
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **shape))
+else:
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
+model.save_pretrained(out, safe_serialization=True)
 PY
 }
-make_books() {
-  mkdir -p "$work/books"
-  python3 - "$work/books" <<'PY'
+make_books() {  # $1: the walk-through's folder
+  mkdir -p "$1/books"
+  python3 - "$1/books" <<'PY'
 import os, random, sys
 words = "the cat sat on the mat and the dog ran in the park while a bird sang in the old tree".split()
 for k in range(3):
@@ -104,22 +120,24 @@ PY
 failed=()
 skipped=""
 ran=0
-run_walk() {  # $1: title; the commands in $work/cmds.txt
-  local title=$1 hf=false
+run_walk() {  # $1: title; $2: the folder it runs in; $3: qwen3 for the Qwen3 pass; the commands in $work/cmds.txt
+  local title=$1 dir=$2 family=${3:-qwen2} hf=false
   case $title in *"Hugging Face"*) hf=true ;; esac
   if $hf && [ -z "$venv" ]; then
     skipped=$title
     echo "== skipped: $title (no torch, transformers and tokenizers in build/hf-venv; bash scripts/install-hf.sh)"
     return
   fi
-  $hf && make_books
+  $hf && make_books "$dir"
   # One shell per walk-through, so that its variables carry from line to line.
   (
-    cd "$work" || exit 1
-    $hf && export PATH="$venv/bin:$PATH"
+    cd "$dir" || exit 1
     n=0
     while IFS= read -r cmd; do
       n=$((n + 1))
+      if [ "$family" = qwen3 ] && [[ $cmd =~ \#\ Qwen3:\ (.*)$ ]]; then
+        cmd=${BASH_REMATCH[1]}
+      fi
       echo "== $title: $cmd"
       log="$work/log.$$.$n"
       if [[ $cmd =~ ^([A-Z_]+=[^[:space:]]+[[:space:]]*)+(#.*)?$ ]]; then
@@ -130,8 +148,8 @@ run_walk() {  # $1: title; the commands in $work/cmds.txt
           eval "$small"
         fi
         if $hf && [ -n "${HF:-}" ] && [ ! -d "$HF" ]; then
-          echo "   (a random tiny Qwen2 model at $HF)"
-          make_hf_model "$HF" >"$log" 2>&1 || { echo "FAILED	$title	making the model at $HF"; tail -n 20 "$log"; }
+          echo "   (a random tiny ${family^} model at $HF)"
+          make_hf_model "$HF" "$family" >"$log" 2>&1 || { echo "FAILED	$title	making the model at $HF"; tail -n 20 "$log"; }
         fi
         continue
       fi
@@ -145,11 +163,25 @@ run_walk() {  # $1: title; the commands in $work/cmds.txt
   ) | tee -a "$work/out.txt"
 }
 
+qwen3_note=""
+run_walks() {  # $1: title; the commands in $work/cmds.txt
+  run_walk "$1" "$work"
+  case $1 in *"Hugging Face"*) ;; *) return ;; esac
+  if [ -z "$venv" ]; then return; fi
+  if [ -z "$venv3" ]; then
+    qwen3_note="the Qwen3 pass of '$1' did not run: no build/hf3-venv (bash scripts/install-hf.sh --qwen3)"
+    return
+  fi
+  make_root "$work/qwen3"
+  run_walk "$1 (Qwen3)" "$work/qwen3" qwen3
+  ran=$((ran + $(wc -l <"$work/cmds.txt")))
+}
+
 title=""
 : >"$work/cmds.txt"
 while IFS=$'\t' read -r kind text; do
   if [ "$kind" = W ]; then
-    [ -n "$title" ] && run_walk "$title"
+    [ -n "$title" ] && run_walks "$title"
     title=$text
     : >"$work/cmds.txt"
   else
@@ -157,7 +189,8 @@ while IFS=$'\t' read -r kind text; do
     ran=$((ran + 1))
   fi
 done <"$work/walks.txt"
-[ -n "$title" ] && run_walk "$title"
+[ -n "$title" ] && run_walks "$title"
+[ -n "$qwen3_note" ] && echo "readme_walkthroughs: $qwen3_note"
 
 mapfile -t failed < <(grep '^FAILED' "$work/out.txt" | cut -f2-)
 echo
