@@ -230,6 +230,9 @@ class Backend {
   virtual void rope_backward(void* dx, int T, int Z, int A, i64 pos0, const RopeTable& r, int ld) = 0;
   // y[n] += x[n], both activations.
   virtual void add_inplace(void* y, const void* x, i64 n) = 0;
+  // `rows` rows of `width` bytes from src to dst, the rows `src_pitch` and `dst_pitch` bytes
+  // apart: a block of any element type (the packing of an all-to-all's exchanges).
+  virtual void copy_2d(void* dst, i64 dst_pitch, const void* src, i64 src_pitch, i64 width, i64 rows) = 0;
   // Columns [col, col + width) of src [T, ld_src] -> dense dst [T, width] (activations).
   virtual void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) = 0;
   // Dense src [T, width] (activations, or fp32 when src_f32) -> columns of dst [T, ld_dst].

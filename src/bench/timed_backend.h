@@ -115,6 +115,9 @@ class TimedBackend final : public Backend {
     timed(t_.other_s, [&] { be_.rope_backward(dx, T, Z, A, pos0, r, ld); });
   }
   void add_inplace(void* y, const void* x, i64 n) override { timed(t_.other_s, [&] { be_.add_inplace(y, x, n); }); }
+  void copy_2d(void* dst, i64 dst_pitch, const void* src, i64 src_pitch, i64 width, i64 rows) override {
+    timed(t_.other_s, [&] { be_.copy_2d(dst, dst_pitch, src, src_pitch, width, rows); });
+  }
   void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) override {
     timed(t_.other_s, [&] { be_.copy_cols(dst, src, T, width, ld_src, col); });
   }

@@ -192,12 +192,18 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "buffers; on the CPU the same staging, for testing it)")
       ->capture_default_str();
   cmd->add_option("--plan", o.plan_path, "Run this plan's layout, subsequence lengths and alpha (sppo plan --out)");
-  cmd->add_option("--pp", o.par.pp, "Pipeline stages (ranks = pp x tp x cp x dp; start with mpirun -np)")->capture_default_str();
+  cmd->add_option("--pp", o.par.pp, "Pipeline stages (ranks = pp x tp x ulysses x cp x dp; start with mpirun -np)")
+      ->capture_default_str();
   cmd->add_option("--tp", o.par.tp,
                   "Tensor parallel with sequence-parallel regions (the SPPO paper's SP, Megatron-LM's): ranks that "
                   "split every layer's heads, MLP and vocabulary, and the LayerNorm regions' tokens")
       ->capture_default_str();
   cmd->add_option("--cp", o.par.cp, "Context parallel: ranks of a ring attention that split every subsequence")
+      ->capture_default_str();
+  cmd->add_option("--ulysses", o.par.ulysses,
+                  "DeepSpeed-Ulysses sequence parallel: ranks that split every subsequence's tokens, an all-to-all "
+                  "before each attention giving each rank every token of its share of the heads (and of the K/V "
+                  "cache); with --cp, the ring runs across groups of --ulysses ranks (USP)")
       ->capture_default_str();
   cmd->add_option("--ring", f.ring,
                   "Ring attention with --cp: its layout, zigzag (balances causal work) or contiguous, and its "

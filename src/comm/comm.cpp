@@ -260,6 +260,13 @@ OwnBlock check_allgather(const Comm& c, const void* send, const void* recv, cons
                       "in place: the send buffer this member's block of the receive buffer");
 }
 
+i64 alltoall_sent_bytes(const Counts& send_counts, Type type, int k) {
+  i64 n = 0;
+  for (std::size_t j = 0; j < send_counts.size(); ++j)
+    if (int(j) != k) n += send_counts[j];
+  return n * type_bytes(type);
+}
+
 int check_alltoall(const Comm& c, const void* send, const Counts& send_counts, const void* recv,
                    const Counts& recv_counts, Type type, const Group& group) {
   check_counts(c, send_counts, group, "all-to-all", "send counts");

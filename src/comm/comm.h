@@ -103,9 +103,9 @@ class Comm {
   double timeout_s() const { return timeout_s_; }
   void set_timeout_s(double s) { timeout_s_ = s; }
 
-  // Bytes handed to isend since this rank started: its point-to-point traffic, which the
-  // simulator predicts message by message. Collectives are not counted (what they move
-  // depends on the library's algorithm).
+  // Bytes handed to isend since this rank started, and the blocks its all-to-alls sent to
+  // the other members: the traffic the simulator predicts message by message. Other
+  // collectives are not counted (what they move depends on the library's algorithm).
   i64 bytes_sent() const { return bytes_sent_; }
 
  protected:
@@ -181,5 +181,8 @@ OwnBlock check_allgather(const Comm& c, const void* send, const void* recv, cons
                          const Group& group);
 int check_alltoall(const Comm& c, const void* send, const Counts& send_counts, const void* recv,
                    const Counts& recv_counts, Type type, const Group& group);
+// The bytes of an all-to-all's send blocks for the other members (member k's own stays):
+// what bytes_sent counts for it.
+i64 alltoall_sent_bytes(const Counts& send_counts, Type type, int k);
 
 }  // namespace sppo::comm

@@ -102,6 +102,48 @@ ModelConfig attention_view(const ModelConfig& c, const TpShard& tp) {
   return a;
 }
 
+bool ulysses_runs(const ModelConfig& c, int U) {
+  const int G = c.kv_head_count();
+  return U >= 1 && U <= c.heads && (U <= G || (U % G == 0 && U / G <= c.heads / G));
+}
+
+i64 ulysses_block_bytes(const ModelConfig& c, i64 T, ActPrecision p, int from, int to, int size, UlyssesExchange x) {
+  const i64 e = p == ActPrecision::F32 ? 4 : 2;
+  const TpShard hf{from, size}, ht{to, size};
+  const UlyssesShard rf{from, size}, rt{to, size};
+  switch (x) {
+    case UlyssesExchange::Heads:
+      return rf.row_count(T) * (ht.local_hidden(c) + 2 * i64(ht.local_kv_width(c))) * e;
+    case UlyssesExchange::Rows:
+      return rt.row_count(T) * (hf.local_hidden(c) * e + 4 * i64(hf.local_heads(c)));
+    case UlyssesExchange::GradHeads:
+      return rf.row_count(T) * (2 * ht.local_hidden(c) * e + 8 * i64(ht.local_heads(c)));
+    case UlyssesExchange::GradRows: {
+      const bool first_replica = from % hf.kv_replicas(c) == 0;
+      return rt.row_count(T) * (hf.local_hidden(c) * e + (first_replica ? 8 * i64(hf.local_kv_width(c)) : 0));
+    }
+  }
+  SPPO_ASSERT(false);
+  return 0;
+}
+
+i64 ulysses_sent_bytes(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u, UlyssesExchange x) {
+  i64 b = 0;
+  for (int j = 0; j < u.size; ++j)
+    if (j != u.index) b += ulysses_block_bytes(c, T, p, u.index, j, u.size, x);
+  return b;
+}
+
+i64 ulysses_send_total(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u, UlyssesExchange x) {
+  return ulysses_sent_bytes(c, T, p, u, x) + ulysses_block_bytes(c, T, p, u.index, u.index, u.size, x);
+}
+
+i64 ulysses_recv_total(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u, UlyssesExchange x) {
+  i64 b = 0;
+  for (int j = 0; j < u.size; ++j) b += ulysses_block_bytes(c, T, p, j, u.index, u.size, x);
+  return b;
+}
+
 bool tp_replicated(const std::string& name) {
   auto ends = [&](const char* suffix) {
     const std::string s(suffix);
@@ -208,6 +250,17 @@ std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecis
   return s;
 }
 
+std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u) {
+  std::vector<TensorSpec> s = block_saved_specs(c, u.row_count(T), p, TpShard{});
+  const i64 KVu = u.heads().local_kv_width(c);
+  for (int k : {kSavedK, kSavedV}) s[std::size_t(k)].shape = {T, KVu};
+  return s;
+}
+
+std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u) {
+  return head_saved_specs(c, u.row_count(T), p, TpShard{});
+}
+
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p) {
   return head_saved_specs(c, T, p, TpShard{});
 }
@@ -245,6 +298,67 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
     s.push_back({"tp_rows", {tp.row_count(T), H}, a, R::Workspace});
   }
   return s;
+}
+
+// Note [Ulysses buffers]: what Ulysses member u's block and its all-to-alls (runtime/ulysses.h)
+// hold while a layer runs on a piece of T tokens, Tl = u.row_count(T) of them its rows, beside
+// the block's own workspace on Tl rows: its rows' K, V [Tl, G A] (the projection's, before they
+// go to the members of their heads) and, in backward, their complete dK, dV [Tl, G A] fp32 back;
+// the piece's rows of its Zu heads: queries [T, Zu A], outputs (in backward their gradients)
+// [T, Zu A], LSE and delta [Zu, T] fp32, and dq [T, max(Qu, Zu A)] (the attention's dqkv of its
+// heads, Qu their q/k/v width); and one send and one receive buffer, each the largest that an
+// exchange of Note [Ulysses exchanges] packs.
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u,
+                                              const MlpTiles& tiles) {
+  const i64 Tl = u.row_count(T);
+  std::vector<TensorSpec> s = block_workspace_specs(c, Tl, p, TpShard{}, tiles);
+  const DType a = act_dtype(p);
+  const i64 KV = c.kv_width();
+  const TpShard h = u.heads();
+  const i64 Zu = h.local_heads(c), Hu = h.local_hidden(c), Qu = h.local_qkv_width(c);
+  i64 send = 0, recv = 0;
+  for (UlyssesExchange x : {UlyssesExchange::Heads, UlyssesExchange::Rows, UlyssesExchange::GradHeads,
+                            UlyssesExchange::GradRows}) {
+    send = std::max(send, ulysses_send_total(c, T, p, u, x));
+    recv = std::max(recv, ulysses_recv_total(c, T, p, u, x));
+  }
+  using R = Role;
+  s.push_back({"uly_k", {Tl, KV}, a, R::Workspace});
+  s.push_back({"uly_v", {Tl, KV}, a, R::Workspace});
+  s.push_back({"uly_dk", {Tl, KV}, DType::F32, R::Workspace});
+  s.push_back({"uly_dv", {Tl, KV}, DType::F32, R::Workspace});
+  s.push_back({"uly_q", {T, Hu}, a, R::Workspace});
+  s.push_back({"uly_o", {T, Hu}, a, R::Workspace});
+  s.push_back({"uly_lse", {Zu, T}, DType::F32, R::Workspace});
+  s.push_back({"uly_delta", {Zu, T}, DType::F32, R::Workspace});
+  s.push_back({"uly_dq", {T, std::max(Qu, Hu)}, a, R::Workspace});
+  // Bytes, as 2-byte elements (a tensor's type is an element's).
+  s.push_back({"uly_send", {(send + 1) / 2}, DType::BF16, R::Workspace});
+  s.push_back({"uly_recv", {(recv + 1) / 2}, DType::BF16, R::Workspace});
+  return s;
+}
+
+std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const RankShard& r) {
+  return r.ulysses.on() ? block_saved_specs(c, T, p, r.ulysses) : block_saved_specs(c, T, p, r.tp);
+}
+
+std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const RankShard& r) {
+  return r.ulysses.on() ? head_saved_specs(c, T, p, r.ulysses) : head_saved_specs(c, T, p, r.tp);
+}
+
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const RankShard& r,
+                                              const MlpTiles& tiles) {
+  return r.ulysses.on() ? block_workspace_specs(c, T, p, r.ulysses, tiles) : block_workspace_specs(c, T, p, r.tp, tiles);
+}
+
+std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p,
+                                             const UlyssesShard& u) {
+  return head_workspace_specs(c, u.row_count(T), chunk, p, TpShard{});
+}
+
+std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p,
+                                             const RankShard& r) {
+  return r.ulysses.on() ? head_workspace_specs(c, T, chunk, p, r.ulysses) : head_workspace_specs(c, T, chunk, p, r.tp);
 }
 
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p) {

@@ -74,9 +74,16 @@ struct TpShard {
     const int G = c.kv_head_count();
     return size > G ? size / G : 1;
   }
+  // Its query heads: with no more members than key/value heads, the query groups of its
+  // key/value heads (whole groups of Z / G, so that each query reads its own key/value head;
+  // with as many members as groups or a divisor of them, piece_range(Z, index, size)).
   std::pair<i64, i64> heads(const ModelConfig& c) const {
     const int m = kv_replicas(c);
-    if (m == 1) return piece_range(c.heads, index, size);
+    if (m == 1) {
+      const i64 r = c.heads / c.kv_head_count();
+      const auto [gb, ge] = piece_range(c.kv_head_count(), index, size);
+      return {gb * r, ge * r};
+    }
     const i64 r = c.heads / c.kv_head_count(), g = index / m;
     const auto [b, e] = piece_range(r, index % m, m);
     return {g * r + b, g * r + e};
@@ -108,8 +115,43 @@ struct TpShard {
 };
 
 // The model as one tensor-parallel member's attention sees it: its heads only, so hidden
-// is their width (the kernels' row strides and the K/V cache's width).
+// is their width (the kernels' row strides and the K/V cache's width). A Ulysses member's
+// attention sees its heads so (UlyssesShard::heads).
 ModelConfig attention_view(const ModelConfig& c, const TpShard& tp);
+
+// Ulysses sequence parallelism (--ulysses; Note [Ulysses] in runtime/ulysses.h). Member
+// `index` of `size` ranks holds rows piece_range(T, index, size) of a piece of T tokens in
+// every part of a block but the attention, with every head; its attention (after an
+// all-to-all) runs every row of the piece for the heads of heads() (TpShard's split: whole
+// query groups of its key/value heads, or with more members than key/value heads, a share of
+// one head's queries, the head replicated). The K/V cache of its pieces is every row of its
+// key/value heads.
+struct UlyssesShard {
+  int index = 0;
+  int size = 1;
+  bool on() const { return size > 1; }
+  TpShard heads() const { return {index, size}; }
+  std::pair<i64, i64> rows(i64 T) const { return piece_range(T, index, size); }
+  i64 row_count(i64 T) const { const auto [b, e] = rows(T); return e - b; }
+};
+// Whether U members split the model's heads so that each member's queries read whole
+// key/value heads of its own: U at most the heads, and at most the key/value heads or a
+// multiple of them whose members share each head's queries (as llama_tp_runs).
+bool ulysses_runs(const ModelConfig& c, int U);
+
+// What one rank holds of each layer's tensors on a piece: a tensor-parallel member's shards,
+// a Ulysses member's rows (at most one of the two on), or everything. The memory rules and
+// the runtime take a rank's tables through it (the *_specs overloads below dispatch).
+struct RankShard {
+  TpShard tp;
+  UlyssesShard ulysses;
+  bool on() const { return tp.on() || ulysses.on(); }
+  // Rows of a piece of T tokens in the LayerNorm / residual regions (and the hidden states
+  // passed between stages).
+  i64 rows(i64 T) const { return ulysses.on() ? ulysses.row_count(T) : tp.row_count(T); }
+  // The heads its attention runs, as a TpShard gives them (all of them for neither).
+  TpShard heads() const { return ulysses.on() ? ulysses.heads() : tp; }
+};
 
 // Parameters in checkpoint order, with the exact names of the export format:
 // embed.weight, blocks.{l}.ln1.weight, ..., ln_f.weight, ln_f.bias. A Llama-family model
@@ -157,15 +199,49 @@ struct KernelScratch {
 // statistics and the attention LSE stay fp32.
 enum class ActPrecision { F32, BF16 };
 
+// Note [Ulysses exchanges]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A Ulysses layer's attention runs four all-to-alls over its group, each one packed message
+// a member pair (every field of a block one after another, in the order below; a field is
+// the member's rows of a tensor in row order, or [heads, rows] of an fp32 statistic). From
+// member f to member t, on a piece of T tokens, Tl_j = rows of member j, Z_j its heads, Q_j =
+// Z_j A their width, KV_j its key/value heads' width, e the activations' bytes:
+//   Heads     (forward, before the attention): f's rows of t's heads' q, k, v after RoPE:
+//             Tl_f (Q_t + 2 KV_t) e. Every replica of a key/value head takes its rows.
+//   Rows      (forward, after it): t's rows of f's heads' output and LSE:
+//             Tl_t (Q_f e + 4 Z_f).
+//   GradHeads (backward, before it): f's rows of t's heads' q and output gradient, LSE and
+//             delta: Tl_f (2 Q_t e + 8 Z_t).
+//   GradRows  (backward, after it): t's rows of f's heads' dq and, from the first replica of
+//             each key/value head (the replicas sum their parts first), of its complete dK,
+//             dV in fp32: Tl_t (Q_f e + 8 KV_f).
+// The runtime packs exactly these (runtime/ulysses.cpp) and counts the bytes it sends to the
+// other members; the simulator prices the same (sched::alltoall_bytes).
+enum class UlyssesExchange { Heads, Rows, GradHeads, GradRows };
+// Bytes member `from` sends member `to` (either may be the other) in exchange x.
+i64 ulysses_block_bytes(const ModelConfig& c, i64 T, ActPrecision p, int from, int to, int size, UlyssesExchange x);
+// What member u sends the other members in x, and what it sends and receives in all (with
+// its own block, which stays).
+i64 ulysses_sent_bytes(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u, UlyssesExchange x);
+i64 ulysses_send_total(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u, UlyssesExchange x);
+i64 ulysses_recv_total(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u, UlyssesExchange x);
+
 // What one block saves for backward on T tokens (names without the "blocks.{l}." prefix).
 std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p);
 // As tensor-parallel member tp holds them for a subsequence of T tokens: rows
 // tp.rows(T) of the LayerNorm / residual tensors, every row of its heads' q, k, v,
 // attention output and LSE and of its fc columns (the same names and order).
 std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp);
+// As Ulysses member u holds them for a piece of T tokens: every tensor of its rows
+// u.rows(T) with every head, but k and v, the K/V cache, every row of its key/value heads.
+std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u);
 // What the LM head saves for a subsequence of T tokens (head_grad).
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p);
 std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp);
+std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u);
+// As rank shard r holds them (the overload of its TpShard or UlyssesShard).
+std::vector<TensorSpec> block_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const RankShard& r);
+std::vector<TensorSpec> head_saved_specs(const ModelConfig& c, i64 T, ActPrecision p, const RankShard& r);
 // Note [MLP tiles]: the MLP's intermediate is [T, F], F = 4H, the largest scratch of a
 // layer on a long subsequence. With tiles of R rows, a block's forward runs gelu and the
 // proj GEMM R rows at a time, and its backward the whole MLP half (gelu again, proj and
@@ -192,12 +268,25 @@ std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPr
 // "fc_tile" of as many rows follows delta.
 std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const TpShard& tp,
                                               const MlpTiles& tiles = {});
+// Ulysses member u on a piece of T tokens: the block's workspace on its rows, and the
+// all-to-alls' buffers (Note [Ulysses buffers] in core/layout.cpp): its rows' K, V before they
+// go, their dK, dV back; the piece's rows of its heads' queries, outputs (their gradients in
+// backward), LSE, delta and dq; and one send and one receive buffer the exchanges pack into.
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const UlyssesShard& u,
+                                              const MlpTiles& tiles = {});
 // Scratch of the head: logits are computed in row chunks of at most `chunk` tokens.
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p);
 // Under tensor parallelism: ln_f_out of this member's rows, logits of its vocabulary
 // columns, and "tp_full" [T, H], "tp_pad" [tp.padded_rows(T), H], "lse_parts" [tp, chunk].
 std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p,
                                              const TpShard& tp);
+// Ulysses member u: the head's workspace on its rows. And as rank shard r holds them.
+std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p,
+                                             const UlyssesShard& u);
+std::vector<TensorSpec> head_workspace_specs(const ModelConfig& c, i64 T, i64 chunk, ActPrecision p,
+                                             const RankShard& r);
+std::vector<TensorSpec> block_workspace_specs(const ModelConfig& c, i64 T, ActPrecision p, const RankShard& r,
+                                              const MlpTiles& tiles = {});
 
 // Which tensors an offload of `fraction` moves, from the ordered sizes of a subsequence's
 // offloadable tensors (layers in order, each layer's in table order, head_grad last):

@@ -120,10 +120,19 @@ double CostModel::tp_collective_s(i64 T, int tp) const {
   return double(tp - 1) / tp * bytes / bw + (tp - 1) * lat;
 }
 
+CostModel::UlyssesShare CostModel::ulysses_share(const Schedule& s, i64 T) const {
+  const int U = s.par.ulysses;
+  if (U == 1) return {};
+  // The busiest member: the most rows (the first), the most heads (the first as well).
+  return {double(UlyssesShard{0, U}.row_count(T)) / double(T),
+          double(TpShard{0, U}.local_heads(model_)) / double(model_.heads)};
+}
+
 double CostModel::forward_s(const Op& op, const Schedule& s, i64 o) const {
   const sched::Spans spans = s.spans(op);
   const int n = op.layer_end - op.layer_begin, tp = s.par.tp;
   const i64 T = sched::span_tokens(spans);
+  if (s.par.ulysses > 1) return ulysses_forward_s(op, s, o);
   // Tensor parallel: every FLOP and element divides over the group; each layer gathers
   // twice and reduce-scatters twice (model/tensor_parallel.h), the embedding once more,
   // and the head gathers its input and reduce-scatters its gradient.
@@ -232,12 +241,14 @@ double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backwar
   const sched::Spans spans = s.spans(op);
   const i64 T = sched::span_tokens(spans);
   // K, V and their sums are the K/V's width: G A of a member's key/value heads.
-  const double width = double(TpShard{0, s.par.tp}.local_kv_width(model_));
+  const TpShard heads = s.par.ulysses > 1 ? TpShard{0, s.par.ulysses} : TpShard{0, s.par.tp};
+  const double width = double(heads.local_kv_width(model_));
   const double kv = 2.0 * act_bytes_ * width, sums = 2.0 * 4 * width;  // bytes a token
   const double x = double(act_bytes_) * model_.hidden;
   // The attention's seconds on one member: the stream hides behind them (backward: 2.5x).
-  const double attention =
-      (backward ? 2.5 : 1.0) * attention_s(o, spans, s.lengths[std::size_t(op.subseq)], &s.doc_starts) / s.par.tp;
+  const double attention = (backward ? 2.5 : 1.0) *
+                           attention_s(o, spans, s.lengths[std::size_t(op.subseq)], &s.doc_starts) *
+                           double(heads.local_heads(model_)) / double(model_.heads);
   const StreamShape shape = o > 0 ? stream_shape(s, op, o, T) : StreamShape{};
   // Every backward but the first (that of the last subsequence) finds sums that later
   // subsequences' backward left on the host, for its own block and every earlier one.
@@ -269,10 +280,14 @@ double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backwar
 double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backward) const {
   if (s.place.recompute == 0 && !s.place.any_kv_streamed()) return 0;
   const sched::Spans spans = s.spans(op);
+  // A Ulysses member recomputes its rows' tensors (the attention and K/V are not recomputed
+  // there: setup refuses them).
+  const double rows = ulysses_share(s, sched::span_tokens(spans)).rows;
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l)
-    t += layer_recompute_s(o, spans, s.place.recompute, s.place.kv_recomputed(l), backward, s.par.tp, s.lengths[std::size_t(op.subseq)],
-                           &s.doc_starts);
+    t += layer_recompute_s(o, spans, s.place.recompute, s.place.kv_recomputed(l), backward, s.par.tp,
+                           s.lengths[std::size_t(op.subseq)], &s.doc_starts) *
+         rows;
   return t;
 }
 
@@ -323,10 +338,69 @@ double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet g
          collectives * tp_collective_s(i64(T), tp);
 }
 
+// Note [Ulysses, priced]: a Ulysses member runs every per-token part of a layer (GEMMs,
+// elementwise traffic, the head, recomputed groups) on its rows of the piece, and the
+// attention on every row of the piece for its heads: the busiest member (the first, with the
+// most of both) sets the time. The all-to-alls are ops of their own (AllToAll, alltoall_s).
+double CostModel::ulysses_forward_s(const Op& op, const Schedule& s, i64 o) const {
+  const sched::Spans spans = s.spans(op);
+  const int n = op.layer_end - op.layer_begin;
+  const i64 T = sched::span_tokens(spans), keys = s.lengths[std::size_t(op.subseq)];
+  const UlyssesShare share = ulysses_share(s, T);
+  const double attention = attention_s(o, spans, keys, &s.doc_starts);
+  const double rest = layer_forward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead - attention;
+  double t = n * (rest * share.rows + attention * share.heads + hw_.layer_overhead);
+  const bool head_here = op.layer_end == s.layers && !in_set(s.place.recompute, kSavedHeadGrad);
+  if (head_here) t += head_flops(T) / gemm_rate_ * share.rows;
+  const i64 rows = UlyssesShard{0, s.par.ulysses}.row_count(T);
+  return t + n * mlp_tiles_s(rows, s.place.mlp_tile_rows) + kv_stream_s(op, s, o, false) +
+         recompute_s(op, s, o, false);
+}
+
+double CostModel::ulysses_backward_s(const Op& op, const Schedule& s, i64 o) const {
+  const sched::Spans spans = s.spans(op);
+  const int n = op.layer_end - op.layer_begin;
+  const i64 T = sched::span_tokens(spans), keys = s.lengths[std::size_t(op.subseq)];
+  const UlyssesShare share = ulysses_share(s, T);
+  const double attention = 2.5 * attention_s(o, spans, keys, &s.doc_starts);
+  const double rest = layer_backward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead - attention;
+  double t = n * (rest * share.rows + attention * share.heads + hw_.layer_overhead);
+  if (op.layer_end == s.layers && in_set(s.place.recompute, kSavedHeadGrad)) {  // Note [The loss in backward]
+    const double F = model_.ffn(), H = model_.hidden;
+    const double words = model_.fc_width() + F + 2 * H;
+    const double act = hw_.elementwise_bw > 0 ? words * act_bytes_ * double(T) / hw_.elementwise_bw : 0.0;
+    t += (2 * double(T) * F * H / gemm_rate_ + act + head_flops(T) / gemm_rate_) * share.rows;
+  }
+  for (int l = op.layer_begin; l < op.layer_end; ++l)  // Note [Rebuilt layer inputs]: the layer below again
+    if (s.place.input_rebuilt(l)) {
+      const double again = layer_forward_s(o, spans, keys, &s.doc_starts), a = attention / 2.5;
+      t += (again - hw_.layer_overhead - a) * share.rows + a * share.heads + hw_.layer_overhead +
+           h2d_s(UlyssesShard{0, s.par.ulysses}.row_count(T) * model_.hidden * act_bytes_, false);
+    }
+  const i64 rows = UlyssesShard{0, s.par.ulysses}.row_count(T);
+  return t + n * mlp_tiles_s(rows, s.place.mlp_tile_rows) + kv_stream_s(op, s, o, true) + recompute_s(op, s, o, true);
+}
+
+double CostModel::alltoall_s(const Op& op, const Schedule& s) const {
+  i64 most = 0;
+  for (int r : op.group) most = std::max(most, sched::alltoall_bytes(s, op, r, model_, precision_));
+  // Each exchange sends U - 1 messages a member (pairwise), the group's members consecutive
+  // ranks (Note [Rank layout] in core/parallel.h).
+  const int U = int(op.group.size());
+  int exchanges = 0;
+  for (int l = op.layer_begin; l < op.layer_end; ++l)
+    exchanges += op.payload == sched::Payload::KVGrad && s.place.input_rebuilt(l) ? 4 : 2;
+  const bool intra = same_node(op.group.front(), op.group.back());
+  const double bw = intra ? hw_.intra_node_bw : hw_.inter_node_bw;
+  const double lat = intra ? hw_.intra_node_latency : hw_.inter_node_latency;
+  return double(exchanges) * (U - 1) * lat + double(most) / bw;
+}
+
 double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
   const sched::Spans spans = s.spans(op);
   const int n = op.layer_end - op.layer_begin, tp = s.par.tp;
   const i64 keys = s.lengths[std::size_t(op.subseq)];
+  if (s.par.ulysses > 1) return ulysses_backward_s(op, s, o);
   double t = n * (layer_backward_s(o, spans, keys, &s.doc_starts) - hw_.layer_overhead) / tp + n * hw_.layer_overhead;
   if (s.rsa_piece(op))
     t += n * (rsa_attention_s(sched::span_tokens(spans), keys, true, tp) - 2.5 * attention_s(o, spans, keys) / tp);
@@ -398,15 +472,16 @@ double CostModel::allreduce_s(i64 bytes, const std::vector<int>& group, bool acr
 }
 
 i64 CostModel::message_bytes(const Op& op, const Schedule& s, int rank) const {
-  // Ring steps of a tensor-parallel member move its heads only (members are consecutive ranks).
-  const TpShard member = s.tp_shard(rank);
+  // Ring steps of a tensor-parallel or Ulysses member move its heads only (members are
+  // consecutive ranks).
+  const TpShard member = s.tp_shard(rank), heads = s.shard(rank).heads();
   const i64 H = model_.hidden, QW = model_.q_width();  // the ring moves queries: Z A a row
   const int n = std::max(1, op.layer_end - op.layer_begin);
   if (op.kind == OpKind::RingStep) {
     const i64 bytes = (s.rsa_piece(op) ? sched::rsa_step_bytes(s, op, QW, act_bytes_)
                                         : sched::ring_step_bytes(s, op, QW, model_.heads, act_bytes_, model_.causal)) *
                       n;
-    return s.par.tp > 1 ? bytes * member.local_heads(model_) / model_.heads : bytes;
+    return heads.on() ? bytes * heads.local_heads(model_) / model_.heads : bytes;
   }
   i64 tokens = op.tokens;
   if (tokens == 0) tokens = sched::span_tokens(s.spans(op));

@@ -28,6 +28,9 @@
 // Tensor parallelism (Schedule::tp): compute divides by tp, and every layer adds the
 // sequence-parallel regions' all-gathers and reduce-scatters of [T, H] (tp_collective_s),
 // four in forward and six in backward, run between the kernels.
+// Ulysses (Schedule::par.ulysses): the busiest member's rows of every per-token part and
+// heads of the attention (Note [Ulysses, priced] in cost.cpp); its all-to-alls are AllToAll
+// ops, latency and bytes over the group's link (alltoall_s).
 // Recomputed tensors (Schedule::recompute, Note [Recomputed tensors] in core/layout.h): a
 // backward first runs again, per layer, the forward steps of the recomputed groups (their
 // GEMMs, elementwise traffic and, for the attention group, the attention), and under
@@ -199,11 +202,24 @@ class CostModel {
     replica_ranks_ = ranks;
   }
 
+  // Seconds of AllToAll op `op`: its exchanges (two a layer; four on a layer whose input a
+  // backward rebuilds), each U - 1 messages a member, and the bytes the busiest member sends
+  // (sched::alltoall_bytes), over the link between the group's ranks.
+  double alltoall_s(const sched::Op& op, const sched::Schedule& s) const;
+
   // Bytes a Send/Recv/RingStep of `rank` moves (its tensor-parallel shards: members may
   // hold different numbers of heads).
   i64 message_bytes(const sched::Op& op, const sched::Schedule& s, int rank = 0) const;
 
  private:
+  // Note [Ulysses, priced] (cost.cpp): the busiest Ulysses member's share of a piece of T
+  // tokens' rows and of the heads (1, 1 without Ulysses).
+  struct UlyssesShare {
+    double rows = 1, heads = 1;
+  };
+  UlyssesShare ulysses_share(const sched::Schedule& s, i64 T) const;
+  double ulysses_forward_s(const sched::Op& op, const sched::Schedule& s, i64 o) const;
+  double ulysses_backward_s(const sched::Op& op, const sched::Schedule& s, i64 o) const;
   double kv_stream(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward, bool again,
                    StreamCopies* copies) const;
   HardwareProfile hw_;

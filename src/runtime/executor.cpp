@@ -15,6 +15,7 @@
 #include "runtime/stage_messages.h"
 #include "runtime/step_state.h"
 #include "runtime/tensor_parallel.h"
+#include "runtime/ulysses.h"
 
 namespace sppo {
 
@@ -47,6 +48,23 @@ class KernelScratchBuffer {
   Buffer buf_;
 };
 
+// A layer's workspace as the block takes it, and, on a Ulysses member, the exchanges' buffers
+// that follow the block's own (block_workspace_specs with a UlyssesShard).
+struct LayerWorkspace {
+  BlockWorkspace block;
+  UlyssesBuffers ulysses;
+};
+LayerWorkspace layer_workspace(const std::vector<Buffer>& ws, Workspace scratch, const MlpTiles& tiles, bool ulysses) {
+  std::vector<void*> p = ptrs(ws);
+  LayerWorkspace w;
+  if (ulysses) {
+    w.ulysses = ulysses_buffers_from(p);
+    p.resize(p.size() - std::size_t(kUlyssesBuffers));
+  }
+  w.block = block_workspace_from(p, scratch, tiles);
+  return w;
+}
+
 }  // namespace
 
 Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
@@ -56,6 +74,7 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       be_(o.backend ? *o.backend : *own_backend_),
       act_(be_.act()),
       precision_(act_ == DType::F32 ? ActPrecision::F32 : ActPrecision::BF16),
+      rank_shard_{o.tp, o.ulysses},
       device_(std::make_unique<MemoryTier>(Tier::Device, o.device_budget, &be_)),
       host_(std::make_unique<MemoryTier>(Tier::Host, o.host_budget, &be_)) {
   c.validate();
@@ -68,6 +87,11 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       << "ZeRO shard " << o.zero_index << " of " << o.zero_shards << " does not exist";
   SPPO_CHECK(o.tp.size >= 1 && o.tp.index >= 0 && o.tp.index < o.tp.size, "runtime")
       << "tensor-parallel member " << o.tp.index << " of " << o.tp.size << " does not exist";
+  SPPO_CHECK(o.ulysses.size >= 1 && o.ulysses.index >= 0 && o.ulysses.index < o.ulysses.size &&
+                 !(o.ulysses.on() && o.tp.on()),
+             "runtime")
+      << "Ulysses member " << o.ulysses.index << " of " << o.ulysses.size << " does not exist"
+      << (o.tp.on() ? " beside tensor parallelism" : "");
   specs_ = parameter_specs(c, lb_, le_, o.tp);
   for (const auto& s : specs_) num_params_ += s.numel();
   buckets_ = param_buckets(specs_, {lb_, le_});
@@ -286,13 +310,16 @@ bool tiled_away(const MlpTiles& tiles, int k) { return k == kSavedFcPre && tiles
 void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(st.sched, op);
-  const Subseq blocks = with_docs(q, st.control.docs);
+  // The rows the blocks run on: the piece's, or a Ulysses member's (their attention runs on
+  // the piece's, runtime/ulysses.h).
+  const Subseq mine = rank_shard_.ulysses.on() ? member_rows(st.sched, op, opts_.rank) : q;
+  const Subseq blocks = with_docs(mine, st.control.docs);
   const StageWeights wt = st.msp.weights_for(op);
   const int T = q.T, H = config_.hidden, L = config_.layers;
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());  // the whole step's
-  const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
+  const auto specs = block_saved_specs(config_, T, precision_, rank_shard_);
   if (b > 0) {  // the previous stage's output is this stage's first saved input
-    st.act.unit(i, b)[0] = st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
+    st.act.unit(i, b)[0] = st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.rank));
     SPPO_ASSERT_MSG(st.act.unit(i, b)[0], "forward of layers from " << b << " on subseq " << i << " without its input");
   }
   const bool own = lb_ <= b && e <= le_;  // else an MSP helper's, on borrowed weights
@@ -304,15 +331,15 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
     auto& unit = st.act.unit(i, l);
     for (int k = 0; k < int(specs.size()); ++k)
       if (!unit[k] && !tiled_away(tiles, k)) unit[k] = device_->alloc(specs[k].bytes(), unit_name(l, i) + specs[k].name);
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp, tiles), "workspace ");
-    const BlockWorkspace w_ptrs = block_workspace_from(ptrs(ws), {}, tiles);
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, rank_shard_, tiles), "workspace ");
+    KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
+    const LayerWorkspace w = layer_workspace(ws, scratch.get(), tiles, rank_shard_.ulysses.on());
     if (l == 0 && st.tp)
-      embedding_forward_tp(be_, unit[0].data(), ids, wt.w->embed, w_ptrs.tp_full, w_ptrs.tp_pad, *st.tp, config_, q);
+      embedding_forward_tp(be_, unit[0].data(), ids, wt.w->embed, w.block.tp_full, w.block.tp_pad, *st.tp, config_, q);
     else if (l == 0)
-      for (const PosSpan& part : q.parts())
+      for (const PosSpan& part : mine.parts())
         be_.embedding_forward(act_at(unit[0].data(), i64(part.row0) * H, act_), ids + part.pos0, wt.w->embed,
                               part.rows, H, config_.vocab);
-    KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
     // The block's output is the next block's saved input, or the stage's output.
     void* x_out;
     if (l + 1 < e) {
@@ -324,11 +351,16 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
     }
     const LayerAttention attn = st.kv.attention(op, l, false, layer_weights(st, wt, l));
     BlockSaved saved = block_saved_from(ptrs(unit));
-    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get(), tiles);
-    if (st.tp)
-      block_forward_tp(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, *st.tp, config_, blocks);
-    else
-      block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w, *attn, config_, blocks);
+    if (st.tp) {
+      block_forward_tp(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w.block, *attn, *st.tp, config_, blocks);
+    } else if (rank_shard_.ulysses.on()) {  // the block's K, V of its rows; the unit's are the piece's of its heads
+      UlyssesAttention heads(ulysses_context(st, op, w.ulysses, unit[kK].data(), unit[kV].data()), *attn);
+      saved.k = w.ulysses.k;
+      saved.v = w.ulysses.v;
+      block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w.block, heads, config_, blocks);
+    } else {
+      block_forward(be_, x_out, saved, wt.w->blocks[l], wt.m->blocks[l], w.block, *attn, config_, blocks);
+    }
     if (opts_.recompute)  // keep the block input only; backward recomputes the rest
       for (int k = 1; k < int(specs.size()); ++k) unit[k].reset();
     for (int k = 0; k < int(specs.size()); ++k)  // what backward recomputes (Note [Recomputed tensors])
@@ -341,16 +373,39 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
     st.messages.poll();
   }
   if (e < L) {
-    st.messages.produce({sched::Payload::Hidden, e, i}, std::move(out), member_rows(st.sched, op, opts_.tp.index));
+    st.messages.produce({sched::Payload::Hidden, e, i}, std::move(out), member_rows(st.sched, op, opts_.rank));
   } else {
     if (own) await_weights(L);
     // Note [The loss in backward] (core/layout.h): else the backward runs the head.
-    if (!in_set(st.sched.place.recompute, kSavedHeadGrad)) head(st, op, q, wt, out);
+    if (!in_set(st.sched.place.recompute, kSavedHeadGrad)) head(st, op, rank_shard_.ulysses.on() ? mine : q, wt, out);
   }
+}
+
+UlyssesContext Runtime::ulysses_context(const StepState& st, const sched::Op& op, const UlyssesBuffers& buf,
+                                        void* k, void* v, float* dk, float* dv) const {
+  const sched::Schedule& sc = st.sched;
+  const UlyssesShard u = rank_shard_.ulysses;
+  UlyssesContext x;
+  x.comm = opts_.comm;
+  x.members = sc.par.ulysses_group(opts_.rank);
+  x.me = u.index;
+  const int m = u.heads().kv_replicas(config_), first = u.index / m * m;  // Note [Replicated key/value heads]
+  x.replicas.assign(x.members.begin() + first, x.members.begin() + first + m);
+  x.model = config_;
+  x.piece = with_docs(rows_of(sc, op), st.control.docs);
+  for (int j = 0; j < u.size; ++j) x.rows.push_back(with_docs(member_rows(sc, op, j, u.size), st.control.docs));
+  x.buf = buf;
+  x.k_cache = k;
+  x.v_cache = v;
+  x.dk_cache = dk;
+  x.dv_cache = dv;
+  x.waited_s = &st.result.comm_wait_s;
+  return x;
 }
 
 void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const StageWeights& wt, const Buffer& out) {
   const int i = op.subseq, T = q.T, H = config_.hidden;
+  // q: the rows the head runs on (a Ulysses member's; a tensor-parallel member's piece).
   auto hw_bufs = alloc_specs(*device_, head_workspace_specs(config_, T, opts_.head_chunk, precision_, opts_.tp),
                              "head workspace ");
   KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
@@ -382,7 +437,7 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
 void Runtime::rebuild_input(StepState& st, const sched::Op& op, int l, const Subseq& q, const Subseq& blocks,
                             const StageWeights& wt) {
   const int i = op.subseq, below = l - 1, T = q.T, H = config_.hidden;
-  const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
+  const auto specs = block_saved_specs(config_, T, precision_, rank_shard_);
   const MlpTiles tiles = st.sched.place.mlp_tiles();
   Buffer& x = st.act.unit(i, l)[kSavedX];
   SPPO_ASSERT_MSG(!x, "layer " << l << "'s input of subsequence " << i << " was kept");
@@ -392,26 +447,34 @@ void Runtime::rebuild_input(StepState& st, const sched::Op& op, int l, const Sub
     if (!tiled_away(tiles, k)) again[k] = device_->alloc(specs[k].bytes(), unit_name(below, i) + specs[k].name + " again");
   const auto [device, host] = st.act.saved_input(i, below, &st.result.exposed_copy_s);
   if (device)
-    be_.copy_cols(again[kSavedX].data(), device, T, H, H, 0);
+    be_.copy_cols(again[kSavedX].data(), device, blocks.T, H, H, 0);
   else
     be_.to_device(again[kSavedX].data(), host, std::size_t(specs[kSavedX].bytes()));
-  auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp, tiles), "workspace ");
+  auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, rank_shard_, tiles), "workspace ");
   KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
+  const LayerWorkspace w = layer_workspace(ws, scratch.get(), tiles, rank_shard_.ulysses.on());
   const LayerAttention attn = st.kv.attention(op, below, false, layer_weights(st, wt, below));
   BlockSaved saved = block_saved_from(ptrs(again));
-  block_forward(be_, x.data(), saved, wt.w->blocks[below], wt.m->blocks[below],
-                block_workspace_from(ptrs(ws), scratch.get(), tiles), *attn, config_, blocks);
+  if (rank_shard_.ulysses.on()) {
+    UlyssesAttention heads(ulysses_context(st, op, w.ulysses, again[kK].data(), again[kV].data()), *attn);
+    saved.k = w.ulysses.k;
+    saved.v = w.ulysses.v;
+    block_forward(be_, x.data(), saved, wt.w->blocks[below], wt.m->blocks[below], w.block, heads, config_, blocks);
+    return;
+  }
+  block_forward(be_, x.data(), saved, wt.w->blocks[below], wt.m->blocks[below], w.block, *attn, config_, blocks);
 }
 
 void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   const int i = op.subseq, b = op.layer_begin, e = op.layer_end;
   const Subseq q = rows_of(st.sched, op);
-  const Subseq blocks = with_docs(q, st.control.docs);
+  const Subseq mine = rank_shard_.ulysses.on() ? member_rows(st.sched, op, opts_.rank) : q;  // as in forward
+  const Subseq blocks = with_docs(mine, st.control.docs);
   const StageWeights wt = st.msp.weights_for(op);
   const bool own = lb_ <= b && e <= le_;
   const int T = q.T, L = config_.layers;
   const int H = config_.hidden;
-  const auto specs = block_saved_specs(config_, T, precision_, opts_.tp);
+  const auto specs = block_saved_specs(config_, T, precision_, rank_shard_);
   const MlpTiles tiles = st.sched.place.mlp_tiles();
   // The residual gradient: the head's on the last stage (Note [The loss in backward]: made
   // below, with the last layer's output), the layer above's in a layer-major backward
@@ -424,7 +487,7 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
   if (moves.in) st.act.residual_back(i, &st.result.exposed_copy_s);
   Buffer d_buf = e == L || carried
                      ? std::move(st.act.head_grad(i))
-                     : st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.tp.index));
+                     : st.messages.take_input(sched::input_id(op), member_rows(st.sched, op, opts_.rank));
   SPPO_ASSERT_MSG(d_buf || loss_here,
                   "backward of subsequence " << i << " before its forward or its gradient arrived");
   void* d = d_buf.data();
@@ -437,9 +500,10 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     // others').
     st.kv.alloc_accumulators(l, i);
     auto& unit = st.act.unit(i, l);
-    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, opts_.tp, tiles), "workspace ");
+    auto ws = alloc_specs(*device_, block_workspace_specs(config_, T, precision_, rank_shard_, tiles), "workspace ");
     KernelScratchBuffer scratch(*device_, opts_.block_scratch.bytes(T));
-    const BlockWorkspace w = block_workspace_from(ptrs(ws), scratch.get(), tiles);
+    const LayerWorkspace lw = layer_workspace(ws, scratch.get(), tiles, rank_shard_.ulysses.on());
+    const BlockWorkspace& w = lw.block;
     st.kv.restore(l, i);
     // Note [Recomputed tensors]: the tensors the schedule recomputes, and on a layer that
     // recomputes K/V this subsequence's own K, V, made again before the backward. A
@@ -467,8 +531,8 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
       if (st.tp)
         block_output_tp(be_, out.data(), block_saved_from(ptrs(unit)), wt.m->blocks[l], w, *st.tp, config_, T);
       else
-        block_output(be_, out.data(), block_saved_from(ptrs(unit)), wt.m->blocks[l], w, config_, T);
-      head(st, op, q, wt, out);
+        block_output(be_, out.data(), block_saved_from(ptrs(unit)), wt.m->blocks[l], w, config_, mine.T);
+      head(st, op, mine, wt, out);
       d_buf = std::move(st.act.head_grad(i));
       d = d_buf.data();
     }
@@ -490,6 +554,14 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
       if (l == 0)  // while the layer's workspace is there to gather into
         embedding_backward_tp(be_, wt.g->embed, d, static_cast<const std::int32_t*>(st.ids.data()), w.tp_full,
                               w.tp_pad, *st.tp, config_, q);
+    } else if (rank_shard_.ulysses.on()) {
+      // The piece's dK, dV of its heads accumulate in the K/V store's sums; its rows' complete
+      // ones come back into the workspace for the projection's backward.
+      UlyssesAttention heads(ulysses_context(st, op, lw.ulysses, unit[kK].data(), unit[kV].data(),
+                                             st.kv.dk(l, i).f32(), st.kv.dv(l, i).f32()),
+                             *attn);
+      block_backward(be_, d, wt.g->blocks[l], lw.ulysses.dk, lw.ulysses.dv, s, wt.w->blocks[l], wt.m->blocks[l], w,
+                     heads, config_, blocks);
     } else {
       block_backward(be_, d, wt.g->blocks[l], st.kv.dk(l, i).f32(), st.kv.dv(l, i).f32(), s, wt.w->blocks[l],
                      wt.m->blocks[l], w, *attn, config_, blocks, kv ? st.kv.du(l, i).f32() : nullptr);
@@ -508,13 +580,12 @@ void Runtime::backward(StepState& st, const sched::Op& op, std::size_t index) {
     return;
   }
   if (b > 0) {
-    st.messages.produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf),
-                        member_rows(st.sched, op, opts_.tp.index));
+    st.messages.produce({sched::Payload::HiddenGrad, b, i}, std::move(d_buf), member_rows(st.sched, op, opts_.rank));
     return;
   }
   if (st.tp) return;  // the embedding's gradient came with layer 0
   const std::int32_t* ids = static_cast<const std::int32_t*>(st.ids.data());
-  for (const PosSpan& part : q.parts())
+  for (const PosSpan& part : mine.parts())
     be_.embedding_backward(wt.g->embed, act_at(d, i64(part.row0) * H, act_), ids + part.pos0, part.rows, H,
                            config_.vocab);
 }
@@ -603,6 +674,8 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         break;
       case sched::OpKind::RingStep:
         break;  // ring attention runs inside each layer of F and B (runtime/ring.h)
+      case sched::OpKind::AllToAll:
+        break;  // Ulysses' exchanges run inside each layer of F and B (runtime/ulysses.h)
     }
     st.msp.end_lease(k);
     st.messages.poll();

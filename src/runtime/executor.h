@@ -30,6 +30,13 @@
 // as each member computed them from its own rows, and so are the loss and per-position
 // losses, each member having the part of its vocabulary.
 //
+// Ulysses (a schedule with ulysses > 1, sched::expand_ulysses): the members of a group run
+// the same ops, each block on the member's rows of the piece (sched::member_spans), its
+// attention on every row of the piece for the member's heads, through the all-to-alls of
+// runtime/ulysses.h; the AllToAll ops that the simulator prices are the exchanges taken inside
+// those layers, so the runtime passes over them. The members' weights are whole and their
+// gradients summed by the step's all-reduce with the layer group's other replicas.
+//
 // The interpreter: step() checks the schedule against the options, sets up the step's
 // parts (runtime/step_state.h), runs the rank's ops one after another in a switch over
 // their kind, and closes the step; forward() and backward() run one F or B op through
@@ -57,6 +64,7 @@
 #include "runtime/host_weights.h"
 #include "runtime/memory.h"
 #include "runtime/step_io.h"
+#include "runtime/ulysses.h"
 #include "schedule/ir.h"
 
 namespace sppo {
@@ -132,6 +140,10 @@ class Runtime {
  private:
   // F op `op`, the `index`-th: every layer it runs, then, after the model's last layer, the head.
   void forward(StepState& st, const sched::Op& op, std::size_t index);
+  // The Ulysses exchanges of F/B op `op` at one layer (runtime/ulysses.h): buffers `buf`, the
+  // piece's K, V of this member's heads at k, v, and in backward their sums at dk, dv.
+  UlyssesContext ulysses_context(const StepState& st, const sched::Op& op, const UlyssesBuffers& buf, void* k,
+                                 void* v, float* dk = nullptr, float* dv = nullptr) const;
   // The LM head on the final hidden state `out` of rows q: the loss, the per-position
   // losses and head_grad, with its weights' gradients (+=).
   void head(StepState& st, const sched::Op& op, const Subseq& q, const StageWeights& wt, const Buffer& out);
@@ -166,6 +178,7 @@ class Runtime {
   Backend& be_;
   DType act_;                 // activations
   ActPrecision precision_;    // the layout tables' name for it
+  RankShard rank_shard_;      // what this rank holds of each layer (options' tp, ulysses)
   int lb_ = 0, le_ = 0;  // owned layers
   std::vector<TensorSpec> specs_;
   std::vector<ParamBucket> buckets_;

@@ -27,7 +27,7 @@ KvStore::KvStore(ActivationStore& act, Backend& be, MemoryTier& device, MemoryTi
       opts_(o),
       sched_(sc),
       dtype_(be.act()),
-      width_(o.tp.local_kv_width(c)),
+      width_(RankShard{o.tp, o.ulysses}.heads().local_kv_width(c)),
       lb_(layers.first),
       le_(layers.second),
       ring_wait_s_(&result.ring_wait_s) {

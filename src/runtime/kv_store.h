@@ -2,7 +2,8 @@
 // and how an attention reaches them.
 //
 // Contract, per layer of a step:
-//  - device layer: K_j, V_j [rows, H/tp] are unit (j, l)'s saved k and v
+//  - device layer: K_j, V_j [rows, H/tp] are unit (j, l)'s saved k and v (a Ulysses
+//    member's: every row of the piece for its key/value heads, runtime/ulysses.h)
 //    (runtime/activation_store.h), for the rows of j that this rank's forward computed
 //    (rows_of, runtime/op_rows.h). Their fp32 dK/dV accumulators, of the same shape, live
 //    here: allocated and zeroed the first time a backward of layer l reaches block j,
@@ -123,7 +124,7 @@ class KvStore {
   const RuntimeOptions& opts_;
   const sched::Schedule& sched_;
   DType dtype_;  // of K, V
-  i64 width_;    // of K, V and their sums: this tensor-parallel member's heads
+  i64 width_;    // of K, V and their sums: this tensor-parallel or Ulysses member's key/value heads
   int lb_, le_;
   double* ring_wait_s_;
   // The rows of each subsequence this rank computed at each layer ([L][N]; T = 0: none).

@@ -28,19 +28,27 @@ inline Subseq rows_of(const sched::Schedule& sc, const sched::Op& op) {
   return q;
 }
 
-// The rows of them that tensor-parallel member `t` holds between the sequence-parallel
-// regions (sched::member_spans): the hidden states it passes on and takes in; all of them
-// without tensor parallelism.
-inline Subseq member_rows(const sched::Schedule& sc, const sched::Op& op, int t) {
-  if (sc.par.tp == 1) return rows_of(sc, op);
+// The rows of them that member `index` of `size` holds (sched::member_spans: rows
+// piece_range(T, index, size) of the piece): a tensor-parallel member's between the
+// sequence-parallel regions, a Ulysses member's outside the attention.
+inline Subseq member_rows(const sched::Schedule& sc, const sched::Op& op, int index, int size) {
+  if (size == 1) return rows_of(sc, op);
   const i64 o = sc.offset(op.subseq);
   Subseq q;
-  for (const auto& [b, e] : sched::member_spans(sc.spans(op), t, sc.par.tp)) {
+  for (const auto& [b, e] : sched::member_spans(sc.spans(op), index, size)) {
     q.spans.push_back({o + b, int(e - b), q.T});
     q.T += int(e - b);
   }
   q.offset = q.spans.front().pos0;
   return q;
+}
+
+// The rows rank `rank` holds of them in its residual stream, the hidden states it passes on
+// and takes in: its tensor-parallel member's or its Ulysses member's; all of them with neither.
+inline Subseq member_rows(const sched::Schedule& sc, const sched::Op& op, int rank) {
+  const RankShard r = sc.shard(rank);
+  if (r.tp.on()) return member_rows(sc, op, r.tp.index, r.tp.size);
+  return member_rows(sc, op, r.ulysses.index, r.ulysses.size);
 }
 
 // q as the blocks see it: with the step's packed documents (StepControl::docs), if any.

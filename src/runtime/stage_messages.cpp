@@ -51,18 +51,17 @@ StageMessages::StageMessages(comm::Comm* comm, int rank, Backend& be, MemoryTier
       ops_(ops),
       sent_(sent),
       result_(result) {
-  // Outputs of this rank's F/B ops, and the rows of them it holds (its tensor-parallel
-  // member's).
+  // Outputs of this rank's F/B ops, and the rows of them it holds (its tensor-parallel or
+  // Ulysses member's).
   std::map<HiddenKey, Subseq> made_here;
-  const int member = sc.par.coord_of(rank).member;
   for (const sched::Op& op : ops) {
     if (is_compute(op)) {
       // Under MSP a piece may take rows that this rank produced for it (Note [MSP pieces]).
       auto made = made_here.find(sched::input_id(op));
       if (sched::has_input(op, c.layers) && made != made_here.end()) {
-        if (share(made->second, member_rows(sc, op, member))) taken_here_.insert(made->first);
+        if (share(made->second, member_rows(sc, op, rank))) taken_here_.insert(made->first);
       }
-      made_here[sched::output_id(op)] = member_rows(sc, op, member);
+      made_here[sched::output_id(op)] = member_rows(sc, op, rank);
     }
     if (sched::is_hidden_message(op) && op.kind == sched::OpKind::Send) ++sends_of_[sched::hidden_id(op)];
   }

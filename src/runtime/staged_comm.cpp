@@ -190,7 +190,8 @@ comm::Request StagedComm::iallgather(const void* send, void* recv, const comm::C
 
 comm::Request StagedComm::ialltoall(const void* send, const comm::Counts& send_counts, void* recv,
                                     const comm::Counts& recv_counts, comm::Type type, const comm::Group& group) {
-  comm::check_alltoall(*this, send, send_counts, recv, recv_counts, type, group);
+  const int k = comm::check_alltoall(*this, send, send_counts, recv, recv_counts, type, group);
+  count_sent(comm::alltoall_sent_bytes(send_counts, type, k));
   const std::size_t e = std::size_t(comm::type_bytes(type)), out = std::size_t(comm::total(send_counts)) * e,
                     in = std::size_t(comm::total(recv_counts)) * e;
   char* s = const_cast<char*>(static_cast<const char*>(send));

@@ -48,6 +48,10 @@ struct RuntimeOptions {
   // is member tp.index of the group of consecutive world ranks that share its ops; its
   // parameters, saved tensors and workspaces are its shards (core/layout.h TpShard).
   TpShard tp;
+  // Ulysses sequence parallelism (runtime/ulysses.h): this rank is member ulysses.index of
+  // its Ulysses group; its saved tensors and workspaces are its rows' and heads' (core/layout.h
+  // UlyssesShard). Not beside tp.
+  UlyssesShard ulysses;
 };
 
 // One span of the step's timeline: the op that ran, on which lane, when.

@@ -46,6 +46,16 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
       SPPO_CHECK(l >= sc.par.tp, "runtime") << "a subsequence of " << l << " tokens cannot be split over " << sc.par.tp
                                         << " tensor-parallel ranks; use fewer --subseqs or a smaller --tp";
   }
+  SPPO_CHECK(sc.par.ulysses == o.ulysses.size, "runtime")
+      << "the schedule runs Ulysses over " << sc.par.ulysses << " ranks but this runtime is a member of "
+      << o.ulysses.size;
+  if (sc.par.ulysses > 1) {
+    SPPO_CHECK(o.comm && !o.recompute && ulysses_runs(c, sc.par.ulysses), "runtime")
+        << "Ulysses needs its ranks (mpirun), no --recompute, and heads it can split (core/layout.h ulysses_runs)";
+    SPPO_CHECK(!(sc.place.recompute & kAttentionGroup) && !sc.par.rsa(), "runtime")
+        << "Ulysses runs the attention once a layer between its all-to-alls: it runs without --recompute-tensors "
+           "attention and --ring rsa";
+  }
   const bool msp = std::any_of(ops.begin(), ops.end(), [](const sched::Op& op) { return !op.group.empty() && is_compute(op); });
   SPPO_CHECK(!msp || (o.comm && act == DType::F32 && !sc.par.rsa()), "runtime")
       << "multiplexed sequence partitioning (MSP) runs with pipeline, data, tensor and one-pass context parallelism "
@@ -57,9 +67,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
          "subsequences: they run without --ring rsa and --recompute, and name every layer";
   bool kv_recomputed = false;
   for (int l = 0; l < c.layers; ++l) kv_recomputed |= sc.place.kv_recomputed(l);
-  SPPO_CHECK(!kv_recomputed || (sc.par.tp == 1 && sc.par.cp == 1 && !msp), "runtime")
+  SPPO_CHECK(!kv_recomputed || (sc.par.tp == 1 && sc.par.cp == 1 && sc.par.ulysses == 1 && !msp), "runtime")
       << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input: it runs without --tp, "
-         "--cp and --msp on";
+         "--cp, --ulysses and --msp on";
   SPPO_CHECK(sc.place.recompute == recompute_closure(sc.place.recompute) && !in_set(sc.place.recompute, kSavedX) &&
                  !in_set(sc.place.recompute, kSavedK) && !in_set(sc.place.recompute, kSavedV),
              "runtime")

@@ -14,10 +14,12 @@ namespace sppo::sched {
 
 namespace {
 
-// The ranks the pipeline builder lays out: every dimension but those expand_tensor_parallel
-// adds afterwards (Note [Rank layout] in core/parallel.h numbers them innermost).
+// The ranks the pipeline builder lays out: every dimension but those expand_ulysses and
+// expand_tensor_parallel add afterwards (Note [Rank layout] in core/parallel.h numbers them
+// innermost).
 ParallelDims before_expansion(ParallelDims par) {
   par.tp = 1;
+  par.ulysses = 1;
   return par;
 }
 
@@ -428,7 +430,7 @@ class PipelineBuilder {
   // stage's input embedding and the last stage's LM head are one parameter) are summed
   // between the two.
   void reduce_gradients() {
-    if (R_ * D_ > 1 || spec_.replicated)
+    if (R_ * D_ > 1 || spec_.replicated || spec_.par.ulysses > 1)  // Ulysses members: expand_ulysses
       for (int p = 0; p < P_; ++p) {
         std::vector<int> group;
         for (int d = 0; d < D_; ++d)
@@ -519,14 +521,14 @@ class PipelineBuilder {
 }  // namespace
 
 Schedule build_pipeline(const PipelineSpec& spec) {
-  return expand_tensor_parallel(PipelineBuilder(spec).build(), spec.par.tp);
+  return expand_tensor_parallel(expand_ulysses(PipelineBuilder(spec).build(), spec.par.ulysses), spec.par.tp);
 }
 
 Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const std::vector<double>& alpha,
                     const StepShape& shape, Replicas replicas) {
   Schedule s;
   const ParallelDims& par = shape.par;
-  if (par.pp * par.cp * par.dp == 1 && replicas == Replicas::All) {
+  if (par.pp * par.cp * par.dp * par.ulysses == 1 && replicas == Replicas::All) {
     s = expand_tensor_parallel(build_single(c.layers, lengths, alpha), par.tp);
   } else {
     PipelineSpec spec;
@@ -614,6 +616,7 @@ Schedule to_layer_major(Schedule s) {
   auto starts_block = [&](const Op& op) {
     return op.kind == OpKind::Prefetch || op.kind == OpKind::Backward ||
            (op.kind == OpKind::RingStep && op.payload == Payload::KVGrad) ||
+           (op.kind == OpKind::AllToAll && op.payload == Payload::KVGrad) ||
            (op.kind == OpKind::Recv && hidden_grad(op));
   };
   for (int r = 0; r < s.ranks(); ++r) {
@@ -704,6 +707,9 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
   SPPO_CHECK(tp >= 1, "schedule") << "tensor parallelism needs at least one rank a group (got " << tp << ")";
   SPPO_CHECK(s.par.tp == 1, "schedule") << "the schedule is already tensor parallel";
   if (tp == 1) return s;
+  SPPO_CHECK(s.par.ulysses == 1, "options")
+      << "--tp " << tp << " and --ulysses " << s.par.ulysses
+      << " both split every layer's heads over their ranks; use one of them";
   for (std::size_t i = 0; i < s.lengths.size(); ++i)
     SPPO_CHECK(s.lengths[i] >= tp, "schedule")
         << "subsequence " << i << " has " << s.lengths[i] << " tokens, fewer than the " << tp
@@ -808,6 +814,89 @@ Schedule expand_tensor_parallel(Schedule s, int tp) {
           in_group(ops, OpKind::Send, r, t, src, *taken[std::size_t(r)].at(output_id(src)));
       }
     }
+  return out;
+}
+
+// Note [Ulysses members]: Ulysses (--ulysses U; runtime/ulysses.h) turns every rank of a
+// schedule built without it into U members (Note [Rank layout] in core/parallel.h: the index
+// inside the tensor-parallel one), which run the rank's op list together, member u on its
+// rows of every piece (member_spans with u of U) and, in each layer's attention, on every row
+// of the piece for its heads. So:
+//  - before every F and B an AllToAll of the members names the exchanges its layers run
+//    inside (Note [Ulysses exchanges] in core/layout.h): the simulator prices them there,
+//    and the runtime, which runs them within the layers, passes over it;
+//  - hidden states go member u to member u, carrying its rows (tokens: its share of the
+//    piece's); ring steps run among the u-th members of a ring's ranks;
+//  - the members' weights are whole on each, as ring members' are: a WeightGrads all-reduce
+//    over a group of ranks takes every member of each (the layer group, Note [Rank layout]),
+//    a TiedGrads one pairs member u of the first stage with member u of the last.
+// MSP's pieces are refused (their hidden states move in runs of positions that a member's
+// rows would cut again).
+Schedule expand_ulysses(Schedule s, int U) {
+  SPPO_CHECK(U >= 1, "schedule") << "Ulysses needs at least one rank a group (got " << U << ")";
+  SPPO_CHECK(s.par.ulysses == 1 && s.par.tp == 1, "schedule")
+      << "the schedule is already expanded for Ulysses or tensor parallelism";
+  if (U == 1) return s;
+  for (std::size_t r = 0; r < s.ops.size(); ++r)
+    for (const Op& op : s.ops[r]) {
+      if (!is_compute(op)) continue;
+      SPPO_CHECK(op.group.empty(), "options")
+          << "Ulysses (--ulysses) does not run MSP's pieces; use --msp off";
+      const i64 T = span_tokens(s.spans(op));
+      SPPO_CHECK(T >= U, "options") << "a piece of subsequence " << op.subseq << " has " << T
+                                    << " tokens, fewer than the " << U
+                                    << " Ulysses ranks that split it; use fewer --subseqs or a smaller --ulysses";
+    }
+  std::vector<std::vector<Op>> ops_of = std::move(s.ops);
+  std::vector<std::pair<int, int>> owned = std::move(s.owned);
+  const ParallelDims before = s.par;
+  Schedule out = std::move(s);
+  out.par.ulysses = U;
+  const auto member = [&](int r, int u) {
+    ParallelDims::Coord c = before.coord_of(r);
+    c.ulysses = u;
+    return out.par.rank_of(c);
+  };
+  out.ops.assign(std::size_t(out.ranks()), {});
+  out.owned.assign(owned.empty() ? 0 : std::size_t(out.ranks()), {});
+  for (int r = 0; r < int(ops_of.size()); ++r) {
+    std::vector<int> members;
+    for (int u = 0; u < U; ++u) members.push_back(member(r, u));
+    for (int u = 0; u < U; ++u) {
+      const int me = members[std::size_t(u)];
+      if (!owned.empty()) out.owned[std::size_t(me)] = owned.at(std::size_t(r));
+      auto& ops = out.ops[std::size_t(me)];
+      ops.reserve(ops_of[std::size_t(r)].size() * 2);
+      auto map = [&](int rank) { return rank < 0 ? rank : member(rank, u); };
+      for (const Op& src : ops_of[std::size_t(r)]) {
+        if (is_compute(src)) {
+          Op a = src;
+          a.kind = OpKind::AllToAll;
+          a.payload = src.kind == OpKind::Forward ? Payload::KV : Payload::KVGrad;
+          a.group = members;
+          ops.push_back(std::move(a));
+        }
+        Op op = src;
+        op.peer = map(op.peer);
+        op.recv_peer = map(op.recv_peer);
+        if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) {
+          std::vector<int> group;
+          for (int g : op.group)
+            for (int v = 0; v < U; ++v) group.push_back(member(g, v));
+          op.group = std::move(group);
+        } else {
+          for (int& g : op.group) g = map(g);
+        }
+        if (is_hidden_message(op)) {
+          SPPO_ASSERT(op.first < 0);
+          const i64 whole = op.tokens > 0 ? op.tokens : span_tokens(out.spans(op));
+          const auto [b, e] = piece_range(whole, u, U);
+          op.tokens = e - b;
+        }
+        ops.push_back(std::move(op));
+      }
+    }
+  }
   return out;
 }
 

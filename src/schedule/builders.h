@@ -73,6 +73,14 @@ Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const
 // builders.cpp).
 Schedule expand_tensor_parallel(Schedule s, int tp);  // tp 1: s itself
 
+// Ulysses sequence parallelism (--ulysses; runtime/ulysses.h): every rank r of `s` becomes
+// the U ranks of its Ulysses group (consecutive, inside the tensor-parallel index: Note [Rank
+// layout] in core/parallel.h), which run r's op list together, member u on its rows
+// piece_range(T, u, U) of every piece, each F and B after an AllToAll of the group (Note
+// [Ulysses members] in builders.cpp). Before expand_tensor_parallel, which refuses s with
+// Ulysses in it; throws for MSP's pieces, and for a piece of fewer than U tokens.
+Schedule expand_ulysses(Schedule s, int U);  // U 1: s itself
+
 // The same schedule with a layer-major backward (BackwardOrder::Layer; Note [Layer-major
 // backward] in builders.cpp), each stage's layers; throws naming what runs for MSP's
 // pieces.

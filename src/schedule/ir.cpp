@@ -172,6 +172,23 @@ i64 rsa_step_bytes(const Schedule& s, const Op& op, i64 H, int act_bytes) {
   return 3 * block + 2 * span_tokens(s.spans(op, (me - t + R) % R)) * row;
 }
 
+i64 alltoall_bytes(const Schedule& s, const Op& op, int rank, const ModelConfig& c, ActPrecision p) {
+  const UlyssesShard u = s.ulysses_shard(rank);
+  const i64 T = span_tokens(s.spans(op));
+  const bool backward = op.payload == Payload::KVGrad;
+  i64 bytes = 0;
+  for (int l = op.layer_begin; l < op.layer_end; ++l) {
+    const bool forward = !backward || s.place.input_rebuilt(l);
+    if (forward)
+      for (UlyssesExchange x : {UlyssesExchange::Heads, UlyssesExchange::Rows})
+        bytes += ulysses_sent_bytes(c, T, p, u, x);
+    if (backward)
+      for (UlyssesExchange x : {UlyssesExchange::GradHeads, UlyssesExchange::GradRows})
+        bytes += ulysses_sent_bytes(c, T, p, u, x);
+  }
+  return bytes;
+}
+
 MessageKey message_key(const Op& op) {
   MessageKey m{op.payload, op.subseq, op.piece, op.pieces, op.layer_begin, op.layer_end, 0, op.tokens};
   if (op.kind == OpKind::RingStep) {
@@ -200,6 +217,7 @@ const char* to_string(OpKind k) {
     case OpKind::Recv: return "recv";
     case OpKind::RingStep: return "ring";
     case OpKind::AllReduce: return "allreduce";
+    case OpKind::AllToAll: return "alltoall";
   }
   SPPO_ASSERT(false);
   return "";
@@ -288,6 +306,15 @@ std::string to_string(const Op& op) {
       os << " step" << op.step;
       put_tokens(os, op);
       os << " -> r" << op.peer << " <- r" << op.recv_peer;
+      break;
+    case OpKind::AllToAll:
+      os << to_string(op.payload) << ' ';
+      put_layers(os, op);
+      os << ' ';
+      put_subseq(os, op);
+      os << " [";
+      for (size_t k = 0; k < op.group.size(); ++k) os << (k ? "," : "") << op.group[k];
+      os << ']';
       break;
     case OpKind::AllReduce:
       os << to_string(op.payload) << ' ';

@@ -36,6 +36,9 @@ enum class OpKind {
   AllReduce,     // all-reduce across `group` of the weight gradients of layers [layer_begin,
                  //   layer_end) (payload WeightGrads: data-parallel and SP replicas), or of the
                  //   tied embedding's gradient (payload TiedGrads: first and last stage)
+  AllToAll,      // the all-to-alls of Ulysses members `group` that the next F (payload KV) or B
+                 //   (payload KVGrad) of layers [layer_begin, layer_end) on (subseq, piece) runs
+                 //   inside each layer (Note [Ulysses exchanges] in core/layout.h)
 };
 
 // Tensor parallelism of a Llama-family block: each member's query heads read whole
@@ -137,7 +140,8 @@ std::vector<std::pair<i64, i64>> overlaps(const Spans& a, const Spans& b);
 // Piece `piece` of `pieces` of a subsequence of l tokens laid out by `layout`.
 Spans piece_spans(i64 l, int piece, int pieces, RingLayout layout);
 // What tensor-parallel member t of tp holds of a piece between the sequence-parallel
-// regions: its rows piece_range(T, t, tp), T the piece's tokens in position order.
+// regions: its rows piece_range(T, t, tp), T the piece's tokens in position order. A
+// Ulysses member's rows are the same split (t of ulysses).
 Spans member_spans(const Spans& piece, int t, int tp);
 
 struct Schedule {
@@ -150,6 +154,9 @@ struct Schedule {
   int ranks() const { return par.ranks(); }
   // The tensor-parallel shards rank `rank` holds (its member index in its group).
   TpShard tp_shard(int rank) const { return {par.coord_of(rank).member, par.tp}; }
+  // Its Ulysses member index and group size, and both as its share of each layer.
+  UlyssesShard ulysses_shard(int rank) const { return {par.coord_of(rank).ulysses, par.ulysses}; }
+  RankShard shard(int rank) const { return {tp_shard(rank), ulysses_shard(rank)}; }
   int layers = 0;
   std::vector<i64> lengths;             // l_i of every subsequence
   // Ring pieces attend by the two-pass Ring Self-Attention (runtime/ring.h RsaAttention,
@@ -244,6 +251,12 @@ i64 ring_step_bytes(const Schedule& s, const Op& op, i64 H, int Z, int act_bytes
 // the values of the block it passes on; backward, that block's keys and values, its keys
 // again (the last pass), and the dK, dV of the member whose block it received, sent to it.
 i64 rsa_step_bytes(const Schedule& s, const Op& op, i64 H, int act_bytes);
+
+// Bytes rank `rank` sends the other members of its Ulysses group in AllToAll op `op`: the
+// exchanges of every layer of the op (Note [Ulysses exchanges] in core/layout.h), with, in
+// a backward, those of the forward a rebuilt layer input runs again (Note [Rebuilt layer
+// inputs] in builders.cpp).
+i64 alltoall_bytes(const Schedule& s, const Op& op, int rank, const ModelConfig& c, ActPrecision p);
 
 // The identity a receive matches a send by (an MPI tag): payload, subsequence, piece,
 // layers and tokens; ring steps match by step and ring (every piece sends its own block).

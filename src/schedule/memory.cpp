@@ -84,9 +84,9 @@ i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShar
   return param_count(c, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == layers) * 4;
 }
 
-std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp, SavedSet recompute) {
+std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const RankShard& shard, SavedSet recompute) {
   std::vector<i64> bytes;
-  const auto specs = block_saved_specs(rules.model, T, rules.precision, tp);
+  const auto specs = block_saved_specs(rules.model, T, rules.precision, shard);
   for (std::size_t k = 0; k < specs.size(); ++k)
     if (specs[k].role == Role::Offloadable && !in_set(recompute, int(k))) bytes.push_back(specs[k].bytes());
   return bytes;
@@ -94,22 +94,23 @@ std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShar
 
 UnitSizes::UnitSizes(const MemoryRules& rules, const Schedule& s) {
   for (int r = 0; r < s.ranks(); ++r) {
-    const TpShard tp = s.tp_shard(r);
+    const RankShard shard = s.shard(r);
     for (const Op& op : s.ops[std::size_t(r)])
       if (op.kind == OpKind::Forward) {
-        auto [it, fresh] = sizes_.try_emplace({tp.index, span_tokens(s.spans(op))});
-        if (fresh) it->second = unit_tensor_bytes(rules, it->first.second, tp, s.place.recompute);
+        const i64 T = span_tokens(s.spans(op));
+        auto [it, fresh] = sizes_.try_emplace({shard.tp.index, shard.ulysses.index, T});
+        if (fresh) it->second = unit_tensor_bytes(rules, T, shard, s.place.recompute);
       }
   }
 }
 
-const std::vector<i64>* UnitSizes::find(int member, i64 tokens) const {
-  auto it = sizes_.find({member, tokens});
+const std::vector<i64>* UnitSizes::find(const RankShard& shard, i64 tokens) const {
+  auto it = sizes_.find({shard.tp.index, shard.ulysses.index, tokens});
   return it == sizes_.end() ? nullptr : &it->second;
 }
 
 RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, const UnitSizes* shared)
-    : rules_(rules), s_(s), rank_(rank), tp_(s.tp_shard(rank)) {
+    : rules_(rules), s_(s), rank_(rank), shard_(s.shard(rank)), tp_(shard_.tp), heads_(shard_.heads()) {
   const ModelConfig& c = rules.model;
   const ActPrecision p = rules.precision;
   kv_pt_ = skeletal_bytes_per_token(c, p);
@@ -118,14 +119,14 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
   ws_pt_ = total_bytes(block_workspace_specs(c, 1, p));
   head_pt_ = total_bytes(head_saved_specs(c, 1, p));
   acc_pt_ = 2 * i64(c.kv_width()) * rules.accum_bytes;
-  if (tp_.on()) {  // per-token averages over one token a member
-    const i64 n = tp_.size;
+  if (shard_.on()) {  // per-token averages over one token a member
+    const i64 n = std::max(tp_.size, shard_.ulysses.size);
     kv_pt_ = kv_bytes(n) / n;
     unit_pt_ = unit_bytes(n) / n;
     rc_pt_ = recomputed_bytes(n) / n;
-    ws_pt_ = total_bytes(block_workspace_specs(c, n, p, tp_)) / n;
+    ws_pt_ = total_bytes(block_workspace_specs(c, n, p, shard_)) / n;
     head_pt_ = head_bytes(n) / n;
-    acc_pt_ = 2 * i64(tp_.local_kv_width(c)) * rules.accum_bytes;
+    acc_pt_ = 2 * i64(heads_.local_kv_width(c)) * rules.accum_bytes;
   }
   weight_work_pp_ = rules.act_bytes() + 4;
 
@@ -222,10 +223,10 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       // Offloading moves units of the rank's own layers (MSP pieces of other stages stay).
       if (op.layer_begin >= ob && op.layer_end <= oe) {
         auto& sizes = unit_tensors_[op.subseq];
-        const std::vector<i64>* layer = shared ? shared->find(tp_.index, T) : nullptr;
+        const std::vector<i64>* layer = shared ? shared->find(shard_, T) : nullptr;
         if (!layer) {  // every layer's unit has the same tensors
           auto [it, fresh] = layer_units.try_emplace(T);
-          if (fresh) it->second = unit_tensor_bytes(rules, T, tp_, s.place.recompute);
+          if (fresh) it->second = unit_tensor_bytes(rules, T, shard_, s.place.recompute);
           layer = &it->second;
         }
         auto& layers = unit_layers_[op.subseq];
@@ -236,7 +237,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
           layers.insert(layers.end(), std::size_t(layer->end() - first), l);
         }
         if (op.layer_end == L && !loss_in_backward())
-          for (const auto& t : head_saved_specs(c, T, p, tp_)) {
+          for (const auto& t : head_saved_specs(c, T, p, shard_)) {
             sizes.push_back(t.bytes());
             layers.push_back(L - 1);
           }
@@ -257,13 +258,14 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
 i64 RankMemory::tokens_of(const Op& op) const { return span_tokens(s_.spans(op)); }
 
 i64 RankMemory::head_ws(i64 T) const {
-  return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision, tp_)) +
-         rules_.head_scratch.bytes(T);
+  // The head runs on a Ulysses member's rows; on a tensor-parallel member's piece.
+  return total_bytes(head_workspace_specs(rules_.model, T, rules_.head_chunk, rules_.precision, shard_)) +
+         rules_.head_scratch.bytes(shard_.ulysses.on() ? rows_of(T) : T);
 }
 
 i64 RankMemory::saved_bytes(i64 T, Role role) const {
   i64 b = 0;
-  const auto specs = block_saved_specs(rules_.model, T, rules_.precision, tp_);
+  const auto specs = block_saved_specs(rules_.model, T, rules_.precision, shard_);
   for (std::size_t k = 0; k < specs.size(); ++k)
     if (specs[k].role == role && !in_set(s_.place.recompute, int(k))) b += specs[k].bytes();
   return b;
@@ -271,33 +273,33 @@ i64 RankMemory::saved_bytes(i64 T, Role role) const {
 
 i64 RankMemory::recomputed_bytes(i64 T) const {
   i64 b = 0;
-  const auto specs = block_saved_specs(rules_.model, T, rules_.precision, tp_);
+  const auto specs = block_saved_specs(rules_.model, T, rules_.precision, shard_);
   const MlpTiles tiles = s_.place.mlp_tiles();
   for (std::size_t k = 0; k < specs.size(); ++k)  // under MLP tiles fc_pre is in the workspace
     if (in_set(s_.place.recompute, int(k)) && !(int(k) == kSavedFcPre && tiles.on())) b += specs[k].bytes();
   return b;
 }
 
-i64 RankMemory::kv_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::Skeletal) : kv_pt_ * T; }
+i64 RankMemory::kv_bytes(i64 T) const { return shard_.on() ? saved_bytes(T, Role::Skeletal) : kv_pt_ * T; }
 
-i64 RankMemory::unit_bytes(i64 T) const { return tp_.on() ? saved_bytes(T, Role::Offloadable) : unit_pt_ * T; }
+i64 RankMemory::unit_bytes(i64 T) const { return shard_.on() ? saved_bytes(T, Role::Offloadable) : unit_pt_ * T; }
 
 i64 RankMemory::ws_bytes(i64 T) const {
   const MlpTiles tiles = s_.place.mlp_tiles();
-  const i64 layer = tp_.on() || tiles.on()
-                        ? total_bytes(block_workspace_specs(rules_.model, T, rules_.precision, tp_, tiles))
+  const i64 layer = shard_.on() || tiles.on()
+                        ? total_bytes(block_workspace_specs(rules_.model, T, rules_.precision, shard_, tiles))
                         : ws_pt_ * T;
   return layer + rules_.block_scratch.bytes(T);
 }
 
 i64 RankMemory::head_bytes(i64 T) const {
-  return tp_.on() ? total_bytes(head_saved_specs(rules_.model, T, rules_.precision, tp_)) : head_pt_ * T;
+  return shard_.on() ? total_bytes(head_saved_specs(rules_.model, T, rules_.precision, shard_)) : head_pt_ * T;
 }
 
 const RankMemory::LayerBytes& RankMemory::layer_bytes(i64 T) {
   auto it = layer_bytes_.find(T);
   if (it == layer_bytes_.end()) {
-    const i64 rc = tp_.on() ? recomputed_bytes(T) : rc_pt_ * T;
+    const i64 rc = shard_.on() ? recomputed_bytes(T) : rc_pt_ * T;
     it = layer_bytes_.emplace(T, LayerBytes{kv_bytes(T), unit_bytes(T), rc, ws_bytes(T)}).first;
   }
   return it->second;
@@ -325,16 +327,16 @@ i64 RankMemory::ring_piece_max(const Op& op) const {
 i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
   // Under tensor parallelism the ring moves this member's heads only.
-  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
-            heads = tp_.local_heads(rules_.model), stats = heads * i64(sizeof(float));
+  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(heads_.local_hidden(rules_.model)) * rules_.act_bytes(),
+            heads = heads_.local_heads(rules_.model), stats = heads * i64(sizeof(float));
   if (rsa_piece(op)) return heads * T * s_.lengths[std::size_t(op.subseq)] * i64(sizeof(float)) + (R - 1) * Tm * row;
   return (R - 1) * (Tm * row + T * (row + stats) + Tm * (row + stats));
 }
 
 i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
   if (op.pieces <= 1) return 0;
-  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(tp_.local_hidden(rules_.model)) * rules_.act_bytes(),
-            heads = tp_.local_heads(rules_.model), stats = heads * i64(sizeof(float));
+  const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(heads_.local_hidden(rules_.model)) * rules_.act_bytes(),
+            heads = heads_.local_heads(rules_.model), stats = heads * i64(sizeof(float));
   if (rsa_piece(op))
     return 2 * heads * T * s_.lengths[std::size_t(op.subseq)] * i64(sizeof(float)) + 2 * (R - 1) * T * row +
            3 * (R - 1) * Tm * row + T * row;
@@ -363,10 +365,10 @@ i64 RankMemory::kv_window(int l, int subseq, i64 T, i64 span_rows, bool backward
   // the forward's partial output is the queries' [T, Z A]: kv_window_bytes counts it at the
   // width it is given, so the rest of its row is added here (none without grouped-query
   // attention).
-  const i64 kv_width = tp_.local_kv_width(rules_.model), q_width = tp_.local_hidden(rules_.model);
+  const i64 kv_width = heads_.local_kv_width(rules_.model), q_width = heads_.local_hidden(rules_.model);
   const i64 partial_rest = backward || chunks == 0 ? 0 : span_rows * (q_width - kv_width) * rules_.act_bytes();
   const bool recompute = s_.place.kv_recomputed(l);
-  return kv_window_bytes(chunks, std::min(rows, C), span_rows, kv_width, tp_.local_heads(rules_.model), rules_.act_bytes(),
+  return kv_window_bytes(chunks, std::min(rows, C), span_rows, kv_width, heads_.local_heads(rules_.model), rules_.act_bytes(),
                          backward, recompute ? rules_.model.hidden : 0,
                          recompute && rules_.model.qk_norm ? rules_.model.kv_head_count() : 0) +
          partial_rest;
@@ -689,6 +691,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::WaitOffload:
     case OpKind::RingStep:
     case OpKind::AllReduce:
+    case OpKind::AllToAll:  // into the F/B's workspace (Note [Ulysses buffers] in core/layout.cpp)
       break;
   }
   if (auto it = release_after_.find(index); it != release_after_.end())

@@ -80,6 +80,7 @@
 #include <array>
 #include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -203,15 +204,15 @@ struct MemEvent {
 class UnitSizes {
  public:
   UnitSizes(const MemoryRules& rules, const Schedule& s);
-  const std::vector<i64>* find(int member, i64 tokens) const;  // null: not a forward's
+  const std::vector<i64>* find(const RankShard& shard, i64 tokens) const;  // null: not a forward's
 
  private:
-  std::map<std::pair<int, i64>, std::vector<i64>> sizes_;
+  std::map<std::tuple<int, int, i64>, std::vector<i64>> sizes_;  // (tp index, Ulysses index, tokens)
 };
 
-// One layer's offloadable tensors' bytes on T tokens, member `tp`'s shards, less those
-// backward recomputes.
-std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const TpShard& tp, SavedSet recompute = 0);
+// One layer's offloadable tensors' bytes on T tokens, as rank shard `shard` holds them, less
+// those backward recomputes.
+std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const RankShard& shard, SavedSet recompute = 0);
 
 // The memory state of one rank while its ops are interpreted in program order.
 class RankMemory {
@@ -287,7 +288,7 @@ class RankMemory {
   // Note [The loss in backward] (core/layout.h): the head runs in the last layer's backward.
   bool loss_in_backward() const { return in_set(s_.place.recompute, kSavedHeadGrad); }
   i64 head_bytes(i64 T) const;
-  i64 rows_of(i64 T) const { return tp_.row_count(T); }  // of the residual regions
+  i64 rows_of(i64 T) const { return shard_.rows(T); }  // of the residual regions
   // A layer's K/V, unit and workspace bytes on T tokens, worked out once per T: under
   // tensor parallelism each is a sum over the layer's tensor specs.
   struct LayerBytes {
@@ -305,7 +306,9 @@ class RankMemory {
   const MemoryRules& rules_;
   const Schedule& s_;
   int rank_;
-  TpShard tp_;                         // this rank's tensor-parallel shards (none: size 1)
+  RankShard shard_;                    // this rank's shards (none: sizes 1)
+  TpShard tp_;                         // its tensor-parallel shards: its parameters
+  TpShard heads_;                      // the heads its attention runs (shard_.heads())
   i64 fixed_ = 0;
   std::array<i64, kMemTerms> fixed_terms_{};
   i64 host_fixed_ = 0;

@@ -137,6 +137,14 @@ void check_order(const Schedule& s, int r, Errors& err) {
         break;
       case OpKind::AllReduce:
         break;
+      case OpKind::AllToAll: {
+        // Before the F or B it belongs to (Note [Ulysses exchanges] in core/layout.h).
+        const bool next_compute = k + 1 < ops.size() && ops[k + 1].kind == (op.payload == Payload::KV ? OpKind::Forward : OpKind::Backward) &&
+                                  ops[k + 1].subseq == op.subseq && ops[k + 1].layer_begin == op.layer_begin &&
+                                  ops[k + 1].layer_end == op.layer_end;
+        if (!next_compute) err.add(r, k, op, "an all-to-all not followed by its forward or backward");
+        break;
+      }
     }
   }
   for (const auto& f : forwarded)
@@ -172,13 +180,14 @@ bool take(std::deque<MessageKey>& q, const MessageKey& key) {
 }
 
 // Executes the communication: sends are buffered, receives and ring steps wait for their
-// message, all-reduces wait for their whole group. No progress with ops left = deadlock.
+// message, all-reduces and all-to-alls wait for their whole group. No progress with ops left = deadlock.
 void check_matching(const Schedule& s, Errors& err) {
   const int R = s.ranks();
   std::vector<size_t> pc(R, 0);
   std::map<std::pair<int, int>, std::deque<MessageKey>> channel;  // (src, dst)
   // (group, how many all-reduces of that group a rank passed before) -> ranks arrived
   std::map<std::pair<std::vector<int>, int>, std::set<int>> arrived;
+  std::map<std::pair<std::vector<int>, int>, const Op*> met;  // the first member's op there
   std::vector<std::map<std::vector<int>, int>> passed(R);
   std::vector<bool> ring_posted(R, false);  // the send half of the current ring step is out
   bool progress = true;
@@ -200,14 +209,24 @@ void check_matching(const Schedule& s, Errors& err) {
           ring_posted[r] = false;
         } else if (op.kind == OpKind::Recv) {
           if (!take(channel[{op.peer, r}], message_key(op))) break;
-        } else if (op.kind == OpKind::AllReduce) {
+        } else if (op.kind == OpKind::AllReduce || op.kind == OpKind::AllToAll) {
           bool member = false;
           for (int g : op.group) member |= g == r;
           if (!member) {
-            err.add(r, pc[r], op, "all-reduce group does not contain its rank");
+            err.add(r, pc[r], op, std::string(op.kind == OpKind::AllReduce ? "all-reduce" : "all-to-all") +
+                                      " group does not contain its rank");
             return;
           }
-          auto& there = arrived[{op.group, passed[r][op.group]}];
+          const auto at = std::make_pair(op.group, passed[r][op.group]);
+          auto& there = arrived[at];
+          // The group's members meet at the same collective: the same kind, layers and piece.
+          auto [first, fresh] = met.try_emplace(at, &op);
+          const Op& o = *first->second;
+          if (!fresh && (o.kind != op.kind || o.payload != op.payload || o.subseq != op.subseq ||
+                         o.layer_begin != op.layer_begin || o.layer_end != op.layer_end || o.pieces != op.pieces)) {
+            err.add(r, pc[r], op, "meets '" + to_string(o) + "' of another member of its group");
+            return;
+          }
           there.insert(r);
           if (there.size() < op.group.size()) break;
           ++passed[r][op.group];

@@ -48,8 +48,8 @@ struct SimOp {
   int subseq = 0;
   int peer = -1, recv_peer = -1;
   int layers = 1;     // max(1, layers of the op)
-  double seconds = 0; // F, B: its time with the copy streams free (the same in every pass)
-  i64 bytes = 0;      // Offload, Prefetch, Send, RingStep: the bytes it moves
+  double seconds = 0; // F, B: its time with the copy streams free (the same in every pass); AllToAll: its time
+  i64 bytes = 0;      // Offload, Prefetch, Send, RingStep, AllToAll: the bytes it moves (sends)
   sched::MessageKey key;  // Send, Recv, RingStep
   int stream = -1;    // F, B: its streamed K/V chunks (RankEvents::streams), -1: none
   int use = -1;       // F, B with the weights on the host: its first layer's RankEvents::uses, -1: none
@@ -248,6 +248,10 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
     if (op.kind == OpKind::Offload) o.bytes = mem.offload_bytes(op);
     if (op.kind == OpKind::Prefetch) o.bytes = mem.prefetch_bytes(op);
     if (op.kind == OpKind::Send || op.kind == OpKind::RingStep) o.bytes = cost.message_bytes(op, s, r);
+    if (op.kind == OpKind::AllToAll) {
+      o.bytes = sched::alltoall_bytes(s, op, r, cost.model(), rules.precision);
+      o.seconds = cost.alltoall_s(op, s);
+    }
     out.first.push_back(out.ev.size());
     const i64 host_before = mem.host_bytes();
     mem.events(op, &out.ev);
@@ -567,6 +571,29 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             ++rs.ring_steps;
             rs.posted = false;
             mem_at(rs, arrival, arrival);
+            break;
+          }
+          case OpKind::AllToAll: {
+            // As an all-reduce: every member arrives, then all are held for the exchanges.
+            const Op& all = ops[rs.pc];
+            const auto key = std::make_pair(all.group, passed[r][all.group]);
+            auto& there = arrived[key];
+            if (!rs.posted) {
+              there.push_back(std::max(rs.t_compute, rs.t_net));
+              rs.posted = true;
+              progress = true;
+            }
+            if (there.size() < all.group.size()) goto blocked;
+            auto it = reduced.find(key);
+            if (it == reduced.end())
+              it = reduced.emplace(key, *std::max_element(there.begin(), there.end()) + op.seconds).first;
+            const double start = std::max(rs.t_compute, rs.t_net);
+            record(r, Lane::Network, rs.pc, start, it->second);
+            rs.t_compute = rs.t_net = std::max(start, it->second);
+            res.sent_bytes[size_t(r)] += op.bytes;
+            mem_at(rs, start, rs.t_compute);
+            rs.posted = false;
+            ++passed[r][all.group];
             break;
           }
           case OpKind::AllReduce: {

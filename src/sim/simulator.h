@@ -11,6 +11,8 @@
 //              bytes / bandwidth. Recv holds compute until its message arrives.
 //   RingStep   sends on the network when issued; the following F/B waits for its receive
 //   AllReduce  starts when every member has arrived; holds every member until done
+//   AllToAll   the same, for its Ulysses exchanges (CostModel::alltoall_s); its bytes count
+//              as the rank's sent bytes
 // Memory events come from schedule/memory.h (the runtime's rules) at their time inside
 // each op; the peak per rank is taken over the time-ordered events, and the bytes of every
 // term (schedule/memory.h MemTerm) at that moment are kept.
@@ -70,7 +72,7 @@ struct SimResult {
   std::vector<i64> peak_host_per_rank;
   double host_update_s = 0;      // the host's optimizer update, in step_time_s (Note
                                  // [Pricing the host's update] in simulator.cpp); 0: none
-  std::vector<i64> sent_bytes;   // per rank: point-to-point bytes sent (Send and ring messages)
+  std::vector<i64> sent_bytes;   // per rank: bytes sent (Send, ring messages, Ulysses all-to-alls)
   std::vector<i64> fixed_bytes;  // per rank: weights, gradients, optimizer state
   // Per rank, at the moment of its peak: device bytes by term (they sum to peak_bytes),
   // bytes on the host, and the time.

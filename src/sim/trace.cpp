@@ -43,7 +43,8 @@ Style style_of(const TraceEvent& e) {
     case OpKind::Send:
     case OpKind::Recv:
     case OpKind::RingStep:
-    case OpKind::AllReduce: return {"communication", "#ea4335"};
+    case OpKind::AllReduce:
+    case OpKind::AllToAll: return {"communication", "#ea4335"};
   }
   return {"", "#000"};
 }

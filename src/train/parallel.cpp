@@ -29,7 +29,11 @@ ParallelLayout make_layout(const ParallelDims& par, int batch, int rank) {
   SPPO_CHECK(par.dp >= 1, "options") << "--dp must be at least 1 (got " << par.dp << ")";
   SPPO_CHECK(par.cp >= 1 && par.cp <= 8, "options") << "--cp must be 1 to 8 (got " << par.cp << ")";
   SPPO_CHECK(par.tp >= 1 && par.tp <= 8, "options") << "--tp must be 1 to 8 (got " << par.tp << ")";
-  SPPO_CHECK(par.ulysses == 1, "options") << "ulysses " << par.ulysses << ": the runtime runs no Ulysses ranks";
+  SPPO_CHECK(par.ulysses >= 1 && par.ulysses <= 64, "options")
+      << "--ulysses must be 1 to 64 (got " << par.ulysses << ")";
+  SPPO_CHECK(par.tp == 1 || par.ulysses == 1, "options")
+      << "--tp " << par.tp << " and --ulysses " << par.ulysses
+      << " both split every layer's heads over their ranks; use one of them (with --cp for more ranks)";
   par.check("options");
   ParallelLayout l;
   l.par = par;
@@ -46,10 +50,11 @@ ParallelLayout make_layout(const ParallelDims& par, int batch, const comm::Comm&
   const int ranks = par.ranks();
   SPPO_CHECK(ranks == world.size(), "options")
       << "--pp " << par.pp << (par.tp > 1 ? " x --tp " + std::to_string(par.tp) : std::string())
+      << (par.ulysses > 1 ? " x --ulysses " + std::to_string(par.ulysses) : std::string())
       << (par.cp > 1 ? " x --cp " + std::to_string(par.cp) : std::string()) << " x --dp " << par.dp << " = " << ranks
       << " ranks, but the job has " << world.size()
       << (world.size() == 1 ? " (started without mpirun)" : " (mpirun -np " + std::to_string(world.size()) + ")")
-      << "; start it with mpirun -np " << ranks << " or change --pp / --tp / --cp / --dp";
+      << "; start it with mpirun -np " << ranks << " or change --pp / --tp / --ulysses / --cp / --dp";
   return l;
 }
 
@@ -105,6 +110,14 @@ void prepare_groups(comm::Comm& world, const sched::Schedule& s, const ModelConf
     // The members that hold each key/value head (Note [Replicated key/value heads]).
     const int m = TpShard{0, s.par.tp}.kv_replicas(c);
     for (int h = 0; m > 1 && h < s.par.tp; h += m) groups.push_back(comm::Group(g.begin() + h, g.begin() + h + m));
+  }
+  for (int r = 0; s.par.ulysses > 1 && r < s.ranks(); ++r) {  // Ulysses groups (runtime/ulysses.h)
+    const comm::Group g = s.par.ulysses_group(r);
+    if (g.front() != r) continue;
+    if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+    // The members that hold each key/value head (Note [Replicated key/value heads]).
+    const int m = TpShard{0, s.par.ulysses}.kv_replicas(c);
+    for (int h = 0; m > 1 && h < s.par.ulysses; h += m) groups.push_back(comm::Group(g.begin() + h, g.begin() + h + m));
   }
   world.prepare_groups(groups);
   // The pairs device messages travel between: the schedule's sends and receives, and every

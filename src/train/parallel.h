@@ -40,6 +40,7 @@ struct ParallelLayout {
   int ring() const { return at().ring; }
   int tp_index() const { return at().member; }
   TpShard tp_shard() const { return {tp_index(), par.tp}; }
+  UlyssesShard ulysses_shard() const { return {at().ulysses, par.ulysses}; }
   int per_replica() const { return batch / par.dp; }
   bool first_stage() const { return stage() == 0; }
   bool last_stage() const { return stage() == par.pp - 1; }

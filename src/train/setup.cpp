@@ -183,12 +183,10 @@ plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
   const ParallelDims& a = o.par;
   const ParallelDims& d = p.par;
   SPPO_CHECK((a.pp == 1 || a.pp == d.pp) && (a.dp == 1 || a.dp == d.dp) && (a.cp == 1 || a.cp == d.cp) &&
-                 (a.tp == 1 || a.tp == d.tp),
+                 (a.tp == 1 || a.tp == d.tp) && (a.ulysses == 1 || a.ulysses == d.ulysses),
              "options")
       << "--plan " << o.plan_path << " has the layout " << layout_text(d) << ", but " << layout_text(a)
-      << " was given; drop --pp, --tp, --cp and --dp (the plan sets the layout)";
-  SPPO_CHECK(d.ulysses == 1, "options")
-      << "--plan " << o.plan_path << " has ulysses " << d.ulysses << ": the runtime runs no Ulysses ranks";
+      << " was given; drop --pp, --tp, --ulysses, --cp and --dp (the plan sets the layout)";
   SPPO_CHECK(p.seq_len == o.seq_len, "options")
       << "--plan " << o.plan_path << " is for --seq-len " << p.seq_len << ", not " << o.seq_len;
   SPPO_CHECK(to_json(p.model) == to_json(model), "options")
@@ -455,6 +453,15 @@ class SetupBuilder {
            }() << " (a divisor of " << c.kv_head_count() << ", or a multiple whose ranks share each key/value head)";
     SPPO_CHECK(!o_.recompute || s_.layout.ranks() == 1, "options")
         << "--recompute is the one-process baseline; drop --pp and --dp";
+    const int U = s_.layout.par.ulysses;
+    SPPO_CHECK(ulysses_runs(c, U), "options")
+        << "--ulysses " << U << " does not split the " << c.heads << " query heads" << (c.llama() ? " over " + std::to_string(c.kv_head_count()) + " key/value heads" : "")
+        << " so that each rank's queries read key/value heads of its own; use one of --ulysses " << [&] {
+             std::string ok;
+             for (int u = 1; u <= c.heads; ++u)
+               if (ulysses_runs(c, u)) ok += (ok.empty() ? "" : ", ") + std::to_string(u);
+             return ok;
+           }() << " (at most the key/value heads, or a multiple of them whose ranks share each one's queries)";
   }
 
   // The step's shape: the layout (with the ring and MSP), the plan's placements, precision,
@@ -489,6 +496,11 @@ class SetupBuilder {
     shape_.block_scratch = o_.dry_run ? from_plan_->block_scratch : s_.backend->block_scratch(s_.config);
     shape_.head_scratch =
         o_.dry_run ? from_plan_->head_scratch : s_.backend->head_scratch(s_.config, RuntimeOptions{}.head_chunk);
+    SPPO_CHECK(shape_.par.ulysses == 1 || (!shape_.par.msp.on && !shape_.par.rsa()), "options")
+        << "--ulysses turns each subsequence's rows into heads around the attention; it runs without "
+        << (shape_.par.msp.on ? "--msp on (MSP's pieces move hidden states in runs of positions): use --msp off"
+                              : "--ring rsa (the two-pass ring is for whole heads of bidirectional models): use "
+                                "--ring flash");
     SPPO_CHECK(shape_.par.ring_algorithm != RingAlgorithm::Rsa ||
                    (!s_.config.causal && precision_ == ActPrecision::F32),
                "options")
@@ -531,23 +543,24 @@ class SetupBuilder {
     const ParallelDims& par = shape_.par;
     Placements& pl = shape_.place;
     kv_host_ok_ = !o_.recompute && !par.rsa();
-    kv_recompute_ok_ = kv_host_ok_ && par.tp == 1 && par.cp == 1 && !par.msp.on;
+    kv_recompute_ok_ = kv_host_ok_ && par.tp == 1 && par.cp == 1 && par.ulysses == 1 && !par.msp.on;
     SPPO_CHECK(kv != KvPlace::Host || kv_host_ok_, "options")
         << "--kv-cache host streams K/V blocks of a rank's own subsequences; it runs without --ring rsa and "
            "--recompute (use --kv-cache device there)";
     SPPO_CHECK(kv != KvPlace::Recompute || kv_recompute_ok_, "options")
         << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
-           "subsequences at a time; it runs without --tp, --cp, --msp on and --recompute (use --kv-cache host "
-           "or device there)";
+           "subsequences at a time; it runs without --tp, --cp, --ulysses, --msp on and --recompute (use --kv-cache "
+           "host or device there)";
     recompute_auto_ = !o_.place.recompute;
     if (!recompute_auto_) pl.recompute = *o_.place.recompute;
     SPPO_CHECK(!o_.recompute || pl.recompute == 0, "options")
         << "--recompute already recomputes whole blocks from their inputs; drop --recompute-tensors "
         << recompute_tensors_text(pl.recompute) << " (or --recompute)";
-    const bool attention_ok = par.cp == 1 && !par.msp.on;
+    const bool attention_ok = par.cp == 1 && par.ulysses == 1 && !par.msp.on;
     SPPO_CHECK(!(pl.recompute & kAttentionGroup) || attention_ok, "options")
-        << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp) or "
-           "MSP pieces do not; recompute other tensors, or drop --cp and --msp on";
+        << "--recompute-tensors attention runs the attention again inside the backward, which a ring (--cp), "
+           "Ulysses' all-to-alls (--ulysses) or MSP pieces do not; recompute other tensors, or drop --cp, --ulysses "
+           "and --msp on";
     const bool head_ok = !par.msp.on;
     SPPO_CHECK(!(pl.recompute & kHeadGradGroup) || head_ok, "options")
         << "--recompute-tensors head_grad runs a stage's own LM head inside its last layer's backward, which MSP "
@@ -693,7 +706,7 @@ class SetupBuilder {
     SPPO_CHECK(precision_ == ActPrecision::F32, "options")
         << "--msp on runs fp32 activations only (Note [MSP in bf16] in sim/solver.cpp); use --precision fp32";
     // A piece on every stage group, over its cp ranks, each piece's rows over its tp members.
-    const i64 split = i64(shape_.par.pp) * shape_.par.cp * shape_.par.tp;
+    const i64 split = i64(shape_.par.pp) * shape_.par.cp * shape_.par.tp * shape_.par.ulysses;
     for (int i = 0; i < N; ++i)
       SPPO_CHECK(s_.lengths[std::size_t(i)] >= split, "options")
           << "--msp on splits subsequence " << i << " of " << s_.lengths[std::size_t(i)] << " tokens into up to "
@@ -918,6 +931,7 @@ class SetupBuilder {
     ro.optimizer_host = shape_.place.optimizer_host();
     ro.weights_host = shape_.place.weights_host();
     ro.tp = s_.layout.tp_shard();
+    ro.ulysses = s_.layout.ulysses_shard();
     ro.block_scratch = shape_.block_scratch;
     ro.head_scratch = shape_.head_scratch;
     ro.backend = s_.backend.get();

@@ -10,8 +10,11 @@
 // tensor, data and context parallelism and MSP; K/V and saved tensors recomputed under
 // each layout that runs them; MLP tiles; the layers' weights on the host under pipeline,
 // data and context parallelism; every layout's messages staged as on GPUs
-// (--comm mpi); Qwen3's block (query/key norms, heads wider than H / Z) under each of them.
+// (--comm mpi); Qwen3's block (query/key norms, heads wider than H / Z) under each of them;
+// Ulysses over 2, 3 and 4 ranks, alone, across a ring (USP) and with the others.
 #include <gtest/gtest.h>
+
+#include <tuple>
 
 #include "io/fileutil.h"
 #include "support/documents.h"
@@ -561,6 +564,63 @@ TEST_F(Layouts, Qwen3) {
   check(2, "--pp 2 --subseqs 4 --offload 0.5 --kv-cache recompute --recompute-tensors ln1,q,ln2,fc_pre", "qwen3",
         kQwen3);
   check(2, "--pp 2 --subseqs 8 --mlp-tile-rows 5 --recompute-tensors fc_pre", "qwen3", kQwen3);
+}
+
+// Ulysses (--ulysses, runtime/ulysses.h): each member's rows through the block, every row of
+// the piece for its heads through the attention. Subsequences and offload throughout; 2 and 4
+// members; a Llama with 2 key/value heads over 4 members (each head on two, Note [Replicated
+// key/value heads]) and 6 heads over 4 (2, 2, 1, 1 a member); pieces U does not divide (32
+// tokens over 3); USP (the ring across groups of Ulysses members); the K/V on the host; the
+// layer-major backward; packed documents; a pipeline. Every rank's gradients are one
+// process's, its peaks and traffic the simulator's to the byte.
+TEST_F(Layouts, Ulysses) {
+  const std::string each = " --subseqs 3 --offload 0.5";
+  check_peaks(2, "--ulysses 2" + each, "ref1", kModel, true);
+  check_peaks(4, "--ulysses 4" + each, "ref1", kModel, true);
+  check_peaks(4, "--ulysses 4" + each, "llama1", kLlama, true);
+  check_peaks(4, "--ulysses 4" + each, "llama6", kLlama6, true);
+  check_peaks(3, "--ulysses 3" + each, "ref1", kModel, true);
+  check_peaks(4, "--ulysses 2 --cp 2" + each, "ref1", kModel, true);
+  check_peaks(4, "--ulysses 2 --cp 2 --ring contiguous" + each, "llama1", kLlama, true);
+  check_peaks(2, "--ulysses 2 --kv-cache host" + each, "ref1", kModel, true);
+  check_peaks(2, "--ulysses 2 --backward-order layer" + each, "ref1", kModel, true);
+  check_peaks(2, "--ulysses 2" + each, "packed", packed_, true);
+  check_peaks(4, "--ulysses 2 --pp 2" + each, "ref1", kModel, true);
+}
+
+// Ulysses with the rest of what a step places and runs: recomputed tensors (the loss in the
+// backward too), MLP tiles, rebuilt inputs, the layers' weights on the host, data
+// parallelism with ZeRO-1, the tied head across a pipeline, Qwen3's norms (on replicated
+// key/value heads), a bidirectional model, USP with the K/V on the host, messages staged as
+// on GPUs. What does not compose is refused before any work, naming what runs.
+TEST_F(Layouts, UlyssesWithTheRest) {
+  check_peaks(2, "--ulysses 2 --subseqs 3 --recompute-tensors ln1,q,x_mid,ln2,fc_pre,head_grad", "ref1", kModel,
+              true);
+  check_peaks(2, "--ulysses 2 --subseqs 3 --recompute-tensors q,head_grad --mlp-tile-rows 16", "llama1", kLlama,
+              true);
+  check_peaks(2, "--ulysses 2 --subseqs 3 --kv-cache device --rebuild-inputs odd --weights host", "ref1", kModel,
+              true);
+  check(4, "--ulysses 2 --dp 2 --zero 1 --subseqs 2", "ref2", kModel);
+  check(4, "--ulysses 2 --pp 2 --subseqs 3", "tied1", kTied);
+  check_peaks(4, "--ulysses 4 --subseqs 2 --recompute-tensors q", "qwen3", kQwen3, true);
+  check(2, kBidirectional + " --ulysses 2", "refb");
+  check(4, kBidirectional + " --ulysses 2 --cp 2", "refb");
+  check(4, "--ulysses 2 --cp 2 --subseqs 3 --kv-cache host", "ref1");
+  check(2, "--ulysses 2 --subseqs 3 --comm mpi", "ref1");
+  for (const auto& [np, layout, says] : std::vector<std::tuple<int, std::string, std::string>>{
+           {4, "--ulysses 2 --tp 2", "use one of them"},
+           {4, "--ulysses 2 --pp 2 --msp on --subseqs 4", "runs without --msp on"},
+           {2, "--ulysses 2 --kv-cache recompute", "without --tp, --cp, --ulysses"},
+           {2, "--ulysses 2 --recompute-tensors attention", "Ulysses' all-to-alls (--ulysses)"},
+           {2, "--ulysses 3", "--ulysses 3 x --dp 1 = 3 ranks"},
+           {2, "--ulysses 2 --subseqs 96", "fewer than the 2 Ulysses ranks"}}) {
+    const auto r = mpirun(np, "grads " + kModel + " " + layout + " --out " + tmp_->path() + "/refused");
+    EXPECT_EQ(r.status, 2) << layout << "\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << layout << "\n" << r.output;
+  }
+  const auto r = mpirun(3, "grads " + kLlama + " --ulysses 3 --out " + tmp_->path() + "/refused");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("use one of --ulysses 1, 2, 4"), std::string::npos) << r.output;
 }
 
 TEST_F(Layouts, ExportLayoutMatchesOneProcess) {

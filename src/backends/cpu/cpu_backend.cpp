@@ -242,6 +242,12 @@ class CpuBackend final : public Backend {
 #pragma omp parallel for simd schedule(static)
     for (i64 i = 0; i < n; ++i) yy[i] += xx[i];
   }
+  void copy_2d(void* dst, i64 dst_pitch, const void* src, i64 src_pitch, i64 width, i64 rows) override {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+#pragma omp parallel for schedule(static) if (rows * width > (i64{1} << 20))
+    for (i64 r = 0; r < rows; ++r) std::memcpy(d + r * dst_pitch, s + r * src_pitch, std::size_t(width));
+  }
   void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) override {
     float* d = f(dst);
     const float* s = f(src);

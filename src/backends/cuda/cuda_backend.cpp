@@ -432,6 +432,11 @@ class CudaBackend final : public Backend {
     cuda::rope_backward(dx, T, Z, A, pos0, r, ld, act_, compute_);
   }
   void add_inplace(void* y, const void* x, i64 n) override { cuda::add_inplace(y, act_, x, act_, n, compute_); }
+  void copy_2d(void* dst, i64 dst_pitch, const void* src, i64 src_pitch, i64 width, i64 rows) override {
+    if (rows == 0 || width == 0) return;
+    SPPO_CUDA_CHECK(cudaMemcpy2DAsync(dst, std::size_t(dst_pitch), src, std::size_t(src_pitch), std::size_t(width),
+                                      std::size_t(rows), cudaMemcpyDeviceToDevice, compute_));
+  }
   void copy_cols(void* dst, const void* src, int T, int width, int ld_src, int col) override {
     cuda::copy_cols(dst, act_, src, act_, T, width, ld_src, col, compute_);
   }

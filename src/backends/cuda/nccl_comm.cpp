@@ -150,6 +150,7 @@ class Nccl final : public comm::Comm {
   comm::Request ialltoall(const void* send, const comm::Counts& send_counts, void* recv,
                           const comm::Counts& recv_counts, comm::Type type, const comm::Group& g) override {
     const int k = comm::check_alltoall(*this, send, send_counts, recv, recv_counts, type, g);
+    count_sent(comm::alltoall_sent_bytes(send_counts, type, k));
     const i64 e = comm::type_bytes(type);
     if (!on_device(send, comm::total(send_counts) * e, recv, comm::total(recv_counts) * e, "all-to-all"))
       return pass(host_.ialltoall(send, send_counts, recv, recv_counts, type, g));

@@ -201,6 +201,7 @@ class Mpi final : public Comm {
   Request ialltoall(const void* send, const Counts& send_counts, void* recv, const Counts& recv_counts, Type type,
                     const Group& g) override {
     const int k = check_alltoall(*this, send, send_counts, recv, recv_counts, type, g);
+    count_sent(alltoall_sent_bytes(send_counts, type, k));
     const i64 e = type_bytes(type);
     const char* s = static_cast<const char*>(send);
     char* r = static_cast<char*>(recv);
