@@ -275,6 +275,11 @@ expect "--cp 2 x --dp 1 = 2 ranks" train --model tiny --seq-len 32 --steps 1 --c
 expect "--cp must be 1 to 8" train --model tiny --seq-len 32 --steps 1 --cp 0
 expect "--pp 1 x --tp 2 x --dp 1 = 2 ranks" train --model tiny --seq-len 32 --steps 1 --tp 2
 expect "--tp must be 1 to 8" train --model tiny --seq-len 32 --steps 1 --tp 0
+expect "--pp 1 x --ulysses 4 x --dp 1 = 4 ranks" train --model tiny --seq-len 32 --steps 1 --ulysses 4
+expect "--pp 1 x --ulysses 2 x --cp 2 x --dp 1 = 4 ranks" grads --model tiny --seq-len 32 --ulysses 2 --cp 2 --out ulysses-grads
+expect "--ulysses must be 1 to 64" train --model tiny --seq-len 32 --steps 1 --ulysses 0
+expect "use one of them" train --model tiny --seq-len 32 --steps 1 --ulysses 2 --tp 2
+expect "use one of --ulysses 1, 2, 4" train --model llama-tiny --seq-len 32 --steps 1 --ulysses 3
 expect "--msp must be on or off" train --model tiny --seq-len 32 --steps 1 --msp maybe
 expect "--msp on splits subsequences over pipeline stages" train --model tiny --seq-len 32 --steps 1 --subseqs 4 --msp on
 expect "--msp-reach 1: use 0 (every idle stage group) or 2 or more" train --model tiny --seq-len 32 --steps 1 --msp-reach 1

@@ -76,11 +76,11 @@ std::vector<MemoryLine> complete(std::vector<MemoryLine> given) {
 // nothing more recomputed fits the budgets, and then because the fastest plan that fits
 // does (Note [Placing every tensor] in solver.cpp); K/V stay on the device unless no plan
 // with them there fits.
-std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision prec, const TpShard& tp) {
+std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision prec, const RankShard& shard) {
   const ModelConfig& c = p.model;
-  // One token's bytes a member, as the memory rules count them: tp tokens' over tp.
-  const i64 n = tp.size;
-  const std::vector<TensorSpec> specs = block_saved_specs(c, n, prec, tp);
+  // One token's bytes a member, as the memory rules count them: n tokens' over n.
+  const i64 n = std::max(shard.tp.size, shard.ulysses.size);
+  const std::vector<TensorSpec> specs = block_saved_specs(c, n, prec, shard);
   double alpha = 0, alpha_max = 0;
   for (double a : p.alpha) alpha += a / double(p.alpha.size()), alpha_max = std::max(alpha_max, a);
   const std::string offloaded = alpha_max > 0 ? "device, offloaded at alpha (mean " + num(alpha) + ", max " +
@@ -134,7 +134,7 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
                       : std::string("kept: recomputing it would cost ") + costs[g]});
   }
   // Note [The loss in backward] (core/layout.h).
-  const i64 head_row = total_bytes(head_saved_specs(c, n, prec, tp)) / n;
+  const i64 head_row = total_bytes(head_saved_specs(c, n, prec, shard)) / n;
   if (in_set(p.place.recompute, kSavedHeadGrad))
     out.push_back({"head_grad (the last stage's)", head_row, "recomputed",
                    recompute_why + "; costs the last layer's MLP output again (2 H F FLOPs a token), and the LM "
@@ -144,7 +144,7 @@ std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision pre
                    "kept: the loss's gradient at the last layer's output, from the head in the forward; "
                    "recomputing it would cost the last layer's MLP output again (2 H F FLOPs a token)"});
   const i64 kv = bytes_of(1u << kSavedK | 1u << kSavedV);
-  const i64 sums = 2 * i64(tp.local_kv_width(c)) * 4;
+  const i64 sums = 2 * i64(shard.heads().local_kv_width(c)) * 4;
   // The k and v rows of the projection: [G A, H] each with grouped-query attention.
   const std::string kv_flops = c.kv_head_count() == c.heads ? "4 H^2" : "4 H G A";
   if (kv_rc) {
@@ -189,17 +189,24 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   const auto [ob, oe] = s.owned.empty() ? std::pair<int, int>{0, c.layers} : s.owned.at(std::size_t(rank));
   const i64 kv_pt = mem.kv_per_token(), acc_pt = mem.acc_per_token(), unit_pt = mem.unit_per_token();
   const i64 h_row = i64(c.hidden) * e;
-  const int stage = (rank / (p.par.cp * p.par.tp)) % p.par.pp;
+  const int stage = p.par.coord_of(rank).stage;
   // Tensor parallelism divides the heads' tensors by tp: K, V and their accumulators are
   // 2 x (H / tp) wide on each member (core/layout.h TpShard).
   // Grouped-query attention narrows them to G A (G key/value heads).
   const std::string kv_w = c.kv_head_count() == c.heads ? "H" : "G A";
-  // More members than key/value heads: each holds one whole head (Note [Replicated key/value heads]).
-  const std::string Hw = p.par.tp > c.kv_head_count() ? "A (one key/value head, on tp / G = " +
-                                                        std::to_string(p.par.tp / c.kv_head_count()) + " ranks)"
-                         : p.par.tp > 1 ? "(" + kv_w + " / tp " + std::to_string(p.par.tp) + ")"
-                                    : kv_w;
-  const std::string shards = p.par.tp > 1 ? " (this rank's tensor-parallel shards)" : "";
+  // More members than key/value heads: each holds one whole head (Note [Replicated key/value
+  // heads]). A Ulysses member holds its heads' K/V of every row of the piece (runtime/ulysses.h).
+  const bool uly = p.par.ulysses > 1;
+  const int split = uly ? p.par.ulysses : p.par.tp;
+  const std::string by = uly ? "ulysses" : "tp";
+  const std::string Hw = split > c.kv_head_count()
+                             ? "A (one key/value head, on " + by + " / G = " +
+                                   std::to_string(split / c.kv_head_count()) + " ranks, each holding it whole)"
+                         : split > 1 ? "(" + kv_w + " / " + by + " " + std::to_string(split) + ")"
+                                     : kv_w;
+  const std::string shards = p.par.tp > 1 ? " (this rank's tensor-parallel shards)"
+                             : uly        ? " (this rank's rows of each piece; q, k, v of its heads for every row)"
+                                          : "";
   std::vector<MemoryLine> lines;
   const std::string P = num(double(params)) + " parameters of layers " + std::to_string(ob) + "-" +
                         std::to_string(oe - 1) + (ob == 0 ? " + embedding" : "") +
@@ -266,7 +273,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                        (in_set(p.place.recompute, kSavedHeadGrad)
                             ? std::string(" (head_grad recomputed: the head runs in the last layer's backward)")
                             : " + head_grad " + num(double(h_row)) + " B per token" +
-                                  (p.par.tp > 1 ? " of this rank's rows" : "")) +
+                                  (p.par.tp > 1 || uly ? " of this rank's rows" : "")) +
                        ": " +
                        num(double(units) / double(unit_pt)) + " token-layers' worth on the device; the host holds "
                        "the offloaded part (alpha " + p.alpha_rule + ")"});
@@ -286,8 +293,11 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   lines.push_back(
       {Row::LayerWorkspace, at(sched::MemTerm::Workspace), 0,
        p.place.mlp_tile_rows == 0
-           ? "one layer's scratch: qkv, MLP activation, a gradient row, delta (" + num(double(mem.ws_per_token())) +
-                 " B per token) + kernel scratch"
+           ? "one layer's scratch: qkv, MLP activation, a gradient row, delta" +
+                 std::string(uly ? ", and Ulysses' all-to-all buffers (its rows' K, V and dK, dV; its heads' q, "
+                                   "output, LSE, delta and dq of every row; the packed blocks sent and received)"
+                                 : "") +
+                 " (" + num(double(mem.ws_per_token())) + " B per token) + kernel scratch"
            : "one layer's scratch: qkv, a gradient row, delta (" + num(double(mem.ws_per_token() - mlp_row)) +
                  " B per token) + the MLP activation" + (fc_tile ? " and fc_pre" : "") + " in tiles of min(T, " +
                  std::to_string(p.place.mlp_tile_rows) + ") rows (" + num(double(mlp_row * (fc_tile ? 2 : 1))) +
@@ -318,8 +328,22 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
                                      "host's processor updates them and the weights come back up"
                                : std::string("optimizer state on the device, beside the weights (--optimizer-state "
                                              "host would move the fp32 master and AdamW m, v to the host)"));
+  if (uly) {
+    // Note [Replicated key/value heads]: members past G each hold a replicated head whole.
+    const int G = c.kv_head_count(), m_rep = TpShard{0, p.par.ulysses}.kv_replicas(c);
+    m.notes.push_back(
+        "ulysses " + std::to_string(p.par.ulysses) + ": each rank keeps its heads' K/V of every row, " +
+        (m_rep > 1 ? "a key/value head on each of its " + std::to_string(m_rep) + " replicas (" +
+                         std::to_string(p.par.ulysses) + " ranks over " + std::to_string(G) +
+                         " key/value heads): the K/V cache and its dK/dV sums are 1/" + std::to_string(G) +
+                         " of one rank's on each, " + std::to_string(m_rep) + " times what an even split would " +
+                         "give, and the replicas sum their dK, dV once a layer"
+                   : "1/" + std::to_string(p.par.ulysses) + " of one rank's cache") +
+        "; four all-to-alls a layer move q, k, v to the heads' ranks and the outputs back, their gradients in "
+        "backward (train --ulysses)");
+  }
   SPPO_ASSERT(m.device_total() == r.peak_device_bytes);
-  m.placements = placements_of(p, prec, TpShard{0, p.par.tp});
+  m.placements = placements_of(p, prec, s.shard(rank));
   return m;
 }
 

@@ -435,14 +435,15 @@ class SetupBuilder {
       par.ring_algorithm = o_.par.ring_algorithm;
       par.zero = o_.par.zero;
     }
-    s_.layout = o_.dry_run ? make_layout(par, o_.batch) : make_layout(par, o_.batch, w_);
-    s_.plan = from_plan_;
+    // What the model lets each kind of parallelism split comes first: it says more than the
+    // job's rank count would.
     const ModelConfig& c = s_.config;
-    const int tp = s_.layout.par.tp;
+    const int tp = par.tp;
+    // (Degrees below 1 are make_layout's to refuse.)
     SPPO_CHECK(tp <= c.heads, "options")
         << "--tp " << tp << " splits the attention heads over its ranks, but the model has " << c.heads
         << "; use --tp " << c.heads << " or fewer";
-    SPPO_CHECK(!c.llama() || sched::llama_tp_runs(c, tp), "options")
+    SPPO_CHECK(tp < 1 || !c.llama() || sched::llama_tp_runs(c, tp), "options")
         << "--tp " << tp << " does not split the " << c.heads << " query heads over "
         << c.kv_head_count() << " key/value heads of the Llama-family model (--model " << o_.model_preset
         << ") so that each rank's queries read its own key/value heads; use one of --tp " << [&] {
@@ -451,17 +452,19 @@ class SetupBuilder {
                if (sched::llama_tp_runs(c, t)) ok += (ok.empty() ? "" : ", ") + std::to_string(t);
              return ok;
            }() << " (a divisor of " << c.kv_head_count() << ", or a multiple whose ranks share each key/value head)";
-    SPPO_CHECK(!o_.recompute || s_.layout.ranks() == 1, "options")
-        << "--recompute is the one-process baseline; drop --pp and --dp";
-    const int U = s_.layout.par.ulysses;
-    SPPO_CHECK(ulysses_runs(c, U), "options")
-        << "--ulysses " << U << " does not split the " << c.heads << " query heads" << (c.llama() ? " over " + std::to_string(c.kv_head_count()) + " key/value heads" : "")
-        << " so that each rank's queries read key/value heads of its own; use one of --ulysses " << [&] {
+    const int U = par.ulysses;
+    SPPO_CHECK(U < 1 || ulysses_runs(c, U), "options")
+        << "--ulysses " << U << " does not split the " << c.heads << " query heads"
+        << (c.llama() ? " over " + std::to_string(c.kv_head_count()) + " key/value heads" : "") << " so that each rank's queries read key/value heads of its own; use one of --ulysses " << [&] {
              std::string ok;
              for (int u = 1; u <= c.heads; ++u)
                if (ulysses_runs(c, u)) ok += (ok.empty() ? "" : ", ") + std::to_string(u);
              return ok;
            }() << " (at most the key/value heads, or a multiple of them whose ranks share each one's queries)";
+    s_.layout = o_.dry_run ? make_layout(par, o_.batch) : make_layout(par, o_.batch, w_);
+    s_.plan = from_plan_;
+    SPPO_CHECK(!o_.recompute || s_.layout.ranks() == 1, "options")
+        << "--recompute is the one-process baseline; drop --pp and --dp";
   }
 
   // The step's shape: the layout (with the ring and MSP), the plan's placements, precision,
