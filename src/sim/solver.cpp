@@ -642,24 +642,31 @@ std::string seconds_text(double s) {
   return buf;
 }
 
+// How a layer runs on each piece busiest_piece_s weighs (its arguments after `layout`).
+struct PieceOptions {
+  int tp = 1;
+  KvPlace kv = KvPlace::Device;
+  bool last = false;
+};
 // Forward (backward) seconds of one layer on the busiest piece of a subsequence [o, o+l)
-// split over `cp` ring ranks laid out by `layout`, each piece's layer split over `tp`
+// split over `cp` ring ranks laid out by `layout`, each piece's layer split over `run.tp`
 // tensor-parallel ranks (CostModel::forward_s: compute over tp, ten collectives). With the
-// K/V streamed (kv Host or Recompute), what the attention does not hide of the earlier
-// rows' chunks (CostModel::layer_stream_s; `last`: the sequence's last subsequence, whose
-// backward finds no sums on the host).
-double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int cp, RingLayout layout, int tp = 1,
-                       KvPlace kv = KvPlace::Device, bool last = false) {
+// K/V streamed (run.kv Host or Recompute), what the attention does not hide of the earlier
+// rows' chunks (CostModel::layer_stream_s; `run.last`: the sequence's last subsequence,
+// whose backward finds no sums on the host).
+double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int cp, RingLayout layout, const PieceOptions& run = {}) {
+  const int tp = run.tp;
   double most = 0;
   for (int r = 0; r < cp; ++r) {
     const sched::Spans piece = sched::piece_spans(l, r, cp, cp > 1 ? layout : RingLayout::Contiguous);
     const double overhead = 2 * cost.hw().layer_overhead;
     const double t = cost.layer_forward_s(o, piece, l) + cost.layer_backward_s(o, piece, l) - overhead;
     double streamed = 0;
-    if (kv != KvPlace::Device) {
-      const bool rc = kv == KvPlace::Recompute;
-      streamed = cost.layer_stream_s(o, piece, l, cp, tp, rc, false, false) +
-                 cost.layer_stream_s(o, piece, l, cp, tp, rc, true, !last);
+    if (run.kv != KvPlace::Device) {
+      const bool rc = run.kv == KvPlace::Recompute;
+      const CostModel::StreamedLayer forward{.recompute_kv = rc};
+      const CostModel::StreamedLayer backward{.recompute_kv = rc, .backward = true, .sums_back = !run.last};
+      streamed = cost.layer_stream_s(o, piece, l, cp, tp, forward) + cost.layer_stream_s(o, piece, l, cp, tp, backward);
     }
     most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(piece), tp) + streamed);
   }
@@ -724,13 +731,14 @@ struct SearchContext {
   const std::vector<TensorSpec> saved_table;
   const i64 host_limit;
 
-  // Device bytes of the weights, gradients and (on the device) AdamW state of `params`
-  // parameters, the state sharded `shards` ways; and the host's, with the state there.
-  i64 device_fixed(i64 params, int shards, bool host) const {
-    return params * (rules.param_state_bytes - rules.optimizer_bytes) + (host ? 0 : params * rules.optimizer_bytes / shards);
+  // Device bytes of the weights, gradients and (with `state` on the device) AdamW state of
+  // `params` parameters, the state sharded `shards` ways; and the host's, with the state there.
+  i64 device_fixed(i64 params, int shards, Tier state) const {
+    return params * (rules.param_state_bytes - rules.optimizer_bytes) +
+           (state == Tier::Host ? 0 : params * rules.optimizer_bytes / shards);
   }
-  i64 host_fixed(i64 params, int shards, bool host) const {
-    return host ? params / shards * rules.param_state_bytes : i64(0);
+  i64 host_fixed(i64 params, int shards, Tier state) const {
+    return state == Tier::Host ? params / shards * rules.param_state_bytes : i64(0);
   }
   i64 unit_pt(SavedSet recompute) const {  // offloadable bytes a token, less the recomputed
     i64 b = 0;
@@ -765,7 +773,8 @@ std::optional<std::string> weights_alone_error(const SearchContext& ctx) {
   const bool layers_host = ctx.host_allowed && ctx.req.place.weights != Tier::Device;
   const i64 least_params =
       sched::param_count(c, 0, layers_host ? 0 : (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
-  const i64 least_weights = ctx.device_fixed(least_params, layers_host ? 1 : most_shards, ctx.host_allowed);
+  const Tier state = ctx.host_allowed ? Tier::Host : Tier::Device;  // where the optimizer state may go
+  const i64 least_weights = ctx.device_fixed(least_params, layers_host ? 1 : most_shards, state);
   if (least_weights <= ctx.budget) return std::nullopt;
   return std::string(layers_host          ? "the embedding's and LM head's weights and gradients alone need "
                      : ctx.host_allowed ? "weights and gradients alone (the optimizer state on the host) need "
@@ -782,7 +791,7 @@ double head_layers(const SearchContext& ctx, const std::vector<i64>& lengths, in
   double layer = 0, head = 0;
   i64 o = 0;
   for (i64 l : lengths) {
-    layer += busiest_piece_s(ctx.cost, o, l, cp, ctx.req.ring_layout, tp);
+    layer += busiest_piece_s(ctx.cost, o, l, cp, ctx.req.ring_layout, {.tp = tp});
     head += ctx.cost.head_flops((l + cp - 1) / cp) / ctx.hw.gemm_flops / tp;
     o += l;
   }
@@ -1097,16 +1106,26 @@ struct SearchCandidate {
   FloorKey key;
 };
 
+// How one search treats MSP and the plans found before it.
+struct SearchOptions {
+  // Under --msp auto, ring-less layouts are simulated with MSP too.
+  bool weigh_msp = false;
+  // Under --msp on, MSP layouts of at most that many tasks a replica (0: all).
+  int msp_tasks = 0;
+  // Candidates no faster than the best plan earlier searches found are of no use (the
+  // layer-major twins' search); else only this search's own plans prune.
+  bool prune_by_fits = false;
+};
+
 // The placements pass. Takes the layouts and the placements `pls` of one search, and the
 // candidates earlier searches tried (`tried`, which it adds to); gives a candidate for
 // every (layout, placement, MSP setting) a layout runs and no search has tried yet, in
-// that order. `weigh_msp`: under --msp auto, ring-less layouts are simulated with MSP too.
-// `msp_tasks`: under --msp on, MSP layouts of at most that many tasks a replica (0: all).
+// that order, MSP weighed as `options` say (SearchOptions: weigh_msp, msp_tasks).
 // Every choice a candidate makes is enumerated here; a new one (a field of Placement, or a
 // loop beside MSP's) enters the candidate's keys too (the variant, FloorKey, group,
 // LeastStep), since the alpha pass prunes a candidate only by others that share them.
 std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std::vector<plan::Plan>& layouts,
-                                            const std::vector<Placement>& pls, bool weigh_msp, int msp_tasks,
+                                            const std::vector<Placement>& pls, const SearchOptions& options,
                                             StateTier state, PlacementsTried& tried,
                                             const std::set<FloorKey>& settled) {
   const PlanRequest& req = ctx.req;
@@ -1118,11 +1137,13 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
       const Placement& pl = pls[q];
       if (!runs(req, layouts[base], pl)) continue;
       const plan::Plan without = placed(req, layouts[base], pl);
-      const bool weighed =
-          weigh_msp && req.msp == kAuto && without.par.cp == 1 && without.par.pp * without.subseqs <= kAutoMspTasks;
+      const bool weighed = options.weigh_msp && req.msp == kAuto && without.par.cp == 1 &&
+                           without.par.pp * without.subseqs <= kAutoMspTasks;
       for (const bool msp : {false, true}) {
         if (!(msp ? req.msp == true || weighed : req.msp != true)) continue;
-        if (msp && (!msp_possible(without) || (msp_tasks > 0 && without.par.pp * without.subseqs > msp_tasks))) continue;
+        if (msp && (!msp_possible(without) ||
+                    (options.msp_tasks > 0 && without.par.pp * without.subseqs > options.msp_tasks)))
+          continue;
         if (msp && pl.backward == BackwardOrder::Layer) continue;
         SearchCandidate cand;
         cand.plan = msp ? with_msp(without) : without;
@@ -1130,14 +1151,17 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
         const plan::Plan& p = cand.plan;
         // A set the layout cannot recompute whole may equal one already tried there.
         const bool layer = pl.backward == BackwardOrder::Layer;
-        const Variant variant{base, msp, pl.rebuilt, layer};
+        const Variant variant{.layout = base, .msp = msp, .rebuilt = pl.rebuilt, .layer_major = layer};
         // Its twin in the paper's order, settled: no faster in this one.
-        if (layer && settled.count({{base, msp, pl.rebuilt, false}, pl.kv, p.place.recompute, pl.mlp_tile_rows}))
-          continue;
+        const FloorKey twin{.variant = {.layout = base, .msp = msp, .rebuilt = pl.rebuilt, .layer_major = false},
+                            .kv = pl.kv,
+                            .recompute = p.place.recompute,
+                            .mlp_tile_rows = pl.mlp_tile_rows};
+        if (layer && settled.count(twin)) continue;
         if (msp && p.place.weights_host()) continue;  // a helper borrows a stage's weights whole
         cand.key = {variant, pl.kv, p.place.recompute, pl.mlp_tile_rows};
         if (!tried.insert({cand.key, state}).second) continue;
-        cand.group = {variant, pl.kv, pl.mlp_tile_rows > 0};
+        cand.group = {.variant = variant, .kv = pl.kv, .tiled = pl.mlp_tile_rows > 0};
         cand.level = std::size_t(std::count_if(pls.begin(), pls.end(), [&](const Placement& o) {
           return o.kv == pl.kv && o.mlp_tile_rows == pl.mlp_tile_rows && o.backward == pl.backward &&
                  (o.recompute & pl.recompute) == o.recompute && o.recompute != pl.recompute;
@@ -1205,7 +1229,7 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
   // forwards end.
   i64 mem = 0, host = 0;
   int first = 0;
-  const bool state_host = p.place.optimizer_host();
+  const Tier state = p.place.optimizer_state;
   const int N = p.subseqs;
   for (std::size_t st = 0; st < p.stage_layers.size(); ++st) {
     const int n = p.stage_layers[st], end = first + n;
@@ -1214,7 +1238,7 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
     // With the layers' weights on the host the device keeps the embedding's, final norm's
     // and head's (and the two layers in flight, not counted: this is a bound).
     const i64 layers_host = p.place.weights_host() ? i64(n) * sched::layer_params(c, TpShard{0, p.par.tp}) : 0;
-    const i64 weights = ctx.device_fixed(params - layers_host, shards, state_host);
+    const i64 weights = ctx.device_fixed(params - layers_host, shards, state);
     mem = std::max(mem, weights + (i64(n) * kv_dev + (layer_major ? 1 : n) * acc_dev) * before_last);
     i64 held = before_last;
     if (p.par.msp.on) {
@@ -1227,7 +1251,7 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
         (i64(n) * per_token - rebuilt_of(n) * rebuilt_pt + once_pt + (end == c.layers ? head_grad_pt : 0)) * held /
         p.par.tp;
     const i64 spilled = std::max<i64>(0, weights + saved - ctx.budget);
-    host = std::max(host, ctx.host_fixed(params, shards, state_host) + spilled);
+    host = std::max(host, ctx.host_fixed(params, shards, state) + spilled);
     first = end;
   }
   double compute = 0;
@@ -1237,12 +1261,13 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
     const i64 l = p.lengths[i];
     // An MSP helper keeps its pieces on the device: no stream where tasks may split.
     const KvPlace streamed = p.par.msp.on ? KvPlace::Device : pl.kv;
-    double layer =
-        busiest_piece_s(ctx.cost, o, l, p.par.cp, ctx.req.ring_layout, p.par.tp, streamed, i + 1 == p.lengths.size());
+    double layer = busiest_piece_s(ctx.cost, o, l, p.par.cp, ctx.req.ring_layout,
+                                   {.tp = p.par.tp, .kv = streamed, .last = i + 1 == p.lengths.size()});
     if (p.place.recompute || kv_rc) {
       const sched::Spans whole{{0, l}};
-      layer += (ctx.cost.layer_recompute_s(o, whole, p.place.recompute, kv_rc, false, p.par.tp) +
-                ctx.cost.layer_recompute_s(o, whole, p.place.recompute, kv_rc, true, p.par.tp)) / p.par.cp;
+      const SavedSet groups = p.place.recompute;
+      layer += (ctx.cost.layer_recompute_s(o, whole, groups, {.kv = kv_rc}, p.par.tp) +
+                ctx.cost.layer_recompute_s(o, whole, groups, {.kv = kv_rc, .backward = true}, p.par.tp)) / p.par.cp;
     }
     // A rebuilt layer's backward runs the layer below's forward again.
     compute += n_s * layer + double(rebuilt_of(n_s)) * ctx.cost.layer_forward_s(o, l);
@@ -1350,8 +1375,12 @@ i64 state_bound(const SearchContext& ctx, const plan::Plan& p) {
 // that order, each one that its bounds and what the search has found so far do not rule
 // out, for its best alpha under the budget (evaluate). Gives, in `st`: the candidates that
 // fit, the closest miss, and the floors and alpha = 0 steps that prune later candidates.
+// `state`: where this search keeps the optimizer state; off the device, the floors the
+// device-state search kept rule candidates out (Note [Optimizer state under a budget],
+// continued). `best_tput`: the tokens/GPU/s a candidate must beat to be of use (0: none
+// yet); it rises as candidates fit.
 void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& cands, const BoundedCandidates& b,
-                bool state_host, SearchState& st, double best_tput) {
+                StateTier state, SearchState& st, double best_tput) {
   const i64 budget = ctx.budget;
   // Note [Pruning the search], continued: the wider search first simulates each group's
   // highest level; a group where that does not fit is dropped whole, and a level that does
@@ -1394,7 +1423,7 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
       below = std::max(below, ck.level + 1);
       return false;
     };
-    if (state_host) {
+    if (state != StateTier::Device) {
       const auto kept = st.device_floors.find(ck.key);
       const i64 lower = kept == st.device_floors.end() ? 0 : kept->second - state_bound(ctx, p);
       if (lower > budget) {
@@ -1408,7 +1437,7 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
       }
     }
     Candidate cand = evaluate(ctx.req, p, ctx.cost, budget, no_use_s);
-    if (!state_host && cand.alpha.floor_bytes > 0) st.device_floors[ck.key] = cand.alpha.floor_bytes;
+    if (state == StateTier::Device && cand.alpha.floor_bytes > 0) st.device_floors[ck.key] = cand.alpha.floor_bytes;
     if (cand.alpha.least_step_s > 0)
       st.least_steps[ck.key.variant].push_back(
           {ck.pl.kv, p.place.recompute, p.place.mlp_tile_rows, p.par.msp.reach, cand.alpha.least_step_s});
@@ -1473,20 +1502,17 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
 }
 
 // One search over every layout in each of `pls`: the placements, bounds and alpha passes
-// (`weigh_msp` and `msp_tasks` as placement_pass takes them). Adds what it finds to `st`.
-// `prune_by_fits`: candidates no faster than the best plan earlier searches found are of no
-// use (the layer-major twins' search); else only this search's own plans prune.
+// (MSP as `options` say, SearchOptions). Adds what it finds to `st`.
 void search(const SearchContext& ctx, const std::vector<plan::Plan>& layouts, const std::vector<Placement>& pls,
-            bool weigh_msp, int msp_tasks, SearchState& st, bool prune_by_fits = false) {
-  const bool state_host = !layouts.empty() && layouts.front().place.optimizer_host();
+            SearchState& st, const SearchOptions& options = {}) {
   const StateTier where = layouts.empty() ? StateTier::Device : state_tier(layouts.front());
   const std::vector<SearchCandidate> cands =
-      placement_pass(ctx, layouts, pls, weigh_msp, msp_tasks, where, st.placements_tried, st.settled);
+      placement_pass(ctx, layouts, pls, options, where, st.placements_tried, st.settled);
   const BoundedCandidates b = bound_pass(ctx, cands);
   double best_tput = 0;
-  if (prune_by_fits)
+  if (options.prune_by_fits)
     for (const Candidate& f : st.fits) best_tput = std::max(best_tput, ctx.tput(f.plan, f.alpha.step_time_s));
-  alpha_pass(ctx, cands, b, state_host, st, best_tput);
+  alpha_pass(ctx, cands, b, where, st, best_tput);
   st.layouts_tried += int(cands.size());
 }
 
@@ -1643,18 +1669,18 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   const std::vector<Placement>& wider = placements.wider;
   const std::vector<Placement>& layered = placements.layered;
   SearchState st;
-  search(ctx, layouts, {first}, true, 0, st);
+  search(ctx, layouts, {first}, st, {.weigh_msp = true});
   double first_best = 0;  // tokens/GPU/s of the best plan of the first placement, as searched
   for (const Candidate& f : st.fits) first_best = std::max(first_best, ctx.tput(f.plan, f.alpha.step_time_s));
-  if (!wider.empty()) search(ctx, layouts, wider, false, st.fits.empty() ? 0 : kMspWiderTasks, st);
-  if (!layered.empty()) search(ctx, layouts, layered, false, 0, st, true);
+  if (!wider.empty()) search(ctx, layouts, wider, st, {.msp_tasks = st.fits.empty() ? 0 : kMspWiderTasks});
+  if (!layered.empty()) search(ctx, layouts, layered, st, {.prune_by_fits = true});
   // Where nothing fitted: the same placements again over layouts that keep less on the device.
   const auto search_again = [&](const std::vector<plan::Plan>& moved, const std::string& what) {
     if (moved.empty()) return;
     st.another_placement(what);
-    search(ctx, moved, {first}, false, 0, st);
-    if (st.fits.empty() && !wider.empty()) search(ctx, moved, wider, false, 0, st);
-    if (st.fits.empty() && !layered.empty()) search(ctx, moved, layered, false, 0, st, true);
+    search(ctx, moved, {first}, st);
+    if (st.fits.empty() && !wider.empty()) search(ctx, moved, wider, st);
+    if (st.fits.empty() && !layered.empty()) search(ctx, moved, layered, st, {.prune_by_fits = true});
   };
   // The layouts searched, each keeping less on the device than the one before.
   std::vector<std::pair<std::vector<plan::Plan>, std::string>> tiers = {{layouts, ""}};
@@ -1672,12 +1698,12 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   // fit already run the layer-major order, over the last tier, against them.
   const auto layer_major = [](const Candidate& f) { return f.plan.place.layer_major(); };
   if (!st.fits.empty() && std::any_of(st.fits.begin(), st.fits.end(), layer_major) && !tiers.back().first.empty())
-    search(ctx, tiers.back().first, placements.rebuilt, false, 0, st, true);
+    search(ctx, tiers.back().first, placements.rebuilt, st, {.prune_by_fits = true});
   for (const auto& [tier, what] : tiers) {
     if (!st.fits.empty() || placements.rebuilt.empty() || tier.empty()) break;
     st.another_placement(what.empty() ? "every other layer's input rebuilt"
                                       : what + " and every other layer's input rebuilt");
-    search(ctx, tier, placements.rebuilt, false, 0, st, true);
+    search(ctx, tier, placements.rebuilt, st, {.prune_by_fits = true});
   }
   return rank_pass(ctx, st, first_best);
 }
