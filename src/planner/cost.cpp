@@ -220,14 +220,15 @@ double CostModel::stream_chunks_s(double rows, double block, double summed, doub
   return share * (h2d_s(in_bytes, false) + d2h_s(out_bytes, false)) + exposed;
 }
 
-double CostModel::layer_stream_s(i64 o, const sched::Spans& spans, i64 l, int sp, int tp, bool recompute_kv,
-                                 bool backward, bool sums_back) const {
+double CostModel::layer_stream_s(i64 o, const sched::Spans& spans, i64 l, int sp, int tp,
+                                 const StreamedLayer& layer) const {
   if (o == 0) return 0;
+  const bool recompute_kv = layer.recompute_kv, backward = layer.backward;
   const double width = double(TpShard{0, tp}.local_kv_width(model_));
   const double block = recompute_kv ? double(act_bytes_) * model_.hidden : 2.0 * act_bytes_ * width;
   const double summed = recompute_kv ? 4.0 * model_.hidden : 2.0 * 4 * width;
   const double attention = (backward ? 2.5 : 1.0) * attention_s(o, spans, l) / tp;
-  return stream_chunks_s(double(o / sp), block, summed, attention, backward, sums_back, nullptr);
+  return stream_chunks_s(double(o / sp), block, summed, attention, backward, layer.sums_back, nullptr);
 }
 
 double CostModel::kv_stream(const Op& op, const Schedule& s, i64 o, bool backward, bool again,
@@ -285,14 +286,15 @@ double CostModel::recompute_s(const Op& op, const Schedule& s, i64 o, bool backw
   const double rows = ulysses_share(s, sched::span_tokens(spans)).rows;
   double t = 0;
   for (int l = op.layer_begin; l < op.layer_end; ++l)
-    t += layer_recompute_s(o, spans, s.place.recompute, s.place.kv_recomputed(l), backward, s.par.tp,
-                           s.lengths[std::size_t(op.subseq)], &s.doc_starts) *
+    t += layer_recompute_s(o, spans, s.place.recompute, {.kv = s.place.kv_recomputed(l), .backward = backward},
+                           s.par.tp, s.lengths[std::size_t(op.subseq)], &s.doc_starts) *
          rows;
   return t;
 }
 
-double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward,
+double CostModel::layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, const RecomputedLayer& layer,
                                     int tp, i64 keys, const std::vector<i64>* docs) const {
+  const bool kv = layer.kv, backward = layer.backward;
   const double T = double(sched::span_tokens(spans));
   const double H = model_.hidden, KV = model_.kv_width(), QW = model_.q_width();
   // With query/key norms (Note [Query/key norms]) each key is normed before RoPE: its
@@ -427,8 +429,8 @@ double CostModel::backward_s(const Op& op, const Schedule& s, i64 o) const {
     t += layer_forward_s(o, spans, keys, &s.doc_starts) + mlp_tiles_s(T, s.place.mlp_tile_rows) +
          h2d_s(T * model_.hidden * act_bytes_, false);
     if (s.place.kv_recomputed(l - 1))
-      t += layer_recompute_s(o, spans, 0, true, false, 1, keys, &s.doc_starts) +
-           layer_stream_s(o, spans, keys, 1, 1, true, false, false);
+      t += layer_recompute_s(o, spans, 0, {.kv = true}, 1, keys, &s.doc_starts) +
+           layer_stream_s(o, spans, keys, 1, 1, {.recompute_kv = true});
   }
   return t + n * mlp_tiles_s(sched::span_tokens(spans), s.place.mlp_tile_rows) + kv_stream_s(op, s, o, true) +
          recompute_s(op, s, o, true);

@@ -159,14 +159,22 @@ class CostModel {
   // one of sp ring members (its share of the earlier rows) and tp tensor-parallel ones, its
   // K/V streamed or (recompute_kv) recomputed from x: the chunks alone, none of the copies
   // of the subsequence's own block or their fixed costs (a lower bound on kv_stream_s).
-  double layer_stream_s(i64 o, const sched::Spans& spans, i64 l, int sp, int tp, bool recompute_kv, bool backward,
-                        bool sums_back) const;
+  struct StreamedLayer {
+    bool recompute_kv = false;
+    bool backward = false;
+    bool sums_back = false;  // as stream_chunks_s takes it
+  };
+  double layer_stream_s(i64 o, const sched::Spans& spans, i64 l, int sp, int tp, const StreamedLayer& layer) const;
   // Seconds a Forward (Backward) op spends recomputing: K, V of the earlier positions on
   // Recompute layers and, in backward, the recomputed groups and the own K, V.
   double recompute_s(const sched::Op& op, const sched::Schedule& s, i64 o, bool backward) const;
   // The same for one layer on the tokens `spans` of a subsequence at offset o, recomputing
-  // `groups` (in backward) and K/V (`kv`), on one of tp tensor-parallel members.
-  double layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, bool kv, bool backward, int tp,
+  // `groups` (in backward) and K/V (`layer.kv`), on one of tp tensor-parallel members.
+  struct RecomputedLayer {
+    bool kv = false;
+    bool backward = false;
+  };
+  double layer_recompute_s(i64 o, const sched::Spans& spans, SavedSet groups, const RecomputedLayer& layer, int tp,
                            i64 keys = 0, const std::vector<i64>* docs = nullptr) const;
 
   // Note [MLP tiles] (core/layout.h): tiles of `rows` rows (0: none) run the same FLOPs

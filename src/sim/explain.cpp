@@ -74,8 +74,8 @@ std::vector<MemoryLine> complete(std::vector<MemoryLine> given) {
 // (and offloaded at the plan's alpha, hidden behind compute where the copies allow) unless
 // the plan recomputes it, which it does only where no plan with the K/V on the device and
 // nothing more recomputed fits the budgets, and then because the fastest plan that fits
-// does (Note [Placing every tensor] in solver.cpp); K/V stay on the device unless no plan
-// with them there fits.
+// does (Note [Placing every tensor] in solver/placements.cpp); K/V stay on the device
+// unless no plan with them there fits.
 std::vector<TensorPlacement> placements_of(const plan::Plan& p, ActPrecision prec, const RankShard& shard) {
   const ModelConfig& c = p.model;
   // One token's bytes a member, as the memory rules count them: n tokens' over n.

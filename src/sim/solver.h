@@ -4,8 +4,8 @@
 // Note [Alpha under a budget]: offloading never makes a step faster; it only buys memory.
 // So the solver first simulates alpha = 0 and keeps it when it fits. Otherwise it fills
 // offload bytes in the order of their cost in step time (Note [Filling alpha] in
-// solver.cpp): first the bytes whose copies hide behind compute (the offload of i behind
-// F(i+1), its prefetch behind B(i+1)), then the bytes whose copy is exposed in one
+// solver/solve_alpha.cpp): first the bytes whose copies hide behind compute (the offload of
+// i behind F(i+1), its prefetch behind B(i+1)), then the bytes whose copy is exposed in one
 // direction, then in both; within a level, earlier subsequences first, since a byte of an
 // earlier unit is off the device at every point where a later one is. The least fill that
 // fits is found by bisection on the simulated peak. The paper's rule and full offload are
@@ -76,10 +76,10 @@ struct UnitProfile {
 std::vector<UnitProfile> unit_profiles(const sched::Schedule& s, const CostModel& cost,
                                        const sched::MemoryRules& rules);
 
-// The paper's rule (Note [The paper's alpha] in solver.cpp) on the rank that offloads the
-// most bytes: alpha_i A_i = BW_d2h * T_bal, where T_bal is that rank's forward seconds per
-// subsequence of a balanced partition (its total forward time over N), clipped to [0, 1],
-// non-increasing in i, alpha_{N-1} = 0.
+// The paper's rule (Note [The paper's alpha] in solver/solve_alpha.cpp) on the rank that
+// offloads the most bytes: alpha_i A_i = BW_d2h * T_bal, where T_bal is that rank's forward
+// seconds per subsequence of a balanced partition (its total forward time over N), clipped
+// to [0, 1], non-increasing in i, alpha_{N-1} = 0.
 std::vector<double> paper_alpha(const std::vector<UnitProfile>& units, const CostModel& cost);
 
 // Smallest N (from `min_n` up to `max_n`) whose best alpha fits `budget` on one device
@@ -110,7 +110,7 @@ sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, co
                                 sched::Replicas replicas = sched::Replicas::All);
 
 // Rows of the MLP tiles the planner's wider search tries (Note [Placing every tensor] in
-// solver.cpp): GEMMs of 4096 rows run at the rate of whole ones.
+// solver/placements.cpp): GEMMs of 4096 rows run at the rate of whole ones.
 inline constexpr i64 kPlanMlpTileRows = 4096;
 
 struct PlanRequest {
@@ -130,8 +130,9 @@ struct PlanRequest {
   // --backward-order, --optimizer-state, --weights, --rebuild-inputs). Under auto:
   //  - kv: the device, and where no plan with it fits, whichever of the three is fastest
   //    (host or recompute on every layer; recompute without ring, MSP or TP);
-  //  - recompute: the planner chooses (Note [Placing every tensor] in solver.cpp), from
-  //    none; a set given is recomputed at least, the planner adding none;
+  //  - recompute: the planner chooses (Note [Placing every tensor] in
+  //    solver/placements.cpp), from none; a set given is recomputed at least, the planner
+  //    adding none;
   //  - backward: the paper's order, and the layers' on one stage where nothing else fits;
   //  - optimizer_state: the device, and the host where no plan with it fits;
   //  - weights: the device, and the host where no plan fits with the optimizer state alone

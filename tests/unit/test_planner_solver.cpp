@@ -162,10 +162,10 @@ TEST(Solver, TensorParallelFitsLongerSequences) {
   EXPECT_GT(sim::simulate_plan(ring, load_profile("a100-80gb")).peak_device_bytes, out.plan.budget);
 }
 
-// Past the paper's memory wall (Note [Placing every tensor] in solver.cpp): at 4M tokens
-// on 32 A100s no plan keeps K/V on the device, and one recomputes them from each layer's
-// input and recomputes the cheap saved tensors; with only the device's K/V nothing fits.
-// At 1M the plan is the device's, as before these placements.
+// Past the paper's memory wall (Note [Placing every tensor] in sim/solver/placements.cpp):
+// at 4M tokens on 32 A100s no plan keeps K/V on the device, and one recomputes them from
+// each layer's input and recomputes the cheap saved tensors; with only the device's K/V
+// nothing fits. At 1M the plan is the device's, as before these placements.
 TEST(Solver, RecomputingFitsWhatTheDeviceCacheCannot) {
   const auto out = sim::solve_plan(request("gpt-7b", i64(4) << 20, 32, "sppo"));
   ASSERT_TRUE(out.ok) << out.error;
@@ -346,10 +346,10 @@ TEST(Solver, KeptFloorsRuleOutAsTheHostStateSearchWould) {
   EXPECT_NE(floor_named(device.error), floor_named(host.error)) << "the state's bytes must matter here";
 }
 
-// MLP tiles (Note [Placing every tensor] in solver.cpp): with K/V on the device, nothing
-// recomputed and nothing offloaded, a budget just under the best untiled plan's peak fits
-// only with the MLP in tiles, which the wider search finds; the same plan untiled does not
-// fit.
+// MLP tiles (Note [Placing every tensor] in sim/solver/placements.cpp): with K/V on the
+// device, nothing recomputed and nothing offloaded, a budget just under the best untiled
+// plan's peak fits only with the MLP in tiles, which the wider search finds; the same plan
+// untiled does not fit.
 TEST(Solver, MlpTilesFitWhatTheWholeMlpCannot) {
   auto req = request("bench", i64(256) << 10, 1, "sppo");
   req.place.backward = BackwardOrder::Subseq;  // the layer-major order fits under that budget too

@@ -433,7 +433,8 @@ TEST(BuildPipeline, GridIsValid) {
 }
 
 // The planner's alpha search rewrites the fractions of a schedule it built instead of
-// building again (sim/solver.cpp); that must give exactly what the builder gives.
+// building again (sim/solver/solve_alpha.cpp); that must give exactly what the builder
+// gives.
 TEST(SetOffloadFractions, EqualsBuildingAgain) {
   auto alphas = [](int n, int variant) {
     std::vector<double> a(n, 0.0);

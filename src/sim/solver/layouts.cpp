@@ -1,0 +1,136 @@
+// Pass 1 of the search (search.h): layouts. Takes the context; gives every layout the
+// search considers, as plans with no placement: (tp, cp, dp, pp) over the devices, the N of
+// each at a few sizes of subsequence per device, its FLOPs-balanced lengths, and a stage
+// split that gives the last stage fewer layers for the LM head. The later passes place,
+// bound and simulate these and no others. Beside it, what comes before and after it in
+// solve_sppo: whether any layout can hold even the weights (weights_alone_error), and the
+// layouts again with the layers' weights on the host (weights_on_host, Note [Weights in the
+// search]).
+#include <algorithm>
+
+#include "planner/partition.h"
+#include "sim/solver/search.h"
+
+namespace sppo::sim::solver {
+
+using plan::divisors;
+
+// Takes the context; gives the error when no layout can hold even the weights: an even
+// split over the most stages possible, optimizer state sharded over the rest of the
+// devices when ZeRO-1 may be used.
+std::optional<std::string> weights_alone_error(const SearchContext& ctx) {
+  const ModelConfig& c = ctx.c;
+  const int max_pp = std::min(ctx.G, c.layers);
+  const int most_shards = ctx.req.zero == ZeroStage::None ? 1 : ctx.G / max_pp;
+  // With the layers' weights on the host (Note [Weights in the search]), the embedding and
+  // head alone.
+  const bool layers_host = ctx.host_allowed && ctx.req.place.weights != Tier::Device;
+  const i64 least_params =
+      sched::param_count(c, 0, layers_host ? 0 : (c.layers + max_pp - 1) / max_pp, true, max_pp == 1);
+  const Tier state = ctx.host_allowed ? Tier::Host : Tier::Device;  // where the optimizer state may go
+  const i64 least_weights = ctx.device_fixed(least_params, layers_host ? 1 : most_shards, state);
+  if (least_weights <= ctx.budget) return std::nullopt;
+  return std::string(layers_host          ? "the embedding's and LM head's weights and gradients alone need "
+                     : ctx.host_allowed ? "weights and gradients alone (the optimizer state on the host) need "
+                                        : "weights, gradients and optimizer state alone need ") +
+         format_bytes(double(least_weights)) + " per device even over " + std::to_string(max_pp) +
+         " pipeline stages, more than the budget of " + format_bytes(double(ctx.budget));
+}
+
+namespace {
+
+// The LM head in layers' worth of compute, over the whole sequence (Note [Stage split]:
+// the last stage runs it after every forward, so it gets fewer layers).
+double head_layers(const SearchContext& ctx, const std::vector<i64>& lengths, int cp, int tp) {
+  double layer = 0, head = 0;
+  i64 o = 0;
+  for (i64 l : lengths) {
+    layer += busiest_piece_s(ctx.cost, o, l, cp, ctx.req.ring_layout, {.tp = tp});
+    head += ctx.cost.head_flops((l + cp - 1) / cp) / ctx.hw.gemm_flops / tp;
+    o += l;
+  }
+  return layer > 0 ? head / layer : 0.0;
+}
+
+}  // namespace
+
+// The layouts pass. Takes the context; gives every layout the search considers, as plans
+// with no placement: (tp, cp, dp, pp), and N at a few sizes of subsequence per device,
+// each with its FLOPs-balanced lengths and stage split. Empty where every layout needs
+// more subsequences than the search allows.
+std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
+  const PlanRequest& req = ctx.req;
+  const ModelConfig& c = ctx.c;
+  const i64 S = ctx.S;
+  const int G = ctx.G, gpn = ctx.gpn;
+  std::vector<plan::Plan> layouts;
+  // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
+  // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (cp).
+  for (int tp : divisors(std::min(G, gpn)))
+    for (int cp : divisors(std::min(G, gpn) / tp)) {
+      if (G % (cp * tp) || tp > c.heads) continue;
+      if (c.llama() && !sched::llama_tp_runs(c, tp)) continue;
+      for (int dp : divisors(G / cp / tp)) {
+        const int pp = G / cp / tp / dp;
+        if (pp > c.layers) continue;
+        for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
+          const i64 n64 = std::max<i64>(1, S / (i64(cp) * tp * per_device));
+          if (n64 > kMaxPlanSubseqs || n64 * cp * tp > S) continue;
+          const int N = int(n64);
+          plan::Plan p;
+          p.system = plan::System::Sppo;
+          p.model_name = req.model_name;
+          p.model = c;
+          p.hardware = req.hardware;
+          p.seq_len = S;
+          p.gpus = G;
+          p.gpus_per_node = gpn;
+          p.par.cp = cp;
+          p.par.tp = tp;
+          p.par.pp = pp;
+          p.par.dp = dp;
+          p.subseqs = N;
+          p.lengths = plan::partition_flops(c, S, N);
+          if (p.lengths.back() < i64(cp) * tp) continue;
+          p.par.zero = req.zero.value_or(cp * dp > 1 ? ZeroStage::OptimizerState : ZeroStage::None);
+          p.place.optimizer_state = req.place.optimizer_state == Tier::Host ? Tier::Host : Tier::Device;
+          p.precision = ctx.prec;
+          p.block_scratch = req.block_scratch;
+          p.head_scratch = req.head_scratch;
+          p.par.ring_layout = req.ring_layout;
+          p.offload = req.offload;
+          p.budget = ctx.budget;
+          p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(ctx, p.lengths, cp, tp));
+          if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
+                return q.par.cp == p.par.cp && q.par.tp == p.par.tp && q.par.pp == p.par.pp &&
+                       q.par.dp == p.par.dp && q.subseqs == p.subseqs;
+              }) != layouts.end())
+            continue;
+          layouts.push_back(p);
+        }
+      }
+    }
+  return layouts;
+}
+
+// Note [Weights in the search]: the layers' weights and gradients go to the host (Note
+// [Weights on the host] in schedule/weights.h) under --weights host, or under auto where no
+// plan fits even with the optimizer state there: it frees 10 B a parameter of the device in
+// bf16 (the fp32 weights, their working copy, the fp32 gradient) but copies every layer's
+// weights in for each forward and backward that runs it, which only buys memory. It runs on
+// layouts without tensor parallelism and with no ZeRO-1 (the host's master is whole on
+// each rank; under --zero auto it is turned off there), and without MSP.
+// Takes the layouts; gives those that can keep their weights on the host, so placed.
+std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vector<plan::Plan>& layouts) {
+  std::vector<plan::Plan> out;
+  for (plan::Plan p : layouts) {
+    if (p.par.tp > 1 || req.zero == ZeroStage::OptimizerState) continue;
+    p.par.zero = ZeroStage::None;
+    p.place.optimizer_state = Tier::Host;
+    p.place.weights = Tier::Host;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+}  // namespace sppo::sim::solver

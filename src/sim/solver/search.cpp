@@ -1,0 +1,91 @@
+// The helpers more than one of the search's passes uses (search.h): a layout's alpha and its
+// prediction as a whole plan, MSP as the search runs it, and a layer's seconds on its busiest
+// ring piece.
+#include "sim/solver/search.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace sppo::sim::solver {
+
+HardwareProfile plan_hardware(const HardwareProfile& hw_in, int gpus_per_node) {
+  HardwareProfile hw = hw_in;
+  hw.devices_per_node = gpus_per_node;
+  return hw;
+}
+
+std::string bytes_text(i64 b) { return format_bytes(double(b)); }
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g s", s);
+  return buf;
+}
+
+Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, i64 budget, double no_use_s) {
+  // Replicas are identical: the search simulates one, the final check all, and the weight
+  // gradients' all-reduce as the whole plan runs it, over every replica (across nodes where
+  // they are), even where one replica's own group is a single rank.
+  CostModel priced = cost;
+  priced.price_replicas(p.par.dp, p.par.ranks() / p.par.dp);
+  const MemoryRules rules = plan_rules(p, cost.precision(), sched::Replicas::One);
+  auto build = [&](const std::vector<double>& a) {
+    return sched::build_step(p.model, p.lengths, a, p, sched::Replicas::One);
+  };
+  Candidate c{p, solve_alpha(build, p.subseqs, priced, rules, budget, req.offload, no_use_s)};
+  c.plan.alpha = c.alpha.alpha;
+  c.plan.alpha_rule = c.alpha.rule;
+  return c;
+}
+
+void predict(plan::Plan* p, const HardwareProfile& hw) {
+  const SimResult r = simulate_plan(*p, hw);
+  p->predicted = {r.step_time_s,    r.tokens_per_device_per_s, r.bubble_ratio, r.peak_device_bytes,
+                  r.exposed_copy_s, r.peak_host_bytes,         r.host_update_s};
+}
+
+int msp_search_reach(const plan::Plan& p) {
+  const bool saving = !p.place.kv_layers(KvPlace::Host).empty() || !p.place.kv_layers(KvPlace::Recompute).empty() ||
+                      p.place.recompute != 0 || p.place.mlp_tile_rows > 0;
+  return saving || p.par.cp > 1 || p.par.pp > kMspEveryGroupStages ? 2 : 0;
+}
+
+plan::Plan with_msp(plan::Plan p) {
+  p.par.msp.on = true;
+  p.par.msp.reach = msp_search_reach(p);
+  return p;
+}
+
+bool msp_possible(const plan::Plan& p) {
+  // The runtime runs MSP's pieces as one ring over the stage groups' cp ranks (Note [MSP
+  // pieces]), each piece's rows over the group's TP members. Recomputed K/V and the
+  // attention recomputed in backward need a rank's whole rows, head_grad recomputed a
+  // stage's own head: not under MSP.
+  if (p.par.pp == 1 || p.subseqs < p.par.pp || !p.place.kv_layers(KvPlace::Recompute).empty() ||
+      (p.place.recompute & (kAttentionGroup | kHeadGradGroup)))
+    return false;
+  for (i64 l : p.lengths)
+    if (l < i64(p.par.cp) * p.par.pp * p.par.tp) return false;
+  return true;
+}
+
+double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int cp, RingLayout layout, const PieceOptions& run) {
+  const int tp = run.tp;
+  double most = 0;
+  for (int r = 0; r < cp; ++r) {
+    const sched::Spans piece = sched::piece_spans(l, r, cp, cp > 1 ? layout : RingLayout::Contiguous);
+    const double overhead = 2 * cost.hw().layer_overhead;
+    const double t = cost.layer_forward_s(o, piece, l) + cost.layer_backward_s(o, piece, l) - overhead;
+    double streamed = 0;
+    if (run.kv != KvPlace::Device) {
+      const bool rc = run.kv == KvPlace::Recompute;
+      const CostModel::StreamedLayer forward{.recompute_kv = rc};
+      const CostModel::StreamedLayer backward{.recompute_kv = rc, .backward = true, .sums_back = !run.last};
+      streamed = cost.layer_stream_s(o, piece, l, cp, tp, forward) + cost.layer_stream_s(o, piece, l, cp, tp, backward);
+    }
+    most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(piece), tp) + streamed);
+  }
+  return most;
+}
+
+}  // namespace sppo::sim::solver
