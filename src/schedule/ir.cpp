@@ -175,18 +175,19 @@ i64 rsa_step_bytes(const Schedule& s, const Op& op, i64 H, int act_bytes) {
 i64 alltoall_bytes(const Schedule& s, const Op& op, int rank, const ModelConfig& c, ActPrecision p) {
   const UlyssesShard u = s.ulysses_shard(rank);
   const i64 T = span_tokens(s.spans(op));
-  const bool backward = op.payload == Payload::KVGrad;
-  i64 bytes = 0;
-  for (int l = op.layer_begin; l < op.layer_end; ++l) {
-    const bool forward = !backward || s.place.input_rebuilt(l);
-    if (forward)
-      for (UlyssesExchange x : {UlyssesExchange::Heads, UlyssesExchange::Rows})
-        bytes += ulysses_sent_bytes(c, T, p, u, x);
-    if (backward)
-      for (UlyssesExchange x : {UlyssesExchange::GradHeads, UlyssesExchange::GradRows})
-        bytes += ulysses_sent_bytes(c, T, p, u, x);
-  }
-  return bytes;
+  // The exchanges of one layer: the forward's (again in a backward that rebuilds its input),
+  // the backward's.
+  auto sent = [&](std::initializer_list<UlyssesExchange> xs) {
+    i64 b = 0;
+    for (UlyssesExchange x : xs) b += ulysses_sent_bytes(c, T, p, u, x);
+    return b;
+  };
+  const i64 layers = op.layer_end - op.layer_begin;
+  if (op.payload != Payload::KVGrad) return layers * sent({UlyssesExchange::Heads, UlyssesExchange::Rows});
+  i64 rebuilt = 0;
+  for (int l = op.layer_begin; l < op.layer_end; ++l) rebuilt += s.place.input_rebuilt(l) ? 1 : 0;
+  return layers * sent({UlyssesExchange::GradHeads, UlyssesExchange::GradRows}) +
+         (rebuilt > 0 ? rebuilt * sent({UlyssesExchange::Heads, UlyssesExchange::Rows}) : 0);
 }
 
 MessageKey message_key(const Op& op) {

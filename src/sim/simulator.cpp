@@ -423,9 +423,43 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     }
   }
   std::vector<Inbox> inbox(R);  // messages in flight, by receiver
-  std::map<std::pair<std::vector<int>, int>, std::vector<double>> arrived;
-  std::map<std::pair<std::vector<int>, int>, double> reduced;  // all-reduce end times
-  std::vector<std::map<std::vector<int>, int>> passed(R);
+  // Each collective's group as a number, looked up once a pass: a Ulysses step has an
+  // all-to-all on every F and B of every member.
+  std::vector<std::vector<int>> group_of(R);
+  int groups = 0;
+  {
+    std::map<std::vector<int>, int> ids;
+    const std::vector<int>* last = nullptr;
+    int last_id = -1;
+    for (int r = 0; r < R; ++r) {
+      group_of[size_t(r)].assign(s.ops[size_t(r)].size(), -1);
+      for (size_t k = 0; k < s.ops[size_t(r)].size(); ++k) {
+        const Op& op = s.ops[size_t(r)][k];
+        if (op.kind != OpKind::AllReduce && op.kind != OpKind::AllToAll) continue;
+        if (!last || *last != op.group) {
+          last_id = ids.emplace(op.group, int(ids.size())).first->second;
+          last = &op.group;
+        }
+        group_of[size_t(r)][k] = last_id;
+      }
+    }
+    groups = int(ids.size());
+  }
+  // By group, then by the group's collectives in order: when each member arrived, and when
+  // the collective ends (-1: not yet known).
+  std::vector<std::vector<std::vector<double>>> arrived(static_cast<size_t>(groups));
+  std::vector<std::vector<double>> reduced(static_cast<size_t>(groups));
+  std::vector<std::vector<int>> passed(R, std::vector<int>(size_t(groups), 0));
+  // The arrivals and end of the collective at op `pc` of rank r.
+  auto collective = [&](int r, size_t pc) -> std::pair<std::vector<double>*, double*> {
+    const int g = group_of[size_t(r)][pc];
+    const size_t n = size_t(passed[size_t(r)][size_t(g)]);
+    if (arrived[size_t(g)].size() <= n) {
+      arrived[size_t(g)].resize(n + 1);
+      reduced[size_t(g)].resize(n + 1, -1.0);
+    }
+    return {&arrived[size_t(g)][n], &reduced[size_t(g)][n]};
+  };
   Pass pass;
   SimResult& res = pass.res;
   const bool nic_shared = hw.gpus_per_nic > 1 && hw.nic_bw > 0;
@@ -576,48 +610,43 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
           case OpKind::AllToAll: {
             // As an all-reduce: every member arrives, then all are held for the exchanges.
             const Op& all = ops[rs.pc];
-            const auto key = std::make_pair(all.group, passed[r][all.group]);
-            auto& there = arrived[key];
+            auto [there, end] = collective(r, rs.pc);
             if (!rs.posted) {
-              there.push_back(std::max(rs.t_compute, rs.t_net));
+              there->push_back(std::max(rs.t_compute, rs.t_net));
               rs.posted = true;
               progress = true;
             }
-            if (there.size() < all.group.size()) goto blocked;
-            auto it = reduced.find(key);
-            if (it == reduced.end())
-              it = reduced.emplace(key, *std::max_element(there.begin(), there.end()) + op.seconds).first;
+            if (there->size() < all.group.size()) goto blocked;
+            if (*end < 0) *end = *std::max_element(there->begin(), there->end()) + op.seconds;
             const double start = std::max(rs.t_compute, rs.t_net);
-            record(r, Lane::Network, rs.pc, start, it->second);
-            rs.t_compute = rs.t_net = std::max(start, it->second);
+            record(r, Lane::Network, rs.pc, start, *end);
+            rs.t_compute = rs.t_net = std::max(start, *end);
             res.sent_bytes[size_t(r)] += op.bytes;
             mem_at(rs, start, rs.t_compute);
             rs.posted = false;
-            ++passed[r][all.group];
+            ++passed[size_t(r)][size_t(group_of[size_t(r)][rs.pc])];
             break;
           }
           case OpKind::AllReduce: {
             const Op& all = ops[rs.pc];
-            const auto key = std::make_pair(all.group, passed[r][all.group]);
-            auto& there = arrived[key];
+            auto [there, end] = collective(r, rs.pc);
             if (!rs.posted) {
-              there.push_back(std::max(rs.t_compute, rs.t_net));
+              there->push_back(std::max(rs.t_compute, rs.t_net));
               rs.posted = true;
               progress = true;
             }
-            if (there.size() < all.group.size()) goto blocked;
-            auto it = reduced.find(key);
-            if (it == reduced.end()) {
-              const double start = *std::max_element(there.begin(), there.end());
+            if (there->size() < all.group.size()) goto blocked;
+            if (*end < 0) {
+              const double start = *std::max_element(there->begin(), there->end());
               const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.par.tp});
-              it = reduced.emplace(key, start + cost.allreduce_s(bytes, all.group, all.payload == Payload::WeightGrads)).first;
+              *end = start + cost.allreduce_s(bytes, all.group, all.payload == Payload::WeightGrads);
             }
             const double start = std::max(rs.t_compute, rs.t_net);
-            record(r, Lane::Network, rs.pc, start, it->second);
-            rs.t_compute = rs.t_net = std::max(start, it->second);
+            record(r, Lane::Network, rs.pc, start, *end);
+            rs.t_compute = rs.t_net = std::max(start, *end);
             mem_at(rs, start, rs.t_compute);
             rs.posted = false;
-            ++passed[r][all.group];
+            ++passed[size_t(r)][size_t(group_of[size_t(r)][rs.pc])];
             break;
           }
         }
