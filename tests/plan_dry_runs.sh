@@ -39,6 +39,10 @@ plans=(
   "llama-3-8b 7168K 8 h200"
   "llama-3-8b 2M 8 h200"
   "llama-3-8b 2M 8 h100-sxm"
+  "llama-3-8b 256K 1 h100-sxm"
+  "llama-3-8b 4M 64 h100-sxm"
+  "gpt-7b 2M 16 h200"
+  "gpt-7b 4M 128 a100-80gb"
 )
 
 failed=0

@@ -285,7 +285,7 @@ void add_plan_commands(CLI::App& app, Commands& out) {
   auto simulate_options = std::make_shared<SimulateOptions>();
   PlanOptions& plan = *plan_options;
   SimulateOptions& simulate = *simulate_options;
-  auto* p = app.add_subcommand("plan", "Choose the layout (tp, cp, pp, dp), N, alpha, the placements and MSP for a model on a cluster and predict the step");
+  auto* p = app.add_subcommand("plan", "Choose the layout (tp, ulysses, cp, pp, dp), N, alpha, the placements and MSP for a model on a cluster and predict the step");
   auto config = std::make_shared<std::string>();
   add_config_option(p, *config);
   std::string presets;

@@ -2,6 +2,7 @@
 // plans for SPPO and the baselines, and plan JSON.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
@@ -147,19 +148,22 @@ TEST(Solver, Qwen3CountsItsHeadsWidth) {
   EXPECT_EQ(r.peak_device_bytes, out.plan.predicted.peak_device_bytes);
 }
 
-// The paper's SP (tensor parallel with sequence-parallel regions) divides the K/V cache
-// and the dK/dV accumulators, which ring attention leaves whole on each stage's ranks: on
-// 32 A100s it fits a gpt-7b sequence that no ring layout does.
-TEST(Solver, TensorParallelFitsLongerSequences) {
+// The paper's SP (tensor parallel with sequence-parallel regions) and Ulysses divide the
+// K/V cache and the dK/dV accumulators by heads, which ring attention leaves whole on each
+// stage's ranks: on 32 A100s they fit a gpt-7b sequence that the same layout with a ring in
+// their place does not.
+TEST(Solver, SplittingTheHeadsFitsLongerSequences) {
   const auto out = sim::solve_plan(request("gpt-7b", i64(1536) * 1024, 32, "sppo"));
   ASSERT_TRUE(out.ok) << out.error;
-  EXPECT_GT(out.plan.par.tp, 1);
+  const int heads_split = out.plan.par.tp * out.plan.par.ulysses;
+  EXPECT_GT(heads_split, 1) << plan::layout_text(out.plan);
   EXPECT_LE(out.plan.predicted.peak_device_bytes, out.plan.budget);
   // The same layout with ring SP instead needs more than the budget.
   Plan ring = out.plan;
-  ring.par.cp *= ring.par.tp;
-  ring.par.tp = 1;
-  EXPECT_GT(sim::simulate_plan(ring, load_profile("a100-80gb")).peak_device_bytes, out.plan.budget);
+  ring.par.cp *= heads_split;
+  ring.par.tp = ring.par.ulysses = 1;
+  EXPECT_GT(sim::simulate_plan(ring, load_profile("a100-80gb")).peak_device_bytes, out.plan.budget)
+      << plan::layout_text(out.plan);
 }
 
 // Past the paper's memory wall (Note [Placing every tensor] in sim/solver/placements.cpp):
@@ -445,6 +449,38 @@ TEST(Solver, SaysWhyNothingFits) {
   const auto big = sim::solve_plan(request("gpt-7b", i64(16) << 20, 8, "sppo"));
   ASSERT_FALSE(big.ok);
   EXPECT_FALSE(big.error.empty());
+}
+
+// Ulysses in the search (Note [Sequence parallelism in the search]): gpt-7b at 2M on two
+// nodes of 8 H200s runs fastest as USP, a group of 8 Ulysses ranks in each node and a ring
+// of 2 across them; the notes say so, the plan simulates again to its own figures, and the
+// same step with a ring of 8 in each node instead (the nodes data-parallel) does not fit:
+// each of its ranks keeps every head's K/V of the earlier rows, a Ulysses rank 1/8 of them.
+TEST(Solver, UlyssesInsideANodeAndTheRingAcross) {
+  auto req = request("gpt-7b", i64(2) << 20, 16, "sppo");
+  req.hardware = "h200";
+  req.hw = load_profile("h200");
+  const auto out = sim::solve_plan(req);
+  ASSERT_TRUE(out.ok) << out.error;
+  const Plan& p = out.plan;
+  EXPECT_EQ(p.par.ulysses, 8) << plan::layout_text(p);
+  EXPECT_EQ(p.par.cp, 2) << plan::layout_text(p);
+  EXPECT_EQ(p.par.tp, 1) << plan::layout_text(p);
+  auto noted = [&](const std::string& text) {
+    return std::any_of(p.notes.begin(), p.notes.end(), [&](const std::string& n) { return n.find(text) != n.npos; });
+  };
+  EXPECT_TRUE(noted("(USP)"));
+  EXPECT_TRUE(noted("train --ulysses 8"));
+  const Plan q = plan_from_json(nlohmann::json::parse(to_json(p).dump()));
+  EXPECT_EQ(q.par.ulysses, 8);
+  const auto r = sim::simulate_plan(q, req.hw);
+  EXPECT_EQ(r.peak_device_bytes, p.predicted.peak_device_bytes);
+  EXPECT_NEAR(r.step_time_s, p.predicted.step_time_s, 1e-9 * p.predicted.step_time_s);
+  Plan ring = p;  // the same step with a ring of 8 in each node and the two nodes data-parallel
+  ring.par.ulysses = 1;
+  ring.par.cp = 8;
+  ring.par.dp = 2;
+  EXPECT_GT(sim::simulate_plan(ring, req.hw).peak_device_bytes, p.budget);
 }
 
 TEST(Solver, Baselines) {

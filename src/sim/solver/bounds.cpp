@@ -33,13 +33,17 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
   const int n_s = *std::max_element(p.stage_layers.begin(), p.stage_layers.end());
   const int shards = p.par.zero_shards();
   const i64 heads_share = TpShard{0, p.par.tp}.local_heads(c);
+  // A Ulysses member keeps its key/value heads of every row, its rows of the rest (the
+  // first member, with the most of both, bounds them all from below as the whole share).
+  const int U = p.par.ulysses;
+  const double kv_share = double(TpShard{0, U}.local_kv_width(c)) / double(c.kv_width());
   const i64 before_last = (ctx.S - p.lengths.back()) / p.par.cp;
   // The paper's backward order holds every layer's dK/dV sums at the end of B(N-1); the
   // layer-major one, one layer's (and every layer's K/V) at the end of B(L-1, N-1).
   const bool layer_major = pl.backward == BackwardOrder::Layer;
   const bool on_device = pl.kv == KvPlace::Device;
-  const i64 kv_dev = on_device ? ctx.kv_pt * heads_share / c.heads : 0;
-  const i64 acc_dev = on_device ? ctx.acc_pt * heads_share / c.heads : 0;
+  const i64 kv_dev = !on_device ? 0 : U > 1 ? i64(double(ctx.kv_pt) * kv_share) : ctx.kv_pt * heads_share / c.heads;
+  const i64 acc_dev = !on_device ? 0 : U > 1 ? i64(double(ctx.acc_pt) * kv_share) : ctx.acc_pt * heads_share / c.heads;
   // A Recompute layer keeps no K/V, and sums its dK/dV into the layer input's gradient
   // (H fp32 a position, not 2H).
   const bool kv_kept = pl.kv != KvPlace::Recompute;
@@ -84,7 +88,7 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
     }
     const i64 saved =
         (i64(n) * per_token - rebuilt_of(n) * rebuilt_pt + once_pt + (end == c.layers ? head_grad_pt : 0)) * held /
-        p.par.tp;
+        (p.par.tp * U);
     const i64 spilled = std::max<i64>(0, weights + saved - ctx.budget);
     host = std::max(host, ctx.host_fixed(params, shards, state) + spilled);
     first = end;
@@ -97,12 +101,16 @@ Bounds candidate_bounds(const SearchContext& ctx, const plan::Plan& p, const Pla
     // An MSP helper keeps its pieces on the device: no stream where tasks may split.
     const KvPlace streamed = p.par.msp.on ? KvPlace::Device : pl.kv;
     double layer = busiest_piece_s(ctx.cost, o, l, p.par.cp, ctx.req.ring_layout,
-                                   {.tp = p.par.tp, .kv = streamed, .last = i + 1 == p.lengths.size()});
+                                   {.tp = p.par.tp,
+                                    .ulysses = U,
+                                    .kv = streamed,
+                                    .last = i + 1 == p.lengths.size()});
     if (p.place.recompute || kv_rc) {
       const sched::Spans whole{{0, l}};
       const SavedSet groups = p.place.recompute;
       layer += (ctx.cost.layer_recompute_s(o, whole, groups, {.kv = kv_rc}, p.par.tp) +
-                ctx.cost.layer_recompute_s(o, whole, groups, {.kv = kv_rc, .backward = true}, p.par.tp)) / p.par.cp;
+                ctx.cost.layer_recompute_s(o, whole, groups, {.kv = kv_rc, .backward = true}, p.par.tp)) /
+               (p.par.cp * U);
     }
     // A rebuilt layer's backward runs the layer below's forward again.
     compute += n_s * layer + double(rebuilt_of(n_s)) * ctx.cost.layer_forward_s(o, l);

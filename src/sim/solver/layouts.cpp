@@ -1,5 +1,6 @@
 // Pass 1 of the search (search.h): layouts. Takes the context; gives every layout the
-// search considers, as plans with no placement: (tp, cp, dp, pp) over the devices, the N of
+// search considers, as plans with no placement: (tp, ulysses, cp, dp, pp) over the devices
+// (Note [Sequence parallelism in the search]), the N of
 // each at a few sizes of subsequence per device, its FLOPs-balanced lengths, and a stage
 // split that gives the last stage fewer layers for the LM head. The later passes place,
 // bound and simulate these and no others. Beside it, what comes before and after it in
@@ -40,22 +41,67 @@ std::optional<std::string> weights_alone_error(const SearchContext& ctx) {
 namespace {
 
 // The LM head in layers' worth of compute, over the whole sequence (Note [Stage split]:
-// the last stage runs it after every forward, so it gets fewer layers).
-double head_layers(const SearchContext& ctx, const std::vector<i64>& lengths, int cp, int tp) {
+// the last stage runs it after every forward, so it gets fewer layers); each piece's rows
+// over run's tensor-parallel or Ulysses ranks.
+double head_layers(const SearchContext& ctx, const std::vector<i64>& lengths, int cp, const PieceOptions& run) {
   double layer = 0, head = 0;
   i64 o = 0;
   for (i64 l : lengths) {
-    layer += busiest_piece_s(ctx.cost, o, l, cp, ctx.req.ring_layout, {.tp = tp});
-    head += ctx.cost.head_flops((l + cp - 1) / cp) / ctx.hw.gemm_flops / tp;
+    layer += busiest_piece_s(ctx.cost, o, l, cp, ctx.req.ring_layout, run);
+    const i64 rows = (l + cp - 1) / cp;
+    head += run.ulysses > 1 ? ctx.cost.head_flops(UlyssesShard{0, run.ulysses}.row_count(rows)) / ctx.hw.gemm_flops
+                            : ctx.cost.head_flops(rows) / ctx.hw.gemm_flops / run.tp;
     o += l;
   }
   return layer > 0 ? head / layer : 0.0;
 }
 
+// The ways the search splits a sequence's tokens over the devices of a stage (Note
+// [Sequence parallelism in the search]): (tp, ulysses, cp).
+struct SequenceSplit {
+  int tp = 1, ulysses = 1, cp = 1;
+};
+
+// Note [Sequence parallelism in the search]: tensor parallelism (tp, the paper's SP) and
+// ring attention (cp) together inside a node (§6.1), as the paper pairs them; and Ulysses
+// (ulysses, U ranks inside a node, at most the key/value heads or a multiple of them whose
+// ranks share each head's queries: ulysses_runs), never beside tp (both split the heads):
+// alone at every U a node runs, and at the widest such U under a ring of 2 to 8 members
+// that may cross nodes (USP as its authors lay it out: ulysses 8 inside a node and cp 2
+// across). Narrower Ulysses groups under a ring would put ring traffic where all-to-alls
+// run faster, and searching them too took gpt-7b at 1M on 32 A100s from 6.9 s to 11.5 s.
+// A USP layout's stage has U cp ranks to simulate, so it costs the search U times a ring's:
+// with Ulysses, gpt-7b at 8M on 128 H200s takes 18.5 s against 9.7 (its plan, ulysses 8
+// cp 4 dp 4, runs 70.4 tokens/GPU/s against the ring's 69.0). Ulysses holds what tp would divide whole
+// (every weight), but keeps 1/U of the K/V cache without cutting a GEMM, moves no prefix,
+// and runs the placements a ring does not (recomputed attention aside): rebuilt inputs, and
+// MLP tiles.
+std::vector<SequenceSplit> sequence_splits(const SearchContext& ctx) {
+  const ModelConfig& c = ctx.c;
+  const int G = ctx.G, node = std::min(ctx.G, ctx.gpn);
+  std::vector<SequenceSplit> out;
+  for (int tp : divisors(node))
+    for (int cp : divisors(node / tp)) {
+      if (G % (cp * tp) || tp > c.heads) continue;
+      if (c.llama() && !sched::llama_tp_runs(c, tp)) continue;
+      out.push_back({tp, 1, cp});
+    }
+  int widest = 1;  // the most Ulysses ranks a node runs
+  for (int U : divisors(node)) {
+    if (U == 1 || !ulysses_runs(c, U)) continue;
+    out.push_back({1, U, 1});
+    widest = U;
+  }
+  if (widest > 1)
+    for (int cp : divisors(G / widest))
+      if (cp > 1 && cp <= kMaxRing) out.push_back({1, widest, cp});
+  return out;
+}
+
 }  // namespace
 
 // The layouts pass. Takes the context; gives every layout the search considers, as plans
-// with no placement: (tp, cp, dp, pp), and N at a few sizes of subsequence per device,
+// with no placement: (tp, ulysses, cp, dp, pp), and N at a few sizes of subsequence per device,
 // each with its FLOPs-balanced lengths and stage split. Empty where every layout needs
 // more subsequences than the search allows.
 std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
@@ -64,52 +110,50 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
   const i64 S = ctx.S;
   const int G = ctx.G, gpn = ctx.gpn;
   std::vector<plan::Plan> layouts;
-  // The two kinds of sequence parallelism, together inside a node (§6.1): tensor
-  // parallelism with sequence-parallel regions (tp, the paper's SP) and ring attention (cp).
-  for (int tp : divisors(std::min(G, gpn)))
-    for (int cp : divisors(std::min(G, gpn) / tp)) {
-      if (G % (cp * tp) || tp > c.heads) continue;
-      if (c.llama() && !sched::llama_tp_runs(c, tp)) continue;
-      for (int dp : divisors(G / cp / tp)) {
-        const int pp = G / cp / tp / dp;
-        if (pp > c.layers) continue;
-        for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
-          const i64 n64 = std::max<i64>(1, S / (i64(cp) * tp * per_device));
-          if (n64 > kMaxPlanSubseqs || n64 * cp * tp > S) continue;
-          const int N = int(n64);
-          plan::Plan p;
-          p.system = plan::System::Sppo;
-          p.model_name = req.model_name;
-          p.model = c;
-          p.hardware = req.hardware;
-          p.seq_len = S;
-          p.gpus = G;
-          p.gpus_per_node = gpn;
-          p.par.cp = cp;
-          p.par.tp = tp;
-          p.par.pp = pp;
-          p.par.dp = dp;
-          p.subseqs = N;
-          p.lengths = plan::partition_flops(c, S, N);
-          if (p.lengths.back() < i64(cp) * tp) continue;
-          p.par.zero = req.zero.value_or(cp * dp > 1 ? ZeroStage::OptimizerState : ZeroStage::None);
-          p.place.optimizer_state = req.place.optimizer_state == Tier::Host ? Tier::Host : Tier::Device;
-          p.precision = ctx.prec;
-          p.block_scratch = req.block_scratch;
-          p.head_scratch = req.head_scratch;
-          p.par.ring_layout = req.ring_layout;
-          p.offload = req.offload;
-          p.budget = ctx.budget;
-          p.stage_layers = plan::balanced_stage_layers(c.layers, pp, head_layers(ctx, p.lengths, cp, tp));
-          if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
-                return q.par.cp == p.par.cp && q.par.tp == p.par.tp && q.par.pp == p.par.pp &&
-                       q.par.dp == p.par.dp && q.subseqs == p.subseqs;
-              }) != layouts.end())
-            continue;
-          layouts.push_back(p);
-        }
+  for (const SequenceSplit& sp : sequence_splits(ctx)) {
+    const int tp = sp.tp, U = sp.ulysses, cp = sp.cp, split = tp * U * cp;
+    for (int dp : divisors(G / split)) {
+      const int pp = G / split / dp;
+      if (pp > c.layers) continue;
+      for (i64 per_device : {kMaxTokensPerSubseq, i64(8192), i64(4096), i64(2048)}) {
+        const i64 n64 = std::max<i64>(1, S / (i64(split) * per_device));
+        if (n64 > kMaxPlanSubseqs || n64 * split > S) continue;
+        const int N = int(n64);
+        plan::Plan p;
+        p.system = plan::System::Sppo;
+        p.model_name = req.model_name;
+        p.model = c;
+        p.hardware = req.hardware;
+        p.seq_len = S;
+        p.gpus = G;
+        p.gpus_per_node = gpn;
+        p.par.cp = cp;
+        p.par.tp = tp;
+        p.par.ulysses = U;
+        p.par.pp = pp;
+        p.par.dp = dp;
+        p.subseqs = N;
+        p.lengths = plan::partition_flops(c, S, N);
+        if (p.lengths.back() < i64(split)) continue;
+        p.par.zero = req.zero.value_or(cp * U * dp > 1 ? ZeroStage::OptimizerState : ZeroStage::None);
+        p.place.optimizer_state = req.place.optimizer_state == Tier::Host ? Tier::Host : Tier::Device;
+        p.precision = ctx.prec;
+        p.block_scratch = req.block_scratch;
+        p.head_scratch = req.head_scratch;
+        p.par.ring_layout = req.ring_layout;
+        p.offload = req.offload;
+        p.budget = ctx.budget;
+        p.stage_layers =
+            plan::balanced_stage_layers(c.layers, pp, head_layers(ctx, p.lengths, cp, {.tp = tp, .ulysses = U}));
+        if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
+              return q.par.cp == p.par.cp && q.par.tp == p.par.tp && q.par.ulysses == p.par.ulysses &&
+                     q.par.pp == p.par.pp && q.par.dp == p.par.dp && q.subseqs == p.subseqs;
+            }) != layouts.end())
+          continue;
+        layouts.push_back(p);
       }
     }
+  }
   return layouts;
 }
 

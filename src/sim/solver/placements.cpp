@@ -24,7 +24,7 @@ namespace sppo::sim::solver {
 // last; and where nothing fits keeping every input, over each tier of layouts the
 // searches before it tried (the state on the device, then on the host, then the layers'
 // weights there too). In the layer-major order, with every placement whose K/V are on the
-// device or recomputed, on layouts without TP, rings or MSP. A stage rebuilds its second,
+// device or recomputed, on layouts without TP, rings or MSP (Ulysses' groups rebuild theirs). A stage rebuilds its second,
 // fourth, ... layers (those at odd offsets from its first), each from the one below it.
 
 // Note [Placing every tensor]: besides alpha, a plan places the K/V of its layers (kept
@@ -126,7 +126,8 @@ bool rebuilt_in_stage(int l, int b) { return l > b && (l - b) % 2 == 1; }
 // placement recomputes the rest of its set there.
 SavedSet runnable(const PlanRequest& req, const plan::Plan& p) {
   SavedSet out = ~SavedSet(0);
-  if (p.par.cp > 1 || req.msp == true) out &= ~kAttentionGroup;
+  // (Ulysses runs the attention once a layer between its all-to-alls.)
+  if (p.par.cp > 1 || p.par.ulysses > 1 || req.msp == true) out &= ~kAttentionGroup;
   if (req.msp == true) out &= ~kHeadGradGroup;
   return out;
 }
@@ -158,7 +159,7 @@ plan::Plan placed(const PlanRequest& req, plan::Plan p, const Placement& pl) {
 
 // Whether a layout can run a placement: streamed K/V are a rank's own blocks (its ring
 // pieces, or an MSP owner's with its helpers'); recomputed K/V need a rank's whole rows of
-// x of every earlier position (no tensor parallelism, no ring, no MSP).
+// x of every earlier position (no tensor parallelism, no ring, no Ulysses, no MSP).
 bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
   // The layer-major order: not MSP's pieces; under auto, on layouts of one stage only. A
   // pipeline loses its backwards' overlap in it, and its schedules have a B op for every
@@ -167,12 +168,13 @@ bool runs(const PlanRequest& req, const plan::Plan& p, const Placement& pl) {
   if (pl.backward == BackwardOrder::Layer && (req.msp == true || (p.par.pp > 1 && req.place.backward == kAuto)))
     return false;
   if (pl.mlp_tile_rows > 0 &&
-      (p.par.tp > 1 || *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.par.cp))
+      (p.par.tp > 1 ||
+       *std::max_element(p.lengths.begin(), p.lengths.end()) <= pl.mlp_tile_rows * p.par.cp * p.par.ulysses))
     return false;
   // Rebuilt inputs (Note [Rebuilt layer inputs]): without TP, rings and MSP.
   if (pl.rebuilt && (p.par.tp > 1 || p.par.cp > 1 || req.msp == true)) return false;
   if (pl.kv != KvPlace::Recompute) return true;
-  return req.msp != true && p.par.tp == 1 && p.par.cp == 1;
+  return req.msp != true && p.par.tp == 1 && p.par.cp == 1 && p.par.ulysses == 1;
 }
 
 }  // namespace

@@ -44,8 +44,24 @@ std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchS
 // tokens/GPU/s of the best plan of the first placement, 0 where none fits).
 void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best, double kept_best) {
   const PlanRequest& req = ctx.req;
-  if (best.par.stage_ranks() * best.par.pp > ctx.gpn)
-    best.notes.push_back("pipeline stages span nodes (tp and cp stay inside a node)");
+  if (best.par.stage_ranks() > ctx.gpn)
+    best.notes.push_back("the ring spans nodes: each group of " + std::to_string(best.par.ulysses) +
+                         " Ulysses ranks inside a node, the ring's " + std::to_string(best.par.cp) +
+                         " members across them (USP)");
+  else if (best.par.stage_ranks() * best.par.pp > ctx.gpn)
+    best.notes.push_back("pipeline stages span nodes (tp, ulysses and cp stay inside a node)");
+  if (best.par.ulysses > 1) {
+    const ModelConfig& c = best.model;
+    const int U = best.par.ulysses, m = TpShard{0, U}.kv_replicas(c);
+    best.notes.push_back(
+        "ulysses " + std::to_string(U) + ": each of " + std::to_string(U) +
+        " devices holds its rows of every layer but the attention, where all-to-alls give it every row of " +
+        (m > 1 ? "a share of one key/value head's queries (each of the " + std::to_string(c.kv_head_count()) +
+                     " key/value heads whole on " + std::to_string(m) + " devices: its K/V cache and dK/dV " +
+                     std::to_string(m) + " times an even split's, its dK, dV summed over them)"
+               : "its heads (its K/V cache 1/" + std::to_string(U) + " of one device's)") +
+        "; four all-to-alls a layer, no prefix moving (train --ulysses " + std::to_string(U) + ")");
+  }
   if (best.par.tp > 1)
     best.notes.push_back("tp " + std::to_string(best.par.tp) +
                          ": tensor parallel with sequence-parallel regions over " + std::to_string(best.par.tp) +

@@ -61,7 +61,7 @@ bool msp_possible(const plan::Plan& p) {
   // pieces]), each piece's rows over the group's TP members. Recomputed K/V and the
   // attention recomputed in backward need a rank's whole rows, head_grad recomputed a
   // stage's own head: not under MSP.
-  if (p.par.pp == 1 || p.subseqs < p.par.pp || !p.place.kv_layers(KvPlace::Recompute).empty() ||
+  if (p.par.pp == 1 || p.subseqs < p.par.pp || p.par.ulysses > 1 || !p.place.kv_layers(KvPlace::Recompute).empty() ||
       (p.place.recompute & (kAttentionGroup | kHeadGradGroup)))
     return false;
   for (i64 l : p.lengths)
@@ -75,13 +75,33 @@ double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int cp, RingLayout l
   for (int r = 0; r < cp; ++r) {
     const sched::Spans piece = sched::piece_spans(l, r, cp, cp > 1 ? layout : RingLayout::Contiguous);
     const double overhead = 2 * cost.hw().layer_overhead;
-    const double t = cost.layer_forward_s(o, piece, l) + cost.layer_backward_s(o, piece, l) - overhead;
+    double t = cost.layer_forward_s(o, piece, l) + cost.layer_backward_s(o, piece, l) - overhead;
+    if (run.ulysses > 1) {  // the busiest member: the first, with the most rows and heads
+      const double attention = 3.5 * cost.attention_s(o, piece, l);
+      const double rows = double(UlyssesShard{0, run.ulysses}.row_count(sched::span_tokens(piece))) /
+                          double(sched::span_tokens(piece));
+      const double heads = double(TpShard{0, run.ulysses}.local_heads(cost.model())) / cost.model().heads;
+      t = (t - attention) * rows + attention * heads;
+      // Its all-to-alls, which hide behind nothing (CostModel::alltoall_s): the forward's two
+      // and the backward's two, each U - 1 messages inside the node.
+      const i64 T = sched::span_tokens(piece);
+      const UlyssesShard first{0, run.ulysses};
+      i64 sent = 0;
+      for (UlyssesExchange x : {UlyssesExchange::Heads, UlyssesExchange::Rows, UlyssesExchange::GradHeads,
+                                UlyssesExchange::GradRows})
+        sent += ulysses_sent_bytes(cost.model(), T, cost.precision(), first, x);
+      const HardwareProfile& hw = cost.hw();
+      t += 4.0 * (run.ulysses - 1) * hw.intra_node_latency + double(sent) / hw.intra_node_bw;
+    }
     double streamed = 0;
     if (run.kv != KvPlace::Device) {
       const bool rc = run.kv == KvPlace::Recompute;
       const CostModel::StreamedLayer forward{.recompute_kv = rc};
       const CostModel::StreamedLayer backward{.recompute_kv = rc, .backward = true, .sums_back = !run.last};
-      streamed = cost.layer_stream_s(o, piece, l, cp, tp, forward) + cost.layer_stream_s(o, piece, l, cp, tp, backward);
+      // A Ulysses member streams its heads' K/V of every row: as tp members split them.
+      const int split = std::max(tp, run.ulysses);
+      streamed =
+          cost.layer_stream_s(o, piece, l, cp, split, forward) + cost.layer_stream_s(o, piece, l, cp, split, backward);
     }
     most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(piece), tp) + streamed);
   }

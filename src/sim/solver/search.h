@@ -1,7 +1,7 @@
 // solve_sppo's search (sim/solver.cpp), in passes, one file apiece in this folder. A
 // SearchContext holds what the request fixes, a SearchState what the searches learn and keep
 // from one to the next. The passes, in the order a plan goes through them:
-//  1. layouts (layouts.cpp, layout_pass): every (tp, cp, dp, pp) and the N of each the search
+//  1. layouts (layouts.cpp, layout_pass): every (tp, ulysses, cp, dp, pp) and the N of each the search
 //     considers;
 //  2. placements (placements.cpp, placement_pass): each layout under each placement of its
 //     tensors (K/V, recompute set, MLP tiles) and MSP setting, a candidate apiece;
@@ -37,6 +37,8 @@ using sched::Schedule;
 // share per device it starts from (it also tries 8K, 4K and 2K).
 constexpr i64 kMaxPlanSubseqs = 4096;
 constexpr i64 kMaxTokensPerSubseq = 16384;
+// The most members of a ring the search lays out (train --cp takes 1 to 8).
+constexpr int kMaxRing = 8;
 
 // The profile `hw_in` on nodes of `gpus_per_node` devices.
 HardwareProfile plan_hardware(const HardwareProfile& hw_in, int gpus_per_node);
@@ -74,8 +76,10 @@ void predict(plan::Plan* p, const HardwareProfile& hw);
 // it simulates each such layout with MSP as well where the first placement is searched and
 // the pipeline has at most kAutoMspTasks tasks a replica (pp x N; with every one, gpt-7b 4M
 // on 32 A100s took 55 s against 0.6 s, and MSP gains least where N is large), and weighs
-// MSP again for its cp 1 finalists. So gpt-13b at 512K on 128 A100s finds tp 8 pp 4 dp 4
-// with MSP (198.0 tokens/GPU/s), which without MSP (87.02 s a step) the search prunes.
+// MSP again for its cp 1 finalists. So gpt-13b at 512K on 128 A100s found tp 8 pp 4 dp 4
+// with MSP (198.0 tokens/GPU/s), which without MSP (87.02 s a step) the search prunes,
+// until the profiles that compute in bf16 left MSP off (Note [MSP in bf16] in
+// sim/solver.cpp): it runs on profiles whose activations are fp32, such as a CPU's.
 constexpr int kAutoMspTasks = 256;
 constexpr const char* kMspOffNote = "MSP off (--msp off)";
 constexpr int kMspEveryGroupStages = 16;
@@ -89,12 +93,16 @@ bool msp_possible(const plan::Plan& p);
 // How a layer runs on each piece busiest_piece_s weighs (its arguments after `layout`).
 struct PieceOptions {
   int tp = 1;
+  int ulysses = 1;
   KvPlace kv = KvPlace::Device;
   bool last = false;
 };
 // Forward (backward) seconds of one layer on the busiest piece of a subsequence [o, o+l)
 // split over `cp` ring ranks laid out by `layout`, each piece's layer split over `run.tp`
-// tensor-parallel ranks (CostModel::forward_s: compute over tp, ten collectives). With the
+// tensor-parallel ranks (CostModel::forward_s: compute over tp, ten collectives), or over
+// `run.ulysses` Ulysses ranks (the busiest member's rows of all but the attention, its heads
+// of the attention: Note [Ulysses, priced] in planner/cost.cpp; the all-to-alls not
+// counted, as a bound may leave out). With the
 // K/V streamed (run.kv Host or Recompute), what the attention does not hide of the earlier
 // rows' chunks (CostModel::layer_stream_s; `run.last`: the sequence's last subsequence,
 // whose backward finds no sums on the host).
