@@ -239,6 +239,10 @@ expect "--seq-len" bench offload --seq-len 0
 expect "--subseqs" bench offload --subseqs 0
 expect "--reps" bench attention --backend cpu --reps 0
 expect "--heads" bench attention --backend cpu --heads -1
+expect "--steps" bench cores --steps 1
+expect "--reps" bench cores --reps 0
+expect "nope" bench cores --model nope
+expect "--seq-len" bench cores --seq-len 0
 # backends
 expect "--backend 'nope'" train --model tiny --backend nope
 expect "--precision 'fp64'" train --model tiny --precision fp64

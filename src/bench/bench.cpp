@@ -153,6 +153,7 @@ nlohmann::json bench_layer(Backend& be, int hidden, int heads, i64 S, int reps, 
     j["threads"] = omp_get_max_threads();
     j["blas_core"] = peak.blas_core;
     j["blas_core_description"] = cpu::blas_core_description();
+    j["openmp_wait"] = cpu::openmp_wait_description();
     j["cpu_peak_flops_per_s"] = fma.flops_per_s;
     j["cpu_peak_isa"] = fma.isa;
     j["sgemm_flops_per_s"] = peak.flops_per_s;

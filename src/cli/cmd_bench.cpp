@@ -8,6 +8,7 @@
 
 #include "bench/bench.h"
 #include "bench/bench_attention.h"
+#include "bench/bench_cores.h"
 #include "bench/bench_pipeline.h"
 #include "bench/bench_sppo.h"
 #include "cli/commands.h"
@@ -262,6 +263,28 @@ void add_bench_sim(CLI::App* bench, Commands& out) {
                  }});
 }
 
+void add_bench_cores(CLI::App* bench, Commands& out) {
+  struct Cores {
+    BenchCoresOptions options;
+    bool json = false;
+  };
+  auto o = std::make_shared<Cores>();
+  auto* cmd = bench->add_subcommand(
+      "cores", "A step alone and beside another busy program on the same cores (a second sppo, bench memory), under "
+               "libgomp's default OpenMP wait, passive waiting and sppo's default");
+  cmd->add_option("--model", o->options.model, "Model preset")->capture_default_str();
+  cmd->add_option("--seq-len", o->options.seq_len, "Tokens")->capture_default_str();
+  cmd->add_option("--steps", o->options.steps, "Steps per measured run (the first is not timed)")->capture_default_str();
+  cmd->add_option("--reps", o->options.reps, "Measured runs per setting and neighbour (median)")->capture_default_str();
+  cmd->add_flag("--json", o->json, "Print one JSON object");
+  out.push_back({cmd, [o](const Invocation&) {
+                   parse_count(o->options.seq_len, "--seq-len");
+                   preset(o->options.model);
+                   report(bench_cores(o->options), o->json, print_bench_cores);
+                   return 0;
+                 }});
+}
+
 }  // namespace
 
 void add_bench_commands(CLI::App& app, Commands& out) {
@@ -274,6 +297,7 @@ void add_bench_commands(CLI::App& app, Commands& out) {
   add_bench_ranks(bench, out, false);
   add_bench_ranks(bench, out, true);
   add_bench_sim(bench, out);
+  add_bench_cores(bench, out);
 }
 
 }  // namespace sppo::cli

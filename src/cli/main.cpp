@@ -12,7 +12,8 @@
 
 int main(int argc, char** argv) {
   using namespace sppo;
-  cpu::select_blas_core(argv);  // first: OpenBLAS reads OPENBLAS_CORETYPE only when it loads
+  // First: OpenBLAS and libgomp read their settings only when they load.
+  cpu::select_library_settings(argv);
   CLI::App app{"sppo: long-sequence transformer training with sequence pipeline parallel offloading", "sppo"};
   app.require_subcommand(1);
   cli::Commands commands;

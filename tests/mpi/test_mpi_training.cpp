@@ -4,6 +4,7 @@
 // a plan's layout run as planned, and resumed under it.
 #include <gtest/gtest.h>
 
+#include "backends/cpu/blas_setup.h"
 #include "core/config.h"
 #include "io/fileutil.h"
 #include "schedule/memory.h"
@@ -62,6 +63,17 @@ class Training : public ::testing::Test {
 
   std::unique_ptr<io::TempDir> tmp_;
 };
+
+TEST_F(Training, RanksChooseOpenMpsWaitBeforeMpiStarts) {
+  // Each rank runs itself again with GOMP_SPINCOUNT set, before MPI_Init, and mpirun keeps
+  // it (the same pid): libgomp's start in each re-executed rank prints sppo's spin count.
+  const auto r = mpirun(2, kRun + " --steps 1 --pp 2", "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT -u SPPO_OMP_WAIT_CHOSEN OMP_DISPLAY_ENV=verbose");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string want = std::string("GOMP_SPINCOUNT = '") + cpu::kSppoSpinCount + "'";
+  int found = 0;
+  for (auto at = r.output.find(want); at != std::string::npos; at = r.output.find(want, at + 1)) ++found;
+  EXPECT_EQ(found, 2) << r.output;
+}
 
 TEST_F(Training, LossCurvesEqualOneProcess) {
   const auto one = alone("--steps 20", "one.jsonl");

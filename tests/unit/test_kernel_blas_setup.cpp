@@ -65,6 +65,17 @@ TEST(BlasCore, NothingBetterWithoutWideVectors) {
   EXPECT_EQ(choose_blas_core("Prescott", partial).core, "Haswell");
 }
 
+TEST(OpenMpWait, ChosenOnlyWhereTheUserSetNothing) {
+  const WaitPolicyChoice c = choose_wait_policy(nullptr, nullptr);
+  EXPECT_EQ(c.var, "GOMP_SPINCOUNT");
+  EXPECT_EQ(c.value, kSppoSpinCount);
+  EXPECT_EQ(choose_wait_policy("", "").var, "GOMP_SPINCOUNT") << "set to nothing: libgomp ignores it";
+  EXPECT_TRUE(choose_wait_policy("passive", nullptr).var.empty());
+  EXPECT_TRUE(choose_wait_policy("ACTIVE", nullptr).var.empty());
+  EXPECT_TRUE(choose_wait_policy(nullptr, "300000").var.empty());
+  EXPECT_TRUE(choose_wait_policy("active", "1000").var.empty());
+}
+
 TEST(BlasCore, ThisProcessorIsDescribed) {
   EXPECT_FALSE(blas_core_name().empty());
   EXPECT_NE(blas_core_description().find("OpenBLAS core " + blas_core_name()), std::string::npos);

@@ -20,6 +20,8 @@ namespace {
 // Set in the re-executed process: the core this program chose and why ("SkylakeX|CPU has
 // AVX-512|Prescott").
 constexpr const char* kChosenVar = "SPPO_BLAS_CORE_CHOSEN";
+// Set in the re-executed process: the GOMP_SPINCOUNT this program chose.
+constexpr const char* kWaitChosenVar = "SPPO_OMP_WAIT_CHOSEN";
 // For tests: stands in for the core OpenBLAS reports, so that the re-execution can be
 // exercised on a processor OpenBLAS recognises.
 constexpr const char* kTestReportedVar = "SPPO_TEST_BLAS_CORENAME";
@@ -54,10 +56,19 @@ struct Selection {
 Selection g_selection;
 bool g_selected = false;
 
+// The same for the OpenMP wait setting.
+struct WaitSelection {
+  Origin origin = Origin::Detected;  // Detected: nothing set, libgomp's default
+  std::string chosen, exec_error;
+};
+WaitSelection g_wait;
+
 std::string env(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr ? v : "";
 }
+
+bool is_set(const char* v) { return v != nullptr && *v != '\0'; }
 
 }  // namespace
 
@@ -114,8 +125,10 @@ BlasCoreChoice choose_blas_core(const std::string& reported, const CpuFeatures& 
   return best;
 }
 
-void select_blas_core(char** argv) {
-  g_selected = true;
+namespace {
+
+// OpenBLAS's core: fills g_selection; returns the OPENBLAS_CORETYPE to set, or "".
+std::string plan_blas_core() {
   Selection& s = g_selection;
   const std::string chosen = env(kChosenVar);
   const std::string user = env("OPENBLAS_CORETYPE");
@@ -129,31 +142,102 @@ void select_blas_core(char** argv) {
     }
     if (user != s.chosen) {
       s.origin = Origin::User;  // the user changed it since, e.g. in a child's environment
-      return;
+      return "";
     }
     s.origin = strcasecmp(blas_core_name().c_str(), s.chosen.c_str()) == 0 ? Origin::Chosen : Origin::ChosenButIgnored;
-    return;
+    return "";
   }
   if (!user.empty()) {
     s.origin = Origin::User;
-    return;
+    return "";
   }
   const std::string test_reported = env(kTestReportedVar);
   s.reported = test_reported.empty() ? blas_core_name() : test_reported;
   const BlasCoreChoice c = choose_blas_core(s.reported, cpu_features());
-  if (c.core.empty()) return;
+  if (c.core.empty()) return "";
   s.chosen = c.core;
   s.reason = c.reason;
-  const std::string mark = c.core + "|" + c.reason + "|" + s.reported;
-  if (::setenv("OPENBLAS_CORETYPE", c.core.c_str(), 1) == 0 && ::setenv(kChosenVar, mark.c_str(), 1) == 0) {
+  return c.core;
+}
+
+// OpenMP's wait setting: fills g_wait; returns the GOMP_SPINCOUNT to set, or "".
+std::string plan_wait_policy() {
+  WaitSelection& w = g_wait;
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  const std::string chosen = env(kWaitChosenVar);
+  if (!chosen.empty() && !is_set(policy) && env("GOMP_SPINCOUNT") == chosen) {
+    w.origin = Origin::Chosen;  // the re-executed process, or a child of one (mpirun's ranks)
+    w.chosen = chosen;
+    return "";
+  }
+  const WaitPolicyChoice c = choose_wait_policy(policy, spin);
+  if (c.var.empty()) {
+    w.origin = Origin::User;
+    return "";
+  }
+  w.chosen = c.value;
+  return c.value;
+}
+
+}  // namespace
+
+// Note [OpenMP's wait policy on shared cores]
+//
+// A thread of libgomp's that reaches a barrier, or the end of a parallel region, waits for
+// the others (or the next region) spinning, and sleeps in the kernel only after
+// GOMP_SPINCOUNT spins: 300000 when OMP_WAIT_POLICY is unset, 0 when it is passive. A spin
+// (a load and a pause instruction) took 44 ns on a 2-core AMD EPYC VM, so libgomp's
+// default spins 13 ms, several of the scheduler's time slices. Alone on its cores, that
+// catches the short gaps between a step's regions. Beside another busy program on the
+// same cores, the spinning thread holds a core that the thread it waits for needs: a
+// llama-tiny step at 2048 tokens on 2 cores took 9-13x its time alone beside a second
+// busy sppo and 44x beside `sppo bench memory`.
+//
+// Measured there, each setting given to both programs (docs/figures-cpu.md, "Shared
+// cores"; `sppo bench cores`), the step alone against libgomp's default and beside a
+// second sppo against alone:
+//   passive             alone 1.03-1.06x   beside 1.9x   (a wake-up at every region)
+//   GOMP_SPINCOUNT=1000 alone 0.97-1.04x   beside 2.1x
+//   3000                alone 0.98-1.02x   beside 2.4x
+//   10000               alone 0.97-1.00x   beside 2.2-3.2x
+//   libgomp's default   alone 1x           beside 2.7-6x (9-13x in other runs)
+// 1000 spins (44 us there; shorter where a pause is quicker, and then nearer passive)
+// keep the step alone as fast as libgomp's default and lose, beside a busy neighbour,
+// about the core it takes. The user's OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins.
+WaitPolicyChoice choose_wait_policy(const char* omp_wait_policy, const char* gomp_spincount) {
+  if (is_set(omp_wait_policy) || is_set(gomp_spincount)) return {};
+  return {"GOMP_SPINCOUNT", kSppoSpinCount};
+}
+
+void select_library_settings(char** argv) {
+  g_selected = true;
+  const std::string core = plan_blas_core();
+  const std::string spin = plan_wait_policy();
+  if (core.empty() && spin.empty()) return;
+  const std::string mark = core.empty() ? "" : core + "|" + g_selection.reason + "|" + g_selection.reported;
+  const bool set = (core.empty() || (::setenv("OPENBLAS_CORETYPE", core.c_str(), 1) == 0 &&
+                                     ::setenv(kChosenVar, mark.c_str(), 1) == 0)) &&
+                   (spin.empty() || (::setenv("GOMP_SPINCOUNT", spin.c_str(), 1) == 0 &&
+                                     ::setenv(kWaitChosenVar, spin.c_str(), 1) == 0));
+  if (set) {
     std::fflush(nullptr);
     ::execv("/proc/self/exe", argv);
   }
-  // Still here: run on with the reported core, and say so.
-  s.origin = Origin::ExecFailed;
-  s.exec_error = std::strerror(errno);
-  ::unsetenv("OPENBLAS_CORETYPE");
-  ::unsetenv(kChosenVar);
+  // Still here: run on with what the libraries found when they loaded, and say so.
+  const std::string error = std::strerror(errno);
+  if (!core.empty()) {
+    g_selection.origin = Origin::ExecFailed;
+    g_selection.exec_error = error;
+    ::unsetenv("OPENBLAS_CORETYPE");
+    ::unsetenv(kChosenVar);
+  }
+  if (!spin.empty()) {
+    g_wait.origin = Origin::ExecFailed;
+    g_wait.exec_error = error;
+    ::unsetenv("GOMP_SPINCOUNT");
+    ::unsetenv(kWaitChosenVar);
+  }
 }
 
 std::string blas_core_name() { return openblas_get_corename(); }
@@ -182,6 +266,29 @@ std::string blas_core_description() {
              s.exec_error + ")";
   }
   return line;
+}
+
+std::string openmp_wait_description() {
+  const std::string policy = env("OMP_WAIT_POLICY"), spin = env("GOMP_SPINCOUNT");
+  std::string user;
+  if (!policy.empty()) user = "OMP_WAIT_POLICY=" + policy;
+  if (!spin.empty()) user += (user.empty() ? "" : " ") + ("GOMP_SPINCOUNT=" + spin);
+  if (!g_selected) return user.empty() ? "libgomp's default" : user;
+  const WaitSelection& w = g_wait;
+  switch (w.origin) {
+    case Origin::Detected:
+    case Origin::ChosenButIgnored:
+      return "libgomp's default";
+    case Origin::User:
+      return user + " (set by the user)";
+    case Origin::Chosen:
+      return "GOMP_SPINCOUNT=" + w.chosen +
+             " (chosen: spinning shorter shares busy cores; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to override)";
+    case Origin::ExecFailed:
+      return "libgomp's default (GOMP_SPINCOUNT=" + w.chosen + " would share busy cores, but re-executing with it failed: " +
+             w.exec_error + ")";
+  }
+  return user;
 }
 
 }  // namespace sppo::cpu
