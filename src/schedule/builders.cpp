@@ -553,6 +553,17 @@ Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const
   s.place = shape.place;
   s.packed = shape.packed;
   s.labeled = shape.labeled;
+  // Note [One Ulysses member in the search]: a Ulysses group's members run the same ops on
+  // rows and heads that differ by at most one, and the first has the most of both: its
+  // compute and its memory are the group's largest (the all-to-alls are priced over every
+  // member, CostModel::alltoall_s), so each collective ends as it arrives. The planner's
+  // search (Replicas::One) simulates it
+  // alone, the others' op lists left empty (the simulator waits in a collective for the
+  // members with ops only); a U x cp stage then costs the search what a ring of cp does,
+  // and the plan found is simulated whole before it is returned.
+  if (replicas == Replicas::One && par.ulysses > 1)
+    for (int r = 0; r < s.ranks(); ++r)
+      if (s.ulysses_shard(r).index != 0) s.ops[std::size_t(r)].clear();
   return s;
 }
 

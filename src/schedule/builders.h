@@ -51,8 +51,10 @@ std::vector<std::pair<int, int>> stage_ranges(int layers, int pp, const std::vec
 // expanded for tensor parallelism (expand_tensor_parallel).
 Schedule build_pipeline(const PipelineSpec& spec);
 
-// Whether build_step builds every replica of the shape, or one of shape.par.dp identical
-// replicas alone (PipelineSpec::replicated: the planner's search).
+// Whether build_step builds every replica of the shape, or, for the planner's search, one
+// of shape.par.dp identical replicas alone (PipelineSpec::replicated) and of each Ulysses
+// group the first member's ops alone (Note [One Ulysses member in the search] in
+// builders.cpp).
 enum class Replicas : char { All, One };
 
 // The schedule of one step of `shape` (core/step_shape.h) for model `c`: build_single for

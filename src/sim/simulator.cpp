@@ -424,8 +424,10 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
   }
   std::vector<Inbox> inbox(R);  // messages in flight, by receiver
   // Each collective's group as a number, looked up once a pass: a Ulysses step has an
-  // all-to-all on every F and B of every member.
+  // all-to-all on every F and B of every member. A collective ends once each member with
+  // ops has arrived (Note [One Ulysses member in the search] in schedule/builders.cpp).
   std::vector<std::vector<int>> group_of(R);
+  std::vector<size_t> arrivals;  // by group: its members with ops
   int groups = 0;
   {
     std::map<std::vector<int>, int> ids;
@@ -437,8 +439,12 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
         const Op& op = s.ops[size_t(r)][k];
         if (op.kind != OpKind::AllReduce && op.kind != OpKind::AllToAll) continue;
         if (!last || *last != op.group) {
-          last_id = ids.emplace(op.group, int(ids.size())).first->second;
+          const auto [at, added] = ids.emplace(op.group, int(ids.size()));
+          last_id = at->second;
           last = &op.group;
+          if (added)
+            arrivals.push_back(size_t(std::count_if(op.group.begin(), op.group.end(),
+                                                    [&](int m) { return !s.ops[size_t(m)].empty(); })));
         }
         group_of[size_t(r)][k] = last_id;
       }
@@ -609,14 +615,13 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
           }
           case OpKind::AllToAll: {
             // As an all-reduce: every member arrives, then all are held for the exchanges.
-            const Op& all = ops[rs.pc];
             auto [there, end] = collective(r, rs.pc);
             if (!rs.posted) {
               there->push_back(std::max(rs.t_compute, rs.t_net));
               rs.posted = true;
               progress = true;
             }
-            if (there->size() < all.group.size()) goto blocked;
+            if (there->size() < arrivals[size_t(group_of[size_t(r)][rs.pc])]) goto blocked;
             if (*end < 0) *end = *std::max_element(there->begin(), there->end()) + op.seconds;
             const double start = std::max(rs.t_compute, rs.t_net);
             record(r, Lane::Network, rs.pc, start, *end);
@@ -635,7 +640,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               rs.posted = true;
               progress = true;
             }
-            if (there->size() < all.group.size()) goto blocked;
+            if (there->size() < arrivals[size_t(group_of[size_t(r)][rs.pc])]) goto blocked;
             if (*end < 0) {
               const double start = *std::max_element(there->begin(), there->end());
               const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.par.tp});

@@ -11,7 +11,10 @@
 #include "planner/partition.h"
 #include "planner/plan.h"
 #include "planner/profile.h"
+#include "schedule/builders.h"
+#include "sim/simulator.h"
 #include "sim/solver.h"
+#include "sim/solver/search.h"
 #include "support/expect_error.h"
 
 namespace sppo::plan {
@@ -453,9 +456,10 @@ TEST(Solver, SaysWhyNothingFits) {
 
 // Ulysses in the search (Note [Sequence parallelism in the search]): gpt-7b at 2M on two
 // nodes of 8 H200s runs fastest as USP, a group of 8 Ulysses ranks in each node and a ring
-// of 2 across them; the notes say so, the plan simulates again to its own figures, and the
-// same step with a ring of 8 in each node instead (the nodes data-parallel) does not fit:
-// each of its ranks keeps every head's K/V of the earlier rows, a Ulysses rank 1/8 of them.
+// of 2 across them. The notes say so; the plan simulates again to its own figures, and to
+// the search's, which simulated one member of each group; the same step with a ring of 8
+// in each node instead (the nodes data-parallel) does not fit: each of its ranks keeps
+// every head's K/V of the earlier rows, a Ulysses rank 1/8 of them.
 TEST(Solver, UlyssesInsideANodeAndTheRingAcross) {
   auto req = request("gpt-7b", i64(2) << 20, 16, "sppo");
   req.hardware = "h200";
@@ -476,6 +480,17 @@ TEST(Solver, UlyssesInsideANodeAndTheRingAcross) {
   const auto r = sim::simulate_plan(q, req.hw);
   EXPECT_EQ(r.peak_device_bytes, p.predicted.peak_device_bytes);
   EXPECT_NEAR(r.step_time_s, p.predicted.step_time_s, 1e-9 * p.predicted.step_time_s);
+  // The search simulated the first member of each Ulysses group alone (Note [One Ulysses
+  // member in the search]): the busiest, so the same peak and step as every member.
+  {
+    const HardwareProfile hw = sim::solver::plan_hardware(req.hw, p.gpus_per_node);
+    CostModel priced(hw, p.model, ActPrecision::BF16);
+    priced.price_replicas(p.par.dp, p.par.ranks() / p.par.dp);
+    const auto one = sim::simulate(sched::build_step(p.model, p.lengths, p.alpha, p, sched::Replicas::One), priced,
+                                   sim::plan_rules(p, ActPrecision::BF16, sched::Replicas::One));
+    EXPECT_EQ(one.peak_device_bytes, r.peak_device_bytes);
+    EXPECT_NEAR(one.step_time_s, r.step_time_s, 1e-9 * r.step_time_s);
+  }
   Plan ring = p;  // the same step with a ring of 8 in each node and the two nodes data-parallel
   ring.par.ulysses = 1;
   ring.par.cp = 8;

@@ -70,9 +70,10 @@ struct SequenceSplit {
 // that may cross nodes (USP as its authors lay it out: ulysses 8 inside a node and cp 2
 // across). Narrower Ulysses groups under a ring would put ring traffic where all-to-alls
 // run faster, and searching them too took gpt-7b at 1M on 32 A100s from 6.9 s to 11.5 s.
-// A USP layout's stage has U cp ranks to simulate, so it costs the search U times a ring's:
-// with Ulysses, gpt-7b at 8M on 128 H200s takes 18.5 s against 9.7 (its plan, ulysses 8
-// cp 4 dp 4, runs 70.4 tokens/GPU/s against the ring's 69.0). Ulysses holds what tp would divide whole
+// A USP stage has U x cp ranks, of which the search simulates the first member of each
+// Ulysses group (Note [One Ulysses member in the search] in schedule/builders.cpp): with
+// every member, gpt-7b at 8M on 128 H200s took 18.5 s against 9.7 without Ulysses (its
+// plan, ulysses 8 cp 4 dp 4, runs 70.4 tokens/GPU/s against the ring's 69.0). Ulysses holds what tp would divide whole
 // (every weight), but keeps 1/U of the K/V cache without cutting a GEMM, moves no prefix,
 // and runs the placements a ring does not (recomputed attention aside): rebuilt inputs, and
 // MLP tiles.
