@@ -1,6 +1,7 @@
 // `sppo train` and `sppo grads`: a training run, and one step's gradients exported.
 #include <CLI/CLI.hpp>
 #include <charconv>
+#include <cstdlib>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -47,6 +48,7 @@ struct Train {
   TrainOptions options;
   StepFlags flags;
   std::string config;  // --config
+  std::string lr_schedule = "cosine";  // --lr-schedule
   CLI::App* cmd = nullptr;
 };
 
@@ -116,6 +118,7 @@ int run_train_command(Train& t, const Invocation& inv) {
   std::set<std::string> restored;
   const nlohmann::json recorded = restore_recorded_options(t, inv, restored);
   resolve_step_options(t.flags, train.step);
+  train.lr_shape = parse_lr_shape(t.lr_schedule);
   auto given = [&](const char* name) { return t.cmd->get_option(name)->count() > 0; };
   apply_finetune_defaults(train, given("--lr"), given("--warmup"), given("--weight-decay"));
   const std::string from_checkpoint = "from the checkpoint";
@@ -138,10 +141,24 @@ void add_train(CLI::App& app, Commands& out) {
   add_step_options(cmd, t->flags, o.step);
   cmd->add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
   cmd->add_option("--lr", o.lr,
-                  "Peak learning rate (warm-up, then cosine decay to a tenth; with --init the default is 2e-5)")
+                  "Peak learning rate (warm-up, then --lr-schedule; with --init the default is 2e-5)")
       ->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Warm-up steps (with --init the default is 3% of --steps)")
       ->capture_default_str();
+  cmd->add_option("--lr-schedule", t->lr_schedule,
+                  "After the warm-up: cosine (half a cosine down to --min-lr at the last step), linear (a straight "
+                  "line down to it), constant, or wsd (stable, then a straight line down over the last "
+                  "--decay-steps)")
+      ->capture_default_str();
+  cmd->add_option("--min-lr", o.min_lr, "The learning rate the schedule decays to (default: a tenth of --lr)")
+      ->check([](const std::string& v) {
+        char* end = nullptr;
+        const double x = std::strtod(v.c_str(), &end);
+        return end != v.c_str() && *end == '\0' && x >= 0 ? std::string()
+                                                           : v + " is not a learning rate of 0 or more";
+      });
+  cmd->add_option("--decay-steps", o.decay_steps,
+                  "With --lr-schedule wsd: the steps of its decay at the end (default: a tenth of --steps)");
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay of matrices (with --init the default is 0)")
       ->capture_default_str();
   cmd->add_option("--clip", o.clip, "Gradient-norm clip (0: off)")->capture_default_str();

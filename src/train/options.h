@@ -7,6 +7,7 @@
 #include "core/config.h"
 #include "core/parallel.h"
 #include "core/placement.h"
+#include "train/lr_schedule.h"
 
 namespace sppo {
 
@@ -76,9 +77,14 @@ inline constexpr float kFinetuneWeightDecay = 0.0f;
 struct TrainOptions {
   StepOptions step;
   int steps = 200;
+  // The learning rate (Note [Learning-rate schedules] in train/lr_schedule.h): lr is the
+  // peak; min_lr below 0 is a tenth of it; decay_steps 0 is a tenth of the steps (wsd).
   float lr = 5e-3f;
-  float min_lr_ratio = 0.1f;          // cosine decays to lr * min_lr_ratio
   int warmup = 20;
+  LrShape lr_shape = LrShape::Cosine;
+  float min_lr = -1;
+  int decay_steps = 0;
+  LrSchedule lr_schedule() const { return {lr_shape, lr, warmup, min_lr, decay_steps}; }
   float weight_decay = 0.1f;
   // Where lr, warmup and weight_decay came from, as the start-up line states it: the option
   // ("--lr"), or the default that set it.

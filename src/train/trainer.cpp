@@ -30,16 +30,6 @@ namespace sppo {
 
 namespace {
 
-// The learning rate of step `step` (from 0) of a schedule laid out for `planned` steps:
-// linear warm-up, cosine decay to lr * min_lr_ratio at step `planned`, then constant.
-float lr_at(const TrainOptions& o, int step, int planned) {
-  if (o.warmup > 0 && step < o.warmup) return o.lr * float(step + 1) / float(o.warmup);
-  const int decay = std::max(1, planned - o.warmup);
-  const double progress = std::min(1.0, double(step - o.warmup) / double(decay));
-  const double cosine = 0.5 * (1.0 + std::cos(M_PI * progress));
-  return float(o.lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine));
-}
-
 std::string fmt_duration(double s) {
   char buf[32];
   const long t = long(s + 0.5);
@@ -103,6 +93,7 @@ void check_train_options(const TrainOptions& o) {
   SPPO_CHECK(o.steps >= 1, "options") << "--steps must be at least 1 (got " << o.steps << ")";
   SPPO_CHECK(o.lr > 0 && std::isfinite(o.lr), "options") << "--lr must be positive (got " << o.lr << ")";
   SPPO_CHECK(o.warmup >= 0, "options") << "--warmup must be 0 or more steps (got " << o.warmup << ")";
+  check_lr_schedule(o.lr_schedule(), o.steps);
   SPPO_CHECK(o.weight_decay >= 0, "options") << "--weight-decay must be 0 or more (got " << o.weight_decay << ")";
   SPPO_CHECK(o.clip >= 0, "options") << "--clip must be 0 (off) or positive (got " << o.clip << ")";
   SPPO_CHECK(o.save_every >= 0, "options") << "--save-every must be 0 (off) or positive (got " << o.save_every << ")";
@@ -451,10 +442,9 @@ void print_start(const Run& r) {
                s.data->describe().c_str(),
                omp_get_max_threads(), layout_text(lay).c_str());
   std::fprintf(stderr,
-               "optimizer: AdamW, lr %g (%s), warm-up %d steps (%s), cosine decay to %g, weight decay %g (%s), "
-               "clip %g\n",
-               o.lr, o.lr_from.c_str(), o.warmup, o.warmup_from.c_str(), o.lr * o.min_lr_ratio, o.weight_decay,
-               o.weight_decay_from.c_str(), o.clip);
+               "optimizer: AdamW, lr %g (%s), warm-up %d steps (%s), %s, weight decay %g (%s), clip %g\n",
+               o.lr, o.lr_from.c_str(), o.warmup, o.warmup_from.c_str(), o.lr_schedule().describe(r.planned).c_str(),
+               o.weight_decay, o.weight_decay_from.c_str(), o.clip);
   if (s.device_budget.bytes > 0)
     std::fprintf(stderr, "device memory: a budget of %s (%s)\n", format_bytes(double(s.device_budget.bytes)).c_str(),
                  s.device_budget.from.c_str());
@@ -615,7 +605,7 @@ bool train_step(Run& r, int step, std::vector<std::int32_t>& tokens) {
   t.done = step + 1;
   t.loss = losses[0];
   t.first = losses[1] / lay.batch, t.second = losses[2] / lay.batch;
-  t.lr = lr_at(o, step, r.planned);
+  t.lr = float(o.lr_schedule().at(step, r.planned));
   const AdamWSettings hp{t.lr, o.beta1, o.beta2, o.adam_eps, o.weight_decay, o.clip};
   t.norm = std::isfinite(t.loss) ? optimizer_step(rt, lay, cm, hp, r.updates + 1) : t.loss;
   if (!std::isfinite(t.norm)) {
@@ -813,6 +803,9 @@ nlohmann::json numeric_options(const TrainOptions& o) {
           {"--batch", std::to_string(st.batch == 0 ? st.par.dp : st.batch)},
           {"--lr", num(o.lr)},
           {"--warmup", std::to_string(o.warmup)},
+          {"--lr-schedule", to_string(o.lr_shape)},
+          {"--min-lr", o.min_lr >= 0 ? num(o.min_lr) : ""},  // "": a tenth of --lr
+          {"--decay-steps", std::to_string(o.decay_steps)},
           {"--weight-decay", num(o.weight_decay)},
           {"--clip", num(o.clip)}};
 }

@@ -43,8 +43,28 @@ TEST_F(Resume, StepsExtendAtTheFinalLearningRate) {
   ASSERT_EQ(m.size(), 3u);  // steps 7, 8 and the summary
   for (int k = 0; k < 2; ++k) {
     EXPECT_EQ(m[k]["step"].get<int>(), 7 + k);
-    EXPECT_FLOAT_EQ(m[k]["lr"].get<float>(), 0.004f * 0.1f);  // lr x the cosine's floor, min_lr_ratio
+    EXPECT_FLOAT_EQ(m[k]["lr"].get<float>(), 0.004f * 0.1f);  // the cosine's floor: a tenth of --lr
   }
+}
+
+// Note [Learning-rate schedules]: the schedule's name and numbers are options the checkpoint
+// records, so a resumed run continues it, step for step the rates of the run not stopped.
+TEST_F(Resume, TheLearningRateScheduleContinues) {
+  const std::string wsd = " train --model tiny --seq-len 64 --seed 5 --warmup 2 --steps 10 --quiet --lr 0.004 "
+                          "--lr-schedule wsd --decay-steps 4 --min-lr 0.001";
+  auto r = run_command(sppo() + wsd + " --metrics " + path("straight.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  ASSERT_EQ(run_command(sppo() + wsd + " --stop-after 5 --save " + path("ck")).status, 0);
+  r = run_command(sppo() + " train --resume " + path("ck") + " --metrics " + path("resumed.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("stable, then linear decay to 0.001 over the last 4 steps (wsd)"), std::string::npos)
+      << r.output;
+  const auto straight = read_jsonl(path("straight.jsonl")), resumed = read_jsonl(path("resumed.jsonl"));
+  ASSERT_EQ(straight.size(), 11u);  // ten steps and the summary
+  ASSERT_EQ(resumed.size(), 6u);
+  const float want[10] = {0.002f, 0.004f, 0.004f, 0.004f, 0.004f, 0.004f, 0.004f, 0.00325f, 0.0025f, 0.00175f};
+  for (int k = 0; k < 10; ++k) EXPECT_FLOAT_EQ(straight[k]["lr"].get<float>(), want[k]) << "step " << k + 1;
+  for (int k = 0; k < 5; ++k) EXPECT_EQ(resumed[k]["lr"], straight[k + 5]["lr"]) << "step " << k + 6;
 }
 
 // Note [Continuing a trained model]: --init takes a fine-tuning learning rate (2e-5), warm-up
@@ -74,7 +94,8 @@ TEST_F(Resume, InitTakesFineTuningDefaultsAndSaysWhere) {
 TEST_F(Resume, AnOptionGivenAgainDifferentlyIsRefused) {
   ASSERT_EQ(run_command(sppo() + kRun + " --stop-after 2 --save " + path("ck")).status, 0);
   const std::string before = read_file(path("ck/model.safetensors"));
-  for (const char* changed : {"--seq-len 128", "--model small", "--lr 0.1", "--seed 6", "--subseqs 2", "--batch 2"}) {
+  for (const char* changed : {"--seq-len 128", "--model small", "--lr 0.1", "--seed 6", "--subseqs 2", "--batch 2",
+                              "--lr-schedule wsd", "--min-lr 0.0001"}) {
     const auto r = run_command(sppo() + " train --resume " + path("ck") + " " + changed + " --save " + path("ck"));
     EXPECT_EQ(r.status, 2) << changed << "\n" << r.output;
     const std::string flag = std::string(changed).substr(0, std::string(changed).find(' '));
