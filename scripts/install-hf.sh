@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what tests/hf/check_hf.py holds sppo's Llama-family models to: PyTorch from
 # Debian (python3-torch, CPU only; python3-jinja2 for chat templates) and Hugging Face
-# transformers 4.46.3 from PyPI, in a virtual environment at build/hf-venv that sees
+# transformers 4.46.3 from PyPI (and TensorBoard 2.18.0, whose reader tests/hf/check_tensorboard.py
+# holds train --tensorboard's event files to), in a virtual environment at build/hf-venv that sees
 # Debian's packages. Idempotent. Without it the test is skipped, saying so; with --optional
 # (CI) a failed install (no network to PyPI, say) is reported and the script succeeds, so
 # that the rest still runs.
@@ -24,10 +25,10 @@ install() {
   source scripts/apt.sh
   apt_install python3-torch python3-venv python3-pip python3-jinja2
   local venv=build/hf-venv
-  if ! "$venv/bin/python" -c "import torch, transformers" 2>/dev/null; then
+  if ! "$venv/bin/python" -c "import torch, transformers, tensorboard" 2>/dev/null; then
     mkdir -p build
     /usr/bin/python3 -m venv --system-site-packages "$venv"
-    "$venv/bin/pip" install -q --disable-pip-version-check "transformers==4.46.3"
+    "$venv/bin/pip" install -q --disable-pip-version-check "transformers==4.46.3" "tensorboard==2.18.0"
   fi
   "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 }

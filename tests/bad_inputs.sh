@@ -278,6 +278,7 @@ expect "--decay-steps is the decay of --lr-schedule wsd" train --model tiny --se
 expect "--decay-steps 5 or less" train --model tiny --seq-len 32 --steps 10 --warmup 5 --lr-schedule wsd --decay-steps 8
 expect "--min-lr 0.5" train --model tiny --seq-len 32 --steps 1 --lr 0.01 --min-lr 0.5
 expect "--min-lr" train --model tiny --seq-len 32 --steps 1 --min-lr -0.1
+expect "--tensorboard" train --model tiny --seq-len 32 --steps 1 --tensorboard /etc/hostname/tb
 expect "--recompute needs" train --model tiny --seq-len 4096 --recompute --device-memory 8MiB
 # Sequence parallelism and bidirectional models.
 expect "--cp 2 x --dp 1 = 2 ranks" train --model tiny --seq-len 32 --steps 1 --cp 2

@@ -173,6 +173,9 @@ void add_train(CLI::App& app, Commands& out) {
                 "profile and ranks whatever this machine is, allocating nothing; prints each rank's peaks and one "
                 "JSON object, exit 0 when every rank fits, 3 when one does not");
   cmd->add_option("--metrics", o.metrics_path, "Write one JSON object per step to this .jsonl file");
+  cmd->add_option("--tensorboard", o.tensorboard_dir,
+                  "Also write each step's figures (loss, lr, grad_norm, tokens_per_s, peak_device_bytes, ...: the "
+                  "--metrics names) as TensorBoard event files into this directory");
   cmd->add_option("--save", o.save_dir, "Checkpoint directory (written atomically)");
   cmd->add_option("--save-every", o.save_every, "Also checkpoint every K steps");
   cmd->add_option("--resume", o.resume_dir, "Continue from this checkpoint directory");

@@ -97,6 +97,7 @@ struct TrainOptions {
   int stop_after = 0;                 // end this process after step K (0: run to --steps),
                                       // e.g. to fit a job's time slot; resume continues it
   std::string metrics_path;
+  std::string tensorboard_dir;        // TensorBoard event files of the metrics (io/tensorboard.h)
   std::string trace_path;             // Chrome trace JSON of the last step
   std::string svg_path;               // SVG timeline of the last step
   // The run's options as TOML (cli/config_file.h), written as config.toml into each

@@ -20,6 +20,7 @@
 #include "core/timing.h"
 #include "io/checkpoint.h"
 #include "io/metrics.h"
+#include "io/tensorboard.h"
 #include "io/safetensors.h"
 #include "runtime/fault.h"
 #include "sim/simulator.h"
@@ -362,6 +363,7 @@ struct Run {
   int updates = 0;           // optimizer updates so far (AdamW's bias correction counts them)
   int bad_in_a_row = 0;      // steps skipped for a non-finite loss or gradient
   std::unique_ptr<io::JsonlWriter> metrics;
+  std::unique_ptr<io::TensorboardWriter> tensorboard;
   AttentionBuildStats graphs;  // the attention library's graphs built before this step
   std::chrono::steady_clock::time_point started;
   std::vector<double> step_times;
@@ -411,6 +413,7 @@ void start_run(Run& r) {
           o.metrics_path, r.start_step > 0 ? io::JsonlWriter::Mode::Append : io::JsonlWriter::Mode::Truncate);
       write_config_beside(o.metrics_path, o.config_toml);
     }
+    if (r.root && !o.tensorboard_dir.empty()) r.tensorboard = std::make_unique<io::TensorboardWriter>(o.tensorboard_dir);
   });
   // From here the ranks' messages, device memory's too, go through the setup's communicator.
   r.cm = &r.s.comm(r.world);
@@ -575,6 +578,12 @@ void report_step(Run& r, const Sequences& q, const StepOutcome& t) {
     m["ranks"] = std::move(per);
   }
   if (r.metrics) r.metrics->write(m);
+  if (r.tensorboard) {  // the step's figures, each under its metrics name
+    std::vector<std::pair<std::string, double>> scalars;
+    for (const auto& [name, v] : m.items())
+      if (v.is_number() && name != "step") scalars.push_back({name, v.get<double>()});
+    r.tensorboard->scalars(t.done, scalars);
+  }
   if (!o.quiet)
     std::fprintf(stderr, "%sstep %d/%d | loss %.4f%s | %s tok/s | peak %s | offloaded %s | ETA %s%s",
                  r.tty ? "\r\033[K" : "", t.done, o.steps, t.loss, halves.c_str(), fmt_rate(tps).c_str(),
