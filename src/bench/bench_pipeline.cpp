@@ -206,15 +206,16 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
                         {"seq_len", S},
                         {"reps", o.reps},
                         {"profile", profile_name},
-                        {"kind", "ring (context parallel, one-pass with LSE merge) and tensor parallel with "
-                                 "sequence-parallel regions"}};
-  nlohmann::json rows = nlohmann::json::array(), tensor = nlohmann::json::array();
+                        {"kind", "ring (context parallel, one-pass with LSE merge), tensor parallel with "
+                                 "sequence-parallel regions, and Ulysses"}};
+  nlohmann::json rows = nlohmann::json::array(), tensor = nlohmann::json::array(), ulysses = nlohmann::json::array();
   auto add = [&](const std::string& name, i64 seq_len, int cp, const std::string& ring, bool alone,
-                 bool bidirectional = false, int tp = 1) {
+                 bool bidirectional = false, int tp = 1, int U = 1) {
     StepOptions so = base;
     so.seq_len = seq_len;
     so.par.cp = cp;
     so.par.tp = tp;
+    so.par.ulysses = U;
     parse_ring(ring, so.par);
     if (bidirectional) {
       so.model.causal = false;
@@ -224,12 +225,13 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
     nlohmann::json j = row_json(r);
     j["layout"] = name;
     j["seq_len"] = seq_len;
-    j["tokens_per_rank"] = seq_len / (cp * tp);
+    const i64 split = i64(cp) * tp * U;
+    j["tokens_per_rank"] = seq_len / split;
     j["compute_s_per_rank"] = r.compute_s;
     const auto [lo, hi] = std::minmax_element(r.compute_s.begin(), r.compute_s.end());
     j["compute_imbalance"] = *lo > 0 ? *hi / *lo : 0.0;
-    j["tokens_per_s_per_rank"] = r.measured_s > 0 ? double(seq_len / (cp * tp)) / r.measured_s : 0.0;
-    (tp > 1 ? tensor : rows).push_back(std::move(j));
+    j["tokens_per_s_per_rank"] = r.measured_s > 0 ? double(seq_len / split) / r.measured_s : 0.0;
+    (U > 1 ? ulysses : tp > 1 ? tensor : rows).push_back(std::move(j));
   };
   add("one rank (each rank alone)", S, 1, "zigzag", true);
   add("cp 2, contiguous", S, 2, "contiguous", false);
@@ -240,6 +242,9 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
   // The SPPO paper's SP: tensor parallelism with sequence-parallel regions.
   add("tp 2", S, 1, "zigzag", false, false, 2);
   add("tp 2, 2S (equal tokens per rank)", 2 * S, 1, "zigzag", false, false, 2);
+  // DeepSpeed-Ulysses: all-to-alls around each attention (runtime/ulysses.h).
+  add("ulysses 2", S, 1, "zigzag", false, false, 1, 2);
+  add("ulysses 2, 2S (equal tokens per rank)", 2 * S, 1, "zigzag", false, false, 1, 2);
   const double one = rows[0]["measured_step_time_s"].get<double>();
   out["speedup_cp2_zigzag_over_one"] = one / rows[2]["measured_step_time_s"].get<double>();
   out["speedup_cp2_contiguous_over_one"] = one / rows[1]["measured_step_time_s"].get<double>();
@@ -257,8 +262,14 @@ nlohmann::json bench_sp(const BenchPipelineOptions& o, comm::Comm& world) {
       tensor[1]["tokens_per_s_per_rank"].get<double>() / rows[0]["tokens_per_s_per_rank"].get<double>();
   out["peak_tp2_over_one"] = double(tensor[0]["measured_peak_device_bytes_per_rank"][0].get<i64>()) / double(one_peak);
   out["peak_cp2_over_one"] = double(rows[2]["measured_peak_device_bytes_per_rank"][0].get<i64>()) / double(one_peak);
+  out["speedup_ulysses2_over_one"] = one / ulysses[0]["measured_step_time_s"].get<double>();
+  out["tokens_per_s_per_rank_ulysses2_2S_over_one"] =
+      ulysses[1]["tokens_per_s_per_rank"].get<double>() / rows[0]["tokens_per_s_per_rank"].get<double>();
+  out["peak_ulysses2_over_one"] =
+      double(ulysses[0]["measured_peak_device_bytes_per_rank"][0].get<i64>()) / double(one_peak);
   out["ring"] = std::move(rows);
   out["tensor"] = std::move(tensor);
+  out["ulysses"] = std::move(ulysses);
   // MSP on the sequence pipeline of 2 stages: the bubble-adjacent subsequences run split
   // over both ranks.
   nlohmann::json msp = nlohmann::json::array();
@@ -293,6 +304,7 @@ void print_bench_sp(const nlohmann::json& j) {
               "rank (measured / predicted) |\n|---|---|---|---|---|---|---|---|\n");
   nlohmann::json all = j["ring"];
   for (const auto& r : j["tensor"]) all.push_back(r);
+  for (const auto& r : j["ulysses"]) all.push_back(r);
   for (const auto& r : all)
     std::printf("| %s | %lld | %lld | %.3f | %.3f | %.2f | %.0f | %s / %s |\n", r["layout"].get<std::string>().c_str(),
                 (long long)r["seq_len"].get<i64>(), (long long)r["tokens_per_rank"].get<i64>(),
@@ -311,6 +323,10 @@ void print_bench_sp(const nlohmann::json& j) {
               "one rank at S %.3f; peak a rank over one rank's: tp 2 %.3f, cp 2 zigzag %.3f\n",
               j["speedup_tp2_over_one"].get<double>(), j["tokens_per_s_per_rank_tp2_2S_over_one"].get<double>(),
               j["peak_tp2_over_one"].get<double>(), j["peak_cp2_over_one"].get<double>());
+  std::printf("ulysses: ulysses 2 over one rank at S %.2fx; tokens/s a rank at 2S over one rank at S %.3f; peak a "
+              "rank over one rank's %.3f\n",
+              j["speedup_ulysses2_over_one"].get<double>(), j["tokens_per_s_per_rank_ulysses2_2S_over_one"].get<double>(),
+              j["peak_ulysses2_over_one"].get<double>());
   print_bench_sp_msp(j);
 }
 

@@ -220,8 +220,8 @@ void add_bench_ranks(CLI::App* bench, Commands& out, bool sp) {
   auto o = std::make_shared<Ranks>();
   if (sp) o->options.seq_len = "1024";
   auto* cmd = sp ? bench->add_subcommand("sp", "Sequence parallelism on 2 ranks vs one (ring attention, TP with "
-                                               "sequence-parallel regions) and MSP on vs off: step time, balance, "
-                                               "memory, vs simulated")
+                                               "sequence-parallel regions, Ulysses) and MSP on vs off: step time, "
+                                               "balance, memory, vs simulated")
                  : bench->add_subcommand("pipeline", "Sequence pipeline and data parallel on 2 ranks: bubble and step "
                                                      "time, measured vs simulated");
   cmd->add_option("--model", o->options.model, "Model preset")->capture_default_str();
