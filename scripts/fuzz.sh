@@ -33,7 +33,13 @@ apt_install "${packages[@]}"
 source scripts/configure.sh
 t0=$(date +%s)
 configure build-fuzz -S tests/fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=None -DCMAKE_UNITY_BUILD=ON
-nice -n 10 cmake --build build-fuzz -j"$jobs" --target $(printf 'fuzz_%s ' "${targets[@]}") >/dev/null
+if ! nice -n 10 cmake --build build-fuzz -j"$jobs" --target $(printf 'fuzz_%s ' "${targets[@]}") \
+    >build-fuzz/build.log 2>&1; then
+  echo "fuzz: the build failed; the end of build-fuzz/build.log:"
+  grep -E 'error|undefined reference' build-fuzz/build.log | head -20
+  tail -5 build-fuzz/build.log
+  exit 1
+fi
 if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then
   echo "fuzz: built ${#targets[@]} targets in $(( $(date +%s) - t0 )) s"
   exit 0
