@@ -43,6 +43,8 @@ plans=(
   "llama-3-8b 4M 64 h100-sxm"
   "gpt-7b 2M 16 h200"
   "gpt-7b 4M 128 a100-80gb"
+  "llama-3-8b 8M 16 h100-sxm"
+  "llama-3-8b 16M 32 h100-sxm"
 )
 
 failed=0
