@@ -613,45 +613,33 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             mem_at(rs, arrival, arrival);
             break;
           }
-          case OpKind::AllToAll: {
-            // As an all-reduce: every member arrives, then all are held for the exchanges.
-            auto [there, end] = collective(r, rs.pc);
-            if (!rs.posted) {
-              there->push_back(std::max(rs.t_compute, rs.t_net));
-              rs.posted = true;
-              progress = true;
-            }
-            if (there->size() < arrivals[size_t(group_of[size_t(r)][rs.pc])]) goto blocked;
-            if (*end < 0) *end = *std::max_element(there->begin(), there->end()) + op.seconds;
-            const double start = std::max(rs.t_compute, rs.t_net);
-            record(r, Lane::Network, rs.pc, start, *end);
-            rs.t_compute = rs.t_net = std::max(start, *end);
-            res.sent_bytes[size_t(r)] += op.bytes;
-            mem_at(rs, start, rs.t_compute);
-            rs.posted = false;
-            ++passed[size_t(r)][size_t(group_of[size_t(r)][rs.pc])];
-            break;
-          }
-          case OpKind::AllReduce: {
+          case OpKind::AllToAll:    // Ulysses' exchanges, priced with the op (op.seconds)
+          case OpKind::AllReduce: {  // every member arrives, then all are held until it ends
             const Op& all = ops[rs.pc];
+            const int g = group_of[size_t(r)][rs.pc];
             auto [there, end] = collective(r, rs.pc);
             if (!rs.posted) {
               there->push_back(std::max(rs.t_compute, rs.t_net));
               rs.posted = true;
               progress = true;
             }
-            if (there->size() < arrivals[size_t(group_of[size_t(r)][rs.pc])]) goto blocked;
+            if (there->size() < arrivals[size_t(g)]) goto blocked;
             if (*end < 0) {
-              const double start = *std::max_element(there->begin(), there->end());
-              const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.par.tp});
-              *end = start + cost.allreduce_s(bytes, all.group, all.payload == Payload::WeightGrads);
+              const double last = *std::max_element(there->begin(), there->end());
+              if (op.kind == OpKind::AllToAll) {
+                *end = last + op.seconds;
+              } else {
+                const i64 bytes = sched::allreduce_bytes(all, cost.model(), s.layers, TpShard{0, s.par.tp});
+                *end = last + cost.allreduce_s(bytes, all.group, all.payload == Payload::WeightGrads);
+              }
             }
             const double start = std::max(rs.t_compute, rs.t_net);
             record(r, Lane::Network, rs.pc, start, *end);
             rs.t_compute = rs.t_net = std::max(start, *end);
+            if (op.kind == OpKind::AllToAll) res.sent_bytes[size_t(r)] += op.bytes;
             mem_at(rs, start, rs.t_compute);
             rs.posted = false;
-            ++passed[size_t(r)][size_t(group_of[size_t(r)][rs.pc])];
+            ++passed[size_t(r)][size_t(g)];
             break;
           }
         }
