@@ -22,6 +22,9 @@ struct StepShape {
   KernelScratch block_scratch, head_scratch;   // what the runtime's kernels take (MemoryRules)
   bool packed = false;                         // Schedule::packed
   bool labeled = false;                        // Schedule::labeled
+  // An evaluation (`sppo eval`): the step's schedule is forward-only (Schedule::forward_only)
+  // and the runtime holds the weights alone, no gradients or optimizer state.
+  bool forward_only = false;
 };
 
 }  // namespace sppo

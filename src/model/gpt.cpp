@@ -573,21 +573,30 @@ void block_backward(Backend& be, void* d, BlockParams& g, float* dk_self, float*
 
 void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const void* x, const std::int32_t* targets,
                            const ParamView& p, const MatrixView& m, ParamView& g, const HeadWorkspace& w,
-                           const ModelConfig& c, int T, i64 total_tokens) {
+                           const ModelConfig& c, int T, i64 total_tokens, std::uint8_t* hits) {
   const int H = c.hidden, V = c.vocab;
   const DType a = be.act();
   norm_forward(be, c, w.ln_f_out, w.ln_f_mean, w.ln_f_rstd, x, p.lnf_w, p.lnf_b, T);
   const float scale = float(1.0 / double(total_tokens));
+  std::vector<float> row(hits ? std::size_t(V) : 0);
   // Row chunks bound the logits to [chunk, V]. Once a chunk's rows of ln_f_out have fed
   // dembed they are dead, so the chunk's gradient d ln_f_out overwrites them in place.
   for (int t0 = 0; t0 < T; t0 += w.chunk) {
     const int rows = std::min(w.chunk, T - t0);
     void* h = act_at(w.ln_f_out, i64(t0) * H, a);
     be.gemm(false, true, rows, V, H, 1.0f, h, H, m.head, H, 0.0f, w.logits, V, a, DType::F32);
+    if (hits)  // the most likely token of each row, on the host: an evaluation's, not a kernel's
+      for (int r = 0; r < rows; ++r) {
+        be.to_host(row.data(), w.logits + i64(r) * V, sizeof(float) * std::size_t(V));
+        const i64 best = std::max_element(row.begin(), row.end()) - row.begin();
+        hits[t0 + r] = std::uint8_t(targets[t0 + r] == best);
+      }
     be.xent(w.dlogits, w.losses + t0, loss_sum, w.logits, targets + t0, rows, V, scale, w.scratch);
+    if (!head_grad) continue;
     be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.head, H, a, DType::F32);
     be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.head, H, 0.0f, h, H, a, a);
   }
+  if (!head_grad) return;
   be.fill_zero(head_grad, std::size_t(i64(T) * H * dtype_bytes(a)));
   norm_backward(be, c, head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, T, w.scratch);
 }

@@ -234,9 +234,11 @@ void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, co
       tpc.all_gather_rows(w.lse_parts, rows);
       be.xent_shard(w.dlogits, w.losses + t0, loss_sum, w.logits, w.lse_parts, tp.size, targets + part.pos0 + c0, rows,
                     V, int(v0), scale, w.scratch);
+      if (!head_grad) continue;  // the forward alone (an evaluation)
       be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.head, H, a, DType::F32);
       be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.head, H, 0.0f, h, H, a, a);
     }
+  if (!head_grad) return;
   tpc.reduce_scatter(be, w.ln_f_out, w.tp_full, w.tp_pad, T, H);  // d ln_f_out, this member's rows
   be.fill_zero(head_grad, std::size_t(i64(Ts) * H * dtype_bytes(a)));
   norm_backward(be, c, head_grad, g.lnf_w, g.lnf_b, w.ln_f_out, x, p.lnf_w, w.ln_f_mean, w.ln_f_rstd, Ts,

@@ -121,9 +121,15 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       resident_act_ = device_->alloc(resident * dtype_bytes(act_), "embedding, final norm and head working copy");
   } else {
     params_ = device_->alloc_zeroed(bytes, "parameters");
-    grads_ = device_->alloc_zeroed(bytes, "gradients");
+    if (!o.inference) grads_ = device_->alloc_zeroed(bytes, "gradients");
   }
-  if (o.optimizer_host) {
+  SPPO_CHECK(!o.inference || (!o.optimizer_host && !o.weights_host && !o.recompute), "runtime")
+      << "an evaluation's runtime holds the weights on the device alone: it runs without --optimizer-state host, "
+         "--weights host and --recompute";
+  if (o.inference) {
+    // No gradients or AdamW state: forward-only steps write none (their views alias the
+    // weights, which nothing writes through them).
+  } else if (o.optimizer_host) {
     HostOptimizer::HostArrays arrays{params_.f32(), grads_.f32(), {}};
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       arrays.device.push_back(o.weights_host && resident_at_[b] >= 0 ? resident_params_.f32() + resident_at_[b]
@@ -141,7 +147,7 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   if (act_ != DType::F32 && !o.weights_host)
     params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
   weights_ = param_view(c, params_.f32(), lb_, le_, o.tp);
-  dweights_ = param_view(c, grads_.f32(), lb_, le_, o.tp);
+  dweights_ = param_view(c, o.inference ? params_.f32() : grads_.f32(), lb_, le_, o.tp);
   matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_, o.tp);
   if (o.weights_host) {
     // The views of the embedding, final norm and head point at the device's copies; a
@@ -366,7 +372,12 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
     for (int k = 0; k < int(specs.size()); ++k)  // what backward recomputes (Note [Recomputed tensors])
       if (in_set(st.sched.place.recompute, k)) unit[k].reset();
     st.kv.after_forward(l, i, q);
-    if (st.sched.place.input_rebuilt(l)) unit[kSavedX].reset();  // Note [Rebuilt layer inputs]
+    if (st.sched.forward_only) {  // Note [Forward-only steps]: nothing is saved for a backward but K, V
+      for (int k = 0; k < int(specs.size()); ++k)
+        if (k != kK && k != kV) unit[k].reset();
+    } else if (st.sched.place.input_rebuilt(l)) {
+      unit[kSavedX].reset();  // Note [Rebuilt layer inputs]
+    }
     scratch = {};
     ws.clear();
     st.weights.end(index, l - b);
@@ -377,7 +388,8 @@ void Runtime::forward(StepState& st, const sched::Op& op, std::size_t index) {
   } else {
     if (own) await_weights(L);
     // Note [The loss in backward] (core/layout.h): else the backward runs the head.
-    if (!in_set(st.sched.place.recompute, kSavedHeadGrad)) head(st, op, rank_shard_.ulysses.on() ? mine : q, wt, out);
+    if (!in_set(st.sched.place.recompute, kSavedHeadGrad) || st.sched.forward_only)
+      head(st, op, rank_shard_.ulysses.on() ? mine : q, wt, out);
   }
 }
 
@@ -411,9 +423,11 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
   KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
   const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get(), opts_.tp.on());
   Buffer& head_grad = st.act.head_grad(i);
-  head_grad = device_->alloc(out.bytes(), "subseq " + std::to_string(i) + " head_grad");  // [T, H] as out
+  // A forward-only step computes the loss alone (and, without TP, which rows it gets right).
+  const bool fwd = st.sched.forward_only;
+  if (!fwd) head_grad = device_->alloc(out.bytes(), "subseq " + std::to_string(i) + " head_grad");  // [T, H] as out
   if (st.tp) {
-    head_forward_backward_tp(be_, head_grad.data(), static_cast<double*>(st.loss_sum.data()), out.data(),
+    head_forward_backward_tp(be_, fwd ? nullptr : head_grad.data(), static_cast<double*>(st.loss_sum.data()), out.data(),
                              st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.loss_tokens);
     be_.synchronize();
     st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
@@ -423,9 +437,10 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
   }
   for (const PosSpan& part : q.parts()) {
     const i64 at = i64(part.row0) * H;
-    head_forward_backward(be_, act_at(head_grad.data(), at, act_), static_cast<double*>(st.loss_sum.data()),
-                          act_at(out.data(), at, act_), st.targets + part.pos0, *wt.w, *wt.m, *wt.g, hw,
-                          config_, part.rows, st.loss_tokens);
+    head_forward_backward(be_, fwd ? nullptr : act_at(head_grad.data(), at, act_),
+                          static_cast<double*>(st.loss_sum.data()), act_at(out.data(), at, act_),
+                          st.targets + part.pos0, *wt.w, *wt.m, *wt.g, hw, config_, part.rows, st.loss_tokens,
+                          fwd ? st.result.hits.data() + part.pos0 : nullptr);
     be_.to_host(st.result.losses.data() + part.pos0, hw.losses, sizeof(float) * std::size_t(part.rows));
   }
 }
@@ -619,7 +634,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   // With the weights on the host each layer's gradient starts at its first backward
   // (HostWeights); the device's are the embedding's, final norm's and head's.
   Buffer& zeroed = opts_.weights_host ? resident_grads_ : grads_;
-  if (!control.accumulate) be_.fill_zero(zeroed.data(), std::size_t(zeroed.bytes()));
+  if (!control.accumulate && !sc.forward_only) be_.fill_zero(zeroed.data(), std::size_t(zeroed.bytes()));
   st.load_inputs(tokens);
   st.start();
   for (std::size_t k = 0; k < st.ops.size(); ++k) {

@@ -186,6 +186,15 @@ std::pair<Buffer, Buffer> KvStore::take_held(const sched::Op& op, int l, i64 pos
   return sums;
 }
 
+void KvStore::drop_all() {
+  for (std::size_t i = 0; i < sched_.lengths.size(); ++i)
+    for (int l = lb_; l < le_; ++l) {
+      act_.unit(int(i), l)[kK].reset();
+      act_.unit(int(i), l)[kV].reset();
+    }
+  if (host_) host_->clear();
+}
+
 void KvStore::check_empty() const {
   for (std::size_t i = 0; i < sched_.lengths.size(); ++i)
     for (std::size_t l = 0; l < held_.size(); ++l)

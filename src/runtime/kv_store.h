@@ -103,6 +103,9 @@ class KvStore {
   // MSP, the owner: the dK/dV sums of the held piece of op's subsequence that starts at
   // position pos0, which it stops holding.
   std::pair<Buffer, Buffer> take_held(const sched::Op& op, int l, i64 pos0);
+  // A forward-only step's end (Note [Forward-only steps] in schedule/builders.cpp): every
+  // K, V held, on the device and the host, goes; after the copies have ended.
+  void drop_all();
   // Nothing held at the end of the step (ASSERT).
   void check_empty() const;
 

@@ -499,6 +499,11 @@ HostKvCache::HostKvCache(Backend& be, MemoryTier& device, MemoryTier& host, Copy
 
 HostKvCache::~HostKvCache() = default;
 
+void HostKvCache::clear() {
+  for (auto& layer : blocks_)
+    for (Block& blk : layer) blk = Block{};
+}
+
 namespace {
 
 int rows_of(const std::vector<PosSpan>& spans) {

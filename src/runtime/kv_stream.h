@@ -101,6 +101,8 @@ class HostKvCache {
   // gives back the piece's dK/dV sums (on the device, zeros if none) and drops it.
   void store_held(int l, int i, Buffer& k, Buffer& v, const PosSpan& rows);
   void take_held(int l, int i, i64 pos0, Buffer* dk, Buffer* dv);
+  // Drops every stored block (a forward-only step's end, its copies ended).
+  void clear();
   // The attention of subsequence i at layer l: its own block, and the stored blocks of
   // every j < i streamed in. Holds the window until destroyed.
   // T: the query rows (chunks of kv_chunk_rows(T) rows, core/layout.h).

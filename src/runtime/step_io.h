@@ -52,6 +52,9 @@ struct RuntimeOptions {
   // its Ulysses group; its saved tensors and workspaces are its rows' and heads' (core/layout.h
   // UlyssesShard). Not beside tp.
   UlyssesShard ulysses;
+  // An evaluation's runtime (`sppo eval`): the weights alone, no gradients or AdamW state;
+  // it runs forward-only schedules only (Schedule::forward_only).
+  bool inference = false;
 };
 
 // One span of the step's timeline: the op that ran, on which lane, when.
@@ -69,6 +72,9 @@ struct StepResult {
   i64 predicted = 0;              // positions of this sequence predicted: S, or those with targets
   bool has_loss = false;          // this rank holds the LM head, so loss and losses are set
   std::vector<float> losses;      // [S] per-position losses
+  // A forward-only step without tensor parallelism: [S], 1 where the position's most likely
+  // next token is its target (empty otherwise).
+  std::vector<std::uint8_t> hits;
   MemoryStats device;             // device tier over the step (peak = high-water mark)
   MemoryStats host;               // host tier (the offloaded copies) over the step
   i64 offloaded_bytes = 0;        // bytes copied to the host tier during the step

@@ -26,6 +26,10 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
   SPPO_CHECK(rebuilt.empty() && (!sc.place.any_input_rebuilt() || !o.recompute), "runtime")
       << (rebuilt.empty() ? "--recompute already recomputes whole blocks from their inputs; drop --rebuild-inputs"
                           : rebuilt);
+  SPPO_CHECK(!o.inference || sc.forward_only, "runtime")
+      << "an evaluation's runtime holds no gradients: it runs forward-only steps only";
+  SPPO_CHECK(!sc.forward_only || (!o.recompute && !!sc.place.kv_layers(KvPlace::Recompute).empty()), "runtime")
+      << "a forward-only step keeps no layer inputs to recompute K/V or blocks from; use --kv-cache device or host";
   SPPO_CHECK(!o.recompute || sc.lengths.size() == 1, "runtime")
       << "full recomputation runs the whole sequence at once; use --subseqs 1";
   const auto& ops = sc.ops.at(o.rank);
@@ -120,6 +124,7 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
     return op.kind == sched::OpKind::Forward && op.layer_end == L;
   });
   result.losses.assign(std::size_t(result.has_loss || any_head ? S : 0), 0.0f);
+  if (sc.forward_only && !tp) result.hits.assign(result.losses.size(), 0);
 }
 
 StepState::~StepState() = default;
@@ -170,10 +175,11 @@ void StepState::start() {
 
 void StepState::finish() {
   messages.drain();
-  grads.reduce_replicated(ctx.be, tp.get(), ctx.config);
+  if (!sched.forward_only) grads.reduce_replicated(ctx.be, tp.get(), ctx.config);
   ctx.device.set_reclaimer(nullptr);
   ctx.be.synchronize();
   act.synchronize();
+  if (sched.forward_only) kv.drop_all();  // Note [Forward-only steps]: the K/V held to the end
   result.step_s = now_s() - result.start_s;
   if (ctx.opts.comm) result.sent_bytes = ctx.opts.comm->bytes_sent() - sent_at_start;
   result.exposed_copy_s += ctx.device.release_wait_s();

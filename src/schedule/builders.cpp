@@ -544,7 +544,8 @@ Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const
     spec.tied = c.tied_embeddings();
     s = build_pipeline(spec);
   }
-  if (shape.place.layer_major()) s = to_layer_major(std::move(s));
+  if (shape.forward_only) s = to_forward_only(std::move(s));
+  else if (shape.place.layer_major()) s = to_layer_major(std::move(s));
   // The schedule's own parallelism is as built (one replica's, under Replicas::One); the
   // rest of it, and every placement, as the shape says.
   const int dp = s.par.dp;
@@ -909,6 +910,38 @@ Schedule expand_ulysses(Schedule s, int U) {
     }
   }
   return out;
+}
+
+
+// Note [Forward-only steps]: an evaluation runs SPPO's forward alone. The ops are the
+// training step's F ops, with the forward's ring steps (payload KV), all-to-alls (KV) and
+// hidden states, in their order; every backward op, copy and reduction goes. What differs
+// is what the F ops hold: nothing is saved for a backward, so each layer's saved tensors
+// (its input x among them) are freed as the layer ends and the head computes the loss and
+// the per-position losses without head_grad; the K/V of each finished subsequence stay,
+// on the device or streamed from the host as place.kv says, since every later subsequence
+// attends to them, until the rank's last F ends. Recomputed K/V would need every earlier
+// subsequence's x, which the step does not keep, and MSP's pieces fill a backward's
+// bubbles: neither runs here. The memory rules (schedule/memory.h) and the runtime
+// (runtime/executor.h) both follow this; a step of the same lengths holds at no point
+// more than the training step's forward does.
+Schedule to_forward_only(Schedule s) {
+  for (auto& ops : s.ops) {
+    std::vector<Op> kept;
+    for (const Op& op : ops) {
+      SPPO_CHECK(!((op.kind == OpKind::Send || op.kind == OpKind::Recv) && !is_hidden_message(op)) &&
+                     !(op.kind == OpKind::Forward && !op.group.empty()),
+                 "options")
+          << "a forward-only step does not run MSP's pieces (they fill a backward's bubbles); give --msp off";
+      const bool keep = op.kind == OpKind::Forward ||
+                        ((op.kind == OpKind::RingStep || op.kind == OpKind::AllToAll) && op.payload == Payload::KV) ||
+                        (is_hidden_message(op) && op.payload == Payload::Hidden);
+      if (keep) kept.push_back(op);
+    }
+    ops = std::move(kept);
+  }
+  s.forward_only = true;
+  return s;
 }
 
 }  // namespace sppo::sched

@@ -88,6 +88,11 @@ Schedule expand_ulysses(Schedule s, int U);  // U 1: s itself
 // pieces.
 Schedule to_layer_major(Schedule s);
 
+// The evaluation step of `s` (Schedule::forward_only; Note [Forward-only steps] in
+// builders.cpp): its F ops with their ring steps, all-to-alls and hidden states, in the same
+// order; throws naming what runs for MSP's pieces.
+Schedule to_forward_only(Schedule s);
+
 // Gives every Offload and Prefetch of `s` the fraction alpha[subseq]. The builders' ops
 // depend on alpha only through which subsequences offload (alpha_i > 0 adds the copies and
 // their waits) and those fractions, so for an alpha under which the same subsequences

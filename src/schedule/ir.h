@@ -200,6 +200,11 @@ struct Schedule {
   //  - place.recompute, place.mlp_tile_rows: the saved tensors every layer's backward
   //    recomputes, and the rows of its MLP tiles.
   Placements place;
+  // An evaluation step (to_forward_only, Note [Forward-only steps] in builders.cpp): F ops
+  // and what they exchange alone. Each layer's saved tensors are freed as the layer ends,
+  // the head computes the loss without a gradient, and the K/V of finished subsequences (on
+  // the device or the host, as place.kv says) are held until the rank's last F ends.
+  bool forward_only = false;
   // Packed documents (--pack): a causal model's targets come beside its token ids
   // (step_input_bytes), since a document's last position predicts nothing.
   bool packed = false;

@@ -205,6 +205,8 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
         posted_at_[post] += op.tokens * i64(c.hidden) * rules.act_bytes();
     }
   }
+  for (size_t k = 0; k < s.ops.at(rank).size(); ++k)
+    if (s.ops.at(rank)[k].kind == OpKind::Forward) last_forward_ = k;
   acc_tokens_.assign(L, 0);
   acc_live_.assign(L, false);
   kv_rows_before_.assign(L, {});
@@ -486,17 +488,27 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
         if (rc) emit(out, end, -rc, T::Recomputed);
         if (streamed(l)) emit(out, end, -kv, T::KVCache);
         if (streamed(l) && s_.place.kv_at(l) == KvPlace::Host) host_change(kv);  // K_i, V_i go to the host
-        if (s_.place.input_rebuilt(l)) emit(out, end, -x_bytes, T::Units);  // Note [Rebuilt layer inputs]
+        if (s_.forward_only) {  // Note [Forward-only steps]: nothing is saved for a backward
+          emit(out, end, -unit, T::Units);
+          (streamed(l) ? kv_held_host_ : kv_held_) += kv;
+        } else if (s_.place.input_rebuilt(l)) {
+          emit(out, end, -x_bytes, T::Units);  // Note [Rebuilt layer inputs]
+        }
         layer_out(out, index, k, end);
       }
-      if (op.layer_end == L && loss_in_backward()) {  // Note [The loss in backward]: no head here
+      if (op.layer_end == L && loss_in_backward() && !s_.forward_only) {  // Note [The loss in backward]: no head here
         emit(out, 1.0, -x_bytes, T::Hidden);
       } else if (op.layer_end == L) {
         const i64 hws = head_ws(T);
-        emit(out, 1.0, head_bytes(T), T::Units);
+        if (!s_.forward_only) emit(out, 1.0, head_bytes(T), T::Units);
         emit(out, 1.0, hws, T::HeadWorkspace);
         emit(out, 1.0, -hws, T::HeadWorkspace);
         emit(out, 1.0, -x_bytes, T::Hidden);
+      }
+      if (s_.forward_only && index == last_forward_) {  // every K/V this rank held goes
+        emit(out, 1.0, -kv_held_, T::KVCache);
+        host_change(-kv_held_host_);
+        kv_held_ = kv_held_host_ = 0;
       }
       break;
     }

@@ -25,6 +25,9 @@
 //    head's input, freed at the end of F, or, after a stage's last layer, the hidden state
 //    for the next stage, freed as each Send of it ends. After the last layer of the model:
 //    the head's workspace transiently and head_grad [T, H] (part of subsequence i's unit).
+//  - A forward-only step (Schedule::forward_only): F as above but that each layer's unit
+//    is freed at the layer's end, the head allocates no head_grad, and the K/V held (on
+//    the device and the host) are freed at the end of the rank's last F.
 //  - Recv Hidden / HiddenGrad: the receive is posted when the compute op before it starts
 //    (or at the rank's first op), and its [tokens, H] buffer is allocated then. A stage's
 //    F uses the received hidden state as its first layer's saved input; its B uses the
@@ -351,6 +354,11 @@ class RankMemory {
   std::map<size_t, i64> posted_at_;                // op index -> receive buffers allocated at its start
   std::set<std::pair<int, int>> borrowed_grads_;   // borrowed layer ranges with gradients
   size_t next_ = 0;                                // index of the next op of this rank
+  // A forward-only step (Note [Forward-only steps] in builders.cpp): the index of the
+  // rank's last F, at whose end the K/V it holds go, and those bytes on the device and
+  // the host.
+  size_t last_forward_ = 0;
+  i64 kv_held_ = 0, kv_held_host_ = 0;
   LayerUses uses_;                                 // --weights host: the own layers' uses
   i64 layer_w_ = 0, layer_in_ = 0, layer_g_ = 0;   // their device bytes, bytes copied in, gradient's bytes
   // Events of the weights and gradients at the start (end) of F/B op `index`'s k-th layer.

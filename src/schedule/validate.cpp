@@ -148,7 +148,7 @@ void check_order(const Schedule& s, int r, Errors& err) {
     }
   }
   for (const auto& f : forwarded)
-    if (!backwarded.count(f)) {
+    if (!s.forward_only && !backwarded.count(f)) {
       Op op;
       std::tie(op.layer_begin, op.subseq, op.piece, op.pieces) = f;
       op.layer_end = op.layer_begin + 1;

@@ -34,6 +34,12 @@ MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const Ste
   m.optimizer_host = shape.place.optimizer_host();
   m.block_scratch = shape.block_scratch;
   m.head_scratch = shape.head_scratch;
+  if (shape.forward_only) {  // an evaluation's runtime holds the fp32 weights (and their working copy) alone
+    m.param_state_bytes = 4;
+    m.optimizer_bytes = m.grad_bytes = 0;
+    m.zero = m.optimizer_host = false;
+    m.zero_shards = 0;
+  }
   return m;
 }
 

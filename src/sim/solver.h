@@ -103,7 +103,7 @@ FitSearch smallest_fitting_n(const ModelConfig& c, i64 S, const HardwareProfile&
 // and no kernel scratch.
 sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision);
 // The memory rules of a step of `shape` (its ZeRO stage, optimizer state and kernels'
-// scratch), activations in `precision`. Replicas::One: the schedule is one replica of
+// scratch; an evaluation's, the weights alone), activations in `precision`. Replicas::One: the schedule is one replica of
 // shape.par.dp (sched::build_step), and ZeRO's shards are counted over the whole layer
 // group, which that schedule's all-reduces do not show.
 sched::MemoryRules memory_rules(const ModelConfig& c, ActPrecision precision, const StepShape& shape,

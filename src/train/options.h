@@ -62,6 +62,10 @@ struct StepOptions {
   // backend, precision, hardware profile and ranks whatever this build and machine are;
   // nothing is allocated and no step runs (make_setup leaves the backend and runtime null).
   bool dry_run = false;
+  // `sppo eval`: forward-only steps (Note [Forward-only steps] in schedule/builders.cpp) on a
+  // runtime that holds the weights alone; nothing is offloaded, nothing recomputed, and
+  // under a budget --subseqs auto is the fewest subsequences whose step fits.
+  bool forward_only = false;
 };
 
 // Note [Continuing a trained model]: `train --init` starts from weights a model was trained
@@ -96,6 +100,12 @@ struct TrainOptions {
   std::string resume_dir;
   int stop_after = 0;                 // end this process after step K (0: run to --steps),
                                       // e.g. to fit a job's time slot; resume continues it
+  // Held-out loss (train/eval.h): every eval_every steps (0: at the last step only) and at
+  // the last, the mean loss over the first eval_seqs sequences of eval_data (with
+  // eval_labels), through the step's forward alone; empty eval_data: none.
+  std::string eval_data, eval_labels;
+  int eval_every = 0;
+  int eval_seqs = 2;
   std::string metrics_path;
   std::string tensorboard_dir;        // TensorBoard event files of the metrics (io/tensorboard.h)
   std::string trace_path;             // Chrome trace JSON of the last step

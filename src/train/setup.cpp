@@ -494,6 +494,9 @@ class SetupBuilder {
         << "--doc-sep " << o_.doc_sep << " is not a token id of the model's vocabulary of " << s_.config.vocab;
     shape_.packed = o_.pack;
     shape_.labeled = s_.labels != nullptr;
+    shape_.forward_only = o_.forward_only;
+    SPPO_CHECK(!o_.forward_only || (!o_.recompute && !shape_.par.msp.on && !from_plan_), "options")
+        << "an evaluation runs the forward alone: it runs without --recompute, --msp on and --plan";
     s_.doc_sep = o_.doc_sep;
     // The kernels' scratch comes from the device tier too (a dry run's: the plan's backend's).
     shape_.block_scratch = o_.dry_run ? from_plan_->block_scratch : s_.backend->block_scratch(s_.config);
@@ -546,16 +549,17 @@ class SetupBuilder {
     const ParallelDims& par = shape_.par;
     Placements& pl = shape_.place;
     kv_host_ok_ = !o_.recompute && !par.rsa();
-    kv_recompute_ok_ = kv_host_ok_ && par.tp == 1 && par.cp == 1 && par.ulysses == 1 && !par.msp.on;
+    kv_recompute_ok_ = kv_host_ok_ && par.tp == 1 && par.cp == 1 && par.ulysses == 1 && !par.msp.on && !o_.forward_only;
     SPPO_CHECK(kv != KvPlace::Host || kv_host_ok_, "options")
         << "--kv-cache host streams K/V blocks of a rank's own subsequences; it runs without --ring rsa and "
            "--recompute (use --kv-cache device there)";
     SPPO_CHECK(kv != KvPlace::Recompute || kv_recompute_ok_, "options")
         << "--kv-cache recompute recomputes K/V from a rank's whole rows of each layer's input, one rank's "
-           "subsequences at a time; it runs without --tp, --cp, --ulysses, --msp on and --recompute (use --kv-cache "
-           "host or device there)";
-    recompute_auto_ = !o_.place.recompute;
-    if (!recompute_auto_) pl.recompute = *o_.place.recompute;
+           "subsequences at a time; it runs without --tp, --cp, --ulysses, --msp on and --recompute, and in "
+           "training only (use --kv-cache host or device there)";
+    recompute_auto_ = !o_.place.recompute && !o_.forward_only;  // an evaluation saves nothing to recompute
+    if (o_.forward_only) pl.recompute = 0;
+    else if (!recompute_auto_) pl.recompute = *o_.place.recompute;
     SPPO_CHECK(!o_.recompute || pl.recompute == 0, "options")
         << "--recompute already recomputes whole blocks from their inputs; drop --recompute-tensors "
         << recompute_tensors_text(pl.recompute) << " (or --recompute)";
@@ -576,7 +580,7 @@ class SetupBuilder {
     // The backward's order (Note [Layer-major backward] in schedule/builders.cpp): a layer
     // at a time runs inside each pipeline stage, not with MSP's borrowed weights.
     const Auto<BackwardOrder> order = o_.place.backward;
-    layer_ok_ = !par.msp.on;
+    layer_ok_ = !par.msp.on && !o_.forward_only;
     SPPO_CHECK(order != BackwardOrder::Layer || layer_ok_, "options")
         << "--backward-order layer runs the backward a layer at a time inside each pipeline stage, which MSP's "
            "pieces on borrowed weights do not; use --msp off, or --backward-order subseq";
@@ -664,7 +668,9 @@ class SetupBuilder {
     } else {
       int N = resolve_subseqs(o_, S_);
       const plan::HardwareProfile& hw = profile();
-      if (o_.subseqs == "auto" && budget_ > 0 && !o_.recompute) {
+      if (o_.subseqs == "auto" && budget_ > 0 && o_.forward_only) {
+        N = fewest_fitting_subseqs(hw);
+      } else if (o_.subseqs == "auto" && budget_ > 0 && !o_.recompute) {
         // Under a budget, auto is the fewest subsequences that fit with adaptive offload.
         const auto fit = sim::smallest_fitting_n(c, S_, hw, precision_, budget_, o_.partition != "length",
                                                  1, int(std::min<i64>(S_, 4096)), shape_, kTileTokens);
@@ -682,8 +688,10 @@ class SetupBuilder {
       // The simulator does not model recomputation: that baseline is checked by the arena
       // alone, and has no prediction. Under auto only the first refusal is ever shown
       // (fits()): the later ones skip the search over N that says what would fit.
+      // An evaluation offloads nothing; its budget is checked once the step is simulated.
       SubseqChoice choice =
-          choose_subseqs(o_.partition, o_.offload, c, S_, N, o_.recompute ? 0 : budget_, hw, shape_,
+          choose_subseqs(o_.partition, o_.forward_only ? "none" : o_.offload, c, S_, N,
+                         o_.recompute || o_.forward_only ? 0 : budget_, hw, shape_,
                          /*hint=*/!(any_auto_ && first_error_));
       s_.lengths = choice.lengths;
       s_.alpha = choice.alpha;
@@ -696,6 +704,32 @@ class SetupBuilder {
                          sim::memory_rules(c, precision_, shape_));
     return budget_ == 0 || o_.recompute ||
            (r_.peak_device_bytes <= budget_ && (host_budget_ == 0 || r_.peak_host_bytes <= host_budget_));
+  }
+
+  // --subseqs auto in an evaluation under a budget: the fewest subsequences whose forward-only
+  // step fits (its peak falls as N grows: the K/V are the same, a layer's saved tensors and
+  // workspace shorter), searched by doubling, then halving the interval; the most tried
+  // (4096, or S) where none fits, which predict() then refuses naming what it needs.
+  int fewest_fitting_subseqs(const plan::HardwareProfile& hw) {
+    const int most = int(std::min<i64>(S_, 4096));
+    auto fits_with = [&](int N) {
+      const SubseqChoice ch = choose_subseqs(o_.partition, "none", s_.config, S_, N, 0, hw, shape_, false);
+      const sim::SimResult r =
+          sim::simulate(sched::build_step(s_.config, ch.lengths, ch.alpha, shape_),
+                        plan::CostModel(hw, s_.config, precision_), sim::memory_rules(s_.config, precision_, shape_));
+      return r.peak_device_bytes <= budget_ && (host_budget_ == 0 || r.peak_host_bytes <= host_budget_);
+    };
+    int lo = 1, bad = 0;  // bad: the most tried that did not fit
+    while (!fits_with(lo)) {
+      if (lo == most) return most;
+      bad = lo;
+      lo = std::min(most, lo * 2);
+    }
+    while (lo - bad > 1) {
+      const int mid = (lo + bad) / 2;
+      (fits_with(mid) ? lo : bad) = mid;
+    }
+    return lo;
   }
 
   void check_msp() const {
@@ -938,6 +972,7 @@ class SetupBuilder {
     ro.block_scratch = shape_.block_scratch;
     ro.head_scratch = shape_.head_scratch;
     ro.backend = s_.backend.get();
+    ro.inference = o_.forward_only;
     s_.runtime = std::make_unique<Runtime>(s_.config, ro);
   }
 
