@@ -378,6 +378,19 @@ expect "--labels missing.i32 is not a file" "${labeled[@]}" --labels missing.i32
 expect "the built-in task has its own" train --model tiny --seq-len 32 --steps 1 --labels l40.i32
 expect "--labels gives a causal model's next-token targets" "${labeled[@]}" --labels l40.i32 --attention bidirectional --objective mlm
 expect '--labels "l40.i32" differs from the checkpoint' train --resume ckpt --labels l40.i32 --steps 4
+# Held-out data (train --eval-data) and sppo eval.
+expect "--eval-data t3.u32 holds 3 tokens, fewer than one sequence of --seq-len 32" train --model tiny --seq-len 32 \
+  --steps 1 --eval-data t3.u32
+expect "--eval-labels l39.i32 holds 39 labels, but --eval-data d40.u16 holds 40 tokens" train --model tiny \
+  --seq-len 32 --steps 1 --eval-data d40.u16 --eval-labels l39.i32
+expect "sppo eval needs --init CKPT" eval --model tiny --seq-len 32
+expect "--data t3.u32 holds 3 tokens, fewer than one sequence of --seq-len 32" eval --init ckpt --seq-len 32 \
+  --data t3.u32 --out eval_out
+expect "holds 39 labels, but --data d40.u16 holds 40 tokens" eval --init ckpt --seq-len 32 --data d40.u16 \
+  --labels l39.i32 --out eval_out
+expect "--kv-cache host keeps the K/V of finished subsequences off the device" eval --init ckpt --seq-len 64K \
+  --device-memory 4MiB --kv-cache device --subseqs 1 --out eval_out
+expect "--offload" eval --init ckpt --seq-len 32 --offload full
 # srun of two tasks without an MPI plugin (srun --mpi=none): each would train alone as rank 0.
 SLURM_STEP_NUM_TASKS=2 SLURM_PROCID=0 SLURM_LOCALID=0 \
   expect "srun started 2 tasks without an MPI plugin" train --model tiny --seq-len 32 --steps 1 --save srun_ckpt

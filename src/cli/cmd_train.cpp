@@ -172,6 +172,15 @@ void add_train(CLI::App& app, Commands& out) {
                 "each rank's predicted peaks against the plan's budgets) on the plan's backend, precision, hardware "
                 "profile and ranks whatever this machine is, allocating nothing; prints each rank's peaks and one "
                 "JSON object, exit 0 when every rank fits, 3 when one does not");
+  cmd->add_option("--eval-data", o.eval_data,
+                  "Held-out data (the formats --data takes): its loss, through the step's forward alone, goes to "
+                  "the metrics as eval_loss (with eval_loss_first_half, eval_loss_second_half) every --eval-every "
+                  "steps and at the last");
+  cmd->add_option("--eval-labels", o.eval_labels, "Labels of --eval-data, one per token (as --labels)");
+  cmd->add_option("--eval-every", o.eval_every, "Steps between held-out losses (0: at the last step only)")
+      ->capture_default_str();
+  cmd->add_option("--eval-seqs", o.eval_seqs, "Held-out sequences each held-out loss averages over (the first ones)")
+      ->capture_default_str();
   cmd->add_option("--metrics", o.metrics_path, "Write one JSON object per step to this .jsonl file");
   cmd->add_option("--tensorboard", o.tensorboard_dir,
                   "Also write each step's figures (loss, lr, grad_norm, tokens_per_s, peak_device_bytes, ...: the "

@@ -33,5 +33,6 @@ void add_plan_commands(CLI::App& app, Commands& out);     // plan, simulate (cmd
 void add_profile_command(CLI::App& app, Commands& out);   // profile
 void add_model_commands(CLI::App& app, Commands& out);    // import, export (cmd_model.cpp)
 void add_plot_command(CLI::App& app, Commands& out);      // plot
+void add_eval_command(CLI::App& app, Commands& out);      // eval (cmd_eval.cpp)
 
 }  // namespace sppo::cli

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   cli::Commands commands;
   cli::add_train_commands(app, commands);
+  cli::add_eval_command(app, commands);
   cli::add_bench_commands(app, commands);
   cli::add_plan_commands(app, commands);
   cli::add_profile_command(app, commands);

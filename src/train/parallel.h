@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/check.h"
 #include "core/config.h"
 #include "core/parallel.h"
 #include "io/checkpoint.h"
@@ -67,6 +68,20 @@ ParallelLayout make_layout(const ParallelDims& par, int batch, int rank = 0);
 // holding the distinct messages (naming the ranks when they differ), so that a bad option
 // ends the whole job with one message and exit 2 instead of leaving ranks waiting.
 void on_every_rank(comm::Comm& world, const std::function<void()>& f);
+
+// Work on this rank alone: an error here leaves the other ranks waiting on messages, so
+// with several ranks it ends the whole job at once, naming the rank (exit 3 for a budget
+// that does not fit, else 2).
+template <typename F>
+void on_this_rank(comm::Comm& world, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (world.size() == 1) throw;
+    world.abort(std::string(e.what()) + " (rank " + std::to_string(world.rank()) + ")",
+                dynamic_cast<const DoesNotFit*>(&e) ? 3 : 2);
+  }
+}
 
 // Makes the communicators of every all-reduce group of the schedule (collective), and of
 // the tensor-parallel groups of model c.

@@ -822,7 +822,7 @@ class SetupBuilder {
                      : "";
     // With the optimizer state on the device, moving it is one more way to fit (it costs
     // each step the update's copies and the host's update, Note [Optimizer state on the host]).
-    state_hint_ = shape_.place.optimizer_host() ? ""
+    state_hint_ = shape_.place.optimizer_host() || o_.forward_only ? ""
                                         : "; --optimizer-state host moves AdamW's m and v (8 B a parameter of each "
                                           "rank's share) and the fp32 master weights to the host";
     // With it there, the layers' weights and gradients can follow (Note [Weights on the host]).
@@ -918,11 +918,15 @@ class SetupBuilder {
     SPPO_CHECK_FITS(budget_ == 0 || r_.peak_device_bytes <= budget_, "memory")
         << what << " needs " << format_bytes(double(r_.peak_device_bytes))
         << " of device memory on its fullest rank, over the device budget of " << budget_text()
-        << (!exhausted_.empty() ? exhausted_
+        << (o_.forward_only ? (!s_.schedule.place.any_kv_streamed() && kv_host_ok_
+                                   ? "; --kv-cache host keeps the K/V of finished subsequences off the device; "
+                                     "--subseqs auto finds the fewest subsequences that fit"
+                                   : "; --subseqs auto finds the fewest subsequences that fit, or shorten --seq-len")
+            : !exhausted_.empty() ? exhausted_
             : !s_.schedule.place.any_kv_streamed() && kv_host_ok_
                 ? "; --kv-cache host or recompute keeps K/V and their gradients off the device"
                 : "")
-        << (shape_.place.backward == BackwardOrder::Subseq && layer_ok_
+        << (shape_.place.backward == BackwardOrder::Subseq && layer_ok_ && !o_.forward_only
                 ? "; --backward-order layer holds one layer's dK/dV sums at a time, not every layer's"
                 : "")
         << state_hint_;

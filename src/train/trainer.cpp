@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 #include <unistd.h>
 
@@ -23,30 +24,13 @@
 #include "io/tensorboard.h"
 #include "io/safetensors.h"
 #include "runtime/fault.h"
+#include "schedule/builders.h"
 #include "sim/simulator.h"
 #include "train/parallel.h"
+#include "train/eval.h"
 #include "train/setup.h"
 
 namespace sppo {
-
-namespace {
-
-std::string fmt_duration(double s) {
-  char buf[32];
-  const long t = long(s + 0.5);
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", t / 3600, (t / 60) % 60);
-  else if (t >= 60) std::snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
-  else std::snprintf(buf, sizeof buf, "%.1fs", s);
-  return buf;
-}
-
-std::string fmt_rate(double r) {
-  char buf[32];
-  if (r >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", r / 1e6);
-  else if (r >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", r / 1e3);
-  else std::snprintf(buf, sizeof buf, "%.0f", r);
-  return buf;
-}
 
 // Threads per rank: as asked, else the cores shared by the ranks on this machine.
 void apply_threads(int threads, const comm::Comm& world) {
@@ -90,6 +74,25 @@ void check_output_dir(const std::string& path, const char* option, bool checkpoi
                                                               << parent.string() << " is not writable";
 }
 
+namespace {
+
+std::string fmt_duration(double s) {
+  char buf[32];
+  const long t = long(s + 0.5);
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", t / 3600, (t / 60) % 60);
+  else if (t >= 60) std::snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
+  else std::snprintf(buf, sizeof buf, "%.1fs", s);
+  return buf;
+}
+
+std::string fmt_rate(double r) {
+  char buf[32];
+  if (r >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", r / 1e6);
+  else if (r >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", r / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", r);
+  return buf;
+}
+
 void check_train_options(const TrainOptions& o) {
   SPPO_CHECK(o.steps >= 1, "options") << "--steps must be at least 1 (got " << o.steps << ")";
   SPPO_CHECK(o.lr > 0 && std::isfinite(o.lr), "options") << "--lr must be positive (got " << o.lr << ")";
@@ -112,18 +115,6 @@ void check_train_options(const TrainOptions& o) {
   io::check_output_file(o.svg_path, "--svg");
 }
 
-// Work on this rank alone: an error here leaves the other ranks waiting on messages, so
-// with several ranks it ends the whole job at once, naming the rank.
-template <typename F>
-void on_this_rank(comm::Comm& world, F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (world.size() == 1) throw;
-    world.abort(std::string(e.what()) + " (rank " + std::to_string(world.rank()) + ")",
-                dynamic_cast<const DoesNotFit*>(&e) ? 3 : 2);
-  }
-}
 
 // The targets of one sequence (tokens: S + 1 ids; labels: S + 1 or empty), when they are not
 // the next tokens: a masked-token model's (masking `tokens`), or a causal model's under packed
@@ -369,7 +360,39 @@ struct Run {
   std::vector<double> step_times;
   std::vector<double> simulated_times;  // --pack: each step priced with its own documents
   std::vector<i64> peaks, host_peaks, sent;  // per rank
+  // --eval-data: the held-out sequences and the step's forward alone that scores them.
+  HeldOut held_out;
+  sched::Schedule eval_schedule;
 };
+
+// --eval-data: the held-out loss runs the training step's own forward (its layout, lengths
+// and K/V placement) with nothing saved for a backward, so it fits wherever the step does.
+void prepare_held_out(Run& r) {
+  const TrainOptions& o = r.o;
+  if (o.eval_data.empty()) return;
+  SPPO_CHECK(o.eval_every >= 0 && o.eval_seqs >= 1, "options")
+      << "--eval-every must be 0 (the last step only) or more, and --eval-seqs 1 or more (got " << o.eval_every
+      << " and " << o.eval_seqs << ")";
+  SPPO_CHECK(!o.step.recompute && r.s.schedule.place.kv_layers(KvPlace::Recompute).empty(), "options")
+      << "--eval-data runs the step's forward alone, which keeps no layer inputs to recompute from: it runs without "
+         "--recompute and --kv-cache recompute (use --kv-cache device or host)";
+  r.held_out = open_held_out(o.eval_data, o.eval_labels, r.s.config, o.step.seq_len, o.step.seed, o.step.data_dtype);
+  r.eval_schedule = sched::to_forward_only(r.s.schedule);
+}
+
+// The held-out loss after step `done`, when it is due: the same sequences every time.
+std::optional<EvalSums> held_out_loss(Run& r, int done) {
+  const TrainOptions& o = r.o;
+  if (o.eval_data.empty() || !(done == o.steps || (o.eval_every > 0 && done % o.eval_every == 0))) return std::nullopt;
+  HeldOut& h = r.held_out;
+  h.data->seek(h.start);
+  if (h.labels) h.labels->seek(h.labels_start);
+  std::optional<EvalSums> e;
+  on_this_rank(*r.cm, [&] {
+    e = evaluate(*r.s.runtime, r.eval_schedule, r.s.layout, *r.cm, *h.data, h.labels.get(), o.eval_seqs);
+  });
+  return e;
+}
 
 // The setup, the weights (a checkpoint to resume, --init's, or fresh ones) and the metrics
 // file, on every rank.
@@ -408,6 +431,7 @@ void start_run(Run& r) {
     } else {
       init_owned(*s.runtime, o.step.seed);
     }
+    prepare_held_out(r);
     if (r.root && !o.metrics_path.empty()) {
       r.metrics = std::make_unique<io::JsonlWriter>(
           o.metrics_path, r.start_step > 0 ? io::JsonlWriter::Mode::Append : io::JsonlWriter::Mode::Truncate);
@@ -513,7 +537,7 @@ struct StepOutcome {
 
 // One step's figures over every rank, into the run's records; on rank 0, its metrics line
 // and progress.
-void report_step(Run& r, const Sequences& q, const StepOutcome& t) {
+void report_step(Run& r, const Sequences& q, const StepOutcome& t, const std::optional<EvalSums>& eval) {
   const TrainOptions& o = r.o;
   const StepSetup& s = r.s;
   const ParallelLayout& lay = s.layout;
@@ -563,6 +587,19 @@ void report_step(Run& r, const Sequences& q, const StepOutcome& t) {
     std::snprintf(buf, sizeof buf, " (1st half %.3f, 2nd %.3f)", t.first, t.second);
     halves = buf;
   }
+  std::string held_out;
+  if (eval) {  // the held-out loss, near and far positions as the training loss's halves
+    const i64 S = o.step.seq_len, half = s.repeat_task ? io::repeat_start(S) : S / 2;
+    m["eval_loss"] = eval->mean_loss(0, S);
+    m["eval_loss_first_half"] = eval->mean_loss(0, half);
+    m["eval_loss_second_half"] = eval->mean_loss(half, S);
+    if (s.labels || !o.eval_labels.empty()) {
+      if (eval->has_accuracy()) m["eval_accuracy"] = eval->accuracy();
+    }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " | held-out %.4f", eval->mean_loss(0, S));
+    held_out = buf;
+  }
   if (lay.ranks() > 1) {
     nlohmann::json per = nlohmann::json::array();
     for (const RankFigures& f : ranks)
@@ -585,8 +622,9 @@ void report_step(Run& r, const Sequences& q, const StepOutcome& t) {
     r.tensorboard->scalars(t.done, scalars);
   }
   if (!o.quiet)
-    std::fprintf(stderr, "%sstep %d/%d | loss %.4f%s | %s tok/s | peak %s | offloaded %s | ETA %s%s",
-                 r.tty ? "\r\033[K" : "", t.done, o.steps, t.loss, halves.c_str(), fmt_rate(tps).c_str(),
+    std::fprintf(stderr, "%sstep %d/%d | loss %.4f%s%s | %s tok/s | peak %s | offloaded %s | ETA %s%s",
+                 r.tty ? "\r\033[K" : "", t.done, o.steps, t.loss, halves.c_str(), held_out.c_str(),
+                 fmt_rate(tps).c_str(),
                  format_bytes(double(peak)).c_str(), format_bytes(double(offloaded)).c_str(),
                  fmt_duration(eta).c_str(), r.tty && t.done < o.steps ? "" : "\n");
 }
@@ -623,7 +661,7 @@ bool train_step(Run& r, int step, std::vector<std::int32_t>& tokens) {
   }
   r.bad_in_a_row = 0;
   ++r.updates;
-  report_step(r, q, t);
+  report_step(r, q, t, held_out_loss(r, t.done));
   const bool stopping = o.stop_after > 0 && t.done == o.stop_after && t.done < o.steps;
   if ((t.done == o.steps || stopping) && (!o.trace_path.empty() || !o.svg_path.empty())) {
     const i64 S = o.step.seq_len;

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "comm/comm.h"
 #include "train/options.h"
 
 namespace sppo {
@@ -30,5 +31,13 @@ std::string first_difference(const nlohmann::json& given, const nlohmann::json& 
 // weights.safetensors, grads.safetensors, result.json). Weights come from `init_from`
 // (a checkpoint directory) when given, else from the seed.
 int run_grads(const StepOptions& o, const std::string& out_dir, const std::string& weights_from);
+
+// Shared by the commands that run steps (train, grads, eval).
+// Threads per rank: as asked, else the cores shared by the ranks on this machine.
+void apply_threads(int threads, const comm::Comm& world);
+void write_json_file(const std::string& path, const nlohmann::json& j);
+// A directory the run writes: a checkpoint (replaced atomically) or an export; throws naming
+// `option` when it cannot be written.
+void check_output_dir(const std::string& path, const char* option, bool checkpoint);
 
 }  // namespace sppo
