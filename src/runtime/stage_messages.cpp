@@ -182,6 +182,11 @@ void StageMessages::send(const sched::Op& op) {
   }
   SPPO_ASSERT(op.tokens == 0 || bytes == op.tokens * row_bytes);
   start_send(buf, data, bytes, op);
+  // Note [Forward-only steps]: nothing holds a stage back but the next stage, so its hidden
+  // states would pile up in sends the next stage has not yet taken, as many as its lag;
+  // each goes before the next F instead, at a point of the program, as the memory rules say.
+  if (sched_.forward_only)
+    while (!sends_.empty()) finish_oldest("before the next forward");
 }
 
 void StageMessages::start_send(std::shared_ptr<Buffer> keep, const void* data, i64 bytes, const sched::Op& op) {

@@ -922,7 +922,10 @@ Schedule expand_ulysses(Schedule s, int U) {
 // on the device or streamed from the host as place.kv says, since every later subsequence
 // attends to them, until the rank's last F ends. Recomputed K/V would need every earlier
 // subsequence's x, which the step does not keep, and MSP's pieces fill a backward's
-// bubbles: neither runs here. The memory rules (schedule/memory.h) and the runtime
+// bubbles: neither runs here. With nothing to hold a stage back but the next stage, a
+// stage would run ahead and pile its hidden states up in sends not yet taken, as many as
+// the next stage lags (which no model of time predicts); instead each send ends before
+// the stage's next op, in the runtime and the simulator alike. The memory rules (schedule/memory.h) and the runtime
 // (runtime/executor.h) both follow this; a step of the same lengths holds at no point
 // more than the training step's forward does.
 Schedule to_forward_only(Schedule s) {

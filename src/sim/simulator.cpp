@@ -583,6 +583,9 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             const double start = std::max(rs.t_net, rs.t_compute);
             const double end = start + send_s(r, rs.pc, op, start);
             rs.t_net = end;
+            // A forward-only step's stage waits for each hidden state to go before its next F
+            // (Note [Forward-only steps] in schedule/builders.cpp).
+            if (s.forward_only) rs.t_compute = end;
             inbox[size_t(op.peer)].put(r, op.key, end);
             record(r, Lane::Network, rs.pc, start, end);
             mem_at(rs, start, end);

@@ -82,6 +82,10 @@ EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout&
     most[std::size_t(3 * comm.rank() + 2)] = seconds;
     comm::allreduce_sum(comm, most, comm::world_group(comm), "the evaluation's peaks");
     for (int r = 0; r < comm.size(); ++r) {
+      e.peak_device_per_rank.push_back(i64(most[std::size_t(3 * r)]));
+      e.peak_host_per_rank.push_back(i64(most[std::size_t(3 * r + 1)]));
+    }
+    for (int r = 0; r < comm.size(); ++r) {
       peak = std::max(peak, i64(most[std::size_t(3 * r)]));
       host_peak = std::max(host_peak, i64(most[std::size_t(3 * r + 1)]));
       seconds = std::max(seconds, most[std::size_t(3 * r + 2)]);
@@ -163,6 +167,12 @@ nlohmann::json eval_json(const EvalSums& e, const StepSetup& s, bool labeled) {
                       {"dp", s.layout.par.dp},
                       {"seconds", e.seconds}};
   if (labeled && e.has_accuracy()) j["accuracy"] = e.accuracy();
+  if (s.layout.ranks() > 1) {
+    j["peak_device_bytes_per_rank"] = e.peak_device_per_rank;
+    j["predicted_peak_device_bytes_per_rank"] = s.predicted_peak_per_rank;
+    j["peak_host_bytes_per_rank"] = e.peak_host_per_rank;
+    j["predicted_peak_host_bytes_per_rank"] = s.predicted_host_per_rank;
+  }
   return j;
 }
 

@@ -31,6 +31,7 @@ struct EvalSums {
                                // under tensor parallelism, whose members each hold part of the vocabulary
   i64 sequences = 0;
   i64 peak_device_bytes = 0, peak_host_bytes = 0;  // the fullest rank's
+  std::vector<i64> peak_device_per_rank, peak_host_per_rank;
   double seconds = 0;                              // the slowest rank's steps
 
   double mean_loss(i64 begin, i64 end) const;  // over the counted tokens of positions [begin, end)

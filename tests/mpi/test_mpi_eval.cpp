@@ -1,0 +1,101 @@
+// Evaluation over ranks (sppo eval, train --eval-data): the forward-only step under every
+// layout train has (pipeline stages, a ring, tensor and Ulysses members, replicas, K/V on
+// the host) gives one process's loss and per-position losses, and each layout's measured
+// device peak is its predicted one.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/mpi_run.h"
+
+namespace sppo {
+namespace {
+
+using testing::mpirun;
+using testing::read_json;
+using testing::read_jsonl;
+using testing::run_command;
+using testing::sppo_binary;
+
+// Relative difference the layouts' sums in another order leave (fp32 forward, fp64 sums).
+constexpr double kTolerance = 1e-6;
+
+class Eval : public testing::CommandTest {
+ protected:
+  Eval() : CommandTest("sppo-mpi-eval") {}
+  void SetUp() override {
+    CommandTest::SetUp();
+    // A model trained a few steps (so its losses are not those of a uniform guess), and
+    // held-out tokens of its vocabulary.
+    const auto r = run_command(sppo() + " train --model llama-tiny --layers 4 --seq-len 128 --steps 4 --threads 1 "
+                                        "--quiet --save " + path("ck"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    std::mt19937 gen(11);
+    std::vector<std::uint32_t> tokens(3 * 256 + 1);
+    for (auto& t : tokens) t = gen() % 64;
+    std::ofstream(path("held.u32"), std::ios::binary)
+        .write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * 4));
+  }
+  std::string eval_args(const std::string& out) const {
+    return "eval --init " + path("ck") + " --data " + path("held.u32") + " --seq-len 256 --seqs 3 --subseqs 4 "
+           "--threads 1 --out " + path(out);
+  }
+};
+
+void expect_close(double a, double b, const std::string& what) {
+  EXPECT_LT(std::fabs(a - b), kTolerance * (1 + std::fabs(b))) << what << ": " << a << " vs " << b;
+}
+
+TEST_F(Eval, EveryLayoutGivesOneProcesssLosses) {
+  const auto one = run_command(sppo() + " " + eval_args("one"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  const nlohmann::json want = read_json(path("one/eval.json"));
+  ASSERT_EQ(want["tokens"].get<long>(), 3 * 256);
+  struct Layout {
+    int np;
+    const char* flags;
+  };
+  const Layout layouts[] = {{2, "--pp 2"},     {2, "--cp 2"},      {2, "--tp 2"},
+                            {2, "--ulysses 2"}, {2, "--dp 2"},     {2, "--pp 2 --kv-cache host"},
+                            {4, "--pp 2 --cp 2"}};
+  int k = 0;
+  for (const Layout& l : layouts) {
+    const std::string out = "l" + std::to_string(k++);
+    const auto r = mpirun(l.np, eval_args(out) + " " + l.flags);
+    ASSERT_EQ(r.status, 0) << l.flags << "\n" << r.output;
+    const nlohmann::json got = read_json(path(out + "/eval.json"));
+    expect_close(got["loss"].get<double>(), want["loss"].get<double>(), l.flags);
+    EXPECT_EQ(got["tokens"], want["tokens"]) << l.flags;
+    ASSERT_EQ(got["per_position"].size(), want["per_position"].size()) << l.flags;
+    for (std::size_t b = 0; b < want["per_position"].size(); ++b)
+      expect_close(got["per_position"][b]["loss"].get<double>(), want["per_position"][b]["loss"].get<double>(),
+                   std::string(l.flags) + " bin " + std::to_string(b));
+    EXPECT_EQ(got["peak_device_bytes"], got["predicted_peak_device_bytes"]) << l.flags;
+    EXPECT_EQ(got["peak_host_bytes"], got["predicted_peak_host_bytes"]) << l.flags;
+  }
+}
+
+TEST_F(Eval, HeldOutLossDuringTrainingEqualsOneProcesss) {
+  const std::string run = " train --model llama-tiny --layers 4 --seq-len 256 --subseqs 2 --steps 4 --threads 1 "
+                          "--quiet --eval-data " + path("held.u32") + " --eval-every 2 --eval-seqs 2 --metrics ";
+  const auto one = run_command(sppo() + run + path("one.jsonl"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  const auto two = mpirun(2, run + path("pp.jsonl") + " --pp 2");
+  ASSERT_EQ(two.status, 0) << two.output;
+  std::vector<double> a, b;
+  for (const auto& m : read_jsonl(path("one.jsonl")))
+    if (m.contains("eval_loss")) a.push_back(m["eval_loss"].get<double>());
+  for (const auto& m : read_jsonl(path("pp.jsonl")))
+    if (m.contains("eval_loss")) b.push_back(m["eval_loss"].get<double>());
+  ASSERT_EQ(a.size(), 2u) << "steps 2 and 4";
+  ASSERT_EQ(b.size(), a.size());
+  for (std::size_t k = 0; k < a.size(); ++k) expect_close(b[k], a[k], "held-out loss " + std::to_string(k));
+  EXPECT_NE(a[1], a[0]) << "the weights changed between the two";
+}
+
+}  // namespace
+}  // namespace sppo
