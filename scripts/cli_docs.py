@@ -7,7 +7,7 @@
                                   # exit 1 when a file names an option no command has
 
 Every command's help, in the order `sppo --help` lists them (bench's subcommands too).
---names accepts the options of sppo's commands, of scripts/tokenize_text.py and of the
+--names accepts the options of sppo's commands, of scripts/tokenize_text.py and passkey.py and of the
 launchers, peer scripts and install scripts the docs show (OTHERS).
 """
 import re
@@ -71,8 +71,9 @@ def option_names(sppo):
     names = set(OTHERS)
     for _, text in commands(sppo):
         names |= set(re.findall(r"--[a-z][a-z0-9-]*", text))
-    tok = subprocess.run([sys.executable, "scripts/tokenize_text.py", "--help"], capture_output=True, text=True)
-    names |= set(re.findall(r"--[a-z][a-z0-9-]*", tok.stdout))
+    for script in (["scripts/tokenize_text.py"], ["scripts/passkey.py", "haystacks"], ["scripts/passkey.py", "grid"]):
+        out = subprocess.run([sys.executable, *script, "--help"], capture_output=True, text=True)
+        names |= set(re.findall(r"--[a-z][a-z0-9-]*", out.stdout))
     return names
 
 
