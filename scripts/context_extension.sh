@@ -2,7 +2,9 @@
 # Context extension of a Hugging Face model, end to end: a random llama-tiny written by
 # transformers (trained context 256 tokens), imported, trained at 8x its length (2048)
 # with rope_theta raised, exported back to Hugging Face's format and reloaded by
-# transformers, which measures the loss near and far (1024 tokens back) again.
+# transformers, which measures the loss near and far (1024 tokens back) again. The held-out
+# loss, near and far, is logged as it trains (loss.svg draws it), and sppo eval scores it by
+# position at the trained length and at twice it.
 # Usage: bash scripts/context_extension.sh [WORK_DIR] (default runs/context-extension).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,12 +26,35 @@ torch.manual_seed(0)
 transformers.LlamaForCausalLM(c).save_pretrained(sys.argv[1], safe_serialization=True)
 PY
 
+echo "== held-out sequences of the built-in task (a string, then itself), at 2048 and 4096 tokens"
+"$py" - "$work" <<'PY'
+import random, struct, sys
+def windows(path, S, count, seed):
+    # Windows of S + 1 tokens that share their last token with the next one's first, as
+    # sppo reads a token file; each a random string over 32 symbols, then itself.
+    rng, out = random.Random(seed), []
+    for k in range(count):
+        prefix = [rng.randrange(32) for _ in range(S // 2 + 1)]
+        if out:
+            prefix[0] = out[-1]
+        window = (prefix + prefix)[: S + 1]
+        out += window if not out else window[1:]
+    open(path, "wb").write(struct.pack(f"<{len(out)}I", *out))
+windows(sys.argv[1] + "/held-2k.u32", 2048, 2, 11)
+windows(sys.argv[1] + "/held-4k.u32", 4096, 2, 12)
+PY
+
 echo "== sppo: import, then train at 2048 tokens (8x) with rope_theta 10000 -> 80000"
 build/sppo import "$work/llama-tiny-hf" --out "$work/imported"
 build/sppo train --init "$work/imported" --seq-len 2048 --subseqs 4 --rope-theta 80000 --steps "$steps" \
+  --eval-data "$work/held-2k.u32" --eval-every 50 --eval-seqs 2 \
   --metrics "$work/metrics.jsonl" --save "$work/trained" --quiet
 tail -n 1 "$work/metrics.jsonl"
 build/sppo plot "$work/metrics.jsonl" --out "$work/loss.svg" --title "llama-tiny extended from 256 to 2048 tokens"
+
+echo "== sppo eval: the held-out loss by position at the trained length, and at twice it"
+build/sppo eval --init "$work/trained" --data "$work/held-2k.u32" --seq-len 2048 --subseqs 4 --out "$work/eval-2k"
+build/sppo eval --init "$work/trained" --data "$work/held-4k.u32" --seq-len 4096 --subseqs 8 --out "$work/eval-4k"
 
 echo "== export to Hugging Face's format and measure with transformers"
 build/sppo export "$work/trained" --format hf --out "$work/llama-tiny-2k"
