@@ -9,6 +9,7 @@
 #include "bench/bench.h"
 #include "bench/bench_attention.h"
 #include "bench/bench_cores.h"
+#include "bench/bench_eval.h"
 #include "bench/bench_pipeline.h"
 #include "bench/bench_sppo.h"
 #include "cli/commands.h"
@@ -285,6 +286,34 @@ void add_bench_cores(CLI::App* bench, Commands& out) {
                  }});
 }
 
+void add_bench_eval(CLI::App* bench, Commands& out) {
+  struct Eval {
+    BenchEvalOptions options;
+    std::string budget = "96MiB", host_budget = "1GiB", cap = "512K", measure_cap = "64K";
+    bool json = false;
+  };
+  auto o = std::make_shared<Eval>();
+  auto* cmd = bench->add_subcommand(
+      "eval", "The longest sequence sppo eval (the forward alone) fits beside the longest train fits, under one "
+              "device budget, and one evaluation's peaks measured at its longest");
+  cmd->add_option("--model", o->options.model, "Model preset")->capture_default_str();
+  cmd->add_option("--device-memory", o->budget, "The device budget both run under")->capture_default_str();
+  cmd->add_option("--host-memory", o->host_budget, "The host budget both run under")->capture_default_str();
+  cmd->add_option("--cap", o->cap, "The longest length searched")->capture_default_str();
+  cmd->add_option("--measure-cap", o->measure_cap, "The longest evaluation run to measure its peaks")
+      ->capture_default_str();
+  cmd->add_flag("--json", o->json, "Print one JSON object");
+  out.push_back({cmd, [o](const Invocation&) {
+                   preset(o->options.model);
+                   o->options.budget = parse_bytes(o->budget, "--device-memory");
+                   o->options.host_budget = parse_bytes(o->host_budget, "--host-memory");
+                   o->options.cap = parse_count(o->cap, "--cap");
+                   o->options.measure_cap = parse_count(o->measure_cap, "--measure-cap");
+                   report(bench_eval(o->options), o->json, print_bench_eval);
+                   return 0;
+                 }});
+}
+
 }  // namespace
 
 void add_bench_commands(CLI::App& app, Commands& out) {
@@ -298,6 +327,7 @@ void add_bench_commands(CLI::App& app, Commands& out) {
   add_bench_ranks(bench, out, true);
   add_bench_sim(bench, out);
   add_bench_cores(bench, out);
+  add_bench_eval(bench, out);
 }
 
 }  // namespace sppo::cli

@@ -1,0 +1,129 @@
+#include "bench/bench_eval.h"
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "io/fileutil.h"
+#include "planner/profile.h"
+#include "train/parallel.h"
+#include "train/profile_machine.h"
+#include "train/setup.h"
+
+namespace sppo {
+
+namespace {
+
+constexpr i64 kStep = 1024;  // lengths searched: multiples of this
+
+StepOptions options_for(const BenchEvalOptions& o, const std::string& profile, i64 S, bool eval,
+                        const std::string& kv) {
+  StepOptions s;
+  s.model = preset(o.model);
+  s.model_name = o.model;
+  s.seq_len = S;
+  s.subseqs = "auto";
+  s.offload = eval ? "none" : "adaptive";
+  s.device_memory = o.budget;
+  s.host_memory = o.host_budget;
+  s.hardware = profile;  // nominal rates: the fit depends on memory alone
+  s.place.kv = parse_kv_cache(kv);
+  s.forward_only = eval;
+  return s;
+}
+
+// Whether the setup fits S tokens (its budget checks, before any step).
+bool fits(const BenchEvalOptions& o, const std::string& profile, i64 S, bool eval, const std::string& kv) {
+  try {
+    (void)make_setup(options_for(o, profile, S, eval, kv));
+    return true;
+  } catch (const DoesNotFit&) {
+    return false;
+  }
+}
+
+// The longest multiple of kStep up to the cap that fits (0: none does): doubling, then
+// halving the interval.
+i64 longest(const BenchEvalOptions& o, const std::string& profile, bool eval, const std::string& kv) {
+  const i64 cap = o.cap / kStep * kStep;
+  i64 good = 0, bad = 0, S = kStep;
+  while (true) {
+    if (!fits(o, profile, S, eval, kv)) {
+      bad = S;
+      break;
+    }
+    good = S;
+    if (S == cap) return cap;
+    S = std::min(cap, 2 * S);
+  }
+  while (bad - good > kStep) {
+    const i64 mid = (good + bad) / 2 / kStep * kStep;
+    (fits(o, profile, mid, eval, kv) ? good : bad) = mid;
+  }
+  return good;
+}
+
+}  // namespace
+
+nlohmann::json bench_eval(const BenchEvalOptions& o) {
+  SPPO_CHECK(o.budget > 0 && o.host_budget > 0 && o.cap >= kStep && o.measure_cap >= kStep, "options")
+      << "bench eval needs device and host budgets and caps of at least " << kStep << " tokens";
+  io::TempDir dir("sppo-bench-eval");
+  const std::string profile = dir.file("nominal.json");
+  plan::save_profile(nominal_cpu_profile(), profile);
+  nlohmann::json rows = nlohmann::json::array();
+  for (const char* kv : {"device", "host"}) {
+    const i64 train = longest(o, profile, false, kv), eval = longest(o, profile, true, kv);
+    nlohmann::json row = {{"kv_cache", kv},
+                          {"train_max_seq_len", train},
+                          {"train_at_cap", train == o.cap / kStep * kStep},
+                          {"eval_max_seq_len", eval},
+                          {"eval_at_cap", eval == o.cap / kStep * kStep},
+                          {"ratio", train > 0 ? double(eval) / double(train) : 0.0}};
+    if (eval > 0 && eval <= o.measure_cap) {  // one evaluation at its longest, from seeded weights
+      StepSetup s = make_setup(options_for(o, profile, eval, true, kv));
+      init_owned(*s.runtime, 1234);
+      std::vector<std::int32_t> tokens(std::size_t(eval + 1));
+      s.data->next(tokens.data(), eval + 1);
+      const StepResult r = s.runtime->step(s.schedule, tokens.data());
+      row["eval_subseqs"] = s.lengths.size();
+      row["eval_measured_peak_device_bytes"] = r.device.peak;
+      row["eval_predicted_peak_device_bytes"] = s.predicted_peak_bytes;
+      row["eval_measured_peak_host_bytes"] = r.host.peak;
+      row["eval_predicted_peak_host_bytes"] = s.predicted_host_bytes;
+      row["eval_step_s"] = r.step_s;
+    }
+    rows.push_back(row);
+  }
+  return {{"model", o.model}, {"device_budget_bytes", o.budget}, {"host_budget_bytes", o.host_budget}, {"cap", o.cap / kStep * kStep},
+          {"measure_cap", o.measure_cap}, {"rows", rows}};
+}
+
+void print_bench_eval(const nlohmann::json& j) {
+  std::printf("bench eval: %s under a device budget of %s and a host budget of %s; lengths searched in steps of "
+              "%lld up to %lld\n",
+              j["model"].get<std::string>().c_str(), format_bytes(j["device_budget_bytes"].get<double>()).c_str(),
+              format_bytes(j["host_budget_bytes"].get<double>()).c_str(),
+              (long long)kStep, j["cap"].get<long long>());
+  std::printf("%-8s %14s %14s %8s %28s %28s\n", "K/V", "train longest", "eval longest", "ratio",
+              "eval peak device (pred.)", "eval peak host (pred.)");
+  for (const auto& r : j["rows"]) {
+    auto len = [&](const char* key, const char* cap) {
+      return std::to_string(r[key].get<long long>()) + (r[cap].get<bool>() ? "+" : "");
+    };
+    std::string dev = "not measured", host = dev;
+    if (r.contains("eval_measured_peak_device_bytes")) {
+      dev = format_bytes(r["eval_measured_peak_device_bytes"].get<double>()) + " (" +
+            format_bytes(r["eval_predicted_peak_device_bytes"].get<double>()) + ")";
+      host = format_bytes(r["eval_measured_peak_host_bytes"].get<double>()) + " (" +
+             format_bytes(r["eval_predicted_peak_host_bytes"].get<double>()) + ")";
+    }
+    std::printf("%-8s %14s %14s %7.2fx %28s %28s\n", r["kv_cache"].get<std::string>().c_str(),
+                len("train_max_seq_len", "train_at_cap").c_str(), len("eval_max_seq_len", "eval_at_cap").c_str(),
+                r["ratio"].get<double>(), dev.c_str(), host.c_str());
+  }
+  std::printf("(+: at the cap, the longest searched; peaks measured on one evaluation at its longest)\n");
+}
+
+}  // namespace sppo
