@@ -16,6 +16,9 @@ everywhere but at the answer tokens, where the label is the token itself: sppo e
 fraction of answer tokens the model predicts (each one from the text before it). NNNNN is five random digits
 per (length, depth), drawn from --seed, so a grid is reproducible and no two cells share a key.
 
+train-data writes DIR/train.u32: --count haystacks of one length L at random depths, one window of `sppo train
+           --seq-len L` each, for a model to learn the task, and DIR/train.i32, labels on what only retrieval
+           predicts (the key where the needle repeats it, and the answer; -100 elsewhere).
 haystacks  writes DIR/cell-L-d/haystack.u32 and haystack.i32 per cell and DIR/haystacks.json, which lists
            every cell's files, passkey, answer token count and where the needle starts.
 grid       writes the haystacks, runs `sppo eval --init CKPT --data haystack.u32 --labels haystack.i32
@@ -247,6 +250,39 @@ def cmd_haystacks(a):
     print(f"wrote {len(cells)} haystacks ({tok.name} tokens) and {os.path.join(a.out, 'haystacks.json')}")
 
 
+def cmd_train_data(a):
+    """Haystacks of one length at random depths, one after another as sppo reads a token file: window k is
+    tokens [k L, k L + L], so each haystack after the first drops its first token (the previous one's last
+    takes its place). Trained on with the next token as every target, a model learns to copy the key."""
+    if (a.tokenizer is None) == (a.vocab is None):
+        fail("give one of --tokenizer HF_DIR (the model's tokenizer) or --vocab V (the built-in tokenizer)")
+    if a.count < 1:
+        fail(f"--count {a.count}: give 1 or more haystacks")
+    if len(a.lengths) != 1:
+        fail("train-data writes haystacks of one length: give --lengths L")
+    tok = make_tokenizer(a, None)
+    length, rng, stream, targets = a.lengths[0], random.Random(a.seed), [], []
+    for k in range(a.count):
+        tokens, labels, info = haystack(tok, length, rng.random(), f"{a.seed}/train/{k}")
+        # Labels on what can only be retrieved: the key where the needle repeats it, and the answer.
+        # The key as the text holds it: after a space, which a byte-level BPE joins to its first digit.
+        for key in (tok.encode(" " + info["passkey"]), tok.encode(info["passkey"])):
+            found = [at for at in range(info["needle_at"], len(tokens) - len(key) + 1)
+                     if tokens[at:at + len(key)] == key]
+            if len(found) >= 2:  # the needle's first mention is the key itself; its second is a copy
+                if labels[found[1]] == IGNORE:
+                    labels[found[1]:found[1] + len(key)] = key
+                break
+        stream += tokens if k == 0 else tokens[1:]
+        targets += labels if k == 0 else labels[1:]
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "train.u32")
+    write_ints(path, stream, "I")
+    write_ints(os.path.join(a.out, "train.i32"), targets, "i")
+    print(f"wrote {a.count} haystacks of {length} tokens ({tok.name} tokens) to {path}, labelled on the keys a "
+          f"model can only retrieve in train.i32: train with --seq-len {length} --labels")
+
+
 def run_eval(a, cell):
     out = os.path.join(a.out, cell_name(cell["length"], cell["depth"]))
     cmd = [a.sppo, "eval", "--init", a.init, "--data", cell["data"], "--labels", cell["labels"],
@@ -334,6 +370,13 @@ def main():
         q.add_argument("--tokenizer", help="Hugging Face model directory whose tokenizer makes the tokens")
         q.add_argument("--vocab", type=int, help="the built-in character tokenizer for a model of this vocabulary")
         q.add_argument("--seed", type=int, default=1234, help="seed of the passkeys (default 1234)")
+    t = sub.add_parser("train-data", help="write haystacks of one length at random depths as one training file")
+    t.add_argument("--lengths", type=parse_lengths, required=True, help="the haystacks' length L, e.g. 512")
+    t.add_argument("--count", type=int, default=1000, help="haystacks to write (default 1000)")
+    t.add_argument("--out", required=True, help="directory for train.u32")
+    t.add_argument("--tokenizer", help="Hugging Face model directory whose tokenizer makes the tokens")
+    t.add_argument("--vocab", type=int, help="the built-in character tokenizer for a model of this vocabulary")
+    t.add_argument("--seed", type=int, default=1234, help="seed of the passkeys and depths (default 1234)")
     g.add_argument("--sppo", default="build/sppo", help="the sppo binary (default build/sppo)")
     g.add_argument("--init", required=True, help="the model: an sppo checkpoint or a Hugging Face model directory")
     g.add_argument("--title", help="heading of passkey.svg (default: sppo plot's)")
@@ -342,6 +385,8 @@ def main():
         fail("arguments after -- are sppo eval's, for the grid subcommand")
     if a.command == "haystacks":
         cmd_haystacks(a)
+    elif a.command == "train-data":
+        cmd_train_data(a)
     else:
         cmd_grid(a, eval_args)
 

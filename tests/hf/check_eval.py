@@ -14,7 +14,13 @@ likely token is the target) exactly. The tokens are text (the repository's READM
 through scripts/tokenize_text.py with a BPE tokenizer trained here, offline; without the
 `tokenizers` package, pseudo-random ids. Bad inputs: fewer labels than tokens and data
 shorter than one sequence exit 2, and a --device-memory far too small exits 3, each saying
-why.
+why. Passkey: scripts/passkey.py grid (this interpreter, -- --backend cpu) over both models with the
+tokenizer saved beside each (transformers' PreTrainedTokenizerFast of the BPE above; without
+`tokenizers`, passkey.py's built-in character tokenizer), lengths PASSKEY_LENGTHS (within
+max_position_embeddings) by depths 0, 0.5, 1: each cell of passkey.json must have transformers'
+accuracy on its own haystack token and label files exactly, and its loss within 1e-5 (1 + |b|);
+passkey.svg must exist. (The models are random, so the accuracies are mostly 0: the loss is what
+holds the labels' alignment to account.)
 
 Usage: check_eval.py SPPO_BINARY WORK_DIR. Exits 77 (skipped) without torch and transformers.
 """
@@ -188,6 +194,66 @@ def compare(label, result, positions, labeled):
     print(text)
 
 
+PASSKEY_LENGTHS = (96, 128)  # both within max_position_embeddings (128)
+PASSKEY_DEPTHS = (0, 0.5, 1)
+
+
+def read_raw(path, dtype):
+    return numpy.fromfile(path, dtype=dtype).astype("int64").tolist()
+
+
+@torch.no_grad()
+def passkey_case(name, hf_dir, model, with_tokenizer):
+    """scripts/passkey.py grid over the model; each cell's accuracy and loss against transformers'."""
+    out = os.path.join(WORK, name + "-passkey")
+    lengths = ",".join(str(n) for n in PASSKEY_LENGTHS)
+    depths = ",".join(f"{d:g}" for d in PASSKEY_DEPTHS)
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "passkey.py"), "grid", "--sppo", SPPO, "--init", hf_dir,
+           *(("--tokenizer", hf_dir) if with_tokenizer else ()), "--lengths", lengths, "--depths", depths,
+           "--out", out, "--", *COMMON]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        failures.append(f"{name} passkey: passkey.py grid exit {r.returncode}\n{r.stdout}{r.stderr}")
+        return
+    if not os.path.isfile(os.path.join(out, "passkey.svg")):
+        failures.append(f"{name} passkey: no passkey.svg in {out}")
+    cells = json.load(open(os.path.join(out, "passkey.json")))["cells"]
+    want_cells = [(n, float(d)) for n in PASSKEY_LENGTHS for d in PASSKEY_DEPTHS]
+    got_cells = [(c.get("length"), c.get("depth")) for c in cells]
+    if got_cells != want_cells:
+        failures.append(f"{name} passkey: cells {got_cells}, expected {want_cells}")
+    for c in cells:
+        label = f"{name} passkey length {c['length']} depth {c['depth']:g}"
+        L = c["length"]
+        tokens, labels = read_raw(c["data"], "<u4"), read_raw(c["labels"], "<i4")
+        if len(tokens) != L + 1 or len(labels) != L + 1:
+            failures.append(f"{label}: {len(tokens)} tokens and {len(labels)} labels, expected {L + 1} each")
+            continue
+        logits = model(input_ids=torch.tensor(tokens[:L]).unsqueeze(0)).logits[0].double()
+        target = torch.tensor(labels[1:])
+        counted = target != IGNORE
+        count = int(counted.sum())
+        if count != c["answer_tokens"] or count == 0:
+            failures.append(f"{label}: {count} labelled positions, passkey.json says {c['answer_tokens']} "
+                            "answer tokens")
+            continue
+        safe = torch.where(counted, target, torch.zeros_like(target))
+        want_loss = float(torch.nn.functional.cross_entropy(logits[counted], safe[counted]))
+        hits = int((logits.argmax(-1) == safe)[counted].sum())
+        want_acc = hits / count
+        top2 = logits.topk(2, dim=-1).values
+        margin = float((top2[:, 0] - top2[:, 1])[counted].min())
+        if c["accuracy"] is None or c["accuracy"] != want_acc:
+            failures.append(f"{label}: accuracy {c['accuracy']!r} vs transformers' {want_acc!r} ({hits} of {count}; "
+                            f"transformers' closest top-2 logits {margin:.2e} apart)")
+        if c["loss"] is None or not close(c["loss"], want_loss):
+            failures.append(f"{label}: loss {c['loss']!r} vs transformers' {want_loss!r}")
+        else:
+            worst["loss"] = max(worst["loss"], rel(c["loss"], want_loss))
+        print(f"{label} (key {c['passkey']}): accuracy {c['accuracy']!r} vs transformers' {want_acc!r} "
+              f"({hits} of {count} answer tokens; top-2 gap >= {margin:.1e}), loss {c['loss']!r} vs {want_loss:.8f}")
+
+
 FORMS = (("whole", ("--subseqs", "1")), ("subseqs3", ("--subseqs", "3")),
          ("subseqs3-host", ("--subseqs", "3", "--kv-cache", "host")))
 
@@ -269,6 +335,9 @@ def main():
         model.eval()
         d = os.path.join(WORK, name)
         model.save_pretrained(d, safe_serialization=True)
+        if tok_json:  # the tokenizer beside the model, as passkey.py's --tokenizer HF_DIR loads it
+            transformers.PreTrainedTokenizerFast(tokenizer_file=tok_json, unk_token="[UNK]",
+                                                 eos_token="[EOS]").save_pretrained(d)
         cases.append((name, d, model))
     if tok_json:
         tokens = tokenize(tok_json, text, cases[0][1])
@@ -282,6 +351,7 @@ def main():
         lab_file = os.path.join(WORK, name + "-labels.i32")
         write_raw(lab_file, labels, "<i4")
         eval_case(name, d, model, tok_file, lab_file, tokens, labels)
+        passkey_case(name, d, model, tok_json is not None)
     bad_inputs(cases[0][1], tok_file, vocab)
     print(f"max relative difference (|a - b| / (1 + |b|)): loss {worst['loss']:.2e}, per-position bins "
           f"{worst['bins']:.2e} (allowed {TOL:.0e})")
