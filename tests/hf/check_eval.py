@@ -34,6 +34,8 @@ try:
     import numpy
     import torch
     import transformers
+    import hf_common
+    from hf_common import randomize, run_sppo
 except ImportError as e:  # the test is skipped, saying why
     print(f"skipped: {e} (install python3-torch and transformers 4.46, see .ci/run)")
     sys.exit(77)
@@ -51,31 +53,11 @@ worst = {"loss": 0.0, "bins": 0.0}
 
 
 def run(*args, expect=0):
-    r = subprocess.run([SPPO, *args], capture_output=True, text=True)
-    if r.returncode != expect:
-        raise SystemExit(f"sppo {' '.join(args)}: exit {r.returncode}, expected {expect}\n{r.stdout}{r.stderr}")
-    return r
+    return run_sppo(SPPO, *args, expect=expect)
 
 
 def base_config(**kw):
-    c = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, rope_theta=500.0, rms_norm_eps=1e-5,
-             tie_word_embeddings=False, torch_dtype="float32")
-    c.update(kw)
-    return c
-
-
-def randomize(model, seed):
-    """Weights at unit scale (HF's 0.02 init leaves every loss near log V), norms off 1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return hf_common.base_config(**{"max_position_embeddings": 128, **kw})
 
 
 def write_raw(path, values, dtype):
