@@ -208,10 +208,50 @@ void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const
                                 int(v0), int(v1 - v0));
 }
 
+namespace {
+
+// The most likely token of each of a chunk's `rows` rows over the whole vocabulary: each
+// member's of its part (its largest logit and that token's id), taken from the logits
+// before xent_shard overwrites them, then gathered through the log-sum-exp's buffer once
+// xent_shard has read it; the largest wins, the lowest id among equals (as an argmax over
+// the whole row would), on every member alike. On the host: an evaluation's, not a kernel's.
+struct MostLikely {
+  std::vector<float> best, id;  // [rows] this member's
+};
+MostLikely most_likely_here(Backend& be, const float* logits, int rows, int V, i64 v0) {
+  MostLikely m{std::vector<float>(std::size_t(rows)), std::vector<float>(std::size_t(rows))};
+  std::vector<float> row(static_cast<std::size_t>(V));
+  for (int r = 0; r < rows; ++r) {
+    be.to_host(row.data(), logits + i64(r) * V, sizeof(float) * std::size_t(V));
+    const i64 k = std::max_element(row.begin(), row.end()) - row.begin();
+    m.best[std::size_t(r)] = row[std::size_t(k)];
+    m.id[std::size_t(r)] = float(v0 + k);  // exact: vocabularies are far below 2^24
+  }
+  return m;
+}
+void score_most_likely(Backend& be, std::uint8_t* hits, const MostLikely& mine, const HeadWorkspace& w,
+                       TpCollectives& tpc, const std::int32_t* targets, int rows) {
+  const TpShard& tp = tpc.shard();
+  std::vector<float> all_best(std::size_t(tp.size) * rows), all_id(all_best.size());
+  for (auto [part, all] : {std::pair{&mine.best, &all_best}, std::pair{&mine.id, &all_id}}) {
+    be.to_device(w.lse_parts + i64(tp.index) * rows, part->data(), sizeof(float) * std::size_t(rows));
+    tpc.all_gather_rows(w.lse_parts, rows);
+    be.to_host(all->data(), w.lse_parts, sizeof(float) * all->size());
+  }
+  for (int r = 0; r < rows; ++r) {
+    int win = 0;
+    for (int t = 1; t < tp.size; ++t)
+      if (all_best[std::size_t(t) * rows + r] > all_best[std::size_t(win) * rows + r]) win = t;
+    hits[r] = std::uint8_t(targets[r] == std::int32_t(all_id[std::size_t(win) * rows + r]));
+  }
+}
+
+}  // namespace
+
 void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, const void* x,
                               const std::int32_t* targets, const ParamView& p, const MatrixView& m, ParamView& g,
                               const HeadWorkspace& w, TpCollectives& tpc, const ModelConfig& c, const Subseq& q,
-                              i64 total_tokens) {
+                              i64 total_tokens, std::uint8_t* hits) {
   const TpShard& tp = tpc.shard();
   const int T = q.T, H = c.hidden, Ts = int(tp.row_count(T));
   const auto [v0, v1] = tp.vocab(c);
@@ -230,10 +270,12 @@ void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, co
       const int rows = std::min(w.chunk, part.rows - c0), t0 = part.row0 + c0;
       void* h = act_at(w.tp_full, i64(t0) * H, a);
       be.gemm(false, true, rows, V, H, 1.0f, h, H, m.head, H, 0.0f, w.logits, V, a, DType::F32);
+      const MostLikely mine = hits ? most_likely_here(be, w.logits, rows, V, v0) : MostLikely{};
       be.row_logsumexp(w.lse_parts + i64(tp.index) * rows, w.logits, rows, V);
       tpc.all_gather_rows(w.lse_parts, rows);
       be.xent_shard(w.dlogits, w.losses + t0, loss_sum, w.logits, w.lse_parts, tp.size, targets + part.pos0 + c0, rows,
                     V, int(v0), scale, w.scratch);
+      if (hits) score_most_likely(be, hits + part.pos0 + c0, mine, w, tpc, targets + part.pos0 + c0, rows);
       if (!head_grad) continue;  // the forward alone (an evaluation)
       be.gemm(true, false, V, H, rows, 1.0f, w.dlogits, V, h, H, 1.0f, g.head, H, a, DType::F32);
       be.gemm(false, false, rows, H, V, 1.0f, w.dlogits, V, m.head, H, 0.0f, h, H, a, a);

@@ -90,10 +90,12 @@ void embedding_backward_tp(Backend& be, float* dembed, const void* d_rows, const
 // step's (indexed by position); head_grad [Ts, H]. w.losses[q.T] holds, in q's row order,
 // this member's part of each row's loss (the row's loss where the target is in its
 // vocabulary, else 0) and *loss_sum its sum: both add up over the group to
-// head_forward_backward's. A null head_grad: the forward alone.
+// head_forward_backward's. A null head_grad: the forward alone; with `hits` (host, the whole
+// step's, indexed by position as targets are), 1 where the row's most likely token over the
+// whole vocabulary is its target, else 0, the same on every member.
 void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, const void* x,
                               const std::int32_t* targets, const ParamView& p, const MatrixView& m, ParamView& g,
                               const HeadWorkspace& w, TpCollectives& tpc, const ModelConfig& c, const Subseq& q,
-                              i64 total_tokens);
+                              i64 total_tokens, std::uint8_t* hits = nullptr);
 
 }  // namespace sppo

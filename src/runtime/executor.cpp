@@ -428,7 +428,8 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
   if (!fwd) head_grad = device_->alloc(out.bytes(), "subseq " + std::to_string(i) + " head_grad");  // [T, H] as out
   if (st.tp) {
     head_forward_backward_tp(be_, fwd ? nullptr : head_grad.data(), static_cast<double*>(st.loss_sum.data()), out.data(),
-                             st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.loss_tokens);
+                             st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.loss_tokens,
+                             fwd ? st.result.hits.data() : nullptr);
     be_.synchronize();
     st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
     for (const PosSpan& part : q.parts())

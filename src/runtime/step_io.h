@@ -72,8 +72,8 @@ struct StepResult {
   i64 predicted = 0;              // positions of this sequence predicted: S, or those with targets
   bool has_loss = false;          // this rank holds the LM head, so loss and losses are set
   std::vector<float> losses;      // [S] per-position losses
-  // A forward-only step without tensor parallelism: [S], 1 where the position's most likely
-  // next token is its target (empty otherwise).
+  // A forward-only step: [S], 1 where the position's most likely next token is its target
+  // (empty otherwise).
   std::vector<std::uint8_t> hits;
   MemoryStats device;             // device tier over the step (peak = high-water mark)
   MemoryStats host;               // host tier (the offloaded copies) over the step

@@ -124,7 +124,7 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
     return op.kind == sched::OpKind::Forward && op.layer_end == L;
   });
   result.losses.assign(std::size_t(result.has_loss || any_head ? S : 0), 0.0f);
-  if (sc.forward_only && !tp) result.hits.assign(result.losses.size(), 0);
+  if (sc.forward_only) result.hits.assign(result.losses.size(), 0);
 }
 
 StepState::~StepState() = default;

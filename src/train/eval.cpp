@@ -39,8 +39,7 @@ EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout&
   EvalSums e;
   e.loss.assign(std::size_t(S), 0.0);
   e.tokens.assign(std::size_t(S), 0.0);
-  const bool hits = fwd.par.tp == 1;
-  if (hits) e.hits.assign(std::size_t(S), 0.0);
+  e.hits.assign(std::size_t(S), 0.0);
   std::vector<std::int32_t> tokens(std::size_t(S + 1)), label(labels ? std::size_t(S + 1) : 0), targets;
   double seconds = 0;
   i64 peak = 0, host_peak = 0;
@@ -66,7 +65,7 @@ EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout&
     if (r.has_loss && lay.tp_index() == 0)
       for (i64 p = 0; p < S; ++p) {
         e.loss[std::size_t(p)] += r.losses[std::size_t(p)];
-        if (hits) e.hits[std::size_t(p)] += r.hits[std::size_t(p)];
+        e.hits[std::size_t(p)] += r.hits[std::size_t(p)];
       }
     seconds += r.step_s;
     peak = std::max(peak, r.device.peak);
@@ -75,7 +74,7 @@ EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout&
   e.sequences = sequences;
   if (comm.size() > 1) {
     comm::allreduce_sum(comm, e.loss, comm::world_group(comm), "the evaluation's losses");
-    if (hits) comm::allreduce_sum(comm, e.hits, comm::world_group(comm), "the evaluation's hits");
+    comm::allreduce_sum(comm, e.hits, comm::world_group(comm), "the evaluation's hits");
     std::vector<double> most(std::size_t(3 * comm.size()), 0.0);
     most[std::size_t(3 * comm.rank())] = double(peak);
     most[std::size_t(3 * comm.rank() + 1)] = double(host_peak);

@@ -27,8 +27,7 @@ namespace sppo {
 struct EvalSums {
   std::vector<double> loss;    // [S] summed loss at each position
   std::vector<double> tokens;  // [S] sequences that count the position (a target there)
-  std::vector<double> hits;    // [S] of them, where the most likely token was the target; empty
-                               // under tensor parallelism, whose members each hold part of the vocabulary
+  std::vector<double> hits;    // [S] of them, where the most likely token was the target
   i64 sequences = 0;
   i64 peak_device_bytes = 0, peak_host_bytes = 0;  // the fullest rank's
   std::vector<i64> peak_device_per_rank, peak_host_per_rank;
