@@ -28,8 +28,8 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
                           : rebuilt);
   SPPO_CHECK(!o.inference || sc.forward_only, "runtime")
       << "an evaluation's runtime holds no gradients: it runs forward-only steps only";
-  SPPO_CHECK(!sc.forward_only || (!o.recompute && !!sc.place.kv_layers(KvPlace::Recompute).empty()), "runtime")
-      << "a forward-only step keeps no layer inputs to recompute K/V or blocks from; use --kv-cache device or host";
+  SPPO_CHECK(!sc.forward_only || sc.place.kv_layers(KvPlace::Recompute).empty(), "runtime")
+      << "a forward-only step keeps no layer inputs to recompute K/V from; keep them on the device or the host";
   SPPO_CHECK(!o.recompute || sc.lengths.size() == 1, "runtime")
       << "full recomputation runs the whole sequence at once; use --subseqs 1";
   const auto& ops = sc.ops.at(o.rank);

@@ -373,11 +373,12 @@ void prepare_held_out(Run& r) {
   SPPO_CHECK(o.eval_every >= 0 && o.eval_seqs >= 1, "options")
       << "--eval-every must be 0 (the last step only) or more, and --eval-seqs 1 or more (got " << o.eval_every
       << " and " << o.eval_seqs << ")";
-  SPPO_CHECK(!o.step.recompute && r.s.schedule.place.kv_layers(KvPlace::Recompute).empty(), "options")
-      << "--eval-data runs the step's forward alone, which keeps no layer inputs to recompute from: it runs without "
-         "--recompute and --kv-cache recompute (use --kv-cache device or host)";
   r.held_out = open_held_out(o.eval_data, o.eval_labels, r.s.config, o.step.seq_len, o.step.seed, o.step.data_dtype);
   r.eval_schedule = sched::to_forward_only(r.s.schedule);
+  // The forward alone keeps no layer inputs to recompute K/V from: where the step recomputes
+  // them, its evaluation streams them from the host instead (the same ops).
+  for (KvPlace& kv : r.eval_schedule.place.kv)
+    if (kv == KvPlace::Recompute) kv = KvPlace::Host;
 }
 
 // The held-out loss after step `done`, when it is due: the same sequences every time.
