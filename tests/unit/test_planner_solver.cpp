@@ -254,6 +254,25 @@ TEST(Solver, OptimizerStateOnTheHostWhereTheDeviceCannotHoldIt) {
   EXPECT_NE(device.error.find("weights, gradients and optimizer state alone"), std::string::npos) << device.error;
 }
 
+// When nothing fits, the error names the closest miss over every placement searched, need
+// over limit: llama-3-8b at 12M tokens on 16 H100s misses by its host memory (about 408 GiB
+// of 256 with tp 8 and 2 stages), not by a later tier's wider layouts (a Ulysses layout's
+// bound of 832 GiB, which the error named when it took the last tier's closest).
+TEST(Solver, NothingFitsNamesTheClosestMissOfEveryPlacement) {
+  sim::PlanRequest req = request("llama-3-8b", i64(12) << 20, 16, "sppo");
+  req.hw = load_profile("h100-sxm");
+  const auto out = sim::solve_plan(req);
+  ASSERT_FALSE(out.ok);
+  const std::string& e = out.error;
+  const std::size_t at = e.find(" of host memory, over its 256.00 GiB");
+  ASSERT_NE(at, std::string::npos) << e;
+  const std::size_t from = e.rfind("at least ", at);
+  ASSERT_NE(from, std::string::npos) << e;
+  const double gib = std::stod(e.substr(from + 9));
+  EXPECT_GT(gib, 256) << e;
+  EXPECT_LT(gib, 450) << e;
+}
+
 // Note [Weights in the search]: where nothing fits with the optimizer state alone on the
 // host, the layers' weights and gradients follow it (ZeRO-1 off); --weights device keeps them
 // and says what does not fit; the plan simulates as predicted.

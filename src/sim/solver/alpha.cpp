@@ -71,23 +71,19 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
     const plan::Plan& p = cands[k].plan;
     const Bounds& bk = b.bound[k];
     if (ctx.host_limit > 0 && bk.host > ctx.host_limit) {
-      if (st.least_peak == 0 && (st.least_host == 0 || bk.host < st.least_host)) {
-        st.least_host = bk.host;
-        st.last_reason = "with " + sp_text(p) + " and " + std::to_string(p.par.pp) +
-                         " stages, the activations, K/V and dK/dV sums that do not fit the device need at least " +
-                         format_bytes(double(bk.host)) + " of host memory, over its " +
-                         format_bytes(double(ctx.host_limit)) + " (more --gpus, or a larger --host-budget where "
-                         "the host has it)";
-      }
+      st.miss(double(bk.host), double(ctx.host_limit), [&] {
+        return "with " + sp_text(p) + " and " + std::to_string(p.par.pp) +
+               " stages, the activations, K/V and dK/dV sums that do not fit the device need at least " +
+               format_bytes(double(bk.host)) + " of host memory, over its " + format_bytes(double(ctx.host_limit)) +
+               " (more --gpus, or a larger --host-budget where the host has it)";
+      });
       return true;
     }
     if (bk.mem > budget) {
-      if (st.least_peak == 0 || bk.mem < st.least_peak) {
-        st.least_peak = bk.mem;
-        st.last_reason = "weights, the K/V cache and the dK/dV accumulators alone need " +
-                         format_bytes(double(bk.mem)) + " with " + sp_text(p) + " and " + std::to_string(p.par.pp) +
-                         " stages";
-      }
+      st.miss(double(bk.mem), double(budget), [&] {
+        return "weights, the K/V cache and the dK/dV accumulators alone need " + format_bytes(double(bk.mem)) +
+               " with " + sp_text(p) + " and " + std::to_string(p.par.pp) + " stages";
+      });
       return true;
     }
     return false;
@@ -106,12 +102,11 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
       const auto kept = st.device_floors.find(ck.key);
       const i64 lower = kept == st.device_floors.end() ? 0 : kept->second - state_bound(ctx, p);
       if (lower > budget) {
-        if (st.least_peak == 0 || lower < st.least_peak) {
-          st.least_peak = lower;
-          st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.par.pp) + " stages and N = " +
-                           std::to_string(p.subseqs) + ": peak device memory of at least " + bytes_text(lower) +
-                           " with the optimizer state on the host exceeds the budget of " + bytes_text(budget);
-        }
+        st.miss(double(lower), double(budget), [&] {
+          return "with " + sp_text(p) + ", " + std::to_string(p.par.pp) + " stages and N = " +
+                 std::to_string(p.subseqs) + ": peak device memory of at least " + bytes_text(lower) +
+                 " with the optimizer state on the host exceeds the budget of " + bytes_text(budget);
+        });
         return mark_failed();
       }
     }
@@ -130,11 +125,14 @@ void alpha_pass(const SearchContext& ctx, const std::vector<SearchCandidate>& ca
       st.fits.push_back(std::move(cand));
       return true;
     }
-    if (st.least_peak == 0 || cand.alpha.peak_device_bytes < st.least_peak) {
-      st.least_peak = cand.alpha.peak_device_bytes;
-      st.last_reason = "with " + sp_text(p) + ", " + std::to_string(p.par.pp) + " stages and N = " +
-                       std::to_string(p.subseqs) + ": " + cand.alpha.reason;
-    }
+    // A miss over the host's memory, not the device's, is measured against the host's.
+    const bool host_miss = cand.alpha.peak_device_bytes <= budget && ctx.host_limit > 0 &&
+                           cand.alpha.host_bytes > ctx.host_limit;
+    st.miss(double(host_miss ? cand.alpha.host_bytes : cand.alpha.peak_device_bytes),
+            double(host_miss ? ctx.host_limit : budget), [&] {
+              return "with " + sp_text(p) + ", " + std::to_string(p.par.pp) + " stages and N = " +
+                     std::to_string(p.subseqs) + ": " + cand.alpha.reason;
+            });
     return mark_failed();
   };
   std::map<GroupKey, std::size_t> top;  // group -> its candidate of the highest level

@@ -35,7 +35,7 @@ std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchS
   if (st.fits.empty())
     return "no layout of " + std::to_string(G) + " devices fits " + std::to_string(S) + " tokens in " +
            format_bytes(double(ctx.budget)) + " per device; the closest" +
-           (st.state_place.empty() ? "" : ", with " + st.state_place) + ": " + st.last_reason;
+           (st.closest_place.empty() ? "" : ", with " + st.closest_place) + ": " + st.closest_reason;
   return std::nullopt;
 }
 

@@ -271,20 +271,26 @@ struct LeastStep {
 // What the searches learn, kept from one to the next.
 struct SearchState {
   std::vector<Candidate> fits;  // every candidate that fitted, with its alpha
-  // The closest miss (the least peak, or before any peak the least host memory, that a
-  // candidate needed), for the error when nothing fits: of the last placement of the state
-  // searched (`state_place`), which moves the most off the device (another_placement).
-  std::string last_reason;
-  i64 least_peak = 0;
-  i64 least_host = 0;  // the least host memory a layout pruned by its host bound needs
+  // The closest miss over every placement searched, for the error when nothing fits: the
+  // least need over its limit (a device peak, or a bound on it, over the budget; host bytes
+  // over the host's), why, and under which placement of the state (`state_place`,
+  // another_placement) it came. A ratio, so that a host miss of one tier and a device miss
+  // of another compare.
+  double closest = 0;  // 0: none yet
+  std::string closest_reason, closest_place;
   std::string state_place;
+  template <typename Why>
+  void miss(double need, double limit, Why why) {
+    const double over = need / limit;
+    if (closest > 0 && over >= closest) return;
+    closest = over;
+    closest_reason = why();
+    closest_place = state_place;
+  }
 
   // A search of the state placed as `place` says (e.g. "the optimizer state on the host")
-  // begins: its misses, not the last one's, are the closest.
-  void another_placement(std::string place) {
-    state_place = std::move(place);
-    least_peak = least_host = 0;
-  }
+  // begins.
+  void another_placement(std::string place) { state_place = std::move(place); }
   int layouts_tried = 0;
   PlacementsTried placements_tried;
   // Note [Optimizer state under a budget], continued: when nothing fits, every layout the
