@@ -2,6 +2,7 @@
 // alone (train/eval.h), at lengths its training could not hold in the same memory.
 #include <CLI/CLI.hpp>
 #include <memory>
+#include <utility>
 #include <string>
 
 #include "cli/commands.h"
@@ -29,6 +30,22 @@ void add_eval_command(CLI::App& app, Commands& out) {
                            "--weights", "--residual-grads", "--rebuild-inputs", "--msp", "--msp-reach", "--zero",
                            "--batch", "--plan", "--pack", "--mlp-tile-rows"})
     if (CLI::Option* opt = cmd->get_option_no_throw(name)) cmd->remove_option(opt);
+  // The shared options as an evaluation reads them.
+  const std::pair<const char*, const char*> reworded[] = {
+      {"--init", "The weights to evaluate (required): an sppo checkpoint (train --save, sppo import) or a Hugging Face "
+                 "model directory; its model is used unless --model is given"},
+      {"--data", "The held-out data, read in windows of --seq-len + 1 tokens: empty for the built-in repeat task, a "
+                 "text file (bytes), raw tokens (.u16/.u32), or a Megatron .bin/.idx prefix"},
+      {"--labels", "The targets of --data, one per token as Hugging Face writes labels (the label of token i+1 is "
+                   "what position i predicts), -100 where nothing is scored; gives the accuracy too"},
+      {"--subseqs", "Subsequences N per sequence, or 'auto' (the fewest whose forward fits --device-memory, else "
+                    "about 8K tokens each)"},
+      {"--kv-cache", "Where finished subsequences' K/V live: device, host (streamed back to each later "
+                     "subsequence's attention, a chunk at a time), or auto (the device unless that does not fit the "
+                     "budgets, then the host on the fewest layers that fit)"},
+      {"--host-memory", "Host memory budget for the K/V on the host, e.g. 2GiB (default: unlimited)"},
+      {"--dp", "Data-parallel replicas, each evaluating its share of the sequences"}};
+  for (const auto& [name, text] : reworded) cmd->get_option(name)->description(text);
   cmd->add_option("--out", e->options.out, "Directory for eval.json and loss_by_position.svg");
   cmd->add_option("--seqs", e->options.seqs,
                   "Sequences to evaluate (default: every whole sequence of --data; the built-in task: 1)");
