@@ -96,8 +96,8 @@ nlohmann::json bench_eval(const BenchEvalOptions& o) {
     }
     rows.push_back(row);
   }
-  return {{"model", o.model}, {"device_budget_bytes", o.budget}, {"host_budget_bytes", o.host_budget}, {"cap", o.cap / kStep * kStep},
-          {"measure_cap", o.measure_cap}, {"rows", rows}};
+  return {{"model", o.model},         {"device_budget_bytes", o.budget}, {"host_budget_bytes", o.host_budget},
+          {"cap", o.cap / kStep * kStep}, {"measure_cap", o.measure_cap}, {"rows", rows}};
 }
 
 void print_bench_eval(const nlohmann::json& j) {

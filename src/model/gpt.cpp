@@ -585,8 +585,10 @@ void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const
     const int rows = std::min(w.chunk, T - t0);
     void* h = act_at(w.ln_f_out, i64(t0) * H, a);
     be.gemm(false, true, rows, V, H, 1.0f, h, H, m.head, H, 0.0f, w.logits, V, a, DType::F32);
-    if (hits)  // the most likely token of each row, on the host: an evaluation's, not a kernel's
+    if (hits)  // the most likely token of each scored row, on the host: an evaluation's, not a kernel's
       for (int r = 0; r < rows; ++r) {
+        hits[t0 + r] = 0;
+        if (targets[t0 + r] == kNoTarget) continue;
         be.to_host(row.data(), w.logits + i64(r) * V, sizeof(float) * std::size_t(V));
         const i64 best = std::max_element(row.begin(), row.end()) - row.begin();
         hits[t0 + r] = std::uint8_t(targets[t0 + r] == best);

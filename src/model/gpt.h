@@ -333,7 +333,8 @@ struct HeadWorkspace {
 };
 HeadWorkspace head_workspace_from(const std::vector<void*>& ptrs, int chunk, Workspace scratch = {}, bool tp = false);
 // A null head_grad: the forward alone (an evaluation), the loss and w.losses, no gradient;
-// with `hits` (host, [T]) too, 1 where the row's most likely token is its target, else 0.
+// with `hits` (host, [T]) too, 1 where the row's most likely token is its target, else 0
+// (0 where it has none, kNoTarget).
 void head_forward_backward(Backend& be, void* head_grad, double* loss_sum, const void* x, const std::int32_t* targets,
                            const ParamView& p, const MatrixView& m, ParamView& g, const HeadWorkspace& w,
                            const ModelConfig& c, int T, i64 total_tokens, std::uint8_t* hits = nullptr);

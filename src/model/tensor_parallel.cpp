@@ -218,10 +218,12 @@ namespace {
 struct MostLikely {
   std::vector<float> best, id;  // [rows] this member's
 };
-MostLikely most_likely_here(Backend& be, const float* logits, int rows, int V, i64 v0) {
-  MostLikely m{std::vector<float>(std::size_t(rows)), std::vector<float>(std::size_t(rows))};
+MostLikely most_likely_here(Backend& be, const float* logits, const std::int32_t* targets, int rows, int V,
+                            i64 v0) {
+  MostLikely m{std::vector<float>(std::size_t(rows)), std::vector<float>(std::size_t(rows), -1.0f)};
   std::vector<float> row(static_cast<std::size_t>(V));
   for (int r = 0; r < rows; ++r) {
+    if (targets[r] == kNoTarget) continue;  // nothing to score
     be.to_host(row.data(), logits + i64(r) * V, sizeof(float) * std::size_t(V));
     const i64 k = std::max_element(row.begin(), row.end()) - row.begin();
     m.best[std::size_t(r)] = row[std::size_t(k)];
@@ -242,7 +244,7 @@ void score_most_likely(Backend& be, std::uint8_t* hits, const MostLikely& mine, 
     int win = 0;
     for (int t = 1; t < tp.size; ++t)
       if (all_best[std::size_t(t) * rows + r] > all_best[std::size_t(win) * rows + r]) win = t;
-    hits[r] = std::uint8_t(targets[r] == std::int32_t(all_id[std::size_t(win) * rows + r]));
+    hits[r] = std::uint8_t(targets[r] != kNoTarget && targets[r] == std::int32_t(all_id[std::size_t(win) * rows + r]));
   }
 }
 
@@ -270,7 +272,8 @@ void head_forward_backward_tp(Backend& be, void* head_grad, double* loss_sum, co
       const int rows = std::min(w.chunk, part.rows - c0), t0 = part.row0 + c0;
       void* h = act_at(w.tp_full, i64(t0) * H, a);
       be.gemm(false, true, rows, V, H, 1.0f, h, H, m.head, H, 0.0f, w.logits, V, a, DType::F32);
-      const MostLikely mine = hits ? most_likely_here(be, w.logits, rows, V, v0) : MostLikely{};
+      const MostLikely mine =
+          hits ? most_likely_here(be, w.logits, targets + part.pos0 + c0, rows, V, v0) : MostLikely{};
       be.row_logsumexp(w.lse_parts + i64(tp.index) * rows, w.logits, rows, V);
       tpc.all_gather_rows(w.lse_parts, rows);
       be.xent_shard(w.dlogits, w.losses + t0, loss_sum, w.logits, w.lse_parts, tp.size, targets + part.pos0 + c0, rows,

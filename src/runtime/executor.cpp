@@ -423,13 +423,15 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
   KernelScratchBuffer scratch(*device_, opts_.head_scratch.bytes(T));
   const HeadWorkspace hw = head_workspace_from(ptrs(hw_bufs), opts_.head_chunk, scratch.get(), opts_.tp.on());
   Buffer& head_grad = st.act.head_grad(i);
-  // A forward-only step computes the loss alone (and, without TP, which rows it gets right).
+  // A forward-only step computes the loss alone, and with labels which of their rows it gets
+  // right (on the host: only where there are labels to score).
   const bool fwd = st.sched.forward_only;
+  std::uint8_t* hits = fwd && st.sched.labeled ? st.result.hits.data() : nullptr;
   if (!fwd) head_grad = device_->alloc(out.bytes(), "subseq " + std::to_string(i) + " head_grad");  // [T, H] as out
   if (st.tp) {
-    head_forward_backward_tp(be_, fwd ? nullptr : head_grad.data(), static_cast<double*>(st.loss_sum.data()), out.data(),
-                             st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.loss_tokens,
-                             fwd ? st.result.hits.data() : nullptr);
+    head_forward_backward_tp(be_, fwd ? nullptr : head_grad.data(), static_cast<double*>(st.loss_sum.data()),
+                             out.data(), st.targets, *wt.w, *wt.m, *wt.g, hw, *st.tp, config_, q, st.loss_tokens,
+                             hits);
     be_.synchronize();
     st.tp->all_reduce(hw.losses, T, "the per-position losses");  // each member has its vocabulary's part
     for (const PosSpan& part : q.parts())
@@ -441,7 +443,7 @@ void Runtime::head(StepState& st, const sched::Op& op, const Subseq& q, const St
     head_forward_backward(be_, fwd ? nullptr : act_at(head_grad.data(), at, act_),
                           static_cast<double*>(st.loss_sum.data()), act_at(out.data(), at, act_),
                           st.targets + part.pos0, *wt.w, *wt.m, *wt.g, hw, config_, part.rows, st.loss_tokens,
-                          fwd ? st.result.hits.data() + part.pos0 : nullptr);
+                          hits ? hits + part.pos0 : nullptr);
     be_.to_host(st.result.losses.data() + part.pos0, hw.losses, sizeof(float) * std::size_t(part.rows));
   }
 }

@@ -145,7 +145,9 @@ i64 sequences_of(const EvalOptions& o, const io::TokenSource& data) {
 nlohmann::json eval_json(const EvalSums& e, const StepSetup& s, bool labeled) {
   nlohmann::json bins = nlohmann::json::array();
   for (const io::PositionBin& b : position_bins(e))
-    bins.push_back({{"begin", b.begin}, {"end", b.end}, {"loss", std::isnan(b.loss) ? nlohmann::json() : nlohmann::json(b.loss)},
+    bins.push_back({{"begin", b.begin},
+                    {"end", b.end},
+                    {"loss", std::isnan(b.loss) ? nlohmann::json() : nlohmann::json(b.loss)},
                     {"tokens", b.tokens}});
   nlohmann::json j = {{"loss", e.mean_loss(0, i64(e.loss.size()))},
                       {"tokens", i64(e.total_tokens())},
@@ -189,8 +191,8 @@ void print_eval(const EvalSums& e, const StepSetup& s, bool labeled) {
     std::snprintf(range, sizeof range, "[%lld, %lld)", (long long)b.begin, (long long)b.end);
     std::printf("%-22s %10.4f %10lld\n", range, b.loss, (long long)b.tokens);
   }
-  std::printf("peak device %s (predicted %s), host %s (predicted %s), %.2f s\n", bytes_text(e.peak_device_bytes).c_str(),
-              bytes_text(s.predicted_peak_bytes).c_str(), bytes_text(e.peak_host_bytes).c_str(),
+  std::printf("peak device %s (predicted %s), host %s (predicted %s), %.2f s\n",
+              bytes_text(e.peak_device_bytes).c_str(), bytes_text(s.predicted_peak_bytes).c_str(), bytes_text(e.peak_host_bytes).c_str(),
               bytes_text(s.predicted_host_bytes).c_str(), e.seconds);
 }
 

@@ -379,6 +379,10 @@ void prepare_held_out(Run& r) {
   // them, its evaluation streams them from the host instead (the same ops).
   for (KvPlace& kv : r.eval_schedule.place.kv)
     if (kv == KvPlace::Recompute) kv = KvPlace::Host;
+  // Its targets are the held-out data's: its labels, or its next tokens, in whole windows.
+  r.eval_schedule.labeled = !o.eval_labels.empty();
+  r.eval_schedule.packed = false;
+  r.eval_schedule.doc_starts.clear();
 }
 
 // The held-out loss after step `done`, when it is due: the same sequences every time.
@@ -594,9 +598,7 @@ void report_step(Run& r, const Sequences& q, const StepOutcome& t, const std::op
     m["eval_loss"] = eval->mean_loss(0, S);
     m["eval_loss_first_half"] = eval->mean_loss(0, half);
     m["eval_loss_second_half"] = eval->mean_loss(half, S);
-    if (s.labels || !o.eval_labels.empty()) {
-      if (eval->has_accuracy()) m["eval_accuracy"] = eval->accuracy();
-    }
+    if (!o.eval_labels.empty()) m["eval_accuracy"] = eval->accuracy();  // of the labels' positions
     char buf[64];
     std::snprintf(buf, sizeof buf, " | held-out %.4f", eval->mean_loss(0, S));
     held_out = buf;

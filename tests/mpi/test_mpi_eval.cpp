@@ -108,5 +108,28 @@ TEST_F(Eval, HeldOutLossDuringTrainingEqualsOneProcesss) {
   EXPECT_NE(a[1], a[0]) << "the weights changed between the two";
 }
 
+// The held-out data's targets are its own: labels where --eval-labels gives them, beside a
+// run trained on next tokens, and next tokens beside a run trained on labels; the held-out
+// loss at the last step is what sppo eval gives the checkpoint saved there.
+TEST_F(Eval, HeldOutTargetsAreTheHeldOutDatas) {
+  const std::string base = " train --model llama-tiny --layers 4 --seq-len 256 --steps 2 --threads 1 --quiet "
+                           "--eval-data " + path("held.u32") + " --eval-seqs 3";
+  const auto a = run_command(sppo() + base + " --eval-labels " + path("held.i32") + " --metrics " +
+                             path("a.jsonl") + " --save " + path("a"));
+  ASSERT_EQ(a.status, 0) << a.output;
+  const auto b = run_command(sppo() + base + " --data " + path("held.u32") + " --labels " + path("held.i32") +
+                             " --metrics " + path("b.jsonl"));
+  ASSERT_EQ(b.status, 0) << b.output;
+  const nlohmann::json la = read_jsonl(path("a.jsonl")).at(1), lb = read_jsonl(path("b.jsonl")).at(1);
+  ASSERT_TRUE(la.contains("eval_accuracy")) << la.dump();
+  ASSERT_TRUE(lb.contains("eval_loss") && !lb.contains("eval_accuracy")) << lb.dump();
+  const auto e = run_command(sppo() + " eval --init " + path("a") + " --data " + path("held.u32") + " --labels " +
+                             path("held.i32") + " --seq-len 256 --seqs 3 --threads 1 --out " + path("ea"));
+  ASSERT_EQ(e.status, 0) << e.output;
+  const nlohmann::json ea = read_json(path("ea/eval.json"));
+  expect_close(la["eval_loss"].get<double>(), ea["loss"].get<double>(), "held-out loss against sppo eval");
+  EXPECT_EQ(la["eval_accuracy"].get<double>(), ea["accuracy"].get<double>());
+}
+
 }  // namespace
 }  // namespace sppo

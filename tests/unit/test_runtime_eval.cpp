@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -85,19 +87,46 @@ TEST(RuntimeEval, LossesAreTheTrainingForwardsAndPeaksThePredicted) {
   }
 }
 
-// Hits are where the argmax of the logits is the target: a float64 check of one row set.
-TEST(RuntimeEval, HitsAreTheLogitsArgmax) {
-  StepSetup eval = make_setup(options("tiny", 64, "1", "device", true));
-  const StepResult r = run(eval, 64);
-  i64 hits = 0;
-  for (std::uint8_t h : r.hits) hits += h;
-  // An untrained model picks its targets about as often as chance: a handful at most.
-  EXPECT_LT(hits, 16);
-  // Trained on nothing, the per-position loss bounds each hit: a hit's loss is at most log V.
-  for (std::size_t p = 0; p < r.hits.size(); ++p)
-    if (r.hits[p]) {
-      EXPECT_LE(r.losses[p], std::log(double(eval.config.vocab)) + 1e-4) << p;
+// With labels, a hit is a labelled position whose most likely token is its label: none
+// where nothing is scored, and a hit's loss at most log V (its label has the largest
+// probability). Without labels none is scored (the accuracy needs labels).
+TEST(RuntimeEval, HitsAreScoredWhereThereAreLabels) {
+  io::TempDir dir("sppo-runtime-eval-hits");
+  const i64 S = 64;
+  std::vector<std::uint32_t> tokens(std::size_t(S + 1));
+  std::vector<std::int32_t> labels(tokens.size());
+  for (std::size_t k = 0; k < tokens.size(); ++k) {
+    tokens[k] = std::uint32_t((k * 7 + 3) % 64);
+    labels[k] = k % 3 == 0 ? -100 : std::int32_t((k * 5) % 64);
+  }
+  std::ofstream(dir.file("d.u32"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * 4));
+  std::ofstream(dir.file("d.i32"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(labels.data()), std::streamsize(labels.size() * 4));
+  StepOptions o = options("tiny", S, "2", "device", true);
+  o.data = dir.file("d.u32");
+  o.labels = dir.file("d.i32");
+  StepSetup eval = make_setup(o);
+  ASSERT_TRUE(eval.schedule.labeled);
+  init_owned(*eval.runtime, 77);
+  std::vector<std::int32_t> ids(tokens.begin(), tokens.end()), targets;
+  for (i64 p = 0; p < S; ++p)
+    targets.push_back(labels[std::size_t(p + 1)] == -100 ? kNoTarget : labels[std::size_t(p + 1)]);
+  StepControl control;
+  control.targets = targets.data();
+  const StepResult r = eval.runtime->step(eval.schedule, ids.data(), control);
+  ASSERT_EQ(r.hits.size(), std::size_t(S));
+  for (i64 p = 0; p < S; ++p) {
+    if (targets[std::size_t(p)] == kNoTarget) {
+      EXPECT_EQ(r.hits[std::size_t(p)], 0) << p;
     }
+    if (r.hits[std::size_t(p)]) {
+      EXPECT_LE(r.losses[std::size_t(p)], std::log(double(eval.config.vocab)) + 1e-4) << p;
+    }
+  }
+  StepSetup plain = make_setup(options("tiny", S, "2", "device", true));
+  const StepResult q = run(plain, S);
+  for (std::uint8_t h : q.hits) ASSERT_EQ(h, 0) << "nothing is scored without labels";
 }
 
 TEST(RuntimeEval, AutoFindsTheFewestSubsequencesThatFit) {
