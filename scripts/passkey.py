@@ -19,10 +19,11 @@ per (length, depth), drawn from --seed, so a grid is reproducible and no two cel
 train-data writes DIR/train.u32: --count haystacks of one length L at random depths, one window of `sppo train
            --seq-len L` each, for a model to learn the task, and DIR/train.i32, labels on what only retrieval
            predicts (the key where the needle repeats it, and the answer; -100 elsewhere).
-haystacks  writes DIR/cell-L-d/haystack.u32 and haystack.i32 per cell and DIR/haystacks.json, which lists
+haystacks  writes DIR/cell-L-d/haystack.u32 and haystack.i32 per cell (--samples haystacks of it, one window
+           each, each with its own key) and DIR/haystacks.json, which lists
            every cell's files, passkey, answer token count and where the needle starts.
 grid       writes the haystacks, runs `sppo eval --init CKPT --data haystack.u32 --labels haystack.i32
-           --seq-len L --seqs 1 --out DIR/cell-L-d` for each cell, shortest lengths first, with the arguments
+           --seq-len L --seqs SAMPLES --out DIR/cell-L-d` for each cell, shortest lengths first, with the arguments
            after `--` appended (e.g. -- --subseqs auto --kv-cache host --device-memory 70GiB), collects
            DIR/passkey.json, {"cells": [{"length", "depth", "accuracy", "loss", "peak_device_bytes", ...}]},
            and draws it with `sppo plot DIR/passkey.json --out DIR/passkey.svg` (accuracy by length and depth).
@@ -217,11 +218,21 @@ def write_ints(path, values, code):
 
 def write_haystacks(a, tok, vocab):
     """Every cell's haystack files; returns the cells' info in grid order (lengths ascending)."""
+    if a.samples < 1:
+        fail(f"--samples {a.samples}: give 1 or more haystacks a cell")
     os.makedirs(a.out, exist_ok=True)
     cells = []
     for length in a.lengths:
         for depth in a.depths:
             tokens, labels, info = haystack(tok, length, depth, a.seed)
+            # More haystacks of the cell, each with its own key, one window after another as sppo reads a token
+            # file (each after the first drops its first token: the one before's last takes its place).
+            info["samples"] = a.samples
+            for j in range(1, a.samples):
+                more_tokens, more_labels, more = haystack(tok, length, depth, f"{a.seed}/sample/{j}")
+                tokens += more_tokens[1:]
+                labels += more_labels[1:]
+                info.setdefault("more_passkeys", []).append(more["passkey"])
             top = max(tokens)
             if top >= vocab:
                 fail(f"token id {top} of the {tok.name} tokenizer is outside the model's vocabulary [0, {vocab}); "
@@ -286,7 +297,7 @@ def cmd_train_data(a):
 def run_eval(a, cell):
     out = os.path.join(a.out, cell_name(cell["length"], cell["depth"]))
     cmd = [a.sppo, "eval", "--init", a.init, "--data", cell["data"], "--labels", cell["labels"],
-           "--seq-len", str(cell["length"]), "--seqs", "1", "--out", out] + a.eval_args
+           "--seq-len", str(cell["length"]), "--seqs", str(cell["samples"]), "--out", out] + a.eval_args
     try:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as e:
@@ -333,7 +344,7 @@ def cmd_grid(a, eval_args):
         except (OSError, ValueError, KeyError) as err:
             fail(f"{where}: sppo eval wrote no usable {result} ({err!r})", 1)
         ran.append(cell["length"])
-        print(f"{where}: accuracy {cell['accuracy']:.3f} of {cell['answer_tokens']} answer tokens, "
+        print(f"{where}: accuracy {cell['accuracy']:.3f} of {cell['answer_tokens']} answer tokens x {cell['samples']}, "
               f"loss {cell['loss']:.4f}, peak device {cell['peak_device_bytes'] / 2**20:.2f} MiB", flush=True)
     summary = os.path.join(a.out, "passkey.json")
     with open(summary + ".tmp", "w") as f:
@@ -370,6 +381,8 @@ def main():
         q.add_argument("--tokenizer", help="Hugging Face model directory whose tokenizer makes the tokens")
         q.add_argument("--vocab", type=int, help="the built-in character tokenizer for a model of this vocabulary")
         q.add_argument("--seed", type=int, default=1234, help="seed of the passkeys (default 1234)")
+        q.add_argument("--samples", type=int, default=1,
+                       help="haystacks a cell holds, each with its own key, one window each (default 1)")
     t = sub.add_parser("train-data", help="write haystacks of one length at random depths as one training file")
     t.add_argument("--lengths", type=parse_lengths, required=True, help="the haystacks' length L, e.g. 512")
     t.add_argument("--count", type=int, default=1000, help="haystacks to write (default 1000)")
