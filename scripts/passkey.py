@@ -264,7 +264,7 @@ def cmd_haystacks(a):
 def cmd_train_data(a):
     """Haystacks of one length at random depths, one after another as sppo reads a token file: window k is
     tokens [k L, k L + L], so each haystack after the first drops its first token (the previous one's last
-    takes its place). Trained on with the next token as every target, a model learns to copy the key."""
+    takes its place), and the first's is the last one's last, for the file's next round."""
     if (a.tokenizer is None) == (a.vocab is None):
         fail("give one of --tokenizer HF_DIR (the model's tokenizer) or --vocab V (the built-in tokenizer)")
     if a.count < 1:
@@ -286,6 +286,9 @@ def cmd_train_data(a):
                 break
         stream += tokens if k == 0 else tokens[1:]
         targets += labels if k == 0 else labels[1:]
+    # sppo reads a file round and round: window `count` starts again at token 0, which must then be the last
+    # haystack's last token (and its label that token's), so that every epoch's windows are the haystacks.
+    stream[0], targets[0] = stream.pop(), targets.pop()
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "train.u32")
     write_ints(path, stream, "I")
