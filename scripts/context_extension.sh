@@ -5,12 +5,14 @@
 # transformers, which measures the loss near and far (1024 tokens back) again. The held-out
 # loss, near and far, is logged as it trains (loss.svg draws it), and sppo eval scores it by
 # position at the trained length and at twice it.
-# Usage: bash scripts/context_extension.sh [WORK_DIR] (default runs/context-extension).
+# Usage: bash scripts/context_extension.sh [WORK_DIR] (default runs/context-extension);
+# SPPO=path/to/sppo runs another build (tests/context_extension.sh passes ctest's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${1:-runs/context-extension}
 steps=${STEPS:-600}
-[ -x build/sppo ] || bash scripts/build.sh
+sppo=${SPPO:-build/sppo}
+[ -x "$sppo" ] || bash scripts/build.sh
 bash scripts/install-hf.sh >/dev/null
 py=build/hf-venv/bin/python
 rm -rf "$work"
@@ -45,21 +47,21 @@ windows(sys.argv[1] + "/held-4k.u32", 4096, 2, 12)
 PY
 
 echo "== sppo: import, then train at 2048 tokens (8x) with rope_theta 10000 -> 80000"
-build/sppo import "$work/llama-tiny-hf" --out "$work/imported"
+"$sppo" import "$work/llama-tiny-hf" --out "$work/imported"
 # The imported model is random, so it learns the task from scratch: the from-scratch optimizer
 # settings, not the fine-tuning ones --init takes by default (lr 2e-5 leaves it at chance).
-build/sppo train --init "$work/imported" --seq-len 2048 --subseqs 4 --rope-theta 80000 --steps "$steps" \
+"$sppo" train --init "$work/imported" --seq-len 2048 --subseqs 4 --rope-theta 80000 --steps "$steps" \
   --lr 5e-3 --warmup 20 --weight-decay 0.1 --eval-data "$work/held-2k.u32" --eval-every 50 --eval-seqs 2 \
   --metrics "$work/metrics.jsonl" --save "$work/trained" --quiet
 tail -n 1 "$work/metrics.jsonl"
-build/sppo plot "$work/metrics.jsonl" --out "$work/loss.svg" --title "llama-tiny extended from 256 to 2048 tokens"
+"$sppo" plot "$work/metrics.jsonl" --out "$work/loss.svg" --title "llama-tiny extended from 256 to 2048 tokens"
 
 echo "== sppo eval: the held-out loss by position at the trained length, and at twice it"
-build/sppo eval --init "$work/trained" --data "$work/held-2k.u32" --seq-len 2048 --subseqs 4 --out "$work/eval-2k"
-build/sppo eval --init "$work/trained" --data "$work/held-4k.u32" --seq-len 4096 --subseqs 8 --out "$work/eval-4k"
+"$sppo" eval --init "$work/trained" --data "$work/held-2k.u32" --seq-len 2048 --subseqs 4 --out "$work/eval-2k"
+"$sppo" eval --init "$work/trained" --data "$work/held-4k.u32" --seq-len 4096 --subseqs 8 --out "$work/eval-4k"
 
 echo "== export to Hugging Face's format and measure with transformers"
-build/sppo export "$work/trained" --format hf --out "$work/llama-tiny-2k"
+"$sppo" export "$work/trained" --format hf --out "$work/llama-tiny-2k"
 "$py" - "$work/llama-tiny-hf" "$work/llama-tiny-2k" <<'PY'
 import sys, torch, transformers
 S, half = 2048, 1024
