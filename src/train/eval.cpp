@@ -132,8 +132,6 @@ HeldOut open_held_out(const std::string& data, const std::string& labels, const 
 
 namespace {
 
-std::string bytes_text(i64 b) { return format_bytes(double(b)); }
-
 // The sequences to evaluate: --seqs, else every whole one the data holds (windows of S + 1
 // tokens that share their last token with the next one's first), the built-in task's one.
 i64 sequences_of(const EvalOptions& o, const io::TokenSource& data) {
@@ -167,7 +165,7 @@ nlohmann::json eval_json(const EvalSums& e, const StepSetup& s, bool labeled) {
                       {"ulysses", s.layout.par.ulysses},
                       {"dp", s.layout.par.dp},
                       {"seconds", e.seconds}};
-  if (labeled && e.has_accuracy()) j["accuracy"] = e.accuracy();
+  if (labeled) j["accuracy"] = e.accuracy();
   if (s.layout.ranks() > 1) {
     j["peak_device_bytes_per_rank"] = e.peak_device_per_rank;
     j["predicted_peak_device_bytes_per_rank"] = s.predicted_peak_per_rank;
@@ -184,7 +182,7 @@ void print_eval(const EvalSums& e, const StepSetup& s, bool labeled) {
               (long long)e.sequences, (long long)S, (long long)s.lengths.size(),
               s.schedule.place.any_kv_streamed() ? ", K/V on the host" : "", e.total_tokens());
   std::printf("loss %.6f (perplexity %.4g)", loss, std::exp(loss));
-  if (labeled && e.has_accuracy()) std::printf(", accuracy %.4f", e.accuracy());
+  if (labeled) std::printf(", accuracy %.4f", e.accuracy());
   std::printf("\n%-22s %10s %10s\n", "positions", "loss", "tokens");
   for (const io::PositionBin& b : position_bins(e)) {
     char range[64];
@@ -192,8 +190,9 @@ void print_eval(const EvalSums& e, const StepSetup& s, bool labeled) {
     std::printf("%-22s %10.4f %10lld\n", range, b.loss, (long long)b.tokens);
   }
   std::printf("peak device %s (predicted %s), host %s (predicted %s), %.2f s\n",
-              bytes_text(e.peak_device_bytes).c_str(), bytes_text(s.predicted_peak_bytes).c_str(), bytes_text(e.peak_host_bytes).c_str(),
-              bytes_text(s.predicted_host_bytes).c_str(), e.seconds);
+              format_bytes(double(e.peak_device_bytes)).c_str(), format_bytes(double(s.predicted_peak_bytes)).c_str(),
+              format_bytes(double(e.peak_host_bytes)).c_str(), format_bytes(double(s.predicted_host_bytes)).c_str(),
+              e.seconds);
 }
 
 }  // namespace

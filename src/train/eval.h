@@ -35,8 +35,7 @@ struct EvalSums {
 
   double mean_loss(i64 begin, i64 end) const;  // over the counted tokens of positions [begin, end)
   double total_tokens() const;
-  bool has_accuracy() const { return !hits.empty(); }
-  double accuracy() const;
+  double accuracy() const;  // over the counted tokens: meaningful where they are labels'
 };
 
 // Runs `sequences` sequences of S + 1 tokens from `data` (and `labels`, read in step; null:

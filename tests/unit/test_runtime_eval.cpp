@@ -18,20 +18,13 @@
 #include "schedule/validate.h"
 #include "train/parallel.h"
 #include "train/profile_machine.h"
+#include "support/nominal_profile.h"
 #include "train/setup.h"
 
 namespace sppo {
 namespace {
 
-const std::string& nominal_profile_path() {
-  static io::TempDir dir("sppo-runtime-eval");
-  static const std::string path = [] {
-    const std::string p = dir.file("nominal.json");
-    plan::save_profile(nominal_cpu_profile(), p);
-    return p;
-  }();
-  return path;
-}
+using testing::nominal_profile_path;
 
 StepOptions options(const std::string& model, i64 S, const std::string& subseqs, const std::string& kv,
                     bool eval, i64 budget = 0) {

@@ -13,22 +13,13 @@
 #include "schedule/memory.h"
 #include "train/parallel.h"
 #include "train/profile_machine.h"
+#include "support/nominal_profile.h"
 #include "train/setup.h"
 
 namespace sppo {
 namespace {
 
-// Adaptive choices need a profile's rates; a fixed one saves measuring this machine (the
-// peaks compared below do not depend on rates).
-const std::string& nominal_profile_path() {
-  static io::TempDir dir("sppo-runtime-step");
-  static const std::string path = [] {
-    const std::string p = dir.file("nominal.json");
-    plan::save_profile(nominal_cpu_profile(), p);
-    return p;
-  }();
-  return path;
-}
+using testing::nominal_profile_path;
 
 StepOptions step_options(const std::string& model, i64 S, const std::string& subseqs, const std::string& offload,
                          i64 budget = 0) {
