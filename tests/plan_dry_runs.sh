@@ -7,8 +7,9 @@
 #
 #   bash tests/plan_dry_runs.sh [path/to/sppo]        (default: build/sppo)
 #
-# Exit 0 when every plan runs dry as planned, 1 naming each that did not. The baselines'
-# plans (--system megatron, deepspeed) are closed-form estimates that no runtime runs yet.
+# Exit 0 when every plan runs dry as planned, 1 naming each that did not. Megatron-LM's plans
+# (--system megatron, a fifth field) are schedules too and run the same way; DeepSpeed's
+# (--system deepspeed) are closed-form estimates that no runtime runs yet.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 sppo=$(realpath "${1:-$root/build/sppo}")
@@ -17,9 +18,9 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/sppo-dry-runs-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 
-# model, sequence length, GPUs, profile: the README's code blocks and figures table, then
-# docs/planning.md's code blocks and tables (the longest sequences and the throughput
-# columns), each SPPO plan once.
+# model, sequence length, GPUs, profile[, system]: the README's code blocks and figures
+# table, then docs/planning.md's code blocks and tables (the longest sequences and the
+# throughput columns), each plan once.
 plans=(
   "llama-3-8b 1M 16 h100-sxm"
   "gpt-7b 1M 32 a100-80gb"
@@ -45,15 +46,19 @@ plans=(
   "gpt-7b 4M 128 a100-80gb"
   "llama-3-8b 8M 16 h100-sxm"
   "llama-3-8b 16M 32 h100-sxm"
+  "gpt-7b 1M 32 a100-80gb megatron"
+  "llama-3-8b 512K 8 h100-sxm megatron"
+  "gpt-7b 512K 8 h200 megatron"
 )
 
 failed=0
 for spec in "${plans[@]}"; do
-  read -r model seq gpus hw <<<"$spec"
-  name="$model-$seq-$gpus-$hw"
-  if ! "$sppo" plan --model "$model" --seq-len "$seq" --gpus "$gpus" --hardware "$hw" --out "$name.json" \
-      >/dev/null 2>"$name.plan.err"; then
-    echo "FAILED: sppo plan --model $model --seq-len $seq --gpus $gpus --hardware $hw"
+  read -r model seq gpus hw system <<<"$spec"
+  system=${system:-sppo}
+  name="$model-$seq-$gpus-$hw-$system"
+  if ! "$sppo" plan --model "$model" --seq-len "$seq" --gpus "$gpus" --hardware "$hw" --system "$system" \
+      --out "$name.json" >/dev/null 2>"$name.plan.err"; then
+    echo "FAILED: sppo plan --model $model --seq-len $seq --gpus $gpus --hardware $hw --system $system"
     sed 's/^/  | /' "$name.plan.err" | tail -3
     failed=$((failed + 1))
     continue

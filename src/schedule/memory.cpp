@@ -308,11 +308,40 @@ const RankMemory::LayerBytes& RankMemory::layer_bytes(i64 T) {
 }
 
 // Pieces (ring pieces, and the pieces of an MSP task, which run as one ring): the ring
-// attention's buffers (runtime/ring.h), bounded as if every member held keys that every
-// span sees. Forward: the M - 1 other pieces' queries, the partial outputs and LSEs
-// received for this piece's rows and those sent for theirs. Backward: their queries,
-// output gradients, LSEs and deltas, partial dq both ways, and this piece's dq. Other
-// pieces are counted at the largest piece's size.
+// attention's buffers (runtime/ring.h). Forward: the M - 1 other pieces' queries, the
+// partial outputs and LSEs received for this piece's rows and those sent for theirs.
+// Backward: their queries, output gradients, LSEs and deltas, partial dq both ways, and
+// this piece's dq. A partial exists only for a (holder, span) pair where the holder has a
+// key the span sees (RingAttention::sees), as the runtime allocates them: in a causal
+// model's subsequence 0 a member whose piece starts after a span's last position sends
+// nothing for it, so counting every pair over-predicts a step of one subsequence (later
+// subsequences see every member's earlier keys).
+RankMemory::RingRows RankMemory::ring_rows(const Op& op) const {
+  const int R = op.pieces, me = op.piece;
+  const i64 o = s_.offset(op.subseq);
+  std::vector<i64> first_key(static_cast<std::size_t>(R));
+  std::vector<Spans> spans(static_cast<std::size_t>(R));
+  for (int h = 0; h < R; ++h) {
+    first_key[std::size_t(h)] = ring_first_key(s_, op, h);
+    spans[std::size_t(h)] = s_.spans(op, h);
+  }
+  auto sees = [&](int h, const std::pair<i64, i64>& span) {
+    return !rules_.model.causal || first_key[std::size_t(h)] <= o + span.second - 1;
+  };
+  RingRows r;
+  for (int h = 0; h < R; ++h) {
+    if (h == me) continue;
+    r.others += span_tokens(spans[std::size_t(h)]);
+    for (const auto& span : spans[std::size_t(me)])
+      if (sees(h, span)) r.in += span.second - span.first;  // h's partials for this piece's rows
+    for (const auto& span : spans[std::size_t(h)])
+      if (sees(me, span)) r.out += span.second - span.first;  // this piece's partials for h's rows
+  }
+  return r;
+}
+
+// The largest piece's tokens: the Ring Self-Attention's rules count every other member's
+// block at it.
 i64 RankMemory::ring_piece_max(const Op& op) const {
   auto [it, fresh] = piece_max_.try_emplace({op.subseq, op.pieces}, 0);
   if (fresh)
@@ -332,7 +361,8 @@ i64 RankMemory::piece_fwd_extra(const Op& op, i64 T) const {
   const i64 R = op.pieces, Tm = ring_piece_max(op), row = i64(heads_.local_hidden(rules_.model)) * rules_.act_bytes(),
             heads = heads_.local_heads(rules_.model), stats = heads * i64(sizeof(float));
   if (rsa_piece(op)) return heads * T * s_.lengths[std::size_t(op.subseq)] * i64(sizeof(float)) + (R - 1) * Tm * row;
-  return (R - 1) * (Tm * row + T * (row + stats) + Tm * (row + stats));
+  const RingRows r = ring_rows(op);
+  return r.others * row + (r.in + r.out) * (row + stats);
 }
 
 i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
@@ -342,7 +372,8 @@ i64 RankMemory::piece_bwd_extra(const Op& op, i64 T) const {
   if (rsa_piece(op))
     return 2 * heads * T * s_.lengths[std::size_t(op.subseq)] * i64(sizeof(float)) + 2 * (R - 1) * T * row +
            3 * (R - 1) * Tm * row + T * row;
-  return (R - 1) * (Tm * 2 * (row + stats) + T * row + Tm * row) + T * row;
+  const RingRows r = ring_rows(op);
+  return r.others * 2 * (row + stats) + (r.in + r.out) * row + T * row;
 }
 
 void RankMemory::host_change(i64 delta) {

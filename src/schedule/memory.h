@@ -62,7 +62,7 @@
 // (core/layout.h TpShard: block_saved_specs, block_workspace_specs, head_*_specs and
 // parameter_specs with the rank's TpShard), hidden states [rows of T, H].
 // Pieces (pieces > 1: SP ranks, or the pieces of an MSP task) also hold the ring
-// attention's buffers while each layer runs (RankMemory::piece_fwd_extra, a bound).
+// attention's buffers while each layer runs (RankMemory::piece_fwd_extra).
 // MSP (Note [MSP pieces] in builders.cpp): Recv KV allocates the owner's copy of a helper
 // piece's K, V; Send KVGrad frees it with its dK/dV rows; Recv KVGrad allocates the
 // helper's accumulators of the layers if they are not yet. Borrowed weights: Recv Weights
@@ -299,6 +299,12 @@ class RankMemory {
   };
   const LayerBytes& layer_bytes(i64 T);
   i64 ring_piece_max(const Op& op) const;
+  // A ring piece's buffer rows: the other pieces' (that travel), the partial results this
+  // piece receives for its rows and those it sends for theirs (RankMemory::ring_rows).
+  struct RingRows {
+    i64 others = 0, in = 0, out = 0;
+  };
+  RingRows ring_rows(const Op& op) const;
   bool rsa_piece(const Op& op) const { return s_.rsa_piece(op); }
   i64 piece_fwd_extra(const Op& op, i64 T) const;
   i64 piece_bwd_extra(const Op& op, i64 T) const;

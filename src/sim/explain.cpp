@@ -314,7 +314,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
   lines.push_back({Row::StepInputs, at(sched::MemTerm::StepInputs), 0,
                    "4 B x (S + 1) token ids + 8 B loss sum, S = " + std::to_string(s.seq_len())});
   MemoryExplain m;
-  m.system = "sppo";
+  m.system = to_string(p.system);
   m.lines = complete(std::move(lines));
   char where[160];
   std::snprintf(where, sizeof where, "rank %d (stage %d), at %.4g s of a %.4g s step", rank, stage,
@@ -350,7 +350,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
 }  // namespace
 
 MemoryExplain explain_memory(const plan::Plan& p, const plan::HardwareProfile& hw) {
-  MemoryExplain m = p.system == plan::System::Sppo ? explain_sppo(p, hw) : explain_baseline(p, hw);
+  MemoryExplain m = p.system == plan::System::Deepspeed ? explain_baseline(p, hw) : explain_sppo(p, hw);
   m.lines = complete(std::move(m.lines));
   m.layout = plan::layout_text(p);
   m.budget = p.budget;

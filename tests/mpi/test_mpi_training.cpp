@@ -9,6 +9,8 @@
 #include "io/fileutil.h"
 #include "schedule/memory.h"
 #include "support/mpi_run.h"
+#include "planner/profile.h"
+#include "train/profile_machine.h"
 
 namespace sppo {
 namespace {
@@ -216,6 +218,39 @@ TEST_F(Training, RunsThePlannedLayout) {
   EXPECT_EQ(h.back()["measured_peak_device_bytes_per_rank"], h.back()["predicted_peak_device_bytes_per_rank"]);
   EXPECT_EQ(h.back()["measured_peak_host_bytes"], h.back()["predicted_peak_host_bytes"]);
   EXPECT_LT(h.back()["measured_peak_device_bytes"].get<i64>(), t.back()["measured_peak_device_bytes"].get<i64>());
+}
+
+// Megatron-LM as a schedule (Note [Megatron-LM as a schedule] in sim/solver/megatron.cpp):
+// `plan --system megatron` under a budget that one rank's whole sequence does not fit
+// returns a ring of 4 with full recomputation, N = 1; `train --plan` runs it on 4 ranks with
+// every rank's peak device memory the plan's to the byte, and the loss curve of one process.
+TEST_F(Training, RunsAMegatronPlan) {
+  // The nominal CPU profile at the ranks' one thread, so that the plan counts the kernels'
+  // scratch that train's ranks take.
+  plan::HardwareProfile cpu = nominal_cpu_profile();
+  cpu.threads = 1;
+  const std::string plan = path("megatron.json"), profile = path("cpu.json");
+  plan::save_profile(cpu, profile);
+  const std::string job = " --model tiny --seq-len 4096";
+  auto r = run_command(sppo_binary() + " plan" + job + " --gpus 4 --gpus-per-node 4 --system megatron --budget 16MiB "
+                       "--hardware " + profile + " --out " + plan + " 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json p = testing::read_json(plan);
+  EXPECT_EQ(p["system"], "megatron");
+  EXPECT_EQ(p["subseqs"], 1);
+  EXPECT_GT(p["cp"].get<int>() * p["tp"].get<int>() * p["pp"].get<int>(), 1) << p.dump();
+  EXPECT_NE(p.value("recompute_tensors", std::string("none")), "none") << p.dump();
+  const std::string common = job + " --seed 3 --lr 0.01 --threads 1 --quiet --steps 3 --hardware " + profile;
+  r = mpirun(4, "train" + common + " --plan " + plan + " --metrics " + path("megatron.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto m = read_jsonl(path("megatron.jsonl"));
+  ASSERT_FALSE(m.empty());
+  const i64 planned = p["predicted"]["peak_device_bytes"].get<i64>();
+  for (const auto& peak : m.back()["measured_peak_device_bytes_per_rank"])
+    EXPECT_EQ(peak.get<i64>(), planned) << m.back().dump();
+  const auto one = run_command(sppo_binary() + " train" + common + " --metrics " + path("one.jsonl"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  expect_same_curve(losses(path("one.jsonl")), losses(path("megatron.jsonl")), "a megatron plan on 4 ranks");
 }
 
 // A run of a plan with replicas resumes under the same plan (the checkpoint records the

@@ -518,10 +518,17 @@ TEST(Solver, UlyssesInsideANodeAndTheRingAcross) {
 }
 
 TEST(Solver, Baselines) {
-  const auto m = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 16, "megatron"));
+  const sim::PlanRequest mreq = request("gpt-7b", i64(256) * 1024, 16, "megatron");
+  const auto m = sim::solve_plan(mreq);
   ASSERT_TRUE(m.ok) << m.error;
   EXPECT_EQ(m.plan.par.tp * m.plan.par.cp * m.plan.par.pp * m.plan.par.dp, 16);
   EXPECT_LE(m.plan.predicted.peak_device_bytes, m.plan.budget);
+  // Megatron-LM as a schedule (Note [Megatron-LM as a schedule]): one subsequence, nothing
+  // offloaded, full recomputation; its prediction is its schedule's simulation.
+  EXPECT_EQ(m.plan.subseqs, 1);
+  EXPECT_EQ(m.plan.place.recompute, sim::solver::megatron_recompute(m.plan.par));
+  EXPECT_EQ(sim::simulate_plan(m.plan, mreq.hw).peak_device_bytes, m.plan.predicted.peak_device_bytes);
+  EXPECT_EQ(sim::simulate_plan(m.plan, mreq.hw).step_time_s, m.plan.predicted.step_time_s);
   const auto d = sim::solve_plan(request("gpt-7b", i64(256) * 1024, 64, "deepspeed"));
   ASSERT_TRUE(d.ok) << d.error;
   EXPECT_LE(d.plan.par.ulysses, 32) << "Ulysses degree above the head count";

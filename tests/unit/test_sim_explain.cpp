@@ -227,10 +227,12 @@ i64 line(const MemoryExplain& m, Row row, bool host = false) {
   return -1;
 }
 
+// Megatron-LM's closed form (Note [Baseline memory]), which a Megatron plan's note cites; the
+// plan itself is a schedule (Note [Megatron-LM as a schedule]).
 TEST(MemoryTerms, MegatronByHand) {
   // tp 2, cp 4, pp 2, dp 1 at 256K: s = 64K tokens per CP rank, 16 layers a stage.
   const plan::Plan p = baseline_plan("megatron", 2, 4, 2, 1, i64(256) << 10);
-  const MemoryExplain m = explain_memory(p, plan::load_profile("a100-80gb"));
+  const MemoryExplain m = explain_baseline(p, plan::load_profile("a100-80gb"));
   const double H = 4096, V = 50304, s = 65536, t = 2;
   const double layer = double(sched::param_count(p.model, 0, 1, false, false));
   // The last stage: 16 layers, the tied output embedding and the final LayerNorm.
@@ -245,10 +247,10 @@ TEST(MemoryTerms, MegatronByHand) {
   EXPECT_EQ(line(m, Row::Recompute), 0);
   EXPECT_EQ(line(m, Row::CommBuffers), i64(std::llround(2 * 2 * s * H / t)));
   EXPECT_EQ(line(m, Row::Hidden), i64(std::llround(s * H * 2 / t)));
-  EXPECT_EQ(m.device_total(), simulate_plan(p, plan::load_profile("a100-80gb")).peak_device_bytes);
+  EXPECT_EQ(m.device_total(), simulate_baseline(p, plan::load_profile("a100-80gb")).peak_device_bytes);
   // Without the loss (an earlier stage holds the embedding instead): the layer phase.
   const plan::Plan q = baseline_plan("megatron", 2, 4, 1, 1, i64(256) << 10);
-  const MemoryExplain n = explain_memory(q, plan::load_profile("a100-80gb"));
+  const MemoryExplain n = explain_baseline(q, plan::load_profile("a100-80gb"));
   EXPECT_EQ(line(n, Row::Checkpoints), i64(std::llround(32 * s * H * 2 / t)));
 }
 
@@ -257,7 +259,7 @@ TEST(MemoryTerms, MegatronLayerPhaseByHand) {
   // flash dQ accumulator, dK/dV, the CP ring buffers and the TP all-gather buffer.
   plan::Plan p = baseline_plan("megatron", 2, 2, 1, 1, i64(64) << 10);
   p.model.vocab = 256;
-  const MemoryExplain m = explain_memory(p, plan::load_profile("a100-80gb"));
+  const MemoryExplain m = explain_baseline(p, plan::load_profile("a100-80gb"));
   const double H = 4096, s = 32768, t = 2, e = 2;
   EXPECT_EQ(line(m, Row::Recompute), i64(std::llround(34 * s * H / t)));
   EXPECT_EQ(line(m, Row::AttentionWorkspace), i64(std::llround(4 * s * H / t)));

@@ -10,6 +10,7 @@
 #include "planner/partition.h"
 #include "planner/profile.h"
 #include "schedule/builders.h"
+#include "schedule/memory.h"
 #include "schedule/validate.h"
 #include "sim/simulator.h"
 #include "sim/solver.h"
@@ -364,6 +365,42 @@ TEST(Simulator, DeadlockIsAnError) {
     }
   const ModelConfig c = preset("tiny");
   EXPECT_THROW(simulate(s, CostModel(ideal(), c, ActPrecision::F32), memory_rules(c, ActPrecision::F32)), Error);
+}
+
+// A causal ring's buffers (runtime/ring.h): a partial result travels only between a member
+// that holds a key a span sees and the span's owner. In subsequence 0 of a contiguous ring
+// member m gets partials from the members before it and sends them to those after, R - 1
+// pieces in all; in a later subsequence every member holds earlier keys, so every pair
+// exchanges, 2 (R - 1) pieces. Each F/B op's ring bytes are these, exactly.
+TEST(Simulator, RingBuffersCountOnlyThePartialsThatTravel) {
+  const ModelConfig c = preset("tiny");
+  const i64 R = 4, P = 64, row = c.hidden * 2, stats = c.heads * 4;  // bf16 rows, fp32 LSE/delta
+  sched::PipelineSpec spec;
+  spec.layers = 1;
+  spec.par.cp = int(R);
+  spec.par.ring_layout = RingLayout::Contiguous;
+  spec.lengths = {R * P, R * P};
+  spec.alpha = {0, 0};
+  const sched::Schedule s = sched::build_pipeline(spec);
+  const auto rules = memory_rules(c, ActPrecision::BF16);
+  for (int rank = 0; rank < int(R); ++rank) {
+    sched::RankMemory m(rules, s, rank);
+    int checked = 0;
+    for (const sched::Op& op : s.ops[std::size_t(rank)]) {
+      std::vector<sched::MemEvent> ev;
+      m.events(op, &ev);
+      if (op.kind != sched::OpKind::Forward && op.kind != sched::OpKind::Backward) continue;
+      i64 ring = 0;
+      for (const auto& e : ev)
+        if (e.term == sched::MemTerm::RingBuffers && e.delta > 0) ring += e.delta;
+      const i64 partials = (op.subseq == 0 ? R - 1 : 2 * (R - 1)) * P, others = (R - 1) * P;
+      const i64 want = op.kind == sched::OpKind::Forward ? others * row + partials * (row + stats)
+                                                         : others * 2 * (row + stats) + partials * row + P * row;
+      EXPECT_EQ(ring, want) << "rank " << rank << " subseq " << op.subseq << (op.kind == sched::OpKind::Forward ? " F" : " B");
+      ++checked;
+    }
+    EXPECT_EQ(checked, 4) << "rank " << rank;  // an F and a B of each subsequence
+  }
 }
 
 TEST(Simulator, TraceAndSvg) {

@@ -58,6 +58,12 @@ Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, 
 // Fills in p->predicted: the plan simulated whole on `hw`.
 void predict(plan::Plan* p, const HardwareProfile& hw);
 
+// plan --system megatron (megatron.cpp, Note [Megatron-LM as a schedule]): the fastest of
+// Megatron-LM's layouts that fits, as a plan `train --plan` runs, or why none does; and
+// what its full recomputation recomputes on layout `par`.
+PlanOutcome solve_megatron(const PlanRequest& req);
+SavedSet megatron_recompute(const ParallelDims& par);
+
 // Note [MSP in the search]: MSP's split tasks run over every idle stage group (reach 0, the
 // paper's) in a plan that keeps K/V on the device and recomputes nothing more, so every plan
 // that fitted before is the same plan. A plan placed to save memory (K/V on the host, tensors
