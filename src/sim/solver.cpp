@@ -65,6 +65,48 @@ void search(const SearchContext& ctx, const std::vector<plan::Plan>& layouts, co
   st.layouts_tried += int(cands.size());
 }
 
+// Note [Megatron-LM's layouts in the search]: a Megatron-LM plan (Note [Megatron-LM as a
+// schedule] in solver/megatron.cpp) is an SPPO plan of one subsequence, nothing offloaded and
+// full recomputation, on layouts the search does not lay out (rings across nodes, N = 1). Where
+// the request leaves those choices to the planner (the offload adaptive or none, MSP not on,
+// K/V, recomputed tensors and backward order auto, the weights and optimizer state not on the
+// host; an explicit --backward-order asks for the search's own plans, as the paper's
+// ablations are run), the fastest of them that fits is weighed
+// against the search's plan, so that SPPO's plan is never slower than Megatron-LM's as sppo
+// prices both (gpt-7b at 1M on 32 A100s: tp 4 cp 8 at one subsequence, 171.8 tokens/GPU/s,
+// against the search's 170.1).
+PlanOutcome with_megatron_layouts(const PlanRequest& req, PlanOutcome out) {
+  const PlacementRequest& pl = req.place;
+  const bool free = (req.offload == OffloadMode::Adaptive || req.offload == OffloadMode::None) && req.msp != true &&
+                    pl.kv != KvPlace::Host && pl.kv != KvPlace::Recompute && !pl.recompute && !pl.backward &&
+                    pl.optimizer_state != Tier::Host && pl.weights != Tier::Host &&
+                    pl.residual_grads != Tier::Host &&
+                    (pl.rebuild.kind == RebuildRequest::Kind::Auto || pl.rebuild.kind == RebuildRequest::Kind::None);
+  if (!free) return out;
+  PlanRequest m = req;
+  m.system = plan::System::Megatron;
+  PlanOutcome meg = solve_megatron(m);
+  if (!meg.ok || (out.ok && meg.plan.predicted.tokens_per_gpu_per_s <= out.plan.predicted.tokens_per_gpu_per_s))
+    return out;
+  plan::Plan p = std::move(meg.plan);
+  char buf[160];
+  if (out.ok)
+    std::snprintf(buf, sizeof buf, "%.1f tokens/GPU/s against %.1f for the search's best (%s)",
+                  p.predicted.tokens_per_gpu_per_s, out.plan.predicted.tokens_per_gpu_per_s,
+                  plan::layout_text(out.plan).c_str());
+  else
+    std::snprintf(buf, sizeof buf, "%.1f tokens/GPU/s, where the search's layouts found nothing that fits",
+                  p.predicted.tokens_per_gpu_per_s);
+  p.system = plan::System::Sppo;
+  p.notes = {"Megatron-LM's layout, one subsequence and nothing offloaded, " +
+             recompute_tensors_text(p.place.recompute) + " recomputed (Note [Megatron-LM's layouts in the search]): " +
+             buf};
+  out.ok = true;
+  out.plan = std::move(p);
+  out.error.clear();
+  return out;
+}
+
 // The planner's search for system "sppo" (docs/design.md 5), pass by pass (sim/solver/search.h).
 PlanOutcome solve_sppo(const PlanRequest& req) {
   const SearchContext ctx(req);
@@ -117,7 +159,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
                                       : what + " and every other layer's input rebuilt");
     search(ctx, tier, placements.rebuilt, st, {.prune_by_fits = true});
   }
-  return rank_pass(ctx, st, first_best);
+  return with_megatron_layouts(req, rank_pass(ctx, st, first_best));
 }
 
 }  // namespace
