@@ -12,11 +12,13 @@
 #include "bench/bench_eval.h"
 #include "bench/bench_pipeline.h"
 #include "bench/bench_sppo.h"
+#include "bench/bench_systems.h"
 #include "cli/commands.h"
 #include "cli/step_options.h"
 #include "comm/comm.h"
 #include "core/check.h"
 #include "core/config.h"
+#include "io/fileutil.h"
 #include "train/setup.h"
 
 namespace sppo::cli {
@@ -314,6 +316,41 @@ void add_bench_eval(CLI::App* bench, Commands& out) {
                  }});
 }
 
+// bench systems: four ranks (started under mpirun when they were not).
+void add_bench_systems(CLI::App* bench, Commands& out) {
+  struct Systems {
+    BenchSystemsOptions options;
+    std::string budget = "128MiB", cap = "64K", measure_cap = "16K", svg;
+    bool json = false;
+  };
+  auto o = std::make_shared<Systems>();
+  auto* cmd = bench->add_subcommand(
+      "systems", "The SPPO paper's three systems on 4 CPU ranks under one device budget a rank: each one's longest "
+                 "sequence, and at a length all three fit the step measured and simulated (DeepSpeed simulated only)");
+  cmd->add_option("--model", o->options.model, "Model preset")->capture_default_str();
+  cmd->add_option("--device-memory", o->budget, "The device budget of every rank")->capture_default_str();
+  cmd->add_option("--cap", o->cap, "The longest length searched")->capture_default_str();
+  cmd->add_option("--measure-cap", o->measure_cap, "The longest common length run on the ranks")
+      ->capture_default_str();
+  cmd->add_option("--reps", o->options.reps, "Timed steps a system, after one warm-up")->capture_default_str();
+  cmd->add_option("--hardware", o->options.hardware, "Profile to plan and simulate with (default: measured now)");
+  cmd->add_option("--svg", o->svg, "Also draw the three systems into this SVG file");
+  cmd->add_flag("--json", o->json, "Print one JSON object");
+  out.push_back({cmd, [o](const Invocation& inv) {
+                   preset(o->options.model);
+                   o->options.budget = parse_bytes(o->budget, "--device-memory");
+                   o->options.cap = parse_count(o->cap, "--cap");
+                   o->options.measure_cap = parse_count(o->measure_cap, "--measure-cap");
+                   if (!comm::launched_by_mpi()) relaunch_under_mpirun(kBenchSystemsRanks, inv.argc, inv.argv);
+                   const auto j = bench_systems(o->options, comm::world());
+                   if (comm::world().rank() == 0) {
+                     report(j, o->json, print_bench_systems);
+                     if (!o->svg.empty()) io::write_file_atomic(o->svg, svg_bench_systems(j));
+                   }
+                   return 0;
+                 }});
+}
+
 }  // namespace
 
 void add_bench_commands(CLI::App& app, Commands& out) {
@@ -328,6 +365,7 @@ void add_bench_commands(CLI::App& app, Commands& out) {
   add_bench_sim(bench, out);
   add_bench_cores(bench, out);
   add_bench_eval(bench, out);
+  add_bench_systems(bench, out);
 }
 
 }  // namespace sppo::cli
