@@ -49,6 +49,7 @@ plans=(
   "gpt-7b 1M 32 a100-80gb megatron"
   "llama-3-8b 512K 8 h100-sxm megatron"
   "gpt-7b 512K 8 h200 megatron"
+  "gpt-7b 56K 1 h200 megatron"
 )
 
 failed=0

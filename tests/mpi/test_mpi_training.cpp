@@ -251,6 +251,20 @@ TEST_F(Training, RunsAMegatronPlan) {
   const auto one = run_command(sppo_binary() + " train" + common + " --metrics " + path("one.jsonl"));
   ASSERT_EQ(one.status, 0) << one.output;
   expect_same_curve(losses(path("one.jsonl")), losses(path("megatron.jsonl")), "a megatron plan on 4 ranks");
+  // On one device: K/V recomputed from each layer's input, as Megatron-LM's full
+  // recomputation does, at the plan's peak and on the same curve.
+  r = run_command(sppo_binary() + " plan" + job + " --gpus 1 --gpus-per-node 1 --system megatron --budget 64MiB "
+                  "--hardware " + profile + " --out " + plan + " 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json q = testing::read_json(plan);
+  EXPECT_FALSE(q["kv_recompute_layers"].empty()) << q.dump();
+  r = run_command(sppo_binary() + " train" + common + " --plan " + plan + " --metrics " + path("alone.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto d = read_jsonl(path("alone.jsonl"));
+  ASSERT_FALSE(d.empty());
+  EXPECT_EQ(d.back()["measured_peak_device_bytes"].get<i64>(), q["predicted"]["peak_device_bytes"].get<i64>())
+      << d.back().dump();
+  expect_same_curve(losses(path("one.jsonl")), losses(path("alone.jsonl")), "a megatron plan, K/V recomputed");
 }
 
 // A run of a plan with replicas resumes under the same plan (the checkpoint records the

@@ -9,11 +9,12 @@
 // by ring attention (cp, zigzag), pipeline stages of even layer counts (pp) and data-parallel
 // replicas (dp), the distributed optimizer (its fp32 master and AdamW state sharded over
 // dp x cp: ZeRO-1 over the layer group), and full activation recomputation. In sppo's IR
-// that is a step of N = 1 with nothing offloaded (alpha 0), K/V on the device, and every
-// saved tensor recomputed that this layout can recompute. Where it differs from Megatron-LM:
-//  - each layer keeps its K and V beside its input x (sppo recomputes K/V only one rank's
-//    whole rows at a time, --kv-cache recompute, not under tp or cp): 2 G A values a token
-//    a layer that Megatron-LM's full recomputation does not keep (G A the K/V width);
+// that is a step of N = 1 with nothing offloaded (alpha 0), every saved tensor recomputed
+// that this layout can recompute, and K/V recomputed from each layer's input where neither
+// tp nor cp splits the rows (--kv-cache recompute). Where it differs from Megatron-LM:
+//  - under tp or cp each layer keeps its K and V beside its input x (sppo recomputes K/V
+//    from one rank's whole rows only): 2 G A values a token a layer that Megatron-LM's full
+//    recomputation does not keep (G A the K/V width);
 //  - under a ring the attention's output and log-sum-exp are kept, not recomputed (sppo's
 //    backward does not run the ring's forward again);
 //  - the LM head runs in the forward, as Megatron-LM's does; its loss gradient is kept.
@@ -93,6 +94,9 @@ PlanOutcome solve_megatron(const PlanRequest& req) {
         p.block_scratch = req.block_scratch;
         p.head_scratch = req.head_scratch;
         p.place.recompute = megatron_recompute(p.par);
+        // Without tp or cp a rank recomputes its K/V from the layer's input, as Megatron-LM's
+        // full recomputation does (--kv-cache recompute; not over the tp or ring ranks).
+        if (tp == 1 && cp == 1) p.place.kv.assign(std::size_t(c.layers), KvPlace::Recompute);
         p.stage_layers = plan::balanced_stage_layers(c.layers, pp, 0.0);
         predict(&p, req.hw);
         const double device = double(p.predicted.peak_device_bytes) / double(budget);
@@ -122,7 +126,7 @@ PlanOutcome solve_megatron(const PlanRequest& req) {
                   : std::string("nothing fits"));
   if (best_tput == 0) {
     out.error = "megatron: no layout of " + std::to_string(G) + " devices fits " + std::to_string(req.seq_len) +
-                " tokens in " + format_bytes(double(budget)) + " per device as sppo runs it, K/V kept" +
+                " tokens in " + format_bytes(double(budget)) + " per device as sppo runs it (K/V kept where tp or cp splits the rows)" +
                 (closest_text.empty() ? std::string(" (no layout divides the heads and the sequence)")
                                       : " (the closest, " + closest_text + ")") +
                 "; " + own;
@@ -130,7 +134,8 @@ PlanOutcome solve_megatron(const PlanRequest& req) {
   }
   best.notes.push_back("Megatron-LM as sppo runs it (Note [Megatron-LM as a schedule]): one subsequence, nothing "
                        "offloaded, " + recompute_tensors_text(best.place.recompute) +
-                       " recomputed, K/V kept on the device");
+                       (best.place.any_kv_streamed() ? " recomputed, K/V recomputed too"
+                                                     : " recomputed, K/V kept on the device"));
   best.notes.push_back(own);
   out.ok = true;
   out.plan = best;
