@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/longest.h"
 #include "core/check.h"
 #include "io/fileutil.h"
 #include "planner/profile.h"
@@ -43,25 +44,9 @@ bool fits(const BenchEvalOptions& o, const std::string& profile, i64 S, bool eva
   }
 }
 
-// The longest multiple of kStep up to the cap that fits (0: none does): doubling, then
-// halving the interval.
+// The longest multiple of kStep up to the cap that fits (0: none does).
 i64 longest(const BenchEvalOptions& o, const std::string& profile, bool eval, const std::string& kv) {
-  const i64 cap = o.cap / kStep * kStep;
-  i64 good = 0, bad = 0, S = kStep;
-  while (true) {
-    if (!fits(o, profile, S, eval, kv)) {
-      bad = S;
-      break;
-    }
-    good = S;
-    if (S == cap) return cap;
-    S = std::min(cap, 2 * S);
-  }
-  while (bad - good > kStep) {
-    const i64 mid = (good + bad) / 2 / kStep * kStep;
-    (fits(o, profile, mid, eval, kv) ? good : bad) = mid;
-  }
-  return good;
+  return longest_fitting(kStep, o.cap, [&](i64 S) { return fits(o, profile, S, eval, kv); });
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_backend.h"
+#include "bench/longest.h"
 #include "core/check.h"
 #include "core/timing.h"
 #include "io/fileutil.h"
@@ -84,25 +85,9 @@ sim::PlanOutcome plan_at(const BenchSystemsOptions& o, const Profile& prof, plan
   }
 }
 
-// The longest multiple of kStep up to the cap that the system fits (0: none): doubling,
-// then halving the interval.
+// The longest multiple of kStep up to the cap that the system fits (0: none).
 i64 longest(const BenchSystemsOptions& o, const Profile& prof, plan::System system) {
-  const i64 cap = o.cap / kStep * kStep;
-  i64 good = 0, bad = 0, S = kStep;
-  while (true) {
-    if (!plan_at(o, prof, system, S).ok) {
-      bad = S;
-      break;
-    }
-    good = S;
-    if (S == cap) return cap;
-    S = std::min(cap, 2 * S);
-  }
-  while (bad - good > kStep) {
-    const i64 mid = (good + bad) / 2 / kStep * kStep;
-    (plan_at(o, prof, system, mid).ok ? good : bad) = mid;
-  }
-  return good;
+  return longest_fitting(kStep, o.cap, [&](i64 S) { return plan_at(o, prof, system, S).ok; });
 }
 
 // A plan run on the ranks: train --plan's setup, one warm-up step and `reps` timed ones;
