@@ -62,7 +62,7 @@ void Backend::add_norm_forward(void* y, const void* x, void* out, float* mean, f
 void Backend::adamw_spans(float* p, float* m, float* v, const float* g, const std::vector<AdamwSpan>& spans, float lr,
                           float beta1, float beta2, float eps, int t, void* p_act) {
   for (const AdamwSpan& s : spans)
-    adamw(p + s.offset, m + s.state_offset, v + s.state_offset, g + s.offset, s.count, lr, beta1, beta2, eps,
+    adamw(p + s.offset, m + s.state_offset, v + s.state_offset, g + s.grad_at(), s.count, lr, beta1, beta2, eps,
           s.weight_decay, t, p_act ? static_cast<char*>(p_act) + s.offset * dtype_bytes(act()) : nullptr);
 }
 

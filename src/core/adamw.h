@@ -29,11 +29,14 @@ struct AdamwScalars {
 };
 
 // One tensor's share of an AdamW step over many (Backend::adamw_spans): elements [offset,
-// offset + count) of the weights and gradients, the moments' from state_offset, and its
+// offset + count) of the weights, the moments' from state_offset, the gradients' from
+// grad_offset (below 0: offset; ZeRO-2's gradients are laid out as the moments), and its
 // weight decay.
 struct AdamwSpan {
   long long offset = 0, count = 0, state_offset = 0;
   float weight_decay = 0;
+  long long grad_offset = -1;
+  SPPO_HOST_DEVICE long long grad_at() const { return grad_offset < 0 ? offset : grad_offset; }
 };
 
 inline AdamwScalars adamw_scalars(float lr, float beta1, float beta2, float eps, float weight_decay, int t) {

@@ -39,7 +39,8 @@ void parse_ring(const std::string& text, ParallelDims& par) {
 ZeroStage parse_zero_stage(long long n, int highest, const char* component, const std::string& what) {
   SPPO_CHECK(n >= 0 && n <= highest, component)
       << what << " " << n << " is not a ZeRO stage this build runs; use 0 (nothing sharded)"
-      << (highest >= 1 ? " or 1 (the AdamW state sharded over the ranks that hold the same layers)" : "");
+      << (highest >= 1 ? ", 1 (the AdamW state sharded over the ranks that hold the same layers)" : "")
+      << (highest >= 2 ? ", 2 (the gradients too: each layer's reduce-scattered as its backward ends)" : "");
   return ZeroStage(n);
 }
 

@@ -119,6 +119,23 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
     if (act_ != DType::F32)
       resident_act_ = device_->alloc(resident * dtype_bytes(act_), "embedding, final norm and head working copy");
+  } else if (o.grads_sharded) {
+    // Note [ZeRO-2] (schedule/weights.h): the weights whole; whole gradients of the
+    // embedding, final norm and head, a layer's while the step uses it (HostWeights), and
+    // the rank's reduced pieces of all in one compact array, laid out as the AdamW state.
+    SPPO_CHECK(o.zero_shards > 1 && !o.optimizer_host && !o.tp.on() && !o.recompute && !o.inference, "runtime")
+        << "ZeRO-2 shards the gradients over the ranks that hold the same layers: it needs two or more of them, "
+           "and runs without --optimizer-state host, --tp and --recompute";
+    params_ = device_->alloc_zeroed(bytes, "parameters");
+    grad_home_ = std::make_unique<ReservedRange>(std::size_t(bytes));
+    i64 resident = 0;
+    for (const ParamBucket& b : buckets_) {
+      const bool stays = b.name == "embed" || b.name == "ln_f";
+      resident_at_.push_back(stays ? resident : -1);
+      if (stays) resident += b.count;
+    }
+    resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
+    grad_shard_ = device_->alloc_zeroed(state_bytes, "gradients' shard (ZeRO-2)");
   } else {
     params_ = device_->alloc_zeroed(bytes, "parameters");
     if (!o.inference) grads_ = device_->alloc_zeroed(bytes, "gradients");
@@ -147,28 +164,44 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   if (act_ != DType::F32 && !o.weights_host)
     params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
   weights_ = param_view(c, params_.f32(), lb_, le_, o.tp);
-  dweights_ = param_view(c, o.inference ? params_.f32() : grads_.f32(), lb_, le_, o.tp);
+  dweights_ = param_view(c, o.inference ? params_.f32() : o.grads_sharded ? grad_home_->f32() : grads_.f32(), lb_, le_,
+                        o.tp);
   matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_, o.tp);
   if (o.weights_host) {
     // The views of the embedding, final norm and head point at the device's copies; a
     // layer's, at the host's arrays until a step brings it (HostWeights).
     for (ParamView* v : {&weights_, &dweights_}) {
       const Buffer& dev = v == &weights_ ? resident_params_ : resident_grads_;
-      const Buffer& base = v == &weights_ ? params_ : grads_;
+      const float* base = v == &weights_ ? params_.f32() : grads_.f32();
       for (float** p : {&v->embed, &v->lnf_w, &v->lnf_b, &v->head}) *p = resident(*p, base, dev);
     }
     matrices_.embed = resident_act(weights_.embed);
     matrices_.head = resident_act(weights_.head);
     host_layers_ = {params_.f32(), grads_.f32(), &weights_, &dweights_, &matrices_,
-                    [this](std::size_t b) { take_bucket(b); }, {}};
+                    [this](std::size_t b) { take_bucket(b); }, {}, {}};
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      host_layers_.device_grads.push_back(resident_at_[b] >= 0 ? resident_grads_.f32() + resident_at_[b] : nullptr);
+  } else if (o.grads_sharded) {
+    // The gradients' views of the embedding, final norm and head at the device's; a layer's
+    // at the reserved home until a step's backward allocates it (HostWeights).
+    for (float** p : {&dweights_.embed, &dweights_.lnf_w, &dweights_.lnf_b, &dweights_.head})
+      *p = resident(*p, grad_home_->f32(), resident_grads_);
+    host_layers_ = {params_.f32(), grad_home_->f32(), &weights_, &dweights_, &matrices_, {}, {},
+                    [this](std::size_t b, const float* g) { to_shard(b, g); }};
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       host_layers_.device_grads.push_back(resident_at_[b] >= 0 ? resident_grads_.f32() + resident_at_[b] : nullptr);
   }
 }
 
-float* Runtime::resident(float* p, const Buffer& base, const Buffer& device) const {
+void Runtime::to_shard(std::size_t b, const float* g) {
+  const ShardSpan& sp = shard_[b];
+  be_.copy_2d(grad_shard_.f32() + sp.state_offset, 0, g + (sp.offset - buckets_[b].offset), 0,
+              sp.count * i64(sizeof(float)), 1);
+}
+
+float* Runtime::resident(float* p, const float* base, const Buffer& device) const {
   if (!p) return nullptr;
-  const i64 off = p - base.f32();
+  const i64 off = p - base;
   for (std::size_t b = 0; b < buckets_.size(); ++b)
     if (off >= buckets_[b].offset && off < buckets_[b].offset + buckets_[b].count) {
       SPPO_ASSERT(resident_at_[b] >= 0);
@@ -211,7 +244,7 @@ float* Runtime::params() {
 
 float* Runtime::grads() {
   finish_update();
-  return grads_.f32();
+  return opts_.grads_sharded ? grad_shard_.f32() : grads_.f32();
 }
 
 float* Runtime::adam_m() {
@@ -620,7 +653,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
                         buckets_,
                         shard_,
                         {params_, grads_, num_params_, {&weights_, &dweights_, &matrices_}},
-                        opts_.weights_host ? &host_layers_ : nullptr,
+                        opts_.weights_host || opts_.grads_sharded ? &host_layers_ : nullptr,
                         sends_};
   check_schedule(sc, ctx);
   StepResult result;
@@ -636,7 +669,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   // With the weights on the host each layer's gradient starts at its first backward
   // (HostWeights); the device's are the embedding's, final norm's and head's.
-  Buffer& zeroed = opts_.weights_host ? resident_grads_ : grads_;
+  SPPO_CHECK(!opts_.grads_sharded || control.reduce || sc.forward_only, "runtime")
+      << "ZeRO-2 reduces every step's gradients into the shards; a step that does not reduce would keep them whole";
+  Buffer& zeroed = opts_.weights_host || opts_.grads_sharded ? resident_grads_ : grads_;
   if (!control.accumulate && !sc.forward_only) be_.fill_zero(zeroed.data(), std::size_t(zeroed.bytes()));
   st.load_inputs(tokens);
   st.start();
@@ -700,6 +735,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   st.finish();
   if (opts_.weights_host) resident_grads_to_host();
+  if (opts_.grads_sharded && !sc.forward_only)  // the embedding's, final norm's and head's pieces join the layers'
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (resident_at_[b] >= 0) to_shard(b, resident_grads_.f32() + resident_at_[b]);
   return result;
 }
 

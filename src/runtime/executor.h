@@ -95,7 +95,10 @@ class Runtime {
   // write_device, or with the backend's kernels. Each accessor first lets an update of
   // the optimizer state on the host that is in flight finish (finish_update).
   float* params();
+  // The gradients: flat as params(), or under ZeRO-2 (grads_sharded()) the rank's reduced
+  // pieces, laid out as the AdamW state (ShardSpan::state_offset).
   float* grads();
+  bool grads_sharded() const { return opts_.grads_sharded; }
   // The AdamW moments, in the state's tier (state_on_host()): read and write them through
   // read_state / write_state, or with the backend's adamw on the device.
   float* adam_m();
@@ -160,7 +163,10 @@ class Runtime {
   void take_bucket(std::size_t b);  // HostOptimizer::ready, then the bucket's working copy
   // With the weights on the host: where `p`, in the host array `base`, has its copy on the
   // device (the embedding, final norm and head; null stays null).
-  float* resident(float* p, const Buffer& base, const Buffer& device) const;
+  float* resident(float* p, const float* base, const Buffer& device) const;
+  // Under ZeRO-2: the rank's piece of bucket b's reduced gradient `g` (the bucket's, on the
+  // device) into its place in the shard.
+  void to_shard(std::size_t b, const float* g);
   // In bf16: where resident weight `p` (on the device) has its working copy, and that copy
   // of bucket b remade from the fp32 weights (nothing for a layer's bucket, or in fp32).
   const void* resident_act(const float* p) const;
@@ -195,6 +201,11 @@ class Runtime {
   Buffer resident_act_;  // in bf16, their working copy
   std::vector<i64> resident_at_;
   HostLayers host_layers_;
+  // Under ZeRO-2 (RuntimeOptions::grads_sharded): the rank's reduced pieces of every
+  // bucket's gradient, laid out as the AdamW state (ShardSpan::state_offset), and the home of
+  // the layers' gradient views between their turns.
+  Buffer grad_shard_;
+  std::unique_ptr<ReservedRange> grad_home_;
   ParamView weights_, dweights_;
   MatrixView matrices_;
   std::unique_ptr<HostOptimizer> host_opt_;  // the optimizer state on the host; null: on the device

@@ -1,7 +1,10 @@
 #include "runtime/host_weights.h"
 
+#include <algorithm>
 #include <initializer_list>
 #include <string>
+
+#include <sys/mman.h>
 
 #include "core/check.h"
 
@@ -33,6 +36,14 @@ BlockMatrices rebased(const BlockMatrices& b, const char* from, char* to) {
 
 }  // namespace
 
+ReservedRange::ReservedRange(std::size_t bytes) : bytes_(std::max<std::size_t>(bytes, 1)) {
+  base_ = mmap(nullptr, bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  SPPO_CHECK(base_ != MAP_FAILED, "memory") << "cannot reserve " << bytes_ << " bytes of address space for the "
+                                            << "gradients' views";
+}
+
+ReservedRange::~ReservedRange() { munmap(base_, bytes_); }
+
 HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule& s, int rank,
                          std::pair<int, int> layers, const std::vector<ParamBucket>& buckets, const HostLayers* host,
                          CopyStream& h2d, CopyStream& d2h, GradReduce& grads, const StepControl& control,
@@ -48,7 +59,8 @@ HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule&
       control_(control),
       result_(result) {
   if (!host_) return;
-  SPPO_ASSERT(s.place.weights_host());
+  SPPO_ASSERT(s.place.weights_host() || sched::layer_grads_stream(s));
+  SPPO_ASSERT(s.place.weights_host() == !host_->grad_out);
   uses_ = sched::LayerUses(s, rank);
   const std::size_t n = std::size_t(layers.second - layers.first);
   w_.resize(n);
@@ -132,6 +144,7 @@ void HostWeights::begin(std::size_t index, int k) {
   if (u.grad_first) {
     const ParamBucket& b = bucket(u.layer);
     const std::string what = "blocks." + std::to_string(u.layer) + " gradients";
+    SPPO_ASSERT_MSG(!control_.accumulate || !host_->grad_out, "ZeRO-2 reduces every step");
     if (control_.accumulate) {  // the sum so far, to which this step adds
       g_[j] = device_.alloc(i64(fp32_bytes(b.count)), what);
       result_.exposed_copy_s += h2d_.copy(g_[j].data(), host_->grads + b.offset, fp32_bytes(b.count), {})->wait();
@@ -145,8 +158,8 @@ void HostWeights::begin(std::size_t index, int k) {
 
 void HostWeights::release_grad(int l) {
   const std::size_t j = std::size_t(l - lb_);
-  SPPO_ASSERT_MSG(g_[j] && g_out_[j], "layer " << l << "'s gradients released before they left");
-  result_.exposed_copy_s += g_out_[j]->wait();
+  SPPO_ASSERT_MSG(g_[j] && (g_out_[j] || host_->grad_out), "layer " << l << "'s gradients released before they left");
+  if (g_out_[j]) result_.exposed_copy_s += g_out_[j]->wait();
   g_out_[j] = nullptr;
   g_[j].reset();
   host_->g->blocks[std::size_t(l)] = host_g_[j];
@@ -157,12 +170,17 @@ void HostWeights::end(std::size_t index, int k) {
   const sched::LayerUse& u = uses_.at(index, k);
   const std::size_t j = std::size_t(u.layer - lb_);
   if (u.grad_last) {
-    // Reduced over the replicas first (a step that reduces), then to the host's array.
+    // Reduced over the replicas first (a step that reduces), then to the host's array, or
+    // under ZeRO-2 the rank's reduced piece into its shard.
     const ParamBucket& b = bucket(u.layer);
     grads_.settle_layer(u.layer);
     grads_.place(grads_.bucket_of_layer(u.layer), host_->grads + b.offset);
-    g_out_[j] = d2h_.copy(host_->grads + b.offset, g_[j].data(), fp32_bytes(b.count), {});
-    copies_.push_back({"grads L" + std::to_string(u.layer), g_out_[j]});
+    if (host_->grad_out) {
+      host_->grad_out(grads_.bucket_of_layer(u.layer), g_[j].f32());
+    } else {
+      g_out_[j] = d2h_.copy(host_->grads + b.offset, g_[j].data(), fp32_bytes(b.count), {});
+      copies_.push_back({"grads L" + std::to_string(u.layer), g_out_[j]});
+    }
   }
   for (int l : u.grad_free)
     if (l >= 0) release_grad(l);

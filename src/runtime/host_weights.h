@@ -1,6 +1,7 @@
 // The layers' weights and gradients on the host (--weights host): the runtime's side of
 // Note [Weights on the host] (schedule/weights.h), whose LayerUses the memory rules and the
-// simulator read too.
+// simulator read too; and its gradient half alone under ZeRO-2 (Note [ZeRO-2] there), the
+// gradients leaving into the rank's shard (HostLayers::grad_out) instead of to the host.
 //
 // Contract: the Runtime keeps every owned parameter's fp32 weights and gradients in host
 // arrays (HostLayers) and on the device only the embedding's, final norm's and head's. In
@@ -50,6 +51,27 @@ struct HostLayers {
   // Per bucket: the device's gradient of the embedding, final norm and head, which the
   // reduction reduces there (null: a layer's).
   std::vector<float*> device_grads;
+  // Under ZeRO-2 (Note [ZeRO-2] in schedule/weights.h) the weights stay on the device and
+  // only the gradients come and go: `params` and `grads` are then a home for the views
+  // that holds no data (ReservedRange), and a layer's reduced gradient leaves through
+  // grad_out(bucket, its device buffer), which takes the rank's piece, instead of to the host.
+  std::function<void(std::size_t, const float*)> grad_out;
+};
+
+// Address space reserved and never backed (mmap PROT_NONE): the home that views of data
+// living elsewhere in turns point into between their turns (Note [ZeRO-2]); a read or a
+// write there faults, so a view used out of its turn cannot go unseen.
+class ReservedRange {
+ public:
+  explicit ReservedRange(std::size_t bytes);
+  ~ReservedRange();
+  ReservedRange(const ReservedRange&) = delete;
+  ReservedRange& operator=(const ReservedRange&) = delete;
+  float* f32() const { return static_cast<float*>(base_); }
+
+ private:
+  void* base_ = nullptr;
+  std::size_t bytes_ = 0;
 };
 
 class HostWeights {

@@ -40,6 +40,10 @@ struct RuntimeOptions {
   // the device for the F/B ops that run it (--weights host; runtime/host_weights.h, Note
   // [Weights on the host] in schedule/weights.h); needs optimizer_host, whose master they are.
   bool weights_host = false;
+  // ZeRO-2 (Note [ZeRO-2] in schedule/weights.h): the gradients sharded over the zero_shards
+  // ranks as the AdamW state is, each layer's whole only while the step uses it; needs
+  // zero_shards > 1, the optimizer state on the device, and no tp or recompute.
+  bool grads_sharded = false;
   // Kernel scratch taken from the device tier with each layer's workspace and the head's
   // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;

@@ -94,6 +94,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
       << "the schedule keeps the layers' weights on the " << (sc.place.weights_host() ? "host" : "device")
       << " but this runtime holds them on the " << (o.weights_host ? "host" : "device")
       << "; build both with the same --weights";
+  SPPO_CHECK((sc.par.zero == ZeroStage::Gradients) == o.grads_sharded, "runtime")
+      << "the schedule's ZeRO stage is " << stage_number(sc.par.zero) << " but this runtime "
+      << (o.grads_sharded ? "shards" : "does not shard") << " the gradients (ZeRO-2); build both with the same --zero";
   SPPO_CHECK(!sc.place.weights_host() || (sc.par.tp == 1 && !msp && !o.recompute), "runtime")
       << "the layers' weights on the host (--weights host) run without --tp, --msp on and --recompute";
 }
@@ -112,7 +115,8 @@ StepState::StepState(const StepContext& c, const sched::Schedule& sc, const Step
           sc.place.inputs_rebuilt),
       kv(act, c.be, c.device, c.host, c.config, c.opts, sc, ops, c.layers, res),
       messages(c.opts.comm, c.opts.rank, c.be, c.device, c.config, sc, ops, c.sent_messages, res),
-      grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers, c.own.grads.f32(), res),
+      grads(c.opts, ops, ctl.reduce, c.specs, c.buckets, c.shard, c.layers,
+            c.host_layers ? c.host_layers->grads : c.own.grads.f32(), res),
       msp(c.opts.comm, c.be, c.device, c.config, c.opts.tp, sc, ops, c.layers, c.own, kv, messages, grads, loss_sum,
           res),
       weights(c.be, c.device, sc, c.opts.rank, c.layers, c.buckets, c.host_layers, act.h2d(), act.d2h(), grads, ctl,

@@ -148,15 +148,20 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     }
     owned_params_ = params;
     state_params_ = state;
-    // Note [Weights on the host]: the device keeps the embedding, final norm and head only.
-    const i64 layers = s.place.weights_host() ? i64(oe - ob) * layer_params(c, tp_) : 0, resident = params - layers;
+    // Note [Weights on the host]: the device keeps the embedding, final norm and head only;
+    // Note [ZeRO-2] (schedule/weights.h): their gradients only, and the rank's shard of all.
+    const i64 layer_total = i64(oe - ob) * layer_params(c, tp_);
+    const i64 layers = s.place.weights_host() ? layer_total : 0, resident = params - layers;
+    const bool grads_stream = layer_grads_stream(s);
+    const i64 resident_grads = params - (grads_stream ? layer_total : 0);
+    const i64 grad_shard = s.par.zero == ZeroStage::Gradients ? state : 0;
     resident_params_ = resident;
     SPPO_CHECK(!s.place.weights_host() || (rules.optimizer_host && state == params), "memory")
         << "the layers' weights on the host are the optimizer's master there: --weights host needs "
            "--optimizer-state host, without --zero 1";
     fixed_terms_[int(MemTerm::Weights)] = resident * rules.weight_bytes();
     fixed_terms_[int(MemTerm::WeightCopy)] = resident * rules.weight_copy_bytes;
-    fixed_terms_[int(MemTerm::Gradients)] = resident * rules.grad_bytes;
+    fixed_terms_[int(MemTerm::Gradients)] = (resident_grads + grad_shard) * rules.grad_bytes;
     fixed_terms_[int(MemTerm::Optimizer)] = state * rules.device_state_bytes();
     if (rules.optimizer_host) {
       host_fixed_terms_[int(MemTerm::Weights)] = state * rules.weight_bytes();
@@ -166,6 +171,8 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     if (s.place.weights_host()) {
       layer_w_ = layer_copy_bytes(c, rules.precision, tp_);
       layer_in_ = layer_params(c, tp_) * i64(sizeof(float));
+    }
+    if (grads_stream) {
       layer_g_ = layer_params(c, tp_) * rules.grad_bytes;
       uses_ = LayerUses(s, rank);
     }

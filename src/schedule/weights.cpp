@@ -7,7 +7,7 @@
 namespace sppo::sched {
 
 LayerUses::LayerUses(const Schedule& s, int rank) {
-  if (!s.place.weights_host()) return;
+  if (!layer_grads_stream(s)) return;
   const auto& ops = s.ops.at(std::size_t(rank));
   const auto [ob, oe] = s.owned.empty() ? std::pair<int, int>{0, s.layers} : s.owned.at(std::size_t(rank));
   first_.reserve(ops.size() + 1);
@@ -47,6 +47,7 @@ LayerUses::LayerUses(const Schedule& s, int rank) {
     if (next_other && uses_[u + 1].layer != below) x.load_next = uses_[u + 1].layer;
     if (next_other && uses_[u + 1].layer == below) below = -1;
     x.weights_free = u + 1 == n || next_other;
+    if (!s.place.weights_host()) x.load_now = x.load_next = x.load_below = -1, x.weights_free = false;
     int f = 0;
     if (u > 0 && uses_[u - 1].grad_last) x.grad_free[std::size_t(f++)] = uses_[u - 1].layer;
     if (u + 1 == n && x.grad_last) x.grad_free[std::size_t(f++)] = x.layer;

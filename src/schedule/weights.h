@@ -70,7 +70,30 @@ struct LayerUse {
   bool weights_free = false;
 };
 
-// The uses of a rank's own layers in program order (none unless s.weights_host).
+// Whether a step's layers' gradients live only from their first backward to the end of their
+// last (each one's allocated there and leaving there): with the weights on the host (to the
+// host's array), and under ZeRO-2 (Note [ZeRO-2]: reduce-scattered into the rank's shard),
+// where the weights stay and only the uses' gradient half applies.
+inline bool layer_grads_stream(const Schedule& s) {
+  return s.place.weights_host() || s.par.zero == ZeroStage::Gradients;
+}
+
+// Note [ZeRO-2]: the ranks that hold the same layers (ParallelDims::layer_group) shard the
+// gradients as ZeRO-1 shards the AdamW state: each rank keeps its pieces (shard_buckets) of
+// every layer's gradient, summed over the group, in one compact array beside its AdamW m, v.
+// A layer's whole gradient lives on the device only from its first backward to its last, as
+// LayerUses says for the weights on the host: at its last backward it is reduce-scattered
+// over the group (the reduction ZeRO-1 starts there too), the rank's piece copied into the
+// shard, and its buffer released where the uses release a gradient. The embedding, final
+// norm and head keep whole gradients on the device (their buckets reduce at the step's end,
+// then their pieces join the shard). The weights stay whole on every rank. So in the
+// layer-major backward (Note [Layer-major backward] in builders.cpp) one layer's gradient is
+// whole at a time (two while one leaves), and the device holds 1/R of the rest; in the
+// paper's order every layer's lives from the first backward to the last, which saves only
+// after it. Every step reduces: a step that sums several sequences before reducing
+// (--batch above --dp) would keep each layer's whole gradient, and is refused.
+
+// The uses of a rank's own layers in program order (none unless layer_grads_stream(s)).
 class LayerUses {
  public:
   LayerUses() = default;

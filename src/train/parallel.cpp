@@ -210,6 +210,17 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     }
     add(run, end);
   }
+  // Under ZeRO-2 the gradients are the rank's pieces, laid out as the AdamW state: the
+  // offsets of span k's range [from, from + count) move by its state_offset - offset.
+  const bool sharded = rt.grads_sharded();
+  const auto grad_at = [&](const ShardSpan& sp, i64 flat) { return sharded ? sp.state_offset + (flat - sp.offset) : flat; };
+  if (sharded)
+    for (auto& [from, count] : counted) {
+      const auto sp = std::find_if(spans.begin(), spans.end(),
+                                   [&](const ShardSpan& x) { return from >= x.offset && from < x.offset + x.count; });
+      SPPO_ASSERT(sp != spans.end() && from + count <= sp->offset + sp->count);
+      from = grad_at(*sp, from);
+    }
   double ss = 0;
   if (on_host) {
     for (const auto& [from, count] : counted) ss += be.host_sum_squares(g + from, count);
@@ -224,7 +235,7 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   if (hp.clip > 0 && norm > hp.clip)
     for (const ShardSpan& sp : spans) {
       if (on_host) be.host_scale(g + sp.offset, sp.count, float(hp.clip / norm));
-      else be.scale(g + sp.offset, sp.count, float(hp.clip / norm));
+      else be.scale(g + grad_at(sp, sp.offset), sp.count, float(hp.clip / norm));
     }
   // AdamW per tensor, over the part of it whose state this rank keeps, bucket by bucket.
   std::vector<HostOptimizer::Piece> pieces;
@@ -250,7 +261,8 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   // brought the other ranks' shards.
   std::vector<AdamwSpan> update;
   update.reserve(pieces.size());
-  for (const HostOptimizer::Piece& q : pieces) update.push_back({q.offset, q.count, q.state_offset, q.weight_decay});
+  for (const HostOptimizer::Piece& q : pieces)
+    update.push_back({q.offset, q.count, q.state_offset, q.weight_decay, sharded ? q.state_offset : -1});
   be.adamw_spans(rt.params(), rt.adam_m(), rt.adam_v(), g, update, hp.lr, hp.beta1, hp.beta2, hp.eps, t, nullptr);
   if (zero) {
     const comm::Group group = lay.stage_group();
@@ -284,14 +296,19 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     rt.read_device(a.data(), p, n);
     return a;
   };
-  arrays.push_back(from_device(rt.params()));
-  if (grads) arrays.push_back(from_device(rt.grads()));
-  if (optimizer)
-    for (float* state : {rt.adam_m(), rt.adam_v()}) {
-      std::vector<float> a(std::size_t(n), 0.0f);
-      for (const ShardSpan& sp : rt.shard()) rt.read_state(a.data() + sp.offset, state + sp.state_offset, sp.count);
-      arrays.push_back(std::move(a));
+  // The rank's pieces of an array laid out as the AdamW state, in place in a whole one.
+  auto from_pieces = [&](const float* state, bool on_device) {
+    std::vector<float> a(std::size_t(n), 0.0f);
+    for (const ShardSpan& sp : rt.shard()) {
+      if (on_device) rt.read_device(a.data() + sp.offset, state + sp.state_offset, sp.count);
+      else rt.read_state(a.data() + sp.offset, state + sp.state_offset, sp.count);
     }
+    return a;
+  };
+  arrays.push_back(from_device(rt.params()));
+  if (grads) arrays.push_back(rt.grads_sharded() ? from_pieces(rt.grads(), true) : from_device(rt.grads()));
+  if (optimizer)
+    for (float* state : {rt.adam_m(), rt.adam_v()}) arrays.push_back(from_pieces(state, false));
   if (lay.par.zero != ZeroStage::None && lay.par.zero_shards() > 1) {
     const comm::Group group = lay.stage_group();
     for (std::size_t a = 1; a < arrays.size(); ++a)  // the weights are whole on every replica

@@ -514,6 +514,27 @@ class SetupBuilder {
         << "--ring rsa is the two-pass Ring Self-Attention of bidirectional models (--attention bidirectional), in "
            "fp32; a causal model uses --ring flash";
     check_state();
+    check_zero();
+  }
+
+  // --zero 2 (Note [ZeRO-2] in schedule/weights.h): what sharding the gradients runs with.
+  void check_zero() const {
+    if (shape_.par.zero != ZeroStage::Gradients) return;
+    const ParallelDims& par = shape_.par;
+    const char* refused = par.zero_shards() < 2      ? nullptr
+                          : par.tp > 1                ? "--tp (each rank holds shards of every layer already)"
+                          : par.msp.on                ? "--msp on (helpers return a stage's gradients whole)"
+                          : o_.recompute              ? "--recompute (the full-recompute baseline)"
+                          : shape_.place.optimizer_host() ? "--optimizer-state host (the shards are the device's)"
+                          : s_.layout.per_replica() > 1   ? "a --batch above --dp (a step that sums several sequences "
+                                                            "keeps each layer's gradient whole until it reduces)"
+                                                          : nullptr;
+    SPPO_CHECK(par.zero_shards() >= 2, "options")
+        << "--zero 2 shards the gradients over the ranks that hold the same layers (each stage's --dp, --cp and "
+           "--ulysses ranks), and this layout has one; add --dp, --cp or --ulysses, or use --zero 0";
+    SPPO_CHECK(!refused, "options") << "--zero 2 reduce-scatters each layer's gradient into the rank's shard as its "
+                                       "last backward ends; it does not run with "
+                                    << (refused ? refused : "") << ". Use --zero 1 there";
   }
 
   // --optimizer-state and --weights (Note [Weights on the host] in schedule/weights.h): the
@@ -972,6 +993,7 @@ class SetupBuilder {
     ro.zero_index = s_.layout.stage_index();
     ro.optimizer_host = shape_.place.optimizer_host();
     ro.weights_host = shape_.place.weights_host();
+    ro.grads_sharded = shape_.par.zero == ZeroStage::Gradients;
     ro.tp = s_.layout.tp_shard();
     ro.ulysses = s_.layout.ulysses_shard();
     ro.block_scratch = shape_.block_scratch;

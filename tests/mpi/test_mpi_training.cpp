@@ -153,6 +153,37 @@ TEST_F(Training, OptimizerStateOnTheHostKeepsTheCurve) {
   EXPECT_EQ(tail, std::vector<double>(one.begin() + 6, one.end()));
 }
 
+// --zero 2 (Note [ZeRO-2] in schedule/weights.h): each layer's gradient reduce-scattered
+// into the rank's shard as its last backward ends. Under every layout whose layer group has
+// two or more ranks, with subsequences and offload, the curve is ZeRO-1's (the same sums,
+// the same pieces), every rank's peak is the prediction to the byte, and in the layer-major
+// backward ZeRO-2 holds less than ZeRO-1; its checkpoint resumes under ZeRO-1 on the curve.
+TEST_F(Training, ZeroTwoKeepsTheCurveAndThePeaks) {
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {2, "--dp 2 --subseqs 3 --offload 0.5"},          {4, "--pp 2 --dp 2 --subseqs 3 --offload 0.5"},
+      {4, "--cp 2 --dp 2 --subseqs 3 --offload 0.5"},   {4, "--ulysses 2 --dp 2 --subseqs 3 --offload 0.5"},
+      {2, "--cp 2 --subseqs 3 --backward-order layer"}, {2, "--dp 2 --subseqs 3 --backward-order layer"}};
+  int k = 0;
+  for (const auto& [np, layout] : layouts) {
+    const std::string name = "zero" + std::to_string(k++);
+    const auto one = ranks(np, "--steps 6 --zero 1 " + layout, name + "_1.jsonl");
+    const auto two = ranks(np, "--steps 6 --zero 2 " + layout, name + "_2.jsonl");
+    ASSERT_EQ(one.size(), 6u) << layout;
+    expect_same_curve(one, two, "--zero 2 " + layout);
+    const auto z1 = read_jsonl(path(name + "_1.jsonl")).back();
+    const auto z2 = read_jsonl(path(name + "_2.jsonl")).back();
+    EXPECT_EQ(z2["measured_peak_device_bytes_per_rank"], z2["predicted_peak_device_bytes_per_rank"])
+        << layout << ": " << z2.dump();
+    if (layout.find("layer") != std::string::npos) {
+      EXPECT_LT(z2["measured_peak_device_bytes"].get<i64>(), z1["measured_peak_device_bytes"].get<i64>()) << layout;
+    }
+  }
+  const auto whole = ranks(2, "--steps 6 --zero 2 --dp 2", "z2_whole.jsonl");
+  ranks(2, "--steps 6 --zero 2 --dp 2 --stop-after 3 --save " + path("ck_zero2"), "z2_first.jsonl");
+  const auto rest = ranks(2, "--steps 6 --zero 1 --dp 2 --resume " + path("ck_zero2"), "z2_rest.jsonl");
+  expect_same_curve(std::vector<double>(whole.begin() + 3, whole.end()), rest, "ZeRO-2 resumed under ZeRO-1");
+}
+
 TEST_F(Training, ResumeAcrossLayouts) {
   const auto one = alone("--steps 20", "one.jsonl");
   const std::vector<double> tail(one.begin() + 10, one.end());

@@ -541,8 +541,8 @@ __global__ void adamw_spans_kernel(float* p, float* m, float* v, const float* g,
     const AdamwSpan s = tab.span[j];
     for (i64 i = blockIdx.x * i64{blockDim.x} + threadIdx.x; i < s.count;
          i += i64{gridDim.x} * blockDim.x) {
-      const i64 pi = s.offset + i, si = s.state_offset + i;
-      const float pn = adamw_update(p[pi], m[si], v[si], g[pi], k);
+      const i64 pi = s.offset + i, si = s.state_offset + i, gi = s.grad_at() + i;
+      const float pn = adamw_update(p[pi], m[si], v[si], g[gi], k);
       p[pi] = pn;
       if (p_bf16 != nullptr) p_bf16[pi] = __float2bfloat16_rn(pn);
     }
