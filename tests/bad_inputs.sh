@@ -107,7 +107,8 @@ expect "--dry-run checks a plan before its run" train --model tiny --dry-run
 expect "over the device budget of 1.00 GiB (the plan's budget_bytes)" train --plan plan_over_budget.json --dry-run
 expect "is a deepspeed plan, a closed-form estimate: the runtime runs sppo and megatron plans" train --plan plan_deepspeed.json --dry-run
 expect "--zero 2 shards the gradients over the ranks that hold the same layers" train --model tiny --seq-len 32 --steps 1 --zero 2
-expect "--zero 3 is not a ZeRO stage this build runs; use 0 (nothing sharded), 1" train --model tiny --seq-len 32 --steps 1 --zero 3
+expect "--zero 3 shards the weights and gradients over the ranks that hold the same layers" train --model tiny --seq-len 32 --steps 1 --zero 3
+expect "--zero 4 is not a ZeRO stage this build runs; use 0 (nothing sharded), 1" train --model tiny --seq-len 32 --steps 1 --zero 4
 expect "--seq-len 999999999999" bench layer --seq-len 999999999999
 expect "state.json lacks \"config\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_no_config
 expect "state.json: \"step\" is \"two\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_step_two

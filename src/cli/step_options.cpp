@@ -221,7 +221,7 @@ void add_step_options(CLI::App* cmd, StepFlags& f, StepOptions& o) {
                   "other stages")
       ->capture_default_str();
   cmd->add_option("--dp", o.par.dp, "Data-parallel replicas, each training its own sequences")->capture_default_str();
-  f.zero_option = cmd->add_option("--zero", f.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1); 2: the gradients too, each layer's reduce-scattered into its shard as its last backward ends (ZeRO-2)")
+  f.zero_option = cmd->add_option("--zero", f.zero, "1: shard the AdamW state over the ranks that hold the same layers (ZeRO-1); 2: the gradients too, each layer's reduce-scattered into its shard as its last backward ends (ZeRO-2); 3: the weights too, each layer's all-gathered one layer ahead of the ops that run it (ZeRO-3)")
       ->capture_default_str();
   cmd->add_option("--batch", o.batch, "Sequences per optimizer step, all replicas together (default: --dp)");
   cmd->add_option("--comm-timeout", o.comm_timeout_s,
@@ -314,7 +314,7 @@ void resolve_step_options(const StepFlags& f, StepOptions& o) {
   parse_ring(f.ring, o.par);
   SPPO_CHECK(f.msp == "on" || f.msp == "off", "options") << "--msp must be on or off (got '" << f.msp << "')";
   o.par.msp.on = f.msp == "on";
-  o.par.zero = parse_zero_stage(f.zero, 2, "options", "--zero");
+  o.par.zero = parse_zero_stage(f.zero, 3, "options", "--zero");
   // A plan's ZeRO stage, unless --zero says otherwise: the run's memory is the plan's.
   if (from_plan && !f.zero_option->count()) o.par.zero = from_plan->par.zero;
   o.model.validate();

@@ -40,7 +40,8 @@ ZeroStage parse_zero_stage(long long n, int highest, const char* component, cons
   SPPO_CHECK(n >= 0 && n <= highest, component)
       << what << " " << n << " is not a ZeRO stage this build runs; use 0 (nothing sharded)"
       << (highest >= 1 ? ", 1 (the AdamW state sharded over the ranks that hold the same layers)" : "")
-      << (highest >= 2 ? ", 2 (the gradients too: each layer's reduce-scattered as its backward ends)" : "");
+      << (highest >= 2 ? ", 2 (the gradients too: each layer's reduce-scattered as its backward ends)" : "")
+      << (highest >= 3 ? ", 3 (the weights too: each layer's all-gathered for the ops that run it)" : "");
   return ZeroStage(n);
 }
 

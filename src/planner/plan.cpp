@@ -212,7 +212,7 @@ Plan plan_from_json(const nlohmann::json& j) {
   p.alpha_rule = text("alpha_rule", "");
   // Plans written before these fields: no ZeRO; the cost model then priced zigzag rings;
   // the optimizer state on the device; fp32 activations.
-  d.zero = parse_zero_stage(integer(j, "zero", 0, -kIntMax, kIntMax), 2, "planner", "plan: \"zero\"");
+  d.zero = parse_zero_stage(integer(j, "zero", 0, -kIntMax, kIntMax), 3, "planner", "plan: \"zero\"");
   p.precision = typed("precision", "fp32", [](const std::string& v) {
     SPPO_CHECK(v == "fp32" || v == "bf16", "planner") << "must be fp32 or bf16 (got '" << v << "')";
     return v == "bf16" ? ActPrecision::BF16 : ActPrecision::F32;

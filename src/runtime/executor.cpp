@@ -109,16 +109,30 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
            "--optimizer-state host, and run without --zero 1, --tp and --recompute";
     params_ = host_->alloc_zeroed(bytes, "weights (on the host)");
     grads_ = host_->alloc_zeroed(bytes, "gradients (on the host)");
-    i64 resident = 0;
-    for (const ParamBucket& b : buckets_) {
-      const bool stays = b.name == "embed" || b.name == "ln_f";
-      resident_at_.push_back(stays ? resident : -1);
-      if (stays) resident += b.count;
-    }
+    const i64 resident = lay_out_resident();
     resident_params_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head weights");
     resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
     if (act_ != DType::F32)
       resident_act_ = device_->alloc(resident * dtype_bytes(act_), "embedding, final norm and head working copy");
+  } else if (o.weights_sharded) {
+    // Note [ZeRO-3] (schedule/weights.h): the rank's pieces of the fp32 weights (the AdamW
+    // master) and of the reduced gradients, laid out as the AdamW state; the embedding's,
+    // final norm's and head's weights and gradients whole; a layer's weights and gradient
+    // while the step uses them (HostWeights), their views at reserved homes between.
+    SPPO_CHECK(o.grads_sharded && o.zero_shards > 1 && !o.optimizer_host && !o.weights_host && !o.tp.on() &&
+                   !o.recompute && !o.inference,
+               "runtime")
+        << "ZeRO-3 shards the weights over the ranks that hold the same layers: it needs two or more of them, "
+           "and runs without --optimizer-state host, --weights host, --tp and --recompute";
+    weight_home_ = std::make_unique<ReservedRange>(std::size_t(bytes));
+    grad_home_ = std::make_unique<ReservedRange>(std::size_t(bytes));
+    const i64 resident = lay_out_resident();
+    resident_params_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head weights");
+    resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
+    if (act_ != DType::F32)
+      resident_act_ = device_->alloc(resident * dtype_bytes(act_), "embedding, final norm and head working copy");
+    param_shard_ = device_->alloc_zeroed(state_bytes, "weights' shard (ZeRO-3)");
+    grad_shard_ = device_->alloc_zeroed(state_bytes, "gradients' shard (ZeRO-3)");
   } else if (o.grads_sharded) {
     // Note [ZeRO-2] (schedule/weights.h): the weights whole; whole gradients of the
     // embedding, final norm and head, a layer's while the step uses it (HostWeights), and
@@ -128,12 +142,7 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
            "and runs without --optimizer-state host, --tp and --recompute";
     params_ = device_->alloc_zeroed(bytes, "parameters");
     grad_home_ = std::make_unique<ReservedRange>(std::size_t(bytes));
-    i64 resident = 0;
-    for (const ParamBucket& b : buckets_) {
-      const bool stays = b.name == "embed" || b.name == "ln_f";
-      resident_at_.push_back(stays ? resident : -1);
-      if (stays) resident += b.count;
-    }
+    const i64 resident = lay_out_resident();
     resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
     grad_shard_ = device_->alloc_zeroed(state_bytes, "gradients' shard (ZeRO-2)");
   } else {
@@ -161,24 +170,33 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   // else a working copy refreshed after every update.
   // With the layers' weights on the host, a layer's comes with it (HostWeights) and the
   // rest's is resident_act_.
-  if (act_ != DType::F32 && !o.weights_host)
+  if (act_ != DType::F32 && !o.weights_host && !o.weights_sharded)
     params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
-  weights_ = param_view(c, params_.f32(), lb_, le_, o.tp);
-  dweights_ = param_view(c, o.inference ? params_.f32() : o.grads_sharded ? grad_home_->f32() : grads_.f32(), lb_, le_,
-                        o.tp);
-  matrices_ = matrix_view(c, params_act_ ? params_act_.data() : params_.data(), act_, lb_, le_, o.tp);
-  if (o.weights_host) {
+  // Where the views start: the flat arrays, or the reserved homes of what comes and goes.
+  float* const wbase = o.weights_sharded ? weight_home_->f32() : params_.f32();
+  float* const gbase = o.inference ? wbase : o.grads_sharded ? grad_home_->f32() : grads_.f32();
+  weights_ = param_view(c, wbase, lb_, le_, o.tp);
+  dweights_ = param_view(c, gbase, lb_, le_, o.tp);
+  matrices_ = matrix_view(c, params_act_ ? params_act_.data() : static_cast<void*>(wbase), act_, lb_, le_, o.tp);
+  if (o.weights_host || o.weights_sharded) {
     // The views of the embedding, final norm and head point at the device's copies; a
-    // layer's, at the host's arrays until a step brings it (HostWeights).
+    // layer's, at the host's arrays (or the homes) until a step brings it (HostWeights).
     for (ParamView* v : {&weights_, &dweights_}) {
       const Buffer& dev = v == &weights_ ? resident_params_ : resident_grads_;
-      const float* base = v == &weights_ ? params_.f32() : grads_.f32();
+      const float* base = v == &weights_ ? wbase : gbase;
       for (float** p : {&v->embed, &v->lnf_w, &v->lnf_b, &v->head}) *p = resident(*p, base, dev);
     }
     matrices_.embed = resident_act(weights_.embed);
     matrices_.head = resident_act(weights_.head);
-    host_layers_ = {params_.f32(), grads_.f32(), &weights_, &dweights_, &matrices_,
-                    [this](std::size_t b) { take_bucket(b); }, {}, {}};
+    host_layers_ = {wbase, gbase, &weights_, &dweights_, &matrices_, {}, {}, {}, {}, opts_.comm};
+    if (o.weights_host) {
+      host_layers_.ready = [this](std::size_t b) { take_bucket(b); };
+    } else {
+      host_layers_.grad_out = [this](std::size_t b, const float* g) { to_shard(b, g); };
+      host_layers_.gather = [this](std::size_t b, float* dst, const comm::Group& group) {
+        return gather_layer(b, dst, group);
+      };
+    }
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       host_layers_.device_grads.push_back(resident_at_[b] >= 0 ? resident_grads_.f32() + resident_at_[b] : nullptr);
   } else if (o.grads_sharded) {
@@ -187,10 +205,61 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     for (float** p : {&dweights_.embed, &dweights_.lnf_w, &dweights_.lnf_b, &dweights_.head})
       *p = resident(*p, grad_home_->f32(), resident_grads_);
     host_layers_ = {params_.f32(), grad_home_->f32(), &weights_, &dweights_, &matrices_, {}, {},
-                    [this](std::size_t b, const float* g) { to_shard(b, g); }};
+                    [this](std::size_t b, const float* g) { to_shard(b, g); }, {}, nullptr};
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       host_layers_.device_grads.push_back(resident_at_[b] >= 0 ? resident_grads_.f32() + resident_at_[b] : nullptr);
   }
+}
+
+i64 Runtime::lay_out_resident() {
+  i64 resident = 0;
+  for (const ParamBucket& b : buckets_) {
+    const bool stays = b.name == "embed" || b.name == "ln_f";
+    resident_at_.push_back(stays ? resident : -1);
+    if (stays) resident += b.count;
+  }
+  return resident;
+}
+
+comm::Request Runtime::gather_layer(std::size_t b, float* dst, const comm::Group& group) {
+  const ShardSpan& sp = shard_[b];
+  be_.copy_2d(dst + (sp.offset - buckets_[b].offset), 0, param_shard_.f32() + sp.state_offset, 0,
+              sp.count * i64(sizeof(float)), 1);
+  return comm::iallgather_pieces(*opts_.comm, dst, buckets_[b].count, group);
+}
+
+void Runtime::gather_updated_weights(comm::Comm& world, const comm::Group& group) {
+  std::vector<comm::Request> reqs;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    const ParamBucket& k = buckets_[b];
+    if (!opts_.weights_sharded) {
+      reqs.push_back(comm::iallgather_pieces(world, params_.f32() + k.offset, k.count, group));
+    } else if (resident_at_[b] >= 0) {  // ZeRO-3: the embedding's, final norm's and head's; a layer's comes as used
+      float* whole = resident_params_.f32() + resident_at_[b];
+      const ShardSpan& sp = shard_[b];
+      be_.copy_2d(whole + (sp.offset - k.offset), 0, param_shard_.f32() + sp.state_offset, 0,
+                  sp.count * i64(sizeof(float)), 1);
+      reqs.push_back(comm::iallgather_pieces(world, whole, k.count, group));
+    }
+  }
+  for (comm::Request r : reqs) comm::wait(world, r, "the all-gather of the updated weights");
+  refresh_weights();
+}
+
+void Runtime::set_weights(const float* mine) {
+  finish_update();
+  if (!opts_.weights_sharded) {
+    write_device(params_.f32(), mine, num_params_);
+  } else {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      const ShardSpan& sp = shard_[b];
+      be_.to_device(param_shard_.f32() + sp.state_offset, mine + sp.offset, std::size_t(sp.count) * sizeof(float));
+      if (resident_at_[b] >= 0)
+        be_.to_device(resident_params_.f32() + resident_at_[b], mine + buckets_[b].offset,
+                      std::size_t(buckets_[b].count) * sizeof(float));
+    }
+  }
+  refresh_weights();
 }
 
 void Runtime::to_shard(std::size_t b, const float* g) {
@@ -239,7 +308,7 @@ void Runtime::resident_grads_to_host() {
 
 float* Runtime::params() {
   finish_update();
-  return params_.f32();
+  return opts_.weights_sharded ? param_shard_.f32() : params_.f32();
 }
 
 float* Runtime::grads() {
@@ -259,6 +328,10 @@ float* Runtime::adam_v() {
 
 void Runtime::refresh_weights() {
   finish_update();
+  if (opts_.weights_sharded) {  // the layers' are made from the shards as steps reach them
+    for (std::size_t b = 0; b < buckets_.size(); ++b) resident_to_act(b);
+    return;
+  }
   if (opts_.weights_host) {  // the layers' come from the host's array as steps reach them
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       if (resident_at_[b] >= 0) {

@@ -94,11 +94,22 @@ class Runtime {
   // Device arrays (Backend memory): read and write them through read_device /
   // write_device, or with the backend's kernels. Each accessor first lets an update of
   // the optimizer state on the host that is in flight finish (finish_update).
-  float* params();
-  // The gradients: flat as params(), or under ZeRO-2 (grads_sharded()) the rank's reduced
+  // The weights: flat (parameter_specs order), or under ZeRO-3 (weights_sharded()) the rank's
   // pieces, laid out as the AdamW state (ShardSpan::state_offset).
+  float* params();
+  // The gradients: flat as params(), or under ZeRO-2 and ZeRO-3 (grads_sharded()) the rank's
+  // reduced pieces, laid out as the AdamW state.
   float* grads();
   bool grads_sharded() const { return opts_.grads_sharded; }
+  bool weights_sharded() const { return opts_.weights_sharded; }
+  // The rank's weights from a flat host array (its layers, its shards: parameter_specs
+  // order), then refresh_weights; under ZeRO-3 its pieces and the embedding's, final
+  // norm's and head's whole.
+  void set_weights(const float* mine);
+  // After an update of the rank's pieces (ZeRO-1, -2, -3 over `group`): every piece all-
+  // gathered where the weights are whole (under ZeRO-3 the embedding's, final norm's and
+  // head's), then refresh_weights.
+  void gather_updated_weights(comm::Comm& world, const comm::Group& group);
   // The AdamW moments, in the state's tier (state_on_host()): read and write them through
   // read_state / write_state, or with the backend's adamw on the device.
   float* adam_m();
@@ -167,6 +178,11 @@ class Runtime {
   // Under ZeRO-2: the rank's piece of bucket b's reduced gradient `g` (the bucket's, on the
   // device) into its place in the shard.
   void to_shard(std::size_t b, const float* g);
+  // resident_at_ for the embedding's and final norm's (and head's) buckets; their count.
+  i64 lay_out_resident();
+  // Under ZeRO-3: the rank's piece of bucket b's weights into `dst` (the bucket's, on the
+  // device), and the all-gather of the rest over `group` started.
+  comm::Request gather_layer(std::size_t b, float* dst, const comm::Group& group);
   // In bf16: where resident weight `p` (on the device) has its working copy, and that copy
   // of bucket b remade from the fp32 weights (nothing for a layer's bucket, or in fp32).
   const void* resident_act(const float* p) const;
@@ -206,6 +222,10 @@ class Runtime {
   // the layers' gradient views between their turns.
   Buffer grad_shard_;
   std::unique_ptr<ReservedRange> grad_home_;
+  // Under ZeRO-3 (RuntimeOptions::weights_sharded): the rank's pieces of the fp32 weights,
+  // laid out as grad_shard_, and the home of the layers' weight views between their turns.
+  Buffer param_shard_;
+  std::unique_ptr<ReservedRange> weight_home_;
   ParamView weights_, dweights_;
   MatrixView matrices_;
   std::unique_ptr<HostOptimizer> host_opt_;  // the optimizer state on the host; null: on the device

@@ -61,12 +61,14 @@ HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule&
   if (!host_) return;
   SPPO_ASSERT(s.place.weights_host() || sched::layer_grads_stream(s));
   SPPO_ASSERT(s.place.weights_host() == !host_->grad_out);
+  SPPO_ASSERT((s.par.zero == ZeroStage::Weights) == bool(host_->gather));
   uses_ = sched::LayerUses(s, rank);
   const std::size_t n = std::size_t(layers.second - layers.first);
   w_.resize(n);
   g_.resize(n);
   w_in_.resize(n);
   g_out_.resize(n);
+  w_gather_.assign(n, comm::kDone);
   for (std::size_t b = 0; b < buckets.size(); ++b)
     if (host_->device_grads.at(b)) grads_.place(b, host_->device_grads[b]);
   for (int l = layers.first; l < layers.second; ++l) {
@@ -82,6 +84,8 @@ HostWeights::~HostWeights() {
   if (!host_) return;
   h2d_.synchronize();
   d2h_.synchronize();
+  for (comm::Request& r : w_gather_)
+    if (r != comm::kDone) comm::wait(*host_->comm, r, "a layer's all-gather, before its buffer goes");
   for (std::size_t j = 0; j < w_.size(); ++j) {
     point_views(lb_ + int(j), false);
     host_->g->blocks[std::size_t(lb_) + j] = host_g_[j];
@@ -116,6 +120,13 @@ void HostWeights::bring(int l) {
   if (host_->ready) host_->ready(grads_.bucket_of_layer(l));
   // In bf16 the GEMMs' working copy follows the fp32 weights, converted once they are here.
   const i64 copy = be_.act() == DType::F32 ? 0 : b.count * i64(dtype_bytes(be_.act()));
+  if (host_->gather) {  // ZeRO-3: the layer group's pieces
+    w_[j] = device_.alloc(i64(fp32_bytes(b.count)) + copy, "blocks." + std::to_string(l) + " weights gathered");
+    const comm::Group* group = grads_.group();
+    SPPO_ASSERT_MSG(group, "ZeRO-3 gathers a layer over the group its gradients reduce over");
+    w_gather_[j] = host_->gather(grads_.bucket_of_layer(l), w_[j].f32(), *group);
+    return;
+  }
   w_[j] = device_.alloc(i64(fp32_bytes(b.count)) + copy, "blocks." + std::to_string(l) + " weights from the host");
   w_in_[j] = h2d_.copy(w_[j].data(), host_->params + b.offset, fp32_bytes(b.count), {});
   copies_.push_back({"weights L" + std::to_string(l), w_in_[j]});
@@ -123,9 +134,16 @@ void HostWeights::bring(int l) {
 
 void HostWeights::arrive(int l) {
   const std::size_t j = std::size_t(l - lb_);
-  if (!w_in_[j]) return;
-  result_.exposed_copy_s += w_in_[j]->wait();
-  w_in_[j] = nullptr;
+  if (w_gather_[j] != comm::kDone) {
+    result_.comm_wait_s += comm::wait(*host_->comm, w_gather_[j], "the all-gather of layer " + std::to_string(l) +
+                                                                     "'s weights");
+    w_gather_[j] = comm::kDone;
+  } else if (w_in_[j]) {
+    result_.exposed_copy_s += w_in_[j]->wait();
+    w_in_[j] = nullptr;
+  } else {
+    return;
+  }
   if (be_.act() != DType::F32) {
     const i64 count = bucket(l).count;
     be_.to_act(static_cast<char*>(w_[j].data()) + fp32_bytes(count), w_[j].f32(), count);
@@ -185,7 +203,7 @@ void HostWeights::end(std::size_t index, int k) {
   for (int l : u.grad_free)
     if (l >= 0) release_grad(l);
   if (u.weights_free) {
-    SPPO_ASSERT(w_[j] && !w_in_[j]);
+    SPPO_ASSERT(w_[j] && !w_in_[j] && w_gather_[j] == comm::kDone);
     w_[j].reset();
     point_views(u.layer, false);
   }

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "comm/comm.h"
 #include "core/config.h"
 #include "model/gpt.h"
 #include "runtime/grad_reduce.h"
@@ -56,6 +57,11 @@ struct HostLayers {
   // that holds no data (ReservedRange), and a layer's reduced gradient leaves through
   // grad_out(bucket, its device buffer), which takes the rank's piece, instead of to the host.
   std::function<void(std::size_t, const float*)> grad_out;
+  // Under ZeRO-3 (Note [ZeRO-3]) a layer's weights come by gather(bucket, its device buffer,
+  // the layer group): an all-gather over the group, waited for through `comm`, instead of
+  // a copy from the host.
+  std::function<comm::Request(std::size_t, float*, const comm::Group&)> gather;
+  comm::Comm* comm = nullptr;
 };
 
 // Address space reserved and never backed (mmap PROT_NONE): the home that views of data
@@ -114,6 +120,7 @@ class HostWeights {
   // and the copy taking it to the host, and the views' blocks at the host arrays.
   std::vector<Buffer> w_, g_;
   std::vector<std::shared_ptr<Event>> w_in_, g_out_;
+  std::vector<comm::Request> w_gather_;  // under ZeRO-3: a layer's all-gather in flight
   std::vector<BlockParams> host_w_, host_g_;
   std::vector<BlockMatrices> host_m_;
   std::vector<std::pair<std::string, std::shared_ptr<Event>>> copies_;  // for trace()

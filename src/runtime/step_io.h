@@ -44,6 +44,9 @@ struct RuntimeOptions {
   // ranks as the AdamW state is, each layer's whole only while the step uses it; needs
   // zero_shards > 1, the optimizer state on the device, and no tp or recompute.
   bool grads_sharded = false;
+  // ZeRO-3 (Note [ZeRO-3] in schedule/weights.h): the weights sharded too, each layer's
+  // gathered whole for the ops that run it; with grads_sharded.
+  bool weights_sharded = false;
   // Kernel scratch taken from the device tier with each layer's workspace and the head's
   // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;

@@ -150,16 +150,19 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     state_params_ = state;
     // Note [Weights on the host]: the device keeps the embedding, final norm and head only;
     // Note [ZeRO-2] (schedule/weights.h): their gradients only, and the rank's shard of all.
+    // Note [ZeRO-3]: its layers' weights come and go as on the host, from the master's shard.
     const i64 layer_total = i64(oe - ob) * layer_params(c, tp_);
-    const i64 layers = s.place.weights_host() ? layer_total : 0, resident = params - layers;
+    const i64 layers = layer_weights_stream(s) ? layer_total : 0, resident = params - layers;
     const bool grads_stream = layer_grads_stream(s);
     const i64 resident_grads = params - (grads_stream ? layer_total : 0);
-    const i64 grad_shard = s.par.zero == ZeroStage::Gradients ? state : 0;
+    const bool zero3 = s.par.zero == ZeroStage::Weights;
+    const i64 grad_shard = s.par.zero == ZeroStage::Gradients || zero3 ? state : 0;
+    const i64 weight_shard = zero3 ? state : 0;
     resident_params_ = resident;
     SPPO_CHECK(!s.place.weights_host() || (rules.optimizer_host && state == params), "memory")
         << "the layers' weights on the host are the optimizer's master there: --weights host needs "
            "--optimizer-state host, without --zero 1";
-    fixed_terms_[int(MemTerm::Weights)] = resident * rules.weight_bytes();
+    fixed_terms_[int(MemTerm::Weights)] = (resident + weight_shard) * rules.weight_bytes();
     fixed_terms_[int(MemTerm::WeightCopy)] = resident * rules.weight_copy_bytes;
     fixed_terms_[int(MemTerm::Gradients)] = (resident_grads + grad_shard) * rules.grad_bytes;
     fixed_terms_[int(MemTerm::Optimizer)] = state * rules.device_state_bytes();
@@ -168,7 +171,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       host_fixed_terms_[int(MemTerm::Gradients)] = state * rules.grad_bytes;
       host_fixed_terms_[int(MemTerm::Optimizer)] = state * rules.optimizer_bytes;
     }
-    if (s.place.weights_host()) {
+    if (layer_weights_stream(s)) {
       layer_w_ = layer_copy_bytes(c, rules.precision, tp_);
       layer_in_ = layer_params(c, tp_) * i64(sizeof(float));
     }

@@ -47,7 +47,7 @@ LayerUses::LayerUses(const Schedule& s, int rank) {
     if (next_other && uses_[u + 1].layer != below) x.load_next = uses_[u + 1].layer;
     if (next_other && uses_[u + 1].layer == below) below = -1;
     x.weights_free = u + 1 == n || next_other;
-    if (!s.place.weights_host()) x.load_now = x.load_next = x.load_below = -1, x.weights_free = false;
+    if (!layer_weights_stream(s)) x.load_now = x.load_next = x.load_below = -1, x.weights_free = false;
     int f = 0;
     if (u > 0 && uses_[u - 1].grad_last) x.grad_free[std::size_t(f++)] = uses_[u - 1].layer;
     if (u + 1 == n && x.grad_last) x.grad_free[std::size_t(f++)] = x.layer;

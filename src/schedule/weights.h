@@ -75,7 +75,13 @@ struct LayerUse {
 // host's array), and under ZeRO-2 (Note [ZeRO-2]: reduce-scattered into the rank's shard),
 // where the weights stay and only the uses' gradient half applies.
 inline bool layer_grads_stream(const Schedule& s) {
-  return s.place.weights_host() || s.par.zero == ZeroStage::Gradients;
+  return s.place.weights_host() || s.par.zero == ZeroStage::Gradients || s.par.zero == ZeroStage::Weights;
+}
+// Whether the layers' weights come to the device for each use and go after (LayerUses'
+// loads): from the host's array (--weights host), or gathered from the layer group's shards
+// under ZeRO-3 (Note [ZeRO-3]).
+inline bool layer_weights_stream(const Schedule& s) {
+  return s.place.weights_host() || s.par.zero == ZeroStage::Weights;
 }
 
 // Note [ZeRO-2]: the ranks that hold the same layers (ParallelDims::layer_group) shard the
@@ -92,6 +98,16 @@ inline bool layer_grads_stream(const Schedule& s) {
 // paper's order every layer's lives from the first backward to the last, which saves only
 // after it. Every step reduces: a step that sums several sequences before reducing
 // (--batch above --dp) would keep each layer's whole gradient, and is refused.
+//
+// Note [ZeRO-3]: the weights sharded too. Each rank keeps its pieces of every bucket's fp32
+// weights, the AdamW master, in one compact array laid out as the AdamW state; a layer's
+// whole weights come for each use as LayerUses' loads say (one layer ahead, as from the
+// host with --weights host), each rank's piece copied into a buffer the size of the layer
+// and the group all-gathering the rest into it (in bf16 the working copy converted after),
+// and go where the uses free them. The embedding, final norm and head stay whole on every
+// rank, updated in pieces and all-gathered after the update, as under ZeRO-1. The gradients
+// go as under ZeRO-2. The device holds 1/R of the layers' weights, gradients and AdamW
+// state and the layers in flight (two, three with a rebuilt input's layer below).
 
 // The uses of a rank's own layers in program order (none unless layer_grads_stream(s)).
 class LayerUses {

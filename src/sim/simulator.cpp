@@ -121,6 +121,9 @@ struct RankEvents {
   // the own layers' uses.
   std::vector<sched::LayerUse> uses;
   i64 layer_in = 0, layer_g = 0;  // --weights host: bytes of a layer's weights to the device, its gradient's back
+  // Under ZeRO-3 (Note [ZeRO-3] in schedule/weights.h) the uses' loads are all-gathers over
+  // this group (the layer group), and the gradients leave by the reduction as under ZeRO-2.
+  std::vector<int> gather_group;
   i64 peak_host = 0;                // host bytes (fixed, offloaded, K/V), at most
   // Ops that move streamed K/V to or from the host (F/B, an MSP owner's Recv KV and Send
   // KVGrad): (op, host bytes it adds, the most it adds at any point inside it), for
@@ -212,12 +215,17 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
   out.first.reserve(ops.size() + 1);
   out.ops.reserve(ops.size());
   for (const Op& op : ops) out.ops.push_back(sim_op(op));
-  if (s.place.weights_host()) {
+  if (sched::layer_weights_stream(s)) {
     const sched::LayerUses uses(s, r);
     out.uses = uses.uses();
     out.layer_in = mem.layer_copy_in();
-    out.layer_g = mem.layer_grad();
-    out.host_moved = mem.resident_params();
+    if (s.place.weights_host()) {
+      out.layer_g = mem.layer_grad();
+      out.host_moved = mem.resident_params();
+    } else {
+      for (const Op& op : ops)
+        if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) out.gather_group = op.group;
+    }
     for (size_t k = 0; k < ops.size(); ++k)
       if (uses.first(k) < uses.last(k)) out.ops[k].use = int(uses.first(k));
   }
@@ -391,13 +399,16 @@ double layer_copies(RankState& rs, const RankEvents& re, const SimOp& op, double
     for (int l : {u.load_now, u.load_next, u.load_below}) {
       if (l < 0) continue;
       const double at = std::max(rs.t_in, t);
-      rs.t_in = rs.weights_in[size_t(l)] = at + cost.h2d_s(re.layer_in, rs.t_out > at);
-      if (copies) copies->push_back({Lane::CopyIn, l, at, rs.t_in});
+      // A ring all-gather is the second half of a ring all-reduce.
+      const bool gathered = !re.gather_group.empty();
+      rs.t_in = rs.weights_in[size_t(l)] =
+          at + (gathered ? cost.allreduce_s(re.layer_in, re.gather_group) / 2 : cost.h2d_s(re.layer_in, rs.t_out > at));
+      if (copies) copies->push_back({gathered ? Lane::Network : Lane::CopyIn, l, at, rs.t_in});
     }
     wait_until(rs.weights_in[size_t(u.layer)]);
     if (u.load_below >= 0) wait_until(rs.weights_in[size_t(u.load_below)]);
     t += layer_s;
-    if (u.grad_last) {
+    if (u.grad_last && re.layer_g > 0) {
       const double at = std::max(rs.t_out, t);
       rs.t_out = rs.grads_out[size_t(u.layer)] = at + cost.d2h_s(re.layer_g, rs.t_in > at);
       if (copies) copies->push_back({Lane::CopyOut, u.layer, at, rs.t_out});
@@ -417,7 +428,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
     st[r].mem_span.resize(s.ops[r].size());
     st[r].off_end.assign(s.lengths.size(), 0.0);
     st[r].pre_end.assign(s.lengths.size(), 0.0);
-    if (s.place.weights_host()) {
+    if (sched::layer_weights_stream(s)) {
       st[r].weights_in.assign(size_t(s.layers), 0.0);
       st[r].grads_out.assign(size_t(s.layers), 0.0);
     }
@@ -1014,6 +1025,7 @@ bool rebase(const RankEvents& old, const std::vector<Op>& old_ops, const std::ve
   out->uses = old.uses;
   out->layer_in = old.layer_in;
   out->layer_g = old.layer_g;
+  out->gather_group = old.gather_group;
   out->unit_tensors = old.unit_tensors;
   out->unit_layers = old.unit_layers;
   out->streams = old.streams;

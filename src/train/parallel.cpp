@@ -261,17 +261,14 @@ double optimizer_step(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
   // brought the other ranks' shards.
   std::vector<AdamwSpan> update;
   update.reserve(pieces.size());
+  // Under ZeRO-3 the weights too are the rank's pieces, laid out as the moments.
+  const bool whole = !rt.weights_sharded();
   for (const HostOptimizer::Piece& q : pieces)
-    update.push_back({q.offset, q.count, q.state_offset, q.weight_decay, sharded ? q.state_offset : -1});
+    update.push_back({whole ? q.offset : q.state_offset, q.count, q.state_offset, q.weight_decay,
+                      sharded ? q.state_offset : -1});
   be.adamw_spans(rt.params(), rt.adam_m(), rt.adam_v(), g, update, hp.lr, hp.beta1, hp.beta2, hp.eps, t, nullptr);
-  if (zero) {
-    const comm::Group group = lay.stage_group();
-    std::vector<comm::Request> reqs;
-    for (const ParamBucket& b : buckets)
-      reqs.push_back(comm::iallgather_pieces(world, rt.params() + b.offset, b.count, group));
-    for (comm::Request r : reqs) comm::wait(world, r, "the all-gather of the updated weights");
-  }
-  rt.refresh_weights();
+  if (zero) rt.gather_updated_weights(world, lay.stage_group());
+  else rt.refresh_weights();
   return norm;
 }
 
@@ -305,13 +302,14 @@ FullState gather_full(Runtime& rt, const ParallelLayout& lay, comm::Comm& world,
     }
     return a;
   };
-  arrays.push_back(from_device(rt.params()));
+  arrays.push_back(rt.weights_sharded() ? from_pieces(rt.params(), true) : from_device(rt.params()));
   if (grads) arrays.push_back(rt.grads_sharded() ? from_pieces(rt.grads(), true) : from_device(rt.grads()));
   if (optimizer)
     for (float* state : {rt.adam_m(), rt.adam_v()}) arrays.push_back(from_pieces(state, false));
   if (lay.par.zero != ZeroStage::None && lay.par.zero_shards() > 1) {
     const comm::Group group = lay.stage_group();
-    for (std::size_t a = 1; a < arrays.size(); ++a)  // the weights are whole on every replica
+    // The weights are whole on every replica, but under ZeRO-3.
+    for (std::size_t a = rt.weights_sharded() ? 0 : 1; a < arrays.size(); ++a)
       for (const ParamBucket& b : rt.buckets())
         comm::wait(world, comm::iallgather_pieces(world, arrays[a].data() + b.offset, b.count, group),
                    "the gathering of the sharded optimizer state");
@@ -378,9 +376,7 @@ std::vector<float> owned_part(const Runtime& rt, const std::vector<float>& full)
 void init_owned(Runtime& rt, std::uint64_t seed) {
   std::vector<float> full(std::size_t(rt.config().num_params()));
   init_params(rt.config(), full.data(), seed);
-  const std::vector<float> mine = owned_part(rt, full);
-  rt.write_device(rt.params(), mine.data(), rt.num_params());
-  rt.refresh_weights();
+  rt.set_weights(owned_part(rt, full).data());
 }
 
 nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from) {
@@ -391,7 +387,7 @@ nlohmann::json load_owned(Runtime& rt, const std::string& dir, std::string* from
   for (auto& t : full_tensors(c, v.data(), ".v")) opt.push_back(t);
   nlohmann::json state = io::load_checkpoint(dir, full_tensors(c, params.data(), ""), opt, from);
   const std::vector<float> my_params = owned_part(rt, params), my_m = owned_part(rt, m), my_v = owned_part(rt, v);
-  rt.write_device(rt.params(), my_params.data(), rt.num_params());
+  rt.set_weights(my_params.data());
   for (const ShardSpan& sp : rt.shard()) {
     rt.write_state(rt.adam_m() + sp.state_offset, my_m.data() + sp.offset, sp.count);
     rt.write_state(rt.adam_v() + sp.state_offset, my_v.data() + sp.offset, sp.count);
@@ -405,9 +401,7 @@ void init_from(Runtime& rt, const std::string& path) {
   std::vector<float> params(std::size_t(c.num_params()), 0.0f);
   if (io::is_hf_dir(path)) io::hf_read_weights(path, c, params.data());
   else io::load_checkpoint_weights(path, full_tensors(c, params.data(), ""));
-  const std::vector<float> mine = owned_part(rt, params);
-  rt.write_device(rt.params(), mine.data(), rt.num_params());
-  rt.refresh_weights();
+  rt.set_weights(owned_part(rt, params).data());
 }
 
 ModelConfig init_model(const std::string& path) {

@@ -517,9 +517,11 @@ class SetupBuilder {
     check_zero();
   }
 
-  // --zero 2 (Note [ZeRO-2] in schedule/weights.h): what sharding the gradients runs with.
+  // --zero 2 and 3 (Notes [ZeRO-2] and [ZeRO-3] in schedule/weights.h): what sharding the
+  // gradients, and the weights, runs with.
   void check_zero() const {
-    if (shape_.par.zero != ZeroStage::Gradients) return;
+    if (shape_.par.zero != ZeroStage::Gradients && shape_.par.zero != ZeroStage::Weights) return;
+    const std::string zero = "--zero " + std::to_string(stage_number(shape_.par.zero));
     const ParallelDims& par = shape_.par;
     const char* refused = par.zero_shards() < 2      ? nullptr
                           : par.tp > 1                ? "--tp (each rank holds shards of every layer already)"
@@ -530,11 +532,12 @@ class SetupBuilder {
                                                             "keeps each layer's gradient whole until it reduces)"
                                                           : nullptr;
     SPPO_CHECK(par.zero_shards() >= 2, "options")
-        << "--zero 2 shards the gradients over the ranks that hold the same layers (each stage's --dp, --cp and "
-           "--ulysses ranks), and this layout has one; add --dp, --cp or --ulysses, or use --zero 0";
-    SPPO_CHECK(!refused, "options") << "--zero 2 reduce-scatters each layer's gradient into the rank's shard as its "
-                                       "last backward ends; it does not run with "
-                                    << (refused ? refused : "") << ". Use --zero 1 there";
+        << zero << " shards the " << (shape_.par.zero == ZeroStage::Weights ? "weights and gradients" : "gradients")
+        << " over the ranks that hold the same layers (each stage's --dp, --cp and --ulysses ranks), and this "
+           "layout has one; add --dp, --cp or --ulysses, or use --zero 0";
+    SPPO_CHECK(!refused, "options") << zero << " reduce-scatters each layer's gradient into the rank's shard as its "
+                                    << "last backward ends; it does not run with " << (refused ? refused : "")
+                                    << ". Use --zero 1 there";
   }
 
   // --optimizer-state and --weights (Note [Weights on the host] in schedule/weights.h): the
@@ -993,7 +996,8 @@ class SetupBuilder {
     ro.zero_index = s_.layout.stage_index();
     ro.optimizer_host = shape_.place.optimizer_host();
     ro.weights_host = shape_.place.weights_host();
-    ro.grads_sharded = shape_.par.zero == ZeroStage::Gradients;
+    ro.grads_sharded = shape_.par.zero == ZeroStage::Gradients || shape_.par.zero == ZeroStage::Weights;
+    ro.weights_sharded = shape_.par.zero == ZeroStage::Weights;
     ro.tp = s_.layout.tp_shard();
     ro.ulysses = s_.layout.ulysses_shard();
     ro.block_scratch = shape_.block_scratch;

@@ -153,12 +153,14 @@ TEST_F(Training, OptimizerStateOnTheHostKeepsTheCurve) {
   EXPECT_EQ(tail, std::vector<double>(one.begin() + 6, one.end()));
 }
 
-// --zero 2 (Note [ZeRO-2] in schedule/weights.h): each layer's gradient reduce-scattered
-// into the rank's shard as its last backward ends. Under every layout whose layer group has
-// two or more ranks, with subsequences and offload, the curve is ZeRO-1's (the same sums,
-// the same pieces), every rank's peak is the prediction to the byte, and in the layer-major
-// backward ZeRO-2 holds less than ZeRO-1; its checkpoint resumes under ZeRO-1 on the curve.
-TEST_F(Training, ZeroTwoKeepsTheCurveAndThePeaks) {
+// --zero 2 and --zero 3 (Notes [ZeRO-2] and [ZeRO-3] in schedule/weights.h): each layer's
+// gradient reduce-scattered into the rank's shard as its last backward ends, and under
+// ZeRO-3 each layer's weights all-gathered from the shards for the ops that run it. Under
+// every layout whose layer group has two or more ranks, with subsequences and offload, the
+// curves are ZeRO-1's (the same sums, the same pieces), every rank's peak is the prediction
+// to the byte, and in the layer-major backward each stage holds less than the one before;
+// their checkpoints resume under ZeRO-1 on the curve.
+TEST_F(Training, ZeroTwoAndThreeKeepTheCurveAndThePeaks) {
   const std::vector<std::pair<int, std::string>> layouts = {
       {2, "--dp 2 --subseqs 3 --offload 0.5"},          {4, "--pp 2 --dp 2 --subseqs 3 --offload 0.5"},
       {4, "--cp 2 --dp 2 --subseqs 3 --offload 0.5"},   {4, "--ulysses 2 --dp 2 --subseqs 3 --offload 0.5"},
@@ -167,21 +169,30 @@ TEST_F(Training, ZeroTwoKeepsTheCurveAndThePeaks) {
   for (const auto& [np, layout] : layouts) {
     const std::string name = "zero" + std::to_string(k++);
     const auto one = ranks(np, "--steps 6 --zero 1 " + layout, name + "_1.jsonl");
-    const auto two = ranks(np, "--steps 6 --zero 2 " + layout, name + "_2.jsonl");
     ASSERT_EQ(one.size(), 6u) << layout;
-    expect_same_curve(one, two, "--zero 2 " + layout);
-    const auto z1 = read_jsonl(path(name + "_1.jsonl")).back();
-    const auto z2 = read_jsonl(path(name + "_2.jsonl")).back();
-    EXPECT_EQ(z2["measured_peak_device_bytes_per_rank"], z2["predicted_peak_device_bytes_per_rank"])
-        << layout << ": " << z2.dump();
-    if (layout.find("layer") != std::string::npos) {
-      EXPECT_LT(z2["measured_peak_device_bytes"].get<i64>(), z1["measured_peak_device_bytes"].get<i64>()) << layout;
+    i64 before = read_jsonl(path(name + "_1.jsonl")).back()["measured_peak_device_bytes"].get<i64>();
+    for (const char* stage : {"2", "3"}) {
+      const std::string file = name + "_" + stage + ".jsonl";
+      expect_same_curve(one, ranks(np, "--steps 6 --zero " + std::string(stage) + " " + layout, file),
+                        std::string("--zero ") + stage + " " + layout);
+      const auto z = read_jsonl(path(file)).back();
+      EXPECT_EQ(z["measured_peak_device_bytes_per_rank"], z["predicted_peak_device_bytes_per_rank"])
+          << stage << " " << layout << ": " << z.dump();
+      const i64 peak = z["measured_peak_device_bytes"].get<i64>();
+      if (layout.find("layer") != std::string::npos) {
+        EXPECT_LT(peak, before) << "--zero " << stage << " " << layout;
+      }
+      before = peak;
     }
   }
-  const auto whole = ranks(2, "--steps 6 --zero 2 --dp 2", "z2_whole.jsonl");
-  ranks(2, "--steps 6 --zero 2 --dp 2 --stop-after 3 --save " + path("ck_zero2"), "z2_first.jsonl");
-  const auto rest = ranks(2, "--steps 6 --zero 1 --dp 2 --resume " + path("ck_zero2"), "z2_rest.jsonl");
-  expect_same_curve(std::vector<double>(whole.begin() + 3, whole.end()), rest, "ZeRO-2 resumed under ZeRO-1");
+  for (const char* stage : {"2", "3"}) {
+    const std::string z = std::string("--steps 6 --dp 2 --zero ") + stage, ck = path(std::string("ck_zero") + stage);
+    const auto whole = ranks(2, z, std::string("z_whole") + stage + ".jsonl");
+    ranks(2, z + " --stop-after 3 --save " + ck, std::string("z_first") + stage + ".jsonl");
+    const auto rest = ranks(2, "--steps 6 --zero 1 --dp 2 --resume " + ck, std::string("z_rest") + stage + ".jsonl");
+    expect_same_curve(std::vector<double>(whole.begin() + 3, whole.end()), rest,
+                      std::string("ZeRO-") + stage + " resumed under ZeRO-1");
+  }
 }
 
 TEST_F(Training, ResumeAcrossLayouts) {
