@@ -243,7 +243,9 @@ TEST(PlanJson, ZeroAndRingLayoutRoundTripAndOldPlansRead) {
   const plan::Plan p = plan::plan_from_json(old);
   EXPECT_EQ(p.par.zero, ZeroStage::None);
   EXPECT_EQ(p.par.ring_layout, RingLayout::Zigzag);
-  old["zero"] = 2;
+  old["zero"] = 3;  // ZeRO-3 reads back; a stage that does not exist is refused
+  EXPECT_EQ(plan::plan_from_json(old).par.zero, ZeroStage::Weights);
+  old["zero"] = 4;
   EXPECT_THROW(plan::plan_from_json(old), Error);
 }
 
