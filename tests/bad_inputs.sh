@@ -38,7 +38,6 @@ echo '{"name": "x"}' >bad_profile.json
 "$sppo" plan --model tiny --seq-len 4096 --gpus 1 --gpus-per-node 1 --hardware a100-80gb --json >plan_tiny.json
 "$sppo" plan --model gpt-7b --seq-len 64K --gpus 8 --json >plan_7b.json
 sed 's/"budget_bytes":[0-9]*/"budget_bytes":1073741824/' plan_7b.json >plan_over_budget.json
-"$sppo" plan --model gpt-7b --seq-len 64K --gpus 8 --system deepspeed --json >plan_deepspeed.json
 sed 's/"kv_host_layers":\[\]/"kv_host_layers":[99]/' plan_tiny.json >plan_kv_layer.json
 sed 's/"recompute_tensors":"none"/"recompute_tensors":"fc_post"/' plan_tiny.json >plan_recompute.json
 sed 's/"optimizer_state":"device"/"optimizer_state":"gpu"/' plan_tiny.json >plan_optimizer.json
@@ -105,7 +104,6 @@ expect "the longest sequence it plans on 8 devices is" plan --seq-len 9999999999
 expect "plan_over_budget.json: the simulated peak" simulate plan_over_budget.json
 expect "--dry-run checks a plan before its run" train --model tiny --dry-run
 expect "over the device budget of 1.00 GiB (the plan's budget_bytes)" train --plan plan_over_budget.json --dry-run
-expect "is a deepspeed plan, a closed-form estimate: the runtime runs sppo and megatron plans" train --plan plan_deepspeed.json --dry-run
 expect "--zero 2 shards the gradients over the ranks that hold the same layers" train --model tiny --seq-len 32 --steps 1 --zero 2
 expect "--zero 3 shards the weights and gradients over the ranks that hold the same layers" train --model tiny --seq-len 32 --steps 1 --zero 3
 expect "--zero 4 is not a ZeRO stage this build runs; use 0 (nothing sharded), 1" train --model tiny --seq-len 32 --steps 1 --zero 4

@@ -7,9 +7,8 @@
 #
 #   bash tests/plan_dry_runs.sh [path/to/sppo]        (default: build/sppo)
 #
-# Exit 0 when every plan runs dry as planned, 1 naming each that did not. Megatron-LM's plans
-# (--system megatron, a fifth field) are schedules too and run the same way; DeepSpeed's
-# (--system deepspeed) are closed-form estimates that no runtime runs yet.
+# Exit 0 when every plan runs dry as planned, 1 naming each that did not. The baselines' plans
+# (--system megatron or deepspeed, a fifth field) are schedules too and run the same way.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 sppo=$(realpath "${1:-$root/build/sppo}")
@@ -50,6 +49,8 @@ plans=(
   "llama-3-8b 512K 8 h100-sxm megatron"
   "gpt-7b 512K 8 h200 megatron"
   "gpt-7b 56K 1 h200 megatron"
+  "gpt-7b 1M 32 a100-80gb deepspeed"
+  "llama-3-8b 512K 8 h100-sxm deepspeed"
 )
 
 failed=0

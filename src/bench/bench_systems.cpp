@@ -29,10 +29,6 @@ namespace {
 constexpr i64 kStep = 1024;  // lengths searched: multiples of this
 const plan::System kSystems[] = {plan::System::Sppo, plan::System::Megatron, plan::System::Deepspeed};
 
-// What the runtime runs: SPPO's plans and Megatron-LM's schedules; DeepSpeed's closed form
-// has no runtime (no ZeRO-3).
-bool runs(plan::System s) { return s != plan::System::Deepspeed; }
-
 struct Profile {
   plan::HardwareProfile hw;
   std::string path;  // the file plans and train read
@@ -166,7 +162,7 @@ nlohmann::json bench_systems(const BenchSystemsOptions& o, comm::Comm& world) {
   i64 common = o.measure_cap / kStep * kStep;
   for (plan::System sys : kSystems) {
     const i64 L = longest(o, prof, sys);
-    systems[to_string(sys)] = {{"max_seq_len", L}, {"max_at_cap", L == o.cap / kStep * kStep}, {"runs", runs(sys)}};
+    systems[to_string(sys)] = {{"max_seq_len", L}, {"max_at_cap", L == o.cap / kStep * kStep}};
     common = std::min(common, L);
   }
   for (plan::System sys : kSystems) {
@@ -183,10 +179,6 @@ nlohmann::json bench_systems(const BenchSystemsOptions& o, comm::Comm& world) {
     j["simulated_step_s"] = p.plan.predicted.step_time_s;
     j["simulated_tokens_per_rank_s"] = per_rank(p.plan.predicted.step_time_s);
     j["predicted_peak_device_bytes"] = p.plan.predicted.peak_device_bytes;
-    if (!runs(sys)) {
-      j["note"] = "a closed form (Note [Baseline models]): the runtime has no ZeRO-3, so nothing runs it";
-      continue;
-    }
     const Measured m = run_plan(o, prof, p.plan, world, root + "/" + to_string(sys) + ".json");
     j["measured_step_s"] = m.step_s;
     j["simulated_step_s"] = m.simulated_s;
@@ -234,8 +226,7 @@ void print_bench_systems(const nlohmann::json& j) {
     std::printf("%-10s %9s  %-44s %10s %11s %9s %14s\n", to_string(sys), longest.c_str(),
                 s.value("layout", std::string("-")).substr(0, 44).c_str(), measured, simulated, ratio, tput);
   }
-  std::printf("(+: at the cap; a step runs as many sequences as the layout's dp; deepspeed is a closed form the "
-              "runtime cannot run: it has no ZeRO-3; %.0f s)\n",
+  std::printf("(+: at the cap; a step runs as many sequences as the layout's dp; %.0f s)\n",
               j["wall_s"].get<double>());
 }
 
@@ -296,7 +287,7 @@ std::string svg_bench_systems(const nlohmann::json& j) {
     }
   }
   s << "<text x=\"10\" y=\"" << H - 10
-    << "\" font-size=\"10\">solid: measured on the ranks; outlined: simulated (deepspeed: a closed form, not run)"
+    << "\" font-size=\"10\">solid: measured on the ranks; outlined: simulated"
     << "</text>\n</svg>\n";
   return s.str();
 }

@@ -4,8 +4,8 @@
 //  - sppo: the planner's (`sppo plan`);
 //  - megatron: Megatron-LM's layout as a schedule (`plan --system megatron`, Note
 //    [Megatron-LM as a schedule] in sim/solver/megatron.cpp);
-//  - deepspeed: DeepSpeed-Ulysses with ZeRO-3 and FPDT, the closed form of Note [Baseline
-//    models] (sim/baselines.cpp): simulated only, since the runtime has no ZeRO-3.
+//  - deepspeed: DeepSpeed-Ulysses with ZeRO-3 and FPDT as a schedule (`plan --system
+//    deepspeed`, Note [DeepSpeed-Ulysses as a schedule] in sim/solver/deepspeed.cpp).
 // For each, the longest sequence the planner fits under the budget (in steps of 1024 tokens
 // up to the cap; one at the cap is reported as such), and at the longest length all three
 // fit (at most the measure cap) the step time measured on the ranks (median of --reps after
@@ -35,7 +35,8 @@ struct BenchSystemsOptions {
 
 // Every rank calls it; the result is meaningful on rank 0. JSON: {"common_seq_len",
 // "systems": {"sppo"|"megatron"|"deepspeed": {"max_seq_len", "max_at_cap",
-// "measured_step_s" (null where not run), "simulated_step_s", "layout", ...}}, ...}.
+// "measured_step_s" (null where nothing is run: no common length), "simulated_step_s",
+// "layout", ...}}, ...}.
 nlohmann::json bench_systems(const BenchSystemsOptions& o, comm::Comm& world);
 void print_bench_systems(const nlohmann::json& j);
 // A picture of the three: the longest sequence of each, and at the common length the step

@@ -113,7 +113,7 @@ std::string layout_text(const Plan& p) {
   if (!pl.kv_layers(KvPlace::Recompute).empty()) os << " kv-recompute";
   if (pl.recompute) os << " recompute " << recompute_tensors_text(pl.recompute);
   if (pl.mlp_tile_rows) os << " mlp-tiles " << pl.mlp_tile_rows;
-  if (p.system != System::Deepspeed) {
+  {
     if (pl.layer_major()) os << " layer-major";
     if (pl.residual_host()) os << " residual-host";
     if (pl.any_input_rebuilt()) os << " rebuilt-inputs " << pl.rebuilt_layers().size();

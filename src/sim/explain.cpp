@@ -350,7 +350,7 @@ MemoryExplain explain_sppo(const plan::Plan& p, const HardwareProfile& hw) {
 }  // namespace
 
 MemoryExplain explain_memory(const plan::Plan& p, const plan::HardwareProfile& hw) {
-  MemoryExplain m = p.system == plan::System::Deepspeed ? explain_baseline(p, hw) : explain_sppo(p, hw);
+  MemoryExplain m = explain_sppo(p, hw);
   m.lines = complete(std::move(m.lines));
   m.layout = plan::layout_text(p);
   m.budget = p.budget;

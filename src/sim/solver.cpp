@@ -222,7 +222,6 @@ MemoryRules plan_rules(const plan::Plan& p, ActPrecision prec, sched::Replicas r
 Schedule plan_schedule(const plan::Plan& p) { return sched::build_step(p.model, p.lengths, p.alpha, p); }
 
 SimResult simulate_plan(const plan::Plan& p, const HardwareProfile& hw_in, const SimOptions& options) {
-  if (p.system == plan::System::Deepspeed) return simulate_baseline(p, hw_in, options);
   const HardwareProfile hw = solver::plan_hardware(hw_in, p.gpus_per_node);
   const ActPrecision prec = precision_of(hw);
   return simulate(plan_schedule(p), CostModel(hw, p.model, prec), plan_rules(p, prec), options);
@@ -253,7 +252,7 @@ PlanOutcome solve_plan(const PlanRequest& req) {
     return solver::solve_sppo(req);
   }
   if (req.system == plan::System::Megatron) return solver::solve_megatron(req);
-  if (req.system == plan::System::Deepspeed) return solve_baseline(req);
+  if (req.system == plan::System::Deepspeed) return solver::solve_deepspeed(req);
   SPPO_ASSERT(false);
   return {};
 }

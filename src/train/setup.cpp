@@ -178,9 +178,6 @@ namespace {
 // --plan: a plan fixes the layout, the lengths and alpha; the model and S must agree.
 plan::Plan read_plan(const StepOptions& o, const ModelConfig& model) {
   const plan::Plan p = read_plan_file(o.plan_path);
-  SPPO_CHECK(p.system != plan::System::Deepspeed, "options")
-      << "--plan " << o.plan_path << " is a deepspeed plan, a closed-form estimate: the runtime runs sppo and "
-      << "megatron plans (DeepSpeed's ZeRO-3 is not in the runtime yet)";
   const ParallelDims& a = o.par;
   const ParallelDims& d = p.par;
   SPPO_CHECK((a.pp == 1 || a.pp == d.pp) && (a.dp == 1 || a.dp == d.dp) && (a.cp == 1 || a.cp == d.cp) &&

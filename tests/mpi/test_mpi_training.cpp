@@ -262,11 +262,12 @@ TEST_F(Training, RunsThePlannedLayout) {
   EXPECT_LT(h.back()["measured_peak_device_bytes"].get<i64>(), t.back()["measured_peak_device_bytes"].get<i64>());
 }
 
-// Megatron-LM as a schedule (Note [Megatron-LM as a schedule] in sim/solver/megatron.cpp):
+// The baselines as schedules. Megatron-LM (Note [Megatron-LM as a schedule] in
+// sim/solver/megatron.cpp):
 // `plan --system megatron` under a budget that one rank's whole sequence does not fit
 // returns a ring of 4 with full recomputation, N = 1; `train --plan` runs it on 4 ranks with
 // every rank's peak device memory the plan's to the byte, and the loss curve of one process.
-TEST_F(Training, RunsAMegatronPlan) {
+TEST_F(Training, RunsTheBaselinesPlans) {
   // The nominal CPU profile at the ranks' one thread, so that the plan counts the kernels'
   // scratch that train's ranks take.
   plan::HardwareProfile cpu = nominal_cpu_profile();
@@ -307,6 +308,22 @@ TEST_F(Training, RunsAMegatronPlan) {
   EXPECT_EQ(d.back()["measured_peak_device_bytes"].get<i64>(), q["predicted"]["peak_device_bytes"].get<i64>())
       << d.back().dump();
   expect_same_curve(losses(path("one.jsonl")), losses(path("alone.jsonl")), "a megatron plan, K/V recomputed");
+  // DeepSpeed-Ulysses as a schedule (Note [DeepSpeed-Ulysses as a schedule]): ZeRO-3 over
+  // Ulysses and replicas, K/V on the host, chunks offloaded whole; at its peaks, on the curve.
+  r = run_command(sppo_binary() + " plan" + job + " --gpus 4 --gpus-per-node 4 --system deepspeed --budget 16MiB "
+                  "--hardware " + profile + " --out " + plan + " 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json ds = testing::read_json(plan);
+  EXPECT_EQ(ds["system"], "deepspeed");
+  EXPECT_EQ(ds["zero"], 3) << ds.dump();
+  EXPECT_GT(ds["ulysses"].get<int>(), 1) << ds.dump();
+  r = mpirun(4, "train" + common + " --plan " + plan + " --metrics " + path("deepspeed.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto e = read_jsonl(path("deepspeed.jsonl"));
+  ASSERT_FALSE(e.empty());
+  for (const auto& peak : e.back()["measured_peak_device_bytes_per_rank"])
+    EXPECT_EQ(peak.get<i64>(), ds["predicted"]["peak_device_bytes"].get<i64>()) << e.back().dump();
+  if (ds["dp"] == 1) expect_same_curve(losses(path("one.jsonl")), losses(path("deepspeed.jsonl")), "a deepspeed plan");
 }
 
 // A run of a plan with replicas resumes under the same plan (the checkpoint records the

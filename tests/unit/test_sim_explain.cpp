@@ -227,8 +227,9 @@ i64 line(const MemoryExplain& m, Row row, bool host = false) {
   return -1;
 }
 
-// Megatron-LM's closed form (Note [Baseline memory]), which a Megatron plan's note cites; the
-// plan itself is a schedule (Note [Megatron-LM as a schedule]).
+// The baselines' closed forms (Note [Baseline memory]), which their plans' notes cite; the
+// plans themselves are schedules (Notes [Megatron-LM as a schedule], [DeepSpeed-Ulysses as a
+// schedule]).
 TEST(MemoryTerms, MegatronByHand) {
   // tp 2, cp 4, pp 2, dp 1 at 256K: s = 64K tokens per CP rank, 16 layers a stage.
   const plan::Plan p = baseline_plan("megatron", 2, 4, 2, 1, i64(256) << 10);
@@ -271,7 +272,7 @@ TEST(MemoryTerms, MegatronLayerPhaseByHand) {
 TEST(MemoryTerms, DeepSpeedByHand) {
   // Ulysses 8 x dp 2 at 1M: s = 128K local tokens, 16 FPDT chunks of 8K.
   const plan::Plan p = baseline_plan("deepspeed", 1, 8, 1, 2, i64(1) << 20);
-  const MemoryExplain m = explain_memory(p, plan::load_profile("a100-80gb"));
+  const MemoryExplain m = explain_baseline(p, plan::load_profile("a100-80gb"));
   const double H = 4096, V = 50304, s = 131072, G = 16, L = 32;
   const double psi = double(p.model.num_params()), layer = double(sched::param_count(p.model, 0, 1, false, false));
   EXPECT_EQ(line(m, Row::Weights), i64(std::llround(2 * psi / G + 2 * (layer + 5e7))));
@@ -282,7 +283,7 @@ TEST(MemoryTerms, DeepSpeedByHand) {
   // The loss of the whole local sequence is the peak here.
   EXPECT_EQ(line(m, Row::Logits), i64(std::llround(6 * s * V)));
   EXPECT_EQ(line(m, Row::Hidden), i64(std::llround(s * H * 2)));
-  EXPECT_EQ(m.device_total(), simulate_plan(p, plan::load_profile("a100-80gb")).peak_device_bytes);
+  EXPECT_EQ(m.device_total(), simulate_baseline(p, plan::load_profile("a100-80gb")).peak_device_bytes);
 }
 
 TEST(MemoryTerms, ExplainOfAnSppoPlanIsItsPredictedPeak) {

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "sim/baselines.h"
+
 namespace sppo::sim::solver {
 
 HardwareProfile plan_hardware(const HardwareProfile& hw_in, int gpus_per_node) {
@@ -106,6 +108,69 @@ double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int cp, RingLayout l
     most = std::max(most, t / tp + overhead + 10 * cost.tp_collective_s(sched::span_tokens(piece), tp) + streamed);
   }
   return most;
+}
+
+BaselinePick::BaselinePick(const PlanRequest& req)
+    : req_(req), hw_(plan_hardware(req.hw, req.gpus_per_node)), budget_(req.budget > 0 ? req.budget : hw_.usable_memory()) {}
+
+plan::Plan BaselinePick::start() const {
+  plan::Plan p;
+  p.system = req_.system;
+  p.model_name = req_.model_name;
+  p.model = req_.model;
+  p.hardware = req_.hardware;
+  p.seq_len = req_.seq_len;
+  p.gpus = req_.gpus;
+  p.gpus_per_node = req_.gpus_per_node;
+  p.budget = budget_;
+  p.precision = precision_of(hw_);
+  p.block_scratch = req_.block_scratch;
+  p.head_scratch = req_.head_scratch;
+  return p;
+}
+
+void BaselinePick::consider(plan::Plan p) {
+  predict(&p, req_.hw);
+  const i64 host_limit = hw_.host_memory;
+  const double device = double(p.predicted.peak_device_bytes) / double(budget_);
+  const double host = host_limit > 0 ? double(p.predicted.peak_host_bytes) / double(host_limit) : 0.0;
+  if (device > 1 || host > 1) {
+    if (closest_ == 0 || std::max(device, host) < closest_) {
+      closest_ = std::max(device, host);
+      closest_text_ = plan::layout_text(p) + ": " +
+                      (device >= host ? format_bytes(double(p.predicted.peak_device_bytes)) + " of device memory"
+                                      : format_bytes(double(p.predicted.peak_host_bytes)) + " of host memory");
+    }
+    return;
+  }
+  if (p.predicted.tokens_per_gpu_per_s <= best_tput_) return;
+  best_tput_ = p.predicted.tokens_per_gpu_per_s;
+  best_ = std::move(p);
+}
+
+PlanOutcome BaselinePick::outcome(const std::string& how, const std::string& none) const {
+  const PlanOutcome formula = solve_baseline(req_);
+  char buf[64] = "nothing fits";
+  if (formula.ok)
+    std::snprintf(buf, sizeof buf, "%.1f tokens/GPU/s", formula.plan.predicted.tokens_per_gpu_per_s);
+  const std::string own =
+      std::string(to_string(req_.system)) + "'s own accounting, by the closed form (Note [Baseline models]): " +
+      (formula.ok ? plan::layout_text(formula.plan) + " at " + buf + ", peak " +
+                        format_bytes(double(formula.plan.predicted.peak_device_bytes))
+                  : std::string(buf));
+  PlanOutcome out;
+  if (best_tput_ == 0) {
+    out.error = std::string(to_string(req_.system)) + ": no layout of " + std::to_string(req_.gpus) + " devices fits " +
+                std::to_string(req_.seq_len) + " tokens in " + format_bytes(double(budget_)) +
+                " per device as sppo runs it (" + (closest_text_.empty() ? none : "the closest, " + closest_text_) +
+                "); " + own;
+    return out;
+  }
+  out.ok = true;
+  out.plan = best_;
+  out.plan.notes.push_back(how);
+  out.plan.notes.push_back(own);
+  return out;
 }
 
 }  // namespace sppo::sim::solver

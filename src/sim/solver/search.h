@@ -58,11 +58,36 @@ Candidate evaluate(const PlanRequest& req, plan::Plan p, const CostModel& cost, 
 // Fills in p->predicted: the plan simulated whole on `hw`.
 void predict(plan::Plan* p, const HardwareProfile& hw);
 
-// plan --system megatron (megatron.cpp, Note [Megatron-LM as a schedule]): the fastest of
-// Megatron-LM's layouts that fits, as a plan `train --plan` runs, or why none does; and
-// what its full recomputation recomputes on layout `par`.
+// plan --system megatron (megatron.cpp, Note [Megatron-LM as a schedule]) and --system
+// deepspeed (deepspeed.cpp, Note [DeepSpeed-Ulysses as a schedule]): the fastest of the
+// system's layouts that fits, as a plan `train --plan` runs, or why none does; and what a
+// full recomputation recomputes on layout `par` (every group but the attention's under a
+// ring or Ulysses, and the head's).
 PlanOutcome solve_megatron(const PlanRequest& req);
+PlanOutcome solve_deepspeed(const PlanRequest& req);
 SavedSet megatron_recompute(const ParallelDims& par);
+
+// What the baselines' searches share: a plan of the request's job with the system's name,
+// the budget and the kernels' scratch; each layout predicted whole (predict), the fastest
+// that fits kept and the closest miss named; and the closed form's figures for the same job
+// (Note [Baseline models] in sim/baselines.cpp) as a note.
+class BaselinePick {
+ public:
+  explicit BaselinePick(const PlanRequest& req);
+  plan::Plan start() const;  // a plan with no layout yet
+  void consider(plan::Plan p);
+  // The fastest plan with `how` as its note (and the closed form's), or the error naming the
+  // closest miss (`none`: why there was no layout at all).
+  PlanOutcome outcome(const std::string& how, const std::string& none) const;
+
+ private:
+  const PlanRequest& req_;
+  HardwareProfile hw_;
+  i64 budget_ = 0;
+  plan::Plan best_;
+  double best_tput_ = 0, closest_ = 0;  // closest_: the least need over limit of a miss
+  std::string closest_text_;
+};
 
 // Note [MSP in the search]: MSP's split tasks run over every idle stage group (reach 0, the
 // paper's) in a plan that keeps K/V on the device and recomputes nothing more, so every plan
