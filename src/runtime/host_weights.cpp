@@ -69,6 +69,7 @@ HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule&
   w_in_.resize(n);
   g_out_.resize(n);
   w_gather_.assign(n, comm::kDone);
+  w_gathering_.assign(n, false);
   for (std::size_t b = 0; b < buckets.size(); ++b)
     if (host_->device_grads.at(b)) grads_.place(b, host_->device_grads[b]);
   for (int l = layers.first; l < layers.second; ++l) {
@@ -84,8 +85,8 @@ HostWeights::~HostWeights() {
   if (!host_) return;
   h2d_.synchronize();
   d2h_.synchronize();
-  for (comm::Request& r : w_gather_)
-    if (r != comm::kDone) comm::wait(*host_->comm, r, "a layer's all-gather, before its buffer goes");
+  for (std::size_t j = 0; j < w_gather_.size(); ++j)
+    if (w_gathering_[j]) comm::wait(*host_->comm, w_gather_[j], "a layer's all-gather, before its buffer goes");
   for (std::size_t j = 0; j < w_.size(); ++j) {
     point_views(lb_ + int(j), false);
     host_->g->blocks[std::size_t(lb_) + j] = host_g_[j];
@@ -125,6 +126,7 @@ void HostWeights::bring(int l) {
     const comm::Group* group = grads_.group();
     SPPO_ASSERT_MSG(group, "ZeRO-3 gathers a layer over the group its gradients reduce over");
     w_gather_[j] = host_->gather(grads_.bucket_of_layer(l), w_[j].f32(), *group);
+    w_gathering_[j] = true;
     return;
   }
   w_[j] = device_.alloc(i64(fp32_bytes(b.count)) + copy, "blocks." + std::to_string(l) + " weights from the host");
@@ -134,10 +136,11 @@ void HostWeights::bring(int l) {
 
 void HostWeights::arrive(int l) {
   const std::size_t j = std::size_t(l - lb_);
-  if (w_gather_[j] != comm::kDone) {
+  if (w_gathering_[j]) {
     result_.comm_wait_s += comm::wait(*host_->comm, w_gather_[j], "the all-gather of layer " + std::to_string(l) +
                                                                      "'s weights");
     w_gather_[j] = comm::kDone;
+    w_gathering_[j] = false;
   } else if (w_in_[j]) {
     result_.exposed_copy_s += w_in_[j]->wait();
     w_in_[j] = nullptr;
@@ -203,7 +206,7 @@ void HostWeights::end(std::size_t index, int k) {
   for (int l : u.grad_free)
     if (l >= 0) release_grad(l);
   if (u.weights_free) {
-    SPPO_ASSERT(w_[j] && !w_in_[j] && w_gather_[j] == comm::kDone);
+    SPPO_ASSERT(w_[j] && !w_in_[j] && !w_gathering_[j]);
     w_[j].reset();
     point_views(u.layer, false);
   }

@@ -120,7 +120,10 @@ class HostWeights {
   // and the copy taking it to the host, and the views' blocks at the host arrays.
   std::vector<Buffer> w_, g_;
   std::vector<std::shared_ptr<Event>> w_in_, g_out_;
-  std::vector<comm::Request> w_gather_;  // under ZeRO-3: a layer's all-gather in flight
+  // Under ZeRO-3: a layer's all-gather, and whether one was started and not yet waited for
+  // (a request may be complete already).
+  std::vector<comm::Request> w_gather_;
+  std::vector<bool> w_gathering_;
   std::vector<BlockParams> host_w_, host_g_;
   std::vector<BlockMatrices> host_m_;
   std::vector<std::pair<std::string, std::shared_ptr<Event>>> copies_;  // for trace()
