@@ -16,7 +16,6 @@ namespace sppo {
 
 namespace {
 
-constexpr i64 kStep = 1024;  // lengths searched: multiples of this
 
 StepOptions options_for(const BenchEvalOptions& o, const std::string& profile, i64 S, bool eval,
                         const std::string& kv) {
@@ -44,16 +43,16 @@ bool fits(const BenchEvalOptions& o, const std::string& profile, i64 S, bool eva
   }
 }
 
-// The longest multiple of kStep up to the cap that fits (0: none does).
+// The longest multiple of kLengthStep up to the cap that fits (0: none does).
 i64 longest(const BenchEvalOptions& o, const std::string& profile, bool eval, const std::string& kv) {
-  return longest_fitting(kStep, o.cap, [&](i64 S) { return fits(o, profile, S, eval, kv); });
+  return longest_fitting(kLengthStep, o.cap, [&](i64 S) { return fits(o, profile, S, eval, kv); });
 }
 
 }  // namespace
 
 nlohmann::json bench_eval(const BenchEvalOptions& o) {
-  SPPO_CHECK(o.budget > 0 && o.host_budget > 0 && o.cap >= kStep && o.measure_cap >= kStep, "options")
-      << "bench eval needs device and host budgets and caps of at least " << kStep << " tokens";
+  SPPO_CHECK(o.budget > 0 && o.host_budget > 0 && o.cap >= kLengthStep && o.measure_cap >= kLengthStep, "options")
+      << "bench eval needs device and host budgets and caps of at least " << kLengthStep << " tokens";
   io::TempDir dir("sppo-bench-eval");
   const std::string profile = dir.file("nominal.json");
   plan::save_profile(nominal_cpu_profile(), profile);
@@ -62,9 +61,9 @@ nlohmann::json bench_eval(const BenchEvalOptions& o) {
     const i64 train = longest(o, profile, false, kv), eval = longest(o, profile, true, kv);
     nlohmann::json row = {{"kv_cache", kv},
                           {"train_max_seq_len", train},
-                          {"train_at_cap", train == o.cap / kStep * kStep},
+                          {"train_at_cap", train == o.cap / kLengthStep * kLengthStep},
                           {"eval_max_seq_len", eval},
-                          {"eval_at_cap", eval == o.cap / kStep * kStep},
+                          {"eval_at_cap", eval == o.cap / kLengthStep * kLengthStep},
                           {"ratio", train > 0 ? double(eval) / double(train) : 0.0}};
     if (eval > 0 && eval <= o.measure_cap) {  // one evaluation at its longest, from seeded weights
       StepSetup s = make_setup(options_for(o, profile, eval, true, kv));
@@ -82,7 +81,7 @@ nlohmann::json bench_eval(const BenchEvalOptions& o) {
     rows.push_back(row);
   }
   return {{"model", o.model},         {"device_budget_bytes", o.budget}, {"host_budget_bytes", o.host_budget},
-          {"cap", o.cap / kStep * kStep}, {"measure_cap", o.measure_cap}, {"rows", rows}};
+          {"cap", o.cap / kLengthStep * kLengthStep}, {"measure_cap", o.measure_cap}, {"rows", rows}};
 }
 
 void print_bench_eval(const nlohmann::json& j) {
@@ -90,7 +89,7 @@ void print_bench_eval(const nlohmann::json& j) {
               "%lld up to %lld\n",
               j["model"].get<std::string>().c_str(), format_bytes(j["device_budget_bytes"].get<double>()).c_str(),
               format_bytes(j["host_budget_bytes"].get<double>()).c_str(),
-              (long long)kStep, j["cap"].get<long long>());
+              (long long)kLengthStep, j["cap"].get<long long>());
   std::printf("%-8s %14s %14s %8s %28s %28s\n", "K/V", "train longest", "eval longest", "ratio",
               "eval peak device (pred.)", "eval peak host (pred.)");
   for (const auto& r : j["rows"]) {

@@ -26,7 +26,6 @@ namespace sppo {
 
 namespace {
 
-constexpr i64 kStep = 1024;  // lengths searched: multiples of this
 const plan::System kSystems[] = {plan::System::Sppo, plan::System::Megatron, plan::System::Deepspeed};
 
 struct Profile {
@@ -81,9 +80,9 @@ sim::PlanOutcome plan_at(const BenchSystemsOptions& o, const Profile& prof, plan
   }
 }
 
-// The longest multiple of kStep up to the cap that the system fits (0: none).
+// The longest multiple of kLengthStep up to the cap that the system fits (0: none).
 i64 longest(const BenchSystemsOptions& o, const Profile& prof, plan::System system) {
-  return longest_fitting(kStep, o.cap, [&](i64 S) { return plan_at(o, prof, system, S).ok; });
+  return longest_fitting(kLengthStep, o.cap, [&](i64 S) { return plan_at(o, prof, system, S).ok; });
 }
 
 // A plan run on the ranks: train --plan's setup, one warm-up step and `reps` timed ones;
@@ -149,8 +148,8 @@ nlohmann::json bench_systems(const BenchSystemsOptions& o, comm::Comm& world) {
       << "bench systems runs on " << kBenchSystemsRanks << " ranks, not " << world.size()
       << "; start it without mpirun (it starts its own ranks) or with mpirun -np " << kBenchSystemsRanks;
   SPPO_CHECK(o.reps >= 1, "options") << "--reps must be at least 1 (got " << o.reps << ")";
-  SPPO_CHECK(o.budget > 0 && o.cap >= kStep && o.measure_cap >= kStep, "options")
-      << "bench systems needs a device budget and caps of at least " << kStep << " tokens";
+  SPPO_CHECK(o.budget > 0 && o.cap >= kLengthStep && o.measure_cap >= kLengthStep, "options")
+      << "bench systems needs a device budget and caps of at least " << kLengthStep << " tokens";
   omp_set_num_threads(1);
   const auto started = std::chrono::steady_clock::now();
   io::TempDir dir("sppo-bench-systems");
@@ -159,10 +158,10 @@ nlohmann::json bench_systems(const BenchSystemsOptions& o, comm::Comm& world) {
   const std::string root = comm::allgather_strings(world, dir.path(), "rank 0's folder")[0];
   const Profile prof = ranks_profile(o, world, root);
   nlohmann::json systems = nlohmann::json::object();
-  i64 common = o.measure_cap / kStep * kStep;
+  i64 common = o.measure_cap / kLengthStep * kLengthStep;
   for (plan::System sys : kSystems) {
     const i64 L = longest(o, prof, sys);
-    systems[to_string(sys)] = {{"max_seq_len", L}, {"max_at_cap", L == o.cap / kStep * kStep}};
+    systems[to_string(sys)] = {{"max_seq_len", L}, {"max_at_cap", L == o.cap / kLengthStep * kLengthStep}};
     common = std::min(common, L);
   }
   for (plan::System sys : kSystems) {
@@ -192,8 +191,8 @@ nlohmann::json bench_systems(const BenchSystemsOptions& o, comm::Comm& world) {
           {"threads_per_rank", 1},
           {"model", o.model},
           {"device_budget_bytes", o.budget},
-          {"cap", o.cap / kStep * kStep},
-          {"measure_cap", o.measure_cap / kStep * kStep},
+          {"cap", o.cap / kLengthStep * kLengthStep},
+          {"measure_cap", o.measure_cap / kLengthStep * kLengthStep},
           {"reps", o.reps},
           {"profile", o.hardware.empty() ? prof.hw.name + " (measured now, one thread a rank)" : o.hardware},
           {"common_seq_len", common},
@@ -205,7 +204,7 @@ void print_bench_systems(const nlohmann::json& j) {
   std::printf("bench systems: %s on %d CPU ranks of one thread, a device budget of %s a rank; lengths in steps of "
               "%lld up to %lld; profile %s\n",
               j["model"].get<std::string>().c_str(), j["ranks"].get<int>(),
-              format_bytes(j["device_budget_bytes"].get<double>()).c_str(), (long long)kStep,
+              format_bytes(j["device_budget_bytes"].get<double>()).c_str(), (long long)kLengthStep,
               j["cap"].get<long long>(), j["profile"].get<std::string>().c_str());
   std::printf("common length %lld tokens (the longest all three fit, at most %lld)\n",
               j["common_seq_len"].get<long long>(), j["measure_cap"].get<long long>());

@@ -10,6 +10,9 @@
 
 namespace sppo {
 
+// The step the benchmarks search lengths in.
+inline constexpr i64 kLengthStep = 1024;
+
 // The longest multiple of `step` up to `cap` (rounded down to one) at which fits(S) holds;
 // 0 where not even `step` fits. Doubling from `step`, then halving the interval.
 inline i64 longest_fitting(i64 step, i64 cap, const std::function<bool(i64)>& fits) {
