@@ -50,6 +50,9 @@ void parse_ring(const std::string& text, ParallelDims& par);
 // the AdamW state (1); also the gradients (2); also the weights (3).
 enum class ZeroStage : char { None = 0, OptimizerState = 1, Gradients = 2, Weights = 3 };
 inline int stage_number(ZeroStage z) { return int(z); }
+// Whether stage z shards the gradients (2 and 3), and the weights (3).
+inline bool shards_gradients(ZeroStage z) { return z == ZeroStage::Gradients || z == ZeroStage::Weights; }
+inline bool shards_weights(ZeroStage z) { return z == ZeroStage::Weights; }
 // --zero N / a plan's "zero": 0 to `highest` (the stages this build runs); throws naming them.
 ZeroStage parse_zero_stage(long long n, int highest, const char* component, const std::string& what);
 

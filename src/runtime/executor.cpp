@@ -114,12 +114,12 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     resident_grads_ = device_->alloc_zeroed(resident * i64(sizeof(float)), "embedding, final norm and head gradients");
     if (act_ != DType::F32)
       resident_act_ = device_->alloc(resident * dtype_bytes(act_), "embedding, final norm and head working copy");
-  } else if (o.weights_sharded) {
+  } else if (o.weights_sharded()) {
     // Note [ZeRO-3] (schedule/weights.h): the rank's pieces of the fp32 weights (the AdamW
     // master) and of the reduced gradients, laid out as the AdamW state; the embedding's,
     // final norm's and head's weights and gradients whole; a layer's weights and gradient
     // while the step uses them (HostWeights), their views at reserved homes between.
-    SPPO_CHECK(o.grads_sharded && o.zero_shards > 1 && !o.optimizer_host && !o.weights_host && !o.tp.on() &&
+    SPPO_CHECK(o.grads_sharded() && o.zero_shards > 1 && !o.optimizer_host && !o.weights_host && !o.tp.on() &&
                    !o.recompute && !o.inference,
                "runtime")
         << "ZeRO-3 shards the weights over the ranks that hold the same layers: it needs two or more of them, "
@@ -133,7 +133,7 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
       resident_act_ = device_->alloc(resident * dtype_bytes(act_), "embedding, final norm and head working copy");
     param_shard_ = device_->alloc_zeroed(state_bytes, "weights' shard (ZeRO-3)");
     grad_shard_ = device_->alloc_zeroed(state_bytes, "gradients' shard (ZeRO-3)");
-  } else if (o.grads_sharded) {
+  } else if (o.grads_sharded()) {
     // Note [ZeRO-2] (schedule/weights.h): the weights whole; whole gradients of the
     // embedding, final norm and head, a layer's while the step uses it (HostWeights), and
     // the rank's reduced pieces of all in one compact array, laid out as the AdamW state.
@@ -170,15 +170,15 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
   // else a working copy refreshed after every update.
   // With the layers' weights on the host, a layer's comes with it (HostWeights) and the
   // rest's is resident_act_.
-  if (act_ != DType::F32 && !o.weights_host && !o.weights_sharded)
+  if (act_ != DType::F32 && !o.weights_host && !o.weights_sharded())
     params_act_ = device_->alloc(num_params_ * dtype_bytes(act_), "weights' working copy");
   // Where the views start: the flat arrays, or the reserved homes of what comes and goes.
-  float* const wbase = o.weights_sharded ? weight_home_->f32() : params_.f32();
-  float* const gbase = o.inference ? wbase : o.grads_sharded ? grad_home_->f32() : grads_.f32();
+  float* const wbase = o.weights_sharded() ? weight_home_->f32() : params_.f32();
+  float* const gbase = o.inference ? wbase : o.grads_sharded() ? grad_home_->f32() : grads_.f32();
   weights_ = param_view(c, wbase, lb_, le_, o.tp);
   dweights_ = param_view(c, gbase, lb_, le_, o.tp);
   matrices_ = matrix_view(c, params_act_ ? params_act_.data() : static_cast<void*>(wbase), act_, lb_, le_, o.tp);
-  if (o.weights_host || o.weights_sharded) {
+  if (o.weights_host || o.weights_sharded()) {
     // The views of the embedding, final norm and head point at the device's copies; a
     // layer's, at the host's arrays (or the homes) until a step brings it (HostWeights).
     for (ParamView* v : {&weights_, &dweights_}) {
@@ -199,7 +199,7 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     }
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       host_layers_.device_grads.push_back(resident_at_[b] >= 0 ? resident_grads_.f32() + resident_at_[b] : nullptr);
-  } else if (o.grads_sharded) {
+  } else if (o.grads_sharded()) {
     // The gradients' views of the embedding, final norm and head at the device's; a layer's
     // at the reserved home until a step's backward allocates it (HostWeights).
     for (float** p : {&dweights_.embed, &dweights_.lnf_w, &dweights_.lnf_b, &dweights_.head})
@@ -232,7 +232,7 @@ void Runtime::gather_updated_weights(comm::Comm& world, const comm::Group& group
   std::vector<comm::Request> reqs;
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     const ParamBucket& k = buckets_[b];
-    if (!opts_.weights_sharded) {
+    if (!opts_.weights_sharded()) {
       reqs.push_back(comm::iallgather_pieces(world, params_.f32() + k.offset, k.count, group));
     } else if (resident_at_[b] >= 0) {  // ZeRO-3: the embedding's, final norm's and head's; a layer's comes as used
       float* whole = resident_params_.f32() + resident_at_[b];
@@ -248,7 +248,7 @@ void Runtime::gather_updated_weights(comm::Comm& world, const comm::Group& group
 
 void Runtime::set_weights(const float* mine) {
   finish_update();
-  if (!opts_.weights_sharded) {
+  if (!opts_.weights_sharded()) {
     write_device(params_.f32(), mine, num_params_);
   } else {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
@@ -308,12 +308,12 @@ void Runtime::resident_grads_to_host() {
 
 float* Runtime::params() {
   finish_update();
-  return opts_.weights_sharded ? param_shard_.f32() : params_.f32();
+  return opts_.weights_sharded() ? param_shard_.f32() : params_.f32();
 }
 
 float* Runtime::grads() {
   finish_update();
-  return opts_.grads_sharded ? grad_shard_.f32() : grads_.f32();
+  return opts_.grads_sharded() ? grad_shard_.f32() : grads_.f32();
 }
 
 float* Runtime::adam_m() {
@@ -328,7 +328,7 @@ float* Runtime::adam_v() {
 
 void Runtime::refresh_weights() {
   finish_update();
-  if (opts_.weights_sharded) {  // the layers' are made from the shards as steps reach them
+  if (opts_.weights_sharded()) {  // the layers' are made from the shards as steps reach them
     for (std::size_t b = 0; b < buckets_.size(); ++b) resident_to_act(b);
     return;
   }
@@ -726,7 +726,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
                         buckets_,
                         shard_,
                         {params_, grads_, num_params_, {&weights_, &dweights_, &matrices_}},
-                        opts_.weights_host || opts_.grads_sharded ? &host_layers_ : nullptr,
+                        opts_.weights_host || opts_.grads_sharded() ? &host_layers_ : nullptr,
                         sends_};
   check_schedule(sc, ctx);
   StepResult result;
@@ -742,9 +742,9 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   // With the weights on the host each layer's gradient starts at its first backward
   // (HostWeights); the device's are the embedding's, final norm's and head's.
-  SPPO_CHECK(!opts_.grads_sharded || control.reduce || sc.forward_only, "runtime")
+  SPPO_CHECK(!opts_.grads_sharded() || control.reduce || sc.forward_only, "runtime")
       << "ZeRO-2 reduces every step's gradients into the shards; a step that does not reduce would keep them whole";
-  Buffer& zeroed = opts_.weights_host || opts_.grads_sharded ? resident_grads_ : grads_;
+  Buffer& zeroed = opts_.weights_host || opts_.grads_sharded() ? resident_grads_ : grads_;
   if (!control.accumulate && !sc.forward_only) be_.fill_zero(zeroed.data(), std::size_t(zeroed.bytes()));
   st.load_inputs(tokens);
   st.start();
@@ -808,7 +808,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   }
   st.finish();
   if (opts_.weights_host) resident_grads_to_host();
-  if (opts_.grads_sharded && !sc.forward_only)  // the embedding's, final norm's and head's pieces join the layers'
+  if (opts_.grads_sharded() && !sc.forward_only)  // the embedding's, final norm's and head's pieces join the layers'
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       if (resident_at_[b] >= 0) to_shard(b, resident_grads_.f32() + resident_at_[b]);
   return result;

@@ -100,8 +100,8 @@ class Runtime {
   // The gradients: flat as params(), or under ZeRO-2 and ZeRO-3 (grads_sharded()) the rank's
   // reduced pieces, laid out as the AdamW state.
   float* grads();
-  bool grads_sharded() const { return opts_.grads_sharded; }
-  bool weights_sharded() const { return opts_.weights_sharded; }
+  bool grads_sharded() const { return opts_.grads_sharded(); }
+  bool weights_sharded() const { return opts_.weights_sharded(); }
   // The rank's weights from a flat host array (its layers, its shards: parameter_specs
   // order), then refresh_weights; under ZeRO-3 its pieces and the embedding's, final
   // norm's and head's whole.
@@ -217,12 +217,12 @@ class Runtime {
   Buffer resident_act_;  // in bf16, their working copy
   std::vector<i64> resident_at_;
   HostLayers host_layers_;
-  // Under ZeRO-2 (RuntimeOptions::grads_sharded): the rank's reduced pieces of every
+  // Under ZeRO-2 (RuntimeOptions::grads_sharded()): the rank's reduced pieces of every
   // bucket's gradient, laid out as the AdamW state (ShardSpan::state_offset), and the home of
   // the layers' gradient views between their turns.
   Buffer grad_shard_;
   std::unique_ptr<ReservedRange> grad_home_;
-  // Under ZeRO-3 (RuntimeOptions::weights_sharded): the rank's pieces of the fp32 weights,
+  // Under ZeRO-3 (RuntimeOptions::weights_sharded()): the rank's pieces of the fp32 weights,
   // laid out as grad_shard_, and the home of the layers' weight views between their turns.
   Buffer param_shard_;
   std::unique_ptr<ReservedRange> weight_home_;

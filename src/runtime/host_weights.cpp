@@ -61,7 +61,7 @@ HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule&
   if (!host_) return;
   SPPO_ASSERT(s.place.weights_host() || sched::layer_grads_stream(s));
   SPPO_ASSERT(s.place.weights_host() == !host_->grad_out);
-  SPPO_ASSERT((s.par.zero == ZeroStage::Weights) == bool(host_->gather));
+  SPPO_ASSERT(shards_weights(s.par.zero) == bool(host_->gather));
   uses_ = sched::LayerUses(s, rank);
   const std::size_t n = std::size_t(layers.second - layers.first);
   w_.resize(n);

@@ -40,13 +40,13 @@ struct RuntimeOptions {
   // the device for the F/B ops that run it (--weights host; runtime/host_weights.h, Note
   // [Weights on the host] in schedule/weights.h); needs optimizer_host, whose master they are.
   bool weights_host = false;
-  // ZeRO-2 (Note [ZeRO-2] in schedule/weights.h): the gradients sharded over the zero_shards
-  // ranks as the AdamW state is, each layer's whole only while the step uses it; needs
-  // zero_shards > 1, the optimizer state on the device, and no tp or recompute.
-  bool grads_sharded = false;
-  // ZeRO-3 (Note [ZeRO-3] in schedule/weights.h): the weights sharded too, each layer's
-  // gathered whole for the ops that run it; with grads_sharded.
-  bool weights_sharded = false;
+  // The ZeRO stage over the zero_shards ranks (Notes [ZeRO-2] and [ZeRO-3] in
+  // schedule/weights.h): from 2 the gradients sharded as the AdamW state is, each layer's
+  // whole only while the step uses it (no tp or recompute); at 3 the weights too, each
+  // layer's gathered whole for the ops that run it.
+  ZeroStage zero = ZeroStage::None;
+  bool grads_sharded() const { return shards_gradients(zero); }
+  bool weights_sharded() const { return shards_weights(zero); }
   // Kernel scratch taken from the device tier with each layer's workspace and the head's
   // (Backend::block_scratch, head_scratch); zero: the kernels' own memory.
   KernelScratch block_scratch, head_scratch;

@@ -94,11 +94,9 @@ void check_schedule(const sched::Schedule& sc, const StepContext& ctx) {
       << "the schedule keeps the layers' weights on the " << (sc.place.weights_host() ? "host" : "device")
       << " but this runtime holds them on the " << (o.weights_host ? "host" : "device")
       << "; build both with the same --weights";
-  const bool grads_sharded = sc.par.zero == ZeroStage::Gradients || sc.par.zero == ZeroStage::Weights;
-  SPPO_CHECK(grads_sharded == o.grads_sharded && (sc.par.zero == ZeroStage::Weights) == o.weights_sharded, "runtime")
-      << "the schedule's ZeRO stage is " << stage_number(sc.par.zero) << " but this runtime "
-      << (o.weights_sharded ? "shards the weights and gradients" : o.grads_sharded ? "shards the gradients" : "shards neither")
-      << "; build both with the same --zero";
+  SPPO_CHECK(sc.par.zero == o.zero, "runtime")
+      << "the schedule's ZeRO stage is " << stage_number(sc.par.zero) << " but this runtime's is "
+      << stage_number(o.zero) << "; build both with the same --zero";
   SPPO_CHECK(!sc.place.weights_host() || (sc.par.tp == 1 && !msp && !o.recompute), "runtime")
       << "the layers' weights on the host (--weights host) run without --tp, --msp on and --recompute";
 }

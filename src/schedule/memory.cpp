@@ -155,9 +155,8 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
     const i64 layers = layer_weights_stream(s) ? layer_total : 0, resident = params - layers;
     const bool grads_stream = layer_grads_stream(s);
     const i64 resident_grads = params - (grads_stream ? layer_total : 0);
-    const bool zero3 = s.par.zero == ZeroStage::Weights;
-    const i64 grad_shard = s.par.zero == ZeroStage::Gradients || zero3 ? state : 0;
-    const i64 weight_shard = zero3 ? state : 0;
+    const i64 grad_shard = shards_gradients(s.par.zero) ? state : 0;
+    const i64 weight_shard = shards_weights(s.par.zero) ? state : 0;
     resident_params_ = resident;
     SPPO_CHECK(!s.place.weights_host() || (rules.optimizer_host && state == params), "memory")
         << "the layers' weights on the host are the optimizer's master there: --weights host needs "

@@ -75,13 +75,13 @@ struct LayerUse {
 // host's array), and under ZeRO-2 (Note [ZeRO-2]: reduce-scattered into the rank's shard),
 // where the weights stay and only the uses' gradient half applies.
 inline bool layer_grads_stream(const Schedule& s) {
-  return s.place.weights_host() || s.par.zero == ZeroStage::Gradients || s.par.zero == ZeroStage::Weights;
+  return s.place.weights_host() || shards_gradients(s.par.zero);
 }
 // Whether the layers' weights come to the device for each use and go after (LayerUses'
 // loads): from the host's array (--weights host), or gathered from the layer group's shards
 // under ZeRO-3 (Note [ZeRO-3]).
 inline bool layer_weights_stream(const Schedule& s) {
-  return s.place.weights_host() || s.par.zero == ZeroStage::Weights;
+  return s.place.weights_host() || shards_weights(s.par.zero);
 }
 
 // Note [ZeRO-2]: the ranks that hold the same layers (ParallelDims::layer_group) shard the

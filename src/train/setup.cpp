@@ -993,8 +993,7 @@ class SetupBuilder {
     ro.zero_index = s_.layout.stage_index();
     ro.optimizer_host = shape_.place.optimizer_host();
     ro.weights_host = shape_.place.weights_host();
-    ro.grads_sharded = shape_.par.zero == ZeroStage::Gradients || shape_.par.zero == ZeroStage::Weights;
-    ro.weights_sharded = shape_.par.zero == ZeroStage::Weights;
+    ro.zero = shape_.par.zero;
     ro.tp = s_.layout.tp_shard();
     ro.ulysses = s_.layout.ulysses_shard();
     ro.block_scratch = shape_.block_scratch;
