@@ -119,11 +119,9 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     // master) and of the reduced gradients, laid out as the AdamW state; the embedding's,
     // final norm's and head's weights and gradients whole; a layer's weights and gradient
     // while the step uses them (HostWeights), their views at reserved homes between.
-    SPPO_CHECK(o.grads_sharded() && o.zero_shards > 1 && !o.optimizer_host && !o.weights_host && !o.tp.on() &&
-                   !o.recompute && !o.inference,
-               "runtime")
+    SPPO_CHECK(o.zero_shards > 1 && !o.weights_host && !o.tp.on() && !o.recompute && !o.inference, "runtime")
         << "ZeRO-3 shards the weights over the ranks that hold the same layers: it needs two or more of them, "
-           "and runs without --optimizer-state host, --weights host, --tp and --recompute";
+           "and runs without --weights host, --tp and --recompute";
     weight_home_ = std::make_unique<ReservedRange>(std::size_t(bytes));
     grad_home_ = std::make_unique<ReservedRange>(std::size_t(bytes));
     const i64 resident = lay_out_resident();
@@ -137,9 +135,9 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     // Note [ZeRO-2] (schedule/weights.h): the weights whole; whole gradients of the
     // embedding, final norm and head, a layer's while the step uses it (HostWeights), and
     // the rank's reduced pieces of all in one compact array, laid out as the AdamW state.
-    SPPO_CHECK(o.zero_shards > 1 && !o.optimizer_host && !o.tp.on() && !o.recompute && !o.inference, "runtime")
+    SPPO_CHECK(o.zero_shards > 1 && !o.tp.on() && !o.recompute && !o.inference, "runtime")
         << "ZeRO-2 shards the gradients over the ranks that hold the same layers: it needs two or more of them, "
-           "and runs without --optimizer-state host, --tp and --recompute";
+           "and runs without --tp and --recompute";
     params_ = device_->alloc_zeroed(bytes, "parameters");
     grad_home_ = std::make_unique<ReservedRange>(std::size_t(bytes));
     const i64 resident = lay_out_resident();
@@ -160,8 +158,11 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       arrays.device.push_back(o.weights_host && resident_at_[b] >= 0 ? resident_params_.f32() + resident_at_[b]
                                                                      : nullptr);
+    // Under ZeRO-2 and 3 the device's gradients, and under ZeRO-3 its weights, are the
+    // rank's pieces, laid out as the state (Notes [ZeRO-2], [ZeRO-3] in schedule/weights.h).
     host_opt_ = std::make_unique<HostOptimizer>(be_, *host_, buckets_, shard_, num_state_,
-                                                o.weights_host ? &arrays : nullptr);
+                                                o.weights_host ? &arrays : nullptr,
+                                                HostOptimizer::Packing{o.grads_sharded(), o.weights_sharded()});
   } else {
     adam_m_ = device_->alloc_zeroed(state_bytes, "AdamW first moments");
     adam_v_ = device_->alloc_zeroed(state_bytes, "AdamW second moments");
@@ -194,6 +195,7 @@ Runtime::Runtime(const ModelConfig& c, const RuntimeOptions& o)
     } else {
       host_layers_.grad_out = [this](std::size_t b, const float* g) { to_shard(b, g); };
       host_layers_.gather = [this](std::size_t b, float* dst, const comm::Group& group) {
+        if (host_opt_) take_bucket(b);  // the host's update of the rank's piece is back
         return gather_layer(b, dst, group);
       };
     }
@@ -235,11 +237,7 @@ void Runtime::gather_updated_weights(comm::Comm& world, const comm::Group& group
     if (!opts_.weights_sharded()) {
       reqs.push_back(comm::iallgather_pieces(world, params_.f32() + k.offset, k.count, group));
     } else if (resident_at_[b] >= 0) {  // ZeRO-3: the embedding's, final norm's and head's; a layer's comes as used
-      float* whole = resident_params_.f32() + resident_at_[b];
-      const ShardSpan& sp = shard_[b];
-      be_.copy_2d(whole + (sp.offset - k.offset), 0, param_shard_.f32() + sp.state_offset, 0,
-                  sp.count * i64(sizeof(float)), 1);
-      reqs.push_back(comm::iallgather_pieces(world, whole, k.count, group));
+      reqs.push_back(gather_layer(b, resident_params_.f32() + resident_at_[b], group));
     }
   }
   for (comm::Request r : reqs) comm::wait(world, r, "the all-gather of the updated weights");
@@ -330,6 +328,7 @@ void Runtime::refresh_weights() {
   finish_update();
   if (opts_.weights_sharded()) {  // the layers' are made from the shards as steps reach them
     for (std::size_t b = 0; b < buckets_.size(); ++b) resident_to_act(b);
+    if (host_opt_) host_opt_->load_master(param_shard_.f32());
     return;
   }
   if (opts_.weights_host) {  // the layers' come from the host's array as steps reach them
@@ -368,15 +367,27 @@ void Runtime::write_state(float* state, const float* host, i64 n) {
 void Runtime::start_host_update(std::vector<HostOptimizer::Piece> pieces, const HostOptimizer::Settings& s,
                                 comm::Group zero) {
   SPPO_ASSERT(host_opt_);
-  if (opts_.weights_host)  // the gradients are on the host; the resident weights go where HostArrays say
+  if (opts_.weights_host) {  // the gradients are on the host; the resident weights go where HostArrays say
     host_opt_->start(nullptr, nullptr, std::move(pieces), s, opts_.comm, std::move(zero));
-  else
-    host_opt_->start(params_.f32(), grads_.f32(), std::move(pieces), s, opts_.comm, std::move(zero));
+  } else if (opts_.weights_sharded()) {  // the pieces go up to the shard; take_bucket gathers what stays whole
+    update_group_ = std::move(zero);
+    host_opt_->start(param_shard_.f32(), grad_shard_.f32(), std::move(pieces), s, opts_.comm, {});
+  } else {
+    host_opt_->start(params_.f32(), opts_.grads_sharded() ? grad_shard_.f32() : grads_.f32(), std::move(pieces), s,
+                     opts_.comm, std::move(zero));
+  }
 }
 
 void Runtime::take_bucket(std::size_t b) {
   if (!host_opt_->ready(b)) return;
   if (opts_.weights_host) {  // the update wrote the resident weights on the device; a layer's converts as it comes
+    resident_to_act(b);
+    return;
+  }
+  if (opts_.weights_sharded()) {  // ZeRO-3: the embedding, final norm and head whole again; a layer's comes as used
+    if (resident_at_[b] < 0) return;
+    comm::wait(*opts_.comm, gather_layer(b, resident_params_.f32() + resident_at_[b], update_group_),
+               "the all-gather of the updated weights");
     resident_to_act(b);
     return;
   }

@@ -133,7 +133,8 @@ class Runtime {
   // With the optimizer state on the host: starts the update of `pieces` (the rank's
   // AdamW calls, in bucket order) from the gradients, which returns at once; the next
   // step's forward waits for each bucket's weights (Note [Optimizer state on the host]).
-  // `zero`: the ZeRO-1 group that all-gathers the updated pieces (empty: none).
+  // `zero`: the group that all-gathers the updated pieces (ZeRO-1 to 3; empty: none); under
+  // ZeRO-3 only the embedding's, final norm's and head's, a layer's as the step gathers it.
   void start_host_update(std::vector<HostOptimizer::Piece> pieces, const HostOptimizer::Settings& s,
                          comm::Group zero);
   // Waits for an update of the optimizer state on the host to bring back every weight.
@@ -226,6 +227,9 @@ class Runtime {
   // laid out as grad_shard_, and the home of the layers' weight views between their turns.
   Buffer param_shard_;
   std::unique_ptr<ReservedRange> weight_home_;
+  // Under ZeRO-3 with the state on the host: the group whose pieces of the embedding's, final
+  // norm's and head's updated weights take_bucket all-gathers (start_host_update's `zero`).
+  comm::Group update_group_;
   ParamView weights_, dweights_;
   MatrixView matrices_;
   std::unique_ptr<HostOptimizer> host_opt_;  // the optimizer state on the host; null: on the device

@@ -8,7 +8,8 @@
 namespace sppo {
 
 HostOptimizer::HostOptimizer(Backend& be, MemoryTier& host, const std::vector<ParamBucket>& buckets,
-                             const std::vector<ShardSpan>& shard, i64 state, const HostArrays* arrays)
+                             const std::vector<ShardSpan>& shard, i64 state, const HostArrays* arrays,
+                             Packing packing)
     : be_(be),
       buckets_(buckets),
       shard_(shard),
@@ -19,13 +20,14 @@ HostOptimizer::HostOptimizer(Backend& be, MemoryTier& host, const std::vector<Pa
       master_p_(arrays ? arrays->master : master_.f32()),
       grads_p_(arrays ? arrays->grads : grads_.f32()),
       device_(arrays ? arrays->device : std::vector<float*>{}),
+      packing_(packing),
       down_(be.make_copy_stream()),
       up_(be.make_copy_stream()),
       worker_([this] { work(); }) {
   SPPO_ASSERT(shard.size() == buckets.size());
   // The runtime's arrays are flat: every bucket whole, its state where its weights are.
   if (arrays) {
-    SPPO_ASSERT(device_.size() == buckets.size());
+    SPPO_ASSERT(device_.size() == buckets.size() && !packing.grads && !packing.weights);
     for (const ShardSpan& sp : shard) SPPO_ASSERT(sp.state_offset == sp.offset);
   }
 }
@@ -44,7 +46,9 @@ HostOptimizer::~HostOptimizer() {
 void HostOptimizer::load_master(const float* params) {
   SPPO_ASSERT(!in_flight_);
   if (!device_.empty()) return;  // the runtime's host arrays are the master
-  for (const ShardSpan& sp : shard_) be_.to_host(master() + sp.state_offset, params + sp.offset, fp32_bytes(sp.count));
+  for (const ShardSpan& sp : shard_)
+    be_.to_host(master() + sp.state_offset, params + (packing_.weights ? sp.state_offset : sp.offset),
+                fp32_bytes(sp.count));
 }
 
 void HostOptimizer::start(float* params, const float* grads, std::vector<Piece> pieces, const Settings& s,
@@ -60,7 +64,8 @@ void HostOptimizer::start(float* params, const float* grads, std::vector<Piece> 
       if (device_[b]) copied_bytes_ += 2 * i64(fp32_bytes(sp.count));  // down when the step ended, and up
       continue;
     }
-    down_done_.push_back(down_->copy(grads_p_ + sp.state_offset, grads + sp.offset, fp32_bytes(sp.count), {}));
+    const float* from = grads + (packing_.grads ? sp.state_offset : sp.offset);
+    down_done_.push_back(down_->copy(grads_p_ + sp.state_offset, from, fp32_bytes(sp.count), {}));
     copied_bytes_ += 2 * i64(fp32_bytes(sp.count));
   }
   taken_.assign(buckets_.size(), false);
@@ -109,7 +114,7 @@ void HostOptimizer::run(const Update& u) {
                      q.weight_decay, s.t);
     }
     const ShardSpan& sp = shard_[b];
-    float* to = device_.empty() ? u.params + sp.offset : device_[b];
+    float* to = !device_.empty() ? device_[b] : u.params + (packing_.weights ? sp.state_offset : sp.offset);
     std::shared_ptr<Event> up = to ? up_->copy(to, master() + sp.state_offset, fp32_bytes(sp.count), {}) : nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -132,6 +137,7 @@ bool HostOptimizer::ready(std::size_t b) {
   }
   if (up) up->wait();
   if (!zero_.empty()) {
+    SPPO_ASSERT(!packing_.weights);
     const ParamBucket& k = buckets_[b];
     comm::wait(*comm_, comm::iallgather_pieces(*comm_, params_ + k.offset, k.count, zero_),
                "the all-gather of the updated weights");

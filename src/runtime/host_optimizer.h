@@ -92,10 +92,19 @@ class HostOptimizer {
     std::vector<float*> device;
   };
 
+  // Where the device's arrays hold a shard span: at its offset in a flat array of every
+  // parameter (false), or at its state_offset in a compact one laid out as the AdamW state
+  // (true): ZeRO-2's gradients, ZeRO-3's weights (Notes [ZeRO-2], [ZeRO-3] in
+  // schedule/weights.h).
+  struct Packing {
+    bool grads = false;
+    bool weights = false;
+  };
+
   // The host arrays of the state `shard` of `buckets` (state elements in all), from the
-  // host tier; with `arrays`, only m and v (the master and gradients are those).
+  // host tier; with `arrays` (or null), only m and v (the master and gradients are those).
   HostOptimizer(Backend& be, MemoryTier& host, const std::vector<ParamBucket>& buckets,
-                const std::vector<ShardSpan>& shard, i64 state, const HostArrays* arrays = nullptr);
+                const std::vector<ShardSpan>& shard, i64 state, const HostArrays* arrays, Packing packing);
   // Lets an update in flight finish its copies (not its ZeRO-1 all-gathers).
   ~HostOptimizer();
   HostOptimizer(const HostOptimizer&) = delete;
@@ -107,13 +116,14 @@ class HostOptimizer {
   float* m() { return m_.f32(); }
   float* v() { return v_.f32(); }
 
-  // The master from the device's weights `params` (the rank's flat array), after they were
-  // set from outside (initialisation, a checkpoint).
+  // The master from the device's weights `params` (the rank's array, as Packing says),
+  // after they were set from outside (initialisation, a checkpoint).
   void load_master(const float* params);
 
   // Starts the update of `pieces` (in bucket order) from the device's gradients `grads`
-  // into the device's weights `params`, and returns. `zero`: the group over which each
-  // bucket's updated pieces are all-gathered (ZeRO-1), through `comm`; empty: none. With
+  // into the device's weights `params` (each as Packing says), and returns. `zero`: the
+  // group over which each bucket's updated pieces of the flat weights are all-gathered
+  // (ZeRO-1 and 2), through `comm`; empty: none. With
   // HostArrays, `params` and `grads` are unused (null): the gradients are on the host and
   // the weights go where HostArrays::device says.
   void start(float* params, const float* grads, std::vector<Piece> pieces, const Settings& s, comm::Comm* comm,
@@ -144,6 +154,7 @@ class HostOptimizer {
   float* master_p_ = nullptr;      // the master and the gradients' copy: those, or HostArrays'
   float* grads_p_ = nullptr;
   std::vector<float*> device_;     // HostArrays::device; empty: every bucket goes up to params
+  Packing packing_;
   std::unique_ptr<CopyStream> down_, up_;
   i64 copied_bytes_ = 0;
   // The update in flight, on the calling thread: its gradients' copies out, which buckets

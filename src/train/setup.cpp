@@ -517,14 +517,13 @@ class SetupBuilder {
   // --zero 2 and 3 (Notes [ZeRO-2] and [ZeRO-3] in schedule/weights.h): what sharding the
   // gradients, and the weights, runs with.
   void check_zero() const {
-    if (shape_.par.zero != ZeroStage::Gradients && shape_.par.zero != ZeroStage::Weights) return;
+    if (!shards_gradients(shape_.par.zero)) return;
     const std::string zero = "--zero " + std::to_string(stage_number(shape_.par.zero));
     const ParallelDims& par = shape_.par;
     const char* refused = par.zero_shards() < 2      ? nullptr
                           : par.tp > 1                ? "--tp (each rank holds shards of every layer already)"
                           : par.msp.on                ? "--msp on (helpers return a stage's gradients whole)"
                           : o_.recompute              ? "--recompute (the full-recompute baseline)"
-                          : shape_.place.optimizer_host() ? "--optimizer-state host (the shards are the device's)"
                           : s_.layout.per_replica() > 1   ? "a --batch above --dp (a step that sums several sequences "
                                                             "keeps each layer's gradient whole until it reduces)"
                                                           : nullptr;
@@ -558,7 +557,7 @@ class SetupBuilder {
   const char* weights_refused() const {
     return shape_.par.msp.on                      ? "--msp on (helpers borrow a stage's weights whole)"
            : shape_.par.tp > 1                    ? "--tp (each rank holds shards of every layer)"
-           : shape_.par.zero != ZeroStage::None   ? "--zero 1 (the master is sharded over the replicas)"
+           : shape_.par.zero != ZeroStage::None   ? "--zero 1 to 3 (the master is sharded over the replicas)"
            : o_.recompute                         ? "--recompute (the full-recompute baseline)"
                                                   : nullptr;
   }

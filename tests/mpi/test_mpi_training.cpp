@@ -195,6 +195,35 @@ TEST_F(Training, ZeroTwoAndThreeKeepTheCurveAndThePeaks) {
   }
 }
 
+// ZeRO-2 and 3 with the optimizer state on the host (ZeRO-Offload's shape): the device's
+// pieces of the gradients go down and, under ZeRO-3, its pieces of the weights come up; the
+// curve is the device's, every rank's device and host peaks the predicted, and in the
+// layer-major backward the device holds less at each stage.
+TEST_F(Training, ZeroTwoAndThreeWithTheOptimizerStateOnTheHost) {
+  const std::vector<std::pair<int, std::string>> layouts = {{2, "--dp 2 --subseqs 3 --offload 0.5"},
+                                                            {4, "--cp 2 --dp 2 --subseqs 3 --offload 0.5"},
+                                                            {2, "--dp 2 --subseqs 3 --backward-order layer"}};
+  int k = 0;
+  for (const auto& [np, layout] : layouts) {
+    const std::string name = "zero_host" + std::to_string(k++);
+    const auto device = ranks(np, "--steps 5 --zero 1 " + layout, name + "_device.jsonl");
+    ASSERT_EQ(device.size(), 5u) << layout;
+    i64 before = 0;
+    for (const char* stage : {"1", "2", "3"}) {
+      const std::string file = name + "_" + stage + ".jsonl", run = std::string("--zero ") + stage + " " + layout;
+      expect_same_curve(device, ranks(np, "--steps 5 --optimizer-state host " + run, file), run);
+      const auto z = read_jsonl(path(file)).back();
+      EXPECT_EQ(z["measured_peak_device_bytes_per_rank"], z["predicted_peak_device_bytes_per_rank"]) << run;
+      EXPECT_EQ(z["measured_peak_host_bytes"], z["predicted_peak_host_bytes"]) << run;
+      const i64 peak = z["measured_peak_device_bytes"].get<i64>();
+      if (before > 0 && layout.find("layer") != std::string::npos) {
+        EXPECT_LT(peak, before) << run;
+      }
+      before = peak;
+    }
+  }
+}
+
 TEST_F(Training, ResumeAcrossLayouts) {
   const auto one = alone("--steps 20", "one.jsonl");
   const std::vector<double> tail(one.begin() + 10, one.end());
