@@ -209,6 +209,7 @@ class CostModel {
     replicas_ = replicas;
     replica_ranks_ = ranks;
   }
+  int replicas() const { return replicas_; }
 
   // Seconds of AllToAll op `op`: its exchanges (two a layer; four on a layer whose input a
   // backward rebuilds), each U - 1 messages a member, and the bytes the busiest member sends

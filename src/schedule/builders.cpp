@@ -561,7 +561,11 @@ Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const
   // search (Replicas::One) simulates it
   // alone, the others' op lists left empty (the simulator waits in a collective for the
   // members with ops only); a U x cp stage then costs the search what a ring of cp does,
-  // and the plan found is simulated whole before it is returned.
+  // and the plan found is simulated whole before it is returned. The others' copies and
+  // messages still share the first's PCIe switch, NUMA node and NIC: the simulator replays
+  // each of the first's transfers once for every member without ops (contended_scales in
+  // sim/simulator.cpp), so that its copies end, and free their bytes, when the whole
+  // step's do.
   if (replicas == Replicas::One && par.ulysses > 1)
     for (int r = 0; r < s.ranks(); ++r)
       if (s.ulysses_shard(r).index != 0) s.ops[std::size_t(r)].clear();

@@ -794,7 +794,7 @@ void account_memory(const Schedule& s, const std::vector<RankEvents>& mem, const
 // max-min fair allocation (progressive filling: raise every unfrozen flow's rate together
 // until a link is full or a flow reaches its own rate; freeze those; repeat).
 Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow>>& flows, const Schedule& s,
-                        const HardwareProfile& hw) {
+                        const HardwareProfile& hw, int replicas) {
   const int per_node = std::max(1, hw.devices_per_node);
   std::map<std::tuple<int, int, int>, int> link_id;  // (kind, index, dir) -> id
   std::vector<double> capacity;
@@ -810,23 +810,68 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
   };
   std::vector<F> fs;
   fs.reserve(flows.size());
-  for (const auto& [key, f] : flows) {
+  auto add = [&](const Flow& f, int rank, int peer) {
     F x;
     x.start = f.start;
     x.left = f.bytes;
     x.rate_cap = f.rate;
-    auto local = [&](int rank, int per) { return (rank / per_node) * 4096 + (rank % per_node) / per; };
+    auto local = [&](int r, int per) { return (r / per_node) * 4096 + (r % per_node) / per; };
     if (f.dir == Dir::Net) {
-      x.links.push_back(link(2, local(f.rank, hw.gpus_per_nic), 0, hw.nic_bw));
-      x.links.push_back(link(2, local(f.peer, hw.gpus_per_nic), 1, hw.nic_bw));
+      x.links.push_back(link(2, local(rank, hw.gpus_per_nic), 0, hw.nic_bw));
+      x.links.push_back(link(2, local(peer, hw.gpus_per_nic), 1, hw.nic_bw));
     } else {
       const int dir = f.dir == Dir::D2H ? 0 : 1;
       if (hw.gpus_per_pcie_switch > 1 && hw.pcie_switch_bw > 0)
-        x.links.push_back(link(0, local(f.rank, hw.gpus_per_pcie_switch), dir, hw.pcie_switch_bw));
+        x.links.push_back(link(0, local(rank, hw.gpus_per_pcie_switch), dir, hw.pcie_switch_bw));
       if (hw.gpus_per_numa_node > 1 && hw.numa_host_bw > 0)
-        x.links.push_back(link(1, local(f.rank, hw.gpus_per_numa_node), 0, hw.numa_host_bw));
+        x.links.push_back(link(1, local(rank, hw.gpus_per_numa_node), 0, hw.numa_host_bw));
     }
     fs.push_back(std::move(x));
+  };
+  // Every transfer replayed, by its flow, rank and peer: the flows' own first.
+  std::vector<std::tuple<const Flow*, int, int>> replayed;
+  const auto replay = [&](const Flow& f, int rank, int peer) {
+    add(f, rank, peer);
+    replayed.emplace_back(&f, rank, peer);
+  };
+  for (const auto& [key, f] : flows) replay(f, f.rank, f.peer);
+  // Note [One Ulysses member in the search] (schedule/builders.cpp): where a Ulysses
+  // group's members past the first have no ops, they still run, and their copies and
+  // messages are the first's on as many rows or one fewer, issued as the first's are (the
+  // group's all-to-alls hold its members together). A group's members sit side by side
+  // (Note [Rank layout] in core/parallel.h), on the first's PCIe switch, NUMA node and
+  // NIC: each of the first's transfers is replayed once more for every such member (a
+  // message to the same member of the peer's group), which takes its share of those links;
+  // only the first's are scaled. Replayed alone, the first's copies would run at their own
+  // link's rate where the whole step's share it, its offloads would free their bytes
+  // early, and the search would see a lower peak than the whole step has.
+  if (s.par.ulysses > 1) {
+    std::vector<std::vector<int>> stand_in(size_t(s.ranks()));  // by first member: the members without ops
+    for (int r = 0; r < s.ranks(); ++r)
+      if (s.ulysses_shard(r).index == 0 && !s.ops[size_t(r)].empty())
+        for (int m : s.par.ulysses_group(r))
+          if (m != r && s.ops[size_t(m)].empty()) stand_in[size_t(r)].push_back(m);
+    for (const auto& [key, f] : flows)
+      for (int m : stand_in[size_t(f.rank)])
+        replay(f, m, f.dir == Dir::Net ? s.par.ulysses_group(f.peer)[size_t(s.ulysses_shard(m).index)] : m);
+  }
+  // The same for the data-parallel replicas the schedule stands for (the planner's search
+  // simulates one of `replicas`: CostModel::price_replicas): replica k's ranks follow the
+  // first's, k x its ranks on (Note [Rank layout]), and run its transfers at the same
+  // times. Those on a node the first replica uses share its links; the others' slow
+  // nothing that is scaled, and are left out.
+  const int rr = s.ranks();
+  if (replicas > s.par.dp && rr > 0) {
+    const int last_node = (rr - 1) / per_node;
+    const std::size_t first_replica = replayed.size();
+    for (int k = 1; k < replicas / std::max(1, s.par.dp); ++k) {
+      if ((k * rr) / per_node > last_node) break;  // replicas only further on
+      for (std::size_t i = 0; i < first_replica; ++i) {
+        const auto [f, rank, peer] = replayed[i];
+        const int r2 = rank + k * rr, p2 = peer + k * rr;
+        if (r2 / per_node <= last_node || (f->dir == Dir::Net && p2 / per_node <= last_node)) add(*f, r2, p2);
+      }
+    }
   }
   // Flows that share no link, directly or through others, do not slow each other down, so
   // each group of flows linked so (a NUMA node's copies, say) is replayed alone: the same
@@ -854,6 +899,11 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
   std::vector<int> links_now;
   for (size_t first = 0, last = 0; first < order.size(); first = last) {
   while (last < order.size() && group[order[last]] == group[order[first]]) ++last;
+  // A group of stand-ins alone (another switch's or NUMA node's members) slows no
+  // transfer that is scaled.
+  if (std::none_of(order.begin() + std::ptrdiff_t(first), order.begin() + std::ptrdiff_t(last),
+                   [&](size_t k) { return k < flows.size(); }))
+    continue;
   size_t next = first;
   double t = fs[order[first]].start;
   while (next < last || !active.empty()) {
@@ -929,7 +979,7 @@ Scales contended_scales(const std::vector<std::pair<std::pair<int, size_t>, Flow
   }
   }
   Scales out(size_t(s.ranks()));
-  for (size_t k = 0; k < fs.size(); ++k) {
+  for (size_t k = 0; k < flows.size(); ++k) {  // the stand-ins' after them are not scaled
     const auto [rank, pc] = flows[k].first;
     const Flow& f = flows[k].second;
     const double alone = f.bytes / f.rate;
@@ -957,7 +1007,7 @@ SimResult run(const Schedule& s, const CostModel& cost, const std::vector<RankEv
   const double alone_copy_s = pass.copy_s;
   int passes = 1;
   while (shared && !pass.flows.empty() && passes < kContentionPasses) {
-    Scales next = contended_scales(pass.flows, s, cost.hw());
+    Scales next = contended_scales(pass.flows, s, cost.hw(), cost.replicas());
     // Later passes average with the previous scales, so that two transfers pushing each
     // other in and out of overlap settle between the two.
     if (passes > 1)

@@ -153,10 +153,12 @@ TEST(Solver, Qwen3CountsItsHeadsWidth) {
 
 // The paper's SP (tensor parallel with sequence-parallel regions) and Ulysses divide the
 // K/V cache and the dK/dV accumulators by heads, which ring attention leaves whole on each
-// stage's ranks: on 32 A100s they fit a gpt-7b sequence that the same layout with a ring in
-// their place does not.
+// stage's ranks: on 32 A100s, with the K/V on the device, they fit a gpt-7b sequence that the
+// same layout with a ring in their place does not.
 TEST(Solver, SplittingTheHeadsFitsLongerSequences) {
-  const auto out = sim::solve_plan(request("gpt-7b", i64(1536) * 1024, 32, "sppo"));
+  auto req = request("gpt-7b", i64(1536) * 1024, 32, "sppo");
+  req.place.kv = KvPlace::Device;
+  const auto out = sim::solve_plan(req);
   ASSERT_TRUE(out.ok) << out.error;
   const int heads_split = out.plan.par.tp * out.plan.par.ulysses;
   EXPECT_GT(heads_split, 1) << plan::layout_text(out.plan);
