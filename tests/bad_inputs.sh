@@ -107,6 +107,9 @@ expect "over the device budget of 1.00 GiB (the plan's budget_bytes)" train --pl
 expect "--zero 2 shards the gradients over the ranks that hold the same layers" train --model tiny --seq-len 32 --steps 1 --zero 2
 expect "--zero 3 shards the weights and gradients over the ranks that hold the same layers" train --model tiny --seq-len 32 --steps 1 --zero 3
 expect "--zero 4 is not a ZeRO stage this build runs; use 0 (nothing sharded), 1" train --model tiny --seq-len 32 --steps 1 --zero 4
+expect "--zero must be 0, 1, 2, 3 or auto (got '4')" plan --zero 4
+expect "--weights host keeps each rank's whole master on its host: it runs without ZeRO" plan --weights host --zero 3
+expect "one device has none to shard over; use --zero auto, 0 or 1, or more --gpus" plan --model tiny --seq-len 4K --gpus 1 --zero 3
 expect "--seq-len 999999999999" bench layer --seq-len 999999999999
 expect "state.json lacks \"config\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_no_config
 expect "state.json: \"step\" is \"two\"" train --model tiny --seq-len 32 --steps 4 --resume ckpt_step_two

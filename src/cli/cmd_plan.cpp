@@ -44,9 +44,9 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(o.msp == "auto" || o.msp == "on" || o.msp == "off", "options")
       << "--msp must be on, off or auto (got '" << o.msp << "')";
   if (o.msp != "auto") r.msp = o.msp == "on";
-  SPPO_CHECK(o.zero == "auto" || o.zero == "0" || o.zero == "1", "options")
-      << "--zero must be 0, 1 or auto (got '" << o.zero << "')";
-  if (o.zero != "auto") r.zero = o.zero == "1" ? ZeroStage::OptimizerState : ZeroStage::None;
+  SPPO_CHECK(o.zero == "auto" || (o.zero.size() == 1 && o.zero[0] >= '0' && o.zero[0] <= '3'), "options")
+      << "--zero must be 0, 1, 2, 3 or auto (got '" << o.zero << "')";
+  if (o.zero != "auto") r.zero = ZeroStage(o.zero[0] - '0');
   SPPO_CHECK(o.ring_layout == "zigzag" || o.ring_layout == "contiguous", "options")
       << "--ring-layout must be zigzag or contiguous (got '" << o.ring_layout << "')";
   r.ring_layout = parse_ring_layout(o.ring_layout);
@@ -71,8 +71,8 @@ sim::PlanRequest request_of(const PlanOptions& o) {
   SPPO_CHECK(pl.weights != Tier::Host || pl.optimizer_state != Tier::Device, "options")
       << "--weights host keeps the layers' weights where the optimizer's update reads them, on the host: it needs "
          "--optimizer-state host or auto (or use --weights device)";
-  SPPO_CHECK(pl.weights != Tier::Host || r.zero != ZeroStage::OptimizerState, "options")
-      << "--weights host keeps each rank's whole master on its host: it runs without ZeRO-1; use --zero 0 or auto";
+  SPPO_CHECK(pl.weights != Tier::Host || !r.zero || r.zero == ZeroStage::None, "options")
+      << "--weights host keeps each rank's whole master on its host: it runs without ZeRO; use --zero 0 or auto";
   if (pl.weights == Tier::Host) pl.optimizer_state = Tier::Host;
   pl.recompute = parse_recompute_option(o.recompute_tensors);
   r.budget = o.budget.empty() ? 0 : parse_bytes(o.budget, "--budget");
@@ -304,7 +304,9 @@ void add_plan_commands(CLI::App& app, Commands& out) {
       ->capture_default_str();
   p->add_option("--msp", plan.msp, "Multiplexed sequence partitioning: on, off or auto (the faster in simulation)")
       ->capture_default_str();
-  p->add_option("--zero", plan.zero, "ZeRO-1 (AdamW state sharded over the ranks that hold the same layers: each stage's cp and dp ranks): 0, 1 or auto")
+  p->add_option("--zero", plan.zero, "What the ranks that hold the same layers (each stage's dp, cp and Ulysses ranks) shard: 0 nothing, 1 the AdamW "
+                "state, 2 the gradients too, 3 the weights too (2 and 3 without tp); auto: 1, and where nothing fits, 2, "
+                "then 3")
       ->capture_default_str();
   p->add_option("--ring-layout", plan.ring_layout, "How the cp ranks of a ring split a subsequence: zigzag or contiguous")
       ->capture_default_str();

@@ -115,6 +115,13 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     out.error = *error;
     return out;
   }
+  if (req.zero && shards_gradients(*req.zero) && ctx.G < 2) {
+    PlanOutcome out;
+    out.error = "--zero " + std::to_string(stage_number(*req.zero)) +
+                " shards over the ranks that hold the same layers (a stage's dp, cp and Ulysses ranks): one device "
+                "has none to shard over; use --zero auto, 0 or 1, or more --gpus";
+    return out;
+  }
   std::vector<plan::Plan> layouts = layout_pass(ctx);
   if (req.place.weights == Tier::Host) layouts = weights_on_host(req, layouts);
   const PlacementSets placements = placement_sets(req);
@@ -127,6 +134,21 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
   for (const Candidate& f : st.fits) first_best = std::max(first_best, ctx.tput(f.plan, f.alpha.step_time_s));
   if (!wider.empty()) search(ctx, layouts, wider, st, {.msp_tasks = st.fits.empty() ? 0 : kMspWiderTasks});
   if (!layered.empty()) search(ctx, layouts, layered, st, {.prune_by_fits = true});
+  // Note [ZeRO in the search] (solver/layouts.cpp): the layouts sharding more, against the
+  // plans found.
+  const bool zero_auto = !req.zero;
+  const auto sharding_more = [&](const std::vector<plan::Plan>& from, const std::string& what) {
+    for (ZeroStage z : {ZeroStage::Gradients, ZeroStage::Weights}) {
+      const std::vector<plan::Plan> sharded = zero_sharded(from, z);
+      if (sharded.empty()) continue;
+      st.another_placement(what.empty() ? std::string(z == ZeroStage::Weights ? "ZeRO-3" : "ZeRO-2")
+                                        : what + (z == ZeroStage::Weights ? " under ZeRO-3" : " under ZeRO-2"));
+      search(ctx, sharded, {first}, st, {.prune_by_fits = true});
+      if (!wider.empty()) search(ctx, sharded, wider, st, {.prune_by_fits = true});
+      if (!layered.empty()) search(ctx, sharded, layered, st, {.prune_by_fits = true});
+    }
+  };
+  if (zero_auto) sharding_more(layouts, "");
   // Where nothing fitted: the same placements again over layouts that keep less on the device.
   const auto search_again = [&](const std::vector<plan::Plan>& moved, const std::string& what) {
     if (moved.empty()) return;
@@ -141,6 +163,7 @@ PlanOutcome solve_sppo(const PlanRequest& req) {
     for (plan::Plan& p : layouts) p.place.optimizer_state = Tier::Host;
     search_again(layouts, "the optimizer state on the host");
     tiers.push_back({layouts, "the optimizer state on the host"});
+    if (zero_auto) sharding_more(layouts, "the optimizer state on the host");
   }
   // Note [Weights in the search]
   if (st.fits.empty() && req.place.weights == kAuto && req.place.optimizer_state != Tier::Device) {

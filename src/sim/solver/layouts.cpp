@@ -136,7 +136,9 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
         p.subseqs = N;
         p.lengths = plan::partition_flops(c, S, N);
         if (p.lengths.back() < i64(split)) continue;
-        p.par.zero = req.zero.value_or(cp * U * dp > 1 ? ZeroStage::OptimizerState : ZeroStage::None);
+        // ZeRO over a group of one shards nothing: no stage there (2 and 3 not that layout).
+        p.par.zero = cp * U * dp > 1 ? req.zero.value_or(ZeroStage::OptimizerState) : ZeroStage::None;
+        if (shards_gradients(req.zero.value_or(ZeroStage::None)) && !zero_sharding_runs(p.par)) continue;
         p.place.optimizer_state = req.place.optimizer_state == Tier::Host ? Tier::Host : Tier::Device;
         p.precision = ctx.prec;
         p.block_scratch = req.block_scratch;
@@ -169,10 +171,34 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
 std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vector<plan::Plan>& layouts) {
   std::vector<plan::Plan> out;
   for (plan::Plan p : layouts) {
-    if (p.par.tp > 1 || req.zero == ZeroStage::OptimizerState) continue;
+    if (p.par.tp > 1 || (req.zero && *req.zero != ZeroStage::None)) continue;
     p.par.zero = ZeroStage::None;
     p.place.optimizer_state = Tier::Host;
     p.place.weights = Tier::Host;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+bool zero_sharding_runs(const ParallelDims& par) { return par.tp == 1 && par.dp * par.cp * par.ulysses >= 2; }
+
+// Note [ZeRO in the search]: ZeRO-2 and 3 (Notes [ZeRO-2] and [ZeRO-3] in
+// schedule/weights.h) shard a layer group's gradients, and its weights, as ZeRO-1 shards the
+// AdamW state. Under --zero auto the search lays out ZeRO-1 (where a group has two or more
+// ranks), and where nothing fits so, the same layouts sharding more, as it moves the
+// optimizer state to the host: first ZeRO-2, which costs no time (its reduce-scatters are
+// ZeRO-1's) but saves only where each layer's gradient lives for part of the step (the
+// layer-major backward); then ZeRO-3, whose all-gathers of every layer ahead of each F and
+// B are priced on the network lane, beside the optimizer state on the host (the fastest of
+// the two wins); then both. The layouts with tensor parallelism, or one rank a group, run
+// neither (zero_sharding_runs), and none weighs MSP (msp_possible). --zero 2 or 3 searches
+// the layouts that run it alone.
+// Takes layouts; gives those that run `zero`, so sharded.
+std::vector<plan::Plan> zero_sharded(const std::vector<plan::Plan>& layouts, ZeroStage zero) {
+  std::vector<plan::Plan> out;
+  for (plan::Plan p : layouts) {
+    if (!zero_sharding_runs(p.par) || p.place.weights_host()) continue;
+    p.par.zero = zero;
     out.push_back(std::move(p));
   }
   return out;

@@ -213,9 +213,9 @@ std::vector<SearchCandidate> placement_pass(const SearchContext& ctx, const std:
         const plan::Plan& p = cand.plan;
         // A set the layout cannot recompute whole may equal one already tried there.
         const bool layer = pl.backward == BackwardOrder::Layer;
-        const Variant variant{.layout = base, .msp = msp, .rebuilt = pl.rebuilt, .layer_major = layer};
+        const Variant variant{.layout = layout_key(layouts[base]), .msp = msp, .rebuilt = pl.rebuilt, .layer_major = layer};
         // Its twin in the paper's order, settled: no faster in this one.
-        const FloorKey twin{.variant = {.layout = base, .msp = msp, .rebuilt = pl.rebuilt, .layer_major = false},
+        const FloorKey twin{.variant = {.layout = variant.layout, .msp = msp, .rebuilt = pl.rebuilt, .layer_major = false},
                             .kv = pl.kv,
                             .recompute = p.place.recompute,
                             .mlp_tile_rows = pl.mlp_tile_rows};

@@ -41,8 +41,10 @@ std::optional<std::string> no_plan_error(const SearchContext& ctx, const SearchS
 
 // The notes that explain the best plan: how its layout runs, and why it places what it
 // does where that is not K/V on the device with nothing more recomputed (`first_best`:
-// tokens/GPU/s of the best plan of the first placement, 0 where none fits).
-void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best, double kept_best) {
+// tokens/GPU/s of the best plan of the first placement, 0 where none fits; `kept_best`, of
+// the best keeping every input; `less_sharded`, of the best under a lower ZeRO stage).
+void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best, double kept_best,
+                  double less_sharded) {
   const PlanRequest& req = ctx.req;
   if (best.par.stage_ranks() > ctx.gpn)
     best.notes.push_back("the ring spans nodes: each group of " + std::to_string(best.par.ulysses) +
@@ -110,6 +112,20 @@ void explain_best(const SearchContext& ctx, plan::Plan& best, double first_best,
   if (best.par.zero == ZeroStage::OptimizerState)
     best.notes.push_back("ZeRO-1: AdamW state sharded over the " + std::to_string(best.par.zero_shards()) +
                          " ranks of each stage's gradient all-reduce");
+  if (shards_gradients(best.par.zero)) {  // Note [ZeRO in the search]
+    const bool three = shards_weights(best.par.zero);
+    char faster[120];
+    std::snprintf(faster, sizeof faster, "faster than the best plan sharding less, %.1f tokens/GPU/s", less_sharded);
+    best.notes.push_back(std::string(three ? "ZeRO-3: AdamW state, gradients and weights" : "ZeRO-2: AdamW state and gradients") +
+                         " sharded over the " + std::to_string(best.par.zero_shards()) +
+                         " ranks of each stage's gradient reduce-scatter (" +
+                         (req.zero           ? "--zero " + std::to_string(stage_number(best.par.zero))
+                          : less_sharded > 0 ? std::string(faster)
+                                             : std::string("no plan sharding less fits")) +
+                         (three ? "; every layer's weights all-gathered a layer ahead of each forward and backward "
+                                  "that runs it, priced on the network" : "") +
+                         "; train --zero " + std::to_string(stage_number(best.par.zero)) + ")");
+  }
   if (best.place.optimizer_host())
     best.notes.push_back(std::string("optimizer state on the host (") +
                          (req.place.optimizer_state == Tier::Host ? "--optimizer-state host"
@@ -140,8 +156,11 @@ PlanOutcome rank_pass(const SearchContext& ctx, SearchState& st, double first_be
     return out;
   }
   std::vector<Candidate>& fits = st.fits;
+  // Of two as fast, the one that shards less (Note [ZeRO in the search]: ZeRO-2's step is
+  // ZeRO-1's wherever it fits both).
   std::sort(fits.begin(), fits.end(), [&](const Candidate& a, const Candidate& b) {
-    return ctx.tput(a.plan, a.alpha.step_time_s) > ctx.tput(b.plan, b.alpha.step_time_s);
+    const double ta = ctx.tput(a.plan, a.alpha.step_time_s), tb = ctx.tput(b.plan, b.alpha.step_time_s);
+    return ta != tb ? ta > tb : a.plan.par.zero < b.plan.par.zero;
   });
   // MSP when it pays: each of the best few pipelined layouts is simulated with and without
   // it as a whole plan; the faster that fits stays, and says both figures.
@@ -165,7 +184,11 @@ PlanOutcome rank_pass(const SearchContext& ctx, SearchState& st, double first_be
   double kept_best = 0;
   for (const Candidate& f : fits)
     if (!f.plan.place.any_input_rebuilt()) kept_best = std::max(kept_best, ctx.tput(f.plan, f.alpha.step_time_s));
-  explain_best(ctx, best, first_best, kept_best);
+  double less_sharded = 0;
+  for (const Candidate& f : fits)
+    if (f.plan.par.zero < best.par.zero)
+      less_sharded = std::max(less_sharded, ctx.tput(f.plan, f.alpha.step_time_s));
+  explain_best(ctx, best, first_best, kept_best, less_sharded);
   out.ok = true;
   out.plan = best;
   return out;

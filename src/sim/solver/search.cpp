@@ -58,12 +58,18 @@ plan::Plan with_msp(plan::Plan p) {
   return p;
 }
 
+LayoutKey layout_key(const plan::Plan& p) {
+  const ParallelDims& d = p.par;
+  return {d.tp, d.ulysses, d.cp, d.pp, d.dp, p.subseqs, shards_gradients(d.zero) ? d.zero : ZeroStage::None};
+}
+
 bool msp_possible(const plan::Plan& p) {
   // The runtime runs MSP's pieces as one ring over the stage groups' cp ranks (Note [MSP
   // pieces]), each piece's rows over the group's TP members. Recomputed K/V and the
   // attention recomputed in backward need a rank's whole rows, head_grad recomputed a
-  // stage's own head: not under MSP.
-  if (p.par.pp == 1 || p.subseqs < p.par.pp || p.par.ulysses > 1 || !p.place.kv_layers(KvPlace::Recompute).empty() ||
+  // stage's own head: not under MSP. Nor ZeRO-2 or 3: a helper returns a stage's gradients
+  // whole (Note [ZeRO-2] in schedule/weights.h).
+  if (p.par.pp == 1 || shards_gradients(p.par.zero) || p.subseqs < p.par.pp || p.par.ulysses > 1 || !p.place.kv_layers(KvPlace::Recompute).empty() ||
       (p.place.recompute & (kAttentionGroup | kHeadGradGroup)))
     return false;
   for (i64 l : p.lengths)

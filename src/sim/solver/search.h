@@ -220,10 +220,20 @@ struct PlacementSets {
   std::vector<Placement> rebuilt;  // the layer-major ones that can rebuild inputs, rebuilding them
 };
 
-// A layout as a search varies it: its index among the layouts searched, with MSP or not,
-// rebuilding inputs or not, in the layer-major backward order or not.
+// A layout's identity across the searches of one request, which search copies of the
+// layouts (a tier's, some left out): its dimensions and N, and its ZeRO stage where that
+// shards more than the AdamW state (stages 0 and 1 differ by the state alone, which a floor
+// carried between tiers subtracts: state_bound in alpha.cpp).
+struct LayoutKey {
+  int tp = 1, ulysses = 1, cp = 1, pp = 1, dp = 1, subseqs = 1;
+  ZeroStage zero = ZeroStage::None;
+  auto operator<=>(const LayoutKey&) const = default;
+};
+LayoutKey layout_key(const plan::Plan& p);
+// A layout as a search varies it: the layout, with MSP or not, rebuilding inputs or not, in
+// the layer-major backward order or not.
 struct Variant {
-  std::size_t layout = 0;
+  LayoutKey layout;
   bool msp = false, rebuilt = false, layer_major = false;
   auto operator<=>(const Variant&) const = default;
 };
@@ -357,6 +367,10 @@ struct SearchOptions {
 std::optional<std::string> weights_alone_error(const SearchContext& ctx);
 std::vector<plan::Plan> layout_pass(const SearchContext& ctx);
 std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vector<plan::Plan>& layouts);
+// Whether a layout can shard its gradients and weights (ZeRO-2 and 3): two or more ranks
+// hold its layers, and it has no tensor parallelism (train's check_zero says why).
+bool zero_sharding_runs(const ParallelDims& par);
+std::vector<plan::Plan> zero_sharded(const std::vector<plan::Plan>& layouts, ZeroStage zero);
 
 // 2. Placements (placements.cpp).
 PlacementSets placement_sets(const PlanRequest& req);
