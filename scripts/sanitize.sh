@@ -79,6 +79,21 @@ mode=${1:-all}
 [ $# -gt 0 ] && shift
 jobs=${SANITIZE_JOBS:-$(nproc)}
 
+# Runs a build into a log, printing nothing; on failure, its errors and its last lines (the
+# unity builds can fail where the plain build does not: two files' internal names meet).
+quiet_build() {
+  local log
+  log=$(mktemp)
+  if "$@" >"$log" 2>&1; then
+    rm -f "$log"
+    return 0
+  fi
+  grep -E 'error|Error' "$log" | head -n 40 || true
+  tail -n 40 "$log"
+  echo "build failed: $* (full log: $log)"
+  return 1
+}
+
 # Runs ctest into a log; prints its summary, or on failure the failing tests' output.
 show_ctest() {
   local name=$1
@@ -116,7 +131,7 @@ run_asan() {
   targets=$(comm -12 \
     <(cd build-asan && ctest -N -L 'unit|numerics' -E "$asan_skip" | sed -n 's/^ *Test *#[0-9]*: //p' | sort) \
     <(cmake --build build-asan --target help | sed -n 's/^\([A-Za-z0-9_]*\): phony$/\1/p' | sort) | tr '\n' ' ')
-  nice -n 10 cmake --build build-asan -j"$jobs" --target sppo rewrite_state $targets >/dev/null
+  quiet_build nice -n 10 cmake --build build-asan -j"$jobs" --target sppo rewrite_state $targets
   local t1=$(date +%s)
   if [ "${SANITIZE_BUILD_ONLY:-0}" = 1 ]; then echo "asan+ubsan: built in $((t1 - t0)) s"; return; fi
   (
@@ -133,7 +148,7 @@ run_tsan() {
   local t0=$(date +%s)
   local tests=(test_runtime_memory test_backend_copy_stream test_runtime_step)
   configure build-tsan -S . "${sanitizer_flags[@]}" -DSPPO_SANITIZE_THREAD=ON
-  nice -n 10 cmake --build build-tsan -j"$jobs" --target "${tests[@]}" >/dev/null
+  quiet_build nice -n 10 cmake --build build-tsan -j"$jobs" --target "${tests[@]}"
   local t1=$(date +%s)
   if [ "${SANITIZE_BUILD_ONLY:-0}" = 1 ]; then echo "tsan: built in $((t1 - t0)) s"; return; fi
   (
