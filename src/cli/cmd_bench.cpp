@@ -291,7 +291,7 @@ void add_bench_cores(CLI::App* bench, Commands& out) {
 void add_bench_eval(CLI::App* bench, Commands& out) {
   struct Eval {
     BenchEvalOptions options;
-    std::string budget = "96MiB", host_budget = "1GiB", cap = "512K", measure_cap = "64K";
+    std::string budget = "96MiB", host_budget = "4GiB", cap = "4M", measure_cap = "64K";
     bool json = false;
   };
   auto o = std::make_shared<Eval>();
