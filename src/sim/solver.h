@@ -124,9 +124,9 @@ struct PlanRequest {
   plan::System system = plan::System::Sppo;
   OffloadMode offload = OffloadMode::Adaptive;
   Auto<bool> msp;             // auto: where it pays (Note [MSP in the search])
-  // auto: ZeRO-1 wherever the all-reduce group has 2+ ranks, and where nothing fits so,
-  // ZeRO-2 and then ZeRO-3 where they run (Note [ZeRO in the search] in solver/layouts.cpp);
-  // 2 or 3: the layouts that can run it alone.
+  // auto: ZeRO-1 wherever the all-reduce group has 2+ ranks, weighed against ZeRO-2 and
+  // ZeRO-3 where they run (Note [ZeRO in the search] in solver/layouts.cpp); 2 or 3: the
+  // layouts that can run it alone.
   Auto<ZeroStage> zero;
   RingLayout ring_layout = RingLayout::Zigzag;
   // The placements asked for (core/placement.h; --kv-cache, --recompute-tensors,
