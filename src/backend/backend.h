@@ -295,6 +295,8 @@ class Backend {
   // ---- optimizer (fp32 device arrays) ----------------------------------------------------
   virtual double sum_squares(const float* g, i64 n) = 0;  // synchronises
   virtual void scale(float* x, i64 n, float s) = 0;
+  // y[n] += x[n] in fp32 (a gradient added to a sum kept over several sequences).
+  virtual void add_f32(float* y, const float* x, i64 n) = 0;
   // AdamW as backends/cpu/ops.h adamw_step; p_act (may be null): the activation-typed
   // working copy of p, refreshed.
   virtual void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,

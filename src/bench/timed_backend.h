@@ -172,6 +172,7 @@ class TimedBackend final : public Backend {
     return r;
   }
   void scale(float* x, i64 n, float s) override { timed(t_.other_s, [&] { be_.scale(x, n, s); }); }
+  void add_f32(float* y, const float* x, i64 n) override { timed(t_.other_s, [&] { be_.add_f32(y, x, n); }); }
   void adamw_spans(float* p, float* m, float* v, const float* g, const std::vector<AdamwSpan>& spans, float lr,
                    float beta1, float beta2, float eps, int t, void* p_act) override {
     timed(t_.other_s, [&] { be_.adamw_spans(p, m, v, g, spans, lr, beta1, beta2, eps, t, p_act); });

@@ -262,8 +262,10 @@ void Runtime::set_weights(const float* mine) {
 
 void Runtime::to_shard(std::size_t b, const float* g) {
   const ShardSpan& sp = shard_[b];
-  be_.copy_2d(grad_shard_.f32() + sp.state_offset, 0, g + (sp.offset - buckets_[b].offset), 0,
-              sp.count * i64(sizeof(float)), 1);
+  float* to = grad_shard_.f32() + sp.state_offset;
+  const float* piece = g + (sp.offset - buckets_[b].offset);
+  if (shard_adds_) be_.add_f32(to, piece, sp.count);
+  else be_.copy_2d(to, 0, piece, 0, sp.count * i64(sizeof(float)), 1);
 }
 
 float* Runtime::resident(float* p, const float* base, const Buffer& device) const {
@@ -755,8 +757,12 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
   // (HostWeights); the device's are the embedding's, final norm's and head's.
   SPPO_CHECK(!opts_.grads_sharded() || control.reduce || sc.forward_only, "runtime")
       << "ZeRO-2 reduces every step's gradients into the shards; a step that does not reduce would keep them whole";
+  // Under ZeRO-2 and 3 each step's reduced pieces are added to the shard's sum
+  // (StepControl::accumulate), so the device's whole gradients start from zero every step.
+  shard_adds_ = control.accumulate;
   Buffer& zeroed = opts_.weights_host || opts_.grads_sharded() ? resident_grads_ : grads_;
-  if (!control.accumulate && !sc.forward_only) be_.fill_zero(zeroed.data(), std::size_t(zeroed.bytes()));
+  if ((!control.accumulate || opts_.grads_sharded()) && !sc.forward_only)
+    be_.fill_zero(zeroed.data(), std::size_t(zeroed.bytes()));
   st.load_inputs(tokens);
   st.start();
   for (std::size_t k = 0; k < st.ops.size(); ++k) {

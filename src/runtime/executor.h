@@ -177,8 +177,9 @@ class Runtime {
   // device (the embedding, final norm and head; null stays null).
   float* resident(float* p, const float* base, const Buffer& device) const;
   // Under ZeRO-2: the rank's piece of bucket b's reduced gradient `g` (the bucket's, on the
-  // device) into its place in the shard.
+  // device) into its place in the shard, or added to it in a step that accumulates.
   void to_shard(std::size_t b, const float* g);
+  bool shard_adds_ = false;  // this step's pieces are added to the shard (StepControl::accumulate)
   // resident_at_ for the embedding's and final norm's (and head's) buckets; their count.
   i64 lay_out_resident();
   // Under ZeRO-3: the rank's piece of bucket b's weights into `dst` (the bucket's, on the

@@ -165,8 +165,7 @@ void HostWeights::begin(std::size_t index, int k) {
   if (u.grad_first) {
     const ParamBucket& b = bucket(u.layer);
     const std::string what = "blocks." + std::to_string(u.layer) + " gradients";
-    SPPO_ASSERT_MSG(!control_.accumulate || !host_->grad_out, "ZeRO-2 reduces every step");
-    if (control_.accumulate) {  // the sum so far, to which this step adds
+    if (control_.accumulate && !host_->grad_out) {  // the sum so far, to which this step adds (ZeRO-2: the shard's)
       g_[j] = device_.alloc(i64(fp32_bytes(b.count)), what);
       result_.exposed_copy_s += h2d_.copy(g_[j].data(), host_->grads + b.offset, fp32_bytes(b.count), {})->wait();
     } else {

@@ -96,8 +96,10 @@ inline bool layer_weights_stream(const Schedule& s) {
 // layer-major backward (Note [Layer-major backward] in builders.cpp) one layer's gradient is
 // whole at a time (two while one leaves), and the device holds 1/R of the rest; in the
 // paper's order every layer's lives from the first backward to the last, which saves only
-// after it. Every step reduces: a step that sums several sequences before reducing
-// (--batch above --dp) would keep each layer's whole gradient, and is refused.
+// after it. Every step reduces: where a replica runs several sequences an optimizer step
+// (--batch above --dp), each one's pieces are added to the shard (StepControl::accumulate),
+// rather than each layer's whole gradient kept to sum them before one reduction (ZeRO-1's
+// order: the sums equal to fp32 rounding, a reduction a sequence more on the network).
 //
 // Note [ZeRO-3]: the weights sharded too. Each rank keeps its pieces of every bucket's fp32
 // weights, the AdamW master, in one compact array laid out as the AdamW state; a layer's

@@ -211,7 +211,9 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     const SequenceTargets st = sequence_targets(s, tokens, labels);
     const std::vector<std::int32_t>& targets = st.targets;
     if (s.schedule.packed && s.simulate_packed && lay.rank == 0) q.simulated_s += s.simulate_packed(st.docs.starts);
-    StepControl control{j > 0, j + 1 == lay.per_replica(), targets.empty() ? nullptr : targets.data(),
+    // Under ZeRO-2 and 3 every sequence reduces into the shards, which sum the step's.
+    StepControl control{j > 0, j + 1 == lay.per_replica() || shards_gradients(lay.par.zero),
+                        targets.empty() ? nullptr : targets.data(),
                         s.schedule.packed ? &st.docs.starts : nullptr, q.loss_tokens};
     StepResult r = s.runtime->step(s.schedule, tokens.data(), control);
     if (r.has_loss && lay.tp_index() == 0) {  // tensor-parallel members hold the same loss

@@ -157,14 +157,17 @@ TEST_F(Training, OptimizerStateOnTheHostKeepsTheCurve) {
 // gradient reduce-scattered into the rank's shard as its last backward ends, and under
 // ZeRO-3 each layer's weights all-gathered from the shards for the ops that run it. Under
 // every layout whose layer group has two or more ranks, with subsequences and offload, the
-// curves are ZeRO-1's (the same sums, the same pieces), every rank's peak is the prediction
-// to the byte, and in the layer-major backward each stage holds less than the one before;
-// their checkpoints resume under ZeRO-1 on the curve.
+// curves are ZeRO-1's (the same sums, the same pieces; with two sequences a replica, the
+// pieces summed after each sequence's reduction, where ZeRO-1 reduces the sum: equal to fp32
+// rounding), every rank's peak is the prediction to the byte, and in the layer-major
+// backward each stage holds less than the one before; their checkpoints resume under
+// ZeRO-1 on the curve.
 TEST_F(Training, ZeroTwoAndThreeKeepTheCurveAndThePeaks) {
   const std::vector<std::pair<int, std::string>> layouts = {
       {2, "--dp 2 --subseqs 3 --offload 0.5"},          {4, "--pp 2 --dp 2 --subseqs 3 --offload 0.5"},
       {4, "--cp 2 --dp 2 --subseqs 3 --offload 0.5"},   {4, "--ulysses 2 --dp 2 --subseqs 3 --offload 0.5"},
-      {2, "--cp 2 --subseqs 3 --backward-order layer"}, {2, "--dp 2 --subseqs 3 --backward-order layer"}};
+      {2, "--cp 2 --subseqs 3 --backward-order layer"}, {2, "--dp 2 --subseqs 3 --backward-order layer"},
+      {2, "--dp 2 --batch 4 --subseqs 3 --backward-order layer"}};
   int k = 0;
   for (const auto& [np, layout] : layouts) {
     const std::string name = "zero" + std::to_string(k++);

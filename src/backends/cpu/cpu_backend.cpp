@@ -302,6 +302,7 @@ class CpuBackend final : public Backend {
   }
   double sum_squares(const float* g, i64 n) override { return cpu::sum_squares(g, n); }
   void scale(float* x, i64 n, float s) override { cpu::scale_inplace(x, n, s); }
+  void add_f32(float* y, const float* x, i64 n) override { add_inplace(y, x, n); }  // the CPU computes in fp32
   void adamw(float* p, float* m, float* v, const float* g, i64 n, float lr, float beta1, float beta2, float eps,
              float weight_decay, int t, void* p_act) override {
     SPPO_ASSERT(p_act == nullptr);  // fp32: the weights are their own working copy

@@ -502,6 +502,9 @@ class CudaBackend final : public Backend {
     return sums;
   }
   void scale(float* x, i64 n, float s) override { cuda::scale_inplace(x, n, s, compute_); }
+  void add_f32(float* y, const float* x, i64 n) override {
+    cuda::add_inplace(y, DType::F32, x, DType::F32, n, compute_);
+  }
   AttentionServed prepare_attention(const ModelConfig& c) override { return serve(c, true); }
   void prefer_attention(const std::vector<AttentionClassChoice>& classes) override { classes_ = classes; }
   std::unique_ptr<comm::Comm> make_nccl_comm(comm::Comm& host) override {
