@@ -136,9 +136,13 @@ void HostWeights::bring(int l) {
 
 void HostWeights::arrive(int l) {
   const std::size_t j = std::size_t(l - lb_);
-  if (w_gathering_[j]) {
-    result_.comm_wait_s += comm::wait(*host_->comm, w_gather_[j], "the all-gather of layer " + std::to_string(l) +
-                                                                     "'s weights");
+  if (w_gathering_[j]) {  // the trace shows a wait as the simulator's does its gather
+    const double t0 = now_s();
+    const double waited =
+        comm::wait(*host_->comm, w_gather_[j], "the all-gather of layer " + std::to_string(l) + "'s weights");
+    result_.comm_wait_s += waited;
+    if (waited > kShownWaitS)
+      add_span(result_, "wait gather L" + std::to_string(l), sched::OpKind::AllReduce, Lane::Compute, t0, now_s());
     w_gather_[j] = comm::kDone;
     w_gathering_[j] = false;
   } else if (w_in_[j]) {

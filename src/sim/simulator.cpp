@@ -526,10 +526,13 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               const double waited = layer_copies(rs, mem[size_t(r)], op, start, cost, options.record ? &copies : nullptr);
               dur += waited;
               rs.exposed += waited;
-              for (const LayerCopy& c : copies)
-                res.events.push_back({r, c.lane, c.lane == Lane::CopyIn ? OpKind::Prefetch : OpKind::Offload,
-                                      (c.lane == Lane::CopyIn ? "weights L" : "grads L") + std::to_string(c.layer),
+              for (const LayerCopy& c : copies) {  // from the host, to it, or all-gathered (ZeRO-3)
+                const bool in = c.lane == Lane::CopyIn, gathered = c.lane == Lane::Network;
+                res.events.push_back({r, c.lane,
+                                      gathered ? OpKind::AllReduce : in ? OpKind::Prefetch : OpKind::Offload,
+                                      (gathered ? "gather L" : in ? "weights L" : "grads L") + std::to_string(c.layer),
                                       c.start, c.end - c.start});
+              }
             }
             if (op.stream >= 0) {  // Note [Streams on the copy streams]
               const KvStream& kv = mem[size_t(r)].streams[size_t(op.stream)];
