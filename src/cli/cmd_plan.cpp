@@ -305,8 +305,8 @@ void add_plan_commands(CLI::App& app, Commands& out) {
   p->add_option("--msp", plan.msp, "Multiplexed sequence partitioning: on, off or auto (the faster in simulation)")
       ->capture_default_str();
   p->add_option("--zero", plan.zero, "What the ranks that hold the same layers (each stage's dp, cp and Ulysses ranks) shard: 0 nothing, 1 the AdamW "
-                "state, 2 the gradients too, 3 the weights too (2 and 3 without tp); auto: 1, and where nothing fits, 2, "
-                "then 3")
+                "state, 2 the gradients too, 3 the weights too (2 and 3 without tp); auto: 1 where a stage has two or more "
+                "such ranks, weighed against 2 and 3 where they run")
       ->capture_default_str();
   p->add_option("--ring-layout", plan.ring_layout, "How the cp ranks of a ring split a subsequence: zigzag or contiguous")
       ->capture_default_str();
