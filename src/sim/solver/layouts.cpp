@@ -109,7 +109,7 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
   const PlanRequest& req = ctx.req;
   const ModelConfig& c = ctx.c;
   const i64 S = ctx.S;
-  const int G = ctx.G, gpn = ctx.gpn;
+  const int G = ctx.G;
   std::vector<plan::Plan> layouts;
   for (const SequenceSplit& sp : sequence_splits(ctx)) {
     const int tp = sp.tp, U = sp.ulysses, cp = sp.cp, split = tp * U * cp;
@@ -120,14 +120,8 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
         const i64 n64 = std::max<i64>(1, S / (i64(split) * per_device));
         if (n64 > kMaxPlanSubseqs || n64 * split > S) continue;
         const int N = int(n64);
-        plan::Plan p;
+        plan::Plan p = unplanned(req, ctx.budget, ctx.prec);
         p.system = plan::System::Sppo;
-        p.model_name = req.model_name;
-        p.model = c;
-        p.hardware = req.hardware;
-        p.seq_len = S;
-        p.gpus = G;
-        p.gpus_per_node = gpn;
         p.par.cp = cp;
         p.par.tp = tp;
         p.par.ulysses = U;
@@ -140,18 +134,12 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
         p.par.zero = cp * U * dp > 1 ? req.zero.value_or(ZeroStage::OptimizerState) : ZeroStage::None;
         if (shards_gradients(req.zero.value_or(ZeroStage::None)) && !zero_sharding_runs(p.par)) continue;
         p.place.optimizer_state = req.place.optimizer_state == Tier::Host ? Tier::Host : Tier::Device;
-        p.precision = ctx.prec;
-        p.block_scratch = req.block_scratch;
-        p.head_scratch = req.head_scratch;
         p.par.ring_layout = req.ring_layout;
         p.offload = req.offload;
-        p.budget = ctx.budget;
         p.stage_layers =
             plan::balanced_stage_layers(c.layers, pp, head_layers(ctx, p.lengths, cp, {.tp = tp, .ulysses = U}));
-        if (std::find_if(layouts.begin(), layouts.end(), [&](const plan::Plan& q) {
-              return q.par.cp == p.par.cp && q.par.tp == p.par.tp && q.par.ulysses == p.par.ulysses &&
-                     q.par.pp == p.par.pp && q.par.dp == p.par.dp && q.subseqs == p.subseqs;
-            }) != layouts.end())
+        const LayoutKey key = layout_key(p);
+        if (std::any_of(layouts.begin(), layouts.end(), [&](const plan::Plan& q) { return layout_key(q) == key; }))
           continue;
         layouts.push_back(p);
       }

@@ -119,20 +119,24 @@ double busiest_piece_s(const CostModel& cost, i64 o, i64 l, int cp, RingLayout l
 BaselinePick::BaselinePick(const PlanRequest& req)
     : req_(req), hw_(plan_hardware(req.hw, req.gpus_per_node)), budget_(req.budget > 0 ? req.budget : hw_.usable_memory()) {}
 
-plan::Plan BaselinePick::start() const {
+plan::Plan unplanned(const PlanRequest& req, i64 budget, ActPrecision prec) {
   plan::Plan p;
-  p.system = req_.system;
-  p.model_name = req_.model_name;
-  p.model = req_.model;
-  p.hardware = req_.hardware;
-  p.seq_len = req_.seq_len;
-  p.gpus = req_.gpus;
-  p.gpus_per_node = req_.gpus_per_node;
-  p.budget = budget_;
-  p.precision = precision_of(hw_);
-  p.block_scratch = req_.block_scratch;
-  p.head_scratch = req_.head_scratch;
+  p.system = req.system;
+  p.model_name = req.model_name;
+  p.model = req.model;
+  p.hardware = req.hardware;
+  p.seq_len = req.seq_len;
+  p.gpus = req.gpus;
+  p.gpus_per_node = req.gpus_per_node;
+  p.budget = budget;
+  p.precision = prec;
+  p.block_scratch = req.block_scratch;
+  p.head_scratch = req.head_scratch;
   return p;
+}
+
+plan::Plan BaselinePick::start() const {
+  return unplanned(req_, budget_, precision_of(hw_));
 }
 
 void BaselinePick::consider(plan::Plan p) {

@@ -71,6 +71,10 @@ SavedSet megatron_recompute(const ParallelDims& par);
 // the budget and the kernels' scratch; each layout predicted whole (predict), the fastest
 // that fits kept and the closest miss named; and the closed form's figures for the same job
 // (Note [Baseline models] in sim/baselines.cpp) as a note.
+// A plan of the request's model, length and machine under `budget` and `prec`, with no
+// layout or placement yet: what the search's layouts and the baselines' start from.
+plan::Plan unplanned(const PlanRequest& req, i64 budget, ActPrecision prec);
+
 class BaselinePick {
  public:
   explicit BaselinePick(const PlanRequest& req);
