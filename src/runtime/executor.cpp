@@ -819,6 +819,8 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         break;  // ring attention runs inside each layer of F and B (runtime/ring.h)
       case sched::OpKind::AllToAll:
         break;  // Ulysses' exchanges run inside each layer of F and B (runtime/ulysses.h)
+      case sched::OpKind::AllGather:
+        break;  // ZeRO-3's gathers start inside the layers of the F or B that follows (HostWeights)
     }
     st.msp.end_lease(k);
     st.messages.poll();

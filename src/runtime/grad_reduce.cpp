@@ -112,6 +112,7 @@ void GradReduce::start(std::size_t b) {
   const ParamBucket& k = buckets_[b];
   const comm::Group& g = reduce_op_->group;
   float* data = data_[b];
+  result_.collective_bytes += i64(fp32_bytes(k.count));
   bucket_req_[b] = opts_.zero_shards > 1 ? comm::ireduce_scatter_pieces(*opts_.comm, data, k.count, g)
                                          : opts_.comm->iallreduce(data, k.count, comm::Type::F32, g);
 }
@@ -126,6 +127,7 @@ void GradReduce::reduce(const sched::Op& op, std::size_t index) {
     SPPO_ASSERT(!buckets_.empty() && buckets_[0].name == "embed");
     const ShardSpan& piece = shard_[0];
     float* data = data_[0] + (piece.offset - buckets_[0].offset);
+    result_.collective_bytes += i64(fp32_bytes(piece.count));
     waited = comm::wait(*opts_.comm, opts_.comm->iallreduce(data, piece.count, comm::Type::F32, op.group), what);
     add_span(result_, sched::to_string(op), op.kind, Lane::Network, t0, now_s());
   } else {

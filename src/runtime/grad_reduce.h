@@ -68,8 +68,6 @@ class GradReduce {
   // In a step that reduces: waits for own layer l's reduction (done with its last
   // backward), so that its gradient can leave the device.
   void settle_layer(int l);
-  // The group the step reduces over (the layer group; null in a step that does not reduce).
-  const comm::Group* group() const { return reduce_op_ ? &reduce_op_->group : nullptr; }
   // MSP: Recv op `index` added the helpers' gradients.
   void helpers_added(std::size_t index);
   // AllReduce op `op`, the `index`-th.

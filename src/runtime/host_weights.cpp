@@ -63,6 +63,8 @@ HostWeights::HostWeights(Backend& be, MemoryTier& device, const sched::Schedule&
   SPPO_ASSERT(s.place.weights_host() == !host_->grad_out);
   SPPO_ASSERT(shards_weights(s.par.zero) == bool(host_->gather));
   uses_ = sched::LayerUses(s, rank);
+  for (const sched::Op& op : s.ops.at(std::size_t(rank)))
+    if (op.kind == sched::OpKind::AllGather) gathers_.push_back(&op);
   const std::size_t n = std::size_t(layers.second - layers.first);
   w_.resize(n);
   g_.resize(n);
@@ -122,10 +124,14 @@ void HostWeights::bring(int l) {
   // In bf16 the GEMMs' working copy follows the fp32 weights, converted once they are here.
   const i64 copy = be_.act() == DType::F32 ? 0 : b.count * i64(dtype_bytes(be_.act()));
   if (host_->gather) {  // ZeRO-3: the layer group's pieces
+    // The schedule's next gather (Note [ZeRO-3 gathers] in schedule/weights.h) is this one.
+    SPPO_CHECK(next_gather_ < gathers_.size() && gathers_[next_gather_]->layer_begin == l, "runtime")
+        << "the step gathers layer " << l << "'s weights where the schedule's next gather is "
+        << (next_gather_ < gathers_.size() ? "'" + sched::to_string(*gathers_[next_gather_]) + "'" : "none");
+    const sched::Op& op = *gathers_[next_gather_++];
     w_[j] = device_.alloc(i64(fp32_bytes(b.count)) + copy, "blocks." + std::to_string(l) + " weights gathered");
-    const comm::Group* group = grads_.group();
-    SPPO_ASSERT_MSG(group, "ZeRO-3 gathers a layer over the group its gradients reduce over");
-    w_gather_[j] = host_->gather(grads_.bucket_of_layer(l), w_[j].f32(), *group);
+    w_gather_[j] = host_->gather(grads_.bucket_of_layer(l), w_[j].f32(), op.group);
+    result_.collective_bytes += i64(fp32_bytes(b.count));
     w_gathering_[j] = true;
     return;
   }
@@ -142,7 +148,7 @@ void HostWeights::arrive(int l) {
         comm::wait(*host_->comm, w_gather_[j], "the all-gather of layer " + std::to_string(l) + "'s weights");
     result_.comm_wait_s += waited;
     if (waited > kShownWaitS)
-      add_span(result_, "wait gather L" + std::to_string(l), sched::OpKind::AllReduce, Lane::Compute, t0, now_s());
+      add_span(result_, "wait gather L" + std::to_string(l), sched::OpKind::AllGather, Lane::Compute, t0, now_s());
     w_gather_[j] = comm::kDone;
     w_gathering_[j] = false;
   } else if (w_in_[j]) {
@@ -226,6 +232,8 @@ void HostWeights::trace(StepResult& result) const {
 void HostWeights::check_empty() const {
   for (std::size_t j = 0; j < w_.size(); ++j)
     SPPO_ASSERT_MSG(!w_[j] && !g_[j], "layer " << lb_ + int(j) << "'s weights or gradients left on the device");
+  SPPO_ASSERT_MSG(next_gather_ == gathers_.size(), "the step started " << next_gather_ << " of the schedule's "
+                                                                       << gathers_.size() << " gathers");
 }
 
 }  // namespace sppo

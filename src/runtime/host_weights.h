@@ -124,6 +124,8 @@ class HostWeights {
   // (a request may be complete already).
   std::vector<comm::Request> w_gather_;
   std::vector<bool> w_gathering_;
+  std::vector<const sched::Op*> gathers_;  // the rank's AllGather ops, and the next to start
+  std::size_t next_gather_ = 0;
   std::vector<BlockParams> host_w_, host_g_;
   std::vector<BlockMatrices> host_m_;
   std::vector<std::pair<std::string, std::shared_ptr<Event>>> copies_;  // for trace()

@@ -90,6 +90,8 @@ struct StepResult {
   double ring_wait_s = 0;         // the part of it inside F and B ops, on ring attention's messages
   double compute_s = 0;           // time in F and B ops
   i64 sent_bytes = 0;             // point-to-point bytes sent: Send ops' messages and ring attention's
+  i64 collective_bytes = 0;       // the weight collectives' buffers: gradient buckets reduced, layers
+                                  // gathered (sched::collective_bytes predicts them)
   double step_s = 0;              // wall time of the step
   double start_s = 0;             // steady-clock time the step started (aligns ranks' traces)
   std::vector<TraceSpan> trace;

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "schedule/memory.h"
 #include "schedule/msp.h"
+#include "schedule/weights.h"
 
 namespace sppo::sched {
 
@@ -554,6 +555,7 @@ Schedule build_step(const ModelConfig& c, const std::vector<i64>& lengths, const
   s.place = shape.place;
   s.packed = shape.packed;
   s.labeled = shape.labeled;
+  s = with_weight_gathers(std::move(s));  // Note [ZeRO-3 gathers] in schedule/weights.h: from the stage as set
   // Note [One Ulysses member in the search]: a Ulysses group's members run the same ops on
   // rows and heads that differ by at most one, and the first has the most of both: its
   // compute and its memory are the group's largest (the all-to-alls are priced over every
@@ -918,8 +920,8 @@ Schedule expand_ulysses(Schedule s, int U) {
 
 
 // Note [Forward-only steps]: an evaluation runs SPPO's forward alone. The ops are the
-// training step's F ops, with the forward's ring steps (payload KV), all-to-alls (KV) and
-// hidden states, in their order; every backward op, copy and reduction goes. What differs
+// training step's F ops, with the forward's ring steps (payload KV), all-to-alls (KV),
+// hidden states and ZeRO-3's gathers of the layers they run, in their order; every backward op, copy and reduction goes. What differs
 // is what the F ops hold: nothing is saved for a backward, so each layer's saved tensors
 // (its input x among them) are freed as the layer ends and the head computes the loss and
 // the per-position losses without head_grad; the K/V of each finished subsequence stay,
@@ -948,7 +950,7 @@ Schedule to_forward_only(Schedule s) {
     ops = std::move(kept);
   }
   s.forward_only = true;
-  return s;
+  return with_weight_gathers(std::move(s));  // its F ops' (Note [ZeRO-3 gathers] in schedule/weights.h)
 }
 
 }  // namespace sppo::sched

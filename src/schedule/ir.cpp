@@ -219,6 +219,7 @@ const char* to_string(OpKind k) {
     case OpKind::RingStep: return "ring";
     case OpKind::AllReduce: return "allreduce";
     case OpKind::AllToAll: return "alltoall";
+    case OpKind::AllGather: return "allgather";
   }
   SPPO_ASSERT(false);
   return "";
@@ -317,6 +318,7 @@ std::string to_string(const Op& op) {
       for (size_t k = 0; k < op.group.size(); ++k) os << (k ? "," : "") << op.group[k];
       os << ']';
       break;
+    case OpKind::AllGather:
     case OpKind::AllReduce:
       os << to_string(op.payload) << ' ';
       if (op.payload != Payload::TiedGrads) put_layers(os, op), os << ' ';

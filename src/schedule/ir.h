@@ -39,6 +39,10 @@ enum class OpKind {
   AllToAll,      // the all-to-alls of Ulysses members `group` that the next F (payload KV) or B
                  //   (payload KVGrad) of layers [layer_begin, layer_end) on (subseq, piece) runs
                  //   inside each layer (Note [Ulysses exchanges] in core/layout.h)
+  AllGather,     // ZeRO-3: the all-gather over the layer group `group` of layer layer_begin's
+                 //   weights (payload Weights) that the next F or B starts inside its layers, one
+                 //   layer ahead of their use, as LayerUses' loads say (Note [ZeRO-3 gathers] in
+                 //   schedule/weights.h); the ops before an F or B are its gathers, in order
 };
 
 // Tensor parallelism of a Llama-family block: each member's query heads read whole

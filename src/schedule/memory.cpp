@@ -84,6 +84,23 @@ i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShar
   return param_count(c, op.layer_begin, op.layer_end, op.layer_begin == 0, op.layer_end == layers) * 4;
 }
 
+i64 collective_bytes(const Schedule& s, int rank, const ModelConfig& c) {
+  const TpShard tp = s.tp_shard(rank);
+  i64 bytes = 0;
+  for (const Op& op : s.ops.at(std::size_t(rank))) {
+    if (op.kind == OpKind::AllGather) bytes += layer_params(c, tp) * 4;
+    if (op.kind != OpKind::AllReduce) continue;
+    if (op.payload == Payload::TiedGrads && s.par.zero != ZeroStage::None) {
+      const auto [v0, v1] = tp.vocab(c);
+      const auto [pb, pe] = piece_range((v1 - v0) * c.hidden, s.par.zero_index(rank), s.par.zero_shards());
+      bytes += (pe - pb) * 4;
+    } else {
+      bytes += allreduce_bytes(op, c, s.layers, tp);
+    }
+  }
+  return bytes;
+}
+
 std::vector<i64> unit_tensor_bytes(const MemoryRules& rules, i64 T, const RankShard& shard, SavedSet recompute) {
   std::vector<i64> bytes;
   const auto specs = block_saved_specs(rules.model, T, rules.precision, shard);
@@ -743,6 +760,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::WaitOffload:
     case OpKind::RingStep:
     case OpKind::AllReduce:
+    case OpKind::AllGather:  // into the buffers its F or B's uses allocate (LayerUses)
     case OpKind::AllToAll:  // into the F/B's workspace (Note [Ulysses buffers] in core/layout.cpp)
       break;
   }

@@ -162,6 +162,14 @@ i64 recompute_peak_bytes(const MemoryRules& rules, i64 S);
 // and final LayerNorm where the layers include the first or last), or of the tied embedding.
 // Under tensor parallelism, of member tp's shards.
 i64 allreduce_bytes(const Op& op, const ModelConfig& c, int layers, const TpShard& tp = {});
+// Bytes of the buffers rank `rank`'s weight collectives cover in a step: each gradient
+// bucket its AllReduce ops reduce (or reduce-scatter, under ZeRO), the piece of the tied
+// embedding's gradient that its TiedGrads op sums (the rank's ZeRO piece), and each layer's
+// fp32 weights its AllGather ops gather (Note [ZeRO-3 gathers] in schedule/weights.h). A
+// ring sends (R - 1) / R of a gather's or reduce-scatter's over a group of R, and twice that
+// of an all-reduce's. The runtime counts the same buffers as it reduces and gathers them
+// (StepResult::collective_bytes); tensor parallelism's reductions are not counted.
+i64 collective_bytes(const Schedule& s, int rank, const ModelConfig& c);
 
 // What device bytes hold, term by term (`sppo plan --explain` prints them at the peak).
 enum class MemTerm {

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "schedule/weights.h"
+
 namespace sppo::sched {
 
 std::string Validation::message() const {
@@ -137,6 +139,8 @@ void check_order(const Schedule& s, int r, Errors& err) {
         break;
       case OpKind::AllReduce:
         break;
+      case OpKind::AllGather:  // checked with their F or B (check_gathers)
+        break;
       case OpKind::AllToAll: {
         // Before the F or B it belongs to (Note [Ulysses exchanges] in core/layout.h).
         const bool next_compute = k + 1 < ops.size() && ops[k + 1].kind == (op.payload == Payload::KV ? OpKind::Forward : OpKind::Backward) &&
@@ -167,6 +171,43 @@ void check_order(const Schedule& s, int r, Errors& err) {
       err.add(r, ops.size(), op, "offload never prefetched back and waited for");
     }
   }
+}
+
+// Note [ZeRO-3 gathers] (schedule/weights.h): the AllGather ops before each F or B are the
+// layers its uses gather, in their order, over the rank's layer group (before its
+// all-to-all, under Ulysses); there are none elsewhere.
+void check_gathers(const Schedule& s, int r, Errors& err) {
+  const auto& ops = s.ops[size_t(r)];
+  const bool gathers = shards_weights(s.par.zero) && !s.place.weights_host();
+  const LayerUses uses = gathers ? LayerUses(s, r) : LayerUses();
+  std::vector<size_t> pending;  // the gathers since the last F or B
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const Op& op = ops[k];
+    if (op.kind == OpKind::AllGather) {
+      if (!gathers) err.add(r, k, op, "a gather of weights the step does not shard (ZeRO-3 gathers them)");
+      else if (op.group != s.par.layer_group(r)) err.add(r, k, op, "a gather over another group than the layer group");
+      pending.push_back(k);
+      continue;
+    }
+    const bool compute = op.kind == OpKind::Forward || op.kind == OpKind::Backward;
+    if (op.kind == OpKind::AllToAll) continue;  // the op's own, between its gathers and it
+    if (!compute) {
+      for (size_t g : pending) err.add(r, g, ops[g], "a gather not followed by its forward or backward");
+      pending.clear();
+      continue;
+    }
+    const std::vector<int> want = gathers ? gathered_layers(uses, k) : std::vector<int>{};
+    std::vector<int> got;
+    for (size_t g : pending) got.push_back(ops[g].layer_begin);
+    if (got != want) {
+      std::string w;
+      for (int l : want) w += (w.empty() ? "L" : ", L") + std::to_string(l);
+      err.add(r, k, op, "gathers " + std::to_string(got.size()) + " layers before it, where its uses gather " +
+                            (w.empty() ? "none" : w));
+    }
+    pending.clear();
+  }
+  for (size_t g : pending) err.add(r, g, ops[g], "a gather not followed by its forward or backward");
 }
 
 // Removes the first message equal to `key`; false when none has been sent yet.
@@ -209,12 +250,11 @@ void check_matching(const Schedule& s, Errors& err) {
           ring_posted[r] = false;
         } else if (op.kind == OpKind::Recv) {
           if (!take(channel[{op.peer, r}], message_key(op))) break;
-        } else if (op.kind == OpKind::AllReduce || op.kind == OpKind::AllToAll) {
+        } else if (op.kind == OpKind::AllReduce || op.kind == OpKind::AllToAll || op.kind == OpKind::AllGather) {
           bool member = false;
           for (int g : op.group) member |= g == r;
           if (!member) {
-            err.add(r, pc[r], op, std::string(op.kind == OpKind::AllReduce ? "all-reduce" : "all-to-all") +
-                                      " group does not contain its rank");
+            err.add(r, pc[r], op, std::string(to_string(op.kind)) + " group does not contain its rank");
             return;
           }
           const auto at = std::make_pair(op.group, passed[r][op.group]);
@@ -307,7 +347,7 @@ Validation validate(const Schedule& s, const ValidateOptions& o) {
     return v;
   }
   if (!s.owned.empty() && int(s.owned.size()) != s.ranks()) v.errors.push_back("owned layers not given per rank");
-  for (int r = 0; r < s.ranks(); ++r) check_order(s, r, err);
+  for (int r = 0; r < s.ranks(); ++r) check_order(s, r, err), check_gathers(s, r, err);
   check_matching(s, err);
   if (const std::string why = rebuilt_inputs_error(s); !why.empty()) v.errors.push_back(why);
   if (o.memory && v.errors.empty()) check_memory(s, o, v, err);

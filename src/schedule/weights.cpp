@@ -1,6 +1,7 @@
 #include "schedule/weights.h"
 
 #include <map>
+#include <optional>
 
 #include "core/check.h"
 
@@ -58,6 +59,51 @@ const LayerUse& LayerUses::at(std::size_t index, int k) const {
   const std::size_t u = first(index) + std::size_t(k);
   SPPO_ASSERT_MSG(u < last(index) && uses_[u].k == k, "op " << index << " runs no own layer at position " << k);
   return uses_[u];
+}
+
+}  // namespace sppo::sched
+
+namespace sppo::sched {
+
+std::vector<int> gathered_layers(const LayerUses& uses, std::size_t index) {
+  std::vector<int> layers;
+  for (std::size_t u = uses.first(index); u < uses.last(index); ++u)
+    for (int l : {uses.uses()[u].load_now, uses.uses()[u].load_next, uses.uses()[u].load_below})
+      if (l >= 0) layers.push_back(l);
+  return layers;
+}
+
+Schedule with_weight_gathers(Schedule s) {
+  for (auto& ops : s.ops) std::erase_if(ops, [](const Op& op) { return op.kind == OpKind::AllGather; });
+  if (!shards_weights(s.par.zero) || s.place.weights_host()) return s;
+  for (int r = 0; r < s.ranks(); ++r) {
+    auto& ops = s.ops[std::size_t(r)];
+    const LayerUses uses(s, r);
+    if (uses.empty()) continue;
+    const std::vector<int> group = s.par.layer_group(r);
+    std::vector<Op> out;
+    out.reserve(ops.size() + uses.uses().size());
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      // Before the op's all-to-all, which comes right before it (Note [Ulysses exchanges]).
+      std::optional<Op> alltoall;
+      if (k > 0 && ops[k - 1].kind == OpKind::AllToAll && !gathered_layers(uses, k).empty())
+        alltoall = std::move(out.back()), out.pop_back();
+      for (int l : gathered_layers(uses, k)) {
+        Op g;
+        g.kind = OpKind::AllGather;
+        g.payload = Payload::Weights;
+        g.layer_begin = l;
+        g.layer_end = l + 1;
+        g.subseq = ops[k].subseq;
+        g.group = group;
+        out.push_back(std::move(g));
+      }
+      if (alltoall) out.push_back(std::move(*alltoall));
+      out.push_back(std::move(ops[k]));
+    }
+    ops = std::move(out);
+  }
+  return s;
 }
 
 }  // namespace sppo::sched

@@ -104,7 +104,7 @@ inline bool layer_weights_stream(const Schedule& s) {
 // Note [ZeRO-3]: the weights sharded too. Each rank keeps its pieces of every bucket's fp32
 // weights, the AdamW master, in one compact array laid out as the AdamW state; a layer's
 // whole weights come for each use as LayerUses' loads say (one layer ahead, as from the
-// host with --weights host), each rank's piece copied into a buffer the size of the layer
+// host with --weights host; each an op of the schedule, Note [ZeRO-3 gathers]), each rank's piece copied into a buffer the size of the layer
 // and the group all-gathering the rest into it (in bf16 the working copy converted after),
 // and go where the uses free them. The embedding, final norm and head stay whole on every
 // rank, updated in pieces and all-gathered after the update, as under ZeRO-1. The gradients
@@ -130,5 +130,21 @@ class LayerUses {
   std::vector<LayerUse> uses_;
   std::vector<std::size_t> first_;  // [ops + 1]
 };
+
+// Note [ZeRO-3 gathers]: the gathers are ops of the schedule (OpKind::AllGather), one a
+// layer gathered, over the rank's layer group (ParallelDims::layer_group), right before the
+// F or B op that starts them (and its all-to-all), in the order it starts them: its uses' load_now, load_next
+// and load_below, use by use. The runtime starts each as the use says (one layer ahead,
+// inside the op) and takes its group from the op; the simulator prices it there on the
+// network lane and counts its bytes (collective_sent_bytes); validate_schedule checks that
+// the ops are the uses' loads and that every member of the group meets them in one order.
+// A forward-only step (to_forward_only) keeps its F ops' gathers, which its group needs
+// even where no gradient is reduced. with_weight_gathers (re)writes them from the uses:
+// build_step and to_forward_only call it last.
+Schedule with_weight_gathers(Schedule s);
+// The layers F or B op `index` of rank `rank` gathers, in the order it starts them (none
+// unless layer_weights_stream(s) under ZeRO-3).
+std::vector<int> gathered_layers(const LayerUses& uses, std::size_t index);
+
 
 }  // namespace sppo::sched

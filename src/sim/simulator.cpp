@@ -223,8 +223,8 @@ RankEvents rank_events(const sched::MemoryRules& rules, const CostModel& cost, c
       out.layer_g = mem.layer_grad();
       out.host_moved = mem.resident_params();
     } else {
-      for (const Op& op : ops)
-        if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) out.gather_group = op.group;
+      for (const Op& op : ops)  // Note [ZeRO-3 gathers]: one group, the layer group's
+        if (op.kind == OpKind::AllGather) out.gather_group = op.group;
     }
     for (size_t k = 0; k < ops.size(); ++k)
       if (uses.first(k) < uses.last(k)) out.ops[k].use = int(uses.first(k));
@@ -529,7 +529,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
               for (const LayerCopy& c : copies) {  // from the host, to it, or all-gathered (ZeRO-3)
                 const bool in = c.lane == Lane::CopyIn, gathered = c.lane == Lane::Network;
                 res.events.push_back({r, c.lane,
-                                      gathered ? OpKind::AllReduce : in ? OpKind::Prefetch : OpKind::Offload,
+                                      gathered ? OpKind::AllGather : in ? OpKind::Prefetch : OpKind::Offload,
                                       (gathered ? "gather L" : in ? "weights L" : "grads L") + std::to_string(c.layer),
                                       c.start, c.end - c.start});
               }
@@ -630,6 +630,8 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
             mem_at(rs, arrival, arrival);
             break;
           }
+          case OpKind::AllGather:  // ZeRO-3's, priced inside the next F or B's layers (layer_copies)
+            break;
           case OpKind::AllToAll:    // Ulysses' exchanges, priced with the op (op.seconds)
           case OpKind::AllReduce: {  // every member arrives, then all are held until it ends
             const Op& all = ops[rs.pc];
@@ -1041,6 +1043,7 @@ SimResult run(const Schedule& s, const CostModel& cost, const std::vector<RankEv
     pass.res.tokens_per_device_per_s = double(s.seq_len()) * s.par.dp / (double(s.ranks()) * pass.res.step_time_s);
   }
   pass.res.passes = passes;
+  for (int r = 0; r < s.ranks(); ++r) pass.res.collective_bytes.push_back(sched::collective_bytes(s, r, cost.model()));
   pass.res.copy_slowdown = alone_copy_s > 0 && passes > 1 ? pass.copy_s / alone_copy_s : 1.0;
   return std::move(pass.res);
 }

@@ -73,6 +73,7 @@ struct SimResult {
   double host_update_s = 0;      // the host's optimizer update, in step_time_s (Note
                                  // [Pricing the host's update] in simulator.cpp); 0: none
   std::vector<i64> sent_bytes;   // per rank: bytes sent (Send, ring messages, Ulysses all-to-alls)
+  std::vector<i64> collective_bytes;  // per rank: the weight collectives' buffers (sched::collective_bytes)
   std::vector<i64> fixed_bytes;  // per rank: weights, gradients, optimizer state
   // Per rank, at the moment of its peak: device bytes by term (they sum to peak_bytes),
   // bytes on the host, and the time.

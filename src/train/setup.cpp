@@ -923,6 +923,7 @@ class SetupBuilder {
     s_.predicted_peak_per_rank = r_.peak_bytes;
     s_.predicted_host_per_rank = r_.peak_host_per_rank;
     s_.predicted_sent_per_rank = r_.sent_bytes;
+    s_.predicted_collective_per_rank = r_.collective_bytes;
     s_.predicted_step_s = r_.step_time_s;
     if (s_.schedule.packed && s_.profile_measured)
       s_.simulate_packed = [sched = s_.schedule, cost = plan::CostModel(profile(), s_.config, precision_),

@@ -54,6 +54,7 @@ struct StepSetup {
   std::vector<i64> predicted_peak_per_rank;
   std::vector<i64> predicted_host_per_rank;   // bytes held on the host, each rank's most
   std::vector<i64> predicted_sent_per_rank;  // point-to-point bytes each rank sends in a step
+  std::vector<i64> predicted_collective_per_rank;  // its weight collectives' buffers (sched::collective_bytes)
   double predicted_step_s = 0;  // on `profile`
   double predicted_bubble = 0;  // idle over busy compute time, mean over ranks
   i64 predicted_host_bytes = 0; // offloaded bytes held in host memory at once (fullest rank)

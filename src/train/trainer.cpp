@@ -192,6 +192,7 @@ struct Sequences {
   i64 peak = 0, offloaded = 0;
   i64 host_peak = 0;  // offloaded bytes held on the host at once
   i64 sent = 0;  // point-to-point bytes of one sequence's step (each sends the same)
+  i64 collective = 0;  // the weight collectives' buffers of one that reduces (StepResult::collective_bytes)
   double simulated_s = 0;  // --pack, on rank 0: the simulator's time for these sequences' documents
   i64 loss_tokens = 0;     // the positions the step's loss averages over
   StepResult last;
@@ -229,6 +230,7 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
     q.host_peak = std::max(q.host_peak, r.host.peak);
     q.offloaded += r.offloaded_bytes;
     q.sent = std::max(q.sent, r.sent_bytes);
+    q.collective = std::max(q.collective, r.collective_bytes);
     q.last = std::move(r);
   }
   return q;
@@ -238,21 +240,22 @@ Sequences run_sequences(StepSetup& s, std::vector<std::int32_t>& tokens, std::ve
 struct RankFigures {
   int rank = 0;
   double step_s = 0, compute_s = 0, comm_wait_s = 0, exposed_s = 0;
-  i64 peak = 0, offloaded = 0, sent = 0, host_peak = 0;
+  i64 peak = 0, offloaded = 0, sent = 0, host_peak = 0, collective = 0;
   double bubble() const { return compute_s > 0 ? (step_s - compute_s) / compute_s : 0; }
 };
 
 std::vector<RankFigures> all_figures(comm::Comm& world, const Sequences& q) {
-  constexpr int kFields = 8;
+  constexpr int kFields = 9;
   std::vector<double> v(std::size_t(world.size()) * kFields, 0.0);
   double* mine = v.data() + std::size_t(world.rank()) * kFields;
   mine[0] = q.step_s, mine[1] = q.compute_s, mine[2] = q.comm_wait_s, mine[3] = q.exposed_s;
   mine[4] = double(q.peak), mine[5] = double(q.offloaded), mine[6] = double(q.sent), mine[7] = double(q.host_peak);
+  mine[8] = double(q.collective);
   comm::allreduce_sum(world, v, comm::world_group(world), "every rank's step figures");
   std::vector<RankFigures> f(std::size_t(world.size()));
   for (int r = 0; r < world.size(); ++r) {
     const double* x = v.data() + std::size_t(r) * kFields;
-    f[std::size_t(r)] = {r, x[0], x[1], x[2], x[3], i64(x[4]), i64(x[5]), i64(x[6]), i64(x[7])};
+    f[std::size_t(r)] = {r, x[0], x[1], x[2], x[3], i64(x[4]), i64(x[5]), i64(x[6]), i64(x[7]), i64(x[8])};
   }
   return f;
 }
@@ -361,7 +364,7 @@ struct Run {
   std::chrono::steady_clock::time_point started;
   std::vector<double> step_times;
   std::vector<double> simulated_times;  // --pack: each step priced with its own documents
-  std::vector<i64> peaks, host_peaks, sent;  // per rank
+  std::vector<i64> peaks, host_peaks, sent, collective;  // per rank
   // --eval-data: the held-out sequences and the step's forward alone that scores them.
   HeldOut held_out;
   sched::Schedule eval_schedule;
@@ -454,6 +457,7 @@ void start_run(Run& r) {
   r.peaks.assign(std::size_t(ranks), 0);
   r.host_peaks.assign(std::size_t(ranks), 0);
   r.sent.assign(std::size_t(ranks), 0);
+  r.collective.assign(std::size_t(ranks), 0);
   // A fused attention library builds its graphs as a step first meets their shapes: the
   // first steps pay for it, the steady state does not (reported per step).
   r.graphs = r.s.backend->attention_build_stats();
@@ -560,6 +564,7 @@ void report_step(Run& r, const Sequences& q, const StepOutcome& t, const std::op
     r.peaks[std::size_t(f.rank)] = std::max(r.peaks[std::size_t(f.rank)], f.peak);
     r.host_peaks[std::size_t(f.rank)] = std::max(r.host_peaks[std::size_t(f.rank)], f.host_peak);
     r.sent[std::size_t(f.rank)] = f.sent;
+    r.collective[std::size_t(f.rank)] = std::max(r.collective[std::size_t(f.rank)], f.collective);
   }
   r.step_times.push_back(step_s);
   if (s.simulate_packed) r.simulated_times.push_back(q.simulated_s);
@@ -713,6 +718,8 @@ void finish_run(const Run& r) {
     summary["predicted_peak_device_bytes_per_rank"] = s.predicted_peak_per_rank;
     summary["measured_sent_bytes_per_rank"] = r.sent;
     summary["predicted_sent_bytes_per_rank"] = s.predicted_sent_per_rank;
+    summary["measured_collective_bytes_per_rank"] = r.collective;
+    summary["predicted_collective_bytes_per_rank"] = s.predicted_collective_per_rank;
     summary["simulated_bubble"] = s.predicted_bubble;
   }
   if (s.profile_measured) {
@@ -947,10 +954,12 @@ int run_grads(const StepOptions& o, const std::string& out_dir, const std::strin
                            {"offloaded_bytes", offloaded},
                            {"step_time_s", step_s}};
   if (lay.ranks() > 1) {
-    std::vector<i64> sent;
-    for (const RankFigures& f : ranks) sent.push_back(f.sent);
+    std::vector<i64> sent, collective;
+    for (const RankFigures& f : ranks) sent.push_back(f.sent), collective.push_back(f.collective);
     result["measured_sent_bytes_per_rank"] = sent;
     result["predicted_sent_bytes_per_rank"] = s.predicted_sent_per_rank;
+    result["measured_collective_bytes_per_rank"] = collective;
+    result["predicted_collective_bytes_per_rank"] = s.predicted_collective_per_rank;
   }
   write_json_file(out_dir + "/result.json", result);
   std::printf("loss %.6f -> %s\n", loss, out_dir.c_str());

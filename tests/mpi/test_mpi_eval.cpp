@@ -108,6 +108,24 @@ TEST_F(Eval, HeldOutLossDuringTrainingEqualsOneProcesss) {
   EXPECT_NE(a[1], a[0]) << "the weights changed between the two";
 }
 
+// Under ZeRO-3 the held-out forward gathers each layer from the shards as the training step
+// does (Note [ZeRO-3 gathers] in schedule/weights.h: the forward-only step keeps its F ops'
+// gathers, over the layer group, where no gradient is reduced): its loss is ZeRO-1's.
+TEST_F(Eval, HeldOutLossUnderZeroThreeIsZeroOnes) {
+  const std::string run = " train --model llama-tiny --layers 4 --seq-len 256 --subseqs 2 --steps 2 --threads 1 "
+                          "--quiet --dp 2 --eval-data " + path("held.u32") + " --eval-every 1 --eval-seqs 2 --metrics ";
+  std::vector<std::vector<double>> held;
+  for (const char* stage : {"1", "3"}) {
+    const std::string file = path(std::string("zero") + stage + ".jsonl");
+    const auto r = mpirun(2, run + file + " --zero " + stage);
+    ASSERT_EQ(r.status, 0) << r.output;
+    held.emplace_back();
+    for (const auto& m : read_jsonl(file)) held.back().push_back(m.value("eval_loss", -1.0));
+  }
+  ASSERT_EQ(held[0].size(), 3u) << "two steps and the summary";
+  for (std::size_t k = 0; k < 2; ++k) expect_close(held[1][k], held[0][k], "held-out loss " + std::to_string(k));
+}
+
 // The held-out data's targets are its own: labels where --eval-labels gives them, beside a
 // run trained on next tokens, and next tokens beside a run trained on labels; the held-out
 // loss at the last step is what sppo eval gives the checkpoint saved there.

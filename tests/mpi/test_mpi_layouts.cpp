@@ -128,6 +128,8 @@ class Layouts : public ::testing::Test {
     // Every rank's point-to-point traffic is the simulator's, message by message (the
     // two-pass RSA ring's keys, values and dK, dV too: sched::rsa_step_bytes).
     EXPECT_EQ(result["measured_sent_bytes_per_rank"], result["predicted_sent_bytes_per_rank"]) << layout;
+    // And the buffers of its gradient reductions, bucket by bucket (sched::collective_bytes).
+    EXPECT_EQ(result["measured_collective_bytes_per_rank"], result["predicted_collective_bytes_per_rank"]) << layout;
     return result;
   }
 
@@ -197,6 +199,20 @@ TEST_F(Layouts, DataParallel) {
   check(2, "--dp 2", "ref2");
   check(2, "--dp 2 --zero 1", "ref2");
   check(2, "--dp 2 --subseqs 3 --offload full", "ref2");
+}
+
+// ZeRO-2 and ZeRO-3 (Notes [ZeRO-2], [ZeRO-3] and [ZeRO-3 gathers] in schedule/weights.h):
+// the gradients reduce-scattered into the shards, and under ZeRO-3 the weights gathered from
+// them layer by layer, are the whole-sequence reference's in every layout whose layer group
+// has two or more ranks, and every bucket reduced and layer gathered is the simulator's.
+TEST_F(Layouts, ZeroTwoAndThree) {
+  const std::string each = " --subseqs 3 --offload 0.5";
+  check(2, "--dp 2 --zero 2" + each, "ref2");
+  check(2, "--dp 2 --zero 3" + each, "ref2");
+  check(4, "--ulysses 2 --dp 2 --zero 3" + each, "ref2");
+  check(4, "--pp 2 --dp 2 --zero 3" + each, "ref2");
+  check(4, "--cp 2 --dp 2 --zero 3" + each, "ref2");
+  check(4, "--pp 2 --dp 2 --zero 3" + each, "tied2", kTied);
 }
 
 // Note [Staged messages] (runtime/staged_comm.h): --comm mpi stages every message and

@@ -181,6 +181,10 @@ TEST_F(Training, ZeroTwoAndThreeKeepTheCurveAndThePeaks) {
       const auto z = read_jsonl(path(file)).back();
       EXPECT_EQ(z["measured_peak_device_bytes_per_rank"], z["predicted_peak_device_bytes_per_rank"])
           << stage << " " << layout << ": " << z.dump();
+      // Every bucket reduce-scattered and, under ZeRO-3, every layer gathered as the
+      // schedule's ops say (Note [ZeRO-3 gathers]), the simulator's count.
+      EXPECT_EQ(z["measured_collective_bytes_per_rank"], z["predicted_collective_bytes_per_rank"])
+          << stage << " " << layout;
       const i64 peak = z["measured_peak_device_bytes"].get<i64>();
       if (layout.find("layer") != std::string::npos) {
         EXPECT_LT(peak, before) << "--zero " << stage << " " << layout;
@@ -218,6 +222,7 @@ TEST_F(Training, ZeroTwoAndThreeWithTheOptimizerStateOnTheHost) {
       const auto z = read_jsonl(path(file)).back();
       EXPECT_EQ(z["measured_peak_device_bytes_per_rank"], z["predicted_peak_device_bytes_per_rank"]) << run;
       EXPECT_EQ(z["measured_peak_host_bytes"], z["predicted_peak_host_bytes"]) << run;
+      EXPECT_EQ(z["measured_collective_bytes_per_rank"], z["predicted_collective_bytes_per_rank"]) << run;
       const i64 peak = z["measured_peak_device_bytes"].get<i64>();
       if (before > 0 && layout.find("layer") != std::string::npos) {
         EXPECT_LT(peak, before) << run;

@@ -226,6 +226,76 @@ TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
           }
 }
 
+// Note [ZeRO-3 gathers] (schedule/weights.h): under ZeRO-3 each F and B op is preceded by
+// the gathers its uses start, over the rank's layer group, in the training step and in the
+// forward-only step alike; the validator catches a gather missing, moved or over another
+// group.
+TEST(ZeroThreeGathers, AreTheUsesLoadsOverTheLayerGroup) {
+  ModelConfig c = preset("tiny");
+  c.layers = 4;
+  struct Layout {
+    int pp, cp, ulysses, dp;
+  };
+  for (const Layout& l : {Layout{1, 1, 1, 2}, Layout{1, 2, 1, 2}, Layout{2, 1, 1, 2}, Layout{1, 1, 2, 2}})
+    for (bool layer_major : {false, true})
+      for (bool forward_only : {false, true}) {
+        if (layer_major && (l.pp > 1 || forward_only)) continue;
+        StepShape shape;
+        shape.par.pp = l.pp;
+        shape.par.cp = l.cp;
+        shape.par.ulysses = l.ulysses;
+        shape.par.dp = l.dp;
+        shape.par.zero = ZeroStage::Weights;
+        shape.forward_only = forward_only;
+        if (layer_major) shape.place.backward = BackwardOrder::Layer;
+        const std::string what = "pp " + std::to_string(l.pp) + " cp " + std::to_string(l.cp) + " ulysses " +
+                                 std::to_string(l.ulysses) + " layer-major " + std::to_string(layer_major) +
+                                 " forward-only " + std::to_string(forward_only);
+        const Schedule s = build_step(c, {24, 20, 16}, {0.5, 0.5, 0.0}, shape);
+        const Validation v = validate(s);
+        ASSERT_TRUE(v.ok()) << what << "\n" << v.message();
+        for (int r = 0; r < s.ranks(); ++r) {
+          const auto& ops = s.ops[std::size_t(r)];
+          const LayerUses uses(s, r);
+          int gathers = 0, loads = 0, computes = 0;
+          for (std::size_t k = 0; k < ops.size(); ++k) {
+            if (ops[k].kind == OpKind::AllGather) {
+              ++gathers;
+              EXPECT_EQ(ops[k].group, s.par.layer_group(r)) << what;
+              EXPECT_EQ(ops[k].payload, Payload::Weights) << what;
+            }
+            if (ops[k].kind == OpKind::Forward || ops[k].kind == OpKind::Backward) ++computes;
+            loads += int(gathered_layers(uses, k).size());
+          }
+          EXPECT_EQ(gathers, loads) << what << " rank " << r;
+          // Every use of a layer not the one before brings one: at least a layer an op.
+          EXPECT_GE(gathers, layer_major ? computes / 3 : computes) << what << " rank " << r;
+        }
+        // ZeRO-2 streams the gradients alone: no gathers.
+        shape.par.zero = ZeroStage::Gradients;
+        for (const auto& ops : build_step(c, {24, 20, 16}, {0.5, 0.5, 0.0}, shape).ops)
+          for (const Op& op : ops) EXPECT_NE(op.kind, OpKind::AllGather) << what;
+      }
+  StepShape shape;
+  shape.par.dp = 2;
+  shape.par.zero = ZeroStage::Weights;
+  const Schedule s = build_step(c, {24, 20}, {0.5, 0.0}, shape);
+  ASSERT_EQ(to_string(s.ops[0].at(0)), "allgather weights L0-0 [0,1]");
+  ASSERT_EQ(to_string(s.ops[0].at(1)), "allgather weights L1-1 [0,1]");
+  auto broken = [&](auto&& edit, const std::string& says) {
+    Schedule t = s;
+    edit(t);
+    const Validation v = validate(t);
+    EXPECT_FALSE(v.ok()) << says;
+    EXPECT_NE(v.message().find(says), std::string::npos) << v.message();
+  };
+  broken([](Schedule& t) { t.ops[0].erase(t.ops[0].begin() + 1); }, "where its uses gather L0, L1");
+  broken([](Schedule& t) { std::swap(t.ops[0][0], t.ops[0][1]); }, "where its uses gather L0, L1");
+  broken([](Schedule& t) { t.ops[0][0].group = {0}; }, "another group than the layer group");
+  broken([](Schedule& t) { t.par.zero = ZeroStage::Gradients; }, "the step does not shard");
+  broken([](Schedule& t) { t.ops[1].erase(t.ops[1].begin()); }, "meets");
+}
+
 // Rebuilt layer inputs (Note [Rebuilt layer inputs] in builders.cpp): with the weights on
 // the host the layer below comes with the first B op of a rebuilt layer's run and is not
 // brought again, still two layers at a time; the layouts that cannot rebuild are named.
