@@ -501,7 +501,8 @@ i64 CostModel::message_bytes(const Op& op, const Schedule& s, int rank) const {
       // An MSP helper's gradients of the stage it borrowed; from the head's stage, with its
       // loss sum (fp64) and per-position losses (fp32).
       return sched::allreduce_bytes(op, model_, s.layers, member) +
-             (op.kind != OpKind::AllReduce && op.layer_end == s.layers ? 8 + 4 * s.seq_len() : 0);
+             ((op.kind == OpKind::Send || op.kind == OpKind::Recv) && op.layer_end == s.layers ? 8 + 4 * s.seq_len()
+                                                                                                : 0);
     case Payload::TiedGrads: return sched::allreduce_bytes(op, model_, s.layers, member);
   }
   SPPO_ASSERT(false);

@@ -813,6 +813,7 @@ StepResult Runtime::step(const sched::Schedule& sc, const std::int32_t* tokens, 
         if (waited > kShownWaitS) add_span(result, "wait " + sched::to_string(op), op.kind, Lane::Compute, t0, now_s());
         break;
       case sched::OpKind::AllReduce:
+      case sched::OpKind::ReduceScatter:
         if (control.reduce) st.grads.reduce(op, k);
         break;
       case sched::OpKind::RingStep:

@@ -60,13 +60,16 @@ GradReduce::GradReduce(const RuntimeOptions& o, const std::vector<sched::Op>& op
   for (const ParamBucket& b : buckets) data_.push_back(grads + b.offset);
   // Gradient buckets: each starts after the last op that adds to it.
   for (const sched::Op& op : ops)
-    if (op.kind == sched::OpKind::AllReduce && op.payload == sched::Payload::WeightGrads && reduce)
+    if (sched::reduces_weight_grads(op) && reduce)
       reduce_op_ = &op;
   if (!reduce_op_) return;
   const auto& g = reduce_op_->group;
   SPPO_CHECK(o.zero_shards == 1 || (int(g.size()) == o.zero_shards && g[std::size_t(o.zero_index)] == o.rank),
              "runtime")
       << "ZeRO shards the optimizer over " << o.zero_shards << " ranks but the gradient group has " << g.size();
+  SPPO_CHECK((reduce_op_->kind == sched::OpKind::ReduceScatter) == (o.zero_shards > 1), "runtime")
+      << "the schedule's '" << sched::to_string(*reduce_op_) << "' where this runtime shards over " << o.zero_shards
+      << " ranks";
   bucket_ready_.assign(buckets.size(), kNever);
   bucket_req_.assign(buckets.size(), comm::kDone);
   bucket_started_.assign(buckets.size(), false);
@@ -113,8 +116,9 @@ void GradReduce::start(std::size_t b) {
   const comm::Group& g = reduce_op_->group;
   float* data = data_[b];
   result_.collective_bytes += i64(fp32_bytes(k.count));
-  bucket_req_[b] = opts_.zero_shards > 1 ? comm::ireduce_scatter_pieces(*opts_.comm, data, k.count, g)
-                                         : opts_.comm->iallreduce(data, k.count, comm::Type::F32, g);
+  bucket_req_[b] = reduce_op_->kind == sched::OpKind::ReduceScatter
+                       ? comm::ireduce_scatter_pieces(*opts_.comm, data, k.count, g)
+                       : opts_.comm->iallreduce(data, k.count, comm::Type::F32, g);
 }
 
 void GradReduce::reduce(const sched::Op& op, std::size_t index) {

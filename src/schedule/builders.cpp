@@ -437,7 +437,7 @@ class PipelineBuilder {
         for (int d = 0; d < D_; ++d)
           for (int r = 0; r < R_; ++r) group.push_back(rank_of(d, p, r));
         for (int rank : group) {
-          Op ar = with_layers(make(OpKind::AllReduce, 0), p);
+          Op ar = with_layers(make(spec_.par.zero != ZeroStage::None ? OpKind::ReduceScatter : OpKind::AllReduce, 0), p);
           ar.payload = Payload::WeightGrads;
           ar.group = group;
           s_.ops[std::size_t(rank)].push_back(ar);
@@ -657,7 +657,7 @@ Schedule to_layer_major(Schedule s) {
     int lb = s.layers, le = 0;
     for (std::size_t k = first; k < ops.size(); ++k) {
       const Op& op = ops[k];
-      if (op.kind == OpKind::AllReduce) {
+      if (op.kind == OpKind::AllReduce || op.kind == OpKind::ReduceScatter) {
         tail.push_back(op);
         continue;
       }
@@ -897,7 +897,7 @@ Schedule expand_ulysses(Schedule s, int U) {
         Op op = src;
         op.peer = map(op.peer);
         op.recv_peer = map(op.recv_peer);
-        if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) {
+        if (reduces_weight_grads(op)) {
           std::vector<int> group;
           for (int g : op.group)
             for (int v = 0; v < U; ++v) group.push_back(member(g, v));

@@ -219,6 +219,7 @@ const char* to_string(OpKind k) {
     case OpKind::RingStep: return "ring";
     case OpKind::AllReduce: return "allreduce";
     case OpKind::AllToAll: return "alltoall";
+    case OpKind::ReduceScatter: return "reducescatter";
     case OpKind::AllGather: return "allgather";
   }
   SPPO_ASSERT(false);
@@ -319,6 +320,7 @@ std::string to_string(const Op& op) {
       os << ']';
       break;
     case OpKind::AllGather:
+    case OpKind::ReduceScatter:
     case OpKind::AllReduce:
       os << to_string(op.payload) << ' ';
       if (op.payload != Payload::TiedGrads) put_layers(os, op), os << ' ';

@@ -36,6 +36,10 @@ enum class OpKind {
   AllReduce,     // all-reduce across `group` of the weight gradients of layers [layer_begin,
                  //   layer_end) (payload WeightGrads: data-parallel and SP replicas), or of the
                  //   tied embedding's gradient (payload TiedGrads: first and last stage)
+  ReduceScatter, // under ZeRO (ParallelDims::zero), in place of the WeightGrads AllReduce: the
+                 //   gradients reduce-scattered across the layer group `group`, member k keeping
+                 //   piece k of each bucket's sum. Each bucket of either starts as the last
+                 //   backward that adds to it ends; the op waits for them all
   AllToAll,      // the all-to-alls of Ulysses members `group` that the next F (payload KV) or B
                  //   (payload KVGrad) of layers [layer_begin, layer_end) on (subseq, piece) runs
                  //   inside each layer (Note [Ulysses exchanges] in core/layout.h)
@@ -87,6 +91,12 @@ struct Op {
 
   bool operator==(const Op&) const = default;
 };
+
+// The reduction of a stage's weight gradients over its layer group: an AllReduce, or under
+// ZeRO a ReduceScatter.
+inline bool reduces_weight_grads(const Op& op) {
+  return (op.kind == OpKind::AllReduce || op.kind == OpKind::ReduceScatter) && op.payload == Payload::WeightGrads;
+}
 
 // A hidden state (or its gradient) passed between stages: its payload, the layer at the
 // boundary (the consumer's first layer for a hidden state, its last + 1 for a gradient) and

@@ -89,7 +89,7 @@ i64 collective_bytes(const Schedule& s, int rank, const ModelConfig& c) {
   i64 bytes = 0;
   for (const Op& op : s.ops.at(std::size_t(rank))) {
     if (op.kind == OpKind::AllGather) bytes += layer_params(c, tp) * 4;
-    if (op.kind != OpKind::AllReduce) continue;
+    if (op.kind != OpKind::AllReduce && op.kind != OpKind::ReduceScatter) continue;
     if (op.payload == Payload::TiedGrads && s.par.zero != ZeroStage::None) {
       const auto [v0, v1] = tp.vocab(c);
       const auto [pb, pe] = piece_range((v1 - v0) * c.hidden, s.par.zero_index(rank), s.par.zero_shards());
@@ -158,7 +158,7 @@ RankMemory::RankMemory(const MemoryRules& rules, const Schedule& s, int rank, co
       state = zero_state_params(c, ob, oe, rules.zero_shards, 0, tp_);
     } else if (rules.zero) {
       for (const Op& op : s.ops.at(rank))
-        if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) {
+        if (reduces_weight_grads(op)) {
           const int index = int(std::find(op.group.begin(), op.group.end(), rank) - op.group.begin());
           state = zero_state_params(c, ob, oe, int(op.group.size()), index, tp_);
         }
@@ -760,6 +760,7 @@ void RankMemory::events(const Op& op, std::vector<MemEvent>* out) {
     case OpKind::WaitOffload:
     case OpKind::RingStep:
     case OpKind::AllReduce:
+    case OpKind::ReduceScatter:
     case OpKind::AllGather:  // into the buffers its F or B's uses allocate (LayerUses)
     case OpKind::AllToAll:  // into the F/B's workspace (Note [Ulysses buffers] in core/layout.cpp)
       break;

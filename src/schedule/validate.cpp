@@ -138,6 +138,7 @@ void check_order(const Schedule& s, int r, Errors& err) {
           err.add(r, k, op, "bad ring source");
         break;
       case OpKind::AllReduce:
+      case OpKind::ReduceScatter:
         break;
       case OpKind::AllGather:  // checked with their F or B (check_gathers)
         break;
@@ -250,7 +251,8 @@ void check_matching(const Schedule& s, Errors& err) {
           ring_posted[r] = false;
         } else if (op.kind == OpKind::Recv) {
           if (!take(channel[{op.peer, r}], message_key(op))) break;
-        } else if (op.kind == OpKind::AllReduce || op.kind == OpKind::AllToAll || op.kind == OpKind::AllGather) {
+        } else if (op.kind == OpKind::AllReduce || op.kind == OpKind::ReduceScatter || op.kind == OpKind::AllToAll ||
+                   op.kind == OpKind::AllGather) {
           bool member = false;
           for (int g : op.group) member |= g == r;
           if (!member) {

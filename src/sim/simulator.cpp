@@ -373,6 +373,16 @@ struct Pass {
   std::vector<std::vector<std::pair<double, double>>> mem_span;  // per rank and op: RankState::mem_span
 };
 
+// Note [ZeRO's reductions priced whole]: under ZeRO the step's gradient reduction is a
+// ReduceScatter, half a ring all-reduce on the wire; after the optimizer's update the
+// group all-gathers the updated weights (ZeRO-1, ZeRO-2; under ZeRO-3 the embedding's, final
+// norm's and head's alone), the other half, which is not an op of the step. The
+// ReduceScatter is priced as the whole all-reduce, so that a ZeRO-1 or ZeRO-2 step costs
+// what its reductions and its gathers of weights take. Under ZeRO-3 that overprices the
+// step by the layers' half (they are gathered for each use instead, AllGather ops priced
+// inside the F and B that start them): the planner's ZeRO-3 figures are lower bounds by at
+// most one all-gather of the layers' weights.
+//
 // Note [Weights on the host] (schedule/weights.h), priced: an F/B op's layers run one after
 // another, op.seconds / layers each. At a layer's start the copies it issues (the rank's
 // first use: its own layer's; then the next use's layer) go on the copy-in lane behind
@@ -448,7 +458,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
       group_of[size_t(r)].assign(s.ops[size_t(r)].size(), -1);
       for (size_t k = 0; k < s.ops[size_t(r)].size(); ++k) {
         const Op& op = s.ops[size_t(r)][k];
-        if (op.kind != OpKind::AllReduce && op.kind != OpKind::AllToAll) continue;
+        if (op.kind != OpKind::AllReduce && op.kind != OpKind::ReduceScatter && op.kind != OpKind::AllToAll) continue;
         if (!last || *last != op.group) {
           const auto [at, added] = ids.emplace(op.group, int(ids.size()));
           last_id = at->second;
@@ -633,6 +643,7 @@ Pass simulate_once(const Schedule& s, const CostModel& cost, const std::vector<R
           case OpKind::AllGather:  // ZeRO-3's, priced inside the next F or B's layers (layer_copies)
             break;
           case OpKind::AllToAll:    // Ulysses' exchanges, priced with the op (op.seconds)
+          case OpKind::ReduceScatter:  // priced as an all-reduce (Note [ZeRO's reductions priced whole])
           case OpKind::AllReduce: {  // every member arrives, then all are held until it ends
             const Op& all = ops[rs.pc];
             const int g = group_of[size_t(r)][rs.pc];

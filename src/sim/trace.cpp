@@ -44,6 +44,7 @@ Style style_of(const TraceEvent& e) {
     case OpKind::Recv:
     case OpKind::RingStep:
     case OpKind::AllReduce:
+    case OpKind::ReduceScatter:
     case OpKind::AllGather:
     case OpKind::AllToAll: return {"communication", "#ea4335"};
   }

@@ -101,7 +101,8 @@ void prepare_groups(comm::Comm& world, const sched::Schedule& s, const ModelConf
   std::vector<comm::Group> groups;
   for (const auto& ops : s.ops)
     for (const sched::Op& op : ops)
-      if ((op.kind == sched::OpKind::AllReduce || op.kind == sched::OpKind::AllGather) &&
+      if ((op.kind == sched::OpKind::AllReduce || op.kind == sched::OpKind::ReduceScatter ||
+           op.kind == sched::OpKind::AllGather) &&
           std::find(groups.begin(), groups.end(), op.group) == groups.end())
         groups.push_back(op.group);
   for (int r = 0; s.par.tp > 1 && r < s.ranks(); ++r) {  // tensor-parallel groups

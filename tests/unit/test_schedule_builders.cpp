@@ -229,7 +229,7 @@ TEST(WeightsOnTheHost, UsesBringEachLayerAheadAndLetItGo) {
 // Note [ZeRO-3 gathers] (schedule/weights.h): under ZeRO-3 each F and B op is preceded by
 // the gathers its uses start, over the rank's layer group, in the training step and in the
 // forward-only step alike; the validator catches a gather missing, moved or over another
-// group.
+// group. Under ZeRO the step's gradient reduction is a ReduceScatter.
 TEST(ZeroThreeGathers, AreTheUsesLoadsOverTheLayerGroup) {
   ModelConfig c = preset("tiny");
   c.layers = 4;
@@ -282,6 +282,17 @@ TEST(ZeroThreeGathers, AreTheUsesLoadsOverTheLayerGroup) {
   const Schedule s = build_step(c, {24, 20}, {0.5, 0.0}, shape);
   ASSERT_EQ(to_string(s.ops[0].at(0)), "allgather weights L0-0 [0,1]");
   ASSERT_EQ(to_string(s.ops[0].at(1)), "allgather weights L1-1 [0,1]");
+  // Under every ZeRO stage the gradients are reduce-scattered over the layer group; without
+  // ZeRO all-reduced.
+  for (ZeroStage z : {ZeroStage::None, ZeroStage::OptimizerState, ZeroStage::Gradients, ZeroStage::Weights}) {
+    StepShape shape_z = shape;
+    shape_z.par.zero = z;
+    const Schedule t = build_step(c, {24, 20}, {0.5, 0.0}, shape_z);
+    const std::string want = z == ZeroStage::None ? "allreduce weight_grads L0-3 [0,1]"
+                                                   : "reducescatter weight_grads L0-3 [0,1]";
+    EXPECT_EQ(to_string(t.ops[0].back()), want) << stage_number(z);
+    EXPECT_TRUE(reduces_weight_grads(t.ops[1].back())) << stage_number(z);
+  }
   auto broken = [&](auto&& edit, const std::string& says) {
     Schedule t = s;
     edit(t);

@@ -150,7 +150,7 @@ TEST(Ulysses, ExpandedGridIsValid) {
                   EXPECT_EQ(ops[k - 1].group, s.par.ulysses_group(r));
                 }
                 // Weights are whole on every member: their gradients sum over the layer group.
-                if (op.kind == OpKind::AllReduce && op.payload == Payload::WeightGrads) {
+                if (reduces_weight_grads(op)) {
                   EXPECT_EQ(op.group, s.par.layer_group(r));
                 }
               }
