@@ -92,6 +92,13 @@ std::vector<int> ParallelDims::layer_group(int rank) const {
   return g;
 }
 
+const char* ParallelDims::zero_sharding_refused() const {
+  return dp * cp * ulysses < 2 ? "one rank holding each layer (no --dp, --cp or --ulysses to shard over)"
+         : tp > 1              ? "--tp (each rank holds shards of every layer already)"
+         : msp.on              ? "--msp on (helpers return a stage's gradients whole)"
+                               : nullptr;
+}
+
 int ParallelDims::zero_index(int rank) const {
   if (zero == ZeroStage::None) return 0;
   const Coord c = coord_of(rank);

@@ -109,6 +109,11 @@ struct ParallelDims {
   // shard among them.
   int zero_shards() const { return zero == ZeroStage::None ? 1 : dp * cp * ulysses; }
   int zero_index(int rank) const;
+  // What keeps ZeRO-2 and 3 (Notes [ZeRO-2] and [ZeRO-3] in schedule/weights.h) from
+  // sharding this layout's gradients and weights, as a phrase naming the option; null where
+  // they run: two or more ranks hold each layer, no tensor parallelism, no MSP. The planner
+  // searches them where this is null; train refuses the rest with it.
+  const char* zero_sharding_refused() const;
 
   // Every degree at least 1 and the ranks at most kMaxRanks; throws sppo::Error naming
   // `component`.

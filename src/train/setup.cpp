@@ -521,10 +521,9 @@ class SetupBuilder {
     const std::string zero = "--zero " + std::to_string(stage_number(shape_.par.zero));
     const ParallelDims& par = shape_.par;
     const char* refused = par.zero_shards() < 2 ? nullptr
-                          : par.tp > 1           ? "--tp (each rank holds shards of every layer already)"
-                          : par.msp.on           ? "--msp on (helpers return a stage's gradients whole)"
-                          : o_.recompute         ? "--recompute (the full-recompute baseline)"
-                                                 : nullptr;
+                          : par.zero_sharding_refused() ? par.zero_sharding_refused()
+                          : o_.recompute                ? "--recompute (the full-recompute baseline)"
+                                                        : nullptr;
     SPPO_CHECK(par.zero_shards() >= 2, "options")
         << zero << " shards the " << (shape_.par.zero == ZeroStage::Weights ? "weights and gradients" : "gradients")
         << " over the ranks that hold the same layers (each stage's --dp, --cp and --ulysses ranks), and this "

@@ -132,7 +132,7 @@ std::vector<plan::Plan> layout_pass(const SearchContext& ctx) {
         if (p.lengths.back() < i64(split)) continue;
         // ZeRO over a group of one shards nothing: no stage there (2 and 3 not that layout).
         p.par.zero = cp * U * dp > 1 ? req.zero.value_or(ZeroStage::OptimizerState) : ZeroStage::None;
-        if (shards_gradients(req.zero.value_or(ZeroStage::None)) && !zero_sharding_runs(p.par)) continue;
+        if (shards_gradients(req.zero.value_or(ZeroStage::None)) && p.par.zero_sharding_refused()) continue;
         p.place.optimizer_state = req.place.optimizer_state == Tier::Host ? Tier::Host : Tier::Device;
         p.par.ring_layout = req.ring_layout;
         p.offload = req.offload;
@@ -168,8 +168,6 @@ std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vecto
   return out;
 }
 
-bool zero_sharding_runs(const ParallelDims& par) { return par.tp == 1 && par.dp * par.cp * par.ulysses >= 2; }
-
 // Note [ZeRO in the search]: ZeRO-2 and 3 (Notes [ZeRO-2] and [ZeRO-3] in
 // schedule/weights.h) shard a layer group's gradients, and its weights, as ZeRO-1 shards the
 // AdamW state. Under --zero auto the search lays out ZeRO-1 (where a group has two or more
@@ -184,13 +182,13 @@ bool zero_sharding_runs(const ParallelDims& par) { return par.tp == 1 && par.dp 
 // recomputed, less offloaded, fewer subsequences): gpt-7b at 32K on four one-GPU nodes, dp
 // 4, 2422.8 tokens/GPU/s against ZeRO-1's 2349.3. Of two plans as fast the one sharding
 // less is chosen (rank_pass). Layouts with tensor parallelism, or one rank a group, run
-// neither (zero_sharding_runs), and none weighs MSP (msp_possible). --zero 2 or 3 searches
-// the layouts that run it alone.
+// neither (ParallelDims::zero_sharding_refused, which train's refusals name too), and none
+// weighs MSP (msp_possible). --zero 2 or 3 searches the layouts that run it alone.
 // Takes layouts; gives those that run `zero`, so sharded.
 std::vector<plan::Plan> zero_sharded(const std::vector<plan::Plan>& layouts, ZeroStage zero) {
   std::vector<plan::Plan> out;
   for (plan::Plan p : layouts) {
-    if (!zero_sharding_runs(p.par) || p.place.weights_host()) continue;
+    if (p.par.zero_sharding_refused() || p.place.weights_host()) continue;
     p.par.zero = zero;
     out.push_back(std::move(p));
   }

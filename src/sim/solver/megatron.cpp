@@ -57,7 +57,7 @@ PlanOutcome solve_megatron(const PlanRequest& req) {
         p.par.dp = G / tp / cp / pp;
         p.par.ring_layout = RingLayout::Zigzag;
         p.par.zero = req.zero.value_or(cp * p.par.dp > 1 ? ZeroStage::OptimizerState : ZeroStage::None);
-        if (shards_gradients(p.par.zero) && !zero_sharding_runs(p.par)) continue;
+        if (shards_gradients(p.par.zero) && p.par.zero_sharding_refused()) continue;
         p.subseqs = 1;
         p.lengths = {req.seq_len};
         p.alpha = {0.0};

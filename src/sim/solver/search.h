@@ -371,9 +371,6 @@ struct SearchOptions {
 std::optional<std::string> weights_alone_error(const SearchContext& ctx);
 std::vector<plan::Plan> layout_pass(const SearchContext& ctx);
 std::vector<plan::Plan> weights_on_host(const PlanRequest& req, const std::vector<plan::Plan>& layouts);
-// Whether a layout can shard its gradients and weights (ZeRO-2 and 3): two or more ranks
-// hold its layers, and it has no tensor parallelism (train's check_zero says why).
-bool zero_sharding_runs(const ParallelDims& par);
 std::vector<plan::Plan> zero_sharded(const std::vector<plan::Plan>& layouts, ZeroStage zero);
 
 // 2. Placements (placements.cpp).
