@@ -391,6 +391,15 @@ struct Pass {
 // seconds waited stretch the op and count as exposed copy time. The copies go before the
 // op's streamed K/V chunks (Note [Streams on the copy streams]), which wait behind them;
 // they are not replayed on shared links (Note [Shared host links]).
+// ZeRO-3's gathers (the AllGather ops, Note [ZeRO-3 gathers] in schedule/weights.h) are
+// priced the same way, at half a ring all-reduce of the layer's fp32 weights over the
+// group, and drawn on the network lane; but they are timed on the copy-in clock, so they
+// queue behind the rank's host-to-device copies rather than its messages, and each is the
+// rank's own transfer, not a collective that waits for the group's slowest member. Timing
+// them on the network clock instead moved the planner's ZeRO-3 figures by up to 0.4%
+// (gpt-7b at 512K on 8 H200s: 1068.6 to 1068.3 tokens/GPU/s, then under ZeRO-2; llama-3-8b
+// at 512K on 8 H100s: 1055.9 to 1052.2) and would move DeepSpeed's, whose schedule is
+// ZeRO-3.
 // `copies` (may be null): each copy's lane, layer and span, for the trace.
 struct LayerCopy {
   Lane lane;
