@@ -338,6 +338,7 @@ std::string to_string(const Schedule& s) {
   os << "schedule ranks=" << s.ranks() << " layers=" << s.layers << " lengths=";
   for (size_t i = 0; i < s.lengths.size(); ++i) os << (i ? "," : "") << s.lengths[i];
   if (s.par.cp > 1 && s.par.ring_layout != RingLayout::Contiguous) os << " ring=" << to_string(s.par.ring_layout);
+  if (s.par.zero != ZeroStage::None) os << " zero=" << stage_number(s.par.zero);
   if (pl.any_kv_streamed()) {
     os << " kv=";
     for (size_t l = 0; l < pl.kv.size(); ++l) os << (l ? "," : "") << to_string(pl.kv[l]);

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/config.h"
 #include "schedule/builders.h"
 
 namespace sppo::sched {
@@ -56,6 +57,19 @@ TEST(Golden, ZigzagRingInAPipeline) {
   spec.lengths = {12, 8};
   spec.par.ring_layout = RingLayout::Zigzag;
   check_golden("ring_zigzag_sp2_p2_n2", build_pipeline(spec));
+}
+
+// ZeRO-3 over two replicas in the layer-major backward: each layer's gather before the F or
+// B that starts it (Note [ZeRO-3 gathers] in schedule/weights.h), the reduce-scatter at
+// the end.
+TEST(Golden, ZeroThreeLayerMajor) {
+  ModelConfig c = preset("tiny");
+  c.layers = 2;
+  StepShape shape;
+  shape.par.dp = 2;
+  shape.par.zero = ZeroStage::Weights;
+  shape.place.backward = BackwardOrder::Layer;
+  check_golden("zero3_dp2_n2_layer", build_step(c, {6, 4}, {0.5, 0.0}, shape));
 }
 
 TEST(Golden, Msp) {
