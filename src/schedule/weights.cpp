@@ -61,10 +61,6 @@ const LayerUse& LayerUses::at(std::size_t index, int k) const {
   return uses_[u];
 }
 
-}  // namespace sppo::sched
-
-namespace sppo::sched {
-
 std::vector<int> gathered_layers(const LayerUses& uses, std::size_t index) {
   std::vector<int> layers;
   for (std::size_t u = uses.first(index); u < uses.last(index); ++u)
@@ -84,11 +80,12 @@ Schedule with_weight_gathers(Schedule s) {
     std::vector<Op> out;
     out.reserve(ops.size() + uses.uses().size());
     for (std::size_t k = 0; k < ops.size(); ++k) {
+      const std::vector<int> layers = gathered_layers(uses, k);
       // Before the op's all-to-all, which comes right before it (Note [Ulysses exchanges]).
       std::optional<Op> alltoall;
-      if (k > 0 && ops[k - 1].kind == OpKind::AllToAll && !gathered_layers(uses, k).empty())
+      if (k > 0 && ops[k - 1].kind == OpKind::AllToAll && !layers.empty())
         alltoall = std::move(out.back()), out.pop_back();
-      for (int l : gathered_layers(uses, k)) {
+      for (int l : layers) {
         Op g;
         g.kind = OpKind::AllGather;
         g.payload = Payload::Weights;

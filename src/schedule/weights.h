@@ -133,17 +133,18 @@ class LayerUses {
 
 // Note [ZeRO-3 gathers]: the gathers are ops of the schedule (OpKind::AllGather), one a
 // layer gathered, over the rank's layer group (ParallelDims::layer_group), right before the
-// F or B op that starts them (and its all-to-all), in the order it starts them: its uses' load_now, load_next
-// and load_below, use by use. The runtime starts each as the use says (one layer ahead,
-// inside the op) and takes its group from the op; the simulator prices it there on the
-// network lane and counts its bytes (collective_sent_bytes); validate_schedule checks that
-// the ops are the uses' loads and that every member of the group meets them in one order.
-// A forward-only step (to_forward_only) keeps its F ops' gathers, which its group needs
-// even where no gradient is reduced. with_weight_gathers (re)writes them from the uses:
-// build_step and to_forward_only call it last.
+// F or B op that starts them (and before its all-to-all), in the order it starts them: its
+// uses' load_now, load_next and load_below, use by use. The runtime starts each as the use
+// says (one layer ahead, inside the op) and takes its group from the op; the simulator
+// prices it there, drawn on the network lane, and counts its bytes (collective_bytes in
+// schedule/memory.h); the validator (schedule/validate.h) checks that the ops are the uses'
+// loads and that every member of the group meets them in one order. A forward-only step
+// (to_forward_only) keeps its F ops' gathers, whose group it needs even where no gradient
+// is reduced. with_weight_gathers (re)writes them from the uses: build_step and
+// to_forward_only call it last.
 Schedule with_weight_gathers(Schedule s);
-// The layers F or B op `index` of rank `rank` gathers, in the order it starts them (none
-// unless layer_weights_stream(s) under ZeRO-3).
+// The layers that F or B op `index` of the uses' rank gathers, in the order it starts them
+// (none unless ZeRO-3 streams the weights).
 std::vector<int> gathered_layers(const LayerUses& uses, std::size_t index);
 
 
