@@ -1,5 +1,6 @@
 #include "bench/bench_eval.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -65,12 +66,16 @@ nlohmann::json bench_eval(const BenchEvalOptions& o) {
                           {"eval_max_seq_len", eval},
                           {"eval_at_cap", eval == o.cap / kLengthStep * kLengthStep},
                           {"ratio", train > 0 ? double(eval) / double(train) : 0.0}};
-    if (eval > 0 && eval <= o.measure_cap) {  // one evaluation at its longest, from seeded weights
-      StepSetup s = make_setup(options_for(o, profile, eval, true, kv));
+    // One evaluation, at its longest or the measuring cap if shorter, from seeded weights.
+    const i64 measured = std::min(eval, o.measure_cap / kLengthStep * kLengthStep);
+    if (measured > 0) {
+      StepSetup s = make_setup(options_for(o, profile, measured, true, kv));
       init_owned(*s.runtime, 1234);
-      std::vector<std::int32_t> tokens(std::size_t(eval + 1));
-      s.data->next(tokens.data(), eval + 1);
+      std::vector<std::int32_t> tokens(std::size_t(measured + 1));
+      s.data->next(tokens.data(), measured + 1);
       const StepResult r = s.runtime->step(s.schedule, tokens.data());
+      row["eval_measured_seq_len"] = measured;
+      row["eval_measured_ratio"] = train > 0 ? double(measured) / double(train) : 0.0;
       row["eval_subseqs"] = s.lengths.size();
       row["eval_measured_peak_device_bytes"] = r.device.peak;
       row["eval_predicted_peak_device_bytes"] = s.predicted_peak_bytes;
@@ -90,24 +95,29 @@ void print_bench_eval(const nlohmann::json& j) {
               j["model"].get<std::string>().c_str(), format_bytes(j["device_budget_bytes"].get<double>()).c_str(),
               format_bytes(j["host_budget_bytes"].get<double>()).c_str(),
               (long long)kLengthStep, j["cap"].get<long long>());
-  std::printf("%-8s %14s %14s %8s %28s %28s\n", "K/V", "train longest", "eval longest", "ratio",
-              "eval peak device (pred.)", "eval peak host (pred.)");
+  std::printf("%-8s %14s %14s %8s %20s %24s %24s\n", "K/V", "train longest", "eval longest", "ratio",
+              "eval measured at", "peak device (pred.)", "peak host (pred.)");
   for (const auto& r : j["rows"]) {
     auto len = [&](const char* key, const char* cap) {
       return std::to_string(r[key].get<long long>()) + (r[cap].get<bool>() ? "+" : "");
     };
-    std::string dev = "not measured", host = dev;
+    std::string at = "not measured", dev = "", host = "";
     if (r.contains("eval_measured_peak_device_bytes")) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%lld (%.2fx)", r["eval_measured_seq_len"].get<long long>(),
+                    r["eval_measured_ratio"].get<double>());
+      at = buf;
       dev = format_bytes(r["eval_measured_peak_device_bytes"].get<double>()) + " (" +
             format_bytes(r["eval_predicted_peak_device_bytes"].get<double>()) + ")";
       host = format_bytes(r["eval_measured_peak_host_bytes"].get<double>()) + " (" +
              format_bytes(r["eval_predicted_peak_host_bytes"].get<double>()) + ")";
     }
-    std::printf("%-8s %14s %14s %7.2fx %28s %28s\n", r["kv_cache"].get<std::string>().c_str(),
+    std::printf("%-8s %14s %14s %7.2fx %20s %24s %24s\n", r["kv_cache"].get<std::string>().c_str(),
                 len("train_max_seq_len", "train_at_cap").c_str(), len("eval_max_seq_len", "eval_at_cap").c_str(),
-                r["ratio"].get<double>(), dev.c_str(), host.c_str());
+                r["ratio"].get<double>(), at.c_str(), dev.c_str(), host.c_str());
   }
-  std::printf("(+: at the cap, the longest searched; peaks measured on one evaluation at its longest)\n");
+  std::printf("(+: at the cap, the longest searched; peaks measured on one evaluation at its longest or at "
+              "--measure-cap, whichever is shorter, its length's ratio to train's longest beside it)\n");
 }
 
 }  // namespace sppo

@@ -5,8 +5,8 @@
 // sequence `train --subseqs auto --offload adaptive` fits and the longest `sppo eval
 // --subseqs auto` fits, both from the setup's own predictions (the checks a run makes before
 // its first step), searched in multiples of 1024 tokens up to a cap (a length at the cap is
-// reported as such); then one evaluation at its longest (up to a cap on what is measured
-// here), its measured device and host peaks beside the predicted ones.
+// reported as such); then one evaluation at its longest, or at a shorter cap on what is
+// measured here, its measured device and host peaks beside the predicted ones.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -21,7 +21,7 @@ struct BenchEvalOptions {
   i64 budget = i64{96} << 20;      // the demo's device budget
   i64 host_budget = i64{1} << 30;  // the host's, which holds what both move off the device
   i64 cap = i64{512} << 10;        // the longest length searched
-  i64 measure_cap = i64{64} << 10; // the longest evaluation run to measure its peaks
+  i64 measure_cap = i64{64} << 10; // the longest evaluation run to measure its peaks (a shorter one where eval's longest is)
 };
 
 nlohmann::json bench_eval(const BenchEvalOptions& o);
