@@ -33,7 +33,7 @@ double EvalSums::accuracy() const {
 }
 
 EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout& lay, comm::Comm& comm,
-                  io::TokenSource& data, io::TokenSource* labels, i64 sequences) {
+                  io::TokenSource& data, io::TokenSource* labels, i64 sequences, const EvalProgress& progress) {
   SPPO_ASSERT(fwd.forward_only);
   const i64 S = fwd.seq_len();
   EvalSums e;
@@ -42,7 +42,8 @@ EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout&
   e.hits.assign(std::size_t(S), 0.0);
   std::vector<std::int32_t> tokens(std::size_t(S + 1)), label(labels ? std::size_t(S + 1) : 0), targets;
   double seconds = 0;
-  i64 peak = 0, host_peak = 0;
+  i64 peak = 0, host_peak = 0, ran = 0;
+  const i64 mine = (sequences - lay.replica() + lay.par.dp - 1) / lay.par.dp;  // this replica's sequences
   for (i64 k = 0; k < sequences; ++k) {
     data.next(tokens.data(), S + 1);
     if (labels) labels->next(label.data(), S + 1);
@@ -70,6 +71,7 @@ EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout&
     seconds += r.step_s;
     peak = std::max(peak, r.device.peak);
     host_peak = std::max(host_peak, r.host.peak);
+    if (progress) progress(++ran, mine, seconds);
   }
   e.sequences = sequences;
   if (comm.size() > 1) {
@@ -178,9 +180,7 @@ nlohmann::json eval_json(const EvalSums& e, const StepSetup& s, bool labeled) {
 void print_eval(const EvalSums& e, const StepSetup& s, bool labeled) {
   const i64 S = s.schedule.seq_len();
   const double loss = e.mean_loss(0, S);
-  std::printf("eval: %lld sequence(s) of %lld tokens, %lld subsequence(s)%s; %.0f tokens counted\n",
-              (long long)e.sequences, (long long)S, (long long)s.lengths.size(),
-              s.schedule.place.any_kv_streamed() ? ", K/V on the host" : "", e.total_tokens());
+  std::printf("%.0f tokens counted in %lld sequence(s)\n", e.total_tokens(), (long long)e.sequences);
   std::printf("loss %.6f (perplexity %.4g)", loss, std::exp(loss));
   if (labeled) std::printf(", accuracy %.4f", e.accuracy());
   std::printf("\n%-22s %10s %10s\n", "positions", "loss", "tokens");
@@ -222,8 +222,33 @@ int run_eval(const EvalOptions& o) {
   comm::Comm& cm = s.comm(world);
   prepare_groups(cm, s.schedule, s.config);
   const i64 M = sequences_of(o, *s.data);
+  // Where the run will stand before it starts, and (for more than one sequence) how it goes:
+  // a sequence of a million tokens takes minutes, and a grid of them hours.
+  EvalProgress progress;
+  if (world.rank() == 0) {
+    const std::size_t host = s.schedule.place.kv_layers(KvPlace::Host).size();
+    const std::string kv = host == 0 ? "on the device"
+                                     : "of " + std::to_string(host) + " of " + std::to_string(s.config.layers) +
+                                           " layers on the host";
+    std::printf("eval: %lld sequence(s) of %lld tokens, %lld subsequence(s), K/V %s; predicted peaks: device %s, "
+                "host %s\n",
+                (long long)M, (long long)o.step.seq_len, (long long)s.lengths.size(), kv.c_str(),
+                format_bytes(double(s.predicted_peak_bytes)).c_str(),
+                format_bytes(double(s.predicted_host_bytes)).c_str());
+    std::fflush(stdout);
+    // A line every 10 s or so while sequences remain.
+    progress = [shown = 0.0](i64 done, i64 of, double seconds) mutable {
+      if (done == of || seconds - shown < 10) return;
+      shown = seconds;
+      std::printf("  sequence %lld of %lld: %.0f s so far, about %.0f s to go\n", (long long)done, (long long)of,
+                  seconds, seconds / double(done) * double(of - done));
+      std::fflush(stdout);
+    };
+  }
   EvalSums e;
-  on_this_rank(cm, [&] { e = evaluate(*s.runtime, s.schedule, s.layout, cm, *s.data, s.labels.get(), M); });
+  on_this_rank(cm, [&] {
+    e = evaluate(*s.runtime, s.schedule, s.layout, cm, *s.data, s.labels.get(), M, progress);
+  });
   if (world.rank() != 0) return 0;
   const bool labeled = s.labels != nullptr;
   print_eval(e, s, labeled);

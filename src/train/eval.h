@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -41,9 +42,12 @@ struct EvalSums {
 // Runs `sequences` sequences of S + 1 tokens from `data` (and `labels`, read in step; null:
 // the next tokens are the targets) through forward-only schedule `fwd` on this rank's
 // runtime; replica d runs sequences d, d + dp, ...; every rank reads all of them, so the
-// sources advance alike everywhere. Collective over `comm`'s world group.
+// sources advance alike everywhere. Collective over `comm`'s world group. `progress`, where
+// given, hears after each sequence this rank ran: how many of its replica's it has run, of
+// how many, and the seconds its steps took so far.
+using EvalProgress = std::function<void(i64 done, i64 of, double seconds)>;
 EvalSums evaluate(Runtime& rt, const sched::Schedule& fwd, const ParallelLayout& lay, comm::Comm& comm,
-                  io::TokenSource& data, io::TokenSource* labels, i64 sequences);
+                  io::TokenSource& data, io::TokenSource* labels, i64 sequences, const EvalProgress& progress = {});
 
 // Position bins [0, 16), [16, 32), [32, 64), ... up to S: the loss by position on a log scale.
 std::vector<io::PositionBin> position_bins(const EvalSums& sums);
