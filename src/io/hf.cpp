@@ -10,6 +10,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "core/bf16.h"
 #include "core/check.h"
 #include "core/json_fields.h"
 #include "core/layout.h"
@@ -33,22 +34,6 @@ nlohmann::json read_json(const std::string& path) {
     SPPO_CHECK(false, kComponent) << path << " is not JSON: " << e.what();
   }
   return {};
-}
-
-float bf16_to_float(std::uint16_t h) {
-  const std::uint32_t bits = std::uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round to nearest even, as torch's float -> bfloat16; NaN stays NaN.
-std::uint16_t float_to_bf16(float f) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (std::isnan(f)) return std::uint16_t((bits >> 16) | 0x40);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return std::uint16_t(bits >> 16);
 }
 
 float f16_to_float(std::uint16_t h) {

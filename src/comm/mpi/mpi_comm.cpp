@@ -18,6 +18,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/check.h"
 #include "core/layout.h"
 
@@ -27,23 +28,6 @@ namespace {
 
 int g_rank = -1;
 i64 g_count_limit = INT_MAX;
-
-// bf16 as the engine rounds it (io/hf.cpp's float_to_bf16, and the CUDA kernels'
-// __float2bfloat16_rn): to nearest even, NaN kept a quiet NaN.
-float bf16_to_float(std::uint16_t h) {
-  const std::uint32_t bits = std::uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-std::uint16_t float_to_bf16(float f) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (std::isnan(f)) return std::uint16_t((bits >> 16) | 0x40);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return std::uint16_t(bits >> 16);
-}
 
 // MPI has no bf16: sums of 16-bit elements by a user-defined operation, each pair added in
 // fp32 and rounded back.
