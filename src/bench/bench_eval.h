@@ -19,9 +19,10 @@ namespace sppo {
 struct BenchEvalOptions {
   std::string model = "small";
   i64 budget = i64{96} << 20;      // the demo's device budget
-  i64 host_budget = i64{1} << 30;  // the host's, which holds what both move off the device
-  i64 cap = i64{512} << 10;        // the longest length searched
-  i64 measure_cap = i64{64} << 10; // the longest evaluation run to measure its peaks (a shorter one where eval's longest is)
+  i64 host_budget = i64{4} << 30;  // the host's, which holds what both move off the device
+  i64 cap = i64{4} << 20;          // the longest length searched
+  // The longest evaluation run to measure its peaks (eval's longest where that is shorter).
+  i64 measure_cap = i64{64} << 10;
 };
 
 nlohmann::json bench_eval(const BenchEvalOptions& o);

@@ -302,7 +302,8 @@ void add_bench_eval(CLI::App* bench, Commands& out) {
   cmd->add_option("--device-memory", o->budget, "The device budget both run under")->capture_default_str();
   cmd->add_option("--host-memory", o->host_budget, "The host budget both run under")->capture_default_str();
   cmd->add_option("--cap", o->cap, "The longest length searched")->capture_default_str();
-  cmd->add_option("--measure-cap", o->measure_cap, "The longest evaluation run to measure its peaks (run at eval's longest where that is shorter)")
+  cmd->add_option("--measure-cap", o->measure_cap,
+                  "The longest evaluation run to measure its peaks (run at eval's longest where that is shorter)")
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "Print one JSON object");
   out.push_back({cmd, [o](const Invocation&) {
